@@ -1,0 +1,44 @@
+# escrow — the few targets people expect.
+GO        ?= go
+REDIS_URL ?= redis://127.0.0.1:6379/0
+DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
+FUZZTIME  ?= 10s
+
+export ESCROW_TEST_REDIS_URL    = $(REDIS_URL)
+export ESCROW_TEST_DATABASE_URL = $(DATABASE_URL)
+
+.PHONY: test test-fast services lint fuzz bench run
+
+## test: start Redis and Postgres if needed, then lint and run every test (race detector) on the real services.
+test: services lint
+	ESCROW_REQUIRE_SERVICES=1 $(GO) test -race -count=1 -timeout 20m ./...
+	$(MAKE) fuzz
+
+## test-fast: the suite on miniredis and the memory ledger; no services needed.
+test-fast:
+	ESCROW_TEST_REDIS_URL= ESCROW_TEST_DATABASE_URL= $(GO) test -count=1 ./...
+
+services:
+	bash scripts/services.sh
+
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null; git ls-files -o --exclude-standard '*.go' 2>/dev/null)); \
+	  if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+## fuzz: each fuzz target for a short while.
+fuzz:
+	@for pkg in $$($(GO) list ./...); do \
+	  for f in $$($(GO) test -list '^Fuzz' $$pkg 2>/dev/null | grep '^Fuzz'); do \
+	    echo "fuzz $$pkg $$f"; \
+	    $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; \
+	  done; \
+	done
+
+## bench: benchmarks against the real services.
+bench: services
+	$(GO) test -run '^$$' -bench . -benchmem ./...
+
+## run: the example proxy (embedded defaults when REDIS_URL/DATABASE_URL are unset in the environment).
+run:
+	$(GO) run ./examples/proxy

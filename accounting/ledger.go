@@ -1,0 +1,151 @@
+package accounting
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+// Sentinel errors of the ledgers. Test for them with errors.Is.
+var (
+	ErrUnknownOrg        = errors.New("accounting: unknown org")
+	ErrOrgExists         = errors.New("accounting: org already exists")
+	ErrUnknownModel      = errors.New("accounting: unknown model")
+	ErrUnknownKey        = errors.New("accounting: unknown api key")
+	ErrReferenceConflict = errors.New("accounting: payment reference already used")
+	ErrInvalidAmount     = errors.New("accounting: invalid amount")
+	ErrLedgerUnavailable = errors.New("accounting: ledger unavailable")
+	ErrLockBusy          = errors.New("accounting: org locked by another worker")
+)
+
+// Model is a priced model.
+type Model struct {
+	Name            string `json:"model"`
+	Prices                 // micro-units per 1M tokens
+	MaxInputTokens  int64  `json:"max_input_tokens"`  // context window; 0 = unknown
+	MaxOutputTokens int64  `json:"max_output_tokens"` // 0 = unknown
+	MaxCost         int64  `json:"max_cost"`          // learned max cost of one request (micro-units)
+	DefaultHold     int64  `json:"default_hold"`      // hold when nothing better is known; > 0
+}
+
+// CostBound is the most one request can cost: MaxInputTokens × input price + MaxOutputTokens ×
+// output price. ok is false when either token limit is unknown.
+func (m Model) CostBound() (bound int64, ok bool, err error) {
+	if m.MaxInputTokens <= 0 || m.MaxOutputTokens <= 0 {
+		return 0, false, nil
+	}
+	b, err := m.Bound(m.MaxInputTokens, m.MaxOutputTokens)
+	return b, err == nil, err
+}
+
+// UsageEvent is what one served request consumed. Its ID is the request's hold id (a UUIDv7
+// made by the server), which makes recording idempotent.
+type UsageEvent struct {
+	ID         string    `json:"id"`
+	Org        string    `json:"org"`
+	KeyID      string    `json:"key_id,omitempty"`
+	Model      string    `json:"model"`
+	Endpoint   string    `json:"endpoint,omitempty"`
+	Usage      Usage     `json:"usage"`
+	Cost       int64     `json:"cost"`        // priced with the prices in force when the hold was taken
+	HoldAmount int64     `json:"hold_amount"` // 0 for fail-open requests (no hold)
+	Estimated  bool      `json:"estimated"`   // usage estimated (no usage reported by the upstream)
+	CreatedAt  time.Time `json:"created_at"`
+}
+
+// EntryKind is the kind of a ledger entry.
+type EntryKind string
+
+const (
+	KindCharge EntryKind = "charge" // a usage event's cost (delta ≤ 0)
+	KindCredit EntryKind = "credit" // a recharge (delta > 0), idempotent by Ref across all orgs
+	KindAdjust EntryKind = "adjust" // an admin correction (signed)
+)
+
+// LedgerEntry is one row of an org's ledger.
+type LedgerEntry struct {
+	Org       string    `json:"org"`
+	Seq       int64     `json:"seq"`
+	Delta     int64     `json:"delta"`
+	Kind      EntryKind `json:"kind"`
+	HoldID    string    `json:"hold_id,omitempty"`
+	Ref       string    `json:"reference,omitempty"`
+	CreatedAt time.Time `json:"created_at"`
+}
+
+// Account is an org's row in the ledger.
+type Account struct {
+	Org        string `json:"org"`
+	Balance    int64  `json:"balance"`     // after every entry up to LedgerSeq
+	LedgerSeq  int64  `json:"ledger_seq"`  // the org's last entry
+	SettledSeq int64  `json:"settled_seq"` // entries up to here are known to be in the hot balance
+	Pending    int64  `json:"pending"`     // usage events not yet accounted
+}
+
+// APIKey is a stored API key; only a hash of the secret is kept.
+type APIKey struct {
+	ID  string `json:"id"`
+	Org string `json:"org"`
+}
+
+// Ledger is the durable record: Postgres in production, memory for the embedded default. Both
+// pass the same conformance suite (accounting/ledgertest).
+type Ledger interface {
+	balance.Ledger
+
+	// Epoch returns the ledger's epoch.
+	Epoch(ctx context.Context) (balance.Epoch, error)
+
+	// CreateOrg creates an account with balance 0 (ErrOrgExists when it exists).
+	CreateOrg(ctx context.Context, org string) error
+	// Account returns the org's account (ErrUnknownOrg).
+	Account(ctx context.Context, org string) (Account, error)
+
+	// Credit adds amount (> 0) to the org as a credit entry, idempotent by ref, which is unique
+	// across all orgs: the same ref for the same org and amount returns the original entry with
+	// created=false; for another org or amount it is ErrReferenceConflict (revealing nothing).
+	Credit(ctx context.Context, org string, amount int64, ref string) (e LedgerEntry, created bool, err error)
+	// Adjust writes a signed admin correction (delta ≠ 0), idempotent by ref like Credit.
+	Adjust(ctx context.Context, org string, delta int64, ref string) (LedgerEntry, bool, error)
+
+	// RecordUsage stores usage events durably before it returns, in one round trip for the
+	// whole batch. An event whose ID is already stored is ignored (never charged twice).
+	RecordUsage(ctx context.Context, events []UsageEvent) error
+	// AccountPending turns up to limit pending usage events into charge entries: per org, in one
+	// transaction holding the org's advisory lock, the balance drops by the costs and each entry
+	// takes the next sequence number. Orgs locked by another worker are left for later. It
+	// returns how many events it accounted.
+	AccountPending(ctx context.Context, limit int) (int, error)
+	// UnsettledEntries returns up to limit entries of org with Seq > settled_seq, in Seq order,
+	// and the epoch read in the same transaction.
+	UnsettledEntries(ctx context.Context, org string, limit int) ([]balance.Entry, balance.Epoch, error)
+	// MarkSettled records that the org's entries up to seq are in the hot balance
+	// (settled_seq = GREATEST(settled_seq, seq)).
+	MarkSettled(ctx context.Context, org string, seq int64) error
+	// OrgsToSettle lists up to limit orgs with settled_seq < ledger_seq or pending usage.
+	OrgsToSettle(ctx context.Context, limit int) ([]string, error)
+	// Subscribe delivers the org of every transaction that writes entries or usage events (NOTIFY
+	// for Postgres), best effort: a sweep covers what it misses. The channel closes with ctx.
+	Subscribe(ctx context.Context) (<-chan string, error)
+
+	// PutModel creates or replaces a model's prices and limits.
+	PutModel(ctx context.Context, m Model) error
+	// Model returns a model (ErrUnknownModel).
+	Model(ctx context.Context, name string) (Model, error)
+	// Models lists every model.
+	Models(ctx context.Context) ([]Model, error)
+	// RaiseMaxCost raises the model's learned max cost to cost if it is higher (never lowers).
+	RaiseMaxCost(ctx context.Context, model string, cost int64) error
+
+	// CreateKey makes a new API key for org; the secret is returned once and only its hash kept.
+	CreateKey(ctx context.Context, org string) (APIKey, string, error)
+	// LookupKey resolves a secret key (ErrUnknownKey, also for revoked keys).
+	LookupKey(ctx context.Context, secret string) (APIKey, error)
+	// RevokeKey revokes a key by id (ErrUnknownKey).
+	RevokeKey(ctx context.Context, id string) error
+
+	// Close releases the ledger's resources.
+	Close()
+}

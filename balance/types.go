@@ -1,0 +1,150 @@
+package balance
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+)
+
+// MaxAmount bounds every amount, balance and hold, in micro-units: |x| ≤ 10^14. Redis turns Lua
+// numbers into strings with %.14g, so scripts stay exact only below this bound; the Go layer
+// checks it before any script call.
+const MaxAmount int64 = 100_000_000_000_000
+
+// Epoch identifies one ledger's lifetime: a generation (raised by an admin after a restore from
+// backup) and a random id (new for every ledger created). A watermark is meaningful only against
+// the epoch it was written with.
+type Epoch struct {
+	Gen int64
+	ID  string
+}
+
+// String is the form stored in Redis: "<gen>:<id>".
+func (e Epoch) String() string { return strconv.FormatInt(e.Gen, 10) + ":" + e.ID }
+
+// IsZero reports whether the epoch is unset.
+func (e Epoch) IsZero() bool { return e.Gen == 0 && e.ID == "" }
+
+// ParseEpoch parses the String form.
+func ParseEpoch(s string) (Epoch, error) {
+	g, id, ok := strings.Cut(s, ":")
+	if !ok || id == "" {
+		return Epoch{}, fmt.Errorf("balance: malformed epoch %q", s)
+	}
+	n, err := strconv.ParseInt(g, 10, 64)
+	if err != nil || n < 0 {
+		return Epoch{}, fmt.Errorf("balance: malformed epoch %q", s)
+	}
+	return Epoch{Gen: n, ID: id}, nil
+}
+
+// Snapshot is an org's account as the ledger has it: the balance after every entry up to Seq.
+type Snapshot struct {
+	Epoch   Epoch
+	Balance int64
+	Seq     int64
+}
+
+// Entry is one ledger entry as the hot balance applies it. Delta < 0 is a charge, > 0 a credit
+// or positive adjustment. HoldID is the hold the entry settles ("" for credits and adjustments).
+type Entry struct {
+	Seq    int64
+	Delta  int64
+	HoldID string
+}
+
+// Ledger is what the hot balance needs from the ledger (implemented by package accounting).
+// Every read goes to the primary.
+type Ledger interface {
+	// Snapshot first accounts the org's pending usage events (waiting for any half-done claim),
+	// then returns the account's balance and ledger sequence, all in one transaction.
+	Snapshot(ctx context.Context, org string) (Snapshot, error)
+	// EntriesAfter returns up to limit entries of org with Seq > after, in Seq order, settled or
+	// not, and the ledger epoch read in the same transaction.
+	EntriesAfter(ctx context.Context, org string, after int64, limit int) ([]Entry, Epoch, error)
+	// UnsettledUsage reports which of holdIDs have usage recorded that is not yet settled
+	// (a pending usage event, or a ledger entry not yet marked settled).
+	UnsettledUsage(ctx context.Context, org string, holdIDs []string) (map[string]bool, error)
+}
+
+// SettleStatus is the outcome of settling one entry.
+type SettleStatus int
+
+const (
+	// NotReached: the script stopped before this entry (after a gap or a cold answer).
+	NotReached SettleStatus = iota
+	// Applied: the entry moved the balance and the watermark.
+	Applied
+	// Already: the entry was already in the balance (seq ≤ watermark); only its hold came back.
+	Already
+	// Gap: the entry is past watermark+1; entries watermark+1 … seq must be re-sent first.
+	Gap
+	// Cold: no hot balance for the org (or one of another ledger epoch); seed and settle again.
+	Cold
+)
+
+func (s SettleStatus) String() string {
+	switch s {
+	case Applied:
+		return "applied"
+	case Already:
+		return "already"
+	case Gap:
+		return "gap"
+	case Cold:
+		return "cold"
+	default:
+		return "not_reached"
+	}
+}
+
+// Settled reports whether the entry may be marked settled in the ledger.
+func (s SettleStatus) Settled() bool { return s == Applied || s == Already }
+
+// Sentinel errors. Test for them with errors.Is.
+var (
+	// ErrCold: the org has no hot balance of the current ledger epoch.
+	ErrCold = errors.New("balance: org is cold")
+	// ErrInsufficient: the balance does not cover the hold (see *InsufficientError).
+	ErrInsufficient = errors.New("balance: insufficient balance")
+	// ErrTooManyHolds: the org has as many requests in flight as its cap allows.
+	ErrTooManyHolds = errors.New("balance: too many holds in flight")
+	// ErrGone: the hold id was already settled or released (a late re-send); nothing was debited.
+	ErrGone = errors.New("balance: hold already ended")
+	// ErrGap: an entry arrived before the ones it follows (see *GapError).
+	ErrGap = errors.New("balance: ledger gap")
+	// ErrInvalidOrg: the org id is empty, too long, or holds characters a key cannot take.
+	ErrInvalidOrg = errors.New("balance: invalid org id")
+	// ErrInvalidAmount: an amount is ≤ 0 where it must be positive, or outside ±MaxAmount.
+	ErrInvalidAmount = errors.New("balance: invalid amount")
+	// ErrUnsupportedRedis: the Redis server is too old or misconfigured for escrow.
+	ErrUnsupportedRedis = errors.New("balance: unsupported redis")
+)
+
+// InsufficientError is returned by Reserve when the balance does not cover the hold.
+type InsufficientError struct {
+	Balance int64 // available balance when the hold was refused
+	Amount  int64 // the hold asked for
+}
+
+func (e *InsufficientError) Error() string {
+	return fmt.Sprintf("balance: insufficient balance: %d available, %d needed", e.Balance, e.Amount)
+}
+
+// Is makes errors.Is(err, ErrInsufficient) true.
+func (e *InsufficientError) Is(target error) bool { return target == ErrInsufficient }
+
+// GapError is returned by Settle when an entry is past watermark+1.
+type GapError struct {
+	Watermark int64 // the hot balance's watermark
+	Seq       int64 // the entry that did not fit
+}
+
+func (e *GapError) Error() string {
+	return fmt.Sprintf("balance: ledger gap: watermark %d, entry %d", e.Watermark, e.Seq)
+}
+
+// Is makes errors.Is(err, ErrGap) true.
+func (e *GapError) Is(target error) bool { return target == ErrGap }
