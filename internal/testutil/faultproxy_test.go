@@ -1,0 +1,419 @@
+package testutil
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+)
+
+// echoServer answers every chunk it reads with the same bytes and counts what it received.
+type echoServer struct {
+	ln       net.Listener
+	received atomic.Int64
+}
+
+func startEcho(t *testing.T) *echoServer {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &echoServer{ln: ln}
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 4096)
+				for {
+					n, err := c.Read(buf)
+					if n > 0 {
+						e.received.Add(int64(n))
+						if _, err := c.Write(buf[:n]); err != nil {
+							return
+						}
+					}
+					if err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return e
+}
+
+func dial(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c, err := net.DialTimeout("tcp", addr, 2*time.Second)
+	if err != nil {
+		t.Fatalf("dial %s: %v", addr, err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// roundTrip writes msg and reads len(msg) bytes back within timeout.
+func roundTrip(c net.Conn, msg string, timeout time.Duration) (string, error) {
+	if _, err := c.Write([]byte(msg)); err != nil {
+		return "", err
+	}
+	_ = c.SetReadDeadline(time.Now().Add(timeout))
+	buf := make([]byte, len(msg))
+	_, err := io.ReadFull(c, buf)
+	return string(buf), err
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// waitFor polls cond every 5 ms for up to 2 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestFaultProxyForwards(t *testing.T) {
+	t.Parallel()
+	e := startEcho(t)
+	p := StartFaultProxy(t, e.ln.Addr().String())
+	c := dial(t, p.Addr())
+	for _, msg := range []string{"hello", "world"} {
+		got, err := roundTrip(c, msg, 2*time.Second)
+		if err != nil || got != msg {
+			t.Fatalf("round trip %q: got %q, %v", msg, got, err)
+		}
+	}
+	s := p.Stats()
+	if s.Accepted != 1 || s.Active != 1 || s.BytesToServer != 10 || s.BytesToClient != 10 {
+		t.Fatalf("stats = %+v", s)
+	}
+	if e.received.Load() != 10 {
+		t.Fatalf("server received %d bytes, want 10", e.received.Load())
+	}
+}
+
+func TestFaultProxyRejectsNonLoopback(t *testing.T) {
+	t.Parallel()
+	ft := &fatalRecorder{TB: t}
+	func() {
+		defer func() { _ = recover() }()
+		StartFaultProxy(ft, "10.1.2.3:6379")
+	}()
+	if !ft.failed {
+		t.Fatal("StartFaultProxy accepted a non-loopback target")
+	}
+}
+
+// fatalRecorder records Fatalf instead of ending the test (it panics to stop the caller).
+type fatalRecorder struct {
+	testing.TB
+	failed bool
+}
+
+func (f *fatalRecorder) Fatalf(string, ...any) { f.failed = true; panic("fatal") }
+func (f *fatalRecorder) Helper()               {}
+
+func TestFaultProxyDelay(t *testing.T) {
+	t.Parallel()
+	e := startEcho(t)
+	p := StartFaultProxy(t, e.ln.Addr().String())
+	c := dial(t, p.Addr())
+	p.SetDelay(150 * time.Millisecond)
+	start := time.Now()
+	if got, err := roundTrip(c, "slow", 5*time.Second); err != nil || got != "slow" {
+		t.Fatalf("got %q, %v", got, err)
+	}
+	if el := time.Since(start); el < 150*time.Millisecond {
+		t.Fatalf("reply came after %v, before the 150ms delay", el)
+	}
+	// A read deadline shorter than the delay times out.
+	if _, err := roundTrip(c, "late", 50*time.Millisecond); !isTimeout(err) {
+		t.Fatalf("want a timeout under delay, got %v", err)
+	}
+	p.SetDelay(0)
+	// The delayed "late" reply still arrives, in order, then the next one.
+	_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	buf := make([]byte, 4)
+	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "late" {
+		t.Fatalf("delayed reply: %q, %v", buf, err)
+	}
+	if got, err := roundTrip(c, "fast", 2*time.Second); err != nil || got != "fast" {
+		t.Fatalf("got %q, %v", got, err)
+	}
+}
+
+func TestFaultProxyDropReply(t *testing.T) {
+	t.Parallel()
+	e := startEcho(t)
+	p := StartFaultProxy(t, e.ln.Addr().String())
+	c := dial(t, p.Addr())
+	p.DropNextReply()
+	if _, err := roundTrip(c, "lost", 200*time.Millisecond); !isTimeout(err) {
+		t.Fatalf("want a timeout for the dropped reply, got %v", err)
+	}
+	if got := e.received.Load(); got != 4 {
+		t.Fatalf("server received %d bytes, want the 4 of the request whose reply was dropped", got)
+	}
+	if got, err := roundTrip(c, "next", 2*time.Second); err != nil || got != "next" {
+		t.Fatalf("the reply after the dropped one: %q, %v", got, err)
+	}
+	if s := p.Stats(); s.DroppedReplies != 1 || p.PendingDrops() != 0 {
+		t.Fatalf("stats = %+v, pending %d", s, p.PendingDrops())
+	}
+}
+
+func TestFaultProxyDropRepliesCountsWritesAcrossConnections(t *testing.T) {
+	t.Parallel()
+	e := startEcho(t)
+	p := StartFaultProxy(t, e.ln.Addr().String())
+	c1, c2 := dial(t, p.Addr()), dial(t, p.Addr())
+	p.DropReplies(2)
+	for i, c := range []net.Conn{c1, c2} {
+		if _, err := roundTrip(c, "x", 150*time.Millisecond); !isTimeout(err) {
+			t.Fatalf("conn %d: want a timeout, got %v", i, err)
+		}
+	}
+	c3 := dial(t, p.Addr())
+	if got, err := roundTrip(c3, "ok", 2*time.Second); err != nil || got != "ok" {
+		t.Fatalf("third write: %q, %v", got, err)
+	}
+	if s := p.Stats(); s.DroppedReplies != 2 {
+		t.Fatalf("dropped %d, want 2", s.DroppedReplies)
+	}
+}
+
+func TestFaultProxyDropRepliesIf(t *testing.T) {
+	t.Parallel()
+	e := startEcho(t)
+	p := StartFaultProxy(t, e.ln.Addr().String())
+	c := dial(t, p.Addr())
+	p.DropRepliesIf(1, func(req []byte) bool { return bytes.Contains(req, []byte("EVAL")) })
+	if got, err := roundTrip(c, "PING", 2*time.Second); err != nil || got != "PING" {
+		t.Fatalf("unmatched write: %q, %v", got, err)
+	}
+	if _, err := roundTrip(c, "EVAL", 150*time.Millisecond); !isTimeout(err) {
+		t.Fatalf("matched write: want a timeout, got %v", err)
+	}
+	if got, err := roundTrip(c, "EVAL", 2*time.Second); err != nil || got != "EVAL" {
+		t.Fatalf("second matched write: %q, %v", got, err)
+	}
+}
+
+func TestFaultProxyCut(t *testing.T) {
+	t.Parallel()
+	e := startEcho(t)
+	p := StartFaultProxy(t, e.ln.Addr().String())
+	c := dial(t, p.Addr())
+	if _, err := roundTrip(c, "a", 2*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	p.Cut()
+	_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	if _, err := c.Read(make([]byte, 1)); err == nil || isTimeout(err) {
+		t.Fatalf("read on a cut connection: want EOF/reset, got %v", err)
+	}
+	waitFor(t, "no active connections", func() bool { return p.Stats().Active == 0 })
+	c2 := dial(t, p.Addr())
+	if got, err := roundTrip(c2, "b", 2*time.Second); err != nil || got != "b" {
+		t.Fatalf("after cut: %q, %v", got, err)
+	}
+	if s := p.Stats(); s.Cuts != 1 || s.Accepted != 2 {
+		t.Fatalf("stats = %+v", s)
+	}
+}
+
+func TestFaultProxyBlock(t *testing.T) {
+	t.Parallel()
+	e := startEcho(t)
+	p := StartFaultProxy(t, e.ln.Addr().String())
+	open := dial(t, p.Addr())
+	if _, err := roundTrip(open, "0", 2*time.Second); err != nil { // accepted before Block
+		t.Fatal(err)
+	}
+	p.Block()
+	// The reset may already fail the dial, or the first read.
+	if c, err := net.DialTimeout("tcp", p.Addr(), 2*time.Second); err == nil {
+		defer c.Close()
+		if _, err := roundTrip(c, "x", 2*time.Second); err == nil || isTimeout(err) {
+			t.Fatalf("blocked: want a reset/EOF, got %v", err)
+		}
+	}
+	if got, err := roundTrip(open, "still", 2*time.Second); err != nil || got != "still" {
+		t.Fatalf("a connection opened before Block: %q, %v", got, err)
+	}
+	p.Unblock()
+	c2 := dial(t, p.Addr())
+	if got, err := roundTrip(c2, "y", 2*time.Second); err != nil || got != "y" {
+		t.Fatalf("after Unblock: %q, %v", got, err)
+	}
+	if s := p.Stats(); s.Refused != 1 {
+		t.Fatalf("refused = %d, want 1", s.Refused)
+	}
+}
+
+func TestFaultProxyHang(t *testing.T) {
+	t.Parallel()
+	e := startEcho(t)
+	p := StartFaultProxy(t, e.ln.Addr().String())
+	old := dial(t, p.Addr())
+	if _, err := roundTrip(old, "0", 2*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	p.Hang()
+	c := dial(t, p.Addr())
+	if _, err := roundTrip(c, "new", 150*time.Millisecond); !isTimeout(err) {
+		t.Fatalf("new connection while hung: want a timeout, got %v", err)
+	}
+	if _, err := roundTrip(old, "old", 150*time.Millisecond); !isTimeout(err) {
+		t.Fatalf("open connection while hung: want a timeout, got %v", err)
+	}
+	if got := e.received.Load(); got != 1 {
+		t.Fatalf("server received %d bytes while hung, want only the 1 before", got)
+	}
+	p.Unblock()
+	for _, tc := range []struct {
+		c    net.Conn
+		want string
+	}{{c, "new"}, {old, "old"}} {
+		_ = tc.c.SetReadDeadline(time.Now().Add(2 * time.Second))
+		buf := make([]byte, len(tc.want))
+		if _, err := io.ReadFull(tc.c, buf); err != nil || string(buf) != tc.want {
+			t.Fatalf("held data after Unblock: %q, %v", buf, err)
+		}
+	}
+}
+
+func TestFaultProxyCloseEndsEverything(t *testing.T) {
+	t.Parallel()
+	e := startEcho(t)
+	p := StartFaultProxy(t, e.ln.Addr().String())
+	c := dial(t, p.Addr())
+	p.Hang()
+	_, _ = c.Write([]byte("x"))
+	done := make(chan struct{})
+	go func() { p.Close(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close did not return while connections were hung")
+	}
+	if _, err := net.DialTimeout("tcp", p.Addr(), time.Second); err == nil {
+		t.Fatal("dial after Close succeeded")
+	}
+	p.Close() // idempotent
+}
+
+// newProxiedRedis returns a go-redis client to miniredis through a fault proxy, with a short read
+// timeout and a single pooled connection.
+func newProxiedRedis(t *testing.T) (*miniredis.Miniredis, *FaultProxy, *redis.Client) {
+	t.Helper()
+	m := miniredis.RunT(t)
+	p := StartFaultProxy(t, m.Addr())
+	c := redis.NewClient(&redis.Options{
+		Addr:            p.Addr(),
+		ReadTimeout:     200 * time.Millisecond,
+		WriteTimeout:    200 * time.Millisecond,
+		DialTimeout:     500 * time.Millisecond,
+		MaxRetries:      3,
+		MinRetryBackoff: time.Millisecond,
+		MaxRetryBackoff: 5 * time.Millisecond,
+		PoolSize:        1,
+	})
+	t.Cleanup(func() { _ = c.Close() })
+	if err := c.Ping(context.Background()).Err(); err != nil {
+		t.Fatalf("ping through proxy: %v", err)
+	}
+	return m, p, c
+}
+
+func TestFaultProxyGoRedisRetriesDroppedReply(t *testing.T) {
+	t.Parallel()
+	m, p, c := newProxiedRedis(t)
+	ctx := context.Background()
+	p.DropRepliesIf(1, RequestContains("INCR"))
+	n, err := c.Incr(ctx, "counter").Result()
+	if err != nil {
+		t.Fatalf("INCR through a dropped reply: %v (go-redis should have retried)", err)
+	}
+	// The first INCR committed unseen; go-redis re-sent it on a new connection.
+	if n != 2 {
+		t.Fatalf("INCR returned %d, want 2 (the dropped call committed, the retry ran again)", n)
+	}
+	if v, _ := m.Get("counter"); v != "2" {
+		t.Fatalf("server value %q, want 2", v)
+	}
+	if s := p.Stats(); s.DroppedReplies != 1 || s.Accepted < 2 {
+		t.Fatalf("stats = %+v; want 1 dropped reply and a second connection for the retry", s)
+	}
+}
+
+func TestFaultProxyGoRedisWithoutRetriesSeesTimeout(t *testing.T) {
+	t.Parallel()
+	m, p, _ := newProxiedRedis(t)
+	c := redis.NewClient(&redis.Options{Addr: p.Addr(), ReadTimeout: 150 * time.Millisecond, MaxRetries: -1, PoolSize: 1})
+	t.Cleanup(func() { _ = c.Close() })
+	ctx := context.Background()
+	if err := c.Ping(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	p.DropRepliesIf(1, RequestContains("set"))
+	err := c.Set(ctx, "k", "v", 0).Err()
+	if !isTimeout(err) {
+		t.Fatalf("SET with its reply dropped: want a timeout, got %v", err)
+	}
+	if v, _ := m.Get("k"); v != "v" {
+		t.Fatalf("the server did not commit the SET whose reply was dropped: %q", v)
+	}
+}
+
+func TestFaultProxyGoRedisBlockedAndCut(t *testing.T) {
+	t.Parallel()
+	_, p, c := newProxiedRedis(t)
+	ctx := context.Background()
+	p.Block()
+	p.Cut()
+	if err := c.Ping(ctx).Err(); err == nil {
+		t.Fatal("PING succeeded while the server was blocked")
+	}
+	p.Unblock()
+	if err := c.Ping(ctx).Err(); err != nil {
+		t.Fatalf("PING after Unblock: %v", err)
+	}
+}
+
+func TestFaultProxyGoRedisHangTimesOut(t *testing.T) {
+	t.Parallel()
+	_, p, c := newProxiedRedis(t)
+	ctx := context.Background()
+	p.Hang()
+	err := c.Ping(ctx).Err()
+	if err == nil || (!isTimeout(err) && !errors.Is(err, os.ErrDeadlineExceeded)) {
+		t.Fatalf("PING while hung: want a timeout, got %v", err)
+	}
+	p.Reset()
+	if err := c.Ping(ctx).Err(); err != nil {
+		t.Fatalf("PING after Reset: %v", err)
+	}
+}
