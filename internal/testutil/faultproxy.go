@@ -35,7 +35,7 @@ type FaultProxy struct {
 	wg sync.WaitGroup
 
 	accepted, refused, dropped, cuts atomic.Int64
-	toServer, toClient                atomic.Int64
+	toServer, toClient               atomic.Int64
 }
 
 // FaultStats counts what a FaultProxy has done since it started.
