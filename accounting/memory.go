@@ -1,0 +1,628 @@
+package accounting
+
+import (
+	"cmp"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/hex"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+// Memory is the in-memory ledger: the embedded default for a single process with an embedded
+// Redis. It implements Ledger exactly like Postgres does (the same conformance suite runs on
+// both) but forgets everything when the process ends, so each Memory has a new random epoch: a
+// hot balance written against an earlier Memory never matches it.
+type Memory struct {
+	mu       sync.Mutex
+	epoch    balance.Epoch
+	accounts map[string]*memAccount
+	events   map[string]*memEvent
+	pending  map[string][]*memEvent // org → pending events in (CreatedAt, ID) order
+	refs     map[refKey]LedgerEntry
+	models   map[string]Model
+	keys     map[string]*memKey // id → key
+	keyHash  map[[32]byte]*memKey
+	subs     map[*memSub]struct{}
+}
+
+type memAccount struct {
+	balance int64
+	settled int64
+	entries []LedgerEntry // entries[i].Seq == i+1
+	created time.Time
+}
+
+type memEvent struct {
+	ev  UsageEvent
+	seq int64 // 0 while pending
+}
+
+type refKey struct {
+	kind EntryKind
+	ref  string
+}
+
+type memKey struct {
+	key     APIKey
+	hash    [32]byte
+	revoked bool
+}
+
+type memSub struct {
+	ch     chan string
+	closed bool
+}
+
+var _ Ledger = (*Memory)(nil)
+
+// NewMemory returns an empty in-memory ledger with a new random epoch (generation 1).
+func NewMemory() *Memory {
+	return &Memory{
+		epoch:    balance.Epoch{Gen: 1, ID: randomHex(16)},
+		accounts: map[string]*memAccount{},
+		events:   map[string]*memEvent{},
+		pending:  map[string][]*memEvent{},
+		refs:     map[refKey]LedgerEntry{},
+		models:   map[string]Model{},
+		keys:     map[string]*memKey{},
+		keyHash:  map[[32]byte]*memKey{},
+		subs:     map[*memSub]struct{}{},
+	}
+}
+
+// Epoch returns the ledger's epoch.
+func (m *Memory) Epoch(ctx context.Context) (balance.Epoch, error) { return m.epoch, nil }
+
+// CreateOrg creates an account with balance 0.
+func (m *Memory) CreateOrg(ctx context.Context, org string) error {
+	if err := ValidateOrg(org); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.accounts[org] != nil {
+		return fmt.Errorf("%w: %q", ErrOrgExists, org)
+	}
+	m.accounts[org] = &memAccount{created: time.Now()}
+	return nil
+}
+
+// Account returns the org's account.
+func (m *Memory) Account(ctx context.Context, org string) (Account, error) {
+	if err := ValidateOrg(org); err != nil {
+		return Account{}, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	a := m.accounts[org]
+	if a == nil {
+		return Account{}, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	return Account{Org: org, Balance: a.balance, LedgerSeq: int64(len(a.entries)), SettledSeq: a.settled, Pending: int64(len(m.pending[org]))}, nil
+}
+
+// Snapshot accounts the org's pending usage, then returns its balance and ledger sequence.
+func (m *Memory) Snapshot(ctx context.Context, org string) (balance.Snapshot, error) {
+	if err := ValidateOrg(org); err != nil {
+		return balance.Snapshot{}, err
+	}
+	m.mu.Lock()
+	a := m.accounts[org]
+	if a == nil && len(m.pending[org]) == 0 {
+		m.mu.Unlock()
+		return balance.Snapshot{}, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	n, err := m.accountOrgLocked(org, -1)
+	a = m.accounts[org]
+	snap := balance.Snapshot{Epoch: m.epoch, Balance: a.balance, Seq: int64(len(a.entries))}
+	m.mu.Unlock()
+	if n > 0 {
+		m.notify(org)
+	}
+	if err != nil {
+		return balance.Snapshot{}, err
+	}
+	return snap, nil
+}
+
+// EntriesAfter returns up to limit entries of org with Seq > after, in Seq order.
+func (m *Memory) EntriesAfter(ctx context.Context, org string, after int64, limit int) ([]balance.Entry, balance.Epoch, error) {
+	if err := ValidateOrg(org); err != nil {
+		return nil, balance.Epoch{}, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	a := m.accounts[org]
+	if a == nil {
+		return nil, m.epoch, nil
+	}
+	return entriesFrom(a.entries, after, limit), m.epoch, nil
+}
+
+// UnsettledEntries returns up to limit entries of org past its settled sequence.
+func (m *Memory) UnsettledEntries(ctx context.Context, org string, limit int) ([]balance.Entry, balance.Epoch, error) {
+	if err := ValidateOrg(org); err != nil {
+		return nil, balance.Epoch{}, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	a := m.accounts[org]
+	if a == nil {
+		return nil, m.epoch, nil
+	}
+	return entriesFrom(a.entries, a.settled, limit), m.epoch, nil
+}
+
+func entriesFrom(entries []LedgerEntry, after int64, limit int) []balance.Entry {
+	if limit <= 0 {
+		limit = defaultLimit
+	}
+	after = max(after, 0)
+	var out []balance.Entry
+	for i := after; i < int64(len(entries)) && len(out) < limit; i++ {
+		e := entries[i]
+		out = append(out, balance.Entry{Seq: e.Seq, Delta: e.Delta, HoldID: e.HoldID})
+	}
+	return out
+}
+
+// UnsettledUsage reports, for each of holdIDs, whether the org has usage recorded for it that is
+// not settled yet: a pending event, or a charge entry past settled_seq.
+func (m *Memory) UnsettledUsage(ctx context.Context, org string, holdIDs []string) (map[string]bool, error) {
+	if err := ValidateOrg(org); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make(map[string]bool, len(holdIDs))
+	a := m.accounts[org]
+	for _, id := range holdIDs {
+		out[id] = false
+		key := id
+		if u, err := uuid.Parse(id); err == nil {
+			key = u.String()
+		}
+		e := m.events[key]
+		if e == nil || e.ev.Org != org {
+			continue
+		}
+		out[id] = e.seq == 0 || a == nil || e.seq > a.settled
+	}
+	return out, nil
+}
+
+// Credit adds amount (> 0) to the org, idempotent by ref across all orgs.
+func (m *Memory) Credit(ctx context.Context, org string, amount int64, ref string) (LedgerEntry, bool, error) {
+	if amount <= 0 || amount > balance.MaxAmount {
+		return LedgerEntry{}, false, fmt.Errorf("%w: credit %d", ErrInvalidAmount, amount)
+	}
+	return m.write(org, KindCredit, amount, ref)
+}
+
+// Adjust writes a signed correction (delta ≠ 0), idempotent by ref like Credit.
+func (m *Memory) Adjust(ctx context.Context, org string, delta int64, ref string) (LedgerEntry, bool, error) {
+	if delta == 0 || delta > balance.MaxAmount || delta < -balance.MaxAmount {
+		return LedgerEntry{}, false, fmt.Errorf("%w: adjustment %d", ErrInvalidAmount, delta)
+	}
+	return m.write(org, KindAdjust, delta, ref)
+}
+
+func (m *Memory) write(org string, kind EntryKind, delta int64, ref string) (LedgerEntry, bool, error) {
+	if err := ValidateOrg(org); err != nil {
+		return LedgerEntry{}, false, err
+	}
+	m.mu.Lock()
+	if ref != "" {
+		if e, ok := m.refs[refKey{kind, ref}]; ok {
+			m.mu.Unlock()
+			if e.Org != org || e.Delta != delta {
+				return LedgerEntry{}, false, fmt.Errorf("%w: %q", ErrReferenceConflict, ref)
+			}
+			return e, false, nil
+		}
+	}
+	a := m.accounts[org]
+	if a == nil {
+		m.mu.Unlock()
+		return LedgerEntry{}, false, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	if nb := a.balance + delta; nb > balance.MaxAmount || nb < -balance.MaxAmount {
+		m.mu.Unlock()
+		return LedgerEntry{}, false, fmt.Errorf("%w: balance would leave ±%d", ErrInvalidAmount, balance.MaxAmount)
+	}
+	e := LedgerEntry{Org: org, Seq: int64(len(a.entries)) + 1, Delta: delta, Kind: kind, Ref: ref, CreatedAt: time.Now()}
+	a.entries = append(a.entries, e)
+	a.balance += delta
+	if ref != "" {
+		m.refs[refKey{kind, ref}] = e
+	}
+	m.mu.Unlock()
+	m.notify(org)
+	return e, true, nil
+}
+
+// RecordUsage stores events; an event whose ID is already stored is ignored.
+func (m *Memory) RecordUsage(ctx context.Context, events []UsageEvent) error {
+	evs := make([]UsageEvent, len(events))
+	for i, ev := range events {
+		var err error
+		if evs[i], err = normalizeEvent(ev); err != nil {
+			return err
+		}
+	}
+	var orgs []string
+	m.mu.Lock()
+	for _, ev := range evs {
+		if m.events[ev.ID] != nil {
+			continue
+		}
+		e := &memEvent{ev: ev}
+		m.events[ev.ID] = e
+		q := m.pending[ev.Org]
+		i, _ := slices.BinarySearchFunc(q, e, cmpEvents)
+		m.pending[ev.Org] = slices.Insert(q, i, e)
+		if !slices.Contains(orgs, ev.Org) {
+			orgs = append(orgs, ev.Org)
+		}
+	}
+	m.mu.Unlock()
+	m.notify(orgs...)
+	return nil
+}
+
+func cmpEvents(a, b *memEvent) int {
+	return cmp.Or(a.ev.CreatedAt.Compare(b.ev.CreatedAt), cmp.Compare(a.ev.ID, b.ev.ID))
+}
+
+// AccountPending turns up to limit pending usage events into charge entries.
+func (m *Memory) AccountPending(ctx context.Context, limit int) (int, error) {
+	if limit <= 0 {
+		limit = defaultLimit
+	}
+	m.mu.Lock()
+	// Oldest first across orgs, like Postgres: pick the orgs of the oldest pending events.
+	type head struct {
+		org string
+		e   *memEvent
+	}
+	var heads []head
+	for org, q := range m.pending {
+		if len(q) > 0 {
+			heads = append(heads, head{org, q[0]})
+		}
+	}
+	slices.SortFunc(heads, func(a, b head) int { return cmpEvents(a.e, b.e) })
+	total := 0
+	var orgs []string
+	var firstErr error
+	for _, h := range heads {
+		if total >= limit {
+			break
+		}
+		n, err := m.accountOrgLocked(h.org, limit-total)
+		if err != nil && firstErr == nil {
+			firstErr = err
+		}
+		if n > 0 {
+			total += n
+			orgs = append(orgs, h.org)
+		}
+	}
+	m.mu.Unlock()
+	m.notify(orgs...)
+	return total, firstErr
+}
+
+// accountOrgLocked accounts up to limit (all when < 0) of org's pending events, creating the
+// account when the org has none: a request that was served is billed.
+func (m *Memory) accountOrgLocked(org string, limit int) (int, error) {
+	q := m.pending[org]
+	if limit < 0 || limit > len(q) {
+		limit = len(q)
+	}
+	if limit == 0 {
+		return 0, nil
+	}
+	a := m.accounts[org]
+	if a == nil {
+		a = &memAccount{created: time.Now()}
+		m.accounts[org] = a
+	}
+	var sum int64
+	for _, e := range q[:limit] {
+		sum += e.ev.Cost
+	}
+	if nb := a.balance - sum; nb < -balance.MaxAmount {
+		return 0, fmt.Errorf("%w: org %q: balance would leave ±%d", ErrInvalidAmount, org, balance.MaxAmount)
+	}
+	now := time.Now()
+	for _, e := range q[:limit] {
+		e.seq = int64(len(a.entries)) + 1
+		a.entries = append(a.entries, LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: KindCharge, HoldID: e.ev.ID, CreatedAt: now})
+	}
+	a.balance -= sum
+	if limit == len(q) {
+		delete(m.pending, org)
+	} else {
+		m.pending[org] = slices.Delete(q, 0, limit)
+	}
+	return limit, nil
+}
+
+// MarkSettled sets settled_seq = GREATEST(settled_seq, seq), capped at ledger_seq.
+func (m *Memory) MarkSettled(ctx context.Context, org string, seq int64) error {
+	if err := ValidateOrg(org); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	a := m.accounts[org]
+	if a == nil {
+		return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	a.settled = max(a.settled, min(seq, int64(len(a.entries))))
+	return nil
+}
+
+// OrgsToSettle lists up to limit orgs with settled_seq < ledger_seq or pending usage.
+func (m *Memory) OrgsToSettle(ctx context.Context, limit int) ([]string, error) {
+	if limit <= 0 {
+		limit = defaultLimit
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out []string
+	for org, a := range m.accounts {
+		if len(out) >= limit {
+			return out, nil
+		}
+		if a.settled < int64(len(a.entries)) || len(m.pending[org]) > 0 {
+			out = append(out, org)
+		}
+	}
+	for org := range m.pending {
+		if len(out) >= limit {
+			break
+		}
+		if m.accounts[org] == nil {
+			out = append(out, org)
+		}
+	}
+	return out, nil
+}
+
+// Subscribe delivers the org of every write of entries or usage events until ctx ends. A slow
+// reader loses notifications (the channel holds 1024) rather than slowing writers.
+func (m *Memory) Subscribe(ctx context.Context) (<-chan string, error) {
+	s := &memSub{ch: make(chan string, subscriptionBuffer)}
+	m.mu.Lock()
+	m.subs[s] = struct{}{}
+	m.mu.Unlock()
+	context.AfterFunc(ctx, func() {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		delete(m.subs, s)
+		if !s.closed {
+			s.closed = true
+			close(s.ch)
+		}
+	})
+	return s.ch, nil
+}
+
+func (m *Memory) notify(orgs ...string) {
+	if len(orgs) == 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for s := range m.subs {
+		for _, org := range orgs {
+			select {
+			case s.ch <- org:
+			default:
+			}
+		}
+	}
+}
+
+// PutModel creates or replaces a model.
+func (m *Memory) PutModel(ctx context.Context, model Model) error {
+	if err := validateModel(model); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.models[model.Name] = model
+	return nil
+}
+
+// Model returns a model.
+func (m *Memory) Model(ctx context.Context, name string) (Model, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	md, ok := m.models[name]
+	if !ok {
+		return Model{}, fmt.Errorf("%w: %q", ErrUnknownModel, name)
+	}
+	return md, nil
+}
+
+// Models lists every model, by name.
+func (m *Memory) Models(ctx context.Context) ([]Model, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([]Model, 0, len(m.models))
+	for _, md := range m.models {
+		out = append(out, md)
+	}
+	slices.SortFunc(out, func(a, b Model) int { return cmp.Compare(a.Name, b.Name) })
+	return out, nil
+}
+
+// RaiseMaxCost raises the model's learned max cost to cost when that is higher. Capping it at
+// the model's bound is the caller's business.
+func (m *Memory) RaiseMaxCost(ctx context.Context, model string, cost int64) error {
+	if cost < 0 || cost > balance.MaxAmount {
+		return fmt.Errorf("%w: max cost %d", ErrInvalidAmount, cost)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	md, ok := m.models[model]
+	if !ok {
+		return fmt.Errorf("%w: %q", ErrUnknownModel, model)
+	}
+	md.MaxCost = max(md.MaxCost, cost)
+	m.models[model] = md
+	return nil
+}
+
+// CreateKey makes a new API key for org and returns its secret, which is not stored.
+func (m *Memory) CreateKey(ctx context.Context, org string) (APIKey, string, error) {
+	if err := ValidateOrg(org); err != nil {
+		return APIKey{}, "", err
+	}
+	k := APIKey{ID: newKeyID(), Org: org}
+	secret := newSecret()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.accounts[org] == nil {
+		return APIKey{}, "", fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	mk := &memKey{key: k, hash: sha256.Sum256([]byte(secret))}
+	m.keys[k.ID] = mk
+	m.keyHash[mk.hash] = mk
+	return k, secret, nil
+}
+
+// LookupKey resolves a secret; revoked and unknown keys are ErrUnknownKey.
+func (m *Memory) LookupKey(ctx context.Context, secret string) (APIKey, error) {
+	h := sha256.Sum256([]byte(secret))
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	k := m.keyHash[h]
+	if k == nil || k.revoked {
+		return APIKey{}, ErrUnknownKey
+	}
+	return k.key, nil
+}
+
+// RevokeKey revokes a key by id (revoking twice is fine).
+func (m *Memory) RevokeKey(ctx context.Context, id string) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	k := m.keys[id]
+	if k == nil {
+		return fmt.Errorf("%w: %q", ErrUnknownKey, id)
+	}
+	k.revoked = true
+	return nil
+}
+
+// Close closes every subscription.
+func (m *Memory) Close() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for s := range m.subs {
+		if !s.closed {
+			s.closed = true
+			close(s.ch)
+		}
+		delete(m.subs, s)
+	}
+}
+
+// ---- checks and helpers shared by both ledgers ----
+
+const (
+	defaultLimit       = 1000
+	subscriptionBuffer = 1024
+	// MaxOrgLen is the longest org id, in bytes.
+	MaxOrgLen = 128
+	// KeyPrefix starts every API key secret.
+	KeyPrefix = "sk-esc-"
+)
+
+// ValidateOrg checks an org id: 1 to MaxOrgLen bytes of UTF-8 with no whitespace, control
+// character, '{', '}' or ':' (it goes inside a Redis hash tag). The error wraps
+// balance.ErrInvalidOrg.
+func ValidateOrg(org string) error {
+	if org == "" || len(org) > MaxOrgLen || !utf8.ValidString(org) {
+		return fmt.Errorf("%w: %q", balance.ErrInvalidOrg, org)
+	}
+	for _, r := range org {
+		if r == '{' || r == '}' || r == ':' || unicode.IsSpace(r) || unicode.IsControl(r) {
+			return fmt.Errorf("%w: %q", balance.ErrInvalidOrg, org)
+		}
+	}
+	return nil
+}
+
+// normalizeEvent checks a usage event and returns it with its ID in canonical UUID form and a
+// CreatedAt (now when unset).
+func normalizeEvent(ev UsageEvent) (UsageEvent, error) {
+	id, err := uuid.Parse(ev.ID)
+	if err != nil {
+		return ev, fmt.Errorf("%w: event id %q is not a UUID", ErrInvalidUsage, ev.ID)
+	}
+	ev.ID = id.String()
+	if err := ValidateOrg(ev.Org); err != nil {
+		return ev, fmt.Errorf("%w: event %s: %w", ErrInvalidUsage, ev.ID, err)
+	}
+	if ev.Model == "" {
+		return ev, fmt.Errorf("%w: event %s has no model", ErrInvalidUsage, ev.ID)
+	}
+	u := ev.Usage
+	if u.Prompt < 0 || u.Cached < 0 || u.Completion < 0 || u.Reasoning < 0 {
+		return ev, fmt.Errorf("%w: event %s: negative token count", ErrInvalidUsage, ev.ID)
+	}
+	if ev.Cost < 0 || ev.Cost > balance.MaxAmount || ev.HoldAmount < 0 || ev.HoldAmount > balance.MaxAmount {
+		return ev, fmt.Errorf("%w: event %s: cost %d or hold %d outside [0, %d]", ErrInvalidAmount, ev.ID, ev.Cost, ev.HoldAmount, balance.MaxAmount)
+	}
+	if ev.CreatedAt.IsZero() {
+		ev.CreatedAt = time.Now()
+	}
+	// Postgres keeps microseconds; so does the memory ledger, so both order events alike.
+	ev.CreatedAt = ev.CreatedAt.Round(0).Truncate(time.Microsecond)
+	return ev, nil
+}
+
+func validateModel(m Model) error {
+	if m.Name == "" {
+		return fmt.Errorf("%w: empty model name", ErrInvalidAmount)
+	}
+	for _, v := range []int64{m.Input, m.CachedInput, m.Output, m.MaxCost, m.DefaultHold} {
+		if v < 0 || v > balance.MaxAmount {
+			return fmt.Errorf("%w: model %q: price or amount %d outside [0, %d]", ErrInvalidAmount, m.Name, v, balance.MaxAmount)
+		}
+	}
+	if m.MaxInputTokens < 0 || m.MaxOutputTokens < 0 {
+		return fmt.Errorf("%w: model %q: negative token limit", ErrInvalidAmount, m.Name)
+	}
+	return nil
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+func newKeyID() string { return "key_" + randomHex(12) }
+
+func newSecret() string {
+	b := make([]byte, 32)
+	_, _ = rand.Read(b)
+	return KeyPrefix + base64.RawURLEncoding.EncodeToString(b)
+}
