@@ -148,3 +148,13 @@ func (e *GapError) Error() string {
 
 // Is makes errors.Is(err, ErrGap) true.
 func (e *GapError) Is(target error) bool { return target == ErrGap }
+
+// More sentinel errors. Test for them with errors.Is.
+var (
+	// ErrInvalidHoldID: the hold id is empty, too long, or holds characters a hold id cannot take.
+	ErrInvalidHoldID = errors.New("balance: invalid hold id")
+	// ErrInvalidEntry: a settle entry is malformed (seq ≤ 0, out of order, delta outside ±MaxAmount).
+	ErrInvalidEntry = errors.New("balance: invalid ledger entry")
+	// ErrInvalidModel: the model name is empty or too long.
+	ErrInvalidModel = errors.New("balance: invalid model name")
+)

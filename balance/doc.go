@@ -1,0 +1,33 @@
+// Package balance is escrow's hot balance: every org's available balance, its holds and its
+// watermark in Redis, moved only by the Lua scripts of package lua, one round trip per call.
+//
+// # Keys
+//
+// All keys of one org share the hash tag {org}, so each script call touches one Cluster slot
+// (prefix "esc" is Config.Prefix):
+//
+//	esc:{org}:acct    hash   bal (available balance), wm (watermark: highest ledger seq in bal), epoch ("<gen>:<id>")
+//	esc:{org}:holds   hash   hold id → amount
+//	esc:{org}:hexp    zset   hold id → expiry, ms on the Redis clock; a pinned hold's is far out
+//	esc:{org}:gone    zset   tombstones of settled or released hold ids, kept TombstoneTTL
+//	esc:model:<m>:max string the model's learned max cost (its own slot, its own call)
+//
+// # The invariant
+//
+// Let B(k) be the org's ledger balance after its entries with seq ≤ k. While acct exists,
+//
+//	bal + Σ holds = B(wm)
+//
+// and every ledger entry is applied to bal at most once. Reserve moves money from bal to a
+// hold; Settle applies entries strictly in seq order (seq ≤ wm: already in bal, only the hold
+// comes back; seq = wm+1: hold back, delta applied, wm advanced; beyond: a gap, stop);
+// Release and Reap give a hold back exactly once (only the call that deletes it); Seed writes
+// bal = snapshot − Σ holds and is followed by a catch-up that re-sends every entry past the
+// snapshot; Invalidate drops acct only. acct carries the ledger epoch: reserve and settle carry
+// the caller's, a mismatch answers cold, and no script replaces a higher generation with a
+// lower one.
+//
+// Every amount is int64 micro-units within ±MaxAmount (10^14), checked here before any script
+// call; the scripts move money only with HINCRBY on the strings they are given, because Redis
+// formats Lua numbers with %.14g.
+package balance

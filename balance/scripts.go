@@ -1,0 +1,226 @@
+package balance
+
+import (
+	"context"
+	"crypto/sha1"
+	"encoding/hex"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/llmescrow/escrow/lua"
+)
+
+// Script names.
+const (
+	scReserve  = "reserve"
+	scSettle   = "settle"
+	scRelease  = "release"
+	scReap     = "reap"
+	scExpired  = "expired"
+	scExtend   = "extend"
+	scPin      = "pin"
+	scUnpin    = "unpin"
+	scSeed     = "seed"
+	scState    = "state"
+	scRaiseMax = "raise_model_max"
+)
+
+type script struct {
+	src, sha string
+}
+
+func newScripts() map[string]*script {
+	m := map[string]*script{}
+	for name, src := range map[string]string{
+		scReserve: lua.Reserve, scSettle: lua.Settle, scRelease: lua.Release, scReap: lua.Reap,
+		scExpired: lua.Expired, scExtend: lua.Extend, scPin: lua.Pin, scUnpin: lua.Unpin,
+		scSeed: lua.Seed, scState: lua.State, scRaiseMax: lua.RaiseModelMax,
+	} {
+		h := sha1.Sum([]byte(src))
+		m[name] = &script{src: src, sha: hex.EncodeToString(h[:])}
+	}
+	return m
+}
+
+// run calls a script with EVALSHA. On NOSCRIPT (a restarted or failed-over server) it loads
+// every script again on every master and retries; if the script is still missing on the node
+// that owns the keys, it falls back to EVAL, which loads it there.
+func (s *Store) run(ctx context.Context, name string, keys []string, args ...any) *redis.Cmd {
+	sc := s.scripts[name]
+	cmd := s.c.EvalSha(ctx, sc.sha, keys, args...)
+	if !isNoScript(cmd.Err()) {
+		return cmd
+	}
+	s.log.Warn("balance: scripts missing on the server (restart or failover?); loading them again", "script", name)
+	if err := s.loadScripts(ctx); err != nil {
+		s.log.Warn("balance: reloading scripts", "err", err)
+	}
+	cmd = s.c.EvalSha(ctx, sc.sha, keys, args...)
+	if isNoScript(cmd.Err()) {
+		cmd = s.c.Eval(ctx, sc.src, keys, args...)
+	}
+	return cmd
+}
+
+func isNoScript(err error) bool {
+	return err != nil && strings.HasPrefix(err.Error(), "NOSCRIPT")
+}
+
+// eachMaster runs fn on every master of a Cluster, or on the one server otherwise.
+func (s *Store) eachMaster(ctx context.Context, fn func(context.Context, redis.Cmdable) error) error {
+	if cc, ok := s.c.(*redis.ClusterClient); ok {
+		return cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return fn(ctx, c) })
+	}
+	return fn(ctx, s.c)
+}
+
+// loadScripts loads every script on every master (SCRIPT LOAD).
+func (s *Store) loadScripts(ctx context.Context) error {
+	return s.eachMaster(ctx, func(ctx context.Context, c redis.Cmdable) error {
+		for name, sc := range s.scripts {
+			sha, err := c.ScriptLoad(ctx, sc.src).Result()
+			if err != nil {
+				return fmt.Errorf("balance: loading script %s: %w", name, err)
+			}
+			if sha != sc.sha {
+				return fmt.Errorf("balance: script %s: server sha %s, expected %s", name, sha, sc.sha)
+			}
+		}
+		return nil
+	})
+}
+
+// checkServer checks one server: version ≥ 6.0, maxmemory-policy noeviction, AOF.
+func (s *Store) checkServer(ctx context.Context, c redis.Cmdable) error {
+	info, err := c.Info(ctx, "server").Result()
+	if err != nil {
+		// miniredis answers only some INFO sections; a real server always has "server".
+		info, err = c.Info(ctx).Result()
+		if err != nil {
+			return fmt.Errorf("balance: INFO: %w", err)
+		}
+	}
+	if v, ok := infoField(info, "redis_version"); ok {
+		major, minor := parseVersion(v)
+		if major < 6 {
+			return fmt.Errorf("%w: redis %s; escrow needs 6.0 or later", ErrUnsupportedRedis, v)
+		}
+		_ = minor
+	} else {
+		s.warnings = append(s.warnings, "balance: the server does not report its version (an embedded Redis?)")
+	}
+
+	policy, err := configGet(ctx, c, "maxmemory-policy")
+	switch {
+	case isUnknownCommand(err):
+		// miniredis has no CONFIG: it never evicts.
+	case err != nil:
+		return fmt.Errorf("balance: CONFIG GET maxmemory-policy: %w", err)
+	case policy != "noeviction" && policy != "":
+		if !s.cfg.AllowEviction {
+			return fmt.Errorf("%w: maxmemory-policy is %q; escrow needs noeviction (eviction can drop a hold and lock money, or drop a watermark); set Config.AllowEviction to override", ErrUnsupportedRedis, policy)
+		}
+		s.warnings = append(s.warnings, fmt.Sprintf("balance: DANGER: maxmemory-policy is %q and AllowEviction is set: eviction can drop a hold and lock money, or drop a watermark", policy))
+		s.log.Error("balance: Redis may evict escrow keys", "maxmemory-policy", policy)
+	}
+
+	aof, err := configGet(ctx, c, "appendonly")
+	switch {
+	case isUnknownCommand(err):
+	case err != nil:
+		return fmt.Errorf("balance: CONFIG GET appendonly: %w", err)
+	case aof != "yes":
+		s.warnings = append(s.warnings, "balance: AOF persistence is off: a Redis restart loses holds and tombstones (the ledger reseeds balances)")
+	}
+	return nil
+}
+
+func configGet(ctx context.Context, c redis.Cmdable, key string) (string, error) {
+	m, err := c.ConfigGet(ctx, key).Result()
+	if err != nil {
+		return "", err
+	}
+	return m[key], nil
+}
+
+func isUnknownCommand(err error) bool {
+	if err == nil {
+		return false
+	}
+	msg := strings.ToLower(err.Error())
+	return strings.Contains(msg, "unknown command") || strings.Contains(msg, "not supported")
+}
+
+func infoField(info, field string) (string, bool) {
+	for _, line := range strings.Split(info, "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), field+":"); ok {
+			return v, true
+		}
+	}
+	return "", false
+}
+
+func parseVersion(v string) (major, minor int) {
+	parts := strings.SplitN(v, ".", 3)
+	major, _ = strconv.Atoi(parts[0])
+	if len(parts) > 1 {
+		minor, _ = strconv.Atoi(parts[1])
+	}
+	return major, minor
+}
+
+// scanPage is the COUNT of one SCAN page.
+const scanPage = 100
+
+// ScanOrgs calls fn for every org that has a holds-expiry key, with a slow, rate-limited SCAN
+// (never KEYS), on every master of a Cluster. It is the reaper's backstop for holds left by dead
+// processes. fn may see an org more than once; an error from fn stops the scan.
+func (s *Store) ScanOrgs(ctx context.Context, fn func(org string) error) error {
+	pattern := s.prefix + ":{*}:hexp"
+	return s.eachMaster(ctx, func(ctx context.Context, c redis.Cmdable) error {
+		var cursor uint64
+		for {
+			keys, next, err := c.Scan(ctx, cursor, pattern, scanPage).Result()
+			if err != nil {
+				return fmt.Errorf("balance: scan: %w", err)
+			}
+			for _, k := range keys {
+				org, ok := s.orgOfKey(k, "hexp")
+				if !ok {
+					continue
+				}
+				if err := fn(org); err != nil {
+					return err
+				}
+			}
+			if next == 0 {
+				return nil
+			}
+			cursor = next
+			t := time.NewTimer(s.cfg.ScanPause)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return ctx.Err()
+			case <-t.C:
+			}
+		}
+	})
+}
+
+// orgOfKey extracts org from "<prefix>:{org}:<kind>".
+func (s *Store) orgOfKey(key, kind string) (string, bool) {
+	rest, ok := strings.CutPrefix(key, s.prefix+":{")
+	if !ok {
+		return "", false
+	}
+	org, ok := strings.CutSuffix(rest, "}:"+kind)
+	if !ok || !ValidOrg(org) {
+		return "", false
+	}
+	return org, true
+}

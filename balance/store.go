@@ -1,0 +1,734 @@
+package balance
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"golang.org/x/sync/singleflight"
+)
+
+// Config configures a Store. The zero value works: every field has a documented default.
+type Config struct {
+	// Ledger is needed for cold orgs (seed, catch-up) and for the reaper's usage check. nil: a
+	// cold org returns ErrCold, and Reap releases expired holds without asking anyone.
+	Ledger Ledger
+	// Prefix is the key namespace. Default "esc".
+	Prefix string
+	// HoldTTL is a hold's lifetime; Extend pushes its expiry to now+HoldTTL. Default 10m.
+	HoldTTL time.Duration
+	// PinTTL is how far Pin pushes an expiry (now+PinTTL); renew a pin well within it. A hold
+	// whose expiry is more than PinTTL/2 away counts as pinned. Must be ≥ 4×HoldTTL. Default 24h.
+	PinTTL time.Duration
+	// MaxInFlight caps an org's unpinned holds. Default 256.
+	MaxInFlight int
+	// TombstoneTTL is how long an ended hold id stays in gone; keep it ≥ twice the Redis
+	// client's total timeout including retries. Default 30s.
+	TombstoneTTL time.Duration
+	// ReapGrace: a hold is reaped only after expiry+ReapGrace. Default 1m.
+	ReapGrace time.Duration
+	// ModelMaxCacheTTL is how long ModelMax serves a value from memory. Default 1s.
+	ModelMaxCacheTTL time.Duration
+	// ScanPause is the pause between two SCAN pages of ScanOrgs (its rate limit). Default 10ms.
+	ScanPause time.Duration
+	// AllowEviction skips the maxmemory-policy noeviction check (and logs a loud warning):
+	// eviction can drop a hold and lock money, or drop a watermark.
+	AllowEviction bool
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// Store is the hot balance of every org in Redis. It is safe for concurrent use.
+type Store struct {
+	c      redis.UniversalClient
+	cfg    Config
+	log    *slog.Logger
+	prefix string
+
+	// precomputed script arguments
+	holdTTL, pinTTL, pinFloor, tombTTL, grace, capArg string
+
+	scripts  map[string]*script
+	epoch    atomic.Pointer[Epoch]
+	warming  singleflight.Group
+	warnings []string
+
+	heldMu sync.Mutex
+	held   map[string]uint64 // org → bumped on every hold this process put on it
+
+	maxCache sync.Map // model → *cachedMax
+}
+
+type cachedMax struct {
+	v  int64
+	at time.Time
+}
+
+// maxOrgLen bounds org ids and hold ids.
+const maxIDLen = 128
+
+// New checks the Redis server (version ≥ 6.0, maxmemory-policy noeviction unless
+// cfg.AllowEviction, AOF — a warning when off), loads every script on every master, and
+// returns the Store. On a server that does not answer CONFIG (miniredis) the policy and AOF
+// checks are skipped.
+func New(ctx context.Context, c redis.UniversalClient, cfg Config) (*Store, error) {
+	if c == nil {
+		return nil, errors.New("balance: nil redis client")
+	}
+	cfg.Prefix = cmp.Or(cfg.Prefix, "esc")
+	cfg.HoldTTL = cmp.Or(cfg.HoldTTL, 10*time.Minute)
+	cfg.PinTTL = cmp.Or(cfg.PinTTL, 24*time.Hour)
+	cfg.MaxInFlight = cmp.Or(cfg.MaxInFlight, 256)
+	cfg.TombstoneTTL = cmp.Or(cfg.TombstoneTTL, 30*time.Second)
+	cfg.ReapGrace = cmp.Or(cfg.ReapGrace, time.Minute)
+	cfg.ModelMaxCacheTTL = cmp.Or(cfg.ModelMaxCacheTTL, time.Second)
+	cfg.ScanPause = cmp.Or(cfg.ScanPause, 10*time.Millisecond)
+	cfg.Logger = cmp.Or(cfg.Logger, slog.Default())
+	switch {
+	case cfg.HoldTTL < time.Millisecond || cfg.TombstoneTTL < time.Millisecond || cfg.ReapGrace < 0:
+		return nil, errors.New("balance: HoldTTL and TombstoneTTL must be ≥ 1ms, ReapGrace ≥ 0")
+	case cfg.PinTTL < 4*cfg.HoldTTL:
+		return nil, fmt.Errorf("balance: PinTTL %v must be at least 4×HoldTTL (%v)", cfg.PinTTL, cfg.HoldTTL)
+	case cfg.PinTTL > 100*365*24*time.Hour:
+		return nil, errors.New("balance: PinTTL too long")
+	case cfg.MaxInFlight < 0:
+		return nil, errors.New("balance: MaxInFlight must be > 0")
+	case !validPrefix(cfg.Prefix):
+		return nil, fmt.Errorf("balance: invalid prefix %q", cfg.Prefix)
+	}
+	s := &Store{
+		c:        c,
+		cfg:      cfg,
+		log:      cfg.Logger,
+		prefix:   cfg.Prefix,
+		holdTTL:  ms(cfg.HoldTTL),
+		pinTTL:   ms(cfg.PinTTL),
+		pinFloor: ms(cfg.PinTTL / 2),
+		tombTTL:  ms(cfg.TombstoneTTL),
+		grace:    ms(cfg.ReapGrace),
+		capArg:   strconv.Itoa(cfg.MaxInFlight),
+		scripts:  newScripts(),
+		held:     make(map[string]uint64),
+	}
+	if err := s.eachMaster(ctx, s.checkServer); err != nil {
+		return nil, err
+	}
+	if err := s.loadScripts(ctx); err != nil {
+		return nil, err
+	}
+	for _, w := range s.warnings {
+		s.log.Warn(w)
+	}
+	// Best effort: learn the ledger's epoch now, so the first reserve needs no snapshot.
+	if ep, ok := cfg.Ledger.(interface {
+		Epoch(context.Context) (Epoch, error)
+	}); ok {
+		if e, err := ep.Epoch(ctx); err == nil {
+			s.ObserveEpoch(e)
+		} else {
+			s.log.Warn("balance: could not read the ledger epoch at start", "err", err)
+		}
+	}
+	return s, nil
+}
+
+func ms(d time.Duration) string { return strconv.FormatInt(d.Milliseconds(), 10) }
+
+func validPrefix(p string) bool {
+	for i := 0; i < len(p); i++ {
+		b := p[i]
+		if b <= ' ' || b >= 0x7f || b == '{' || b == '}' || b == '*' || b == '?' || b == '[' || b == ']' || b == '\\' {
+			return false
+		}
+	}
+	return p != "" && len(p) <= 64
+}
+
+// Warnings lists what New found worth a warning (AOF off, eviction allowed, unknown version).
+func (s *Store) Warnings() []string { return append([]string(nil), s.warnings...) }
+
+// Client is the Redis client the Store uses.
+func (s *Store) Client() redis.UniversalClient { return s.c }
+
+// Prefix is the key namespace.
+func (s *Store) Prefix() string { return s.prefix }
+
+// Config returns the configuration with its defaults filled in.
+func (s *Store) Config() Config { return s.cfg }
+
+// Epoch is the ledger epoch this process last saw (zero before any).
+func (s *Store) Epoch() Epoch {
+	if e := s.epoch.Load(); e != nil {
+		return *e
+	}
+	return Epoch{}
+}
+
+// ObserveEpoch records an epoch read from the ledger (with entries, or in a snapshot). A lower
+// generation than the cached one is ignored; anything else replaces it.
+func (s *Store) ObserveEpoch(e Epoch) {
+	if e.IsZero() {
+		return
+	}
+	for {
+		cur := s.epoch.Load()
+		if cur != nil && (*cur == e || cur.Gen > e.Gen) {
+			return
+		}
+		if s.epoch.CompareAndSwap(cur, &e) {
+			return
+		}
+	}
+}
+
+// Keys.
+
+func (s *Store) key(org, kind string) string { return s.prefix + ":{" + org + "}:" + kind }
+
+func (s *Store) orgKeys(org string) []string {
+	base := s.prefix + ":{" + org + "}:"
+	return []string{base + "acct", base + "holds", base + "hexp", base + "gone"}
+}
+
+func (s *Store) modelKey(model string) string { return s.prefix + ":model:" + model + ":max" }
+
+// ValidOrg reports whether org can be an org id: 1..128 printable ASCII bytes other than
+// space, '{', '}' and ':'.
+func ValidOrg(org string) bool {
+	if org == "" || len(org) > maxIDLen {
+		return false
+	}
+	for i := 0; i < len(org); i++ {
+		b := org[i]
+		if b <= ' ' || b >= 0x7f || b == '{' || b == '}' || b == ':' {
+			return false
+		}
+	}
+	return true
+}
+
+// validHoldID: 1..128 printable ASCII bytes, no space.
+func validHoldID(id string) bool {
+	if id == "" || len(id) > maxIDLen {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		if b := id[i]; b <= ' ' || b >= 0x7f {
+			return false
+		}
+	}
+	return true
+}
+
+func checkOrg(org string) error {
+	if !ValidOrg(org) {
+		return fmt.Errorf("%w: %q", ErrInvalidOrg, org)
+	}
+	return nil
+}
+
+func checkHold(id string) error {
+	if !validHoldID(id) {
+		return fmt.Errorf("%w: %q", ErrInvalidHoldID, id)
+	}
+	return nil
+}
+
+// ReserveRequest asks for a hold of Amount on Org's balance, under the id HoldID.
+type ReserveRequest struct {
+	Org    string
+	HoldID string
+	Amount int64 // micro-units, 0 < Amount ≤ MaxAmount
+}
+
+// Reservation is a granted hold.
+type Reservation struct {
+	Balance   int64 // the available balance after the hold
+	Duplicate bool  // the hold already existed (a re-sent call): nothing more was debited
+}
+
+// maxColdRetries bounds Reserve's warm-and-retry loop.
+const maxColdRetries = 3
+
+// Reserve puts a hold on the org's balance in one Redis round trip (on a warm org). Errors:
+// *InsufficientError (errors.Is ErrInsufficient), ErrTooManyHolds, ErrGone, ErrInvalidOrg,
+// ErrInvalidHoldID, ErrInvalidAmount, ErrCold (cold org and no ledger, or it stayed cold), or
+// a Redis/ledger error. A cold org is warmed (Warm) and the reserve retried.
+func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, error) {
+	if err := checkOrg(r.Org); err != nil {
+		return Reservation{}, err
+	}
+	if err := checkHold(r.HoldID); err != nil {
+		return Reservation{}, err
+	}
+	if r.Amount <= 0 || r.Amount > MaxAmount {
+		return Reservation{}, fmt.Errorf("%w: hold of %d", ErrInvalidAmount, r.Amount)
+	}
+	keys := s.orgKeys(r.Org)
+	amount := strconv.FormatInt(r.Amount, 10)
+	for attempt := 0; ; attempt++ {
+		res, err := s.run(ctx, scReserve, keys,
+			s.Epoch().String(), r.HoldID, amount, s.holdTTL, s.capArg, s.tombTTL, s.pinFloor, "0").Slice()
+		if err != nil {
+			return Reservation{}, fmt.Errorf("balance: reserve: %w", err)
+		}
+		status, _ := res[0].(string)
+		switch status {
+		case "OK":
+			s.markHeld(r.Org)
+			return Reservation{Balance: toInt(res[1])}, nil
+		case "DUP":
+			s.markHeld(r.Org)
+			return Reservation{Balance: toInt(res[1]), Duplicate: true}, nil
+		case "GONE":
+			return Reservation{}, ErrGone
+		case "TOO_MANY":
+			return Reservation{}, ErrTooManyHolds
+		case "INSUFFICIENT":
+			return Reservation{}, &InsufficientError{Balance: toInt(res[1]), Amount: r.Amount}
+		case "COLD":
+			if s.cfg.Ledger == nil || attempt >= maxColdRetries {
+				return Reservation{}, ErrCold
+			}
+			if err := s.Warm(ctx, r.Org); err != nil {
+				return Reservation{}, err
+			}
+		default:
+			return Reservation{}, fmt.Errorf("balance: reserve: unexpected reply %v", res)
+		}
+	}
+}
+
+func toInt(v any) int64 {
+	switch x := v.(type) {
+	case int64:
+		return x
+	case string:
+		n, _ := strconv.ParseInt(x, 10, 64)
+		return n
+	}
+	return 0
+}
+
+func (s *Store) markHeld(org string) {
+	s.heldMu.Lock()
+	s.held[org]++
+	s.heldMu.Unlock()
+}
+
+// HeldOrgs lists the orgs this process put holds on that may still have holds (the reaper's
+// round); Reap forgets an org once it has no holds left.
+func (s *Store) HeldOrgs() []string {
+	s.heldMu.Lock()
+	defer s.heldMu.Unlock()
+	out := make([]string, 0, len(s.held))
+	for o := range s.held {
+		out = append(out, o)
+	}
+	return out
+}
+
+// Release ends a hold without a charge. released reports whether this call gave the money back
+// (false: the hold was already gone — settled, released or reaped). The id is tombstoned either
+// way, so a late re-sent reserve debits nothing.
+func (s *Store) Release(ctx context.Context, org, holdID string) (bool, error) {
+	if err := checkOrg(org); err != nil {
+		return false, err
+	}
+	if err := checkHold(holdID); err != nil {
+		return false, err
+	}
+	n, err := s.run(ctx, scRelease, s.orgKeys(org), holdID, s.tombTTL).Int64()
+	if err != nil {
+		return false, fmt.Errorf("balance: release: %w", err)
+	}
+	return n == 1, nil
+}
+
+// Extend pushes an existing hold's expiry to now+HoldTTL; it never lowers an expiry (a pinned
+// hold stays pinned). false: no such hold.
+func (s *Store) Extend(ctx context.Context, org, holdID string) (bool, error) {
+	return s.expiry(ctx, scExtend, org, holdID, s.holdTTL)
+}
+
+// Pin pushes an existing hold's expiry to now+PinTTL (never lowering it), so no reaper releases
+// it while its usage waits in a journal. Call it again well within PinTTL to renew.
+func (s *Store) Pin(ctx context.Context, org, holdID string) (bool, error) {
+	return s.expiry(ctx, scPin, org, holdID, s.pinTTL)
+}
+
+// Unpin gives an existing hold its normal expiry back: now+HoldTTL.
+func (s *Store) Unpin(ctx context.Context, org, holdID string) (bool, error) {
+	return s.expiry(ctx, scUnpin, org, holdID, s.holdTTL)
+}
+
+func (s *Store) expiry(ctx context.Context, sc, org, holdID, ttl string) (bool, error) {
+	if err := checkOrg(org); err != nil {
+		return false, err
+	}
+	if err := checkHold(holdID); err != nil {
+		return false, err
+	}
+	n, err := s.run(ctx, sc, []string{s.key(org, "hexp")}, holdID, ttl).Int64()
+	if err != nil {
+		return false, fmt.Errorf("balance: %s: %w", sc, err)
+	}
+	return n == 1, nil
+}
+
+// settleChunk bounds the entries of one settle script call (a script blocks Redis while it runs).
+const settleChunk = 256
+
+// Settle applies the org's ledger entries, in Seq order, to the hot balance, and returns one
+// status per entry (NotReached after a gap). Errors: ErrCold (every status Cold; a newer epoch
+// than the hot balance's dropped it: seed and settle again), *GapError (statuses still
+// returned: re-send the entries after the watermark), ErrInvalidOrg, ErrInvalidEntry.
+func (s *Store) Settle(ctx context.Context, org string, epoch Epoch, entries []Entry) ([]SettleStatus, error) {
+	if err := checkOrg(org); err != nil {
+		return nil, err
+	}
+	if epoch.IsZero() {
+		return nil, fmt.Errorf("%w: zero epoch", ErrInvalidEntry)
+	}
+	var prev int64
+	for i, e := range entries {
+		switch {
+		case e.Seq <= 0 || (i > 0 && e.Seq <= prev):
+			return nil, fmt.Errorf("%w: seq %d out of order", ErrInvalidEntry, e.Seq)
+		case e.Delta < -MaxAmount || e.Delta > MaxAmount:
+			return nil, fmt.Errorf("%w: delta %d outside ±MaxAmount", ErrInvalidEntry, e.Delta)
+		case e.HoldID != "" && !validHoldID(e.HoldID):
+			return nil, fmt.Errorf("%w: hold id %q", ErrInvalidEntry, e.HoldID)
+		}
+		prev = e.Seq
+	}
+	s.ObserveEpoch(epoch)
+	statuses := make([]SettleStatus, len(entries))
+	keys := s.orgKeys(org)
+	ep := epoch.String()
+	for start := 0; start < len(entries); start += settleChunk {
+		chunk := entries[start:min(start+settleChunk, len(entries))]
+		args := make([]any, 0, 2+3*len(chunk))
+		args = append(args, ep, s.tombTTL)
+		for _, e := range chunk {
+			args = append(args, strconv.FormatInt(e.Seq, 10), strconv.FormatInt(e.Delta, 10), e.HoldID)
+		}
+		res, err := s.run(ctx, scSettle, keys, args...).Slice()
+		if err != nil {
+			return statuses, fmt.Errorf("balance: settle: %w", err)
+		}
+		if st, _ := res[0].(string); st == "COLD" {
+			for i := start; i < len(entries); i++ {
+				statuses[i] = Cold
+			}
+			return statuses, ErrCold
+		}
+		wm := toInt(res[1])
+		for j, code := range res[2:] {
+			switch toInt(code) {
+			case 1:
+				statuses[start+j] = Applied
+			case 2:
+				statuses[start+j] = Already
+			case 3:
+				statuses[start+j] = Gap
+				return statuses, &GapError{Watermark: wm, Seq: chunk[j].Seq}
+			}
+		}
+	}
+	return statuses, nil
+}
+
+// Seed writes a cold org's hot balance from a ledger snapshot: bal = Balance − Σ holds, wm =
+// Seq. seeded is false when the org already has a hot balance of this epoch or of a higher
+// generation. Call CatchUp after it (Warm does both).
+func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, error) {
+	if err := checkOrg(org); err != nil {
+		return false, err
+	}
+	if snap.Balance < -MaxAmount || snap.Balance > MaxAmount {
+		return false, fmt.Errorf("%w: balance %d outside ±MaxAmount", ErrInvalidAmount, snap.Balance)
+	}
+	if snap.Seq < 0 || snap.Epoch.IsZero() {
+		return false, fmt.Errorf("%w: snapshot seq %d epoch %q", ErrInvalidEntry, snap.Seq, snap.Epoch)
+	}
+	s.ObserveEpoch(snap.Epoch)
+	k := s.orgKeys(org)
+	n, err := s.run(ctx, scSeed, k[:2], snap.Epoch.String(),
+		strconv.FormatInt(snap.Balance, 10), strconv.FormatInt(snap.Seq, 10)).Int64()
+	if err != nil {
+		return false, fmt.Errorf("balance: seed: %w", err)
+	}
+	return n == 1, nil
+}
+
+// warmTimeout bounds one shared warm-up (snapshot, seed, catch-up).
+const warmTimeout = 30 * time.Second
+
+// Warm makes the org's hot balance current: a ledger snapshot (one per org at a time in this
+// process), the seed script, then CatchUp. It refreshes the cached epoch.
+func (s *Store) Warm(ctx context.Context, org string) error {
+	if err := checkOrg(org); err != nil {
+		return err
+	}
+	if s.cfg.Ledger == nil {
+		return ErrCold
+	}
+	ch := s.warming.DoChan(org, func() (any, error) {
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), warmTimeout)
+		defer cancel()
+		snap, err := s.cfg.Ledger.Snapshot(ctx, org)
+		if err != nil {
+			return nil, fmt.Errorf("balance: snapshot of %s: %w", org, err)
+		}
+		if _, err := s.Seed(ctx, org, snap); err != nil {
+			return nil, err
+		}
+		return nil, s.CatchUp(ctx, org)
+	})
+	select {
+	case r := <-ch:
+		return r.Err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// catchUpBatch is how many entries CatchUp asks the ledger for at a time.
+const catchUpBatch = 500
+
+// CatchUp re-sends every ledger entry past the hot balance's watermark through Settle, until
+// there are none (re-sending is always safe). ErrCold if the org has no hot balance.
+func (s *Store) CatchUp(ctx context.Context, org string) error {
+	if err := checkOrg(org); err != nil {
+		return err
+	}
+	if s.cfg.Ledger == nil {
+		return ErrCold
+	}
+	for range 10_000 {
+		v, err := s.c.HMGet(ctx, s.key(org, "acct"), "wm").Result()
+		if err != nil {
+			return fmt.Errorf("balance: catch-up: %w", err)
+		}
+		if v[0] == nil {
+			return ErrCold
+		}
+		wm := toInt(v[0])
+		entries, epoch, err := s.cfg.Ledger.EntriesAfter(ctx, org, wm, catchUpBatch)
+		if err != nil {
+			return fmt.Errorf("balance: catch-up of %s: %w", org, err)
+		}
+		if len(entries) == 0 {
+			s.ObserveEpoch(epoch)
+			return nil
+		}
+		if _, err := s.Settle(ctx, org, epoch, entries); err != nil && !errors.Is(err, ErrGap) {
+			return err
+		}
+		if len(entries) < catchUpBatch {
+			return nil
+		}
+	}
+	return fmt.Errorf("balance: catch-up of %s did not finish", org)
+}
+
+// Invalidate drops the org's hot balance (acct only): the next request reseeds it, and the
+// holds that stay are subtracted then.
+func (s *Store) Invalidate(ctx context.Context, org string) error {
+	if err := checkOrg(org); err != nil {
+		return err
+	}
+	if err := s.c.Del(ctx, s.key(org, "acct")).Err(); err != nil {
+		return fmt.Errorf("balance: invalidate: %w", err)
+	}
+	return nil
+}
+
+// reapBatch is how many expired holds one Reap call looks at.
+const reapBatch = 200
+
+// Reap releases the org's holds that expired more than ReapGrace ago, except those the ledger
+// reports unsettled usage for (and pinned holds, which have not expired). A hold whose usage is
+// already settled is a phantom and is released too. A ledger error reaps nothing. It returns
+// how many holds it released.
+func (s *Store) Reap(ctx context.Context, org string) (int, error) {
+	if err := checkOrg(org); err != nil {
+		return 0, err
+	}
+	s.heldMu.Lock()
+	gen, tracked := s.held[org]
+	s.heldMu.Unlock()
+	res, err := s.run(ctx, scExpired, []string{s.key(org, "hexp")}, s.grace, strconv.Itoa(reapBatch)).Slice()
+	if err != nil {
+		return 0, fmt.Errorf("balance: reap: %w", err)
+	}
+	total := toInt(res[0])
+	raw, _ := res[1].([]any)
+	if total == 0 && tracked {
+		s.heldMu.Lock()
+		if s.held[org] == gen {
+			delete(s.held, org)
+		}
+		s.heldMu.Unlock()
+	}
+	if len(raw) == 0 {
+		return 0, nil
+	}
+	ids := make([]string, 0, len(raw))
+	for _, v := range raw {
+		if id, ok := v.(string); ok {
+			ids = append(ids, id)
+		}
+	}
+	if s.cfg.Ledger != nil {
+		busy, err := s.cfg.Ledger.UnsettledUsage(ctx, org, ids)
+		if err != nil {
+			return 0, fmt.Errorf("balance: reap %s: ledger: %w", org, err)
+		}
+		free := ids[:0]
+		for _, id := range ids {
+			if !busy[id] {
+				free = append(free, id)
+			}
+		}
+		ids = free
+	}
+	if len(ids) == 0 {
+		return 0, nil
+	}
+	args := make([]any, 0, 2+len(ids))
+	args = append(args, s.tombTTL, s.grace)
+	for _, id := range ids {
+		args = append(args, id)
+	}
+	n, err := s.run(ctx, scReap, s.orgKeys(org), args...).Int64()
+	if err != nil {
+		return 0, fmt.Errorf("balance: reap: %w", err)
+	}
+	if n > 0 {
+		s.log.Info("balance: reaped expired holds", "org", org, "released", n)
+	}
+	return int(n), nil
+}
+
+// State is an org's hot balance as one script read it.
+type State struct {
+	Exists    bool  // acct exists
+	Balance   int64 // available balance (bal)
+	Watermark int64 // highest ledger seq reflected in Balance
+	Epoch     Epoch
+	Held      int64 // Σ holds
+	Holds     int   // holds in flight
+	Pinned    int   // of which pinned
+}
+
+// State reads bal, wm, epoch, Σ holds and the hold counts together (the reconciler compares
+// Balance+Held with the ledger's balance at Watermark).
+func (s *Store) State(ctx context.Context, org string) (State, error) {
+	if err := checkOrg(org); err != nil {
+		return State{}, err
+	}
+	k := s.orgKeys(org)
+	res, err := s.run(ctx, scState, k[:3], s.pinFloor).Slice()
+	if err != nil {
+		return State{}, fmt.Errorf("balance: state: %w", err)
+	}
+	var st State
+	if res[0] != nil {
+		st.Exists = true
+		st.Balance = toInt(res[0])
+		st.Watermark = toInt(res[1])
+		if e, ok := res[2].(string); ok {
+			if st.Epoch, err = ParseEpoch(e); err != nil {
+				return st, err
+			}
+		}
+	}
+	vals, _ := res[3].([]any)
+	for _, v := range vals {
+		st.Held += toInt(v)
+	}
+	st.Holds = int(toInt(res[4]))
+	st.Pinned = int(toInt(res[5]))
+	return st, nil
+}
+
+func checkModel(m string) error {
+	if m == "" || len(m) > 256 {
+		return fmt.Errorf("%w: %q", ErrInvalidModel, m)
+	}
+	return nil
+}
+
+// ModelMax returns the model's learned max cost (0 if none), served from an in-process cache
+// for ModelMaxCacheTTL.
+func (s *Store) ModelMax(ctx context.Context, model string) (int64, error) {
+	if err := checkModel(model); err != nil {
+		return 0, err
+	}
+	if v, ok := s.maxCache.Load(model); ok {
+		if c := v.(*cachedMax); time.Since(c.at) < s.cfg.ModelMaxCacheTTL {
+			return c.v, nil
+		}
+	}
+	n, err := s.c.Get(ctx, s.modelKey(model)).Int64()
+	if errors.Is(err, redis.Nil) {
+		n, err = 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("balance: model max: %w", err)
+	}
+	s.maxCache.Store(model, &cachedMax{v: n, at: time.Now()})
+	return n, nil
+}
+
+// RaiseModelMax raises the model's learned max cost to cost, capped at ceiling (> 0); it never
+// lowers it. It returns the max now stored.
+func (s *Store) RaiseModelMax(ctx context.Context, model string, cost, ceiling int64) (int64, error) {
+	if err := checkModel(model); err != nil {
+		return 0, err
+	}
+	if cost <= 0 || cost > MaxAmount || ceiling <= 0 || ceiling > MaxAmount {
+		return 0, fmt.Errorf("%w: cost %d ceiling %d", ErrInvalidAmount, cost, ceiling)
+	}
+	v, err := s.run(ctx, scRaiseMax, []string{s.modelKey(model)},
+		strconv.FormatInt(cost, 10), strconv.FormatInt(ceiling, 10)).Text()
+	if err != nil {
+		return 0, fmt.Errorf("balance: raise model max: %w", err)
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("balance: raise model max: %w", err)
+	}
+	s.maxCache.Store(model, &cachedMax{v: n, at: time.Now()})
+	return n, nil
+}
+
+// SetModelMax sets the model's learned max cost (an admin may lower it); 0 deletes it.
+func (s *Store) SetModelMax(ctx context.Context, model string, v int64) error {
+	if err := checkModel(model); err != nil {
+		return err
+	}
+	if v < 0 || v > MaxAmount {
+		return fmt.Errorf("%w: model max %d", ErrInvalidAmount, v)
+	}
+	var err error
+	if v == 0 {
+		err = s.c.Del(ctx, s.modelKey(model)).Err()
+	} else {
+		err = s.c.Set(ctx, s.modelKey(model), v, 0).Err()
+	}
+	if err != nil {
+		return fmt.Errorf("balance: set model max: %w", err)
+	}
+	s.maxCache.Store(model, &cachedMax{v: v, at: time.Now()})
+	return nil
+}

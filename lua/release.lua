@@ -1,0 +1,27 @@
+-- release: end a hold without a charge (the request failed, or its reserve was not seen).
+--
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone   (one {org} hash tag)
+-- ARGV[1] hold id
+-- ARGV[2] tombstone TTL, ms
+--
+-- Only the call that deletes the hold gives its amount back, so a release racing a reaper or a
+-- settle returns the money once. With no acct the hold is only deleted (the next seed does not
+-- subtract it). The id goes into gone either way, so a late re-sent reserve meets GONE.
+-- Reply: 1 if this call deleted the hold, else 0.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local released = 0
+local a = redis.call('HGET', KEYS[2], ARGV[1])
+if a then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  if redis.call('EXISTS', KEYS[1]) == 1 then
+    redis.call('HINCRBY', KEYS[1], 'bal', a)
+  end
+  released = 1
+end
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZADD', KEYS[4], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[4], ARGV[2])
+return released
