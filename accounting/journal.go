@@ -1,0 +1,230 @@
+package accounting
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"os"
+	"path/filepath"
+	"sync"
+)
+
+// ErrJournalFull is returned by Journal.Append when the events do not fit under the size cap.
+var ErrJournalFull = errors.New("accounting: local journal full")
+
+// journalFile is the journal's file name inside its directory.
+const journalFile = "usage.journal"
+
+// recordHeader is a record's length (uint32) and its payload's CRC-32C (uint32), big endian.
+const recordHeader = 8
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Journal is a bounded, append-only, fsynced local file of usage events, used while the ledger is
+// unreachable and replayed (idempotently: events keep their ids) when it is back. Each record is
+// a length, a CRC-32C and a JSON event; a torn last record (a crash mid-write) is detected on
+// open and cut off, so it never blocks the records before it.
+type Journal struct {
+	path string
+	max  int64
+
+	mu    sync.Mutex
+	f     *os.File
+	size  int64
+	count int
+}
+
+// OpenJournal opens (or creates) the journal in dir, capped at maxBytes.
+func OpenJournal(dir string, maxBytes int64) (*Journal, error) {
+	if maxBytes <= 0 {
+		return nil, fmt.Errorf("accounting: journal size cap must be > 0")
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("accounting: journal dir: %w", err)
+	}
+	path := filepath.Join(dir, journalFile)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("accounting: open journal: %w", err)
+	}
+	j := &Journal{path: path, max: maxBytes, f: f}
+	events, good, err := readRecords(f)
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	st, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	if st.Size() != good { // a torn tail: cut it off
+		if err := f.Truncate(good); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("accounting: truncate torn journal tail: %w", err)
+		}
+		if err := f.Sync(); err != nil {
+			f.Close()
+			return nil, err
+		}
+	}
+	if _, err := f.Seek(good, io.SeekStart); err != nil {
+		f.Close()
+		return nil, err
+	}
+	j.size, j.count = good, len(events)
+	return j, nil
+}
+
+// readRecords reads every whole, valid record from the start of f and returns the offset where
+// they end.
+func readRecords(f *os.File) ([]UsageEvent, int64, error) {
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
+		return nil, 0, err
+	}
+	data, err := io.ReadAll(f)
+	if err != nil {
+		return nil, 0, fmt.Errorf("accounting: read journal: %w", err)
+	}
+	var events []UsageEvent
+	off := 0
+	for len(data)-off >= recordHeader {
+		n := int(binary.BigEndian.Uint32(data[off:]))
+		sum := binary.BigEndian.Uint32(data[off+4:])
+		if n <= 0 || len(data)-off-recordHeader < n {
+			break // torn: the payload never made it whole
+		}
+		payload := data[off+recordHeader : off+recordHeader+n]
+		if crc32.Checksum(payload, castagnoli) != sum {
+			break // torn or corrupt: nothing after it can be trusted
+		}
+		var ev UsageEvent
+		if err := json.Unmarshal(payload, &ev); err != nil {
+			break
+		}
+		events = append(events, ev)
+		off += recordHeader + n
+	}
+	return events, int64(off), nil
+}
+
+// Append writes events and fsyncs before it returns: when it returns nil they survive a crash.
+// It refuses (ErrJournalFull) events that would take the file past its cap, writing none.
+func (j *Journal) Append(ctx context.Context, events []UsageEvent) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	var buf bytes.Buffer
+	for _, ev := range events {
+		payload, err := json.Marshal(ev)
+		if err != nil {
+			return err
+		}
+		var h [recordHeader]byte
+		binary.BigEndian.PutUint32(h[:], uint32(len(payload)))
+		binary.BigEndian.PutUint32(h[4:], crc32.Checksum(payload, castagnoli))
+		buf.Write(h[:])
+		buf.Write(payload)
+	}
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.f == nil {
+		return errors.New("accounting: journal closed")
+	}
+	if j.size+int64(buf.Len()) > j.max {
+		return ErrJournalFull
+	}
+	n, err := j.f.Write(buf.Bytes())
+	if err == nil {
+		err = j.f.Sync()
+	}
+	if err != nil {
+		// Cut a partial write off so the next record starts clean.
+		_ = j.f.Truncate(j.size)
+		_, _ = j.f.Seek(j.size, io.SeekStart)
+		return fmt.Errorf("accounting: journal write: %w", err)
+	}
+	j.size += int64(n)
+	j.count += len(events)
+	return nil
+}
+
+// Events returns the events in the journal.
+func (j *Journal) Events() ([]UsageEvent, error) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.f == nil {
+		return nil, errors.New("accounting: journal closed")
+	}
+	events, _, err := readRecords(j.f)
+	if _, serr := j.f.Seek(j.size, io.SeekStart); err == nil {
+		err = serr
+	}
+	return events, err
+}
+
+// Replay hands the journal's events to record (in batches of at most batch) and empties the
+// journal once every batch succeeded. Appends wait while it runs. Replaying twice is safe when
+// record is idempotent by event id, as the ledgers are. It returns how many events it replayed.
+func (j *Journal) Replay(ctx context.Context, batch int, record func(context.Context, []UsageEvent) error) (int, error) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.f == nil {
+		return 0, errors.New("accounting: journal closed")
+	}
+	if j.count == 0 {
+		return 0, nil
+	}
+	events, _, err := readRecords(j.f)
+	if err != nil {
+		return 0, err
+	}
+	batch = max(batch, 1)
+	for i := 0; i < len(events); i += batch {
+		if err := record(ctx, events[i:min(i+batch, len(events))]); err != nil {
+			_, _ = j.f.Seek(j.size, io.SeekStart)
+			return i, err
+		}
+	}
+	if err := j.f.Truncate(0); err != nil {
+		return len(events), err
+	}
+	if _, err := j.f.Seek(0, io.SeekStart); err != nil {
+		return len(events), err
+	}
+	if err := j.f.Sync(); err != nil {
+		return len(events), err
+	}
+	j.size, j.count = 0, 0
+	return len(events), nil
+}
+
+// Size is the journal's size in bytes; Len its number of events; Max its cap.
+func (j *Journal) Size() int64 { j.mu.Lock(); defer j.mu.Unlock(); return j.size }
+func (j *Journal) Len() int    { j.mu.Lock(); defer j.mu.Unlock(); return j.count }
+func (j *Journal) Max() int64  { return j.max }
+
+// NearFull reports whether less than the given fraction of the cap is free: new holds should be
+// refused then, so the requests already in flight still have room.
+func (j *Journal) NearFull(freeFraction float64) bool {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return float64(j.max-j.size) < freeFraction*float64(j.max)
+}
+
+// Close closes the file; the events stay on disk for the next OpenJournal.
+func (j *Journal) Close() error {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.f == nil {
+		return nil
+	}
+	err := j.f.Close()
+	j.f = nil
+	return err
+}
