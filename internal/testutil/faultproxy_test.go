@@ -116,24 +116,11 @@ func TestFaultProxyForwards(t *testing.T) {
 
 func TestFaultProxyRejectsNonLoopback(t *testing.T) {
 	t.Parallel()
-	ft := &fatalRecorder{TB: t}
-	func() {
-		defer func() { _ = recover() }()
-		StartFaultProxy(ft, "10.1.2.3:6379")
-	}()
-	if !ft.failed {
+	r := runRecorded(t, func(tb testing.TB) { StartFaultProxy(tb, "10.1.2.3:6379") })
+	if !r.failed {
 		t.Fatal("StartFaultProxy accepted a non-loopback target")
 	}
 }
-
-// fatalRecorder records Fatalf instead of ending the test (it panics to stop the caller).
-type fatalRecorder struct {
-	testing.TB
-	failed bool
-}
-
-func (f *fatalRecorder) Fatalf(string, ...any) { f.failed = true; panic("fatal") }
-func (f *fatalRecorder) Helper()               {}
 
 func TestFaultProxyDelay(t *testing.T) {
 	t.Parallel()
