@@ -73,6 +73,16 @@ const redisStartTimeout = 15 * time.Second
 // test ends.
 func StartRedisServer(tb testing.TB, opts ...RedisServerOption) *RedisServer {
 	tb.Helper()
+	s := newRedisServer(tb, opts...)
+	if err := s.startFresh(0); err != nil {
+		tb.Fatalf("start private redis-server: %v", err)
+	}
+	return s
+}
+
+// newRedisServer prepares a server (binary, directory, cleanup) without starting it.
+func newRedisServer(tb testing.TB, opts ...RedisServerOption) *RedisServer {
+	tb.Helper()
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		unavailable(tb, "redis-server is not installed or not on PATH (apt-get install redis-server): %v", err)
@@ -82,24 +92,31 @@ func StartRedisServer(tb testing.TB, opts ...RedisServerOption) *RedisServer {
 		o(&s.cfg)
 	}
 	tb.Cleanup(s.cleanup)
-	// The port is found free and then handed to redis-server; another process may take it in
-	// between, so a first start that loses that race tries another port.
+	return s
+}
+
+// startFresh picks a free port (and port+busOffset free too, when > 0) and starts the server.
+// The port is found free and then handed to redis-server; another process may take it in
+// between, so a start that loses that race tries another port. Safe to call concurrently on
+// different servers.
+func (s *RedisServer) startFresh(busOffset int) error {
 	var lastErr error
 	for attempt := 0; attempt < 5; attempt++ {
-		port, err := freeLoopbackPort(0)
+		port, err := freeLoopbackPort(busOffset)
 		if err != nil {
-			tb.Fatalf("redis-server: %v", err)
+			return err
 		}
+		s.mu.Lock()
 		s.port = port
+		s.mu.Unlock()
 		if lastErr = s.start(); lastErr == nil {
-			return s
+			return nil
 		}
 		if !strings.Contains(lastErr.Error(), "in use") {
 			break
 		}
 	}
-	tb.Fatalf("start private redis-server: %v", lastErr)
-	return nil
+	return lastErr
 }
 
 // Addr is the server's host:port on 127.0.0.1.
