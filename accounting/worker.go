@@ -1,0 +1,507 @@
+package accounting
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+// WorkerConfig configures a Worker. The zero value of every field means its documented default.
+type WorkerConfig struct {
+	// AccountBatch is how many pending usage events one accounting pass claims. Default 1000.
+	AccountBatch int
+	// SettleBatch is how many entries of one org one settle call applies. Default 500.
+	SettleBatch int
+	// SweepInterval is how often the worker looks for unsettled orgs without being notified.
+	// Default 2s.
+	SweepInterval time.Duration
+	// ReapInterval is how often the holds of the orgs this process put holds on are reaped.
+	// Default 5s.
+	ReapInterval time.Duration
+	// ScanInterval is how often a rate-limited SCAN looks for expired holds of dead processes.
+	// Default 1m.
+	ScanInterval time.Duration
+	// ReconcileInterval is how often every warm org is checked against the ledger. Default 1m.
+	ReconcileInterval time.Duration
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+func (c *WorkerConfig) withDefaults() WorkerConfig {
+	var z WorkerConfig
+	if c != nil {
+		z = *c
+	}
+	z.AccountBatch = cmp.Or(z.AccountBatch, 1000)
+	z.SettleBatch = cmp.Or(z.SettleBatch, 500)
+	z.SweepInterval = cmp.Or(z.SweepInterval, 2*time.Second)
+	z.ReapInterval = cmp.Or(z.ReapInterval, 5*time.Second)
+	z.ScanInterval = cmp.Or(z.ScanInterval, time.Minute)
+	z.ReconcileInterval = cmp.Or(z.ReconcileInterval, time.Minute)
+	if z.Logger == nil {
+		z.Logger = slog.Default()
+	}
+	return z
+}
+
+// WorkerStats are the worker's running totals, for metrics.
+type WorkerStats struct {
+	Accounted      int64 // usage events turned into ledger entries
+	Settled        int64 // entries applied to (or confirmed in) the hot balance
+	Seeds          int64 // cold orgs seeded by the worker
+	Gaps           int64 // gaps healed by re-sending entries
+	Reaped         int64 // expired holds released
+	DriftRepairs   int64 // hot balances dropped by the reconciler
+	Errors         int64 // failed passes (Redis or ledger trouble)
+	LastDrift      int64 // the last drift found, micro-units (0 = none)
+	LastBatchSize  int64 // events accounted by the last pass
+	PendingBacklog int64 // orgs waiting to be settled after the last sweep
+}
+
+// Worker accounts pending usage, settles ledger entries into the hot balance, reaps holds of dead
+// processes and reconciles warm orgs. Several workers (in one process or many) may run at once:
+// accounting takes a per-org advisory lock, and settling is safe to repeat and to interleave
+// because the settle script refuses entries out of order.
+type Worker struct {
+	ledger Ledger
+	store  *balance.Store
+	cfg    WorkerConfig
+	log    *slog.Logger
+
+	wake  chan struct{}
+	mu    sync.Mutex
+	dirty map[string]struct{}
+
+	stats struct {
+		accounted, settled, seeds, gaps, reaped, repairs, errors, lastDrift, lastBatch, backlog atomic.Int64
+	}
+
+	runMu  sync.Mutex
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// NewWorker returns a worker over ledger and store; cfg may be nil for the defaults.
+func NewWorker(ledger Ledger, store *balance.Store, cfg *WorkerConfig) *Worker {
+	c := cfg.withDefaults()
+	return &Worker{
+		ledger: ledger,
+		store:  store,
+		cfg:    c,
+		log:    c.Logger.With("component", "escrow.worker"),
+		wake:   make(chan struct{}, 1),
+		dirty:  make(map[string]struct{}),
+	}
+}
+
+// Stats returns the worker's running totals.
+func (w *Worker) Stats() WorkerStats {
+	s := &w.stats
+	return WorkerStats{
+		Accounted: s.accounted.Load(), Settled: s.settled.Load(), Seeds: s.seeds.Load(),
+		Gaps: s.gaps.Load(), Reaped: s.reaped.Load(), DriftRepairs: s.repairs.Load(),
+		Errors: s.errors.Load(), LastDrift: s.lastDrift.Load(), LastBatchSize: s.lastBatch.Load(),
+		PendingBacklog: s.backlog.Load(),
+	}
+}
+
+// Start runs the worker's loops until Stop or until ctx ends. It returns at once.
+func (w *Worker) Start(ctx context.Context) error {
+	w.runMu.Lock()
+	defer w.runMu.Unlock()
+	if w.done != nil {
+		return errors.New("accounting: worker already started")
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	w.cancel = cancel
+	w.done = make(chan struct{})
+	notes, err := w.ledger.Subscribe(ctx)
+	if err != nil {
+		w.log.Warn("no ledger notifications; settling on the sweep only", "err", err)
+		notes = nil
+	}
+	var wg sync.WaitGroup
+	wg.Add(3)
+	go func() { defer wg.Done(); w.listen(ctx, notes) }()
+	go func() { defer wg.Done(); w.settleLoop(ctx) }()
+	go func() { defer wg.Done(); w.maintenanceLoop(ctx) }()
+	go func() { wg.Wait(); close(w.done) }()
+	return nil
+}
+
+// Stop ends the loops after a last accounting and settle pass, or when ctx ends.
+func (w *Worker) Stop(ctx context.Context) error {
+	w.runMu.Lock()
+	cancel, done := w.cancel, w.done
+	w.runMu.Unlock()
+	if done == nil {
+		return nil
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	// Flush: what was recorded before Stop is accounted and settled before it returns.
+	if err := w.Drain(ctx); err != nil && ctx.Err() == nil {
+		return err
+	}
+	return nil
+}
+
+// Notify marks org as having new ledger entries and wakes the settle loop.
+func (w *Worker) Notify(org string) {
+	w.mu.Lock()
+	w.dirty[org] = struct{}{}
+	w.mu.Unlock()
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (w *Worker) listen(ctx context.Context, notes <-chan string) {
+	if notes == nil {
+		return
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case org, ok := <-notes:
+			if !ok {
+				return
+			}
+			w.Notify(org)
+		}
+	}
+}
+
+func (w *Worker) settleLoop(ctx context.Context) {
+	sweep := time.NewTicker(w.cfg.SweepInterval)
+	defer sweep.Stop()
+	for {
+		full := false
+		select {
+		case <-ctx.Done():
+			return
+		case <-w.wake:
+		case <-sweep.C:
+			full = true
+		}
+		if err := w.pass(ctx, full); err != nil && ctx.Err() == nil {
+			w.stats.errors.Add(1)
+			w.log.Warn("settle pass failed", "err", err)
+		}
+	}
+}
+
+// pass accounts pending usage and settles the orgs that are dirty (and, on a sweep, every org
+// the ledger says is behind).
+func (w *Worker) pass(ctx context.Context, sweep bool) error {
+	var errs []error
+	if _, err := w.AccountAll(ctx); err != nil {
+		errs = append(errs, err)
+	}
+	w.mu.Lock()
+	orgs := make([]string, 0, len(w.dirty))
+	for o := range w.dirty {
+		orgs = append(orgs, o)
+	}
+	clear(w.dirty)
+	w.mu.Unlock()
+	if sweep {
+		behind, err := w.ledger.OrgsToSettle(ctx, 10000)
+		if err != nil {
+			errs = append(errs, err)
+		}
+		orgs = append(orgs, behind...)
+		w.stats.backlog.Store(int64(len(behind)))
+	}
+	seen := make(map[string]bool, len(orgs))
+	for _, org := range orgs {
+		if seen[org] {
+			continue
+		}
+		seen[org] = true
+		if err := w.SettleOrg(ctx, org); err != nil {
+			errs = append(errs, fmt.Errorf("org %s: %w", org, err))
+			w.mu.Lock()
+			w.dirty[org] = struct{}{} // retried on the next sweep or notification
+			w.mu.Unlock()
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// AccountAll accounts pending usage events until none is left (or only those of orgs locked by
+// another worker). It returns how many it accounted.
+func (w *Worker) AccountAll(ctx context.Context) (int, error) {
+	total := 0
+	for {
+		n, err := w.ledger.AccountPending(ctx, w.cfg.AccountBatch)
+		total += n
+		w.stats.accounted.Add(int64(n))
+		if n > 0 {
+			w.stats.lastBatch.Store(int64(n))
+		}
+		if err != nil || n < w.cfg.AccountBatch {
+			return total, err
+		}
+	}
+}
+
+// SettleOrg applies the org's unsettled ledger entries to the hot balance, in sequence order,
+// and marks them settled. A cold org is seeded from a fresh snapshot first; a gap is healed by
+// re-sending the entries past the watermark. Safe to call from anywhere at any time.
+func (w *Worker) SettleOrg(ctx context.Context, org string) error {
+	for {
+		entries, epoch, err := w.ledger.UnsettledEntries(ctx, org, w.cfg.SettleBatch)
+		if err != nil {
+			return err
+		}
+		if len(entries) == 0 {
+			return nil
+		}
+		w.store.ObserveEpoch(epoch)
+		statuses, err := w.settle(ctx, org, epoch, entries)
+		n := settledPrefix(statuses)
+		if n > 0 {
+			if merr := w.ledger.MarkSettled(ctx, org, entries[n-1].Seq); merr != nil {
+				return errors.Join(err, merr)
+			}
+			w.stats.settled.Add(int64(n))
+		}
+		if err != nil {
+			return err
+		}
+		if n < len(entries) {
+			return fmt.Errorf("accounting: settle of %s stopped at seq %d (%s)", org, entries[n].Seq, statuses[n])
+		}
+		if len(entries) < w.cfg.SettleBatch {
+			return nil
+		}
+	}
+}
+
+// settle calls the settle script, healing a cold org or a gap once.
+func (w *Worker) settle(ctx context.Context, org string, epoch balance.Epoch, entries []balance.Entry) ([]balance.SettleStatus, error) {
+	for attempt := 0; ; attempt++ {
+		statuses, err := w.store.Settle(ctx, org, epoch, entries)
+		switch {
+		case err == nil:
+			return statuses, nil
+		case attempt >= 2:
+			return statuses, err
+		case errors.Is(err, balance.ErrCold):
+			// Seed from a fresh snapshot and catch up; the retry then answers ALREADY for
+			// what the snapshot covered, which only gives holds back.
+			if werr := w.store.Warm(ctx, org); werr != nil {
+				return statuses, fmt.Errorf("seed: %w", werr)
+			}
+			w.stats.seeds.Add(1)
+		case errors.Is(err, balance.ErrGap):
+			// Entries wm+1 … seq are re-sent from the ledger, settled or not: always safe.
+			if cerr := w.store.CatchUp(ctx, org); cerr != nil {
+				return statuses, fmt.Errorf("catch up: %w", cerr)
+			}
+			w.stats.gaps.Add(1)
+		default:
+			return statuses, err
+		}
+	}
+}
+
+// settledPrefix is how many leading statuses allow marking the entries settled.
+func settledPrefix(st []balance.SettleStatus) int {
+	for i, s := range st {
+		if !s.Settled() {
+			return i
+		}
+	}
+	return len(st)
+}
+
+// Drain accounts and settles everything pending now, for tests and shutdown.
+func (w *Worker) Drain(ctx context.Context) error {
+	if _, err := w.AccountAll(ctx); err != nil {
+		return err
+	}
+	orgs, err := w.ledger.OrgsToSettle(ctx, 1_000_000)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, org := range orgs {
+		if err := w.SettleOrg(ctx, org); err != nil {
+			errs = append(errs, fmt.Errorf("org %s: %w", org, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Credit adds a recharge to the ledger (idempotent by ref) and returns once the credit is in the
+// hot balance, so a blocked org passes on its very next request. If Redis cannot be reached the
+// credit is durable all the same and the worker applies it later: the returned error then wraps
+// the Redis error while the entry is valid.
+func (w *Worker) Credit(ctx context.Context, org string, amount int64, ref string) (LedgerEntry, bool, error) {
+	e, created, err := w.ledger.Credit(ctx, org, amount, ref)
+	if err != nil {
+		return e, created, err
+	}
+	if err := w.SettleOrg(ctx, org); err != nil {
+		w.Notify(org)
+		return e, created, fmt.Errorf("accounting: credit %s recorded, hot balance not yet updated: %w", ref, err)
+	}
+	return e, created, nil
+}
+
+func (w *Worker) maintenanceLoop(ctx context.Context) {
+	reap := time.NewTicker(w.cfg.ReapInterval)
+	defer reap.Stop()
+	scan := time.NewTicker(w.cfg.ScanInterval)
+	defer scan.Stop()
+	recon := time.NewTicker(w.cfg.ReconcileInterval)
+	defer recon.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-reap.C:
+			w.ReapOrgs(ctx, w.store.HeldOrgs())
+		case <-scan.C:
+			var orgs []string
+			if err := w.store.ScanOrgs(ctx, func(org string) error { orgs = append(orgs, org); return nil }); err != nil {
+				w.log.Warn("hold scan failed", "err", err)
+			}
+			w.ReapOrgs(ctx, orgs)
+		case <-recon.C:
+			var orgs []string
+			if err := w.store.ScanOrgs(ctx, func(org string) error { orgs = append(orgs, org); return nil }); err != nil {
+				w.log.Warn("reconcile scan failed", "err", err)
+			}
+			for _, org := range orgs {
+				if _, err := w.Reconcile(ctx, org); err != nil && ctx.Err() == nil {
+					w.log.Warn("reconcile failed", "org", org, "err", err)
+				}
+			}
+		}
+	}
+}
+
+// ReapOrgs releases the expired holds of orgs whose usage the ledger does not hold.
+func (w *Worker) ReapOrgs(ctx context.Context, orgs []string) int {
+	total := 0
+	for _, org := range orgs {
+		n, err := w.store.Reap(ctx, org)
+		total += n
+		if err != nil {
+			if ctx.Err() == nil {
+				w.log.Warn("reap failed", "org", org, "err", err)
+			}
+			continue
+		}
+		if n > 0 {
+			w.log.Info("reaped expired holds", "org", org, "holds", n)
+		}
+	}
+	w.stats.reaped.Add(int64(total))
+	return total
+}
+
+// Drift is what the reconciler found for one org.
+type Drift struct {
+	Org      string `json:"org"`
+	Warm     bool   `json:"warm"`      // the org has a hot balance of the current epoch
+	Hot      int64  `json:"hot"`       // bal + Σ holds
+	Expected int64  `json:"expected"`  // B(wm): the ledger balance up to the watermark
+	Drift    int64  `json:"drift"`     // Hot − Expected
+	Repaired bool   `json:"repaired"`  // the hot balance was dropped (reseeds on next use)
+	CaughtUp bool   `json:"caught_up"` // the watermark lagged and entries were re-sent
+}
+
+// Reconcile compares the org's hot balance with the ledger: bal + Σ holds must equal B(wm), the
+// ledger balance up to the watermark. A drift, a watermark above the ledger's sequence, or an
+// acct of another epoch is repaired by dropping the hot balance; a lagging watermark is caught up.
+func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
+	d := Drift{Org: org}
+	st, err := w.store.State(ctx, org)
+	if err != nil || !st.Exists {
+		return d, err
+	}
+	epoch, err := w.ledger.Epoch(ctx)
+	if err != nil {
+		return d, err
+	}
+	if st.Epoch != epoch {
+		d.Repaired = true
+		return d, w.store.Invalidate(ctx, org)
+	}
+	d.Warm = true
+	var ledgerSeq int64
+	// B(wm) = balance − Σ deltas after wm, from one consistent view: the account is read after
+	// the entries and the read is retried if an entry landed in between.
+	for attempt := 0; ; attempt++ {
+		entries, _, err := w.ledger.EntriesAfter(ctx, org, st.Watermark, 1_000_000)
+		if err != nil {
+			return d, err
+		}
+		acct, err := w.ledger.Account(ctx, org)
+		if err != nil {
+			return d, err
+		}
+		last := st.Watermark
+		var after int64
+		for _, e := range entries {
+			after += e.Delta
+			last = e.Seq
+		}
+		if st.Watermark > acct.LedgerSeq {
+			// A watermark the ledger never reached: an acct left by another ledger.
+			w.log.Warn("stale hot balance: watermark above ledger", "org", org, "wm", st.Watermark, "ledger_seq", acct.LedgerSeq)
+			w.stats.repairs.Add(1)
+			d.Repaired = true
+			return d, w.store.Invalidate(ctx, org)
+		}
+		if last != acct.LedgerSeq {
+			if attempt < 3 {
+				continue
+			}
+			return d, errors.New("accounting: ledger kept moving during reconcile")
+		}
+		ledgerSeq = acct.LedgerSeq
+		d.Hot = st.Balance + st.Held
+		d.Expected = acct.Balance - after
+		d.Drift = d.Hot - d.Expected
+		break
+	}
+	if d.Drift != 0 {
+		// The state read and the ledger read are not one snapshot: a settle may have moved the
+		// watermark between them. Read again before calling it drift.
+		st2, err := w.store.State(ctx, org)
+		if err != nil {
+			return d, err
+		}
+		if st2.Watermark != st.Watermark || st2.Balance+st2.Held != d.Hot {
+			return d, nil
+		}
+		w.stats.lastDrift.Store(d.Drift)
+		w.stats.repairs.Add(1)
+		w.log.Warn("hot balance drift repaired", "org", org, "hot", d.Hot, "expected", d.Expected, "drift", d.Drift)
+		d.Repaired = true
+		return d, w.store.Invalidate(ctx, org)
+	}
+	if st.Watermark < ledgerSeq {
+		d.CaughtUp = true
+		return d, w.store.CatchUp(ctx, org)
+	}
+	return d, nil
+}
