@@ -1,0 +1,756 @@
+// Package ledgertest is the conformance suite every accounting.Ledger passes: the memory ledger
+// and the Postgres ledger run the same tests, so either can stand in for the other.
+package ledgertest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+)
+
+// Run runs the suite. newLedger returns a new, empty ledger for each subtest (and arranges for
+// it to be closed when the test ends).
+func Run(t *testing.T, newLedger func(t *testing.T) accounting.Ledger) {
+	tests := []struct {
+		name string
+		fn   func(t *testing.T, l accounting.Ledger)
+	}{
+		{"Orgs", testOrgs},
+		{"InvalidOrgs", testInvalidOrgs},
+		{"Epoch", testEpoch},
+		{"Credit", testCredit},
+		{"CreditReferenceConflicts", testCreditConflicts},
+		{"CreditConcurrentSameRef", testCreditConcurrent},
+		{"Adjust", testAdjust},
+		{"RecordUsageIdempotent", testRecordIdempotent},
+		{"RecordUsageRejectsBadEvents", testRecordInvalid},
+		{"AccountPendingSequencing", testAccountSequencing},
+		{"AccountPendingUnknownOrg", testAccountUnknownOrg},
+		{"AccountPendingConcurrent", testAccountConcurrent},
+		{"SnapshotAccountsPendingFirst", testSnapshot},
+		{"EntriesAfter", testEntriesAfter},
+		{"SettleBookkeeping", testSettle},
+		{"UnsettledUsage", testUnsettledUsage},
+		{"Subscribe", testSubscribe},
+		{"Models", testModels},
+		{"Keys", testKeys},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			defer func() {
+				if r := recover(); r != nil {
+					if f, ok := r.(failure); ok {
+						t.Fatalf("unexpected error: %v", f.err)
+					}
+					panic(r)
+				}
+			}()
+			tc.fn(t, newLedger(t))
+		})
+	}
+}
+
+func ctx(t *testing.T) context.Context {
+	c, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return c
+}
+
+// failure is what must panics with; Run's subtests turn it back into t.Fatal. must is only used
+// on the test's own goroutine.
+type failure struct{ err error }
+
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(failure{err})
+	}
+	return v
+}
+
+func noErr(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func wantErr(t *testing.T, err, target error, what string) {
+	t.Helper()
+	if !errors.Is(err, target) {
+		t.Fatalf("%s: err = %v, want %v", what, err, target)
+	}
+}
+
+// NewEventID returns a new hold/event id (a UUIDv7, as the middleware makes them).
+func NewEventID() string { return uuid.Must(uuid.NewV7()).String() }
+
+var t0 = time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+
+func event(org string, cost int64, i int) accounting.UsageEvent {
+	return accounting.UsageEvent{
+		ID: NewEventID(), Org: org, KeyID: "key_1", Model: "gpt-test", Endpoint: "/v1/chat/completions",
+		Usage: accounting.Usage{Prompt: 100, Cached: 10, Completion: 50, Reasoning: 5},
+		Cost:  cost, HoldAmount: cost * 2, CreatedAt: t0.Add(time.Duration(i) * time.Millisecond),
+	}
+}
+
+func entries(t *testing.T, l accounting.Ledger, org string) []balance.Entry {
+	t.Helper()
+	es, _, err := l.EntriesAfter(ctx(t), org, 0, 1_000_000)
+	noErr(t, err)
+	return es
+}
+
+func account(t *testing.T, l accounting.Ledger, org string) accounting.Account {
+	t.Helper()
+	return must(l.Account(ctx(t), org))
+}
+
+// checkLedger checks that org's entries are numbered 1…n with no gap, that they sum to the
+// balance, and that ledger_seq is n.
+func checkLedger(t *testing.T, l accounting.Ledger, org string) []balance.Entry {
+	t.Helper()
+	es := entries(t, l, org)
+	a := account(t, l, org)
+	var sum int64
+	for i, e := range es {
+		if e.Seq != int64(i+1) {
+			t.Fatalf("org %s: entry %d has seq %d (entries %v)", org, i, e.Seq, es)
+		}
+		sum += e.Delta
+	}
+	if a.Balance != sum || a.LedgerSeq != int64(len(es)) {
+		t.Fatalf("org %s: account %+v, but %d entries summing to %d", org, a, len(es), sum)
+	}
+	return es
+}
+
+func testOrgs(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	_, err := l.Account(c, "acme")
+	wantErr(t, err, accounting.ErrUnknownOrg, "Account of a missing org")
+	noErr(t, l.CreateOrg(c, "acme"))
+	wantErr(t, l.CreateOrg(c, "acme"), accounting.ErrOrgExists, "CreateOrg twice")
+	a := account(t, l, "acme")
+	if a != (accounting.Account{Org: "acme"}) {
+		t.Fatalf("new account = %+v", a)
+	}
+	_, err = l.Snapshot(c, "nobody")
+	wantErr(t, err, accounting.ErrUnknownOrg, "Snapshot of a missing org")
+	wantErr(t, l.MarkSettled(c, "nobody", 1), accounting.ErrUnknownOrg, "MarkSettled of a missing org")
+	_, _, err = l.Credit(c, "nobody", 5, "r-nobody")
+	wantErr(t, err, accounting.ErrUnknownOrg, "Credit of a missing org")
+	es, ep, err := l.EntriesAfter(c, "nobody", 0, 10)
+	if err != nil || len(es) != 0 || ep.IsZero() {
+		t.Fatalf("EntriesAfter of a missing org = %v, %v, %v; want none and the epoch", es, ep, err)
+	}
+	// Org ids with any printable non-space character but braces and colons are fine.
+	for _, org := range []string{"org_1", "Org-2.x", "ü", strings.Repeat("a", accounting.MaxOrgLen)} {
+		noErr(t, l.CreateOrg(c, org))
+	}
+}
+
+func testInvalidOrgs(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	for _, org := range []string{"", "a{b", "a}b", "a:b", "a b", "a\tb", "a\nb", strings.Repeat("a", accounting.MaxOrgLen+1), "\xff"} {
+		wantErr(t, l.CreateOrg(c, org), balance.ErrInvalidOrg, fmt.Sprintf("CreateOrg(%q)", org))
+		_, err := l.Snapshot(c, org)
+		wantErr(t, err, balance.ErrInvalidOrg, fmt.Sprintf("Snapshot(%q)", org))
+		_, _, err = l.Credit(c, org, 1, "r")
+		wantErr(t, err, balance.ErrInvalidOrg, fmt.Sprintf("Credit(%q)", org))
+		err = l.RecordUsage(c, []accounting.UsageEvent{event(org, 1, 0)})
+		wantErr(t, err, balance.ErrInvalidOrg, fmt.Sprintf("RecordUsage(%q)", org))
+		_, _, err = l.EntriesAfter(c, org, 0, 1)
+		wantErr(t, err, balance.ErrInvalidOrg, fmt.Sprintf("EntriesAfter(%q)", org))
+	}
+}
+
+func testEpoch(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	e1 := must(l.Epoch(c))
+	if e1.IsZero() || e1.Gen < 1 || len(e1.ID) < 16 {
+		t.Fatalf("epoch %+v: want generation ≥ 1 and a random id", e1)
+	}
+	if e2 := must(l.Epoch(c)); e2 != e1 {
+		t.Fatalf("epoch changed: %v then %v", e1, e2)
+	}
+	noErr(t, l.CreateOrg(c, "o"))
+	s := must(l.Snapshot(c, "o"))
+	_, e3, err := l.EntriesAfter(c, "o", 0, 10)
+	noErr(t, err)
+	_, e4, err := l.UnsettledEntries(c, "o", 10)
+	noErr(t, err)
+	if s.Epoch != e1 || e3 != e1 || e4 != e1 {
+		t.Fatalf("epochs differ: Epoch %v, Snapshot %v, EntriesAfter %v, UnsettledEntries %v", e1, s.Epoch, e3, e4)
+	}
+}
+
+func testCredit(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "o"))
+	e, created, err := l.Credit(c, "o", 1_000, "pay-1")
+	noErr(t, err)
+	if !created || e.Seq != 1 || e.Delta != 1_000 || e.Kind != accounting.KindCredit || e.Ref != "pay-1" || e.Org != "o" || e.HoldID != "" {
+		t.Fatalf("Credit = %+v, %v", e, created)
+	}
+	again, created, err := l.Credit(c, "o", 1_000, "pay-1")
+	noErr(t, err)
+	if created || again.Seq != e.Seq || again.Delta != e.Delta || again.Org != "o" {
+		t.Fatalf("Credit again = %+v, %v; want the original entry, not created", again, created)
+	}
+	e2, created, err := l.Credit(c, "o", 500, "pay-2")
+	noErr(t, err)
+	if !created || e2.Seq != 2 {
+		t.Fatalf("second credit %+v", e2)
+	}
+	es := checkLedger(t, l, "o")
+	if len(es) != 2 || account(t, l, "o").Balance != 1_500 {
+		t.Fatalf("entries %v", es)
+	}
+	for _, amount := range []int64{0, -1, balance.MaxAmount + 1} {
+		_, _, err := l.Credit(c, "o", amount, fmt.Sprint("bad-", amount))
+		wantErr(t, err, accounting.ErrInvalidAmount, fmt.Sprintf("Credit(%d)", amount))
+	}
+	// The balance never leaves ±MaxAmount.
+	_, _, err = l.Credit(c, "o", balance.MaxAmount, "huge")
+	wantErr(t, err, accounting.ErrInvalidAmount, "credit past MaxAmount")
+	_, _, err = l.Credit(c, "o", balance.MaxAmount-1_500, "exact")
+	noErr(t, err)
+	if a := account(t, l, "o"); a.Balance != balance.MaxAmount || a.LedgerSeq != 3 {
+		t.Fatalf("account %+v", a)
+	}
+}
+
+func testCreditConflicts(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "secret-org"))
+	noErr(t, l.CreateOrg(c, "other"))
+	_, _, err := l.Credit(c, "secret-org", 100, "ref-x")
+	noErr(t, err)
+	_, _, err = l.Credit(c, "secret-org", 101, "ref-x")
+	wantErr(t, err, accounting.ErrReferenceConflict, "same ref, other amount")
+	_, _, err = l.Credit(c, "other", 100, "ref-x")
+	wantErr(t, err, accounting.ErrReferenceConflict, "same ref, other org")
+	if strings.Contains(err.Error(), "secret-org") {
+		t.Fatalf("conflict error reveals the other org: %v", err)
+	}
+	if a := account(t, l, "other"); a.Balance != 0 || a.LedgerSeq != 0 {
+		t.Fatalf("conflicting credit wrote something: %+v", a)
+	}
+	if a := account(t, l, "secret-org"); a.Balance != 100 || a.LedgerSeq != 1 {
+		t.Fatalf("conflicting credit changed the original org: %+v", a)
+	}
+}
+
+func testCreditConcurrent(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "o"))
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	created := 0
+	for range 8 {
+		wg.Go(func() {
+			_, ok, err := l.Credit(c, "o", 7, "same-ref")
+			if err != nil {
+				t.Error(err)
+			}
+			mu.Lock()
+			if ok {
+				created++
+			}
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	if a := account(t, l, "o"); created != 1 || a.Balance != 7 || a.LedgerSeq != 1 {
+		t.Fatalf("8 concurrent credits with one ref: created %d, account %+v; want exactly one", created, a)
+	}
+}
+
+func testAdjust(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "o"))
+	e, created, err := l.Adjust(c, "o", -250, "fix-1")
+	noErr(t, err)
+	if !created || e.Seq != 1 || e.Delta != -250 || e.Kind != accounting.KindAdjust {
+		t.Fatalf("Adjust = %+v, %v", e, created)
+	}
+	again, created, err := l.Adjust(c, "o", -250, "fix-1")
+	if err != nil || created || again.Seq != 1 {
+		t.Fatalf("Adjust again = %+v, %v, %v", again, created, err)
+	}
+	_, _, err = l.Adjust(c, "o", 250, "fix-1")
+	wantErr(t, err, accounting.ErrReferenceConflict, "adjust ref reused with another amount")
+	_, _, err = l.Adjust(c, "o", 0, "fix-0")
+	wantErr(t, err, accounting.ErrInvalidAmount, "zero adjustment")
+	_, _, err = l.Adjust(c, "o", -balance.MaxAmount-1, "fix-big")
+	wantErr(t, err, accounting.ErrInvalidAmount, "adjustment below -MaxAmount")
+	// Without a reference an adjustment is simply written each time.
+	for range 2 {
+		_, created, err := l.Adjust(c, "o", 50, "")
+		if err != nil || !created {
+			t.Fatalf("unreferenced adjust: %v %v", created, err)
+		}
+	}
+	es := checkLedger(t, l, "o")
+	if len(es) != 3 || account(t, l, "o").Balance != -150 {
+		t.Fatalf("entries %v", es)
+	}
+}
+
+func testRecordIdempotent(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "o"))
+	ev := event("o", 42, 0)
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{ev}))
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{ev}))
+	ev2 := event("o", 8, 1)
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{ev2, ev2, ev}))
+	noErr(t, l.RecordUsage(c, nil))
+	if p := account(t, l, "o").Pending; p != 2 {
+		t.Fatalf("pending = %d, want 2", p)
+	}
+	n := must(l.AccountPending(c, 100))
+	if n != 2 {
+		t.Fatalf("AccountPending = %d, want 2", n)
+	}
+	// Recording an accounted event again charges nothing.
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{ev, ev2}))
+	if n := must(l.AccountPending(c, 100)); n != 0 {
+		t.Fatalf("AccountPending after re-record = %d, want 0", n)
+	}
+	es := checkLedger(t, l, "o")
+	want := []balance.Entry{{Seq: 1, Delta: -42, HoldID: ev.ID}, {Seq: 2, Delta: -8, HoldID: ev2.ID}}
+	if !slices.Equal(es, want) {
+		t.Fatalf("entries %v, want %v", es, want)
+	}
+	// The hold id comes back in canonical form whatever case it was recorded in.
+	up := event("o", 1, 2)
+	up.ID = strings.ToUpper(up.ID)
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{up}))
+	must(l.AccountPending(c, 10))
+	es = entries(t, l, "o")
+	if es[2].HoldID != strings.ToLower(up.ID) {
+		t.Fatalf("hold id %q, want %q", es[2].HoldID, strings.ToLower(up.ID))
+	}
+}
+
+func testRecordInvalid(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	good := event("o", 1, 0)
+	cases := map[string]struct {
+		mod    func(*accounting.UsageEvent)
+		target error
+	}{
+		"non-uuid id":    {func(e *accounting.UsageEvent) { e.ID = "req-1" }, accounting.ErrInvalidUsage},
+		"no model":       {func(e *accounting.UsageEvent) { e.Model = "" }, accounting.ErrInvalidUsage},
+		"negative token": {func(e *accounting.UsageEvent) { e.Usage.Completion = -1 }, accounting.ErrInvalidUsage},
+		"negative cost":  {func(e *accounting.UsageEvent) { e.Cost = -1 }, accounting.ErrInvalidAmount},
+		"huge cost":      {func(e *accounting.UsageEvent) { e.Cost = balance.MaxAmount + 1 }, accounting.ErrInvalidAmount},
+		"negative hold":  {func(e *accounting.UsageEvent) { e.HoldAmount = -1 }, accounting.ErrInvalidAmount},
+	}
+	for name, tc := range cases {
+		bad := event("o", 1, 1)
+		tc.mod(&bad)
+		err := l.RecordUsage(c, []accounting.UsageEvent{good, bad})
+		wantErr(t, err, tc.target, name)
+	}
+	// A rejected batch stores nothing, not even its good events.
+	if n := must(l.AccountPending(c, 100)); n != 0 {
+		t.Fatalf("a rejected batch left %d events", n)
+	}
+}
+
+func testAccountSequencing(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "o"))
+	noErr(t, l.CreateOrg(c, "p"))
+	_, _, err := l.Credit(c, "o", 10_000, "pay")
+	noErr(t, err)
+	var evs []accounting.UsageEvent
+	for i := range 5 {
+		evs = append(evs, event("o", int64(100+i), 4-i)) // recorded newest first
+	}
+	evs = append(evs, event("p", 0, 10)) // a zero cost still gets an entry: it settles the hold
+	noErr(t, l.RecordUsage(c, evs))
+	if a := account(t, l, "o"); a.Pending != 5 || a.LedgerSeq != 1 {
+		t.Fatalf("before accounting: %+v", a)
+	}
+	n1 := must(l.AccountPending(c, 3))
+	if n1 != 3 {
+		t.Fatalf("AccountPending(3) = %d", n1)
+	}
+	n2 := must(l.AccountPending(c, 100))
+	if n2 != 3 {
+		t.Fatalf("second AccountPending = %d, want 3", n2)
+	}
+	if n := must(l.AccountPending(c, 100)); n != 0 {
+		t.Fatalf("third AccountPending = %d, want 0", n)
+	}
+	es := checkLedger(t, l, "o")
+	if len(es) != 6 {
+		t.Fatalf("entries %v", es)
+	}
+	// Charges come in the order the events were made (CreatedAt), one per event.
+	for i, e := range es[1:] {
+		src := evs[4-i]
+		if e.HoldID != src.ID || e.Delta != -src.Cost {
+			t.Fatalf("entry %d = %+v, want hold %s delta %d", e.Seq, e, src.ID, -src.Cost)
+		}
+	}
+	if a := account(t, l, "o"); a.Balance != 10_000-510 || a.Pending != 0 {
+		t.Fatalf("account %+v", a)
+	}
+	pes := checkLedger(t, l, "p")
+	if len(pes) != 1 || pes[0].Delta != 0 || pes[0].HoldID != evs[5].ID {
+		t.Fatalf("zero-cost entries %v", pes)
+	}
+}
+
+func testAccountUnknownOrg(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	// A served request is billed even when its org has no account: accounting creates it.
+	ev := event("ghost", 30, 0)
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{ev}))
+	orgs := must(l.OrgsToSettle(c, 10))
+	if !slices.Contains(orgs, "ghost") {
+		t.Fatalf("OrgsToSettle = %v; want the org with pending usage", orgs)
+	}
+	if n := must(l.AccountPending(c, 10)); n != 1 {
+		t.Fatalf("AccountPending = %d", n)
+	}
+	if a := account(t, l, "ghost"); a.Balance != -30 || a.LedgerSeq != 1 {
+		t.Fatalf("account %+v", a)
+	}
+	// Snapshot also accounts usage of an org without an account.
+	ev2 := event("ghost2", 5, 0)
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{ev2}))
+	s := must(l.Snapshot(c, "ghost2"))
+	if s.Balance != -5 || s.Seq != 1 {
+		t.Fatalf("snapshot %+v", s)
+	}
+}
+
+func testAccountConcurrent(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	orgs := []string{"a", "b", "c"}
+	const perOrg = 120
+	var all []accounting.UsageEvent
+	for _, o := range orgs {
+		noErr(t, l.CreateOrg(c, o))
+		_, _, err := l.Credit(c, o, 1_000_000, "seed-"+o)
+		noErr(t, err)
+	}
+	for i := range perOrg {
+		for j, o := range orgs {
+			all = append(all, event(o, int64(1+i%7+j), i))
+		}
+	}
+	// Record in several batches while three workers (and a snapshotter) account concurrently.
+	var recorded atomic.Bool
+	var workers, snapper sync.WaitGroup
+	workers.Go(func() {
+		defer recorded.Store(true)
+		for b := 0; b < len(all); b += 40 {
+			if err := l.RecordUsage(c, all[b:min(b+40, len(all))]); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	})
+	idle := func() bool {
+		if !recorded.Load() {
+			return false
+		}
+		for _, o := range orgs {
+			if a, err := l.Account(c, o); err != nil || a.Pending > 0 {
+				return false
+			}
+		}
+		return true
+	}
+	for range 3 {
+		workers.Go(func() {
+			for c.Err() == nil {
+				n, err := l.AccountPending(c, 7)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if n == 0 {
+					if idle() {
+						return
+					}
+					time.Sleep(time.Millisecond)
+				}
+			}
+		})
+	}
+	stop := make(chan struct{})
+	snapper.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(2 * time.Millisecond):
+			}
+			if _, err := l.Snapshot(c, "b"); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	})
+	workers.Wait()
+	close(stop)
+	snapper.Wait()
+	if t.Failed() {
+		return
+	}
+	for _, o := range orgs {
+		es := checkLedger(t, l, o)
+		if len(es) != perOrg+1 {
+			t.Fatalf("org %s has %d entries, want %d", o, len(es), perOrg+1)
+		}
+		seen := map[string]bool{}
+		for _, e := range es[1:] {
+			if e.HoldID == "" || seen[e.HoldID] {
+				t.Fatalf("org %s: hold %q charged twice or missing", o, e.HoldID)
+			}
+			seen[e.HoldID] = true
+		}
+		for _, ev := range all {
+			if ev.Org == o && !seen[ev.ID] {
+				t.Fatalf("org %s: event %s never charged", o, ev.ID)
+			}
+		}
+	}
+}
+
+func testSnapshot(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "o"))
+	_, _, err := l.Credit(c, "o", 1_000, "pay")
+	noErr(t, err)
+	s := must(l.Snapshot(c, "o"))
+	if s.Balance != 1_000 || s.Seq != 1 {
+		t.Fatalf("snapshot %+v", s)
+	}
+	evs := []accounting.UsageEvent{event("o", 10, 0), event("o", 20, 1), event("other", 99, 2)}
+	noErr(t, l.RecordUsage(c, evs))
+	s = must(l.Snapshot(c, "o"))
+	if s.Balance != 970 || s.Seq != 3 {
+		t.Fatalf("snapshot after usage %+v; want the pending usage accounted first", s)
+	}
+	if a := account(t, l, "o"); a.Pending != 0 || a.LedgerSeq != 3 {
+		t.Fatalf("account %+v", a)
+	}
+	// Only the org's own events are accounted.
+	if n := must(l.AccountPending(c, 10)); n != 1 {
+		t.Fatalf("AccountPending after snapshot = %d, want the other org's 1", n)
+	}
+	// With nothing pending, a snapshot writes nothing.
+	s2 := must(l.Snapshot(c, "o"))
+	if s2 != s {
+		t.Fatalf("second snapshot %+v != %+v", s2, s)
+	}
+	checkLedger(t, l, "o")
+}
+
+func testEntriesAfter(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "o"))
+	for i := range 5 {
+		_, _, err := l.Credit(c, "o", int64(i+1), fmt.Sprint("r", i))
+		noErr(t, err)
+	}
+	es, _, err := l.EntriesAfter(c, "o", 2, 2)
+	noErr(t, err)
+	if want := []balance.Entry{{Seq: 3, Delta: 3}, {Seq: 4, Delta: 4}}; !slices.Equal(es, want) {
+		t.Fatalf("EntriesAfter(2, 2) = %v, want %v", es, want)
+	}
+	es, _, err = l.EntriesAfter(c, "o", 5, 10)
+	if err != nil || len(es) != 0 {
+		t.Fatalf("EntriesAfter(5) = %v, %v", es, err)
+	}
+	es, _, err = l.EntriesAfter(c, "o", -3, 0) // limit ≤ 0: a default limit
+	if err != nil || len(es) != 5 {
+		t.Fatalf("EntriesAfter(-3, 0) = %v, %v", es, err)
+	}
+}
+
+func testSettle(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "o"))
+	noErr(t, l.CreateOrg(c, "quiet"))
+	for i := range 4 {
+		_, _, err := l.Credit(c, "o", 10, fmt.Sprint("r", i))
+		noErr(t, err)
+	}
+	orgs := must(l.OrgsToSettle(c, 10))
+	if !slices.Equal(orgs, []string{"o"}) {
+		t.Fatalf("OrgsToSettle = %v, want [o]", orgs)
+	}
+	es, ep, err := l.UnsettledEntries(c, "o", 3)
+	noErr(t, err)
+	if len(es) != 3 || es[0].Seq != 1 || ep.IsZero() {
+		t.Fatalf("UnsettledEntries = %v %v", es, ep)
+	}
+	noErr(t, l.MarkSettled(c, "o", 3))
+	noErr(t, l.MarkSettled(c, "o", 1)) // never lowers
+	if a := account(t, l, "o"); a.SettledSeq != 3 {
+		t.Fatalf("settled_seq = %d, want 3", a.SettledSeq)
+	}
+	es, _, err = l.UnsettledEntries(c, "o", 10)
+	if err != nil || len(es) != 1 || es[0].Seq != 4 {
+		t.Fatalf("UnsettledEntries after 3 = %v, %v", es, err)
+	}
+	noErr(t, l.MarkSettled(c, "o", 99)) // capped at ledger_seq
+	if a := account(t, l, "o"); a.SettledSeq != 4 {
+		t.Fatalf("settled_seq = %d, want 4 (capped at ledger_seq)", a.SettledSeq)
+	}
+	if orgs := must(l.OrgsToSettle(c, 10)); len(orgs) != 0 {
+		t.Fatalf("OrgsToSettle when all settled = %v", orgs)
+	}
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{event("quiet", 1, 0)}))
+	if orgs := must(l.OrgsToSettle(c, 10)); !slices.Equal(orgs, []string{"quiet"}) {
+		t.Fatalf("OrgsToSettle with pending usage = %v, want [quiet]", orgs)
+	}
+}
+
+func testUnsettledUsage(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "o"))
+	settled, accounted, pending, other := event("o", 1, 0), event("o", 2, 1), event("o", 3, 2), event("x", 4, 3)
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{settled, accounted}))
+	must(l.AccountPending(c, 10))
+	noErr(t, l.MarkSettled(c, "o", 1))
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{pending, other}))
+	unknown := NewEventID()
+	got := must(l.UnsettledUsage(c, "o", []string{settled.ID, accounted.ID, pending.ID, other.ID, unknown, "not-a-uuid"}))
+	want := map[string]bool{settled.ID: false, accounted.ID: true, pending.ID: true, other.ID: false, unknown: false, "not-a-uuid": false}
+	for id, w := range want {
+		if got[id] != w {
+			t.Fatalf("UnsettledUsage[%s] = %v, want %v (all: %v)", id, got[id], w, got)
+		}
+	}
+	if got := must(l.UnsettledUsage(c, "o", nil)); len(got) != 0 {
+		t.Fatalf("UnsettledUsage(nil) = %v", got)
+	}
+}
+
+func testSubscribe(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	sctx, cancel := context.WithCancel(c)
+	ch := must(l.Subscribe(sctx))
+	noErr(t, l.CreateOrg(c, "o"))
+	expect := func(what, org string) {
+		t.Helper()
+		deadline := time.After(10 * time.Second)
+		for {
+			select {
+			case got, ok := <-ch:
+				if !ok {
+					t.Fatalf("%s: subscription closed", what)
+				}
+				if got == org {
+					return
+				}
+			case <-deadline:
+				t.Fatalf("%s: no notification for %s", what, org)
+			}
+		}
+	}
+	time.Sleep(50 * time.Millisecond) // a LISTEN may need a moment to be in place
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{event("o", 1, 0)}))
+	expect("RecordUsage", "o")
+	_, _, err := l.Credit(c, "o", 5, "r")
+	noErr(t, err)
+	expect("Credit", "o")
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{event("p", 1, 0)}))
+	must(l.AccountPending(c, 10))
+	expect("AccountPending", "p")
+	cancel()
+	deadline := time.After(10 * time.Second)
+	for {
+		select {
+		case _, ok := <-ch:
+			if !ok {
+				return
+			}
+		case <-deadline:
+			t.Fatal("subscription not closed after its context ended")
+		}
+	}
+}
+
+func testModels(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	_, err := l.Model(c, "m")
+	wantErr(t, err, accounting.ErrUnknownModel, "missing model")
+	wantErr(t, l.RaiseMaxCost(c, "m", 5), accounting.ErrUnknownModel, "RaiseMaxCost of a missing model")
+	m := accounting.Model{Name: "m", Prices: accounting.Prices{Input: 2_500_000, CachedInput: 1_250_000, Output: 10_000_000},
+		MaxInputTokens: 128_000, MaxOutputTokens: 16_384, MaxCost: 100, DefaultHold: 50_000}
+	noErr(t, l.PutModel(c, m))
+	noErr(t, l.PutModel(c, accounting.Model{Name: "a", DefaultHold: 1}))
+	if got := must(l.Model(c, "m")); got != m {
+		t.Fatalf("Model = %+v, want %+v", got, m)
+	}
+	noErr(t, l.RaiseMaxCost(c, "m", 300))
+	noErr(t, l.RaiseMaxCost(c, "m", 200)) // never lowers
+	if got := must(l.Model(c, "m")); got.MaxCost != 300 {
+		t.Fatalf("max cost %d, want 300", got.MaxCost)
+	}
+	wantErr(t, l.RaiseMaxCost(c, "m", -1), accounting.ErrInvalidAmount, "negative max cost")
+	ms := must(l.Models(c))
+	if len(ms) != 2 || ms[0].Name != "a" || ms[1].Name != "m" || ms[1].MaxCost != 300 {
+		t.Fatalf("Models = %+v", ms)
+	}
+	// PutModel replaces (an admin may lower the learned max).
+	m.MaxCost = 10
+	m.Output = 1
+	noErr(t, l.PutModel(c, m))
+	if got := must(l.Model(c, "m")); got != m {
+		t.Fatalf("after replace: %+v", got)
+	}
+	wantErr(t, l.PutModel(c, accounting.Model{Name: "bad", Prices: accounting.Prices{Input: -1}}), accounting.ErrInvalidAmount, "negative price")
+	wantErr(t, l.PutModel(c, accounting.Model{Name: ""}), accounting.ErrInvalidAmount, "empty name")
+}
+
+func testKeys(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	_, _, err := l.CreateKey(c, "o")
+	wantErr(t, err, accounting.ErrUnknownOrg, "CreateKey for a missing org")
+	noErr(t, l.CreateOrg(c, "o"))
+	k, secret, err := l.CreateKey(c, "o")
+	noErr(t, err)
+	k2, secret2, err := l.CreateKey(c, "o")
+	noErr(t, err)
+	if !strings.HasPrefix(secret, accounting.KeyPrefix) || len(secret) < 40 || secret == secret2 || k.ID == k2.ID || k.Org != "o" {
+		t.Fatalf("keys %+v %q, %+v %q", k, secret, k2, secret2)
+	}
+	if got := must(l.LookupKey(c, secret)); got != k {
+		t.Fatalf("LookupKey = %+v, want %+v", got, k)
+	}
+	_, err = l.LookupKey(c, secret+"x")
+	wantErr(t, err, accounting.ErrUnknownKey, "wrong secret")
+	noErr(t, l.RevokeKey(c, k.ID))
+	_, err = l.LookupKey(c, secret)
+	wantErr(t, err, accounting.ErrUnknownKey, "revoked key")
+	noErr(t, l.RevokeKey(c, k.ID)) // revoking twice is fine
+	wantErr(t, l.RevokeKey(c, "key_nope"), accounting.ErrUnknownKey, "revoke missing key")
+	if got := must(l.LookupKey(c, secret2)); got != k2 {
+		t.Fatalf("other key after revoke: %+v", got)
+	}
+}
