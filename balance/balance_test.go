@@ -1,0 +1,436 @@
+package balance_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/balance/balancetest"
+	"github.com/llmescrow/escrow/internal/testutil"
+)
+
+func envOf(e *testutil.RedisEnv) balancetest.Env {
+	return balancetest.Env{Client: e.Client, Prefix: e.Prefix, Real: e.Real()}
+}
+
+// TestConformance runs every script rule on miniredis and on the real Redis.
+func TestConformance(t *testing.T) {
+	t.Parallel()
+	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
+		balancetest.Run(t, envOf(env))
+	})
+}
+
+// ownClient makes a client of the env's server with room for many goroutines.
+func ownClient(t *testing.T, env *testutil.RedisEnv, tweak func(*redis.Options)) *redis.Client {
+	t.Helper()
+	opt, err := redis.ParseURL(env.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt.PoolSize = 64
+	opt.PoolTimeout = 60 * time.Second
+	if tweak != nil {
+		tweak(opt)
+	}
+	c := redis.NewClient(opt)
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// TestBurst: 2,000 concurrent reserves on one org whose balance fits exactly N holds → exactly
+// N succeed, the balance is never seen below zero, and after settling every hold with a random
+// real cost the balance is start − Σ costs to the micro-unit.
+func TestBurst(t *testing.T) {
+	t.Parallel()
+	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
+		ctx := context.Background()
+		c := ownClient(t, env, nil)
+		l := balancetest.NewFakeLedger(1)
+		s, err := balance.New(ctx, c, balance.Config{Ledger: l, Prefix: env.Prefix, MaxInFlight: 5000})
+		if err != nil {
+			t.Fatal(err)
+		}
+		const (
+			requests = 2000
+			n        = 737
+			hold     = 1_234_567
+		)
+		org := testutil.RandomName("burst")
+		start := int64(n * hold)
+		l.Add(org, start, "")
+		if err := s.Warm(ctx, org); err != nil {
+			t.Fatal(err)
+		}
+
+		stop := make(chan struct{})
+		var samples, negative atomic.Int64
+		var sampler sync.WaitGroup
+		sampler.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				v, err := c.HGet(ctx, env.Prefix+":{"+org+"}:acct", "bal").Int64()
+				if err == nil {
+					samples.Add(1)
+					if v < 0 {
+						negative.Add(1)
+					}
+				}
+			}
+		})
+
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		var granted []string
+		var insufficient atomic.Int64
+		gate := make(chan struct{})
+		for i := range requests {
+			wg.Go(func() {
+				<-gate
+				id := fmt.Sprintf("burst-%04d", i)
+				_, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: hold})
+				switch {
+				case err == nil:
+					mu.Lock()
+					granted = append(granted, id)
+					mu.Unlock()
+				case errors.Is(err, balance.ErrInsufficient):
+					insufficient.Add(1)
+				default:
+					t.Errorf("reserve %s: %v", id, err)
+				}
+			})
+		}
+		close(gate)
+		wg.Wait()
+		close(stop)
+		sampler.Wait()
+
+		if len(granted) != n || insufficient.Load() != requests-n {
+			t.Fatalf("granted %d, insufficient %d; want %d and %d", len(granted), insufficient.Load(), n, requests-n)
+		}
+		if negative.Load() != 0 || samples.Load() == 0 {
+			t.Fatalf("sampler: %d samples, %d below zero", samples.Load(), negative.Load())
+		}
+		st, _ := s.State(ctx, org)
+		if st.Balance != 0 || st.Held != start || st.Holds != n {
+			t.Fatalf("after the burst: %+v", st)
+		}
+
+		// Settle every hold with a random real cost, in ledger order, in batches.
+		rng := rand.New(rand.NewPCG(1, 2))
+		var costs int64
+		for _, id := range granted {
+			cost := rng.Int64N(hold + 1)
+			if rng.IntN(10) == 0 {
+				cost = hold + rng.Int64N(1000) // sometimes more than the hold
+			}
+			costs += cost
+			l.Add(org, -cost, id)
+		}
+		all := l.Entries(org, 1)
+		for i := 0; i < len(all); i += 100 {
+			batch := all[i:min(i+100, len(all))]
+			statuses, err := s.Settle(ctx, org, l.CurrentEpoch(), batch)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, st := range statuses {
+				if st != balance.Applied {
+					t.Fatalf("status %v", st)
+				}
+			}
+		}
+		st, _ = s.State(ctx, org)
+		if st.Balance != start-costs || st.Holds != 0 || st.Held != 0 || st.Watermark != int64(n+1) {
+			t.Fatalf("after settling: %+v; want balance %d", st, start-costs)
+		}
+	})
+}
+
+// TestDroppedReply: a reply lost after Redis ran the script (the client times out, and go-redis
+// re-sends the command on a new connection) debits exactly once, for reserve and for settle.
+func TestDroppedReply(t *testing.T) {
+	t.Parallel()
+	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
+		ctx := context.Background()
+		addr := strings.TrimPrefix(strings.TrimSuffix(env.URL, "/0"), "redis://")
+		proxy := testutil.StartFaultProxy(t, addr)
+		c := ownClient(t, env, func(o *redis.Options) {
+			o.Addr = proxy.Addr()
+			o.ReadTimeout = 300 * time.Millisecond
+			o.MaxRetries = 3
+			o.MinRetryBackoff = time.Millisecond
+			o.MaxRetryBackoff = 5 * time.Millisecond
+		})
+		l := balancetest.NewFakeLedger(1)
+		s, err := balance.New(ctx, c, balance.Config{Ledger: l, Prefix: env.Prefix})
+		if err != nil {
+			t.Fatal(err)
+		}
+		org := testutil.RandomName("drop")
+		l.Add(org, 1000, "")
+		if err := s.Warm(ctx, org); err != nil {
+			t.Fatal(err)
+		}
+		evalsha := func(b []byte) bool { return bytes.Contains(bytes.ToUpper(b), []byte("EVALSHA")) }
+
+		proxy.DropRepliesIf(1, evalsha)
+		r, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: "h1", Amount: 100})
+		if err != nil {
+			t.Fatalf("reserve through a lost reply: %v", err)
+		}
+		if proxy.Stats().DroppedReplies != 1 {
+			t.Fatalf("no reply was dropped: %+v", proxy.Stats())
+		}
+		if !r.Duplicate || r.Balance != 900 {
+			t.Fatalf("reservation %+v; want the re-sent call to meet its own hold (duplicate, 900)", r)
+		}
+		st, _ := s.State(ctx, org)
+		if st.Balance != 900 || st.Held != 100 {
+			t.Fatalf("debited more than once: %+v", st)
+		}
+
+		e := l.Add(org, -40, "h1")
+		proxy.DropRepliesIf(1, evalsha)
+		statuses, err := s.Settle(ctx, org, l.CurrentEpoch(), []balance.Entry{e})
+		if err != nil {
+			t.Fatalf("settle through a lost reply: %v", err)
+		}
+		if proxy.Stats().DroppedReplies != 2 {
+			t.Fatalf("no reply was dropped: %+v", proxy.Stats())
+		}
+		if statuses[0] != balance.Already {
+			t.Fatalf("re-sent settle answered %v, want already", statuses[0])
+		}
+		st, _ = s.State(ctx, org)
+		if st.Balance != 960 || st.Held != 0 || st.Watermark != 2 {
+			t.Fatalf("settled more than once: %+v", st)
+		}
+	})
+}
+
+// tagOf is the Redis Cluster hash tag rule: the part between the first '{' and the next '}'
+// when non-empty, else the whole key.
+func tagOf(key string) string {
+	if i := strings.IndexByte(key, '{'); i >= 0 {
+		if j := strings.IndexByte(key[i+1:], '}'); j > 0 {
+			return key[i+1 : i+1+j]
+		}
+	}
+	return key
+}
+
+type recordHook struct {
+	mu    sync.Mutex
+	calls [][]any
+}
+
+func (h *recordHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *recordHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if n := strings.ToLower(cmd.Name()); n == "evalsha" || n == "eval" {
+			h.mu.Lock()
+			h.calls = append(h.calls, cmd.Args())
+			h.mu.Unlock()
+		}
+		return next(ctx, cmd)
+	}
+}
+func (h *recordHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, c := range cmds {
+			if n := strings.ToLower(c.Name()); n == "evalsha" || n == "eval" {
+				h.mu.Lock()
+				h.calls = append(h.calls, c.Args())
+				h.mu.Unlock()
+			}
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// TestOneHashTagPerCall drives every script call site and asserts that the keys of each call
+// share one hash tag (one Cluster slot), and that every script was called.
+func TestOneHashTagPerCall(t *testing.T) {
+	t.Parallel()
+	env := testutil.MiniRedis(t)
+	hook := &recordHook{}
+	c := ownClient(t, env, nil)
+	c.AddHook(hook)
+	ctx := context.Background()
+	l := balancetest.NewFakeLedger(1)
+	s, err := balance.New(ctx, c, balance.Config{Ledger: l, Prefix: env.Prefix, HoldTTL: 10 * time.Millisecond, PinTTL: time.Second, ReapGrace: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	org := "acme"
+	l.Add(org, 1000, "")
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, err = s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: "a", Amount: 10}) // cold → seed → catch-up → reserve
+	must(err)
+	_, err = s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: "b", Amount: 10})
+	must(err)
+	_, err = s.Extend(ctx, org, "a")
+	must(err)
+	_, err = s.Pin(ctx, org, "a")
+	must(err)
+	_, err = s.Unpin(ctx, org, "a")
+	must(err)
+	e := l.Add(org, -5, "a")
+	_, err = s.Settle(ctx, org, l.CurrentEpoch(), []balance.Entry{e})
+	must(err)
+	_, err = s.Release(ctx, org, "zzz")
+	must(err)
+	time.Sleep(30 * time.Millisecond)
+	_, err = s.Reap(ctx, org)
+	must(err)
+	_, err = s.State(ctx, org)
+	must(err)
+	_, err = s.RaiseModelMax(ctx, "gpt-{x}", 5, 10)
+	must(err)
+
+	shas := map[string]bool{}
+	for _, args := range hook.calls {
+		shas[fmt.Sprint(args[1])] = true
+		nkeys, _ := strconv.Atoi(fmt.Sprint(args[2]))
+		if nkeys == 0 {
+			t.Fatalf("script call without keys: %v", args)
+		}
+		tag := tagOf(fmt.Sprint(args[3]))
+		for _, k := range args[3 : 3+nkeys] {
+			if tagOf(fmt.Sprint(k)) != tag {
+				t.Fatalf("keys of one call span hash tags: %v", args[3:3+nkeys])
+			}
+		}
+	}
+	if len(shas) != 11 {
+		t.Fatalf("%d distinct scripts called, want all 11", len(shas))
+	}
+}
+
+// TestNoScriptReload: after the server forgets its scripts (restart, failover), calls load them
+// again and go through.
+func TestNoScriptReload(t *testing.T) {
+	t.Parallel()
+	env := testutil.MiniRedis(t)
+	ctx := context.Background()
+	l := balancetest.NewFakeLedger(1)
+	s, err := balance.New(ctx, env.Client, balance.Config{Ledger: l, Prefix: env.Prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.Add("acme", 100, "")
+	if err := env.Client.ScriptFlush(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	r, err := s.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: "a", Amount: 10})
+	if err != nil || r.Balance != 90 {
+		t.Fatalf("reserve after SCRIPT FLUSH: %+v %v", r, err)
+	}
+	if err := env.Client.ScriptFlush(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Release(ctx, "acme", "a"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestNoScriptRealRestart restarts a private redis-server (scripts and data gone) under a store.
+func TestNoScriptRealRestart(t *testing.T) {
+	t.Parallel()
+	srv := testutil.StartRedisServer(t)
+	c := srv.Client()
+	ctx := context.Background()
+	l := balancetest.NewFakeLedger(1)
+	s, err := balance.New(ctx, c, balance.Config{Ledger: l})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(s.Warnings()) == 0 {
+		t.Fatal("no warning for a server without AOF")
+	}
+	l.Add("acme", 100, "")
+	if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: "a", Amount: 10}); err != nil {
+		t.Fatal(err)
+	}
+	srv.Restart()
+	// Data and scripts are gone: the reserve reloads the scripts, reseeds, and goes through.
+	r, err := s.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: "b", Amount: 10})
+	if err != nil || r.Balance != 90 {
+		t.Fatalf("reserve after restart: %+v %v", r, err)
+	}
+}
+
+// TestRefusesEviction: a server that may evict keys is refused unless AllowEviction is set.
+func TestRefusesEviction(t *testing.T) {
+	t.Parallel()
+	srv := testutil.StartRedisServer(t, testutil.RedisArgs("--maxmemory-policy", "allkeys-lru"))
+	ctx := context.Background()
+	if _, err := balance.New(ctx, srv.Client(), balance.Config{}); !errors.Is(err, balance.ErrUnsupportedRedis) {
+		t.Fatalf("got %v, want ErrUnsupportedRedis", err)
+	}
+	s, err := balance.New(ctx, srv.Client(), balance.Config{AllowEviction: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, w := range s.Warnings() {
+		found = found || strings.Contains(w, "allkeys-lru")
+	}
+	if !found {
+		t.Fatalf("no eviction warning: %q", s.Warnings())
+	}
+}
+
+func TestConfigValidation(t *testing.T) {
+	t.Parallel()
+	env := testutil.MiniRedis(t)
+	ctx := context.Background()
+	for _, cfg := range []balance.Config{
+		{HoldTTL: time.Hour, PinTTL: 2 * time.Hour},
+		{Prefix: "a{b}"},
+		{Prefix: "has space"},
+		{MaxInFlight: -1},
+	} {
+		if _, err := balance.New(ctx, env.Client, cfg); err == nil {
+			t.Fatalf("config %+v accepted", cfg)
+		}
+	}
+	if _, err := balance.New(ctx, nil, balance.Config{}); err == nil {
+		t.Fatal("nil client accepted")
+	}
+}
+
+func TestValidOrg(t *testing.T) {
+	t.Parallel()
+	for org, want := range map[string]bool{
+		"acme": true, "org_123-x.y": true, strings.Repeat("a", 128): true,
+		"": false, strings.Repeat("a", 129): false, "a{b": false, "a}b": false, "a:b": false,
+		"a b": false, "a\nb": false, "é": false,
+	} {
+		if got := balance.ValidOrg(org); got != want {
+			t.Errorf("ValidOrg(%q) = %v, want %v", org, got, want)
+		}
+	}
+}

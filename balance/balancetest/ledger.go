@@ -1,0 +1,178 @@
+// Package balancetest holds the conformance suite of package balance, runnable against any
+// Redis (miniredis, a single server, a Cluster), and a small in-memory Ledger double.
+package balancetest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"sync"
+	"sync/atomic"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+// FakeLedger is a minimal balance.Ledger for tests: per org, a list of entries (seq from 1) and
+// a set of hold ids with unsettled usage. It is safe for concurrent use.
+type FakeLedger struct {
+	mu        sync.Mutex
+	epoch     balance.Epoch
+	orgs      map[string][]balance.Entry
+	unsettled map[string]bool
+	staleBy   int   // Snapshot leaves out the last staleBy entries (a stale read)
+	err       error // returned by every call when set
+
+	Snapshots atomic.Int64 // Snapshot calls
+}
+
+// NewFakeLedger returns an empty ledger with a fresh epoch of generation gen.
+func NewFakeLedger(gen int64) *FakeLedger {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	return &FakeLedger{
+		epoch:     balance.Epoch{Gen: gen, ID: hex.EncodeToString(b[:])},
+		orgs:      map[string][]balance.Entry{},
+		unsettled: map[string]bool{},
+	}
+}
+
+// Epoch returns the ledger's epoch (balance.New reads it when the ledger offers it).
+func (l *FakeLedger) Epoch(context.Context) (balance.Epoch, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.epoch, l.err
+}
+
+// CurrentEpoch is Epoch without a context or error.
+func (l *FakeLedger) CurrentEpoch() balance.Epoch {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.epoch
+}
+
+// SetEpoch replaces the epoch (a restore, or another ledger).
+func (l *FakeLedger) SetEpoch(e balance.Epoch) {
+	l.mu.Lock()
+	l.epoch = e
+	l.mu.Unlock()
+}
+
+// Add appends an entry to org's ledger and returns it.
+func (l *FakeLedger) Add(org string, delta int64, holdID string) balance.Entry {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e := balance.Entry{Seq: int64(len(l.orgs[org])) + 1, Delta: delta, HoldID: holdID}
+	l.orgs[org] = append(l.orgs[org], e)
+	return e
+}
+
+// Entries returns org's entries with Seq > after.
+func (l *FakeLedger) Entries(org string, after int64) []balance.Entry {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []balance.Entry
+	for _, e := range l.orgs[org] {
+		if e.Seq > after {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// B is the org's ledger balance after its entries with Seq ≤ k.
+func (l *FakeLedger) B(org string, k int64) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var b int64
+	for _, e := range l.orgs[org] {
+		if e.Seq <= k {
+			b += e.Delta
+		}
+	}
+	return b
+}
+
+// Seq is the org's last sequence number.
+func (l *FakeLedger) Seq(org string) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return int64(len(l.orgs[org]))
+}
+
+// SetUnsettled marks (or unmarks) hold ids as having unsettled usage.
+func (l *FakeLedger) SetUnsettled(on bool, ids ...string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, id := range ids {
+		if on {
+			l.unsettled[id] = true
+		} else {
+			delete(l.unsettled, id)
+		}
+	}
+}
+
+// SetStale makes Snapshot leave out the org's last n entries (0 turns it off).
+func (l *FakeLedger) SetStale(n int) {
+	l.mu.Lock()
+	l.staleBy = n
+	l.mu.Unlock()
+}
+
+// SetErr makes every call fail with err (nil: back to normal).
+func (l *FakeLedger) SetErr(err error) {
+	l.mu.Lock()
+	l.err = err
+	l.mu.Unlock()
+}
+
+// Snapshot implements balance.Ledger.
+func (l *FakeLedger) Snapshot(_ context.Context, org string) (balance.Snapshot, error) {
+	l.Snapshots.Add(1)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.err != nil {
+		return balance.Snapshot{}, l.err
+	}
+	es := l.orgs[org]
+	n := max(len(es)-l.staleBy, 0)
+	var b int64
+	for _, e := range es[:n] {
+		b += e.Delta
+	}
+	return balance.Snapshot{Epoch: l.epoch, Balance: b, Seq: int64(n)}, nil
+}
+
+// EntriesAfter implements balance.Ledger.
+func (l *FakeLedger) EntriesAfter(_ context.Context, org string, after int64, limit int) ([]balance.Entry, balance.Epoch, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.err != nil {
+		return nil, balance.Epoch{}, l.err
+	}
+	var out []balance.Entry
+	for _, e := range l.orgs[org] {
+		if e.Seq > after && len(out) < limit {
+			out = append(out, e)
+		}
+	}
+	return out, l.epoch, nil
+}
+
+// UnsettledUsage implements balance.Ledger.
+func (l *FakeLedger) UnsettledUsage(_ context.Context, _ string, ids []string) (map[string]bool, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.err != nil {
+		return nil, l.err
+	}
+	out := map[string]bool{}
+	for _, id := range ids {
+		if l.unsettled[id] {
+			out[id] = true
+		}
+	}
+	return out, nil
+}
+
+var _ balance.Ledger = (*FakeLedger)(nil)
