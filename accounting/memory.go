@@ -223,6 +223,11 @@ func (m *Memory) write(org string, kind EntryKind, delta int64, ref string) (Led
 		return LedgerEntry{}, false, err
 	}
 	m.mu.Lock()
+	a := m.accounts[org]
+	if a == nil {
+		m.mu.Unlock()
+		return LedgerEntry{}, false, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
 	if ref != "" {
 		if e, ok := m.refs[refKey{kind, ref}]; ok {
 			m.mu.Unlock()
@@ -231,11 +236,6 @@ func (m *Memory) write(org string, kind EntryKind, delta int64, ref string) (Led
 			}
 			return e, false, nil
 		}
-	}
-	a := m.accounts[org]
-	if a == nil {
-		m.mu.Unlock()
-		return LedgerEntry{}, false, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 	}
 	if nb := a.balance + delta; nb > balance.MaxAmount || nb < -balance.MaxAmount {
 		m.mu.Unlock()

@@ -1,0 +1,838 @@
+package accounting
+
+import (
+	"cmp"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/migrations"
+)
+
+// PostgresConfig configures the Postgres ledger. The zero value is ready to use.
+type PostgresConfig struct {
+	// SkipMigrations stops OpenPostgres from applying the embedded migrations (package
+	// migrations) before it returns. Default false: they are applied, under an advisory lock,
+	// so several processes may start at once. NewPostgres never migrates.
+	SkipMigrations bool
+	// Logger receives the subscription's reconnect warnings. Default slog.Default().
+	Logger *slog.Logger
+	// ReconnectDelay is the first wait before a lost LISTEN connection is re-made; it doubles up
+	// to 30 s while Postgres stays away. Default 250 ms.
+	ReconnectDelay time.Duration
+}
+
+// Postgres is the ledger in PostgreSQL (the pool's current schema; see package migrations for
+// the tables). Every query goes to the primary the pool points at.
+//
+// Locking. The writers of one org's ledger are serialized by the account row: every entry's
+// seq comes from `UPDATE accounts SET ledger_seq = ledger_seq + n`. On top of that, accounting
+// takes the org's advisory lock (key (hashtext(current_schema()), hashtext(org)), so two ledgers
+// in two schemas never contend), always after the account row, never before, so accounting and
+// Snapshot cannot deadlock: AccountPending takes the row with SKIP LOCKED and the advisory lock
+// with pg_try_advisory_xact_lock and leaves a busy org for later; Snapshot waits for both (a
+// worker's half-done claim must be waited for, never skipped).
+//
+// Usage events of an org with no account are accounted anyway, creating the account (a
+// request that was served is billed); such an account starts at balance 0 and goes negative.
+//
+// Notifications go to the channel "escrow_" + the first 16 hex digits of md5(current_schema()),
+// so ledgers in different schemas of one database do not hear each other.
+type Postgres struct {
+	pool   *pgxpool.Pool
+	owned  bool
+	cfg    PostgresConfig
+	log    *slog.Logger
+	closed chan struct{}
+}
+
+var _ Ledger = (*Postgres)(nil)
+
+// OpenPostgres connects to url (a pgx connection string; its search_path selects the schema)
+// and, unless cfg says otherwise, applies the migrations. The ledger owns the pool: Close
+// closes it.
+func OpenPostgres(ctx context.Context, url string, cfg ...PostgresConfig) (*Postgres, error) {
+	var c PostgresConfig
+	if len(cfg) > 0 {
+		c = cfg[0]
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		return nil, wrapPg("open", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, wrapPg("open", err)
+	}
+	if !c.SkipMigrations {
+		if _, err := migrations.Up(ctx, pool); err != nil {
+			pool.Close()
+			return nil, wrapPg("migrate", err)
+		}
+	}
+	p := NewPostgres(pool, &c)
+	p.owned = true
+	return p, nil
+}
+
+// NewPostgres returns a ledger on pool, whose schema must be migrated (migrations.Up). The
+// caller keeps the pool: Close does not close it. cfg may be nil.
+func NewPostgres(pool *pgxpool.Pool, cfg *PostgresConfig) *Postgres {
+	var c PostgresConfig
+	if cfg != nil {
+		c = *cfg
+	}
+	c.ReconnectDelay = cmp.Or(c.ReconnectDelay, 250*time.Millisecond)
+	return &Postgres{pool: pool, cfg: c, log: cmp.Or(c.Logger, slog.Default()), closed: make(chan struct{})}
+}
+
+// Pool returns the ledger's connection pool.
+func (p *Postgres) Pool() *pgxpool.Pool { return p.pool }
+
+// Close stops the subscriptions and, when OpenPostgres made the pool, closes it.
+func (p *Postgres) Close() {
+	select {
+	case <-p.closed:
+		return
+	default:
+		close(p.closed)
+	}
+	if p.owned {
+		p.pool.Close()
+	}
+}
+
+// SQL fragments shared by the queries.
+const (
+	sqlChannel = `'escrow_' || left(md5(current_schema()), 16)`
+	sqlNotify  = `SELECT pg_notify(` + sqlChannel + `, $1)`
+	// A claimed org's events become charge entries $3+1 … $3+n; $4 ids, $5 costs, in order.
+	sqlWriteCharges = `
+WITH acc AS (
+	UPDATE accounts SET balance = balance - $2, ledger_seq = ledger_seq + cardinality($4::text[])
+	WHERE org_id = $1
+), ev AS (
+	UPDATE usage_events u SET status = 'accounted', seq = $3 + x.ord
+	FROM unnest($4::text[]) WITH ORDINALITY AS x(id, ord)
+	WHERE u.id = x.id::uuid
+)
+INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id)
+SELECT $1, $3 + x.ord, -x.cost, 'charge', x.id::uuid
+FROM unnest($4::text[], $5::bigint[]) WITH ORDINALITY AS x(id, cost, ord)`
+	sqlClaimOrder = ` ORDER BY created_at, id`
+)
+
+// maxClaim bounds the events one org's transaction accounts (their cost sum stays in int64).
+const maxClaim = 10_000
+
+// Epoch returns the ledger's epoch.
+func (p *Postgres) Epoch(ctx context.Context) (balance.Epoch, error) {
+	var e balance.Epoch
+	err := p.pool.QueryRow(ctx, `SELECT epoch_gen, epoch_id FROM ledger_meta`).Scan(&e.Gen, &e.ID)
+	return e, wrapPg("epoch", err)
+}
+
+// CreateOrg creates an account with balance 0.
+func (p *Postgres) CreateOrg(ctx context.Context, org string) error {
+	if err := ValidateOrg(org); err != nil {
+		return err
+	}
+	tag, err := p.pool.Exec(ctx, `INSERT INTO accounts (org_id) VALUES ($1) ON CONFLICT DO NOTHING`, org)
+	if err != nil {
+		return wrapPg("create org", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("%w: %q", ErrOrgExists, org)
+	}
+	return nil
+}
+
+// Account returns the org's account.
+func (p *Postgres) Account(ctx context.Context, org string) (Account, error) {
+	if err := ValidateOrg(org); err != nil {
+		return Account{}, err
+	}
+	a := Account{Org: org}
+	err := p.pool.QueryRow(ctx, `
+SELECT balance, ledger_seq, settled_seq,
+       (SELECT count(*) FROM usage_events WHERE org_id = $1 AND status = 'pending')
+FROM accounts WHERE org_id = $1`, org).Scan(&a.Balance, &a.LedgerSeq, &a.SettledSeq, &a.Pending)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Account{}, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	return a, wrapPg("account", err)
+}
+
+// Snapshot accounts the org's pending usage events and returns the account's balance and
+// ledger sequence with the epoch, in one transaction: it locks the account row, then waits for
+// the org's advisory lock and for any event another transaction has claimed (never SKIP
+// LOCKED), so the snapshot covers every usage recorded before it. With nothing pending it
+// writes nothing.
+func (p *Postgres) Snapshot(ctx context.Context, org string) (balance.Snapshot, error) {
+	if err := ValidateOrg(org); err != nil {
+		return balance.Snapshot{}, err
+	}
+	var s balance.Snapshot
+	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		b := &pgx.Batch{}
+		b.Queue(`SELECT balance, ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE`, org)
+		b.Queue(`SELECT pg_advisory_xact_lock(hashtext(current_schema()), hashtext($1))`, org)
+		b.Queue(`SELECT id::text, cost FROM usage_events WHERE org_id = $1 AND status = 'pending'`+sqlClaimOrder+` FOR UPDATE`, org)
+		b.Queue(`SELECT epoch_gen, epoch_id FROM ledger_meta`)
+		br := tx.SendBatch(ctx, b)
+		found := true
+		if err := br.QueryRow().Scan(&s.Balance, &s.Seq); errors.Is(err, pgx.ErrNoRows) {
+			found = false
+		} else if err != nil {
+			br.Close()
+			return err
+		}
+		if _, err := br.Exec(); err != nil {
+			br.Close()
+			return err
+		}
+		rows, _ := br.Query()
+		ids, costs, err := scanClaim(rows)
+		if err != nil {
+			br.Close()
+			return err
+		}
+		if err := br.QueryRow().Scan(&s.Epoch.Gen, &s.Epoch.ID); err != nil {
+			br.Close()
+			return err
+		}
+		if err := br.Close(); err != nil {
+			return err
+		}
+		if !found {
+			if len(ids) == 0 {
+				return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+			}
+			// Usage of an org without an account: bill it, creating the account.
+			if _, err := tx.Exec(ctx, `INSERT INTO accounts (org_id) VALUES ($1) ON CONFLICT DO NOTHING`, org); err != nil {
+				return err
+			}
+			if err := tx.QueryRow(ctx, `SELECT balance, ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE`, org).Scan(&s.Balance, &s.Seq); err != nil {
+				return err
+			}
+		}
+		if len(ids) == 0 {
+			return nil
+		}
+		sum, err := writeCharges(ctx, tx, org, s.Seq, ids, costs)
+		if err != nil {
+			return err
+		}
+		s.Balance -= sum
+		s.Seq += int64(len(ids))
+		return nil
+	})
+	if err != nil {
+		return balance.Snapshot{}, wrapPg("snapshot", err)
+	}
+	return s, nil
+}
+
+func scanClaim(rows pgx.Rows) (ids []string, costs []int64, err error) {
+	defer rows.Close()
+	for rows.Next() {
+		var id string
+		var cost int64
+		if err := rows.Scan(&id, &cost); err != nil {
+			return nil, nil, err
+		}
+		ids = append(ids, id)
+		costs = append(costs, cost)
+	}
+	return ids, costs, rows.Err()
+}
+
+// writeCharges turns the claimed events into entries base+1 … base+n, moves the account once
+// and notifies, in the caller's transaction. It returns the sum of the costs.
+func writeCharges(ctx context.Context, tx pgx.Tx, org string, base int64, ids []string, costs []int64) (int64, error) {
+	var sum int64
+	for _, c := range costs {
+		sum += c
+	}
+	b := &pgx.Batch{}
+	b.Queue(sqlWriteCharges, org, sum, base, ids, costs)
+	b.Queue(sqlNotify, org)
+	return sum, tx.SendBatch(ctx, b).Close()
+}
+
+// AccountPending turns up to limit pending usage events into charge entries, oldest first:
+// per org, one transaction that holds the account row and the org's advisory lock (both taken
+// without waiting: an org another worker or a snapshot holds is left for later) claims the
+// org's events FOR UPDATE SKIP LOCKED, inserts their entries with the next sequence numbers,
+// moves the account once, marks the events accounted and notifies.
+func (p *Postgres) AccountPending(ctx context.Context, limit int) (int, error) {
+	if limit <= 0 {
+		limit = defaultLimit
+	}
+	rows, err := p.pool.Query(ctx, `
+SELECT org_id, count(*)::int FROM (
+	SELECT org_id, created_at FROM usage_events WHERE status = 'pending' ORDER BY created_at LIMIT $1
+) p GROUP BY org_id ORDER BY min(created_at)`, limit)
+	if err != nil {
+		return 0, wrapPg("account pending", err)
+	}
+	type orgN struct {
+		org string
+		n   int
+	}
+	orgs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (orgN, error) {
+		var o orgN
+		return o, r.Scan(&o.org, &o.n)
+	})
+	if err != nil {
+		return 0, wrapPg("account pending", err)
+	}
+	total := 0
+	var errs []error
+	for _, o := range orgs {
+		n, err := p.accountOrg(ctx, o.org, min(o.n, maxClaim))
+		total += n
+		if err != nil {
+			errs = append(errs, fmt.Errorf("org %q: %w", o.org, err))
+			if ctx.Err() != nil || errors.Is(err, ErrLedgerUnavailable) {
+				break
+			}
+		}
+	}
+	if len(errs) > 0 {
+		return total, wrapPg("account pending", errors.Join(errs...))
+	}
+	return total, nil
+}
+
+func (p *Postgres) accountOrg(ctx context.Context, org string, limit int) (int, error) {
+	n := 0
+	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		b := &pgx.Batch{}
+		b.Queue(`SELECT ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE SKIP LOCKED`, org)
+		b.Queue(`SELECT pg_try_advisory_xact_lock(hashtext(current_schema()), hashtext($1))`, org)
+		br := tx.SendBatch(ctx, b)
+		var seq int64
+		haveRow := true
+		if err := br.QueryRow().Scan(&seq); errors.Is(err, pgx.ErrNoRows) {
+			haveRow = false
+		} else if err != nil {
+			br.Close()
+			return err
+		}
+		var locked bool
+		if err := br.QueryRow().Scan(&locked); err != nil {
+			br.Close()
+			return err
+		}
+		if err := br.Close(); err != nil {
+			return err
+		}
+		if !locked {
+			return nil // another worker has the org
+		}
+		if !haveRow {
+			// Either no account (create it: the usage is billed anyway) or a row another
+			// transaction holds (ON CONFLICT DO NOTHING does not wait for a row lock).
+			err := tx.QueryRow(ctx, `INSERT INTO accounts (org_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING ledger_seq`, org).Scan(&seq)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return nil
+			} else if err != nil {
+				return err
+			}
+		}
+		rows, _ := tx.Query(ctx, `SELECT id::text, cost FROM usage_events WHERE org_id = $1 AND status = 'pending'`+sqlClaimOrder+` LIMIT $2 FOR UPDATE SKIP LOCKED`, org, limit)
+		ids, costs, err := scanClaim(rows)
+		if err != nil || len(ids) == 0 {
+			return err
+		}
+		if _, err := writeCharges(ctx, tx, org, seq, ids, costs); err != nil {
+			return err
+		}
+		n = len(ids)
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	return n, nil
+}
+
+// EntriesAfter returns up to limit entries of org with Seq > after, in Seq order, and the epoch,
+// read in one statement.
+func (p *Postgres) EntriesAfter(ctx context.Context, org string, after int64, limit int) ([]balance.Entry, balance.Epoch, error) {
+	if err := ValidateOrg(org); err != nil {
+		return nil, balance.Epoch{}, err
+	}
+	return p.entries(ctx, "entries after", `$3::bigint`, org, limit, after)
+}
+
+// UnsettledEntries returns up to limit entries of org past its settled_seq, with the epoch.
+func (p *Postgres) UnsettledEntries(ctx context.Context, org string, limit int) ([]balance.Entry, balance.Epoch, error) {
+	if err := ValidateOrg(org); err != nil {
+		return nil, balance.Epoch{}, err
+	}
+	return p.entries(ctx, "unsettled entries", `(SELECT settled_seq FROM accounts WHERE org_id = $1)`, org, limit)
+}
+
+// entries reads org ($1)'s entries with seq > the SQL expression after, at most limit ($2),
+// and the epoch, in one statement (one snapshot).
+func (p *Postgres) entries(ctx context.Context, op, after string, org string, limit int, more ...any) ([]balance.Entry, balance.Epoch, error) {
+	if limit <= 0 {
+		limit = defaultLimit
+	}
+	rows, err := p.pool.Query(ctx, `
+SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text
+FROM ledger_meta m LEFT JOIN LATERAL (
+	SELECT seq, delta, hold_id FROM ledger_entries
+	WHERE org_id = $1 AND seq > `+after+` ORDER BY seq LIMIT $2
+) e ON true ORDER BY e.seq`, append([]any{org, limit}, more...)...)
+	if err != nil {
+		return nil, balance.Epoch{}, wrapPg(op, err)
+	}
+	defer rows.Close()
+	var out []balance.Entry
+	var ep balance.Epoch
+	for rows.Next() {
+		var seq, delta *int64
+		var hold *string
+		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold); err != nil {
+			return nil, balance.Epoch{}, wrapPg(op, err)
+		}
+		if seq == nil {
+			continue
+		}
+		e := balance.Entry{Seq: *seq, Delta: *delta}
+		if hold != nil {
+			e.HoldID = *hold
+		}
+		out = append(out, e)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, balance.Epoch{}, wrapPg(op, err)
+	}
+	return out, ep, nil
+}
+
+// UnsettledUsage reports, for each of holdIDs, whether the org has usage recorded for it that is
+// not settled yet: a pending event, or a charge entry past settled_seq.
+func (p *Postgres) UnsettledUsage(ctx context.Context, org string, holdIDs []string) (map[string]bool, error) {
+	if err := ValidateOrg(org); err != nil {
+		return nil, err
+	}
+	out := make(map[string]bool, len(holdIDs))
+	canon := make(map[string][]string, len(holdIDs)) // canonical id → ids as asked
+	var ids []string
+	for _, id := range holdIDs {
+		out[id] = false
+		if u, err := uuid.Parse(id); err == nil {
+			c := u.String()
+			if canon[c] == nil {
+				ids = append(ids, c)
+			}
+			canon[c] = append(canon[c], id)
+		}
+	}
+	if len(ids) == 0 {
+		return out, nil
+	}
+	rows, err := p.pool.Query(ctx, `
+SELECT u.id::text FROM usage_events u LEFT JOIN accounts a ON a.org_id = u.org_id
+WHERE u.id = ANY($2::text[]::uuid[]) AND u.org_id = $1
+  AND (u.status = 'pending' OR a.settled_seq IS NULL OR u.seq > a.settled_seq)`, org, ids)
+	if err != nil {
+		return nil, wrapPg("unsettled usage", err)
+	}
+	found, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, wrapPg("unsettled usage", err)
+	}
+	for _, c := range found {
+		for _, id := range canon[c] {
+			out[id] = true
+		}
+	}
+	return out, nil
+}
+
+// Credit adds amount (> 0) to the org, idempotent by ref across all orgs.
+func (p *Postgres) Credit(ctx context.Context, org string, amount int64, ref string) (LedgerEntry, bool, error) {
+	if amount <= 0 || amount > balance.MaxAmount {
+		return LedgerEntry{}, false, fmt.Errorf("%w: credit %d", ErrInvalidAmount, amount)
+	}
+	return p.write(ctx, org, KindCredit, amount, ref)
+}
+
+// Adjust writes a signed correction (delta ≠ 0), idempotent by ref like Credit.
+func (p *Postgres) Adjust(ctx context.Context, org string, delta int64, ref string) (LedgerEntry, bool, error) {
+	if delta == 0 || delta > balance.MaxAmount || delta < -balance.MaxAmount {
+		return LedgerEntry{}, false, fmt.Errorf("%w: adjustment %d", ErrInvalidAmount, delta)
+	}
+	return p.write(ctx, org, KindAdjust, delta, ref)
+}
+
+// write inserts one credit or adjust entry in one round trip (the account update, the entry
+// and the NOTIFY in one implicit transaction). A used reference shows as a unique violation;
+// the original entry is then read and compared.
+func (p *Postgres) write(ctx context.Context, org string, kind EntryKind, delta int64, ref string) (LedgerEntry, bool, error) {
+	if err := ValidateOrg(org); err != nil {
+		return LedgerEntry{}, false, err
+	}
+	op := string(kind)
+	for range 3 {
+		e := LedgerEntry{Org: org, Delta: delta, Kind: kind, Ref: ref}
+		b := &pgx.Batch{}
+		b.Queue(`
+WITH acc AS (
+	UPDATE accounts SET balance = balance + $2, ledger_seq = ledger_seq + 1 WHERE org_id = $1 RETURNING ledger_seq
+)
+INSERT INTO ledger_entries (org_id, seq, delta, kind, ref)
+SELECT $1, ledger_seq, $2, $3, NULLIF($4, '') FROM acc RETURNING seq, created_at`, org, delta, string(kind), ref)
+		b.Queue(sqlNotify, org)
+		br := p.pool.SendBatch(ctx, b)
+		err := br.QueryRow().Scan(&e.Seq, &e.CreatedAt)
+		if err == nil {
+			_, err = br.Exec()
+		}
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+		var pe *pgconn.PgError
+		switch {
+		case err == nil:
+			return e, true, nil
+		case errors.Is(err, pgx.ErrNoRows):
+			return LedgerEntry{}, false, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+		case errors.As(err, &pe) && pe.Code == "23514": // check_violation: balance bound
+			return LedgerEntry{}, false, fmt.Errorf("%w: balance of %q would leave ±%d", ErrInvalidAmount, org, balance.MaxAmount)
+		case errors.As(err, &pe) && pe.Code == "23505" && ref != "":
+			var orig LedgerEntry
+			err := p.pool.QueryRow(ctx, `SELECT org_id, seq, delta, created_at FROM ledger_entries WHERE kind = $1 AND ref = $2`,
+				string(kind), ref).Scan(&orig.Org, &orig.Seq, &orig.Delta, &orig.CreatedAt)
+			if errors.Is(err, pgx.ErrNoRows) {
+				continue // the other writer rolled back: try again
+			}
+			if err != nil {
+				return LedgerEntry{}, false, wrapPg(op, err)
+			}
+			if orig.Org != org || orig.Delta != delta {
+				return LedgerEntry{}, false, fmt.Errorf("%w: %q", ErrReferenceConflict, ref)
+			}
+			orig.Kind, orig.Ref = kind, ref
+			return orig, false, nil
+		default:
+			return LedgerEntry{}, false, wrapPg(op, err)
+		}
+	}
+	return LedgerEntry{}, false, fmt.Errorf("accounting: %s: reference %q kept changing", op, ref)
+}
+
+// RecordUsage stores the events with one multi-row INSERT … ON CONFLICT (id) DO NOTHING, which
+// also notifies the orgs of the new events, in one round trip.
+func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
+	if len(events) == 0 {
+		return nil
+	}
+	n := len(events)
+	var (
+		ids, orgs, models, keys, endpoints = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+		prompt, cached, completion         = make([]int64, n), make([]int64, n), make([]int64, n)
+		reasoning, costs, holds            = make([]int64, n), make([]int64, n), make([]int64, n)
+		estimated                          = make([]bool, n)
+		created                            = make([]time.Time, n)
+	)
+	for i, ev := range events {
+		ev, err := normalizeEvent(ev)
+		if err != nil {
+			return err
+		}
+		ids[i], orgs[i], models[i], keys[i], endpoints[i] = ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint
+		prompt[i], cached[i], completion[i], reasoning[i] = ev.Usage.Prompt, ev.Usage.Cached, ev.Usage.Completion, ev.Usage.Reasoning
+		costs[i], holds[i], estimated[i], created[i] = ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt
+	}
+	_, err := p.pool.Exec(ctx, `
+WITH ins AS (
+	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
+		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at)
+	SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at
+	FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
+		$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[])
+		AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at)
+	ON CONFLICT (id) DO NOTHING
+	RETURNING org_id
+)
+SELECT pg_notify(`+sqlChannel+`, org_id) FROM (SELECT DISTINCT org_id FROM ins) d`,
+		ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created)
+	return wrapPg("record usage", err)
+}
+
+// MarkSettled sets settled_seq = GREATEST(settled_seq, seq), capped at ledger_seq; it writes
+// nothing when that changes nothing.
+func (p *Postgres) MarkSettled(ctx context.Context, org string, seq int64) error {
+	if err := ValidateOrg(org); err != nil {
+		return err
+	}
+	var ok bool
+	err := p.pool.QueryRow(ctx, `
+WITH u AS (
+	UPDATE accounts SET settled_seq = LEAST($2, ledger_seq)
+	WHERE org_id = $1 AND settled_seq < LEAST($2, ledger_seq) RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)`, org, seq).Scan(&ok)
+	if err != nil {
+		return wrapPg("mark settled", err)
+	}
+	if !ok {
+		return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	return nil
+}
+
+// OrgsToSettle lists up to limit orgs with settled_seq < ledger_seq or pending usage (both from
+// partial indexes that hold only such rows).
+func (p *Postgres) OrgsToSettle(ctx context.Context, limit int) ([]string, error) {
+	if limit <= 0 {
+		limit = defaultLimit
+	}
+	rows, err := p.pool.Query(ctx, `
+(SELECT org_id FROM accounts WHERE settled_seq < ledger_seq LIMIT $1)
+UNION
+(SELECT DISTINCT org_id FROM usage_events WHERE status = 'pending' LIMIT $1)
+LIMIT $1`, limit)
+	if err != nil {
+		return nil, wrapPg("orgs to settle", err)
+	}
+	orgs, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	return orgs, wrapPg("orgs to settle", err)
+}
+
+// Subscribe LISTENs on its own connection and delivers the org of every NOTIFY until ctx ends
+// or the ledger is closed, then closes the channel. A lost connection is re-made (with
+// backoff); what was sent meanwhile is lost, which the worker's sweep covers. A slow reader
+// loses notifications (the channel holds 1024) rather than slowing Postgres.
+func (p *Postgres) Subscribe(ctx context.Context) (<-chan string, error) {
+	conn, err := p.listen(ctx)
+	if err != nil {
+		return nil, wrapPg("subscribe", err)
+	}
+	ch := make(chan string, subscriptionBuffer)
+	ctx, cancel := context.WithCancel(ctx)
+	stop := context.AfterFunc(contextOf(p.closed), cancel)
+	go func() {
+		defer close(ch)
+		defer cancel()
+		defer stop()
+		delay := p.cfg.ReconnectDelay
+		for {
+			for conn != nil {
+				n, err := conn.WaitForNotification(ctx)
+				if err != nil {
+					cctx, ccancel := context.WithTimeout(context.Background(), time.Second)
+					_ = conn.Close(cctx)
+					ccancel()
+					conn = nil
+					if ctx.Err() == nil {
+						p.log.Warn("accounting: ledger subscription lost; reconnecting", "err", err)
+					}
+					break
+				}
+				delay = p.cfg.ReconnectDelay
+				select {
+				case ch <- n.Payload:
+				default:
+				}
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(delay):
+			}
+			delay = min(2*delay, 30*time.Second)
+			if conn, err = p.listen(ctx); err != nil && ctx.Err() == nil {
+				p.log.Warn("accounting: ledger subscription: reconnect failed", "err", err)
+			}
+		}
+	}()
+	return ch, nil
+}
+
+func (p *Postgres) listen(ctx context.Context) (*pgx.Conn, error) {
+	conn, err := pgx.ConnectConfig(ctx, p.pool.Config().ConnConfig.Copy())
+	if err != nil {
+		return nil, err
+	}
+	var channel string
+	if err := conn.QueryRow(ctx, `SELECT `+sqlChannel).Scan(&channel); err != nil {
+		_ = conn.Close(ctx)
+		return nil, err
+	}
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
+		_ = conn.Close(ctx)
+		return nil, err
+	}
+	return conn, nil
+}
+
+// contextOf is a context canceled when done closes.
+func contextOf(done <-chan struct{}) context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		<-done
+		cancel()
+	}()
+	return ctx
+}
+
+// PutModel creates or replaces a model.
+func (p *Postgres) PutModel(ctx context.Context, m Model) error {
+	if err := validateModel(m); err != nil {
+		return err
+	}
+	_, err := p.pool.Exec(ctx, `
+INSERT INTO models (model, input_price, cached_input_price, output_price, max_input_tokens,
+	max_output_tokens, max_cost, default_hold)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+ON CONFLICT (model) DO UPDATE SET input_price = EXCLUDED.input_price,
+	cached_input_price = EXCLUDED.cached_input_price, output_price = EXCLUDED.output_price,
+	max_input_tokens = EXCLUDED.max_input_tokens, max_output_tokens = EXCLUDED.max_output_tokens,
+	max_cost = EXCLUDED.max_cost, default_hold = EXCLUDED.default_hold, updated_at = now()`,
+		m.Name, m.Input, m.CachedInput, m.Output, m.MaxInputTokens, m.MaxOutputTokens, m.MaxCost, m.DefaultHold)
+	return wrapPg("put model", err)
+}
+
+const sqlModelColumns = `model, input_price, cached_input_price, output_price, max_input_tokens, max_output_tokens, max_cost, default_hold`
+
+func scanModel(r pgx.CollectableRow) (Model, error) {
+	var m Model
+	err := r.Scan(&m.Name, &m.Input, &m.CachedInput, &m.Output, &m.MaxInputTokens, &m.MaxOutputTokens, &m.MaxCost, &m.DefaultHold)
+	return m, err
+}
+
+// Model returns a model.
+func (p *Postgres) Model(ctx context.Context, name string) (Model, error) {
+	rows, _ := p.pool.Query(ctx, `SELECT `+sqlModelColumns+` FROM models WHERE model = $1`, name)
+	m, err := pgx.CollectExactlyOneRow(rows, scanModel)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Model{}, fmt.Errorf("%w: %q", ErrUnknownModel, name)
+	}
+	return m, wrapPg("model", err)
+}
+
+// Models lists every model, by name.
+func (p *Postgres) Models(ctx context.Context) ([]Model, error) {
+	rows, _ := p.pool.Query(ctx, `SELECT `+sqlModelColumns+` FROM models ORDER BY model`)
+	ms, err := pgx.CollectRows(rows, scanModel)
+	return ms, wrapPg("models", err)
+}
+
+// RaiseMaxCost raises the model's learned max cost to cost when that is higher (writing nothing
+// otherwise). Capping it at the model's bound is the caller's business.
+func (p *Postgres) RaiseMaxCost(ctx context.Context, model string, cost int64) error {
+	if cost < 0 || cost > balance.MaxAmount {
+		return fmt.Errorf("%w: max cost %d", ErrInvalidAmount, cost)
+	}
+	var ok bool
+	err := p.pool.QueryRow(ctx, `
+WITH u AS (UPDATE models SET max_cost = $2, updated_at = now() WHERE model = $1 AND max_cost < $2 RETURNING 1)
+SELECT EXISTS (SELECT 1 FROM models WHERE model = $1)`, model, cost).Scan(&ok)
+	if err != nil {
+		return wrapPg("raise max cost", err)
+	}
+	if !ok {
+		return fmt.Errorf("%w: %q", ErrUnknownModel, model)
+	}
+	return nil
+}
+
+// CreateKey makes a new API key for org; only the SHA-256 of the secret is stored.
+func (p *Postgres) CreateKey(ctx context.Context, org string) (APIKey, string, error) {
+	if err := ValidateOrg(org); err != nil {
+		return APIKey{}, "", err
+	}
+	k := APIKey{ID: newKeyID(), Org: org}
+	secret := newSecret()
+	h := sha256.Sum256([]byte(secret))
+	_, err := p.pool.Exec(ctx, `INSERT INTO api_keys (id, hash, org_id) VALUES ($1, $2, $3)`, k.ID, h[:], org)
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) && pe.Code == "23503" { // foreign_key_violation
+		return APIKey{}, "", fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	if err != nil {
+		return APIKey{}, "", wrapPg("create key", err)
+	}
+	return k, secret, nil
+}
+
+// LookupKey resolves a secret; revoked and unknown keys are ErrUnknownKey.
+func (p *Postgres) LookupKey(ctx context.Context, secret string) (APIKey, error) {
+	h := sha256.Sum256([]byte(secret))
+	var k APIKey
+	err := p.pool.QueryRow(ctx, `SELECT id, org_id FROM api_keys WHERE hash = $1 AND revoked_at IS NULL`, h[:]).Scan(&k.ID, &k.Org)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return APIKey{}, ErrUnknownKey
+	}
+	return k, wrapPg("lookup key", err)
+}
+
+// RevokeKey revokes a key by id (revoking twice is fine).
+func (p *Postgres) RevokeKey(ctx context.Context, id string) error {
+	tag, err := p.pool.Exec(ctx, `UPDATE api_keys SET revoked_at = coalesce(revoked_at, now()) WHERE id = $1`, id)
+	if err != nil {
+		return wrapPg("revoke key", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("%w: %q", ErrUnknownKey, id)
+	}
+	return nil
+}
+
+// wrapPg names the operation and, when err means Postgres could not be reached (or stopped
+// answering), also wraps ErrLedgerUnavailable.
+func wrapPg(op string, err error) error {
+	if err == nil {
+		return nil
+	}
+	if Unavailable(err) {
+		return fmt.Errorf("accounting: %s: %w: %w", op, ErrLedgerUnavailable, err)
+	}
+	return fmt.Errorf("accounting: %s: %w", op, err)
+}
+
+// Unavailable reports whether err means that the ledger's database could not be reached or
+// stopped answering: a failed connection, a connection lost mid-query, the server shutting down
+// or refusing connections, or a deadline that ran out while waiting for it.
+func Unavailable(err error) bool {
+	if err == nil || errors.Is(err, context.Canceled) {
+		return false
+	}
+	if errors.Is(err, ErrLedgerUnavailable) || errors.Is(err, context.DeadlineExceeded) {
+		return true
+	}
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return strings.HasPrefix(pe.Code, "08") || // connection exception
+			pe.Code == "57P01" || pe.Code == "57P02" || pe.Code == "57P03" || // shutdown, cannot connect now
+			pe.Code == "53300" // too many connections
+	}
+	var ce *pgconn.ConnectError
+	var ne net.Error
+	if errors.As(err, &ce) || errors.As(err, &ne) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, net.ErrClosed) || pgconn.SafeToRetry(err) || pgconn.Timeout(err) {
+		return true
+	}
+	msg := err.Error()
+	return strings.Contains(msg, "conn closed") || strings.Contains(msg, "closed pool") || strings.Contains(msg, "broken pipe") ||
+		strings.Contains(msg, "connection reset")
+}

@@ -1,0 +1,138 @@
+package accounting_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/accounting/ledgertest"
+	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/migrations"
+)
+
+// newPostgres returns a Postgres ledger in a fresh schema.
+func newPostgres(t testing.TB) (*accounting.Postgres, *testutil.PostgresEnv) {
+	t.Helper()
+	env := testutil.Postgres(t)
+	if _, err := migrations.Up(context.Background(), env.Pool); err != nil {
+		t.Fatal(err)
+	}
+	l := accounting.NewPostgres(env.Pool, nil)
+	t.Cleanup(l.Close)
+	return l, env
+}
+
+func TestPostgresLedger(t *testing.T) {
+	t.Parallel()
+	ledgertest.Run(t, func(t *testing.T) accounting.Ledger {
+		l, _ := newPostgres(t)
+		return l
+	})
+}
+
+func TestOpenPostgresMigrates(t *testing.T) {
+	t.Parallel()
+	env := testutil.Postgres(t)
+	ctx := context.Background()
+	l, err := accounting.OpenPostgres(ctx, env.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	e1, err := l.Epoch(ctx)
+	if err != nil || e1.Gen != 1 || len(e1.ID) != 32 {
+		t.Fatalf("epoch %+v, %v", e1, err)
+	}
+	// A second ledger on the same schema is the same ledger: same epoch, migrations a no-op.
+	l2, err := accounting.OpenPostgres(ctx, env.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l2.Close()
+	if e2, _ := l2.Epoch(ctx); e2 != e1 {
+		t.Fatalf("epochs %v and %v", e1, e2)
+	}
+	// Another schema is another ledger with its own random epoch.
+	l3, _ := newPostgres(t)
+	if e3, _ := l3.Epoch(ctx); e3 == e1 {
+		t.Fatalf("two schemas share epoch %v", e1)
+	}
+}
+
+func TestPostgresUnavailable(t *testing.T) {
+	t.Parallel()
+	if testutil.RealPostgresURL() == "" {
+		t.Skip("no Postgres configured")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err := accounting.OpenPostgres(ctx, "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=2")
+	if !errors.Is(err, accounting.ErrLedgerUnavailable) {
+		t.Fatalf("OpenPostgres on a closed port: %v; want ErrLedgerUnavailable", err)
+	}
+	pool, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	l := accounting.NewPostgres(pool, nil)
+	if _, err := l.Snapshot(ctx, "o"); !errors.Is(err, accounting.ErrLedgerUnavailable) {
+		t.Fatalf("Snapshot: %v; want ErrLedgerUnavailable", err)
+	}
+	if err := l.RecordUsage(ctx, []accounting.UsageEvent{{ID: ledgertest.NewEventID(), Org: "o", Model: "m"}}); !errors.Is(err, accounting.ErrLedgerUnavailable) {
+		t.Fatalf("RecordUsage: %v; want ErrLedgerUnavailable", err)
+	}
+	// A query error is not unavailability.
+	good, _ := newPostgres(t)
+	if _, err := good.Pool().Exec(ctx, "SELECT 1/0"); accounting.Unavailable(err) {
+		t.Fatalf("division by zero counted as unavailable: %v", err)
+	}
+}
+
+// TestPostgresQueryPlans checks with EXPLAIN that the worker's and the seeder's queries use the
+// indexes (no sequential scan of usage_events or ledger_entries), on a table big enough that the
+// planner prefers them.
+func TestPostgresQueryPlans(t *testing.T) {
+	t.Parallel()
+	l, env := newPostgres(t)
+	ctx := context.Background()
+	_, err := env.Pool.Exec(ctx, `
+INSERT INTO accounts (org_id, ledger_seq, settled_seq) SELECT 'o' || g, 100, 100 FROM generate_series(1, 200) g;
+INSERT INTO ledger_entries (org_id, seq, delta, kind)
+	SELECT 'o' || (g % 200 + 1), g / 200 + 1, -1, 'charge' FROM generate_series(0, 19999) g;
+INSERT INTO usage_events (id, org_id, model, cost, status, seq)
+	SELECT gen_random_uuid(), 'o' || (g % 200 + 1), 'm', 1, 'accounted', g FROM generate_series(1, 20000) g;
+ANALYZE`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = l
+	for name, q := range map[string]string{
+		"pending discovery": `SELECT org_id, count(*) FROM (SELECT org_id, created_at FROM usage_events WHERE status = 'pending' ORDER BY created_at LIMIT 1000) p GROUP BY org_id`,
+		"claim":             `SELECT id, cost FROM usage_events WHERE org_id = 'o7' AND status = 'pending' ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED`,
+		"entries after":     `SELECT seq, delta, hold_id FROM ledger_entries WHERE org_id = 'o7' AND seq > 50 ORDER BY seq LIMIT 100`,
+		"orgs to settle":    `(SELECT org_id FROM accounts WHERE settled_seq < ledger_seq LIMIT 100) UNION (SELECT DISTINCT org_id FROM usage_events WHERE status = 'pending' LIMIT 100) LIMIT 100`,
+		"unsettled usage":   `SELECT u.id FROM usage_events u LEFT JOIN accounts a ON a.org_id = u.org_id WHERE u.id = ANY('{0192f0c4-0000-7000-8000-000000000001,0192f0c4-0000-7000-8000-000000000002}'::uuid[]) AND u.org_id = 'o7'`,
+	} {
+		rows, err := env.Pool.Query(ctx, "EXPLAIN "+q)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		var plan []string
+		for rows.Next() {
+			var line string
+			_ = rows.Scan(&line)
+			plan = append(plan, line)
+		}
+		rows.Close()
+		p := strings.Join(plan, "\n")
+		if strings.Contains(p, "Seq Scan on usage_events") || strings.Contains(p, "Seq Scan on ledger_entries") {
+			t.Errorf("%s: sequential scan:\n%s", name, p)
+		}
+	}
+}
