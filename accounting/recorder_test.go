@@ -1,0 +1,246 @@
+package accounting_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/accounting/ledgertest"
+	"github.com/llmescrow/escrow/balance"
+)
+
+// hookLedger counts and optionally slows down or fails RecordUsage calls.
+type hookLedger struct {
+	accounting.Ledger
+	calls    atomic.Int64
+	maxBatch atomic.Int64
+	before   func(events []accounting.UsageEvent) error
+}
+
+func (h *hookLedger) RecordUsage(ctx context.Context, events []accounting.UsageEvent) error {
+	h.calls.Add(1)
+	for {
+		m := h.maxBatch.Load()
+		if int64(len(events)) <= m || h.maxBatch.CompareAndSwap(m, int64(len(events))) {
+			break
+		}
+	}
+	if h.before != nil {
+		if err := h.before(events); err != nil {
+			return err
+		}
+	}
+	return h.Ledger.RecordUsage(ctx, events)
+}
+
+func usage(org string) accounting.UsageEvent {
+	return accounting.UsageEvent{ID: ledgertest.NewEventID(), Org: org, Model: "m", Cost: 3, HoldAmount: 10}
+}
+
+func startRecorder(t *testing.T, l accounting.Ledger, cfg accounting.RecorderConfig) *accounting.Recorder {
+	t.Helper()
+	r := accounting.NewRecorder(l, cfg)
+	r.Start(context.Background())
+	t.Cleanup(func() { _ = r.Stop(context.Background()) })
+	return r
+}
+
+func recordAll(t *testing.T, r *accounting.Recorder, n int, org string) ([]accounting.UsageEvent, []error) {
+	t.Helper()
+	evs := make([]accounting.UsageEvent, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		evs[i] = usage(org)
+		wg.Go(func() { errs[i] = r.Record(context.Background(), evs[i]) })
+	}
+	wg.Wait()
+	return evs, errs
+}
+
+func TestRecorderGroupCommits(t *testing.T) {
+	t.Parallel()
+	mem := accounting.NewMemory()
+	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error {
+		time.Sleep(10 * time.Millisecond) // a slow ledger: callers pile up behind each batch
+		return nil
+	}}
+	r := startRecorder(t, h, accounting.RecorderConfig{MaxBatch: 50, Flushers: 1})
+	const n = 400
+	_, errs := recordAll(t, r, n, "o")
+	for _, err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := mem.AccountPending(context.Background(), 10_000)
+	if err != nil || got != n {
+		t.Fatalf("stored %d events (%v), want %d", got, err, n)
+	}
+	if c := h.calls.Load(); c > n/10 {
+		t.Fatalf("%d RecordUsage calls for %d concurrent events: not group-committed", c, n)
+	}
+	if m := h.maxBatch.Load(); m > 50 || m < 2 {
+		t.Fatalf("largest batch %d; want 2…MaxBatch(50)", m)
+	}
+}
+
+func TestRecorderReturnsOnlyWhenDurable(t *testing.T) {
+	t.Parallel()
+	release := make(chan struct{})
+	mem := accounting.NewMemory()
+	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error { <-release; return nil }}
+	r := startRecorder(t, h, accounting.RecorderConfig{})
+	done := make(chan error, 1)
+	go func() { done <- r.Record(context.Background(), usage("o")) }()
+	select {
+	case err := <-done:
+		t.Fatalf("Record returned (%v) before the ledger stored the event", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := mem.AccountPending(context.Background(), 10); n != 1 {
+		t.Fatalf("stored %d events", n)
+	}
+}
+
+func TestRecorderBatchErrorReachesEveryCaller(t *testing.T) {
+	t.Parallel()
+	boom := errors.New("disk on fire")
+	h := &hookLedger{Ledger: accounting.NewMemory(), before: func([]accounting.UsageEvent) error {
+		time.Sleep(5 * time.Millisecond)
+		return boom
+	}}
+	r := startRecorder(t, h, accounting.RecorderConfig{Flushers: 1})
+	_, errs := recordAll(t, r, 50, "o")
+	for i, err := range errs {
+		if !errors.Is(err, boom) {
+			t.Fatalf("caller %d: %v, want the batch's error", i, err)
+		}
+	}
+}
+
+func TestRecorderRejectsInvalidEventAlone(t *testing.T) {
+	t.Parallel()
+	mem := accounting.NewMemory()
+	r := startRecorder(t, mem, accounting.RecorderConfig{})
+	bad := usage("bad{org}")
+	if err := r.Record(context.Background(), bad); !errors.Is(err, balance.ErrInvalidOrg) {
+		t.Fatalf("invalid org: %v", err)
+	}
+	bad = usage("o")
+	bad.ID = "not-a-uuid"
+	if err := r.Record(context.Background(), bad); !errors.Is(err, accounting.ErrInvalidUsage) {
+		t.Fatalf("invalid id: %v", err)
+	}
+	if err := r.Record(context.Background(), usage("o")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestRecorderStopFlushes(t *testing.T) {
+	t.Parallel()
+	mem := accounting.NewMemory()
+	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error {
+		time.Sleep(20 * time.Millisecond)
+		return nil
+	}}
+	r := accounting.NewRecorder(h, accounting.RecorderConfig{Flushers: 1, MaxBatch: 10})
+	if err := r.Record(context.Background(), usage("o")); !errors.Is(err, accounting.ErrRecorderClosed) {
+		t.Fatalf("Record before Start: %v", err)
+	}
+	r.Start(context.Background())
+	const n = 60
+	errs := make(chan error, n)
+	for range n {
+		go func() { errs <- r.Record(context.Background(), usage("o")) }()
+	}
+	time.Sleep(30 * time.Millisecond) // let them queue behind the slow ledger
+	if err := r.Stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ok := 0
+	for range n {
+		switch err := <-errs; {
+		case err == nil:
+			ok++
+		case errors.Is(err, accounting.ErrRecorderClosed):
+			// arrived after Stop: refused, never silently dropped
+		default:
+			t.Fatal(err)
+		}
+	}
+	stored, _ := mem.AccountPending(context.Background(), 10_000)
+	if stored != ok || ok == 0 {
+		t.Fatalf("%d Records succeeded but %d events stored", ok, stored)
+	}
+	if err := r.Record(context.Background(), usage("o")); !errors.Is(err, accounting.ErrRecorderClosed) {
+		t.Fatalf("Record after Stop: %v", err)
+	}
+}
+
+func TestRecorderStopsWithStartContext(t *testing.T) {
+	t.Parallel()
+	r := accounting.NewRecorder(accounting.NewMemory(), accounting.RecorderConfig{})
+	ctx, cancel := context.WithCancel(context.Background())
+	r.Start(ctx)
+	if err := r.Record(context.Background(), usage("o")); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	deadline := time.Now().Add(5 * time.Second)
+	for r.Record(context.Background(), usage("o")) == nil {
+		if time.Now().After(deadline) {
+			t.Fatal("recorder still accepting events after its context ended")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if err := r.Stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestRecorderFlushInterval(t *testing.T) {
+	t.Parallel()
+	h := &hookLedger{Ledger: accounting.NewMemory()}
+	r := startRecorder(t, h, accounting.RecorderConfig{FlushInterval: 50 * time.Millisecond, Flushers: 1})
+	// Ten callers arriving within the interval share one batch.
+	_, errs := recordAll(t, r, 10, "o")
+	for _, err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if c := h.calls.Load(); c > 2 {
+		t.Fatalf("%d RecordUsage calls for 10 events within one flush interval", c)
+	}
+}
+
+func TestRecorderPostgres(t *testing.T) {
+	t.Parallel()
+	l, env := newPostgres(t)
+	r := startRecorder(t, l, accounting.RecorderConfig{})
+	evs, errs := recordAll(t, r, 500, "o")
+	for _, err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Recording the same events again stores nothing new.
+	for _, ev := range evs[:50] {
+		if err := r.Record(context.Background(), ev); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var n int
+	if err := env.Pool.QueryRow(context.Background(), "SELECT count(*) FROM usage_events").Scan(&n); err != nil || n != 500 {
+		t.Fatalf("usage_events rows = %d, %v; want 500", n, err)
+	}
+}
