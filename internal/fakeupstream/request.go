@@ -1,0 +1,184 @@
+package fakeupstream
+
+import (
+	"encoding/json"
+	"regexp"
+	"strconv"
+	"strings"
+)
+
+// apiRequest holds the request fields the fake reads, for every endpoint.
+type apiRequest struct {
+	Model         string `json:"model"`
+	Stream        bool   `json:"stream"`
+	StreamOptions *struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options"`
+	Messages []struct {
+		Role    string          `json:"role"`
+		Content json.RawMessage `json:"content"`
+	} `json:"messages"`
+	Prompt              json.RawMessage `json:"prompt"`
+	Input               json.RawMessage `json:"input"`
+	MaxTokens           *int64          `json:"max_tokens"`
+	MaxCompletionTokens *int64          `json:"max_completion_tokens"`
+	MaxOutputTokens     *int64          `json:"max_output_tokens"`
+	N                   *int64          `json:"n"`
+	Dimensions          int             `json:"dimensions"`
+	EncodingFormat      string          `json:"encoding_format"`
+}
+
+// plan is what the fake will answer: token counts and behaviour markers.
+type plan struct {
+	promptTokens     int
+	completionTokens int // per choice
+	choices          int
+	cachedTokens     int
+	reasoningTokens  int
+	fail, slow, hang bool
+	incomplete       bool
+	capped           bool // the request set an output cap (finish_reason "length")
+}
+
+var (
+	cachedMarker    = regexp.MustCompile(`\[cached:(\d+)\]`)
+	reasoningMarker = regexp.MustCompile(`\[reasoning:(\d+)\]`)
+)
+
+// newPlan computes the answer's plan from the words counted, the text in which markers are
+// looked for, and the output cap the request set (nil: none).
+func (s *Server) newPlan(words int, markerText string, outCap *int64, n *int64) plan {
+	p := plan{
+		promptTokens: words,
+		choices:      1,
+		fail:         strings.Contains(markerText, "[fail]"),
+		slow:         strings.Contains(markerText, "[slow]"),
+		hang:         strings.Contains(markerText, "[hang]"),
+		incomplete:   strings.Contains(markerText, "[incomplete]"),
+	}
+	p.completionTokens = s.opts.DefaultCompletionTokens
+	if outCap != nil && *outCap > 0 {
+		p.completionTokens = int(min(*outCap, int64(s.opts.MaxOutputTokens)))
+		p.capped = true
+	}
+	p.completionTokens = min(p.completionTokens, s.opts.MaxOutputTokens)
+	if n != nil && *n > 1 {
+		p.choices = int(*n)
+	}
+	if m := cachedMarker.FindStringSubmatch(markerText); m != nil {
+		v, _ := strconv.Atoi(m[1])
+		p.cachedTokens = min(v, p.promptTokens)
+	}
+	if m := reasoningMarker.FindStringSubmatch(markerText); m != nil {
+		v, _ := strconv.Atoi(m[1])
+		p.reasoningTokens = min(v, p.completionTokens*p.choices)
+	}
+	return p
+}
+
+// totalCompletion is the completion tokens of all choices.
+func (p plan) totalCompletion() int { return p.completionTokens * p.choices }
+
+// countWords is the number of whitespace-separated words in s.
+func countWords(s string) int { return len(strings.Fields(s)) }
+
+// contentText returns the text of a message content: a string, or the "text" of every part of
+// an array (text, input_text, output_text parts); other parts (images, audio, files) add
+// nothing.
+func contentText(raw json.RawMessage) string {
+	if len(raw) == 0 {
+		return ""
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s
+	}
+	var parts []struct {
+		Text *string `json:"text"`
+	}
+	if json.Unmarshal(raw, &parts) != nil {
+		return ""
+	}
+	var b strings.Builder
+	for _, p := range parts {
+		if p.Text != nil {
+			b.WriteString(*p.Text)
+			b.WriteByte(' ')
+		}
+	}
+	return b.String()
+}
+
+// promptInput returns the word count and the last element's text of a completions prompt or
+// an embeddings input: a string, an array of strings, a token array (each token counts) or an
+// array of token arrays. ok is false for any other shape.
+func promptInput(raw json.RawMessage) (words int, last string, ok bool) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return 0, "", false
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return countWords(s), s, true
+	}
+	var ss []string
+	if json.Unmarshal(raw, &ss) == nil {
+		for _, x := range ss {
+			words += countWords(x)
+		}
+		if len(ss) > 0 {
+			last = ss[len(ss)-1]
+		}
+		return words, last, true
+	}
+	var toks []int64
+	if json.Unmarshal(raw, &toks) == nil {
+		return len(toks), "", true
+	}
+	var toks2 [][]int64
+	if json.Unmarshal(raw, &toks2) == nil {
+		for _, t := range toks2 {
+			words += len(t)
+		}
+		return words, "", true
+	}
+	return 0, "", false
+}
+
+// responsesInput returns the word count and the last user text of a Responses API input: a
+// string, or an array of items whose content is a string or an array of parts.
+func responsesInput(raw json.RawMessage) (words int, lastUser string, ok bool) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return 0, "", false
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return countWords(s), s, true
+	}
+	var items []struct {
+		Role    string          `json:"role"`
+		Content json.RawMessage `json:"content"`
+	}
+	if json.Unmarshal(raw, &items) != nil {
+		return 0, "", false
+	}
+	for _, it := range items {
+		t := contentText(it.Content)
+		words += countWords(t)
+		if it.Role == "user" || it.Role == "" {
+			lastUser = t
+		}
+	}
+	return words, lastUser, true
+}
+
+// chatInput returns the word count of every message and the text of the last user message.
+func chatInput(req *apiRequest) (words int, lastUser string) {
+	for _, m := range req.Messages {
+		t := contentText(m.Content)
+		words += countWords(t)
+		if m.Role == "user" {
+			lastUser = t
+		}
+	}
+	return words, lastUser
+}

@@ -1,0 +1,264 @@
+// Package fakeupstream is an OpenAI-compatible fake LLM: an http.Handler that answers
+// POST /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/responses, as JSON or as
+// server-sent events (stream: true), with token usage that a test can predict exactly. The
+// tests use it, and the runnable proxy uses it as its built-in upstream.
+//
+// # Usage rules
+//
+//   - prompt tokens (input_tokens) = the number of whitespace-separated words in the input: the
+//     text of every message (string content, or the "text" of every text part) for chat; the
+//     prompt (a string, or every string of an array; a token array counts its tokens) for
+//     completions; the input (the same shapes) for embeddings; for responses, the input string
+//     or the text of every input item's content. Markers such as [slow] are words too.
+//   - completion tokens (output_tokens) = max_tokens, max_completion_tokens (chat) or
+//     max_output_tokens (responses) when given and > 0, else 20; capped at
+//     Options.MaxOutputTokens. With n > 1 (chat, completions) every choice gets that many and
+//     the usage counts them all. Embeddings have none.
+//   - the reply is that many words, "tok1 tok2 …"; a stream sends one word per chunk.
+//
+// # Markers
+//
+// Markers are looked for in the last user message (chat), the last prompt (completions), the
+// last input (embeddings) or the last user input item (responses):
+//
+//	[fail]         HTTP 500 with an OpenAI error body
+//	[slow]         a stream sends one chunk every Options.SlowDelay (200 ms); a JSON reply
+//	               waits SlowDelay per output word
+//	[hang]         headers and one chunk are sent, then the handler blocks until the request's
+//	               context ends
+//	[cached:N]     N of the prompt tokens are cached (at most all of them)
+//	[reasoning:N]  N of the completion tokens are reasoning tokens (at most all of them)
+//	[incomplete]   responses only: status "incomplete" (reason max_output_tokens), and a
+//	               stream ends with response.incomplete instead of response.completed
+//
+// # Streams
+//
+// Chat and completions streams end with "data: [DONE]". When stream_options.include_usage is
+// true, every chunk carries "usage": null and a last chunk with "choices": [] carries the usage,
+// as OpenAI does; otherwise no chunk has a usage field. Responses streams send typed events
+// (response.created, response.in_progress, response.output_item.added,
+// response.content_part.added, response.output_text.delta per word, response.output_text.done,
+// response.content_part.done, response.output_item.done, then response.completed — or
+// response.incomplete — whose response.usage has input_tokens, output_tokens, total_tokens,
+// input_tokens_details.cached_tokens and output_tokens_details.reasoning_tokens) and no [DONE].
+package fakeupstream
+
+import (
+	"cmp"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Options configures a Server. The zero value gives the documented defaults.
+type Options struct {
+	// SlowDelay is the pause per chunk (stream) or per output word (JSON) of a [slow] request.
+	// Default 200 ms.
+	SlowDelay time.Duration
+	// DefaultCompletionTokens is the number of completion tokens when the request sets no
+	// output cap. Default 20.
+	DefaultCompletionTokens int
+	// MaxOutputTokens caps the completion tokens of one choice, whatever the request asks.
+	// Default 65536.
+	MaxOutputTokens int
+	// MaxBodyBytes limits the request body; a larger one gets 413. Default 8 MiB.
+	MaxBodyBytes int64
+	// APIKey, when set, is required as "Authorization: Bearer <APIKey>"; other requests get
+	// 401 invalid_api_key. Default: any key, or none, is accepted.
+	APIKey string
+	// OnRequest, when set, is called for every request, after its body has been read and
+	// before it is answered, from the request's goroutine. Its Body is a copy it may keep.
+	OnRequest func(Request)
+	// KeepRequests is how many of the latest requests Seen returns. Default 1000.
+	KeepRequests int
+}
+
+// Request is what the server saw of one request.
+type Request struct {
+	Method        string
+	Path          string
+	Authorization string // the Authorization header as received
+	Model         string // the body's "model", "" when absent or unparsable
+	Stream        bool
+	IncludeUsage  bool   // stream_options.include_usage
+	Body          []byte // the raw body (a copy)
+	Time          time.Time
+}
+
+// Server is the fake upstream. It is safe for concurrent use.
+type Server struct {
+	opts     Options
+	requests atomic.Int64
+	ids      atomic.Int64
+
+	mu   sync.Mutex
+	seen []Request
+}
+
+// New returns a fake upstream with opts' defaults filled in.
+func New(opts Options) *Server {
+	opts.SlowDelay = cmp.Or(opts.SlowDelay, 200*time.Millisecond)
+	opts.DefaultCompletionTokens = cmp.Or(opts.DefaultCompletionTokens, 20)
+	opts.MaxOutputTokens = cmp.Or(opts.MaxOutputTokens, 65536)
+	opts.MaxBodyBytes = cmp.Or(opts.MaxBodyBytes, 8<<20)
+	opts.KeepRequests = cmp.Or(opts.KeepRequests, 1000)
+	return &Server{opts: opts}
+}
+
+// Requests is the number of requests the server has received (any path, any outcome).
+func (s *Server) Requests() int64 { return s.requests.Load() }
+
+// Seen returns the latest requests (at most Options.KeepRequests), oldest first.
+func (s *Server) Seen() []Request {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]Request(nil), s.seen...)
+}
+
+// LastRequest returns the latest request, and false when there was none.
+func (s *Server) LastRequest() (Request, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.seen) == 0 {
+		return Request{}, false
+	}
+	return s.seen[len(s.seen)-1], true
+}
+
+// Reset forgets the requests seen and sets the counter to zero.
+func (s *Server) Reset() {
+	s.mu.Lock()
+	s.seen = nil
+	s.requests.Store(0)
+	s.mu.Unlock()
+}
+
+// ServeHTTP answers one OpenAI API request.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	s.requests.Add(1)
+	body, readErr := io.ReadAll(http.MaxBytesReader(w, r.Body, s.opts.MaxBodyBytes))
+	var req apiRequest
+	parseErr := readErr
+	if readErr == nil && r.Method == http.MethodPost {
+		parseErr = json.Unmarshal(body, &req)
+	}
+	seen := Request{
+		Method: r.Method, Path: r.URL.Path, Authorization: r.Header.Get("Authorization"),
+		Model: req.Model, Stream: req.Stream, Body: body, Time: time.Now(),
+		IncludeUsage: req.StreamOptions != nil && req.StreamOptions.IncludeUsage,
+	}
+	s.record(seen)
+
+	endpoint, ok := endpoints[r.URL.Path]
+	switch {
+	case !ok:
+		writeError(w, http.StatusNotFound, "invalid_request_error", "unknown_url",
+			fmt.Sprintf("Invalid URL (%s %s)", r.Method, r.URL.Path))
+	case r.Method != http.MethodPost:
+		w.Header().Set("Allow", http.MethodPost)
+		writeError(w, http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed",
+			fmt.Sprintf("Method %s not allowed on %s", r.Method, r.URL.Path))
+	case s.opts.APIKey != "" && r.Header.Get("Authorization") != "Bearer "+s.opts.APIKey:
+		writeError(w, http.StatusUnauthorized, "invalid_request_error", "invalid_api_key",
+			"Incorrect API key provided.")
+	case readErr != nil:
+		var tooBig *http.MaxBytesError
+		if errors.As(readErr, &tooBig) {
+			writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large",
+				fmt.Sprintf("Request body larger than %d bytes.", tooBig.Limit))
+			return
+		}
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Could not read the request body.")
+	case parseErr != nil:
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "",
+			"We could not parse the JSON body of your request. ("+parseErr.Error()+")")
+	case req.Model == "":
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "",
+			"you must provide a model parameter")
+	default:
+		endpoint(s, w, r, &req)
+	}
+}
+
+func (s *Server) record(req Request) {
+	s.mu.Lock()
+	s.seen = append(s.seen, req)
+	if over := len(s.seen) - s.opts.KeepRequests; over > 0 {
+		s.seen = append(s.seen[:0:0], s.seen[over:]...)
+	}
+	s.mu.Unlock()
+	if s.opts.OnRequest != nil {
+		s.opts.OnRequest(req)
+	}
+}
+
+var endpoints = map[string]func(*Server, http.ResponseWriter, *http.Request, *apiRequest){
+	"/v1/chat/completions": (*Server).chat,
+	"/v1/completions":      (*Server).completions,
+	"/v1/embeddings":       (*Server).embeddings,
+	"/v1/responses":        (*Server).responses,
+}
+
+// errorBody is OpenAI's error shape.
+type errorBody struct {
+	Error struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    *string `json:"code"`
+	} `json:"error"`
+}
+
+func writeError(w http.ResponseWriter, status int, typ, code, msg string) {
+	var b errorBody
+	b.Error.Message, b.Error.Type = msg, typ
+	if code != "" {
+		b.Error.Code = &code
+	}
+	writeJSON(w, status, b)
+}
+
+// writeServerError is the [fail] answer.
+func writeServerError(w http.ResponseWriter) {
+	writeError(w, http.StatusInternalServerError, "server_error", "",
+		"The server had an error while processing your request. Sorry about that!")
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", fmt.Sprint(len(b)+1))
+	w.WriteHeader(status)
+	_, _ = w.Write(append(b, '\n'))
+}
+
+// nextID returns prefix followed by a per-server sequence number.
+func (s *Server) nextID(prefix string) string {
+	return fmt.Sprintf("%s-fake%06d", prefix, s.ids.Add(1))
+}
+
+// outputWords returns n words: "tok1", " tok2", … (each but the first with its leading space,
+// so that their concatenation is the reply text).
+func outputWords(n int) []string {
+	w := make([]string, n)
+	for i := range w {
+		if i == 0 {
+			w[i] = "tok1"
+		} else {
+			w[i] = fmt.Sprintf(" tok%d", i+1)
+		}
+	}
+	return w
+}
+
+func joinWords(w []string) string { return strings.Join(w, "") }
