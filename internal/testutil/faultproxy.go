@@ -35,6 +35,7 @@ type FaultProxy struct {
 	wg sync.WaitGroup
 
 	accepted, refused, dropped, cuts atomic.Int64
+	droppedBytes                     atomic.Int64
 	toServer, toClient               atomic.Int64
 }
 
@@ -43,7 +44,8 @@ type FaultStats struct {
 	Accepted       int64 // client connections accepted and served (or parked by Hang)
 	Refused        int64 // client connections reset at once because of Block
 	Active         int   // client connections open now
-	DroppedReplies int64 // server chunks swallowed by DropReplies
+	DroppedReplies int64 // replies swallowed by DropReplies
+	DroppedBytes   int64 // server bytes swallowed by DropReplies
 	Cuts           int64 // connections closed by Cut
 	BytesToServer  int64 // bytes forwarded client → server
 	BytesToClient  int64 // bytes forwarded server → client
@@ -52,10 +54,13 @@ type FaultStats struct {
 // proxyConn is one client connection and its server side.
 type proxyConn struct {
 	client net.Conn
-	server net.Conn // set once dialled; guarded by FaultProxy.mu
-	armed  atomic.Int32
-	done   chan struct{}
-	once   sync.Once
+	server net.Conn     // set once dialled; guarded by FaultProxy.mu
+	armed  atomic.Int32 // replies to drop: one per armed client write
+	// swallow is set when a reply is dropped and cleared by the next client write that arms
+	// nothing, so that a reply longer than one chunk is dropped whole.
+	swallow atomic.Bool
+	done    chan struct{}
+	once    sync.Once
 }
 
 func (pc *proxyConn) close() {
@@ -109,9 +114,10 @@ func (p *FaultProxy) SetDelay(d time.Duration) {
 func (p *FaultProxy) DropNextReply() { p.DropReplies(1) }
 
 // DropReplies makes the next n client writes (on any connection, handshakes included) reach the
-// server as usual while the first chunk the server sends back on that connection after each of
-// them is swallowed: the server has acted, and the client waits for a reply that never comes
-// (it times out, and a client like go-redis retries on a new connection). Calls add up.
+// server as usual while what the server sends back on that connection after each of them —
+// the next chunk, and any further chunks until the client writes again — is swallowed: the
+// server has acted, and the client waits for a reply that never comes (it times out, and a
+// client like go-redis retries on a new connection). Calls add up.
 func (p *FaultProxy) DropReplies(n int) { p.DropRepliesIf(n, nil) }
 
 // DropRepliesIf is DropReplies counting only client writes for which match returns true (match
@@ -209,6 +215,7 @@ func (p *FaultProxy) Stats() FaultStats {
 		Refused:        p.refused.Load(),
 		Active:         active,
 		DroppedReplies: p.dropped.Load(),
+		DroppedBytes:   p.droppedBytes.Load(),
 		Cuts:           p.cuts.Load(),
 		BytesToServer:  p.toServer.Load(),
 		BytesToClient:  p.toClient.Load(),
@@ -330,6 +337,8 @@ func (p *FaultProxy) pumpUp(pc *proxyConn, server net.Conn) {
 			if p.dropLeft > 0 && (p.dropMatch == nil || p.dropMatch(buf[:n])) {
 				p.dropLeft--
 				pc.armed.Add(1)
+			} else {
+				pc.swallow.Store(false)
 			}
 			p.mu.Unlock()
 			if _, werr := server.Write(buf[:n]); werr != nil {
@@ -352,9 +361,13 @@ func (p *FaultProxy) pumpDown(pc *proxyConn, server net.Conn) {
 			if !p.gate(pc) {
 				return
 			}
-			if pc.armed.Load() > 0 {
-				pc.armed.Add(-1)
-				p.dropped.Add(1)
+			if pc.armed.Load() > 0 || pc.swallow.Load() {
+				if pc.armed.Load() > 0 {
+					pc.armed.Add(-1)
+					p.dropped.Add(1)
+					pc.swallow.Store(true)
+				}
+				p.droppedBytes.Add(int64(n))
 				if err != nil {
 					return
 				}

@@ -171,6 +171,67 @@ func TestFaultProxyDropReply(t *testing.T) {
 	}
 }
 
+// chunkyServer answers each read with a reply in three chunks written 20 ms apart.
+func chunkyServer(t *testing.T) net.Listener {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 64)
+				for {
+					if _, err := c.Read(buf); err != nil {
+						return
+					}
+					for _, part := range []string{"aa", "bb", "cc"} {
+						time.Sleep(20 * time.Millisecond)
+						if _, err := c.Write([]byte(part)); err != nil {
+							return
+						}
+					}
+				}
+			}()
+		}
+	}()
+	return ln
+}
+
+func TestFaultProxyDropsAMultiChunkReplyWhole(t *testing.T) {
+	t.Parallel()
+	ln := chunkyServer(t)
+	p := StartFaultProxy(t, ln.Addr().String())
+	c := dial(t, p.Addr())
+	p.DropNextReply()
+	if _, err := c.Write([]byte("q1")); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	if n, err := c.Read(make([]byte, 16)); !isTimeout(err) {
+		t.Fatalf("read %d bytes of a dropped reply (err %v)", n, err)
+	}
+	// The next request gets its whole reply, with no leftover of the dropped one.
+	if _, err := c.Write([]byte("q2")); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	buf := make([]byte, 6)
+	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "aabbcc" {
+		t.Fatalf("reply after a dropped one: %q, %v", buf, err)
+	}
+	if s := p.Stats(); s.DroppedReplies != 1 || s.DroppedBytes != 6 {
+		t.Fatalf("stats = %+v", s)
+	}
+}
+
 func TestFaultProxyDropRepliesCountsWritesAcrossConnections(t *testing.T) {
 	t.Parallel()
 	e := startEcho(t)
