@@ -75,7 +75,9 @@ type Options struct {
 	// OnRequest, when set, is called for every request, after its body has been read and
 	// before it is answered, from the request's goroutine. Its Body is a copy it may keep.
 	OnRequest func(Request)
-	// KeepRequests is how many of the latest requests Seen returns. Default 1000.
+	// KeepRequests is how many of the latest requests Seen and LastRequest remember; each
+	// remembered Body is cut to its first 64 KiB (so at most KeepRequests × 64 KiB is held).
+	// Default 1000; negative: none (for long-running use, e.g. the proxy's built-in upstream).
 	KeepRequests int
 }
 
@@ -87,7 +89,7 @@ type Request struct {
 	Model         string // the body's "model", "" when absent or unparsable
 	Stream        bool
 	IncludeUsage  bool   // stream_options.include_usage
-	Body          []byte // the raw body (a copy)
+	Body          []byte // the raw body (a copy; in Seen and LastRequest, its first 64 KiB)
 	Time          time.Time
 }
 
@@ -186,13 +188,22 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// maxKeptBody is how much of a body Seen keeps.
+const maxKeptBody = 64 << 10
+
 func (s *Server) record(req Request) {
-	s.mu.Lock()
-	s.seen = append(s.seen, req)
-	if over := len(s.seen) - s.opts.KeepRequests; over > 0 {
-		s.seen = append(s.seen[:0:0], s.seen[over:]...)
+	if s.opts.KeepRequests > 0 {
+		kept := req
+		if len(kept.Body) > maxKeptBody {
+			kept.Body = append([]byte(nil), kept.Body[:maxKeptBody]...)
+		}
+		s.mu.Lock()
+		s.seen = append(s.seen, kept)
+		if over := len(s.seen) - s.opts.KeepRequests; over > 0 {
+			s.seen = append(s.seen[:0:0], s.seen[over:]...)
+		}
+		s.mu.Unlock()
 	}
-	s.mu.Unlock()
 	if s.opts.OnRequest != nil {
 		s.opts.OnRequest(req)
 	}

@@ -776,6 +776,28 @@ func TestKeepRequestsBound(t *testing.T) {
 	}
 }
 
+func TestKeepRequestsNoneAndBodyCut(t *testing.T) {
+	t.Parallel()
+	var hookLen atomic.Int64
+	f, ts := newServer(t, fakeupstream.Options{KeepRequests: -1, OnRequest: func(r fakeupstream.Request) { hookLen.Store(int64(len(r.Body))) }})
+	post(t, ts, "/v1/embeddings", `{"model":"e","input":"x"}`)
+	if _, ok := f.LastRequest(); ok || len(f.Seen()) != 0 || f.Requests() != 1 {
+		t.Fatalf("KeepRequests -1 kept %d requests", len(f.Seen()))
+	}
+	g, ts2 := newServer(t, fakeupstream.Options{})
+	big := `{"model":"e","input":"` + strings.Repeat("w ", 50000) + `"}`
+	var got embeddingList
+	decode(t, post(t, ts2, "/v1/embeddings", big), 200, &got)
+	last, _ := g.LastRequest()
+	if got.Usage.PromptTokens != 50000 || len(last.Body) != 64<<10 || !strings.HasPrefix(big, string(last.Body)) {
+		t.Fatalf("prompt %d, kept body %d bytes", got.Usage.PromptTokens, len(last.Body))
+	}
+	post(t, ts, "/v1/embeddings", big)
+	if hookLen.Load() != int64(len(big)) {
+		t.Fatalf("OnRequest saw %d bytes, want the whole %d", hookLen.Load(), len(big))
+	}
+}
+
 func TestAPIKeyOption(t *testing.T) {
 	t.Parallel()
 	_, ts := newServer(t, fakeupstream.Options{APIKey: "sk-up"})
