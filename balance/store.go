@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -56,7 +57,7 @@ type Store struct {
 	holdTTL, pinTTL, pinFloor, tombTTL, grace, capArg string
 
 	scripts  map[string]*script
-	epoch    atomic.Pointer[Epoch]
+	epoch    atomic.Pointer[cachedEpoch]
 	warming  singleflight.Group
 	warnings []string
 
@@ -64,6 +65,11 @@ type Store struct {
 	held   map[string]uint64 // org → bumped on every hold this process put on it
 
 	maxCache sync.Map // model → *cachedMax
+}
+
+type cachedEpoch struct {
+	e Epoch
+	s string // e.String(), computed once
 }
 
 type cachedMax struct {
@@ -166,9 +172,16 @@ func (s *Store) Config() Config { return s.cfg }
 // Epoch is the ledger epoch this process last saw (zero before any).
 func (s *Store) Epoch() Epoch {
 	if e := s.epoch.Load(); e != nil {
-		return *e
+		return e.e
 	}
 	return Epoch{}
+}
+
+func (s *Store) epochString() string {
+	if e := s.epoch.Load(); e != nil {
+		return e.s
+	}
+	return Epoch{}.String()
 }
 
 // ObserveEpoch records an epoch read from the ledger (with entries, or in a snapshot). A lower
@@ -179,10 +192,10 @@ func (s *Store) ObserveEpoch(e Epoch) {
 	}
 	for {
 		cur := s.epoch.Load()
-		if cur != nil && (*cur == e || cur.Gen > e.Gen) {
+		if cur != nil && (cur.e == e || cur.e.Gen > e.Gen) {
 			return
 		}
-		if s.epoch.CompareAndSwap(cur, &e) {
+		if s.epoch.CompareAndSwap(cur, &cachedEpoch{e: e, s: e.String()}) {
 			return
 		}
 	}
@@ -192,9 +205,20 @@ func (s *Store) ObserveEpoch(e Epoch) {
 
 func (s *Store) key(org, kind string) string { return s.prefix + ":{" + org + "}:" + kind }
 
+// orgKeys returns the org's acct, holds, hexp and gone keys (substrings of one allocation).
 func (s *Store) orgKeys(org string) []string {
-	base := s.prefix + ":{" + org + "}:"
-	return []string{base + "acct", base + "holds", base + "hexp", base + "gone"}
+	var b strings.Builder
+	n := len(s.prefix) + len(org) + 4
+	b.Grow(4*n + len("acctholdshexpgone"))
+	for _, kind := range [...]string{"acct", "holds", "hexp", "gone"} {
+		b.WriteString(s.prefix)
+		b.WriteString(":{")
+		b.WriteString(org)
+		b.WriteString("}:")
+		b.WriteString(kind)
+	}
+	all := b.String()
+	return []string{all[:n+4], all[n+4 : 2*n+9], all[2*n+9 : 3*n+13], all[3*n+13:]}
 }
 
 func (s *Store) modelKey(model string) string { return s.prefix + ":model:" + model + ":max" }
@@ -275,7 +299,7 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	amount := strconv.FormatInt(r.Amount, 10)
 	for attempt := 0; ; attempt++ {
 		res, err := s.run(ctx, scReserve, keys,
-			s.Epoch().String(), r.HoldID, amount, s.holdTTL, s.capArg, s.tombTTL, s.pinFloor, "0").Slice()
+			s.epochString(), r.HoldID, amount, s.holdTTL, s.capArg, s.tombTTL, s.pinFloor, "0").Slice()
 		if err != nil {
 			return Reservation{}, fmt.Errorf("balance: reserve: %w", err)
 		}

@@ -1,0 +1,129 @@
+package balance_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/balance/balancetest"
+	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/lua"
+)
+
+// benchEnv is a real Redis for benchmarks (skipped without ESCROW_TEST_REDIS_URL), a warm org
+// with a balance that never runs out, and a cap that never binds.
+func benchEnv(b *testing.B) (*balance.Store, redis.UniversalClient, string) {
+	b.Helper()
+	if testutil.RealRedisURL() == "" {
+		b.Skip("benchmarks need a real Redis: set ESCROW_TEST_REDIS_URL")
+	}
+	env := testutil.RealRedis(b)
+	opt, _ := redis.ParseURL(env.URL)
+	opt.PoolSize = 64
+	c := redis.NewClient(opt)
+	b.Cleanup(func() { _ = c.Close() })
+	ctx := context.Background()
+	l := balancetest.NewFakeLedger(1)
+	s, err := balance.New(ctx, c, balance.Config{Ledger: l, Prefix: env.Prefix, MaxInFlight: 1 << 30, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		b.Fatal(err)
+	}
+	org := testutil.RandomName("bench")
+	l.Add(org, balance.MaxAmount, "")
+	if err := s.Warm(ctx, org); err != nil {
+		b.Fatal(err)
+	}
+	return s, c, org
+}
+
+var benchSeq atomic.Int64
+
+// BenchmarkReserve is the hot path: Store.Reserve on a warm org (one EVALSHA), in parallel.
+func BenchmarkReserve(b *testing.B) {
+	s, _, org := benchEnv(b)
+	ctx := context.Background()
+	b.ReportAllocs()
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			id := "r" + strconv.FormatInt(benchSeq.Add(1), 10)
+			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: 1}); err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+}
+
+// BenchmarkRawEVALSHA is the baseline: the same reserve script with the same arguments through
+// a plain client.EvalSha, no Go layer. BenchmarkReserve / BenchmarkRawEVALSHA (ns/op inverted)
+// is the Go layer's throughput ratio.
+func BenchmarkRawEVALSHA(b *testing.B) {
+	s, c, org := benchEnv(b)
+	ctx := context.Background()
+	sha := c.ScriptLoad(ctx, lua.Reserve).Val()
+	p := s.Prefix() + ":{" + org + "}:"
+	keys := []string{p + "acct", p + "holds", p + "hexp", p + "gone"}
+	epoch := s.Epoch().String()
+	b.ReportAllocs()
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			id := "w" + strconv.FormatInt(benchSeq.Add(1), 10)
+			res, err := c.EvalSha(ctx, sha, keys, epoch, id, "1", "600000", "1073741824", "30000", "43200000", "0").Slice()
+			if err != nil || res[0] != "OK" {
+				b.Error(fmt.Sprint(res, err))
+				return
+			}
+		}
+	})
+}
+
+// BenchmarkReserveVsRaw interleaves the two paths call by call in the same goroutines, so both
+// see the same machine load (this machine's other work makes back-to-back runs noisy), and
+// reports their mean latencies and raw/reserve, the Go layer's throughput ratio (goal ≥ 0.8).
+func BenchmarkReserveVsRaw(b *testing.B) {
+	s, c, org := benchEnv(b)
+	ctx := context.Background()
+	sha := c.ScriptLoad(ctx, lua.Reserve).Val()
+	rawOrg := org + "raw"
+	p := s.Prefix() + ":{" + rawOrg + "}:"
+	// The raw path works on its own org, seeded the same way.
+	if _, err := s.Seed(ctx, rawOrg, balance.Snapshot{Epoch: s.Epoch(), Balance: balance.MaxAmount, Seq: 1}); err != nil {
+		b.Fatal(err)
+	}
+	keys := []string{p + "acct", p + "holds", p + "hexp", p + "gone"}
+	epoch := s.Epoch().String()
+	var rawNs, resNs atomic.Int64
+	b.ReportAllocs()
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			n := strconv.FormatInt(benchSeq.Add(1), 10)
+			t0 := time.Now()
+			res, err := c.EvalSha(ctx, sha, keys, epoch, "w"+n, "1", "600000", "1073741824", "30000", "43200000", "0").Slice()
+			t1 := time.Now()
+			if err != nil || res[0] != "OK" {
+				b.Error(fmt.Sprint(res, err))
+				return
+			}
+			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: "r" + n, Amount: 1}); err != nil {
+				b.Error(err)
+				return
+			}
+			t2 := time.Now()
+			rawNs.Add(int64(t1.Sub(t0)))
+			resNs.Add(int64(t2.Sub(t1)))
+		}
+	})
+	b.ReportMetric(float64(rawNs.Load())/float64(b.N), "raw-ns/call")
+	b.ReportMetric(float64(resNs.Load())/float64(b.N), "reserve-ns/call")
+	b.ReportMetric(float64(rawNs.Load())/float64(resNs.Load()), "reserve/raw-throughput")
+}

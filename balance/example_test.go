@@ -1,0 +1,47 @@
+package balance_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/balance/balancetest"
+)
+
+// A hold on a cold org: the store seeds it from the ledger, then reserves in one call. The
+// request's real cost is settled later from the ledger; the rest of the hold comes back.
+func ExampleStore_Reserve() {
+	ctx := context.Background()
+	mr, _ := miniredis.Run() // any Redis ≥ 6.0 (single node or Cluster)
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+
+	ledger := balancetest.NewFakeLedger(1) // accounting.OpenPostgres / NewMemory in real use
+	ledger.Add("acme", 5_000_000, "")      // a 5.00 credit, in micro-units
+
+	store, err := balance.New(ctx, rdb, balance.Config{Ledger: ledger})
+	if err != nil {
+		panic(err)
+	}
+	r, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: "req-1", Amount: 2_000_000})
+	fmt.Println(r.Balance, err)
+
+	_, err = store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: "req-2", Amount: 4_000_000})
+	var short *balance.InsufficientError
+	fmt.Println(errors.As(err, &short), short.Balance)
+
+	// The request cost 0.75: the ledger records it, the worker settles it.
+	entry := ledger.Add("acme", -750_000, "req-1")
+	statuses, _ := store.Settle(ctx, "acme", ledger.CurrentEpoch(), []balance.Entry{entry})
+	st, _ := store.State(ctx, "acme")
+	fmt.Println(statuses[0], st.Balance, st.Holds)
+	// Output:
+	// 3000000 <nil>
+	// true 3000000
+	// applied 4250000 0
+}
