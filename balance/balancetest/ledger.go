@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/llmescrow/escrow/balance"
 )
@@ -23,7 +24,14 @@ type FakeLedger struct {
 	err       error // returned by every call when set
 
 	Snapshots atomic.Int64 // Snapshot calls
+	// SnapshotDelay makes every Snapshot take this long (set before use).
+	SnapshotDelay time.Duration
+	inSnapshot    atomic.Int64
+	maxInSnapshot atomic.Int64
 }
+
+// MaxConcurrentSnapshots is the most Snapshot calls that ran at once.
+func (l *FakeLedger) MaxConcurrentSnapshots() int64 { return l.maxInSnapshot.Load() }
 
 // NewFakeLedger returns an empty ledger with a fresh epoch of generation gen.
 func NewFakeLedger(gen int64) *FakeLedger {
@@ -129,18 +137,27 @@ func (l *FakeLedger) SetErr(err error) {
 // Snapshot implements balance.Ledger.
 func (l *FakeLedger) Snapshot(_ context.Context, org string) (balance.Snapshot, error) {
 	l.Snapshots.Add(1)
+	n := l.inSnapshot.Add(1)
+	defer l.inSnapshot.Add(-1)
+	for {
+		m := l.maxInSnapshot.Load()
+		if n <= m || l.maxInSnapshot.CompareAndSwap(m, n) {
+			break
+		}
+	}
+	time.Sleep(l.SnapshotDelay)
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.err != nil {
 		return balance.Snapshot{}, l.err
 	}
 	es := l.orgs[org]
-	n := max(len(es)-l.staleBy, 0)
+	keep := max(len(es)-l.staleBy, 0)
 	var b int64
-	for _, e := range es[:n] {
+	for _, e := range es[:keep] {
 		b += e.Delta
 	}
-	return balance.Snapshot{Epoch: l.epoch, Balance: b, Seq: int64(n)}, nil
+	return balance.Snapshot{Epoch: l.epoch, Balance: b, Seq: int64(keep)}, nil
 }
 
 // EntriesAfter implements balance.Ledger.
