@@ -1,0 +1,250 @@
+// Package middleware is escrow's Echo middleware: it puts a hold on the customer's balance before
+// an OpenAI-compatible request reaches the model, captures the real usage from the JSON or SSE
+// response as it passes, records it durably before the response's final bytes reach the client,
+// and releases the hold when the upstream fails.
+//
+//	e.Use(middleware.New(middleware.Config{Store: store, Ledger: ledger}))
+//	e.Any("/v1/*", openAICompatibleHandler)
+//
+// Refusals are OpenAI-shaped JSON errors ({"error":{"message","type","param","code"}}): 401
+// invalid_api_key, 404 for unpriced paths and unknown models, 400 for bad input, 413 for an
+// oversized body, 429 insufficient_quota (x-should-retry: false) or rate_limit_exceeded
+// (Retry-After), and 503 when Redis is down or slow (Retry-After; never a 429).
+//
+// What happens to each request is reported through Config.OnOutcome and Config.Logger; the
+// package registers no metrics itself.
+package middleware
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/labstack/echo/v4"
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+)
+
+// Holds is what the middleware needs from the hot balance (*balance.Store implements it).
+type Holds interface {
+	Reserve(ctx context.Context, r balance.ReserveRequest) (balance.Reservation, error)
+	Release(ctx context.Context, org, holdID string) (bool, error)
+	Extend(ctx context.Context, org, holdID string) (bool, error)
+	ModelMax(ctx context.Context, model string) (int64, error)
+}
+
+// Directory is what the middleware reads from the ledger: API keys and model prices
+// (accounting.Ledger implements it). Both are read through a short in-process cache.
+type Directory interface {
+	LookupKey(ctx context.Context, secret string) (accounting.APIKey, error)
+	Model(ctx context.Context, name string) (accounting.Model, error)
+}
+
+// Recorder stores a usage event durably before it returns (*accounting.Recorder implements it).
+type Recorder interface {
+	Record(ctx context.Context, ev accounting.UsageEvent) error
+}
+
+// Skipper returns true for requests the middleware leaves alone.
+type Skipper func(c echo.Context) bool
+
+// Identity is who is asking: the org that pays and the API key it used.
+type Identity struct {
+	Org   string
+	KeyID string
+}
+
+// Config configures the middleware. Zero fields take the documented defaults.
+type Config struct {
+	// Skipper skips the middleware for some requests. Default: none skipped.
+	Skipper Skipper
+
+	// Store holds and releases balance. Required.
+	Store Holds
+	// Ledger resolves API keys and model prices. Required.
+	Ledger Directory
+	// Recorder records usage events durably. Default: the Ledger's own RecordUsage, one event
+	// per call, when the Ledger has one (pass an *accounting.Recorder for group commit and the
+	// local journal).
+	Recorder Recorder
+
+	// OrgFunc identifies the org. Default: the key of "Authorization: Bearer <key>" looked up in
+	// the Ledger (cached for KeyCacheTTL). Returning an *Error refuses with it; an error that is
+	// accounting.ErrUnknownKey refuses with 401 invalid_api_key; any other error with 503.
+	OrgFunc func(c echo.Context) (Identity, error)
+	// HoldFunc chooses the hold amount. Default: HoldAmount.
+	HoldFunc func(ctx context.Context, in HoldInput) (int64, error)
+	// ErrorHandler writes refusals. Default: WriteError.
+	ErrorHandler func(c echo.Context, e *Error) error
+	// OnOutcome, when set, is called once per request the middleware handled, after the
+	// response (for metrics). It must not block.
+	OnOutcome func(Outcome)
+	// Logger logs failures (and, at debug level, outcomes). Default: slog.Default().
+	Logger *slog.Logger
+
+	// PassThrough lists paths (besides the priced endpoints) that are passed to the handler
+	// after authentication, without a hold (e.g. "/v1/models"). Default: none; every other path
+	// gets a 404.
+	PassThrough []string
+	// Allow lists the features the price table cannot price that may pass anyway: "audio",
+	// "image_output", "service_tier:<tier>" (e.g. "service_tier:priority"), "tool:<type>" (e.g.
+	// "tool:web_search"). Default: none (such requests get a 400).
+	Allow []string
+	// DefaultModel, when set, prices models the Ledger does not know (its Name is ignored).
+	// Default: nil (unknown models get a 404 model_not_found).
+	DefaultModel *accounting.Model
+	// DefaultHold is the hold when nothing better is known (micro-units, > 0). Default 1_000_000.
+	DefaultHold int64
+	// FailOpen lets requests through without a hold when Redis is down or slow; their usage is
+	// still recorded and charged. Default false (503).
+	FailOpen bool
+
+	// MaxRequestBytes bounds a request body. Default 4 MiB.
+	MaxRequestBytes int64
+	// MaxResponseBytes bounds a buffered JSON response body and one SSE event; past it the
+	// bytes pass unparsed and usage is estimated. Default 8 MiB.
+	MaxResponseBytes int
+	// KeyCacheTTL is how long a key look-up (or a model) is trusted. Default 5s. Past it, an
+	// entry still answers for up to MaxStale while the ledger is unreachable (default 10m).
+	KeyCacheTTL time.Duration
+	MaxStale    time.Duration
+	// KeyCacheSize bounds the key and model caches (entries each). Default 10,000.
+	KeyCacheSize int
+	// LookupTimeout bounds one ledger look-up. Default 2s.
+	LookupTimeout time.Duration
+	// ReserveTimeout bounds the reserve call; past it the client gets a 503. Default 1s.
+	ReserveTimeout time.Duration
+	// RetryAfter is the Retry-After of 503s and of 429 rate_limit_exceeded. Default 1s.
+	RetryAfter time.Duration
+	// HoldTTL is the store's hold lifetime; the hold is extended every HoldTTL/3 while the
+	// handler runs. Default: the store's (Config().HoldTTL when it has one), else 10m.
+	HoldTTL time.Duration
+	// RecordTimeout bounds recording a usage event. Default 15s.
+	RecordTimeout time.Duration
+	// HangupTimeout and HangupBytes bound how long and how much the handler may go on after the
+	// client hung up (its writes are swallowed so the real usage still arrives). Default 2m and
+	// 64 MiB; past them the upstream call is cancelled and usage estimated.
+	HangupTimeout time.Duration
+	HangupBytes   int64
+	// ReleaseRetryFor bounds the background release after a reserve whose outcome is unknown.
+	// Default 10m.
+	ReleaseRetryFor time.Duration
+}
+
+// DefaultConfig holds the defaults (Store and Ledger must still be set).
+var DefaultConfig = Config{
+	Skipper:          func(echo.Context) bool { return false },
+	HoldFunc:         HoldAmount,
+	ErrorHandler:     WriteError,
+	DefaultHold:      1_000_000,
+	MaxRequestBytes:  4 << 20,
+	MaxResponseBytes: 8 << 20,
+	KeyCacheTTL:      5 * time.Second,
+	MaxStale:         10 * time.Minute,
+	KeyCacheSize:     10_000,
+	LookupTimeout:    2 * time.Second,
+	ReserveTimeout:   time.Second,
+	RetryAfter:       time.Second,
+	HoldTTL:          10 * time.Minute,
+	RecordTimeout:    15 * time.Second,
+	HangupTimeout:    2 * time.Minute,
+	HangupBytes:      64 << 20,
+	ReleaseRetryFor:  10 * time.Minute,
+}
+
+// New returns the middleware; it panics on a bad Config (use ToMiddleware to get the error).
+func New(cfg Config) echo.MiddlewareFunc {
+	m, err := cfg.ToMiddleware()
+	if err != nil {
+		panic(err)
+	}
+	return m
+}
+
+// ToMiddleware validates the Config and returns the middleware.
+func (cfg Config) ToMiddleware() (echo.MiddlewareFunc, error) {
+	m, err := newMiddleware(cfg)
+	if err != nil {
+		return nil, err
+	}
+	return m.handler, nil
+}
+
+// ErrConfig is returned by ToMiddleware for an unusable Config.
+var ErrConfig = errors.New("middleware: invalid config")
+
+type usageRecorder interface {
+	RecordUsage(ctx context.Context, events []accounting.UsageEvent) error
+}
+
+type ledgerRecorder struct{ l usageRecorder }
+
+func (r ledgerRecorder) Record(ctx context.Context, ev accounting.UsageEvent) error {
+	return r.l.RecordUsage(ctx, []accounting.UsageEvent{ev})
+}
+
+func (cfg Config) withDefaults() (Config, error) {
+	d := DefaultConfig
+	if cfg.Store == nil {
+		return cfg, fmt.Errorf("%w: Store is required", ErrConfig)
+	}
+	if cfg.Ledger == nil {
+		return cfg, fmt.Errorf("%w: Ledger is required", ErrConfig)
+	}
+	if cfg.Recorder == nil {
+		r, ok := cfg.Ledger.(usageRecorder)
+		if !ok {
+			return cfg, fmt.Errorf("%w: Recorder is required (the Ledger cannot record usage)", ErrConfig)
+		}
+		cfg.Recorder = ledgerRecorder{r}
+	}
+	if cfg.Skipper == nil {
+		cfg.Skipper = d.Skipper
+	}
+	if cfg.HoldFunc == nil {
+		cfg.HoldFunc = d.HoldFunc
+	}
+	if cfg.ErrorHandler == nil {
+		cfg.ErrorHandler = d.ErrorHandler
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.HoldTTL == 0 {
+		if s, ok := cfg.Store.(interface{ Config() balance.Config }); ok {
+			cfg.HoldTTL = s.Config().HoldTTL
+		}
+	}
+	cfg.DefaultHold = cmp.Or(cfg.DefaultHold, d.DefaultHold)
+	cfg.MaxRequestBytes = cmp.Or(cfg.MaxRequestBytes, d.MaxRequestBytes)
+	cfg.MaxResponseBytes = cmp.Or(cfg.MaxResponseBytes, d.MaxResponseBytes)
+	cfg.KeyCacheTTL = cmp.Or(cfg.KeyCacheTTL, d.KeyCacheTTL)
+	cfg.MaxStale = cmp.Or(cfg.MaxStale, d.MaxStale)
+	cfg.KeyCacheSize = cmp.Or(cfg.KeyCacheSize, d.KeyCacheSize)
+	cfg.LookupTimeout = cmp.Or(cfg.LookupTimeout, d.LookupTimeout)
+	cfg.ReserveTimeout = cmp.Or(cfg.ReserveTimeout, d.ReserveTimeout)
+	cfg.RetryAfter = cmp.Or(cfg.RetryAfter, d.RetryAfter)
+	cfg.HoldTTL = cmp.Or(cfg.HoldTTL, d.HoldTTL)
+	cfg.RecordTimeout = cmp.Or(cfg.RecordTimeout, d.RecordTimeout)
+	cfg.HangupTimeout = cmp.Or(cfg.HangupTimeout, d.HangupTimeout)
+	cfg.HangupBytes = cmp.Or(cfg.HangupBytes, d.HangupBytes)
+	cfg.ReleaseRetryFor = cmp.Or(cfg.ReleaseRetryFor, d.ReleaseRetryFor)
+	switch {
+	case cfg.DefaultHold < 0 || cfg.DefaultHold > balance.MaxAmount:
+		return cfg, fmt.Errorf("%w: DefaultHold %d must be in (0, %d]", ErrConfig, cfg.DefaultHold, balance.MaxAmount)
+	case cfg.MaxRequestBytes < 0, cfg.MaxResponseBytes < 0, cfg.KeyCacheSize < 0, cfg.HangupBytes < 0:
+		return cfg, fmt.Errorf("%w: sizes must be > 0", ErrConfig)
+	case cfg.KeyCacheTTL < 0, cfg.MaxStale < 0, cfg.LookupTimeout < 0, cfg.ReserveTimeout < 0, cfg.RetryAfter < 0,
+		cfg.HoldTTL < 3*time.Millisecond, cfg.RecordTimeout < 0, cfg.HangupTimeout < 0, cfg.ReleaseRetryFor < 0:
+		return cfg, fmt.Errorf("%w: durations must be > 0 (HoldTTL ≥ 3ms)", ErrConfig)
+	}
+	if m := cfg.DefaultModel; m != nil {
+		if m.Input < 0 || m.CachedInput < 0 || m.Output < 0 || m.DefaultHold < 0 {
+			return cfg, fmt.Errorf("%w: DefaultModel has a negative price or hold", ErrConfig)
+		}
+	}
+	return cfg, nil
+}

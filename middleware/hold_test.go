@@ -1,0 +1,46 @@
+package middleware
+
+import (
+	"context"
+	"testing"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+)
+
+func TestHoldAmount(t *testing.T) {
+	t.Parallel()
+	// 1 micro-unit per token in, 2 out: the bound is size + 2×cap.
+	m := accounting.Model{Name: "m", Prices: accounting.Prices{Input: 1_000_000, Output: 2_000_000}, MaxOutputTokens: 1000}
+	plain := Request{Endpoint: EndpointChat, Size: 100, N: 1, PlainText: true, OutputCap: 50}
+	tests := []struct {
+		name    string
+		r       Request
+		m       accounting.Model
+		learned int64
+		want    int64
+	}{
+		{"learned, no cap", Request{Endpoint: EndpointChat, Size: 100, N: 1, PlainText: true}, m, 5000, 5000},
+		{"learned lowered to the bound", plain, m, 5000, 200},
+		{"bound above learned", plain, m, 150, 150},
+		{"bound × n", func() Request { r := plain; r.N = 3; return r }(), m, 5000, 600},
+		{"not plain: learned", func() Request { r := plain; r.PlainText = false; return r }(), m, 5000, 5000},
+		{"model max cost when store has none", plain, func() accounting.Model { x := m; x.MaxCost = 180; return x }(), 0, 180},
+		{"no learned: the request bound", plain, m, 0, 200},
+		{"no learned, no cap: bound with max output", Request{Endpoint: EndpointChat, Size: 100, N: 1}, m, 0, 2100},
+		{"no learned, no limits: model default", Request{Endpoint: EndpointChat, Size: 100, N: 1},
+			func() accounting.Model { x := m; x.MaxOutputTokens = 0; x.DefaultHold = 77; return x }(), 0, 77},
+		{"nothing known: fallback", Request{Endpoint: EndpointChat, Size: 100, N: 1},
+			func() accounting.Model { x := m; x.MaxOutputTokens = 0; return x }(), 0, 999},
+		{"embeddings: input alone", Request{Endpoint: EndpointEmbeddings, Size: 100, N: 1, PlainText: true}, m, 5000, 100},
+		{"free model never zero", plain, accounting.Model{Name: "free", MaxOutputTokens: 10}, 0, 999},
+		{"overflow clamps", Request{Endpoint: EndpointChat, Size: 100, N: 1},
+			accounting.Model{Prices: accounting.Prices{Input: balance.MaxAmount, Output: balance.MaxAmount}, MaxOutputTokens: 1 << 40}, 0, balance.MaxAmount},
+	}
+	for _, tt := range tests {
+		got, err := HoldAmount(context.Background(), HoldInput{Request: tt.r, Model: tt.m, LearnedMax: tt.learned, Fallback: 999})
+		if err != nil || got != tt.want {
+			t.Errorf("%s: got %d %v, want %d", tt.name, got, err, tt.want)
+		}
+	}
+}

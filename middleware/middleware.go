@@ -1,0 +1,382 @@
+package middleware
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/labstack/echo/v4"
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+)
+
+// OutcomeKind says how a request ended for billing.
+type OutcomeKind string
+
+const (
+	OutcomeRefused      OutcomeKind = "refused"       // refused before the upstream call; nothing held
+	OutcomePassed       OutcomeKind = "passed"        // a PassThrough path: no hold, no usage
+	OutcomeRecorded     OutcomeKind = "recorded"      // usage from the response recorded
+	OutcomeEstimated    OutcomeKind = "estimated"     // no usable usage: an estimate recorded
+	OutcomeReleased     OutcomeKind = "released"      // the upstream failed: hold released, nothing charged
+	OutcomeRecordFailed OutcomeKind = "record_failed" // usage could not be recorded: client got an error
+)
+
+// Outcome describes one handled request, for metrics and logs (Config.OnOutcome).
+type Outcome struct {
+	Kind       OutcomeKind
+	HoldID     string // also the request id and the usage event id ("" if refused before one was made)
+	Org        string
+	KeyID      string
+	Model      string
+	Endpoint   string
+	Status     int    // the HTTP status the client got
+	Code       string // the error code of a refusal
+	HoldAmount int64
+	Cost       int64
+	Usage      accounting.Usage
+	FailOpen   bool  // passed without a hold because Redis could not answer
+	Err        error // what went wrong, if anything
+	Duration   time.Duration
+}
+
+type middleware struct {
+	cfg      Config
+	keys     *ttlCache[accounting.APIKey]
+	models   *ttlCache[accounting.Model]
+	pass     map[string]bool
+	allow    map[string]bool
+	extendIn time.Duration
+}
+
+func newMiddleware(cfg Config) (*middleware, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	m := &middleware{cfg: cfg, pass: map[string]bool{}, allow: map[string]bool{}, extendIn: cfg.HoldTTL / 3}
+	for _, p := range cfg.PassThrough {
+		m.pass[p] = true
+	}
+	for _, f := range cfg.Allow {
+		m.allow[f] = true
+	}
+	m.keys = newTTLCache[accounting.APIKey](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.LookupTimeout,
+		func(err error) bool { return errors.Is(err, accounting.ErrUnknownKey) })
+	m.models = newTTLCache[accounting.Model](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.LookupTimeout,
+		func(err error) bool { return errors.Is(err, accounting.ErrUnknownModel) })
+	if m.cfg.OrgFunc == nil {
+		m.cfg.OrgFunc = m.bearerOrg
+	}
+	return m, nil
+}
+
+func (m *middleware) handler(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		if m.cfg.Skipper(c) {
+			return next(c)
+		}
+		return m.serve(c, next)
+	}
+}
+
+// bearerOrg is the default OrgFunc: "Authorization: Bearer <key>" looked up in the ledger.
+func (m *middleware) bearerOrg(c echo.Context) (Identity, error) {
+	auth := c.Request().Header.Get("Authorization")
+	scheme, key, ok := strings.Cut(auth, " ")
+	key = strings.TrimSpace(key)
+	if !ok || !strings.EqualFold(scheme, "Bearer") || key == "" {
+		return Identity{}, &Error{Status: http.StatusUnauthorized, Type: TypeInvalidRequest, Code: CodeInvalidAPIKey,
+			Message: "You didn't provide an API key. Provide it in the Authorization header (Authorization: Bearer YOUR_KEY)."}
+	}
+	k, err := m.keys.get(c.Request().Context(), key, m.cfg.Ledger.LookupKey)
+	if err != nil {
+		return Identity{}, err
+	}
+	return Identity{Org: k.Org, KeyID: k.ID}, nil
+}
+
+// call is one metered request on its way.
+type call struct {
+	m          *middleware
+	id         Identity
+	holdID     string
+	req        Request
+	model      accounting.Model
+	holdAmount int64
+	failOpen   bool
+	start      time.Time
+	balance    int64
+	haveBal    bool
+}
+
+func (m *middleware) refuse(c echo.Context, o Outcome, e *Error) error {
+	o.Kind, o.Status, o.Code, o.Err = OutcomeRefused, e.Status, e.Code, e
+	if o.HoldID != "" {
+		c.Response().Header().Set("x-request-id", o.HoldID)
+	}
+	err := m.cfg.ErrorHandler(c, e)
+	m.report(o)
+	return err
+}
+
+func (m *middleware) report(o Outcome) {
+	if m.cfg.OnOutcome != nil {
+		m.cfg.OnOutcome(o)
+	}
+	log := m.cfg.Logger
+	switch o.Kind {
+	case OutcomeRecordFailed:
+		log.Error("escrow: usage not recorded", "hold_id", o.HoldID, "org", o.Org, "model", o.Model, "err", o.Err)
+	case OutcomeEstimated:
+		log.Warn("escrow: usage estimated", "hold_id", o.HoldID, "org", o.Org, "model", o.Model, "cost", o.Cost, "err", o.Err)
+	default:
+		if log.Enabled(context.Background(), slog.LevelDebug) {
+			log.Debug("escrow: request", "outcome", string(o.Kind), "hold_id", o.HoldID, "org", o.Org, "model", o.Model,
+				"status", o.Status, "code", o.Code, "hold", o.HoldAmount, "cost", o.Cost, "err", o.Err)
+		}
+	}
+}
+
+func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
+	start := time.Now()
+	req := c.Request()
+	ctx := req.Context()
+	o := Outcome{Endpoint: req.URL.Path}
+	defer func() { o.Duration = time.Since(start) }()
+
+	id, err := m.cfg.OrgFunc(c)
+	if err != nil {
+		return m.refuse(c, o, m.identityError(err))
+	}
+	o.Org, o.KeyID = id.Org, id.KeyID
+	path := req.URL.Path
+	if !pricedEndpoint(path) {
+		if m.pass[path] {
+			req.Header.Del("Authorization")
+			o.Kind = OutcomePassed
+			err := next(c)
+			o.Status = c.Response().Status
+			m.report(o)
+			return err
+		}
+		return m.refuse(c, o, &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Code: CodeNotFound,
+			Message: "Invalid URL (" + req.Method + " " + path + ")"})
+	}
+	if req.Method != http.MethodPost {
+		return m.refuse(c, o, &Error{Status: http.StatusMethodNotAllowed, Type: TypeInvalidRequest, Code: CodeMethodNotAllowed,
+			Message: "Method " + req.Method + " is not allowed on " + path + "; use POST."})
+	}
+	body, e := readBody(req, m.cfg.MaxRequestBytes)
+	if e != nil {
+		return m.refuse(c, o, e)
+	}
+	r, e := parseRequest(path, body)
+	if e != nil {
+		return m.refuse(c, o, e)
+	}
+	o.Model = r.Model
+	if r.Background {
+		return m.refuse(c, o, errInvalid("background", "Background responses are billed after the request ends and are not supported here."))
+	}
+	for _, f := range r.Features {
+		if !m.allow[f] {
+			return m.refuse(c, o, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: featureParam(f), Code: CodeUnsupported,
+				Message: "This request uses a feature that cannot be priced here: " + f + "."})
+		}
+	}
+	model, err := m.models.get(ctx, r.Model, m.cfg.Ledger.Model)
+	switch {
+	case errors.Is(err, accounting.ErrUnknownModel) && m.cfg.DefaultModel != nil:
+		model = *m.cfg.DefaultModel
+		model.Name = r.Model
+	case errors.Is(err, accounting.ErrUnknownModel):
+		return m.refuse(c, o, &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Param: "model", Code: CodeModelNotFound,
+			Message: "The model '" + r.Model + "' does not exist or you do not have access to it."})
+	case err != nil:
+		return m.refuse(c, o, errUnavailable("The billing service is unavailable; please retry.", m.cfg.RetryAfter))
+	}
+	if r.OutputCap > 0 && model.MaxOutputTokens > 0 && r.OutputCap > model.MaxOutputTokens {
+		return m.refuse(c, o, errInvalid(capParam(body), "The output token limit "+strconv.FormatInt(r.OutputCap, 10)+
+			" is above the model's maximum of "+strconv.FormatInt(model.MaxOutputTokens, 10)+"."))
+	}
+	learned, err := m.cfg.Store.ModelMax(ctx, model.Name)
+	if err != nil {
+		learned = 0 // the reserve will meet the same trouble; Model.MaxCost stands in
+	}
+	amount, err := m.cfg.HoldFunc(ctx, HoldInput{Request: r, Model: model, LearnedMax: learned, Fallback: m.cfg.DefaultHold})
+	if err != nil || amount <= 0 || amount > balance.MaxAmount {
+		m.cfg.Logger.Error("escrow: bad hold amount", "model", r.Model, "amount", amount, "err", err)
+		return m.refuse(c, o, errInternal("The hold for this request could not be computed."))
+	}
+	u, err := uuid.NewV7()
+	if err != nil {
+		return m.refuse(c, o, errInternal("No request id could be made."))
+	}
+	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, start: start}
+	o.HoldID, o.HoldAmount = cl.holdID, amount
+
+	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)
+	res, err := m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: id.Org, HoldID: cl.holdID, Amount: amount})
+	cancel()
+	if err != nil {
+		e, unknown := m.reserveError(err, amount)
+		if unknown {
+			// The reserve may have committed unseen: give it back once Redis answers.
+			m.releaseLater(id.Org, cl.holdID, err)
+		}
+		if e != nil {
+			o.Err = err
+			return m.refuse(c, o, e)
+		}
+		cl.holdAmount, cl.failOpen = 0, true
+		o.HoldAmount, o.FailOpen = 0, true
+		m.cfg.Logger.Warn("escrow: fail-open: request passes without a hold", "hold_id", cl.holdID, "org", id.Org, "err", err)
+	} else {
+		cl.balance, cl.haveBal = res.Balance, true
+	}
+	return cl.proxy(c, next, body, o)
+}
+
+// reserveError maps a failed reserve to a refusal. unknown is true when the reserve may have
+// committed (Redis trouble). A nil *Error means: pass without a hold (fail-open).
+func (m *middleware) reserveError(err error, amount int64) (e *Error, unknown bool) {
+	var ins *balance.InsufficientError
+	switch {
+	case errors.As(err, &ins), errors.Is(err, balance.ErrInsufficient):
+		return &Error{Status: http.StatusTooManyRequests, Type: TypeInsufficientQuota, Code: CodeInsufficientQuota, NoRetry: true,
+			Message: "You exceeded your current quota: your balance does not cover this request. Add credit and retry."}, false
+	case errors.Is(err, balance.ErrTooManyHolds):
+		return &Error{Status: http.StatusTooManyRequests, Type: TypeRateLimit, Code: CodeRateLimit, RetryAfter: m.cfg.RetryAfter,
+			Message: "Too many requests in flight for your organization. Retry when some have finished."}, false
+	case errors.Is(err, balance.ErrInvalidOrg):
+		return errInvalid("", "The organization id of this API key is not valid."), false
+	case errors.Is(err, accounting.ErrUnknownOrg):
+		return &Error{Status: http.StatusUnauthorized, Type: TypeInvalidRequest, Code: CodeInvalidAPIKey,
+			Message: "The organization of this API key has no account."}, false
+	case errors.Is(err, balance.ErrInvalidAmount):
+		m.cfg.Logger.Error("escrow: reserve refused the amount", "amount", amount, "err", err)
+		return errInternal("The hold for this request could not be computed."), false
+	case errors.Is(err, balance.ErrGone), errors.Is(err, balance.ErrCold):
+		return errUnavailable("The balance service is not ready; please retry.", m.cfg.RetryAfter), false
+	}
+	if m.cfg.FailOpen {
+		return nil, true
+	}
+	return errUnavailable("The balance service is unavailable; please retry.", m.cfg.RetryAfter), true
+}
+
+func (m *middleware) identityError(err error) *Error {
+	var e *Error
+	switch {
+	case errors.As(err, &e):
+		return e
+	case errors.Is(err, accounting.ErrUnknownKey):
+		return &Error{Status: http.StatusUnauthorized, Type: TypeInvalidRequest, Code: CodeInvalidAPIKey,
+			Message: "Incorrect API key provided."}
+	}
+	m.cfg.Logger.Warn("escrow: api key look-up failed", "err", err)
+	return errUnavailable("The authentication service is unavailable; please retry.", m.cfg.RetryAfter)
+}
+
+// releaseLater releases a hold in the background, retrying with backoff until Redis answers or
+// ReleaseRetryFor has passed.
+func (m *middleware) releaseLater(org, holdID string, cause error) {
+	go func() {
+		deadline := time.Now().Add(m.cfg.ReleaseRetryFor)
+		wait := 50 * time.Millisecond
+		for attempt := 1; ; attempt++ {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			_, err := m.cfg.Store.Release(ctx, org, holdID)
+			cancel()
+			if err == nil {
+				if attempt > 1 {
+					m.cfg.Logger.Info("escrow: background release done", "hold_id", holdID, "org", org, "attempts", attempt)
+				}
+				return
+			}
+			if time.Now().Add(wait).After(deadline) {
+				m.cfg.Logger.Error("escrow: background release gave up; the reaper will release the hold",
+					"hold_id", holdID, "org", org, "attempts", attempt, "err", err, "cause", cause)
+				return
+			}
+			time.Sleep(wait)
+			wait = min(2*wait, 5*time.Second)
+		}
+	}()
+}
+
+// release gives a hold back at once (upstream failure), falling back to releaseLater.
+func (m *middleware) release(org, holdID string) {
+	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.ReserveTimeout)
+	_, err := m.cfg.Store.Release(ctx, org, holdID)
+	cancel()
+	if err != nil {
+		m.releaseLater(org, holdID, err)
+	}
+}
+
+// readBody reads the whole body up to limit bytes.
+func readBody(req *http.Request, limit int64) ([]byte, *Error) {
+	tooLarge := &Error{Status: http.StatusRequestEntityTooLarge, Type: TypeInvalidRequest, Code: CodeRequestTooLarge,
+		Message: "The request body is larger than the limit of " + strconv.FormatInt(limit, 10) + " bytes."}
+	if req.ContentLength > limit {
+		return nil, tooLarge
+	}
+	if req.Body == nil || req.Body == http.NoBody {
+		return nil, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON, Message: "The request body is empty."}
+	}
+	var buf bytes.Buffer
+	if req.ContentLength > 0 {
+		buf.Grow(int(req.ContentLength) + 1)
+	}
+	n, err := buf.ReadFrom(io.LimitReader(req.Body, limit+1))
+	_ = req.Body.Close()
+	if n > limit {
+		return nil, tooLarge
+	}
+	if err != nil {
+		return nil, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON, Message: "The request body could not be read."}
+	}
+	return buf.Bytes(), nil
+}
+
+// setBody gives the handler body as the request body.
+func setBody(req *http.Request, body []byte) {
+	req.Body = io.NopCloser(bytes.NewReader(body))
+	req.ContentLength = int64(len(body))
+	req.Header.Set("Content-Length", strconv.Itoa(len(body)))
+	req.Header.Del("Transfer-Encoding")
+	req.TransferEncoding = nil
+	req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+}
+
+func featureParam(f string) string {
+	switch {
+	case f == "audio":
+		return "audio"
+	case f == "image_output":
+		return "modalities"
+	case strings.HasPrefix(f, "service_tier:"):
+		return "service_tier"
+	case strings.HasPrefix(f, "tool:"):
+		return "tools"
+	}
+	return ""
+}
+
+func capParam(body []byte) string {
+	for _, k := range []string{"max_completion_tokens", "max_output_tokens", "max_tokens"} {
+		if bytes.Contains(body, []byte(`"`+k+`"`)) {
+			return k
+		}
+	}
+	return "max_tokens"
+}

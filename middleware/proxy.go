@@ -1,0 +1,238 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/labstack/echo/v4"
+	"github.com/llmescrow/escrow/accounting"
+)
+
+var (
+	errHangupBound = errors.New("middleware: client hung up and the upstream went on past the bound")
+	errHoldLost    = errors.New("middleware: the hold could not be extended before its expiry")
+	errNoUsage     = errors.New("middleware: the response carried no usage")
+	errNoResponse  = errors.New("middleware: the handler wrote no response")
+)
+
+// proxy runs the handler on a context detached from the client's, with the hold extended on a
+// timer, the client's key stripped, and the response captured; then it settles the outcome.
+func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outcome) error {
+	m := cl.m
+	req := c.Request()
+	r := cl.req
+	injected := false
+	if r.Stream && !r.IncludeUsage && (r.Endpoint == EndpointChat || r.Endpoint == EndpointCompletions) {
+		b, err := injectIncludeUsage(body)
+		if err != nil {
+			cl.releaseHold()
+			return m.refuse(c, o, errInternal("The request could not be prepared."))
+		}
+		body, injected = b, true
+	}
+	req.Header.Del("Authorization") // the client's key never goes upstream
+	req.Header.Set("Accept-Encoding", "identity")
+	setBody(req, body)
+
+	clientCtx := req.Context()
+	upCtx, upCancel := context.WithCancelCause(context.WithoutCancel(clientCtx))
+	defer upCancel(nil)
+	c.SetRequest(req.WithContext(upCtx))
+
+	orig := c.Response().Writer
+	cw := &captureWriter{
+		w:           orig,
+		headers:     cl.setHeaders,
+		maxJSON:     m.cfg.MaxResponseBytes,
+		hangupBytes: m.cfg.HangupBytes,
+		hangupAfter: m.cfg.HangupTimeout,
+		onBound:     func() { upCancel(errHangupBound) },
+	}
+	cw.sse = &sseFilter{inject: injected, responses: r.Endpoint == EndpointResponses, maxEvent: m.cfg.MaxResponseBytes, emit: cw.out}
+	c.Response().Writer = cw
+	cl.setHeaders(orig.Header())
+	stopWatch := context.AfterFunc(clientCtx, cw.markGone)
+	ext := cl.startExtender(upCancel)
+
+	var nextErr error
+	var panicked any
+	func() {
+		defer func() { panicked = recover() }()
+		nextErr = next(c)
+	}()
+	ext.stop()
+	stopWatch()
+	cw.stop()
+	c.Response().Writer = orig
+	c.SetRequest(req)
+
+	abort := cl.finish(cw, nextErr, panicked, context.Cause(upCtx), o)
+	if panicked != nil {
+		panic(panicked)
+	}
+	if abort {
+		panic(http.ErrAbortHandler)
+	}
+	return nextErr
+}
+
+// setHeaders sets the request id (= hold id) and the remaining balance on the response.
+func (cl *call) setHeaders(h http.Header) {
+	if up := h.Get("x-request-id"); up != "" && up != cl.holdID {
+		h.Set("x-upstream-request-id", up)
+	}
+	h.Set("x-request-id", cl.holdID)
+	h.Set("x-escrow-hold-id", cl.holdID)
+	if cl.haveBal {
+		h.Set("x-escrow-balance", strconv.FormatInt(cl.balance, 10))
+	}
+}
+
+func (cl *call) releaseHold() {
+	if !cl.failOpen {
+		cl.m.release(cl.id.Org, cl.holdID)
+	}
+}
+
+// finish settles the outcome after the handler returned and reports it. It returns true when
+// the connection must be aborted.
+func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause error, o Outcome) (abort bool) {
+	m := cl.m
+	defer func() {
+		o.Duration = time.Since(cl.start)
+		m.report(o)
+	}()
+	o.Status = cw.status
+	if !cw.wroteHeader || cw.status < 200 || cw.status > 299 {
+		// The upstream failed before any response byte (or answered with an error): no charge.
+		cl.releaseHold()
+		o.Kind = OutcomeReleased
+		o.Err = cmpErr(nextErr, panicErr(panicked), errNoResponse)
+		if !cw.wroteHeader {
+			o.Status = 0
+		}
+		return false
+	}
+	usage, ok := cw.usage()
+	var why error
+	switch {
+	case ok:
+	case cw.boundHit.Load() || errors.Is(cause, errHangupBound):
+		why = errHangupBound
+	case errors.Is(cause, errHoldLost):
+		why = errHoldLost
+	default:
+		why = cmpErr(nextErr, panicErr(panicked), errNoUsage)
+	}
+	estimated := !ok
+	if estimated {
+		usage = accounting.Usage{Prompt: (int64(cl.req.Size) + 3) / 4, Completion: cw.outputEstimate()}
+	}
+	cost, err := cl.model.Cost(usage)
+	if err != nil {
+		// Absurd token counts: charge what was held (and log it) rather than nothing.
+		m.cfg.Logger.Error("escrow: usage could not be priced", "hold_id", cl.holdID, "usage", usage, "err", err)
+		cost, estimated = max(cl.holdAmount, 1), true
+	}
+	ev := accounting.UsageEvent{
+		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Model: cl.req.Model, Endpoint: cl.req.Endpoint,
+		Usage: usage, Cost: cost, HoldAmount: cl.holdAmount, Estimated: estimated, CreatedAt: time.Now(),
+	}
+	o.Usage, o.Cost, o.Err = usage, cost, why
+	rctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
+	err = m.cfg.Recorder.Record(rctx, ev)
+	cancel()
+	if err != nil {
+		// Not billed: the client must not see a success, and the hold goes back.
+		o.Kind, o.Err = OutcomeRecordFailed, err
+		cl.releaseHold()
+		e := errUnavailable("The usage of this request could not be recorded; it was not completed.", m.cfg.RetryAfter)
+		e.Code = CodeBillingFailed
+		if cw.mode == modeJSON {
+			o.Status = e.Status
+		}
+		return cw.fail(e)
+	}
+	o.Kind = OutcomeRecorded
+	if estimated {
+		o.Kind = OutcomeEstimated
+	}
+	cw.commit()
+	return false
+}
+
+func cmpErr(errs ...error) error {
+	for _, e := range errs {
+		if e != nil {
+			return e
+		}
+	}
+	return nil
+}
+
+func panicErr(p any) error {
+	switch x := p.(type) {
+	case nil:
+		return nil
+	case error:
+		return x
+	}
+	return errors.New("middleware: handler panicked")
+}
+
+// extender pushes the hold's expiry out every HoldTTL/3 while the handler runs. If it cannot for
+// so long that the hold would expire (minus a margin) before the next try, it cancels the
+// upstream call: the usage is then estimated, and no reaper can act on a live hold.
+type extender struct {
+	done chan struct{}
+	wg   sync.WaitGroup
+}
+
+func (e *extender) stop() {
+	if e == nil {
+		return
+	}
+	close(e.done)
+	e.wg.Wait()
+}
+
+func (cl *call) startExtender(cancel context.CancelCauseFunc) *extender {
+	if cl.failOpen {
+		return nil
+	}
+	m := cl.m
+	e := &extender{done: make(chan struct{})}
+	e.wg.Add(1)
+	go func() {
+		defer e.wg.Done()
+		t := time.NewTicker(m.extendIn)
+		defer t.Stop()
+		lastOK := cl.start
+		margin := m.cfg.HoldTTL / 6
+		for {
+			select {
+			case <-e.done:
+				return
+			case <-t.C:
+			}
+			ctx, cc := context.WithTimeout(context.Background(), max(m.extendIn/2, time.Millisecond))
+			_, err := m.cfg.Store.Extend(ctx, cl.id.Org, cl.holdID)
+			cc()
+			now := time.Now()
+			if err == nil {
+				lastOK = now
+				continue
+			}
+			if now.Add(m.extendIn).After(lastOK.Add(m.cfg.HoldTTL - margin)) {
+				m.cfg.Logger.Error("escrow: hold not extended in time; cancelling the upstream call", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
+				cancel(errHoldLost)
+				return
+			}
+		}
+	}()
+	return e
+}

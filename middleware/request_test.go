@@ -1,0 +1,155 @@
+package middleware
+
+import (
+	"encoding/json"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/tidwall/gjson"
+)
+
+func TestParseRequest(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name, endpoint, body string
+		want                 Request // Size and Endpoint are filled in
+	}{
+		{"minimal chat", EndpointChat, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`,
+			Request{Model: "m", N: 1, PlainText: true}},
+		{"stream with usage and cap", EndpointChat,
+			`{"model":"m","stream":true,"stream_options":{"include_usage":true},"max_completion_tokens":50,"n":3,"messages":[]}`,
+			Request{Model: "m", Stream: true, IncludeUsage: true, OutputCap: 50, N: 3, PlainText: true}},
+		{"largest cap wins", EndpointChat, `{"model":"m","max_tokens":10,"max_completion_tokens":70}`,
+			Request{Model: "m", OutputCap: 70, N: 1, PlainText: true}},
+		{"best_of above n", EndpointCompletions, `{"model":"m","prompt":"x","n":2,"best_of":5,"max_tokens":9}`,
+			Request{Model: "m", OutputCap: 9, N: 5, PlainText: true}},
+		{"nulls are absent", EndpointChat, `{"model":"m","stream":null,"stream_options":null,"max_tokens":null,"n":null,"audio":null,"service_tier":null,"tools":null}`,
+			Request{Model: "m", N: 1, PlainText: true}},
+		{"text parts are plain", EndpointChat, `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"}]}]}`,
+			Request{Model: "m", N: 1, PlainText: true}},
+		{"image part is not plain", EndpointChat, `{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x"}}]}]}`,
+			Request{Model: "m", N: 1}},
+		{"responses input text", EndpointResponses, `{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"a"}]}],"max_output_tokens":5}`,
+			Request{Model: "m", N: 1, OutputCap: 5, PlainText: true}},
+		{"responses file is not plain", EndpointResponses, `{"model":"m","input":[{"role":"user","content":[{"type":"input_file","file_id":"f"}]}]}`,
+			Request{Model: "m", N: 1}},
+		{"item reference is not plain", EndpointResponses, `{"model":"m","input":[{"type":"item_reference","id":"x"}]}`,
+			Request{Model: "m", N: 1}},
+		{"previous_response_id is not plain", EndpointResponses, `{"model":"m","input":"hi","previous_response_id":"r"}`,
+			Request{Model: "m", N: 1}},
+		{"unknown field is not plain", EndpointChat, `{"model":"m","foo":1}`, Request{Model: "m", N: 1}},
+		{"function tool is plain", EndpointChat, `{"model":"m","tools":[{"type":"function","function":{"name":"f"}}]}`,
+			Request{Model: "m", N: 1, PlainText: true}},
+		{"hosted tool", EndpointResponses, `{"model":"m","tools":[{"type":"web_search"},{"type":"function"}]}`,
+			Request{Model: "m", N: 1, Features: []string{"tool:web_search"}}},
+		{"audio", EndpointChat, `{"model":"m","modalities":["text","audio"],"audio":{"voice":"x"}}`,
+			Request{Model: "m", N: 1, Features: []string{"audio"}}},
+		{"priority tier", EndpointChat, `{"model":"m","service_tier":"priority"}`,
+			Request{Model: "m", N: 1, PlainText: true, Features: []string{"service_tier:priority"}}},
+		{"auto tier", EndpointChat, `{"model":"m","service_tier":"auto"}`, Request{Model: "m", N: 1, PlainText: true}},
+		{"web_search_options", EndpointChat, `{"model":"m","web_search_options":{}}`,
+			Request{Model: "m", N: 1, Features: []string{"tool:web_search"}}},
+		{"background", EndpointResponses, `{"model":"m","background":true}`, Request{Model: "m", N: 1, Background: true}},
+		{"embeddings tokens", EndpointEmbeddings, `{"model":"e","input":[[1,2,3],[4]]}`, Request{Model: "e", N: 1, PlainText: true}},
+		{"escaped key", EndpointChat, `{"mod\u0065l":"m"}`, Request{Model: "m", N: 1, PlainText: true}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			got, e := parseRequest(tt.endpoint, []byte(tt.body))
+			if e != nil {
+				t.Fatalf("error %v", e)
+			}
+			tt.want.Endpoint, tt.want.Size = tt.endpoint, len(tt.body)
+			if got.Model != tt.want.Model || got.Stream != tt.want.Stream || got.IncludeUsage != tt.want.IncludeUsage ||
+				got.OutputCap != tt.want.OutputCap || got.N != tt.want.N || got.Background != tt.want.Background ||
+				got.PlainText != tt.want.PlainText || !slices.Equal(got.Features, tt.want.Features) ||
+				got.Size != tt.want.Size || got.Endpoint != tt.want.Endpoint {
+				t.Fatalf("got %+v\nwant %+v", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestParseRequestErrors(t *testing.T) {
+	t.Parallel()
+	tests := []struct{ name, body, code, param string }{
+		{"not json", `{"model":`, CodeInvalidJSON, ""},
+		{"array", `[1]`, CodeInvalidJSON, ""},
+		{"empty", ``, CodeInvalidJSON, ""},
+		{"no model", `{"messages":[]}`, CodeMissingField, "model"},
+		{"model not string", `{"model":3}`, CodeInvalidValue, "model"},
+		{"empty model", `{"model":""}`, CodeInvalidValue, "model"},
+		{"duplicate model", `{"model":"cheap","model":"dear"}`, CodeInvalidValue, "model"},
+		{"duplicate escaped model", `{"model":"cheap","mod\u0065l":"dear"}`, CodeInvalidValue, "model"},
+		{"duplicate include_usage", `{"model":"m","stream_options":{"include_usage":true,"include_usage":false}}`, CodeInvalidValue, "stream_options.include_usage"},
+		{"stream string", `{"model":"m","stream":"true"}`, CodeInvalidValue, "stream"},
+		{"cap zero", `{"model":"m","max_tokens":0}`, CodeInvalidValue, "max_tokens"},
+		{"cap negative", `{"model":"m","max_completion_tokens":-5}`, CodeInvalidValue, "max_completion_tokens"},
+		{"cap fraction", `{"model":"m","max_output_tokens":1.5}`, CodeInvalidValue, "max_output_tokens"},
+		{"cap exponent", `{"model":"m","max_tokens":1e3}`, CodeInvalidValue, "max_tokens"},
+		{"cap string", `{"model":"m","max_tokens":"10"}`, CodeInvalidValue, "max_tokens"},
+		{"cap huge", `{"model":"m","max_tokens":99999999999999999999}`, CodeInvalidValue, "max_tokens"},
+		{"n zero", `{"model":"m","n":0}`, CodeInvalidValue, "n"},
+		{"stream_options array", `{"model":"m","stream_options":[]}`, CodeInvalidValue, "stream_options"},
+		{"tools object", `{"model":"m","tools":{}}`, CodeInvalidValue, "tools"},
+		{"background string", `{"model":"m","background":"yes"}`, CodeInvalidValue, "background"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			_, e := parseRequest(EndpointChat, []byte(tt.body))
+			if e == nil {
+				t.Fatal("no error")
+			}
+			if e.Status != 400 || e.Code != tt.code || e.Param != tt.param || e.Type != TypeInvalidRequest {
+				t.Fatalf("got %+v, want 400 %s param %q", e, tt.code, tt.param)
+			}
+			var shape struct {
+				Error struct {
+					Message string  `json:"message"`
+					Type    string  `json:"type"`
+					Param   *string `json:"param"`
+					Code    *string `json:"code"`
+				} `json:"error"`
+			}
+			if err := json.Unmarshal(e.Body(), &shape); err != nil || shape.Error.Message == "" || shape.Error.Code == nil {
+				t.Fatalf("body %s: %v", e.Body(), err)
+			}
+		})
+	}
+}
+
+func TestInjectIncludeUsage(t *testing.T) {
+	t.Parallel()
+	for _, body := range []string{
+		`{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`,
+		`{"model":"m","stream":true,"stream_options":null}`,
+		`{"model":"m","stream":true,"stream_options":{"include_usage":false}}`,
+		`{"model":"m","stream":true,"stream_options":{"x":1}}`,
+		`{ "model" : "m" , "stream" : true }`,
+	} {
+		out, err := injectIncludeUsage([]byte(body))
+		if err != nil {
+			t.Fatalf("%s: %v", body, err)
+		}
+		r, e := parseRequest(EndpointChat, out)
+		if e != nil || !r.IncludeUsage || !r.Stream || r.Model != "m" {
+			t.Fatalf("%s -> %s: %+v %v", body, out, r, e)
+		}
+		// Nothing else changes: every other top-level field keeps its raw bytes.
+		gjson.Parse(body).ForEach(func(k, v gjson.Result) bool {
+			if k.String() != "stream_options" && gjson.GetBytes(out, k.String()).Raw != v.Raw {
+				t.Errorf("%s: field %s changed in %s", body, k, out)
+			}
+			return true
+		})
+		if x := gjson.Get(body, "stream_options.x"); x.Exists() && gjson.GetBytes(out, "stream_options.x").Raw != x.Raw {
+			t.Errorf("stream_options.x lost: %s", out)
+		}
+		if strings.Count(string(out), "include_usage") != 1 {
+			t.Errorf("include_usage twice: %s", out)
+		}
+	}
+}
