@@ -47,8 +47,8 @@ type FaultStats struct {
 	DroppedReplies int64 // replies swallowed by DropReplies
 	DroppedBytes   int64 // server bytes swallowed by DropReplies
 	Cuts           int64 // connections closed by Cut
-	BytesToServer  int64 // bytes forwarded client → server
-	BytesToClient  int64 // bytes forwarded server → client
+	BytesToServer  int64 // bytes forwarded client → server (counted just before each write)
+	BytesToClient  int64 // bytes forwarded server → client (counted just before each write)
 }
 
 // proxyConn is one client connection and its server side.
@@ -341,10 +341,10 @@ func (p *FaultProxy) pumpUp(pc *proxyConn, server net.Conn) {
 				pc.swallow.Store(false)
 			}
 			p.mu.Unlock()
+			p.toServer.Add(int64(n)) // counted before the write, so a peer that saw it sees it counted
 			if _, werr := server.Write(buf[:n]); werr != nil {
 				return
 			}
-			p.toServer.Add(int64(n))
 		}
 		if err != nil {
 			return
@@ -385,10 +385,10 @@ func (p *FaultProxy) pumpDown(pc *proxyConn, server net.Conn) {
 					return
 				}
 			}
+			p.toClient.Add(int64(n))
 			if _, werr := pc.client.Write(buf[:n]); werr != nil {
 				return
 			}
-			p.toClient.Add(int64(n))
 		}
 		if err != nil {
 			return

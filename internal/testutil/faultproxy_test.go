@@ -446,7 +446,15 @@ func TestFaultProxyGoRedisBlockedAndCut(t *testing.T) {
 		t.Fatal("PING succeeded while the server was blocked")
 	}
 	p.Unblock()
-	if err := c.Ping(ctx).Err(); err != nil {
+	// After failed dials go-redis's pool may answer with its last dial error until its own
+	// background probe succeeds (about a second), so poll.
+	var err error
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		if err = c.Ping(ctx).Err(); err == nil {
+			break
+		}
+	}
+	if err != nil {
 		t.Fatalf("PING after Unblock: %v", err)
 	}
 }
