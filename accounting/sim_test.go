@@ -1,0 +1,409 @@
+package accounting_test
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"slices"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/internal/testutil"
+)
+
+var (
+	simSeed  = flag.Uint64("sim.seed", 0, "replay one simulation seed (0: a new random seed)")
+	simSteps = flag.Int("sim.steps", 10000, "steps per simulation run")
+)
+
+// TestSimulation drives the real scripts and a real ledger through random interleavings of
+// reserve, record, account, settle (with workers killed before marking), release, reap,
+// invalidate, credit, stale seeds, Redis data loss and re-sent calls, and checks after every step
+// that bal + Σ holds == B(wm) for every warm org, and at quiescence that Redis agrees with the
+// ledger to the micro-unit, that every served request is billed exactly once, and that debt
+// stays within the debt rule. A failure prints the seed; replay it with -sim.seed.
+func TestSimulation(t *testing.T) {
+	t.Parallel()
+	seed := *simSeed
+	if seed == 0 {
+		seed = rand.Uint64()
+	}
+	t.Run("miniredis+memory", func(t *testing.T) {
+		t.Parallel()
+		env := testutil.MiniRedis(t)
+		runSim(t, seed, *simSteps, env, accounting.NewMemory())
+	})
+	t.Run("redis+postgres", func(t *testing.T) {
+		t.Parallel()
+		env := testutil.RealRedis(t)
+		runSim(t, seed+1, *simSteps, env, openTestPostgres(t))
+	})
+}
+
+type simOrg struct {
+	entries []balance.Entry // the ledger's entries, cached (append-only)
+}
+
+type simulator struct {
+	t      *testing.T
+	ctx    context.Context
+	rnd    *rand.Rand
+	seed   uint64
+	env    *testutil.RedisEnv
+	ledger accounting.Ledger
+	store  *balance.Store
+	worker *accounting.Worker
+	orgs   []string
+	cache  map[string]*simOrg
+
+	inflight     map[string]simReq // hold id → live request
+	ended        []simReq
+	costOf       map[string]int64 // hold id → cost recorded
+	holdAtRecord map[string]int64 // hold id → hold still live when its usage was recorded
+	servedOrg    map[string]string
+	credits      map[string]int64
+	stale        []balance.Snapshot
+	staleOrg     []string
+	counts       map[string]int
+}
+
+type simReq struct {
+	org, id string
+	amount  int64
+}
+
+func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger accounting.Ledger) {
+	ctx := context.Background()
+	store, err := balance.New(ctx, env.Client, balance.Config{
+		Ledger: ledger, Prefix: env.Prefix, MaxInFlight: 100000,
+		HoldTTL: time.Millisecond, ReapGrace: time.Nanosecond, // every hold is reapable: owners may be slow
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &simulator{
+		t: t, ctx: ctx, rnd: rand.New(rand.NewPCG(seed, 7)), seed: seed, env: env, ledger: ledger, store: store,
+		worker: accounting.NewWorker(ledger, store, &accounting.WorkerConfig{SettleBatch: 4, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}),
+		orgs:   []string{"a", "b", "c"}, cache: map[string]*simOrg{},
+		inflight: map[string]simReq{}, costOf: map[string]int64{}, holdAtRecord: map[string]int64{},
+		servedOrg: map[string]string{}, credits: map[string]int64{}, counts: map[string]int{},
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			t.Fatalf("simulation seed %d panicked: %v", seed, r)
+		}
+	}()
+	for _, o := range s.orgs {
+		s.must(ledger.CreateOrg(ctx, o))
+		c := s.rnd.Int64N(150) + 1
+		_, _, err := ledger.Credit(ctx, o, c, "init-"+o+"-"+strconv.FormatUint(seed, 10))
+		s.must(err)
+		s.credits[o] += c
+	}
+	for step := 0; step < steps; step++ {
+		s.step()
+		s.check(step)
+		if t.Failed() {
+			return
+		}
+	}
+	s.quiesce()
+	t.Logf("seed %d: %d steps, ops %v", seed, steps, s.counts)
+}
+
+func (s *simulator) must(err error) {
+	s.t.Helper()
+	if err != nil {
+		s.t.Fatalf("seed %d: %v", s.seed, err)
+	}
+}
+
+func (s *simulator) step() {
+	o := s.orgs[s.rnd.IntN(len(s.orgs))]
+	op := s.rnd.Float64()
+	switch {
+	case op < 0.22: // a request arrives
+		s.counts["reserve"]++
+		id := uuid.Must(uuid.NewV7()).String()
+		amt := s.rnd.Int64N(60) + 1
+		_, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt})
+		switch {
+		case err == nil:
+			s.inflight[id] = simReq{o, id, amt}
+			if s.rnd.Float64() < 0.05 { // the Redis client re-sends the same call
+				r, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt})
+				if err != nil || !r.Duplicate {
+					s.t.Fatalf("seed %d: re-sent reserve: %+v %v, want duplicate", s.seed, r, err)
+				}
+			}
+		case errors.Is(err, balance.ErrInsufficient):
+		default:
+			s.must(err)
+		}
+	case op < 0.26: // take a snapshot now, apply it later (stale seed)
+		snap, err := s.ledger.Snapshot(s.ctx, o)
+		s.must(err)
+		s.stale = append(s.stale, snap)
+		s.staleOrg = append(s.staleOrg, o)
+	case op < 0.29 && len(s.stale) > 0: // a seeder applies a maybe stale snapshot, then catches up
+		s.counts["stale-seed"]++
+		i := s.rnd.IntN(len(s.stale))
+		snap, so := s.stale[i], s.staleOrg[i]
+		s.stale = slices.Delete(s.stale, i, i+1)
+		s.staleOrg = slices.Delete(s.staleOrg, i, i+1)
+		seeded, err := s.store.Seed(s.ctx, so, snap)
+		s.must(err)
+		if seeded && s.rnd.Float64() < 0.98 { // 2%: the seeder dies before catching up
+			s.must(s.store.CatchUp(s.ctx, so))
+		}
+	case op < 0.44 && len(s.inflight) > 0: // a request ends
+		r := s.pickInflight()
+		delete(s.inflight, r.id)
+		s.ended = append(s.ended, r)
+		if s.rnd.Float64() < 0.2 { // upstream failed
+			s.counts["release"]++
+			_, err := s.store.Release(s.ctx, r.org, r.id)
+			s.must(err)
+		} else {
+			s.counts["record"]++
+			s.record(r, s.realCost(r.amount))
+		}
+	case op < 0.47 && len(s.ended) > 0: // a late client retry of a request that already ended
+		s.counts["late-retry"]++
+		r := s.ended[s.rnd.IntN(len(s.ended))]
+		tomb := s.env.Client.ZScore(s.ctx, s.env.Prefix+":{"+r.org+"}:gone", r.id).Err() == nil
+		_, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: r.org, HoldID: r.id, Amount: 5})
+		if err == nil && tomb {
+			s.t.Fatalf("seed %d: late retry of %s re-created a hold despite its tombstone", s.seed, r.id)
+		}
+		if err == nil {
+			s.counts["phantom"]++ // only possible after a data loss took the tombstone
+		} else if !errors.Is(err, balance.ErrGone) && !errors.Is(err, balance.ErrInsufficient) {
+			s.must(err)
+		}
+	case op < 0.53:
+		s.counts["account"]++
+		_, err := s.ledger.AccountPending(s.ctx, s.rnd.IntN(5)+1)
+		s.must(err)
+	case op < 0.60: // a worker settles
+		s.counts["settle"]++
+		s.must(s.worker.SettleOrg(s.ctx, o))
+	case op < 0.64: // a worker dies after the settle script, before marking the entries settled
+		s.counts["settle-killed"]++
+		entries, epoch, err := s.ledger.UnsettledEntries(s.ctx, o, s.rnd.IntN(4)+1)
+		s.must(err)
+		if len(entries) > 0 {
+			if _, err := s.store.Settle(s.ctx, o, epoch, entries); err != nil &&
+				!errors.Is(err, balance.ErrCold) && !errors.Is(err, balance.ErrGap) {
+				s.must(err)
+			}
+		}
+	case op < 0.70: // the reaper (owners may be dead or just slow)
+		s.counts["reap"]++
+		n, err := s.store.Reap(s.ctx, o)
+		s.must(err)
+		if n > 0 {
+			for id, r := range s.inflight {
+				if r.org == o && s.holdGone(o, id) && s.rnd.Float64() < 0.7 { // its process really died
+					delete(s.inflight, id)
+					s.ended = append(s.ended, r)
+				}
+			}
+		}
+	case op < 0.73: // recharge
+		s.counts["credit"]++
+		c := s.rnd.Int64N(60) + 1
+		ref := uuid.Must(uuid.NewV7()).String()
+		if s.rnd.Float64() < 0.5 {
+			_, _, err := s.worker.Credit(s.ctx, o, c, ref)
+			s.must(err)
+		} else {
+			_, _, err := s.ledger.Credit(s.ctx, o, c, ref)
+			s.must(err)
+		}
+		s.credits[o] += c
+	case op < 0.75:
+		s.counts["invalidate"]++
+		s.must(s.store.Invalidate(s.ctx, o))
+	case op < 0.755: // Redis loses its data
+		s.counts["data-loss"]++
+		testutil.DeletePrefix(s.ctx, s.env.Client, s.env.Prefix)
+	case op < 0.77: // fail-open request: no hold, usage recorded
+		s.counts["fail-open"]++
+		s.record(simReq{o, uuid.Must(uuid.NewV7()).String(), 0}, s.rnd.Int64N(30))
+	}
+}
+
+func (s *simulator) pickInflight() simReq {
+	ids := make([]string, 0, len(s.inflight))
+	for id := range s.inflight {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	return s.inflight[ids[s.rnd.IntN(len(ids))]]
+}
+
+func (s *simulator) holdGone(org, id string) bool {
+	_, ok := s.holds(org)[id]
+	return !ok
+}
+
+// holds reads the org's hold hash directly (key layout of DESIGN.md "Redis keys").
+func (s *simulator) holds(org string) map[string]int64 {
+	m, err := s.env.Client.HGetAll(s.ctx, s.env.Prefix+":{"+org+"}:holds").Result()
+	s.must(err)
+	out := make(map[string]int64, len(m))
+	for k, v := range m {
+		n, err := strconv.ParseInt(v, 10, 64)
+		s.must(err)
+		out[k] = n
+	}
+	return out
+}
+
+func (s *simulator) realCost(hold int64) int64 {
+	if s.rnd.Float64() < 0.9 {
+		return s.rnd.Int64N(hold + 1)
+	}
+	return hold + s.rnd.Int64N(21)
+}
+
+func (s *simulator) record(r simReq, cost int64) {
+	s.holdAtRecord[r.id] = s.holds(r.org)[r.id]
+	s.costOf[r.id] = cost
+	s.servedOrg[r.id] = r.org
+	ev := accounting.UsageEvent{ID: r.id, Org: r.org, Model: "m", Cost: cost, HoldAmount: r.amount, CreatedAt: time.Now()}
+	s.must(s.ledger.RecordUsage(s.ctx, []accounting.UsageEvent{ev}))
+	if s.rnd.Float64() < 0.05 { // recorded twice (a retried record): charged once
+		s.must(s.ledger.RecordUsage(s.ctx, []accounting.UsageEvent{ev}))
+	}
+}
+
+// b returns B(k): the org's ledger balance after its entries with seq ≤ k.
+func (s *simulator) b(org string, k int64) int64 {
+	c := s.cache[org]
+	if c == nil {
+		c = &simOrg{}
+		s.cache[org] = c
+	}
+	last := int64(0)
+	if n := len(c.entries); n > 0 {
+		last = c.entries[n-1].Seq
+	}
+	if k > last {
+		more, _, err := s.ledger.EntriesAfter(s.ctx, org, last, 1_000_000)
+		s.must(err)
+		c.entries = append(c.entries, more...)
+	}
+	var sum int64
+	for _, e := range c.entries {
+		if e.Seq > k {
+			break
+		}
+		sum += e.Delta
+	}
+	return sum
+}
+
+func (s *simulator) check(step int) {
+	epoch, err := s.ledger.Epoch(s.ctx)
+	s.must(err)
+	for _, o := range s.orgs {
+		st, err := s.store.State(s.ctx, o)
+		s.must(err)
+		if !st.Exists || st.Epoch != epoch {
+			continue
+		}
+		if got, want := st.Balance+st.Held, s.b(o, st.Watermark); got != want {
+			s.t.Fatalf("seed %d step %d: org %s: bal+holds = %d, B(wm=%d) = %d", s.seed, step, o, got, st.Watermark, want)
+		}
+	}
+}
+
+func (s *simulator) quiesce() {
+	t := s.t
+	for _, id := range slices.Sorted(mapsKeys(s.inflight)) {
+		r := s.inflight[id]
+		s.record(r, s.realCost(r.amount))
+	}
+	s.must(s.worker.Drain(s.ctx))
+	for _, o := range s.orgs {
+		_, err := s.worker.Reconcile(s.ctx, o)
+		s.must(err)
+		s.must(s.worker.SettleOrg(s.ctx, o))
+		// What is left are phantom holds of late retries and holds of requests that ended
+		// without a record: the reaper releases them (their usage is settled or absent).
+		s.must(s.store.Warm(s.ctx, o))
+		time.Sleep(3 * time.Millisecond) // past every hold's 1 ms expiry
+		_, err = s.store.Reap(s.ctx, o)
+		s.must(err)
+		s.must(s.worker.Drain(s.ctx))
+		st, err := s.store.State(s.ctx, o)
+		s.must(err)
+		acct, err := s.ledger.Account(s.ctx, o)
+		s.must(err)
+		if st.Holds != 0 {
+			t.Fatalf("seed %d: org %s: %d holds left at rest", s.seed, o, st.Holds)
+		}
+		if st.Watermark != acct.LedgerSeq || st.Balance != acct.Balance {
+			t.Fatalf("seed %d: org %s at rest: redis bal %d wm %d, ledger balance %d seq %d",
+				s.seed, o, st.Balance, st.Watermark, acct.Balance, acct.LedgerSeq)
+		}
+		// Billed exactly once; every served request billed; debt within the rule.
+		entries, _, err := s.ledger.EntriesAfter(s.ctx, o, 0, 1_000_000)
+		s.must(err)
+		billed := map[string]int{}
+		var debt, sum int64
+		for _, e := range entries {
+			sum += e.Delta
+			if e.HoldID != "" {
+				billed[e.HoldID]++
+				if billed[e.HoldID] > 1 {
+					t.Fatalf("seed %d: org %s: request %s billed twice", s.seed, o, e.HoldID)
+				}
+				debt += max(0, s.costOf[e.HoldID]-s.holdAtRecord[e.HoldID])
+			}
+		}
+		if sum != acct.Balance {
+			t.Fatalf("seed %d: org %s: entries sum %d != account balance %d", s.seed, o, sum, acct.Balance)
+		}
+		for id, so := range s.servedOrg {
+			if so == o && billed[id] == 0 {
+				t.Fatalf("seed %d: org %s: request %s served but never billed", s.seed, o, id)
+			}
+		}
+		if acct.Balance < -debt {
+			t.Fatalf("seed %d: org %s: balance %d below the allowed debt -%d", s.seed, o, acct.Balance, debt)
+		}
+	}
+}
+
+func mapsKeys[V any](m map[string]V) func(func(string) bool) {
+	return func(yield func(string) bool) {
+		for k := range m {
+			if !yield(k) {
+				return
+			}
+		}
+	}
+}
+
+func openTestPostgres(t *testing.T) accounting.Ledger {
+	t.Helper()
+	env := testutil.Postgres(t)
+	l, err := accounting.OpenPostgres(context.Background(), env.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(l.Close)
+	return l
+}
