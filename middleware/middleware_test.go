@@ -1,0 +1,600 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+	"github.com/tidwall/gjson"
+)
+
+func TestRefusals(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	ctx := context.Background()
+	tests := []struct {
+		name, path, key, body string
+		status                int
+		typ, code             string
+		header, headerValue   string
+	}{
+		{"missing key", EndpointChat, "", jsonBody(testModel, ""), 401, TypeInvalidRequest, CodeInvalidAPIKey, "", ""},
+		{"unknown key", EndpointChat, "sk-nope", jsonBody(testModel, ""), 401, TypeInvalidRequest, CodeInvalidAPIKey, "", ""},
+		{"unpriced path", "/v1/images/generations", e.key, `{"model":"x"}`, 404, TypeInvalidRequest, CodeNotFound, "", ""},
+		{"batches", "/v1/batches", e.key, `{}`, 404, TypeInvalidRequest, CodeNotFound, "", ""},
+		{"unknown model", EndpointChat, e.key, jsonBody("no-such-model", ""), 404, TypeInvalidRequest, CodeModelNotFound, "", ""},
+		{"bad json", EndpointChat, e.key, `{"model":"gpt-test",`, 400, TypeInvalidRequest, CodeInvalidJSON, "", ""},
+		{"oversized", EndpointChat, e.key, jsonBody(testModel, `"pad":"`+strings.Repeat("x", 5<<20)+`"`), 413, TypeInvalidRequest, CodeRequestTooLarge, "", ""},
+		{"cap above max", EndpointChat, e.key, jsonBody(testModel, `"max_completion_tokens":1001`), 400, TypeInvalidRequest, CodeInvalidValue, "", ""},
+		{"cap zero", EndpointChat, e.key, jsonBody(testModel, `"max_tokens":0`), 400, TypeInvalidRequest, CodeInvalidValue, "", ""},
+		{"background", EndpointResponses, e.key, `{"model":"gpt-test","input":"hi","background":true}`, 400, TypeInvalidRequest, CodeInvalidValue, "", ""},
+		{"audio", EndpointChat, e.key, jsonBody(testModel, `"modalities":["text","audio"],"audio":{"voice":"alloy"}`), 400, TypeInvalidRequest, CodeUnsupported, "", ""},
+		{"priority tier", EndpointChat, e.key, jsonBody(testModel, `"service_tier":"priority"`), 400, TypeInvalidRequest, CodeUnsupported, "", ""},
+		{"hosted tool", EndpointResponses, e.key, `{"model":"gpt-test","input":"hi","tools":[{"type":"web_search"}]}`, 400, TypeInvalidRequest, CodeUnsupported, "", ""},
+		{"GET on a priced path", EndpointChat, e.key, "", 405, TypeInvalidRequest, CodeMethodNotAllowed, "", ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			method := http.MethodPost
+			if tt.body == "" {
+				method = http.MethodGet
+			}
+			req, _ := http.NewRequestWithContext(ctx, method, e.srv.URL+tt.path, strings.NewReader(tt.body))
+			if tt.key != "" {
+				req.Header.Set("Authorization", "Bearer "+tt.key)
+			}
+			resp, err := http.DefaultClient.Do(req)
+			must(t, err)
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != tt.status {
+				t.Fatalf("status %d, want %d: %s", resp.StatusCode, tt.status, body)
+			}
+			typ, code, _ := openAIError(t, body)
+			if typ != tt.typ || code != tt.code {
+				t.Fatalf("type %q code %q, want %q %q", typ, code, tt.typ, tt.code)
+			}
+			if ct := resp.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/json") {
+				t.Fatalf("content type %q", ct)
+			}
+			if o := e.outcome(); o.Kind != OutcomeRefused || o.Status != tt.status || o.Code != tt.code {
+				t.Fatalf("outcome %+v", o)
+			}
+		})
+	}
+	e.assertNothingDebited()
+	if n := len(e.upstreamRequests()); n != 0 {
+		t.Fatalf("upstream called %d times", n)
+	}
+}
+
+func TestInsufficientQuota(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	ctx := context.Background()
+	// A poor org: 10 micro-units, less than any hold.
+	poor := e.org + "p"
+	must(t, e.ledger.CreateOrg(ctx, poor))
+	if _, _, err := e.ledger.Credit(ctx, poor, 10, "pay-"+poor); err != nil {
+		t.Fatal(err)
+	}
+	_, key, err := e.ledger.CreateKey(ctx, poor)
+	must(t, err)
+	resp := e.post(ctx, EndpointChat, key, jsonBody(testModel, ""))
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 429 || resp.Header.Get("x-should-retry") != "false" {
+		t.Fatalf("status %d, x-should-retry %q: %s", resp.StatusCode, resp.Header.Get("x-should-retry"), body)
+	}
+	if typ, code, _ := openAIError(t, body); typ != "insufficient_quota" || code != "insufficient_quota" {
+		t.Fatalf("type %q code %q", typ, code)
+	}
+	st, err := e.store.State(ctx, poor)
+	must(t, err)
+	if !st.Exists || st.Balance != 10 || st.Held != 0 {
+		t.Fatalf("poor org debited: %+v", st)
+	}
+	if len(e.upstreamRequests()) != 0 || len(e.rec.events()) != 0 {
+		t.Fatal("refused request reached the upstream or the ledger")
+	}
+}
+
+func TestTooManyInFlight(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{storeCfg: func(c *balance.Config) { c.MaxInFlight = 1 }})
+	ctx := context.Background()
+	other := uuid.Must(uuid.NewV7()).String()
+	if _, err := e.store.Reserve(ctx, balance.ReserveRequest{Org: e.org, HoldID: other, Amount: 7}); err != nil {
+		t.Fatal(err)
+	}
+	resp := e.post(ctx, EndpointChat, e.key, jsonBody(testModel, ""))
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 429 || resp.Header.Get("Retry-After") == "" || resp.Header.Get("x-should-retry") == "false" {
+		t.Fatalf("status %d, headers %v: %s", resp.StatusCode, resp.Header, body)
+	}
+	if typ, code, _ := openAIError(t, body); typ != "rate_limit_exceeded" || code != "rate_limit_exceeded" {
+		t.Fatalf("type %q code %q", typ, code)
+	}
+	if st := e.state(); st.Balance != testCredit-7 || st.Held != 7 || st.Holds != 1 {
+		t.Fatalf("debited: %+v", st)
+	}
+}
+
+func TestJSONRecorded(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	resp := e.post(context.Background(), EndpointChat, e.key, jsonBody(testModel, ""))
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || gjson.GetBytes(body, "choices.0.message.content").String() != "Hello there" ||
+		!gjson.GetBytes(body, "usage").IsObject() {
+		t.Fatalf("status %d body %s", resp.StatusCode, body)
+	}
+	id := resp.Header.Get("x-request-id")
+	if u, err := uuid.Parse(id); err != nil || u.Version() != 7 || resp.Header.Get("x-escrow-hold-id") != id {
+		t.Fatalf("request id %q: %v", id, err)
+	}
+	o := e.outcome()
+	if o.Kind != OutcomeRecorded || o.HoldID != id || o.Usage != chatUsage {
+		t.Fatalf("outcome %+v", o)
+	}
+	if bal := resp.Header.Get("x-escrow-balance"); bal == "" || bal != itoa(testCredit-o.HoldAmount) {
+		t.Fatalf("x-escrow-balance %q, hold %d", bal, o.HoldAmount)
+	}
+	ev := e.assertRecorded(id, o.HoldAmount)
+	if ev.Usage != chatUsage || ev.Cost != cost(t, chatUsage) || ev.Estimated || ev.Model != testModel || ev.Endpoint != EndpointChat || ev.KeyID == "" {
+		t.Fatalf("event %+v", ev)
+	}
+	ups := e.upstreamRequests()
+	if len(ups) != 1 || ups[0].Auth != "Bearer "+upstreamKey || ups[0].AcceptEncoding != "identity" ||
+		string(ups[0].Body) != jsonBody(testModel, "") {
+		t.Fatalf("upstream got %+v", ups)
+	}
+	// The worker's accounting charges the real cost.
+	if _, err := e.ledger.AccountPending(context.Background(), 100); err != nil {
+		t.Fatal(err)
+	}
+	if a := e.account(); a.Balance != testCredit-ev.Cost {
+		t.Fatalf("ledger balance %d, want %d", a.Balance, testCredit-ev.Cost)
+	}
+}
+
+func TestEmbeddingsAndResponsesJSON(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	ctx := context.Background()
+	resp := e.post(ctx, EndpointEmbeddings, e.key, `{"model":"text-embedding-test","input":"hello"}`)
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	o := e.outcome()
+	if resp.StatusCode != 200 || o.Kind != OutcomeRecorded || o.Usage != (accounting.Usage{Prompt: 8}) {
+		t.Fatalf("embeddings: %d %+v", resp.StatusCode, o)
+	}
+	// An embeddings hold is the body's bound: bytes × input price.
+	if want := int64(len(`{"model":"text-embedding-test","input":"hello"}`)); o.HoldAmount != want {
+		t.Fatalf("embeddings hold %d, want %d", o.HoldAmount, want)
+	}
+	resp = e.post(ctx, EndpointResponses, e.key, `{"model":"gpt-test","input":"hi","max_output_tokens":100}`)
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	o = e.outcome()
+	if resp.StatusCode != 200 || o.Kind != OutcomeRecorded || o.Usage != responsesUsage || o.Cost != cost(t, responsesUsage) {
+		t.Fatalf("responses: %d %+v", resp.StatusCode, o)
+	}
+}
+
+func TestStreamFlushesAndRecords(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	gate := make(chan struct{})
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		chunks := chatChunks(true)
+		_, _ = io.WriteString(w, chunks[0])
+		w.(http.Flusher).Flush()
+		select {
+		case <-gate: // the client has the first chunk
+		case <-time.After(10 * time.Second):
+			return
+		}
+		for _, c := range chunks[1:] {
+			_, _ = io.WriteString(w, c)
+			w.(http.Flusher).Flush()
+		}
+	})
+	resp := e.post(context.Background(), EndpointChat, e.key, jsonBody(testModel, `"stream":true`))
+	defer resp.Body.Close()
+	id := resp.Header.Get("x-request-id")
+	var events []string
+	readEvents(t, resp.Body, func(ev string) bool {
+		events = append(events, ev)
+		if len(events) == 1 {
+			close(gate) // only now may the upstream send its second chunk
+		}
+		if strings.Contains(ev, "[DONE]") && !e.usageRecorded(id) {
+			t.Errorf("[DONE] reached the client before the usage was recorded")
+		}
+		return true
+	})
+	if len(events) != 3 || !strings.Contains(events[0], "Hel") || events[2] != "data: [DONE]\n\n" {
+		t.Fatalf("events %q", events)
+	}
+	o := e.outcome()
+	if o.Kind != OutcomeRecorded || o.Usage != chatUsage {
+		t.Fatalf("outcome %+v", o)
+	}
+	e.assertRecorded(id, o.HoldAmount)
+}
+
+func TestIncludeUsage(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	ctx := context.Background()
+	// A client that did not ask for usage: the middleware asks upstream, and hides it.
+	resp := e.post(ctx, EndpointChat, e.key, jsonBody(testModel, `"stream":true`))
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if strings.Contains(string(got), "usage") || !strings.Contains(string(got), "Hel") || !strings.HasSuffix(string(got), "data: [DONE]\n\n") {
+		t.Fatalf("client without stream_options saw:\n%s", got)
+	}
+	if strings.Count(string(got), "data: ") != 3 {
+		t.Fatalf("want 2 chunks and [DONE]:\n%s", got)
+	}
+	ups := e.upstreamRequests()
+	if !gjson.GetBytes(ups[0].Body, "stream_options.include_usage").Bool() {
+		t.Fatalf("include_usage not injected: %s", ups[0].Body)
+	}
+	if o := e.outcome(); o.Kind != OutcomeRecorded || o.Usage != chatUsage {
+		t.Fatalf("outcome %+v", o)
+	}
+	// A client that asked sees exactly what the upstream sent.
+	resp = e.post(ctx, EndpointChat, e.key, jsonBody(testModel, `"stream":true,"stream_options":{"include_usage":true}`))
+	got, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if want := strings.Join(chatChunks(true), ""); string(got) != want {
+		t.Fatalf("client that asked saw:\n%s\nwant:\n%s", got, want)
+	}
+	if ups := e.upstreamRequests(); string(ups[1].Body) != jsonBody(testModel, `"stream":true,"stream_options":{"include_usage":true}`) {
+		t.Fatalf("body changed: %s", ups[1].Body)
+	}
+	if o := e.outcome(); o.Kind != OutcomeRecorded || o.Usage != chatUsage {
+		t.Fatalf("outcome %+v", o)
+	}
+}
+
+func TestResponsesStreamHoldsCompletedUntilRecorded(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	resp := e.post(context.Background(), EndpointResponses, e.key, `{"model":"gpt-test","input":"hi","stream":true}`)
+	defer resp.Body.Close()
+	id := resp.Header.Get("x-request-id")
+	var got strings.Builder
+	readEvents(t, resp.Body, func(ev string) bool {
+		got.WriteString(ev)
+		if strings.Contains(ev, "response.completed") && !e.usageRecorded(id) {
+			t.Errorf("response.completed reached the client before the usage was recorded")
+		}
+		return true
+	})
+	if got.String() != strings.Join(responsesEvents, "") {
+		t.Fatalf("stream changed:\n%s", got.String())
+	}
+	if o := e.outcome(); o.Kind != OutcomeRecorded || o.Usage != responsesUsage {
+		t.Fatalf("outcome %+v", o)
+	}
+}
+
+func TestUpstreamErrorReleases(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	ctx := context.Background()
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusInternalServerError)
+		_, _ = io.WriteString(w, `{"error":{"message":"boom","type":"server_error","param":null,"code":null}}`)
+	})
+	resp := e.post(ctx, EndpointChat, e.key, jsonBody(testModel, `"stream":true`))
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 500 || !strings.Contains(string(body), "boom") {
+		t.Fatalf("upstream error not passed: %d %s", resp.StatusCode, body)
+	}
+	if o := e.outcome(); o.Kind != OutcomeReleased || o.Status != 500 {
+		t.Fatalf("outcome %+v", o)
+	}
+	e.assertNothingDebited()
+
+	// Transport failure before the first byte: the upstream drops the connection.
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		conn, _, err := http.NewResponseController(w).Hijack()
+		if err == nil {
+			_ = conn.Close()
+		}
+	})
+	resp = e.post(ctx, EndpointChat, e.key, jsonBody(testModel, ""))
+	_, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusBadGateway {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	if o := e.outcome(); o.Kind != OutcomeReleased {
+		t.Fatalf("outcome %+v", o)
+	}
+	e.assertNothingDebited()
+}
+
+func TestHangupStillRecordsRealUsage(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	hungUp := make(chan struct{})
+	upstreamDone := make(chan struct{})
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		defer close(upstreamDone)
+		w.Header().Set("Content-Type", "text/event-stream")
+		chunks := chatChunks(true)
+		_, _ = io.WriteString(w, chunks[0])
+		w.(http.Flusher).Flush()
+		<-hungUp
+		time.Sleep(100 * time.Millisecond) // the middleware notices the hang-up first
+		for _, c := range chunks[1:] {
+			if _, err := io.WriteString(w, c); err != nil {
+				return
+			}
+			w.(http.Flusher).Flush()
+		}
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	resp := e.post(ctx, EndpointChat, e.key, jsonBody(testModel, `"stream":true`))
+	id := resp.Header.Get("x-request-id")
+	buf := make([]byte, 10)
+	if _, err := io.ReadAtLeast(resp.Body, buf, 1); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	resp.Body.Close()
+	close(hungUp)
+	o := e.outcome()
+	<-upstreamDone
+	if o.Kind != OutcomeRecorded || o.Usage != chatUsage || o.HoldID != id {
+		t.Fatalf("outcome %+v", o)
+	}
+	ev := e.assertRecorded(id, o.HoldAmount)
+	if ev.Estimated || ev.Cost != cost(t, chatUsage) {
+		t.Fatalf("event %+v", ev)
+	}
+}
+
+func TestHangupBoundEstimates(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{cfg: func(c *Config) { c.HangupTimeout = 200 * time.Millisecond }})
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, chatChunks(true)[0])
+		w.(http.Flusher).Flush()
+		<-r.Context().Done() // never finishes on its own
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	resp := e.post(ctx, EndpointChat, e.key, jsonBody(testModel, `"stream":true`))
+	id := resp.Header.Get("x-request-id")
+	buf := make([]byte, 10)
+	if _, err := io.ReadAtLeast(resp.Body, buf, 1); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	resp.Body.Close()
+	o := e.outcome()
+	if o.Kind != OutcomeEstimated || !errors.Is(o.Err, errHangupBound) {
+		t.Fatalf("outcome %+v", o)
+	}
+	ev := e.assertRecorded(id, o.HoldAmount)
+	size := int64(len(jsonBody(testModel, `"stream":true`)))
+	if !ev.Estimated || ev.Usage.Prompt != (size+3)/4 || ev.Usage.Completion != 1 || ev.Cost != cost(t, ev.Usage) {
+		t.Fatalf("estimate %+v", ev)
+	}
+}
+
+func TestCutAfterFirstByteEstimates(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, chatChunks(true)[0])
+		w.(http.Flusher).Flush()
+		time.Sleep(50 * time.Millisecond)
+		conn, _, err := http.NewResponseController(w).Hijack()
+		if err == nil {
+			_ = conn.Close()
+		}
+	})
+	resp := e.post(context.Background(), EndpointChat, e.key, jsonBody(testModel, `"stream":true`))
+	id := resp.Header.Get("x-request-id")
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if strings.Contains(string(got), "[DONE]") || !strings.Contains(string(got), "Hel") {
+		t.Fatalf("client saw %q", got)
+	}
+	o := e.outcome()
+	if o.Kind != OutcomeEstimated {
+		t.Fatalf("outcome %+v", o)
+	}
+	if ev := e.assertRecorded(id, o.HoldAmount); !ev.Estimated || ev.Usage.Completion < 1 || ev.Usage.Prompt < 1 {
+		t.Fatalf("event %+v", ev)
+	}
+}
+
+func TestNoUsageEstimates(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"12345678"}}]}`)
+	})
+	body := jsonBody(testModel, "")
+	resp := e.post(context.Background(), EndpointChat, e.key, body)
+	_, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	o := e.outcome()
+	want := accounting.Usage{Prompt: int64(len(body)+3) / 4, Completion: 2}
+	if resp.StatusCode != 200 || o.Kind != OutcomeEstimated || o.Usage != want {
+		t.Fatalf("status %d outcome %+v want usage %+v", resp.StatusCode, o, want)
+	}
+	if ev := e.assertRecorded(resp.Header.Get("x-request-id"), o.HoldAmount); !ev.Estimated {
+		t.Fatal("not marked estimated")
+	}
+}
+
+func TestRecordFailureIsNotASuccess(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	e.rec.fail = errors.New("ledger down and journal full")
+	resp := e.post(context.Background(), EndpointChat, e.key, jsonBody(testModel, ""))
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 503 {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	if _, code, _ := openAIError(t, body); code != CodeBillingFailed {
+		t.Fatalf("code %q", code)
+	}
+	if o := e.outcome(); o.Kind != OutcomeRecordFailed {
+		t.Fatalf("outcome %+v", o)
+	}
+	e.assertNothingDebited()
+
+	// A stream: no [DONE], an error event instead.
+	resp = e.post(context.Background(), EndpointChat, e.key, jsonBody(testModel, `"stream":true`))
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if strings.Contains(string(got), "[DONE]") || !strings.Contains(string(got), `"code":"billing_unavailable"`) {
+		t.Fatalf("stream after a failed record:\n%s", got)
+	}
+	e.outcome()
+	e.assertNothingDebited()
+}
+
+func TestRedisDownThenRecovers(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{withFault: true})
+	ctx := context.Background()
+	e.state() // seed nothing, just make sure Redis answers
+	e.fault.Block()
+	e.fault.Cut()
+	start := time.Now()
+	resp := e.post(ctx, EndpointChat, e.key, jsonBody(testModel, ""))
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
+		t.Fatalf("status %d, Retry-After %q: %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
+	}
+	if typ, code, _ := openAIError(t, body); typ != TypeServiceUnavailable || code != CodeServiceUnavailable {
+		t.Fatalf("type %q code %q", typ, code)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("503 took %v", d)
+	}
+	failed := e.outcome()
+	if failed.Kind != OutcomeRefused || len(e.upstreamRequests()) != 0 {
+		t.Fatalf("outcome %+v", failed)
+	}
+	e.fault.Unblock()
+	resp = e.post(ctx, EndpointChat, e.key, jsonBody(testModel, ""))
+	_, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("after recovery: %d", resp.StatusCode)
+	}
+	o := e.outcome()
+	// The background release of the failed reserve has run (or finds nothing to release): only
+	// the successful request's hold is on.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		st := e.state()
+		if st.Holds == 1 && st.Held == o.HoldAmount && st.Balance == testCredit-o.HoldAmount {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("hot balance %+v, hold %d", st, o.HoldAmount)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestFailOpen(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{withFault: true, cfg: func(c *Config) { c.FailOpen = true }})
+	e.fault.Block()
+	e.fault.Cut()
+	resp := e.post(context.Background(), EndpointChat, e.key, jsonBody(testModel, ""))
+	_, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	o := e.outcome()
+	if o.Kind != OutcomeRecorded || !o.FailOpen || o.HoldAmount != 0 {
+		t.Fatalf("outcome %+v", o)
+	}
+	evs := e.rec.events()
+	if len(evs) != 1 || evs[0].HoldAmount != 0 || evs[0].Cost != cost(t, chatUsage) || !e.usageRecorded(evs[0].ID) {
+		t.Fatalf("events %+v", evs)
+	}
+}
+
+func TestHoldExtendedWhileRunning(t *testing.T) {
+	t.Parallel()
+	ttl := 300 * time.Millisecond
+	e := newEnv(t, envOpt{storeCfg: func(c *balance.Config) { c.HoldTTL = ttl; c.PinTTL = time.Hour; c.ReapGrace = time.Millisecond }})
+	reaped := make(chan int, 1)
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		time.Sleep(3 * ttl) // well past the hold's first expiry
+		n, err := e.store.Reap(context.Background(), e.org)
+		if err != nil {
+			n = -1
+		}
+		reaped <- n
+		fakeOpenAI(w, r, body)
+	})
+	resp := e.post(context.Background(), EndpointChat, e.key, jsonBody(testModel, ""))
+	_, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if n := <-reaped; n != 0 {
+		t.Fatalf("the reaper released %d holds of a live request", n)
+	}
+	o := e.outcome()
+	if resp.StatusCode != 200 || o.Kind != OutcomeRecorded {
+		t.Fatalf("%d %+v", resp.StatusCode, o)
+	}
+	e.assertRecorded(o.HoldID, o.HoldAmount)
+}
+
+func TestPassThroughStripsKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{})
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		_, _ = io.WriteString(w, `{"data":[]}`)
+	})
+	req, _ := http.NewRequest(http.MethodGet, e.srv.URL+"/v1/models", nil)
+	req.Header.Set("Authorization", "Bearer "+e.key)
+	resp, err := http.DefaultClient.Do(req)
+	must(t, err)
+	resp.Body.Close()
+	ups := e.upstreamRequests()
+	if resp.StatusCode != 200 || len(ups) != 1 || strings.Contains(ups[0].Auth, e.key) {
+		t.Fatalf("%d %+v", resp.StatusCode, ups)
+	}
+	if o := e.outcome(); o.Kind != OutcomePassed {
+		t.Fatalf("outcome %+v", o)
+	}
+	e.assertNothingDebited()
+}
+
+func itoa(n int64) string { return strconv.FormatInt(n, 10) }
