@@ -38,12 +38,12 @@ type PostgresConfig struct {
 // the tables). Every query goes to the primary the pool points at.
 //
 // Locking. The writers of one org's ledger are serialized by the account row: every entry's
-// seq comes from `UPDATE accounts SET ledger_seq = ledger_seq + n`. On top of that, accounting
-// takes the org's advisory lock (key (hashtext(current_schema()), hashtext(org)), so two ledgers
-// in two schemas never contend), always after the account row, never before, so accounting and
-// Snapshot cannot deadlock: AccountPending takes the row with SKIP LOCKED and the advisory lock
-// with pg_try_advisory_xact_lock and leaves a busy org for later; Snapshot waits for both (a
-// worker's half-done claim must be waited for, never skipped).
+// seq comes from the account's ledger_seq, read or updated under its row lock. On top of that,
+// accounting takes the org's advisory lock (key (hashtext(current_schema()), hashtext(org)), so
+// two ledgers in two schemas never contend), always after the account row, never before, so
+// accounting and Snapshot cannot deadlock: AccountPending takes rows with SKIP LOCKED and
+// advisory locks with pg_try_advisory_xact_lock and leaves a busy org for later; Snapshot waits
+// for both (a worker's half-done claim must be waited for, never skipped).
 //
 // Usage events of an org with no account are accounted anyway, creating the account (a
 // request that was served is billed); such an account starts at balance 0 and goes negative.
@@ -118,23 +118,26 @@ func (p *Postgres) Close() {
 const (
 	sqlChannel = `'escrow_' || left(md5(current_schema()), 16)`
 	sqlNotify  = `SELECT pg_notify(` + sqlChannel + `, $1)`
-	// A claimed org's events become charge entries $3+1 … $3+n; $4 ids, $5 costs, in order.
+	// Charges for several orgs at once: $1 orgs, $2 their cost sums, $3 their event counts;
+	// $4 event ids, $5 their seqs, $6 their orgs, $7 their costs.
 	sqlWriteCharges = `
 WITH acc AS (
-	UPDATE accounts SET balance = balance - $2, ledger_seq = ledger_seq + cardinality($4::text[])
-	WHERE org_id = $1
+	UPDATE accounts a SET balance = a.balance - x.sum, ledger_seq = a.ledger_seq + x.n
+	FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS x(org, sum, n)
+	WHERE a.org_id = x.org
 ), ev AS (
-	UPDATE usage_events u SET status = 'accounted', seq = $3 + x.ord
-	FROM unnest($4::text[]) WITH ORDINALITY AS x(id, ord)
+	UPDATE usage_events u SET status = 'accounted', seq = x.seq
+	FROM unnest($4::text[], $5::bigint[]) AS x(id, seq)
 	WHERE u.id = x.id::uuid
 )
 INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id)
-SELECT $1, $3 + x.ord, -x.cost, 'charge', x.id::uuid
-FROM unnest($4::text[], $5::bigint[]) WITH ORDINALITY AS x(id, cost, ord)`
+SELECT x.org, x.seq, -x.cost, 'charge', x.id::uuid
+FROM unnest($6::text[], $5::bigint[], $7::bigint[], $4::text[]) AS x(org, seq, cost, id)`
+	sqlNotifyAll = `SELECT pg_notify(` + sqlChannel + `, o) FROM unnest($1::text[]) AS o`
 	sqlClaimOrder = ` ORDER BY created_at, id`
 )
 
-// maxClaim bounds the events one org's transaction accounts (their cost sum stays in int64).
+// maxClaim bounds the events one AccountPending call accounts (a cost sum stays in int64).
 const maxClaim = 10_000
 
 // Epoch returns the ledger's epoch.
@@ -231,11 +234,14 @@ func (p *Postgres) Snapshot(ctx context.Context, org string) (balance.Snapshot, 
 		if len(ids) == 0 {
 			return nil
 		}
-		sum, err := writeCharges(ctx, tx, org, s.Seq, ids, costs)
-		if err != nil {
+		c := orgCharges{org: org, balance: s.Balance, base: s.Seq, ids: ids, costs: costs}
+		if err := c.check(); err != nil {
 			return err
 		}
-		s.Balance -= sum
+		if err := writeCharges(ctx, tx, []orgCharges{c}); err != nil {
+			return err
+		}
+		s.Balance -= c.sum()
 		s.Seq += int64(len(ids))
 		return nil
 	})
@@ -259,28 +265,69 @@ func scanClaim(rows pgx.Rows) (ids []string, costs []int64, err error) {
 	return ids, costs, rows.Err()
 }
 
-// writeCharges turns the claimed events into entries base+1 … base+n, moves the account once
-// and notifies, in the caller's transaction. It returns the sum of the costs.
-func writeCharges(ctx context.Context, tx pgx.Tx, org string, base int64, ids []string, costs []int64) (int64, error) {
-	var sum int64
-	for _, c := range costs {
-		sum += c
-	}
-	b := &pgx.Batch{}
-	b.Queue(sqlWriteCharges, org, sum, base, ids, costs)
-	b.Queue(sqlNotify, org)
-	return sum, tx.SendBatch(ctx, b).Close()
+// orgCharges are one org's claimed events, to become entries base+1 … base+n.
+type orgCharges struct {
+	org     string
+	balance int64 // before
+	base    int64 // ledger_seq before
+	ids     []string
+	costs   []int64
 }
 
-// AccountPending turns up to limit pending usage events into charge entries, oldest first:
-// per org, one transaction that holds the account row and the org's advisory lock (both taken
-// without waiting: an org another worker or a snapshot holds is left for later) claims the
-// org's events FOR UPDATE SKIP LOCKED, inserts their entries with the next sequence numbers,
-// moves the account once, marks the events accounted and notifies.
+func (c *orgCharges) sum() int64 {
+	var sum int64
+	for _, x := range c.costs {
+		sum += x
+	}
+	return sum
+}
+
+// check refuses charges that would take the balance below -MaxAmount (the table's CHECK would
+// fail the whole transaction; this fails only the org).
+func (c *orgCharges) check() error {
+	if c.balance-c.sum() < -balance.MaxAmount {
+		return fmt.Errorf("%w: org %q: balance would leave ±%d", ErrInvalidAmount, c.org, balance.MaxAmount)
+	}
+	return nil
+}
+
+// writeCharges writes the entries of every org in cs, moves each account once, marks the events
+// accounted and notifies, in the caller's transaction (which holds the orgs' locks), in one
+// round trip.
+func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges) error {
+	var orgs, ids, evOrgs []string
+	var sums, counts, seqs, costs []int64
+	for _, c := range cs {
+		orgs = append(orgs, c.org)
+		sums = append(sums, c.sum())
+		counts = append(counts, int64(len(c.ids)))
+		for i, id := range c.ids {
+			ids = append(ids, id)
+			seqs = append(seqs, c.base+int64(i)+1)
+			evOrgs = append(evOrgs, c.org)
+			costs = append(costs, c.costs[i])
+		}
+	}
+	b := &pgx.Batch{}
+	b.Queue(sqlWriteCharges, orgs, sums, counts, ids, seqs, evOrgs, costs)
+	b.Queue(sqlNotifyAll, orgs)
+	return tx.SendBatch(ctx, b).Close()
+}
+
+// AccountPending turns up to limit (at most 10,000) pending usage events into charge entries,
+// oldest first. One transaction covers the batch: it locks the account rows of the orgs
+// involved with FOR UPDATE SKIP LOCKED and their advisory locks with
+// pg_try_advisory_xact_lock (an org another worker or a snapshot holds is left for later, so
+// workers never wait for each other), claims those orgs' events FOR UPDATE SKIP LOCKED, and
+// writes, in one statement, the entries with each org's next sequence numbers, one update per
+// account and the events' status; then notifies each org. So every org's charges are written
+// in one transaction that holds the org's locks, and a batch costs one commit however many
+// orgs it spans. An org with no account row gets one (a request that was served is billed).
 func (p *Postgres) AccountPending(ctx context.Context, limit int) (int, error) {
 	if limit <= 0 {
 		limit = defaultLimit
 	}
+	limit = min(limit, maxClaim)
 	rows, err := p.pool.Query(ctx, `
 SELECT org_id, count(*)::int FROM (
 	SELECT org_id, created_at FROM usage_events WHERE status = 'pending' ORDER BY created_at LIMIT $1
@@ -288,86 +335,129 @@ SELECT org_id, count(*)::int FROM (
 	if err != nil {
 		return 0, wrapPg("account pending", err)
 	}
-	type orgN struct {
-		org string
-		n   int
+	want := map[string]int{}
+	var orgs []string
+	for rows.Next() {
+		var org string
+		var n int
+		if err := rows.Scan(&org, &n); err != nil {
+			rows.Close()
+			return 0, wrapPg("account pending", err)
+		}
+		want[org] = n
+		orgs = append(orgs, org)
 	}
-	orgs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (orgN, error) {
-		var o orgN
-		return o, r.Scan(&o.org, &o.n)
+	if err := rows.Err(); err != nil {
+		return 0, wrapPg("account pending", err)
+	}
+	if len(orgs) == 0 {
+		return 0, nil
+	}
+	total := 0
+	var orgErrs []error
+	err = pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		total, orgErrs = 0, nil
+		accts := map[string]*orgCharges{}
+		scanAccts := func(rows pgx.Rows) error {
+			defer rows.Close()
+			for rows.Next() {
+				c := &orgCharges{}
+				if err := rows.Scan(&c.org, &c.balance, &c.base); err != nil {
+					return err
+				}
+				accts[c.org] = c
+			}
+			return rows.Err()
+		}
+		rows, _ := tx.Query(ctx, `SELECT org_id, balance, ledger_seq FROM accounts WHERE org_id = ANY($1::text[]) ORDER BY org_id FOR UPDATE SKIP LOCKED`, orgs)
+		if err := scanAccts(rows); err != nil {
+			return err
+		}
+		var missing []string
+		for _, o := range orgs {
+			if accts[o] == nil {
+				missing = append(missing, o)
+			}
+		}
+		if len(missing) > 0 {
+			// No account (create it) or a row another transaction holds (ON CONFLICT DO
+			// NOTHING does not wait for a row lock: that org is left for later).
+			rows, _ := tx.Query(ctx, `INSERT INTO accounts (org_id) SELECT o FROM unnest($1::text[]) AS o ORDER BY o
+ON CONFLICT DO NOTHING RETURNING org_id, balance, ledger_seq`, missing)
+			if err := scanAccts(rows); err != nil {
+				return err
+			}
+		}
+		var locked []string
+		var limits []int32
+		for _, o := range orgs {
+			if accts[o] != nil {
+				locked = append(locked, o)
+			}
+		}
+		if len(locked) == 0 {
+			return nil
+		}
+		rows, _ = tx.Query(ctx, `SELECT o FROM unnest($1::text[]) AS o WHERE pg_try_advisory_xact_lock(hashtext(current_schema()), hashtext(o))`, locked)
+		got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return err
+		}
+		if len(got) == 0 {
+			return nil
+		}
+		for _, o := range got {
+			limits = append(limits, int32(want[o]))
+		}
+		rows, _ = tx.Query(ctx, `
+SELECT c.org_id, c.id::text, c.cost
+FROM unnest($1::text[], $2::int[]) WITH ORDINALITY AS o(org, n, ord)
+CROSS JOIN LATERAL (
+	SELECT org_id, id, cost, created_at FROM usage_events
+	WHERE org_id = o.org AND status = 'pending'`+sqlClaimOrder+` LIMIT o.n FOR UPDATE SKIP LOCKED
+) c ORDER BY o.ord, c.created_at, c.id`, got, limits)
+		var cs []orgCharges
+		err = func() error {
+			defer rows.Close()
+			for rows.Next() {
+				var org, id string
+				var cost int64
+				if err := rows.Scan(&org, &id, &cost); err != nil {
+					return err
+				}
+				c := accts[org]
+				c.ids = append(c.ids, id)
+				c.costs = append(c.costs, cost)
+			}
+			return rows.Err()
+		}()
+		if err != nil {
+			return err
+		}
+		for _, o := range got {
+			c := accts[o]
+			if len(c.ids) == 0 {
+				continue
+			}
+			if err := c.check(); err != nil {
+				orgErrs = append(orgErrs, err)
+				continue
+			}
+			cs = append(cs, *c)
+			total += len(c.ids)
+		}
+		if len(cs) == 0 {
+			return nil
+		}
+		return writeCharges(ctx, tx, cs)
 	})
 	if err != nil {
 		return 0, wrapPg("account pending", err)
 	}
-	total := 0
-	var errs []error
-	for _, o := range orgs {
-		n, err := p.accountOrg(ctx, o.org, min(o.n, maxClaim))
-		total += n
-		if err != nil {
-			errs = append(errs, fmt.Errorf("org %q: %w", o.org, err))
-			if ctx.Err() != nil || errors.Is(err, ErrLedgerUnavailable) {
-				break
-			}
-		}
-	}
-	if len(errs) > 0 {
-		return total, wrapPg("account pending", errors.Join(errs...))
+	if len(orgErrs) > 0 {
+		return total, fmt.Errorf("accounting: account pending: %w", errors.Join(orgErrs...))
 	}
 	return total, nil
-}
-
-func (p *Postgres) accountOrg(ctx context.Context, org string, limit int) (int, error) {
-	n := 0
-	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-		b := &pgx.Batch{}
-		b.Queue(`SELECT ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE SKIP LOCKED`, org)
-		b.Queue(`SELECT pg_try_advisory_xact_lock(hashtext(current_schema()), hashtext($1))`, org)
-		br := tx.SendBatch(ctx, b)
-		var seq int64
-		haveRow := true
-		if err := br.QueryRow().Scan(&seq); errors.Is(err, pgx.ErrNoRows) {
-			haveRow = false
-		} else if err != nil {
-			br.Close()
-			return err
-		}
-		var locked bool
-		if err := br.QueryRow().Scan(&locked); err != nil {
-			br.Close()
-			return err
-		}
-		if err := br.Close(); err != nil {
-			return err
-		}
-		if !locked {
-			return nil // another worker has the org
-		}
-		if !haveRow {
-			// Either no account (create it: the usage is billed anyway) or a row another
-			// transaction holds (ON CONFLICT DO NOTHING does not wait for a row lock).
-			err := tx.QueryRow(ctx, `INSERT INTO accounts (org_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING ledger_seq`, org).Scan(&seq)
-			if errors.Is(err, pgx.ErrNoRows) {
-				return nil
-			} else if err != nil {
-				return err
-			}
-		}
-		rows, _ := tx.Query(ctx, `SELECT id::text, cost FROM usage_events WHERE org_id = $1 AND status = 'pending'`+sqlClaimOrder+` LIMIT $2 FOR UPDATE SKIP LOCKED`, org, limit)
-		ids, costs, err := scanClaim(rows)
-		if err != nil || len(ids) == 0 {
-			return err
-		}
-		if _, err := writeCharges(ctx, tx, org, seq, ids, costs); err != nil {
-			return err
-		}
-		n = len(ids)
-		return nil
-	})
-	if err != nil {
-		return 0, err
-	}
-	return n, nil
 }
 
 // EntriesAfter returns up to limit entries of org with Seq > after, in Seq order, and the epoch,

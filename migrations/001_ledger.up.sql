@@ -69,7 +69,7 @@ CREATE TABLE usage_events (
 --   AccountPending's discovery: ORDER BY created_at LIMIT n  → usage_events_pending_fifo
 --   one org's claim (worker, snapshot), OrgsToSettle          → usage_events_pending_org
 CREATE INDEX usage_events_pending_fifo ON usage_events (created_at) WHERE status = 'pending';
-CREATE INDEX usage_events_pending_org ON usage_events (org_id, created_at) WHERE status = 'pending';
+CREATE INDEX usage_events_pending_org ON usage_events (org_id, created_at, id) WHERE status = 'pending';
 
 -- An org's ledger: entries numbered 1, 2, 3 … per org with no gap; accounts.balance is the sum of
 -- the deltas and accounts.ledger_seq the last seq.
