@@ -133,7 +133,7 @@ WITH acc AS (
 INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id)
 SELECT x.org, x.seq, -x.cost, 'charge', x.id::uuid
 FROM unnest($6::text[], $5::bigint[], $7::bigint[], $4::text[]) AS x(org, seq, cost, id)`
-	sqlNotifyAll = `SELECT pg_notify(` + sqlChannel + `, o) FROM unnest($1::text[]) AS o`
+	sqlNotifyAll  = `SELECT pg_notify(` + sqlChannel + `, o) FROM unnest($1::text[]) AS o`
 	sqlClaimOrder = ` ORDER BY created_at, id`
 )
 
