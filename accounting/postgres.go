@@ -759,7 +759,9 @@ func (p *Postgres) Subscribe(ctx context.Context) (<-chan string, error) {
 }
 
 func (p *Postgres) listen(ctx context.Context) (*pgx.Conn, error) {
-	conn, err := pgx.ConnectConfig(ctx, p.pool.Config().ConnConfig.Copy())
+	cc := p.pool.Config().ConnConfig.Copy()
+	cc.RuntimeParams["application_name"] = "escrow-listen"
+	conn, err := pgx.ConnectConfig(ctx, cc)
 	if err != nil {
 		return nil, err
 	}

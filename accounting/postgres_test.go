@@ -3,6 +3,7 @@ package accounting_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -133,6 +134,52 @@ ANALYZE`)
 		p := strings.Join(plan, "\n")
 		if strings.Contains(p, "Seq Scan on usage_events") || strings.Contains(p, "Seq Scan on ledger_entries") {
 			t.Errorf("%s: sequential scan:\n%s", name, p)
+		}
+	}
+}
+
+// TestPostgresSubscribeReconnects kills the LISTEN connection; the subscription comes back by
+// itself and delivers later notifications.
+func TestPostgresSubscribeReconnects(t *testing.T) {
+	t.Parallel()
+	l, env := newPostgres(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := l.CreateOrg(ctx, "o"); err != nil {
+		t.Fatal(err)
+	}
+	ch, err := l.Subscribe(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var channel string
+	if err := env.Pool.QueryRow(ctx, `SELECT 'escrow_' || left(md5(current_schema()), 16)`).Scan(&channel); err != nil {
+		t.Fatal(err)
+	}
+	var killed int
+	err = env.Pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+		WHERE application_name = 'escrow-listen' AND query LIKE '%' || $1 || '%'`, channel).Scan(&killed)
+	if err != nil || killed != 1 {
+		t.Fatalf("terminated %d listeners (%v), want 1", killed, err)
+	}
+	for i := 0; ; i++ {
+		if _, _, err := l.Credit(ctx, "o", 1, fmt.Sprint("r", i)); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case org, ok := <-ch:
+			if !ok {
+				t.Fatal("subscription closed after its connection was killed")
+			}
+			if org == "o" {
+				cancel()
+				for range ch { // closes with its context
+				}
+				return
+			}
+		case <-time.After(100 * time.Millisecond):
+		case <-ctx.Done():
+			t.Fatal("no notification after the listener was killed")
 		}
 	}
 }
