@@ -184,20 +184,28 @@ func panicErr(p any) error {
 	return errors.New("middleware: handler panicked")
 }
 
-// extender pushes the hold's expiry out every HoldTTL/3 while the handler runs. If it cannot for
-// so long that the hold would expire (minus a margin) before the next try, it cancels the
-// upstream call: the usage is then estimated, and no reaper can act on a live hold.
+// extender pushes the hold's expiry out every HoldTTL/3 while the handler runs (a timer: no
+// goroutine unless it fires). If it cannot for so long that the hold would expire (minus a
+// margin) before the next try, it cancels the upstream call: the usage is then estimated, and no
+// reaper can act on a live hold.
 type extender struct {
-	done chan struct{}
-	wg   sync.WaitGroup
+	mu      sync.Mutex
+	t       *time.Timer
+	stopped bool
+	running sync.WaitGroup
 }
 
 func (e *extender) stop() {
 	if e == nil {
 		return
 	}
-	close(e.done)
-	e.wg.Wait()
+	e.mu.Lock()
+	e.stopped = true
+	if e.t != nil && e.t.Stop() {
+		e.running.Done() // the pending tick will not run
+	}
+	e.mu.Unlock()
+	e.running.Wait()
 }
 
 func (cl *call) startExtender(cancel context.CancelCauseFunc) *extender {
@@ -205,34 +213,33 @@ func (cl *call) startExtender(cancel context.CancelCauseFunc) *extender {
 		return nil
 	}
 	m := cl.m
-	e := &extender{done: make(chan struct{})}
-	e.wg.Add(1)
-	go func() {
-		defer e.wg.Done()
-		t := time.NewTicker(m.extendIn)
-		defer t.Stop()
-		lastOK := cl.start
-		margin := m.cfg.HoldTTL / 6
-		for {
-			select {
-			case <-e.done:
-				return
-			case <-t.C:
-			}
-			ctx, cc := context.WithTimeout(context.Background(), max(m.extendIn/2, time.Millisecond))
-			_, err := m.cfg.Store.Extend(ctx, cl.id.Org, cl.holdID)
-			cc()
-			now := time.Now()
-			if err == nil {
-				lastOK = now
-				continue
-			}
-			if now.Add(m.extendIn).After(lastOK.Add(m.cfg.HoldTTL - margin)) {
-				m.cfg.Logger.Error("escrow: hold not extended in time; cancelling the upstream call", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
-				cancel(errHoldLost)
-				return
-			}
+	e := &extender{}
+	lastOK := cl.start
+	margin := m.cfg.HoldTTL / 6
+	var tick func()
+	tick = func() {
+		defer e.running.Done()
+		ctx, cc := context.WithTimeout(context.Background(), max(m.extendIn/2, time.Millisecond))
+		_, err := m.cfg.Store.Extend(ctx, cl.id.Org, cl.holdID)
+		cc()
+		now := time.Now()
+		if err == nil {
+			lastOK = now
+		} else if now.Add(m.extendIn).After(lastOK.Add(m.cfg.HoldTTL - margin)) {
+			m.cfg.Logger.Error("escrow: hold not extended in time; cancelling the upstream call", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
+			cancel(errHoldLost)
+			return
 		}
-	}()
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if !e.stopped {
+			e.running.Add(1)
+			e.t = time.AfterFunc(m.extendIn, tick)
+		}
+	}
+	e.mu.Lock()
+	e.running.Add(1)
+	e.t = time.AfterFunc(m.extendIn, tick)
+	e.mu.Unlock()
 	return e
 }
