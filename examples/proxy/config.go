@@ -1,0 +1,192 @@
+package main
+
+import (
+	"cmp"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+
+	"strconv"
+	"strings"
+	"time"
+)
+
+// config is the proxy's configuration. Every field has an environment variable and a flag of
+// the same meaning; a flag beats the variable, the variable beats the default.
+type config struct {
+	Addr            string
+	RedisURL        string
+	DatabaseURL     string
+	UpstreamURL     string
+	UpstreamAPIKey  string
+	AdminToken      string
+	HoldTTL         time.Duration
+	FailOpen        bool
+	MaxInFlight     int
+	Prefix          string
+	Migrate         bool
+	AllowEviction   bool
+	MaxBodyBytes    int64
+	DefaultHold     int64
+	JournalDir      string
+	JournalMaxBytes int64
+	ShutdownTimeout time.Duration
+	LogLevel        string
+	LogFormat       string
+	DemoBalance     int64
+	BenchBaseline   bool
+}
+
+type setting struct {
+	env, flag, def, help string
+	set                  func(string) error
+}
+
+func (c *config) settings() []setting {
+	str := func(p *string) func(string) error { return func(v string) error { *p = v; return nil } }
+	dur := func(p *time.Duration) func(string) error {
+		return func(v string) error {
+			d, err := time.ParseDuration(v)
+			if err != nil || d <= 0 {
+				return fmt.Errorf("want a positive Go duration such as 10m, got %q", v)
+			}
+			*p = d
+			return nil
+		}
+	}
+	boolean := func(p *bool) func(string) error {
+		return func(v string) error {
+			b, err := strconv.ParseBool(v)
+			if err != nil {
+				return fmt.Errorf("want true or false, got %q", v)
+			}
+			*p = b
+			return nil
+		}
+	}
+	integer := func(p *int64, min int64) func(string) error {
+		return func(v string) error {
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil || n < min {
+				return fmt.Errorf("want an integer ≥ %d, got %q", min, v)
+			}
+			*p = n
+			return nil
+		}
+	}
+	intp := func(p *int) func(string) error {
+		return func(v string) error {
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 1 {
+				return fmt.Errorf("want a positive integer, got %q", v)
+			}
+			*p = n
+			return nil
+		}
+	}
+	return []setting{
+		{"ESCROW_ADDR", "addr", "127.0.0.1:8080", "listen address", str(&c.Addr)},
+		{"REDIS_URL", "redis-url", "", "Redis URL (redis:// or rediss:// with verified TLS); comma-separated URLs mean a Redis Cluster; empty: embedded miniredis", str(&c.RedisURL)},
+		{"DATABASE_URL", "database-url", "", "PostgreSQL URL for the ledger; empty: in-memory ledger (only with embedded Redis)", str(&c.DatabaseURL)},
+		{"UPSTREAM_URL", "upstream-url", "", "OpenAI-compatible upstream base URL (e.g. https://api.openai.com); empty: built-in fake upstream", str(&c.UpstreamURL)},
+		{"UPSTREAM_API_KEY", "upstream-api-key", "", "API key sent to the upstream (clients' keys are never forwarded)", str(&c.UpstreamAPIKey)},
+		{"ESCROW_ADMIN_TOKEN", "admin-token", "", "bearer token of the admin API; empty: admin API off (the embedded demo generates one)", str(&c.AdminToken)},
+		{"ESCROW_HOLD_TTL", "hold-ttl", "10m", "hold expiry; extended every third of it while a request runs", dur(&c.HoldTTL)},
+		{"ESCROW_FAIL_OPEN", "fail-open", "false", "when Redis is down, serve requests without a hold (their usage is still billed)", boolean(&c.FailOpen)},
+		{"ESCROW_MAX_IN_FLIGHT", "max-in-flight", "256", "per-org cap on requests in flight (429 rate_limit_exceeded beyond it)", intp(&c.MaxInFlight)},
+		{"ESCROW_PREFIX", "prefix", "esc", "Redis key namespace", str(&c.Prefix)},
+		{"ESCROW_MIGRATE", "migrate", "true", "apply database migrations at start", boolean(&c.Migrate)},
+		{"ESCROW_ALLOW_EVICTION", "allow-eviction", "false", "start even if Redis maxmemory-policy is not noeviction (unsafe: eviction can lose holds)", boolean(&c.AllowEviction)},
+		{"ESCROW_MAX_BODY_BYTES", "max-body-bytes", "4194304", "largest request body accepted", integer(&c.MaxBodyBytes, 1)},
+		{"ESCROW_DEFAULT_HOLD", "default-hold", "0", "hold (micro-units) for a priced model with nothing better known; 0: the model's own default", integer(&c.DefaultHold, 0)},
+		{"ESCROW_JOURNAL_DIR", "journal-dir", "", "directory of the local usage journal used while Postgres is down; empty: none", str(&c.JournalDir)},
+		{"ESCROW_JOURNAL_MAX_BYTES", "journal-max-bytes", "67108864", "size cap of the local journal", integer(&c.JournalMaxBytes, 1)},
+		{"ESCROW_SHUTDOWN_TIMEOUT", "shutdown-timeout", "30s", "how long shutdown waits for in-flight requests", dur(&c.ShutdownTimeout)},
+		{"ESCROW_LOG_LEVEL", "log-level", "info", "debug, info, warn or error", str(&c.LogLevel)},
+		{"ESCROW_LOG_FORMAT", "log-format", "text", "text or json", str(&c.LogFormat)},
+		{"ESCROW_DEMO_BALANCE", "demo-balance", "10000000", "balance (micro-units) of the demo org created by the embedded default", integer(&c.DemoBalance, 0)},
+		{"ESCROW_BENCH_BASELINE", "bench-baseline", "false", "benchmarks only: proxy without the middleware (requests pass unbilled)", boolean(&c.BenchBaseline)},
+	}
+}
+
+// loadConfig reads defaults, then the environment, then the flags in args.
+func loadConfig(args []string, getenv func(string) string, usageOut io.Writer) (config, error) {
+	var c config
+	settings := c.settings()
+	for _, s := range settings {
+		if err := s.set(s.def); err != nil {
+			return c, fmt.Errorf("default of %s: %w", s.env, err)
+		}
+	}
+	for _, s := range settings {
+		if v, ok := lookup(getenv, s.env); ok {
+			if err := s.set(v); err != nil {
+				return c, fmt.Errorf("%s: %w", s.env, err)
+			}
+		}
+	}
+	fs := flag.NewFlagSet("escrow-proxy", flag.ContinueOnError)
+	fs.SetOutput(usageOut)
+	fs.Usage = func() {
+		fmt.Fprintf(usageOut, "escrow proxy: an OpenAI-compatible proxy that holds prepaid balance before each request.\n\n")
+		fmt.Fprintf(usageOut, "Usage: go run ./examples/proxy [flags]\n\nEvery flag has an environment variable; a flag beats the variable.\n\n")
+		for _, s := range settings {
+			def := s.def
+			if def == "" {
+				def = `""`
+			}
+			fmt.Fprintf(usageOut, "  -%s (%s, default %s)\n      %s\n", s.flag, s.env, def, s.help)
+		}
+	}
+	for _, s := range settings {
+		fs.Func(s.flag, s.help, s.set)
+	}
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	if fs.NArg() > 0 {
+		return c, fmt.Errorf("unexpected arguments: %s", strings.Join(fs.Args(), " "))
+	}
+	switch c.LogFormat {
+	case "text", "json":
+	default:
+		return c, fmt.Errorf("ESCROW_LOG_FORMAT: want text or json, got %q", c.LogFormat)
+	}
+	if _, err := parseLevel(c.LogLevel); err != nil {
+		return c, err
+	}
+	if c.DatabaseURL == "" && c.RedisURL != "" {
+		return c, errors.New("the in-memory ledger only pairs with the embedded Redis: set DATABASE_URL or unset REDIS_URL")
+	}
+	if c.UpstreamURL != "" && c.UpstreamAPIKey == "" {
+		return c, errors.New("UPSTREAM_URL is set but UPSTREAM_API_KEY is empty")
+	}
+	return c, nil
+}
+
+// embedded reports whether the proxy runs on its embedded parts (the demo).
+func (c config) embedded() bool { return c.RedisURL == "" && c.DatabaseURL == "" }
+
+func lookup(getenv func(string) string, k string) (string, bool) {
+	v := getenv(k)
+	return v, v != ""
+}
+
+func parseLevel(s string) (slog.Level, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(cmp.Or(s, "info"))); err != nil {
+		return l, fmt.Errorf("ESCROW_LOG_LEVEL: %w", err)
+	}
+	return l, nil
+}
+
+func newLogger(c config, w io.Writer) *slog.Logger {
+	lvl, _ := parseLevel(c.LogLevel)
+	opts := &slog.HandlerOptions{Level: lvl}
+	if c.LogFormat == "json" {
+		return slog.New(slog.NewJSONHandler(w, opts))
+	}
+	return slog.New(slog.NewTextHandler(w, opts))
+}

@@ -1,0 +1,324 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/internal/testutil"
+)
+
+const testAdmin = "test-admin-token"
+
+// testProxy is a proxy app running in-process on a random port.
+type testProxy struct {
+	t    *testing.T
+	app  *app
+	base string
+}
+
+// startProxy starts the proxy: real Redis and Postgres when real is true, embedded otherwise.
+func startTestProxy(t *testing.T, real bool, tweak ...func(*config)) *testProxy {
+	t.Helper()
+	cfg, err := loadConfig(nil, func(string) string { return "" }, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Addr = "127.0.0.1:0"
+	cfg.AdminToken = testAdmin
+	cfg.DemoBalance = 0
+	if real {
+		env := testutil.RealRedis(t)
+		pg := testutil.Postgres(t)
+		cfg.RedisURL, cfg.DatabaseURL, cfg.Prefix = env.URL, pg.URL, env.Prefix
+	}
+	for _, f := range tweak {
+		f(&cfg)
+	}
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	if testing.Verbose() {
+		log = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	}
+	ctx := context.Background()
+	a, err := newApp(ctx, cfg, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.start(ctx); err != nil {
+		a.close()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if err := a.shutdown(ctx); err != nil {
+			t.Errorf("shutdown: %v", err)
+		}
+	})
+	return &testProxy{t: t, app: a, base: "http://" + a.addr()}
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimSpace(string(p)))
+	return len(p), nil
+}
+
+// eachMode runs fn against the proxy on real Redis + Postgres and on its embedded parts.
+func eachMode(t *testing.T, fn func(t *testing.T, p *testProxy)) {
+	t.Run("real", func(t *testing.T) { t.Parallel(); fn(t, startTestProxy(t, true)) })
+	t.Run("embedded", func(t *testing.T) { t.Parallel(); fn(t, startTestProxy(t, false)) })
+}
+
+func (p *testProxy) do(method, path, token string, body any) (int, http.Header, []byte) {
+	p.t.Helper()
+	var rd io.Reader
+	switch b := body.(type) {
+	case nil:
+	case []byte:
+		rd = bytes.NewReader(b)
+	case string:
+		rd = strings.NewReader(b)
+	default:
+		j, _ := json.Marshal(b)
+		rd = bytes.NewReader(j)
+	}
+	req, err := http.NewRequest(method, p.base+path, rd)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	out, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, resp.Header, out
+}
+
+func (p *testProxy) admin(method, path string, body any, wantStatus int, out any) {
+	p.t.Helper()
+	st, _, b := p.do(method, "/admin/v1"+path, testAdmin, body)
+	if st != wantStatus {
+		p.t.Fatalf("%s %s: %d %s, want %d", method, path, st, b, wantStatus)
+	}
+	if out != nil {
+		if err := json.Unmarshal(b, out); err != nil {
+			p.t.Fatalf("%s %s: %v in %s", method, path, err, b)
+		}
+	}
+}
+
+type balanceView struct {
+	Org           string `json:"org"`
+	LedgerBalance int64  `json:"ledger_balance"`
+	Available     int64  `json:"available"`
+	Held          int64  `json:"held"`
+	Holds         int    `json:"holds"`
+}
+
+func (p *testProxy) balance(org string) balanceView {
+	var b balanceView
+	p.admin("GET", "/orgs/"+org+"/balance", nil, http.StatusOK, &b)
+	return b
+}
+
+// setup creates a model priced at 1 micro-unit per output token (input free), an org with
+// the given balance, and a key.
+func (p *testProxy) setup(org string, funds, maxCost int64) string {
+	p.admin("PUT", "/models/m", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
+		"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": maxCost, "default_hold": maxCost}, http.StatusOK, nil)
+	p.admin("POST", "/orgs", map[string]string{"id": org}, http.StatusCreated, nil)
+	if funds > 0 {
+		p.admin("POST", "/orgs/"+org+"/credits", map[string]any{"amount": funds, "reference": "init-" + org}, http.StatusCreated, nil)
+	}
+	var k struct{ ID, Key string }
+	p.admin("POST", "/orgs/"+org+"/keys", nil, http.StatusCreated, &k)
+	return k.Key
+}
+
+// settled waits until the org has no holds and the ledger is fully reflected in Redis.
+func (p *testProxy) settled(org string) balanceView {
+	p.t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		b := p.balance(org)
+		acct, err := p.app.ledger.Account(context.Background(), org)
+		if err == nil && b.Holds == 0 && acct.Pending == 0 && acct.SettledSeq == acct.LedgerSeq && b.Available == b.LedgerBalance {
+			return b
+		}
+		if time.Now().After(deadline) {
+			p.t.Fatalf("org %s never settled: %+v %+v %v", org, b, acct, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func chat(content string) map[string]any {
+	return map[string]any{"model": "m", "messages": []map[string]string{{"role": "user", "content": content}}}
+}
+
+// TestFlowA: 20 concurrent requests on a funded org all succeed; while they are in flight the
+// available balance is down by 20 holds; after the worker drains, available == ledger ==
+// start − Σ real costs and no hold is left.
+func TestFlowA(t *testing.T) {
+	t.Parallel()
+	eachMode(t, func(t *testing.T, p *testProxy) {
+		key := p.setup("acme", 10_000, 65)
+		var wg sync.WaitGroup
+		statuses := make([]int, 20)
+		for i := range statuses {
+			wg.Add(1)
+			go func(i int) {
+				defer wg.Done()
+				statuses[i], _, _ = p.do("POST", "/v1/chat/completions", key, chat("[slow] hello world"))
+			}(i)
+		}
+		// While in flight: 20 holds of 65.
+		deadline := time.Now().Add(3 * time.Second)
+		var seen balanceView
+		for time.Now().Before(deadline) {
+			seen = p.balance("acme")
+			if seen.Holds == 20 {
+				break
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		if seen.Holds != 20 || seen.Held != 20*65 || seen.Available != 10_000-20*65 {
+			t.Fatalf("in flight: %+v, want 20 holds of 65", seen)
+		}
+		wg.Wait()
+		for i, s := range statuses {
+			if s != http.StatusOK {
+				t.Fatalf("request %d: status %d", i, s)
+			}
+		}
+		b := p.settled("acme")
+		if b.Available != 10_000-20*20 || b.LedgerBalance != 10_000-20*20 {
+			t.Fatalf("after settle: %+v, want %d", b, 10_000-20*20)
+		}
+	})
+}
+
+// TestFlowB: balance 200, max cost 65, real cost 20, 10 concurrent requests → exactly 3 pass and
+// 7 get 429 insufficient_quota; final balance 140.
+func TestFlowB(t *testing.T) {
+	t.Parallel()
+	eachMode(t, func(t *testing.T, p *testProxy) {
+		key := p.setup("acme", 200, 65)
+		var wg sync.WaitGroup
+		type result struct {
+			status int
+			hdr    http.Header
+			body   []byte
+		}
+		res := make([]result, 10)
+		for i := range res {
+			wg.Add(1)
+			go func(i int) {
+				defer wg.Done()
+				s, h, b := p.do("POST", "/v1/chat/completions", key, chat("[slow] hi"))
+				res[i] = result{s, h, b}
+			}(i)
+		}
+		wg.Wait()
+		ok, refused := 0, 0
+		for _, r := range res {
+			switch r.status {
+			case http.StatusOK:
+				ok++
+			case http.StatusTooManyRequests:
+				refused++
+				var e struct {
+					Error struct{ Type, Code string }
+				}
+				if err := json.Unmarshal(r.body, &e); err != nil || e.Error.Code != "insufficient_quota" || e.Error.Type != "insufficient_quota" {
+					t.Fatalf("429 body: %s", r.body)
+				}
+				if r.hdr.Get("x-should-retry") != "false" {
+					t.Fatalf("429 without x-should-retry: false")
+				}
+			default:
+				t.Fatalf("unexpected status %d: %s", r.status, r.body)
+			}
+		}
+		if ok != 3 || refused != 7 {
+			t.Fatalf("%d passed, %d refused; want 3 and 7", ok, refused)
+		}
+		if b := p.settled("acme"); b.Available != 140 || b.LedgerBalance != 140 {
+			t.Fatalf("final: %+v, want 140", b)
+		}
+	})
+}
+
+// TestFlowC: an upstream failure passes the upstream's 500 through and charges nothing.
+func TestFlowC(t *testing.T) {
+	t.Parallel()
+	eachMode(t, func(t *testing.T, p *testProxy) {
+		key := p.setup("acme", 1000, 65)
+		st, _, body := p.do("POST", "/v1/chat/completions", key, chat("please [fail] now"))
+		if st != http.StatusInternalServerError || !bytes.Contains(body, []byte(`"error"`)) {
+			t.Fatalf("fail request: %d %s", st, body)
+		}
+		if b := p.settled("acme"); b.Available != 1000 || b.LedgerBalance != 1000 {
+			t.Fatalf("after failure: %+v, want 1000", b)
+		}
+	})
+}
+
+// TestRecharge: an org at 0 is refused, a credit lands, the next request passes at once; the
+// same payment reference again credits nothing.
+func TestRecharge(t *testing.T) {
+	t.Parallel()
+	eachMode(t, func(t *testing.T, p *testProxy) {
+		key := p.setup("acme", 0, 65)
+		if st, _, b := p.do("POST", "/v1/chat/completions", key, chat("hi")); st != http.StatusTooManyRequests {
+			t.Fatalf("at 0: %d %s", st, b)
+		}
+		var e1, e2 struct{ Seq, Delta int64 }
+		p.admin("POST", "/orgs/acme/credits", map[string]any{"amount": 500, "reference": "pay_123"}, http.StatusCreated, &e1)
+		if st, _, b := p.do("POST", "/v1/chat/completions", key, chat("hi")); st != http.StatusOK {
+			t.Fatalf("after credit: %d %s", st, b)
+		}
+		p.admin("POST", "/orgs/acme/credits", map[string]any{"amount": 500, "reference": "pay_123"}, http.StatusOK, &e2)
+		if e1 != e2 {
+			t.Fatalf("repeated credit returned %+v, original %+v", e2, e1)
+		}
+		p.admin("POST", "/orgs", map[string]string{"id": "other"}, http.StatusCreated, nil)
+		st, _, b := p.do("POST", "/admin/v1/orgs/other/credits", testAdmin, map[string]any{"amount": 500, "reference": "pay_123"})
+		if st != http.StatusConflict || bytes.Contains(b, []byte("acme")) {
+			t.Fatalf("reference of another org: %d %s", st, b)
+		}
+		if b := p.settled("acme"); b.LedgerBalance != 480 {
+			t.Fatalf("final: %+v, want 500 − 20", b)
+		}
+	})
+}
+
+// TestAdminAuth: the admin API needs its token.
+func TestAdminAuth(t *testing.T) {
+	t.Parallel()
+	p := startTestProxy(t, false)
+	for _, tok := range []string{"", "wrong"} {
+		if st, _, _ := p.do("POST", "/admin/v1/orgs", tok, map[string]string{"id": "x"}); st != http.StatusUnauthorized {
+			t.Fatalf("token %q: %d", tok, st)
+		}
+	}
+	off := startTestProxy(t, false, func(c *config) { c.AdminToken = ""; c.DatabaseURL = ""; c.RedisURL = "" })
+	_ = off // the embedded demo always gets a token; a non-embedded proxy without one has no admin routes
+}
+
+var _ = fmt.Sprint

@@ -1,0 +1,93 @@
+package main
+
+import (
+	"net/http"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/llmescrow/escrow/middleware"
+)
+
+// metrics are the proxy's Prometheus metrics. No label carries an org: cardinality stays fixed.
+type metrics struct {
+	reg      *prometheus.Registry
+	requests *prometheus.CounterVec   // by outcome
+	holds    prometheus.Histogram     // hold amounts
+	costs    prometheus.Histogram     // real costs
+	errors   *prometheus.CounterVec   // Redis / ledger errors seen by the middleware
+	latency  *prometheus.HistogramVec // reserve latency
+}
+
+func newMetrics(a *app) *metrics {
+	m := &metrics{reg: prometheus.NewRegistry()}
+	m.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "escrow_requests_total",
+		Help: "Requests by outcome: recorded, estimated, released, insufficient_quota (429), rate_limited (429), unavailable (503), rejected (4xx), fail_open.",
+	}, []string{"outcome"})
+	m.holds = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "escrow_hold_amount_microunits", Help: "Hold amounts taken.",
+		Buckets: prometheus.ExponentialBuckets(100, 4, 12),
+	})
+	m.costs = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "escrow_cost_microunits", Help: "Real costs recorded.",
+		Buckets: prometheus.ExponentialBuckets(100, 4, 12),
+	})
+	m.errors = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "escrow_backend_errors_total", Help: "Errors from Redis or the ledger seen on the request path.",
+	}, []string{"backend"})
+	m.latency = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "escrow_reserve_seconds", Help: "Time to take a hold (one Redis round trip on a warm org).",
+		Buckets: prometheus.ExponentialBuckets(0.0001, 2, 14),
+	}, []string{"result"})
+	m.reg.MustRegister(m.requests, m.holds, m.costs, m.errors, m.latency)
+
+	w := a.worker
+	counter := func(name, help string, f func() int64) {
+		m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, func() float64 { return float64(f()) }))
+	}
+	gauge := func(name, help string, f func() int64) {
+		m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 { return float64(f()) }))
+	}
+	counter("escrow_worker_accounted_total", "Usage events turned into ledger entries.", func() int64 { return w.Stats().Accounted })
+	counter("escrow_worker_settled_total", "Ledger entries applied to the hot balance.", func() int64 { return w.Stats().Settled })
+	counter("escrow_worker_seeds_total", "Cold orgs seeded by the worker.", func() int64 { return w.Stats().Seeds })
+	counter("escrow_worker_gaps_total", "Ledger gaps healed by re-sending entries.", func() int64 { return w.Stats().Gaps })
+	counter("escrow_worker_reaped_total", "Expired holds of dead processes released.", func() int64 { return w.Stats().Reaped })
+	counter("escrow_worker_drift_repairs_total", "Hot balances dropped by the reconciler after a drift.", func() int64 { return w.Stats().DriftRepairs })
+	counter("escrow_worker_errors_total", "Failed worker passes.", func() int64 { return w.Stats().Errors })
+	gauge("escrow_worker_last_drift_microunits", "The last drift the reconciler found.", func() int64 { return w.Stats().LastDrift })
+	gauge("escrow_worker_batch_size", "Usage events accounted by the last pass.", func() int64 { return w.Stats().LastBatchSize })
+	gauge("escrow_worker_backlog_orgs", "Orgs waiting to be settled at the last sweep.", func() int64 { return w.Stats().PendingBacklog })
+	return m
+}
+
+func (m *metrics) handler() http.Handler {
+	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{Registry: m.reg})
+}
+
+// observe turns a middleware outcome into metrics.
+func (m *metrics) observe(o middleware.Outcome) {
+	label := string(o.Kind)
+	switch {
+	case o.Kind == middleware.OutcomeRefused && o.Code != "":
+		label = o.Code
+	case o.FailOpen:
+		label = "fail_open"
+	}
+	m.requests.WithLabelValues(label).Inc()
+	if o.HoldAmount > 0 {
+		m.holds.Observe(float64(o.HoldAmount))
+	}
+	if o.Kind == middleware.OutcomeRecorded || o.Kind == middleware.OutcomeEstimated {
+		m.costs.Observe(float64(o.Cost))
+	}
+	if o.Status == http.StatusServiceUnavailable {
+		m.errors.WithLabelValues("redis").Inc()
+	}
+	if o.Kind == middleware.OutcomeRecordFailed {
+		m.errors.WithLabelValues("ledger").Inc()
+	}
+}
