@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/google/uuid"
@@ -54,6 +55,7 @@ type middleware struct {
 	pass     map[string]bool
 	allow    map[string]bool
 	extendIn time.Duration
+	raised   sync.Map // model → the highest cost this process raised its learned max to
 }
 
 func newMiddleware(cfg Config) (*middleware, error) {
@@ -111,6 +113,7 @@ type call struct {
 	req        Request
 	model      accounting.Model
 	holdAmount int64
+	learned    int64 // the model's learned max cost when the hold was taken
 	failOpen   bool
 	start      time.Time
 	balance    int64
@@ -220,7 +223,7 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	if err != nil {
 		return m.refuse(c, o, errInternal("No request id could be made."))
 	}
-	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, start: start}
+	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, learned: max(learned, model.MaxCost), start: start}
 	o.HoldID, o.HoldAmount = cl.holdID, amount
 
 	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)

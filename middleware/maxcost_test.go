@@ -1,0 +1,48 @@
+package middleware
+
+import (
+	"context"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+// TestLearnedMaxRaised: a real cost above the model's learned max raises it in Redis and in the
+// ledger, so later holds cover such requests; an estimated cost never does.
+func TestLearnedMaxRaised(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{storeCfg: func(c *balance.Config) { c.ModelMaxCacheTTL = time.Nanosecond }})
+	ctx := context.Background()
+	if m, _ := e.store.ModelMax(ctx, testModel); m != 0 {
+		t.Fatalf("learned max before: %d", m)
+	}
+	resp := e.post(ctx, EndpointChat, e.key, jsonBody(testModel, ""))
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	want := cost(t, chatUsage)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		redisMax, err := e.store.ModelMax(ctx, testModel)
+		m, lerr := e.ledger.Model(ctx, testModel)
+		if err == nil && lerr == nil && redisMax == want && m.MaxCost == want {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("learned max: redis %d (%v), ledger %d (%v); want %d", redisMax, err, m.MaxCost, lerr, want)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// The next hold is at least the learned max.
+	resp = e.post(ctx, EndpointChat, e.key, jsonBody(testModel, ""))
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	e.outcome()
+	if o := e.outcome(); o.HoldAmount < want {
+		t.Fatalf("hold after learning: %d, want ≥ %d", o.HoldAmount, want)
+	}
+}
