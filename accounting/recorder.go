@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"log/slog"
 	"sync"
 	"time"
 )
@@ -29,6 +30,29 @@ type RecorderConfig struct {
 	// QueueSize is how many events may wait for a flusher; Record blocks (within its context)
 	// when the queue is full. Default 4 × MaxBatch.
 	QueueSize int
+
+	// Journal, when set, is the local fallback for a ledger outage: a batch whose RecordUsage
+	// fails with ErrLedgerUnavailable is appended (fsynced) there instead, and its callers get
+	// nil. While the journal holds events, new batches go there too; every ReplayInterval the
+	// journal is replayed into the ledger (idempotently). When it is full, Record fails. The
+	// caller owns the journal (opens and closes it). Default nil: ledger errors reach Record.
+	Journal *Journal
+	// Pinner pins the hold of every journaled event (HoldAmount > 0), so that no reaper releases
+	// it while its usage waits, re-pins it every PinInterval, and unpins it after the replay.
+	// Failed calls are retried with backoff (up to 5 s apart) until Redis answers, the hold is
+	// gone, or the event is replayed. *balance.Store implements it. Default nil: no pins.
+	Pinner Pinner
+	// PinInterval is the pin heartbeat; keep it well under the store's PinTTL (PinTTL/4).
+	// Default 6h (the store's default PinTTL of 24h / 4).
+	PinInterval time.Duration
+	// ReplayInterval is how often a non-empty journal is replayed into the ledger. Default 1s.
+	ReplayInterval time.Duration
+	// JournalReserve is the fraction of the journal's cap kept for requests already in flight:
+	// Degraded reports true once less than this is free, so that new holds are refused while
+	// the requests that hold one can still be journaled. Default 0.1.
+	JournalReserve float64
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
 }
 
 // Recorder writes usage events to the ledger durably, group-committing concurrent calls: each
@@ -36,12 +60,14 @@ type RecorderConfig struct {
 // all events that arrive while a batch is being written go together in the next RecordUsage
 // call, one round trip for the lot.
 //
-// The local journal (the fallback for a ledger outage, DESIGN.md "Failure policy") plugs in at
-// one place: Recorder.commit, which today returns the ledger's error to every caller of the
-// batch; with a journal it appends the batch there when the error wraps ErrLedgerUnavailable.
+// With a Journal (DESIGN.md "Failure policy"), a ledger outage does not fail Record: the batch
+// goes to the fsynced local journal, its holds are pinned, and the journal is replayed when the
+// ledger answers again; Degraded tells the caller to stop taking new holds when the journal
+// nears its cap.
 type Recorder struct {
 	ledger Ledger
 	cfg    RecorderConfig
+	fb     *fallback // nil without a journal
 
 	mu      sync.RWMutex
 	running bool
@@ -63,11 +89,46 @@ func NewRecorder(l Ledger, cfg RecorderConfig) *Recorder {
 	cfg.Timeout = cmp.Or(max(cfg.Timeout, 0), 5*time.Second)
 	cfg.QueueSize = cmp.Or(max(cfg.QueueSize, 0), 4*cfg.MaxBatch)
 	cfg.FlushInterval = max(cfg.FlushInterval, 0)
-	return &Recorder{ledger: l, cfg: cfg, queue: make(chan *recordReq, cfg.QueueSize)}
+	cfg.PinInterval = cmp.Or(max(cfg.PinInterval, 0), 6*time.Hour)
+	cfg.ReplayInterval = cmp.Or(max(cfg.ReplayInterval, 0), time.Second)
+	if cfg.JournalReserve <= 0 || cfg.JournalReserve >= 1 {
+		cfg.JournalReserve = 0.1
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	r := &Recorder{ledger: l, cfg: cfg, queue: make(chan *recordReq, cfg.QueueSize)}
+	if cfg.Journal != nil {
+		r.fb = newFallback(l, cfg)
+	}
+	return r
+}
+
+// Degraded reports whether new holds should be refused (503) because the local journal is
+// nearly full: less than JournalReserve of its cap is free. Always false without a journal.
+func (r *Recorder) Degraded() bool { return r.fb != nil && r.fb.nearFull() }
+
+// Journaling reports whether usage is going to the local journal now (it holds events that
+// wait for the ledger).
+func (r *Recorder) Journaling() bool { return r.fb != nil && r.fb.active() }
+
+// Stats returns the recorder's running totals and its journal's state.
+func (r *Recorder) Stats() RecorderStats {
+	f := r.fb
+	if f == nil {
+		return RecorderStats{}
+	}
+	return RecorderStats{
+		JournalBytes: f.j.Size(), JournalEvents: int64(f.j.Len()), JournalMaxBytes: f.j.Max(),
+		Journaled: f.journaled.Load(), Replays: f.replays.Load(), Replayed: f.replayed.Load(),
+		ReplayErrors: f.replayErrs.Load(), Pinned: f.pinnedNow(), PinErrors: f.pinErrs.Load(),
+		JournalFull: f.full.Load(),
+	}
 }
 
 // Start starts the flushers. They run until Stop, or until ctx ends, which stops the recorder
-// like Stop (events already queued are still written).
+// like Stop (events already queued are still written). With a journal, Start also replays what
+// an earlier run left in it (in the background), pinning those holds until it succeeds.
 func (r *Recorder) Start(ctx context.Context) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -75,6 +136,9 @@ func (r *Recorder) Start(ctx context.Context) {
 		return
 	}
 	r.running = true
+	if r.fb != nil {
+		r.fb.start(ctx)
+	}
 	for range r.cfg.Flushers {
 		r.wg.Add(1)
 		go r.flusher()
@@ -83,7 +147,8 @@ func (r *Recorder) Start(ctx context.Context) {
 }
 
 // Stop stops accepting events, writes every event already queued and waits for the flushers
-// (or for ctx, whichever ends first).
+// (or for ctx, whichever ends first). With a journal it then tries one last replay; what the
+// journal still holds stays on disk for the next run.
 func (r *Recorder) Stop(ctx context.Context) error {
 	r.close()
 	r.mu.RLock()
@@ -99,10 +164,13 @@ func (r *Recorder) Stop(ctx context.Context) error {
 	}()
 	select {
 	case <-done:
-		return nil
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+	if r.fb != nil {
+		r.fb.stop(ctx)
+	}
+	return nil
 }
 
 func (r *Recorder) close() {
@@ -211,8 +279,20 @@ func (r *Recorder) commit(batch []*recordReq) {
 		events[i] = req.ev
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.Timeout)
-	err := r.ledger.RecordUsage(ctx, events)
-	cancel()
+	defer cancel()
+	var err error
+	if r.fb != nil && r.fb.active() {
+		// The ledger was down a moment ago and the journal is not replayed yet: keep appending
+		// (the replay loop finds out when the ledger is back) instead of waiting for it.
+		err = r.fb.append(ctx, events, ErrLedgerUnavailable)
+	} else {
+		err = r.ledger.RecordUsage(ctx, events)
+		if err != nil && r.fb != nil && errors.Is(err, ErrLedgerUnavailable) {
+			actx, acancel := context.WithTimeout(context.Background(), r.cfg.Timeout)
+			err = r.fb.append(actx, events, err)
+			acancel()
+		}
+	}
 	for _, req := range batch {
 		req.done <- err
 	}

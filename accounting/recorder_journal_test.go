@@ -1,0 +1,357 @@
+package accounting_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/internal/testutil"
+)
+
+// downLedger is a ledger that can be switched off: every call that would reach the database
+// fails with ErrLedgerUnavailable, like Postgres stopped. It counts how often each usage event
+// reached the ledger while it was up.
+type downLedger struct {
+	accounting.Ledger
+	down atomic.Bool
+
+	mu     sync.Mutex
+	stored map[string]int // event id → RecordUsage calls that carried it and succeeded
+}
+
+func newDownLedger(l accounting.Ledger) *downLedger {
+	return &downLedger{Ledger: l, stored: map[string]int{}}
+}
+
+func (d *downLedger) err() error {
+	if d.down.Load() {
+		return fmt.Errorf("injected outage: %w", accounting.ErrLedgerUnavailable)
+	}
+	return nil
+}
+
+func (d *downLedger) RecordUsage(ctx context.Context, events []accounting.UsageEvent) error {
+	if err := d.err(); err != nil {
+		return err
+	}
+	if err := d.Ledger.RecordUsage(ctx, events); err != nil {
+		return err
+	}
+	d.mu.Lock()
+	for _, ev := range events {
+		d.stored[ev.ID]++
+	}
+	d.mu.Unlock()
+	return nil
+}
+
+func (d *downLedger) UnsettledUsage(ctx context.Context, org string, ids []string) (map[string]bool, error) {
+	if err := d.err(); err != nil {
+		return nil, err
+	}
+	return d.Ledger.UnsettledUsage(ctx, org, ids)
+}
+
+func (d *downLedger) Snapshot(ctx context.Context, org string) (balance.Snapshot, error) {
+	if err := d.err(); err != nil {
+		return balance.Snapshot{}, err
+	}
+	return d.Ledger.Snapshot(ctx, org)
+}
+
+func (d *downLedger) timesStored(id string) int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.stored[id]
+}
+
+func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// journalSetup makes a funded org with n holds of 10 taken, and their usage events (cost 3).
+func journalSetup(t *testing.T, store *balance.Store, w *accounting.Worker, l accounting.Ledger, org string, n int) []accounting.UsageEvent {
+	t.Helper()
+	ctx := context.Background()
+	if err := l.CreateOrg(ctx, org); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := w.Credit(ctx, org, 1000, "init-"+org); err != nil {
+		t.Fatal(err)
+	}
+	evs := make([]accounting.UsageEvent, n)
+	for i := range evs {
+		evs[i] = accounting.UsageEvent{ID: newID(), Org: org, Model: "m", Cost: 3, HoldAmount: 10}
+		if _, err := store.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: evs[i].ID, Amount: 10}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return evs
+}
+
+func recordEach(t *testing.T, r *accounting.Recorder, evs []accounting.UsageEvent) {
+	t.Helper()
+	var wg sync.WaitGroup
+	errs := make([]error, len(evs))
+	for i := range evs {
+		wg.Go(func() { errs[i] = r.Record(context.Background(), evs[i]) })
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("record %d: %v", i, err)
+		}
+	}
+}
+
+// TestRecorderJournalOutage: with the ledger down, Record still returns nil (the events are in
+// the journal), every hold is pinned and the reaper releases none; when the ledger is back the
+// journal is replayed once, the holds are unpinned, and each event is charged exactly once.
+func TestRecorderJournalOutage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := testutil.Redis(t)
+	mem := accounting.NewMemory()
+	l := newDownLedger(mem)
+	store := newStore(t, env, l, balance.Config{HoldTTL: 50 * time.Millisecond, PinTTL: time.Hour, ReapGrace: time.Millisecond})
+	w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+	const n = 40
+	evs := journalSetup(t, store, w, l, "acme", n)
+
+	j, err := accounting.OpenJournal(t.TempDir(), 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer j.Close()
+	r := startRecorder(t, l, accounting.RecorderConfig{Journal: j, Pinner: store, ReplayInterval: 50 * time.Millisecond,
+		PinInterval: 100 * time.Millisecond, Logger: quiet})
+
+	l.down.Store(true)
+	recordEach(t, r, evs[:n/2])
+	if !r.Journaling() || j.Len() != n/2 {
+		t.Fatalf("journaling %v with %d events, want %d", r.Journaling(), j.Len(), n/2)
+	}
+	// While the journal holds events, new ones go straight there.
+	recordEach(t, r, evs[n/2:])
+	if j.Len() != n {
+		t.Fatalf("journal has %d events, want %d", j.Len(), n)
+	}
+	waitFor(t, "every hold pinned", 5*time.Second, func() bool {
+		st, err := store.State(ctx, "acme")
+		return err == nil && st.Pinned == n
+	})
+	// Expired and unpinned holds would be reaped now (HoldTTL 50ms, grace 1ms); pinned ones are not,
+	// and with the ledger down nothing is reaped anyway. Let the heartbeat renew the pins once.
+	time.Sleep(250 * time.Millisecond)
+	if got, err := store.Reap(ctx, "acme"); got != 0 {
+		t.Fatalf("reaped %d holds while their usage waits in the journal (err %v)", got, err)
+	}
+	if st := r.Stats(); st.Journaled != n || st.Pinned != n || st.Replays != 0 || st.JournalEvents != n || st.JournalBytes == 0 {
+		t.Fatalf("stats during the outage: %+v", st)
+	}
+	for _, ev := range evs {
+		if c := l.timesStored(ev.ID); c != 0 {
+			t.Fatalf("event stored %d times while the ledger was down", c)
+		}
+	}
+
+	l.down.Store(false)
+	waitFor(t, "the replay", 5*time.Second, func() bool { return j.Len() == 0 && !r.Journaling() })
+	waitFor(t, "every hold unpinned", 5*time.Second, func() bool {
+		st, err := store.State(ctx, "acme")
+		return err == nil && st.Pinned == 0
+	})
+	if st := r.Stats(); st.Replays != 1 || st.Replayed != n || st.Pinned != 0 {
+		t.Fatalf("stats after the replay: %+v", st)
+	}
+	for _, ev := range evs {
+		if c := l.timesStored(ev.ID); c != 1 {
+			t.Fatalf("event %s replayed %d times, want 1", ev.ID, c)
+		}
+	}
+	// A second replay of the same events (a crash between the ledger's commit and the
+	// journal's truncation) charges nothing more.
+	if err := l.RecordUsage(ctx, evs); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	acct, err := l.Account(ctx, "acme")
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := store.State(ctx, "acme")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := int64(1000 - 3*n); acct.Balance != want || st.Balance != want || st.Holds != 0 {
+		t.Fatalf("after the drain: ledger %d, hot %+v; want %d and no holds", acct.Balance, st, want)
+	}
+}
+
+// TestRecorderJournalSurvivesRestart: a recorder journals during an outage and stops; a new one
+// over the same journal directory replays it when the ledger is back and unpins the holds.
+func TestRecorderJournalSurvivesRestart(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := testutil.Redis(t)
+	l := newDownLedger(accounting.NewMemory())
+	store := newStore(t, env, l, balance.Config{})
+	w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+	const n = 10
+	evs := journalSetup(t, store, w, l, "acme", n)
+	dir := t.TempDir()
+
+	j1, err := accounting.OpenJournal(dir, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r1 := accounting.NewRecorder(l, accounting.RecorderConfig{Journal: j1, Pinner: store, ReplayInterval: 20 * time.Millisecond, Logger: quiet})
+	r1.Start(ctx)
+	l.down.Store(true)
+	recordEach(t, r1, evs)
+	waitFor(t, "pins", 5*time.Second, func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == n })
+	if err := r1.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := j1.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	l.down.Store(false)
+	j2, err := accounting.OpenJournal(dir, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer j2.Close()
+	if j2.Len() != n {
+		t.Fatalf("reopened journal has %d events, want %d", j2.Len(), n)
+	}
+	r2 := startRecorder(t, l, accounting.RecorderConfig{Journal: j2, Pinner: store, ReplayInterval: 20 * time.Millisecond, Logger: quiet})
+	waitFor(t, "the replay at start", 5*time.Second, func() bool { return j2.Len() == 0 })
+	waitFor(t, "unpins", 5*time.Second, func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == 0 })
+	if st := r2.Stats(); st.Replays != 1 || st.Replayed != n {
+		t.Fatalf("stats: %+v", st)
+	}
+	if err := w.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	acct, _ := l.Account(ctx, "acme")
+	if acct.Balance != 1000-3*n {
+		t.Fatalf("ledger balance %d, want %d", acct.Balance, 1000-3*n)
+	}
+}
+
+// TestRecorderJournalFull: Degraded turns on when the journal nears its cap, and a batch that
+// does not fit fails Record (the caller must not serve the request unbilled).
+func TestRecorderJournalFull(t *testing.T) {
+	t.Parallel()
+	l := newDownLedger(accounting.NewMemory())
+	l.down.Store(true)
+	ev := accounting.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 3}
+	size := func() int64 {
+		j, err := accounting.OpenJournal(t.TempDir(), 1<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer j.Close()
+		if err := j.Append(context.Background(), []accounting.UsageEvent{ev}); err != nil {
+			t.Fatal(err)
+		}
+		return j.Size()
+	}() + 8 // an event with another id of the same length, plus slack for created_at
+	j, err := accounting.OpenJournal(t.TempDir(), 10*size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer j.Close()
+	r := startRecorder(t, l, accounting.RecorderConfig{Journal: j, Flushers: 1, JournalReserve: 0.25, Logger: quiet})
+	var err2 error
+	recorded := 0
+	for i := 0; i < 20; i++ {
+		ev := accounting.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 3}
+		if err2 = r.Record(context.Background(), ev); err2 != nil {
+			break
+		}
+		recorded++
+		if recorded <= 6 && r.Degraded() {
+			t.Fatalf("degraded after %d of 10 events", recorded)
+		}
+	}
+	if !errors.Is(err2, accounting.ErrJournalFull) || !errors.Is(err2, accounting.ErrLedgerUnavailable) {
+		t.Fatalf("record into a full journal: %v", err2)
+	}
+	if !r.Degraded() || recorded < 8 || recorded > 10 {
+		t.Fatalf("degraded %v after %d events recorded", r.Degraded(), recorded)
+	}
+	if st := r.Stats(); st.JournalFull != 1 || st.Journaled != int64(recorded) {
+		t.Fatalf("stats: %+v", st)
+	}
+}
+
+// TestRecorderJournalPostgresOutage: the same outage on a real, private Postgres that is
+// stopped and started: its errors are recognised as ErrLedgerUnavailable, the batch is
+// journaled, and it is replayed exactly once when the server is back.
+func TestRecorderJournalPostgresOutage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testutil.StartPostgresServer(t)
+	pg, err := accounting.OpenPostgres(ctx, srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pg.Close)
+	env := testutil.Redis(t)
+	l := newDownLedger(pg) // never switched off: the outage is the real server's
+	store := newStore(t, env, l, balance.Config{})
+	w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+	const n = 20
+	evs := journalSetup(t, store, w, l, "acme", n)
+	j, err := accounting.OpenJournal(t.TempDir(), 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer j.Close()
+	r := startRecorder(t, l, accounting.RecorderConfig{Journal: j, Pinner: store, ReplayInterval: 100 * time.Millisecond,
+		Timeout: 2 * time.Second, Logger: quiet})
+
+	srv.Stop()
+	recordEach(t, r, evs)
+	if j.Len() != n {
+		t.Fatalf("journal has %d events, want %d", j.Len(), n)
+	}
+	waitFor(t, "pins", 5*time.Second, func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == n })
+	srv.Start()
+	waitFor(t, "the replay", 20*time.Second, func() bool { return j.Len() == 0 })
+	waitFor(t, "unpins", 5*time.Second, func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == 0 })
+	if err := w.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	acct, err := pg.Account(ctx, "acme")
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, _ := store.State(ctx, "acme")
+	if want := int64(1000 - 3*n); acct.Balance != want || st.Balance != want || st.Holds != 0 {
+		t.Fatalf("ledger %d, hot %+v; want %d", acct.Balance, st, want)
+	}
+	for _, ev := range evs {
+		if c := l.timesStored(ev.ID); c != 1 {
+			t.Fatalf("event stored %d times, want 1", c)
+		}
+	}
+}
