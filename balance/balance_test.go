@@ -32,6 +32,16 @@ func TestConformance(t *testing.T) {
 	})
 }
 
+// TestConformanceCoalesced runs the suite again with every store coalescing its reserves.
+func TestConformanceCoalesced(t *testing.T) {
+	t.Parallel()
+	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
+		e := envOf(env)
+		e.Coalesce = true
+		balancetest.Run(t, e)
+	})
+}
+
 // ownClient makes a client of the env's server with room for many goroutines.
 func ownClient(t *testing.T, env *testutil.RedisEnv, tweak func(*redis.Options)) *redis.Client {
 	t.Helper()
@@ -52,13 +62,23 @@ func ownClient(t *testing.T, env *testutil.RedisEnv, tweak func(*redis.Options))
 // TestBurst: 2,000 concurrent reserves on one org whose balance fits exactly N holds → exactly
 // N succeed, the balance is never seen below zero, and after settling every hold with a random
 // real cost the balance is start − Σ costs to the micro-unit.
+// With Coalesce the reserves go in pipelines, with the same outcome.
 func TestBurst(t *testing.T) {
 	t.Parallel()
-	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
+	for _, coalesce := range []bool{false, true} {
+		t.Run(fmt.Sprintf("coalesce=%v", coalesce), func(t *testing.T) {
+			t.Parallel()
+			testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) { burst(t, env, coalesce) })
+		})
+	}
+}
+
+func burst(t *testing.T, env *testutil.RedisEnv, coalesce bool) {
+	{
 		ctx := context.Background()
 		c := ownClient(t, env, nil)
 		l := balancetest.NewFakeLedger(1)
-		s, err := balance.New(ctx, c, balance.Config{Ledger: l, Prefix: env.Prefix, MaxInFlight: 5000})
+		s, err := balance.New(ctx, c, balance.Config{Ledger: l, Prefix: env.Prefix, MaxInFlight: 5000, Coalesce: coalesce, MaxBatch: 16})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -160,7 +180,7 @@ func TestBurst(t *testing.T) {
 		if st.Balance != start-costs || st.Holds != 0 || st.Held != 0 || st.Watermark != int64(n+1) {
 			t.Fatalf("after settling: %+v; want balance %d", st, start-costs)
 		}
-	})
+	}
 }
 
 // TestDroppedReply: a reply lost after Redis ran the script (the client times out, and go-redis

@@ -20,6 +20,10 @@ import (
 // benchEnv is a real Redis for benchmarks (skipped without ESCROW_TEST_REDIS_URL), a warm org
 // with a balance that never runs out, and a cap that never binds.
 func benchEnv(b *testing.B) (*balance.Store, redis.UniversalClient, string) {
+	return benchEnvCfg(b, balance.Config{})
+}
+
+func benchEnvCfg(b *testing.B, cfg balance.Config) (*balance.Store, redis.UniversalClient, string) {
 	b.Helper()
 	if testutil.RealRedisURL() == "" {
 		b.Skip("benchmarks need a real Redis: set ESCROW_TEST_REDIS_URL")
@@ -31,7 +35,8 @@ func benchEnv(b *testing.B) (*balance.Store, redis.UniversalClient, string) {
 	b.Cleanup(func() { _ = c.Close() })
 	ctx := context.Background()
 	l := balancetest.NewFakeLedger(1)
-	s, err := balance.New(ctx, c, balance.Config{Ledger: l, Prefix: env.Prefix, MaxInFlight: 1 << 30, Logger: slog.New(slog.DiscardHandler)})
+	cfg.Ledger, cfg.Prefix, cfg.MaxInFlight, cfg.Logger = l, env.Prefix, 1<<30, slog.New(slog.DiscardHandler)
+	s, err := balance.New(ctx, c, cfg)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -54,6 +59,26 @@ func BenchmarkReserve(b *testing.B) {
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
 			id := "r" + strconv.FormatInt(benchSeq.Add(1), 10)
+			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: 1}); err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+}
+
+// BenchmarkReserveCoalesced is BenchmarkReserve with Config.Coalesce: reserves that arrive
+// while MaxPipelines round trips are in flight go together in one pipeline. Run it with
+// -cpu 1,2 and a high -benchtime to see it at several concurrencies; compare with
+// BenchmarkReserve and BenchmarkRawEVALSHA, or see BenchmarkCoalesceVsDirect.
+func BenchmarkReserveCoalesced(b *testing.B) {
+	s, _, org := benchEnvCfg(b, balance.Config{Coalesce: true})
+	ctx := context.Background()
+	b.ReportAllocs()
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			id := "c" + strconv.FormatInt(benchSeq.Add(1), 10)
 			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: 1}); err != nil {
 				b.Error(err)
 				return

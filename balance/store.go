@@ -39,6 +39,19 @@ type Config struct {
 	ModelMaxCacheTTL time.Duration
 	// ScanPause is the pause between two SCAN pages of ScanOrgs (its rate limit). Default 10ms.
 	ScanPause time.Duration
+	// Coalesce sends reserves that arrive while MaxPipelines reserve round trips are already in
+	// flight together, as one pipeline, instead of each waiting for a connection of its own. A
+	// reserve that finds a free slot goes to Redis at once, alone (nothing waits at low load).
+	// Each reserve keeps its own reply. Default false.
+	Coalesce bool
+	// BatchWindow, with Coalesce: while other pipelines are in flight, how long a batch that is
+	// not full waits for more reserves before it is sent. Default 0 (send what is queued).
+	BatchWindow time.Duration
+	// MaxBatch, with Coalesce: the most reserves in one pipeline. Default 128.
+	MaxBatch int
+	// MaxPipelines, with Coalesce: the most reserve round trips (lone calls or pipelines) in
+	// flight at once; keep it below the client's pool size. Default 4.
+	MaxPipelines int
 	// AllowEviction skips the maxmemory-policy noeviction check (and logs a loud warning):
 	// eviction can drop a hold and lock money, or drop a watermark.
 	AllowEviction bool
@@ -57,6 +70,7 @@ type Store struct {
 	holdTTL, pinTTL, pinFloor, tombTTL, grace, capArg string
 
 	scripts  map[string]*script
+	co       *coalescer // nil unless Config.Coalesce
 	epoch    atomic.Pointer[cachedEpoch]
 	warming  singleflight.Group
 	warnings []string
@@ -97,7 +111,11 @@ func New(ctx context.Context, c redis.UniversalClient, cfg Config) (*Store, erro
 	cfg.ModelMaxCacheTTL = cmp.Or(cfg.ModelMaxCacheTTL, time.Second)
 	cfg.ScanPause = cmp.Or(cfg.ScanPause, 10*time.Millisecond)
 	cfg.Logger = cmp.Or(cfg.Logger, slog.Default())
+	cfg.MaxBatch = cmp.Or(cfg.MaxBatch, 128)
+	cfg.MaxPipelines = cmp.Or(cfg.MaxPipelines, 4)
 	switch {
+	case cfg.MaxBatch < 1 || cfg.MaxPipelines < 1 || cfg.BatchWindow < 0 || cfg.BatchWindow > time.Second:
+		return nil, errors.New("balance: MaxBatch and MaxPipelines must be ≥ 1, BatchWindow within 0..1s")
 	case cfg.HoldTTL < time.Millisecond || cfg.TombstoneTTL < time.Millisecond || cfg.ReapGrace < 0:
 		return nil, errors.New("balance: HoldTTL and TombstoneTTL must be ≥ 1ms, ReapGrace ≥ 0")
 	case cfg.PinTTL < 4*cfg.HoldTTL:
@@ -122,6 +140,9 @@ func New(ctx context.Context, c redis.UniversalClient, cfg Config) (*Store, erro
 		capArg:   strconv.Itoa(cfg.MaxInFlight),
 		scripts:  newScripts(),
 		held:     make(map[string]uint64),
+	}
+	if cfg.Coalesce {
+		s.co = newCoalescer(s, cfg)
 	}
 	if err := s.eachMaster(ctx, s.checkServer); err != nil {
 		return nil, err
@@ -298,8 +319,14 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	keys := s.orgKeys(r.Org)
 	amount := strconv.FormatInt(r.Amount, 10)
 	for attempt := 0; ; attempt++ {
-		res, err := s.run(ctx, scReserve, keys,
-			s.epochString(), r.HoldID, amount, s.holdTTL, s.capArg, s.tombTTL, s.pinFloor, "0").Slice()
+		args := []any{s.epochString(), r.HoldID, amount, s.holdTTL, s.capArg, s.tombTTL, s.pinFloor, "0"}
+		var res []any
+		var err error
+		if s.co != nil {
+			res, err = s.co.reserve(ctx, keys, args)
+		} else {
+			res, err = s.run(ctx, scReserve, keys, args...).Slice()
+		}
 		if err != nil {
 			return Reservation{}, fmt.Errorf("balance: reserve: %w", err)
 		}

@@ -26,6 +26,8 @@ type Env struct {
 	Client redis.UniversalClient
 	Prefix string // a key namespace no other test uses
 	Real   bool   // a real Redis server (not miniredis)
+	// Coalesce runs every store of the suite with Config.Coalesce (reserves may go in pipelines).
+	Coalesce bool
 }
 
 // h is one subtest's fixture: a store, its ledger double, an org of its own.
@@ -54,6 +56,7 @@ func fixture(t *testing.T, env Env, cfg balance.Config, start int64, warm bool) 
 		cfg.Ledger = l
 	}
 	cfg.Prefix = env.Prefix
+	cfg.Coalesce = cfg.Coalesce || env.Coalesce
 	s, err := balance.New(ctx, env.Client, cfg)
 	if err != nil {
 		t.Fatalf("balance.New: %v", err)
