@@ -161,7 +161,11 @@ func (m *Memory) UnsettledEntries(ctx context.Context, org string, limit int) ([
 	if a == nil {
 		return nil, m.epoch, nil
 	}
-	return entriesFrom(a.entries, a.settled, limit), m.epoch, nil
+	out := entriesFrom(a.entries, a.settled, limit)
+	for i := range out { // the settle-lag clock: the entry's own time (accounting is in-process)
+		out[i].Recorded = a.entries[out[i].Seq-1].CreatedAt
+	}
+	return out, m.epoch, nil
 }
 
 func entriesFrom(entries []LedgerEntry, after int64, limit int) []balance.Entry {

@@ -474,7 +474,48 @@ func (p *Postgres) UnsettledEntries(ctx context.Context, org string, limit int) 
 	if err := ValidateOrg(org); err != nil {
 		return nil, balance.Epoch{}, err
 	}
-	return p.entries(ctx, "unsettled entries", `(SELECT settled_seq FROM accounts WHERE org_id = $1)`, org, limit)
+	if limit <= 0 {
+		limit = defaultLimit
+	}
+	// Like entries, plus each entry's Recorded time: a charge's usage event's created_at (the
+	// settle-lag clock starts when the usage was recorded, not when it was accounted).
+	rows, err := p.pool.Query(ctx, `
+SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.recorded
+FROM ledger_meta m LEFT JOIN LATERAL (
+	SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded
+	FROM ledger_entries l LEFT JOIN usage_events u ON u.id = l.hold_id AND l.kind = 'charge'
+	WHERE l.org_id = $1 AND l.seq > (SELECT settled_seq FROM accounts WHERE org_id = $1)
+	ORDER BY l.seq LIMIT $2
+) e ON true ORDER BY e.seq`, org, limit)
+	if err != nil {
+		return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
+	}
+	defer rows.Close()
+	var out []balance.Entry
+	var ep balance.Epoch
+	for rows.Next() {
+		var seq, delta *int64
+		var hold *string
+		var rec *time.Time
+		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &rec); err != nil {
+			return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
+		}
+		if seq == nil {
+			continue
+		}
+		e := balance.Entry{Seq: *seq, Delta: *delta}
+		if hold != nil {
+			e.HoldID = *hold
+		}
+		if rec != nil {
+			e.Recorded = *rec
+		}
+		out = append(out, e)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
+	}
+	return out, ep, nil
 }
 
 // entries reads org ($1)'s entries with seq > the SQL expression after, at most limit ($2),

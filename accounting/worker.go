@@ -82,6 +82,7 @@ type Worker struct {
 	stats struct {
 		accounted, settled, seeds, gaps, reaped, repairs, errors, lastDrift, lastBatch, backlog atomic.Int64
 	}
+	lag lagHistogram
 
 	runMu  sync.Mutex
 	cancel context.CancelFunc
@@ -274,6 +275,7 @@ func (w *Worker) SettleOrg(ctx context.Context, org string) error {
 		w.store.ObserveEpoch(epoch)
 		statuses, err := w.settle(ctx, org, epoch, entries)
 		n := settledPrefix(statuses)
+		w.lag.observe(time.Now(), entries[:n])
 		if n > 0 {
 			if merr := w.ledger.MarkSettled(ctx, org, entries[n-1].Seq); merr != nil {
 				return errors.Join(err, merr)
@@ -504,4 +506,77 @@ func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 		return d, w.store.CatchUp(ctx, org)
 	}
 	return d, nil
+}
+
+// SettleLagBounds are the upper bounds of the settle-lag histogram's buckets (the last bucket,
+// above them all, is implicit).
+var SettleLagBounds = []time.Duration{
+	time.Millisecond, 2 * time.Millisecond, 5 * time.Millisecond, 10 * time.Millisecond,
+	20 * time.Millisecond, 50 * time.Millisecond, 100 * time.Millisecond, 200 * time.Millisecond,
+	500 * time.Millisecond, time.Second, 2 * time.Second, 5 * time.Second, 10 * time.Second,
+	30 * time.Second, time.Minute,
+}
+
+// SettleLag is the distribution of settle lag over the entries this worker settled: from the
+// moment the entry's usage was recorded (Entry.Recorded: the usage event's created_at) to the
+// moment the settle script put it in the hot balance. Entries with no Recorded time are not
+// counted.
+type SettleLag struct {
+	Counts []uint64      // Counts[i]: lags ≤ SettleLagBounds[i] and above the bound before; the last one: above every bound
+	Count  uint64        // entries observed
+	Sum    time.Duration // total lag
+}
+
+// Quantile estimates the q-quantile (0 < q ≤ 1) as the upper bound of the bucket that holds it
+// (the largest bound when it falls above them all); 0 with no observation.
+func (l SettleLag) Quantile(q float64) time.Duration {
+	if l.Count == 0 {
+		return 0
+	}
+	rank := uint64(q*float64(l.Count) + 0.999999)
+	var seen uint64
+	for i, c := range l.Counts {
+		seen += c
+		if seen >= rank && i < len(SettleLagBounds) {
+			return SettleLagBounds[i]
+		}
+	}
+	return SettleLagBounds[len(SettleLagBounds)-1]
+}
+
+// SettleLag returns the settle-lag histogram so far.
+func (w *Worker) SettleLag() SettleLag {
+	return w.lag.snapshot()
+}
+
+type lagHistogram struct {
+	counts [16]atomic.Uint64 // len(SettleLagBounds)+1
+	count  atomic.Uint64
+	sum    atomic.Int64
+}
+
+func (h *lagHistogram) observe(now time.Time, entries []balance.Entry) {
+	for _, e := range entries {
+		if e.Recorded.IsZero() {
+			continue
+		}
+		d := max(now.Sub(e.Recorded), 0)
+		i := 0
+		for i < len(SettleLagBounds) && d > SettleLagBounds[i] {
+			i++
+		}
+		h.counts[i].Add(1)
+		h.count.Add(1)
+		h.sum.Add(int64(d))
+	}
+}
+
+func (h *lagHistogram) snapshot() SettleLag {
+	l := SettleLag{Counts: make([]uint64, len(SettleLagBounds)+1)}
+	for i := range l.Counts {
+		l.Counts[i] = h.counts[i].Load()
+	}
+	l.Count = h.count.Load()
+	l.Sum = time.Duration(h.sum.Load())
+	return l
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // MaxAmount bounds every amount, balance and hold, in micro-units: |x| ≤ 10^14. Redis turns Lua
@@ -53,6 +54,10 @@ type Entry struct {
 	Seq    int64
 	Delta  int64
 	HoldID string
+	// Recorded is when the entry's cause was recorded, for the settle-lag measure: a charge's
+	// usage event's created_at, else the entry's own. Filled by UnsettledEntries; zero when
+	// unknown. The scripts never see it.
+	Recorded time.Time
 }
 
 // Ledger is what the hot balance needs from the ledger (implemented by package accounting).
