@@ -99,6 +99,7 @@ func newApp(ctx context.Context, cfg config, log *slog.Logger) (_ *app, err erro
 		HoldTTL:       cfg.HoldTTL,
 		MaxInFlight:   cfg.MaxInFlight,
 		AllowEviction: cfg.AllowEviction || a.mini != nil,
+		Coalesce:      cfg.Coalesce,
 		Logger:        log,
 	})
 	if err != nil {

@@ -37,6 +37,8 @@ type config struct {
 	LogFormat       string
 	DemoBalance     int64
 	BenchBaseline   bool
+	Coalesce        bool
+	PprofAddr       string
 }
 
 type setting struct {
@@ -108,6 +110,8 @@ func (c *config) settings() []setting {
 		{"ESCROW_LOG_FORMAT", "log-format", "text", "text or json", str(&c.LogFormat)},
 		{"ESCROW_DEMO_BALANCE", "demo-balance", "10000000", "balance (micro-units) of the demo org created by the embedded default", integer(&c.DemoBalance, 0)},
 		{"ESCROW_BENCH_BASELINE", "bench-baseline", "false", "benchmarks only: proxy without the middleware (requests pass unbilled)", boolean(&c.BenchBaseline)},
+		{"ESCROW_COALESCE", "coalesce", "false", "send reserves that arrive together as one Redis pipeline (higher throughput under heavy concurrency)", boolean(&c.Coalesce)},
+		{"ESCROW_PPROF_ADDR", "pprof-addr", "", "profiling only: serve net/http/pprof on this address (keep it on loopback); empty: off", str(&c.PprofAddr)},
 	}
 }
 

@@ -21,6 +21,7 @@ type metrics struct {
 }
 
 func newMetrics(a *app) *metrics {
+	servePprof(a.cfg.PprofAddr, a.log)
 	m := &metrics{reg: prometheus.NewRegistry()}
 	m.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -61,6 +62,7 @@ func newMetrics(a *app) *metrics {
 	gauge("escrow_worker_last_drift_microunits", "The last drift the reconciler found.", func() int64 { return w.Stats().LastDrift })
 	gauge("escrow_worker_batch_size", "Usage events accounted by the last pass.", func() int64 { return w.Stats().LastBatchSize })
 	gauge("escrow_worker_backlog_orgs", "Orgs waiting to be settled at the last sweep.", func() int64 { return w.Stats().PendingBacklog })
+	m.settleMetrics(a)
 	return m
 }
 

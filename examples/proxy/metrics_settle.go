@@ -1,0 +1,107 @@
+package main
+
+import (
+	"context"
+	"log/slog"
+	"net/http"
+	"net/http/pprof"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/llmescrow/escrow/accounting"
+)
+
+// settleMetrics exports how far behind settling is: the settle-lag histogram of this process's
+// worker and, on Postgres, the ledger's backlog.
+func (m *metrics) settleMetrics(a *app) {
+	cmds := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "escrow_redis_commands_total",
+		Help: "Redis commands this process sent (a pipeline counts each of its commands; label pipelined)."}, []string{"command", "pipelined"})
+	m.reg.MustRegister(cmds)
+	a.rdb.AddHook(commandCounter{single: cmds.MustCurryWith(prometheus.Labels{"pipelined": "false"}), piped: cmds.MustCurryWith(prometheus.Labels{"pipelined": "true"})})
+	m.reg.MustRegister(settleLagCollector{w: a.worker, desc: prometheus.NewDesc("escrow_settle_lag_seconds",
+		"Settle lag of the entries this process's worker settled: usage recorded (the usage event's created_at) → applied to the Redis balance.", nil, nil)})
+	pg, ok := a.ledger.(*accounting.Postgres)
+	if !ok {
+		return
+	}
+	// Read at scrape time from the partial indexes that hold only such rows: usage not yet
+	// accounted, and entries not yet in the hot balance.
+	backlog := func(name, help, query string) {
+		m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			defer cancel()
+			var n int64
+			if err := pg.Pool().QueryRow(ctx, query).Scan(&n); err != nil {
+				return -1
+			}
+			return float64(n)
+		}))
+	}
+	backlog("escrow_worker_pending_events", "Usage events recorded and not yet accounted (-1: the ledger did not answer).",
+		`SELECT count(*) FROM usage_events WHERE status = 'pending'`)
+	backlog("escrow_worker_unsettled_entries", "Ledger entries not yet applied to the hot balance (-1: the ledger did not answer).",
+		`SELECT COALESCE(sum(ledger_seq - settled_seq), 0)::bigint FROM accounts WHERE settled_seq < ledger_seq`)
+}
+
+// commandCounter counts the Redis commands of the process (the hot path's round trips).
+type commandCounter struct{ single, piped *prometheus.CounterVec }
+
+func (commandCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h commandCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h.single.WithLabelValues(cmd.Name()).Inc()
+		return next(ctx, cmd)
+	}
+}
+
+func (h commandCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, c := range cmds {
+			h.piped.WithLabelValues(c.Name()).Inc()
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// settleLagCollector exports the worker's settle-lag histogram (accounting.SettleLag).
+type settleLagCollector struct {
+	w    *accounting.Worker
+	desc *prometheus.Desc
+}
+
+func (c settleLagCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c settleLagCollector) Collect(ch chan<- prometheus.Metric) {
+	l := c.w.SettleLag()
+	buckets := make(map[float64]uint64, len(accounting.SettleLagBounds))
+	var cum uint64
+	for i, b := range accounting.SettleLagBounds {
+		cum += l.Counts[i]
+		buckets[b.Seconds()] = cum
+	}
+	ch <- prometheus.MustNewConstHistogram(c.desc, l.Count, l.Sum.Seconds(), buckets)
+}
+
+// servePprof serves net/http/pprof on its own listener (ESCROW_PPROF_ADDR; off when empty). It
+// is for profiling only: never expose it beyond loopback.
+func servePprof(addr string, log *slog.Logger) {
+	if addr == "" {
+		return
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	srv := &http.Server{Addr: addr, Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	log.Warn("pprof is served (profiling only)", "addr", addr)
+	go func() {
+		if err := srv.ListenAndServe(); err != nil {
+			log.Warn("pprof server", "err", err)
+		}
+	}()
+}
