@@ -5,6 +5,7 @@ import (
 	"crypto/sha1"
 	"encoding/hex"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -94,6 +95,15 @@ func (s *Store) loadScripts(ctx context.Context) error {
 	})
 }
 
+// warn adds a start-up warning once (checkServer runs on every master at once in a Cluster).
+func (s *Store) warn(msg string) {
+	s.warnMu.Lock()
+	defer s.warnMu.Unlock()
+	if !slices.Contains(s.warnings, msg) {
+		s.warnings = append(s.warnings, msg)
+	}
+}
+
 // checkServer checks one server: version ≥ 6.0, maxmemory-policy noeviction, AOF.
 func (s *Store) checkServer(ctx context.Context, c redis.Cmdable) error {
 	info, err := c.Info(ctx, "server").Result()
@@ -111,7 +121,7 @@ func (s *Store) checkServer(ctx context.Context, c redis.Cmdable) error {
 		}
 		_ = minor
 	} else {
-		s.warnings = append(s.warnings, "balance: the server does not report its version (an embedded Redis?)")
+		s.warn("balance: the server does not report its version (an embedded Redis?)")
 	}
 
 	policy, err := configGet(ctx, c, "maxmemory-policy")
@@ -124,7 +134,7 @@ func (s *Store) checkServer(ctx context.Context, c redis.Cmdable) error {
 		if !s.cfg.AllowEviction {
 			return fmt.Errorf("%w: maxmemory-policy is %q; escrow needs noeviction (eviction can drop a hold and lock money, or drop a watermark); set Config.AllowEviction to override", ErrUnsupportedRedis, policy)
 		}
-		s.warnings = append(s.warnings, fmt.Sprintf("balance: DANGER: maxmemory-policy is %q and AllowEviction is set: eviction can drop a hold and lock money, or drop a watermark", policy))
+		s.warn(fmt.Sprintf("balance: DANGER: maxmemory-policy is %q and AllowEviction is set: eviction can drop a hold and lock money, or drop a watermark", policy))
 		s.log.Error("balance: Redis may evict escrow keys", "maxmemory-policy", policy)
 	}
 
@@ -134,7 +144,7 @@ func (s *Store) checkServer(ctx context.Context, c redis.Cmdable) error {
 	case err != nil:
 		return fmt.Errorf("balance: CONFIG GET appendonly: %w", err)
 	case aof != "yes":
-		s.warnings = append(s.warnings, "balance: AOF persistence is off: a Redis restart loses holds and tombstones (the ledger reseeds balances)")
+		s.warn("balance: AOF persistence is off: a Redis restart loses holds and tombstones (the ledger reseeds balances)")
 	}
 	return nil
 }

@@ -73,6 +73,7 @@ type Store struct {
 	co       *coalescer // nil unless Config.Coalesce
 	epoch    atomic.Pointer[cachedEpoch]
 	warming  singleflight.Group
+	warnMu   sync.Mutex
 	warnings []string
 
 	heldMu sync.Mutex
@@ -179,7 +180,11 @@ func validPrefix(p string) bool {
 }
 
 // Warnings lists what New found worth a warning (AOF off, eviction allowed, unknown version).
-func (s *Store) Warnings() []string { return append([]string(nil), s.warnings...) }
+func (s *Store) Warnings() []string {
+	s.warnMu.Lock()
+	defer s.warnMu.Unlock()
+	return append([]string(nil), s.warnings...)
+}
 
 // Client is the Redis client the Store uses.
 func (s *Store) Client() redis.UniversalClient { return s.c }
