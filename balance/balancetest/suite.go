@@ -6,6 +6,8 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -57,6 +59,9 @@ func fixture(t *testing.T, env Env, cfg balance.Config, start int64, warm bool) 
 	}
 	cfg.Prefix = env.Prefix
 	cfg.Coalesce = cfg.Coalesce || env.Coalesce
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
 	s, err := balance.New(ctx, env.Client, cfg)
 	if err != nil {
 		t.Fatalf("balance.New: %v", err)
