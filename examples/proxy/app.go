@@ -37,6 +37,7 @@ type app struct {
 	rdb      redis.UniversalClient
 	ledger   accounting.Ledger
 	store    *balance.Store
+	journal  *accounting.Journal // local usage journal for ledger outages; nil without ESCROW_JOURNAL_DIR
 	recorder *accounting.Recorder
 	worker   *accounting.Worker
 	metrics  *metrics
@@ -97,6 +98,8 @@ func newApp(ctx context.Context, cfg config, log *slog.Logger) (_ *app, err erro
 		Ledger:        a.ledger,
 		Prefix:        cfg.Prefix,
 		HoldTTL:       cfg.HoldTTL,
+		PinTTL:        cfg.PinTTL,
+		ReapGrace:     cfg.ReapGrace,
 		MaxInFlight:   cfg.MaxInFlight,
 		AllowEviction: cfg.AllowEviction || a.mini != nil,
 		Coalesce:      cfg.Coalesce,
@@ -111,8 +114,29 @@ func newApp(ctx context.Context, cfg config, log *slog.Logger) (_ *app, err erro
 	if epoch, err := a.ledger.Epoch(ctx); err == nil {
 		a.store.ObserveEpoch(epoch)
 	}
-	a.recorder = accounting.NewRecorder(a.ledger, accounting.RecorderConfig{})
-	a.worker = accounting.NewWorker(a.ledger, a.store, &accounting.WorkerConfig{Logger: log})
+	rc := accounting.RecorderConfig{Logger: log}
+	if cfg.JournalDir != "" {
+		if a.journal, err = accounting.OpenJournal(cfg.JournalDir, cfg.JournalMaxBytes); err != nil {
+			return nil, fmt.Errorf("journal: %w", err)
+		}
+		rc.Journal, rc.Pinner = a.journal, a.store
+		rc.PinInterval = a.store.Config().PinTTL / 4
+		rc.ReplayInterval = cfg.ReplayInterval
+		if n := a.journal.Len(); n > 0 {
+			log.Warn("the local journal holds usage from an earlier run; it is replayed once the ledger answers",
+				"dir", cfg.JournalDir, "events", n, "bytes", a.journal.Size())
+		}
+	} else if !cfg.embedded() {
+		log.Warn("no ESCROW_JOURNAL_DIR: while the ledger is down, requests fail with 503 billing_unavailable instead of being journaled")
+	}
+	a.recorder = accounting.NewRecorder(a.ledger, rc)
+	a.worker = accounting.NewWorker(a.ledger, a.store, &accounting.WorkerConfig{
+		Logger:            log,
+		SweepInterval:     cfg.SweepInterval,
+		ReapInterval:      cfg.ReapInterval,
+		ScanInterval:      cfg.ScanInterval,
+		ReconcileInterval: cfg.ReconcileEvery,
+	})
 	a.metrics = newMetrics(a)
 
 	// Upstream.
@@ -182,7 +206,7 @@ func (a *app) buildEcho() error {
 		a.log.Warn("ESCROW_BENCH_BASELINE is set: requests pass without holds and are not billed")
 		e.Any("/v1/*", echo.WrapHandler(rp))
 	} else {
-		e.Any("/v1/*", echo.WrapHandler(rp), mw)
+		e.Any("/v1/*", echo.WrapHandler(rp), a.journalGate, mw)
 	}
 	a.echo = e
 	return nil
@@ -216,6 +240,22 @@ func (a *app) reverseProxy() *httputil.ReverseProxy {
 	}
 }
 
+// journalGate refuses new requests (503 before any hold is taken) while the local journal is
+// nearly full, so the requests already in flight still have room to be journaled.
+func (a *app) journalGate(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		if !a.recorder.Degraded() {
+			return next(c)
+		}
+		a.metrics.journalRefused.Inc()
+		return middleware.WriteError(c, &middleware.Error{
+			Status: http.StatusServiceUnavailable, Type: middleware.TypeServiceUnavailable, Code: middleware.CodeServiceUnavailable,
+			RetryAfter: 5 * time.Second,
+			Message:    "The billing service is degraded (the ledger is unreachable and the local journal is nearly full); please retry later.",
+		})
+	}
+}
+
 func (a *app) ready(c echo.Context) error {
 	ctx, cancel := context.WithTimeout(c.Request().Context(), 2*time.Second)
 	defer cancel()
@@ -226,6 +266,20 @@ func (a *app) ready(c echo.Context) error {
 	}
 	if _, err := a.ledger.Epoch(ctx); err != nil {
 		checks["ledger"], status = err.Error(), http.StatusServiceUnavailable
+		if a.journal != nil {
+			// Warm orgs are still served: their usage goes to the journal.
+			checks["ledger"], status = "unreachable, journaling: "+err.Error(), http.StatusOK
+		}
+	}
+	if a.journal != nil {
+		checks["journal"] = "empty"
+		if st := a.recorder.Stats(); st.JournalEvents > 0 {
+			checks["journal"] = fmt.Sprintf("in use: %d events, %d of %d bytes", st.JournalEvents, st.JournalBytes, st.JournalMaxBytes)
+		}
+		if a.recorder.Degraded() {
+			checks["journal"] += " (nearly full: new requests refused)"
+			status = http.StatusServiceUnavailable
+		}
 	}
 	return c.JSON(status, checks)
 }
@@ -262,6 +316,11 @@ func (a *app) shutdown(ctx context.Context) error {
 	if err := a.recorder.Stop(ctx); err != nil {
 		errs = append(errs, fmt.Errorf("recorder: %w", err))
 	}
+	if a.journal != nil {
+		if n := a.journal.Len(); n > 0 {
+			a.log.Warn("stopping with usage in the local journal; the next start replays it", "events", n)
+		}
+	}
 	if err := a.worker.Stop(ctx); err != nil {
 		errs = append(errs, fmt.Errorf("worker: %w", err))
 	}
@@ -274,6 +333,9 @@ func (a *app) close() {
 	a.once.Do(func() {
 		if a.fake != nil {
 			_ = a.fake.Close()
+		}
+		if a.journal != nil {
+			_ = a.journal.Close()
 		}
 		if a.ledger != nil {
 			a.ledger.Close()

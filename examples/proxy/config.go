@@ -32,6 +32,13 @@ type config struct {
 	DefaultHold     int64
 	JournalDir      string
 	JournalMaxBytes int64
+	ReapGrace       time.Duration
+	PinTTL          time.Duration
+	SweepInterval   time.Duration
+	ReapInterval    time.Duration
+	ScanInterval    time.Duration
+	ReconcileEvery  time.Duration
+	ReplayInterval  time.Duration
 	ShutdownTimeout time.Duration
 	LogLevel        string
 	LogFormat       string
@@ -104,7 +111,14 @@ func (c *config) settings() []setting {
 		{"ESCROW_MAX_BODY_BYTES", "max-body-bytes", "4194304", "largest request body accepted", integer(&c.MaxBodyBytes, 1)},
 		{"ESCROW_DEFAULT_HOLD", "default-hold", "0", "hold (micro-units) for a priced model with nothing better known; 0: the model's own default", integer(&c.DefaultHold, 0)},
 		{"ESCROW_JOURNAL_DIR", "journal-dir", "", "directory of the local usage journal used while Postgres is down; empty: none", str(&c.JournalDir)},
-		{"ESCROW_JOURNAL_MAX_BYTES", "journal-max-bytes", "67108864", "size cap of the local journal", integer(&c.JournalMaxBytes, 1)},
+		{"ESCROW_JOURNAL_MAX_BYTES", "journal-max-bytes", "67108864", "size cap of the local journal; new holds are refused (503) when less than a tenth of it is free", integer(&c.JournalMaxBytes, 1)},
+		{"ESCROW_JOURNAL_REPLAY_INTERVAL", "journal-replay-interval", "1s", "how often a non-empty journal is replayed into the ledger", dur(&c.ReplayInterval)},
+		{"ESCROW_REAP_GRACE", "reap-grace", "1m", "a hold past its expiry is reaped only after this grace (keep it above the record timeout)", dur(&c.ReapGrace)},
+		{"ESCROW_PIN_TTL", "pin-ttl", "24h", "how far a journaled request's hold is pinned (renewed every quarter of it); at least 4× the hold TTL", dur(&c.PinTTL)},
+		{"ESCROW_SWEEP_INTERVAL", "sweep-interval", "2s", "how often the worker looks for unsettled orgs without a notification", dur(&c.SweepInterval)},
+		{"ESCROW_REAP_INTERVAL", "reap-interval", "5s", "how often the holds of the orgs this process served are reaped", dur(&c.ReapInterval)},
+		{"ESCROW_SCAN_INTERVAL", "scan-interval", "1m", "how often a rate-limited SCAN looks for expired holds of dead processes", dur(&c.ScanInterval)},
+		{"ESCROW_RECONCILE_INTERVAL", "reconcile-interval", "1m", "how often every warm org is checked against the ledger (drift repair)", dur(&c.ReconcileEvery)},
 		{"ESCROW_SHUTDOWN_TIMEOUT", "shutdown-timeout", "30s", "how long shutdown waits for in-flight requests", dur(&c.ShutdownTimeout)},
 		{"ESCROW_LOG_LEVEL", "log-level", "info", "debug, info, warn or error", str(&c.LogLevel)},
 		{"ESCROW_LOG_FORMAT", "log-format", "text", "text or json", str(&c.LogFormat)},
@@ -163,6 +177,9 @@ func loadConfig(args []string, getenv func(string) string, usageOut io.Writer) (
 	}
 	if c.DatabaseURL == "" && c.RedisURL != "" {
 		return c, errors.New("the in-memory ledger only pairs with the embedded Redis: set DATABASE_URL or unset REDIS_URL")
+	}
+	if c.PinTTL < 4*c.HoldTTL {
+		return c, fmt.Errorf("ESCROW_PIN_TTL (%s) must be at least 4× ESCROW_HOLD_TTL (%s)", c.PinTTL, c.HoldTTL)
 	}
 	if c.UpstreamURL != "" && c.UpstreamAPIKey == "" {
 		return c, errors.New("UPSTREAM_URL is set but UPSTREAM_API_KEY is empty")

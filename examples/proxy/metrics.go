@@ -7,6 +7,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/middleware"
 )
 
@@ -18,6 +19,8 @@ type metrics struct {
 	costs    prometheus.Histogram     // real costs
 	errors   *prometheus.CounterVec   // Redis / ledger errors seen by the middleware
 	latency  *prometheus.HistogramVec // reserve latency
+
+	journalRefused prometheus.Counter // requests refused because the local journal is nearly full
 }
 
 func newMetrics(a *app) *metrics {
@@ -63,7 +66,40 @@ func newMetrics(a *app) *metrics {
 	gauge("escrow_worker_batch_size", "Usage events accounted by the last pass.", func() int64 { return w.Stats().LastBatchSize })
 	gauge("escrow_worker_backlog_orgs", "Orgs waiting to be settled at the last sweep.", func() int64 { return w.Stats().PendingBacklog })
 	m.settleMetrics(a)
+	m.journalMetrics(a)
 	return m
+}
+
+// journalMetrics says whether the local usage journal is in use (a ledger outage).
+func (m *metrics) journalMetrics(a *app) {
+	r := a.recorder
+	gauge := func(name, help string, f func(accounting.RecorderStats) int64) {
+		m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 { return float64(f(r.Stats())) }))
+	}
+	counter := func(name, help string, f func(accounting.RecorderStats) int64) {
+		m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, func() float64 { return float64(f(r.Stats())) }))
+	}
+	gauge("escrow_journal_bytes", "Size of the local usage journal (non-zero: the ledger was unreachable and usage waits to be replayed).", func(s accounting.RecorderStats) int64 { return s.JournalBytes })
+	gauge("escrow_journal_events", "Usage events waiting in the local journal.", func(s accounting.RecorderStats) int64 { return s.JournalEvents })
+	gauge("escrow_journal_max_bytes", "Cap of the local journal (0: no journal).", func(s accounting.RecorderStats) int64 { return s.JournalMaxBytes })
+	gauge("escrow_journal_pinned_holds", "Holds pinned because their usage waits in the journal.", func(s accounting.RecorderStats) int64 { return s.Pinned })
+	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "escrow_journal_degraded",
+		Help: "1 while new requests are refused because the local journal is nearly full."},
+		func() float64 {
+			if r.Degraded() {
+				return 1
+			}
+			return 0
+		}))
+	counter("escrow_journal_events_total", "Usage events written to the local journal because the ledger was unreachable.", func(s accounting.RecorderStats) int64 { return s.Journaled })
+	counter("escrow_journal_replays_total", "Successful replays of the local journal into the ledger.", func(s accounting.RecorderStats) int64 { return s.Replays })
+	counter("escrow_journal_replayed_events_total", "Usage events replayed from the local journal into the ledger.", func(s accounting.RecorderStats) int64 { return s.Replayed })
+	counter("escrow_journal_replay_errors_total", "Failed replay attempts (the ledger still unreachable).", func(s accounting.RecorderStats) int64 { return s.ReplayErrors })
+	counter("escrow_journal_pin_errors_total", "Pin or unpin calls that failed (retried).", func(s accounting.RecorderStats) int64 { return s.PinErrors })
+	counter("escrow_journal_full_total", "Batches refused because the local journal was full (those requests failed).", func(s accounting.RecorderStats) int64 { return s.JournalFull })
+	m.journalRefused = prometheus.NewCounter(prometheus.CounterOpts{Name: "escrow_journal_refused_total",
+		Help: "Requests refused with 503 because the local journal was nearly full."})
+	m.reg.MustRegister(m.journalRefused)
 }
 
 func (m *metrics) handler() http.Handler {
