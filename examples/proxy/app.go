@@ -231,6 +231,7 @@ func (a *app) reverseProxy() *httputil.ReverseProxy {
 		},
 		Transport:     tr,
 		FlushInterval: -1,
+		BufferPool:    proxyBuffers,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			a.log.Warn("upstream error", "err", err, "path", r.URL.Path)
 			w.Header().Set("Content-Type", "application/json")

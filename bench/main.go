@@ -1,0 +1,689 @@
+// Command bench measures escrow on this machine, in one run and side by side:
+//
+//   - limit:    raw EVALSHA of the reserve script on the same Redis, and Postgres inserts of the
+//     usage-event shape;
+//   - baseline: the example proxy with the middleware switched off, against the fake upstream;
+//   - escrow:   the same proxy with the middleware on (real Redis + Postgres): non-streaming and
+//     streaming, many orgs and one hot org;
+//
+// and prints one table with throughput, p50/p99 latency and the ratios escrow/baseline and
+// reserve/raw EVALSHA, then the settle lag at a steady rate and the worker backlog.
+//
+//	make bench                      # or: go run ./bench -duration 8s
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	neturl "net/url"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+)
+
+type options struct {
+	duration    time.Duration
+	warmup      time.Duration
+	concurrency int
+	orgs        int
+	lagRate     float64
+	lagDuration time.Duration
+	limitRound  time.Duration
+	redisURL    string
+	databaseURL string
+	profileDir  string
+}
+
+func main() {
+	var o options
+	flag.DurationVar(&o.duration, "duration", 5*time.Second, "measured time of each closed-loop run")
+	flag.DurationVar(&o.warmup, "warmup", time.Second, "warm-up before each closed-loop run")
+	flag.IntVar(&o.concurrency, "concurrency", 64, "clients of the closed-loop runs (and goroutines of the Redis limit loops)")
+	flag.IntVar(&o.orgs, "orgs", 100, "orgs of the many-orgs runs")
+	flag.Float64Var(&o.lagRate, "lag-rate", 2000, "request rate of the settle-lag run (req/s, open loop)")
+	flag.DurationVar(&o.lagDuration, "lag-duration", 10*time.Second, "length of the settle-lag run")
+	flag.DurationVar(&o.limitRound, "limit-round", time.Second, "length of one round of a Redis limit loop (3 rounds each, interleaved)")
+	flag.StringVar(&o.redisURL, "redis-url", envOr("REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis under test (never flushed: the bench uses a prefix of its own and deletes its keys)")
+	flag.StringVar(&o.databaseURL, "database-url", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "Postgres under test (the bench uses schemas of its own and drops them)")
+	flag.StringVar(&o.profileDir, "profile", "", "if set: also take 10 s CPU and allocation profiles of the escrow proxy at max throughput into this directory")
+	flag.Parse()
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, o); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}
+
+func freeAddr() string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// proxyProc is a proxy process under test.
+type proxyProc struct {
+	cmd   *exec.Cmd
+	base  string
+	admin string
+}
+
+func startProxy(ctx context.Context, bin string, env []string) (*proxyProc, error) {
+	addr := freeAddr()
+	admin := "bench-admin-token"
+	cmd := exec.CommandContext(ctx, bin)
+	cmd.Env = append(os.Environ(), append(env, "ESCROW_ADDR="+addr, "ESCROW_ADMIN_TOKEN="+admin, "ESCROW_LOG_LEVEL=error")...)
+	cmd.Stdout, cmd.Stderr = io.Discard, os.Stderr
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	p := &proxyProc{cmd: cmd, base: "http://" + addr, admin: admin}
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		if resp, err := http.Get(p.base + "/readyz"); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return p, nil
+			}
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	p.stop()
+	return nil, fmt.Errorf("proxy at %s did not become ready", addr)
+}
+
+func (p *proxyProc) stop() {
+	_ = p.cmd.Process.Signal(os.Interrupt)
+	done := make(chan struct{})
+	go func() { _ = p.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		_ = p.cmd.Process.Kill()
+	}
+}
+
+func (p *proxyProc) adminCall(method, path string, body any, out any) error {
+	var rd io.Reader
+	if body != nil {
+		b, _ := json.Marshal(body)
+		rd = bytes.NewReader(b)
+	}
+	req, _ := http.NewRequest(method, p.base+"/admin/v1"+path, rd)
+	req.Header.Set("Authorization", "Bearer "+p.admin)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode/100 != 2 {
+		return fmt.Errorf("%s %s: %d %s", method, path, resp.StatusCode, b)
+	}
+	if out != nil {
+		return json.Unmarshal(b, out)
+	}
+	return nil
+}
+
+// provision creates orgs with huge balances and keys, and prices the model.
+func (p *proxyProc) provision(prefix string, n int) ([]string, error) {
+	if err := p.adminCall("PUT", "/models/bench-model", map[string]any{
+		"input_price": 150_000, "cached_input_price": 75_000, "output_price": 600_000,
+		"max_input_tokens": 128_000, "max_output_tokens": 4_096, "max_cost": 10_000, "default_hold": 10_000,
+	}, nil); err != nil {
+		return nil, err
+	}
+	keys := make([]string, 0, n)
+	for i := 0; i < n; i++ {
+		org := fmt.Sprintf("%s-%03d", prefix, i)
+		if err := p.adminCall("POST", "/orgs", map[string]string{"id": org}, nil); err != nil {
+			return nil, err
+		}
+		if err := p.adminCall("POST", "/orgs/"+org+"/credits", map[string]any{"amount": int64(1e13), "reference": org + "-funds"}, nil); err != nil {
+			return nil, err
+		}
+		var k struct{ Key string }
+		if err := p.adminCall("POST", "/orgs/"+org+"/keys", nil, &k); err != nil {
+			return nil, err
+		}
+		keys = append(keys, k.Key)
+	}
+	return keys, nil
+}
+
+var (
+	plainBody  = []byte(`{"model":"bench-model","max_tokens":16,"messages":[{"role":"user","content":"say hello to the benchmark"}]}`)
+	streamBody = []byte(`{"model":"bench-model","max_tokens":16,"stream":true,"messages":[{"role":"user","content":"say hello to the benchmark"}]}`)
+)
+
+func run(ctx context.Context, o options) error {
+	began := time.Now()
+	tmp, err := os.MkdirTemp("", "escrow-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(tmp)
+	bin := filepath.Join(tmp, "proxy")
+	fmt.Fprintln(os.Stderr, "building the proxy …")
+	build := exec.CommandContext(ctx, "go", "build", "-o", bin, "./examples/proxy")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		return fmt.Errorf("build proxy: %w", err)
+	}
+	m := describeMachine(ctx, o)
+	fmt.Fprintf(os.Stderr, "%s\nclosed-loop runs: %s after a %s warm-up, %d clients; settle lag: %.0f req/s for %s\n",
+		m, o.duration, o.warmup, o.concurrency, o.lagRate, o.lagDuration)
+
+	// Everything the bench writes lives under its own Redis prefix and Postgres schemas, and is
+	// removed at the end; the shared servers are never flushed.
+	id := time.Now().UnixNano() % 1e9
+	prefix := fmt.Sprintf("escbench%d", id)
+	defer cleanRedis(o.redisURL, prefix)
+	proxyURL, dropProxy, err := benchSchema(ctx, o.databaseURL, fmt.Sprintf("escbench_%d", id))
+	if err != nil {
+		return err
+	}
+	defer dropProxy()
+	limURL, dropLim, err := benchSchema(ctx, o.databaseURL, fmt.Sprintf("escbench_%d_lim", id))
+	if err != nil {
+		return err
+	}
+	defer dropLim()
+
+	fmt.Fprintln(os.Stderr, "limits: Redis (interleaved rounds), then Postgres …")
+	lim, err := measureLimits(ctx, o, o.redisURL, limURL, prefix+"l")
+	if err != nil {
+		return fmt.Errorf("limits: %w", err)
+	}
+
+	common := []string{"REDIS_URL=" + o.redisURL, "DATABASE_URL=" + proxyURL, "ESCROW_PREFIX=" + prefix, "ESCROW_MAX_IN_FLIGHT=100000"}
+	closed := func(name, url string, keys []string, body []byte) loadSpec {
+		return loadSpec{Name: name, URL: url, Keys: keys, Body: body, Concurrency: o.concurrency, Duration: o.duration, Warmup: o.warmup}
+	}
+
+	// Baseline: the same proxy, middleware off.
+	base, err := startProxy(ctx, bin, append(common, "ESCROW_BENCH_BASELINE=true"))
+	if err != nil {
+		return err
+	}
+	baseURL := base.base + "/v1/chat/completions"
+	bPlain := base.measure(ctx, closed("baseline json", baseURL, []string{"sk-none"}, plainBody))
+	bStream := base.measure(ctx, closed("baseline stream", baseURL, []string{"sk-none"}, streamBody))
+	base.stop()
+
+	// Escrow: middleware on, real Redis + Postgres.
+	escEnv := common
+	if o.profileDir != "" {
+		escEnv = append(escEnv, "ESCROW_PPROF_ADDR="+freeAddr())
+	}
+	esc, err := startProxy(ctx, bin, escEnv)
+	if err != nil {
+		return err
+	}
+	defer esc.stop()
+	keys, err := esc.provision("org", o.orgs)
+	if err != nil {
+		return fmt.Errorf("provision: %w", err)
+	}
+	hot, err := esc.provision("hot", 1)
+	if err != nil {
+		return err
+	}
+	url := esc.base + "/v1/chat/completions"
+	ePlain := esc.measure(ctx, closed(fmt.Sprintf("escrow json, %d orgs", o.orgs), url, keys, plainBody))
+	eStream := esc.measure(ctx, closed(fmt.Sprintf("escrow stream, %d orgs", o.orgs), url, keys, streamBody))
+	eHot := esc.measure(ctx, closed("escrow json, 1 hot org", url, hot, plainBody))
+	if o.profileDir != "" {
+		if err := esc.profile(ctx, o, url, keys); err != nil {
+			return fmt.Errorf("profile: %w", err)
+		}
+	}
+	waitSettled(esc, 60*time.Second)
+
+	// Settle lag at a steady rate (open loop).
+	before := scrapeHistogram(esc, "escrow_settle_lag_seconds")
+	lag := esc.measure(ctx, loadSpec{Name: fmt.Sprintf("escrow json, open loop %.0f/s", o.lagRate), URL: url, Keys: keys, Body: plainBody, Rate: o.lagRate, Concurrency: 2048, Duration: o.lagDuration})
+	pendingAtEnd := scrapeGauge(esc, "escrow_worker_pending_events")
+	unsettledAtEnd := scrapeGauge(esc, "escrow_worker_unsettled_entries")
+	drain := waitSettled(esc, 60*time.Second)
+	after := scrapeHistogram(esc, "escrow_settle_lag_seconds")
+	lagP50, lagP99, lagN := lagQuantiles(before, after)
+	esc.stop()
+
+	// Escrow with reserve coalescing.
+	co, err := startProxy(ctx, bin, append(common, "ESCROW_COALESCE=true"))
+	if err != nil {
+		return err
+	}
+	defer co.stop()
+	curl := co.base + "/v1/chat/completions"
+	cPlain := co.measure(ctx, closed(fmt.Sprintf("escrow+coalesce json, %d orgs", o.orgs), curl, keys, plainBody))
+	cHot := co.measure(ctx, closed("escrow+coalesce json, 1 hot org", curl, hot, plainBody))
+	waitSettled(co, 60*time.Second)
+	co.stop()
+
+	// The table.
+	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(w, "\trun\tthroughput/s\tp50\tp99\tproxy CPU/req\tproxy CPU\tloadgen CPU/req\tmachine busy\tratio\tratio of\t")
+	row := func(group, name string, tput float64, p50, p99 string, r *loadResult, ratio float64, of string) {
+		cpuReq, cpu, lg, busy := "\t", "", "", ""
+		if r != nil {
+			cpuReq, cpu = r.cpuPerReq(r.ProxyCPU), fmt.Sprintf("%.0f%%", 100*r.ProxyCPU.Seconds()/r.Elapsed.Seconds())
+			lg, busy = r.cpuPerReq(r.LoadCPU), fmt.Sprintf("%.0f%%", 100*r.MachineBusy)
+			cpuReq += "\t" + cpu
+		}
+		rs := ""
+		if ratio > 0 {
+			rs = fmt.Sprintf("%.2f", ratio)
+		}
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", group, name, num(tput), p50, p99, cpuReq, lg, busy, rs, of)
+	}
+	us := func(d time.Duration) string { return d.Round(time.Microsecond).String() }
+	row("limit", fmt.Sprintf("redis: raw EVALSHA reserve script, %d conns", lim.conns), lim.rawEvalsha, us(lim.p50Raw), "", nil, 0, "")
+	row("limit", fmt.Sprintf("redis: raw EVALSHA, pipelined %d deep", evalPipeDepth), lim.rawPipelined, "", "", nil, ratio(lim.rawPipelined, lim.rawEvalsha), "/ raw EVALSHA")
+	row("limit", "redis: balance.Store.Reserve", lim.reserve, us(lim.p50Reserve), "", nil, ratio(lim.reserve, lim.rawEvalsha), "reserve / raw EVALSHA")
+	row("limit", "redis: Store.Reserve, Coalesce", lim.coalesced, us(lim.p50Coalesced), "", nil, ratio(lim.coalesced, lim.rawEvalsha), "coalesced / raw EVALSHA")
+	row("limit", "pg: usage events, 1 row/tx (16 conns)", lim.pgSingle, "", "", nil, 0, "")
+	row("limit", "pg: usage events, 100 rows/tx (4 conns)", lim.pgBatch, "", "", nil, 0, "")
+	row("limit", "pg: Recorder group commit (256 callers)", lim.recorder, "", "", nil, 0, "")
+	row("limit", "accounting: record+account+settle", lim.pipeline, "", "", nil, 0, "")
+	lr := func(group string, r loadResult, base *loadResult, of string) {
+		rt := 0.0
+		if base != nil {
+			rt = ratio(r.Throughput, base.Throughput)
+		}
+		row(group, r.Name, r.Throughput, us(r.P50), us(r.P99), &r, rt, of)
+	}
+	lr("baseline", bPlain, nil, "")
+	lr("baseline", bStream, nil, "")
+	lr("escrow", ePlain, &bPlain, "/ baseline json")
+	lr("escrow", eStream, &bStream, "/ baseline stream")
+	lr("escrow", eHot, &bPlain, "/ baseline json")
+	lr("coalesce", cPlain, &bPlain, "/ baseline json")
+	lr("coalesce", cHot, &bPlain, "/ baseline json")
+	lr("lag", lag, nil, "")
+	row("lag", fmt.Sprintf("settle lag at %.0f req/s (%d entries)", o.lagRate, lagN), 0, lagP50, lagP99, nil, 0, "recorded → in Redis")
+	fmt.Fprintf(w, "lag\tbacklog at end of the run\t\t%.0f events\t%.0f entries\t\t\t\t\t\t%s to drain\t\n", pendingAtEnd, unsettledAtEnd, drain.Round(time.Millisecond))
+	w.Flush()
+	for _, r := range []loadResult{bPlain, bStream, ePlain, eStream, eHot, cPlain, cHot, lag} {
+		if r.Non2xx+r.Errors > 0 {
+			fmt.Printf("note: %s: %d non-2xx (%v), %d transport errors\n", r.Name, r.Non2xx, r.Status, r.Errors)
+		}
+	}
+	fmt.Printf("redis commands per request (escrow json, %d orgs): %.2f (%s)\n", o.orgs, ePlain.RedisPerReq, ePlain.RedisCmds)
+	fmt.Printf("p50 of the limit rows: one caller at a time. CPU: proxy process (with its built-in fake upstream) and this load generator from /proc/<pid>/stat; machine busy from /proc/stat (includes Redis, Postgres and anything else running).\n")
+	fmt.Printf("%s\nbench took %s\n", m, time.Since(began).Round(time.Second))
+	return nil
+}
+
+func num(v float64) string {
+	if v == 0 {
+		return ""
+	}
+	s := strconv.FormatFloat(v, 'f', 0, 64)
+	for i := len(s) - 3; i > 0; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	return s
+}
+
+func ratio(a, b float64) float64 {
+	if b == 0 {
+		return 0
+	}
+	return a / b
+}
+
+// measure runs s against the proxy and adds the proxy's CPU time and Redis commands.
+func (p *proxyProc) measure(ctx context.Context, s loadSpec) loadResult {
+	if s.Warmup > 0 {
+		w := s
+		w.Duration, w.Warmup, w.Name = s.Warmup, 0, s.Name+" (warm-up)"
+		_ = runLoad(ctx, w)
+		s.Warmup = 0
+	}
+	cpu0, self0 := procCPU(p.cmd.Process.Pid), procCPU(os.Getpid())
+	busy0, all0 := machineCPU()
+	cmds0 := scrapeCounters(p, "escrow_redis_commands_total")
+	r := runLoad(ctx, s)
+	r.ProxyCPU = procCPU(p.cmd.Process.Pid) - cpu0
+	r.LoadCPU = procCPU(os.Getpid()) - self0
+	if busy1, all1 := machineCPU(); all1 > all0 {
+		r.MachineBusy = float64(busy1-busy0) / float64(all1-all0)
+	}
+	cmds1 := scrapeCounters(p, "escrow_redis_commands_total")
+	var total float64
+	var parts []string
+	for k, v := range cmds1 {
+		if d := v - cmds0[k]; d > 0 {
+			total += d
+			if r.OK > 0 {
+				parts = append(parts, fmt.Sprintf("%s %.2f", k, d/float64(r.Sent)))
+			}
+		}
+	}
+	slices.Sort(parts)
+	if r.Sent > 0 {
+		r.RedisPerReq = total / float64(r.Sent)
+	}
+	r.RedisCmds = strings.Join(parts, ", ")
+	fmt.Fprintln(os.Stderr, "  "+r.String())
+	return r
+}
+
+func (r loadResult) cpuPerReq(cpu time.Duration) string {
+	if r.Sent == 0 {
+		return ""
+	}
+	return (cpu / time.Duration(r.Sent)).Round(time.Microsecond).String()
+}
+
+// machineCPU returns the busy and total jiffies of all CPUs so far (/proc/stat).
+func machineCPU() (busy, total int64) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, 0
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	for i, v := range f[1:] {
+		n, _ := strconv.ParseInt(v, 10, 64)
+		if i >= 8 { // guest times are already in user
+			break
+		}
+		total += n
+		if i != 3 && i != 4 { // idle, iowait
+			busy += n
+		}
+	}
+	return busy, total
+}
+
+// procCPU is the user+system CPU time of a process so far.
+func procCPU(pid int) time.Duration {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// Fields after the command (which may hold spaces) start after the last ')'.
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+	if len(f) < 13 {
+		return 0
+	}
+	ut, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	const hz = 100 // USER_HZ on Linux
+	return time.Duration(ut+st) * time.Second / hz
+}
+
+// profile takes CPU and allocation profiles of the proxy while a closed-loop run keeps it at
+// max throughput.
+func (p *proxyProc) profile(ctx context.Context, o options, url string, keys []string) error {
+	addr := ""
+	for _, kv := range p.cmd.Env {
+		if v, ok := strings.CutPrefix(kv, "ESCROW_PPROF_ADDR="); ok {
+			addr = v
+		}
+	}
+	if err := os.MkdirAll(o.profileDir, 0o755); err != nil {
+		return err
+	}
+	errs := make(chan error, 2)
+	get := func(path, file string) {
+		resp, err := http.Get("http://" + addr + path)
+		if err != nil {
+			errs <- err
+			return
+		}
+		defer resp.Body.Close()
+		f, err := os.Create(filepath.Join(o.profileDir, file))
+		if err != nil {
+			errs <- err
+			return
+		}
+		_, err = io.Copy(f, resp.Body)
+		errs <- errors.Join(err, f.Close())
+	}
+	go get("/debug/pprof/profile?seconds=10", "cpu.pprof")
+	go get("/debug/pprof/allocs?seconds=10", "allocs.pprof")
+	r := p.measure(ctx, loadSpec{Name: "escrow json (profiled)", URL: url, Keys: keys, Body: plainBody, Concurrency: o.concurrency, Duration: 11 * time.Second})
+	fmt.Fprintf(os.Stderr, "  profiles in %s (%d requests during the run)\n", o.profileDir, r.OK)
+	return errors.Join(<-errs, <-errs)
+}
+
+// waitSettled waits until nothing is pending or unsettled in the ledger and returns how long
+// that took.
+func waitSettled(p *proxyProc, limit time.Duration) time.Duration {
+	start := time.Now()
+	for time.Since(start) < limit {
+		if scrapeGauge(p, "escrow_worker_pending_events") == 0 && scrapeGauge(p, "escrow_worker_unsettled_entries") == 0 {
+			return time.Since(start)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return time.Since(start)
+}
+
+func scrapeMetrics(p *proxyProc) string {
+	resp, err := http.Get(p.base + "/metrics")
+	if err != nil {
+		return ""
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+func scrapeGauge(p *proxyProc, name string) float64 {
+	for _, line := range strings.Split(scrapeMetrics(p), "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			f, _ := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			return f
+		}
+	}
+	return -1
+}
+
+// scrapeCounters returns every series of a labelled counter, by its label text.
+func scrapeCounters(p *proxyProc, name string) map[string]float64 {
+	out := map[string]float64{}
+	for _, line := range strings.Split(scrapeMetrics(p), "\n") {
+		rest, ok := strings.CutPrefix(line, name+"{")
+		if !ok {
+			continue
+		}
+		labels, val, ok := strings.Cut(rest, "} ")
+		if !ok {
+			continue
+		}
+		f, _ := strconv.ParseFloat(strings.TrimSpace(val), 64)
+		labels = strings.NewReplacer(`command=`, "", `pipelined="true"`, "piped", `pipelined="false"`, "", `"`, "", ",", " ").Replace(labels)
+		out[strings.TrimSpace(labels)] = f
+	}
+	return out
+}
+
+// histogram is a scraped Prometheus histogram: cumulative counts by upper bound.
+type histogram struct {
+	bounds []float64
+	counts []float64
+}
+
+func scrapeHistogram(p *proxyProc, name string) histogram {
+	var h histogram
+	for _, line := range strings.Split(scrapeMetrics(p), "\n") {
+		rest, ok := strings.CutPrefix(line, name+`_bucket{le="`)
+		if !ok {
+			continue
+		}
+		le, val, ok := strings.Cut(rest, `"} `)
+		if !ok {
+			continue
+		}
+		b, err := strconv.ParseFloat(le, 64)
+		if le == "+Inf" {
+			b, err = math.Inf(1), nil
+		}
+		if err != nil {
+			continue
+		}
+		c, _ := strconv.ParseFloat(strings.TrimSpace(val), 64)
+		h.bounds, h.counts = append(h.bounds, b), append(h.counts, c)
+	}
+	return h
+}
+
+// lagQuantiles reads p50 and p99 of what the histogram gained between two scrapes, as the
+// upper bound of the bucket that holds each ("≤ 50ms").
+func lagQuantiles(before, after histogram) (p50, p99 string, n int64) {
+	if len(after.counts) == 0 {
+		return "n/a", "n/a", 0
+	}
+	diff := make([]float64, len(after.counts))
+	for i := range diff {
+		diff[i] = after.counts[i]
+		if i < len(before.counts) {
+			diff[i] -= before.counts[i]
+		}
+	}
+	total := diff[len(diff)-1]
+	q := func(p float64) string {
+		if total == 0 {
+			return "n/a"
+		}
+		for i, c := range diff {
+			if c >= p*total {
+				if math.IsInf(after.bounds[i], 1) {
+					return "> " + time.Duration(after.bounds[i-1]*float64(time.Second)).String()
+				}
+				return "≤ " + time.Duration(after.bounds[i]*float64(time.Second)).String()
+			}
+		}
+		return "n/a"
+	}
+	return q(0.50), q(0.99), int64(total)
+}
+
+// benchSchema creates a schema of the bench's own and returns a URL whose search_path is it,
+// and a function that drops it.
+func benchSchema(ctx context.Context, base, schema string) (string, func(), error) {
+	pool, err := pgxpool.New(ctx, base)
+	if err != nil {
+		return "", nil, err
+	}
+	defer pool.Close()
+	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
+		return "", nil, fmt.Errorf("create schema %s: %w", schema, err)
+	}
+	u, err := neturl.Parse(base)
+	if err != nil {
+		return "", nil, err
+	}
+	q := u.Query()
+	q.Set("search_path", schema)
+	u.RawQuery = q.Encode()
+	drop := func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if p, err := pgxpool.New(ctx, base); err == nil {
+			if _, err := p.Exec(ctx, "DROP SCHEMA IF EXISTS "+schema+" CASCADE"); err != nil {
+				fmt.Fprintln(os.Stderr, "bench: drop schema:", err)
+			}
+			p.Close()
+		}
+	}
+	return u.String(), drop, nil
+}
+
+// cleanRedis deletes the bench's keys (its prefix only), with SCAN and DEL: never FLUSH.
+func cleanRedis(url, prefix string) {
+	opt, err := redis.ParseURL(url)
+	if err != nil {
+		return
+	}
+	c := redis.NewClient(opt)
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	n := 0
+	iter := c.Scan(ctx, 0, prefix+"*", 1000).Iterator()
+	var batch []string
+	for iter.Next(ctx) {
+		batch = append(batch, iter.Val())
+		if len(batch) == 500 {
+			n += int(c.Del(ctx, batch...).Val())
+			batch = batch[:0]
+		}
+	}
+	if len(batch) > 0 {
+		n += int(c.Del(ctx, batch...).Val())
+	}
+	fmt.Fprintf(os.Stderr, "bench: removed %d Redis keys under %s*\n", n, prefix)
+}
+
+// describeMachine names what the numbers were measured on.
+func describeMachine(ctx context.Context, o options) string {
+	model := "unknown CPU"
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		for _, l := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(l, "model name"); ok {
+				model = strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(v), ":"))
+				break
+			}
+		}
+	}
+	rv := "?"
+	if opt, err := redis.ParseURL(o.redisURL); err == nil {
+		c := redis.NewClient(opt)
+		if info, err := c.Info(ctx, "server").Result(); err == nil {
+			for _, l := range strings.Split(info, "\n") {
+				if v, ok := strings.CutPrefix(strings.TrimSpace(l), "redis_version:"); ok {
+					rv = v
+				}
+			}
+		}
+		c.Close()
+	}
+	pv := "?"
+	if p, err := pgxpool.New(ctx, o.databaseURL); err == nil {
+		_ = p.QueryRow(ctx, "SHOW server_version").Scan(&pv)
+		p.Close()
+	}
+	load := ""
+	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
+		load = strings.Join(strings.Fields(string(b))[:3], " ")
+	}
+	return fmt.Sprintf("machine: %d CPUs (%s), Go %s, Redis %s, PostgreSQL %s; load average at start %s",
+		runtime.NumCPU(), model, runtime.Version(), rv, pv, load)
+}
