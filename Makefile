@@ -12,6 +12,8 @@ export ESCROW_TEST_DATABASE_URL = $(DATABASE_URL)
 ## test: start Redis and Postgres if needed, then lint and run every test (race detector) on the real services.
 test: services lint
 	ESCROW_REQUIRE_SERVICES=1 $(GO) test -race -count=1 -timeout 20m ./...
+	@echo "simulation: 10,000 steps per backend, without the race detector"
+	ESCROW_REQUIRE_SERVICES=1 $(GO) test -count=1 -timeout 10m -run '^TestSimulation$$' ./accounting/
 	$(MAKE) fuzz
 
 ## test-fast: the suite on miniredis and the memory ledger; no services needed.

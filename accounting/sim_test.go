@@ -21,7 +21,7 @@ import (
 
 var (
 	simSeed  = flag.Uint64("sim.seed", 0, "replay one simulation seed (0: a new random seed)")
-	simSteps = flag.Int("sim.steps", 10000, "steps per simulation run")
+	simSteps = flag.Int("sim.steps", 0, "steps per simulation run (0: 10,000; 2,500 under the race detector)")
 )
 
 // TestSimulation drives the real scripts and a real ledger through random interleavings of
@@ -32,6 +32,13 @@ var (
 // stays within the debt rule. A failure prints the seed; replay it with -sim.seed.
 func TestSimulation(t *testing.T) {
 	t.Parallel()
+	steps := *simSteps
+	if steps == 0 {
+		steps = 10000
+		if raceEnabled {
+			steps = 2500
+		}
+	}
 	seed := *simSeed
 	if seed == 0 {
 		seed = rand.Uint64()
@@ -39,12 +46,12 @@ func TestSimulation(t *testing.T) {
 	t.Run("miniredis+memory", func(t *testing.T) {
 		t.Parallel()
 		env := testutil.MiniRedis(t)
-		runSim(t, seed, *simSteps, env, accounting.NewMemory())
+		runSim(t, seed, steps, env, accounting.NewMemory())
 	})
 	t.Run("redis+postgres", func(t *testing.T) {
 		t.Parallel()
 		env := testutil.RealRedis(t)
-		runSim(t, seed+1, *simSteps, env, openTestPostgres(t))
+		runSim(t, seed+1, steps, env, openTestPostgres(t))
 	})
 }
 

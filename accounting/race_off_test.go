@@ -1,0 +1,5 @@
+//go:build !race
+
+package accounting_test
+
+const raceEnabled = false
