@@ -216,8 +216,25 @@ func (s *simulator) step() {
 		}
 	case op < 0.70: // the reaper (owners may be dead or just slow)
 		s.counts["reap"]++
+		before := s.holds(o)
 		n, err := s.store.Reap(s.ctx, o)
 		s.must(err)
+		// No reaper ever releases the hold of usage that is recorded and not yet settled.
+		var reaped []string
+		for id := range before {
+			if _, ok := s.holds(o)[id]; !ok {
+				reaped = append(reaped, id)
+			}
+		}
+		if len(reaped) > 0 {
+			busy, err := s.ledger.UnsettledUsage(s.ctx, o, reaped)
+			s.must(err)
+			for _, id := range reaped {
+				if busy[id] {
+					s.t.Fatalf("seed %d: reaped the hold of recorded, unsettled usage %s", s.seed, id)
+				}
+			}
+		}
 		if n > 0 {
 			for id, r := range s.inflight {
 				if r.org == o && s.holdGone(o, id) && s.rnd.Float64() < 0.7 { // its process really died
