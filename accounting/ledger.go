@@ -97,6 +97,10 @@ type Ledger interface {
 
 	// Epoch returns the ledger's epoch.
 	Epoch(ctx context.Context) (balance.Epoch, error)
+	// RaiseEpoch starts a new epoch with a higher generation and a new id. Run it after
+	// restoring the ledger from a backup: no hot balance written against the old timeline (whose
+	// watermarks may be above the restored sequence numbers) is trusted again.
+	RaiseEpoch(ctx context.Context) (balance.Epoch, error)
 
 	// CreateOrg creates an account with balance 0 (ErrOrgExists when it exists).
 	CreateOrg(ctx context.Context, org string) error

@@ -82,7 +82,19 @@ func NewMemory() *Memory {
 }
 
 // Epoch returns the ledger's epoch.
-func (m *Memory) Epoch(ctx context.Context) (balance.Epoch, error) { return m.epoch, nil }
+func (m *Memory) Epoch(ctx context.Context) (balance.Epoch, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.epoch, nil
+}
+
+// RaiseEpoch starts a new epoch with a higher generation.
+func (m *Memory) RaiseEpoch(ctx context.Context) (balance.Epoch, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.epoch = balance.Epoch{Gen: m.epoch.Gen + 1, ID: randomHex(16)}
+	return m.epoch, nil
+}
 
 // CreateOrg creates an account with balance 0.
 func (m *Memory) CreateOrg(ctx context.Context, org string) error {

@@ -147,6 +147,14 @@ func (p *Postgres) Epoch(ctx context.Context) (balance.Epoch, error) {
 	return e, wrapPg("epoch", err)
 }
 
+// RaiseEpoch starts a new epoch with a higher generation.
+func (p *Postgres) RaiseEpoch(ctx context.Context) (balance.Epoch, error) {
+	var e balance.Epoch
+	err := p.pool.QueryRow(ctx, `UPDATE ledger_meta SET epoch_gen = epoch_gen + 1,
+		epoch_id = replace(gen_random_uuid()::text, '-', '') RETURNING epoch_gen, epoch_id`).Scan(&e.Gen, &e.ID)
+	return e, wrapPg("raise epoch", err)
+}
+
 // CreateOrg creates an account with balance 0.
 func (p *Postgres) CreateOrg(ctx context.Context, org string) error {
 	if err := ValidateOrg(org); err != nil {

@@ -195,6 +195,17 @@ func testEpoch(t *testing.T, l accounting.Ledger) {
 	if s.Epoch != e1 || e3 != e1 || e4 != e1 {
 		t.Fatalf("epochs differ: Epoch %v, Snapshot %v, EntriesAfter %v, UnsettledEntries %v", e1, s.Epoch, e3, e4)
 	}
+	// After a restore the generation goes up, with a new id, and every read carries it.
+	r := must(l.RaiseEpoch(c))
+	if r.Gen != e1.Gen+1 || r.ID == e1.ID || len(r.ID) < 16 {
+		t.Fatalf("RaiseEpoch: %v after %v", r, e1)
+	}
+	if got := must(l.Epoch(c)); got != r {
+		t.Fatalf("Epoch after RaiseEpoch: %v, want %v", got, r)
+	}
+	if s := must(l.Snapshot(c, "o")); s.Epoch != r {
+		t.Fatalf("Snapshot after RaiseEpoch carries %v, want %v", s.Epoch, r)
+	}
 }
 
 func testCredit(t *testing.T, l accounting.Ledger) {
