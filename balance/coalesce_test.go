@@ -236,3 +236,59 @@ func noScript(t *testing.T, env *testutil.RedisEnv) {
 		}
 	}
 }
+
+// getCounter counts the GET commands a client sends.
+type getCounter struct{ gets atomic.Int64 }
+
+func (h *getCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *getCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h *getCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "get" {
+			h.gets.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// TestModelMaxOneGet: requests that find the learned max expired together share one GET (the
+// hot path stays at one round trip per request: the reserve).
+func TestModelMaxOneGet(t *testing.T) {
+	t.Parallel()
+	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
+		ctx := context.Background()
+		c := ownClient(t, env, nil)
+		h := &getCounter{}
+		c.AddHook(h)
+		s, err := balance.New(ctx, c, balance.Config{Prefix: env.Prefix, ModelMaxCacheTTL: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.SetModelMax(ctx, "m", 42); err != nil {
+			t.Fatal(err)
+		}
+		for round := range 3 {
+			time.Sleep(60 * time.Millisecond) // expired
+			before := h.gets.Load()
+			var wg sync.WaitGroup
+			gate := make(chan struct{})
+			for range 200 {
+				wg.Go(func() {
+					<-gate
+					if v, err := s.ModelMax(ctx, "m"); err != nil || v != 42 {
+						t.Errorf("ModelMax = %d, %v", v, err)
+					}
+				})
+			}
+			close(gate)
+			wg.Wait()
+			// One GET, rarely two (a caller that read the cache just before the refresh
+			// stored it, and came to the group after it finished).
+			if n := h.gets.Load() - before; n < 1 || n > 3 {
+				t.Fatalf("round %d: %d GETs for 200 concurrent callers", round, n)
+			}
+		}
+	})
+}

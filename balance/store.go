@@ -80,6 +80,7 @@ type Store struct {
 	held   map[string]uint64 // org → bumped on every hold this process put on it
 
 	maxCache sync.Map // model → *cachedMax
+	maxLoad  singleflight.Group
 }
 
 type cachedEpoch struct {
@@ -735,15 +736,24 @@ func (s *Store) ModelMax(ctx context.Context, model string) (int64, error) {
 			return c.v, nil
 		}
 	}
-	n, err := s.c.Get(ctx, s.modelKey(model)).Int64()
-	if errors.Is(err, redis.Nil) {
-		n, err = 0, nil
-	}
+	// One GET per model at a time: the callers that find the entry expired together share it
+	// (without this, every request in flight at the moment of expiry sent its own GET).
+	v, err, _ := s.maxLoad.Do(model, func() (any, error) {
+		// Not bound to one caller's cancellation: the others wait for the same answer.
+		n, err := s.c.Get(context.WithoutCancel(ctx), s.modelKey(model)).Int64()
+		if errors.Is(err, redis.Nil) {
+			n, err = 0, nil
+		}
+		if err != nil {
+			return int64(0), err
+		}
+		s.maxCache.Store(model, &cachedMax{v: n, at: time.Now()})
+		return n, nil
+	})
 	if err != nil {
 		return 0, fmt.Errorf("balance: model max: %w", err)
 	}
-	s.maxCache.Store(model, &cachedMax{v: n, at: time.Now()})
-	return n, nil
+	return v.(int64), nil
 }
 
 // RaiseModelMax raises the model's learned max cost to cost, capped at ceiling (> 0); it never

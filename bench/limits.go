@@ -44,12 +44,12 @@ const evalPipeDepth = 16
 // measureLimits runs the Redis and Postgres ceilings. Redis modes are interleaved in short
 // rounds so that the other work on this shared machine weighs on each of them alike.
 func measureLimits(ctx context.Context, o options, rdbURL, dbURL, prefix string) (*limits, error) {
-	lim := &limits{conns: o.concurrency}
+	lim := &limits{conns: o.redisConns}
 	opt, err := redis.ParseURL(rdbURL)
 	if err != nil {
 		return nil, err
 	}
-	opt.PoolSize = o.concurrency + 8
+	opt.PoolSize = o.redisConns + 8
 	c := redis.NewClient(opt)
 	defer c.Close()
 	quiet := slog.New(slog.DiscardHandler)
@@ -140,7 +140,7 @@ func measureLimits(ctx context.Context, o options, rdbURL, dbURL, prefix string)
 	for r := range rounds {
 		for i, m := range modes {
 			fmt.Fprintf(os.Stderr, "\r  limit: %-26s round %d/%d   ", m.name, r+1, rounds)
-			n, el, err := closedLoop(o.concurrency, round, m.op)
+			n, el, err := closedLoop(o.redisConns, round, m.op)
 			if err != nil {
 				return nil, fmt.Errorf("%s: %w", m.name, err)
 			}

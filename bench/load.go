@@ -9,9 +9,12 @@ import (
 	"net/http"
 	"os"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/tidwall/gjson"
 )
 
 // loadSpec is one load run against an HTTP endpoint.
@@ -37,6 +40,9 @@ type loadResult struct {
 	P50, P90, P99, P999 time.Duration
 	Max                 time.Duration
 
+	Codes   map[string]int64 // non-2xx answers by status and error code
+	samples []time.Duration  // latencies of the successful requests
+
 	ProxyCPU    time.Duration // CPU time of the proxy process during the run
 	LoadCPU     time.Duration // CPU time of the load generator (this process) during the run
 	MachineBusy float64       // share of all CPUs busy during the run (every process)
@@ -55,12 +61,13 @@ type recorder struct {
 	mu      sync.Mutex
 	samples []time.Duration
 	status  map[int]int64
+	codes   map[string]int64 // status and OpenAI error code of the non-2xx answers
 	ok, bad atomic.Int64
 	errs    atomic.Int64
 	sent    atomic.Int64
 }
 
-func (r *recorder) add(d time.Duration, status int, err error) {
+func (r *recorder) add(d time.Duration, status int, code string, err error) {
 	r.sent.Add(1)
 	if err != nil {
 		r.errs.Add(1)
@@ -68,6 +75,9 @@ func (r *recorder) add(d time.Duration, status int, err error) {
 	}
 	r.mu.Lock()
 	r.status[status]++
+	if status/100 != 2 {
+		r.codes[strconv.Itoa(status)+" "+code]++
+	}
 	if status/100 == 2 {
 		r.samples = append(r.samples, d)
 	}
@@ -92,10 +102,10 @@ func newClient(conns int) *http.Client {
 	return &http.Client{Transport: tr, Timeout: 30 * time.Second}
 }
 
-func doOne(ctx context.Context, c *http.Client, s *loadSpec, i int64) (int, error) {
+func doOne(ctx context.Context, c *http.Client, s *loadSpec, i int64) (int, string, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.URL, bytes.NewReader(s.Body))
 	if err != nil {
-		return 0, err
+		return 0, "", err
 	}
 	req.Header.Set("Content-Type", "application/json")
 	if len(s.Keys) > 0 {
@@ -103,11 +113,15 @@ func doOne(ctx context.Context, c *http.Client, s *loadSpec, i int64) (int, erro
 	}
 	resp, err := c.Do(req)
 	if err != nil {
-		return 0, err
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return resp.StatusCode, gjson.GetBytes(b, "error.code").String(), nil
 	}
 	_, _ = io.Copy(io.Discard, resp.Body)
-	resp.Body.Close()
-	return resp.StatusCode, nil
+	return resp.StatusCode, "", nil
 }
 
 // runLoad runs s and prints a progress line every second to stderr.
@@ -125,7 +139,7 @@ func runLoad(ctx context.Context, s loadSpec) loadResult {
 }
 
 func measure(ctx context.Context, c *http.Client, s loadSpec, quiet bool) loadResult {
-	rec := &recorder{status: map[int]int64{}}
+	rec := &recorder{status: map[int]int64{}, codes: map[string]int64{}}
 	ctx, cancel := context.WithTimeout(ctx, s.Duration)
 	defer cancel()
 	start := time.Now()
@@ -143,11 +157,11 @@ func measure(ctx context.Context, c *http.Client, s loadSpec, quiet bool) loadRe
 				for ctx.Err() == nil {
 					i := n.Add(1)
 					t0 := time.Now()
-					st, err := doOne(context.Background(), c, &s, i)
+					st, code, err := doOne(context.Background(), c, &s, i)
 					if ctx.Err() != nil && err == nil {
 						// finished after the window: still counted
 					}
-					rec.add(time.Since(t0), st, err)
+					rec.add(time.Since(t0), st, code, err)
 				}
 			}()
 		}
@@ -172,8 +186,8 @@ func measure(ctx context.Context, c *http.Client, s loadSpec, quiet bool) loadRe
 			i := n.Add(1)
 			go func() {
 				defer wg.Done()
-				st, err := doOne(context.Background(), c, &s, i)
-				rec.add(time.Since(intended), st, err)
+				st, code, err := doOne(context.Background(), c, &s, i)
+				rec.add(time.Since(intended), st, code, err)
 				<-sem
 			}()
 		}
@@ -183,14 +197,9 @@ func measure(ctx context.Context, c *http.Client, s loadSpec, quiet bool) loadRe
 	el := time.Since(start)
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
-	slices.Sort(rec.samples)
 	r := loadResult{Name: s.Name, Sent: rec.sent.Load(), OK: rec.ok.Load(), Non2xx: rec.bad.Load(), Errors: rec.errs.Load(),
-		Status: rec.status, Elapsed: el, Throughput: float64(rec.ok.Load()) / el.Seconds(),
-		P50: percentile(rec.samples, 50), P90: percentile(rec.samples, 90), P99: percentile(rec.samples, 99),
-		P999: percentile(rec.samples, 99.9)}
-	if len(rec.samples) > 0 {
-		r.Max = rec.samples[len(rec.samples)-1]
-	}
+		Status: rec.status, Codes: rec.codes, Elapsed: el, samples: rec.samples}
+	r.summarize()
 	if !quiet {
 		fmt.Fprintf(os.Stderr, "\r%-90s\r", "")
 	}
@@ -210,4 +219,39 @@ func progress(name string, rec *recorder, start time.Time, stop <-chan struct{})
 				name, el, float64(rec.ok.Load())/el, rec.ok.Load(), rec.bad.Load(), rec.errs.Load())
 		}
 	}
+}
+
+// summarize computes throughput and percentiles from the counts and samples.
+func (r *loadResult) summarize() {
+	slices.Sort(r.samples)
+	if r.Elapsed > 0 {
+		r.Throughput = float64(r.OK) / r.Elapsed.Seconds()
+	}
+	r.P50, r.P90, r.P99, r.P999 = percentile(r.samples, 50), percentile(r.samples, 90), percentile(r.samples, 99), percentile(r.samples, 99.9)
+	if len(r.samples) > 0 {
+		r.Max = r.samples[len(r.samples)-1]
+	}
+}
+
+// merge adds run b (another round of the same scenario) to r.
+func (r *loadResult) merge(b loadResult) {
+	if r.Name == "" {
+		*r = b
+		return
+	}
+	r.MachineBusy = (r.MachineBusy*r.Elapsed.Seconds() + b.MachineBusy*b.Elapsed.Seconds()) / (r.Elapsed + b.Elapsed).Seconds()
+	if r.Sent+b.Sent > 0 {
+		r.RedisPerReq = (r.RedisPerReq*float64(r.Sent) + b.RedisPerReq*float64(b.Sent)) / float64(r.Sent+b.Sent)
+	}
+	r.Sent, r.OK, r.Non2xx, r.Errors = r.Sent+b.Sent, r.OK+b.OK, r.Non2xx+b.Non2xx, r.Errors+b.Errors
+	r.Elapsed, r.ProxyCPU, r.LoadCPU = r.Elapsed+b.Elapsed, r.ProxyCPU+b.ProxyCPU, r.LoadCPU+b.LoadCPU
+	for k, v := range b.Status {
+		r.Status[k] += v
+	}
+	for k, v := range b.Codes {
+		r.Codes[k] += v
+	}
+	r.samples = append(r.samples, b.samples...)
+	r.RedisCmds = b.RedisCmds
+	r.summarize()
 }

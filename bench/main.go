@@ -44,10 +44,12 @@ type options struct {
 	duration    time.Duration
 	warmup      time.Duration
 	concurrency int
+	redisConns  int
 	orgs        int
 	lagRate     float64
 	lagDuration time.Duration
 	limitRound  time.Duration
+	rounds      int
 	redisURL    string
 	databaseURL string
 	profileDir  string
@@ -55,9 +57,11 @@ type options struct {
 
 func main() {
 	var o options
-	flag.DurationVar(&o.duration, "duration", 5*time.Second, "measured time of each closed-loop run")
-	flag.DurationVar(&o.warmup, "warmup", time.Second, "warm-up before each closed-loop run")
-	flag.IntVar(&o.concurrency, "concurrency", 64, "clients of the closed-loop runs (and goroutines of the Redis limit loops)")
+	flag.DurationVar(&o.duration, "duration", 6*time.Second, "measured time of each closed-loop scenario (split into rounds taken in turns with the other scenarios)")
+	flag.IntVar(&o.rounds, "rounds", 3, "rounds each closed-loop scenario is split into")
+	flag.DurationVar(&o.warmup, "warmup", time.Second, "warm-up of each closed-loop scenario")
+	flag.IntVar(&o.concurrency, "concurrency", 256, "clients of the closed-loop proxy runs (enough to keep the proxy busy while requests wait for the group commit)")
+	flag.IntVar(&o.redisConns, "redis-conns", 64, "goroutines of the Redis limit loops")
 	flag.IntVar(&o.orgs, "orgs", 100, "orgs of the many-orgs runs")
 	flag.Float64Var(&o.lagRate, "lag-rate", 2000, "request rate of the settle-lag run (req/s, open loop)")
 	flag.DurationVar(&o.lagDuration, "lag-duration", 10*time.Second, "length of the settle-lag run")
@@ -202,8 +206,8 @@ func run(ctx context.Context, o options) error {
 		return fmt.Errorf("build proxy: %w", err)
 	}
 	m := describeMachine(ctx, o)
-	fmt.Fprintf(os.Stderr, "%s\nclosed-loop runs: %s after a %s warm-up, %d clients; settle lag: %.0f req/s for %s\n",
-		m, o.duration, o.warmup, o.concurrency, o.lagRate, o.lagDuration)
+	fmt.Fprintf(os.Stderr, "%s\nclosed-loop scenarios: %s each (%d rounds, in turns) after a %s warm-up, %d clients; settle lag: %.0f req/s for %s\n",
+		m, o.duration, o.rounds, o.warmup, o.concurrency, o.lagRate, o.lagDuration)
 
 	// Everything the bench writes lives under its own Redis prefix and Postgres schemas, and is
 	// removed at the end; the shared servers are never flushed.
@@ -228,21 +232,14 @@ func run(ctx context.Context, o options) error {
 	}
 
 	common := []string{"REDIS_URL=" + o.redisURL, "DATABASE_URL=" + proxyURL, "ESCROW_PREFIX=" + prefix, "ESCROW_MAX_IN_FLIGHT=100000"}
-	closed := func(name, url string, keys []string, body []byte) loadSpec {
-		return loadSpec{Name: name, URL: url, Keys: keys, Body: body, Concurrency: o.concurrency, Duration: o.duration, Warmup: o.warmup}
-	}
 
-	// Baseline: the same proxy, middleware off.
+	// Three proxies on the same Redis and Postgres: the baseline (middleware off), escrow, and
+	// escrow with reserve coalescing. They run side by side and take the load in turns.
 	base, err := startProxy(ctx, bin, append(common, "ESCROW_BENCH_BASELINE=true"))
 	if err != nil {
 		return err
 	}
-	baseURL := base.base + "/v1/chat/completions"
-	bPlain := base.measure(ctx, closed("baseline json", baseURL, []string{"sk-none"}, plainBody))
-	bStream := base.measure(ctx, closed("baseline stream", baseURL, []string{"sk-none"}, streamBody))
-	base.stop()
-
-	// Escrow: middleware on, real Redis + Postgres.
+	defer base.stop()
 	escEnv := common
 	if o.profileDir != "" {
 		escEnv = append(escEnv, "ESCROW_PPROF_ADDR="+freeAddr())
@@ -252,6 +249,11 @@ func run(ctx context.Context, o options) error {
 		return err
 	}
 	defer esc.stop()
+	co, err := startProxy(ctx, bin, append(common, "ESCROW_COALESCE=true"))
+	if err != nil {
+		return err
+	}
+	defer co.stop()
 	keys, err := esc.provision("org", o.orgs)
 	if err != nil {
 		return fmt.Errorf("provision: %w", err)
@@ -260,37 +262,67 @@ func run(ctx context.Context, o options) error {
 	if err != nil {
 		return err
 	}
-	url := esc.base + "/v1/chat/completions"
-	ePlain := esc.measure(ctx, closed(fmt.Sprintf("escrow json, %d orgs", o.orgs), url, keys, plainBody))
-	eStream := esc.measure(ctx, closed(fmt.Sprintf("escrow stream, %d orgs", o.orgs), url, keys, streamBody))
-	eHot := esc.measure(ctx, closed("escrow json, 1 hot org", url, hot, plainBody))
+	chat := "/v1/chat/completions"
+	type scenario struct {
+		p      *proxyProc
+		name   string
+		keys   []string
+		body   []byte
+		result loadResult
+	}
+	many := fmt.Sprintf("%d orgs", o.orgs)
+	scs := []*scenario{
+		{p: base, name: "baseline json", keys: []string{"sk-none"}, body: plainBody},
+		{p: esc, name: "escrow json, " + many, keys: keys, body: plainBody},
+		{p: co, name: "escrow+coalesce json, " + many, keys: keys, body: plainBody},
+		{p: esc, name: "escrow json, 1 hot org", keys: hot, body: plainBody},
+		{p: co, name: "escrow+coalesce json, 1 hot org", keys: hot, body: plainBody},
+		{p: base, name: "baseline stream", keys: []string{"sk-none"}, body: streamBody},
+		{p: esc, name: "escrow stream, " + many, keys: keys, body: streamBody},
+	}
+	spec := func(sc *scenario, d time.Duration) loadSpec {
+		return loadSpec{Name: sc.name, URL: sc.p.base + chat, Keys: sc.keys, Body: sc.body, Concurrency: o.concurrency, Duration: d}
+	}
+	fmt.Fprintf(os.Stderr, "proxies: %d rounds of %s per scenario, in turns …\n", o.rounds, o.duration/time.Duration(o.rounds))
+	for _, sc := range scs {
+		_ = runLoad(ctx, spec(sc, o.warmup)) // warm-up: connections, caches, orgs warm in Redis
+	}
+	for range o.rounds {
+		for _, sc := range scs {
+			sc.result.merge(sc.p.measure(ctx, spec(sc, o.duration/time.Duration(o.rounds))))
+		}
+	}
+	bPlain, ePlain, cPlain, eHot, cHot, bStream, eStream := scs[0].result, scs[1].result, scs[2].result, scs[3].result, scs[4].result, scs[5].result, scs[6].result
 	if o.profileDir != "" {
-		if err := esc.profile(ctx, o, url, keys); err != nil {
+		if err := esc.profile(ctx, o, esc.base+chat, keys); err != nil {
 			return fmt.Errorf("profile: %w", err)
 		}
 	}
+	base.stop()
 	waitSettled(esc, 60*time.Second)
 
-	// Settle lag at a steady rate (open loop).
-	before := scrapeHistogram(esc, "escrow_settle_lag_seconds")
-	lag := esc.measure(ctx, loadSpec{Name: fmt.Sprintf("escrow json, open loop %.0f/s", o.lagRate), URL: url, Keys: keys, Body: plainBody, Rate: o.lagRate, Concurrency: 2048, Duration: o.lagDuration})
-	pendingAtEnd := scrapeGauge(esc, "escrow_worker_pending_events")
-	unsettledAtEnd := scrapeGauge(esc, "escrow_worker_unsettled_entries")
-	drain := waitSettled(esc, 60*time.Second)
-	after := scrapeHistogram(esc, "escrow_settle_lag_seconds")
-	lagP50, lagP99, lagN := lagQuantiles(before, after)
-	esc.stop()
-
-	// Escrow with reserve coalescing.
-	co, err := startProxy(ctx, bin, append(common, "ESCROW_COALESCE=true"))
-	if err != nil {
-		return err
+	// Settle lag at a steady rate (open loop), on each escrow proxy in turn. Both workers settle
+	// (each process runs one), so the lag histogram is the sum of both processes'.
+	type lagRun struct {
+		r                  loadResult
+		p50, p99           string
+		n                  int64
+		pending, unsettled float64
+		drain              time.Duration
 	}
-	defer co.stop()
-	curl := co.base + "/v1/chat/completions"
-	cPlain := co.measure(ctx, closed(fmt.Sprintf("escrow+coalesce json, %d orgs", o.orgs), curl, keys, plainBody))
-	cHot := co.measure(ctx, closed("escrow+coalesce json, 1 hot org", curl, hot, plainBody))
-	waitSettled(co, 60*time.Second)
+	lagOn := func(p *proxyProc, name string) lagRun {
+		var l lagRun
+		b1, b2 := scrapeHistogram(esc, "escrow_settle_lag_seconds"), scrapeHistogram(co, "escrow_settle_lag_seconds")
+		l.r = p.measure(ctx, loadSpec{Name: fmt.Sprintf("%s json, open loop %.0f/s", name, o.lagRate), URL: p.base + chat, Keys: keys, Body: plainBody, Rate: o.lagRate, Concurrency: 4096, Duration: o.lagDuration})
+		l.pending = scrapeGauge(p, "escrow_worker_pending_events")
+		l.unsettled = scrapeGauge(p, "escrow_worker_unsettled_entries")
+		l.drain = waitSettled(p, 60*time.Second)
+		a1, a2 := scrapeHistogram(esc, "escrow_settle_lag_seconds"), scrapeHistogram(co, "escrow_settle_lag_seconds")
+		l.p50, l.p99, l.n = lagQuantiles(b1.plus(b2), a1.plus(a2))
+		return l
+	}
+	lags := []lagRun{lagOn(esc, "escrow"), lagOn(co, "escrow+coalesce")}
+	esc.stop()
 	co.stop()
 
 	// The table.
@@ -326,19 +358,21 @@ func run(ctx context.Context, o options) error {
 		row(group, r.Name, r.Throughput, us(r.P50), us(r.P99), &r, rt, of)
 	}
 	lr("baseline", bPlain, nil, "")
-	lr("baseline", bStream, nil, "")
 	lr("escrow", ePlain, &bPlain, "/ baseline json")
-	lr("escrow", eStream, &bStream, "/ baseline stream")
-	lr("escrow", eHot, &bPlain, "/ baseline json")
 	lr("coalesce", cPlain, &bPlain, "/ baseline json")
+	lr("escrow", eHot, &bPlain, "/ baseline json")
 	lr("coalesce", cHot, &bPlain, "/ baseline json")
-	lr("lag", lag, nil, "")
-	row("lag", fmt.Sprintf("settle lag at %.0f req/s (%d entries)", o.lagRate, lagN), 0, lagP50, lagP99, nil, 0, "recorded → in Redis")
-	fmt.Fprintf(w, "lag\tbacklog at end of the run\t\t%.0f events\t%.0f entries\t\t\t\t\t\t%s to drain\t\n", pendingAtEnd, unsettledAtEnd, drain.Round(time.Millisecond))
+	lr("baseline", bStream, nil, "")
+	lr("escrow", eStream, &bStream, "/ baseline stream")
+	for _, l := range lags {
+		lr("lag", l.r, nil, "")
+		row("lag", fmt.Sprintf("  settle lag (%d entries)", l.n), 0, l.p50, l.p99, nil, 0, "recorded → in Redis")
+		fmt.Fprintf(w, "lag\t  backlog at the end of the run\t\t%.0f events\t%.0f entries\t\t\t\t\t\t%s to drain\t\n", l.pending, l.unsettled, l.drain.Round(time.Millisecond))
+	}
 	w.Flush()
-	for _, r := range []loadResult{bPlain, bStream, ePlain, eStream, eHot, cPlain, cHot, lag} {
+	for _, r := range []loadResult{bPlain, bStream, ePlain, eStream, eHot, cPlain, cHot, lags[0].r, lags[1].r} {
 		if r.Non2xx+r.Errors > 0 {
-			fmt.Printf("note: %s: %d non-2xx (%v), %d transport errors\n", r.Name, r.Non2xx, r.Status, r.Errors)
+			fmt.Printf("note: %s: %d non-2xx %v, %d transport errors\n", r.Name, r.Non2xx, r.Codes, r.Errors)
 		}
 	}
 	fmt.Printf("redis commands per request (escrow json, %d orgs): %.2f (%s)\n", o.orgs, ePlain.RedisPerReq, ePlain.RedisCmds)
@@ -562,6 +596,20 @@ func scrapeHistogram(p *proxyProc, name string) histogram {
 		h.bounds, h.counts = append(h.bounds, b), append(h.counts, c)
 	}
 	return h
+}
+
+// plus adds two scrapes of the same histogram (two processes).
+func (h histogram) plus(o histogram) histogram {
+	if len(h.counts) == 0 {
+		return o
+	}
+	out := histogram{bounds: h.bounds, counts: slices.Clone(h.counts)}
+	for i := range out.counts {
+		if i < len(o.counts) {
+			out.counts[i] += o.counts[i]
+		}
+	}
+	return out
 }
 
 // lagQuantiles reads p50 and p99 of what the histogram gained between two scrapes, as the
