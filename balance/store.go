@@ -68,6 +68,8 @@ type Store struct {
 
 	// precomputed script arguments
 	holdTTL, pinTTL, pinFloor, tombTTL, grace, capArg string
+	// the same, as the interface values a reserve passes (boxed once, not per call)
+	holdTTLArg, capArgArg, tombTTLArg, pinFloorArg any
 
 	scripts  map[string]*script
 	co       *coalescer // nil unless Config.Coalesce
@@ -84,8 +86,9 @@ type Store struct {
 }
 
 type cachedEpoch struct {
-	e Epoch
-	s string // e.String(), computed once
+	e   Epoch
+	s   string // e.String(), computed once
+	arg any    // s as a script argument, boxed once
 }
 
 type cachedMax struct {
@@ -143,6 +146,7 @@ func New(ctx context.Context, c redis.UniversalClient, cfg Config) (*Store, erro
 		scripts:  newScripts(),
 		held:     make(map[string]uint64),
 	}
+	s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg = s.holdTTL, s.capArg, s.tombTTL, s.pinFloor
 	if cfg.Coalesce {
 		s.co = newCoalescer(s, cfg)
 	}
@@ -204,6 +208,14 @@ func (s *Store) Epoch() Epoch {
 	return Epoch{}
 }
 
+// epochArg is epochString as a script argument.
+func (s *Store) epochArg() any {
+	if e := s.epoch.Load(); e != nil {
+		return e.arg
+	}
+	return Epoch{}.String()
+}
+
 func (s *Store) epochString() string {
 	if e := s.epoch.Load(); e != nil {
 		return e.s
@@ -222,7 +234,8 @@ func (s *Store) ObserveEpoch(e Epoch) {
 		if cur != nil && (cur.e == e || cur.e.Gen > e.Gen) {
 			return
 		}
-		if s.epoch.CompareAndSwap(cur, &cachedEpoch{e: e, s: e.String()}) {
+		str := e.String()
+		if s.epoch.CompareAndSwap(cur, &cachedEpoch{e: e, s: str, arg: str}) {
 			return
 		}
 	}
@@ -325,7 +338,7 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	keys := s.orgKeys(r.Org)
 	amount := strconv.FormatInt(r.Amount, 10)
 	for attempt := 0; ; attempt++ {
-		args := []any{s.epochString(), r.HoldID, amount, s.holdTTL, s.capArg, s.tombTTL, s.pinFloor, "0"}
+		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, "0"}
 		var res []any
 		var err error
 		if s.co != nil {
