@@ -40,6 +40,7 @@ type pinState struct {
 	next   time.Time // when to try (again)
 	wait   time.Duration
 	cancel bool // replayed: unpin instead of pin
+	tries  int  // failed unpins
 }
 
 // fallback is the Recorder's local-journal side: it appends batches the ledger could not take,
@@ -53,6 +54,7 @@ type fallback struct {
 
 	replayEvery time.Duration
 	pinEvery    time.Duration
+	unpinDelay  time.Duration
 	timeout     time.Duration
 	batch       int
 	nearFree    float64
@@ -61,7 +63,9 @@ type fallback struct {
 	holds map[string]*pinState // hold id → state
 	wake  chan struct{}
 
-	outage atomic.Bool // the journal is in use (logged once per outage)
+	// down: the ledger failed the last batch (or replay) and no replay has succeeded since; new
+	// batches go straight to the journal meanwhile. Logged once per outage.
+	down atomic.Bool
 
 	journaled, replays, replayed, replayErrs, pinErrs, full atomic.Int64
 
@@ -75,7 +79,8 @@ const pinRetryMax = 5 * time.Second
 func newFallback(l Ledger, cfg RecorderConfig) *fallback {
 	return &fallback{
 		j: cfg.Journal, ledger: l, pin: cfg.Pinner, log: cfg.Logger,
-		replayEvery: cfg.ReplayInterval, pinEvery: cfg.PinInterval, timeout: cfg.Timeout, batch: cfg.MaxBatch,
+		replayEvery: cfg.ReplayInterval, pinEvery: cfg.PinInterval, unpinDelay: cfg.UnpinDelay,
+		timeout: cfg.Timeout, batch: cfg.MaxBatch,
 		nearFree: cfg.JournalReserve,
 		holds:    make(map[string]*pinState), wake: make(chan struct{}, 1),
 	}
@@ -88,7 +93,6 @@ func (f *fallback) start(ctx context.Context) {
 		f.log.Error("escrow: cannot read the local journal", "err", err)
 	} else if len(evs) > 0 {
 		f.log.Warn("escrow: the local journal holds usage from an earlier run; replaying it", "events", len(evs), "bytes", f.j.Size())
-		f.outage.Store(true)
 		f.track(evs)
 	}
 	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
@@ -111,14 +115,14 @@ func (f *fallback) stop(ctx context.Context) {
 	if f.j.Len() > 0 {
 		f.replay(ctx)
 	}
-	// Holds just replayed get one prompt unpin try; the pins of the rest expire by themselves or
-	// are renewed by the next process that opens the journal.
-	f.pinDue(ctx, time.Now(), true)
+	// Holds replayed get one unpin try now; the pins of the rest expire by themselves, or are
+	// renewed by the next process that opens the journal.
+	f.pinDue(ctx, time.Now().Add(f.unpinDelay), true)
 }
 
-// active reports whether the journal holds events: new batches go there too until a replay
-// empties it, rather than each waiting for an unreachable ledger.
-func (f *fallback) active() bool { return f.j.Len() > 0 }
+// ledgerDown reports whether new batches should go straight to the journal: the ledger failed
+// and no replay has succeeded since, so each batch need not wait for an unreachable ledger.
+func (f *fallback) ledgerDown() bool { return f.down.Load() }
 
 // nearFull reports whether new holds should be refused.
 func (f *fallback) nearFull() bool { return f.j.NearFull(f.nearFree) }
@@ -133,7 +137,7 @@ func (f *fallback) append(ctx context.Context, events []UsageEvent, cause error)
 		return fmt.Errorf("accounting: ledger unavailable (%w) and local journal refused the batch: %w", cause, err)
 	}
 	f.journaled.Add(int64(len(events)))
-	if f.outage.CompareAndSwap(false, true) {
+	if f.down.CompareAndSwap(false, true) {
 		f.log.Warn("escrow: ledger unavailable; usage goes to the local journal until it is back", "cause", cause)
 	}
 	f.track(events)
@@ -156,25 +160,39 @@ func (f *fallback) track(events []UsageEvent) {
 	}
 }
 
+// loop runs the replay loop and the pin loop side by side, so that a replay waiting for a slow
+// ledger never delays a pin.
 func (f *fallback) loop(ctx context.Context) {
 	defer close(f.done)
-	tick := time.NewTicker(min(f.replayEvery, 200*time.Millisecond))
-	defer tick.Stop()
-	lastReplay := time.Time{}
-	for {
-		now := time.Now()
-		if f.j.Len() > 0 && now.Sub(lastReplay) >= f.replayEvery {
-			lastReplay = now
-			f.replay(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		tick := time.NewTicker(f.replayEvery)
+		defer tick.Stop()
+		for {
+			if f.j.Len() > 0 {
+				f.replay(ctx)
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
 		}
-		f.pinDue(ctx, time.Now(), false)
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		case <-f.wake:
+	})
+	wg.Go(func() {
+		tick := time.NewTicker(50 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			f.pinDue(ctx, time.Now(), false)
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			case <-f.wake:
+			}
 		}
-	}
+	})
+	wg.Wait()
 }
 
 // replay hands the journal to the ledger; on success its holds get their normal expiry back.
@@ -193,6 +211,9 @@ func (f *fallback) replay(ctx context.Context) {
 	})
 	if err != nil {
 		f.replayErrs.Add(1)
+		if Unavailable(err) {
+			f.down.Store(true)
+		}
 		if !Unavailable(err) {
 			f.log.Error("escrow: journal replay failed", "replayed", n, "err", err)
 		}
@@ -203,15 +224,18 @@ func (f *fallback) replay(ctx context.Context) {
 	}
 	f.replays.Add(1)
 	f.replayed.Add(int64(n))
-	if f.j.Len() == 0 {
-		f.outage.Store(false)
+	if f.down.CompareAndSwap(true, false) {
+		f.log.Info("escrow: the ledger answers again; usage goes to it directly")
 	}
-	f.log.Info("escrow: local journal replayed into the ledger", "events", n)
-	now := time.Now()
+	f.log.Info("escrow: local journal replayed into the ledger", "events", n, "left", f.j.Len())
+	// The worker settles the replayed usage within moments, which drops most of these holds; the
+	// unpin, a moment later, is for the rest (their usage must not keep them pinned for PinTTL).
+	// Unpinning at once would count them against the org's cap on requests in flight meanwhile.
+	next := time.Now().Add(f.unpinDelay)
 	f.mu.Lock()
 	for _, id := range ids {
 		if st, ok := f.holds[id]; ok {
-			st.cancel, st.ok, st.next, st.wait = true, false, now, 0
+			st.cancel, st.next, st.wait = true, next, 0
 		}
 	}
 	f.mu.Unlock()
@@ -236,11 +260,11 @@ func (f *fallback) pinDue(ctx context.Context, now time.Time, unpinOnly bool) {
 	if len(due) == 0 {
 		return
 	}
-	const parallel = 8
+	const parallel = 32
 	var (
 		wg     sync.WaitGroup
 		sem    = make(chan struct{}, parallel)
-		failed atomic.Bool
+		failed atomic.Int64 // past a few errors, Redis is down: the rest of the round waits
 	)
 	for _, it := range due {
 		if ctx.Err() != nil {
@@ -252,8 +276,8 @@ func (f *fallback) pinDue(ctx context.Context, now time.Time, unpinOnly bool) {
 			defer func() { <-sem; wg.Done() }()
 			var exists bool
 			var err error
-			if failed.Load() {
-				err = errors.New("skipped after an error in this round")
+			if failed.Load() >= parallel {
+				err = errors.New("skipped after errors in this round")
 			} else {
 				cctx, cancel := context.WithTimeout(ctx, time.Second)
 				if it.st.cancel {
@@ -263,7 +287,9 @@ func (f *fallback) pinDue(ctx context.Context, now time.Time, unpinOnly bool) {
 				}
 				cancel()
 				if err != nil {
-					failed.Store(true)
+					if failed.Add(1) == 1 {
+						f.log.Warn("escrow: cannot pin or unpin a journaled request's hold; retrying", "hold_id", it.id, "org", it.st.org, "err", err)
+					}
 					f.pinErrs.Add(1)
 				}
 			}
@@ -274,6 +300,13 @@ func (f *fallback) pinDue(ctx context.Context, now time.Time, unpinOnly bool) {
 				return // replayed meanwhile: the unpin is scheduled already
 			}
 			switch {
+			case err != nil && st.cancel:
+				// An unpin that fails is retried, but only for a while: the pin expires anyway.
+				st.wait = min(max(2*st.wait, 50*time.Millisecond), pinRetryMax)
+				st.next = time.Now().Add(st.wait)
+				if st.tries++; st.tries > 100 {
+					delete(f.holds, it.id)
+				}
 			case err != nil:
 				st.wait = min(max(2*st.wait, 50*time.Millisecond), pinRetryMax)
 				st.next = time.Now().Add(st.wait)

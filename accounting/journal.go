@@ -33,10 +33,11 @@ type Journal struct {
 	path string
 	max  int64
 
-	mu    sync.Mutex
-	f     *os.File
-	size  int64
-	count int
+	replayMu sync.Mutex // one Replay at a time
+	mu       sync.Mutex
+	f        *os.File
+	size     int64
+	count    int
 }
 
 // OpenJournal opens (or creates) the journal in dir, capped at maxBytes.
@@ -168,40 +169,104 @@ func (j *Journal) Events() ([]UsageEvent, error) {
 	return events, err
 }
 
-// Replay hands the journal's events to record (in batches of at most batch) and empties the
-// journal once every batch succeeded. Appends wait while it runs. Replaying twice is safe when
-// record is idempotent by event id, as the ledgers are. It returns how many events it replayed.
+// Replay hands the journal's events to record (in batches of at most batch) and, once every
+// batch succeeded, removes them from the journal. Appends go on while record runs: the events
+// appended meanwhile stay for the next Replay (they are copied into a fresh file that replaces
+// the journal atomically, so a crash at any point leaves either the old file or the new one).
+// Only one Replay runs at a time. Replaying twice is safe when record is idempotent by event
+// id, as the ledgers are. It returns how many events it replayed.
 func (j *Journal) Replay(ctx context.Context, batch int, record func(context.Context, []UsageEvent) error) (int, error) {
+	j.replayMu.Lock()
+	defer j.replayMu.Unlock()
+
 	j.mu.Lock()
-	defer j.mu.Unlock()
 	if j.f == nil {
+		j.mu.Unlock()
 		return 0, errors.New("accounting: journal closed")
 	}
 	if j.count == 0 {
+		j.mu.Unlock()
 		return 0, nil
 	}
-	events, _, err := readRecords(j.f)
+	events, end, err := readRecords(j.f)
+	if _, serr := j.f.Seek(j.size, io.SeekStart); err == nil {
+		err = serr
+	}
+	j.mu.Unlock()
 	if err != nil {
 		return 0, err
 	}
+
 	batch = max(batch, 1)
 	for i := 0; i < len(events); i += batch {
 		if err := record(ctx, events[i:min(i+batch, len(events))]); err != nil {
-			_, _ = j.f.Seek(j.size, io.SeekStart)
 			return i, err
 		}
 	}
-	if err := j.f.Truncate(0); err != nil {
+
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.f == nil {
+		return len(events), errors.New("accounting: journal closed")
+	}
+	if j.size == end {
+		// Nothing was appended meanwhile: empty the file in place.
+		if err := j.f.Truncate(0); err != nil {
+			return len(events), err
+		}
+		if _, err := j.f.Seek(0, io.SeekStart); err != nil {
+			return len(events), err
+		}
+		if err := j.f.Sync(); err != nil {
+			return len(events), err
+		}
+		j.size, j.count = 0, 0
+		return len(events), nil
+	}
+	// Keep what was appended after the replayed records.
+	rest := make([]byte, j.size-end)
+	if _, err := j.f.ReadAt(rest, end); err != nil {
+		return len(events), fmt.Errorf("accounting: journal compaction: %w", err)
+	}
+	_, _ = j.f.Seek(j.size, io.SeekStart)
+	tmp := j.path + ".tmp"
+	nf, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return len(events), fmt.Errorf("accounting: journal compaction: %w", err)
+	}
+	if _, err := nf.Write(rest); err == nil {
+		err = nf.Sync()
+	}
+	if err == nil {
+		err = os.Rename(tmp, j.path)
+	}
+	if err == nil {
+		err = syncDir(filepath.Dir(j.path))
+	}
+	if err != nil {
+		nf.Close()
+		_ = os.Remove(tmp)
+		return len(events), fmt.Errorf("accounting: journal compaction: %w", err)
+	}
+	if _, err := nf.Seek(int64(len(rest)), io.SeekStart); err != nil {
+		nf.Close()
 		return len(events), err
 	}
-	if _, err := j.f.Seek(0, io.SeekStart); err != nil {
-		return len(events), err
-	}
-	if err := j.f.Sync(); err != nil {
-		return len(events), err
-	}
-	j.size, j.count = 0, 0
+	j.f.Close()
+	j.f = nf
+	j.size = int64(len(rest))
+	j.count -= len(events)
 	return len(events), nil
+}
+
+// syncDir fsyncs a directory, so that a rename in it survives a crash.
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
 }
 
 // Size is the journal's size in bytes; Len its number of events; Max its cap.

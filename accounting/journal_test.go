@@ -200,3 +200,53 @@ func TestJournalReplayTwice(t *testing.T) {
 		t.Fatalf("after two replays: balance %d seq %d, want %d and 7", acct.Balance, acct.LedgerSeq, want)
 	}
 }
+
+// TestJournalAppendDuringReplay: events appended while a replay's ledger call runs are neither
+// lost nor replayed by it; they stay for the next replay, and survive a reopen.
+func TestJournalAppendDuringReplay(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dir := t.TempDir()
+	j, err := OpenJournal(dir, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, second := journalEvents(5, "a"), journalEvents(3, "b")
+	if err := j.Append(ctx, first); err != nil {
+		t.Fatal(err)
+	}
+	var got []UsageEvent
+	n, err := j.Replay(ctx, 2, func(ctx context.Context, evs []UsageEvent) error {
+		if len(got) == 0 { // appends do not wait for the ledger call
+			if err := j.Append(ctx, second); err != nil {
+				return err
+			}
+		}
+		got = append(got, evs...)
+		return nil
+	})
+	if err != nil || n != 5 || len(got) != 5 || got[4].Org != "a" {
+		t.Fatalf("replay: %d %v, got %d events", n, err, len(got))
+	}
+	if j.Len() != 3 {
+		t.Fatalf("%d events left, want the 3 appended during the replay", j.Len())
+	}
+	// One more append after the compaction lands after the kept ones.
+	third := journalEvents(1, "c")
+	if err := j.Append(ctx, third); err != nil {
+		t.Fatal(err)
+	}
+	j.Close()
+	j, err = OpenJournal(dir, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer j.Close()
+	evs, err := j.Events()
+	if err != nil || len(evs) != 4 || evs[0].Org != "b" || evs[2].Org != "b" || evs[3].Org != "c" {
+		t.Fatalf("after reopen: %d events (%v)", len(evs), err)
+	}
+	if n, err := j.Replay(ctx, 10, func(context.Context, []UsageEvent) error { return nil }); n != 4 || err != nil || j.Len() != 0 || j.Size() != 0 {
+		t.Fatalf("second replay: %d %v, left %d (%d bytes)", n, err, j.Len(), j.Size())
+	}
+}

@@ -35,9 +35,10 @@ type RecorderConfig struct {
 
 	// Journal, when set, is the local fallback for a ledger outage: a batch whose RecordUsage
 	// fails with ErrLedgerUnavailable is appended (fsynced) there instead, and its callers get
-	// nil. While the journal holds events, new batches go there too; every ReplayInterval the
-	// journal is replayed into the ledger (idempotently). When it is full, Record fails. The
-	// caller owns the journal (opens and closes it). Default nil: ledger errors reach Record.
+	// nil. Until a replay succeeds, new batches go straight there too; every ReplayInterval a
+	// non-empty journal is replayed into the ledger (idempotently). When it is full, Record
+	// fails. The caller owns the journal (opens and closes it). Default nil: ledger errors reach
+	// Record.
 	Journal *Journal
 	// Pinner pins the hold of every journaled event (HoldAmount > 0), so that no reaper releases
 	// it while its usage waits, re-pins it every PinInterval, and unpins it after the replay.
@@ -49,6 +50,10 @@ type RecorderConfig struct {
 	PinInterval time.Duration
 	// ReplayInterval is how often a non-empty journal is replayed into the ledger. Default 1s.
 	ReplayInterval time.Duration
+	// UnpinDelay is how long after a replay the replayed holds are unpinned: by then the worker
+	// has usually settled them (which drops them), and the few left get their normal expiry
+	// back. Default 5s.
+	UnpinDelay time.Duration
 	// JournalReserve is the fraction of the journal's cap kept for requests already in flight:
 	// Degraded reports true once less than this is free, so that new holds are refused while
 	// the requests that hold one can still be journaled. Default 0.1.
@@ -93,6 +98,7 @@ func NewRecorder(l Ledger, cfg RecorderConfig) *Recorder {
 	cfg.FlushInterval = max(cfg.FlushInterval, 0)
 	cfg.PinInterval = cmp.Or(max(cfg.PinInterval, 0), 6*time.Hour)
 	cfg.ReplayInterval = cmp.Or(max(cfg.ReplayInterval, 0), time.Second)
+	cfg.UnpinDelay = cmp.Or(max(cfg.UnpinDelay, 0), 5*time.Second)
 	if cfg.JournalReserve <= 0 || cfg.JournalReserve >= 1 {
 		cfg.JournalReserve = 0.1
 	}
@@ -110,9 +116,8 @@ func NewRecorder(l Ledger, cfg RecorderConfig) *Recorder {
 // nearly full: less than JournalReserve of its cap is free. Always false without a journal.
 func (r *Recorder) Degraded() bool { return r.fb != nil && r.fb.nearFull() }
 
-// Journaling reports whether usage is going to the local journal now (it holds events that
-// wait for the ledger).
-func (r *Recorder) Journaling() bool { return r.fb != nil && r.fb.active() }
+// Journaling reports whether the local journal holds usage that waits for the ledger.
+func (r *Recorder) Journaling() bool { return r.fb != nil && r.fb.j.Len() > 0 }
 
 // Stats returns the recorder's running totals and its journal's state.
 func (r *Recorder) Stats() RecorderStats {
@@ -283,8 +288,8 @@ func (r *Recorder) commit(batch []*recordReq) {
 	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.Timeout)
 	defer cancel()
 	var err error
-	if r.fb != nil && r.fb.active() {
-		// The ledger was down a moment ago and the journal is not replayed yet: keep appending
+	if r.fb != nil && r.fb.ledgerDown() {
+		// The ledger was down a moment ago and no replay has succeeded since: keep appending
 		// (the replay loop finds out when the ledger is back) instead of waiting for it.
 		err = r.fb.append(ctx, events, ErrLedgerUnavailable)
 	} else {

@@ -136,7 +136,7 @@ func TestRecorderJournalOutage(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer j.Close()
-	r := startRecorder(t, l, accounting.RecorderConfig{Journal: j, Pinner: store, ReplayInterval: 50 * time.Millisecond,
+	r := startRecorder(t, l, accounting.RecorderConfig{Journal: j, Pinner: store, ReplayInterval: 50 * time.Millisecond, UnpinDelay: 20 * time.Millisecond,
 		PinInterval: 100 * time.Millisecond, Logger: quiet})
 
 	l.down.Store(true)
@@ -220,7 +220,7 @@ func TestRecorderJournalSurvivesRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r1 := accounting.NewRecorder(l, accounting.RecorderConfig{Journal: j1, Pinner: store, ReplayInterval: 20 * time.Millisecond, Logger: quiet})
+	r1 := accounting.NewRecorder(l, accounting.RecorderConfig{Journal: j1, Pinner: store, ReplayInterval: 20 * time.Millisecond, UnpinDelay: 20 * time.Millisecond, Logger: quiet})
 	r1.Start(ctx)
 	l.down.Store(true)
 	recordEach(t, r1, evs)
@@ -241,7 +241,7 @@ func TestRecorderJournalSurvivesRestart(t *testing.T) {
 	if j2.Len() != n {
 		t.Fatalf("reopened journal has %d events, want %d", j2.Len(), n)
 	}
-	r2 := startRecorder(t, l, accounting.RecorderConfig{Journal: j2, Pinner: store, ReplayInterval: 20 * time.Millisecond, Logger: quiet})
+	r2 := startRecorder(t, l, accounting.RecorderConfig{Journal: j2, Pinner: store, ReplayInterval: 20 * time.Millisecond, UnpinDelay: 20 * time.Millisecond, Logger: quiet})
 	waitFor(t, "the replay at start", 5*time.Second, func() bool { return j2.Len() == 0 })
 	waitFor(t, "unpins", 5*time.Second, func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == 0 })
 	if st := r2.Stats(); st.Replays != 1 || st.Replayed != n {
@@ -326,7 +326,7 @@ func TestRecorderJournalPostgresOutage(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer j.Close()
-	r := startRecorder(t, l, accounting.RecorderConfig{Journal: j, Pinner: store, ReplayInterval: 100 * time.Millisecond,
+	r := startRecorder(t, l, accounting.RecorderConfig{Journal: j, Pinner: store, ReplayInterval: 100 * time.Millisecond, UnpinDelay: 20 * time.Millisecond,
 		Timeout: 2 * time.Second, Logger: quiet})
 
 	srv.Stop()

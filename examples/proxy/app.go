@@ -363,6 +363,9 @@ func redisClient(raw string) (redis.UniversalClient, error) {
 		if opt.TLSConfig != nil {
 			opt.TLSConfig.MinVersion = tls.VersionTLS12
 		}
+		// Deadlines of the request path (the reserve's 1s) bound a Redis call that gets no
+		// reply, instead of the client's 3s read timeout and its retries.
+		opt.ContextTimeoutEnabled = true
 		return redis.NewClient(opt), nil
 	}
 	var addrs []string
@@ -377,7 +380,8 @@ func redisClient(raw string) (redis.UniversalClient, error) {
 		}
 		addrs = append(addrs, opt.Addr)
 	}
-	co := &redis.ClusterOptions{Addrs: addrs, Username: first.Username, Password: first.Password, TLSConfig: first.TLSConfig}
+	co := &redis.ClusterOptions{Addrs: addrs, Username: first.Username, Password: first.Password, TLSConfig: first.TLSConfig,
+		ContextTimeoutEnabled: true}
 	if co.TLSConfig != nil {
 		co.TLSConfig.MinVersion = tls.VersionTLS12
 	}
