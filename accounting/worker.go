@@ -512,8 +512,10 @@ func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 // above them all, is implicit).
 var SettleLagBounds = []time.Duration{
 	time.Millisecond, 2 * time.Millisecond, 5 * time.Millisecond, 10 * time.Millisecond,
-	20 * time.Millisecond, 50 * time.Millisecond, 100 * time.Millisecond, 200 * time.Millisecond,
-	500 * time.Millisecond, time.Second, 2 * time.Second, 5 * time.Second, 10 * time.Second,
+	20 * time.Millisecond, 35 * time.Millisecond, 50 * time.Millisecond, 75 * time.Millisecond,
+	100 * time.Millisecond, 150 * time.Millisecond, 200 * time.Millisecond, 300 * time.Millisecond,
+	400 * time.Millisecond, 500 * time.Millisecond, 750 * time.Millisecond, time.Second,
+	1500 * time.Millisecond, 2 * time.Second, 3 * time.Second, 5 * time.Second, 10 * time.Second,
 	30 * time.Second, time.Minute,
 }
 
@@ -550,7 +552,7 @@ func (w *Worker) SettleLag() SettleLag {
 }
 
 type lagHistogram struct {
-	counts [16]atomic.Uint64 // len(SettleLagBounds)+1
+	counts [24]atomic.Uint64 // len(SettleLagBounds)+1
 	count  atomic.Uint64
 	sum    atomic.Int64
 }

@@ -133,7 +133,7 @@ func measureLimits(ctx context.Context, o options, rdbURL, dbURL, prefix string)
 			return err
 		}, &lim.coalesced, &lim.p50Coalesced},
 	}
-	const rounds = 3
+	const rounds = 8
 	round := o.limitRound
 	counts := make([]int64, len(modes))
 	spent := make([]time.Duration, len(modes))
@@ -229,7 +229,7 @@ func pgLimits(ctx context.Context, o options, lim *limits, dbURL string, rdb *re
 	}
 	orgOf := func(i int64) string { return fmt.Sprintf("pg-%03d", i%100) }
 	var n atomic.Int64
-	d := 2 * o.limitRound
+	d := 5 * o.limitRound
 
 	fmt.Fprintf(os.Stderr, "\r  limit: postgres 1 row/tx   ")
 	cnt, el, err := closedLoop(16, d, func() error {

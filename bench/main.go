@@ -65,7 +65,7 @@ func main() {
 	flag.IntVar(&o.orgs, "orgs", 100, "orgs of the many-orgs runs")
 	flag.Float64Var(&o.lagRate, "lag-rate", 2000, "request rate of the settle-lag run (req/s, open loop)")
 	flag.DurationVar(&o.lagDuration, "lag-duration", 10*time.Second, "length of the settle-lag run")
-	flag.DurationVar(&o.limitRound, "limit-round", time.Second, "length of one round of a Redis limit loop (3 rounds each, interleaved)")
+	flag.DurationVar(&o.limitRound, "limit-round", 400*time.Millisecond, "length of one round of a Redis limit loop (8 rounds each, interleaved)")
 	flag.StringVar(&o.redisURL, "redis-url", envOr("REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis under test (never flushed: the bench uses a prefix of its own and deletes its keys)")
 	flag.StringVar(&o.databaseURL, "database-url", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "Postgres under test (the bench uses schemas of its own and drops them)")
 	flag.StringVar(&o.profileDir, "profile", "", "if set: also take 10 s CPU and allocation profiles of the escrow proxy at max throughput into this directory")
@@ -614,8 +614,8 @@ func (h histogram) plus(o histogram) histogram {
 	return out
 }
 
-// lagQuantiles reads p50 and p99 of what the histogram gained between two scrapes, as the
-// upper bound of the bucket that holds each ("≤ 50ms").
+// lagQuantiles reads p50 and p99 of what the histogram gained between two scrapes,
+// interpolated linearly within the bucket that holds each (as Prometheus' histogram_quantile).
 func lagQuantiles(before, after histogram) (p50, p99 string, n int64) {
 	if len(after.counts) == 0 {
 		return "n/a", "n/a", 0
@@ -632,17 +632,32 @@ func lagQuantiles(before, after histogram) (p50, p99 string, n int64) {
 		if total == 0 {
 			return "n/a"
 		}
+		rank := p * total
 		for i, c := range diff {
-			if c >= p*total {
-				if math.IsInf(after.bounds[i], 1) {
-					return "> " + time.Duration(after.bounds[i-1]*float64(time.Second)).String()
-				}
-				return "≤ " + time.Duration(after.bounds[i]*float64(time.Second)).String()
+			if c < rank {
+				continue
 			}
+			if math.IsInf(after.bounds[i], 1) {
+				return "> " + secs(after.bounds[i-1])
+			}
+			lo, below := 0.0, 0.0
+			if i > 0 {
+				lo, below = after.bounds[i-1], diff[i-1]
+			}
+			in := c - below
+			v := after.bounds[i]
+			if in > 0 {
+				v = lo + (after.bounds[i]-lo)*(rank-below)/in
+			}
+			return secs(v)
 		}
 		return "n/a"
 	}
 	return q(0.50), q(0.99), int64(total)
+}
+
+func secs(v float64) string {
+	return time.Duration(v * float64(time.Second)).Round(time.Millisecond).String()
 }
 
 // benchSchema creates a schema of the bench's own and returns a URL whose search_path is it,
