@@ -18,7 +18,7 @@ type metrics struct {
 	holds    prometheus.Histogram     // hold amounts
 	costs    prometheus.Histogram     // real costs
 	errors   *prometheus.CounterVec   // Redis / ledger errors seen by the middleware
-	latency  *prometheus.HistogramVec // reserve latency
+	latency  *prometheus.HistogramVec // request duration by outcome kind
 
 	journalRefused prometheus.Counter // requests refused because the local journal is nearly full
 }
@@ -43,9 +43,9 @@ func newMetrics(a *app) *metrics {
 		Name: "escrow_backend_errors_total", Help: "Errors from Redis or the ledger seen on the request path.",
 	}, []string{"backend"})
 	m.latency = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Name: "escrow_reserve_seconds", Help: "Time to take a hold (one Redis round trip on a warm org).",
-		Buckets: prometheus.ExponentialBuckets(0.0001, 2, 14),
-	}, []string{"result"})
+		Name: "escrow_request_seconds", Help: "Time from the request's arrival to its outcome (upstream time included), by outcome kind.",
+		Buckets: prometheus.ExponentialBuckets(0.0005, 2, 18),
+	}, []string{"outcome"})
 	m.reg.MustRegister(m.requests, m.holds, m.costs, m.errors, m.latency)
 
 	w := a.worker
@@ -116,6 +116,9 @@ func (m *metrics) observe(o middleware.Outcome) {
 		label = "fail_open"
 	}
 	m.requests.WithLabelValues(label).Inc()
+	if o.Duration > 0 {
+		m.latency.WithLabelValues(string(o.Kind)).Observe(o.Duration.Seconds())
+	}
 	if o.HoldAmount > 0 {
 		m.holds.Observe(float64(o.HoldAmount))
 	}
