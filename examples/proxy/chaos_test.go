@@ -653,6 +653,24 @@ func TestChaos(t *testing.T) {
 			}
 		}
 	}
+	// After a Redis restart every org is cold; each reseeds from the ledger and gets answers
+	// from the reserve again (a 200, or the poor org's 429 insufficient_quota).
+	for _, w := range windows {
+		if w.what != "redis-restart" {
+			continue
+		}
+		answered := map[string]bool{}
+		for _, r := range results {
+			if r.start.After(w.end) && (r.kind == "ok" || r.code == "insufficient_quota") {
+				answered[r.org] = true
+			}
+		}
+		for _, org := range loadOrgs {
+			if !answered[org] {
+				t.Errorf("%s was never served after the Redis restart", org)
+			}
+		}
+	}
 	// Warm orgs are served while Postgres is down (their usage goes to the journal).
 	servedInOutage := 0
 	for _, w := range windows {
@@ -669,7 +687,7 @@ func TestChaos(t *testing.T) {
 	replays := strings.Count(logText, "local journal replayed into the ledger")
 	journaled := strings.Count(logText, "usage goes to the local journal")
 	t.Logf("chaos: %d clients, load %.1fs, rest %.1fs; requests %d: 200 %d, 429 %d, 503 %d, 5xx %d, unknown outcome %d, unsent %d; "+
-		"proxy restarts %d, journal outages %d, journal replays %d, served during Postgres outages %d, cold-org 503s %d, charged hold ids %d",
+		"proxy restarts %d, journal episodes %d, journal replays %d, served during Postgres outages %d, cold-org 503s %d, charged hold ids %d",
 		chaosClients, loadTime.Seconds(), restTime.Seconds(), total.requests, total.ok, total.r429, total.r503, total.r5xx,
 		total.unknown, total.unsent, p.restarts, journaled, replays, servedInOutage, coldDuringOutage, len(charges))
 	t.Logf("outcomes: %v", codes)
