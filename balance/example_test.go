@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
@@ -44,4 +46,38 @@ func ExampleStore_Reserve() {
 	// 3000000 <nil>
 	// true 3000000
 	// applied 4250000 0
+}
+
+// With Coalesce, reserves that arrive while other round trips are in flight go to Redis together,
+// as one pipeline; each still gets its own answer.
+func ExampleConfig_coalesce() {
+	ctx := context.Background()
+	mr, _ := miniredis.Run()
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	ledger := balancetest.NewFakeLedger(1)
+	ledger.Add("acme", 1_000, "")
+
+	store, err := balance.New(ctx, rdb, balance.Config{Ledger: ledger, Coalesce: true, MaxPipelines: 1})
+	if err != nil {
+		panic(err)
+	}
+	var wg sync.WaitGroup
+	var granted, refused atomic.Int64
+	for i := range 50 { // 50 holds of 100 on a balance of 1,000: exactly 10 pass
+		wg.Go(func() {
+			_, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: fmt.Sprintf("req-%d", i), Amount: 100})
+			if errors.Is(err, balance.ErrInsufficient) {
+				refused.Add(1)
+			} else if err == nil {
+				granted.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	st, _ := store.State(ctx, "acme")
+	fmt.Println(granted.Load(), refused.Load(), st.Balance, st.Holds)
+	// Output:
+	// 10 40 0 10
 }
