@@ -30,6 +30,10 @@ type WorkerConfig struct {
 	ScanInterval time.Duration
 	// ReconcileInterval is how often every warm org is checked against the ledger. Default 1m.
 	ReconcileInterval time.Duration
+	// OrgTimeout bounds the background work on one org (one settle, reap or reconcile of it), so
+	// a Redis that drops replies stalls one org for this long, not the whole loop. It needs a
+	// Redis client that honours context deadlines (go-redis: ContextTimeoutEnabled). Default 10s.
+	OrgTimeout time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -45,6 +49,7 @@ func (c *WorkerConfig) withDefaults() WorkerConfig {
 	z.ReapInterval = cmp.Or(z.ReapInterval, 5*time.Second)
 	z.ScanInterval = cmp.Or(z.ScanInterval, time.Minute)
 	z.ReconcileInterval = cmp.Or(z.ReconcileInterval, time.Minute)
+	z.OrgTimeout = cmp.Or(z.OrgTimeout, 10*time.Second)
 	if z.Logger == nil {
 		z.Logger = slog.Default()
 	}
@@ -233,7 +238,10 @@ func (w *Worker) pass(ctx context.Context, sweep bool) error {
 			continue
 		}
 		seen[org] = true
-		if err := w.SettleOrg(ctx, org); err != nil {
+		octx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
+		err := w.SettleOrg(octx, org)
+		cancel()
+		if err != nil {
 			errs = append(errs, fmt.Errorf("org %s: %w", org, err))
 			w.mu.Lock()
 			w.dirty[org] = struct{}{} // retried on the next sweep or notification
@@ -391,7 +399,10 @@ func (w *Worker) maintenanceLoop(ctx context.Context) {
 				w.log.Warn("reconcile scan failed", "err", err)
 			}
 			for _, org := range orgs {
-				if _, err := w.Reconcile(ctx, org); err != nil && ctx.Err() == nil {
+				octx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
+				_, err := w.Reconcile(octx, org)
+				cancel()
+				if err != nil && ctx.Err() == nil {
 					w.log.Warn("reconcile failed", "org", org, "err", err)
 				}
 			}
@@ -403,7 +414,9 @@ func (w *Worker) maintenanceLoop(ctx context.Context) {
 func (w *Worker) ReapOrgs(ctx context.Context, orgs []string) int {
 	total := 0
 	for _, org := range orgs {
-		n, err := w.store.Reap(ctx, org)
+		octx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
+		n, err := w.store.Reap(octx, org)
+		cancel()
 		total += n
 		if err != nil {
 			if ctx.Err() == nil {
