@@ -395,7 +395,7 @@ func (w *Worker) maintenanceLoop(ctx context.Context) {
 			w.ReapOrgs(ctx, orgs)
 		case <-recon.C:
 			var orgs []string
-			if err := w.store.ScanOrgs(ctx, func(org string) error { orgs = append(orgs, org); return nil }); err != nil {
+			if err := w.store.ScanWarmOrgs(ctx, func(org string) error { orgs = append(orgs, org); return nil }); err != nil {
 				w.log.Warn("reconcile scan failed", "err", err)
 			}
 			for _, org := range orgs {

@@ -245,3 +245,43 @@ func TestWorkerStopFlushes(t *testing.T) {
 }
 
 var _ = fmt.Sprint
+
+// TestReconcileLoopVisitsIdleOrgs: the background reconciler visits warm orgs at rest (no
+// holds), finds a hand-made drift and repairs it.
+func TestReconcileLoopVisitsIdleOrgs(t *testing.T) {
+	t.Parallel()
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
+		ctx := context.Background()
+		store := newStore(t, env, l, balance.Config{})
+		w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet, ReconcileInterval: 30 * time.Millisecond})
+		if err := l.CreateOrg(ctx, "idle"); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := w.Credit(ctx, "idle", 700, "c1"); err != nil {
+			t.Fatal(err)
+		}
+		if err := env.Client.HIncrBy(ctx, env.Prefix+":{idle}:acct", "bal", -5).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Start(ctx); err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = w.Stop(ctx) }()
+		deadline := time.Now().Add(10 * time.Second)
+		for w.Stats().DriftRepairs == 0 {
+			if time.Now().After(deadline) {
+				t.Fatal("the reconciler never repaired the idle org's drift")
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		if got := w.Stats().LastDrift; got != -5 {
+			t.Fatalf("drift %d, want -5", got)
+		}
+		if err := store.Warm(ctx, "idle"); err != nil {
+			t.Fatal(err)
+		}
+		if st, _ := store.State(ctx, "idle"); st.Balance != 700 {
+			t.Fatalf("after repair: %d, want 700", st.Balance)
+		}
+	})
+}

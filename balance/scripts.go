@@ -190,7 +190,17 @@ const scanPage = 100
 // (never KEYS), on every master of a Cluster. It is the reaper's backstop for holds left by dead
 // processes. fn may see an org more than once; an error from fn stops the scan.
 func (s *Store) ScanOrgs(ctx context.Context, fn func(org string) error) error {
-	pattern := s.prefix + ":{*}:hexp"
+	return s.scanKind(ctx, "hexp", fn)
+}
+
+// ScanWarmOrgs calls fn for every org that has a hot balance (an acct key), with the same slow
+// SCAN as ScanOrgs. It is the reconciler's round: every warm org, busy or at rest.
+func (s *Store) ScanWarmOrgs(ctx context.Context, fn func(org string) error) error {
+	return s.scanKind(ctx, "acct", fn)
+}
+
+func (s *Store) scanKind(ctx context.Context, kind string, fn func(org string) error) error {
+	pattern := s.prefix + ":{*}:" + kind
 	return s.eachMaster(ctx, func(ctx context.Context, c redis.Cmdable) error {
 		var cursor uint64
 		for {
@@ -199,7 +209,7 @@ func (s *Store) ScanOrgs(ctx context.Context, fn func(org string) error) error {
 				return fmt.Errorf("balance: scan: %w", err)
 			}
 			for _, k := range keys {
-				org, ok := s.orgOfKey(k, "hexp")
+				org, ok := s.orgOfKey(k, kind)
 				if !ok {
 					continue
 				}
