@@ -32,6 +32,7 @@ func (a *adminAPI) register(e *echo.Echo) {
 	g.DELETE("/keys/:id", a.revokeKey)
 	g.PUT("/models/:model", a.putModel)
 	g.GET("/models", a.models)
+	g.POST("/ledger/epoch", a.raiseEpoch)
 }
 
 // apiError is an OpenAI-shaped error body.
@@ -245,4 +246,15 @@ func jsonDecoder(r *http.Request) *json.Decoder {
 	dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, 1<<20))
 	dec.DisallowUnknownFields()
 	return dec
+}
+
+// raiseEpoch starts a new ledger epoch (run it after restoring the database from a backup): every
+// hot balance of the old timeline is dropped and reseeded on its next use.
+func (a *adminAPI) raiseEpoch(c echo.Context) error {
+	e, err := a.ledger.RaiseEpoch(c.Request().Context())
+	if err != nil {
+		return ledgerError(c, err)
+	}
+	a.store.ObserveEpoch(e)
+	return c.JSON(http.StatusOK, map[string]any{"generation": e.Gen, "id": e.ID})
 }
