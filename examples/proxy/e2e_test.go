@@ -317,8 +317,13 @@ func TestAdminAuth(t *testing.T) {
 			t.Fatalf("token %q: %d", tok, st)
 		}
 	}
-	off := startTestProxy(t, false, func(c *config) { c.AdminToken = ""; c.DatabaseURL = ""; c.RedisURL = "" })
-	_ = off // the embedded demo always gets a token; a non-embedded proxy without one has no admin routes
+	// Without a token (and outside the embedded demo, which makes one) there is no admin API.
+	off := startTestProxy(t, true, func(c *config) { c.AdminToken = "" })
+	for _, tok := range []string{"", testAdmin} {
+		if st, _, _ := off.do("POST", "/admin/v1/orgs", tok, map[string]string{"id": "x"}); st != http.StatusNotFound {
+			t.Fatalf("admin API without a token configured, token %q: %d, want 404", tok, st)
+		}
+	}
 }
 
 var _ = fmt.Sprint
