@@ -230,6 +230,9 @@ func run(ctx context.Context, o options) error {
 	if err != nil {
 		return fmt.Errorf("limits: %w", err)
 	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
 
 	common := []string{"REDIS_URL=" + o.redisURL, "DATABASE_URL=" + proxyURL, "ESCROW_PREFIX=" + prefix, "ESCROW_MAX_IN_FLIGHT=100000"}
 
@@ -292,6 +295,9 @@ func run(ctx context.Context, o options) error {
 			sc.result.merge(sc.p.measure(ctx, spec(sc, o.duration/time.Duration(o.rounds))))
 		}
 	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
 	bPlain, ePlain, cPlain, eHot, cHot, bStream, eStream := scs[0].result, scs[1].result, scs[2].result, scs[3].result, scs[4].result, scs[5].result, scs[6].result
 	if o.profileDir != "" {
 		if err := esc.profile(ctx, o, esc.base+chat, keys); err != nil {
@@ -326,6 +332,9 @@ func run(ctx context.Context, o options) error {
 	lags := []lagRun{lagOn(esc, "escrow", o.lagRate), lagOn(co, "escrow+coalesce", o.lagRate), lagOn(co, "escrow+coalesce", o.lagRate/2)}
 	esc.stop()
 	co.stop()
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
 
 	// The table.
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
@@ -523,6 +532,9 @@ func (p *proxyProc) profile(ctx context.Context, o options, url string, keys []s
 func waitSettled(p *proxyProc, limit time.Duration) time.Duration {
 	start := time.Now()
 	for time.Since(start) < limit {
+		if scrapeMetrics(p) == "" { // the proxy is gone (interrupted)
+			return time.Since(start)
+		}
 		if scrapeGauge(p, "escrow_worker_pending_events") == 0 && scrapeGauge(p, "escrow_worker_unsettled_entries") == 0 {
 			return time.Since(start)
 		}
