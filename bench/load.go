@@ -45,6 +45,8 @@ type loadResult struct {
 
 	ProxyCPU    time.Duration // CPU time of the proxy process during the run
 	LoadCPU     time.Duration // CPU time of the load generator (this process) during the run
+	RedisCPU    time.Duration // CPU time of the Redis server during the run
+	PostgresCPU time.Duration // CPU time of the Postgres processes during the run
 	MachineBusy float64       // share of all CPUs busy during the run (every process)
 	RedisPerReq float64       // Redis commands the proxy sent per request
 	RedisCmds   string        // the same, by command
@@ -245,6 +247,7 @@ func (r *loadResult) merge(b loadResult) {
 	}
 	r.Sent, r.OK, r.Non2xx, r.Errors = r.Sent+b.Sent, r.OK+b.OK, r.Non2xx+b.Non2xx, r.Errors+b.Errors
 	r.Elapsed, r.ProxyCPU, r.LoadCPU = r.Elapsed+b.Elapsed, r.ProxyCPU+b.ProxyCPU, r.LoadCPU+b.LoadCPU
+	r.RedisCPU, r.PostgresCPU = r.RedisCPU+b.RedisCPU, r.PostgresCPU+b.PostgresCPU
 	for k, v := range b.Status {
 		r.Status[k] += v
 	}

@@ -99,6 +99,7 @@ type proxyProc struct {
 	cmd   *exec.Cmd
 	base  string
 	admin string
+	rdb   *redis.Client // the Redis it uses, for INFO cpu
 }
 
 func startProxy(ctx context.Context, bin string, env []string) (*proxyProc, error) {
@@ -111,6 +112,13 @@ func startProxy(ctx context.Context, bin string, env []string) (*proxyProc, erro
 		return nil, err
 	}
 	p := &proxyProc{cmd: cmd, base: "http://" + addr, admin: admin}
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "REDIS_URL="); ok {
+			if opt, err := redis.ParseURL(v); err == nil {
+				p.rdb = redis.NewClient(opt)
+			}
+		}
+	}
 	deadline := time.Now().Add(30 * time.Second)
 	for time.Now().Before(deadline) {
 		if resp, err := http.Get(p.base + "/readyz"); err == nil {
@@ -224,6 +232,18 @@ func run(ctx context.Context, o options) error {
 		return err
 	}
 	defer dropLim()
+	// Each proxy has a ledger (schema) and key prefix of its own, so that each worker works only
+	// for its own proxy's traffic (a worker answers every NOTIFY of its ledger).
+	coURL, dropCo, err := benchSchema(ctx, o.databaseURL, fmt.Sprintf("escbench_%d_co", id))
+	if err != nil {
+		return err
+	}
+	defer dropCo()
+	baseURL, dropBase, err := benchSchema(ctx, o.databaseURL, fmt.Sprintf("escbench_%d_base", id))
+	if err != nil {
+		return err
+	}
+	defer dropBase()
 
 	fmt.Fprintln(os.Stderr, "limits: Redis (interleaved rounds), then Postgres …")
 	lim, err := measureLimits(ctx, o, o.redisURL, limURL, prefix+"l")
@@ -234,16 +254,19 @@ func run(ctx context.Context, o options) error {
 		return ctx.Err()
 	}
 
-	common := []string{"REDIS_URL=" + o.redisURL, "DATABASE_URL=" + proxyURL, "ESCROW_PREFIX=" + prefix, "ESCROW_MAX_IN_FLIGHT=100000"}
+	common := []string{"REDIS_URL=" + o.redisURL, "ESCROW_MAX_IN_FLIGHT=100000"}
+	with := func(dbURL, pfx string, more ...string) []string {
+		return append(append(slices.Clone(common), "DATABASE_URL="+dbURL, "ESCROW_PREFIX="+pfx), more...)
+	}
 
 	// Three proxies on the same Redis and Postgres: the baseline (middleware off), escrow, and
 	// escrow with reserve coalescing. They run side by side and take the load in turns.
-	base, err := startProxy(ctx, bin, append(common, "ESCROW_BENCH_BASELINE=true"))
+	base, err := startProxy(ctx, bin, with(baseURL, prefix+"b", "ESCROW_BENCH_BASELINE=true"))
 	if err != nil {
 		return err
 	}
 	defer base.stop()
-	escEnv := common
+	escEnv := with(proxyURL, prefix)
 	if o.profileDir != "" {
 		escEnv = append(escEnv, "ESCROW_PPROF_ADDR="+freeAddr())
 	}
@@ -252,7 +275,7 @@ func run(ctx context.Context, o options) error {
 		return err
 	}
 	defer esc.stop()
-	co, err := startProxy(ctx, bin, append(common, "ESCROW_COALESCE=true"))
+	co, err := startProxy(ctx, bin, with(coURL, prefix+"c", "ESCROW_COALESCE=true"))
 	if err != nil {
 		return err
 	}
@@ -262,6 +285,14 @@ func run(ctx context.Context, o options) error {
 		return fmt.Errorf("provision: %w", err)
 	}
 	hot, err := esc.provision("hot", 1)
+	if err != nil {
+		return err
+	}
+	coKeys, err := co.provision("org", o.orgs)
+	if err != nil {
+		return fmt.Errorf("provision: %w", err)
+	}
+	coHot, err := co.provision("hot", 1)
 	if err != nil {
 		return err
 	}
@@ -277,9 +308,9 @@ func run(ctx context.Context, o options) error {
 	scs := []*scenario{
 		{p: base, name: "baseline json", keys: []string{"sk-none"}, body: plainBody},
 		{p: esc, name: "escrow json, " + many, keys: keys, body: plainBody},
-		{p: co, name: "escrow+coalesce json, " + many, keys: keys, body: plainBody},
+		{p: co, name: "escrow+coalesce json, " + many, keys: coKeys, body: plainBody},
 		{p: esc, name: "escrow json, 1 hot org", keys: hot, body: plainBody},
-		{p: co, name: "escrow+coalesce json, 1 hot org", keys: hot, body: plainBody},
+		{p: co, name: "escrow+coalesce json, 1 hot org", keys: coHot, body: plainBody},
 		{p: base, name: "baseline stream", keys: []string{"sk-none"}, body: streamBody},
 		{p: esc, name: "escrow stream, " + many, keys: keys, body: streamBody},
 	}
@@ -306,9 +337,10 @@ func run(ctx context.Context, o options) error {
 	}
 	base.stop()
 	waitSettled(esc, 60*time.Second)
+	waitSettled(co, 60*time.Second)
 
-	// Settle lag at a steady rate (open loop), on each escrow proxy in turn. Both workers settle
-	// (each process runs one), so the lag histogram is the sum of both processes'.
+	// Settle lag at a steady rate (open loop), on each escrow proxy in turn (the histograms of
+	// both processes are summed; only the loaded one moves).
 	type lagRun struct {
 		r                  loadResult
 		p50, p99           string
@@ -316,7 +348,7 @@ func run(ctx context.Context, o options) error {
 		pending, unsettled float64
 		drain              time.Duration
 	}
-	lagOn := func(p *proxyProc, name string, rate float64) lagRun {
+	lagOn := func(p *proxyProc, name string, rate float64, keys []string) lagRun {
 		var l lagRun
 		b1, b2 := scrapeHistogram(esc, "escrow_settle_lag_seconds"), scrapeHistogram(co, "escrow_settle_lag_seconds")
 		l.r = p.measure(ctx, loadSpec{Name: fmt.Sprintf("%s json, open loop %.0f/s", name, rate), URL: p.base + chat, Keys: keys, Body: plainBody, Rate: rate, Concurrency: 4096, Duration: o.lagDuration})
@@ -329,7 +361,7 @@ func run(ctx context.Context, o options) error {
 	}
 	// The goal's rate on both proxies, then half of it (what this machine sustains with room
 	// to spare, when the goal's rate is past its capacity).
-	lags := []lagRun{lagOn(esc, "escrow", o.lagRate), lagOn(co, "escrow+coalesce", o.lagRate), lagOn(co, "escrow+coalesce", o.lagRate/2)}
+	lags := []lagRun{lagOn(esc, "escrow", o.lagRate, keys), lagOn(co, "escrow+coalesce", o.lagRate, coKeys), lagOn(co, "escrow+coalesce", o.lagRate/2, coKeys)}
 	esc.stop()
 	co.stop()
 	if ctx.Err() != nil {
@@ -338,12 +370,12 @@ func run(ctx context.Context, o options) error {
 
 	// The table.
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(w, "\trun\tthroughput/s\tp50\tp99\tproxy CPU/req\tproxy CPU\tloadgen CPU/req\tmachine busy\tratio\tratio of\t")
+	fmt.Fprintln(w, "\trun\tthroughput/s\tp50\tp99\tproxy CPU/req\tproxy CPU\tloadgen CPU/req\tredis CPU/req\tpg CPU/req\tmachine busy\tratio\tratio of\t")
 	row := func(group, name string, tput float64, p50, p99 string, r *loadResult, ratio float64, of string) {
-		cpuReq, cpu, lg, busy := "\t", "", "", ""
+		cpuReq, cpu, lg, busy := "\t", "", "\t\t", ""
 		if r != nil {
 			cpuReq, cpu = r.cpuPerReq(r.ProxyCPU), fmt.Sprintf("%.0f%%", 100*r.ProxyCPU.Seconds()/r.Elapsed.Seconds())
-			lg, busy = r.cpuPerReq(r.LoadCPU), fmt.Sprintf("%.0f%%", 100*r.MachineBusy)
+			lg, busy = r.cpuPerReq(r.LoadCPU)+"\t"+r.cpuPerReq(r.RedisCPU)+"\t"+r.cpuPerReq(r.PostgresCPU), fmt.Sprintf("%.0f%%", 100*r.MachineBusy)
 			cpuReq += "\t" + cpu
 		}
 		rs := ""
@@ -378,7 +410,7 @@ func run(ctx context.Context, o options) error {
 	for _, l := range lags {
 		lr("lag", l.r, nil, "")
 		row("lag", fmt.Sprintf("  settle lag (%d entries)", l.n), 0, l.p50, l.p99, nil, 0, "recorded → in Redis")
-		fmt.Fprintf(w, "lag\t  backlog at the end of the run\t\t%.0f events\t%.0f entries\t\t\t\t\t\t%s to drain\t\n", l.pending, l.unsettled, l.drain.Round(time.Millisecond))
+		fmt.Fprintf(w, "lag\t  backlog at the end of the run\t\t%.0f events\t%.0f entries\t\t\t\t\t\t\t\t%s to drain\t\n", l.pending, l.unsettled, l.drain.Round(time.Millisecond))
 	}
 	w.Flush()
 	for _, r := range []loadResult{bPlain, bStream, ePlain, eStream, eHot, cPlain, cHot, lags[0].r, lags[1].r, lags[2].r} {
@@ -387,7 +419,7 @@ func run(ctx context.Context, o options) error {
 		}
 	}
 	fmt.Printf("redis commands per request (escrow json, %d orgs): %.2f (%s)\n", o.orgs, ePlain.RedisPerReq, ePlain.RedisCmds)
-	fmt.Printf("p50 of the limit rows: one caller at a time. CPU: proxy process (with its built-in fake upstream) and this load generator from /proc/<pid>/stat; machine busy from /proc/stat (includes Redis, Postgres and anything else running).\n")
+	fmt.Printf("p50 of the limit rows: one caller at a time. CPU per request: the proxy process (with its built-in fake upstream) and this load generator from /proc/<pid>/stat; Redis from INFO cpu and Postgres from its processes in /proc (both shared servers: other clients' work counts too); machine busy from /proc/stat (every process).\n")
 	fmt.Printf("%s\nbench took %s\n", m, time.Since(began).Round(time.Second))
 	return nil
 }
@@ -418,12 +450,13 @@ func (p *proxyProc) measure(ctx context.Context, s loadSpec) loadResult {
 		_ = runLoad(ctx, w)
 		s.Warmup = 0
 	}
-	cpu0, self0 := procCPU(p.cmd.Process.Pid), procCPU(os.Getpid())
+	cpu0, self0, redis0, pg0 := procCPU(p.cmd.Process.Pid), procCPU(os.Getpid()), p.redisCPU(), postgresCPU()
 	busy0, all0 := machineCPU()
 	cmds0 := scrapeCounters(p, "escrow_redis_commands_total")
 	r := runLoad(ctx, s)
 	r.ProxyCPU = procCPU(p.cmd.Process.Pid) - cpu0
 	r.LoadCPU = procCPU(os.Getpid()) - self0
+	r.RedisCPU, r.PostgresCPU = p.redisCPU()-redis0, postgresCPU()-pg0
 	if busy1, all1 := machineCPU(); all1 > all0 {
 		r.MachineBusy = float64(busy1-busy0) / float64(all1-all0)
 	}
@@ -452,6 +485,53 @@ func (r loadResult) cpuPerReq(cpu time.Duration) string {
 		return ""
 	}
 	return (cpu / time.Duration(r.Sent)).Round(time.Microsecond).String()
+}
+
+// redisCPU is the Redis server's CPU time so far (INFO cpu; the whole server, every client).
+func (p *proxyProc) redisCPU() time.Duration {
+	if p.rdb == nil {
+		return 0
+	}
+	info, err := p.rdb.Info(context.Background(), "cpu").Result()
+	if err != nil {
+		return 0
+	}
+	var total float64
+	for _, l := range strings.Split(info, "\n") {
+		k, v, _ := strings.Cut(strings.TrimSpace(l), ":")
+		if k == "used_cpu_user" || k == "used_cpu_sys" {
+			f, _ := strconv.ParseFloat(v, 64)
+			total += f
+		}
+	}
+	return time.Duration(total * float64(time.Second))
+}
+
+// postgresCPU is the CPU time so far of the shared PostgreSQL's processes (those of the server
+// whose data directory is not a test's private one), from /proc. Backends that exit during a run
+// take their CPU time with them; the proxies' pooled connections stay.
+func postgresCPU() time.Duration {
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0
+	}
+	var total time.Duration
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+		if err != nil || strings.TrimSpace(string(comm)) != "postgres" {
+			continue
+		}
+		cmd, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+		if bytes.Contains(cmd, []byte("/tmp/")) || bytes.Contains(cmd, []byte("escrow-pg")) {
+			continue // a private server of some test
+		}
+		total += procCPU(pid)
+	}
+	return total
 }
 
 // machineCPU returns the busy and total jiffies of all CPUs so far (/proc/stat).
@@ -691,13 +771,25 @@ func benchSchema(ctx context.Context, base, schema string) (string, func(), erro
 	q.Set("search_path", schema)
 	u.RawQuery = q.Encode()
 	drop := func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		if p, err := pgxpool.New(ctx, base); err == nil {
-			if _, err := p.Exec(ctx, "DROP SCHEMA IF EXISTS "+schema+" CASCADE"); err != nil {
-				fmt.Fprintln(os.Stderr, "bench: drop schema:", err)
+		p, err := pgxpool.New(ctx, base)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "bench: schema %s NOT dropped: %v\n", schema, err)
+			return
+		}
+		defer p.Close()
+		// A proxy that is still shutting down may hold a lock for a moment: retry.
+		for attempt := 1; ; attempt++ {
+			_, err = p.Exec(ctx, "SET lock_timeout = '5s'; DROP SCHEMA IF EXISTS "+schema+" CASCADE")
+			if err == nil {
+				return
 			}
-			p.Close()
+			if attempt == 5 || ctx.Err() != nil {
+				fmt.Fprintf(os.Stderr, "bench: schema %s NOT dropped (drop it by hand): %v\n", schema, err)
+				return
+			}
+			time.Sleep(time.Second)
 		}
 	}
 	return u.String(), drop, nil
