@@ -34,6 +34,9 @@ type WorkerConfig struct {
 	// a Redis that drops replies stalls one org for this long, not the whole loop. It needs a
 	// Redis client that honours context deadlines (go-redis: ContextTimeoutEnabled). Default 10s.
 	OrgTimeout time.Duration
+	// SettleConcurrency is how many orgs are settled at once (each org's entries stay in order).
+	// Default 8.
+	SettleConcurrency int
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -50,6 +53,7 @@ func (c *WorkerConfig) withDefaults() WorkerConfig {
 	z.ScanInterval = cmp.Or(z.ScanInterval, time.Minute)
 	z.ReconcileInterval = cmp.Or(z.ReconcileInterval, time.Minute)
 	z.OrgTimeout = cmp.Or(z.OrgTimeout, 10*time.Second)
+	z.SettleConcurrency = cmp.Or(max(z.SettleConcurrency, 0), 8)
 	if z.Logger == nil {
 		z.Logger = slog.Default()
 	}
@@ -232,21 +236,8 @@ func (w *Worker) pass(ctx context.Context, sweep bool) error {
 		orgs = append(orgs, behind...)
 		w.stats.backlog.Store(int64(len(behind)))
 	}
-	seen := make(map[string]bool, len(orgs))
-	for _, org := range orgs {
-		if seen[org] {
-			continue
-		}
-		seen[org] = true
-		octx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
-		err := w.SettleOrg(octx, org)
-		cancel()
-		if err != nil {
-			errs = append(errs, fmt.Errorf("org %s: %w", org, err))
-			w.mu.Lock()
-			w.dirty[org] = struct{}{} // retried on the next sweep or notification
-			w.mu.Unlock()
-		}
+	if err := w.settleOrgs(ctx, orgs, true); err != nil {
+		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }
@@ -349,12 +340,46 @@ func (w *Worker) Drain(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	var errs []error
+	return w.settleOrgs(ctx, orgs, false)
+}
+
+// settleOrgs settles each org once, SettleConcurrency orgs at a time (orgs are independent: each
+// org's entries still go in sequence order, by one caller). With retry, an org that failed is
+// marked dirty again for the next pass.
+func (w *Worker) settleOrgs(ctx context.Context, orgs []string, retry bool) error {
+	var (
+		mu   sync.Mutex
+		errs []error
+		wg   sync.WaitGroup
+		sem  = make(chan struct{}, w.cfg.SettleConcurrency)
+		seen = make(map[string]bool, len(orgs))
+	)
 	for _, org := range orgs {
-		if err := w.SettleOrg(ctx, org); err != nil {
-			errs = append(errs, fmt.Errorf("org %s: %w", org, err))
+		if seen[org] {
+			continue
 		}
+		seen[org] = true
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			octx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
+			err := w.SettleOrg(octx, org)
+			cancel()
+			if err == nil {
+				return
+			}
+			mu.Lock()
+			errs = append(errs, fmt.Errorf("org %s: %w", org, err))
+			mu.Unlock()
+			if retry {
+				w.mu.Lock()
+				w.dirty[org] = struct{}{} // retried on the next sweep or notification
+				w.mu.Unlock()
+			}
+		}()
 	}
+	wg.Wait()
 	return errors.Join(errs...)
 }
 
