@@ -10,6 +10,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
@@ -31,6 +32,7 @@ func run(args []string) error {
 		return err
 	}
 	log := newLogger(cfg, os.Stderr)
+	slog.SetDefault(log) // libraries that log through slog.Default follow the configured format and level
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	a, err := newApp(ctx, cfg, log)
