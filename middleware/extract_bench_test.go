@@ -25,12 +25,22 @@ func bigChatBody(size int) []byte {
 // allocations do not grow with the body (a full decode allocates per message).
 func TestRequestFieldsNoFullDecode(t *testing.T) {
 	small, big := bigChatBody(1<<10), bigChatBody(1<<20)
+	// AllocsPerRun counts every allocation in the process, so goroutines left by other tests
+	// (background releases, learned-max raises) can only add to it: the least of a few runs is
+	// the parser's own count.
 	allocs := func(body []byte) float64 {
-		return testing.AllocsPerRun(20, func() {
-			if _, e := parseRequest(EndpointChat, body); e != nil {
-				t.Fatal(e)
+		least := -1.0
+		for range 5 {
+			n := testing.AllocsPerRun(20, func() {
+				if _, e := parseRequest(EndpointChat, body); e != nil {
+					t.Fatal(e)
+				}
+			})
+			if least < 0 || n < least {
+				least = n
 			}
-		})
+		}
+		return least
 	}
 	as, ab := allocs(small), allocs(big)
 	var full map[string]any

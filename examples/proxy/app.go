@@ -89,7 +89,8 @@ func newApp(ctx context.Context, cfg config, log *slog.Logger) (_ *app, err erro
 				return nil, err
 			}
 		}
-		if a.ledger, err = accounting.OpenPostgres(ctx, cfg.DatabaseURL); err != nil {
+		// Migrations ran above (or were turned off with ESCROW_MIGRATE=false): never here.
+		if a.ledger, err = accounting.OpenPostgres(ctx, cfg.DatabaseURL, accounting.PostgresConfig{SkipMigrations: true, Logger: log}); err != nil {
 			return nil, fmt.Errorf("ledger: %w", err)
 		}
 	}
@@ -111,9 +112,11 @@ func newApp(ctx context.Context, cfg config, log *slog.Logger) (_ *app, err erro
 	for _, w := range a.store.Warnings() {
 		log.Warn(w)
 	}
-	if epoch, err := a.ledger.Epoch(ctx); err == nil {
-		a.store.ObserveEpoch(epoch)
+	epoch, err := a.ledger.Epoch(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("ledger not ready (are the migrations applied? ESCROW_MIGRATE=true applies them): %w", err)
 	}
+	a.store.ObserveEpoch(epoch)
 	rc := accounting.RecorderConfig{Logger: log}
 	if cfg.JournalDir != "" {
 		if a.journal, err = accounting.OpenJournal(cfg.JournalDir, cfg.JournalMaxBytes); err != nil {
