@@ -73,10 +73,26 @@ func (w testWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-// eachMode runs fn against the proxy on real Redis + Postgres and on its embedded parts.
+// eachMode runs fn against the proxy on real Redis + Postgres, on its embedded parts,
+// and on a private 3-master Redis Cluster with real Postgres: the same suite on every backend.
 func eachMode(t *testing.T, fn func(t *testing.T, p *testProxy)) {
 	t.Run("real", func(t *testing.T) { t.Parallel(); fn(t, startTestProxy(t, true)) })
 	t.Run("embedded", func(t *testing.T) { t.Parallel(); fn(t, startTestProxy(t, false)) })
+	t.Run("cluster", func(t *testing.T) { t.Parallel(); fn(t, startClusterProxy(t, testutil.StartRedisCluster(t))) })
+}
+
+// startClusterProxy starts the proxy on the cluster (REDIS_URL with one URL per master) and a
+// fresh Postgres schema.
+func startClusterProxy(t *testing.T, cl *testutil.RedisCluster) *testProxy {
+	t.Helper()
+	urls := make([]string, 0, 3)
+	for _, a := range cl.Addrs() {
+		urls = append(urls, "redis://"+a)
+	}
+	pg := testutil.Postgres(t)
+	return startTestProxy(t, false, func(c *config) {
+		c.RedisURL, c.DatabaseURL, c.Prefix = strings.Join(urls, ","), pg.URL, testutil.RandomName("c")
+	})
 }
 
 func (p *testProxy) do(method, path, token string, body any) (int, http.Header, []byte) {
