@@ -23,7 +23,6 @@ const (
 	scReap     = "reap"
 	scExpired  = "expired"
 	scExtend   = "extend"
-	scPin      = "pin"
 	scUnpin    = "unpin"
 	scSeed     = "seed"
 	scState    = "state"
@@ -38,7 +37,7 @@ func newScripts() map[string]*script {
 	m := map[string]*script{}
 	for name, src := range map[string]string{
 		scReserve: lua.Reserve, scSettle: lua.Settle, scRelease: lua.Release, scReap: lua.Reap,
-		scExpired: lua.Expired, scExtend: lua.Extend, scPin: lua.Pin, scUnpin: lua.Unpin,
+		scExpired: lua.Expired, scExtend: lua.Extend, scUnpin: lua.Unpin,
 		scSeed: lua.Seed, scState: lua.State, scRaiseMax: lua.RaiseModelMax,
 	} {
 		h := sha1.Sum([]byte(src))

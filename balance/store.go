@@ -431,7 +431,7 @@ func (s *Store) Extend(ctx context.Context, org, holdID string) (bool, error) {
 // Pin pushes an existing hold's expiry to now+PinTTL (never lowering it), so no reaper releases
 // it while its usage waits in a journal. Call it again well within PinTTL to renew.
 func (s *Store) Pin(ctx context.Context, org, holdID string) (bool, error) {
-	return s.expiry(ctx, scPin, org, holdID, s.pinTTL)
+	return s.expiry(ctx, scExtend, org, holdID, s.pinTTL) // pinning is extending far out
 }
 
 // Unpin gives an existing hold its normal expiry back: now+HoldTTL.

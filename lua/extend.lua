@@ -1,5 +1,6 @@
 -- extend: push an existing hold's expiry to now + TTL; never lowers it (Redis 6.0 has no
--- ZADD GT, so the current score is checked here). A pinned hold stays pinned.
+-- ZADD GT, so the current score is checked here). A pinned hold stays pinned. Pin is this script
+-- with the pin TTL: the hold's expiry goes far out while its usage waits in a local journal.
 --
 -- KEYS[1] hexp   zset hold id -> expiry ms
 -- ARGV[1] hold id

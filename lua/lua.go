@@ -28,8 +28,6 @@ var (
 	Expired string
 	//go:embed extend.lua
 	Extend string
-	//go:embed pin.lua
-	Pin string
 	//go:embed unpin.lua
 	Unpin string
 	//go:embed seed.lua
