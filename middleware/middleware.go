@@ -43,9 +43,11 @@ type Outcome struct {
 	HoldAmount int64
 	Cost       int64
 	Usage      accounting.Usage
-	FailOpen   bool  // passed without a hold because Redis could not answer
-	Err        error // what went wrong, if anything
-	Duration   time.Duration
+	FailOpen   bool          // passed without a hold because Redis could not answer
+	Err        error         // what went wrong, if anything
+	Duration   time.Duration // from the request's arrival to its outcome
+
+	began time.Time
 }
 
 type middleware struct {
@@ -131,6 +133,7 @@ func (m *middleware) refuse(c echo.Context, o Outcome, e *Error) error {
 }
 
 func (m *middleware) report(o Outcome) {
+	o.Duration = time.Since(o.began)
 	if m.cfg.OnOutcome != nil {
 		m.cfg.OnOutcome(o)
 	}
@@ -152,8 +155,7 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	start := time.Now()
 	req := c.Request()
 	ctx := req.Context()
-	o := Outcome{Endpoint: req.URL.Path}
-	defer func() { o.Duration = time.Since(start) }()
+	o := Outcome{Endpoint: req.URL.Path, began: start}
 
 	id, err := m.cfg.OrgFunc(c)
 	if err != nil {

@@ -65,7 +65,7 @@ func TestRefusals(t *testing.T) {
 			if ct := resp.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/json") {
 				t.Fatalf("content type %q", ct)
 			}
-			if o := e.outcome(); o.Kind != OutcomeRefused || o.Status != tt.status || o.Code != tt.code {
+			if o := e.outcome(); o.Kind != OutcomeRefused || o.Status != tt.status || o.Code != tt.code || o.Duration <= 0 {
 				t.Fatalf("outcome %+v", o)
 			}
 		})
@@ -144,7 +144,7 @@ func TestJSONRecorded(t *testing.T) {
 		t.Fatalf("request id %q: %v", id, err)
 	}
 	o := e.outcome()
-	if o.Kind != OutcomeRecorded || o.HoldID != id || o.Usage != chatUsage {
+	if o.Kind != OutcomeRecorded || o.HoldID != id || o.Usage != chatUsage || o.Duration <= 0 {
 		t.Fatalf("outcome %+v", o)
 	}
 	if bal := resp.Header.Get("x-escrow-balance"); bal == "" || bal != itoa(testCredit-o.HoldAmount) {

@@ -102,10 +102,7 @@ func (cl *call) releaseHold() {
 // the connection must be aborted.
 func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause error, o Outcome) (abort bool) {
 	m := cl.m
-	defer func() {
-		o.Duration = time.Since(cl.start)
-		m.report(o)
-	}()
+	defer func() { m.report(o) }()
 	o.Status = cw.status
 	if !cw.wroteHeader || cw.status < 200 || cw.status > 299 {
 		// The upstream failed before any response byte (or answered with an error): no charge.
