@@ -6,11 +6,13 @@ import (
 	"errors"
 	"net/http"
 	"strings"
+	"time"
 
 	"github.com/labstack/echo/v4"
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/middleware"
 )
 
 // adminAPI serves /admin/v1: orgs, credits, balances, keys, models, reconciliation.
@@ -35,20 +37,15 @@ func (a *adminAPI) register(e *echo.Echo) {
 	g.POST("/ledger/epoch", a.raiseEpoch)
 }
 
-// apiError is an OpenAI-shaped error body.
-type apiError struct {
-	Error apiErrorBody `json:"error"`
-}
-
-type apiErrorBody struct {
-	Message string  `json:"message"`
-	Type    string  `json:"type"`
-	Param   *string `json:"param"`
-	Code    string  `json:"code"`
-}
-
+// writeError answers with an OpenAI-shaped error, the same shape and writer the middleware uses.
 func writeError(c echo.Context, status int, typ, code, msg string) error {
-	return c.JSON(status, apiError{Error: apiErrorBody{Message: msg, Type: typ, Code: code}})
+	return middleware.WriteError(c, &middleware.Error{Status: status, Type: typ, Code: code, Message: msg})
+}
+
+// unavailable answers 503 with Retry-After.
+func unavailable(c echo.Context, code, msg string) error {
+	return middleware.WriteError(c, &middleware.Error{Status: http.StatusServiceUnavailable,
+		Type: middleware.TypeServiceUnavailable, Code: code, Message: msg, RetryAfter: time.Second})
 }
 
 func (a *adminAPI) auth(next echo.HandlerFunc) echo.HandlerFunc {
@@ -79,8 +76,7 @@ func ledgerError(c echo.Context, err error) error {
 		errors.Is(err, balance.ErrInvalidAmount), errors.Is(err, accounting.ErrCostOverflow):
 		return writeError(c, http.StatusBadRequest, "invalid_request_error", "invalid_value", err.Error())
 	case errors.Is(err, accounting.ErrLedgerUnavailable):
-		c.Response().Header().Set("Retry-After", "1")
-		return writeError(c, http.StatusServiceUnavailable, "service_unavailable", "ledger_unavailable", "the ledger is unavailable")
+		return unavailable(c, "ledger_unavailable", "the ledger is unavailable")
 	default:
 		c.Logger().Error(err)
 		return writeError(c, http.StatusInternalServerError, "server_error", "internal_error", "internal error")
@@ -172,8 +168,7 @@ func (a *adminAPI) balance(c echo.Context) error {
 		}
 	}
 	if err != nil {
-		c.Response().Header().Set("Retry-After", "1")
-		return writeError(c, http.StatusServiceUnavailable, "service_unavailable", "redis_unavailable", "the hot balance is unavailable")
+		return unavailable(c, "redis_unavailable", "the hot balance is unavailable")
 	}
 	return c.JSON(http.StatusOK, map[string]any{
 		"org":            org,
@@ -228,8 +223,7 @@ func (a *adminAPI) putModel(c echo.Context) error {
 		return ledgerError(c, err)
 	}
 	if err := a.store.SetModelMax(ctx, m.Name, m.MaxCost); err != nil {
-		c.Response().Header().Set("Retry-After", "1")
-		return writeError(c, http.StatusServiceUnavailable, "service_unavailable", "redis_unavailable", "model saved; learned max not updated in Redis")
+		return unavailable(c, "redis_unavailable", "model saved; learned max not updated in Redis")
 	}
 	return c.JSON(http.StatusOK, m)
 }

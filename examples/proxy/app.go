@@ -237,9 +237,10 @@ func (a *app) reverseProxy() *httputil.ReverseProxy {
 		BufferPool:    proxyBuffers,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			a.log.Warn("upstream error", "err", err, "path", r.URL.Path)
+			body := (&middleware.Error{Type: middleware.TypeServer, Code: "upstream_error", Message: "upstream unavailable"}).Body()
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusBadGateway)
-			_, _ = w.Write([]byte(`{"error":{"message":"upstream unavailable","type":"server_error","param":null,"code":"upstream_error"}}`))
+			_, _ = w.Write(body)
 		},
 	}
 }
