@@ -67,9 +67,7 @@ func TestOpenPostgresMigrates(t *testing.T) {
 
 func TestPostgresUnavailable(t *testing.T) {
 	t.Parallel()
-	if testutil.RealPostgresURL() == "" {
-		t.Skip("no Postgres configured")
-	}
+	// Nothing listens on port 1: no Postgres is needed until the last check.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	_, err := accounting.OpenPostgres(ctx, "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=2")
