@@ -6,6 +6,7 @@ import (
 	"flag"
 	"io"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"slices"
 	"strconv"
@@ -268,11 +269,7 @@ func (s *simulator) step() {
 }
 
 func (s *simulator) pickInflight() simReq {
-	ids := make([]string, 0, len(s.inflight))
-	for id := range s.inflight {
-		ids = append(ids, id)
-	}
-	slices.Sort(ids)
+	ids := slices.Sorted(maps.Keys(s.inflight)) // sorted: a seed replays the same run
 	return s.inflight[ids[s.rnd.IntN(len(ids))]]
 }
 
@@ -355,7 +352,7 @@ func (s *simulator) check(step int) {
 
 func (s *simulator) quiesce() {
 	t := s.t
-	for _, id := range slices.Sorted(mapsKeys(s.inflight)) {
+	for _, id := range slices.Sorted(maps.Keys(s.inflight)) {
 		r := s.inflight[id]
 		s.record(r, s.realCost(r.amount))
 	}
@@ -407,16 +404,6 @@ func (s *simulator) quiesce() {
 		}
 		if acct.Balance < -debt {
 			t.Fatalf("seed %d: org %s: balance %d below the allowed debt -%d", s.seed, o, acct.Balance, debt)
-		}
-	}
-}
-
-func mapsKeys[V any](m map[string]V) func(func(string) bool) {
-	return func(yield func(string) bool) {
-		for k := range m {
-			if !yield(k) {
-				return
-			}
 		}
 	}
 }
