@@ -319,6 +319,10 @@ func TestOneHashTagPerCall(t *testing.T) {
 	must(err)
 	_, err = s.Unpin(ctx, org, "a")
 	must(err)
+	_, err = s.Finish(ctx, org, "b", 3)
+	must(err)
+	_, err = s.FinishBatch(ctx, []balance.Finish{{Org: org, HoldID: "b", Cost: 3}, {Org: "other", HoldID: "x", Cost: 1}}) // pipelined
+	must(err)
 	e := l.Add(org, -5, "a")
 	_, err = s.Settle(ctx, org, l.CurrentEpoch(), []balance.Entry{e})
 	must(err)
@@ -379,6 +383,25 @@ func TestNoScriptReload(t *testing.T) {
 	}
 	if _, err := s.Release(ctx, "acme", "a"); err != nil {
 		t.Fatal(err)
+	}
+	// A pipelined finish (two orgs: two script calls in one pipeline) after a flush.
+	l.Add("beta", 100, "")
+	for _, org := range []string{"acme", "beta"} {
+		if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: "f", Amount: 10}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := env.Client.ScriptFlush(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	n, err := s.FinishBatch(ctx, []balance.Finish{{Org: "acme", HoldID: "f", Cost: 4}, {Org: "beta", HoldID: "f", Cost: 6}})
+	if err != nil || n != 2 {
+		t.Fatalf("pipelined finish after SCRIPT FLUSH: %d %v", n, err)
+	}
+	for org, want := range map[string]int64{"acme": 96, "beta": 94} {
+		if st, err := s.State(ctx, org); err != nil || st.Balance != want || st.Finished != 1 {
+			t.Fatalf("%s after finish: %+v %v, want balance %d", org, st, err, want)
+		}
 	}
 }
 

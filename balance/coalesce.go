@@ -6,8 +6,6 @@ import (
 	"slices"
 	"sync"
 	"time"
-
-	"github.com/redis/go-redis/v9"
 )
 
 // coalescer sends reserves that arrive together as one Redis pipeline (Config.Coalesce).
@@ -226,37 +224,12 @@ func (co *coalescer) send(batch []*rcall) {
 }
 
 func (co *coalescer) pipeline(ctx context.Context, batch []*rcall) {
-	sc := co.s.scripts[scReserve]
-	cmds := make([]*redis.Cmd, len(batch))
-	pipe := co.s.c.Pipeline()
+	keys := make([][]string, len(batch))
+	args := make([][]any, len(batch))
 	for i, c := range batch {
-		cmds[i] = pipe.EvalSha(ctx, sc.sha, c.keys, c.args...)
+		keys[i], args[i] = c.keys, c.args
 	}
-	_, _ = pipe.Exec(ctx)
-	var again []int
-	for i, cmd := range cmds {
-		if isNoScript(cmd.Err()) {
-			again = append(again, i)
-		}
-	}
-	if len(again) > 0 {
-		co.s.log.Warn("balance: scripts missing on the server (restart or failover?); loading them again", "script", scReserve, "calls", len(again))
-		if err := co.s.loadScripts(ctx); err != nil {
-			co.s.log.Warn("balance: reloading scripts", "err", err)
-		}
-		pipe := co.s.c.Pipeline()
-		for _, i := range again {
-			cmds[i] = pipe.EvalSha(ctx, sc.sha, batch[i].keys, batch[i].args...)
-		}
-		_, _ = pipe.Exec(ctx)
-		for _, i := range again {
-			if isNoScript(cmds[i].Err()) {
-				// Still missing where the keys live: EVAL loads it there.
-				cmds[i] = co.s.c.Eval(ctx, sc.src, batch[i].keys, batch[i].args...)
-			}
-		}
-	}
-	for i, c := range batch {
-		c.res, c.err = cmds[i].Slice()
+	for i, cmd := range co.s.pipelined(ctx, scReserve, keys, args) {
+		batch[i].res, batch[i].err = cmd.Slice()
 	}
 }

@@ -23,7 +23,10 @@ func TestParseVersion(t *testing.T) {
 func TestOrgKeys(t *testing.T) {
 	s := &Store{prefix: "esc"}
 	got := s.orgKeys("acme")
-	want := []string{"esc:{acme}:acct", "esc:{acme}:holds", "esc:{acme}:hexp", "esc:{acme}:gone"}
+	want := []string{"esc:{acme}:acct", "esc:{acme}:holds", "esc:{acme}:hexp", "esc:{acme}:gone", "esc:{acme}:hfin"}
+	if len(got) != len(want) {
+		t.Fatalf("orgKeys = %q, want %q", got, want)
+	}
 	for i := range want {
 		if got[i] != want[i] || s.key("acme", want[i][len("esc:{acme}:"):]) != want[i] {
 			t.Fatalf("orgKeys = %q, want %q", got, want)

@@ -20,6 +20,7 @@ const (
 	scReserve  = "reserve"
 	scSettle   = "settle"
 	scRelease  = "release"
+	scFinish   = "finish"
 	scReap     = "reap"
 	scExpired  = "expired"
 	scExtend   = "extend"
@@ -36,7 +37,7 @@ type script struct {
 func newScripts() map[string]*script {
 	m := map[string]*script{}
 	for name, src := range map[string]string{
-		scReserve: lua.Reserve, scSettle: lua.Settle, scRelease: lua.Release, scReap: lua.Reap,
+		scReserve: lua.Reserve, scSettle: lua.Settle, scRelease: lua.Release, scReap: lua.Reap, scFinish: lua.Finish,
 		scExpired: lua.Expired, scExtend: lua.Extend, scUnpin: lua.Unpin,
 		scSeed: lua.Seed, scState: lua.State, scRaiseMax: lua.RaiseModelMax,
 	} {
@@ -64,6 +65,45 @@ func (s *Store) run(ctx context.Context, name string, keys []string, args ...any
 		cmd = s.c.Eval(ctx, sc.src, keys, args...)
 	}
 	return cmd
+}
+
+// pipelined calls one script once per (keys[i], args[i]) in one pipeline: one round trip (one
+// per master on a Cluster). Calls that meet NOSCRIPT ran nothing: the scripts are loaded again
+// and those calls alone are sent again (EVAL where the script is still missing). The pipeline
+// outlives no caller: ctx bounds it.
+func (s *Store) pipelined(ctx context.Context, name string, keys [][]string, args [][]any) []*redis.Cmd {
+	sc := s.scripts[name]
+	cmds := make([]*redis.Cmd, len(keys))
+	pipe := s.c.Pipeline()
+	for i := range keys {
+		cmds[i] = pipe.EvalSha(ctx, sc.sha, keys[i], args[i]...)
+	}
+	_, _ = pipe.Exec(ctx)
+	var again []int
+	for i, cmd := range cmds {
+		if isNoScript(cmd.Err()) {
+			again = append(again, i)
+		}
+	}
+	if len(again) == 0 {
+		return cmds
+	}
+	s.log.Warn("balance: scripts missing on the server (restart or failover?); loading them again", "script", name, "calls", len(again))
+	if err := s.loadScripts(ctx); err != nil {
+		s.log.Warn("balance: reloading scripts", "err", err)
+	}
+	pipe = s.c.Pipeline()
+	for _, i := range again {
+		cmds[i] = pipe.EvalSha(ctx, sc.sha, keys[i], args[i]...)
+	}
+	_, _ = pipe.Exec(ctx)
+	for _, i := range again {
+		if isNoScript(cmds[i].Err()) {
+			// Still missing where the keys live: EVAL loads it there.
+			cmds[i] = s.c.Eval(ctx, sc.src, keys[i], args[i]...)
+		}
+	}
+	return cmds
 }
 
 func isNoScript(err error) bool {
@@ -185,11 +225,15 @@ func parseVersion(v string) (major, minor int) {
 // scanPage is the COUNT of one SCAN page.
 const scanPage = 100
 
-// ScanOrgs calls fn for every org that has a holds-expiry key, with a slow, rate-limited SCAN
-// (never KEYS), on every master of a Cluster. It is the reaper's backstop for holds left by dead
-// processes. fn may see an org more than once; an error from fn stops the scan.
+// ScanOrgs calls fn for every org that has a holds-expiry key (unfinished or finished holds),
+// with a slow, rate-limited SCAN (never KEYS), on every master of a Cluster. It is the reaper's
+// backstop for holds left by dead processes. fn may see an org more than once; an error from fn
+// stops the scan.
 func (s *Store) ScanOrgs(ctx context.Context, fn func(org string) error) error {
-	return s.scanKind(ctx, "hexp", fn)
+	if err := s.scanKind(ctx, "hexp", fn); err != nil {
+		return err
+	}
+	return s.scanKind(ctx, "hfin", fn)
 }
 
 // ScanWarmOrgs calls fn for every org that has a hot balance (an acct key), with the same slow

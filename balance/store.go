@@ -28,7 +28,12 @@ type Config struct {
 	// PinTTL is how far Pin pushes an expiry (now+PinTTL); renew a pin well within it. A hold
 	// whose expiry is more than PinTTL/2 away counts as pinned. Must be ≥ 4×HoldTTL. Default 24h.
 	PinTTL time.Duration
-	// MaxInFlight caps an org's unpinned holds. Default 256.
+	// SettleDeadline is how long a finished hold (Finish) waits for its settle before a reaper
+	// may look at it: its expiry becomes max(current, now+SettleDeadline). The reaper still
+	// releases it only once the ledger has no unsettled usage for it. Default HoldTTL.
+	SettleDeadline time.Duration
+	// MaxInFlight caps an org's unfinished, unpinned holds: its requests really in flight.
+	// Default 256.
 	MaxInFlight int
 	// TombstoneTTL is how long an ended hold id stays in gone; keep it ≥ twice the Redis
 	// client's total timeout including retries. Default 30s.
@@ -67,7 +72,7 @@ type Store struct {
 	prefix string
 
 	// precomputed script arguments
-	holdTTL, pinTTL, pinFloor, tombTTL, grace, capArg string
+	holdTTL, pinTTL, pinFloor, tombTTL, grace, capArg, settleDL string
 	// the same, as the interface values a reserve passes (boxed once, not per call)
 	holdTTLArg, capArgArg, tombTTLArg, pinFloorArg any
 
@@ -110,6 +115,7 @@ func New(ctx context.Context, c redis.UniversalClient, cfg Config) (*Store, erro
 	cfg.Prefix = cmp.Or(cfg.Prefix, "esc")
 	cfg.HoldTTL = cmp.Or(cfg.HoldTTL, 10*time.Minute)
 	cfg.PinTTL = cmp.Or(cfg.PinTTL, 24*time.Hour)
+	cfg.SettleDeadline = cmp.Or(cfg.SettleDeadline, cfg.HoldTTL)
 	cfg.MaxInFlight = cmp.Or(cfg.MaxInFlight, 256)
 	cfg.TombstoneTTL = cmp.Or(cfg.TombstoneTTL, 30*time.Second)
 	cfg.ReapGrace = cmp.Or(cfg.ReapGrace, time.Minute)
@@ -123,6 +129,9 @@ func New(ctx context.Context, c redis.UniversalClient, cfg Config) (*Store, erro
 		return nil, errors.New("balance: MaxBatch and MaxPipelines must be ≥ 1, BatchWindow within 0..1s")
 	case cfg.HoldTTL < time.Millisecond || cfg.TombstoneTTL < time.Millisecond || cfg.ReapGrace < 0:
 		return nil, errors.New("balance: HoldTTL and TombstoneTTL must be ≥ 1ms, ReapGrace ≥ 0")
+	case cfg.SettleDeadline < time.Millisecond || cfg.SettleDeadline > cfg.PinTTL/2:
+		// Above PinTTL/2 a finished hold would count as pinned.
+		return nil, fmt.Errorf("balance: SettleDeadline %v must be within 1ms..PinTTL/2", cfg.SettleDeadline)
 	case cfg.PinTTL < 4*cfg.HoldTTL:
 		return nil, fmt.Errorf("balance: PinTTL %v must be at least 4×HoldTTL (%v)", cfg.PinTTL, cfg.HoldTTL)
 	case cfg.PinTTL > 100*365*24*time.Hour:
@@ -143,6 +152,7 @@ func New(ctx context.Context, c redis.UniversalClient, cfg Config) (*Store, erro
 		tombTTL:  ms(cfg.TombstoneTTL),
 		grace:    ms(cfg.ReapGrace),
 		capArg:   strconv.Itoa(cfg.MaxInFlight),
+		settleDL: ms(cfg.SettleDeadline),
 		scripts:  newScripts(),
 		held:     make(map[string]uint64),
 	}
@@ -245,12 +255,14 @@ func (s *Store) ObserveEpoch(e Epoch) {
 
 func (s *Store) key(org, kind string) string { return s.prefix + ":{" + org + "}:" + kind }
 
-// orgKeys returns the org's acct, holds, hexp and gone keys (substrings of one allocation).
+// orgKeys returns the org's acct, holds, hexp, gone and hfin keys (substrings of one
+// allocation). Reserve takes the first four (its KEYS[5..] are reserved for limits); settle,
+// release and reap take all five.
 func (s *Store) orgKeys(org string) []string {
 	var b strings.Builder
 	n := len(s.prefix) + len(org) + 4
-	b.Grow(4*n + len("acctholdshexpgone"))
-	for _, kind := range [...]string{"acct", "holds", "hexp", "gone"} {
+	b.Grow(5*n + len("acctholdshexpgonehfin"))
+	for _, kind := range [...]string{"acct", "holds", "hexp", "gone", "hfin"} {
 		b.WriteString(s.prefix)
 		b.WriteString(":{")
 		b.WriteString(org)
@@ -258,7 +270,7 @@ func (s *Store) orgKeys(org string) []string {
 		b.WriteString(kind)
 	}
 	all := b.String()
-	return []string{all[:n+4], all[n+4 : 2*n+9], all[2*n+9 : 3*n+13], all[3*n+13:]}
+	return []string{all[:n+4], all[n+4 : 2*n+9], all[2*n+9 : 3*n+13], all[3*n+13 : 4*n+17], all[4*n+17:]}
 }
 
 func (s *Store) modelKey(model string) string { return s.prefix + ":model:" + model + ":max" }
@@ -335,7 +347,7 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	if r.Amount <= 0 || r.Amount > MaxAmount {
 		return Reservation{}, fmt.Errorf("%w: hold of %d", ErrInvalidAmount, r.Amount)
 	}
-	keys := s.orgKeys(r.Org)
+	keys := s.orgKeys(r.Org)[:4]
 	amount := strconv.FormatInt(r.Amount, 10)
 	for attempt := 0; ; attempt++ {
 		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, "0"}
@@ -423,30 +435,33 @@ func (s *Store) Release(ctx context.Context, org, holdID string) (bool, error) {
 }
 
 // Extend pushes an existing hold's expiry to now+HoldTTL; it never lowers an expiry (a pinned
-// hold stays pinned). false: no such hold.
+// hold stays pinned) and never touches a finished hold (true: it exists). false: no such hold.
 func (s *Store) Extend(ctx context.Context, org, holdID string) (bool, error) {
-	return s.expiry(ctx, scExtend, org, holdID, s.holdTTL)
+	return s.expiry(ctx, scExtend, org, holdID, s.holdTTL, "0")
 }
 
 // Pin pushes an existing hold's expiry to now+PinTTL (never lowering it), so no reaper releases
-// it while its usage waits in a journal. Call it again well within PinTTL to renew.
+// it while its usage waits in a journal. Call it again well within PinTTL to renew. A finished
+// hold is pinned too, and stays out of the in-flight count.
 func (s *Store) Pin(ctx context.Context, org, holdID string) (bool, error) {
-	return s.expiry(ctx, scExtend, org, holdID, s.pinTTL) // pinning is extending far out
+	return s.expiry(ctx, scExtend, org, holdID, s.pinTTL, "1") // pinning is extending far out
 }
 
-// Unpin gives an existing hold its normal expiry back: now+HoldTTL.
+// Unpin gives an existing hold its normal expiry back: now+HoldTTL, or now+SettleDeadline for a
+// finished hold.
 func (s *Store) Unpin(ctx context.Context, org, holdID string) (bool, error) {
-	return s.expiry(ctx, scUnpin, org, holdID, s.holdTTL)
+	return s.expiry(ctx, scUnpin, org, holdID, s.holdTTL, s.settleDL)
 }
 
-func (s *Store) expiry(ctx context.Context, sc, org, holdID, ttl string) (bool, error) {
+func (s *Store) expiry(ctx context.Context, sc, org, holdID, ttl, arg3 string) (bool, error) {
 	if err := checkOrg(org); err != nil {
 		return false, err
 	}
 	if err := checkHold(holdID); err != nil {
 		return false, err
 	}
-	n, err := s.run(ctx, sc, []string{s.key(org, "hexp")}, holdID, ttl).Int64()
+	k := s.orgKeys(org)
+	n, err := s.run(ctx, sc, []string{k[2], k[4]}, holdID, ttl, arg3).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: %s: %w", sc, err)
 	}
@@ -636,7 +651,8 @@ func (s *Store) Reap(ctx context.Context, org string) (int, error) {
 	s.heldMu.Lock()
 	gen, tracked := s.held[org]
 	s.heldMu.Unlock()
-	res, err := s.run(ctx, scExpired, []string{s.key(org, "hexp")}, s.grace, strconv.Itoa(reapBatch)).Slice()
+	k := s.orgKeys(org)
+	res, err := s.run(ctx, scExpired, []string{k[2], k[4]}, s.grace, strconv.Itoa(reapBatch)).Slice()
 	if err != nil {
 		return 0, fmt.Errorf("balance: reap: %w", err)
 	}
@@ -679,7 +695,7 @@ func (s *Store) Reap(ctx context.Context, org string) (int, error) {
 	for _, id := range ids {
 		args = append(args, id)
 	}
-	n, err := s.run(ctx, scReap, s.orgKeys(org), args...).Int64()
+	n, err := s.run(ctx, scReap, k, args...).Int64()
 	if err != nil {
 		return 0, fmt.Errorf("balance: reap: %w", err)
 	}
@@ -696,9 +712,13 @@ type State struct {
 	Watermark int64 // highest ledger seq reflected in Balance
 	Epoch     Epoch
 	Held      int64 // Σ holds
-	Holds     int   // holds in flight
+	Holds     int   // holds, finished or not
+	Finished  int   // of which finished (their requests are over; they wait for the settle)
 	Pinned    int   // of which pinned
 }
+
+// InFlight is the number of unfinished holds: the requests still running.
+func (st State) InFlight() int { return st.Holds - st.Finished }
 
 // State reads bal, wm, epoch, Σ holds and the hold counts together (the reconciler compares
 // Balance+Held with the ledger's balance at Watermark).
@@ -707,7 +727,7 @@ func (s *Store) State(ctx context.Context, org string) (State, error) {
 		return State{}, err
 	}
 	k := s.orgKeys(org)
-	res, err := s.run(ctx, scState, k[:3], s.pinFloor).Slice()
+	res, err := s.run(ctx, scState, []string{k[0], k[1], k[2], k[4]}, s.pinFloor).Slice()
 	if err != nil {
 		return State{}, fmt.Errorf("balance: state: %w", err)
 	}
@@ -726,8 +746,9 @@ func (s *Store) State(ctx context.Context, org string) (State, error) {
 	for _, v := range vals {
 		st.Held += toInt(v)
 	}
-	st.Holds = int(toInt(res[4]))
-	st.Pinned = int(toInt(res[5]))
+	st.Finished = int(toInt(res[5]))
+	st.Holds = int(toInt(res[4])) + st.Finished
+	st.Pinned = int(toInt(res[6]))
 	return st, nil
 }
 

@@ -22,6 +22,8 @@ var (
 	Settle string
 	//go:embed release.lua
 	Release string
+	//go:embed finish.lua
+	Finish string
 	//go:embed reap.lua
 	Reap string
 	//go:embed expired.lua

@@ -93,7 +93,7 @@ func TestAllowListCatches(t *testing.T) {
 func TestSourcesExposed(t *testing.T) {
 	all := scripts(t)
 	for name, src := range map[string]string{
-		"reserve.lua": lua.Reserve, "settle.lua": lua.Settle, "release.lua": lua.Release,
+		"reserve.lua": lua.Reserve, "settle.lua": lua.Settle, "release.lua": lua.Release, "finish.lua": lua.Finish,
 		"reap.lua": lua.Reap, "expired.lua": lua.Expired, "extend.lua": lua.Extend,
 		"unpin.lua": lua.Unpin, "seed.lua": lua.Seed,
 		"state.lua": lua.State, "raise_model_max.lua": lua.RaiseModelMax,

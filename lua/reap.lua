@@ -1,7 +1,8 @@
 -- reap: release holds that are still expired past the grace (their owners are dead). The caller
 -- has already asked the ledger that none of them has unsettled usage.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin   (one {org} hash tag)
+-- Finished holds (in hfin) are reaped by the same rules as unfinished ones.
 -- ARGV[1] tombstone TTL, ms
 -- ARGV[2] grace, ms: a hold is released only if its expiry < now - grace, checked here again,
 --         so a hold extended or pinned since the caller listed it is left alone
@@ -17,7 +18,7 @@ local released = 0
 local tomb = false
 for i = 3, #ARGV do
   local id = ARGV[i]
-  local exp = redis.call('ZSCORE', KEYS[3], id)
+  local exp = redis.call('ZSCORE', KEYS[3], id) or redis.call('ZSCORE', KEYS[5], id)
   if exp and tonumber(exp) < limit then
     local a = redis.call('HGET', KEYS[2], id)
     if a then
@@ -28,6 +29,7 @@ for i = 3, #ARGV do
       released = released + 1
     end
     redis.call('ZREM', KEYS[3], id)
+    redis.call('ZREM', KEYS[5], id)
     redis.call('ZADD', KEYS[4], now, id)
     tomb = true
   end

@@ -1,10 +1,11 @@
 -- release: end a hold without a charge (the request failed, or its reserve was not seen).
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin   (one {org} hash tag)
 -- ARGV[1] hold id
 -- ARGV[2] tombstone TTL, ms
 --
--- Only the call that deletes the hold gives its amount back, so a release racing a reaper or a
+-- A finished hold gives back what it holds then (the request's cost). Only the call that
+-- deletes the hold gives its amount back, so a release racing a reaper or a
 -- settle returns the money once. With no acct the hold is only deleted (the next seed does not
 -- subtract it). The id goes into gone either way, so a late re-sent reserve meets GONE.
 -- Reply: 1 if this call deleted the hold, else 0.
@@ -21,6 +22,7 @@ if a then
   released = 1
 end
 redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
 redis.call('ZADD', KEYS[4], now, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[2]))
 redis.call('PEXPIRE', KEYS[4], ARGV[2])

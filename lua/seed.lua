@@ -7,7 +7,8 @@
 --
 -- acct with this epoch, or with a higher generation: no-op (reply 0). Otherwise acct becomes
 -- bal = base - sum(holds), wm = W, epoch (reply 1). Live holds are subtracted one HINCRBY at a
--- time on their stored strings, so no computed sum is ever formatted. The seeder then re-sends
+-- time on their stored strings, so no computed sum is ever formatted (a finished hold of cost 0
+-- is skipped: '-0' is not an integer to Redis). The seeder then re-sends
 -- every ledger entry past W through settle (catch-up).
 local cur = redis.call('HGET', KEYS[1], 'epoch')
 if cur then
@@ -24,6 +25,8 @@ redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'bal', ARGV[2], 'wm', ARGV[3], 'epoch', ARGV[1])
 local vals = redis.call('HVALS', KEYS[2])
 for _, v in ipairs(vals) do
-  redis.call('HINCRBY', KEYS[1], 'bal', '-' .. v)
+  if v ~= '0' then
+    redis.call('HINCRBY', KEYS[1], 'bal', '-' .. v)
+  end
 end
 return 1

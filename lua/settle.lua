@@ -1,6 +1,6 @@
 -- settle: apply a batch of one org's ledger entries, in sequence order, to the hot balance.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin   (one {org} hash tag)
 -- ARGV[1] epoch "<gen>:<id>" read from the ledger with the entries
 -- ARGV[2] tombstone TTL, ms
 -- ARGV[3..] triples: seq, delta (signed integer string), hold id ('' for none)
@@ -11,7 +11,8 @@
 --   seq >  wm+1  GAP: stop; entries wm+1 .. seq must be re-sent first
 -- No acct, or another epoch: COLD, nothing applied. A newer epoch than acct's (higher
 -- generation, or the same generation with another id) drops acct; an older one changes nothing.
--- Every hold id of a settled entry goes into gone.
+-- Every hold id of a settled entry goes into gone. A finished hold (in hfin, holding the cost)
+-- comes back like any other.
 --
 -- Reply: {'COLD'} | {'OK', wm, code, code, ...} with code 1 applied, 2 already, 3 gap (last).
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'wm')
@@ -42,6 +43,7 @@ local function drop(id)
     redis.call('HINCRBY', KEYS[1], 'bal', a)
   end
   redis.call('ZREM', KEYS[3], id)
+  redis.call('ZREM', KEYS[5], id)
   redis.call('ZADD', KEYS[4], now, id)
   tomb = true
 end

@@ -1,15 +1,15 @@
 -- state: read an org's hot balance, its holds and its watermark together (the reconciler
 -- compares bal + sum(holds) with the ledger's B(wm)). Read-only.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] hfin   (one {org} hash tag)
 -- ARGV[1] pin floor, ms: holds expiring later than now + this count as pinned
 --
--- Reply: {bal, wm, epoch, {hold amounts...}, holds in hexp, pinned}
+-- Reply: {bal, wm, epoch, {hold amounts...}, unfinished holds, finished holds, pinned}
 -- The hold amounts are returned as stored and summed in Go, so the sum is exact.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local a = redis.call('HMGET', KEYS[1], 'bal', 'wm', 'epoch')
 local vals = redis.call('HVALS', KEYS[2])
-local n = redis.call('ZCARD', KEYS[3])
-local pinned = redis.call('ZCOUNT', KEYS[3], '(' .. (now + tonumber(ARGV[1])), '+inf')
-return {a[1], a[2], a[3], vals, n, pinned}
+local floor = '(' .. (now + tonumber(ARGV[1]))
+local pinned = redis.call('ZCOUNT', KEYS[3], floor, '+inf') + redis.call('ZCOUNT', KEYS[4], floor, '+inf')
+return {a[1], a[2], a[3], vals, redis.call('ZCARD', KEYS[3]), redis.call('ZCARD', KEYS[4]), pinned}

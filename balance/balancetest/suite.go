@@ -699,7 +699,7 @@ func Run(t *testing.T, env Env) {
 		t.Parallel()
 		x := fixture(t, env, balance.Config{HoldTTL: time.Minute}, 1000, true)
 		x.mustReserve("live", 100)
-		keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone")}
+		keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone"), x.key("hfin")}
 		n, err := x.env.Client.Eval(x.ctx, reapSrc(), keys, "30000", "0", "live", "unknown").Int64()
 		eq(t, "reaped", n, 0)
 		eq(t, "err", err, nil)

@@ -1,0 +1,91 @@
+package balance
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Finish is one request whose usage is durable: its hold and its real cost.
+type Finish struct {
+	Org    string
+	HoldID string
+	Cost   int64 // micro-units, 0 ≤ Cost ≤ MaxAmount
+}
+
+// finishChunk bounds the holds of one finish script call (a script blocks Redis while it runs).
+const finishChunk = 256
+
+// Finish finishes one hold (see FinishBatch). finished is false when there was nothing to do:
+// no such hold (settled, released, reaped, lost) or already finished.
+func (s *Store) Finish(ctx context.Context, org, holdID string, cost int64) (bool, error) {
+	n, err := s.FinishBatch(ctx, []Finish{{Org: org, HoldID: holdID, Cost: cost}})
+	return n == 1, err
+}
+
+// FinishBatch is called right after the usage of the requests is durable (in the ledger or the
+// local journal). For each existing, unfinished hold it gives the unused part back to the
+// available balance at once (bal += hold − cost; with no hot balance, none is touched), makes
+// the hold the request's cost, marks it finished — out of the in-flight count MaxInFlight caps —
+// and sets its expiry to max(current, now+SettleDeadline). bal + Σ holds does not change; the
+// settle later gives the hold back and applies the ledger entry as for any hold. A hold that is
+// missing or already finished is left alone, so re-sending a finish is safe.
+//
+// All calls go in one pipeline (one script call per org): one round trip, one per master on a
+// Cluster. It returns how many holds this call finished; on an error (ErrInvalidOrg,
+// ErrInvalidHoldID, ErrInvalidAmount before anything is sent; else the first Redis error) some
+// orgs' holds may be finished and others not, which is safe: settle works the same on both.
+func (s *Store) FinishBatch(ctx context.Context, fs []Finish) (int, error) {
+	if len(fs) == 0 {
+		return 0, nil
+	}
+	// Group by org, keeping each org's first position: one script call per org and chunk.
+	index := make(map[string]int, 4)
+	var keys [][]string
+	var args [][]any
+	for _, f := range fs {
+		if err := checkOrg(f.Org); err != nil {
+			return 0, err
+		}
+		if err := checkHold(f.HoldID); err != nil {
+			return 0, err
+		}
+		if f.Cost < 0 || f.Cost > MaxAmount {
+			return 0, fmt.Errorf("%w: cost %d of hold %s", ErrInvalidAmount, f.Cost, f.HoldID)
+		}
+		i, ok := index[f.Org]
+		if !ok || len(args[i]) >= 1+2*finishChunk {
+			i = len(keys)
+			index[f.Org] = i
+			k := s.orgKeys(f.Org)
+			keys = append(keys, []string{k[0], k[1], k[2], k[4]})
+			args = append(args, []any{s.settleDL})
+		}
+		args[i] = append(args[i], f.HoldID, strconv.FormatInt(f.Cost, 10))
+	}
+	var cmds []*redis.Cmd
+	if len(keys) == 1 {
+		cmds = []*redis.Cmd{s.run(ctx, scFinish, keys[0], args[0]...)} // no pipeline for one call
+	} else {
+		cmds = s.pipelined(ctx, scFinish, keys, args)
+	}
+	n := 0
+	var first error
+	for _, c := range cmds {
+		res, err := c.Slice()
+		if err != nil {
+			if first == nil {
+				first = fmt.Errorf("balance: finish: %w", err)
+			}
+			continue
+		}
+		for _, v := range res {
+			if toInt(v) == 1 {
+				n++
+			}
+		}
+	}
+	return n, first
+}

@@ -1,0 +1,53 @@
+-- finish: a request's usage is durable (ledger or journal); give the unused part of its hold back
+-- at once and take the hold out of the in-flight count, instead of waiting for the settle.
+--
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] hfin   (one {org} hash tag)
+--   hexp  zset  unfinished hold id -> expiry ms (the in-flight count of reserve's cap)
+--   hfin  zset  finished hold id -> expiry ms (still reapable through the ledger check)
+-- ARGV[1] settle deadline, ms: a finished hold's expiry becomes max(current, now + this)
+-- ARGV[2..] pairs: hold id, cost (integer string >= 0, the request's real cost)
+--
+-- Per pair, only on an existing, unfinished hold (a re-sent finish changes nothing):
+--   bal += hold - cost (only while acct exists), hold := cost, hexp -> hfin.
+-- bal + sum(holds) is unchanged, so the invariant holds; settle later gives the hold (now the
+-- cost) back and applies the entry's delta as for any hold. A zero cost leaves a zero hold, so
+-- that settle still tombstones its id. Money moves only with HINCRBY on the stored and argument
+-- strings ('-0' is not an integer to Redis, hence the zero checks).
+-- Reply: {1 or 0 per pair}: 1 if this call finished the hold.
+for i = 3, #ARGV, 2 do
+  if string.find(ARGV[i], '^%d+$') == nil then
+    return redis.error_reply('ERR escrow finish: cost must be a non-negative integer')
+  end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local due = now + tonumber(ARGV[1])
+local warm = redis.call('EXISTS', KEYS[1]) == 1
+
+local out = {}
+for i = 2, #ARGV - 1, 2 do
+  local id = ARGV[i]
+  local a = redis.call('HGET', KEYS[2], id)
+  if a and not redis.call('ZSCORE', KEYS[4], id) then
+    if warm then
+      if a ~= '0' then
+        redis.call('HINCRBY', KEYS[1], 'bal', a)
+      end
+      if ARGV[i + 1] ~= '0' then
+        redis.call('HINCRBY', KEYS[1], 'bal', '-' .. ARGV[i + 1])
+      end
+    end
+    redis.call('HSET', KEYS[2], id, ARGV[i + 1])
+    local exp = redis.call('ZSCORE', KEYS[3], id)
+    redis.call('ZREM', KEYS[3], id)
+    if exp and tonumber(exp) > due then
+      redis.call('ZADD', KEYS[4], exp, id) -- a pinned hold stays pinned
+    else
+      redis.call('ZADD', KEYS[4], due, id)
+    end
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
