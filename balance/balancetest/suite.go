@@ -822,6 +822,8 @@ func Run(t *testing.T, env Env) {
 		t.Parallel()
 		exactNear1e14(t, env)
 	})
+
+	runFinish(t, env)
 }
 
 func mustSnap(t *testing.T, l *FakeLedger, org string) balance.Snapshot {
@@ -868,6 +870,18 @@ func exactNear1e14(t *testing.T, env Env) {
 		t.Fatal("release b")
 	}
 	eq(t, "back at the bound", x.state().Balance, top)
+	// Finish moves hold − cost back at the bound: the whole balance held, a cost of 1.
+	x.mustReserve("fa", top)
+	if ok, err := x.s.Finish(x.ctx, x.org, "fa", 1); !ok || err != nil {
+		t.Fatalf("finish fa: %v %v", ok, err)
+	}
+	eq(t, "after finish", x.state().Balance, top-1)
+	e5 := x.l.Add(x.org, -1, "fa")
+	e6 := x.l.Add(x.org, 1, "")
+	if _, err := x.s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), []balance.Entry{e5, e6}); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "finished hold settled", x.state().Balance, top)
 	// Down to a debt of exactly -10^14.
 	e3 := x.l.Add(x.org, -top, "")
 	e4 := x.l.Add(x.org, -top, "")
