@@ -30,6 +30,8 @@ type RecorderStats struct {
 	Pinned          int64 // holds pinned now (their usage waits in the journal)
 	PinErrors       int64 // pin or unpin calls that failed (they are retried)
 	JournalFull     int64 // batches refused because the journal was full
+	Finished        int64 // holds finished right after their usage was durable
+	FinishErrors    int64 // finish calls (one per batch) that failed; their holds wait for the settle
 }
 
 // pinState is one hold whose usage is in the journal (or was just replayed and waits to be

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -58,6 +59,15 @@ type RecorderConfig struct {
 	// Degraded reports true once less than this is free, so that new holds are refused while
 	// the requests that hold one can still be journaled. Default 0.1.
 	JournalReserve float64
+	// Finisher, when set, finishes the holds of every batch right after it is durable (in the
+	// ledger or the journal), in one pipelined call per batch, before the batch's Record calls
+	// return: the unused part of each hold is available again at once, and the hold no longer
+	// counts against the per-org cap on requests in flight. Best effort: a failed finish changes
+	// nothing (the settle does the same later). *balance.Store implements it. Default nil: holds
+	// stay whole and in flight until the worker settles them.
+	Finisher Finisher
+	// FinishTimeout bounds one batch's finish call. Default 1s.
+	FinishTimeout time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -82,6 +92,8 @@ type Recorder struct {
 	queue   chan *recordReq
 	wg      sync.WaitGroup
 	stopCtx func() bool // unregisters Start's context hook
+
+	finished, finishErrs atomic.Int64
 }
 
 type recordReq struct {
@@ -99,6 +111,7 @@ func NewRecorder(l Ledger, cfg RecorderConfig) *Recorder {
 	cfg.PinInterval = cmp.Or(max(cfg.PinInterval, 0), 6*time.Hour)
 	cfg.ReplayInterval = cmp.Or(max(cfg.ReplayInterval, 0), time.Second)
 	cfg.UnpinDelay = cmp.Or(max(cfg.UnpinDelay, 0), 5*time.Second)
+	cfg.FinishTimeout = cmp.Or(max(cfg.FinishTimeout, 0), time.Second)
 	if cfg.JournalReserve <= 0 || cfg.JournalReserve >= 1 {
 		cfg.JournalReserve = 0.1
 	}
@@ -121,16 +134,16 @@ func (r *Recorder) Journaling() bool { return r.fb != nil && r.fb.j.Len() > 0 }
 
 // Stats returns the recorder's running totals and its journal's state.
 func (r *Recorder) Stats() RecorderStats {
+	st := RecorderStats{Finished: r.finished.Load(), FinishErrors: r.finishErrs.Load()}
 	f := r.fb
 	if f == nil {
-		return RecorderStats{}
+		return st
 	}
-	return RecorderStats{
-		JournalBytes: f.j.Size(), JournalEvents: int64(f.j.Len()), JournalMaxBytes: f.j.Max(),
-		Journaled: f.journaled.Load(), Replays: f.replays.Load(), Replayed: f.replayed.Load(),
-		ReplayErrors: f.replayErrs.Load(), Pinned: f.pinnedNow(), PinErrors: f.pinErrs.Load(),
-		JournalFull: f.full.Load(),
-	}
+	st.JournalBytes, st.JournalEvents, st.JournalMaxBytes = f.j.Size(), int64(f.j.Len()), f.j.Max()
+	st.Journaled, st.Replays, st.Replayed = f.journaled.Load(), f.replays.Load(), f.replayed.Load()
+	st.ReplayErrors, st.Pinned, st.PinErrors = f.replayErrs.Load(), f.pinnedNow(), f.pinErrs.Load()
+	st.JournalFull = f.full.Load()
+	return st
 }
 
 // Start starts the flushers. They run until Stop, or until ctx ends, which stops the recorder
@@ -299,6 +312,11 @@ func (r *Recorder) commit(batch []*recordReq) {
 			err = r.fb.append(actx, events, err)
 			acancel()
 		}
+	}
+	if err == nil {
+		// Before the callers hear back: a client that saw its request end must not meet its
+		// hold in the in-flight count on its next request.
+		r.finish(events)
 	}
 	for _, req := range batch {
 		req.done <- err

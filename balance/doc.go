@@ -8,7 +8,8 @@
 //
 //	esc:{org}:acct    hash   bal (available balance), wm (watermark: highest ledger seq in bal), epoch ("<gen>:<id>")
 //	esc:{org}:holds   hash   hold id → amount
-//	esc:{org}:hexp    zset   hold id → expiry, ms on the Redis clock; a pinned hold's is far out
+//	esc:{org}:hexp    zset   unfinished hold id → expiry, ms on the Redis clock; a pinned hold's is far out
+//	esc:{org}:hfin    zset   finished hold id → expiry (the settle deadline, or far out when pinned)
 //	esc:{org}:gone    zset   tombstones of settled or released hold ids, kept TombstoneTTL
 //	esc:model:<m>:max string the model's learned max cost (its own slot, its own call)
 //
@@ -21,7 +22,11 @@
 // and every ledger entry is applied to bal at most once. Reserve moves money from bal to a
 // hold; Settle applies entries strictly in seq order (seq ≤ wm: already in bal, only the hold
 // comes back; seq = wm+1: hold back, delta applied, wm advanced; beyond: a gap, stop);
-// Release and Reap give a hold back exactly once (only the call that deletes it); Seed writes
+// Finish, right after a request's usage is durable, gives hold − cost back to bal and makes the
+// hold the cost, moving it from hexp (the in-flight count MaxInFlight caps) to hfin; it acts
+// only on an existing, unfinished hold, so a re-sent finish changes nothing, and it leaves
+// bal + Σ holds as it was. Release and Reap give a hold back exactly once (only the call that
+// deletes it), finished or not; Seed writes
 // bal = snapshot − Σ holds and is followed by a catch-up that re-sends every entry past the
 // snapshot; Invalidate drops acct only. acct carries the ledger epoch: reserve and settle carry
 // the caller's, a mismatch answers cold, and no script replaces a higher generation with a

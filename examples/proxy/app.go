@@ -117,7 +117,7 @@ func newApp(ctx context.Context, cfg config, log *slog.Logger) (_ *app, err erro
 		return nil, fmt.Errorf("ledger not ready (are the migrations applied? ESCROW_MIGRATE=true applies them): %w", err)
 	}
 	a.store.ObserveEpoch(epoch)
-	rc := accounting.RecorderConfig{Logger: log}
+	rc := accounting.RecorderConfig{Logger: log, Finisher: a.store} // holds finished in each record batch
 	if cfg.JournalDir != "" {
 		if a.journal, err = accounting.OpenJournal(cfg.JournalDir, cfg.JournalMaxBytes); err != nil {
 			return nil, fmt.Errorf("journal: %w", err)

@@ -96,6 +96,8 @@ func (m *metrics) journalMetrics(a *app) {
 	counter("escrow_journal_replayed_events_total", "Usage events replayed from the local journal into the ledger.", func(s accounting.RecorderStats) int64 { return s.Replayed })
 	counter("escrow_journal_replay_errors_total", "Failed replay attempts (the ledger still unreachable).", func(s accounting.RecorderStats) int64 { return s.ReplayErrors })
 	counter("escrow_journal_pin_errors_total", "Pin or unpin calls that failed (retried).", func(s accounting.RecorderStats) int64 { return s.PinErrors })
+	counter("escrow_holds_finished_total", "Holds finished right after their usage was recorded (unused part given back, out of the in-flight count).", func(s accounting.RecorderStats) int64 { return s.Finished })
+	counter("escrow_finish_errors_total", "Record batches whose holds could not be finished (they wait for the settle instead).", func(s accounting.RecorderStats) int64 { return s.FinishErrors })
 	counter("escrow_journal_full_total", "Batches refused because the local journal was full (those requests failed).", func(s accounting.RecorderStats) int64 { return s.JournalFull })
 	m.journalRefused = prometheus.NewCounter(prometheus.CounterOpts{Name: "escrow_journal_refused_total",
 		Help: "Requests refused with 503 because the local journal was nearly full."})
