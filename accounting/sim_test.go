@@ -26,9 +26,10 @@ var (
 )
 
 // TestSimulation drives the real scripts and a real ledger through random interleavings of
-// reserve, record, account, settle (with workers killed before marking), release, reap,
-// invalidate, credit, stale seeds, Redis data loss and re-sent calls, and checks after every step
-// that bal + Σ holds == B(wm) for every warm org, and at quiescence that Redis agrees with the
+// reserve, record, finish (at once, late, re-sent, before and after the settle, after a data
+// loss), account, settle (with workers killed before marking), release, reap, invalidate,
+// credit, stale seeds, Redis data loss and re-sent calls, and checks after every step that
+// bal + Σ holds == B(wm) for every warm org and that no hold id is also tombstoned, and at quiescence that Redis agrees with the
 // ledger to the micro-unit, that every served request is billed exactly once, and that debt
 // stays within the debt rule. A failure prints the seed; replay it with -sim.seed.
 func TestSimulation(t *testing.T) {
@@ -81,6 +82,7 @@ type simulator struct {
 	stale        []balance.Snapshot
 	staleOrg     []string
 	counts       map[string]int
+	finSent      []balance.Finish // finish calls sent, re-sent (or first sent) later at random
 }
 
 type simReq struct {
@@ -93,7 +95,8 @@ func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger
 	store, err := balance.New(ctx, env.Client, balance.Config{
 		Ledger: ledger, Prefix: env.Prefix, MaxInFlight: 100000,
 		HoldTTL: time.Millisecond, ReapGrace: time.Nanosecond, // every hold is reapable: owners may be slow
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		SettleDeadline: time.Millisecond, // finished holds too (through the ledger check)
+		Logger:         slog.New(slog.NewTextHandler(io.Discard, nil)),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -265,6 +268,21 @@ func (s *simulator) step() {
 	case op < 0.77: // fail-open request: no hold, usage recorded
 		s.counts["fail-open"]++
 		s.record(simReq{o, uuid.Must(uuid.NewV7()).String(), 0}, s.rnd.Int64N(30))
+	case op < 0.83 && len(s.finSent) > 0: // a finish arrives late, or is re-sent (go-redis retries)
+		s.counts["finish-late"]++
+		f := s.finSent[s.rnd.IntN(len(s.finSent))]
+		if s.rnd.Float64() < 0.3 { // several in one batch, as the recorder sends them
+			g := s.finSent[s.rnd.IntN(len(s.finSent))]
+			n, err := s.store.FinishBatch(s.ctx, []balance.Finish{f, g})
+			s.must(err)
+			s.counts["finished"] += n
+		} else {
+			ok, err := s.store.Finish(s.ctx, f.Org, f.HoldID, f.Cost)
+			s.must(err)
+			if ok {
+				s.counts["finished"]++
+			}
+		}
 	}
 }
 
@@ -307,6 +325,21 @@ func (s *simulator) record(r simReq, cost int64) {
 	if s.rnd.Float64() < 0.05 { // recorded twice (a retried record): charged once
 		s.must(s.ledger.RecordUsage(s.ctx, []accounting.UsageEvent{ev}))
 	}
+	if r.amount == 0 {
+		return // fail-open: no hold to finish
+	}
+	// The recorder finishes the hold right after the usage is durable; that finish may also be
+	// lost (best effort), or arrive late (after a settle, a reap, a data loss).
+	f := balance.Finish{Org: r.org, HoldID: r.id, Cost: cost}
+	s.finSent = append(s.finSent, f)
+	if s.rnd.Float64() < 0.7 {
+		s.counts["finish"]++
+		ok, err := s.store.Finish(s.ctx, f.Org, f.HoldID, f.Cost)
+		s.must(err)
+		if ok {
+			s.counts["finished"]++
+		}
+	}
 }
 
 // b returns B(k): the org's ledger balance after its entries with seq ≤ k.
@@ -346,6 +379,21 @@ func (s *simulator) check(step int) {
 		}
 		if got, want := st.Balance+st.Held, s.b(o, st.Watermark); got != want {
 			s.t.Fatalf("seed %d step %d: org %s: bal+holds = %d, B(wm=%d) = %d", s.seed, step, o, got, st.Watermark, want)
+		}
+	}
+	// No script leaves a hold on an id it tombstoned, or writes one on a tombstoned id (a finish
+	// that re-created the hold of a settled request would lock its cost until a reaper came).
+	for _, o := range s.orgs {
+		gone, err := s.env.Client.ZRange(s.ctx, s.env.Prefix+":{"+o+"}:gone", 0, -1).Result()
+		s.must(err)
+		if len(gone) == 0 {
+			continue
+		}
+		holds := s.holds(o)
+		for _, id := range gone {
+			if _, ok := holds[id]; ok {
+				s.t.Fatalf("seed %d step %d: org %s: hold %s is also tombstoned", s.seed, step, o, id)
+			}
 		}
 	}
 }
