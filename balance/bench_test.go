@@ -152,3 +152,39 @@ func BenchmarkReserveVsRaw(b *testing.B) {
 	b.ReportMetric(float64(resNs.Load())/float64(b.N), "reserve-ns/call")
 	b.ReportMetric(float64(rawNs.Load())/float64(resNs.Load()), "reserve/raw-throughput")
 }
+
+// BenchmarkFinishBatch is the recorder's per-batch finish: one op is one hold finished, in
+// batches of 100 holds on one org (one script call) and spread over 10 orgs (a pipeline of ten
+// calls). The holds are taken outside the timer.
+func BenchmarkFinishBatch(b *testing.B) {
+	for _, orgs := range []int{1, 10} {
+		b.Run(fmt.Sprintf("orgs=%d", orgs), func(b *testing.B) {
+			s, _, org := benchEnv(b)
+			ctx := context.Background()
+			const batch = 100
+			fs := make([]balance.Finish, 0, batch)
+			b.ResetTimer()
+			for done := 0; done < b.N; done += batch {
+				b.StopTimer()
+				fs = fs[:0]
+				for i := range min(batch, b.N-done) {
+					o := org
+					if i%orgs != 0 {
+						o = org + "-" + strconv.Itoa(i%orgs) // cold orgs: finish touches no balance
+					}
+					id := "f" + strconv.FormatInt(benchSeq.Add(1), 10)
+					if o == org {
+						if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: 100}); err != nil {
+							b.Fatal(err)
+						}
+					}
+					fs = append(fs, balance.Finish{Org: o, HoldID: id, Cost: 40})
+				}
+				b.StartTimer()
+				if _, err := s.FinishBatch(ctx, fs); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
