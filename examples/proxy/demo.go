@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strings"
@@ -19,38 +21,41 @@ var demoModels = []accounting.Model{
 		MaxInputTokens: 8_192, MaxOutputTokens: 1, DefaultHold: 1_000},
 }
 
-// seedDemo creates the demo org, its balance, an API key and the demo models.
-func (a *app) seedDemo(ctx context.Context) error {
+// seedDemo creates the demo models, the demo org with its balance, and an API key, through the
+// same operations the admin API uses; it returns the key.
+func seedDemo(ctx context.Context, ops *accounting.Ops, funds int64) (string, error) {
 	for _, m := range demoModels {
-		if err := a.ledger.PutModel(ctx, m); err != nil {
-			return err
+		if err := ops.PutModel(ctx, m); err != nil {
+			return "", err
 		}
 	}
-	if err := a.ledger.CreateOrg(ctx, "demo"); err != nil && !errors.Is(err, accounting.ErrOrgExists) {
-		return err
+	if err := ops.CreateOrg(ctx, "demo"); err != nil && !errors.Is(err, accounting.ErrOrgExists) {
+		return "", err
 	}
-	if a.cfg.DemoBalance > 0 {
-		if _, _, err := a.ledger.Credit(ctx, "demo", a.cfg.DemoBalance, "demo-initial-balance"); err != nil {
-			return err
+	if funds > 0 {
+		if _, _, err := ops.Credit(ctx, "demo", funds, "demo-initial-balance"); err != nil {
+			return "", err
 		}
 	}
-	_, secret, err := a.ledger.CreateKey(ctx, "demo")
-	if err != nil {
-		return err
-	}
-	a.demoKey = secret
-	return nil
+	_, secret, err := ops.CreateKey(ctx, "demo")
+	return secret, err
 }
 
 // demoBanner is what the embedded demo prints: a curl line that works, and the admin token.
-func (a *app) demoBanner() string {
+func demoBanner(addr, key, adminToken string, funds int64) string {
 	var b strings.Builder
-	base := "http://" + a.addr()
+	base := "http://" + addr
 	fmt.Fprintf(&b, "\nescrow proxy (embedded demo) on %s\n", base)
-	fmt.Fprintf(&b, "  org \"demo\" has %d micro-units; its API key: %s\n", a.cfg.DemoBalance, a.demoKey)
-	fmt.Fprintf(&b, "  admin token: %s\n\nTry:\n", a.cfg.AdminToken)
-	fmt.Fprintf(&b, "  curl -s %s/v1/chat/completions -H 'Authorization: Bearer %s' -H 'Content-Type: application/json' \\\n", base, a.demoKey)
+	fmt.Fprintf(&b, "  org \"demo\" has %d micro-units; its API key: %s\n", funds, key)
+	fmt.Fprintf(&b, "  admin token: %s\n\nTry:\n", adminToken)
+	fmt.Fprintf(&b, "  curl -s %s/v1/chat/completions -H 'Authorization: Bearer %s' -H 'Content-Type: application/json' \\\n", base, key)
 	fmt.Fprintf(&b, "    -d '{\"model\":\"gpt-4o-mini\",\"max_tokens\":50,\"messages\":[{\"role\":\"user\",\"content\":\"hello there\"}]}'\n")
-	fmt.Fprintf(&b, "  curl -s %s/admin/v1/orgs/demo/balance -H 'Authorization: Bearer %s'\n\n", base, a.cfg.AdminToken)
+	fmt.Fprintf(&b, "  curl -s %s/admin/v1/orgs/demo/balance -H 'Authorization: Bearer %s'\n\n", base, adminToken)
 	return b.String()
+}
+
+func randomToken(prefix string) string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return prefix + hex.EncodeToString(b[:])
 }

@@ -1,7 +1,8 @@
-package main
+package server
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"net/http"
 	"net/http/pprof"
@@ -15,7 +16,7 @@ import (
 
 // settleMetrics exports how far behind settling is: the settle-lag histogram of this process's
 // worker and, on Postgres, the ledger's backlog.
-func (m *metrics) settleMetrics(a *app) {
+func (m *metrics) settleMetrics(a *Server) {
 	cmds := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "escrow_redis_commands_total",
 		Help: "Redis commands this process sent (a pipeline counts each of its commands; label pipelined)."}, []string{"command", "pipelined"})
 	m.reg.MustRegister(cmds)
@@ -85,12 +86,9 @@ func (c settleLagCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstHistogram(c.desc, l.Count, l.Sum.Seconds(), buckets)
 }
 
-// servePprof serves net/http/pprof on its own listener (ESCROW_PPROF_ADDR; off when empty). It
-// is for profiling only: never expose it beyond loopback.
-func servePprof(addr string, log *slog.Logger) {
-	if addr == "" {
-		return
-	}
+// servePprof serves net/http/pprof on its own listener (ESCROW_PPROF_ADDR). It is for
+// profiling only: never expose it beyond loopback.
+func servePprof(addr string, log *slog.Logger) *http.Server {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
 	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
@@ -100,8 +98,9 @@ func servePprof(addr string, log *slog.Logger) {
 	srv := &http.Server{Addr: addr, Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	log.Warn("pprof is served (profiling only)", "addr", addr)
 	go func() {
-		if err := srv.ListenAndServe(); err != nil {
+		if err := srv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			log.Warn("pprof server", "err", err)
 		}
 	}()
+	return srv
 }

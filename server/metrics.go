@@ -1,4 +1,4 @@
-package main
+package server
 
 import (
 	"net/http"
@@ -23,8 +23,8 @@ type metrics struct {
 	journalRefused prometheus.Counter // requests refused because the local journal is nearly full
 }
 
-func newMetrics(a *app) *metrics {
-	servePprof(a.cfg.PprofAddr, a.log)
+// newMetrics registers the metrics of s's parts. It starts nothing (pprof is started by Start).
+func newMetrics(a *Server) *metrics {
 	m := &metrics{reg: prometheus.NewRegistry()}
 	m.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -71,7 +71,7 @@ func newMetrics(a *app) *metrics {
 }
 
 // journalMetrics says whether the local usage journal is in use (a ledger outage).
-func (m *metrics) journalMetrics(a *app) {
+func (m *metrics) journalMetrics(a *Server) {
 	r := a.recorder
 	gauge := func(name, help string, f func(accounting.RecorderStats) int64) {
 		m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 { return float64(f(r.Stats())) }))

@@ -1,4 +1,4 @@
-package main
+package server
 
 import (
 	"bytes"
@@ -13,25 +13,32 @@ import (
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/llmescrow/escrow/internal/fakeupstream"
 	"github.com/llmescrow/escrow/internal/testutil"
 )
 
 const testAdmin = "test-admin-token"
 
-// testProxy is a proxy app running in-process on a random port.
+// testProxy is a proxy server running in-process on a random port.
 type testProxy struct {
 	t    *testing.T
-	app  *app
+	app  *Server
 	base string
 }
 
-// startProxy starts the proxy: real Redis and Postgres when real is true, embedded otherwise.
-func startTestProxy(t *testing.T, real bool, tweak ...func(*config)) *testProxy {
+// config is the name the proxy's tests used for Config before the product moved out of
+// examples/proxy; it keeps their tweak functions (func(c *Config)) as they were.
+type config = Config
+
+// startTestProxy starts the proxy: real Redis and Postgres when real is true, embedded parts
+// (miniredis, the memory ledger) otherwise, as tweaked; the upstream is the fake one unless a
+// tweak sets UpstreamURL.
+func startTestProxy(t *testing.T, real bool, tweak ...func(*Config)) *testProxy {
 	t.Helper()
-	cfg, err := loadConfig(nil, func(string) string { return "" }, io.Discard)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := DefaultConfig()
 	cfg.Addr = "127.0.0.1:0"
 	cfg.AdminToken = testAdmin
 	cfg.DemoBalance = 0
@@ -41,29 +48,41 @@ func startTestProxy(t *testing.T, real bool, tweak ...func(*config)) *testProxy 
 		cfg.RedisURL, cfg.DatabaseURL, cfg.Prefix = env.URL, pg.URL, env.Prefix
 	}
 	for _, f := range tweak {
-		f(&cfg)
+		f(cfg)
 	}
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	if testing.Verbose() {
-		log = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+		cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	}
+	var opts []Option
+	if cfg.RedisURL == "" {
+		mini := miniredis.NewMiniRedis()
+		if err := mini.StartAddr("127.0.0.1:0"); err != nil {
+			t.Fatal(err)
+		}
+		rdb := redis.NewClient(&redis.Options{Addr: mini.Addr()})
+		t.Cleanup(func() { _ = rdb.Close(); mini.Close() }) // after the server's Stop (cleanups run last-in first-out)
+		opts = append(opts, WithEmbeddedRedis(rdb))
+	}
+	if cfg.UpstreamURL == "" {
+		opts = append(opts, WithUpstream(fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), "sk-fake-upstream"))
 	}
 	ctx := context.Background()
-	a, err := newApp(ctx, cfg, log)
+	a, err := New(ctx, cfg, opts...)
 	if err != nil {
-		t.Fatal(err)
-	}
-	if err := a.start(ctx); err != nil {
-		a.close()
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		if err := a.shutdown(ctx); err != nil {
+		if err := a.Stop(ctx); err != nil {
 			t.Errorf("shutdown: %v", err)
 		}
 	})
-	return &testProxy{t: t, app: a, base: "http://" + a.addr()}
+	if err := a.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return &testProxy{t: t, app: a, base: "http://" + a.Addr()}
 }
 
 type testWriter struct{ t *testing.T }
@@ -90,7 +109,7 @@ func startClusterProxy(t *testing.T, cl *testutil.RedisCluster) *testProxy {
 		urls = append(urls, "redis://"+a)
 	}
 	pg := testutil.Postgres(t)
-	return startTestProxy(t, false, func(c *config) {
+	return startTestProxy(t, false, func(c *Config) {
 		c.RedisURL, c.DatabaseURL, c.Prefix = strings.Join(urls, ","), pg.URL, testutil.RandomName("c")
 	})
 }
@@ -334,7 +353,7 @@ func TestAdminAuth(t *testing.T) {
 		}
 	}
 	// Without a token (and outside the embedded demo, which makes one) there is no admin API.
-	off := startTestProxy(t, true, func(c *config) { c.AdminToken = "" })
+	off := startTestProxy(t, true, func(c *Config) { c.AdminToken = "" })
 	for _, tok := range []string{"", testAdmin} {
 		if st, _, _ := off.do("POST", "/admin/v1/orgs", tok, map[string]string{"id": "x"}); st != http.StatusNotFound {
 			t.Fatalf("admin API without a token configured, token %q: %d, want 404", tok, st)

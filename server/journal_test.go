@@ -1,4 +1,4 @@
-package main
+package server
 
 import (
 	"encoding/json"
@@ -19,7 +19,7 @@ func TestPostgresOutageJournal(t *testing.T) {
 	t.Parallel()
 	pg := testutil.StartPostgresServer(t)
 	env := testutil.RealRedis(t)
-	p := startTestProxy(t, false, func(c *config) {
+	p := startTestProxy(t, false, func(c *Config) {
 		c.RedisURL, c.DatabaseURL, c.Prefix = env.URL, pg.URL(), env.Prefix
 		c.JournalDir, c.JournalMaxBytes = t.TempDir(), 6000 // room for about 15 events
 		c.ReplayInterval = 100 * time.Millisecond

@@ -1,4 +1,4 @@
-package main
+package server
 
 import (
 	"cmp"
@@ -7,15 +7,15 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-
 	"strconv"
 	"strings"
 	"time"
 )
 
-// config is the proxy's configuration. Every field has an environment variable and a flag of
-// the same meaning; a flag beats the variable, the variable beats the default.
-type config struct {
+// Config is the proxy's configuration. Every field but Logger has an environment variable and a
+// flag of the same meaning (LoadConfig; `-h` lists them with their defaults); a flag beats the
+// variable, the variable beats the default. DefaultConfig returns the defaults.
+type Config struct {
 	Addr            string
 	RedisURL        string
 	DatabaseURL     string
@@ -46,6 +46,9 @@ type config struct {
 	BenchBaseline   bool
 	Coalesce        bool
 	PprofAddr       string
+
+	// Logger receives the server's logs; nil: one built from LogLevel and LogFormat, on stderr.
+	Logger *slog.Logger
 }
 
 type setting struct {
@@ -53,7 +56,7 @@ type setting struct {
 	set                  func(string) error
 }
 
-func (c *config) settings() []setting {
+func (c *Config) settings() []setting {
 	str := func(p *string) func(string) error { return func(v string) error { *p = v; return nil } }
 	dur := func(p *time.Duration) func(string) error {
 		return func(v string) error {
@@ -97,9 +100,9 @@ func (c *config) settings() []setting {
 	}
 	return []setting{
 		{"ESCROW_ADDR", "addr", "127.0.0.1:8080", "listen address", str(&c.Addr)},
-		{"REDIS_URL", "redis-url", "", "Redis URL (redis:// or rediss:// with verified TLS); comma-separated URLs mean a Redis Cluster; empty: embedded miniredis", str(&c.RedisURL)},
-		{"DATABASE_URL", "database-url", "", "PostgreSQL URL for the ledger; empty: in-memory ledger (only with embedded Redis)", str(&c.DatabaseURL)},
-		{"UPSTREAM_URL", "upstream-url", "", "OpenAI-compatible upstream base URL (e.g. https://api.openai.com); empty: built-in fake upstream", str(&c.UpstreamURL)},
+		{"REDIS_URL", "redis-url", "", "Redis URL (redis:// or rediss:// with verified TLS); comma-separated URLs mean a Redis Cluster; empty: embedded miniredis (examples/proxy only; required by escrow serve)", str(&c.RedisURL)},
+		{"DATABASE_URL", "database-url", "", "PostgreSQL URL for the ledger; empty: in-memory ledger (only with embedded Redis, examples/proxy)", str(&c.DatabaseURL)},
+		{"UPSTREAM_URL", "upstream-url", "", "OpenAI-compatible upstream base URL (e.g. https://api.openai.com); empty: built-in fake upstream (examples/proxy only; required by escrow serve)", str(&c.UpstreamURL)},
 		{"UPSTREAM_API_KEY", "upstream-api-key", "", "API key sent to the upstream (clients' keys are never forwarded)", str(&c.UpstreamAPIKey)},
 		{"ESCROW_ADMIN_TOKEN", "admin-token", "", "bearer token of the admin API; empty: admin API off (the embedded demo generates one)", str(&c.AdminToken)},
 		{"ESCROW_HOLD_TTL", "hold-ttl", "10m", "hold expiry; extended every third of it while a request runs", dur(&c.HoldTTL)},
@@ -122,34 +125,43 @@ func (c *config) settings() []setting {
 		{"ESCROW_SHUTDOWN_TIMEOUT", "shutdown-timeout", "30s", "how long shutdown waits for in-flight requests", dur(&c.ShutdownTimeout)},
 		{"ESCROW_LOG_LEVEL", "log-level", "info", "debug, info, warn or error", str(&c.LogLevel)},
 		{"ESCROW_LOG_FORMAT", "log-format", "text", "text or json", str(&c.LogFormat)},
-		{"ESCROW_DEMO_BALANCE", "demo-balance", "10000000", "balance (micro-units) of the demo org created by the embedded default", integer(&c.DemoBalance, 0)},
+		{"ESCROW_DEMO_BALANCE", "demo-balance", "10000000", "balance (micro-units) of the demo org created by the embedded default (examples/proxy)", integer(&c.DemoBalance, 0)},
 		{"ESCROW_BENCH_BASELINE", "bench-baseline", "false", "benchmarks only: proxy without the middleware (requests pass unbilled)", boolean(&c.BenchBaseline)},
 		{"ESCROW_COALESCE", "coalesce", "false", "send reserves that arrive together as one Redis pipeline (higher throughput under heavy concurrency)", boolean(&c.Coalesce)},
 		{"ESCROW_PPROF_ADDR", "pprof-addr", "", "profiling only: serve net/http/pprof on this address (keep it on loopback); empty: off", str(&c.PprofAddr)},
 	}
 }
 
-// loadConfig reads defaults, then the environment, then the flags in args.
-func loadConfig(args []string, getenv func(string) string, usageOut io.Writer) (config, error) {
-	var c config
-	settings := c.settings()
-	for _, s := range settings {
+// DefaultConfig returns the documented defaults (what LoadConfig gives with no variable and no
+// flag set).
+func DefaultConfig() *Config {
+	c := &Config{}
+	for _, s := range c.settings() {
 		if err := s.set(s.def); err != nil {
-			return c, fmt.Errorf("default of %s: %w", s.env, err)
+			panic(fmt.Sprintf("server: default of %s: %v", s.env, err)) // a typo in the table above
 		}
 	}
+	return c
+}
+
+// LoadConfig reads the defaults, then the environment (getenv), then the flags in args; usage
+// (for -h and flag errors) goes to usageOut under the command name name. -h returns an error
+// wrapping flag.ErrHelp.
+func LoadConfig(name string, args []string, getenv func(string) string, usageOut io.Writer) (*Config, error) {
+	c := DefaultConfig()
+	settings := c.settings()
 	for _, s := range settings {
 		if v, ok := lookup(getenv, s.env); ok {
 			if err := s.set(v); err != nil {
-				return c, fmt.Errorf("%s: %w", s.env, err)
+				return nil, fmt.Errorf("%w: %s: %w", ErrConfig, s.env, err)
 			}
 		}
 	}
-	fs := flag.NewFlagSet("escrow-proxy", flag.ContinueOnError)
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(usageOut)
 	fs.Usage = func() {
 		fmt.Fprintf(usageOut, "escrow proxy: an OpenAI-compatible proxy that holds prepaid balance before each request.\n\n")
-		fmt.Fprintf(usageOut, "Usage: go run ./examples/proxy [flags]\n\nEvery flag has an environment variable; a flag beats the variable.\n\n")
+		fmt.Fprintf(usageOut, "Usage: %s [flags]\n\nEvery flag has an environment variable; a flag beats the variable.\n\n", name)
 		for _, s := range settings {
 			def := s.def
 			if def == "" {
@@ -162,33 +174,48 @@ func loadConfig(args []string, getenv func(string) string, usageOut io.Writer) (
 		fs.Func(s.flag, s.help, s.set)
 	}
 	if err := fs.Parse(args); err != nil {
-		return c, err
+		return nil, err
 	}
 	if fs.NArg() > 0 {
-		return c, fmt.Errorf("unexpected arguments: %s", strings.Join(fs.Args(), " "))
+		return nil, fmt.Errorf("unexpected arguments: %s", strings.Join(fs.Args(), " "))
 	}
-	switch c.LogFormat {
-	case "text", "json":
-	default:
-		return c, fmt.Errorf("ESCROW_LOG_FORMAT: want text or json, got %q", c.LogFormat)
-	}
-	if _, err := parseLevel(c.LogLevel); err != nil {
-		return c, err
-	}
-	if c.DatabaseURL == "" && c.RedisURL != "" {
-		return c, errors.New("the in-memory ledger only pairs with the embedded Redis: set DATABASE_URL or unset REDIS_URL")
-	}
-	if c.PinTTL < 4*c.HoldTTL {
-		return c, fmt.Errorf("ESCROW_PIN_TTL (%s) must be at least 4× ESCROW_HOLD_TTL (%s)", c.PinTTL, c.HoldTTL)
-	}
-	if c.UpstreamURL != "" && c.UpstreamAPIKey == "" {
-		return c, errors.New("UPSTREAM_URL is set but UPSTREAM_API_KEY is empty")
+	if err := c.validate(); err != nil {
+		return nil, err
 	}
 	return c, nil
 }
 
-// embedded reports whether the proxy runs on its embedded parts (the demo).
-func (c config) embedded() bool { return c.RedisURL == "" && c.DatabaseURL == "" }
+// ErrConfig is wrapped by every configuration error.
+var ErrConfig = errors.New("server: invalid configuration")
+
+// validate checks what no single setting can check alone.
+func (c *Config) validate() error {
+	if err := c.check(); err != nil {
+		return fmt.Errorf("%w: %w", ErrConfig, err)
+	}
+	return nil
+}
+
+func (c *Config) check() error {
+	switch c.LogFormat {
+	case "text", "json":
+	default:
+		return fmt.Errorf("ESCROW_LOG_FORMAT: want text or json, got %q", c.LogFormat)
+	}
+	if _, err := parseLevel(c.LogLevel); err != nil {
+		return err
+	}
+	if c.DatabaseURL == "" && c.RedisURL != "" {
+		return errors.New("the in-memory ledger only pairs with the embedded Redis: set DATABASE_URL or unset REDIS_URL")
+	}
+	if c.PinTTL < 4*c.HoldTTL {
+		return fmt.Errorf("ESCROW_PIN_TTL (%s) must be at least 4× ESCROW_HOLD_TTL (%s)", c.PinTTL, c.HoldTTL)
+	}
+	if c.UpstreamURL != "" && c.UpstreamAPIKey == "" {
+		return errors.New("UPSTREAM_URL is set but UPSTREAM_API_KEY is empty")
+	}
+	return nil
+}
 
 func lookup(getenv func(string) string, k string) (string, bool) {
 	v := getenv(k)
@@ -203,7 +230,8 @@ func parseLevel(s string) (slog.Level, error) {
 	return l, nil
 }
 
-func newLogger(c config, w io.Writer) *slog.Logger {
+// NewLogger returns a logger on w with the configured level and format.
+func (c *Config) NewLogger(w io.Writer) *slog.Logger {
 	lvl, _ := parseLevel(c.LogLevel)
 	opts := &slog.HandlerOptions{Level: lvl}
 	if c.LogFormat == "json" {

@@ -1,4 +1,4 @@
-package main
+package server
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/llmescrow/escrow/internal/fakeupstream"
 	"github.com/llmescrow/escrow/internal/testutil"
 )
 
@@ -16,15 +17,13 @@ func TestMigrateSwitch(t *testing.T) {
 	t.Parallel()
 	env := testutil.RealRedis(t)
 	pg := testutil.Postgres(t)
-	cfg, err := loadConfig(nil, func(string) string { return "" }, io.Discard)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := DefaultConfig()
 	cfg.Addr, cfg.RedisURL, cfg.DatabaseURL, cfg.Prefix = "127.0.0.1:0", env.URL, pg.URL, env.Prefix
 	cfg.Migrate = false
-	quietLog := slog.New(slog.NewTextHandler(io.Discard, nil))
-	if a, err := newApp(context.Background(), cfg, quietLog); err == nil {
-		a.close()
+	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	upstream := WithUpstream(fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), "sk-fake-upstream")
+	if a, err := New(context.Background(), cfg, upstream); err == nil {
+		_ = a.Stop(context.Background())
 		t.Fatal("started on an unmigrated database with ESCROW_MIGRATE=false")
 	} else if !strings.Contains(err.Error(), "ESCROW_MIGRATE") {
 		t.Fatalf("error does not say what to do: %v", err)
@@ -34,9 +33,11 @@ func TestMigrateSwitch(t *testing.T) {
 		t.Fatalf("ESCROW_MIGRATE=false created %d tables (%v)", tables, err)
 	}
 	cfg.Migrate = true
-	a, err := newApp(context.Background(), cfg, quietLog)
+	a, err := New(context.Background(), cfg, upstream)
 	if err != nil {
 		t.Fatalf("with migrations: %v", err)
 	}
-	a.close()
+	if err := a.Stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
 }

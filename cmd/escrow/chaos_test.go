@@ -26,6 +26,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/llmescrow/escrow/internal/fakeupstream"
 	"github.com/llmescrow/escrow/internal/testutil"
 )
 
@@ -74,7 +75,7 @@ func (p *proxyProc) start() {
 		p.t.Fatal(err)
 	}
 	defer logf.Close()
-	cmd := exec.Command(p.bin)
+	cmd := exec.Command(p.bin, "serve")
 	cmd.Env = p.env
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -146,6 +147,23 @@ func tail(path string, n int) string {
 	return string(b)
 }
 
+// testAdmin is the admin token the chaos test's proxy runs with.
+const testAdmin = "test-admin-token"
+
+// startFakeUpstream serves the fake OpenAI upstream from the test process (the escrow binary
+// carries no test double); it outlives every restart of the proxy.
+func startFakeUpstream(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	return "http://" + ln.Addr().String()
+}
+
 // buildProxy compiles this package's command into a temporary directory.
 func buildProxy(t *testing.T) string {
 	t.Helper()
@@ -215,12 +233,15 @@ func TestChaos(t *testing.T) {
 	fp := testutil.StartFaultProxy(t, rs.Addr())
 	pg := testutil.StartPostgresServer(t)
 	bin := buildProxy(t)
+	upstream := startFakeUpstream(t)
 	dir := t.TempDir()
 	p := &proxyProc{t: t, bin: bin, log: filepath.Join(dir, "proxy.log"), addr: freeAddr(t)}
 	p.env = append(os.Environ(),
 		"ESCROW_ADDR="+p.addr,
 		"REDIS_URL=redis://"+fp.Addr()+"/0",
 		"DATABASE_URL="+pg.URL(),
+		"UPSTREAM_URL="+upstream,
+		"UPSTREAM_API_KEY=sk-fake-upstream",
 		"ESCROW_ADMIN_TOKEN="+testAdmin,
 		"ESCROW_HOLD_TTL="+chaosHoldTTL.String(),
 		"ESCROW_REAP_GRACE="+chaosReapGrace.String(),

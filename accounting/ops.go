@@ -1,0 +1,149 @@
+package accounting
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+// ErrHotBalance marks an operation whose ledger part is durable but whose hot-balance (Redis)
+// part failed: the returned value is valid, and the worker catches the hot balance up later.
+var ErrHotBalance = errors.New("accounting: hot balance not updated")
+
+// Ops are the operator's operations, each one call that does the ledger part and then what the
+// hot balance needs, so that no caller (the admin API, a CLI, an embedding program) has to know
+// the order: a credit or an adjustment is settled into Redis before it returns, a model's max
+// cost reaches the store's learned max, a new epoch is seen by the store at once.
+type Ops struct {
+	ledger Ledger
+	store  *balance.Store
+	worker *Worker
+}
+
+// NewOps returns the operations over the worker's ledger and store (one source for both, so
+// they cannot disagree).
+func NewOps(w *Worker) *Ops {
+	return &Ops{ledger: w.ledger, store: w.store, worker: w}
+}
+
+// CreateOrg creates an account with balance 0 (ErrOrgExists when it exists).
+func (o *Ops) CreateOrg(ctx context.Context, org string) error {
+	return o.ledger.CreateOrg(ctx, org)
+}
+
+// Credit records a recharge (idempotent by ref) and returns once it is in the hot balance. When
+// only the hot-balance part failed, the entry is valid and the error wraps ErrHotBalance.
+func (o *Ops) Credit(ctx context.Context, org string, amount int64, ref string) (LedgerEntry, bool, error) {
+	e, created, err := o.worker.Credit(ctx, org, amount, ref)
+	if err != nil && e.Seq != 0 {
+		return e, created, fmt.Errorf("%w: %w", ErrHotBalance, err)
+	}
+	return e, created, err
+}
+
+// Adjust records a signed admin correction (idempotent by ref) and settles it into the hot
+// balance like Credit; when only that part failed, the worker is told and the error wraps
+// ErrHotBalance.
+func (o *Ops) Adjust(ctx context.Context, org string, delta int64, ref string) (LedgerEntry, bool, error) {
+	e, created, err := o.ledger.Adjust(ctx, org, delta, ref)
+	if err != nil {
+		return e, created, err
+	}
+	if err := o.worker.SettleOrg(ctx, org); err != nil {
+		o.worker.Notify(org)
+		return e, created, fmt.Errorf("%w: adjustment %s: %w", ErrHotBalance, ref, err)
+	}
+	return e, created, nil
+}
+
+// Balance is an org's money as the ledger and the hot balance see it.
+type Balance struct {
+	Org           string `json:"org"`
+	LedgerBalance int64  `json:"ledger_balance"`
+	Available     int64  `json:"available"`
+	Held          int64  `json:"held"`
+	Holds         int    `json:"holds"`
+	LedgerSeq     int64  `json:"ledger_seq"`
+	SettledSeq    int64  `json:"settled_seq"`
+	Watermark     int64  `json:"watermark"`
+}
+
+// Balance reads the org's account and its hot balance, seeding a cold org first so the answer
+// is what its next request meets. A failing Redis wraps ErrHotBalance.
+func (o *Ops) Balance(ctx context.Context, org string) (Balance, error) {
+	acct, err := o.ledger.Account(ctx, org)
+	if err != nil {
+		return Balance{}, err
+	}
+	st, err := o.store.State(ctx, org)
+	if err == nil && !st.Exists {
+		if err = o.store.Warm(ctx, org); err == nil {
+			st, err = o.store.State(ctx, org)
+		}
+	}
+	if err != nil {
+		return Balance{}, fmt.Errorf("%w: %w", ErrHotBalance, err)
+	}
+	return Balance{
+		Org: org, LedgerBalance: acct.Balance, Available: st.Balance, Held: st.Held, Holds: st.Holds,
+		LedgerSeq: acct.LedgerSeq, SettledSeq: acct.SettledSeq, Watermark: st.Watermark,
+	}, nil
+}
+
+// Reconcile compares the org's hot balance with the ledger and repairs a drift.
+func (o *Ops) Reconcile(ctx context.Context, org string) (Drift, error) {
+	return o.worker.Reconcile(ctx, org)
+}
+
+// CreateKey makes a new API key for org; the secret is returned once.
+func (o *Ops) CreateKey(ctx context.Context, org string) (APIKey, string, error) {
+	return o.ledger.CreateKey(ctx, org)
+}
+
+// RevokeKey revokes a key by id (ErrUnknownKey).
+func (o *Ops) RevokeKey(ctx context.Context, id string) error {
+	return o.ledger.RevokeKey(ctx, id)
+}
+
+// PutModel creates or replaces a model in the ledger, then sets the store's learned max cost to
+// the model's MaxCost (so an admin can lower it). When only the Redis part failed, the model is
+// saved and the error wraps ErrHotBalance.
+func (o *Ops) PutModel(ctx context.Context, m Model) error {
+	if err := o.ledger.PutModel(ctx, m); err != nil {
+		return err
+	}
+	if err := o.store.SetModelMax(ctx, m.Name, m.MaxCost); err != nil {
+		return fmt.Errorf("%w: learned max of %q: %w", ErrHotBalance, m.Name, err)
+	}
+	return nil
+}
+
+// Models lists every model.
+func (o *Ops) Models(ctx context.Context) ([]Model, error) {
+	return o.ledger.Models(ctx)
+}
+
+// SyncEpoch reads the ledger's epoch and hands it to the store (at start: a ledger that does
+// not answer, or has no schema, is an error).
+func (o *Ops) SyncEpoch(ctx context.Context) (balance.Epoch, error) {
+	e, err := o.ledger.Epoch(ctx)
+	if err != nil {
+		return e, err
+	}
+	o.store.ObserveEpoch(e)
+	return e, nil
+}
+
+// RaiseEpoch starts a new ledger epoch (after restoring the ledger from a backup); the store
+// sees it at once, so every hot balance of the old timeline is dropped and reseeded on its next
+// use.
+func (o *Ops) RaiseEpoch(ctx context.Context) (balance.Epoch, error) {
+	e, err := o.ledger.RaiseEpoch(ctx)
+	if err != nil {
+		return e, err
+	}
+	o.store.ObserveEpoch(e)
+	return e, nil
+}

@@ -1,0 +1,298 @@
+// Package admin is escrow's admin API as an Echo group anyone embedding escrow can mount: orgs,
+// credits, adjustments, balances, keys, models, reconciliation and the ledger epoch. Its
+// handlers are thin: each decodes a request, makes one call to accounting.Ops, and maps the
+// result to an answer. Every route needs the bearer token (compared in constant time).
+//
+//	api, err := admin.New(accounting.NewOps(worker), &admin.Config{Token: token})
+//	api.Register(e.Group("/admin/v1"))
+package admin
+
+import (
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+)
+
+// MaxBodyBytes bounds an admin request's body.
+const MaxBodyBytes = 1 << 20
+
+// ErrNoToken is returned by New without a token: an admin API open to anyone is never built.
+var ErrNoToken = errors.New("admin: no token")
+
+// Config configures the admin API.
+type Config struct {
+	// Token is the bearer token every request must carry. Required.
+	Token string
+	// Logger receives unexpected errors. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// API serves the admin routes over one accounting.Ops.
+type API struct {
+	ops   *accounting.Ops
+	token []byte
+	log   *slog.Logger
+}
+
+// New returns the admin API over ops.
+func New(ops *accounting.Ops, cfg *Config) (*API, error) {
+	if ops == nil {
+		return nil, errors.New("admin: nil ops")
+	}
+	if cfg == nil || cfg.Token == "" {
+		return nil, ErrNoToken
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &API{ops: ops, token: []byte(cfg.Token), log: log.With("component", "escrow.admin")}, nil
+}
+
+// Register adds the routes, behind the token check, to g (escrow's proxy mounts it at
+// /admin/v1).
+func (a *API) Register(g *echo.Group) {
+	g.Use(a.auth)
+	g.POST("/orgs", a.createOrg)
+	g.POST("/orgs/:org/credits", a.credit)
+	g.POST("/orgs/:org/adjustments", a.adjust)
+	g.GET("/orgs/:org/balance", a.balance)
+	g.POST("/orgs/:org/reconcile", a.reconcile)
+	g.POST("/orgs/:org/keys", a.createKey)
+	g.DELETE("/keys/:id", a.revokeKey)
+	g.PUT("/models/:model", a.putModel)
+	g.GET("/models", a.models)
+	g.POST("/ledger/epoch", a.raiseEpoch)
+}
+
+// apiError is an answer in OpenAI's error shape, like the proxy's own refusals, so one client
+// parses both. (The middleware has the same shape; admin depends on accounting only.)
+type apiError struct {
+	status     int
+	typ, code  string
+	msg        string
+	retryAfter time.Duration
+}
+
+const (
+	typeInvalid     = "invalid_request_error"
+	typeServer      = "server_error"
+	typeUnavailable = "service_unavailable"
+)
+
+func writeError(c echo.Context, e apiError) error {
+	if e.retryAfter > 0 {
+		c.Response().Header().Set("Retry-After", strconv.Itoa(max(int(e.retryAfter/time.Second), 1)))
+	}
+	type inner struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    string  `json:"code"`
+	}
+	return c.JSON(e.status, struct {
+		Error inner `json:"error"`
+	}{inner{Message: e.msg, Type: e.typ, Code: e.code}})
+}
+
+func invalid(c echo.Context, msg string) error {
+	return writeError(c, apiError{status: http.StatusBadRequest, typ: typeInvalid, code: "invalid_value", msg: msg})
+}
+
+func unavailable(c echo.Context, code, msg string) error {
+	return writeError(c, apiError{status: http.StatusServiceUnavailable, typ: typeUnavailable, code: code, msg: msg, retryAfter: time.Second})
+}
+
+func (a *API) auth(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		tok, ok := strings.CutPrefix(c.Request().Header.Get(echo.HeaderAuthorization), "Bearer ")
+		if !ok || subtle.ConstantTimeCompare([]byte(tok), a.token) != 1 {
+			return writeError(c, apiError{status: http.StatusUnauthorized, typ: typeInvalid, code: "invalid_admin_token", msg: "missing or wrong admin token"})
+		}
+		return next(c)
+	}
+}
+
+// fail maps an error of accounting.Ops to an answer.
+func (a *API) fail(c echo.Context, err error) error {
+	notFound := func(code, msg string) error {
+		return writeError(c, apiError{status: http.StatusNotFound, typ: typeInvalid, code: code, msg: msg})
+	}
+	conflict := func(code, msg string) error {
+		return writeError(c, apiError{status: http.StatusConflict, typ: typeInvalid, code: code, msg: msg})
+	}
+	switch {
+	case errors.Is(err, accounting.ErrUnknownOrg):
+		return notFound("org_not_found", "no such org")
+	case errors.Is(err, accounting.ErrOrgExists):
+		return conflict("org_exists", "the org already exists")
+	case errors.Is(err, accounting.ErrReferenceConflict):
+		return conflict("reference_conflict", "this reference was already used for another credit")
+	case errors.Is(err, accounting.ErrUnknownKey):
+		return notFound("key_not_found", "no such key")
+	case errors.Is(err, accounting.ErrUnknownModel):
+		return notFound("model_not_found", "no such model")
+	case errors.Is(err, balance.ErrInvalidOrg), errors.Is(err, accounting.ErrInvalidAmount),
+		errors.Is(err, balance.ErrInvalidAmount), errors.Is(err, accounting.ErrCostOverflow):
+		return invalid(c, err.Error())
+	case errors.Is(err, accounting.ErrLedgerUnavailable):
+		return unavailable(c, "ledger_unavailable", "the ledger is unavailable")
+	case errors.Is(err, accounting.ErrHotBalance):
+		return unavailable(c, "redis_unavailable", "the hot balance is unavailable")
+	default:
+		a.log.Error("admin request failed", "path", c.Path(), "err", err)
+		return writeError(c, apiError{status: http.StatusInternalServerError, typ: typeServer, code: "internal_error", msg: "internal error"})
+	}
+}
+
+// bind decodes the JSON body into v, refusing unknown fields; it answers the 400 itself (then
+// the response is committed).
+func bind(c echo.Context, v any) error {
+	dec := json.NewDecoder(http.MaxBytesReader(c.Response(), c.Request().Body, MaxBodyBytes))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return writeError(c, apiError{status: http.StatusBadRequest, typ: typeInvalid, code: "invalid_json", msg: "invalid JSON body: " + err.Error()})
+	}
+	return nil
+}
+
+// entryStatus is 201 for a new entry and 200 for a repeated reference; a durable entry whose
+// hot-balance update failed carries a warning header (the worker applies it later).
+func entryStatus(c echo.Context, created bool, err error) int {
+	if err != nil {
+		c.Response().Header().Set("x-escrow-warning", "entry recorded; hot balance update pending")
+	}
+	if created {
+		return http.StatusCreated
+	}
+	return http.StatusOK
+}
+
+func (a *API) createOrg(c echo.Context) error {
+	var req struct {
+		ID string `json:"id"`
+	}
+	if err := bind(c, &req); err != nil || c.Response().Committed {
+		return err
+	}
+	if err := a.ops.CreateOrg(c.Request().Context(), req.ID); err != nil {
+		return a.fail(c, err)
+	}
+	return c.JSON(http.StatusCreated, map[string]string{"id": req.ID})
+}
+
+type moneyRequest struct {
+	Amount    *int64 `json:"amount"`
+	Reference string `json:"reference"`
+}
+
+func (a *API) credit(c echo.Context) error {
+	var req moneyRequest
+	if err := bind(c, &req); err != nil || c.Response().Committed {
+		return err
+	}
+	if req.Amount == nil || *req.Amount <= 0 || req.Reference == "" {
+		return invalid(c, "amount (> 0, micro-units) and reference are required")
+	}
+	e, created, err := a.ops.Credit(c.Request().Context(), c.Param("org"), *req.Amount, req.Reference)
+	if err != nil && !errors.Is(err, accounting.ErrHotBalance) {
+		return a.fail(c, err)
+	}
+	return c.JSON(entryStatus(c, created, err), e)
+}
+
+func (a *API) adjust(c echo.Context) error {
+	var req moneyRequest
+	if err := bind(c, &req); err != nil || c.Response().Committed {
+		return err
+	}
+	if req.Amount == nil || *req.Amount == 0 || req.Reference == "" {
+		return invalid(c, "amount (≠ 0, micro-units) and reference are required")
+	}
+	e, created, err := a.ops.Adjust(c.Request().Context(), c.Param("org"), *req.Amount, req.Reference)
+	if err != nil && !errors.Is(err, accounting.ErrHotBalance) {
+		return a.fail(c, err)
+	}
+	return c.JSON(entryStatus(c, created, err), e)
+}
+
+func (a *API) balance(c echo.Context) error {
+	b, err := a.ops.Balance(c.Request().Context(), c.Param("org"))
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return c.JSON(http.StatusOK, b)
+}
+
+func (a *API) reconcile(c echo.Context) error {
+	d, err := a.ops.Reconcile(c.Request().Context(), c.Param("org"))
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return c.JSON(http.StatusOK, d)
+}
+
+func (a *API) createKey(c echo.Context) error {
+	k, secret, err := a.ops.CreateKey(c.Request().Context(), c.Param("org"))
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return c.JSON(http.StatusCreated, map[string]string{"id": k.ID, "org": k.Org, "key": secret})
+}
+
+func (a *API) revokeKey(c echo.Context) error {
+	if err := a.ops.RevokeKey(c.Request().Context(), c.Param("id")); err != nil {
+		return a.fail(c, err)
+	}
+	return c.NoContent(http.StatusNoContent)
+}
+
+func (a *API) putModel(c echo.Context) error {
+	var m accounting.Model
+	if err := bind(c, &m); err != nil || c.Response().Committed {
+		return err
+	}
+	m.Name = c.Param("model")
+	if m.Input < 0 || m.CachedInput < 0 || m.Output < 0 || m.MaxCost < 0 || m.DefaultHold < 0 ||
+		m.MaxInputTokens < 0 || m.MaxOutputTokens < 0 {
+		return invalid(c, "prices, limits and holds must be ≥ 0")
+	}
+	if m.MaxCost > balance.MaxAmount || m.DefaultHold > balance.MaxAmount {
+		return invalid(c, "amounts must be ≤ 10^14 micro-units")
+	}
+	if err := a.ops.PutModel(c.Request().Context(), m); err != nil {
+		if errors.Is(err, accounting.ErrHotBalance) {
+			return unavailable(c, "redis_unavailable", "model saved; learned max not updated in Redis")
+		}
+		return a.fail(c, err)
+	}
+	return c.JSON(http.StatusOK, m)
+}
+
+func (a *API) models(c echo.Context) error {
+	ms, err := a.ops.Models(c.Request().Context())
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return c.JSON(http.StatusOK, map[string]any{"data": ms})
+}
+
+// raiseEpoch starts a new ledger epoch (run it after restoring the database from a backup): every
+// hot balance of the old timeline is dropped and reseeded on its next use.
+func (a *API) raiseEpoch(c echo.Context) error {
+	e, err := a.ops.RaiseEpoch(c.Request().Context())
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return c.JSON(http.StatusOK, map[string]any{"generation": e.Gen, "id": e.ID})
+}

@@ -1,0 +1,83 @@
+// Command escrow is the operator's binary: an OpenAI-compatible proxy that puts a hold on the
+// customer's prepaid balance before each request and settles the real cost afterwards, on a
+// real Redis and PostgreSQL. (For a bare machine, go run ./examples/proxy brings embedded ones.)
+//
+//	escrow serve [flags]     # run the proxy; every flag has an environment variable
+//	escrow serve -h          # every setting with its default
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"maps"
+	"os"
+	"os/signal"
+	"slices"
+	"syscall"
+
+	"github.com/llmescrow/escrow/server"
+)
+
+// commands are the subcommands; the operator's CLI commands join serve here.
+var commands = map[string]struct {
+	help string
+	run  func(args []string) error
+}{
+	"serve": {"run the proxy (REDIS_URL, DATABASE_URL, UPSTREAM_URL and UPSTREAM_API_KEY are required)", serve},
+}
+
+func main() {
+	if err := run(os.Args[1:], os.Stderr); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return
+		}
+		fmt.Fprintln(os.Stderr, "escrow:", err)
+		os.Exit(1)
+	}
+}
+
+func run(args []string, out io.Writer) error {
+	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		fmt.Fprintln(out, "Usage: escrow <command> [flags]\n\nCommands:")
+		for _, name := range slices.Sorted(maps.Keys(commands)) {
+			fmt.Fprintf(out, "  %-8s %s\n", name, commands[name].help)
+		}
+		if len(args) == 0 {
+			return errors.New("no command")
+		}
+		return flag.ErrHelp
+	}
+	c, ok := commands[args[0]]
+	if !ok {
+		return fmt.Errorf("unknown command %q (escrow help lists them)", args[0])
+	}
+	return c.run(args[1:])
+}
+
+// serve runs the proxy until SIGINT or SIGTERM, then shuts it down gracefully.
+func serve(args []string) error {
+	cfg, err := server.LoadConfig("escrow serve", args, os.Getenv, os.Stderr)
+	if err != nil {
+		return err
+	}
+	cfg.Logger = cfg.NewLogger(os.Stderr)
+	slog.SetDefault(cfg.Logger) // libraries that log through slog.Default follow the configured format and level
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	srv, err := server.New(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	startErr := srv.Start(ctx)
+	if startErr == nil {
+		<-ctx.Done()
+		cfg.Logger.Info("shutting down")
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownTimeout)
+	defer cancel()
+	return errors.Join(startErr, srv.Stop(sctx))
+}

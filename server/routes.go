@@ -1,0 +1,178 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httputil"
+	"strings"
+	"time"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/llmescrow/escrow/admin"
+	"github.com/llmescrow/escrow/middleware"
+)
+
+// buildEcho mounts the probes, /metrics, the admin API (when a token is set) and the proxy
+// behind the journal gate and the middleware.
+func (s *Server) buildEcho() error {
+	e := echo.New()
+	e.HideBanner, e.HidePort = true, true
+	e.HTTPErrorHandler = s.httpError
+	e.GET("/healthz", func(c echo.Context) error { return c.JSON(http.StatusOK, map[string]string{"status": "ok"}) })
+	e.GET("/readyz", s.ready)
+	e.GET("/metrics", echo.WrapHandler(s.metrics.handler()))
+	if s.cfg.AdminToken != "" {
+		api, err := admin.New(s.ops, &admin.Config{Token: s.cfg.AdminToken, Logger: s.log})
+		if err != nil {
+			return fmt.Errorf("admin api: %w", err)
+		}
+		api.Register(e.Group("/admin/v1"))
+	}
+
+	mw, err := middleware.Config{
+		Store:           s.store,
+		Ledger:          s.ledger,
+		Recorder:        s.recorder,
+		FailOpen:        s.cfg.FailOpen,
+		MaxRequestBytes: s.cfg.MaxBodyBytes,
+		DefaultHold:     s.cfg.DefaultHold,
+		HoldTTL:         s.cfg.HoldTTL,
+		Logger:          s.log,
+		OnOutcome:       s.metrics.observe,
+	}.ToMiddleware()
+	if err != nil {
+		return fmt.Errorf("middleware: %w", err)
+	}
+	rp := s.reverseProxy()
+	if s.cfg.BenchBaseline {
+		s.log.Warn("ESCROW_BENCH_BASELINE is set: requests pass without holds and are not billed")
+		e.Any("/v1/*", echo.WrapHandler(rp))
+	} else {
+		e.Any("/v1/*", echo.WrapHandler(rp), s.journalGate, mw)
+	}
+	s.echo = e
+	return nil
+}
+
+// httpError answers Echo's own errors (unknown route, wrong method, …) in OpenAI's shape, with
+// a snake_case code made from the status ("not_found", "method_not_allowed").
+func (s *Server) httpError(err error, c echo.Context) {
+	if c.Response().Committed {
+		return
+	}
+	code := http.StatusInternalServerError
+	msg := "internal error"
+	var he *echo.HTTPError
+	if errors.As(err, &he) {
+		code = he.Code
+		msg = fmt.Sprint(he.Message)
+	} else {
+		s.log.Error("request failed", "path", c.Path(), "err", err)
+	}
+	typ := middleware.TypeInvalidRequest
+	if code >= 500 {
+		typ = middleware.TypeServer
+	}
+	_ = middleware.WriteError(c, &middleware.Error{Status: code, Type: typ, Code: statusCode(code), Message: msg})
+}
+
+// statusCode is the error code of an HTTP status: its text in snake_case ("Not Found" →
+// "not_found"), or "http_<code>" for a status without a text.
+func statusCode(status int) string {
+	t := http.StatusText(status)
+	if t == "" {
+		return fmt.Sprintf("http_%d", status)
+	}
+	var b strings.Builder
+	for _, r := range strings.ToLower(t) {
+		switch {
+		case r >= 'a' && r <= 'z', r >= '0' && r <= '9':
+			b.WriteRune(r)
+		case r == ' ' || r == '-':
+			b.WriteByte('_')
+		}
+	}
+	return b.String()
+}
+
+// reverseProxy forwards to the upstream with the upstream's key; the client's key never leaves.
+func (s *Server) reverseProxy() *httputil.ReverseProxy {
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.MaxIdleConns = 1024
+	tr.MaxIdleConnsPerHost = 1024
+	tr.ResponseHeaderTimeout = 10 * time.Minute
+	up := s.upstream
+	key := s.cfg.UpstreamAPIKey
+	return &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.SetURL(up)
+			pr.Out.Host = up.Host
+			pr.Out.Header.Del("Authorization")
+			if key != "" {
+				pr.Out.Header.Set("Authorization", "Bearer "+key)
+			}
+		},
+		Transport:     tr,
+		FlushInterval: -1,
+		BufferPool:    proxyBuffers,
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			s.log.Warn("upstream error", "err", err, "path", r.URL.Path)
+			body := (&middleware.Error{Type: middleware.TypeServer, Code: "upstream_error", Message: "upstream unavailable"}).Body()
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusBadGateway)
+			_, _ = w.Write(body)
+		},
+	}
+}
+
+// journalGate refuses new requests (503 before any hold is taken) while the local journal is
+// nearly full, so the requests already in flight still have room to be journaled.
+func (s *Server) journalGate(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		if !s.recorder.Degraded() {
+			return next(c)
+		}
+		s.metrics.journalRefused.Inc()
+		return middleware.WriteError(c, &middleware.Error{
+			Status: http.StatusServiceUnavailable, Type: middleware.TypeServiceUnavailable, Code: middleware.CodeServiceUnavailable,
+			RetryAfter: 5 * time.Second,
+			Message:    "The billing service is degraded (the ledger is unreachable and the local journal is nearly full); please retry later.",
+		})
+	}
+}
+
+// ready answers the readiness probe. It has no authentication, so it says only "ok" or "down"
+// per part (and the journal's fill): the errors, which carry addresses and database users, go
+// to the log.
+func (s *Server) ready(c echo.Context) error {
+	ctx, cancel := context.WithTimeout(c.Request().Context(), 2*time.Second)
+	defer cancel()
+	checks := map[string]string{"redis": "ok", "ledger": "ok"}
+	status := http.StatusOK
+	if err := s.rdb.Ping(ctx).Err(); err != nil {
+		s.log.Warn("readiness: redis unreachable", "err", err)
+		checks["redis"], status = "down", http.StatusServiceUnavailable
+	}
+	if _, err := s.ledger.Epoch(ctx); err != nil {
+		s.log.Warn("readiness: ledger unreachable", "err", err)
+		checks["ledger"], status = "down", http.StatusServiceUnavailable
+		if s.journal != nil {
+			// Warm orgs are still served: their usage goes to the journal.
+			checks["ledger"], status = "down, journaling", http.StatusOK
+		}
+	}
+	if s.journal != nil {
+		checks["journal"] = "empty"
+		if st := s.recorder.Stats(); st.JournalEvents > 0 {
+			checks["journal"] = fmt.Sprintf("in use: %d events, %d of %d bytes", st.JournalEvents, st.JournalBytes, st.JournalMaxBytes)
+		}
+		if s.recorder.Degraded() {
+			checks["journal"] += " (nearly full: new requests refused)"
+			status = http.StatusServiceUnavailable
+		}
+	}
+	return c.JSON(status, checks)
+}

@@ -1,0 +1,335 @@
+// Package server is escrow's product wiring: the configuration (environment and flags), the
+// Redis client, the ledger, the balance store, the recorder and the worker, the HTTP server with
+// the middleware in front of the upstream, the admin API, metrics, /healthz and /readyz, and the
+// lifecycle of every part.
+//
+//	cfg, err := server.LoadConfig("escrow serve", os.Args[2:], os.Getenv, os.Stderr)
+//	srv, err := server.New(ctx, cfg)
+//	err = srv.Start(ctx)
+//	…
+//	err = srv.Stop(ctx)
+//
+// The parts a demo or a test brings instead of the configured ones (an embedded Redis, an
+// in-process upstream) are Options, so the production binary carries none of them.
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/labstack/echo/v4"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+)
+
+// ErrNoRedis and ErrNoUpstream are returned by New when neither the configuration nor an Option
+// provides the part.
+var (
+	ErrNoRedis    = errors.New("server: no Redis (set REDIS_URL)")
+	ErrNoUpstream = errors.New("server: no upstream (set UPSTREAM_URL and UPSTREAM_API_KEY)")
+)
+
+// Option gives New a part instead of the one the configuration describes.
+type Option func(*parts)
+
+type parts struct {
+	rdb         redis.UniversalClient
+	embedded    bool
+	upstream    http.Handler
+	upstreamKey string
+}
+
+// WithRedis makes the server use c instead of dialing Config.RedisURL. The caller keeps c:
+// Stop does not close it.
+func WithRedis(c redis.UniversalClient) Option {
+	return func(p *parts) { p.rdb, p.embedded = c, false }
+}
+
+// WithEmbeddedRedis is WithRedis for a process-private Redis (miniredis in the demo): its
+// eviction policy is not checked, and it may pair with the in-memory ledger (empty
+// DATABASE_URL), which forgets everything when the process ends, as the embedded Redis does.
+func WithEmbeddedRedis(c redis.UniversalClient) Option {
+	return func(p *parts) { p.rdb, p.embedded = c, true }
+}
+
+// WithUpstream serves h on a loopback listener of its own and proxies to it, with apiKey as the
+// upstream key, instead of Config.UpstreamURL (the demo's fake upstream). Stop closes it.
+func WithUpstream(h http.Handler, apiKey string) Option {
+	return func(p *parts) { p.upstream, p.upstreamKey = h, apiKey }
+}
+
+// Server is one proxy process: its parts and their lifecycle. New builds every part, Start
+// listens and starts the background work, Stop undoes both.
+type Server struct {
+	cfg Config
+	log *slog.Logger
+
+	rdb      redis.UniversalClient
+	ownRedis bool // rdb was dialed from Config.RedisURL: Stop closes it
+	ledger   accounting.Ledger
+	store    *balance.Store
+	journal  *accounting.Journal // local usage journal for ledger outages; nil without ESCROW_JOURNAL_DIR
+	recorder *accounting.Recorder
+	worker   *accounting.Worker
+	ops      *accounting.Ops
+	metrics  *metrics
+	echo     *echo.Echo
+
+	upstream   *url.URL
+	fake       *http.Server // in-process upstream (WithUpstream)
+	ln         net.Listener
+	httpServer *http.Server
+	pprof      *http.Server
+
+	once sync.Once
+}
+
+// New builds every part from cfg (nil: DefaultConfig) and opts; nothing listens yet. It checks
+// Redis (version, eviction policy) and the ledger (migrated, its epoch read), and applies the
+// migrations first when cfg.Migrate is set.
+func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error) {
+	if cfg == nil {
+		cfg = DefaultConfig()
+	}
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	var p parts
+	for _, o := range opts {
+		o(&p)
+	}
+	s := &Server{cfg: *cfg, log: cfg.Logger}
+	if s.log == nil {
+		s.log = cfg.NewLogger(os.Stderr)
+	}
+	defer func() {
+		if err != nil {
+			s.close()
+		}
+	}()
+	if err := s.openRedis(p); err != nil {
+		return nil, err
+	}
+	if err := s.openLedger(ctx, p.embedded); err != nil {
+		return nil, err
+	}
+	s.store, err = balance.New(ctx, s.rdb, balance.Config{
+		Ledger:        s.ledger,
+		Prefix:        cfg.Prefix,
+		HoldTTL:       cfg.HoldTTL,
+		PinTTL:        cfg.PinTTL,
+		ReapGrace:     cfg.ReapGrace,
+		MaxInFlight:   cfg.MaxInFlight,
+		AllowEviction: cfg.AllowEviction || p.embedded,
+		Coalesce:      cfg.Coalesce,
+		Logger:        s.log, // its warnings (AOF off, eviction allowed, version) are logged there, once
+	})
+	if err != nil {
+		return nil, fmt.Errorf("redis: %w", err)
+	}
+	if err := s.openAccounting(); err != nil {
+		return nil, err
+	}
+	if _, err := s.ops.SyncEpoch(ctx); err != nil {
+		return nil, fmt.Errorf("ledger not ready (are the migrations applied? ESCROW_MIGRATE=true applies them): %w", err)
+	}
+	s.metrics = newMetrics(s)
+	if err := s.openUpstream(p); err != nil {
+		return nil, err
+	}
+	if err := s.buildEcho(); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+func (s *Server) openRedis(p parts) error {
+	switch {
+	case p.rdb != nil:
+		s.rdb = p.rdb
+	case s.cfg.RedisURL != "":
+		c, err := redisClient(s.cfg.RedisURL)
+		if err != nil {
+			return err
+		}
+		s.rdb, s.ownRedis = c, true
+	default:
+		return ErrNoRedis
+	}
+	return nil
+}
+
+func (s *Server) openLedger(ctx context.Context, embeddedRedis bool) error {
+	if s.cfg.DatabaseURL == "" {
+		if !embeddedRedis {
+			// A real Redis outlives the process; an in-memory ledger does not: the two would
+			// disagree after the first restart.
+			return fmt.Errorf("%w: the in-memory ledger only pairs with an embedded Redis: set DATABASE_URL", ErrConfig)
+		}
+		s.ledger = accounting.NewMemory()
+		s.log.Info("using the in-memory ledger: for the demo only")
+		return nil
+	}
+	if s.cfg.Migrate {
+		if err := migrateDB(ctx, s.cfg.DatabaseURL, s.log); err != nil {
+			return err
+		}
+	}
+	// Migrations ran above (or were turned off with ESCROW_MIGRATE=false): never here.
+	l, err := accounting.OpenPostgres(ctx, s.cfg.DatabaseURL, accounting.PostgresConfig{SkipMigrations: true, Logger: s.log})
+	if err != nil {
+		return fmt.Errorf("ledger: %w", err)
+	}
+	s.ledger = l
+	return nil
+}
+
+func (s *Server) openAccounting() error {
+	cfg := s.cfg
+	rc := accounting.RecorderConfig{Logger: s.log, Finisher: s.store} // holds finished in each record batch
+	if cfg.JournalDir != "" {
+		var err error
+		if s.journal, err = accounting.OpenJournal(cfg.JournalDir, cfg.JournalMaxBytes); err != nil {
+			return fmt.Errorf("journal: %w", err)
+		}
+		// Usage left from an earlier run is announced by the recorder when it replays it.
+		rc.Journal, rc.Pinner = s.journal, s.store
+		rc.PinInterval = s.store.Config().PinTTL / 4
+		rc.ReplayInterval = cfg.ReplayInterval
+	} else if cfg.DatabaseURL != "" {
+		s.log.Warn("no ESCROW_JOURNAL_DIR: while the ledger is down, requests fail with 503 billing_unavailable instead of being journaled")
+	}
+	s.recorder = accounting.NewRecorder(s.ledger, rc)
+	s.worker = accounting.NewWorker(s.ledger, s.store, &accounting.WorkerConfig{
+		Logger:            s.log,
+		SweepInterval:     cfg.SweepInterval,
+		ReapInterval:      cfg.ReapInterval,
+		ScanInterval:      cfg.ScanInterval,
+		ReconcileInterval: cfg.ReconcileEvery,
+	})
+	s.ops = accounting.NewOps(s.worker)
+	return nil
+}
+
+func (s *Server) openUpstream(p parts) error {
+	if p.upstream != nil {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return fmt.Errorf("in-process upstream: %w", err)
+		}
+		s.fake = &http.Server{Handler: p.upstream, ReadHeaderTimeout: 10 * time.Second}
+		go func() { _ = s.fake.Serve(ln) }()
+		s.upstream = &url.URL{Scheme: "http", Host: ln.Addr().String()}
+		s.cfg.UpstreamAPIKey = p.upstreamKey
+		s.log.Info("using an in-process upstream", "addr", s.upstream.Host)
+		return nil
+	}
+	if s.cfg.UpstreamURL == "" {
+		return ErrNoUpstream
+	}
+	u, err := url.Parse(s.cfg.UpstreamURL)
+	if err != nil || u.Host == "" {
+		return fmt.Errorf("%w: UPSTREAM_URL %q: not an absolute URL", ErrConfig, s.cfg.UpstreamURL)
+	}
+	s.upstream = u
+	return nil
+}
+
+// Ops are the operator's operations (credit, adjust, models, keys, epoch, balances) on this
+// server's ledger and store: what the admin API serves, for programs that embed the server.
+func (s *Server) Ops() *accounting.Ops { return s.ops }
+
+// Start listens on Config.Addr and starts the recorder, the worker and (when configured) the
+// pprof listener. After an error, Stop releases what New and Start made.
+func (s *Server) Start(ctx context.Context) error {
+	s.recorder.Start(ctx)
+	// The worker outlives ctx: Stop ends it after a last accounting and settle pass, so usage
+	// recorded up to the end is settled.
+	if err := s.worker.Start(context.WithoutCancel(ctx)); err != nil {
+		return fmt.Errorf("worker: %w", err)
+	}
+	ln, err := net.Listen("tcp", s.cfg.Addr)
+	if err != nil {
+		return fmt.Errorf("listen %s: %w", s.cfg.Addr, err)
+	}
+	s.ln = ln
+	s.httpServer = &http.Server{Handler: s.echo, ReadHeaderTimeout: 30 * time.Second, ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelWarn)}
+	go func() {
+		if err := s.httpServer.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			s.log.Error("http server stopped", "err", err)
+		}
+	}()
+	if s.cfg.PprofAddr != "" {
+		s.pprof = servePprof(s.cfg.PprofAddr, s.log)
+	}
+	s.log.Info("escrow proxy listening", "addr", ln.Addr().String(), "upstream", s.upstream.String(),
+		"admin_api", s.cfg.AdminToken != "")
+	return nil
+}
+
+// Addr is the address the server listens on ("" before Start).
+func (s *Server) Addr() string {
+	if s.ln == nil {
+		return ""
+	}
+	return s.ln.Addr().String()
+}
+
+// Stop stops accepting, finishes in-flight requests, flushes the recorder, stops the worker
+// after a last pass, and closes every part this server opened. ctx bounds the wait.
+func (s *Server) Stop(ctx context.Context) error {
+	var errs []error
+	if s.httpServer != nil {
+		if err := s.httpServer.Shutdown(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("http: %w", err))
+		}
+	}
+	if s.pprof != nil {
+		_ = s.pprof.Close()
+	}
+	if s.recorder != nil {
+		if err := s.recorder.Stop(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("recorder: %w", err))
+		}
+	}
+	if s.journal != nil {
+		if n := s.journal.Len(); n > 0 {
+			s.log.Warn("stopping with usage in the local journal; the next start replays it", "events", n)
+		}
+	}
+	if s.worker != nil {
+		if err := s.worker.Stop(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("worker: %w", err))
+		}
+	}
+	s.close()
+	return errors.Join(errs...)
+}
+
+// close releases connections and the in-process upstream.
+func (s *Server) close() {
+	s.once.Do(func() {
+		if s.fake != nil {
+			_ = s.fake.Close()
+		}
+		if s.journal != nil {
+			_ = s.journal.Close()
+		}
+		if s.ledger != nil {
+			s.ledger.Close()
+		}
+		if s.rdb != nil && s.ownRedis {
+			_ = s.rdb.Close()
+		}
+	})
+}
