@@ -1,0 +1,67 @@
+package server
+
+import (
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/llmescrow/escrow/internal/testutil"
+)
+
+// TestReadyzSaysNoAddress: /readyz has no authentication, so with Redis down it answers 503
+// {"redis":"down"} and nothing of the dial error (address, port, user).
+func TestReadyzSaysNoAddress(t *testing.T) {
+	t.Parallel()
+	rs := testutil.StartRedisServer(t)
+	pg := testutil.Postgres(t)
+	p := startTestProxy(t, false, func(c *Config) {
+		c.RedisURL, c.DatabaseURL, c.Prefix = rs.URL(), pg.URL, testutil.RandomName("r")
+	})
+	if st, _, b := p.do("GET", "/readyz", "", nil); st != http.StatusOK || !strings.Contains(string(b), `"redis":"ok"`) {
+		t.Fatalf("readyz with Redis up: %d %s", st, b)
+	}
+	rs.Stop()
+	st, _, b := p.do("GET", "/readyz", "", nil)
+	var checks map[string]string
+	if err := json.Unmarshal(b, &checks); err != nil || st != http.StatusServiceUnavailable {
+		t.Fatalf("readyz with Redis down: %d %s (%v)", st, b, err)
+	}
+	if checks["redis"] != "down" || checks["ledger"] != "ok" {
+		t.Fatalf("readyz with Redis down: %s, want redis down and ledger ok", b)
+	}
+	for _, leak := range []string{strconv.Itoa(rs.Port()), "127.0.0.1", "dial", "postgres"} {
+		if strings.Contains(string(b), leak) {
+			t.Fatalf("readyz tells %q: %s", leak, b)
+		}
+	}
+}
+
+// TestEchoErrorCodes: errors of the router itself are OpenAI-shaped with a snake_case code
+// (never the status text, which has spaces and capitals).
+func TestEchoErrorCodes(t *testing.T) {
+	t.Parallel()
+	p := startTestProxy(t, false)
+	for _, tc := range []struct {
+		method, path string
+		status       int
+		code         string
+	}{
+		{"GET", "/nowhere", http.StatusNotFound, "not_found"},
+		{"POST", "/healthz", http.StatusMethodNotAllowed, "method_not_allowed"},
+	} {
+		st, _, b := p.do(tc.method, tc.path, "", nil)
+		var e struct {
+			Error struct{ Type, Code string }
+		}
+		if err := json.Unmarshal(b, &e); err != nil || st != tc.status || e.Error.Code != tc.code || e.Error.Type != "invalid_request_error" {
+			t.Errorf("%s %s: %d %s, want %d code %s", tc.method, tc.path, st, b, tc.status, tc.code)
+		}
+	}
+	for status, want := range map[int]string{413: "request_entity_too_large", 503: "service_unavailable", 418: "im_a_teapot", 599: "http_599"} {
+		if got := statusCode(status); got != want {
+			t.Errorf("statusCode(%d) = %q, want %q", status, got, want)
+		}
+	}
+}
