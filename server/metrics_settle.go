@@ -23,27 +23,31 @@ func (m *metrics) settleMetrics(a *Server) {
 	a.rdb.AddHook(commandCounter{single: cmds.MustCurryWith(prometheus.Labels{"pipelined": "false"}), piped: cmds.MustCurryWith(prometheus.Labels{"pipelined": "true"})})
 	m.reg.MustRegister(settleLagCollector{w: a.worker, desc: prometheus.NewDesc("escrow_settle_lag_seconds",
 		"Settle lag of the entries this process's worker settled: usage recorded (the usage event's created_at) → applied to the Redis balance.", nil, nil)})
-	pg, ok := a.ledger.(*accounting.Postgres)
-	if !ok {
-		return
+	if pg, ok := a.ledger.(*accounting.Postgres); ok {
+		m.reg.MustRegister(backlogCollector{pg: pg,
+			pending:   prometheus.NewDesc("escrow_worker_pending_events", "Usage events recorded and not yet accounted (-1: the ledger did not answer).", nil, nil),
+			unsettled: prometheus.NewDesc("escrow_worker_unsettled_entries", "Ledger entries not yet applied to the hot balance (-1: the ledger did not answer).", nil, nil),
+		})
 	}
-	// Read at scrape time from the partial indexes that hold only such rows: usage not yet
-	// accounted, and entries not yet in the hot balance.
-	backlog := func(name, help, query string) {
-		m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 {
-			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-			defer cancel()
-			var n int64
-			if err := pg.Pool().QueryRow(ctx, query).Scan(&n); err != nil {
-				return -1
-			}
-			return float64(n)
-		}))
+}
+
+// backlogCollector reads the ledger's backlog once per scrape.
+type backlogCollector struct {
+	pg                 *accounting.Postgres
+	pending, unsettled *prometheus.Desc
+}
+
+func (c backlogCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.pending; ch <- c.unsettled }
+
+func (c backlogCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	b, err := c.pg.Backlog(ctx)
+	if err != nil {
+		b = accounting.Backlog{PendingEvents: -1, UnsettledEntries: -1}
 	}
-	backlog("escrow_worker_pending_events", "Usage events recorded and not yet accounted (-1: the ledger did not answer).",
-		`SELECT count(*) FROM usage_events WHERE status = 'pending'`)
-	backlog("escrow_worker_unsettled_entries", "Ledger entries not yet applied to the hot balance (-1: the ledger did not answer).",
-		`SELECT COALESCE(sum(ledger_seq - settled_seq), 0)::bigint FROM accounts WHERE settled_seq < ledger_seq`)
+	ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(b.PendingEvents))
+	ch <- prometheus.MustNewConstMetric(c.unsettled, prometheus.GaugeValue, float64(b.UnsettledEntries))
 }
 
 // commandCounter counts the Redis commands of the process (the hot path's round trips).

@@ -65,3 +65,21 @@ func TestEchoErrorCodes(t *testing.T) {
 		}
 	}
 }
+
+// TestMetricsBacklog: on Postgres, /metrics carries the ledger's backlog, and it is 0 once
+// everything is settled.
+func TestMetricsBacklog(t *testing.T) {
+	t.Parallel()
+	p := startTestProxy(t, true)
+	key := p.setup("acme", 1000, 65)
+	if st, _, b := p.do("POST", "/v1/chat/completions", key, chat("hi")); st != http.StatusOK {
+		t.Fatalf("request: %d %s", st, b)
+	}
+	p.settled("acme")
+	_, _, m := p.do("GET", "/metrics", "", nil)
+	for _, want := range []string{"\nescrow_worker_pending_events 0\n", "\nescrow_worker_unsettled_entries 0\n"} {
+		if !strings.Contains(string(m), want) {
+			t.Fatalf("metrics lack %q:\n%s", strings.TrimSpace(want), grepLines(string(m), "escrow_worker"))
+		}
+	}
+}
