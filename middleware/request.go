@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"unsafe"
@@ -26,8 +27,9 @@ func pricedEndpoint(path string) bool {
 	return false
 }
 
-// Request is what the middleware reads from a request body, without decoding the whole body:
-// gjson walks the top-level fields and looks into the few that matter.
+// Request is what the middleware reads from a request body, without decoding the whole body: a
+// walk over the raw bytes of the top-level fields and of the few objects below that matter,
+// reading every key as leniently as any upstream would (fields.go).
 type Request struct {
 	Endpoint     string // one of the Endpoint… paths
 	Model        string
@@ -45,20 +47,45 @@ type Request struct {
 	Size     int // body length in bytes
 }
 
-// plainFields are the top-level fields that carry only text (or numbers and switches that do not
+// topPlain are the top-level fields that carry only text (or numbers and switches that do not
 // change what a token costs). A body with any other field never lowers its hold.
-var plainFields = map[string]bool{
-	"model": true, "messages": true, "input": true, "prompt": true, "instructions": true,
-	"stream": true, "stream_options": true,
-	"max_tokens": true, "max_completion_tokens": true, "max_output_tokens": true, "n": true, "best_of": true,
-	"temperature": true, "top_p": true, "stop": true, "presence_penalty": true, "frequency_penalty": true,
-	"logit_bias": true, "logprobs": true, "top_logprobs": true, "user": true, "seed": true,
-	"response_format": true, "tools": true, "tool_choice": true, "parallel_tool_calls": true,
-	"reasoning_effort": true, "reasoning": true, "verbosity": true, "text": true, "metadata": true,
-	"store": true, "prompt_cache_key": true, "safety_identifier": true, "truncation": true,
-	"suffix": true, "echo": true, "encoding_format": true, "dimensions": true, "service_tier": true,
-	"max_tool_calls": true,
+var topPlain = []string{
+	"model", "messages", "input", "prompt", "instructions",
+	"stream", "stream_options",
+	"max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of",
+	"temperature", "top_p", "stop", "presence_penalty", "frequency_penalty",
+	"logit_bias", "logprobs", "top_logprobs", "user", "seed",
+	"response_format", "tools", "tool_choice", "parallel_tool_calls",
+	"reasoning_effort", "reasoning", "verbosity", "text", "metadata",
+	"store", "prompt_cache_key", "safety_identifier", "truncation",
+	"suffix", "echo", "encoding_format", "dimensions", "service_tier",
+	"max_tool_calls",
 }
+
+// topOther are the other top-level fields escrow reads or knows to change the price: present
+// (not null), they keep the learned max, and their spelling is checked like the rest.
+var topOther = []string{
+	"background", "audio", "modalities", "web_search_options", "previous_response_id", "conversation",
+	"prediction", "include", "functions", "function_call",
+}
+
+// The objects escrow reads below the top level, with the fields it knows in each. A key that
+// folds to one of these must be spelled exactly and appear once (see fields.go); other keys are
+// unknown, and an unknown non-null key in an item or content part keeps the learned max.
+var (
+	topFields        = newFieldSet(append(slices.Clip(topPlain), topOther...)...)
+	topPlainMask     = topFields.mask(topPlain...)
+	streamOptFields  = newFieldSet("include_usage", "include_obfuscation")
+	toolFields       = newFieldSet("type", "function", "custom", "name", "description", "parameters", "strict", "format")
+	toolChoiceFields = newFieldSet("type", "function", "custom", "name", "mode", "tools")
+	// itemFields: a chat message or a Responses input item.
+	itemFields = newFieldSet("type", "role", "content", "name", "id", "status", "tool_calls", "tool_call_id",
+		"function_call", "refusal", "audio", "call_id", "arguments", "output", "input")
+	// partFields: a content part (of a message, or of a function_call_output's output array).
+	partFields = newFieldSet("type", "text", "refusal", "annotations", "logprobs", "image_url", "input_audio",
+		"file", "file_id", "file_url", "file_data", "filename", "detail", "image", "audio")
+	partPlainMask = partFields.mask("type", "text", "refusal", "annotations", "logprobs")
+)
 
 // plainTools are the tool types the client runs itself: their definitions and calls are text.
 var plainTools = map[string]bool{"function": true, "custom": true}
@@ -66,104 +93,112 @@ var plainTools = map[string]bool{"function": true, "custom": true}
 // bstr views b as a string without copying; b must not change while the string is used.
 func bstr(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
 
-// parseRequest reads the fields of a priced request. It never decodes the whole body.
+// parseRequest reads the fields of a priced request. It never decodes the whole body: it walks
+// the raw bytes of the top-level object and of the objects below it that change the price
+// (stream_options, tools[*], tool_choice, messages / input items and their content parts),
+// allocating only for the model name, escaped keys and refusals.
 func parseRequest(endpoint string, body []byte) (Request, *Error) {
 	r := Request{Endpoint: endpoint, N: 1, PlainText: true, Size: len(body)}
 	if !gjson.ValidBytes(body) {
 		return r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON,
 			Message: "We could not parse the JSON body of your request. The body must be a JSON object."}
 	}
-	root := gjson.Parse(bstr(body))
-	if !root.IsObject() {
+	raw := bstr(body)
+	if i := skipWS(raw, 0); i >= len(raw) || raw[i] != '{' {
 		return r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON,
 			Message: "The body of your request must be a JSON object."}
 	}
-	var fail *Error
-	seen := newKeySet()
-	haveModel := false
-	root.ForEach(func(k, v gjson.Result) bool {
-		key := k.String()
-		if !seen.add(key) {
-			fail = errInvalid(key, "Duplicate field '"+key+"' in the request body.")
-			return false
-		}
-		if !plainFields[key] && v.Type != gjson.Null {
+	p := reqParser{r: &r}
+	forEachRaw(raw, func(key, v string) bool {
+		p.top(key, v)
+		return p.fail == nil
+	})
+	if p.fail != nil {
+		return r, p.fail
+	}
+	if r.Model == "" {
+		return r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: "model", Code: CodeMissingField,
+			Message: "You must provide a model parameter."}
+	}
+	return r, nil
+}
+
+// reqParser is one walk over a request body.
+type reqParser struct {
+	r    *Request
+	seen uint64 // top-level fields met
+	fail *Error
+}
+
+// top reads one top-level member.
+func (p *reqParser) top(key, v string) {
+	r := p.r
+	kind := rawKind(v)
+	i, kc := topFields.check(key, &p.seen)
+	switch kc {
+	case keyUnknown:
+		if kind != 'n' {
 			r.PlainText = false
 		}
-		switch key {
-		case "model":
-			if v.Type != gjson.String || v.Str == "" {
-				fail = errInvalid("model", "'model' must be a non-empty string.")
-				return false
-			}
-			r.Model = strings.Clone(v.Str)
-			haveModel = true
-		case "stream":
-			b, ok := optBool(v)
-			if !ok {
-				fail = errInvalid("stream", "'stream' must be a boolean.")
-				return false
-			}
-			r.Stream = b
-		case "stream_options":
-			if v.Type == gjson.Null {
-				return true
-			}
-			if !v.IsObject() {
-				fail = errInvalid("stream_options", "'stream_options' must be an object.")
-				return false
-			}
-			inner := newKeySet()
-			v.ForEach(func(k2, v2 gjson.Result) bool {
-				name := k2.String()
-				if !inner.add(name) {
-					fail = errInvalid("stream_options."+name, "Duplicate field 'stream_options."+name+"'.")
-					return false
-				}
-				if name == "include_usage" {
-					b, ok := optBool(v2)
-					if !ok {
-						fail = errInvalid("stream_options.include_usage", "'stream_options.include_usage' must be a boolean.")
-						return false
-					}
-					r.IncludeUsage = b
-				}
-				return true
-			})
-		case "max_tokens", "max_completion_tokens", "max_output_tokens":
-			if v.Type == gjson.Null {
-				return true
-			}
-			n, ok := positiveInt(v)
-			if !ok {
-				fail = errInvalid(key, "'"+key+"' must be a positive integer.")
-				return false
-			}
-			r.OutputCap = max(r.OutputCap, n)
-		case "n", "best_of":
-			if v.Type == gjson.Null {
-				return true
-			}
-			n, ok := positiveInt(v)
-			if !ok {
-				fail = errInvalid(key, "'"+key+"' must be a positive integer.")
-				return false
-			}
-			r.N = max(r.N, n)
-		case "background":
-			b, ok := optBool(v)
-			if !ok {
-				fail = errInvalid("background", "'background' must be a boolean.")
-				return false
-			}
-			r.Background = b
-		case "audio":
-			if v.Type != gjson.Null {
-				r.addFeature("audio")
-			}
-		case "modalities":
-			v.ForEach(func(_, m gjson.Result) bool {
-				switch m.String() {
+		return
+	case keyVariant, keyDuplicate:
+		p.fail = keyError("", key, topFields.names[i], kc)
+		return
+	}
+	if topPlainMask&(1<<i) == 0 && kind != 'n' {
+		r.PlainText = false
+	}
+	switch name := topFields.names[i]; name {
+	case "model":
+		if m := rawString(v); kind == '"' && m != "" {
+			r.Model = strings.Clone(m)
+		} else {
+			p.fail = errInvalid("model", "'model' must be a non-empty string.")
+		}
+	case "stream":
+		b, ok := rawBool(v)
+		if !ok {
+			p.fail = errInvalid("stream", "'stream' must be a boolean.")
+		}
+		r.Stream = b
+	case "stream_options":
+		p.streamOptions(v)
+	case "max_tokens", "max_completion_tokens", "max_output_tokens":
+		if kind == 'n' {
+			return
+		}
+		n, ok := rawPositiveInt(v)
+		if !ok {
+			p.fail = errInvalid(name, "'"+name+"' must be a positive integer.")
+		}
+		r.OutputCap = max(r.OutputCap, n)
+	case "n", "best_of":
+		// Each of n (or best_of) choices is generated, and billed, in full: the hold is
+		// multiplied by the larger (HoldAmount).
+		if kind == 'n' {
+			return
+		}
+		n, ok := rawPositiveInt(v)
+		if !ok {
+			p.fail = errInvalid(name, "'"+name+"' must be a positive integer.")
+		}
+		r.N = max(r.N, n)
+	case "background":
+		b, ok := rawBool(v)
+		if !ok {
+			p.fail = errInvalid("background", "'background' must be a boolean.")
+		}
+		r.Background = b
+	case "audio":
+		if kind != 'n' {
+			r.addFeature("audio")
+		}
+	case "modalities":
+		switch kind {
+		case 'n':
+		case '[':
+			forEachRaw(v, func(_, m string) bool {
+				switch rawString(m) {
 				case "text":
 				case "audio":
 					r.addFeature("audio")
@@ -172,172 +207,324 @@ func parseRequest(endpoint string, body []byte) (Request, *Error) {
 				}
 				return true
 			})
-		case "service_tier":
-			switch v.Type {
-			case gjson.Null:
-			case gjson.String:
-				if t := v.Str; t != "auto" && t != "default" {
-					r.addFeature("service_tier:" + t)
-				}
-			default:
-				fail = errInvalid("service_tier", "'service_tier' must be a string.")
-				return false
+		default:
+			p.fail = errInvalid("modalities", "'modalities' must be an array.")
+		}
+	case "service_tier":
+		switch kind {
+		case 'n':
+		case '"':
+			if t := rawString(v); t != "auto" && t != "default" {
+				r.addFeature("service_tier:" + t)
 			}
-		case "tools":
-			if v.Type == gjson.Null {
-				return true
-			}
-			if !v.IsArray() {
-				fail = errInvalid("tools", "'tools' must be an array.")
-				return false
-			}
-			forEachRaw(v.Raw, func(_, t string) bool {
-				typ := ""
-				forEachRaw(t, func(k, tv string) bool {
-					if k == "type" {
-						typ = rawString(tv)
-						return false
-					}
-					return true
-				})
-				if !plainTools[typ] {
-					r.PlainText = false
-					r.addFeature("tool:" + typ)
-				}
-				return true
-			})
-		case "web_search_options":
-			if v.Type != gjson.Null {
-				r.addFeature("tool:web_search")
-			}
-		case "messages", "input", "prompt", "instructions":
-			if !plainContent(v) {
+		default:
+			p.fail = errInvalid("service_tier", "'service_tier' must be a string.")
+		}
+	case "tools":
+		p.tools(v)
+	case "tool_choice":
+		if kind == '{' {
+			// A hosted tool forced by tool_choice is a hosted tool used.
+			typ := p.typeOf(v, toolChoiceFields, loc{field: "tool_choice", i: -1})
+			if p.fail == nil && !plainTools[typ] && typ != "allowed_tools" {
 				r.PlainText = false
+				r.addFeature("tool:" + typ)
 			}
+		}
+	case "web_search_options":
+		if kind != 'n' {
+			r.addFeature("tool:web_search")
+		}
+	case "messages", "input", "prompt", "instructions", "suffix":
+		if !p.content(name, v) {
+			r.PlainText = false
+		}
+	}
+}
+
+func (p *reqParser) streamOptions(v string) {
+	switch rawKind(v) {
+	case 'n':
+		return
+	case '{':
+	default:
+		p.fail = errInvalid("stream_options", "'stream_options' must be an object.")
+		return
+	}
+	var seen uint64
+	forEachRaw(v, func(key, v2 string) bool {
+		i, kc := streamOptFields.check(key, &seen)
+		switch kc {
+		case keyUnknown:
+			return true
+		case keyVariant, keyDuplicate:
+			p.fail = keyError("stream_options", key, streamOptFields.names[i], kc)
+			return false
+		}
+		if streamOptFields.names[i] == "include_usage" {
+			b, ok := rawBool(v2)
+			if !ok {
+				p.fail = errInvalid("stream_options.include_usage", "'stream_options.include_usage' must be a boolean.")
+				return false
+			}
+			p.r.IncludeUsage = b
 		}
 		return true
 	})
-	if fail != nil {
-		return r, fail
+}
+
+func (p *reqParser) tools(v string) {
+	switch rawKind(v) {
+	case 'n':
+		return
+	case '[':
+	default:
+		p.fail = errInvalid("tools", "'tools' must be an array.")
+		return
 	}
-	if !haveModel {
-		return r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: "model", Code: CodeMissingField,
-			Message: "You must provide a model parameter."}
+	i := 0
+	forEachRaw(v, func(_, t string) bool {
+		typ := p.typeOf(t, toolFields, loc{field: "tools", i: i})
+		if p.fail != nil {
+			return false
+		}
+		if !plainTools[typ] {
+			p.r.PlainText = false
+			p.r.addFeature("tool:" + typ)
+		}
+		i++
+		return true
+	})
+}
+
+// typeOf returns the "type" of a tool or tool_choice object, which must have one, a string.
+func (p *reqParser) typeOf(raw string, set *fieldSet, l loc) string {
+	if rawKind(raw) != '{' {
+		p.fail = errInvalid(l.String(), "'"+l.String()+"' must be an object.")
+		return ""
 	}
-	return r, nil
+	typ, have := "", false
+	var seen uint64
+	forEachRaw(raw, func(key, v string) bool {
+		i, kc := set.check(key, &seen)
+		switch kc {
+		case keyUnknown:
+			return true
+		case keyVariant, keyDuplicate:
+			p.fail = keyError(l.String(), key, set.names[i], kc)
+			return false
+		}
+		if set.names[i] == "type" {
+			if rawKind(v) != '"' {
+				p.fail = errInvalid(l.String()+".type", "'"+l.String()+".type' must be a string.")
+				return false
+			}
+			typ, have = rawString(v), true
+		}
+		return true
+	})
+	if p.fail == nil && !have {
+		p.fail = &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: l.String() + ".type", Code: CodeMissingField,
+			Message: "Missing required parameter: '" + l.String() + ".type'."}
+	}
+	return typ
+}
+
+// content reports whether a messages / input / prompt / instructions / suffix value is plain
+// text: strings, token arrays, and message or input items whose content parts are all text.
+// Images, audio, files, stored prompts and references to server-side items are not. It walks
+// every item and part even once the answer is no, because a part's spelling and features (audio
+// input) must be checked all the same.
+func (p *reqParser) content(field, v string) bool {
+	switch rawKind(v) {
+	case 'n', '"', '0':
+		return true
+	case '{':
+		if field == "prompt" {
+			return false // a stored prompt ({"id":"pmpt_…"}): server-side text of unknown length
+		}
+		return p.item(v, loc{field: field, i: -1})
+	case '[':
+	default:
+		return false
+	}
+	plain, i := true, 0
+	forEachRaw(v, func(_, e string) bool {
+		switch rawKind(e) {
+		case '"', '0':
+		case '[': // token ids
+			forEachRaw(e, func(_, t string) bool {
+				if rawKind(t) != '0' {
+					plain = false
+				}
+				return plain
+			})
+		case '{':
+			if !p.item(e, loc{field: field, i: i}) {
+				plain = false
+			}
+		default:
+			plain = false
+		}
+		i++
+		return p.fail == nil
+	})
+	return plain
+}
+
+// textItems are the item types whose content is text (no "type" is a chat message or a
+// Responses "easy" message).
+var textItems = map[string]bool{
+	"message": true, "function_call": true, "function_call_output": true, "custom_tool_call": true, "custom_tool_call_output": true,
+}
+
+// item checks one chat message or Responses input item: a type of textItems (or none), and
+// content / output that is a string or text parts. Any other non-null field — an item
+// reference, reasoning (server state), a chat message's audio reference — keeps the learned max.
+func (p *reqParser) item(raw string, l loc) bool {
+	plain := true
+	var seen uint64
+	forEachRaw(raw, func(key, v string) bool {
+		kind := rawKind(v)
+		i, kc := itemFields.check(key, &seen)
+		switch kc {
+		case keyUnknown:
+			if kind != 'n' {
+				plain = false
+			}
+			return true
+		case keyVariant, keyDuplicate:
+			p.fail = keyError(l.String(), key, itemFields.names[i], kc)
+			return false
+		}
+		switch name := itemFields.names[i]; name {
+		case "type":
+			if kind != '"' || !textItems[rawString(v)] {
+				plain = false
+			}
+		case "audio":
+			if kind != 'n' {
+				plain = false
+			}
+		case "content", "output":
+			switch kind {
+			case 'n', '"':
+			case '[':
+				j := 0
+				forEachRaw(v, func(_, part string) bool {
+					if !p.part(part, loc{field: l.field, i: l.i, sub: name, j: j}) {
+						plain = false
+					}
+					j++
+					return p.fail == nil
+				})
+			default:
+				plain = false
+			}
+		}
+		return p.fail == nil
+	})
+	return plain
+}
+
+// part checks one content part: plain when its type is a text part of the endpoint and it
+// carries nothing but text. Audio input is a feature the price table cannot price.
+func (p *reqParser) part(raw string, l loc) bool {
+	if rawKind(raw) != '{' {
+		return false
+	}
+	plain, typ := true, ""
+	var seen uint64
+	forEachRaw(raw, func(key, v string) bool {
+		kind := rawKind(v)
+		i, kc := partFields.check(key, &seen)
+		switch kc {
+		case keyUnknown:
+			if kind != 'n' {
+				plain = false
+			}
+			return true
+		case keyVariant, keyDuplicate:
+			p.fail = keyError(l.String(), key, partFields.names[i], kc)
+			return false
+		}
+		if partFields.names[i] == "type" {
+			typ = rawString(v)
+		} else if partPlainMask&(1<<i) == 0 && kind != 'n' {
+			plain = false
+		}
+		return true
+	})
+	switch {
+	case p.fail != nil:
+		return false
+	case typ == "input_audio":
+		p.r.addFeature("audio")
+		return false
+	}
+	return plain && textPart(p.r.Endpoint, typ)
+}
+
+// textPart reports whether a content part type is text that the body's bytes bound: on the
+// Responses API only input_text and output_text.
+func textPart(endpoint, typ string) bool {
+	switch endpoint {
+	case EndpointChat:
+		return typ == "text" || typ == "refusal"
+	case EndpointResponses:
+		return typ == "input_text" || typ == "output_text"
+	}
+	return false
+}
+
+// loc is where an object sits in the body, built into a path only for an error message:
+// field[i] (i ≥ 0), then .sub[j] when sub is set.
+type loc struct {
+	field string
+	i     int
+	sub   string
+	j     int
+}
+
+func (l loc) String() string {
+	s := l.field
+	if l.i >= 0 {
+		s = at(s, l.i)
+	}
+	if l.sub != "" {
+		s = at(s+"."+l.sub, l.j)
+	}
+	return s
 }
 
 func (r *Request) addFeature(f string) {
-	for _, x := range r.Features {
-		if x == f {
-			return
-		}
+	if slices.Contains(r.Features, f) {
+		return
 	}
 	r.Features = append(r.Features, f)
 }
 
-// optBool reads a boolean that may be null (false).
-func optBool(v gjson.Result) (bool, bool) {
-	switch v.Type {
-	case gjson.True:
+// rawBool reads a raw boolean that may be null (false).
+func rawBool(v string) (b, ok bool) {
+	switch v {
+	case "true":
 		return true, true
-	case gjson.False, gjson.Null:
+	case "false", "null":
 		return false, true
 	}
 	return false, false
 }
 
-// positiveInt reads a JSON integer ≥ 1 written without fraction or exponent.
-func positiveInt(v gjson.Result) (int64, bool) {
-	if v.Type != gjson.Number {
+// rawPositiveInt reads a raw JSON integer ≥ 1 written without fraction or exponent.
+func rawPositiveInt(v string) (int64, bool) {
+	if rawKind(v) != '0' {
 		return 0, false
 	}
-	n, err := strconv.ParseInt(v.Raw, 10, 64)
+	n, err := strconv.ParseInt(v, 10, 64)
 	if err != nil || n < 1 {
 		return 0, false
 	}
 	return n, true
-}
-
-// plainContent reports whether a messages / input / prompt / instructions value is plain text:
-// strings, token arrays, and message objects whose content parts are all text. Images, audio,
-// files and references to server-side items are not. It walks the raw bytes (already validated)
-// without unescaping or allocating.
-func plainContent(v gjson.Result) bool {
-	switch v.Type {
-	case gjson.String, gjson.Null, gjson.Number:
-		return true
-	case gjson.JSON:
-	default:
-		return false
-	}
-	if v.IsObject() {
-		return plainItem(v.Raw)
-	}
-	ok := true
-	forEachRaw(v.Raw, func(_, e string) bool {
-		switch rawKind(e) {
-		case '"', '0':
-		case '[': // token ids
-			forEachRaw(e, func(_, t string) bool {
-				ok = rawKind(t) == '0'
-				return ok
-			})
-		case '{':
-			ok = plainItem(e)
-		default:
-			ok = false
-		}
-		return ok
-	})
-	return ok
-}
-
-// plainItem checks one chat message or Responses input item (raw JSON object).
-func plainItem(raw string) bool {
-	ok := true
-	forEachRaw(raw, func(k, v string) bool {
-		switch k {
-		case "type":
-			switch rawString(v) {
-			case "message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output":
-			default:
-				ok = false // item_reference, reasoning (server state), images, files, …
-			}
-		case "audio", "file_id", "image_url", "input_audio", "file":
-			ok = rawKind(v) == 'n'
-		case "content":
-			switch rawKind(v) {
-			case '"', 'n':
-			case '[':
-				forEachRaw(v, func(_, part string) bool {
-					ok = rawKind(part) == '{' && plainPart(part)
-					return ok
-				})
-			default:
-				ok = false
-			}
-		}
-		return ok
-	})
-	return ok
-}
-
-// plainPart checks a content part: its type must be text.
-func plainPart(raw string) bool {
-	typ := ""
-	forEachRaw(raw, func(k, v string) bool {
-		if k == "type" {
-			typ = rawString(v)
-			return false
-		}
-		return true
-	})
-	switch typ {
-	case "text", "input_text", "output_text", "refusal":
-		return true
-	}
-	return false
 }
 
 // rawKind classifies a raw JSON value by its first byte: '"', '{', '[', 'n' (null), 't'/'f',
@@ -455,41 +642,6 @@ func skipValue(s string, i int) int {
 		i++
 	}
 	return i
-}
-
-// keySet detects duplicate keys: a linear scan for the usual handful, a map past that.
-type keySet struct {
-	few  [16]string
-	n    int
-	many map[string]struct{}
-}
-
-func newKeySet() *keySet { return &keySet{} }
-
-func (s *keySet) add(k string) bool {
-	if s.many != nil {
-		if _, dup := s.many[k]; dup {
-			return false
-		}
-		s.many[k] = struct{}{}
-		return true
-	}
-	for _, x := range s.few[:s.n] {
-		if x == k {
-			return false
-		}
-	}
-	if s.n < len(s.few) {
-		s.few[s.n] = k
-		s.n++
-		return true
-	}
-	s.many = make(map[string]struct{}, 2*len(s.few))
-	for _, x := range s.few {
-		s.many[x] = struct{}{}
-	}
-	s.many[k] = struct{}{}
-	return true
 }
 
 // injectIncludeUsage returns a copy of body with stream_options.include_usage = true, touching
