@@ -9,28 +9,37 @@ import (
 
 // HoldInput is what the hold amount is chosen from.
 type HoldInput struct {
-	Request    Request
-	Model      accounting.Model // prices and limits in force now (the request is priced with them)
-	LearnedMax int64            // the store's learned max cost of one request of the model (0 = none yet)
-	Fallback   int64            // Config.DefaultHold
+	Request Request
+	Model   accounting.Model // prices and limits in force now (the request is priced with them)
+	// LearnedMax is the store's learned max cost of one choice of the model (a request with
+	// n = 1); 0 = none yet. The hold multiplies it by the request's n (or best_of).
+	LearnedMax int64
+	Fallback   int64 // Config.DefaultHold
 }
 
 // HoldAmount is the default hold rule (DESIGN "The flow", step 1):
 //
-//   - the model's learned max cost (the store's, else Model.MaxCost);
+//   - the model's learned max cost (the store's, else Model.MaxCost), capped at the model's
+//     bound (max input × input price + max output × output price), × n (or best_of);
 //   - lowered to the request's hard upper bound — body bytes × input price + output cap × output
-//     price, × n (or best_of) — only when the request is plain text (Request.PlainText) and has
-//     an output cap (embeddings have no output: their bound is the input alone);
+//     price, × n — only when the request is plain text (Request.PlainText) and has an output cap
+//     (embeddings have no output: their bound is the input alone);
 //   - with no learned max: that bound if there is one, else the same bound with the model's max
-//     output tokens, else Model.DefaultHold, else the fallback.
+//     output tokens, else Model.DefaultHold × n, else the fallback × n.
 //
-// Tokens never outnumber bytes, so the bytes of the body bound its input tokens. The result is
-// never ≤ 0 when Fallback > 0, and never above balance.MaxAmount.
+// Every choice of n is generated and billed in full, so every amount stands for one choice and
+// is multiplied by n; the learned max is learned per choice (call.learnFrom). Tokens never
+// outnumber bytes, so the bytes of the body bound its input tokens. The result is never ≤ 0
+// when Fallback > 0, and never above balance.MaxAmount.
 func HoldAmount(_ context.Context, in HoldInput) (int64, error) {
 	m, r := in.Model, in.Request
+	n := max(r.N, 1)
 	learned := in.LearnedMax
 	if learned <= 0 {
 		learned = m.MaxCost
+	}
+	if ceiling, ok, err := m.CostBound(); err == nil && ok && ceiling > 0 {
+		learned = min(learned, ceiling)
 	}
 	bound, haveBound := int64(0), false
 	if r.PlainText {
@@ -42,10 +51,11 @@ func HoldAmount(_ context.Context, in HoldInput) (int64, error) {
 		}
 	}
 	if learned > 0 {
+		learned = times(learned, n)
 		if haveBound && bound < learned {
 			return bound, nil
 		}
-		return min(learned, balance.MaxAmount), nil
+		return learned, nil
 	}
 	if haveBound {
 		return bound, nil
@@ -58,9 +68,20 @@ func HoldAmount(_ context.Context, in HoldInput) (int64, error) {
 		}
 	}
 	if m.DefaultHold > 0 {
-		return min(m.DefaultHold, balance.MaxAmount), nil
+		return times(m.DefaultHold, n), nil
 	}
-	return in.Fallback, nil
+	return times(in.Fallback, n), nil
+}
+
+// times is a × n clamped to balance.MaxAmount (a, n > 0).
+func times(a, n int64) int64 {
+	if a <= 0 {
+		return a
+	}
+	if a > balance.MaxAmount/n {
+		return balance.MaxAmount
+	}
+	return min(a*n, balance.MaxAmount)
 }
 
 // requestBound is (size × input price + out × output price) × n. ok is false when the bound is

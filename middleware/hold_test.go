@@ -34,6 +34,17 @@ func TestHoldAmount(t *testing.T) {
 			func() accounting.Model { x := m; x.MaxOutputTokens = 0; return x }(), 0, 999},
 		{"embeddings: input alone", Request{Endpoint: EndpointEmbeddings, Size: 100, N: 1, PlainText: true}, m, 5000, 100},
 		{"free model never zero", plain, accounting.Model{Name: "free", MaxOutputTokens: 10}, 0, 999},
+		// n (or best_of) multiplies every amount: each choice is generated and billed in full.
+		{"learned × n", func() Request { r := plain; r.N = 16; r.PlainText = false; return r }(), m, 5000, 80_000},
+		{"learned × n, lowered to the bound × n", func() Request { r := plain; r.N = 16; return r }(), m, 5000, 3200},
+		{"learned × n clamps", func() Request { r := plain; r.N = 1 << 40; r.PlainText = false; return r }(), m, 5000, balance.MaxAmount},
+		{"learned capped at the model's bound, then × n", func() Request { r := plain; r.N = 4; r.PlainText = false; return r }(),
+			func() accounting.Model { x := m; x.MaxInputTokens = 100; return x }(), 1_000_000, 4 * 2100},
+		{"no learned, no cap: bound with max output × n", Request{Endpoint: EndpointChat, Size: 100, N: 3}, m, 0, 3 * 2100},
+		{"no learned, no limits: model default × n", Request{Endpoint: EndpointChat, Size: 100, N: 5},
+			func() accounting.Model { x := m; x.MaxOutputTokens = 0; x.DefaultHold = 77; return x }(), 0, 385},
+		{"nothing known: fallback × n", Request{Endpoint: EndpointChat, Size: 100, N: 2},
+			func() accounting.Model { x := m; x.MaxOutputTokens = 0; return x }(), 0, 1998},
 		{"overflow clamps", Request{Endpoint: EndpointChat, Size: 100, N: 1},
 			accounting.Model{Prices: accounting.Prices{Input: balance.MaxAmount, Output: balance.MaxAmount}, MaxOutputTokens: 1 << 40}, 0, balance.MaxAmount},
 	}

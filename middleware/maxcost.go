@@ -51,3 +51,18 @@ func (m *middleware) raiseMax(model accounting.Model, cost int64) {
 		}
 	}()
 }
+
+// learnFrom raises the model's learned max after a real cost. The learned max is the cost of
+// one choice (HoldAmount multiplies it by n), so a request of n choices teaches ⌈cost / n⌉:
+// held again with the same n, that covers the cost; learning the whole cost would hold n times
+// too much for every later request of n choices.
+func (cl *call) learnFrom(cost int64) {
+	n := max(cl.req.N, 1)
+	perChoice := cost / n
+	if cost%n != 0 {
+		perChoice++
+	}
+	if perChoice > cl.learned {
+		cl.m.raiseMax(cl.model, perChoice)
+	}
+}

@@ -157,8 +157,8 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	o.Kind = OutcomeRecorded
 	if estimated {
 		o.Kind = OutcomeEstimated
-	} else if cost > cl.learned {
-		m.raiseMax(cl.model, cost)
+	} else {
+		cl.learnFrom(cost)
 	}
 	cw.commit()
 	return false
