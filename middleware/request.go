@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 	"unsafe"
 
 	"github.com/tidwall/gjson"
@@ -103,6 +104,12 @@ func parseRequest(endpoint string, body []byte) (Request, *Error) {
 		return r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON,
 			Message: "We could not parse the JSON body of your request. The body must be a JSON object."}
 	}
+	// Python upstreams refuse a body that is not UTF-8 and Go ones read its bad bytes as U+FFFD:
+	// refused here, so no string escrow reads can be read otherwise.
+	if !utf8.Valid(body) {
+		return r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON,
+			Message: "The body of your request is not valid UTF-8."}
+	}
 	raw := bstr(body)
 	if i := skipWS(raw, 0); i >= len(raw) || raw[i] != '{' {
 		return r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON,
@@ -150,10 +157,11 @@ func (p *reqParser) top(key, v string) {
 	}
 	switch name := topFields.names[i]; name {
 	case "model":
-		if m := rawString(v); kind == '"' && m != "" {
+		// An escaped lone surrogate unescapes to invalid UTF-8 here and to U+FFFD elsewhere.
+		if m := rawString(v); kind == '"' && m != "" && utf8.ValidString(m) {
 			r.Model = strings.Clone(m)
 		} else {
-			p.fail = errInvalid("model", "'model' must be a non-empty string.")
+			p.fail = errInvalid("model", "'model' must be a non-empty string of valid UTF-8.")
 		}
 	case "stream":
 		b, ok := rawBool(v)
