@@ -158,11 +158,10 @@ func (p *reqParser) top(key, v string) {
 	}
 	switch name := topFields.names[i]; name {
 	case "model":
-		// An escaped lone surrogate unescapes to invalid UTF-8 here and to U+FFFD elsewhere.
-		if m := rawString(v); kind == '"' && m != "" && utf8.ValidString(m) {
+		if m := rawString(v); kind == '"' && m != "" {
 			r.Model = strings.Clone(m)
 		} else {
-			p.fail = errInvalid("model", "'model' must be a non-empty string of valid UTF-8.")
+			p.fail = errInvalid("model", "'model' must be a non-empty string.")
 		}
 	case "stream":
 		b, ok := rawBool(v)
