@@ -1,4 +1,4 @@
-package main
+package server
 
 import (
 	"context"
@@ -8,7 +8,7 @@ import (
 	"testing"
 )
 
-// Issue 10, items 2–4, against the whole proxy (the fake upstream decodes with Go's
+// Issue 10, items 2–4, against the whole server (the fake upstream decodes with Go's
 // encoding/json, the most lenient reader): every hostile body is refused with an OpenAI-shaped
 // 400 and nothing debited, and every body that is served was held at least what it cost.
 
