@@ -54,7 +54,9 @@ func (h *pipeHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 // with balance start, and its ledger double.
 func coalesced(t *testing.T, env *testutil.RedisEnv, start int64, cfg balance.Config) (*balance.Store, *pipeHook, string, *balancetest.FakeLedger, *redis.Client) {
 	t.Helper()
-	c := ownClient(t, env, nil)
+	// Tests here count exact outcomes: a reply that times out on a loaded machine (the race
+	// detector, miniredis, a shared CI box) would read as a failure of the rule under test.
+	c := ownClient(t, env, func(o *redis.Options) { o.ReadTimeout, o.WriteTimeout = 30*time.Second, 30*time.Second })
 	h := &pipeHook{}
 	c.AddHook(h)
 	l := balancetest.NewFakeLedger(1)
