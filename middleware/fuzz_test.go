@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"bytes"
+	"encoding/json"
 	"strconv"
 	"strings"
 	"testing"
@@ -109,26 +110,42 @@ func FuzzUsage(f *testing.F) {
 	f.Add([]byte(`{"usage":{"prompt_tokens":10,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":3}}}`))
 	f.Add([]byte(`{"usage":{"input_tokens":8,"output_tokens":4,"output_tokens_details":{"reasoning_tokens":1}}}`))
 	f.Add([]byte(`{"usage":{"prompt_tokens":-1}}`))
+	f.Add([]byte(`{"Usage":{"Prompt_Tokens":2},"usage":{"prompt_tokens":3}}`))
 	f.Fuzz(func(t *testing.T, body []byte) {
 		u, ok := usageFromBody(body)
 		if !ok {
 			if u != (accounting.Usage{}) {
 				t.Fatalf("usage %+v without ok", u)
 			}
-			return
-		}
-		if u.Prompt < 0 || u.Completion < 0 || u.Cached < 0 || u.Reasoning < 0 || u.Prompt > maxTokens {
+		} else if u.Prompt < 0 || u.Completion < 0 || u.Cached < 0 || u.Reasoning < 0 || u.Prompt > maxTokens {
 			t.Fatalf("bad counts %+v", u)
 		}
-		usage := gjson.GetBytes(body, "usage")
-		if !usage.IsObject() {
-			t.Fatalf("usage read from %q without a usage object", body)
+		if !json.Valid(body) {
+			return
+		}
+		// The usage billed is the usage a client's decoder reads (encoding/json: case-folded
+		// names, the last duplicate wins).
+		raw, found := clientUsageRaw(body)
+		want, wantOK := accounting.Usage{}, false
+		if found {
+			want, wantOK = usageOf(gjson.ParseBytes(raw))
+		}
+		if u != want || ok != wantOK {
+			t.Fatalf("%s: billed %+v %v, a client reads %+v %v (raw %s)", body, u, ok, want, wantOK, raw)
 		}
 		for _, n := range []int64{u.Prompt, u.Completion, u.Cached, u.Reasoning} {
-			if n != 0 && !strings.Contains(usage.Raw, strconv.FormatInt(n, 10)) {
-				t.Fatalf("count %d not in %s", n, usage.Raw)
+			if n != 0 && !strings.Contains(string(raw), strconv.FormatInt(n, 10)) {
+				t.Fatalf("count %d not in %s", n, raw)
 			}
 		}
-		_ = outputBytesOfBody(body)
 	})
+}
+
+// clientUsageRaw is the top-level usage value encoding/json gives a client.
+func clientUsageRaw(body []byte) (json.RawMessage, bool) {
+	var v struct{ Usage json.RawMessage }
+	if json.Unmarshal(body, &v) != nil || v.Usage == nil {
+		return nil, false
+	}
+	return v.Usage, true
 }

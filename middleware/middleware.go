@@ -115,6 +115,7 @@ type call struct {
 	req        Request
 	model      accounting.Model
 	holdAmount int64
+	agreed     int64 // the hold amount computed for the request, kept when fail-open takes no hold
 	learned    int64 // the model's learned max cost when the hold was taken
 	failOpen   bool
 	start      time.Time
@@ -225,7 +226,7 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	if err != nil {
 		return m.refuse(c, o, errInternal("No request id could be made."))
 	}
-	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, learned: max(learned, model.MaxCost), start: start}
+	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, agreed: amount, learned: max(learned, model.MaxCost), start: start}
 	o.HoldID, o.HoldAmount = cl.holdID, amount
 
 	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)

@@ -16,6 +16,7 @@ var (
 	errHangupBound = errors.New("middleware: client hung up and the upstream went on past the bound")
 	errHoldLost    = errors.New("middleware: the hold could not be extended before its expiry")
 	errNoUsage     = errors.New("middleware: the response carried no usage")
+	errUnreadable  = errors.New("middleware: the response could not be read")
 	errNoResponse  = errors.New("middleware: the handler wrote no response")
 )
 
@@ -114,26 +115,43 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		}
 		return false
 	}
+	cw.end()
 	usage, ok := cw.usage()
 	var why error
+	truncated := false // the response ended early: only part of it was read
 	switch {
 	case ok:
 	case cw.boundHit.Load() || errors.Is(cause, errHangupBound):
-		why = errHangupBound
+		why, truncated = errHangupBound, true
 	case errors.Is(cause, errHoldLost):
-		why = errHoldLost
+		why, truncated = errHoldLost, true
+	case nextErr != nil || panicked != nil:
+		why, truncated = cmpErr(nextErr, panicErr(panicked)), true
 	default:
-		why = cmpErr(nextErr, panicErr(panicked), errNoUsage)
+		why = errNoUsage
+	}
+	if err := cw.readable(); !ok && err != nil {
+		why, truncated = err, false
 	}
 	estimated := !ok
-	if estimated {
+	var cost int64 // set here only for a hold charge (≥ 1); else priced from usage below
+	switch {
+	case truncated:
+		// Cut off after the first byte: the input at least, and what was streamed, counted
+		// generously.
 		usage = accounting.Usage{Prompt: (int64(cl.req.Size) + 3) / 4, Completion: cw.outputEstimate()}
+	case estimated:
+		// A 2xx whose usage cannot be read: charged what the org agreed to risk, the hold
+		// (a fail-open request has none on the balance, but the amount it would have held).
+		usage, cost = accounting.Usage{}, max(cl.agreed, 1)
 	}
-	cost, err := cl.model.Cost(usage)
-	if err != nil {
-		// Absurd token counts: charge what was held (and log it) rather than nothing.
-		m.cfg.Logger.Error("escrow: usage could not be priced", "hold_id", cl.holdID, "usage", usage, "err", err)
-		cost, estimated = max(cl.holdAmount, 1), true
+	if cost == 0 {
+		var err error
+		if cost, err = cl.model.Cost(usage); err != nil {
+			// Absurd token counts: charge what was held (and log it) rather than nothing.
+			m.cfg.Logger.Error("escrow: usage could not be priced", "hold_id", cl.holdID, "usage", usage, "err", err)
+			cost, estimated = max(cl.agreed, 1), true
+		}
 	}
 	ev := accounting.UsageEvent{
 		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Model: cl.req.Model, Endpoint: cl.req.Endpoint,
@@ -141,7 +159,7 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	}
 	o.Usage, o.Cost, o.Err = usage, cost, why
 	rctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
-	err = m.cfg.Recorder.Record(rctx, ev)
+	err := m.cfg.Recorder.Record(rctx, ev)
 	cancel()
 	if err != nil {
 		// Not billed: the client must not see a success, and the hold goes back.
@@ -149,7 +167,7 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		cl.releaseHold()
 		e := errUnavailable("The usage of this request could not be recorded; it was not completed.", m.cfg.RetryAfter)
 		e.Code = CodeBillingFailed
-		if cw.mode == modeJSON {
+		if cw.mode == modeJSON && !cw.streaming {
 			o.Status = e.Status
 		}
 		return cw.fail(e)

@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"bytes"
+	"strings"
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/tidwall/gjson"
@@ -9,15 +10,17 @@ import (
 )
 
 // sseFilter reads a text/event-stream as it passes, one event at a time, without buffering the
-// stream: only the current event's bytes are kept (up to maxEvent; a longer event is passed on
-// raw and not parsed). It
+// stream: only the current event's bytes are kept, up to maxEvent. A longer event is passed on
+// as it comes and its data read by the streaming JSON scanner (bigEvent), so that its usage is
+// not lost and a terminal Responses event is still held back, however large. It
 //
 //   - captures usage: the usage of chat/completions chunks (the last one wins) and response.usage
 //     of the Responses API's terminal events (response.completed / .incomplete / .failed);
 //   - holds back the final bytes — from `data: [DONE]` or a terminal Responses event on — until
 //     release, so that the usage is recorded before the client sees the end of the stream;
 //   - when inject is set (the middleware added stream_options.include_usage), drops the
-//     usage-only chunk (empty choices + usage) and removes "usage" from the other chunks;
+//     usage-only chunk (empty choices + usage) and removes "usage" from the other chunks (not
+//     from an event too long to keep whole: it passes as it comes);
 //   - counts the streamed output text, for estimates when no usage arrives.
 //
 // Lines end with "\n" or "\r\n" (a lone "\r" is not a line end here).
@@ -29,19 +32,46 @@ type sseFilter struct {
 
 	cur       []byte // the current event's bytes so far
 	lineStart int    // where the current line starts in cur
-	overflow  bool   // the current event is too long: passing it on raw
-	rawLine   int    // bytes of the current line while overflowing
+	big       *bigEvent
+	inBig     bool // the current event is too long: passing it on as it comes
+	open      bool // the client has bytes of an event whose end it has not got
 
 	holding bool
 	held    []byte
 
-	usage      accounting.Usage
-	haveUsage  bool
-	terminal   bool // [DONE] or a terminal Responses event was seen
-	lostEvents int  // events too long to parse
-	outBytes   int64
-	outChunks  int64
+	usage     accounting.Usage
+	haveUsage bool
+	terminal  bool // [DONE] or a terminal Responses event was seen
+	bigEvents int  // events too long to keep whole
+	outBytes  int64
+	outChunks int64
 }
+
+// bigEvent is the state of an event too long to keep whole: its current line's field, its
+// event name, the scanner its data goes through, and the held-back end of what passed.
+type bigEvent struct {
+	scan      usageScanner
+	field     [8]byte
+	fieldLen  int
+	kind      lineKind
+	skipSpace bool // the value's first byte is the optional space after the colon
+	lineLen   int
+	lineFirst byte
+	name      []byte
+	nameLong  bool
+	dataLines int
+	dataBytes int64
+	tail      []byte // its last byte that is not a line end, and the line ends after it
+}
+
+type lineKind uint8
+
+const (
+	lineField lineKind = iota // the field name is still being read
+	lineData
+	lineEvent
+	lineOther // another field, a comment, or a field name too long to be one escrow reads
+)
 
 func (f *sseFilter) Write(p []byte) {
 	for len(p) > 0 {
@@ -52,30 +82,13 @@ func (f *sseFilter) Write(p []byte) {
 		} else {
 			seg, p = p[:i+1], p[i+1:]
 		}
-		if f.overflow {
-			f.send(seg)
-			if i < 0 {
-				f.rawLine += len(seg)
-				continue
-			}
-			line := f.rawLine + len(seg)
-			f.rawLine = 0
-			if line == 1 || (line == 2 && len(seg) == 2 && seg[0] == '\r') {
-				f.overflow = false // blank line: the long event ended
-			}
+		if f.inBig {
+			f.bigSegment(seg)
 			continue
 		}
 		f.cur = append(f.cur, seg...)
 		if len(f.cur) > f.maxEvent {
-			f.lostEvents++
-			f.overflow = true
-			f.send(f.cur)
-			if k := bytes.LastIndexByte(f.cur, '\n'); k >= 0 {
-				f.rawLine = len(f.cur) - k - 1
-			} else {
-				f.rawLine = len(f.cur)
-			}
-			f.cur, f.lineStart = f.cur[:0], 0
+			f.startBig()
 			continue
 		}
 		if i < 0 {
@@ -91,8 +104,176 @@ func (f *sseFilter) Write(p []byte) {
 	}
 }
 
+// startBig turns the current event into a big one: what was kept of it is read line by line
+// and passed on.
+func (f *sseFilter) startBig() {
+	f.bigEvents++
+	if f.big == nil {
+		f.big = &bigEvent{}
+	}
+	b := f.big
+	b.scan.reset()
+	*b = bigEvent{scan: b.scan, name: b.name[:0], tail: b.tail[:0]}
+	f.inBig, f.open = true, true
+	kept := f.cur
+	f.cur, f.lineStart = f.cur[:0], 0
+	for len(kept) > 0 && f.inBig {
+		i := bytes.IndexByte(kept, '\n')
+		seg := kept
+		if i >= 0 {
+			seg = kept[:i+1]
+		}
+		kept = kept[len(seg):]
+		f.bigSegment(seg)
+	}
+}
+
+// bigSegment reads and passes on seg, a part of a line of the big event that ends with its
+// line end or is cut by the write.
+func (f *sseFilter) bigSegment(seg []byte) {
+	b := f.big
+	ends := seg[len(seg)-1] == '\n'
+	content := seg
+	if ends {
+		content = seg[:len(seg)-1]
+	}
+	if b.lineLen == 0 && len(content) > 0 {
+		b.lineFirst = content[0]
+	}
+	b.lineLen += len(content)
+	if ends && (b.lineLen == 0 || (b.lineLen == 1 && b.lineFirst == '\r')) {
+		f.bigTail(seg)
+		f.endBig()
+		return
+	}
+	for len(content) > 0 {
+		switch b.kind {
+		case lineField:
+			k := bytes.IndexByte(content, ':')
+			name := content
+			if k >= 0 {
+				name = content[:k]
+			}
+			if b.fieldLen+len(name) > len(b.field) {
+				b.kind = lineOther
+				content = nil
+				continue
+			}
+			b.fieldLen += copy(b.field[b.fieldLen:], name)
+			if k < 0 {
+				content = nil
+				continue
+			}
+			content = content[k+1:]
+			b.kind, b.skipSpace = fieldKind(b.field[:b.fieldLen]), true
+			if b.kind == lineData {
+				if b.dataLines > 0 {
+					b.scan.Write([]byte{'\n'}) // data lines join with a line feed
+				}
+				b.dataLines++
+			}
+		case lineData, lineEvent:
+			if b.skipSpace {
+				b.skipSpace = false
+				if content[0] == ' ' {
+					content = content[1:]
+					continue
+				}
+			}
+			if b.kind == lineData {
+				b.scan.Write(content) // a line's "\r" is JSON whitespace
+				b.dataBytes += int64(len(content))
+			} else if !b.nameLong {
+				if len(b.name)+len(content) > 64 {
+					b.nameLong = true
+				} else {
+					b.name = append(b.name, content...)
+				}
+			}
+			content = nil
+		default:
+			content = nil
+		}
+	}
+	if ends {
+		if b.kind == lineField && b.fieldLen > 0 && fieldKind(b.field[:b.fieldLen]) == lineData {
+			// "data" alone is a data line with an empty value
+			if b.dataLines > 0 {
+				b.scan.Write([]byte{'\n'})
+			}
+			b.dataLines++
+		}
+		b.fieldLen, b.kind, b.lineLen = 0, lineField, 0
+	}
+	f.bigTail(seg)
+}
+
+func fieldKind(name []byte) lineKind {
+	switch {
+	case bytes.Equal(name, fieldData):
+		return lineData
+	case bytes.Equal(name, fieldEvent):
+		return lineEvent
+	}
+	return lineOther
+}
+
+// bigTail passes seg on but keeps back the big event's last byte that is not a line end and
+// the line ends after it: until the event is known not to be the end of the stream the client
+// gets neither the line end of its last line nor the blank line that would dispatch it.
+func (f *sseFilter) bigTail(seg []byte) {
+	b := f.big
+	k := len(seg) - 1
+	for k >= 0 && (seg[k] == '\n' || seg[k] == '\r') {
+		k--
+	}
+	if k < 0 {
+		b.tail = append(b.tail, seg...) // line ends only: at most a blank line's worth
+		return
+	}
+	f.send(b.tail)
+	f.send(seg[:k])
+	b.tail = append(b.tail[:0], seg[k:]...)
+}
+
+// endBig ends the big event: its usage is taken as a small event's would be, a terminal
+// Responses event starts the held-back end, and its end passes on otherwise.
+func (f *sseFilter) endBig() {
+	b := f.big
+	f.inBig = false
+	b.scan.finish()
+	if b.dataLines > 0 {
+		kind, ok := b.scan.typeString()
+		if !ok {
+			kind = string(bytes.TrimSuffix(b.name, []byte{'\r'}))
+		}
+		switch {
+		case kind == "response.completed" || kind == "response.incomplete" || kind == "response.failed":
+			if u, ok := b.scan.responseUsage(); ok {
+				f.setUsage(u)
+			}
+			f.terminal, f.holding = true, true
+		case strings.HasPrefix(kind, "response."):
+		default:
+			if u, ok := b.scan.usage(); ok {
+				f.setUsage(u)
+			}
+		}
+		f.countOut(b.dataBytes) // every data byte counts as text: generous
+	}
+	f.send(b.tail)
+	b.tail = b.tail[:0]
+	if !f.holding {
+		f.open = false
+	}
+}
+
 // finish handles an event the stream ended in the middle of.
 func (f *sseFilter) finish() {
+	if f.inBig {
+		f.endBig()
+		return
+	}
 	if len(f.cur) > 0 {
 		f.dispatch(f.cur)
 		f.cur, f.lineStart = f.cur[:0], 0
@@ -109,7 +290,7 @@ func (f *sseFilter) send(b []byte) {
 	f.held = append(f.held, b...)
 	if len(f.held) > 2*f.maxEvent {
 		f.emit(f.held)
-		f.held, f.holding = nil, false
+		f.held, f.holding, f.open = nil, false, false
 	}
 }
 
@@ -270,4 +451,19 @@ func replaceData(ev, data []byte) []byte {
 		out = append(out, full...)
 	}
 	return out
+}
+
+// textLen is the length of a string, or of the strings nested in an array.
+func textLen(v gjson.Result) int64 {
+	if v.Type == gjson.String {
+		return int64(len(v.Str))
+	}
+	var n int64
+	if v.IsArray() {
+		v.ForEach(func(_, e gjson.Result) bool {
+			n += textLen(e)
+			return true
+		})
+	}
+	return n
 }

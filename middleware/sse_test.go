@@ -126,8 +126,8 @@ func TestSSEOverlongEventPassesRaw(t *testing.T) {
 		f.Write([]byte(stream[i:min(i+100, len(stream))]))
 	}
 	f.finish()
-	if f.lostEvents != 1 || !strings.HasPrefix(out.String(), big) {
-		t.Fatalf("lost %d, out starts %q", f.lostEvents, out.String()[:50])
+	if f.bigEvents != 1 || !strings.HasPrefix(out.String(), big) {
+		t.Fatalf("big events %d, out starts %q", f.bigEvents, out.String()[:50])
 	}
 	if !f.haveUsage || f.usage.Prompt != 5 || string(f.release()) != "data: [DONE]\n\n" {
 		t.Fatalf("the stream after the long event was not parsed: %+v", f.usage)

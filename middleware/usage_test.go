@@ -40,7 +40,9 @@ func TestUsageFromBody(t *testing.T) {
 
 func TestOutputBytesOfBody(t *testing.T) {
 	t.Parallel()
-	if n := outputBytesOfBody([]byte(`{"choices":[{"message":{"content":"abcd"}},{"text":"xy"}]}`)); n != 6 {
-		t.Fatalf("got %d", n)
+	var s usageScanner
+	s.Write([]byte(`{"choices":[{"message":{"content":"abcd"}},{"text":"xy"}]}`))
+	if s.text != 6 {
+		t.Fatalf("got %d", s.text)
 	}
 }

@@ -4,11 +4,12 @@ import (
 	"bufio"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"mime"
 	"net"
 	"net/http"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -21,15 +22,24 @@ type writerMode int
 const (
 	modeNone   writerMode = iota // nothing written yet
 	modePass                     // non-2xx: bytes pass straight through
-	modeJSON                     // 2xx body buffered (up to the limit) until the usage is recorded
-	modeOpaque                   // 2xx body passed on unparsed; only its last byte waits for the record
+	modeJSON                     // 2xx body: scanned for usage as it passes; kept whole up to maxJSON, then streamed with its end held back
 	modeSSE                      // 2xx event stream: parsed as it passes, its end held back
+	modeOpaque                   // 2xx body in a coding escrow cannot decode: passed on raw, its end held back; usage unreadable
 )
 
-// captureWriter sits between the handler and the client. It parses usage from what the handler
-// writes, holds back the final bytes until the usage is recorded (commit), keeps Flush working,
-// and, once the client has hung up, swallows the handler's writes (bounded in time and bytes)
-// so that the handler keeps reading the upstream and the real usage still arrives.
+// maxHeldTail bounds the held-back end of a streamed body (its last byte that is not
+// whitespace, and the whitespace after it): a body that ends in more whitespace than this has
+// it let through.
+const maxHeldTail = 64 << 10
+
+// captureWriter sits between the handler and the client. It reads the usage from what the
+// handler writes as it passes (a streaming scanner for JSON bodies, the SSE filter for event
+// streams, after decoding a compressed body), holds back the final bytes until the usage is
+// recorded (commit), keeps Flush working, and, once the client has hung up, swallows the
+// handler's writes (bounded in time and bytes) so that the handler keeps reading the upstream
+// and the real usage still arrives. Its memory is bounded whatever the body's size: a JSON body
+// is kept whole only up to maxJSON (so that a failed record can still answer a clean error),
+// one SSE event up to the SSE filter's limit, and the rest streams.
 //
 // Write, WriteHeader and Flush are called from the handler's goroutine only; markGone may be
 // called from any goroutine.
@@ -46,11 +56,15 @@ type captureWriter struct {
 	wroteHeader bool
 	headerSent  bool
 	mode        writerMode
-	buf         []byte
-	pending     []byte
-	overflowed  bool
+	buf         []byte // modeJSON: the body while it fits in maxJSON
+	streaming   bool   // modeJSON: the body outgrew maxJSON and passes as it comes
+	pending     []byte // streamed modes: the held-back end
+	scan        usageScanner
 	sse         *sseFilter
-	written     int64 // body bytes the handler wrote
+	dec         *bodyDecoder // a compressed body being decoded
+	decErr      error
+	coding      string // the Content-Encoding the upstream sent
+	written     int64  // body bytes the handler wrote
 	swallowed   int64
 
 	gone     atomic.Bool
@@ -84,20 +98,38 @@ func (cw *captureWriter) WriteHeader(code int) {
 	cw.status = code
 	h := cw.w.Header()
 	cw.headers(h)
-	switch {
-	case code < 200 || code > 299:
+	if code < 200 || code > 299 {
 		cw.mode = modePass
 		cw.sendHeader()
-	case !identityEncoding(h.Get("Content-Encoding")):
-		cw.mode = modeOpaque // compressed despite Accept-Encoding: identity; cannot be read
+		return
+	}
+	cw.coding = h.Get("Content-Encoding")
+	codings, known := responseCodings(cw.coding)
+	if !known {
+		cw.mode = modeOpaque // a coding escrow cannot read: the body passes as it is, charged the hold
 		cw.sendHeader()
-	case isEventStream(h.Get("Content-Type")):
+		return
+	}
+	if len(codings) > 0 {
+		// The upstream compressed although it was asked for identity. The body is decoded for
+		// reading, and the client gets the decoded bytes with Content-Encoding (and the length)
+		// dropped, because only plain bytes can be edited and held back event by event: the SSE
+		// filter removes the usage chunk the client did not ask for and "usage":null fields,
+		// and holds back [DONE] or response.completed until the usage is recorded. Passing the
+		// compressed bytes on while decoding a copy would leave the client's view unedited and
+		// its end held only byte-wise inside a compressed block. Identity is acceptable to every
+		// client, so dropping the coding never breaks one.
+		h.Del("Content-Encoding")
+		h.Del("Content-Length")
+		cw.dec = newBodyDecoder(codings, cw.plain)
+	}
+	if isEventStream(h.Get("Content-Type")) {
 		cw.mode = modeSSE
 		h.Del("Content-Length") // events may be edited
 		cw.sendHeader()
-	default:
-		cw.mode = modeJSON // header waits with the body
+		return
 	}
+	cw.mode = modeJSON // header waits with the body
 }
 
 func (cw *captureWriter) sendHeader() {
@@ -112,39 +144,61 @@ func (cw *captureWriter) Write(p []byte) (int, error) {
 		cw.WriteHeader(http.StatusOK)
 	}
 	cw.written += int64(len(p))
-	switch cw.mode {
-	case modePass:
+	switch {
+	case cw.mode == modePass:
 		cw.out(p)
-	case modeSSE:
-		cw.sse.Write(p)
-	case modeJSON:
-		if len(cw.buf)+len(p) <= cw.maxJSON {
-			cw.buf = append(cw.buf, p...)
-			break
-		}
-		cw.mode, cw.overflowed = modeOpaque, true
-		cw.sendHeader()
-		b := cw.buf
-		cw.buf = nil
-		cw.opaque(b)
-		cw.opaque(p)
-	case modeOpaque:
-		cw.opaque(p)
+	case cw.mode == modeOpaque:
+		cw.hold(p)
+	case cw.dec != nil:
+		cw.dec.Write(p)
+	default:
+		cw.plain(p)
 	}
 	return len(p), nil
 }
 
-// opaque passes p on except its last byte, which waits (for commit, or the next write).
-func (cw *captureWriter) opaque(p []byte) {
-	if len(p) == 0 {
-		return
+// plain takes the body's (decoded) bytes.
+func (cw *captureWriter) plain(p []byte) {
+	switch cw.mode {
+	case modeSSE:
+		cw.sse.Write(p)
+	case modeJSON:
+		cw.scan.Write(p)
+		if !cw.streaming {
+			if len(cw.buf)+len(p) <= cw.maxJSON {
+				cw.buf = append(cw.buf, p...)
+				return
+			}
+			// Too large to keep: from here on the body passes as it comes, its end held.
+			cw.streaming = true
+			cw.sendHeader()
+			b := cw.buf
+			cw.buf = nil
+			cw.hold(b)
+		}
+		cw.hold(p)
 	}
-	if len(cw.pending) > 0 {
+}
+
+// hold passes p on but keeps back the end of what passed so far: its last byte that is not
+// whitespace and whatever follows it. Until commit the client cannot complete the document (a
+// JSON decoder that stops at the closing brace lacks the brace).
+func (cw *captureWriter) hold(p []byte) {
+	k := len(p) - 1
+	for k >= 0 && isSpace(p[k]) {
+		k--
+	}
+	if k >= 0 {
+		cw.out(cw.pending)
+		cw.out(p[:k])
+		cw.pending = append(cw.pending[:0], p[k:]...)
+	} else {
+		cw.pending = append(cw.pending, p...)
+	}
+	if len(cw.pending) > maxHeldTail {
 		cw.out(cw.pending)
 		cw.pending = cw.pending[:0]
 	}
-	cw.out(p[:len(p)-1])
-	cw.pending = append(cw.pending, p[len(p)-1])
 }
 
 // out writes to the client, or swallows once it is gone.
@@ -204,27 +258,56 @@ func (cw *captureWriter) FlushError() error {
 	return nil
 }
 
+// end finishes reading the body: the decoder drains, an unfinished last event or number is
+// taken as it stands. Called once, after the handler returned.
+func (cw *captureWriter) end() {
+	if cw.dec != nil {
+		cw.decErr = cw.dec.Close()
+	}
+	switch cw.mode {
+	case modeJSON:
+		cw.scan.finish()
+	case modeSSE:
+		cw.sse.finish()
+	}
+}
+
 // usage is the usage the response carried, if any.
 func (cw *captureWriter) usage() (accounting.Usage, bool) {
 	switch cw.mode {
 	case modeJSON:
-		return usageFromBody(cw.buf)
+		return cw.scan.usage()
 	case modeSSE:
-		cw.sse.finish()
 		return cw.sse.usage, cw.sse.haveUsage
 	}
 	return accounting.Usage{}, false
 }
 
-// outputEstimate estimates the generated tokens from the text that passed: at least one per
-// chunk that carried text, at least one per 4 bytes of text.
+// readable reports whether the body could be read at all: false for a coding escrow cannot
+// decode, a compressed body that did not decode, or a JSON body with a syntax error. (A body
+// cut short by the transport is readable: what arrived was read.)
+func (cw *captureWriter) readable() error {
+	switch {
+	case cw.mode == modeOpaque:
+		return fmt.Errorf("%w: content coding %q", errUnreadable, cw.coding)
+	case cw.decErr != nil && !errors.Is(cw.decErr, io.ErrUnexpectedEOF):
+		return fmt.Errorf("%w: %w", errUnreadable, cw.decErr)
+	case cw.mode == modeJSON && cw.scan.failed:
+		return fmt.Errorf("%w: the body is not JSON", errUnreadable)
+	}
+	return nil
+}
+
+// outputEstimate estimates the generated tokens from the text that passed, generously: at
+// least one per chunk that carried text, one per 4 bytes of text (every string of a JSON body,
+// every data byte of an SSE event too long to parse whole).
 func (cw *captureWriter) outputEstimate() int64 {
 	var chunks, bytes int64
 	switch cw.mode {
 	case modeSSE:
 		chunks, bytes = cw.sse.outChunks, cw.sse.outBytes
 	case modeJSON:
-		bytes = outputBytesOfBody(cw.buf)
+		bytes = cw.scan.text
 	}
 	return max(chunks, (bytes+3)/4)
 }
@@ -233,6 +316,10 @@ func (cw *captureWriter) outputEstimate() int64 {
 func (cw *captureWriter) commit() {
 	switch cw.mode {
 	case modeJSON:
+		if cw.streaming {
+			cw.out(cw.pending)
+			break
+		}
 		h := cw.w.Header()
 		if h.Get("Content-Length") == "" {
 			h.Set("Content-Length", strconv.Itoa(len(cw.buf)))
@@ -248,17 +335,24 @@ func (cw *captureWriter) commit() {
 }
 
 // fail ends the response with e instead of its held-back end: the usage could not be recorded,
-// so the client must not see a success. It reports whether the connection must be aborted (an
-// unparsed body whose header is gone: only a broken connection tells the client).
+// so the client must not see a success. It reports whether the connection must be aborted (a
+// body whose header and first bytes are gone, or an event stream in the middle of an event:
+// only a broken connection tells the client).
 func (cw *captureWriter) fail(e *Error) (abort bool) {
 	switch cw.mode {
 	case modeJSON:
+		if cw.streaming {
+			return true
+		}
 		if !cw.gone.Load() {
 			writeErrorTo(cw.w, e)
 		}
 		return false
 	case modeSSE:
 		cw.sse.release()
+		if cw.sse.open {
+			return true
+		}
 		var ev []byte
 		if cw.sse.responses {
 			ev = []byte(`event: error` + "\n" + `data: {"type":"error","code":` + jsonString(e.Code) + `,"message":` + jsonString(e.Message) + `,"param":null}` + "\n\n")
@@ -282,9 +376,4 @@ func jsonString(s string) string {
 func isEventStream(ct string) bool {
 	mt, _, err := mime.ParseMediaType(ct)
 	return err == nil && mt == "text/event-stream"
-}
-
-func identityEncoding(ce string) bool {
-	ce = strings.TrimSpace(ce)
-	return ce == "" || strings.EqualFold(ce, "identity")
 }
