@@ -431,7 +431,9 @@ func TestCutAfterFirstByteEstimates(t *testing.T) {
 	}
 }
 
-func TestNoUsageEstimates(t *testing.T) {
+// TestNoUsageChargesHold: a complete 2xx without usage is charged the hold (DESIGN: a 2xx whose
+// usage cannot be read at all), never a smaller estimate, and counted as estimated.
+func TestNoUsageChargesHold(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOpt{})
 	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
@@ -443,12 +445,15 @@ func TestNoUsageEstimates(t *testing.T) {
 	_, _ = io.ReadAll(resp.Body)
 	resp.Body.Close()
 	o := e.outcome()
-	want := accounting.Usage{Prompt: int64(len(body)+3) / 4, Completion: 2}
-	if resp.StatusCode != 200 || o.Kind != OutcomeEstimated || o.Usage != want {
-		t.Fatalf("status %d outcome %+v want usage %+v", resp.StatusCode, o, want)
+	if resp.StatusCode != 200 || o.Kind != OutcomeEstimated || o.Cost != o.HoldAmount || o.HoldAmount <= 0 || !errors.Is(o.Err, errNoUsage) {
+		t.Fatalf("status %d outcome %+v: want the hold charged", resp.StatusCode, o)
 	}
-	if ev := e.assertRecorded(resp.Header.Get("x-request-id"), o.HoldAmount); !ev.Estimated {
-		t.Fatal("not marked estimated")
+	// The estimate this replaces would have been far below the hold.
+	if est := cost(t, accounting.Usage{Prompt: int64(len(body)+3) / 4, Completion: 2}); est >= o.HoldAmount {
+		t.Fatalf("test is vacuous: estimate %d ≥ hold %d", est, o.HoldAmount)
+	}
+	if ev := e.assertRecorded(resp.Header.Get("x-request-id"), o.HoldAmount); !ev.Estimated || ev.Cost != o.HoldAmount {
+		t.Fatalf("event %+v: want estimated at the hold", ev)
 	}
 }
 

@@ -148,10 +148,50 @@ type chatMessage struct {
 }
 
 type chatChoice struct {
-	Index        int         `json:"index"`
-	Message      chatMessage `json:"message"`
-	Logprobs     *struct{}   `json:"logprobs"`
-	FinishReason string      `json:"finish_reason"`
+	Index        int           `json:"index"`
+	Message      chatMessage   `json:"message"`
+	Logprobs     *chatLogprobs `json:"logprobs"`
+	FinishReason string        `json:"finish_reason"`
+}
+
+// chatLogprobs is a choice's logprobs: one entry per output token.
+type chatLogprobs struct {
+	Content []tokenLogprob `json:"content"`
+}
+
+// tokenLogprob is one output token's logprob with its top alternatives (chat and responses).
+type tokenLogprob struct {
+	Token       string       `json:"token"`
+	Logprob     float64      `json:"logprob"`
+	Bytes       []int        `json:"bytes"`
+	TopLogprobs []topLogprob `json:"top_logprobs"`
+}
+
+type topLogprob struct {
+	Token   string  `json:"token"`
+	Logprob float64 `json:"logprob"`
+	Bytes   []int   `json:"bytes"`
+}
+
+// logprobsOf gives each word its logprob and top alternatives (deterministic values).
+func logprobsOf(words []string, top int) []tokenLogprob {
+	out := make([]tokenLogprob, len(words))
+	for i, w := range words {
+		lp := tokenLogprob{Token: w, Logprob: -float64(i%7+1) / 64, Bytes: make([]int, len(w)), TopLogprobs: make([]topLogprob, top)}
+		for k := range w {
+			lp.Bytes[k] = int(w[k])
+		}
+		for j := range lp.TopLogprobs {
+			alt := fmt.Sprintf("alt%d", j)
+			b := make([]int, len(alt))
+			for k := range alt {
+				b[k] = int(alt[k])
+			}
+			lp.TopLogprobs[j] = topLogprob{Token: alt, Logprob: -float64(j+2) / 8, Bytes: b}
+		}
+		out[i] = lp
+	}
+	return out
 }
 
 type chatCompletion struct {
@@ -170,10 +210,10 @@ type chatDelta struct {
 }
 
 type chunkChoice struct {
-	Index        int       `json:"index"`
-	Delta        chatDelta `json:"delta"`
-	Logprobs     *struct{} `json:"logprobs"`
-	FinishReason *string   `json:"finish_reason"`
+	Index        int           `json:"index"`
+	Delta        chatDelta     `json:"delta"`
+	Logprobs     *chatLogprobs `json:"logprobs"`
+	FinishReason *string       `json:"finish_reason"`
 }
 
 type chatChunk struct {
@@ -208,6 +248,8 @@ func (s *Server) chat(w http.ResponseWriter, r *http.Request, req *apiRequest) {
 		writeServerError(w)
 		return
 	}
+	w, done := p.encode(w)
+	defer done()
 	id, created := s.nextID("chatcmpl"), time.Now().Unix()
 	out := outputWords(p.completionTokens)
 	if !req.Stream {
@@ -220,9 +262,13 @@ func (s *Server) chat(w http.ResponseWriter, r *http.Request, req *apiRequest) {
 		}
 		resp := chatCompletion{ID: id, Object: "chat.completion", Created: created, Model: req.Model,
 			Usage: p.chatUsage(), SystemFingerprint: fingerprint}
+		var lp *chatLogprobs
+		if top := req.chatLogprobs(); top >= 0 {
+			lp = &chatLogprobs{Content: logprobsOf(out, top)}
+		}
 		for i := 0; i < p.choices; i++ {
 			resp.Choices = append(resp.Choices, chatChoice{Index: i, FinishReason: p.finishReason(),
-				Message: chatMessage{Role: "assistant", Content: joinWords(out)}})
+				Message: chatMessage{Role: "assistant", Content: joinWords(out)}, Logprobs: lp})
 		}
 		writeJSON(w, http.StatusOK, resp)
 		return
@@ -248,12 +294,17 @@ func (s *Server) chat(w http.ResponseWriter, r *http.Request, req *apiRequest) {
 		<-r.Context().Done()
 		return
 	}
+	top := req.chatLogprobs()
 	for _, word := range out {
+		var lp *chatLogprobs
+		if top >= 0 {
+			lp = &chatLogprobs{Content: logprobsOf([]string{word}, top)}
+		}
 		for i := 0; i < p.choices; i++ {
 			if p.slow && !pause(r.Context(), s.opts.SlowDelay) {
 				return
 			}
-			if e.data(chunk([]chunkChoice{{Index: i, Delta: chatDelta{Content: &word}}})) != nil {
+			if e.data(chunk([]chunkChoice{{Index: i, Delta: chatDelta{Content: &word}, Logprobs: lp}})) != nil {
 				return
 			}
 		}
@@ -317,6 +368,8 @@ func (s *Server) completions(w http.ResponseWriter, r *http.Request, req *apiReq
 		writeServerError(w)
 		return
 	}
+	w, done := p.encode(w)
+	defer done()
 	id, created := s.nextID("cmpl"), time.Now().Unix()
 	out := outputWords(p.completionTokens)
 	usage, _ := json.Marshal(CompletionUsage{PromptTokens: p.promptTokens,
@@ -433,6 +486,8 @@ func (s *Server) embeddings(w http.ResponseWriter, r *http.Request, req *apiRequ
 		writeServerError(w)
 		return
 	}
+	w, done := p.encode(w)
+	defer done()
 	if p.hang {
 		hangJSON(w, r)
 		return
@@ -476,9 +531,10 @@ type ResponsesUsage struct {
 }
 
 type outputText struct {
-	Type        string `json:"type"`
-	Text        string `json:"text"`
-	Annotations []any  `json:"annotations"`
+	Type        string         `json:"type"`
+	Text        string         `json:"text"`
+	Annotations []any          `json:"annotations"`
+	Logprobs    []tokenLogprob `json:"logprobs,omitempty"`
 }
 
 type outputItem struct {
@@ -529,12 +585,17 @@ func (s *Server) responses(w http.ResponseWriter, r *http.Request, req *apiReque
 		writeServerError(w)
 		return
 	}
+	w, done := p.encode(w)
+	defer done()
 	id, msgID, created := s.nextID("resp"), s.nextID("msg"), time.Now().Unix()
 	out := outputWords(p.completionTokens)
 	final := response{ID: id, Object: "response", CreatedAt: created, Status: "completed",
 		MaxOutputTokens: req.MaxOutputTokens, Model: req.Model, Usage: p.responsesUsage(),
 		Output: []outputItem{{ID: msgID, Type: "message", Status: "completed", Role: "assistant",
 			Content: []outputText{{Type: "output_text", Text: joinWords(out), Annotations: []any{}}}}}}
+	if top := req.responsesLogprobs(); top >= 0 {
+		final.Output[0].Content[0].Logprobs = logprobsOf(out, top)
+	}
 	if p.incomplete {
 		final.Status = "incomplete"
 		final.IncompleteDetails = &incompleteDetails{Reason: "max_output_tokens"}

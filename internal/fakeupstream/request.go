@@ -26,6 +26,37 @@ type apiRequest struct {
 	N                   *int64          `json:"n"`
 	Dimensions          int             `json:"dimensions"`
 	EncodingFormat      string          `json:"encoding_format"`
+	Logprobs            json.RawMessage `json:"logprobs"`     // chat: true; completions: an integer (ignored)
+	TopLogprobs         *int            `json:"top_logprobs"` // alternatives per token, 0–20
+	Include             []string        `json:"include"`      // responses: "message.output_text.logprobs"
+}
+
+// maxTopLogprobs bounds top_logprobs, as OpenAI does.
+const maxTopLogprobs = 20
+
+// chatLogprobs is how many alternatives each output token's logprobs carry; -1: no logprobs.
+func (r *apiRequest) chatLogprobs() int {
+	if string(r.Logprobs) != "true" {
+		return -1
+	}
+	return r.topLogprobs()
+}
+
+// responsesLogprobs is chatLogprobs for the Responses API.
+func (r *apiRequest) responsesLogprobs() int {
+	for _, inc := range r.Include {
+		if inc == "message.output_text.logprobs" {
+			return r.topLogprobs()
+		}
+	}
+	return -1
+}
+
+func (r *apiRequest) topLogprobs() int {
+	if r.TopLogprobs == nil {
+		return 0
+	}
+	return min(max(*r.TopLogprobs, 0), maxTopLogprobs)
 }
 
 // plan is what the fake will answer: token counts and behaviour markers.
@@ -37,12 +68,14 @@ type plan struct {
 	reasoningTokens  int
 	fail, slow, hang bool
 	incomplete       bool
-	capped           bool // the request set an output cap (finish_reason "length")
+	capped           bool   // the request set an output cap (finish_reason "length")
+	encoding         string // [encoding:NAME]: the reply's Content-Encoding
 }
 
 var (
 	cachedMarker    = regexp.MustCompile(`\[cached:(\d+)\]`)
 	reasoningMarker = regexp.MustCompile(`\[reasoning:(\d+)\]`)
+	encodingMarker  = regexp.MustCompile(`\[encoding:([A-Za-z0-9_-]+)\]`)
 )
 
 // newPlan computes the answer's plan from the words counted, the text in which markers are
@@ -64,6 +97,9 @@ func (s *Server) newPlan(words int, markerText string, outCap *int64, n *int64) 
 	p.completionTokens = min(p.completionTokens, s.opts.MaxOutputTokens)
 	if n != nil && *n > 1 {
 		p.choices = int(*n)
+	}
+	if m := encodingMarker.FindStringSubmatch(markerText); m != nil {
+		p.encoding = m[1]
 	}
 	if m := cachedMarker.FindStringSubmatch(markerText); m != nil {
 		v, _ := strconv.Atoi(m[1])
