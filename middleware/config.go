@@ -104,8 +104,11 @@ type Config struct {
 
 	// MaxRequestBytes bounds a request body. Default 4 MiB.
 	MaxRequestBytes int64
-	// MaxResponseBytes bounds a buffered JSON response body and one SSE event; past it the
-	// bytes pass unparsed and usage is estimated. Default 8 MiB.
+	// MaxResponseBytes bounds what is kept of a response: a JSON body is kept whole up to it
+	// (so that a failed record still answers a clean 503) and one SSE event is parsed whole up
+	// to it. Past it the bytes pass on as they come while a streaming scanner reads the usage,
+	// so no response is too large to bill; only its end waits for the record (a failed record
+	// then aborts the connection). Default 1 MiB.
 	MaxResponseBytes int
 	// KeyCacheTTL is how long a key look-up (or a model) is trusted. Default 5s. Past it, an
 	// entry still answers for up to MaxStale while the ledger is unreachable (default 10m).
@@ -141,7 +144,7 @@ var DefaultConfig = Config{
 	ErrorHandler:     WriteError,
 	DefaultHold:      1_000_000,
 	MaxRequestBytes:  4 << 20,
-	MaxResponseBytes: 8 << 20,
+	MaxResponseBytes: 1 << 20,
 	KeyCacheTTL:      5 * time.Second,
 	MaxStale:         10 * time.Minute,
 	KeyCacheSize:     10_000,
