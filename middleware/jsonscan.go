@@ -147,15 +147,20 @@ func (s *usageScanner) Write(p []byte) {
 	s.scanned += int64(len(p))
 	s.capFrom = 0
 	i := 0
+	quote := -1 // where the next '"' at or after i is in p (len(p): none); kept across escapes so that a long string of escapes is read in linear time
 	for i < len(p) {
 		c := p[i]
 		switch s.state {
 		case sString:
-			rest := p[i:]
-			n := bytes.IndexByte(rest, '"')
-			if n < 0 {
-				n = len(rest)
+			if quote < i {
+				if quote = bytes.IndexByte(p[i:], '"'); quote < 0 {
+					quote = len(p)
+				} else {
+					quote += i
+				}
 			}
+			rest := p[i:]
+			n := quote - i
 			if b := bytes.IndexByte(rest[:n], '\\'); b >= 0 {
 				n = b
 			}

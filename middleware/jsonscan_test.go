@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/tidwall/gjson"
@@ -262,5 +263,20 @@ func BenchmarkUsageExtractorMemory(b *testing.B) {
 			b.ReportMetric(float64(after.TotalAlloc-before.TotalAlloc)/float64(b.N), "alloc-B/response")
 			b.ReportMetric(float64(after.HeapInuse)/(1<<20), "heap-MiB")
 		})
+	}
+}
+
+// TestUsageScannerLinear: a long string of escapes is read in linear time (a search for the
+// closing quote per escape would take minutes here).
+func TestUsageScannerLinear(t *testing.T) {
+	t.Parallel()
+	body := []byte(`{"content":"` + strings.Repeat(`\n`, 4<<20) + `","usage":{"prompt_tokens":1}}`)
+	start := time.Now()
+	s := scanSplit(body, 1<<20)
+	if u, ok := s.usage(); !ok || u.Prompt != 1 {
+		t.Fatalf("usage %+v %v", u, ok)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("8 MiB of escapes took %v", d)
 	}
 }
