@@ -33,8 +33,9 @@ type sseFilter struct {
 	cur       []byte // the current event's bytes so far
 	lineStart int    // where the current line starts in cur
 	big       *bigEvent
-	inBig     bool // the current event is too long: passing it on as it comes
-	open      bool // the client has bytes of an event whose end it has not got
+	small     usageScanner // reads each event kept whole
+	inBig     bool         // the current event is too long: passing it on as it comes
+	open      bool         // the client has bytes of an event whose end it has not got
 
 	holding bool
 	held    []byte
@@ -208,6 +209,25 @@ func (f *sseFilter) bigSegment(seg []byte) {
 	f.bigTail(seg)
 }
 
+// takeUsage takes the usage of a scanned event of the given kind: response.usage of a terminal
+// Responses event (it reports true: the end of the stream), none of the other Responses
+// events, the top-level usage of anything else (chat/completions chunks).
+func (f *sseFilter) takeUsage(sc *usageScanner, kind string, typed bool) (terminal bool) {
+	switch {
+	case kind == "response.completed" || kind == "response.incomplete" || kind == "response.failed":
+		if u, ok := sc.responseUsage(); ok {
+			f.setUsage(u)
+		}
+		return true
+	case typed && strings.HasPrefix(kind, "response."):
+	default:
+		if u, ok := sc.usage(); ok {
+			f.setUsage(u)
+		}
+	}
+	return false
+}
+
 func fieldKind(name []byte) lineKind {
 	switch {
 	case bytes.Equal(name, fieldData):
@@ -243,21 +263,12 @@ func (f *sseFilter) endBig() {
 	f.inBig = false
 	b.scan.finish()
 	if b.dataLines > 0 {
-		kind, ok := b.scan.typeString()
-		if !ok {
+		kind, typed := b.scan.typeString()
+		if !typed {
 			kind = string(bytes.TrimSuffix(b.name, []byte{'\r'}))
 		}
-		switch {
-		case kind == "response.completed" || kind == "response.incomplete" || kind == "response.failed":
-			if u, ok := b.scan.responseUsage(); ok {
-				f.setUsage(u)
-			}
+		if f.takeUsage(&b.scan, kind, typed) {
 			f.terminal, f.holding = true, true
-		case strings.HasPrefix(kind, "response."):
-		default:
-			if u, ok := b.scan.usage(); ok {
-				f.setUsage(u)
-			}
 		}
 		f.countOut(b.dataBytes) // every data byte counts as text: generous
 	}
@@ -367,37 +378,39 @@ func (f *sseFilter) dispatch(ev []byte) {
 		f.send(ev)
 		return
 	}
-	if !gjson.ValidBytes(data) {
+	// type, usage and response.usage are read by the scanner that reads events too long to
+	// keep, so that keys match the same (leniently) whatever the event's size.
+	sc := &f.small
+	sc.reset()
+	sc.Write(data)
+	sc.finish()
+	if !sc.complete() {
 		f.send(ev)
 		return
 	}
-	typ := gjson.GetBytes(data, "type")
-	kind := typ.Str
-	if typ.Type != gjson.String {
+	kind, typed := sc.typeString()
+	if !typed {
 		kind = string(name)
 	}
-	switch kind {
-	case "response.completed", "response.incomplete", "response.failed":
-		if u, ok := usageOf(gjson.GetBytes(data, "response.usage")); ok {
-			f.setUsage(u)
-		}
+	if f.takeUsage(sc, kind, typed) {
 		f.terminal = true
 		f.holding = true
 		f.send(ev)
 		return
+	}
+	switch kind {
 	case "response.output_text.delta", "response.refusal.delta", "response.function_call_arguments.delta",
 		"response.custom_tool_call_input.delta", "response.reasoning_text.delta", "response.reasoning_summary_text.delta":
 		f.countOut(textLen(gjson.GetBytes(data, "delta")))
 		f.send(ev)
 		return
 	}
-	if typ.Type == gjson.String && len(kind) > 9 && kind[:9] == "response." {
+	if typed && strings.HasPrefix(kind, "response.") {
 		f.send(ev) // other Responses events carry no usage
 		return
 	}
 	// chat/completions chunk
-	res := gjson.GetManyBytes(data, "usage", "choices")
-	u, choices := res[0], res[1]
+	choices := gjson.GetBytes(data, "choices")
 	if choices.IsArray() {
 		var n int64
 		choices.ForEach(func(_, c gjson.Result) bool {
@@ -408,9 +421,7 @@ func (f *sseFilter) dispatch(ev []byte) {
 		})
 		f.countOut(n)
 	}
-	if uu, ok := usageOf(u); ok {
-		f.setUsage(uu)
-	}
+	u := gjson.GetBytes(data, "usage")
 	if f.inject && u.Exists() && nData == 1 {
 		if u.Type != gjson.Null && choices.IsArray() && !choices.Get("0").Exists() {
 			return // the usage-only chunk the client did not ask for

@@ -146,3 +146,62 @@ func TestSSEHeldTailIsBounded(t *testing.T) {
 		t.Fatalf("held tail grew to %d", len(f.held))
 	}
 }
+
+// TestSSEBigTerminalEventHeldAndRead: a response.completed event larger than the event limit
+// passes as it comes but its end (last byte, line end, blank line) is held back until release,
+// and its response.usage is read, in writes of any size.
+func TestSSEBigTerminalEventHeldAndRead(t *testing.T) {
+	t.Parallel()
+	big := "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"output\":[{\"content\":[{\"text\":\"" +
+		strings.Repeat("word ", 2000) + "\",\"usage\":{\"input_tokens\":999}}]}],\"usage\":{\"input_tokens\":20,\"input_tokens_details\":{\"cached_tokens\":10},\"output_tokens\":30,\"output_tokens_details\":{\"reasoning_tokens\":12}}}}\n\n"
+	stream := "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"usage\":null}}\n\n" + big
+	for _, crlf := range []bool{false, true} {
+		s := stream
+		if crlf {
+			s = strings.ReplaceAll(stream, "\n", "\r\n")
+		}
+		for _, step := range []int{0, 1, 7, 4096} {
+			var out bytes.Buffer
+			f := &sseFilter{maxEvent: 1000, emit: func(b []byte) { out.Write(b) }}
+			for b := []byte(s); len(b) > 0; {
+				n := len(b)
+				if step > 0 {
+					n = min(step, n)
+				}
+				f.Write(b[:n])
+				b = b[n:]
+			}
+			f.finish()
+			seen := out.String()
+			if f.bigEvents != 1 || !f.open || !f.holding || !f.terminal {
+				t.Fatalf("crlf %v step %d: big %d open %v holding %v terminal %v", crlf, step, f.bigEvents, f.open, f.holding, f.terminal)
+			}
+			if len(seen) < len(s)-len(big)+len(big)/2 {
+				t.Fatalf("crlf %v step %d: the big event did not stream (%d of %d bytes seen)", crlf, step, len(seen), len(s))
+			}
+			if !f.haveUsage || f.usage != responsesUsage {
+				t.Fatalf("crlf %v step %d: usage %+v %v", crlf, step, f.usage, f.haveUsage)
+			}
+			// Held: the closing brace and the line ends, so the client has neither a complete JSON
+			// value nor the blank line that dispatches the event.
+			if tail := string(f.release()); seen+tail != s || strings.TrimRight(tail, "\r\n") != "}" {
+				t.Fatalf("crlf %v step %d: tail %q; stream changed", crlf, step, tail)
+			}
+		}
+	}
+}
+
+// TestSSELenientUsageKeys: an event's usage is read with the keys matched as a client's decoder
+// matches them, in events kept whole and in events too long to keep alike.
+func TestSSELenientUsageKeys(t *testing.T) {
+	t.Parallel()
+	for _, maxEvent := range []int{1 << 20, 40} {
+		var out bytes.Buffer
+		f := &sseFilter{maxEvent: maxEvent, emit: func(b []byte) { out.Write(b) }}
+		f.Write([]byte("data: {\"choices\":[{\"delta\":{\"usage\":{\"prompt_tokens\":99}}}],\"Usage\":{\"Prompt_Tokens\":3,\"completion_tokens\":4}}\n\ndata: [DONE]\n\n"))
+		f.finish()
+		if !f.haveUsage || f.usage != (accounting.Usage{Prompt: 3, Completion: 4}) {
+			t.Fatalf("maxEvent %d: usage %+v %v", maxEvent, f.usage, f.haveUsage)
+		}
+	}
+}
