@@ -52,9 +52,8 @@ type usageScanner struct {
 	usageRaw, respRaw, typeRaw []byte // the last value of each target (nil: none, or too long)
 	haveUsage, haveResp        bool
 
-	text    int64 // bytes of string values below the top level (generated text, for estimates)
-	scanned int64
-	failed  bool
+	text   int64 // bytes of string values below the top level (generated text, for estimates)
+	failed bool
 }
 
 const (
@@ -144,7 +143,6 @@ func (s *usageScanner) Write(p []byte) {
 	if s.failed {
 		return
 	}
-	s.scanned += int64(len(p))
 	s.capFrom = 0
 	i := 0
 	quote := -1 // where the next '"' at or after i is in p (len(p): none); kept across escapes so that a long string of escapes is read in linear time
@@ -243,6 +241,16 @@ func (s *usageScanner) Write(p []byte) {
 			i++
 			continue
 		case sNumber:
+			if s.num == nInt || s.num == nFrac || s.num == nExp { // digits: the bulk of a number
+				j := i
+				for j < len(p) && p[j]-'0' < 10 {
+					j++
+				}
+				if i = j; i == len(p) {
+					continue
+				}
+				c = p[i]
+			}
 			if s.numByte(c) {
 				i++
 				continue
