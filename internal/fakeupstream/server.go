@@ -30,6 +30,16 @@
 //	[reasoning:N]  N of the completion tokens are reasoning tokens (at most all of them)
 //	[incomplete]   responses only: status "incomplete" (reason max_output_tokens), and a
 //	               stream ends with response.incomplete instead of response.completed
+//	[encoding:X]   the reply (JSON or stream) is compressed with X — gzip, deflate (zlib) or br —
+//	               whatever Accept-Encoding asked, as an upstream that ignores it; any other X
+//	               is only announced in Content-Encoding over the plain bytes
+//
+// # Logprobs
+//
+// Chat requests with "logprobs": true get, per choice (and per stream chunk), one logprobs entry
+// per output word with "top_logprobs" alternatives (at most 20); Responses requests that include
+// "message.output_text.logprobs" get them on their output_text. With n and a large output cap
+// this makes the very large replies (n: 64 × 16,384 tokens is 8.7 MB) that billing must read.
 //
 // # Streams
 //
