@@ -11,8 +11,8 @@ import (
 // usageScanner is an incremental JSON scanner: it reads a JSON document as its bytes pass, in
 // writes of any size, and keeps only what billing needs — the top-level "usage" value, the
 // Responses API's "response"."usage" and the top-level "type" (for SSE events) — plus a count
-// of the text it passed. Its memory is a constant (a depth bit stack and captures of at most
-// maxCapture bytes), whatever the document's size: that is why it is written by hand. The JSON
+// of the text it passed. Its memory is bounded by a constant (a bit per level of nesting, at
+// most maxScanDepth, and captures of at most maxCapture bytes), whatever the document's size: that is why it is written by hand. The JSON
 // libraries that find a field fast (gjson, jsonparser) need the whole document in memory, and
 // the streaming ones (encoding/json's Decoder, jstream) buffer every token or value whole — a
 // choices array of 8 MB, or one 16 MB content string, would be held.
@@ -27,7 +27,7 @@ import (
 type usageScanner struct {
 	state scanState
 	depth int
-	stack [maxScanDepth/64 + 1]uint64 // bit d set: the container at depth d is an object
+	stack []uint64 // bit d set: the container at depth d is an object (grown to at most maxScanDepth bits)
 
 	isKey   bool // the current string is an object key
 	collect bool // the current key is collected (it may name a target)
@@ -110,7 +110,7 @@ var (
 
 // reset readies the scanner for a new document, keeping its buffers.
 func (s *usageScanner) reset() {
-	*s = usageScanner{capBuf: s.capBuf[:0]}
+	*s = usageScanner{capBuf: s.capBuf[:0], stack: s.stack} // push sets every bit it reads
 }
 
 func isSpace(c byte) bool { return c == ' ' || c == '\n' || c == '\r' || c == '\t' }
@@ -122,6 +122,9 @@ func (s *usageScanner) push(obj bool) bool {
 		return false
 	}
 	s.depth++
+	for s.depth/64 >= len(s.stack) {
+		s.stack = append(s.stack, 0)
+	}
 	if obj {
 		s.stack[s.depth/64] |= 1 << (s.depth % 64)
 	} else {
