@@ -288,10 +288,16 @@ func TestUnreadableChargesHold(t *testing.T) {
 		w.Header().Set("Content-Type", "application/json")
 		_, _ = io.WriteString(w, `<html>usage: {"prompt_tokens":1}</html>`)
 	}
+	nestedOnly := func(w http.ResponseWriter, r *http.Request, body []byte) {
+		// 2 MiB, streamed past the window: a usage inside a choice is not the response's.
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"`+strings.Repeat("x", 2<<20)+`"},"usage":{"prompt_tokens":1,"completion_tokens":1}}]}`)
+	}
 	for _, tc := range []struct {
 		name, body, clientCoding string
 		upstream                 func(http.ResponseWriter, *http.Request, []byte)
 	}{
+		{"nested usage only", jsonBody(testModel, ""), "", nestedOnly},
 		{"unknown coding json", jsonBody(testModel, `"max_tokens":40`), "zstd", nil},
 		{"unknown coding sse", jsonBody(testModel, `"max_tokens":40,"stream":true`), "zstd", nil},
 		{"gzip that is not", jsonBody(testModel, ""), "", plainGzip},
