@@ -11,8 +11,6 @@ import (
 	"slices"
 	"sync"
 	"time"
-	"unicode"
-	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -98,7 +96,7 @@ func (m *Memory) RaiseEpoch(ctx context.Context) (balance.Epoch, error) {
 
 // CreateOrg creates an account with balance 0.
 func (m *Memory) CreateOrg(ctx context.Context, org string) error {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return err
 	}
 	m.mu.Lock()
@@ -112,7 +110,7 @@ func (m *Memory) CreateOrg(ctx context.Context, org string) error {
 
 // Account returns the org's account.
 func (m *Memory) Account(ctx context.Context, org string) (Account, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return Account{}, err
 	}
 	m.mu.Lock()
@@ -126,7 +124,7 @@ func (m *Memory) Account(ctx context.Context, org string) (Account, error) {
 
 // Snapshot accounts the org's pending usage, then returns its balance and ledger sequence.
 func (m *Memory) Snapshot(ctx context.Context, org string) (balance.Snapshot, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return balance.Snapshot{}, err
 	}
 	m.mu.Lock()
@@ -150,7 +148,7 @@ func (m *Memory) Snapshot(ctx context.Context, org string) (balance.Snapshot, er
 
 // EntriesAfter returns up to limit entries of org with Seq > after, in Seq order.
 func (m *Memory) EntriesAfter(ctx context.Context, org string, after int64, limit int) ([]balance.Entry, balance.Epoch, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return nil, balance.Epoch{}, err
 	}
 	m.mu.Lock()
@@ -164,7 +162,7 @@ func (m *Memory) EntriesAfter(ctx context.Context, org string, after int64, limi
 
 // UnsettledEntries returns up to limit entries of org past its settled sequence.
 func (m *Memory) UnsettledEntries(ctx context.Context, org string, limit int) ([]balance.Entry, balance.Epoch, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return nil, balance.Epoch{}, err
 	}
 	m.mu.Lock()
@@ -196,7 +194,7 @@ func entriesFrom(entries []LedgerEntry, after int64, limit int) []balance.Entry 
 // UnsettledUsage reports, for each of holdIDs, whether the org has usage recorded for it that is
 // not settled yet: a pending event, or a charge entry past settled_seq.
 func (m *Memory) UnsettledUsage(ctx context.Context, org string, holdIDs []string) (map[string]bool, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return nil, err
 	}
 	m.mu.Lock()
@@ -235,7 +233,7 @@ func (m *Memory) Adjust(ctx context.Context, org string, delta int64, ref string
 }
 
 func (m *Memory) write(org string, kind EntryKind, delta int64, ref string) (LedgerEntry, bool, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return LedgerEntry{}, false, err
 	}
 	m.mu.Lock()
@@ -378,7 +376,7 @@ func (m *Memory) accountOrgLocked(org string, limit int) (int, error) {
 
 // MarkSettled sets settled_seq = GREATEST(settled_seq, seq), capped at ledger_seq.
 func (m *Memory) MarkSettled(ctx context.Context, org string, seq int64) error {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return err
 	}
 	m.mu.Lock()
@@ -506,7 +504,7 @@ func (m *Memory) RaiseMaxCost(ctx context.Context, model string, cost int64) err
 
 // CreateKey makes a new API key for org and returns its secret, which is not stored.
 func (m *Memory) CreateKey(ctx context.Context, org string) (APIKey, string, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return APIKey{}, "", err
 	}
 	k := APIKey{ID: newKeyID(), Org: org}
@@ -564,26 +562,9 @@ func (m *Memory) Close() {
 const (
 	defaultLimit       = 1000
 	subscriptionBuffer = 1024
-	// MaxOrgLen is the longest org id, in bytes.
-	MaxOrgLen = 128
 	// KeyPrefix starts every API key secret.
 	KeyPrefix = "sk-esc-"
 )
-
-// ValidateOrg checks an org id: 1 to MaxOrgLen bytes of UTF-8 with no whitespace, control
-// character, '{', '}' or ':' (it goes inside a Redis hash tag). The error wraps
-// balance.ErrInvalidOrg.
-func ValidateOrg(org string) error {
-	if org == "" || len(org) > MaxOrgLen || !utf8.ValidString(org) {
-		return fmt.Errorf("%w: %q", balance.ErrInvalidOrg, org)
-	}
-	for _, r := range org {
-		if r == '{' || r == '}' || r == ':' || unicode.IsSpace(r) || unicode.IsControl(r) {
-			return fmt.Errorf("%w: %q", balance.ErrInvalidOrg, org)
-		}
-	}
-	return nil
-}
 
 // normalizeEvent checks a usage event and returns it with its ID in canonical UUID form and a
 // CreatedAt (now when unset).
@@ -593,7 +574,7 @@ func normalizeEvent(ev UsageEvent) (UsageEvent, error) {
 		return ev, fmt.Errorf("%w: event id %q is not a UUID", ErrInvalidUsage, ev.ID)
 	}
 	ev.ID = id.String()
-	if err := ValidateOrg(ev.Org); err != nil {
+	if err := balance.ValidateOrg(ev.Org); err != nil {
 		return ev, fmt.Errorf("%w: event %s: %w", ErrInvalidUsage, ev.ID, err)
 	}
 	if ev.Model == "" {

@@ -157,7 +157,7 @@ func (p *Postgres) RaiseEpoch(ctx context.Context) (balance.Epoch, error) {
 
 // CreateOrg creates an account with balance 0.
 func (p *Postgres) CreateOrg(ctx context.Context, org string) error {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return err
 	}
 	tag, err := p.pool.Exec(ctx, `INSERT INTO accounts (org_id) VALUES ($1) ON CONFLICT DO NOTHING`, org)
@@ -172,7 +172,7 @@ func (p *Postgres) CreateOrg(ctx context.Context, org string) error {
 
 // Account returns the org's account.
 func (p *Postgres) Account(ctx context.Context, org string) (Account, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return Account{}, err
 	}
 	a := Account{Org: org}
@@ -192,7 +192,7 @@ FROM accounts WHERE org_id = $1`, org).Scan(&a.Balance, &a.LedgerSeq, &a.Settled
 // LOCKED), so the snapshot covers every usage recorded before it. With nothing pending it
 // writes nothing.
 func (p *Postgres) Snapshot(ctx context.Context, org string) (balance.Snapshot, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return balance.Snapshot{}, err
 	}
 	var s balance.Snapshot
@@ -471,7 +471,7 @@ CROSS JOIN LATERAL (
 // EntriesAfter returns up to limit entries of org with Seq > after, in Seq order, and the epoch,
 // read in one statement.
 func (p *Postgres) EntriesAfter(ctx context.Context, org string, after int64, limit int) ([]balance.Entry, balance.Epoch, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return nil, balance.Epoch{}, err
 	}
 	return p.entries(ctx, "entries after", `$3::bigint`, org, limit, after)
@@ -479,7 +479,7 @@ func (p *Postgres) EntriesAfter(ctx context.Context, org string, after int64, li
 
 // UnsettledEntries returns up to limit entries of org past its settled_seq, with the epoch.
 func (p *Postgres) UnsettledEntries(ctx context.Context, org string, limit int) ([]balance.Entry, balance.Epoch, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return nil, balance.Epoch{}, err
 	}
 	if limit <= 0 {
@@ -568,7 +568,7 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 // UnsettledUsage reports, for each of holdIDs, whether the org has usage recorded for it that is
 // not settled yet: a pending event, or a charge entry past settled_seq.
 func (p *Postgres) UnsettledUsage(ctx context.Context, org string, holdIDs []string) (map[string]bool, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return nil, err
 	}
 	out := make(map[string]bool, len(holdIDs))
@@ -626,7 +626,7 @@ func (p *Postgres) Adjust(ctx context.Context, org string, delta int64, ref stri
 // and the NOTIFY in one implicit transaction). A used reference shows as a unique violation;
 // the original entry is then read and compared.
 func (p *Postgres) write(ctx context.Context, org string, kind EntryKind, delta int64, ref string) (LedgerEntry, bool, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return LedgerEntry{}, false, err
 	}
 	op := string(kind)
@@ -720,7 +720,7 @@ SELECT pg_notify(`+sqlChannel+`, org_id) FROM (SELECT DISTINCT org_id FROM ins) 
 // MarkSettled sets settled_seq = GREATEST(settled_seq, seq), capped at ledger_seq; it writes
 // nothing when that changes nothing.
 func (p *Postgres) MarkSettled(ctx context.Context, org string, seq int64) error {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return err
 	}
 	var ok bool
@@ -899,7 +899,7 @@ SELECT EXISTS (SELECT 1 FROM models WHERE model = $1)`, model, cost).Scan(&ok)
 
 // CreateKey makes a new API key for org; only the SHA-256 of the secret is stored.
 func (p *Postgres) CreateKey(ctx context.Context, org string) (APIKey, string, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return APIKey{}, "", err
 	}
 	k := APIKey{ID: newKeyID(), Org: org}

@@ -275,15 +275,36 @@ func (s *Store) orgKeys(org string) []string {
 
 func (s *Store) modelKey(model string) string { return s.prefix + ":model:" + model + ":max" }
 
-// ValidOrg reports whether org can be an org id: 1..128 printable ASCII bytes other than
-// space, '{', '}' and ':'.
+// MaxOrgLen is the longest org id, in bytes.
+const MaxOrgLen = 128
+
+// orgIDRule is what ValidateOrg's error says is allowed.
+const orgIDRule = "an org id is 1 to 128 characters from A-Z, a-z, 0-9, '.', '_' and '-', starting with a letter or digit"
+
+// ValidateOrg checks an org id against escrow's one org-id rule, used by the ledgers, the hot
+// balance and the admin routes alike: 1 to MaxOrgLen characters from A-Z, a-z, 0-9, '.', '_'
+// and '-', the first a letter or digit. Such an id is path-safe (it goes unescaped into admin
+// URLs like /admin/v1/orgs/{org}/credits, and can never be "." or ".."), fits inside a Redis
+// hash tag (no braces), and means the same bytes to every layer (ASCII only: no Unicode
+// normalization can make two ids look alike). The error wraps ErrInvalidOrg and says what is
+// allowed.
+func ValidateOrg(org string) error {
+	if !ValidOrg(org) {
+		return fmt.Errorf("%w %q: %s", ErrInvalidOrg, org, orgIDRule)
+	}
+	return nil
+}
+
+// ValidOrg reports whether org passes ValidateOrg.
 func ValidOrg(org string) bool {
-	if org == "" || len(org) > maxIDLen {
+	if org == "" || len(org) > MaxOrgLen {
 		return false
 	}
 	for i := 0; i < len(org); i++ {
-		b := org[i]
-		if b <= ' ' || b >= 0x7f || b == '{' || b == '}' || b == ':' {
+		switch b := org[i]; {
+		case 'a' <= b && b <= 'z', 'A' <= b && b <= 'Z', '0' <= b && b <= '9':
+		case (b == '.' || b == '_' || b == '-') && i > 0:
+		default:
 			return false
 		}
 	}
@@ -303,12 +324,7 @@ func validHoldID(id string) bool {
 	return true
 }
 
-func checkOrg(org string) error {
-	if !ValidOrg(org) {
-		return fmt.Errorf("%w: %q", ErrInvalidOrg, org)
-	}
-	return nil
-}
+func checkOrg(org string) error { return ValidateOrg(org) }
 
 func checkHold(id string) error {
 	if !validHoldID(id) {
@@ -359,7 +375,7 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 			res, err = s.run(ctx, scReserve, keys, args...).Slice()
 		}
 		if err != nil {
-			return Reservation{}, fmt.Errorf("balance: reserve: %w", err)
+			return Reservation{}, fmt.Errorf("balance: reserve: %w: %w", ErrRedis, err)
 		}
 		status, _ := res[0].(string)
 		switch status {
@@ -429,7 +445,7 @@ func (s *Store) Release(ctx context.Context, org, holdID string) (bool, error) {
 	}
 	n, err := s.run(ctx, scRelease, s.orgKeys(org), holdID, s.tombTTL).Int64()
 	if err != nil {
-		return false, fmt.Errorf("balance: release: %w", err)
+		return false, fmt.Errorf("balance: release: %w: %w", ErrRedis, err)
 	}
 	return n == 1, nil
 }
@@ -463,7 +479,7 @@ func (s *Store) expiry(ctx context.Context, sc, org, holdID, ttl, arg3 string) (
 	k := s.orgKeys(org)
 	n, err := s.run(ctx, sc, []string{k[2], k[4]}, holdID, ttl, arg3).Int64()
 	if err != nil {
-		return false, fmt.Errorf("balance: %s: %w", sc, err)
+		return false, fmt.Errorf("balance: %s: %w: %w", sc, ErrRedis, err)
 	}
 	return n == 1, nil
 }
@@ -507,7 +523,7 @@ func (s *Store) Settle(ctx context.Context, org string, epoch Epoch, entries []E
 		}
 		res, err := s.run(ctx, scSettle, keys, args...).Slice()
 		if err != nil {
-			return statuses, fmt.Errorf("balance: settle: %w", err)
+			return statuses, fmt.Errorf("balance: settle: %w: %w", ErrRedis, err)
 		}
 		if st, _ := res[0].(string); st == "COLD" {
 			for i := start; i < len(entries); i++ {
@@ -549,7 +565,7 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 	n, err := s.run(ctx, scSeed, k[:2], snap.Epoch.String(),
 		strconv.FormatInt(snap.Balance, 10), strconv.FormatInt(snap.Seq, 10)).Int64()
 	if err != nil {
-		return false, fmt.Errorf("balance: seed: %w", err)
+		return false, fmt.Errorf("balance: seed: %w: %w", ErrRedis, err)
 	}
 	return n == 1, nil
 }
@@ -571,7 +587,7 @@ func (s *Store) Warm(ctx context.Context, org string) error {
 		defer cancel()
 		snap, err := s.cfg.Ledger.Snapshot(ctx, org)
 		if err != nil {
-			return nil, fmt.Errorf("balance: snapshot of %s: %w", org, err)
+			return nil, fmt.Errorf("balance: snapshot of %s: %w: %w", org, ErrLedger, err)
 		}
 		if _, err := s.Seed(ctx, org, snap); err != nil {
 			return nil, err
@@ -601,7 +617,7 @@ func (s *Store) CatchUp(ctx context.Context, org string) error {
 	for range 10_000 {
 		v, err := s.c.HMGet(ctx, s.key(org, "acct"), "wm").Result()
 		if err != nil {
-			return fmt.Errorf("balance: catch-up: %w", err)
+			return fmt.Errorf("balance: catch-up: %w: %w", ErrRedis, err)
 		}
 		if v[0] == nil {
 			return ErrCold
@@ -609,7 +625,7 @@ func (s *Store) CatchUp(ctx context.Context, org string) error {
 		wm := toInt(v[0])
 		entries, epoch, err := s.cfg.Ledger.EntriesAfter(ctx, org, wm, catchUpBatch)
 		if err != nil {
-			return fmt.Errorf("balance: catch-up of %s: %w", org, err)
+			return fmt.Errorf("balance: catch-up of %s: %w: %w", org, ErrLedger, err)
 		}
 		if len(entries) == 0 {
 			s.ObserveEpoch(epoch)

@@ -120,12 +120,19 @@ var (
 	ErrGone = errors.New("balance: hold already ended")
 	// ErrGap: an entry arrived before the ones it follows (see *GapError).
 	ErrGap = errors.New("balance: ledger gap")
-	// ErrInvalidOrg: the org id is empty, too long, or holds characters a key cannot take.
+	// ErrInvalidOrg: the org id breaks the org-id rule (see ValidateOrg).
 	ErrInvalidOrg = errors.New("balance: invalid org id")
 	// ErrInvalidAmount: an amount is ≤ 0 where it must be positive, or outside ±MaxAmount.
 	ErrInvalidAmount = errors.New("balance: invalid amount")
 	// ErrUnsupportedRedis: the Redis server is too old or misconfigured for escrow.
 	ErrUnsupportedRedis = errors.New("balance: unsupported redis")
+	// ErrRedis: a call to Redis failed or timed out, so whether it took effect is unknown. It is
+	// the only failure for which a caller may let a request pass without a hold (fail-open):
+	// availability is traded for the overdraft bound only while the hot balance cannot answer.
+	ErrRedis = errors.New("balance: redis call failed")
+	// ErrLedger: the ledger failed while a cold org was being warmed (snapshot or catch-up). The
+	// org has no trustworthy hot balance, so no request of it may pass, fail-open or not.
+	ErrLedger = errors.New("balance: ledger failed")
 )
 
 // InsufficientError is returned by Reserve when the balance does not cover the hold.

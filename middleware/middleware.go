@@ -163,6 +163,12 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 		return m.refuse(c, o, m.identityError(err))
 	}
 	o.Org, o.KeyID = id.Org, id.KeyID
+	if err := balance.ValidateOrg(id.Org); err != nil {
+		// The one org-id rule, checked before anything is read or held (an OrgFunc may return
+		// anything; a ledger row may predate the rule).
+		o.Err = err
+		return m.refuse(c, o, errInvalid("", "The organization id of this API key is not valid: "+err.Error()))
+	}
 	path := req.URL.Path
 	if !pricedEndpoint(path) {
 		if m.pass[path] {
@@ -272,10 +278,17 @@ func (m *middleware) reserveError(err error, amount int64) (e *Error, unknown bo
 		return errInternal("The hold for this request could not be computed."), false
 	case errors.Is(err, balance.ErrGone), errors.Is(err, balance.ErrCold):
 		return errUnavailable("The balance service is not ready; please retry.", m.cfg.RetryAfter), false
+	case errors.Is(err, balance.ErrLedger):
+		// A cold org whose snapshot (or catch-up) failed: nothing was reserved, and fail-open
+		// must not serve it either, since fail-open only stands in for a hot balance that
+		// Redis cannot give; here there is no balance at all to stand in for.
+		return errUnavailable("The billing service is unavailable; please retry.", m.cfg.RetryAfter), false
 	}
-	if m.cfg.FailOpen {
+	if m.cfg.FailOpen && errors.Is(err, balance.ErrRedis) {
 		return nil, true
 	}
+	// Redis trouble with fail-open off, or a failure nobody classified (a timeout while
+	// waiting for a warm-up): 503, and a release in case a reserve committed unseen.
 	return errUnavailable("The balance service is unavailable; please retry.", m.cfg.RetryAfter), true
 }
 
