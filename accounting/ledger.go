@@ -18,6 +18,9 @@ var (
 	ErrInvalidAmount     = errors.New("accounting: invalid amount")
 	ErrLedgerUnavailable = errors.New("accounting: ledger unavailable")
 	ErrLockBusy          = errors.New("accounting: org locked by another worker")
+	// ErrUsageRecorded: VoidUsage found the event itself stored first; it is (or will be)
+	// charged, so the request it bills must be answered as a success.
+	ErrUsageRecorded = errors.New("accounting: usage already recorded")
 )
 
 // Model is a priced model.
@@ -117,6 +120,13 @@ type Ledger interface {
 	// RecordUsage stores usage events durably before it returns, in one round trip for the
 	// whole batch. An event whose ID is already stored is ignored (never charged twice).
 	RecordUsage(ctx context.Context, events []UsageEvent) error
+	// VoidUsage makes sure the usage event ev.ID is never charged: it stores a tombstone for the
+	// id (the event with status voided, kept for the record), in the same table and under the
+	// same key as RecordUsage's events, so a RecordUsage of that id that lands later is a
+	// no-op. It answers ErrUsageRecorded when the event itself was stored first (a concurrent
+	// RecordUsage still in flight is waited for, never raced); voiding twice is fine. A voided
+	// event is never pending, accounted, or reported by UnsettledUsage.
+	VoidUsage(ctx context.Context, ev UsageEvent) error
 	// AccountPending turns up to limit pending usage events into charge entries: per org, in one
 	// transaction holding the org's advisory lock, the balance drops by the costs and each entry
 	// takes the next sequence number. Orgs locked by another worker are left for later. It

@@ -42,8 +42,9 @@ type memAccount struct {
 }
 
 type memEvent struct {
-	ev  UsageEvent
-	seq int64 // 0 while pending
+	ev     UsageEvent
+	seq    int64 // 0 while pending
+	voided bool  // a tombstone (VoidUsage): never pending, never charged
 }
 
 type refKey struct {
@@ -208,7 +209,7 @@ func (m *Memory) UnsettledUsage(ctx context.Context, org string, holdIDs []strin
 			key = u.String()
 		}
 		e := m.events[key]
-		if e == nil || e.ev.Org != org {
+		if e == nil || e.ev.Org != org || e.voided {
 			continue
 		}
 		out[id] = e.seq == 0 || a == nil || e.seq > a.settled
@@ -292,6 +293,24 @@ func (m *Memory) RecordUsage(ctx context.Context, events []UsageEvent) error {
 	}
 	m.mu.Unlock()
 	m.notify(orgs...)
+	return nil
+}
+
+// VoidUsage stores a tombstone for ev.ID unless the event is stored (ErrUsageRecorded).
+func (m *Memory) VoidUsage(ctx context.Context, ev UsageEvent) error {
+	ev, err := normalizeEvent(ev)
+	if err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if e := m.events[ev.ID]; e != nil {
+		if e.voided {
+			return nil
+		}
+		return fmt.Errorf("%w: %s", ErrUsageRecorded, ev.ID)
+	}
+	m.events[ev.ID] = &memEvent{ev: ev, voided: true}
 	return nil
 }
 

@@ -590,7 +590,7 @@ func (p *Postgres) UnsettledUsage(ctx context.Context, org string, holdIDs []str
 	rows, err := p.pool.Query(ctx, `
 SELECT u.id::text FROM usage_events u LEFT JOIN accounts a ON a.org_id = u.org_id
 WHERE u.id = ANY($2::text[]::uuid[]) AND u.org_id = $1
-  AND (u.status = 'pending' OR a.settled_seq IS NULL OR u.seq > a.settled_seq)`, org, ids)
+  AND u.status <> 'voided' AND (u.status = 'pending' OR a.settled_seq IS NULL OR u.seq > a.settled_seq)`, org, ids)
 	if err != nil {
 		return nil, wrapPg("unsettled usage", err)
 	}
@@ -715,6 +715,41 @@ WITH ins AS (
 SELECT pg_notify(`+sqlChannel+`, org_id) FROM (SELECT DISTINCT org_id FROM ins) d`,
 		ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created)
 	return wrapPg("record usage", err)
+}
+
+// VoidUsage inserts ev with status voided unless its id is stored (ErrUsageRecorded). The
+// INSERT … ON CONFLICT (id) DO NOTHING waits for a RecordUsage of the same id that is still in
+// flight (the primary key serializes them), so exactly one of the two stores a row; a second
+// statement, with a fresh snapshot, then reads which one it was.
+func (p *Postgres) VoidUsage(ctx context.Context, ev UsageEvent) error {
+	ev, err := normalizeEvent(ev)
+	if err != nil {
+		return err
+	}
+	var inserted bool
+	err = p.pool.QueryRow(ctx, `
+WITH ins AS (
+	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
+		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, status, created_at)
+	VALUES ($1::uuid, $2, $3, NULLIF($4, ''), NULLIF($5, ''), $6, $7, $8, $9, $10, $11, $12, 'voided', $13)
+	ON CONFLICT (id) DO NOTHING RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM ins)`, ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint, ev.Usage.Prompt, ev.Usage.Cached,
+		ev.Usage.Completion, ev.Usage.Reasoning, ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt).Scan(&inserted)
+	if err != nil {
+		return wrapPg("void usage", err)
+	}
+	if inserted {
+		return nil
+	}
+	var status string
+	if err := p.pool.QueryRow(ctx, `SELECT status FROM usage_events WHERE id = $1::uuid`, ev.ID).Scan(&status); err != nil {
+		return wrapPg("void usage", err)
+	}
+	if status == "voided" {
+		return nil
+	}
+	return fmt.Errorf("%w: %s", ErrUsageRecorded, ev.ID)
 }
 
 // MarkSettled sets settled_seq = GREATEST(settled_seq, seq), capped at ledger_seq; it writes

@@ -35,6 +35,8 @@ func Run(t *testing.T, newLedger func(t *testing.T) accounting.Ledger) {
 		{"Adjust", testAdjust},
 		{"RecordUsageIdempotent", testRecordIdempotent},
 		{"RecordUsageRejectsBadEvents", testRecordInvalid},
+		{"VoidUsage", testVoidUsage},
+		{"VoidUsageRacesRecord", testVoidRace},
 		{"AccountPendingSequencing", testAccountSequencing},
 		{"AccountPendingUnknownOrg", testAccountUnknownOrg},
 		{"AccountPendingConcurrent", testAccountConcurrent},
@@ -362,6 +364,119 @@ func testRecordIdempotent(t *testing.T, l accounting.Ledger) {
 	es = entries(t, l, "o")
 	if es[2].HoldID != strings.ToLower(up.ID) {
 		t.Fatalf("hold id %q, want %q", es[2].HoldID, strings.ToLower(up.ID))
+	}
+}
+
+// testVoidUsage: a voided id is never charged, whatever arrives later; an event stored first
+// cannot be voided.
+func testVoidUsage(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "o"))
+	voided, recorded := event("o", 40, 0), event("o", 7, 1)
+
+	// Void first: the late RecordUsage (a stalled batch, a journal replay) stores nothing.
+	noErr(t, l.VoidUsage(c, voided))
+	noErr(t, l.VoidUsage(c, voided)) // twice is fine
+	late := voided
+	late.ID = strings.ToUpper(late.ID) // the same id in another case is the same event
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{late, recorded}))
+	if a := account(t, l, "o"); a.Pending != 1 {
+		t.Fatalf("pending %d after a voided and a recorded event, want 1", a.Pending)
+	}
+	if got := must(l.UnsettledUsage(c, "o", []string{voided.ID, recorded.ID})); got[voided.ID] || !got[recorded.ID] {
+		t.Fatalf("UnsettledUsage = %v: a voided event is never unsettled usage", got)
+	}
+
+	// Recorded first: voiding it is refused, so the caller knows it is charged.
+	err := l.VoidUsage(c, recorded)
+	wantErr(t, err, accounting.ErrUsageRecorded, "VoidUsage of a recorded event")
+	if n := must(l.AccountPending(c, 100)); n != 1 {
+		t.Fatalf("AccountPending = %d, want 1 (the voided event is not charged)", n)
+	}
+	wantErr(t, l.VoidUsage(c, recorded), accounting.ErrUsageRecorded, "VoidUsage of an accounted event")
+	es := checkLedger(t, l, "o")
+	if want := []balance.Entry{{Seq: 1, Delta: -7, HoldID: recorded.ID}}; !slices.Equal(es, want) {
+		t.Fatalf("entries %v, want %v", es, want)
+	}
+	// A snapshot accounts nothing for it either, and no sweep is owed for it.
+	snap := must(l.Snapshot(c, "o"))
+	if snap.Balance != -7 || snap.Seq != 1 {
+		t.Fatalf("snapshot %+v, want balance -7 at seq 1", snap)
+	}
+	noErr(t, l.MarkSettled(c, "o", 1))
+	if orgs := must(l.OrgsToSettle(c, 10)); slices.Contains(orgs, "o") {
+		t.Fatalf("OrgsToSettle = %v: nothing is owed for a voided event", orgs)
+	}
+
+	// A void of an org with no account creates nothing to bill either.
+	ghost := event("ghost", 5, 2)
+	noErr(t, l.VoidUsage(c, ghost))
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{ghost}))
+	if n := must(l.AccountPending(c, 100)); n != 0 {
+		t.Fatalf("AccountPending = %d after a voided event of an org with no account", n)
+	}
+	_, err = l.Account(c, "ghost")
+	wantErr(t, err, accounting.ErrUnknownOrg, "Account of an org with only a voided event")
+	if got := must(l.UnsettledUsage(c, "ghost", []string{ghost.ID})); got[ghost.ID] {
+		t.Fatalf("UnsettledUsage of a voided event without an account = %v", got)
+	}
+
+	bad := event("o", 1, 3)
+	bad.ID = "not-a-uuid"
+	wantErr(t, l.VoidUsage(c, bad), accounting.ErrInvalidUsage, "VoidUsage of a bad id")
+}
+
+// testVoidRace: RecordUsage and VoidUsage of the same ids at once; for every id exactly one
+// wins, and the ledger charges exactly the events whose void was refused.
+func testVoidRace(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "o"))
+	const n = 40
+	evs := make([]accounting.UsageEvent, n)
+	for i := range evs {
+		evs[i] = event("o", int64(i+1), i)
+	}
+	var wg sync.WaitGroup
+	refused := make([]bool, n)
+	errs := make(chan error, 2*n)
+	for i := range evs {
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			if err := l.RecordUsage(c, []accounting.UsageEvent{evs[i]}); err != nil {
+				errs <- err
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			err := l.VoidUsage(c, evs[i])
+			switch {
+			case errors.Is(err, accounting.ErrUsageRecorded):
+				refused[i] = true
+			case err != nil:
+				errs <- err
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	var want int64
+	var charged int
+	for i, r := range refused {
+		if r {
+			want -= evs[i].Cost
+			charged++
+		}
+	}
+	if got := must(l.AccountPending(c, 1000)); got != charged {
+		t.Fatalf("accounted %d events, want the %d whose void was refused", got, charged)
+	}
+	checkLedger(t, l, "o")
+	if a := account(t, l, "o"); a.Balance != want {
+		t.Fatalf("balance %d, want %d (exactly the events whose void was refused)", a.Balance, want)
 	}
 }
 
