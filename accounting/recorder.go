@@ -322,3 +322,17 @@ func (r *Recorder) commit(batch []*recordReq) {
 		req.done <- err
 	}
 }
+
+// Void makes sure ev is never charged, for a caller whose Record failed or timed out and that
+// is about to tell its client the request failed. It voids ev.ID in the ledger directly, not
+// through the queue: a stalled batch must not delay it, and the ledger's primary key orders it
+// against any write of the same event still in flight. nil: voided, so a later write of the
+// event (a queued batch, a journal replay) is a no-op. ErrUsageRecorded: the event was stored
+// first and is charged. Any other error: still unknown; Void may be retried.
+func (r *Recorder) Void(ctx context.Context, ev UsageEvent) error {
+	ev, err := normalizeEvent(ev)
+	if err != nil {
+		return err
+	}
+	return r.ledger.VoidUsage(ctx, ev)
+}

@@ -68,7 +68,11 @@ type Config struct {
 	Ledger Directory
 	// Recorder records usage events durably. Default: the Ledger's own RecordUsage, one event
 	// per call, when the Ledger has one (pass an *accounting.Recorder for group commit and the
-	// local journal).
+	// local journal). When a Record fails or times out, a Recorder that also has
+	// Void(ctx, accounting.UsageEvent) error (*accounting.Recorder does; the default does when
+	// the Ledger has VoidUsage) is asked to void the event: only a void that succeeded lets the
+	// client get an error (the request is then never charged), an event found stored lets it
+	// complete, and otherwise the connection is cut with the hold kept (OutcomeRecordUnknown).
 	Recorder Recorder
 
 	// OrgFunc identifies the org. Default: the key of "Authorization: Bearer <key>" looked up in
@@ -187,6 +191,27 @@ type ledgerRecorder struct{ l usageRecorder }
 
 func (r ledgerRecorder) Record(ctx context.Context, ev accounting.UsageEvent) error {
 	return r.l.RecordUsage(ctx, []accounting.UsageEvent{ev})
+}
+
+// voidFunc makes sure an event is never stored (see Config.Recorder): nil when voided,
+// accounting.ErrUsageRecorded when it was stored first.
+type voidFunc func(ctx context.Context, ev accounting.UsageEvent) error
+
+// voidOf finds the Recorder's way to void an event, if it has one.
+func voidOf(r Recorder) voidFunc {
+	switch x := r.(type) {
+	case ledgerRecorder:
+		if v, ok := x.l.(interface {
+			VoidUsage(ctx context.Context, ev accounting.UsageEvent) error
+		}); ok {
+			return v.VoidUsage
+		}
+	case interface {
+		Void(ctx context.Context, ev accounting.UsageEvent) error
+	}:
+		return x.Void
+	}
+	return nil
 }
 
 func (cfg Config) withDefaults() (Config, error) {

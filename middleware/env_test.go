@@ -62,6 +62,12 @@ func (s *spyRecorder) Record(ctx context.Context, ev accounting.UsageEvent) erro
 	return nil
 }
 
+// Void voids the event in the ledger, as *accounting.Recorder does: a failed Record whose event
+// is voided is certainly not charged, so the client may be told it failed.
+func (s *spyRecorder) Void(ctx context.Context, ev accounting.UsageEvent) error {
+	return s.l.VoidUsage(ctx, ev)
+}
+
 func (s *spyRecorder) events() []accounting.UsageEvent {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -27,7 +27,11 @@ const (
 	OutcomeRecorded     OutcomeKind = "recorded"      // usage from the response recorded
 	OutcomeEstimated    OutcomeKind = "estimated"     // no usable usage: an estimate recorded
 	OutcomeReleased     OutcomeKind = "released"      // the upstream failed: hold released, nothing charged
-	OutcomeRecordFailed OutcomeKind = "record_failed" // usage could not be recorded: client got an error
+	OutcomeRecordFailed OutcomeKind = "record_failed" // usage certainly not recorded (refused or voided): client got an error, hold released
+	// OutcomeRecordUnknown: recording failed and voiding could not reach the ledger, so whether
+	// the usage will be stored is unknown: the connection was cut (neither a success nor an
+	// error), the hold kept, and the void retried in the background.
+	OutcomeRecordUnknown OutcomeKind = "record_unknown"
 )
 
 // Outcome describes one handled request, for metrics and logs (Config.OnOutcome).
@@ -52,6 +56,7 @@ type Outcome struct {
 
 type middleware struct {
 	cfg      Config
+	void     voidFunc // nil when the Recorder cannot void events
 	keys     *ttlCache[accounting.APIKey]
 	models   *ttlCache[accounting.Model]
 	pass     map[string]bool
@@ -66,6 +71,7 @@ func newMiddleware(cfg Config) (*middleware, error) {
 		return nil, err
 	}
 	m := &middleware{cfg: cfg, pass: map[string]bool{}, allow: map[string]bool{}, extendIn: cfg.HoldTTL / 3}
+	m.void = voidOf(cfg.Recorder)
 	for _, p := range cfg.PassThrough {
 		m.pass[p] = true
 	}
@@ -142,6 +148,8 @@ func (m *middleware) report(o Outcome) {
 	switch o.Kind {
 	case OutcomeRecordFailed:
 		log.Error("escrow: usage not recorded", "hold_id", o.HoldID, "org", o.Org, "model", o.Model, "err", o.Err)
+	case OutcomeRecordUnknown:
+		log.Error("escrow: usage outcome unknown; connection cut, void retried", "hold_id", o.HoldID, "org", o.Org, "model", o.Model, "err", o.Err)
 	case OutcomeEstimated:
 		log.Warn("escrow: usage estimated", "hold_id", o.HoldID, "org", o.Org, "model", o.Model, "cost", o.Cost, "err", o.Err)
 	default:

@@ -10,6 +10,7 @@ import (
 
 	"github.com/labstack/echo/v4"
 	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
 )
 
 var (
@@ -162,15 +163,30 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	err := m.cfg.Recorder.Record(rctx, ev)
 	cancel()
 	if err != nil {
-		// Not billed: the client must not see a success, and the hold goes back.
-		o.Kind, o.Err = OutcomeRecordFailed, err
-		cl.releaseHold()
-		e := errUnavailable("The usage of this request could not be recorded; it was not completed.", m.cfg.RetryAfter)
-		e.Code = CodeBillingFailed
-		if cw.mode == modeJSON && !cw.streaming {
-			o.Status = e.Status
+		switch m.recordOutcome(ev, err) {
+		case recordStored:
+			// The event reached the ledger after all (the void found it): it is charged, so
+			// the client gets its success.
+			m.cfg.Logger.Warn("escrow: usage recorded late; the request completes", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
+		case recordNotStored:
+			// Certainly not billed (refused, or voided so that a late write is a no-op): the
+			// client must not see a success, and the hold goes back.
+			o.Kind, o.Err = OutcomeRecordFailed, err
+			cl.releaseHold()
+			e := errUnavailable("The usage of this request could not be recorded; it was not completed.", m.cfg.RetryAfter)
+			e.Code = CodeBillingFailed
+			if cw.mode == modeJSON && !cw.streaming {
+				o.Status = e.Status
+			}
+			return cw.fail(e)
+		default:
+			// Nobody can tell yet whether the event will be stored: neither a success nor an
+			// error would be true, so the connection is cut without either, the hold stays
+			// (a stored event settles it), and the void is retried until the ledger answers.
+			o.Kind, o.Err, o.Status = OutcomeRecordUnknown, err, 0
+			m.voidLater(cl, ev)
+			return true
 		}
-		return cw.fail(e)
 	}
 	o.Kind = OutcomeRecorded
 	if estimated {
@@ -180,6 +196,80 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	}
 	cw.commit()
 	return false
+}
+
+// recordResult is what became of a usage event whose Record failed.
+type recordResult int
+
+const (
+	recordUnknown   recordResult = iota // it may still be stored
+	recordNotStored                     // it is not stored and never will be
+	recordStored                        // it is stored: it is charged
+)
+
+// recordOutcome finds out, after a failed Record, whether ev is stored: refusals that happen
+// before anything is queued are final; anything else (a timeout while queued or being written,
+// a ledger error whose commit may have landed) is settled by voiding the id in the ledger, at
+// most RecordTimeout more.
+func (m *middleware) recordOutcome(ev accounting.UsageEvent, err error) recordResult {
+	switch {
+	case errors.Is(err, accounting.ErrInvalidUsage), errors.Is(err, accounting.ErrInvalidAmount),
+		errors.Is(err, balance.ErrInvalidOrg), errors.Is(err, accounting.ErrRecorderClosed):
+		return recordNotStored
+	case m.void == nil:
+		return recordUnknown
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
+	defer cancel()
+	return voidResult(m.void(ctx, ev))
+}
+
+func voidResult(err error) recordResult {
+	switch {
+	case err == nil:
+		return recordNotStored
+	case errors.Is(err, accounting.ErrUsageRecorded):
+		return recordStored
+	case errors.Is(err, accounting.ErrInvalidUsage), errors.Is(err, accounting.ErrInvalidAmount), errors.Is(err, balance.ErrInvalidOrg):
+		return recordNotStored // the ledger could never store it either
+	}
+	return recordUnknown
+}
+
+// voidLater retries voiding ev in the background (until ReleaseRetryFor has passed) after a
+// connection was cut with the outcome unknown: a successful void gives the hold back; an event
+// found stored keeps it, for the settle that will come.
+func (m *middleware) voidLater(cl *call, ev accounting.UsageEvent) {
+	if m.void == nil {
+		m.cfg.Logger.Error("escrow: usage outcome unknown and the recorder cannot void; the hold stays for the reaper",
+			"hold_id", cl.holdID, "org", cl.id.Org)
+		return
+	}
+	go func() {
+		deadline := time.Now().Add(m.cfg.ReleaseRetryFor)
+		wait := 50 * time.Millisecond
+		for {
+			ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
+			err := m.void(ctx, ev)
+			cancel()
+			switch voidResult(err) {
+			case recordNotStored:
+				m.cfg.Logger.Info("escrow: usage voided after an unknown outcome; hold released", "hold_id", cl.holdID, "org", cl.id.Org)
+				cl.releaseHold()
+				return
+			case recordStored:
+				m.cfg.Logger.Info("escrow: usage found recorded after an unknown outcome; it is charged", "hold_id", cl.holdID, "org", cl.id.Org)
+				return
+			}
+			if time.Now().Add(wait).After(deadline) {
+				m.cfg.Logger.Error("escrow: usage outcome still unknown; giving up voiding (the hold stays for the reaper)",
+					"hold_id", cl.holdID, "org", cl.id.Org, "err", err)
+				return
+			}
+			time.Sleep(wait)
+			wait = min(2*wait, 5*time.Second)
+		}
+	}()
 }
 
 func cmpErr(errs ...error) error {
