@@ -1,0 +1,379 @@
+package middleware
+
+// Issue 10, items 5, 6 and 10 over HTTP: the middleware with a real accounting.Recorder and
+// Worker, on miniredis + the memory ledger and on real Redis + real Postgres. Every test ends
+// with the ledger equal to what the client saw, or a refusal with nothing debited.
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/labstack/echo/v4"
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/migrations"
+)
+
+// faultLedger wraps a ledger with the faults these tests need. Writes and voids go to the
+// wrapped ledger unchanged unless a fault is set.
+type faultLedger struct {
+	accounting.Ledger
+	snapshotDown atomic.Bool         // Snapshot fails as if Postgres were unreachable
+	stallBefore  atomic.Int64        // ns: RecordUsage waits this long, then commits (whatever its context says)
+	stallAfter   atomic.Int64        // ns: RecordUsage commits, then waits this long before answering
+	voidDown     atomic.Bool         // VoidUsage fails as if Postgres were unreachable
+	lookups      atomic.Int64        // LookupKey calls that reached the ledger
+	keysDown     atomic.Bool         // LookupKey fails as if Postgres were unreachable
+	committed    chan struct{}       // gets a value after each stalled RecordUsage committed
+	commitErrs   chan error          // the stalled commits' errors
+	stalls       sync.WaitGroup      // stalled RecordUsage calls not yet returned
+}
+
+func newFaultLedger(l accounting.Ledger) *faultLedger {
+	return &faultLedger{Ledger: l, committed: make(chan struct{}, 16), commitErrs: make(chan error, 16)}
+}
+
+var errFaultDown = fmt.Errorf("%w: fault injected", accounting.ErrLedgerUnavailable)
+
+func (f *faultLedger) Snapshot(ctx context.Context, org string) (balance.Snapshot, error) {
+	if f.snapshotDown.Load() {
+		return balance.Snapshot{}, errFaultDown
+	}
+	return f.Ledger.Snapshot(ctx, org)
+}
+
+func (f *faultLedger) RecordUsage(ctx context.Context, evs []accounting.UsageEvent) error {
+	if d := time.Duration(f.stallBefore.Load()); d > 0 {
+		f.stalls.Add(1)
+		defer f.stalls.Done()
+		time.Sleep(d)
+		err := f.Ledger.RecordUsage(context.Background(), evs) // a stalled write that lands late
+		f.commitErrs <- err
+		f.committed <- struct{}{}
+		return err
+	}
+	err := f.Ledger.RecordUsage(ctx, evs)
+	if d := time.Duration(f.stallAfter.Load()); d > 0 {
+		f.stalls.Add(1)
+		defer f.stalls.Done()
+		f.commitErrs <- err
+		f.committed <- struct{}{}
+		time.Sleep(d) // committed, but the answer is late
+	}
+	return err
+}
+
+func (f *faultLedger) VoidUsage(ctx context.Context, ev accounting.UsageEvent) error {
+	if f.voidDown.Load() {
+		return errFaultDown
+	}
+	return f.Ledger.VoidUsage(ctx, ev)
+}
+
+func (f *faultLedger) LookupKey(ctx context.Context, secret string) (accounting.APIKey, error) {
+	f.lookups.Add(1)
+	if f.keysDown.Load() {
+		return accounting.APIKey{}, errFaultDown
+	}
+	return f.Ledger.LookupKey(ctx, secret)
+}
+
+// waitCommitted waits for the next stalled write to land.
+func (f *faultLedger) waitCommitted(t *testing.T) {
+	t.Helper()
+	select {
+	case <-f.committed:
+		if err := <-f.commitErrs; err != nil {
+			t.Fatalf("the stalled write failed: %v", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("the stalled write never landed")
+	}
+}
+
+// ledgerEnv is the middleware in front of a fake upstream, over a real Recorder and Worker.
+type ledgerEnv struct {
+	t        *testing.T
+	ledger   *faultLedger
+	store    *balance.Store
+	rec      *accounting.Recorder
+	worker   *accounting.Worker
+	srv      *httptest.Server
+	org, key string
+	keyID    string
+	outcomes chan Outcome
+	upCalls  atomic.Int64
+}
+
+const ledgerEnvCredit = int64(1_000_000)
+
+// eachLedger runs fn on miniredis (or the configured Redis) + the memory ledger, and on real
+// Redis + real Postgres.
+func eachLedger(t *testing.T, fn func(t *testing.T, pg bool)) {
+	t.Run("memory", func(t *testing.T) { t.Parallel(); fn(t, false) })
+	t.Run("postgres", func(t *testing.T) { t.Parallel(); fn(t, true) })
+}
+
+func newLedgerEnv(t *testing.T, pg bool, cfg func(*Config)) *ledgerEnv {
+	t.Helper()
+	ctx := context.Background()
+	var base accounting.Ledger
+	var redisEnv *testutil.RedisEnv
+	if pg {
+		redisEnv = testutil.RealRedis(t)
+		env := testutil.Postgres(t)
+		if _, err := migrations.Up(ctx, env.Pool); err != nil {
+			t.Fatal(err)
+		}
+		base = accounting.NewPostgres(env.Pool, nil)
+	} else {
+		redisEnv = testutil.Redis(t)
+		base = accounting.NewMemory()
+	}
+	t.Cleanup(base.Close)
+	e := &ledgerEnv{t: t, ledger: newFaultLedger(base), outcomes: make(chan Outcome, 100)}
+	st, err := balance.New(ctx, redisEnv.Client, balance.Config{Ledger: e.ledger, Prefix: redisEnv.Prefix, Logger: quiet})
+	must(t, err)
+	e.store = st
+	e.rec = accounting.NewRecorder(e.ledger, accounting.RecorderConfig{Logger: quiet, Timeout: 10 * time.Second})
+	e.rec.Start(ctx)
+	t.Cleanup(func() { _ = e.rec.Stop(context.Background()) })
+	e.worker = accounting.NewWorker(e.ledger, e.store, &accounting.WorkerConfig{Logger: quiet})
+	e.org = testutil.RandomName("org")
+	must(t, e.ledger.CreateOrg(ctx, e.org))
+	_, _, err = e.ledger.Credit(ctx, e.org, ledgerEnvCredit, "pay-"+e.org)
+	must(t, err)
+	k, secret, err := e.ledger.CreateKey(ctx, e.org)
+	must(t, err)
+	e.key, e.keyID = secret, k.ID
+	must(t, e.ledger.PutModel(ctx, accounting.Model{Name: testModel, Prices: testPrices, MaxInputTokens: 100_000, MaxOutputTokens: 1000, DefaultHold: 5000}))
+
+	c := Config{Store: e.store, Ledger: e.ledger, Recorder: e.rec, Logger: quiet, RecordTimeout: 150 * time.Millisecond,
+		OnOutcome: func(o Outcome) { e.outcomes <- o }}
+	if cfg != nil {
+		cfg(&c)
+	}
+	ec := echo.New()
+	ec.HideBanner, ec.HidePort = true, true
+	ec.Use(New(c))
+	ec.Any("/v1/*", func(c echo.Context) error {
+		e.upCalls.Add(1)
+		body, _ := io.ReadAll(c.Request().Body)
+		fakeOpenAI(c.Response(), c.Request(), body)
+		return nil
+	})
+	e.srv = httptest.NewServer(ec)
+	t.Cleanup(e.srv.Close)
+	return e
+}
+
+// do sends a chat request with key; err is a transport error (e.g. a cut connection).
+func (e *ledgerEnv) do(key, body string) (status int, respBody string, err error) {
+	e.t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, e.srv.URL+EndpointChat, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), err
+}
+
+func (e *ledgerEnv) outcome() Outcome {
+	e.t.Helper()
+	select {
+	case o := <-e.outcomes:
+		return o
+	case <-time.After(10 * time.Second):
+		e.t.Fatal("no outcome reported")
+	}
+	return Outcome{}
+}
+
+// settle accounts and settles everything, then checks that the ledger's balance is the credit
+// minus charged, that exactly events usage events were charged, and that the hot balance (if
+// the org is warm) equals the ledger with no hold left.
+func (e *ledgerEnv) settle(charged int64, events int) {
+	e.t.Helper()
+	ctx := context.Background()
+	must(e.t, e.worker.Drain(ctx))
+	a, err := e.ledger.Account(ctx, e.org)
+	must(e.t, err)
+	if a.Balance != ledgerEnvCredit-charged || a.Pending != 0 {
+		e.t.Fatalf("ledger %+v, want balance %d (charged %d) and nothing pending", a, ledgerEnvCredit-charged, charged)
+	}
+	es, _, err := e.ledger.EntriesAfter(ctx, e.org, 0, 100)
+	must(e.t, err)
+	if got := len(es) - 1; got != events { // entry 1 is the credit
+		e.t.Fatalf("%d charge entries, want %d: %+v", got, events, es)
+	}
+	st, err := e.store.State(ctx, e.org)
+	must(e.t, err)
+	if st.Exists && (st.Balance != a.Balance || st.Held != 0 || st.Holds != 0) {
+		e.t.Fatalf("hot balance %+v, ledger balance %d: they must agree with no hold left", st, a.Balance)
+	}
+}
+
+// --- item 5: fail-open is for Redis errors only ---
+
+// TestFailOpenColdOrgLedgerDown: a cold org whose snapshot fails because the ledger is
+// unreachable gets a 503 with fail-open off and on; nothing reaches the upstream, nothing is
+// debited.
+func TestFailOpenColdOrgLedgerDown(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, pg bool) {
+		for _, failOpen := range []bool{false, true} {
+			e := newLedgerEnv(t, pg, func(c *Config) { c.FailOpen = failOpen })
+			e.ledger.snapshotDown.Store(true)
+			status, body, err := e.do(e.key, jsonBody(testModel, ""))
+			must(t, err)
+			if status != http.StatusServiceUnavailable {
+				t.Fatalf("fail-open %v: status %d: %s", failOpen, status, body)
+			}
+			if typ, _, _ := openAIError(t, []byte(body)); typ != TypeServiceUnavailable {
+				t.Fatalf("fail-open %v: error type %q", failOpen, typ)
+			}
+			if o := e.outcome(); o.Kind != OutcomeRefused || o.FailOpen || o.Status != http.StatusServiceUnavailable {
+				t.Fatalf("fail-open %v: outcome %+v", failOpen, o)
+			}
+			if n := e.upCalls.Load(); n != 0 {
+				t.Fatalf("fail-open %v: the upstream was called %d times", failOpen, n)
+			}
+			// Once the ledger answers: nothing was debited, and the same org is served and billed.
+			e.ledger.snapshotDown.Store(false)
+			e.settle(0, 0)
+			status, body, err = e.do(e.key, jsonBody(testModel, ""))
+			must(t, err)
+			if status != 200 {
+				t.Fatalf("fail-open %v, ledger back: status %d: %s", failOpen, status, body)
+			}
+			e.outcome()
+			e.settle(cost(t, chatUsage), 1)
+		}
+	})
+}
+
+// --- item 6: told it failed → never charged; saw it succeed → always charged ---
+
+// TestRecordStallThenCommit: the ledger stalls past RecordTimeout and then commits the event
+// anyway. The void lands first, so the client gets an error and the late commit charges
+// nothing.
+func TestRecordStallThenCommit(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, pg bool) {
+		e := newLedgerEnv(t, pg, nil)
+		for _, stream := range []bool{false, true} {
+			e.ledger.stallBefore.Store(int64(800 * time.Millisecond))
+			extra := ""
+			if stream {
+				extra = `"stream":true`
+			}
+			status, body, err := e.do(e.key, jsonBody(testModel, extra))
+			must(t, err)
+			switch {
+			case !stream && status != http.StatusServiceUnavailable:
+				t.Fatalf("status %d: %s", status, body)
+			case !stream:
+				if _, code, _ := openAIError(t, []byte(body)); code != CodeBillingFailed {
+					t.Fatalf("code %q", code)
+				}
+			case strings.Contains(body, "[DONE]") || !strings.Contains(body, CodeBillingFailed):
+				t.Fatalf("stream told of success, or not told of the failure:\n%s", body)
+			}
+			if o := e.outcome(); o.Kind != OutcomeRecordFailed {
+				t.Fatalf("outcome %+v", o)
+			}
+			e.ledger.stallBefore.Store(0)
+			e.ledger.waitCommitted(t) // the stalled write lands now: it must be a no-op
+			e.ledger.stalls.Wait()
+			e.settle(0, 0)
+		}
+	})
+}
+
+// TestRecordCommitThenStall: the ledger commits at once but answers after RecordTimeout. The
+// void finds the event stored, so the client gets its success and is charged exactly once.
+func TestRecordCommitThenStall(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, pg bool) {
+		e := newLedgerEnv(t, pg, nil)
+		var charged int64
+		for i, stream := range []bool{false, true} {
+			e.ledger.stallAfter.Store(int64(800 * time.Millisecond))
+			extra := ""
+			if stream {
+				extra = `"stream":true`
+			}
+			status, body, err := e.do(e.key, jsonBody(testModel, extra))
+			must(t, err)
+			if status != 200 || (stream && !strings.Contains(body, "[DONE]")) || (!stream && !strings.Contains(body, `"usage"`)) {
+				t.Fatalf("status %d: %s", status, body)
+			}
+			o := e.outcome()
+			if o.Kind != OutcomeRecorded || o.Usage != chatUsage {
+				t.Fatalf("outcome %+v", o)
+			}
+			e.ledger.waitCommitted(t)
+			e.ledger.stallAfter.Store(0)
+			e.ledger.stalls.Wait() // the recorder's flusher is free again
+			charged += o.Cost
+			e.settle(charged, i+1)
+		}
+	})
+}
+
+// TestRecordUnknownCutsConnection: the ledger stalls and the void cannot reach it either, so
+// nobody knows yet whether the event will be stored: the client gets neither a success nor an
+// error (the connection is cut), the hold stays, and once the ledger answers the background void
+// finds the late event stored and it is charged once (or voids it and the hold comes back).
+func TestRecordUnknownCutsConnection(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, pg bool) {
+		e := newLedgerEnv(t, pg, func(c *Config) { c.ReleaseRetryFor = time.Minute })
+		e.ledger.stallBefore.Store(int64(600 * time.Millisecond))
+		e.ledger.voidDown.Store(true)
+		status, body, err := e.do(e.key, jsonBody(testModel, ""))
+		if err == nil {
+			t.Fatalf("the client got an answer (%d: %s) though the outcome is unknown", status, body)
+		}
+		o := e.outcome()
+		if o.Kind != OutcomeRecordUnknown {
+			t.Fatalf("outcome %+v", o)
+		}
+		if st, err := e.store.State(context.Background(), e.org); err != nil || st.Holds != 1 {
+			t.Fatalf("hot balance %+v (%v): the hold must stay while the outcome is unknown", st, err)
+		}
+		e.ledger.stallBefore.Store(0)
+		e.ledger.waitCommitted(t)
+		e.ledger.voidDown.Store(false)
+		// The background void now finds the event stored: charged once, hold settled.
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			must(t, e.worker.Drain(context.Background()))
+			st, err := e.store.State(context.Background(), e.org)
+			must(t, err)
+			if st.Holds == 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("hold never settled: %+v", st)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		e.settle(o.Cost, 1)
+	})
+}
