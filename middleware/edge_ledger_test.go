@@ -27,15 +27,15 @@ import (
 // wrapped ledger unchanged unless a fault is set.
 type faultLedger struct {
 	accounting.Ledger
-	snapshotDown atomic.Bool         // Snapshot fails as if Postgres were unreachable
-	stallBefore  atomic.Int64        // ns: RecordUsage waits this long, then commits (whatever its context says)
-	stallAfter   atomic.Int64        // ns: RecordUsage commits, then waits this long before answering
-	voidDown     atomic.Bool         // VoidUsage fails as if Postgres were unreachable
-	lookups      atomic.Int64        // LookupKey calls that reached the ledger
-	keysDown     atomic.Bool         // LookupKey fails as if Postgres were unreachable
-	committed    chan struct{}       // gets a value after each stalled RecordUsage committed
-	commitErrs   chan error          // the stalled commits' errors
-	stalls       sync.WaitGroup      // stalled RecordUsage calls not yet returned
+	snapshotDown atomic.Bool    // Snapshot fails as if Postgres were unreachable
+	stallBefore  atomic.Int64   // ns: RecordUsage waits this long, then commits (whatever its context says)
+	stallAfter   atomic.Int64   // ns: RecordUsage commits, then waits this long before answering
+	voidDown     atomic.Bool    // VoidUsage fails as if Postgres were unreachable
+	lookups      atomic.Int64   // LookupKey calls that reached the ledger
+	keysDown     atomic.Bool    // LookupKey fails as if Postgres were unreachable
+	committed    chan struct{}  // gets a value after each stalled RecordUsage committed
+	commitErrs   chan error     // the stalled commits' errors
+	stalls       sync.WaitGroup // stalled RecordUsage calls not yet returned
 }
 
 func newFaultLedger(l accounting.Ledger) *faultLedger {
