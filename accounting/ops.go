@@ -102,9 +102,19 @@ func (o *Ops) CreateKey(ctx context.Context, org string) (APIKey, string, error)
 	return o.ledger.CreateKey(ctx, org)
 }
 
-// RevokeKey revokes a key by id (ErrUnknownKey).
+// RevokeKey revokes a key by id (ErrUnknownKey) in the ledger, then pushes the revocation to
+// Redis (balance.Store.RevokeKey), so that no process serves the key from a stale cache entry
+// while its ledger is unreachable: the revocation takes effect within the key cache's TTL
+// everywhere. When only the Redis part failed, the key is revoked all the same (effective within
+// the TTL while the ledger answers), the error wraps ErrHotBalance, and revoking again is safe.
 func (o *Ops) RevokeKey(ctx context.Context, id string) error {
-	return o.ledger.RevokeKey(ctx, id)
+	if err := o.ledger.RevokeKey(ctx, id); err != nil {
+		return err
+	}
+	if err := o.store.RevokeKey(ctx, id); err != nil {
+		return fmt.Errorf("%w: revocation of key %s not pushed to redis: %w", ErrHotBalance, id, err)
+	}
+	return nil
 }
 
 // PutModel creates or replaces a model in the ledger, then sets the store's learned max cost to

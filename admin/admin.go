@@ -62,7 +62,7 @@ func New(ops *accounting.Ops, cfg *Config) (*API, error) {
 // Register adds the routes, behind the token check, to g (escrow's proxy mounts it at
 // /admin/v1).
 func (a *API) Register(g *echo.Group) {
-	g.Use(a.auth)
+	g.Use(a.auth, orgParam)
 	g.POST("/orgs", a.createOrg)
 	g.POST("/orgs/:org/credits", a.credit)
 	g.POST("/orgs/:org/adjustments", a.adjust)
@@ -123,6 +123,23 @@ func (a *API) auth(next echo.HandlerFunc) echo.HandlerFunc {
 	}
 }
 
+// orgParam refuses an :org that breaks the one org-id rule (balance.ValidateOrg, which the ledger
+// and the hot balance apply too) before any handler runs; the message says what is allowed.
+func orgParam(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		if org := c.Param("org"); org != "" {
+			if err := balance.ValidateOrg(org); err != nil {
+				return invalidOrg(c, err)
+			}
+		}
+		return next(c)
+	}
+}
+
+func invalidOrg(c echo.Context, err error) error {
+	return writeError(c, apiError{status: http.StatusBadRequest, typ: typeInvalid, code: "invalid_org", msg: err.Error()})
+}
+
 // fail maps an error of accounting.Ops to an answer.
 func (a *API) fail(c echo.Context, err error) error {
 	notFound := func(code, msg string) error {
@@ -142,7 +159,9 @@ func (a *API) fail(c echo.Context, err error) error {
 		return notFound("key_not_found", "no such key")
 	case errors.Is(err, accounting.ErrUnknownModel):
 		return notFound("model_not_found", "no such model")
-	case errors.Is(err, balance.ErrInvalidOrg), errors.Is(err, accounting.ErrInvalidAmount),
+	case errors.Is(err, balance.ErrInvalidOrg):
+		return invalidOrg(c, err)
+	case errors.Is(err, accounting.ErrInvalidAmount),
 		errors.Is(err, balance.ErrInvalidAmount), errors.Is(err, accounting.ErrCostOverflow):
 		return invalid(c, err.Error())
 	case errors.Is(err, accounting.ErrLedgerUnavailable):

@@ -275,6 +275,46 @@ func (s *Store) orgKeys(org string) []string {
 
 func (s *Store) modelKey(model string) string { return s.prefix + ":model:" + model + ":max" }
 
+func (s *Store) revokedKey(keyID string) string { return s.prefix + ":key:" + keyID + ":revoked" }
+
+// RevocationTTL is how long RevokeKey's mark stays in Redis. A key cache may serve an entry that
+// predates the revocation for at most its stale window while the ledger is unreachable; that
+// window must stay below this.
+const RevocationTTL = 24 * time.Hour
+
+// RevokeKey marks the API key keyID revoked in Redis (key esc:key:<id>:revoked, for
+// RevocationTTL), after the ledger has revoked it. Every process checks the mark before it
+// serves a cached key past its TTL while the ledger is unreachable, so a revocation takes
+// effect within the cache TTL even during a ledger outage, on every process at once.
+func (s *Store) RevokeKey(ctx context.Context, keyID string) error {
+	if err := checkKeyID(keyID); err != nil {
+		return err
+	}
+	if err := s.c.Set(ctx, s.revokedKey(keyID), "1", RevocationTTL).Err(); err != nil {
+		return fmt.Errorf("balance: revoke key: %w: %w", ErrRedis, err)
+	}
+	return nil
+}
+
+// KeyRevoked reports whether RevokeKey marked keyID revoked (within RevocationTTL).
+func (s *Store) KeyRevoked(ctx context.Context, keyID string) (bool, error) {
+	if err := checkKeyID(keyID); err != nil {
+		return false, err
+	}
+	n, err := s.c.Exists(ctx, s.revokedKey(keyID)).Result()
+	if err != nil {
+		return false, fmt.Errorf("balance: key revoked: %w: %w", ErrRedis, err)
+	}
+	return n == 1, nil
+}
+
+func checkKeyID(id string) error {
+	if !validHoldID(id) || strings.ContainsAny(id, "{}") {
+		return fmt.Errorf("%w: %q", ErrInvalidKeyID, id)
+	}
+	return nil
+}
+
 // MaxOrgLen is the longest org id, in bytes.
 const MaxOrgLen = 128
 

@@ -167,6 +167,8 @@ var (
 	ErrInvalidHoldID = errors.New("balance: invalid hold id")
 	// ErrInvalidEntry: a settle entry is malformed (seq ≤ 0, out of order, delta outside ±MaxAmount).
 	ErrInvalidEntry = errors.New("balance: invalid ledger entry")
+	// ErrInvalidKeyID: an API key id is empty, too long, or holds spaces, control bytes or braces.
+	ErrInvalidKeyID = errors.New("balance: invalid api key id")
 	// ErrInvalidModel: the model name is empty or too long.
 	ErrInvalidModel = errors.New("balance: invalid model name")
 )

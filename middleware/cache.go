@@ -2,45 +2,65 @@ package middleware
 
 import (
 	"context"
+	"net"
+	"net/http"
 	"sync"
 	"time"
 
+	"github.com/labstack/echo/v4"
 	"golang.org/x/sync/singleflight"
 )
 
 // ttlCache is a small bounded cache for ledger look-ups (API keys, models). Concurrent misses of
 // one key share one look-up. A fresh entry (younger than ttl) answers directly; after that the
 // ledger is asked again, and when the ledger is unreachable a successful entry younger than
-// maxStale still answers (warm orgs keep working while Postgres is down). Definitive answers
-// ("unknown key") are cached like values.
+// maxStale still answers (warm orgs keep working while Postgres is down), once stale() allows
+// it (for keys: not revoked in Redis). Definitive answers ("unknown key") are cached too, but
+// apart, in a second, smaller map: a flood of random keys churns only that one and never
+// evicts the entries of valid keys.
 type ttlCache[V any] struct {
 	ttl, maxStale time.Duration
-	size          int
+	size, negSize int
 	definitive    func(error) bool // errors worth caching (e.g. ErrUnknownKey)
 	timeout       time.Duration    // bound on one look-up
+	// stale, when set, decides whether a stale entry may answer while the ledger cannot: nil
+	// to serve it, a definitive error to drop it (a key revoked meanwhile), any other error
+	// when nobody can tell.
+	stale func(ctx context.Context, v V) error
 
-	mu sync.Mutex
-	m  map[string]cacheEntry[V]
-	sf singleflight.Group
+	mu  sync.Mutex
+	m   map[string]cacheEntry[V] // successes
+	neg map[string]negEntry      // definitive failures
+	sf  singleflight.Group
 }
 
 type cacheEntry[V any] struct {
-	v   V
+	v  V
+	at time.Time
+}
+
+type negEntry struct {
 	err error
 	at  time.Time
 }
 
-func newTTLCache[V any](ttl, maxStale time.Duration, size int, timeout time.Duration, definitive func(error) bool) *ttlCache[V] {
-	return &ttlCache[V]{ttl: ttl, maxStale: maxStale, size: size, timeout: timeout, definitive: definitive, m: make(map[string]cacheEntry[V])}
+func newTTLCache[V any](ttl, maxStale time.Duration, size, negSize int, timeout time.Duration, definitive func(error) bool) *ttlCache[V] {
+	return &ttlCache[V]{ttl: ttl, maxStale: maxStale, size: size, negSize: negSize, timeout: timeout, definitive: definitive,
+		m: make(map[string]cacheEntry[V]), neg: make(map[string]negEntry)}
 }
 
 func (c *ttlCache[V]) get(ctx context.Context, key string, load func(context.Context, string) (V, error)) (V, error) {
 	now := time.Now()
 	c.mu.Lock()
 	e, ok := c.m[key]
+	n, negOK := c.neg[key]
 	c.mu.Unlock()
 	if ok && now.Sub(e.at) < c.ttl {
-		return e.v, e.err
+		return e.v, nil
+	}
+	if negOK && now.Sub(n.at) < c.ttl {
+		var zero V
+		return zero, n.err
 	}
 	type result struct {
 		v   V
@@ -50,8 +70,11 @@ func (c *ttlCache[V]) get(ctx context.Context, key string, load func(context.Con
 		lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.timeout)
 		defer cancel()
 		v, err := load(lctx, key)
-		if err == nil || c.definitive(err) {
-			c.put(key, cacheEntry[V]{v: v, err: err, at: time.Now()})
+		switch {
+		case err == nil:
+			c.put(key, v)
+		case c.definitive(err):
+			c.putNeg(key, err)
 		}
 		return result{v, err}, nil
 	})
@@ -62,15 +85,27 @@ func (c *ttlCache[V]) get(ctx context.Context, key string, load func(context.Con
 	case <-ctx.Done():
 		r.err = ctx.Err()
 	}
-	if r.err != nil && !c.definitive(r.err) && ok && e.err == nil && time.Since(e.at) < c.maxStale {
-		return e.v, nil // stale, but the ledger cannot answer
+	if r.err != nil && !c.definitive(r.err) && ok && time.Since(e.at) < c.maxStale {
+		// The ledger cannot answer: a stale entry may, if nothing says it went bad meanwhile.
+		if c.stale == nil {
+			return e.v, nil
+		}
+		err := c.stale(ctx, e.v)
+		if err == nil {
+			return e.v, nil
+		}
+		if c.definitive(err) {
+			c.putNeg(key, err)
+			return r.v, err
+		}
 	}
 	return r.v, r.err
 }
 
-func (c *ttlCache[V]) put(key string, e cacheEntry[V]) {
+func (c *ttlCache[V]) put(key string, v V) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	delete(c.neg, key)
 	if _, ok := c.m[key]; !ok && len(c.m) >= c.size {
 		// Full: drop what is too old to serve even stale, then arbitrary entries.
 		for k, x := range c.m {
@@ -85,5 +120,108 @@ func (c *ttlCache[V]) put(key string, e cacheEntry[V]) {
 			delete(c.m, k)
 		}
 	}
-	c.m[key] = e
+	c.m[key] = cacheEntry[V]{v: v, at: time.Now()}
+}
+
+// putNeg caches a definitive failure, and forgets any success of the same key (a revoked key
+// must not come back as a stale entry).
+func (c *ttlCache[V]) putNeg(key string, err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.m, key)
+	if _, ok := c.neg[key]; !ok && len(c.neg) >= c.negSize {
+		for k, x := range c.neg {
+			if time.Since(x.at) >= c.ttl {
+				delete(c.neg, k)
+			}
+		}
+		for k := range c.neg {
+			if len(c.neg) < c.negSize {
+				break
+			}
+			delete(c.neg, k)
+		}
+	}
+	c.neg[key] = negEntry{err: err, at: time.Now()}
+}
+
+// failureLimiter counts failed key look-ups per client IP in fixed one-minute windows, so that
+// a client trying random keys costs at most limit ledger look-ups a minute; keys already cached
+// are not affected. It keeps at most size IPs (a flood of addresses forgets the oldest windows).
+type failureLimiter struct {
+	limit, size int
+	window      time.Duration
+
+	mu sync.Mutex
+	m  map[string]failureWindow
+}
+
+type failureWindow struct {
+	start time.Time
+	n     int
+}
+
+func newFailureLimiter(limit, size int, window time.Duration) *failureLimiter {
+	return &failureLimiter{limit: limit, size: size, window: window, m: make(map[string]failureWindow)}
+}
+
+// allow reports whether ip may cause another ledger look-up, and if not, when it may again.
+func (f *failureLimiter) allow(ip string) (ok bool, retryIn time.Duration) {
+	if f.limit <= 0 {
+		return true, 0
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	w, found := f.m[ip]
+	if !found || time.Since(w.start) >= f.window || w.n < f.limit {
+		return true, 0
+	}
+	return false, f.window - time.Since(w.start)
+}
+
+// fail counts one failed look-up of ip.
+func (f *failureLimiter) fail(ip string) {
+	if f.limit <= 0 {
+		return
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	now := time.Now()
+	w, found := f.m[ip]
+	if !found || now.Sub(w.start) >= f.window {
+		if !found && len(f.m) >= f.size {
+			for k, x := range f.m {
+				if now.Sub(x.start) >= f.window {
+					delete(f.m, k)
+				}
+			}
+			for k := range f.m {
+				if len(f.m) < f.size {
+					break
+				}
+				delete(f.m, k)
+			}
+		}
+		w = failureWindow{start: now}
+	}
+	w.n++
+	f.m[ip] = w
+}
+
+// clientIP is the address failed look-ups are counted against: echo's IPExtractor when one is
+// configured (behind a trusted proxy), else the connection's remote address. Headers such as
+// X-Forwarded-For are not trusted by default: a client could change them at will.
+func clientIP(c echo.Context) string {
+	if c.Echo() != nil && c.Echo().IPExtractor != nil {
+		return c.RealIP()
+	}
+	return remoteHost(c.Request())
+}
+
+func remoteHost(r *http.Request) string {
+	host, _, err := net.SplitHostPort(r.RemoteAddr)
+	if err != nil {
+		return r.RemoteAddr
+	}
+	return host
 }

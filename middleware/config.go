@@ -115,11 +115,27 @@ type Config struct {
 	// then aborts the connection). Default 1 MiB.
 	MaxResponseBytes int
 	// KeyCacheTTL is how long a key look-up (or a model) is trusted. Default 5s. Past it, an
-	// entry still answers for up to MaxStale while the ledger is unreachable (default 10m).
+	// entry still answers for up to MaxStale while the ledger is unreachable (default 10m, at
+	// most balance.RevocationTTL) — for a key, only once Redis confirms it was not revoked
+	// meanwhile, when the Store can tell (*balance.Store.KeyRevoked; revocations are pushed by
+	// balance.Store.RevokeKey): so a revoked key stops within KeyCacheTTL even while the ledger
+	// is down, on every process.
 	KeyCacheTTL time.Duration
 	MaxStale    time.Duration
 	// KeyCacheSize bounds the key and model caches (entries each). Default 10,000.
 	KeyCacheSize int
+	// NegativeCacheSize bounds the caches of unknown keys and unknown models (entries each),
+	// kept apart from the others: a flood of random keys churns only these and never evicts a
+	// valid key. Default 1,000.
+	NegativeCacheSize int
+	// KeyFailuresPerMinute is how many failed key look-ups (keys the ledger does not know) one
+	// client IP may cause per minute; past it, keys that are not cached get a 429
+	// rate_limit_exceeded without a ledger look-up until the minute ends, so a client trying
+	// random keys costs a few ledger queries, not one per key. The client IP is the one echo's
+	// IPExtractor gives when it is set (configure it behind a trusted proxy), else the
+	// connection's remote address (X-Forwarded-For is not trusted by default). Default 20;
+	// negative turns the limit off.
+	KeyFailuresPerMinute int
 	// LookupTimeout bounds one ledger look-up. Default 2s.
 	LookupTimeout time.Duration
 	// ReserveTimeout bounds the reserve call; past it the client gets a 503. Default 1s.
@@ -143,23 +159,25 @@ type Config struct {
 
 // DefaultConfig holds the defaults (Store and Ledger must still be set).
 var DefaultConfig = Config{
-	Skipper:          func(echo.Context) bool { return false },
-	HoldFunc:         HoldAmount,
-	ErrorHandler:     WriteError,
-	DefaultHold:      1_000_000,
-	MaxRequestBytes:  4 << 20,
-	MaxResponseBytes: 1 << 20,
-	KeyCacheTTL:      5 * time.Second,
-	MaxStale:         10 * time.Minute,
-	KeyCacheSize:     10_000,
-	LookupTimeout:    2 * time.Second,
-	ReserveTimeout:   time.Second,
-	RetryAfter:       time.Second,
-	HoldTTL:          10 * time.Minute,
-	RecordTimeout:    15 * time.Second,
-	HangupTimeout:    2 * time.Minute,
-	HangupBytes:      64 << 20,
-	ReleaseRetryFor:  10 * time.Minute,
+	Skipper:              func(echo.Context) bool { return false },
+	HoldFunc:             HoldAmount,
+	ErrorHandler:         WriteError,
+	DefaultHold:          1_000_000,
+	MaxRequestBytes:      4 << 20,
+	MaxResponseBytes:     1 << 20,
+	KeyCacheTTL:          5 * time.Second,
+	MaxStale:             10 * time.Minute,
+	KeyCacheSize:         10_000,
+	NegativeCacheSize:    1_000,
+	KeyFailuresPerMinute: 20,
+	LookupTimeout:        2 * time.Second,
+	ReserveTimeout:       time.Second,
+	RetryAfter:           time.Second,
+	HoldTTL:              10 * time.Minute,
+	RecordTimeout:        15 * time.Second,
+	HangupTimeout:        2 * time.Minute,
+	HangupBytes:          64 << 20,
+	ReleaseRetryFor:      10 * time.Minute,
 }
 
 // New returns the middleware; it panics on a bad Config (use ToMiddleware to get the error).
@@ -252,6 +270,8 @@ func (cfg Config) withDefaults() (Config, error) {
 	cfg.KeyCacheTTL = cmp.Or(cfg.KeyCacheTTL, d.KeyCacheTTL)
 	cfg.MaxStale = cmp.Or(cfg.MaxStale, d.MaxStale)
 	cfg.KeyCacheSize = cmp.Or(cfg.KeyCacheSize, d.KeyCacheSize)
+	cfg.NegativeCacheSize = cmp.Or(cfg.NegativeCacheSize, d.NegativeCacheSize)
+	cfg.KeyFailuresPerMinute = cmp.Or(cfg.KeyFailuresPerMinute, d.KeyFailuresPerMinute)
 	cfg.LookupTimeout = cmp.Or(cfg.LookupTimeout, d.LookupTimeout)
 	cfg.ReserveTimeout = cmp.Or(cfg.ReserveTimeout, d.ReserveTimeout)
 	cfg.RetryAfter = cmp.Or(cfg.RetryAfter, d.RetryAfter)
@@ -263,11 +283,14 @@ func (cfg Config) withDefaults() (Config, error) {
 	switch {
 	case cfg.DefaultHold < 0 || cfg.DefaultHold > balance.MaxAmount:
 		return cfg, fmt.Errorf("%w: DefaultHold %d must be in (0, %d]", ErrConfig, cfg.DefaultHold, balance.MaxAmount)
-	case cfg.MaxRequestBytes < 0, cfg.MaxResponseBytes < 0, cfg.KeyCacheSize < 0, cfg.HangupBytes < 0:
+	case cfg.MaxRequestBytes < 0, cfg.MaxResponseBytes < 0, cfg.KeyCacheSize < 0, cfg.NegativeCacheSize < 0, cfg.HangupBytes < 0:
 		return cfg, fmt.Errorf("%w: sizes must be > 0", ErrConfig)
 	case cfg.KeyCacheTTL < 0, cfg.MaxStale < 0, cfg.LookupTimeout < 0, cfg.ReserveTimeout < 0, cfg.RetryAfter < 0,
 		cfg.HoldTTL < 3*time.Millisecond, cfg.RecordTimeout < 0, cfg.HangupTimeout < 0, cfg.ReleaseRetryFor < 0:
 		return cfg, fmt.Errorf("%w: durations must be > 0 (HoldTTL ≥ 3ms)", ErrConfig)
+	case cfg.MaxStale > balance.RevocationTTL:
+		// A stale key older than the revocation mark could outlive its revocation.
+		return cfg, fmt.Errorf("%w: MaxStale %v is above balance.RevocationTTL (%v)", ErrConfig, cfg.MaxStale, balance.RevocationTTL)
 	}
 	if m := cfg.DefaultModel; m != nil {
 		if m.Input < 0 || m.CachedInput < 0 || m.Output < 0 || m.DefaultHold < 0 {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -58,6 +59,7 @@ type middleware struct {
 	cfg      Config
 	void     voidFunc // nil when the Recorder cannot void events
 	keys     *ttlCache[accounting.APIKey]
+	failures *failureLimiter // failed key look-ups per client IP
 	models   *ttlCache[accounting.Model]
 	pass     map[string]bool
 	allow    map[string]bool
@@ -78,9 +80,24 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	for _, f := range cfg.Allow {
 		m.allow[f] = true
 	}
-	m.keys = newTTLCache[accounting.APIKey](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.LookupTimeout,
+	m.keys = newTTLCache[accounting.APIKey](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.NegativeCacheSize, cfg.LookupTimeout,
 		func(err error) bool { return errors.Is(err, accounting.ErrUnknownKey) })
-	m.models = newTTLCache[accounting.Model](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.LookupTimeout,
+	if r, ok := cfg.Store.(keyRevocations); ok {
+		m.keys.stale = func(ctx context.Context, k accounting.APIKey) error {
+			rctx, cancel := context.WithTimeout(ctx, cfg.ReserveTimeout)
+			defer cancel()
+			revoked, err := r.KeyRevoked(rctx, k.ID)
+			switch {
+			case err != nil:
+				return fmt.Errorf("middleware: key revocation unknown: %w", err)
+			case revoked:
+				return fmt.Errorf("%w: revoked (pushed through redis)", accounting.ErrUnknownKey)
+			}
+			return nil
+		}
+	}
+	m.failures = newFailureLimiter(cfg.KeyFailuresPerMinute, cfg.KeyCacheSize, time.Minute)
+	m.models = newTTLCache[accounting.Model](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.NegativeCacheSize, cfg.LookupTimeout,
 		func(err error) bool { return errors.Is(err, accounting.ErrUnknownModel) })
 	if m.cfg.OrgFunc == nil {
 		m.cfg.OrgFunc = m.bearerOrg
@@ -106,11 +123,27 @@ func (m *middleware) bearerOrg(c echo.Context) (Identity, error) {
 		return Identity{}, &Error{Status: http.StatusUnauthorized, Type: TypeInvalidRequest, Code: CodeInvalidAPIKey,
 			Message: "You didn't provide an API key. Provide it in the Authorization header (Authorization: Bearer YOUR_KEY)."}
 	}
-	k, err := m.keys.get(c.Request().Context(), key, m.cfg.Ledger.LookupKey)
+	ip := clientIP(c)
+	k, err := m.keys.get(c.Request().Context(), key, func(ctx context.Context, secret string) (accounting.APIKey, error) {
+		if ok, retryIn := m.failures.allow(ip); !ok {
+			return accounting.APIKey{}, &Error{Status: http.StatusTooManyRequests, Type: TypeRateLimit, Code: CodeRateLimit,
+				RetryAfter: retryIn, Message: "Too many requests with unknown API keys from your address. Retry later."}
+		}
+		k, err := m.cfg.Ledger.LookupKey(ctx, secret)
+		if errors.Is(err, accounting.ErrUnknownKey) {
+			m.failures.fail(ip)
+		}
+		return k, err
+	})
 	if err != nil {
 		return Identity{}, err
 	}
 	return Identity{Org: k.Org, KeyID: k.ID}, nil
+}
+
+// keyRevocations is the Store's side of key revocation (*balance.Store implements it).
+type keyRevocations interface {
+	KeyRevoked(ctx context.Context, keyID string) (bool, error)
 }
 
 // call is one metered request on its way.
