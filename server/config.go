@@ -46,6 +46,10 @@ type Config struct {
 	BenchBaseline   bool
 	Coalesce        bool
 	PprofAddr       string
+	RecordTimeout   time.Duration
+	KeyCacheTTL     time.Duration
+	KeyMaxStale     time.Duration
+	KeyFailures     int
 
 	// Logger receives the server's logs; nil: one built from LogLevel and LogFormat, on stderr.
 	Logger *slog.Logger
@@ -128,6 +132,10 @@ func (c *Config) settings() []setting {
 		{"ESCROW_DEMO_BALANCE", "demo-balance", "10000000", "balance (micro-units) of the demo org created by the embedded default (examples/proxy)", integer(&c.DemoBalance, 0)},
 		{"ESCROW_BENCH_BASELINE", "bench-baseline", "false", "benchmarks only: proxy without the middleware (requests pass unbilled)", boolean(&c.BenchBaseline)},
 		{"ESCROW_COALESCE", "coalesce", "false", "send reserves that arrive together as one Redis pipeline (higher throughput under heavy concurrency)", boolean(&c.Coalesce)},
+		{"ESCROW_RECORD_TIMEOUT", "record-timeout", "15s", "bound on recording a request's usage; past it the event is voided and the client gets 503, unless it was stored (then the request completes)", dur(&c.RecordTimeout)},
+		{"ESCROW_KEY_CACHE_TTL", "key-cache-ttl", "5s", "how long an API key look-up is trusted; a revoked key stops within it, also while Postgres is down (revocations go through Redis)", dur(&c.KeyCacheTTL)},
+		{"ESCROW_KEY_MAX_STALE", "key-max-stale", "10m", "while Postgres is down, a known key keeps working for this long after its last look-up (unless revoked)", dur(&c.KeyMaxStale)},
+		{"ESCROW_KEY_FAILURES_PER_MINUTE", "key-failures-per-minute", "20", "failed API key look-ups one client IP may cause per minute (429 beyond it)", intp(&c.KeyFailures)},
 		{"ESCROW_PPROF_ADDR", "pprof-addr", "", "profiling only: serve net/http/pprof on this address (keep it on loopback); empty: off", str(&c.PprofAddr)},
 	}
 }

@@ -33,15 +33,19 @@ func (s *Server) buildEcho() error {
 	}
 
 	mw, err := middleware.Config{
-		Store:           s.store,
-		Ledger:          s.ledger,
-		Recorder:        s.recorder,
-		FailOpen:        s.cfg.FailOpen,
-		MaxRequestBytes: s.cfg.MaxBodyBytes,
-		DefaultHold:     s.cfg.DefaultHold,
-		HoldTTL:         s.cfg.HoldTTL,
-		Logger:          s.log,
-		OnOutcome:       s.metrics.observe,
+		Store:                s.store,
+		Ledger:               s.ledger,
+		Recorder:             s.recorder,
+		FailOpen:             s.cfg.FailOpen,
+		MaxRequestBytes:      s.cfg.MaxBodyBytes,
+		DefaultHold:          s.cfg.DefaultHold,
+		HoldTTL:              s.cfg.HoldTTL,
+		RecordTimeout:        s.cfg.RecordTimeout,
+		KeyCacheTTL:          s.cfg.KeyCacheTTL,
+		MaxStale:             s.cfg.KeyMaxStale,
+		KeyFailuresPerMinute: s.cfg.KeyFailures,
+		Logger:               s.log,
+		OnOutcome:            s.metrics.observe,
 	}.ToMiddleware()
 	if err != nil {
 		return fmt.Errorf("middleware: %w", err)
