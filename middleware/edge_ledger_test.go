@@ -6,6 +6,7 @@ package middleware
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -375,5 +376,166 @@ func TestRecordUnknownCutsConnection(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 		e.settle(o.Cost, 1)
+	})
+}
+
+// --- item 10: keys and org ids ---
+
+// TestRevokedKeyStopsWhileLedgerDown: a key revoked (through the worker, which pushes the
+// revocation to Redis) stops within the key cache's TTL even though the ledger cannot be asked
+// any more, while another known key keeps working from its stale entry.
+func TestRevokedKeyStopsWhileLedgerDown(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, pg bool) {
+		const ttl = 100 * time.Millisecond
+		e := newLedgerEnv(t, pg, func(c *Config) { c.KeyCacheTTL = ttl })
+		ctx := context.Background()
+		_, other, err := e.ledger.CreateKey(ctx, e.org)
+		must(t, err)
+		var charged int64
+		for _, key := range []string{e.key, other} { // both keys cached
+			status, body, err := e.do(key, jsonBody(testModel, ""))
+			must(t, err)
+			if status != 200 {
+				t.Fatalf("status %d: %s", status, body)
+			}
+			charged += e.outcome().Cost
+		}
+		must(t, e.worker.RevokeKey(ctx, e.keyID))
+		e.ledger.keysDown.Store(true) // Postgres unreachable for key look-ups from now on
+		time.Sleep(ttl + 20*time.Millisecond)
+
+		status, body, err := e.do(e.key, jsonBody(testModel, ""))
+		must(t, err)
+		if status != http.StatusUnauthorized {
+			t.Fatalf("revoked key while the ledger is down: status %d: %s", status, body)
+		}
+		if _, code, _ := openAIError(t, []byte(body)); code != CodeInvalidAPIKey {
+			t.Fatalf("code %q", code)
+		}
+		e.outcome()
+		status, body, err = e.do(other, jsonBody(testModel, ""))
+		must(t, err)
+		if status != 200 {
+			t.Fatalf("unrevoked key while the ledger is down: status %d: %s", status, body)
+		}
+		charged += e.outcome().Cost
+		e.ledger.keysDown.Store(false)
+		e.settle(charged, 3)
+	})
+}
+
+// TestKeyFloodKeepsValidKeys: a flood of random keys fills only the negative cache; the valid
+// key's entry survives it (it still answers, stale, while the ledger is down).
+func TestKeyFloodKeepsValidKeys(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, pg bool) {
+		const ttl = 100 * time.Millisecond
+		e := newLedgerEnv(t, pg, func(c *Config) {
+			c.KeyCacheTTL, c.KeyCacheSize, c.NegativeCacheSize, c.KeyFailuresPerMinute = ttl, 4, 8, -1
+		})
+		status, body, err := e.do(e.key, jsonBody(testModel, ""))
+		must(t, err)
+		if status != 200 {
+			t.Fatalf("status %d: %s", status, body)
+		}
+		charged := e.outcome().Cost
+		for i := range 50 {
+			status, _, err := e.do(fmt.Sprintf("%sflood%040d", accounting.KeyPrefix, i), jsonBody(testModel, ""))
+			must(t, err)
+			if status != http.StatusUnauthorized {
+				t.Fatalf("random key %d: status %d", i, status)
+			}
+			e.outcome()
+		}
+		e.ledger.keysDown.Store(true)
+		time.Sleep(ttl + 20*time.Millisecond)
+		status, body, err = e.do(e.key, jsonBody(testModel, ""))
+		must(t, err)
+		if status != 200 {
+			t.Fatalf("valid key after the flood, ledger down: status %d: %s (evicted by the flood?)", status, body)
+		}
+		charged += e.outcome().Cost
+		e.ledger.keysDown.Store(false)
+		e.settle(charged, 2)
+	})
+}
+
+// TestKeyFailuresLimitedPerIP: 200 random keys from one address cost at most
+// KeyFailuresPerMinute ledger look-ups; the rest get 429 with Retry-After, and a key already
+// cached keeps working from that address.
+func TestKeyFailuresLimitedPerIP(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, pg bool) {
+		const limit = 5
+		e := newLedgerEnv(t, pg, func(c *Config) { c.KeyFailuresPerMinute = limit })
+		status, body, err := e.do(e.key, jsonBody(testModel, ""))
+		must(t, err)
+		if status != 200 {
+			t.Fatalf("status %d: %s", status, body)
+		}
+		charged := e.outcome().Cost
+		before := e.ledger.lookups.Load()
+		var unauthorized, limited int
+		for i := range 200 {
+			req, _ := http.NewRequest(http.MethodPost, e.srv.URL+EndpointChat, strings.NewReader(jsonBody(testModel, "")))
+			req.Header.Set("Authorization", fmt.Sprintf("Bearer %srandom%040d", accounting.KeyPrefix, i))
+			req.Header.Set("X-Forwarded-For", fmt.Sprintf("10.0.%d.%d", i/250, i%250)) // not trusted: no way around the limit
+			resp, err := http.DefaultClient.Do(req)
+			must(t, err)
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			switch resp.StatusCode {
+			case http.StatusUnauthorized:
+				unauthorized++
+			case http.StatusTooManyRequests:
+				limited++
+				if resp.Header.Get("Retry-After") == "" {
+					t.Fatal("429 without Retry-After")
+				}
+			default:
+				t.Fatalf("random key: status %d", resp.StatusCode)
+			}
+			e.outcome()
+		}
+		if got := e.ledger.lookups.Load() - before; got > limit || unauthorized != limit || limited != 200-limit {
+			t.Fatalf("%d ledger look-ups, %d × 401, %d × 429; want at most %d look-ups", got, unauthorized, limited, limit)
+		}
+		status, body, err = e.do(e.key, jsonBody(testModel, "")) // cached: not affected
+		must(t, err)
+		if status != 200 {
+			t.Fatalf("cached key from a limited address: status %d: %s", status, body)
+		}
+		charged += e.outcome().Cost
+		e.settle(charged, 2)
+	})
+}
+
+// TestOrgIDRuleAtTheEdge: an org id outside the one rule (here from a custom OrgFunc; the
+// ledgers refuse to create one) is a 400 that says what is allowed, before anything is held.
+func TestOrgIDRuleAtTheEdge(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, pg bool) {
+		for _, org := range []string{"team/a", "ÄÖ", "..", "a{b}"} {
+			e := newLedgerEnv(t, pg, func(c *Config) {
+				c.OrgFunc = func(echo.Context) (Identity, error) { return Identity{Org: org, KeyID: "key_x"}, nil }
+			})
+			status, body, err := e.do("", jsonBody(testModel, ""))
+			must(t, err)
+			if status != http.StatusBadRequest || !strings.Contains(body, "A-Z, a-z, 0-9") {
+				t.Fatalf("org %q: status %d: %s", org, status, body)
+			}
+			if e.upCalls.Load() != 0 {
+				t.Fatalf("org %q reached the upstream", org)
+			}
+			e.outcome()
+			must(t, e.worker.Drain(context.Background()))
+			if a, err := e.ledger.Account(context.Background(), e.org); err != nil || a.Balance != ledgerEnvCredit || a.Pending != 0 {
+				t.Fatalf("ledger %+v, %v", a, err)
+			}
+			if err := e.ledger.CreateOrg(context.Background(), org); !errors.Is(err, balance.ErrInvalidOrg) {
+				t.Fatalf("CreateOrg(%q) = %v", org, err)
+			}
+		}
 	})
 }
