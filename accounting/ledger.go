@@ -21,6 +21,9 @@ var (
 	// ErrUsageRecorded: VoidUsage found the event itself stored first; it is (or will be)
 	// charged, so the request it bills must be answered as a success.
 	ErrUsageRecorded = errors.New("accounting: usage already recorded")
+	// ErrNotRecorded: RecordUsage failed before anything reached the ledger (no connection
+	// could be made, or the write was never sent), so the events are certainly not stored.
+	ErrNotRecorded = errors.New("accounting: usage not recorded")
 )
 
 // Model is a priced model.
@@ -118,7 +121,9 @@ type Ledger interface {
 	Adjust(ctx context.Context, org string, delta int64, ref string) (LedgerEntry, bool, error)
 
 	// RecordUsage stores usage events durably before it returns, in one round trip for the
-	// whole batch. An event whose ID is already stored is ignored (never charged twice).
+	// whole batch. An event whose ID is already stored (or voided) is ignored (never charged
+	// twice). An error that wraps ErrNotRecorded means nothing was stored; any other error
+	// leaves the outcome unknown (VoidUsage settles it).
 	RecordUsage(ctx context.Context, events []UsageEvent) error
 	// VoidUsage makes sure the usage event ev.ID is never charged: it stores a tombstone for the
 	// id (the event with status voided, kept for the record), in the same table and under the

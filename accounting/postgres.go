@@ -714,7 +714,17 @@ WITH ins AS (
 )
 SELECT pg_notify(`+sqlChannel+`, org_id) FROM (SELECT DISTINCT org_id FROM ins) d`,
 		ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created)
+	if err != nil && notSent(err) {
+		return fmt.Errorf("%w: %w", ErrNotRecorded, wrapPg("record usage", err))
+	}
 	return wrapPg("record usage", err)
+}
+
+// notSent reports whether err happened before the statement reached Postgres: no connection
+// could be made, or pgx guarantees that no byte was sent.
+func notSent(err error) bool {
+	var ce *pgconn.ConnectError
+	return errors.As(err, &ce) || pgconn.SafeToRetry(err)
 }
 
 // VoidUsage inserts ev with status voided unless its id is stored (ErrUsageRecorded). The

@@ -83,8 +83,9 @@ func TestPostgresUnavailable(t *testing.T) {
 	if _, err := l.Snapshot(ctx, "o"); !errors.Is(err, accounting.ErrLedgerUnavailable) {
 		t.Fatalf("Snapshot: %v; want ErrLedgerUnavailable", err)
 	}
-	if err := l.RecordUsage(ctx, []accounting.UsageEvent{{ID: ledgertest.NewEventID(), Org: "o", Model: "m"}}); !errors.Is(err, accounting.ErrLedgerUnavailable) {
-		t.Fatalf("RecordUsage: %v; want ErrLedgerUnavailable", err)
+	if err := l.RecordUsage(ctx, []accounting.UsageEvent{{ID: ledgertest.NewEventID(), Org: "o", Model: "m"}}); !errors.Is(err, accounting.ErrLedgerUnavailable) ||
+		!errors.Is(err, accounting.ErrNotRecorded) {
+		t.Fatalf("RecordUsage: %v; want ErrLedgerUnavailable and ErrNotRecorded (no connection: certainly not stored)", err)
 	}
 	// A query error is not unavailability.
 	good, _ := newPostgres(t)

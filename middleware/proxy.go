@@ -214,7 +214,8 @@ const (
 func (m *middleware) recordOutcome(ev accounting.UsageEvent, err error) recordResult {
 	switch {
 	case errors.Is(err, accounting.ErrInvalidUsage), errors.Is(err, accounting.ErrInvalidAmount),
-		errors.Is(err, balance.ErrInvalidOrg), errors.Is(err, accounting.ErrRecorderClosed):
+		errors.Is(err, balance.ErrInvalidOrg), errors.Is(err, accounting.ErrRecorderClosed),
+		errors.Is(err, accounting.ErrNotRecorded):
 		return recordNotStored
 	case m.void == nil:
 		return recordUnknown
