@@ -130,7 +130,7 @@ func (m *metrics) observe(o middleware.Outcome) {
 	if o.Status == http.StatusServiceUnavailable {
 		m.errors.WithLabelValues("redis").Inc()
 	}
-	if o.Kind == middleware.OutcomeRecordFailed {
+	if o.Kind == middleware.OutcomeRecordFailed || o.Kind == middleware.OutcomeRecordUnknown {
 		m.errors.WithLabelValues("ledger").Inc()
 	}
 }
