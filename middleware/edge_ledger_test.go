@@ -401,7 +401,7 @@ func TestRevokedKeyStopsWhileLedgerDown(t *testing.T) {
 			}
 			charged += e.outcome().Cost
 		}
-		must(t, e.worker.RevokeKey(ctx, e.keyID))
+		must(t, accounting.NewOps(e.worker).RevokeKey(ctx, e.keyID))
 		e.ledger.keysDown.Store(true) // Postgres unreachable for key look-ups from now on
 		time.Sleep(ttl + 20*time.Millisecond)
 

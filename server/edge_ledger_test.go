@@ -1,4 +1,4 @@
-package main
+package server
 
 // Issue 10, items 5, 6 and 10, against the running proxy over HTTP. Each test ends with the
 // ledger equal to what the client saw, or a refusal with nothing debited.
@@ -19,7 +19,7 @@ import (
 
 // pgBehindFault starts the proxy on real Redis and a fresh Postgres schema reached through a
 // fault proxy, so a test can take Postgres away.
-func pgBehindFault(t *testing.T, tweak ...func(*config)) (*testProxy, *testutil.FaultProxy, *testutil.PostgresEnv) {
+func pgBehindFault(t *testing.T, tweak ...func(*Config)) (*testProxy, *testutil.FaultProxy, *testutil.PostgresEnv) {
 	t.Helper()
 	pg := testutil.Postgres(t)
 	u, err := url.Parse(pg.URL)
@@ -31,7 +31,7 @@ func pgBehindFault(t *testing.T, tweak ...func(*config)) (*testProxy, *testutil.
 	q := u.Query()
 	q.Set("connect_timeout", "2")
 	u.RawQuery = q.Encode()
-	all := append([]func(*config){func(c *config) { c.DatabaseURL = u.String() }}, tweak...)
+	all := append([]func(*Config){func(c *Config) { c.DatabaseURL = u.String() }}, tweak...)
 	return startTestProxy(t, true, all...), fp, pg
 }
 
@@ -112,7 +112,7 @@ func TestEdgeFailOpenColdOrgLedgerDown(t *testing.T) {
 	for _, failOpen := range []bool{false, true} {
 		t.Run(fmt.Sprintf("fail_open=%v", failOpen), func(t *testing.T) {
 			t.Parallel()
-			p, fp, _ := pgBehindFault(t, func(c *config) { c.FailOpen = failOpen })
+			p, fp, _ := pgBehindFault(t, func(c *Config) { c.FailOpen = failOpen })
 			key := p.setup("acme", 1000, 65)
 			if st, _, body := p.do("POST", "/v1/chat/completions", key, chat("hello")); st != http.StatusOK { // key cached
 				t.Fatalf("status %d %s", st, body)
@@ -155,7 +155,7 @@ func TestEdgeFailOpenColdOrgLedgerDown(t *testing.T) {
 // client gets its 200, charged once.
 func TestEdgeRecordStall(t *testing.T) {
 	t.Parallel()
-	p, _, pg := pgBehindFault(t, func(c *config) { c.RecordTimeout = 400 * time.Millisecond })
+	p, _, pg := pgBehindFault(t, func(c *Config) { c.RecordTimeout = 400 * time.Millisecond })
 	ctx := context.Background()
 	for _, sql := range []string{
 		`CREATE TABLE stall (phase text PRIMARY KEY)`,
@@ -221,7 +221,7 @@ END $$`,
 func TestEdgeRevokedKeyLedgerDown(t *testing.T) {
 	t.Parallel()
 	const ttl = 300 * time.Millisecond
-	p, fp, _ := pgBehindFault(t, func(c *config) { c.KeyCacheTTL, c.JournalDir = ttl, t.TempDir() })
+	p, fp, _ := pgBehindFault(t, func(c *Config) { c.KeyCacheTTL, c.JournalDir = ttl, t.TempDir() })
 	key := p.setup("acme", 1000, 65)
 	_, key2 := p.newKey("acme")
 	for _, k := range []string{key, key2} {
