@@ -1,0 +1,720 @@
+/*
+ * escrow.pml — an exhaustive SPIN model of escrow's hold/settle protocol (DESIGN.md "The flow",
+ * "The invariant", "Limits"). docs/model/README.md maps every rule here to DESIGN.md and says
+ * how to read a counterexample trail.
+ *
+ * The world: one org, one ledger (restorable once, which raises its epoch generation), one Redis
+ * (which may lose all its data once), two proxies with their own cached epochs, three requests
+ * (r0 and r1 on proxy 0, r2 on proxy 1), a Redis client that may re-send r0's reserve late, one worker in proxy 0 that may crash between settling and marking, one reaper, an admin
+ * credit, an invalidation, and one limit window that rolls over once.
+ *
+ * Every d_step is one atomic step of the real system: the body of one Lua script, or one ledger
+ * transaction. Steps that involve choices (which entries a worker read) use atomic. Every step that
+ * changes Redis or the ledger ends with CHECK(), so the invariants are asserted in every
+ * reachable state; the at-rest properties are asserted by init once everything is quiet.
+ *
+ * Mutations: compile with exactly one -DM_<RULE> to switch that rule off (the list is in the
+ * README and in internal/modelcheck). Each must make SPIN find a counterexample.
+ *
+ * Every state-changing step prints one "STEP ..." line; `spin -t` replays a trail with them, and
+ * internal/modelcheck replays those lines against the real Lua scripts.
+ */
+
+#define NR    3   /* requests */
+#define MAXE  5   /* ledger entries per epoch: the first credit, the admin credit, 3 charges */
+#define CAP   2   /* per-org cap on unfinished, unpinned holds */
+#define CAPL  3   /* the org's spend limit per window */
+#define B0    2   /* the first credit (seq 1) */
+#ifdef NO_R2
+#define NRUN 3
+#else
+#define NRUN 4
+#endif
+#define CR    1   /* the admin credit */
+
+/* hold amount and real cost per request: r0 costs less than its hold, r1 more, r2 exactly it */
+#define AMT(r)  ((r) == 0 -> 2 : 1)
+#define COST(r) ((r) == 1 -> 2 : 1)
+
+/* replies */
+#define S_OK      1
+#define S_COLD    2
+#define S_DUP     3
+#define S_GONE    4
+#define S_TOOMANY 5
+#define S_LIMIT   6
+#define S_INSUFF  7
+#define S_LOST    8   /* the call timed out before Redis ran it (client sees an error) */
+
+#define NOWIN 2       /* a hold record that names no counter / an entry attributed to none */
+
+byte clock;           /* the current limit window on the Redis clock: 0, then 1 after the rollover */
+
+/* ---- Redis ---- */
+bool acct;            /* esc:{org}:acct exists (with lim and u: they vanish together) */
+short bal;
+byte wm;
+byte aep;             /* acct's epoch generation */
+bool hp[NR];          /* hold present (holds hash) */
+byte hamt[NR];        /* hold amount */
+bool hfin[NR];        /* finished flag */
+bool hpin[NR];        /* expiry pushed far out (pinned) */
+byte hwin[NR];        /* the counter (window) the hold was added to; NOWIN for none */
+bool gone[NR];        /* tombstones */
+bool uex[2];          /* counter field exists, per window */
+short U[2];
+
+/* ---- ledger (Postgres) ---- */
+byte lep;             /* current epoch generation */
+byte lsq[2];          /* ledger_seq per generation */
+short ed[2*MAXE];     /* entries of generation g at g*MAXE + seq-1: delta */
+byte eh[2*MAXE];      /* hold id + 1 (0: none) */
+byte ew[2*MAXE];      /* window of the entry's stored reserve time (NOWIN: a credit) */
+byte settled;         /* settled_seq (of the current ledger) */
+byte ev[NR];          /* usage event: 0 none, 1 pending, 2 accounted */
+byte evseq[NR];       /* the entry an accounted event became */
+byte evw[NR];         /* the reserve window stored with the event */
+bool jr[NR];          /* usage waiting in a proxy's local journal */
+
+/* ---- proxies ---- */
+byte pe[2];           /* each proxy's cached ledger epoch */
+
+/* ---- ghost state: what the properties speak about, never read by a rule ---- */
+bool oact[NR];        /* the owner is alive and extending its hold, so it never expires */
+bool alive[NR];       /* the request is still being served (its owner waits on its reserve call) */
+bool sent[NR];        /* the first reserve was sent (a re-send may follow) */
+byte sep[NR];         /* the epoch that reserve carried */
+byte rwin[NR];        /* reserve-time window of the request's hold */
+bool served[NR];      /* the client got a response: it must be billed once */
+byte hrec[NR];        /* hold live when its usage was recorded (the debt rule) */
+bool hend[NR];        /* the hold was ended (settled, released or reaped) */
+bool tlost[NR];       /* its tombstone may have been lost with a data loss */
+bool lost[NR];        /* usage lost with a restore or a lost journal: may stay unbilled */
+short jla;            /* allowed debt: journaled usage whose hold was lost with Redis */
+byte applied;         /* bit s: entry s is in bal in this acct's lifetime */
+byte acctmax;         /* highest generation this acct lifetime has had */
+byte ndone;           /* requests and re-senders finished */
+bool wbusy;           /* the worker is between reading entries and marking them */
+bool rbusy;           /* the reaper is between its ledger check and its reap */
+bool didflush, didinv, didcredit, didrestore;
+
+/* scratch for CHECK and the d_steps (hidden: not part of the state) */
+hidden byte ti, tj, ts;
+hidden short tB, tH, tU, tA, tx;
+
+#define IDX(g, s) ((g)*MAXE + (s) - 1)
+
+/* ledger: B(k) of generation lep into tB */
+inline LB(k) {
+  tB = 0; tj = 1;
+  do
+  :: tj <= (k) -> tB = tB + ed[IDX(lep, tj)]; tj++
+  :: else -> break
+  od
+}
+
+/* the invariants of every state (DESIGN "The invariant", "Limits"/counter invariant) */
+inline CHECK() {
+  if
+  :: acct && aep == lep ->
+     LB(wm);
+     tH = 0; ti = 0;
+     do
+     :: ti < NR -> if :: hp[ti] -> tH = tH + hamt[ti] :: else fi; ti++
+     :: else -> break
+     od;
+     assert(bal + tH == tB);               /* bal + Σ holds = B(wm) */
+     tU = 0; tj = 1;
+     do
+     :: tj <= wm -> if :: ew[IDX(lep, tj)] == clock && ed[IDX(lep, tj)] < 0 -> tU = tU - ed[IDX(lep, tj)] :: else fi; tj++
+     :: else -> break
+     od;
+     ti = 0;
+     do
+     :: ti < NR -> if :: hp[ti] && hwin[ti] == clock -> tU = tU + hamt[ti] :: else fi; ti++
+     :: else -> break
+     od;
+     assert((uex[clock] -> U[clock] : 0) == tU);   /* the counter invariant, current window */
+  :: else
+  fi;
+  ti = 0;
+  do
+  :: ti < NR -> assert(!(hp[ti] && hend[ti] && !tlost[ti])); ti++   /* no hold revived after its end */
+  :: else -> break
+  od;
+  assert(!acct || aep >= acctmax)          /* an acct never goes back to an older generation */
+}
+
+/* counters: a change to a missing field creates it only in the current window */
+inline UADD(w, d) {
+  if
+  :: (w) < NOWIN && uex[w] -> U[w] = U[w] + (d)
+  :: (w) < NOWIN && !uex[w] && (w) == clock -> uex[w] = 1; U[w] = (d)
+  :: else
+  fi
+}
+
+/* ledger: the org's pending usage becomes entries, in one transaction */
+inline ACCOUNT_ALL() {
+  ti = 0;
+  do
+  :: ti < NR ->
+     if
+     :: ev[ti] == 1 ->
+        lsq[lep]++; ed[IDX(lep, lsq[lep])] = -COST(ti); eh[IDX(lep, lsq[lep])] = ti + 1;
+        ew[IDX(lep, lsq[lep])] = evw[ti]; ev[ti] = 2; evseq[ti] = lsq[lep]
+     :: else
+     fi;
+     ti++
+  :: else -> break
+  od
+}
+
+/* ledger: usage recorded for r but not settled yet (UnsettledUsage) */
+#define UNSETTLED(r) (ev[r] == 1 || (ev[r] == 2 && evseq[r] > settled))
+
+/* Lua reserve.lua: the order of checks is amount, COLD, DUPLICATE, GONE, TOO_MANY, LIMIT, INSUFFICIENT */
+inline RESERVE(r, e, st) {
+  st = 0;
+  if :: !acct || aep != (e) -> st = S_COLD :: else fi;
+#ifndef M_DUP
+  if :: st == 0 && hp[r] -> st = S_DUP :: else fi;
+#endif
+#ifndef M_TOMB
+  if :: st == 0 && gone[r] -> st = S_GONE :: else fi;
+#endif
+  if
+  :: st == 0 ->
+     tx = 0; ti = 0;
+     do
+     :: ti < NR -> if :: hp[ti] && !hfin[ti] && !hpin[ti] -> tx++ :: else fi; ti++
+     :: else -> break
+     od;
+     if :: tx >= CAP -> st = S_TOOMANY :: else fi
+  :: else
+  fi;
+  if :: st == 0 && (uex[clock] -> U[clock] : 0) + AMT(r) > CAPL -> st = S_LIMIT :: else fi;
+  if :: st == 0 && bal < AMT(r) -> st = S_INSUFF :: else fi;
+  if
+  :: st == 0 ->
+     st = S_OK; bal = bal - AMT(r);
+     hp[r] = 1; hamt[r] = AMT(r); hfin[r] = 0; hpin[r] = 0; hwin[r] = clock;
+     UADD(clock, AMT(r))
+  :: else
+  fi
+}
+
+/* drop a hold inside settle: it comes back to bal and leaves its counter; the id is tombstoned */
+inline SDROP(r) {
+  if
+  :: hp[r] -> bal = bal + hamt[r]; UADD(hwin[r], -hamt[r]); hp[r] = 0; hpin[r] = 0; hfin[r] = 0
+  :: else
+  fi;
+  gone[r] = 1; hend[r] = 1
+}
+
+/* Lua settle.lua with entries f..t of generation g -> scold, sn (settled prefix), sgap */
+inline SETTLE(g, f, t) {
+  scold = 0; sn = 0; sgap = 0;
+  if
+  :: !acct -> scold = 1
+  :: acct && aep != (g) ->
+     scold = 1;
+#ifndef M_EPOCH
+     if :: (g) > aep -> acct = 0; uex[0] = 0; uex[1] = 0 :: else fi
+#else
+     acct = 0; uex[0] = 0; uex[1] = 0
+#endif
+  :: else ->
+     ts = (f);
+     do
+     :: ts > (t) -> break
+     :: ts <= wm ->
+        if :: eh[IDX(g, ts)] > 0 -> SDROP(eh[IDX(g, ts)] - 1) :: else fi;
+        sn++; ts++
+#ifndef M_SEQ
+     :: ts == wm + 1 ->
+#else
+     :: ts > wm ->
+#endif
+        if :: eh[IDX(g, ts)] > 0 -> SDROP(eh[IDX(g, ts)] - 1) :: else fi;
+        bal = bal + ed[IDX(g, ts)];
+        if
+        :: ed[IDX(g, ts)] < 0 ->
+#ifndef M_WIN
+           UADD(ew[IDX(g, ts)], -ed[IDX(g, ts)])
+#else
+           UADD(clock, -ed[IDX(g, ts)])          /* charged to the settle-time window */
+#endif
+        :: else
+        fi;
+        assert((applied & (1 << ts)) == 0);     /* no entry applied twice */
+        applied = applied | (1 << ts);
+        wm = ts; sn++; ts++
+     :: else -> sgap = 1; break
+     od
+  fi
+}
+
+/* Lua release.lua (reap.lua is the same body after its expiry re-check) */
+inline RELEASE(r) {
+  if
+  :: hp[r] ->
+     if :: acct -> bal = bal + hamt[r]; UADD(hwin[r], -hamt[r]) :: else fi;
+     hp[r] = 0; hpin[r] = 0; hfin[r] = 0
+  :: else ->
+#ifdef M_GATE
+     if :: acct -> bal = bal + AMT(r) :: else fi   /* gives back whether or not it deleted the hold */
+#else
+     skip
+#endif
+  fi;
+  gone[r] = 1; hend[r] = 1
+}
+
+/* Lua finish: only an existing, unfinished hold; bal += hold - cost, the hold becomes cost */
+inline FINISH(r) {
+#ifndef M_FIN
+  if
+  :: hp[r] && !hfin[r] ->
+     if :: acct -> bal = bal + hamt[r] - COST(r); UADD(hwin[r], COST(r) - hamt[r]) :: else fi;
+     hamt[r] = COST(r); hfin[r] = 1
+  :: else
+  fi
+#else
+  if
+  :: hp[r] && !hfin[r] ->
+     if :: acct -> bal = bal + hamt[r] - COST(r); UADD(hwin[r], COST(r) - hamt[r]) :: else fi;
+     hamt[r] = COST(r); hfin[r] = 1
+  :: !hp[r] ->                                   /* no existence check: writes the record anyway */
+     if :: acct -> bal = bal - COST(r) :: else fi;
+     hp[r] = 1; hamt[r] = COST(r); hfin[r] = 1; hpin[r] = 0; hwin[r] = NOWIN
+  :: else
+  fi
+#endif
+}
+
+/* Lua seed.lua: acct of this epoch or a higher generation -> no-op; else bal = base - Σ holds */
+inline SEED(g, base, W, s0, s1) {
+#ifndef M_EPOCH
+  if
+  :: acct && aep >= (g) -> skip
+#else
+  if
+  :: acct && aep == (g) -> skip
+#endif
+  :: else ->
+     if :: acct -> acctmax = (aep > acctmax -> aep : acctmax) :: else -> acctmax = (g) fi;
+     acct = 1; aep = (g); wm = (W); bal = (base);
+     applied = (1 << ((W) + 1)) - 1;
+#ifndef M_SEEDHOLD
+     ti = 0;
+     do
+     :: ti < NR -> if :: hp[ti] -> bal = bal - hamt[ti] :: else fi; ti++
+     :: else -> break
+     od;
+#endif
+     uex[1 - clock] = 0; uex[clock] = 1; U[clock] = (clock == 0 -> (s0) : (s1));
+     ti = 0;
+     do
+     :: ti < NR -> if :: hp[ti] && hwin[ti] == clock -> U[clock] = U[clock] + hamt[ti] :: else fi; ti++
+     :: else -> break
+     od
+  fi
+}
+
+/* ledger snapshot transaction: accounts the org's pending usage first, then reads balance, seq,
+ * epoch and the spend per window of the entries up to seq; the caller's cached epoch is refreshed */
+inline SNAPSHOT(p) {
+#ifndef M_PEND
+  ACCOUNT_ALL();
+#endif
+  kg = lep; kW = lsq[lep]; LB(kW); kb = tB; k0 = 0; k1 = 0; tj = 1;
+  do
+  :: tj <= kW ->
+     if
+     :: ed[IDX(lep, tj)] < 0 && ew[IDX(lep, tj)] == 0 -> k0 = k0 - ed[IDX(lep, tj)]
+     :: ed[IDX(lep, tj)] < 0 && ew[IDX(lep, tj)] == 1 -> k1 = k1 - ed[IDX(lep, tj)]
+     :: else
+     fi;
+     tj++
+  :: else -> break
+  od;
+  if :: lep > pe[p] -> pe[p] = lep :: else fi
+}
+
+/* catch-up: read wm (HMGET), read the entries past it (ledger), re-send them through settle */
+inline CATCHUP(p, who) {
+#ifndef M_CATCHUP
+  d_step { kc = (acct -> 1 : 0); kW = wm; printf("STEP %d catchup-read wm=%d cold=%d\n", who, kW, 1 - kc) };
+  if
+  :: kc ->
+     d_step {
+       kg = lep; kt = lsq[lep];
+       if :: lep > pe[p] -> pe[p] = lep :: else fi;
+       printf("STEP %d catchup-entries g=%d from=%d to=%d\n", who, kg, kW + 1, kt)
+     };
+     if
+     :: kt > kW -> d_step { SETTLE(kg, kW + 1, kt); printf("STEP %d settle g=%d from=%d to=%d -> cold=%d n=%d gap=%d\n", who, kg, kW + 1, kt, scold, sn, sgap); CHECK() }
+     :: else
+     fi
+  :: else
+  fi
+#else
+  skip
+#endif
+}
+
+/* Store.Warm: snapshot (ledger), seed (script), catch-up */
+inline WARM(p, who) {
+  d_step { SNAPSHOT(p); printf("STEP %d snapshot g=%d base=%d W=%d s0=%d s1=%d\n", who, kg, kb, kW, k0, k1); CHECK() };
+  d_step { SEED(kg, kb, kW, k0, k1); printf("STEP %d seed g=%d base=%d W=%d s0=%d s1=%d\n", who, kg, kb, kW, k0, k1); CHECK() };
+  CATCHUP(p, who)
+}
+
+/* ledger: record a usage event, idempotent by the request id */
+inline LRECORD(r) {
+  if :: ev[r] == 0 && !lost[r] -> ev[r] = 1; evw[r] = rwin[r] :: else fi
+}
+
+/* Which request may meet which fault. Every request may be refused, succeed, fail upstream or
+ * lose its owner; the rarer faults are spread over the requests to keep the state space small
+ * (-DFULL gives every request every fault). */
+#ifdef FULL
+#define LOSTCALL(r)    1
+#define RERELEASE(r)   1
+#define JOURNAL(r)     1
+#define LATEFINISH(r)  1
+#define DIEFINISH(r)   1
+#else
+#define LOSTCALL(r)    ((r) == 0)   /* the reserve call times out before Redis ran it */
+#define RERELEASE(r)   ((r) == 0)   /* the background release is sent twice */
+#define JOURNAL(r)     ((r) == 1)   /* the ledger is down when the usage is recorded */
+#define LATEFINISH(r)  ((r) == 1)   /* finish is re-sent and arrives late */
+#define DIEFINISH(r)   ((r) == 2)   /* the owner dies between record and finish */
+#endif
+
+inline KRESET() {
+  d_step { kg = 0; kW = 0; kc = 0; kt = 0; scold = 0; sn = 0; sgap = 0; kb = 0; k0 = 0; k1 = 0 }
+}
+
+proctype Req(byte r; byte p) {
+  byte st, tries;
+  byte kg, kW, kc, kt, scold, sn, sgap;
+  short kb, k0, k1;
+again: skip;
+  if
+  :: d_step {
+       RESERVE(r, pe[p], st); sep[r] = pe[p]; sent[r] = 1;
+       if :: st == S_OK -> oact[r] = 1; rwin[r] = clock :: st == S_DUP -> oact[r] = 1 :: else fi;
+       printf("STEP %d reserve r=%d ep=%d -> %d\n", r, r, pe[p], st);
+       CHECK()
+     }
+  :: LOSTCALL(r) ->
+     d_step { sep[r] = pe[p]; sent[r] = 1; st = S_LOST; printf("STEP %d reserve-lost r=%d ep=%d\n", r, r, pe[p]) }
+  fi;
+  if
+  :: st == S_COLD && tries < 1 -> tries++; WARM(p, r); KRESET(); goto again
+  :: st == S_OK || st == S_DUP ->                       /* DUP: the hold is ours, proceed */
+     if
+     :: goto success
+     :: goto fail                                       /* upstream failed, or the reply was lost */
+     :: d_step { oact[r] = 0; alive[r] = 0; printf("STEP %d owner-dies r=%d\n", r, r) }; goto done
+     fi
+  :: st == S_LOST -> goto fail
+  :: else -> goto done                                  /* refused: nothing held */
+  fi;
+success: skip;
+  if
+  :: d_step {
+       served[r] = 1; hrec[r] = (hp[r] -> hamt[r] : 0); LRECORD(r);
+       printf("STEP %d record r=%d\n", r, r); CHECK()
+     }
+  :: JOURNAL(r) ->
+     d_step {
+       served[r] = 1; hrec[r] = (hp[r] -> hamt[r] : 0); jr[r] = 1;
+       printf("STEP %d journal r=%d\n", r, r)
+     };
+     d_step {
+#ifndef M_PIN
+       if :: hp[r] -> hpin[r] = 1 :: else fi;
+#endif
+       printf("STEP %d pin r=%d\n", r, r); CHECK()
+     }
+  fi;
+  if
+  :: d_step { FINISH(r); oact[r] = 0; alive[r] = 0; printf("STEP %d finish r=%d\n", r, r); CHECK() };
+     if
+     :: LATEFINISH(r) -> d_step { FINISH(r); printf("STEP %d finish r=%d\n", r, r); CHECK() }  /* re-sent, late */
+     :: skip
+     fi
+  :: DIEFINISH(r) -> d_step { oact[r] = 0; alive[r] = 0; printf("STEP %d owner-dies r=%d\n", r, r) }
+  fi;
+  if
+  :: jr[r] ->
+     if
+     :: d_step { LRECORD(r); jr[r] = 0; printf("STEP %d replay r=%d\n", r, r); CHECK() }
+     :: d_step { jr[r] = 0; if :: ev[r] == 0 -> lost[r] = 1 :: else fi; printf("STEP %d journal-lost r=%d\n", r, r) }
+     fi;
+     d_step { if :: hp[r] -> hpin[r] = 0 :: else fi; printf("STEP %d unpin r=%d\n", r, r); CHECK() }
+  :: else
+  fi;
+  goto done;
+fail: skip;
+  d_step { RELEASE(r); oact[r] = 0; alive[r] = 0; printf("STEP %d release r=%d\n", r, r); CHECK() };
+  if
+  :: RERELEASE(r) -> d_step { RELEASE(r); printf("STEP %d release r=%d\n", r, r); CHECK() }     /* re-sent release */
+  :: skip
+  fi;
+done: skip;
+  d_step { ndone++; st = 0; tries = 0; alive[r] = 0; oact[r] = 0 }
+}
+
+/* the Redis client re-sends r's reserve, with the same arguments, at any later time (or never) */
+proctype Resend(byte r) {
+  byte st;
+  sent[r];
+  if
+  :: d_step { RESERVE(r, sep[r], st); if :: st == S_OK -> oact[r] = alive[r]; rwin[r] = clock :: else fi; printf("STEP %d resend r=%d ep=%d -> %d\n", 5, r, sep[r], st); CHECK() }
+  :: skip
+  fi;
+  d_step { ndone++; st = 0 }
+}
+
+/* the accounting worker of proxy 0 */
+proctype Worker() {
+  byte g, f, t, att;
+  byte kg, kW, kc, kt, scold, sn, sgap;
+  short kb, k0, k1;
+end_w:
+  do
+  :: d_step {
+       (ev[0] == 1 || ev[1] == 1 || ev[2] == 1) -> ACCOUNT_ALL(); printf("STEP %d account\n", 3); CHECK()
+     }
+  :: atomic {
+       settled < lsq[lep] && !wbusy -> wbusy = 1; g = lep; f = settled + 1; t = lsq[lep];
+       if :: lep > pe[0] -> pe[0] = lep :: else fi;
+       if
+       :: skip
+       :: t > f -> f++                  /* another worker's view: it starts past an unsettled entry */
+       fi;
+       printf("STEP %d unsettled g=%d from=%d to=%d\n", 3, g, f, t)
+     };
+     att = 0;
+retry: skip;
+     d_step { SETTLE(g, f, t); printf("STEP %d settle g=%d from=%d to=%d -> cold=%d n=%d gap=%d\n", 3, g, f, t, scold, sn, sgap); CHECK() };
+     if
+     :: scold && att < 2 -> att++; WARM(0, 3); goto retry
+     :: sgap && att < 2 -> att++;
+#ifdef M_CATCHUP
+        /* the gap heal is a catch-up too; only the one right after a seed is switched off */
+        d_step { kc = (acct -> 1 : 0); kW = wm };
+        if
+        :: kc -> d_step { kg = lep; kt = lsq[lep] };
+           if :: kt > kW -> d_step { SETTLE(kg, kW + 1, kt); printf("STEP %d settle g=%d from=%d to=%d -> cold=%d n=%d gap=%d\n", 3, kg, kW + 1, kt, scold, sn, sgap); CHECK() } :: else fi
+        :: else
+        fi;
+#else
+        CATCHUP(0, 3);
+#endif
+        goto retry
+     :: else
+     fi;
+     if
+     :: sn > 0 ->
+        if
+        :: d_step {
+             tx = f + sn - 1; if :: tx > lsq[lep] -> tx = lsq[lep] :: else fi;
+             if :: tx > settled -> settled = tx :: else fi;
+             printf("STEP %d mark seq=%d\n", 3, f + sn - 1); CHECK()
+           }
+        :: d_step { printf("STEP %d worker-crash\n", 3) }        /* dies before marking */
+        fi
+     :: else
+     fi;
+     d_step { wbusy = 0; g = 0; f = 0; t = 0; att = 0; kg = 0; kW = 0; kc = 0; kt = 0; scold = 0; sn = 0; sgap = 0; kb = 0; k0 = 0; k1 = 0 }
+  od
+}
+
+/* the reaper: only expired holds (owner gone, not pinned); asks the ledger, then reap.lua */
+proctype Reaper() {
+  byte c; bool ok;
+end_r:
+  do
+  :: atomic {
+       !rbusy && ((hp[0] && !hpin[0] && !oact[0]) || (hp[1] && !hpin[1] && !oact[1]) || (hp[2] && !hpin[2] && !oact[2])) ->
+       rbusy = 1;
+       if
+       :: hp[0] && !hpin[0] && !oact[0] -> c = 0
+       :: hp[1] && !hpin[1] && !oact[1] -> c = 1
+       :: hp[2] && !hpin[2] && !oact[2] -> c = 2
+       fi;
+#ifndef M_REAPCHK
+       ok = !UNSETTLED(c);
+#else
+       ok = 1;
+#endif
+       printf("STEP %d reap-check r=%d -> %d\n", 4, c, ok)
+     };
+     if
+     :: ok -> d_step {
+          if
+          :: hp[c] && !hpin[c] ->
+             assert(!UNSETTLED(c) && !jr[c]);      /* never the hold of unsettled recorded usage */
+             RELEASE(c)
+          :: else
+          fi;
+          printf("STEP %d reap r=%d\n", 4, c); CHECK()
+        }
+     :: else
+     fi;
+     d_step { rbusy = 0; c = 0; ok = 0 }
+  od
+}
+
+inline RESTORE(drop) {
+  tj = 1;
+  do
+  :: tj + (drop) <= lsq[0] -> ed[IDX(1, tj)] = ed[IDX(0, tj)]; eh[IDX(1, tj)] = eh[IDX(0, tj)]; ew[IDX(1, tj)] = ew[IDX(0, tj)]; tj++
+  :: else -> break
+  od;
+  lsq[1] = lsq[0] - (drop);
+  if
+  :: (drop) -> ti = eh[IDX(0, lsq[0])] - 1; ev[ti] = 0; lost[ti] = 1
+  :: else
+  fi;
+  if :: settled > lsq[1] -> settled = lsq[1] :: else fi;
+  lep = 1;
+  printf("STEP %d restore dropped=%d\n", 6, drop); CHECK()
+}
+
+/* faults and admin actions, each at most once, at any time */
+proctype Chaos() {
+end_c:
+  do
+  :: false
+#ifndef NO_FLUSH
+  :: d_step {
+       !didflush -> didflush = 1;
+       ti = 0;
+       do
+       :: ti < NR -> if :: jr[ti] -> jla = jla + COST(ti) :: else fi;
+          hp[ti] = 0; hpin[ti] = 0; hfin[ti] = 0; gone[ti] = 0; tlost[ti] = 1; ti++
+       :: else -> break
+       od;
+       acct = 0; uex[0] = 0; uex[1] = 0;
+       printf("STEP %d flush\n", 6); CHECK()
+     }
+#endif
+#ifndef NO_INVALIDATE
+  :: d_step { !didinv -> didinv = 1; acct = 0; uex[0] = 0; uex[1] = 0; printf("STEP %d invalidate\n", 6); CHECK() }
+#endif
+#ifndef NO_CREDIT
+  :: d_step {
+       !didcredit -> didcredit = 1;
+       lsq[lep]++; ed[IDX(lep, lsq[lep])] = CR; eh[IDX(lep, lsq[lep])] = 0; ew[IDX(lep, lsq[lep])] = NOWIN;
+       printf("STEP %d credit\n", 6); CHECK()
+     }
+#endif
+#ifndef NO_RESTORE
+  /* the ledger restored from a backup taken before its last entry (when that is a charge: its
+   * usage is lost), or taken just now; either way the epoch generation goes up */
+  :: d_step { !didrestore && lep == 0 && eh[IDX(0, lsq[0])] > 0 -> didrestore = 1; RESTORE(1) }
+  :: d_step { !didrestore && lep == 0 -> didrestore = 1; RESTORE(0) }
+#endif
+#ifndef NO_TICK
+  :: d_step { clock == 0 -> clock = 1; printf("STEP %d tick\n", 6); CHECK() }
+#endif
+  od
+}
+
+init {
+  byte kg, kW, kc, kt, scold, sn, sgap;
+  short kb, k0, k1;
+  short allowed, spend, allow0, allow1, sp0, sp1;
+  byte cnt;
+  d_step {
+    lsq[0] = 1; ed[0] = B0; eh[0] = 0; ew[0] = NOWIN; settled = 1;
+    acct = 1; bal = B0; wm = 1; aep = 0; acctmax = 0; applied = 3;
+    alive[0] = 1; alive[1] = 1; alive[2] = 1;
+    uex[0] = 1; U[0] = 0; hwin[0] = NOWIN; hwin[1] = NOWIN; hwin[2] = NOWIN
+  };
+  atomic {
+    run Req(0, 0); run Req(1, 0);
+#ifndef NO_R2
+    run Req(2, 1);
+#endif
+
+    run Resend(0);
+    run Worker(); run Reaper(); run Chaos()
+  };
+  /* at rest: every request and re-send done, the journals replayed, every event accounted and
+   * every entry marked settled, neither worker nor reaper in the middle of something */
+  d_step {
+    ndone == NRUN && !jr[0] && !jr[1] && !jr[2] && ev[0] != 1 && ev[1] != 1 && ev[2] != 1 &&
+    settled == lsq[lep] && !wbusy && !rbusy -> printf("STEP %d quiesce\n", 7)
+  };
+  /* the next request (or the reconciler) drops a stale acct and reseeds a cold org */
+  d_step { if :: acct && aep != lep -> acct = 0; uex[0] = 0; uex[1] = 0 :: else fi; kc = (acct -> 1 : 0) };
+  if
+  :: !kc -> WARM(0, 7)
+  :: else
+  fi;
+  /* the reaper takes every expired hold the ledger has no unsettled usage for */
+  d_step {
+    ti = 0;
+    do
+    :: ti < NR ->
+       if
+#ifndef M_REAPCHK
+       :: hp[ti] && !hpin[ti] && !UNSETTLED(ti) -> RELEASE(ti)
+#else
+       :: hp[ti] && !hpin[ti] -> RELEASE(ti)
+#endif
+       :: else
+       fi;
+       ti++
+    :: else -> break
+    od;
+    printf("STEP %d reap-all\n", 7);
+    CHECK()
+  };
+  d_step {
+    /* Redis equals the ledger */
+    assert(!hp[0] && !hp[1] && !hp[2]);
+    assert(acct && aep == lep && wm == lsq[lep]);
+    LB(lsq[lep]);
+    assert(bal == tB);
+    /* every served request billed exactly once (unless its usage was lost), nothing twice */
+    allowed = jla; sp0 = 0; sp1 = 0; allow0 = 0; allow1 = 0;
+    ti = 0;
+    do
+    :: ti < NR ->
+       cnt = 0; tj = 1;
+       do
+       :: tj <= lsq[lep] -> if :: eh[IDX(lep, tj)] == ti + 1 -> cnt++ :: else fi; tj++
+       :: else -> break
+       od;
+       assert(cnt <= 1);
+       assert(!served[ti] || lost[ti] || cnt == 1);
+       if
+       :: cnt == 1 ->
+          spend = (COST(ti) > hrec[ti] -> COST(ti) - hrec[ti] : 0);
+          allowed = allowed + spend;
+          if
+          :: rwin[ti] == 0 -> sp0 = sp0 + COST(ti); allow0 = allow0 + spend
+          :: else -> sp1 = sp1 + COST(ti); allow1 = allow1 + spend
+          fi
+       :: else
+       fi;
+       ti++
+    :: else -> break
+    od;
+    allow0 = allow0 + jla; allow1 = allow1 + jla;
+    /* debt only within the debt rule; each window's spend within its cap + the overshoot rule */
+    assert(tB >= -allowed);
+    assert(sp0 <= CAPL + allow0);
+    assert(sp1 <= CAPL + allow1);
+    printf("STEP %d at-rest ok\n", 7)
+  }
+}
