@@ -5,7 +5,7 @@
  *
  * The world: one org, one ledger (restorable once, which raises its epoch generation), one Redis
  * (which may lose all its data once), two proxies with their own cached epochs, three requests
- * (r0 and r1 on proxy 0, r2 on proxy 1), a Redis client that may re-send r0's reserve late, one worker in proxy 0 that may crash between settling and marking, one reaper, an admin
+ * (r0 and r2 on proxy 0, r1 on proxy 1), a Redis client that may re-send r0's reserve late, one worker in proxy 0 that may crash between settling and marking, one reaper, an admin
  * credit, an invalidation, and one limit window that rolls over once.
  *
  * Every d_step is one atomic step of the real system: the body of one Lua script, or one ledger
@@ -24,17 +24,27 @@
 #define MAXE  5   /* ledger entries per epoch: the first credit, the admin credit, 3 charges */
 #define CAP   2   /* per-org cap on unfinished, unpinned holds */
 #define CAPL  3   /* the org's spend limit per window */
+#ifndef B0
 #define B0    2   /* the first credit (seq 1) */
+#endif
+#define CR    1   /* the admin credit */
 #ifdef NO_R2
 #define NRUN 3
 #else
 #define NRUN 4
 #endif
-#define CR    1   /* the admin credit */
 
-/* hold amount and real cost per request: r0 costs less than its hold, r1 more, r2 exactly it */
-#define AMT(r)  ((r) == 0 -> 2 : 1)
-#define COST(r) ((r) == 1 -> 2 : 1)
+/* hold amount and real cost per request (a world may choose others with -D) */
+#ifndef A0
+#define A0 1      /* r0: costs more than its hold (the debt rule's case) */
+#define C0 2
+#define A1 2      /* r1: costs less than its hold (finish gives the rest back) */
+#define C1 1
+#define A2 1      /* r2: costs its hold */
+#define C2 1
+#endif
+#define AMT(r)  ((r) == 0 -> A0 : ((r) == 1 -> A1 : A2))
+#define COST(r) ((r) == 0 -> C0 : ((r) == 1 -> C1 : C2))
 
 /* replies */
 #define S_OK      1
@@ -97,6 +107,7 @@ byte ndone;           /* requests and re-senders finished */
 bool wbusy;           /* the worker is between reading entries and marking them */
 bool rbusy;           /* the reaper is between its ledger check and its reap */
 bool didflush, didinv, didcredit, didrestore;
+bool resting;         /* init is checking the world at rest: nothing else moves */
 
 /* scratch for CHECK and the d_steps (hidden: not part of the state) */
 hidden byte ti, tj, ts;
@@ -143,6 +154,16 @@ inline CHECK() {
   :: else -> break
   od;
   assert(!acct || aep >= acctmax)          /* an acct never goes back to an older generation */
+}
+
+/* a dropped acct (with lim and u) and a dropped hold leave no stale values behind: states that
+ * differ only in dead values are one state */
+inline DROPACCT() {
+  acct = 0; bal = 0; wm = 0; aep = 0; applied = 0; acctmax = 0;
+  uex[0] = 0; uex[1] = 0; U[0] = 0; U[1] = 0
+}
+inline HOLDCLR(r) {
+  hp[r] = 0; hamt[r] = 0; hfin[r] = 0; hpin[r] = 0; hwin[r] = NOWIN
 }
 
 /* counters: a change to a missing field creates it only in the current window */
@@ -207,7 +228,7 @@ inline RESERVE(r, e, st) {
 /* drop a hold inside settle: it comes back to bal and leaves its counter; the id is tombstoned */
 inline SDROP(r) {
   if
-  :: hp[r] -> bal = bal + hamt[r]; UADD(hwin[r], -hamt[r]); hp[r] = 0; hpin[r] = 0; hfin[r] = 0
+  :: hp[r] -> bal = bal + hamt[r]; UADD(hwin[r], -hamt[r]); HOLDCLR(r)
   :: else
   fi;
   gone[r] = 1; hend[r] = 1
@@ -221,9 +242,9 @@ inline SETTLE(g, f, t) {
   :: acct && aep != (g) ->
      scold = 1;
 #ifndef M_EPOCH
-     if :: (g) > aep -> acct = 0; uex[0] = 0; uex[1] = 0 :: else fi
+     if :: (g) > aep -> DROPACCT() :: else fi
 #else
-     acct = 0; uex[0] = 0; uex[1] = 0
+     DROPACCT()
 #endif
   :: else ->
      ts = (f);
@@ -261,7 +282,7 @@ inline RELEASE(r) {
   if
   :: hp[r] ->
      if :: acct -> bal = bal + hamt[r]; UADD(hwin[r], -hamt[r]) :: else fi;
-     hp[r] = 0; hpin[r] = 0; hfin[r] = 0
+     HOLDCLR(r)
   :: else ->
 #ifdef M_GATE
      if :: acct -> bal = bal + AMT(r) :: else fi   /* gives back whether or not it deleted the hold */
@@ -314,7 +335,7 @@ inline SEED(g, base, W, s0, s1) {
      :: else -> break
      od;
 #endif
-     uex[1 - clock] = 0; uex[clock] = 1; U[clock] = (clock == 0 -> (s0) : (s1));
+     uex[1 - clock] = 0; U[1 - clock] = 0; uex[clock] = 1; U[clock] = (clock == 0 -> (s0) : (s1));
      ti = 0;
      do
      :: ti < NR -> if :: hp[ti] && hwin[ti] == clock -> U[clock] = U[clock] + hamt[ti] :: else fi; ti++
@@ -344,22 +365,23 @@ inline SNAPSHOT(p) {
 }
 
 /* catch-up: read wm (HMGET), read the entries past it (ledger), re-send them through settle */
-inline CATCHUP(p, who) {
-#ifndef M_CATCHUP
-  d_step { kc = (acct -> 1 : 0); kW = wm; printf("STEP %d catchup-read wm=%d cold=%d\n", who, kW, 1 - kc) };
+inline CATCHUP_BODY(p, who) {
+  /* HMGET wm, then EntriesAfter(wm): one step (a re-send is idempotent whatever ran between) */
+  d_step {
+    kc = (acct -> 1 : 0); kW = wm; kg = lep; kt = lsq[lep];
+    if :: lep > pe[p] -> pe[p] = lep :: else fi;
+    printf("STEP %d catchup-read wm=%d cold=%d g=%d to=%d\n", who, kW, 1 - kc, kg, kt)
+  };
   if
-  :: kc ->
-     d_step {
-       kg = lep; kt = lsq[lep];
-       if :: lep > pe[p] -> pe[p] = lep :: else fi;
-       printf("STEP %d catchup-entries g=%d from=%d to=%d\n", who, kg, kW + 1, kt)
-     };
-     if
-     :: kt > kW -> d_step { SETTLE(kg, kW + 1, kt); printf("STEP %d settle g=%d from=%d to=%d -> cold=%d n=%d gap=%d\n", who, kg, kW + 1, kt, scold, sn, sgap); CHECK() }
-     :: else
-     fi
+  :: kc && kt > kW -> d_step { SETTLE(kg, kW + 1, kt); printf("STEP %d catchup-settle g=%d from=%d to=%d -> cold=%d n=%d gap=%d\n", who, kg, kW + 1, kt, scold, sn, sgap); CHECK() }
   :: else
   fi
+}
+
+/* the catch-up right after a seed (Store.Warm) */
+inline CATCHUP(p, who) {
+#ifndef M_CATCHUP
+  CATCHUP_BODY(p, who)
 #else
   skip
 #endif
@@ -405,7 +427,7 @@ proctype Req(byte r; byte p) {
 again: skip;
   if
   :: d_step {
-       RESERVE(r, pe[p], st); sep[r] = pe[p]; sent[r] = 1;
+       RESERVE(r, pe[p], st); if :: r == 0 -> sep[r] = pe[p]; sent[r] = 1 :: else fi;
        if :: st == S_OK -> oact[r] = 1; rwin[r] = clock :: st == S_DUP -> oact[r] = 1 :: else fi;
        printf("STEP %d reserve r=%d ep=%d -> %d\n", r, r, pe[p], st);
        CHECK()
@@ -489,15 +511,17 @@ proctype Worker() {
 end_w:
   do
   :: d_step {
-       (ev[0] == 1 || ev[1] == 1 || ev[2] == 1) -> ACCOUNT_ALL(); printf("STEP %d account\n", 3); CHECK()
+       !resting && (ev[0] == 1 || ev[1] == 1 || ev[2] == 1) -> ACCOUNT_ALL(); printf("STEP %d account\n", 3); CHECK()
      }
   :: atomic {
-       settled < lsq[lep] && !wbusy -> wbusy = 1; g = lep; f = settled + 1; t = lsq[lep];
+       !resting && settled < lsq[lep] && !wbusy -> wbusy = 1; g = lep; f = settled + 1; t = lsq[lep];
        if :: lep > pe[0] -> pe[0] = lep :: else fi;
+#ifndef NO_OOO
        if
        :: skip
        :: t > f -> f++                  /* another worker's view: it starts past an unsettled entry */
        fi;
+#endif
        printf("STEP %d unsettled g=%d from=%d to=%d\n", 3, g, f, t)
      };
      att = 0;
@@ -506,17 +530,7 @@ retry: skip;
      if
      :: scold && att < 2 -> att++; WARM(0, 3); goto retry
      :: sgap && att < 2 -> att++;
-#ifdef M_CATCHUP
-        /* the gap heal is a catch-up too; only the one right after a seed is switched off */
-        d_step { kc = (acct -> 1 : 0); kW = wm };
-        if
-        :: kc -> d_step { kg = lep; kt = lsq[lep] };
-           if :: kt > kW -> d_step { SETTLE(kg, kW + 1, kt); printf("STEP %d settle g=%d from=%d to=%d -> cold=%d n=%d gap=%d\n", 3, kg, kW + 1, kt, scold, sn, sgap); CHECK() } :: else fi
-        :: else
-        fi;
-#else
-        CATCHUP(0, 3);
-#endif
+        CATCHUP_BODY(0, 3);                        /* the gap heal (not switched off by M_CATCHUP) */
         goto retry
      :: else
      fi;
@@ -528,7 +542,9 @@ retry: skip;
              if :: tx > settled -> settled = tx :: else fi;
              printf("STEP %d mark seq=%d\n", 3, f + sn - 1); CHECK()
            }
+#ifndef NO_WCRASH
         :: d_step { printf("STEP %d worker-crash\n", 3) }        /* dies before marking */
+#endif
         fi
      :: else
      fi;
@@ -542,7 +558,7 @@ proctype Reaper() {
 end_r:
   do
   :: atomic {
-       !rbusy && ((hp[0] && !hpin[0] && !oact[0]) || (hp[1] && !hpin[1] && !oact[1]) || (hp[2] && !hpin[2] && !oact[2])) ->
+       !resting && !rbusy && ((hp[0] && !hpin[0] && !oact[0]) || (hp[1] && !hpin[1] && !oact[1]) || (hp[2] && !hpin[2] && !oact[2])) ->
        rbusy = 1;
        if
        :: hp[0] && !hpin[0] && !oact[0] -> c = 0
@@ -595,23 +611,23 @@ end_c:
   :: false
 #ifndef NO_FLUSH
   :: d_step {
-       !didflush -> didflush = 1;
+       !resting && !didflush -> didflush = 1;
        ti = 0;
        do
        :: ti < NR -> if :: jr[ti] -> jla = jla + COST(ti) :: else fi;
-          hp[ti] = 0; hpin[ti] = 0; hfin[ti] = 0; gone[ti] = 0; tlost[ti] = 1; ti++
+          HOLDCLR(ti); gone[ti] = 0; tlost[ti] = 1; ti++
        :: else -> break
        od;
-       acct = 0; uex[0] = 0; uex[1] = 0;
+       DROPACCT();
        printf("STEP %d flush\n", 6); CHECK()
      }
 #endif
 #ifndef NO_INVALIDATE
-  :: d_step { !didinv -> didinv = 1; acct = 0; uex[0] = 0; uex[1] = 0; printf("STEP %d invalidate\n", 6); CHECK() }
+  :: d_step { !resting && !didinv -> didinv = 1; DROPACCT(); printf("STEP %d invalidate\n", 6); CHECK() }
 #endif
 #ifndef NO_CREDIT
   :: d_step {
-       !didcredit -> didcredit = 1;
+       !resting && !didcredit -> didcredit = 1;
        lsq[lep]++; ed[IDX(lep, lsq[lep])] = CR; eh[IDX(lep, lsq[lep])] = 0; ew[IDX(lep, lsq[lep])] = NOWIN;
        printf("STEP %d credit\n", 6); CHECK()
      }
@@ -619,11 +635,11 @@ end_c:
 #ifndef NO_RESTORE
   /* the ledger restored from a backup taken before its last entry (when that is a charge: its
    * usage is lost), or taken just now; either way the epoch generation goes up */
-  :: d_step { !didrestore && lep == 0 && eh[IDX(0, lsq[0])] > 0 -> didrestore = 1; RESTORE(1) }
-  :: d_step { !didrestore && lep == 0 -> didrestore = 1; RESTORE(0) }
+  :: d_step { !resting && !didrestore && lep == 0 && eh[IDX(0, lsq[0])] > 0 -> didrestore = 1; RESTORE(1) }
+  :: d_step { !resting && !didrestore && lep == 0 -> didrestore = 1; RESTORE(0) }
 #endif
 #ifndef NO_TICK
-  :: d_step { clock == 0 -> clock = 1; printf("STEP %d tick\n", 6); CHECK() }
+  :: d_step { !resting && clock == 0 -> clock = 1; printf("STEP %d tick\n", 6); CHECK() }
 #endif
   od
 }
@@ -634,15 +650,16 @@ init {
   short allowed, spend, allow0, allow1, sp0, sp1;
   byte cnt;
   d_step {
+    printf("STEP %d world b0=%d cr=%d a0=%d c0=%d a1=%d c1=%d a2=%d c2=%d cap=%d\n", 7, B0, CR, A0, C0, A1, C1, A2, C2, CAP);
     lsq[0] = 1; ed[0] = B0; eh[0] = 0; ew[0] = NOWIN; settled = 1;
     acct = 1; bal = B0; wm = 1; aep = 0; acctmax = 0; applied = 3;
     alive[0] = 1; alive[1] = 1; alive[2] = 1;
     uex[0] = 1; U[0] = 0; hwin[0] = NOWIN; hwin[1] = NOWIN; hwin[2] = NOWIN
   };
   atomic {
-    run Req(0, 0); run Req(1, 0);
+    run Req(0, 0); run Req(1, 1);
 #ifndef NO_R2
-    run Req(2, 1);
+    run Req(2, 0);
 #endif
 
     run Resend(0);
@@ -652,10 +669,10 @@ init {
    * every entry marked settled, neither worker nor reaper in the middle of something */
   d_step {
     ndone == NRUN && !jr[0] && !jr[1] && !jr[2] && ev[0] != 1 && ev[1] != 1 && ev[2] != 1 &&
-    settled == lsq[lep] && !wbusy && !rbusy -> printf("STEP %d quiesce\n", 7)
+    settled == lsq[lep] && !wbusy && !rbusy -> resting = 1; printf("STEP %d quiesce\n", 7)
   };
   /* the next request (or the reconciler) drops a stale acct and reseeds a cold org */
-  d_step { if :: acct && aep != lep -> acct = 0; uex[0] = 0; uex[1] = 0 :: else fi; kc = (acct -> 1 : 0) };
+  d_step { if :: acct && aep != lep -> DROPACCT() :: else fi; kc = (acct -> 1 : 0) };
   if
   :: !kc -> WARM(0, 7)
   :: else
