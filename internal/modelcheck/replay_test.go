@@ -92,7 +92,7 @@ func parseStep(line string) (step, error) {
 		}
 		k, v, ok := strings.Cut(f[i], "=")
 		if !ok {
-			return step{}, fmt.Errorf("step %q: bad argument %q", line, f[i])
+			continue // a word of the step's name ("at-rest ok")
 		}
 		n, err := strconv.Atoi(v)
 		if err != nil {
