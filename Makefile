@@ -7,13 +7,14 @@ FUZZTIME  ?= 10s
 export ESCROW_TEST_REDIS_URL    = $(REDIS_URL)
 export ESCROW_TEST_DATABASE_URL = $(DATABASE_URL)
 
-.PHONY: test test-fast services lint fuzz bench run
+.PHONY: test test-fast services spin modelcheck lint fuzz bench run
 
 ## test: start Redis and Postgres if needed, then lint and run every test (race detector) on the real services.
 test: services lint
 	ESCROW_REQUIRE_SERVICES=1 $(GO) test -race -count=1 -timeout 20m ./...
 	@echo "simulation: 10,000 steps per backend, without the race detector"
 	ESCROW_REQUIRE_SERVICES=1 $(GO) test -count=1 -timeout 10m -run '^TestSimulation$$' ./accounting/
+	$(MAKE) modelcheck
 	$(MAKE) fuzz
 
 ## test-fast: the suite on miniredis and the memory ledger; no services needed.
@@ -22,6 +23,14 @@ test-fast:
 
 services:
 	bash scripts/services.sh
+
+spin:
+	bash scripts/spin.sh
+
+## modelcheck: SPIN on docs/model/escrow.pml — the intact model exhaustively (no violation), each
+## rule's mutation caught, each counterexample replayed on the real scripts. Fails if spin is missing.
+modelcheck: spin
+	ESCROW_MODELCHECK=1 $(GO) test -count=1 -timeout 20m -run '^TestModelCheck$$' -v ./internal/modelcheck/
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null; git ls-files -o --exclude-standard '*.go' 2>/dev/null)); \

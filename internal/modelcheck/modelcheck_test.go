@@ -114,10 +114,10 @@ type panResult struct {
 	memoryMB float64
 	elapsed  time.Duration
 	cpu      time.Duration // pan's own CPU time (the machine may be shared: wall time says less)
-	complete bool   // no "search not completed" / depth-limit warning
-	output   string // pan's stdout
-	trail    string // path of the trail file, when an error was found
-	trailLen int    // its transitions
+	complete bool          // no "search not completed" / depth-limit warning
+	output   string        // pan's stdout
+	trail    string        // path of the trail file, when an error was found
+	trailLen int           // its transitions
 	steps    []string
 }
 

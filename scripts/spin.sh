@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Makes sure SPIN (the model checker of docs/model/escrow.pml) and a C compiler are installed,
+# installing them with apt-get when absent, like scripts/services.sh does for the services.
+# Fails loudly: `make test` must never skip the model check for want of a tool.
+set -euo pipefail
+
+log() { printf 'spin: %s\n' "$*" >&2; }
+die() { log "FATAL: $*"; exit 1; }
+
+apt_install() {
+  log "installing $* with apt-get"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null 2>&1 || true
+  apt-get install -y -qq "$@" >/dev/null || die "apt-get install $* failed"
+}
+
+if ! command -v spin >/dev/null; then apt_install spin; fi
+if ! command -v gcc >/dev/null; then apt_install gcc; fi
+command -v spin >/dev/null || die "spin is still missing"
+log "$(spin -V | head -1)"
