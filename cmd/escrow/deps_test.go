@@ -48,6 +48,7 @@ var layers = map[string][]string{
 	"accounting/ledgertest": {"accounting", "internal/testutil"},
 	"internal/fakeupstream": nil,
 	"internal/testutil":     nil,
+	"internal/modelcheck":   nil, // tests only: the SPIN model check and its replay
 }
 
 const module = "github.com/llmescrow/escrow"
