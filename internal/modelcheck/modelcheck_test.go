@@ -208,7 +208,13 @@ func stepLines(out []byte) []string {
 		switch {
 		case strings.HasPrefix(line, "STEP "):
 			steps = append(steps, line)
-		case strings.Contains(line, "assertion violated"):
+		case strings.Contains(line, "assertion violated"), strings.Contains(line, "text of failed assertion"):
+			// spin names the model by the path it was given; keep only the file name
+			if i := strings.Index(line, "docs/model/"); i >= 0 {
+				if j := strings.LastIndex(line[:i], " "); j >= 0 {
+					line = line[:j+1] + line[i:]
+				}
+			}
 			steps = append(steps, "# "+line)
 		}
 	}
