@@ -51,6 +51,18 @@ type Config struct {
 	KeyMaxStale     time.Duration
 	KeyFailures     int
 
+	// The client-facing HTTP server's timeouts (see newHTTPServer).
+	ReadHeaderTimeout time.Duration
+	ReadTimeout       time.Duration
+	WriteTimeout      time.Duration
+	IdleTimeout       time.Duration
+
+	// UpstreamRequestHeaders and UpstreamResponseHeaders are the headers that cross the proxy
+	// besides the ones that always do: comma-separated names, a trailing * makes a prefix,
+	// "none" is the empty list (see headers.go).
+	UpstreamRequestHeaders  string
+	UpstreamResponseHeaders string
+
 	// Logger receives the server's logs; nil: one built from LogLevel and LogFormat, on stderr.
 	Logger *slog.Logger
 }
@@ -102,6 +114,15 @@ func (c *Config) settings() []setting {
 			return nil
 		}
 	}
+	headerList := func(p *string, never []string) func(string) error {
+		return func(v string) error {
+			if _, err := parseHeaderList(v, never); err != nil {
+				return err
+			}
+			*p = v
+			return nil
+		}
+	}
 	return []setting{
 		{"ESCROW_ADDR", "addr", "127.0.0.1:8080", "listen address", str(&c.Addr)},
 		{"REDIS_URL", "redis-url", "", "Redis URL (redis:// or rediss:// with verified TLS); comma-separated URLs mean a Redis Cluster; empty: embedded miniredis (examples/proxy only; required by escrow serve)", str(&c.RedisURL)},
@@ -137,6 +158,12 @@ func (c *Config) settings() []setting {
 		{"ESCROW_KEY_MAX_STALE", "key-max-stale", "10m", "while Postgres is down, a known key keeps working for this long after its last look-up (unless revoked)", dur(&c.KeyMaxStale)},
 		{"ESCROW_KEY_FAILURES_PER_MINUTE", "key-failures-per-minute", "20", "failed API key look-ups one client IP may cause per minute (429 beyond it)", intp(&c.KeyFailures)},
 		{"ESCROW_PPROF_ADDR", "pprof-addr", "", "profiling only: serve net/http/pprof on this address (keep it on loopback); empty: off", str(&c.PprofAddr)},
+		{"ESCROW_READ_HEADER_TIMEOUT", "read-header-timeout", "10s", "how long a client may take to send a request's headers", dur(&c.ReadHeaderTimeout)},
+		{"ESCROW_READ_TIMEOUT", "read-timeout", "60s", "how long a client may take to send a whole request, body included (a slow or missing body is cut off)", dur(&c.ReadTimeout)},
+		{"ESCROW_WRITE_TIMEOUT", "write-timeout", "60s", "how long one write to the client may block; renewed at every write, so a stream runs as long as the client reads", dur(&c.WriteTimeout)},
+		{"ESCROW_IDLE_TIMEOUT", "idle-timeout", "120s", "how long a keep-alive connection may wait for its next request", dur(&c.IdleTimeout)},
+		{"ESCROW_UPSTREAM_REQUEST_HEADERS", "upstream-request-headers", defaultRequestHeaders, "client request headers passed to the upstream besides Content-Type (comma-separated, Name* is a prefix, none: no other); credentials, cookies, OpenAI-Organization/-Project, Expect, X-Escrow-* and hop-by-hop headers never pass", headerList(&c.UpstreamRequestHeaders, neverRequestHeaders)},
+		{"ESCROW_UPSTREAM_RESPONSE_HEADERS", "upstream-response-headers", defaultResponseHeaders, "upstream response headers passed to the client besides Content-Type, -Length and -Encoding (comma-separated, Name* is a prefix, none: no other); Server, Set-Cookie, OpenAI-Organization/-Project, X-Escrow-* and hop-by-hop headers never pass", headerList(&c.UpstreamResponseHeaders, neverResponseHeaders)},
 	}
 }
 
@@ -219,6 +246,20 @@ func (c *Config) check() error {
 	if c.PinTTL < 4*c.HoldTTL {
 		return fmt.Errorf("ESCROW_PIN_TTL (%s) must be at least 4× ESCROW_HOLD_TTL (%s)", c.PinTTL, c.HoldTTL)
 	}
+	if c.ReadHeaderTimeout > c.ReadTimeout {
+		return fmt.Errorf("ESCROW_READ_HEADER_TIMEOUT (%s) must not exceed ESCROW_READ_TIMEOUT (%s), which bounds the whole request", c.ReadHeaderTimeout, c.ReadTimeout)
+	}
+	for _, h := range []struct {
+		env, v string
+		never  []string
+	}{
+		{"ESCROW_UPSTREAM_REQUEST_HEADERS", c.UpstreamRequestHeaders, neverRequestHeaders},
+		{"ESCROW_UPSTREAM_RESPONSE_HEADERS", c.UpstreamResponseHeaders, neverResponseHeaders},
+	} {
+		if _, err := parseHeaderList(h.v, h.never); err != nil {
+			return fmt.Errorf("%s: %w", h.env, err)
+		}
+	}
 	if c.UpstreamURL != "" && c.UpstreamAPIKey == "" {
 		return errors.New("UPSTREAM_URL is set but UPSTREAM_API_KEY is empty")
 	}
@@ -238,12 +279,14 @@ func parseLevel(s string) (slog.Level, error) {
 	return l, nil
 }
 
-// NewLogger returns a logger on w with the configured level and format.
+// NewLogger returns a logger on w with the configured level and format, which masks the
+// secrets of URLs in every line (passwords, tokens in query strings).
 func (c *Config) NewLogger(w io.Writer) *slog.Logger {
 	lvl, _ := parseLevel(c.LogLevel)
 	opts := &slog.HandlerOptions{Level: lvl}
+	var h slog.Handler = slog.NewTextHandler(w, opts)
 	if c.LogFormat == "json" {
-		return slog.New(slog.NewJSONHandler(w, opts))
+		h = slog.NewJSONHandler(w, opts)
 	}
-	return slog.New(slog.NewTextHandler(w, opts))
+	return slog.New(redactingHandler{h})
 }

@@ -103,21 +103,33 @@ func statusCode(status int) string {
 }
 
 // reverseProxy forwards to the upstream with the upstream's key; the client's key never leaves.
-func (s *Server) reverseProxy() *httputil.ReverseProxy {
+// Only allow-listed headers cross it, in either direction (headers.go), and the upstream's
+// interim responses never reach the client (finalOnly).
+func (s *Server) reverseProxy() http.Handler {
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	tr.MaxIdleConns = 1024
 	tr.MaxIdleConnsPerHost = 1024
 	tr.ResponseHeaderTimeout = 10 * time.Minute
 	up := s.upstream
 	key := s.cfg.UpstreamAPIKey
-	return &httputil.ReverseProxy{
+	// Validated with the configuration: these cannot fail here.
+	reqList, _ := parseHeaderList(s.cfg.UpstreamRequestHeaders, neverRequestHeaders)
+	respList, _ := parseHeaderList(s.cfg.UpstreamResponseHeaders, neverResponseHeaders)
+	reqHeaders := newHeaderPolicy(alwaysRequestHeaders, reqList, neverRequestHeaders)
+	respHeaders := newHeaderPolicy(alwaysResponseHeaders, respList, neverResponseHeaders)
+	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(up)
 			pr.Out.Host = up.Host
-			pr.Out.Header.Del("Authorization")
+			reqHeaders.filter(pr.Out.Header)
 			if key != "" {
 				pr.Out.Header.Set("Authorization", "Bearer "+key)
 			}
+		},
+		ModifyResponse: func(res *http.Response) error {
+			respHeaders.filter(res.Header)
+			respHeaders.filter(res.Trailer)
+			return nil
 		},
 		Transport:     tr,
 		FlushInterval: -1,
@@ -130,6 +142,7 @@ func (s *Server) reverseProxy() *httputil.ReverseProxy {
 			_, _ = w.Write(body)
 		},
 	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { rp.ServeHTTP(finalOnly{w}, r) })
 }
 
 // journalGate refuses new requests (503 before any hold is taken) while the local journal is

@@ -14,6 +14,7 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -112,9 +113,14 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 	if s.log == nil {
 		s.log = cfg.NewLogger(os.Stderr)
 	}
+	// Every part logs through s.log: no line carries a URL's password or token, whatever
+	// logger the caller gave.
+	s.log = redactLogger(s.log)
 	defer func() {
 		if err != nil {
 			s.close()
+			// The errors of the clients that parse and dial the configured URLs may quote them.
+			err = redactError(err)
 		}
 	}()
 	if err := s.openRedis(p); err != nil {
@@ -239,7 +245,7 @@ func (s *Server) openUpstream(p parts) error {
 	}
 	u, err := url.Parse(s.cfg.UpstreamURL)
 	if err != nil || u.Host == "" {
-		return fmt.Errorf("%w: UPSTREAM_URL %q: not an absolute URL", ErrConfig, s.cfg.UpstreamURL)
+		return fmt.Errorf("%w: UPSTREAM_URL %q: not an absolute URL", ErrConfig, redact(s.cfg.UpstreamURL))
 	}
 	s.upstream = u
 	return nil
@@ -263,7 +269,7 @@ func (s *Server) Start(ctx context.Context) error {
 		return fmt.Errorf("listen %s: %w", s.cfg.Addr, err)
 	}
 	s.ln = ln
-	s.httpServer = &http.Server{Handler: s.echo, ReadHeaderTimeout: 30 * time.Second, ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelWarn)}
+	s.httpServer = s.newHTTPServer()
 	go func() {
 		if err := s.httpServer.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			s.log.Error("http server stopped", "err", err)
@@ -272,7 +278,13 @@ func (s *Server) Start(ctx context.Context) error {
 	if s.cfg.PprofAddr != "" {
 		s.pprof = servePprof(s.cfg.PprofAddr, s.log)
 	}
+	redisDesc := "given to New"
+	if s.ownRedis {
+		redisDesc = s.cfg.RedisURL
+	}
+	// The URLs are logged as configured, their secrets masked by the logger (redact).
 	s.log.Info("escrow proxy listening", "addr", ln.Addr().String(), "upstream", s.upstream.String(),
+		"redis", redisDesc, "database", cmp.Or(s.cfg.DatabaseURL, "in-memory ledger"),
 		"admin_api", s.cfg.AdminToken != "")
 	return nil
 }
