@@ -129,6 +129,12 @@ func (s *Server) reverseProxy() http.Handler {
 		ModifyResponse: func(res *http.Response) error {
 			respHeaders.filter(res.Header)
 			respHeaders.filter(res.Trailer)
+			// X-Request-Id is escrow's (the hold id, set by the middleware); the upstream's comes
+			// back as X-Upstream-Request-Id, so both ids reach the client.
+			if id := res.Header.Get("X-Request-Id"); id != "" {
+				res.Header.Del("X-Request-Id")
+				res.Header.Set("X-Upstream-Request-Id", id)
+			}
 			return nil
 		},
 		Transport:     tr,

@@ -1,0 +1,81 @@
+package server
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"strings"
+	"testing"
+)
+
+func TestRedact(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct{ in, want string }{
+		{"redis://default:hunter2@10.0.0.1:6379/0", "redis://default:xxxxx@10.0.0.1:6379/0"},
+		{"rediss://:hunter2@cache:6380", "rediss://:xxxxx@cache:6380"},
+		{"redis://u:p1@a:1,redis://u:p2@b:2", "redis://u:xxxxx@a:1,redis://u:xxxxx@b:2"},
+		{"postgres://app:s3cr@t@db:5432/ledger?sslmode=require&password=other", "postgres://app:xxxxx@db:5432/ledger?sslmode=require&password=xxxxx"},
+		{"https://api.example.com/v1?api-key=abc&Token=t&X-Amz-Signature=s&mode=fast#top", "https://api.example.com/v1?api-key=xxxxx&Token=xxxxx&X-Amz-Signature=xxxxx&mode=fast#top"},
+		{"host=db user=app password='a b c' dbname=x", "host=db user=app password=xxxxx dbname=x"},
+		{"host=db sslpassword=k password=plain", "host=db sslpassword=xxxxx password=xxxxx"},
+		{`parse "redis://u:p%zz@h:1": invalid URL escape "%zz"`, `parse "redis://u:xxxxx@h:1": invalid URL escape "%zz"`},
+		{`Post "http://op:pw@up:80/v1/chat/completions?token=tok": dial tcp: refused`, `Post "http://op:xxxxx@up:80/v1/chat/completions?token=xxxxx": dial tcp: refused`},
+		// Nothing secret: unchanged.
+		{"https://api.openai.com", "https://api.openai.com"},
+		{"redis://cache:6379/0 and postgres://app@db/x?sslmode=disable", "redis://cache:6379/0 and postgres://app@db/x?sslmode=disable"},
+		{"password authentication failed for user \"app\"", "password authentication failed for user \"app\""},
+		{"", ""},
+	} {
+		if got := redact(c.in); got != c.want {
+			t.Errorf("redact(%q)\n got %q\nwant %q", c.in, got, c.want)
+		}
+		if got := redact(redact(c.in)); got != c.want {
+			t.Errorf("redact twice of %q: %q", c.in, got)
+		}
+	}
+}
+
+// TestRedactingLogger: every string, error and Stringer attribute, in groups and in With, and
+// the message are masked; other values pass unchanged.
+func TestRedactingLogger(t *testing.T) {
+	t.Parallel()
+	var buf bytes.Buffer
+	l := redactLogger(slog.New(slog.NewTextHandler(&buf, nil)))
+	if redactLogger(l) != l {
+		t.Fatal("a redacting logger was wrapped twice")
+	}
+	u, _ := url.Parse("https://op:pw-in-url@up.example/v1?key=k-in-query")
+	l = l.With("base", "redis://:pw-in-with@r:1")
+	l.WithGroup("g").Info("dial redis://:pw-in-msg@r:1 failed",
+		"err", fmt.Errorf("wrapped: %w", errors.New("postgres://u:pw-in-err@db/x")),
+		"url", u, "n", 42, slog.Group("inner", "dsn", "host=db password=pw-in-group"))
+	out := buf.String()
+	for _, secret := range []string{"pw-in-url", "k-in-query", "pw-in-with", "pw-in-msg", "pw-in-err", "pw-in-group"} {
+		if strings.Contains(out, secret) {
+			t.Errorf("log line carries %q: %s", secret, out)
+		}
+	}
+	for _, kept := range []string{"up.example/v1", "n=42", "r:1", "db/x", "xxxxx"} {
+		if !strings.Contains(out, kept) {
+			t.Errorf("log line lost %q: %s", kept, out)
+		}
+	}
+	if !l.Enabled(context.Background(), slog.LevelInfo) || l.Enabled(context.Background(), slog.LevelDebug) {
+		t.Error("the redacting handler does not follow its handler's level")
+	}
+}
+
+// TestRedactError: the message is masked, the chain still answers errors.Is.
+func TestRedactError(t *testing.T) {
+	t.Parallel()
+	err := redactError(fmt.Errorf("%w: REDIS_URL: %w", ErrConfig, errors.New(`parse "redis://u:topsecret@h%": bad`)))
+	if strings.Contains(err.Error(), "topsecret") || !errors.Is(err, ErrConfig) {
+		t.Fatalf("redactError: %v (is ErrConfig: %v)", err, errors.Is(err, ErrConfig))
+	}
+	if redactError(nil) != nil {
+		t.Fatal("redactError(nil) is not nil")
+	}
+}
