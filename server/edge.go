@@ -55,6 +55,9 @@ func (s *Server) edge(next http.Handler) http.Handler {
 		if r.Body == nil || r.Body == http.NoBody {
 			_ = rc.SetReadDeadline(time.Time{})
 		} else {
+			// A shallow copy: net/http looks at its own Request's Body after the handler (to
+			// discard or refuse what was not read) and must still find its own type there.
+			r = r.WithContext(r.Context())
 			r.Body = &bodyDone{ReadCloser: r.Body, done: func() { _ = rc.SetReadDeadline(time.Time{}) }}
 		}
 		defer ew.renew() // the server's last flush of what the handler left buffered
