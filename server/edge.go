@@ -1,10 +1,8 @@
 package server
 
 import (
-	"io"
 	"log/slog"
 	"net/http"
-	"sync"
 	"time"
 )
 
@@ -30,36 +28,24 @@ func (s *Server) newHTTPServer() *http.Server {
 	}
 }
 
-// edge wraps every request with the per-request half of the server's timeouts, the half that
-// http.Server cannot express.
+// edge renews the connection's write deadline before each write and flush of the response.
 //
-// Reading: http.Server sets the connection's read deadline to the request's start plus
-// ReadTimeout, which bounds the body as it should. But once the body is read, net/http reads
-// on in the background to notice a hang-up, under that same deadline, and takes its expiry for
-// one: the request's context is cancelled, and the middleware would treat every stream that
-// outlives ReadTimeout as a client that left. So edge lifts the read deadline as soon as the
-// body has been read (at once for a request without a body).
+// A stream may run for many minutes, so one deadline for the whole response (http.Server's
+// WriteTimeout alone, which starts when the request's headers are read) would either cut long
+// streams or be too long to protect anything. Instead each write gets WriteTimeout to complete,
+// including the first, which may come long after the request while the model thinks. A client
+// that stops reading is cut off within WriteTimeout (the middleware then reads the upstream on,
+// bounded, for the real usage); one that reads slowly but steadily is not.
 //
-// Writing: a stream may run for many minutes, so one deadline for the whole response would
-// either cut long streams or be too long to protect anything. Instead each write (and flush)
-// gets WriteTimeout to complete: the deadline is renewed before each one, including the first,
-// which may come long after the request while the model thinks. A client that stops reading is
-// cut off within WriteTimeout (the middleware then reads the upstream on, bounded, for the real
-// usage); one that reads slowly but steadily is not.
+// Reading needs no such help: ReadTimeout bounds the request, body included, and net/http
+// lifts the read deadline once the body is read (its background read that notices a hang-up
+// runs without one), so a long response is not taken for a client that left.
 func (s *Server) edge(next http.Handler) http.Handler {
 	wt := s.cfg.WriteTimeout
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		rc := http.NewResponseController(w)
-		ew := &edgeWriter{ResponseWriter: w, rc: rc, timeout: wt}
-		ew.renew() // the 100 Continue that reading an Expect request's body sends
-		if r.Body == nil || r.Body == http.NoBody {
-			_ = rc.SetReadDeadline(time.Time{})
-		} else {
-			// A shallow copy: net/http looks at its own Request's Body after the handler (to
-			// discard or refuse what was not read) and must still find its own type there.
-			r = r.WithContext(r.Context())
-			r.Body = &bodyDone{ReadCloser: r.Body, done: func() { _ = rc.SetReadDeadline(time.Time{}) }}
-		}
+		ew := &edgeWriter{ResponseWriter: w, rc: http.NewResponseController(w), timeout: wt}
+		// Until the first write, the deadline http.Server set when the headers were read
+		// (WriteTimeout) bounds net/http's own writes, such as a 100 Continue.
 		defer ew.renew() // the server's last flush of what the handler left buffered
 		next.ServeHTTP(ew, r)
 	})
@@ -94,21 +80,6 @@ func (w *edgeWriter) FlushError() error {
 
 // Unwrap gives http.ResponseController the connection's writer (deadlines, hijacking).
 func (w *edgeWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
-
-// bodyDone calls done once, when the body has been read to its end.
-type bodyDone struct {
-	io.ReadCloser
-	once sync.Once
-	done func()
-}
-
-func (b *bodyDone) Read(p []byte) (int, error) {
-	n, err := b.ReadCloser.Read(p)
-	if err == io.EOF {
-		b.once.Do(b.done)
-	}
-	return n, err
-}
 
 // finalOnly is the writer the reverse proxy gets: it drops the upstream's interim (1xx)
 // responses. httputil.ReverseProxy relays them with WriteHeader(1xx), and Echo's Response takes
