@@ -5,10 +5,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"net/http/httptest"
 	"net/url"
 	"strings"
+	"sync"
 	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/internal/fakeupstream"
+	"github.com/llmescrow/escrow/internal/testutil"
 )
 
 func TestRedact(t *testing.T) {
@@ -77,5 +84,88 @@ func TestRedactError(t *testing.T) {
 	}
 	if redactError(nil) != nil {
 		t.Fatal("redactError(nil) is not nil")
+	}
+}
+
+// lockedBuffer is a log sink safe for the server's goroutines.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// TestStartupLogRedacted (item 8): the proxy logs UPSTREAM_URL, REDIS_URL and DATABASE_URL at
+// start, and the errors of a bad one, without their passwords and tokens.
+func TestStartupLogRedacted(t *testing.T) {
+	t.Parallel()
+	env, pg := testutil.RealRedis(t), testutil.Postgres(t)
+	up := httptest.NewServer(fakeupstream.New(fakeupstream.Options{KeepRequests: -1}))
+	t.Cleanup(up.Close)
+	withUser := func(raw, user, pw string) string {
+		u, err := url.Parse(raw)
+		if err != nil {
+			t.Fatal(err)
+		}
+		u.User = url.UserPassword(user, pw)
+		return u.String()
+	}
+	var logs lockedBuffer
+	cfg := DefaultConfig()
+	cfg.Addr, cfg.Prefix = "127.0.0.1:0", env.Prefix
+	// The default Redis user has no password and Postgres trusts local connections: both take
+	// any password, so the URLs work and carry a secret.
+	cfg.RedisURL = withUser(env.URL, "default", "redis-secret-1")
+	cfg.DatabaseURL = withUser(pg.URL, "postgres", "pg-secret-2") + "&sslpassword=pg-secret-3"
+	cfg.UpstreamURL = withUser(up.URL, "op", "up-secret-4") + "/?api_key=up-secret-5"
+	cfg.UpstreamAPIKey = "sk-operator"
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	s, err := New(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := s.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	out := logs.String()
+	if !strings.Contains(out, "escrow proxy listening") || strings.Count(out, redacted) < 5 {
+		t.Fatalf("start-up log without the masked URLs:\n%s", out)
+	}
+	for i := 1; i <= 5; i++ {
+		if secret := fmt.Sprintf("secret-%d", i); strings.Contains(out, secret) {
+			t.Errorf("the log carries %s:\n%s", secret, out)
+		}
+	}
+
+	// A URL that does not parse: the error New returns does not quote its password.
+	bad := DefaultConfig()
+	bad.RedisURL, bad.DatabaseURL = "redis://u:redis-secret-6@h:1/%zz", "postgres://u:pg-secret-7@127.0.0.1:1/x"
+	bad.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	_, err = New(context.Background(), bad)
+	if err == nil || !errors.Is(err, ErrConfig) || strings.Contains(err.Error(), "secret-6") || strings.Contains(err.Error(), "secret-7") {
+		t.Fatalf("New with a bad REDIS_URL: %v", err)
+	}
+	bad = DefaultConfig()
+	bad.UpstreamURL, bad.UpstreamAPIKey = "op:up-secret-8@/no-scheme", "k"
+	bad.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	if err := bad.validate(); err == nil {
+		if _, err := New(context.Background(), bad, WithEmbeddedRedis(env.Client)); err == nil || strings.Contains(err.Error(), "secret-8") {
+			t.Fatalf("New with a bad UPSTREAM_URL: %v", err)
+		}
 	}
 }

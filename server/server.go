@@ -245,7 +245,8 @@ func (s *Server) openUpstream(p parts) error {
 	}
 	u, err := url.Parse(s.cfg.UpstreamURL)
 	if err != nil || u.Host == "" {
-		return fmt.Errorf("%w: UPSTREAM_URL %q: not an absolute URL", ErrConfig, redact(s.cfg.UpstreamURL))
+		// Not quoted: a value that does not parse may not be masked by redact either.
+		return fmt.Errorf("%w: UPSTREAM_URL is not an absolute URL (want scheme://host, e.g. https://api.openai.com)", ErrConfig)
 	}
 	s.upstream = u
 	return nil
