@@ -4,7 +4,7 @@
 // The runner is written here rather than taken from a library on purpose: jackc/tern, pressly/goose
 // and golang-migrate each bring a CLI, a driver matrix or a template engine (and their
 // dependencies) to do what fits in a hundred lines for one database. It follows river's
-// rivermigrate: migrations are files named NNN_name.up.sql, numbered 1, 2, 3 … with no gap and no
+// rivermigrate: migrations are files named NNN_name.up.sql, numbered upwards from 1 with no
 // duplicate (anything else is an error before anything runs); each one runs in its own
 // transaction together with the row that records it in schema_migrations; the whole run holds a
 // Postgres advisory lock keyed by the current schema, so several processes starting at once apply
@@ -47,8 +47,10 @@ var ErrInvalidMigrations = errors.New("migrations: invalid migration set")
 
 var fileName = regexp.MustCompile(`^(\d+)_([a-z0-9_]+)\.up\.sql$`)
 
-// All returns the embedded migrations in version order, checked: versions start at 1 and have
-// no gap and no duplicate.
+// All returns the embedded migrations in version order, checked: versions are positive and have
+// no duplicate. A gap is allowed: migrations are written on parallel branches, each numbered
+// ahead of the others (a later-merged lower version is applied when it arrives, since every
+// version is recorded on its own).
 func All() ([]Migration, error) { return Load(FS) }
 
 // Load reads and checks a migration set from fsys (its root directory).
@@ -78,8 +80,8 @@ func Load(fsys fs.FS) ([]Migration, error) {
 		if i > 0 && m.Version == ms[i-1].Version {
 			return nil, fmt.Errorf("%w: duplicate version %d (%s, %s)", ErrInvalidMigrations, m.Version, ms[i-1].Name, m.Name)
 		}
-		if m.Version != i+1 {
-			return nil, fmt.Errorf("%w: version %d missing (next file is %s)", ErrInvalidMigrations, i+1, m.Name)
+		if m.Version < 1 {
+			return nil, fmt.Errorf("%w: version %d of %s is below 1", ErrInvalidMigrations, m.Version, m.Name)
 		}
 	}
 	return ms, nil
@@ -102,7 +104,7 @@ const lockKey = 0x65736331 // "esc1"
 // Apply applies ms (as returned by Load) like Up.
 func Apply(ctx context.Context, pool *pgxpool.Pool, ms []Migration) (applied []int, err error) {
 	for i, m := range ms {
-		if m.Version != i+1 {
+		if m.Version < 1 || (i > 0 && m.Version <= ms[i-1].Version) {
 			return nil, fmt.Errorf("%w: version %d out of order", ErrInvalidMigrations, m.Version)
 		}
 	}
