@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/llmescrow/escrow/balance"
 )
 
 // memConsole is the memory ledger's console state; Memory.mu guards it.
@@ -59,7 +61,7 @@ func (m *Memory) ListOrgs(ctx context.Context, q ListQuery) (Page[OrgInfo], erro
 
 // Org returns one org.
 func (m *Memory) Org(ctx context.Context, org string) (OrgInfo, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return OrgInfo{}, err
 	}
 	m.mu.Lock()
@@ -73,7 +75,7 @@ func (m *Memory) Org(ctx context.Context, org string) (OrgInfo, error) {
 
 // SetOrgName sets an org's display name.
 func (m *Memory) SetOrgName(ctx context.Context, org, name string) error {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return err
 	}
 	if err := checkName(name); err != nil {
@@ -93,7 +95,7 @@ func (m *Memory) SetOrgName(ctx context.Context, org, name string) error {
 
 // ListKeys lists an org's keys by (creation time, id).
 func (m *Memory) ListKeys(ctx context.Context, org string, q ListQuery) (Page[KeyInfo], error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return Page[KeyInfo]{}, err
 	}
 	var afterT time.Time
@@ -159,7 +161,7 @@ func (m *Memory) SetKeyName(ctx context.Context, id, name string) error {
 
 // ListEntries lists an org's entries, newest first.
 func (m *Memory) ListEntries(ctx context.Context, org string, q EntryQuery) (Page[EntryInfo], error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return Page[EntryInfo]{}, err
 	}
 	if err := q.Check(); err != nil {
@@ -206,7 +208,7 @@ func (m *Memory) ListEntries(ctx context.Context, org string, q EntryQuery) (Pag
 
 // UsageReport sums the org's accounted usage per group, in group order.
 func (m *Memory) UsageReport(ctx context.Context, org string, q UsageQuery) ([]UsageRow, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return nil, err
 	}
 	if err := q.Check(); err != nil {

@@ -9,6 +9,8 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/llmescrow/escrow/balance"
 )
 
 var _ Console = (*Postgres)(nil)
@@ -54,7 +56,7 @@ func (p *Postgres) ListOrgs(ctx context.Context, q ListQuery) (Page[OrgInfo], er
 
 // Org returns one org.
 func (p *Postgres) Org(ctx context.Context, org string) (OrgInfo, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return OrgInfo{}, err
 	}
 	rows, _ := p.pool.Query(ctx, `SELECT `+sqlOrgColumns+` FROM accounts WHERE org_id = $1`, org)
@@ -67,7 +69,7 @@ func (p *Postgres) Org(ctx context.Context, org string) (OrgInfo, error) {
 
 // SetOrgName sets an org's display name.
 func (p *Postgres) SetOrgName(ctx context.Context, org, name string) error {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return err
 	}
 	if err := checkName(name); err != nil {
@@ -85,7 +87,7 @@ func (p *Postgres) SetOrgName(ctx context.Context, org, name string) error {
 
 // ListKeys lists an org's keys by (created_at, id) (index api_keys_org_created).
 func (p *Postgres) ListKeys(ctx context.Context, org string, q ListQuery) (Page[KeyInfo], error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return Page[KeyInfo]{}, err
 	}
 	afterT, afterID := time.Time{}, ""
@@ -155,7 +157,7 @@ func (p *Postgres) SetKeyName(ctx context.Context, id, name string) error {
 // ListEntries lists an org's entries, newest first: a backward walk of the (org_id, seq) primary
 // key from the cursor, each charge joined to its usage event by the event's primary key.
 func (p *Postgres) ListEntries(ctx context.Context, org string, q EntryQuery) (Page[EntryInfo], error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return Page[EntryInfo]{}, err
 	}
 	if err := q.Check(); err != nil {
@@ -244,7 +246,7 @@ func deref[T any](p *T) T {
 // usage_events_org_accounted). Each accounted event has exactly one charge entry with its cost,
 // so the rows add up to the org's charges.
 func (p *Postgres) UsageReport(ctx context.Context, org string, q UsageQuery) ([]UsageRow, error) {
-	if err := ValidateOrg(org); err != nil {
+	if err := balance.ValidateOrg(org); err != nil {
 		return nil, err
 	}
 	if err := q.Check(); err != nil {

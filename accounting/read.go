@@ -26,9 +26,6 @@ var (
 	ErrModelInUse     = errors.New("accounting: model has usage")
 )
 
-// OrgIDRule says which org ids ValidateOrg accepts, for messages to people.
-const OrgIDRule = "an org id is 1 to 128 bytes of UTF-8 with no whitespace, control character, '{', '}' or ':'"
-
 // MaxNameLen is the longest display name of an org or a key, in bytes.
 const MaxNameLen = 200
 
