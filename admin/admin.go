@@ -342,7 +342,10 @@ func (a *API) models(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return writeJSON(c, http.StatusOK, map[string]any{"data": ms, "next": nil})
+	return writeList(c, ms, "", []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold"},
+		func(m accounting.Model) []string {
+			return []string{m.Name, i64(m.Input), i64(m.CachedInput), i64(m.Output), i64(m.MaxInputTokens), i64(m.MaxOutputTokens), i64(m.MaxCost), i64(m.DefaultHold)}
+		})
 }
 
 // raiseEpoch starts a new ledger epoch (run it after restoring the database from a backup): every

@@ -79,6 +79,9 @@ type list[T any] struct {
 func TestConsoleAPI(t *testing.T) {
 	t.Parallel()
 	c := newConsole(t)
+	if rec := c.do("GET", "/models", ""); rec.Code != 200 || strings.TrimSpace(rec.Body.String()) != `{"data":[],"next":null}` {
+		t.Fatalf("no models: %d %s", rec.Code, rec.Body)
+	}
 	var org map[string]string
 	c.ok("POST", "/orgs", `{"id":"acme","name":"Acme <Corp>"}`, 201, &org)
 	if org["id"] != "acme" || org["name"] != "Acme <Corp>" {
@@ -102,6 +105,9 @@ func TestConsoleAPI(t *testing.T) {
 	c.ok("PATCH", "/models/gpt-x", `{"max_output_tokens":100}`, 200, &m)
 	if m.Input != 150000 || m.MaxOutputTokens != 100 || m.DefaultHold != 5000 {
 		t.Fatalf("a partial update changed other fields: %+v", m)
+	}
+	if rec := c.do("GET", "/models?format=csv", ""); !strings.Contains(rec.Body.String(), "gpt-x,150000,75000,600000,0,100,0,5000") {
+		t.Fatalf("models as CSV: %s", rec.Body)
 	}
 	c.ok("GET", "/models/gpt-x", "", 200, &m)
 	if m.Output != 600000 {
