@@ -474,3 +474,61 @@ func cmdRequest(args []string) error {
 	}
 	return o.print(res, []string{"id", "org", "key_id", "model", "status", "cost", "hold_amount", "estimated", "usage", "created_at"}, one(res))
 }
+
+// cmdEntries: escrow entries ORG [--kind K] [--from T] [--to T] — the org's ledger, newest first.
+func cmdEntries(args []string) error {
+	fs := flag.NewFlagSet("entries", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	kind := fs.String("kind", "", "charge, credit or adjust (default: all)")
+	from := fs.String("from", "", "from this time (RFC 3339) or date, inclusive")
+	to := fs.String("to", "", "to this time or date, exclusive")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) != 1 {
+		return usageErr("usage: escrow entries ORG [--kind charge|credit|adjust] [--from T] [--to T] [--json|--csv]")
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	q := url.Values{"limit": {"1000"}}
+	for k, v := range map[string]string{"kind": *kind, "from": *from, "to": *to} {
+		if v != "" {
+			q.Set(k, v)
+		}
+	}
+	rows, err := c.all("/orgs/"+url.PathEscape(pos[0])+"/entries", q)
+	if err != nil {
+		return err
+	}
+	for _, r := range rows { // a charge's request, flattened for the table and CSV
+		if req, ok := r["request"].(map[string]any); ok {
+			r["request_id"], r["model"], r["cost"], r["hold_amount"] = req["id"], req["model"], req["cost"], req["hold_amount"]
+		}
+	}
+	return o.print(rows, []string{"seq", "kind", "delta", "reference", "request_id", "model", "cost", "hold_amount", "created_at"}, rows)
+}
+
+// cmdAudit: escrow audit — every admin write, newest first.
+func cmdAudit(args []string) error {
+	fs := flag.NewFlagSet("audit", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	if pos, err := parse(fs, args); err != nil {
+		return err
+	} else if len(pos) != 0 {
+		return usageErr("usage: escrow audit [--json|--csv]")
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	rows, err := c.all("/audit", url.Values{"limit": {"1000"}})
+	if err != nil {
+		return err
+	}
+	return o.print(rows, []string{"id", "at", "actor", "action", "target", "status"}, rows)
+}

@@ -226,6 +226,16 @@ func TestCLIEndToEnd(t *testing.T) {
 		t.Fatalf("request %s: %+v", ids[3], r)
 	}
 
+	// The ledger and the audit trail.
+	var entries []map[string]any
+	c.json(&entries, "entries", "acme")
+	if len(entries) != 1+n || entries[0]["request_id"] != ids[n-1] || entries[n]["kind"] != "credit" {
+		t.Errorf("entries: %d, newest %v, oldest %v", len(entries), entries[0], entries[n])
+	}
+	if out := c.ok("audit"); !strings.Contains(out, "tester (escrow cli)") || !strings.Contains(out, "POST /admin/v1/orgs/:org/credits") {
+		t.Errorf("audit table:\n%s", out)
+	}
+
 	// Refusals: clear messages and exit codes.
 	_, err = c.run("request", "0192f0c4-0000-7000-8000-000000000001")
 	var ee *exitError

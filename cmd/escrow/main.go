@@ -35,6 +35,8 @@ var commands = map[string]struct {
 	"usage":   {"an org's usage by day, model or key, as a table, JSON or CSV", cmdUsage},
 	"models":  {"list, show, price (decimals per 1M tokens) or delete models", cmdModels},
 	"request": {"one request by its x-request-id: hold, usage, cost, status", cmdRequest},
+	"entries": {"an org's ledger entries, newest first (charges with their request)", cmdEntries},
+	"audit":   {"every admin write: who, what, when", cmdAudit},
 }
 
 func main() {
