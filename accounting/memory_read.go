@@ -269,7 +269,10 @@ func (m *Memory) Request(ctx context.Context, id string) (RequestInfo, error) {
 	}
 	ri := RequestInfo{UsageEvent: e.ev, Status: RequestPending, Seq: e.seq}
 	ri.CreatedAt = ri.CreatedAt.UTC()
-	if e.seq > 0 {
+	switch {
+	case e.voided:
+		ri.Status = RequestVoided
+	case e.seq > 0:
 		ri.Status = RequestAccounted
 	}
 	return ri, nil

@@ -149,6 +149,7 @@ type UsageRow struct {
 const (
 	RequestPending   = "pending"   // recorded, not yet a ledger entry
 	RequestAccounted = "accounted" // charged by ledger entry Seq
+	RequestVoided    = "voided"    // its record timed out and the client was told it failed: never charged
 )
 
 // RequestInfo is one request's usage as the ledger holds it.

@@ -288,6 +288,11 @@ func testConsoleRequest(t *testing.T, l accounting.Ledger) {
 	if p.Status != accounting.RequestPending || p.Seq != 0 || p.Cost != 9999 {
 		t.Fatalf("pending request: %+v", p)
 	}
+	void := event("r-org", 7, 7)
+	noErr(t, l.VoidUsage(c, void))
+	if v := must(l.Request(c, void.ID)); v.Status != accounting.RequestVoided || v.Seq != 0 {
+		t.Fatalf("voided request: %+v", v)
+	}
 	_, err := l.Request(c, NewEventID())
 	wantErr(t, err, accounting.ErrUnknownRequest, "an unknown request")
 	_, err = l.Request(c, "not-a-uuid")
