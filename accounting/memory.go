@@ -32,6 +32,7 @@ type Memory struct {
 	keys     map[string]*memKey // id → key
 	keyHash  map[[32]byte]*memKey
 	subs     map[*memSub]struct{}
+	console  memConsole // names and the audit trail (memory_read.go)
 }
 
 type memAccount struct {
@@ -56,6 +57,8 @@ type memKey struct {
 	key     APIKey
 	hash    [32]byte
 	revoked bool
+	created time.Time
+	revAt   time.Time
 }
 
 type memSub struct {
@@ -533,7 +536,7 @@ func (m *Memory) CreateKey(ctx context.Context, org string) (APIKey, string, err
 	if m.accounts[org] == nil {
 		return APIKey{}, "", fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 	}
-	mk := &memKey{key: k, hash: sha256.Sum256([]byte(secret))}
+	mk := &memKey{key: k, hash: sha256.Sum256([]byte(secret)), created: time.Now().UTC().Truncate(time.Microsecond)}
 	m.keys[k.ID] = mk
 	m.keyHash[mk.hash] = mk
 	return k, secret, nil
@@ -559,7 +562,9 @@ func (m *Memory) RevokeKey(ctx context.Context, id string) error {
 	if k == nil {
 		return fmt.Errorf("%w: %q", ErrUnknownKey, id)
 	}
-	k.revoked = true
+	if !k.revoked {
+		k.revoked, k.revAt = true, time.Now().UTC().Truncate(time.Microsecond)
+	}
 	return nil
 }
 

@@ -62,17 +62,31 @@ func New(ops *accounting.Ops, cfg *Config) (*API, error) {
 // Register adds the routes, behind the token check, to g (escrow's proxy mounts it at
 // /admin/v1).
 func (a *API) Register(g *echo.Group) {
-	g.Use(a.auth, orgParam)
-	g.POST("/orgs", a.createOrg)
-	g.POST("/orgs/:org/credits", a.credit)
-	g.POST("/orgs/:org/adjustments", a.adjust)
-	g.GET("/orgs/:org/balance", a.balance)
-	g.POST("/orgs/:org/reconcile", a.reconcile)
-	g.POST("/orgs/:org/keys", a.createKey)
-	g.DELETE("/keys/:id", a.revokeKey)
-	g.PUT("/models/:model", a.putModel)
-	g.GET("/models", a.models)
-	g.POST("/ledger/epoch", a.raiseEpoch)
+	// The token check, the org-id check and the audit trail wrap each route rather than the group: a group's
+	// middleware makes Echo answer every unknown method with 404 instead of 405 with Allow.
+	add := func(method, path string, h echo.HandlerFunc) { g.Add(method, path, h, a.auth, orgParam, a.audited) }
+	add(http.MethodGet, "/orgs", a.listOrgs)
+	add(http.MethodPost, "/orgs", a.createOrg)
+	add(http.MethodGet, "/orgs/:org", a.getOrg)
+	add(http.MethodPatch, "/orgs/:org", a.patchOrg)
+	add(http.MethodPost, "/orgs/:org/credits", a.credit)
+	add(http.MethodPost, "/orgs/:org/adjustments", a.adjust)
+	add(http.MethodGet, "/orgs/:org/balance", a.balance)
+	add(http.MethodPost, "/orgs/:org/reconcile", a.reconcile)
+	add(http.MethodGet, "/orgs/:org/keys", a.listKeys)
+	add(http.MethodPost, "/orgs/:org/keys", a.createKey)
+	add(http.MethodGet, "/orgs/:org/entries", a.listEntries)
+	add(http.MethodGet, "/orgs/:org/usage", a.usage)
+	add(http.MethodPatch, "/keys/:id", a.patchKey)
+	add(http.MethodDelete, "/keys/:id", a.revokeKey)
+	add(http.MethodGet, "/requests/:id", a.request)
+	add(http.MethodGet, "/models", a.models)
+	add(http.MethodGet, "/models/:model", a.getModel)
+	add(http.MethodPut, "/models/:model", a.putModel)
+	add(http.MethodPatch, "/models/:model", a.patchModel)
+	add(http.MethodDelete, "/models/:model", a.deleteModel)
+	add(http.MethodPost, "/ledger/epoch", a.raiseEpoch)
+	add(http.MethodGet, "/audit", a.auditLog)
 }
 
 // apiError is an answer in OpenAI's error shape, like the proxy's own refusals, so one client
@@ -100,7 +114,7 @@ func writeError(c echo.Context, e apiError) error {
 		Param   *string `json:"param"`
 		Code    string  `json:"code"`
 	}
-	return c.JSON(e.status, struct {
+	return writeJSON(c, e.status, struct {
 		Error inner `json:"error"`
 	}{inner{Message: e.msg, Type: e.typ, Code: e.code}})
 }
@@ -137,7 +151,7 @@ func orgParam(next echo.HandlerFunc) echo.HandlerFunc {
 }
 
 func invalidOrg(c echo.Context, err error) error {
-	return writeError(c, apiError{status: http.StatusBadRequest, typ: typeInvalid, code: "invalid_org", msg: err.Error()})
+	return writeError(c, apiError{status: http.StatusBadRequest, typ: typeInvalid, code: "invalid_org", msg: message(err)})
 }
 
 // fail maps an error of accounting.Ops to an answer.
@@ -159,11 +173,17 @@ func (a *API) fail(c echo.Context, err error) error {
 		return notFound("key_not_found", "no such key")
 	case errors.Is(err, accounting.ErrUnknownModel):
 		return notFound("model_not_found", "no such model")
+	case errors.Is(err, accounting.ErrUnknownRequest):
+		return notFound("request_not_found", "no request with this id in the ledger")
+	case errors.Is(err, accounting.ErrModelInUse):
+		return conflict("model_in_use", "the model has recorded usage and cannot be deleted")
 	case errors.Is(err, balance.ErrInvalidOrg):
 		return invalidOrg(c, err)
-	case errors.Is(err, accounting.ErrInvalidAmount),
+	case errors.Is(err, accounting.ErrInvalidCursor):
+		return writeError(c, apiError{status: http.StatusBadRequest, typ: typeInvalid, code: "invalid_cursor", msg: message(err)})
+	case errors.Is(err, accounting.ErrInvalidQuery), errors.Is(err, accounting.ErrInvalidAmount),
 		errors.Is(err, balance.ErrInvalidAmount), errors.Is(err, accounting.ErrCostOverflow):
-		return invalid(c, err.Error())
+		return invalid(c, message(err))
 	case errors.Is(err, accounting.ErrLedgerUnavailable):
 		return unavailable(c, "ledger_unavailable", "the ledger is unavailable")
 	case errors.Is(err, accounting.ErrHotBalance):
@@ -172,6 +192,16 @@ func (a *API) fail(c echo.Context, err error) error {
 		a.log.Error("admin request failed", "path", c.Path(), "err", err)
 		return writeError(c, apiError{status: http.StatusInternalServerError, typ: typeServer, code: "internal_error", msg: "internal error"})
 	}
+}
+
+// message is err's text for a client: without the Go package prefixes ("accounting: "), which
+// say where in escrow an error was made, not what is wrong.
+func message(err error) string {
+	msg := err.Error()
+	for _, p := range []string{"accounting: ", "balance: ", "admin: "} {
+		msg = strings.ReplaceAll(msg, p, "")
+	}
+	return msg
 }
 
 // bind decodes the JSON body into v, refusing unknown fields; it answers the 400 itself (then
@@ -199,15 +229,16 @@ func entryStatus(c echo.Context, created bool, err error) int {
 
 func (a *API) createOrg(c echo.Context) error {
 	var req struct {
-		ID string `json:"id"`
+		ID   string `json:"id"`
+		Name string `json:"name"`
 	}
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
 	}
-	if err := a.ops.CreateOrg(c.Request().Context(), req.ID); err != nil {
+	if err := a.ops.CreateNamedOrg(c.Request().Context(), req.ID, req.Name); err != nil {
 		return a.fail(c, err)
 	}
-	return c.JSON(http.StatusCreated, map[string]string{"id": req.ID})
+	return writeJSON(c, http.StatusCreated, map[string]string{"id": req.ID, "name": req.Name})
 }
 
 type moneyRequest struct {
@@ -227,7 +258,7 @@ func (a *API) credit(c echo.Context) error {
 	if err != nil && !errors.Is(err, accounting.ErrHotBalance) {
 		return a.fail(c, err)
 	}
-	return c.JSON(entryStatus(c, created, err), e)
+	return writeJSON(c, entryStatus(c, created, err), e)
 }
 
 func (a *API) adjust(c echo.Context) error {
@@ -242,7 +273,7 @@ func (a *API) adjust(c echo.Context) error {
 	if err != nil && !errors.Is(err, accounting.ErrHotBalance) {
 		return a.fail(c, err)
 	}
-	return c.JSON(entryStatus(c, created, err), e)
+	return writeJSON(c, entryStatus(c, created, err), e)
 }
 
 func (a *API) balance(c echo.Context) error {
@@ -250,7 +281,7 @@ func (a *API) balance(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return c.JSON(http.StatusOK, b)
+	return writeJSON(c, http.StatusOK, b)
 }
 
 func (a *API) reconcile(c echo.Context) error {
@@ -258,15 +289,23 @@ func (a *API) reconcile(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return c.JSON(http.StatusOK, d)
+	return writeJSON(c, http.StatusOK, d)
 }
 
 func (a *API) createKey(c echo.Context) error {
-	k, secret, err := a.ops.CreateKey(c.Request().Context(), c.Param("org"))
+	var req struct {
+		Name string `json:"name"`
+	}
+	if c.Request().ContentLength != 0 { // the body is optional
+		if err := bind(c, &req); err != nil || c.Response().Committed {
+			return err
+		}
+	}
+	k, secret, err := a.ops.CreateNamedKey(c.Request().Context(), c.Param("org"), req.Name)
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return c.JSON(http.StatusCreated, map[string]string{"id": k.ID, "org": k.Org, "key": secret})
+	return writeJSON(c, http.StatusCreated, map[string]string{"id": k.ID, "org": k.Org, "name": k.Name, "key": secret})
 }
 
 func (a *API) revokeKey(c echo.Context) error {
@@ -295,7 +334,7 @@ func (a *API) putModel(c echo.Context) error {
 		}
 		return a.fail(c, err)
 	}
-	return c.JSON(http.StatusOK, m)
+	return writeJSON(c, http.StatusOK, m)
 }
 
 func (a *API) models(c echo.Context) error {
@@ -303,7 +342,10 @@ func (a *API) models(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return c.JSON(http.StatusOK, map[string]any{"data": ms})
+	return writeList(c, ms, "", []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold"},
+		func(m accounting.Model) []string {
+			return []string{m.Name, i64(m.Input), i64(m.CachedInput), i64(m.Output), i64(m.MaxInputTokens), i64(m.MaxOutputTokens), i64(m.MaxCost), i64(m.DefaultHold)}
+		})
 }
 
 // raiseEpoch starts a new ledger epoch (run it after restoring the database from a backup): every
@@ -313,5 +355,5 @@ func (a *API) raiseEpoch(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return c.JSON(http.StatusOK, map[string]any{"generation": e.Gen, "id": e.ID})
+	return writeJSON(c, http.StatusOK, map[string]any{"generation": e.Gen, "id": e.ID})
 }

@@ -54,12 +54,12 @@ func redisClient(raw string) (redis.UniversalClient, error) {
 func migrateDB(ctx context.Context, dsn string, log *slog.Logger) error {
 	pool, err := pgxpool.New(ctx, dsn)
 	if err != nil {
-		return fmt.Errorf("migrations: %w", err)
+		return fmt.Errorf("database: %w", err)
 	}
 	defer pool.Close()
-	applied, err := migrations.Up(ctx, pool)
+	applied, err := migrations.Up(ctx, pool) // its errors already say "migrations: …"
 	if err != nil {
-		return fmt.Errorf("migrations: %w", err)
+		return fmt.Errorf("database: %w", err)
 	}
 	if len(applied) > 0 {
 		log.Info("database migrated", "applied", applied)

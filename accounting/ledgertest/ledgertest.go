@@ -48,6 +48,7 @@ func Run(t *testing.T, newLedger func(t *testing.T) accounting.Ledger) {
 		{"Models", testModels},
 		{"Keys", testKeys},
 	}
+	tests = append(tests, consoleTests...)
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

@@ -4,6 +4,7 @@
 //
 //	escrow serve [flags]     # run the proxy; every flag has an environment variable
 //	escrow serve -h          # every setting with its default
+//	escrow orgs|credit|keys|usage|models|request …   # the admin API from a terminal
 package main
 
 import (
@@ -27,7 +28,15 @@ var commands = map[string]struct {
 	help string
 	run  func(args []string) error
 }{
-	"serve": {"run the proxy (REDIS_URL, DATABASE_URL, UPSTREAM_URL and UPSTREAM_API_KEY are required)", serve},
+	"serve":   {"run the proxy (REDIS_URL, DATABASE_URL, UPSTREAM_URL and UPSTREAM_API_KEY are required)", serve},
+	"orgs":    {"list, create, show or rename orgs (the CLI commands use ESCROW_URL and ESCROW_ADMIN_TOKEN)", cmdOrgs},
+	"credit":  {"credit an org: escrow credit ORG MICRO_UNITS --ref REFERENCE", cmdCredit},
+	"keys":    {"list an org's API keys, create, rename or revoke one", cmdKeys},
+	"usage":   {"an org's usage by day, model or key, as a table, JSON or CSV", cmdUsage},
+	"models":  {"list, show, price (decimals per 1M tokens) or delete models", cmdModels},
+	"request": {"one request by its x-request-id: hold, usage, cost, status", cmdRequest},
+	"entries": {"an org's ledger entries, newest first (charges with their request)", cmdEntries},
+	"audit":   {"every admin write: who, what, when", cmdAudit},
 }
 
 func main() {
@@ -36,6 +45,10 @@ func main() {
 			return
 		}
 		fmt.Fprintln(os.Stderr, "escrow:", err)
+		var ee *exitError
+		if errors.As(err, &ee) {
+			os.Exit(ee.code)
+		}
 		os.Exit(1)
 	}
 }

@@ -1,0 +1,336 @@
+package ledgertest
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/accounting"
+)
+
+// consoleTests cover accounting.Console: lists, names, reports, one request, model deletion and
+// the audit trail.
+var consoleTests = []struct {
+	name string
+	fn   func(t *testing.T, l accounting.Ledger)
+}{
+	{"ConsoleOrgs", testConsoleOrgs},
+	{"ConsoleKeys", testConsoleKeys},
+	{"ConsoleEntries", testConsoleEntries},
+	{"ConsoleUsageReport", testConsoleUsage},
+	{"ConsoleRequest", testConsoleRequest},
+	{"ConsoleDeleteModel", testConsoleDeleteModel},
+	{"ConsoleAudit", testConsoleAudit},
+}
+
+// pages follows a list's cursors to its end and returns every row.
+func pages[T any](t *testing.T, list func(cursor string) (accounting.Page[T], error)) (all []T, n int) {
+	t.Helper()
+	cursor := ""
+	for {
+		p, err := list(cursor)
+		noErr(t, err)
+		all = append(all, p.Data...)
+		n++
+		if p.Next == "" {
+			return all, n
+		}
+		if n > 1000 {
+			t.Fatal("list never ends")
+		}
+		cursor = p.Next
+	}
+}
+
+func testConsoleOrgs(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	ids := []string{"o-c", "o-a", "o-e", "o-b", "o-d"}
+	for _, id := range ids {
+		noErr(t, l.CreateOrg(c, id))
+	}
+	noErr(t, l.SetOrgName(c, "o-b", "Bee Ltd"))
+	must2(l.Credit(c, "o-b", 700, "pay-o-b"))
+	got, n := pages(t, func(cur string) (accounting.Page[accounting.OrgInfo], error) {
+		return l.ListOrgs(c, accounting.ListQuery{Cursor: cur, Limit: 2})
+	})
+	var gotIDs []string
+	for _, o := range got {
+		gotIDs = append(gotIDs, o.ID)
+	}
+	if want := []string{"o-a", "o-b", "o-c", "o-d", "o-e"}; !slices.Equal(gotIDs, want) || n != 3 {
+		t.Fatalf("orgs in pages of 2: %v in %d pages, want %v in 3", gotIDs, n, want)
+	}
+	if b := got[1]; b.Name != "Bee Ltd" || b.Balance != 700 || b.LedgerSeq != 1 || b.CreatedAt.IsZero() {
+		t.Fatalf("org o-b: %+v", b)
+	}
+	// A page exactly as long as what is left is the last one.
+	if p := must(l.ListOrgs(c, accounting.ListQuery{Limit: 5})); len(p.Data) != 5 || p.Next != "" {
+		t.Fatalf("page of 5 of 5: %d rows, next %q", len(p.Data), p.Next)
+	}
+	o := must(l.Org(c, "o-b"))
+	if o.Name != "Bee Ltd" || o.Balance != 700 {
+		t.Fatalf("Org(o-b) = %+v", o)
+	}
+	_, err := l.Org(c, "nobody")
+	wantErr(t, err, accounting.ErrUnknownOrg, "Org of an unknown org")
+	wantErr(t, l.SetOrgName(c, "nobody", "x"), accounting.ErrUnknownOrg, "SetOrgName of an unknown org")
+	wantErr(t, l.SetOrgName(c, "o-a", strings.Repeat("x", accounting.MaxNameLen+1)), accounting.ErrInvalidQuery, "a name too long")
+	wantErr(t, l.SetOrgName(c, "o-a", "tab\there"), accounting.ErrInvalidQuery, "a name with a control character")
+	_, err = l.ListOrgs(c, accounting.ListQuery{Cursor: "not a cursor!"})
+	wantErr(t, err, accounting.ErrInvalidCursor, "a malformed cursor")
+	// A cursor of another list is refused, not misread.
+	for i := range 2 {
+		must(l.RecordAudit(c, accounting.AuditRecord{Actor: "t", Action: fmt.Sprint("a", i), Status: 200}))
+	}
+	other := must(l.AuditLog(c, accounting.ListQuery{Limit: 1})).Next
+	if other == "" {
+		t.Fatal("audit log of 2 in pages of 1 has no next page")
+	}
+	_, err = l.ListOrgs(c, accounting.ListQuery{Cursor: other})
+	wantErr(t, err, accounting.ErrInvalidCursor, "another list's cursor")
+}
+
+func testConsoleKeys(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "k-org"))
+	noErr(t, l.CreateOrg(c, "k-other"))
+	var made []string
+	for range 3 {
+		k, _ := must2(l.CreateKey(c, "k-org"))
+		made = append(made, k.ID)
+		time.Sleep(2 * time.Millisecond) // distinct creation times: the list is in creation order
+	}
+	must2(l.CreateKey(c, "k-other"))
+	noErr(t, l.SetKeyName(c, made[1], "prod"))
+	noErr(t, l.RevokeKey(c, made[2]))
+	got, n := pages(t, func(cur string) (accounting.Page[accounting.KeyInfo], error) {
+		return l.ListKeys(c, "k-org", accounting.ListQuery{Cursor: cur, Limit: 2})
+	})
+	if len(got) != 3 || n != 2 {
+		t.Fatalf("keys of k-org in pages of 2: %+v in %d pages", got, n)
+	}
+	for i, k := range got {
+		if k.ID != made[i] || k.Org != "k-org" || k.CreatedAt.IsZero() {
+			t.Fatalf("key %d: %+v, want id %s", i, k, made[i])
+		}
+		if (k.RevokedAt != nil) != (i == 2) {
+			t.Fatalf("key %d revoked at %v", i, k.RevokedAt)
+		}
+	}
+	if got[1].Name != "prod" || got[0].Name != "" {
+		t.Fatalf("names: %q %q", got[0].Name, got[1].Name)
+	}
+	_, err := l.ListKeys(c, "nobody", accounting.ListQuery{})
+	wantErr(t, err, accounting.ErrUnknownOrg, "keys of an unknown org")
+	wantErr(t, l.SetKeyName(c, "key_nope", "x"), accounting.ErrUnknownKey, "naming an unknown key")
+	if p := must(l.ListKeys(c, "k-other", accounting.ListQuery{})); len(p.Data) != 1 || p.Next != "" {
+		t.Fatalf("keys of k-other: %+v", p)
+	}
+}
+
+func must2[A, B any](a A, b B, err error) (A, B) {
+	if err != nil {
+		panic(failure{err})
+	}
+	return a, b
+}
+
+// usageFixture: an org with a credit, an adjustment and six accounted requests over two days,
+// two models and two keys, plus one request still pending.
+func usageFixture(t *testing.T, l accounting.Ledger, org string) (evs []accounting.UsageEvent, pending accounting.UsageEvent) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, org))
+	must2(l.Credit(c, org, 1_000_000, "pay-"+org))
+	must2(l.Adjust(c, org, -5, "fix-"+org))
+	day2 := t0.Add(24 * time.Hour)
+	for i, spec := range []struct {
+		at         time.Time
+		model, key string
+		cost       int64
+	}{
+		{t0, "m-a", "key_1", 100}, {t0, "m-b", "key_1", 200}, {t0, "m-a", "key_2", 300},
+		{day2, "m-a", "key_1", 400}, {day2, "m-b", "", 500}, {day2.Add(time.Hour), "m-b", "key_2", 600},
+	} {
+		ev := event(org, spec.cost, i)
+		ev.CreatedAt, ev.Model, ev.KeyID = spec.at.Add(time.Duration(i)*time.Millisecond), spec.model, spec.key
+		ev.Usage = accounting.Usage{Prompt: int64(10 * (i + 1)), Cached: int64(i), Completion: int64(i + 1), Reasoning: 1}
+		ev.Estimated = i == 5
+		evs = append(evs, ev)
+	}
+	noErr(t, l.RecordUsage(c, evs))
+	for {
+		n, err := l.AccountPending(c, 1000)
+		noErr(t, err)
+		if n == 0 {
+			break
+		}
+	}
+	pending = event(org, 9999, 99)
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{pending}))
+	return evs, pending
+}
+
+func testConsoleEntries(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	evs, _ := usageFixture(t, l, "e-org")
+	got, n := pages(t, func(cur string) (accounting.Page[accounting.EntryInfo], error) {
+		return l.ListEntries(c, "e-org", accounting.EntryQuery{ListQuery: accounting.ListQuery{Cursor: cur, Limit: 3}})
+	})
+	if len(got) != 8 || n != 3 {
+		t.Fatalf("entries in pages of 3: %d in %d pages, want 8 in 3", len(got), n)
+	}
+	byID := map[string]accounting.UsageEvent{}
+	for _, ev := range evs {
+		byID[ev.ID] = ev
+	}
+	var sum int64
+	for i, e := range got {
+		if want := int64(8 - i); e.Seq != want {
+			t.Fatalf("entry %d has seq %d, want %d (newest first)", i, e.Seq, want)
+		}
+		sum += e.Delta
+		switch e.Kind {
+		case accounting.KindCharge:
+			ev, ok := byID[e.HoldID]
+			r := e.Request
+			if !ok || r == nil || r.ID != ev.ID || r.Model != ev.Model || r.KeyID != ev.KeyID || r.Usage != ev.Usage ||
+				r.Cost != ev.Cost || r.Cost != -e.Delta || r.HoldAmount != ev.HoldAmount || r.Estimated != ev.Estimated {
+				t.Fatalf("charge %d: %+v with request %+v, want event %+v", e.Seq, e, r, ev)
+			}
+		case accounting.KindCredit, accounting.KindAdjust:
+			if e.Request != nil || e.Ref == "" {
+				t.Fatalf("%s entry %d: %+v", e.Kind, e.Seq, e)
+			}
+		}
+	}
+	if a := account(t, l, "e-org"); sum != a.Balance {
+		t.Fatalf("entries sum to %d, account balance %d", sum, a.Balance)
+	}
+	credits := must(l.ListEntries(c, "e-org", accounting.EntryQuery{Kind: accounting.KindCredit}))
+	if len(credits.Data) != 1 || credits.Data[0].Delta != 1_000_000 || credits.Next != "" {
+		t.Fatalf("credits: %+v", credits)
+	}
+	_, err := l.ListEntries(c, "e-org", accounting.EntryQuery{Kind: "refund"})
+	wantErr(t, err, accounting.ErrInvalidQuery, "an unknown kind")
+	_, err = l.ListEntries(c, "nobody", accounting.EntryQuery{})
+	wantErr(t, err, accounting.ErrUnknownOrg, "entries of an unknown org")
+	// A time range after every entry is empty; one that covers them all is whole.
+	future := must(l.ListEntries(c, "e-org", accounting.EntryQuery{From: time.Now().Add(time.Hour)}))
+	all := must(l.ListEntries(c, "e-org", accounting.EntryQuery{From: time.Now().Add(-time.Hour), To: time.Now().Add(time.Hour)}))
+	if len(future.Data) != 0 || len(all.Data) != 8 {
+		t.Fatalf("time filters: %d entries in the future, %d in the last hour", len(future.Data), len(all.Data))
+	}
+}
+
+func testConsoleUsage(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	usageFixture(t, l, "u-org")
+	var charges int64
+	for _, e := range entries(t, l, "u-org") {
+		if e.HoldID != "" {
+			charges -= e.Delta
+		}
+	}
+	check := func(by string, q accounting.UsageQuery, want []accounting.UsageRow) {
+		t.Helper()
+		q.GroupBy = by
+		got := must(l.UsageReport(c, "u-org", q))
+		if !slices.Equal(got, want) {
+			t.Fatalf("usage by %s %v..%v:\n got %+v\nwant %+v", by, q.From, q.To, got, want)
+		}
+	}
+	// Prompt 10(i+1), cached i, completion i+1, reasoning 1 for request i (costs 100 … 600).
+	row := func(g string, is ...int) accounting.UsageRow {
+		r := accounting.UsageRow{Group: g}
+		for _, i := range is {
+			r.Requests++
+			r.Cost += int64(100 * (i + 1))
+			r.Prompt += int64(10 * (i + 1))
+			r.Cached += int64(i)
+			r.Completion += int64(i + 1)
+			r.Reasoning++
+		}
+		return r
+	}
+	check("day", accounting.UsageQuery{}, []accounting.UsageRow{row("2026-01-02", 0, 1, 2), row("2026-01-03", 3, 4, 5)})
+	check("model", accounting.UsageQuery{}, []accounting.UsageRow{row("m-a", 0, 2, 3), row("m-b", 1, 4, 5)})
+	check("key", accounting.UsageQuery{}, []accounting.UsageRow{row("", 4), row("key_1", 0, 1, 3), row("key_2", 2, 5)})
+	if total := row("", 0, 1, 2, 3, 4, 5).Cost; total != charges {
+		t.Fatalf("usage adds up to %d, the ledger's charges to %d", total, charges)
+	}
+	day2 := t0.Add(24 * time.Hour)
+	check("model", accounting.UsageQuery{From: day2}, []accounting.UsageRow{row("m-a", 3), row("m-b", 4, 5)})
+	check("key", accounting.UsageQuery{To: day2}, []accounting.UsageRow{row("key_1", 0, 1), row("key_2", 2)})
+	check("day", accounting.UsageQuery{From: day2.Add(48 * time.Hour)}, []accounting.UsageRow{})
+	_, err := l.UsageReport(c, "u-org", accounting.UsageQuery{GroupBy: "week"})
+	wantErr(t, err, accounting.ErrInvalidQuery, "an unknown grouping")
+	_, err = l.UsageReport(c, "u-org", accounting.UsageQuery{GroupBy: "day", From: day2, To: t0})
+	wantErr(t, err, accounting.ErrInvalidQuery, "to before from")
+	_, err = l.UsageReport(c, "nobody", accounting.UsageQuery{GroupBy: "day"})
+	wantErr(t, err, accounting.ErrUnknownOrg, "usage of an unknown org")
+}
+
+func testConsoleRequest(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	evs, pending := usageFixture(t, l, "r-org")
+	r := must(l.Request(c, evs[2].ID))
+	if r.Status != accounting.RequestAccounted || r.Seq < 1 || r.Cost != 300 || r.Model != "m-a" || r.KeyID != "key_2" ||
+		r.Org != "r-org" || r.Usage != evs[2].Usage || r.HoldAmount != evs[2].HoldAmount || !r.CreatedAt.Equal(evs[2].CreatedAt) {
+		t.Fatalf("request %s: %+v, want %+v", evs[2].ID, r, evs[2])
+	}
+	es := entries(t, l, "r-org")
+	if e := es[r.Seq-1]; e.HoldID != r.ID || e.Delta != -r.Cost {
+		t.Fatalf("request's entry %d is %+v", r.Seq, e)
+	}
+	p := must(l.Request(c, strings.ToUpper(pending.ID)))
+	if p.Status != accounting.RequestPending || p.Seq != 0 || p.Cost != 9999 {
+		t.Fatalf("pending request: %+v", p)
+	}
+	void := event("r-org", 7, 7)
+	noErr(t, l.VoidUsage(c, void))
+	if v := must(l.Request(c, void.ID)); v.Status != accounting.RequestVoided || v.Seq != 0 {
+		t.Fatalf("voided request: %+v", v)
+	}
+	_, err := l.Request(c, NewEventID())
+	wantErr(t, err, accounting.ErrUnknownRequest, "an unknown request")
+	_, err = l.Request(c, "not-a-uuid")
+	wantErr(t, err, accounting.ErrUnknownRequest, "a malformed request id")
+}
+
+func testConsoleDeleteModel(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	for _, name := range []string{"unused", "gpt-test"} {
+		noErr(t, l.PutModel(c, accounting.Model{Name: name, Prices: accounting.Prices{Input: 1, Output: 2}, DefaultHold: 10}))
+	}
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{event("d-org", 5, 0)})) // model gpt-test
+	noErr(t, l.DeleteModel(c, "unused"))
+	_, err := l.Model(c, "unused")
+	wantErr(t, err, accounting.ErrUnknownModel, "a deleted model")
+	wantErr(t, l.DeleteModel(c, "unused"), accounting.ErrUnknownModel, "deleting twice")
+	wantErr(t, l.DeleteModel(c, "gpt-test"), accounting.ErrModelInUse, "deleting a model with usage")
+	must(l.Model(c, "gpt-test"))
+}
+
+func testConsoleAudit(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	before := time.Now().Add(-time.Minute)
+	for i := range 5 {
+		r := must(l.RecordAudit(c, accounting.AuditRecord{Actor: "ops", Action: "POST /admin/v1/orgs", Target: fmt.Sprint("org", i), Status: 201, Detail: `{"id":"x"}`}))
+		if r.ID == 0 || r.At.Before(before) {
+			t.Fatalf("recorded %+v", r)
+		}
+	}
+	got, n := pages(t, func(cur string) (accounting.Page[accounting.AuditRecord], error) {
+		return l.AuditLog(c, accounting.ListQuery{Cursor: cur, Limit: 2})
+	})
+	if len(got) != 5 || n != 3 {
+		t.Fatalf("audit in pages of 2: %d in %d pages", len(got), n)
+	}
+	for i, r := range got {
+		if r.Target != fmt.Sprint("org", 4-i) || r.Actor != "ops" || r.Status != 201 || r.Detail != `{"id":"x"}` || (i > 0 && r.ID >= got[i-1].ID) {
+			t.Fatalf("audit row %d: %+v (newest first)", i, r)
+		}
+	}
+}

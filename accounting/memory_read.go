@@ -1,0 +1,332 @@
+package accounting
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+// memConsole is the memory ledger's console state; Memory.mu guards it.
+type memConsole struct {
+	orgNames map[string]string
+	keyNames map[string]string
+	audit    []AuditRecord // by ID (1, 2, 3 …)
+}
+
+var _ Console = (*Memory)(nil)
+
+func (m *Memory) orgInfoLocked(id string, a *memAccount) OrgInfo {
+	return OrgInfo{
+		ID: id, Name: m.console.orgNames[id], Balance: a.balance, LedgerSeq: int64(len(a.entries)),
+		SettledSeq: a.settled, CreatedAt: a.created.UTC().Truncate(time.Microsecond),
+	}
+}
+
+// ListOrgs lists orgs by id.
+func (m *Memory) ListOrgs(ctx context.Context, q ListQuery) (Page[OrgInfo], error) {
+	after := ""
+	if q.Cursor != "" {
+		f, err := readCursor(q.Cursor, "org", 1)
+		if err != nil {
+			return Page[OrgInfo]{}, err
+		}
+		after = f[0]
+	}
+	limit := pageLimit(q.Limit)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var ids []string
+	for id := range m.accounts {
+		if id > after {
+			ids = append(ids, id)
+		}
+	}
+	slices.Sort(ids)
+	var p Page[OrgInfo]
+	for _, id := range ids {
+		if len(p.Data) == limit {
+			p.Next = orgCursor(p.Data[limit-1].ID)
+			break
+		}
+		p.Data = append(p.Data, m.orgInfoLocked(id, m.accounts[id]))
+	}
+	return p, nil
+}
+
+// Org returns one org.
+func (m *Memory) Org(ctx context.Context, org string) (OrgInfo, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return OrgInfo{}, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	a := m.accounts[org]
+	if a == nil {
+		return OrgInfo{}, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	return m.orgInfoLocked(org, a), nil
+}
+
+// SetOrgName sets an org's display name.
+func (m *Memory) SetOrgName(ctx context.Context, org, name string) error {
+	if err := balance.ValidateOrg(org); err != nil {
+		return err
+	}
+	if err := checkName(name); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.accounts[org] == nil {
+		return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	if m.console.orgNames == nil {
+		m.console.orgNames = map[string]string{}
+	}
+	m.console.orgNames[org] = name
+	return nil
+}
+
+// ListKeys lists an org's keys by (creation time, id).
+func (m *Memory) ListKeys(ctx context.Context, org string, q ListQuery) (Page[KeyInfo], error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return Page[KeyInfo]{}, err
+	}
+	var afterT time.Time
+	afterID := ""
+	if q.Cursor != "" {
+		var err error
+		if afterT, afterID, err = parseKeyCursor(q.Cursor); err != nil {
+			return Page[KeyInfo]{}, err
+		}
+	}
+	limit := pageLimit(q.Limit)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.accounts[org] == nil {
+		return Page[KeyInfo]{}, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	var ks []*memKey
+	for _, k := range m.keys {
+		if k.key.Org != org {
+			continue
+		}
+		if q.Cursor != "" && cmp.Or(k.created.Compare(afterT), cmp.Compare(k.key.ID, afterID)) <= 0 {
+			continue
+		}
+		ks = append(ks, k)
+	}
+	slices.SortFunc(ks, func(a, b *memKey) int {
+		return cmp.Or(a.created.Compare(b.created), cmp.Compare(a.key.ID, b.key.ID))
+	})
+	var p Page[KeyInfo]
+	for _, k := range ks {
+		if len(p.Data) == limit {
+			last := p.Data[limit-1]
+			p.Next = keyCursor(last.CreatedAt, last.ID)
+			break
+		}
+		ki := KeyInfo{ID: k.key.ID, Org: org, Name: m.console.keyNames[k.key.ID], CreatedAt: k.created}
+		if k.revoked {
+			at := k.revAt
+			ki.RevokedAt = &at
+		}
+		p.Data = append(p.Data, ki)
+	}
+	return p, nil
+}
+
+// SetKeyName sets a key's display name.
+func (m *Memory) SetKeyName(ctx context.Context, id, name string) error {
+	if err := checkName(name); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.keys[id] == nil {
+		return fmt.Errorf("%w: %q", ErrUnknownKey, id)
+	}
+	if m.console.keyNames == nil {
+		m.console.keyNames = map[string]string{}
+	}
+	m.console.keyNames[id] = name
+	return nil
+}
+
+// ListEntries lists an org's entries, newest first.
+func (m *Memory) ListEntries(ctx context.Context, org string, q EntryQuery) (Page[EntryInfo], error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return Page[EntryInfo]{}, err
+	}
+	if err := q.Check(); err != nil {
+		return Page[EntryInfo]{}, err
+	}
+	before := int64(-1)
+	if q.Cursor != "" {
+		var err error
+		if before, err = parseSeqCursor(q.Cursor, "entry"); err != nil {
+			return Page[EntryInfo]{}, err
+		}
+	}
+	limit := pageLimit(q.Limit)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	a := m.accounts[org]
+	if a == nil {
+		return Page[EntryInfo]{}, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	var p Page[EntryInfo]
+	top := int64(len(a.entries))
+	if before >= 0 {
+		top = min(top, before-1)
+	}
+	for seq := top; seq >= 1; seq-- {
+		e := a.entries[seq-1]
+		if (q.Kind != "" && e.Kind != q.Kind) || !inRange(e.CreatedAt, q.From, q.To) {
+			continue
+		}
+		if len(p.Data) == limit {
+			p.Next = entryCursor(p.Data[limit-1].Seq)
+			break
+		}
+		e.CreatedAt = e.CreatedAt.UTC().Truncate(time.Microsecond)
+		ei := EntryInfo{LedgerEntry: e}
+		if ev := m.events[e.HoldID]; e.Kind == KindCharge && ev != nil {
+			ei.Request = &EntryRequest{ID: ev.ev.ID, KeyID: ev.ev.KeyID, Model: ev.ev.Model, Usage: ev.ev.Usage,
+				Cost: ev.ev.Cost, HoldAmount: ev.ev.HoldAmount, Estimated: ev.ev.Estimated}
+		}
+		p.Data = append(p.Data, ei)
+	}
+	return p, nil
+}
+
+// UsageReport sums the org's accounted usage per group, in group order.
+func (m *Memory) UsageReport(ctx context.Context, org string, q UsageQuery) ([]UsageRow, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return nil, err
+	}
+	if err := q.Check(); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	a := m.accounts[org]
+	if a == nil {
+		return nil, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	rows := map[string]*UsageRow{}
+	for _, e := range a.entries {
+		ev := m.events[e.HoldID]
+		if e.Kind != KindCharge || ev == nil || !inRange(ev.ev.CreatedAt, q.From, q.To) {
+			continue
+		}
+		var g string
+		switch q.GroupBy {
+		case GroupByDay:
+			g = dayOf(ev.ev.CreatedAt)
+		case GroupByModel:
+			g = ev.ev.Model
+		case GroupByKey:
+			g = ev.ev.KeyID
+		}
+		r := rows[g]
+		if r == nil {
+			r = &UsageRow{Group: g}
+			rows[g] = r
+		}
+		r.Requests++
+		r.Cost += -e.Delta
+		r.Prompt += ev.ev.Usage.Prompt
+		r.Cached += ev.ev.Usage.Cached
+		r.Completion += ev.ev.Usage.Completion
+		r.Reasoning += ev.ev.Usage.Reasoning
+	}
+	out := make([]UsageRow, 0, len(rows))
+	for _, r := range rows {
+		out = append(out, *r)
+	}
+	slices.SortFunc(out, func(a, b UsageRow) int { return cmp.Compare(a.Group, b.Group) })
+	return out, nil
+}
+
+// Request returns one request's usage.
+func (m *Memory) Request(ctx context.Context, id string) (RequestInfo, error) {
+	u, err := uuid.Parse(id)
+	if err != nil {
+		return RequestInfo{}, fmt.Errorf("%w: %q", ErrUnknownRequest, id)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e := m.events[u.String()]
+	if e == nil {
+		return RequestInfo{}, fmt.Errorf("%w: %q", ErrUnknownRequest, id)
+	}
+	ri := RequestInfo{UsageEvent: e.ev, Status: RequestPending, Seq: e.seq}
+	ri.CreatedAt = ri.CreatedAt.UTC()
+	switch {
+	case e.voided:
+		ri.Status = RequestVoided
+	case e.seq > 0:
+		ri.Status = RequestAccounted
+	}
+	return ri, nil
+}
+
+// DeleteModel deletes a model no usage event names.
+func (m *Memory) DeleteModel(ctx context.Context, name string) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if _, ok := m.models[name]; !ok {
+		return fmt.Errorf("%w: %q", ErrUnknownModel, name)
+	}
+	for _, e := range m.events {
+		if e.ev.Model == name {
+			return fmt.Errorf("%w: %q", ErrModelInUse, name)
+		}
+	}
+	delete(m.models, name)
+	return nil
+}
+
+// RecordAudit appends r to the audit trail with the next id and the current time.
+func (m *Memory) RecordAudit(ctx context.Context, r AuditRecord) (AuditRecord, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	r.ID = int64(len(m.console.audit)) + 1
+	r.At = time.Now().UTC().Truncate(time.Microsecond)
+	m.console.audit = append(m.console.audit, r)
+	return r, nil
+}
+
+// AuditLog lists the audit trail, newest first.
+func (m *Memory) AuditLog(ctx context.Context, q ListQuery) (Page[AuditRecord], error) {
+	before := int64(-1)
+	if q.Cursor != "" {
+		var err error
+		if before, err = parseSeqCursor(q.Cursor, "audit"); err != nil {
+			return Page[AuditRecord]{}, err
+		}
+	}
+	limit := pageLimit(q.Limit)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	top := int64(len(m.console.audit))
+	if before >= 0 {
+		top = min(top, before-1)
+	}
+	var p Page[AuditRecord]
+	for id := top; id >= 1; id-- {
+		if len(p.Data) == limit {
+			p.Next = auditCursor(p.Data[limit-1].ID)
+			break
+		}
+		p.Data = append(p.Data, m.console.audit[id-1])
+	}
+	return p, nil
+}

@@ -1,0 +1,183 @@
+package accounting
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+// OrgView is an org with its hot balance: Available is what its next request meets (nil when
+// the org is cold in Redis: it is seeded on its next request), Held what its requests in flight
+// hold.
+type OrgView struct {
+	OrgInfo
+	Available *int64 `json:"available"`
+	Held      int64  `json:"held"`
+}
+
+func (o *Ops) view(ctx context.Context, info OrgInfo) (OrgView, error) {
+	v := OrgView{OrgInfo: info}
+	st, err := o.store.State(ctx, info.ID)
+	if errors.Is(err, balance.ErrInvalidOrg) {
+		// An id the hot balance refuses (older than the org-id rule) is listed without one.
+		return v, nil
+	}
+	if err != nil {
+		return v, fmt.Errorf("%w: %w", ErrHotBalance, err)
+	}
+	if st.Exists {
+		v.Available = &st.Balance
+	}
+	v.Held = st.Held
+	return v, nil
+}
+
+// ListOrgs lists orgs by id with their hot balances (one Redis read per org; a cold org is not
+// seeded by being listed).
+func (o *Ops) ListOrgs(ctx context.Context, q ListQuery) (Page[OrgView], error) {
+	p, err := o.ledger.ListOrgs(ctx, q)
+	if err != nil {
+		return Page[OrgView]{}, err
+	}
+	out := Page[OrgView]{Next: p.Next, Data: make([]OrgView, 0, len(p.Data))}
+	for _, info := range p.Data {
+		v, err := o.view(ctx, info)
+		if err != nil {
+			return Page[OrgView]{}, err
+		}
+		out.Data = append(out.Data, v)
+	}
+	return out, nil
+}
+
+// Org returns one org with its hot balance.
+func (o *Ops) Org(ctx context.Context, org string) (OrgView, error) {
+	info, err := o.ledger.Org(ctx, org)
+	if err != nil {
+		return OrgView{}, err
+	}
+	return o.view(ctx, info)
+}
+
+// CreateNamedOrg creates an org with a display name ("" for none).
+func (o *Ops) CreateNamedOrg(ctx context.Context, org, name string) error {
+	if err := checkName(name); err != nil {
+		return err
+	}
+	if err := o.ledger.CreateOrg(ctx, org); err != nil {
+		return err
+	}
+	if name == "" {
+		return nil
+	}
+	return o.ledger.SetOrgName(ctx, org, name)
+}
+
+// SetOrgName renames an org.
+func (o *Ops) SetOrgName(ctx context.Context, org, name string) error {
+	return o.ledger.SetOrgName(ctx, org, name)
+}
+
+// CreateNamedKey makes a new API key for org with a display name; the secret is returned once.
+func (o *Ops) CreateNamedKey(ctx context.Context, org, name string) (KeyInfo, string, error) {
+	if err := checkName(name); err != nil {
+		return KeyInfo{}, "", err
+	}
+	k, secret, err := o.ledger.CreateKey(ctx, org)
+	if err != nil {
+		return KeyInfo{}, "", err
+	}
+	if name != "" {
+		if err := o.ledger.SetKeyName(ctx, k.ID, name); err != nil {
+			return KeyInfo{}, "", fmt.Errorf("key %s made, name not set: %w", k.ID, err)
+		}
+	}
+	return KeyInfo{ID: k.ID, Org: k.Org, Name: name}, secret, nil
+}
+
+// SetKeyName renames a key.
+func (o *Ops) SetKeyName(ctx context.Context, id, name string) error {
+	return o.ledger.SetKeyName(ctx, id, name)
+}
+
+// ListKeys lists an org's keys.
+func (o *Ops) ListKeys(ctx context.Context, org string, q ListQuery) (Page[KeyInfo], error) {
+	return o.ledger.ListKeys(ctx, org, q)
+}
+
+// ListEntries lists an org's ledger entries, newest first.
+func (o *Ops) ListEntries(ctx context.Context, org string, q EntryQuery) (Page[EntryInfo], error) {
+	return o.ledger.ListEntries(ctx, org, q)
+}
+
+// UsageReport sums an org's accounted usage per group.
+func (o *Ops) UsageReport(ctx context.Context, org string, q UsageQuery) ([]UsageRow, error) {
+	return o.ledger.UsageReport(ctx, org, q)
+}
+
+// Request returns one request's usage by its id.
+func (o *Ops) Request(ctx context.Context, id string) (RequestInfo, error) {
+	return o.ledger.Request(ctx, id)
+}
+
+// Model returns one model.
+func (o *Ops) Model(ctx context.Context, name string) (Model, error) {
+	return o.ledger.Model(ctx, name)
+}
+
+// ModelPatch changes some fields of a model; nil fields keep their value. Prices are in
+// micro-units per 1,000,000 tokens.
+type ModelPatch struct {
+	Input, CachedInput, Output      *int64
+	MaxInputTokens, MaxOutputTokens *int64
+	MaxCost, DefaultHold            *int64
+}
+
+// PatchModel applies p to the model (creating it from zero values when it does not exist) and
+// saves it like PutModel. It returns the model as saved.
+func (o *Ops) PatchModel(ctx context.Context, name string, p ModelPatch) (Model, error) {
+	m, err := o.ledger.Model(ctx, name)
+	if errors.Is(err, ErrUnknownModel) {
+		m, err = Model{Name: name}, nil
+	}
+	if err != nil {
+		return Model{}, err
+	}
+	for _, f := range []struct {
+		dst *int64
+		src *int64
+	}{
+		{&m.Input, p.Input}, {&m.CachedInput, p.CachedInput}, {&m.Output, p.Output},
+		{&m.MaxInputTokens, p.MaxInputTokens}, {&m.MaxOutputTokens, p.MaxOutputTokens},
+		{&m.MaxCost, p.MaxCost}, {&m.DefaultHold, p.DefaultHold},
+	} {
+		if f.src != nil {
+			*f.dst = *f.src
+		}
+	}
+	return m, o.PutModel(ctx, m)
+}
+
+// DeleteModel deletes a model no request has used (ErrModelInUse) and forgets its learned max
+// in Redis (best effort: a model without a price refuses requests before any hold).
+func (o *Ops) DeleteModel(ctx context.Context, name string) error {
+	if err := o.ledger.DeleteModel(ctx, name); err != nil {
+		return err
+	}
+	if err := o.store.SetModelMax(ctx, name, 0); err != nil {
+		return fmt.Errorf("%w: learned max of %q: %w", ErrHotBalance, name, err)
+	}
+	return nil
+}
+
+// RecordAudit appends an admin write to the audit trail.
+func (o *Ops) RecordAudit(ctx context.Context, r AuditRecord) (AuditRecord, error) {
+	return o.ledger.RecordAudit(ctx, r)
+}
+
+// AuditLog lists the audit trail, newest first.
+func (o *Ops) AuditLog(ctx context.Context, q ListQuery) (Page[AuditRecord], error) {
+	return o.ledger.AuditLog(ctx, q)
+}

@@ -1,0 +1,383 @@
+package accounting
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+var _ Console = (*Postgres)(nil)
+
+// tsArg is a time bound as a query argument: NULL for an open bound.
+func tsArg(t time.Time) pgtype.Timestamptz {
+	return pgtype.Timestamptz{Time: t, Valid: !t.IsZero()}
+}
+
+const sqlOrgColumns = `org_id, name, balance, ledger_seq, settled_seq, created_at`
+
+func scanOrg(r pgx.CollectableRow) (OrgInfo, error) {
+	var o OrgInfo
+	err := r.Scan(&o.ID, &o.Name, &o.Balance, &o.LedgerSeq, &o.SettledSeq, &o.CreatedAt)
+	o.CreatedAt = o.CreatedAt.UTC()
+	return o, err
+}
+
+// ListOrgs lists orgs by id (the accounts primary key).
+func (p *Postgres) ListOrgs(ctx context.Context, q ListQuery) (Page[OrgInfo], error) {
+	after := ""
+	if q.Cursor != "" {
+		f, err := readCursor(q.Cursor, "org", 1)
+		if err != nil {
+			return Page[OrgInfo]{}, err
+		}
+		after = f[0]
+	}
+	limit := pageLimit(q.Limit)
+	rows, _ := p.pool.Query(ctx, `SELECT `+sqlOrgColumns+` FROM accounts WHERE org_id > $1 ORDER BY org_id LIMIT $2`, after, limit+1)
+	orgs, err := pgx.CollectRows(rows, scanOrg)
+	if err != nil {
+		return Page[OrgInfo]{}, wrapPg("list orgs", err)
+	}
+	var pg Page[OrgInfo]
+	if len(orgs) > limit {
+		orgs = orgs[:limit]
+		pg.Next = orgCursor(orgs[limit-1].ID)
+	}
+	pg.Data = orgs
+	return pg, nil
+}
+
+// Org returns one org.
+func (p *Postgres) Org(ctx context.Context, org string) (OrgInfo, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return OrgInfo{}, err
+	}
+	rows, _ := p.pool.Query(ctx, `SELECT `+sqlOrgColumns+` FROM accounts WHERE org_id = $1`, org)
+	o, err := pgx.CollectExactlyOneRow(rows, scanOrg)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return OrgInfo{}, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	return o, wrapPg("org", err)
+}
+
+// SetOrgName sets an org's display name.
+func (p *Postgres) SetOrgName(ctx context.Context, org, name string) error {
+	if err := balance.ValidateOrg(org); err != nil {
+		return err
+	}
+	if err := checkName(name); err != nil {
+		return err
+	}
+	tag, err := p.pool.Exec(ctx, `UPDATE accounts SET name = $2 WHERE org_id = $1`, org, name)
+	if err != nil {
+		return wrapPg("set org name", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	return nil
+}
+
+// ListKeys lists an org's keys by (created_at, id) (index api_keys_org_created).
+func (p *Postgres) ListKeys(ctx context.Context, org string, q ListQuery) (Page[KeyInfo], error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return Page[KeyInfo]{}, err
+	}
+	afterT, afterID := time.Time{}, ""
+	if q.Cursor != "" {
+		var err error
+		if afterT, afterID, err = parseKeyCursor(q.Cursor); err != nil {
+			return Page[KeyInfo]{}, err
+		}
+	}
+	limit := pageLimit(q.Limit)
+	var keys []KeyInfo
+	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		var ok bool
+		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)`, org).Scan(&ok); err != nil {
+			return err
+		}
+		if !ok {
+			return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+		}
+		rows, _ := tx.Query(ctx, `
+SELECT id, org_id, name, created_at, revoked_at FROM api_keys
+WHERE org_id = $1 AND ($2::timestamptz IS NULL OR (created_at, id) > ($2, $3))
+ORDER BY created_at, id LIMIT $4`, org, tsArg(afterT), afterID, limit+1)
+		var err error
+		keys, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (KeyInfo, error) {
+			var k KeyInfo
+			err := r.Scan(&k.ID, &k.Org, &k.Name, &k.CreatedAt, &k.RevokedAt)
+			k.CreatedAt = k.CreatedAt.UTC()
+			if k.RevokedAt != nil {
+				t := k.RevokedAt.UTC()
+				k.RevokedAt = &t
+			}
+			return k, err
+		})
+		return err
+	})
+	if errors.Is(err, ErrUnknownOrg) {
+		return Page[KeyInfo]{}, err
+	}
+	if err != nil {
+		return Page[KeyInfo]{}, wrapPg("list keys", err)
+	}
+	var pg Page[KeyInfo]
+	if len(keys) > limit {
+		keys = keys[:limit]
+		pg.Next = keyCursor(keys[limit-1].CreatedAt, keys[limit-1].ID)
+	}
+	pg.Data = keys
+	return pg, nil
+}
+
+// SetKeyName sets a key's display name.
+func (p *Postgres) SetKeyName(ctx context.Context, id, name string) error {
+	if err := checkName(name); err != nil {
+		return err
+	}
+	tag, err := p.pool.Exec(ctx, `UPDATE api_keys SET name = $2 WHERE id = $1`, id, name)
+	if err != nil {
+		return wrapPg("set key name", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("%w: %q", ErrUnknownKey, id)
+	}
+	return nil
+}
+
+// ListEntries lists an org's entries, newest first: a backward walk of the (org_id, seq) primary
+// key from the cursor, each charge joined to its usage event by the event's primary key.
+func (p *Postgres) ListEntries(ctx context.Context, org string, q EntryQuery) (Page[EntryInfo], error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return Page[EntryInfo]{}, err
+	}
+	if err := q.Check(); err != nil {
+		return Page[EntryInfo]{}, err
+	}
+	before := int64(1<<63 - 1)
+	if q.Cursor != "" {
+		var err error
+		if before, err = parseSeqCursor(q.Cursor, "entry"); err != nil {
+			return Page[EntryInfo]{}, err
+		}
+	}
+	limit := pageLimit(q.Limit)
+	var out []EntryInfo
+	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		var ok bool
+		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)`, org).Scan(&ok); err != nil {
+			return err
+		}
+		if !ok {
+			return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+		}
+		rows, err := tx.Query(ctx, sqlListEntries, org, before, string(q.Kind), tsArg(q.From), tsArg(q.To), limit+1)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var e EntryInfo
+			var hold, ref, evID, key, model *string
+			var pt, ct, cpt, rt, cost, holdAmt *int64
+			var est *bool
+			if err := rows.Scan(&e.Org, &e.Seq, &e.Delta, &e.Kind, &hold, &ref, &e.CreatedAt,
+				&evID, &key, &model, &pt, &ct, &cpt, &rt, &cost, &holdAmt, &est); err != nil {
+				return err
+			}
+			e.CreatedAt = e.CreatedAt.UTC()
+			e.HoldID, e.Ref = deref(hold), deref(ref)
+			if evID != nil {
+				e.Request = &EntryRequest{
+					ID: *evID, KeyID: deref(key), Model: deref(model),
+					Usage: Usage{Prompt: *pt, Cached: *ct, Completion: *cpt, Reasoning: *rt},
+					Cost:  *cost, HoldAmount: *holdAmt, Estimated: *est,
+				}
+			}
+			out = append(out, e)
+		}
+		return rows.Err()
+	})
+	if errors.Is(err, ErrUnknownOrg) {
+		return Page[EntryInfo]{}, err
+	}
+	if err != nil {
+		return Page[EntryInfo]{}, wrapPg("list entries", err)
+	}
+	var pg Page[EntryInfo]
+	if len(out) > limit {
+		out = out[:limit]
+		pg.Next = entryCursor(out[limit-1].Seq)
+	}
+	pg.Data = out
+	return pg, nil
+}
+
+const sqlListEntries = `
+SELECT e.org_id, e.seq, e.delta, e.kind, e.hold_id::text, e.ref, e.created_at,
+       u.id::text, u.key_id, u.model, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
+       u.reasoning_tokens, u.cost, u.hold_amount, u.estimated
+FROM ledger_entries e
+LEFT JOIN usage_events u ON e.kind = 'charge' AND u.id = e.hold_id
+WHERE e.org_id = $1::text AND e.seq < $2::bigint
+  AND ($3::text = '' OR e.kind = $3::text)
+  AND ($4::timestamptz IS NULL OR e.created_at >= $4)
+  AND ($5::timestamptz IS NULL OR e.created_at < $5)
+ORDER BY e.seq DESC LIMIT $6::int`
+
+func deref[T any](p *T) T {
+	var z T
+	if p == nil {
+		return z
+	}
+	return *p
+}
+
+// UsageReport sums the org's accounted usage events per group (index
+// usage_events_org_accounted). Each accounted event has exactly one charge entry with its cost,
+// so the rows add up to the org's charges.
+func (p *Postgres) UsageReport(ctx context.Context, org string, q UsageQuery) ([]UsageRow, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return nil, err
+	}
+	if err := q.Check(); err != nil {
+		return nil, err
+	}
+	group := map[string]string{
+		GroupByDay:   `to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD')`,
+		GroupByModel: `model`,
+		GroupByKey:   `coalesce(key_id, '')`,
+	}[q.GroupBy]
+	var out []UsageRow
+	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		var ok bool
+		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)`, org).Scan(&ok); err != nil {
+			return err
+		}
+		if !ok {
+			return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+		}
+		rows, _ := tx.Query(ctx, `
+SELECT g, count(*), sum(cost)::bigint, sum(prompt_tokens)::bigint, sum(cached_tokens)::bigint,
+       sum(completion_tokens)::bigint, sum(reasoning_tokens)::bigint
+FROM (SELECT `+group+` AS g, cost, prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens
+      FROM usage_events
+      WHERE org_id = $1 AND status = 'accounted'
+        AND ($2::timestamptz IS NULL OR created_at >= $2) AND ($3::timestamptz IS NULL OR created_at < $3)) x
+GROUP BY g ORDER BY g COLLATE "C"`, org, tsArg(q.From), tsArg(q.To))
+		var err error
+		out, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (UsageRow, error) {
+			var u UsageRow
+			err := r.Scan(&u.Group, &u.Requests, &u.Cost, &u.Prompt, &u.Cached, &u.Completion, &u.Reasoning)
+			return u, err
+		})
+		return err
+	})
+	if errors.Is(err, ErrUnknownOrg) {
+		return nil, err
+	}
+	if out == nil && err == nil {
+		out = []UsageRow{}
+	}
+	return out, wrapPg("usage report", err)
+}
+
+// Request returns one request's usage event by its id (the primary key).
+func (p *Postgres) Request(ctx context.Context, id string) (RequestInfo, error) {
+	u, err := uuid.Parse(id)
+	if err != nil {
+		return RequestInfo{}, fmt.Errorf("%w: %q", ErrUnknownRequest, id)
+	}
+	var r RequestInfo
+	var key, endpoint *string
+	var seq *int64
+	err = p.pool.QueryRow(ctx, `
+SELECT id::text, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens,
+       reasoning_tokens, cost, hold_amount, estimated, status, seq, created_at
+FROM usage_events WHERE id = $1`, u).Scan(&r.ID, &r.Org, &key, &r.Model, &endpoint,
+		&r.Usage.Prompt, &r.Usage.Cached, &r.Usage.Completion, &r.Usage.Reasoning, &r.Cost, &r.HoldAmount,
+		&r.Estimated, &r.Status, &seq, &r.CreatedAt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return RequestInfo{}, fmt.Errorf("%w: %q", ErrUnknownRequest, id)
+	}
+	if err != nil {
+		return RequestInfo{}, wrapPg("request", err)
+	}
+	r.KeyID, r.Endpoint, r.Seq = deref(key), deref(endpoint), deref(seq)
+	r.CreatedAt = r.CreatedAt.UTC()
+	return r, nil
+}
+
+// DeleteModel deletes a model no usage event names. The check reads usage_events without an
+// index on model: one more index would slow every recorded request, for a rare admin call. A
+// request priced just before the delete still records (an event keeps its model name and cost).
+func (p *Postgres) DeleteModel(ctx context.Context, name string) error {
+	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		var found, used bool
+		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM models WHERE model = $1 FOR UPDATE)`, name).Scan(&found); err != nil {
+			return err
+		}
+		if !found {
+			return fmt.Errorf("%w: %q", ErrUnknownModel, name)
+		}
+		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM usage_events WHERE model = $1)`, name).Scan(&used); err != nil {
+			return err
+		}
+		if used {
+			return fmt.Errorf("%w: %q", ErrModelInUse, name)
+		}
+		_, err := tx.Exec(ctx, `DELETE FROM models WHERE model = $1`, name)
+		return err
+	})
+	if errors.Is(err, ErrUnknownModel) || errors.Is(err, ErrModelInUse) {
+		return err
+	}
+	return wrapPg("delete model", err)
+}
+
+// RecordAudit appends r to the audit trail.
+func (p *Postgres) RecordAudit(ctx context.Context, r AuditRecord) (AuditRecord, error) {
+	err := p.pool.QueryRow(ctx, `INSERT INTO admin_audit (actor, action, target, status, detail)
+VALUES ($1, $2, $3, $4, $5) RETURNING id, at`, r.Actor, r.Action, r.Target, r.Status, r.Detail).Scan(&r.ID, &r.At)
+	r.At = r.At.UTC()
+	return r, wrapPg("record audit", err)
+}
+
+// AuditLog lists the audit trail, newest first.
+func (p *Postgres) AuditLog(ctx context.Context, q ListQuery) (Page[AuditRecord], error) {
+	before := int64(1<<63 - 1)
+	if q.Cursor != "" {
+		var err error
+		if before, err = parseSeqCursor(q.Cursor, "audit"); err != nil {
+			return Page[AuditRecord]{}, err
+		}
+	}
+	limit := pageLimit(q.Limit)
+	rows, _ := p.pool.Query(ctx, `SELECT id, at, actor, action, target, status, detail FROM admin_audit
+WHERE id < $1 ORDER BY id DESC LIMIT $2`, before, limit+1)
+	recs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (AuditRecord, error) {
+		var a AuditRecord
+		err := r.Scan(&a.ID, &a.At, &a.Actor, &a.Action, &a.Target, &a.Status, &a.Detail)
+		a.At = a.At.UTC()
+		return a, err
+	})
+	if err != nil {
+		return Page[AuditRecord]{}, wrapPg("audit log", err)
+	}
+	var pg Page[AuditRecord]
+	if len(recs) > limit {
+		recs = recs[:limit]
+		pg.Next = auditCursor(recs[limit-1].ID)
+	}
+	pg.Data = recs
+	return pg, nil
+}

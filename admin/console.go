@@ -1,0 +1,418 @@
+package admin
+
+import (
+	"bytes"
+	"context"
+	"encoding/csv"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/big"
+	"net/http"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+)
+
+// writeJSON answers v as JSON without HTML escaping ('>' stays '>', not \u003e): the admin API's
+// readers are programs and people at a terminal, never an HTML page.
+func writeJSON(c echo.Context, status int, v any) error {
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		return fmt.Errorf("admin: encode answer: %w", err)
+	}
+	return c.Blob(status, echo.MIMEApplicationJSON, buf.Bytes())
+}
+
+// wantsCSV: ?format=csv, or an Accept header asking for text/csv (and ?format=json overrides it).
+func wantsCSV(c echo.Context) bool {
+	switch c.QueryParam("format") {
+	case "csv":
+		return true
+	case "json":
+		return false
+	}
+	return strings.Contains(c.Request().Header.Get(echo.HeaderAccept), "text/csv")
+}
+
+// writeList answers one page: {"data":[…],"next":"cursor"|null} in JSON, or a CSV table with a
+// header row (the next cursor, if any, in the X-Escrow-Next header).
+func writeList[T any](c echo.Context, data []T, next string, header []string, row func(T) []string) error {
+	if data == nil {
+		data = []T{}
+	}
+	if wantsCSV(c) {
+		if next != "" {
+			c.Response().Header().Set("X-Escrow-Next", next)
+		}
+		var buf bytes.Buffer
+		w := csv.NewWriter(&buf)
+		_ = w.Write(header)
+		for _, d := range data {
+			_ = w.Write(row(d))
+		}
+		w.Flush()
+		return c.Blob(http.StatusOK, "text/csv; charset=utf-8", buf.Bytes())
+	}
+	var n *string
+	if next != "" {
+		n = &next
+	}
+	return writeJSON(c, http.StatusOK, struct {
+		Data []T     `json:"data"`
+		Next *string `json:"next"`
+	}{data, n})
+}
+
+func i64(v int64) string { return strconv.FormatInt(v, 10) }
+
+func ts(t time.Time) string {
+	if t.IsZero() {
+		return ""
+	}
+	return t.UTC().Format(time.RFC3339Nano)
+}
+
+// listQuery reads ?cursor= and ?limit=.
+func listQuery(c echo.Context) (accounting.ListQuery, error) {
+	q := accounting.ListQuery{Cursor: c.QueryParam("cursor")}
+	if s := c.QueryParam("limit"); s != "" {
+		n, err := strconv.Atoi(s)
+		if err != nil || n < 1 || n > accounting.MaxPageSize {
+			return q, fmt.Errorf("limit must be an integer from 1 to %d", accounting.MaxPageSize)
+		}
+		q.Limit = n
+	}
+	return q, nil
+}
+
+// timeParam reads an RFC 3339 time or a UTC date (2006-01-02) from the query; "" is a zero time.
+func timeParam(c echo.Context, name string) (time.Time, error) {
+	s := c.QueryParam(name)
+	if s == "" {
+		return time.Time{}, nil
+	}
+	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
+		return t, nil
+	}
+	if t, err := time.Parse(time.DateOnly, s); err == nil {
+		return t, nil
+	}
+	return time.Time{}, fmt.Errorf("%s must be an RFC 3339 time or a date (YYYY-MM-DD), not %q", name, s)
+}
+
+func (a *API) listOrgs(c echo.Context) error {
+	q, err := listQuery(c)
+	if err != nil {
+		return invalid(c, err.Error())
+	}
+	p, err := a.ops.ListOrgs(c.Request().Context(), q)
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeList(c, p.Data, p.Next, []string{"id", "name", "ledger_balance", "available", "held", "ledger_seq", "settled_seq", "created_at"},
+		func(o accounting.OrgView) []string {
+			avail := ""
+			if o.Available != nil {
+				avail = i64(*o.Available)
+			}
+			return []string{o.ID, o.Name, i64(o.Balance), avail, i64(o.Held), i64(o.LedgerSeq), i64(o.SettledSeq), ts(o.CreatedAt)}
+		})
+}
+
+func (a *API) getOrg(c echo.Context) error {
+	o, err := a.ops.Org(c.Request().Context(), c.Param("org"))
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeJSON(c, http.StatusOK, o)
+}
+
+type nameRequest struct {
+	Name *string `json:"name"`
+}
+
+func (a *API) patchOrg(c echo.Context) error {
+	var req nameRequest
+	if err := bind(c, &req); err != nil || c.Response().Committed {
+		return err
+	}
+	if req.Name == nil {
+		return invalid(c, "name is required")
+	}
+	ctx := c.Request().Context()
+	if err := a.ops.SetOrgName(ctx, c.Param("org"), *req.Name); err != nil {
+		return a.fail(c, err)
+	}
+	return a.getOrg(c)
+}
+
+func (a *API) listKeys(c echo.Context) error {
+	q, err := listQuery(c)
+	if err != nil {
+		return invalid(c, err.Error())
+	}
+	p, err := a.ops.ListKeys(c.Request().Context(), c.Param("org"), q)
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeList(c, p.Data, p.Next, []string{"id", "org", "name", "created_at", "revoked_at"},
+		func(k accounting.KeyInfo) []string {
+			rev := ""
+			if k.RevokedAt != nil {
+				rev = ts(*k.RevokedAt)
+			}
+			return []string{k.ID, k.Org, k.Name, ts(k.CreatedAt), rev}
+		})
+}
+
+func (a *API) patchKey(c echo.Context) error {
+	var req nameRequest
+	if err := bind(c, &req); err != nil || c.Response().Committed {
+		return err
+	}
+	if req.Name == nil {
+		return invalid(c, "name is required")
+	}
+	if err := a.ops.SetKeyName(c.Request().Context(), c.Param("id"), *req.Name); err != nil {
+		return a.fail(c, err)
+	}
+	return writeJSON(c, http.StatusOK, map[string]string{"id": c.Param("id"), "name": *req.Name})
+}
+
+func (a *API) listEntries(c echo.Context) error {
+	lq, err := listQuery(c)
+	if err != nil {
+		return invalid(c, err.Error())
+	}
+	q := accounting.EntryQuery{ListQuery: lq, Kind: accounting.EntryKind(c.QueryParam("kind"))}
+	if q.From, err = timeParam(c, "from"); err == nil {
+		q.To, err = timeParam(c, "to")
+	}
+	if err != nil {
+		return invalid(c, err.Error())
+	}
+	p, err := a.ops.ListEntries(c.Request().Context(), c.Param("org"), q)
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeList(c, p.Data, p.Next,
+		[]string{"seq", "kind", "delta", "reference", "created_at", "request_id", "key_id", "model",
+			"prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost", "hold_amount", "estimated"},
+		func(e accounting.EntryInfo) []string {
+			row := []string{i64(e.Seq), string(e.Kind), i64(e.Delta), e.Ref, ts(e.CreatedAt)}
+			if r := e.Request; r != nil {
+				return append(row, r.ID, r.KeyID, r.Model, i64(r.Usage.Prompt), i64(r.Usage.Cached), i64(r.Usage.Completion),
+					i64(r.Usage.Reasoning), i64(r.Cost), i64(r.HoldAmount), strconv.FormatBool(r.Estimated))
+			}
+			return append(row, e.HoldID, "", "", "", "", "", "", "", "", "")
+		})
+}
+
+func (a *API) usage(c echo.Context) error {
+	q := accounting.UsageQuery{GroupBy: c.QueryParam("group_by")}
+	if q.GroupBy == "" {
+		q.GroupBy = accounting.GroupByDay
+	}
+	var err error
+	if q.From, err = timeParam(c, "from"); err == nil {
+		q.To, err = timeParam(c, "to")
+	}
+	if err != nil {
+		return invalid(c, err.Error())
+	}
+	rows, err := a.ops.UsageReport(c.Request().Context(), c.Param("org"), q)
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeList(c, rows, "", []string{q.GroupBy, "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens"},
+		func(r accounting.UsageRow) []string {
+			return []string{r.Group, i64(r.Requests), i64(r.Cost), i64(r.Prompt), i64(r.Cached), i64(r.Completion), i64(r.Reasoning)}
+		})
+}
+
+func (a *API) request(c echo.Context) error {
+	r, err := a.ops.Request(c.Request().Context(), c.Param("id"))
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeJSON(c, http.StatusOK, r)
+}
+
+func (a *API) getModel(c echo.Context) error {
+	m, err := a.ops.Model(c.Request().Context(), c.Param("model"))
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeJSON(c, http.StatusOK, m)
+}
+
+func (a *API) deleteModel(c echo.Context) error {
+	if err := a.ops.DeleteModel(c.Request().Context(), c.Param("model")); err != nil {
+		return a.fail(c, err)
+	}
+	return c.NoContent(http.StatusNoContent)
+}
+
+// patchModel changes the fields given. Prices come in micro-units per 1M tokens as integers
+// (input_price, cached_input_price, output_price, as PUT takes them) or in currency units per
+// 1M tokens as decimals, strings or numbers (input_per_1m, cached_input_per_1m, output_per_1m:
+// "0.15" is 150000 micro-units), read from their text so no float ever touches a price.
+func (a *API) patchModel(c echo.Context) error {
+	var req struct {
+		Input            *int64          `json:"input_price"`
+		CachedInput      *int64          `json:"cached_input_price"`
+		Output           *int64          `json:"output_price"`
+		InputPer1M       json.RawMessage `json:"input_per_1m"`
+		CachedInputPer1M json.RawMessage `json:"cached_input_per_1m"`
+		OutputPer1M      json.RawMessage `json:"output_per_1m"`
+		MaxInputTokens   *int64          `json:"max_input_tokens"`
+		MaxOutputTokens  *int64          `json:"max_output_tokens"`
+		MaxCost          *int64          `json:"max_cost"`
+		DefaultHold      *int64          `json:"default_hold"`
+	}
+	if err := bind(c, &req); err != nil || c.Response().Committed {
+		return err
+	}
+	p := accounting.ModelPatch{
+		Input: req.Input, CachedInput: req.CachedInput, Output: req.Output,
+		MaxInputTokens: req.MaxInputTokens, MaxOutputTokens: req.MaxOutputTokens, MaxCost: req.MaxCost, DefaultHold: req.DefaultHold,
+	}
+	for _, d := range []struct {
+		name string
+		raw  json.RawMessage
+		int  *int64
+		dst  **int64
+	}{
+		{"input_per_1m", req.InputPer1M, req.Input, &p.Input},
+		{"cached_input_per_1m", req.CachedInputPer1M, req.CachedInput, &p.CachedInput},
+		{"output_per_1m", req.OutputPer1M, req.Output, &p.Output},
+	} {
+		if d.raw == nil {
+			continue
+		}
+		if d.int != nil {
+			return invalid(c, fmt.Sprintf("give %s or %s, not both", d.name, strings.TrimSuffix(d.name, "_per_1m")+"_price"))
+		}
+		v, err := DecimalMicros(d.raw)
+		if err != nil {
+			return invalid(c, d.name+": "+err.Error())
+		}
+		*d.dst = &v
+	}
+	for name, v := range map[string]*int64{"input_price": p.Input, "cached_input_price": p.CachedInput, "output_price": p.Output,
+		"max_input_tokens": p.MaxInputTokens, "max_output_tokens": p.MaxOutputTokens, "max_cost": p.MaxCost, "default_hold": p.DefaultHold} {
+		if v != nil && (*v < 0 || *v > balance.MaxAmount) {
+			return invalid(c, fmt.Sprintf("%s must be from 0 to 10^14", name))
+		}
+	}
+	m, err := a.ops.PatchModel(c.Request().Context(), c.Param("model"), p)
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeJSON(c, http.StatusOK, m)
+}
+
+var decimalText = regexp.MustCompile(`^([0-9]+)(?:\.([0-9]+))?$`)
+
+// DecimalMicros converts a JSON number or string holding a plain non-negative decimal (currency
+// units) to micro-units exactly: "0.15" → 150000. More than six decimals that are not zeros, an
+// exponent, a sign or a value above 10^14 micro-units is an error saying so; the text is parsed
+// digit by digit, never through a float.
+func DecimalMicros(raw json.RawMessage) (int64, error) {
+	s := strings.TrimSpace(string(raw))
+	if strings.HasPrefix(s, `"`) {
+		if err := json.Unmarshal(raw, &s); err != nil {
+			return 0, fmt.Errorf("not a string or a number")
+		}
+		s = strings.TrimSpace(s)
+	}
+	m := decimalText.FindStringSubmatch(s)
+	if m == nil {
+		return 0, fmt.Errorf("%q is not a plain decimal such as 0.15 (digits, an optional point and digits; no sign or exponent)", s)
+	}
+	frac := strings.TrimRight(m[2], "0")
+	if len(frac) > 6 {
+		return 0, fmt.Errorf("%q is not a whole number of micro-units (at most 6 decimals)", s)
+	}
+	v, ok := new(big.Int).SetString(m[1]+frac+strings.Repeat("0", 6-len(frac)), 10)
+	if !ok || v.Cmp(big.NewInt(balance.MaxAmount)) > 0 {
+		return 0, fmt.Errorf("%q is above 10^14 micro-units", s)
+	}
+	return v.Int64(), nil
+}
+
+func (a *API) auditLog(c echo.Context) error {
+	q, err := listQuery(c)
+	if err != nil {
+		return invalid(c, err.Error())
+	}
+	p, err := a.ops.AuditLog(c.Request().Context(), q)
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeList(c, p.Data, p.Next, []string{"id", "at", "actor", "action", "target", "status", "detail"},
+		func(r accounting.AuditRecord) []string {
+			return []string{i64(r.ID), ts(r.At), r.Actor, r.Action, r.Target, strconv.Itoa(r.Status), r.Detail}
+		})
+}
+
+// ActorHeader names who makes an admin write, for the audit trail (the CLI sends $USER); the
+// token itself is never recorded.
+const ActorHeader = "X-Escrow-Actor"
+
+// audited records every write (a method other than GET and HEAD) after it is answered: who
+// (ActorHeader, else "admin"), what (method and route), on what (the org, key or model in the
+// path), when, the answer's status and the request body (bounded; no admin request body holds a
+// secret).
+func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		r := c.Request()
+		if r.Method == http.MethodGet || r.Method == http.MethodHead {
+			return next(c)
+		}
+		var body []byte
+		if r.Body != nil {
+			var err error
+			body, err = io.ReadAll(io.LimitReader(r.Body, MaxBodyBytes+1))
+			if err != nil {
+				return invalid(c, "could not read the request body")
+			}
+			r.Body = io.NopCloser(bytes.NewReader(body))
+		}
+		err := next(c)
+		actor := strings.TrimSpace(r.Header.Get(ActorHeader))
+		if actor == "" || len(actor) > 200 {
+			actor = "admin"
+		}
+		target := c.Param("org")
+		for _, p := range []string{"id", "model"} {
+			if v := c.Param(p); v != "" {
+				target = v
+			}
+		}
+		status := c.Response().Status
+		if !c.Response().Committed && err != nil {
+			status = http.StatusInternalServerError
+		}
+		detail := string(body)
+		if len(detail) > 4096 {
+			detail = detail[:4096]
+		}
+		// Recorded even when the client has gone: the write may have happened.
+		if _, aerr := a.ops.RecordAudit(context.WithoutCancel(r.Context()), accounting.AuditRecord{
+			Actor: actor, Action: r.Method + " " + c.Path(), Target: target, Status: status, Detail: detail,
+		}); aerr != nil {
+			a.log.Error("admin audit record failed", "action", r.Method+" "+c.Path(), "err", aerr)
+		}
+		return err
+	}
+}

@@ -1,0 +1,534 @@
+package main
+
+import (
+	"bytes"
+	"encoding/csv"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// The operator's CLI: each command is one or a few calls to the admin API at ESCROW_URL
+// (default http://127.0.0.1:8080) with ESCROW_ADMIN_TOKEN. Exit codes: 0 done, 1 the API
+// refused (its message is printed), 2 a usage error, 3 the API could not be reached or is not
+// configured.
+
+// Exit codes of the CLI.
+const (
+	exitRefused     = 1
+	exitUsage       = 2
+	exitUnreachable = 3
+)
+
+// exitError carries an exit code to main.
+type exitError struct {
+	code int
+	err  error
+}
+
+func (e *exitError) Error() string { return e.err.Error() }
+func (e *exitError) Unwrap() error { return e.err }
+
+func usageErr(format string, a ...any) error {
+	return &exitError{exitUsage, fmt.Errorf(format, a...)}
+}
+
+// The CLI's outside world; tests swap them.
+var (
+	stdout io.Writer = os.Stdout
+	getenv           = os.Getenv
+)
+
+// client talks to the admin API.
+type client struct {
+	base, token string
+	http        *http.Client
+}
+
+func newClient() (*client, error) {
+	base := strings.TrimRight(getenv("ESCROW_URL"), "/")
+	if base == "" {
+		base = "http://127.0.0.1:8080"
+	}
+	token := getenv("ESCROW_ADMIN_TOKEN")
+	if token == "" {
+		return nil, &exitError{exitUnreachable, errors.New("ESCROW_ADMIN_TOKEN is not set (the proxy's admin token)")}
+	}
+	return &client{base: base + "/admin/v1", token: token, http: &http.Client{Timeout: 60 * time.Second}}, nil
+}
+
+// apiError is the admin API's error body.
+type apiError struct {
+	Error struct {
+		Message string `json:"message"`
+		Code    string `json:"code"`
+	} `json:"error"`
+}
+
+// call sends body (JSON, or nothing when nil) and decodes a 2xx answer into out (when not nil);
+// a non-2xx answer is an exitError with the API's code and message.
+func (c *client) call(method, path string, body, out any) error {
+	raw, _, err := c.raw(method, path, body, "")
+	if err != nil || out == nil || len(raw) == 0 {
+		return err
+	}
+	if err := json.Unmarshal(raw, out); err != nil {
+		return fmt.Errorf("%s %s: unexpected answer: %w", method, path, err)
+	}
+	return nil
+}
+
+func (c *client) raw(method, path string, body any, accept string) ([]byte, http.Header, error) {
+	var rd io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return nil, nil, err
+		}
+		rd = bytes.NewReader(b)
+	}
+	req, err := http.NewRequest(method, c.base+path, rd)
+	if err != nil {
+		return nil, nil, usageErr("%v", err)
+	}
+	req.Header.Set("Authorization", "Bearer "+c.token)
+	req.Header.Set("Content-Type", "application/json")
+	if accept != "" {
+		req.Header.Set("Accept", accept)
+	}
+	actor := getenv("USER")
+	if actor == "" {
+		actor = "cli"
+	}
+	req.Header.Set("X-Escrow-Actor", actor+" (escrow cli)")
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, nil, &exitError{exitUnreachable, fmt.Errorf("cannot reach the admin API at %s (ESCROW_URL): %w", c.base, err)}
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, nil, &exitError{exitUnreachable, fmt.Errorf("reading the answer: %w", err)}
+	}
+	if resp.StatusCode/100 != 2 {
+		var e apiError
+		if json.Unmarshal(raw, &e) == nil && e.Error.Message != "" {
+			return nil, nil, &exitError{exitRefused, fmt.Errorf("%s (%d %s)", e.Error.Message, resp.StatusCode, e.Error.Code)}
+		}
+		return nil, nil, &exitError{exitRefused, fmt.Errorf("%s %s: HTTP %d", method, path, resp.StatusCode)}
+	}
+	return raw, resp.Header, nil
+}
+
+// page is a list answer.
+type page struct {
+	Data []map[string]any `json:"data"`
+	Next *string          `json:"next"`
+}
+
+// all follows a list's cursors to its end.
+func (c *client) all(path string, query url.Values) ([]map[string]any, error) {
+	var out []map[string]any
+	for {
+		var p page
+		if err := c.call(http.MethodGet, path+"?"+query.Encode(), nil, &p); err != nil {
+			return nil, err
+		}
+		out = append(out, p.Data...)
+		if p.Next == nil {
+			return out, nil
+		}
+		query.Set("cursor", *p.Next)
+	}
+}
+
+// parse parses flags wherever they are among the arguments and returns the positional ones.
+func parse(fs *flag.FlagSet, args []string) ([]string, error) {
+	fs.SetOutput(io.Discard)
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, usageErr("%s: %v", fs.Name(), err)
+		}
+		args = fs.Args()
+		if len(args) == 0 {
+			return pos, nil
+		}
+		pos = append(pos, args[0])
+		args = args[1:]
+	}
+}
+
+// output prints v as JSON (--json) or rows as a table (or CSV with --csv).
+type output struct{ json, csv bool }
+
+func (o *output) flags(fs *flag.FlagSet) {
+	fs.BoolVar(&o.json, "json", false, "print the API's JSON")
+	fs.BoolVar(&o.csv, "csv", false, "print CSV")
+}
+
+func (o output) print(v any, cols []string, rows []map[string]any) error {
+	if o.json {
+		enc := json.NewEncoder(stdout)
+		enc.SetEscapeHTML(false)
+		enc.SetIndent("", "  ")
+		return enc.Encode(v)
+	}
+	if o.csv {
+		w := csv.NewWriter(stdout)
+		_ = w.Write(cols)
+		for _, r := range rows {
+			_ = w.Write(cells(cols, r))
+		}
+		w.Flush()
+		return w.Error()
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, strings.ToUpper(strings.Join(cols, "\t")))
+	for _, r := range rows {
+		fmt.Fprintln(tw, strings.Join(cells(cols, r), "\t"))
+	}
+	return tw.Flush()
+}
+
+func cells(cols []string, r map[string]any) []string {
+	out := make([]string, len(cols))
+	for i, c := range cols {
+		out[i] = cell(r[c])
+	}
+	return out
+}
+
+func cell(v any) string {
+	switch x := v.(type) {
+	case nil:
+		return ""
+	case string:
+		return x
+	case float64: // JSON numbers of the API are integers within ±10^14: exact in a float64
+		return strconv.FormatFloat(x, 'f', -1, 64)
+	default:
+		b, _ := json.Marshal(x)
+		return string(b)
+	}
+}
+
+func one(v map[string]any) []map[string]any { return []map[string]any{v} }
+
+// cmdOrgs: escrow orgs [list] | create ID [--name N] | show ID | rename ID NAME.
+func cmdOrgs(args []string) error {
+	fs := flag.NewFlagSet("orgs", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	name := fs.String("name", "", "display name (create)")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	cols := []string{"id", "name", "ledger_balance", "available", "held", "created_at"}
+	sub := "list"
+	if len(pos) > 0 {
+		sub, pos = pos[0], pos[1:]
+	}
+	var res map[string]any
+	switch {
+	case sub == "list" && len(pos) == 0:
+		rows, err := c.all("/orgs", url.Values{"limit": {"1000"}})
+		if err != nil {
+			return err
+		}
+		return o.print(rows, cols, rows)
+	case sub == "create" && len(pos) == 1:
+		err = c.call(http.MethodPost, "/orgs", map[string]string{"id": pos[0], "name": *name}, &res)
+		cols = []string{"id", "name"}
+	case sub == "show" && len(pos) == 1:
+		err = c.call(http.MethodGet, "/orgs/"+url.PathEscape(pos[0]), nil, &res)
+	case sub == "rename" && len(pos) == 2:
+		err = c.call(http.MethodPatch, "/orgs/"+url.PathEscape(pos[0]), map[string]string{"name": pos[1]}, &res)
+	default:
+		return usageErr("usage: escrow orgs [list] | create ID [--name NAME] | show ID | rename ID NAME  [--json|--csv]")
+	}
+	if err != nil {
+		return err
+	}
+	return o.print(res, cols, one(res))
+}
+
+// cmdCredit: escrow credit ORG AMOUNT --ref REF (AMOUNT in micro-units).
+func cmdCredit(args []string) error {
+	fs := flag.NewFlagSet("credit", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	ref := fs.String("ref", "", "payment reference (required; the same reference again is the same credit)")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) != 2 || *ref == "" {
+		return usageErr("usage: escrow credit ORG AMOUNT --ref REFERENCE  (AMOUNT in micro-units)")
+	}
+	amount, err := strconv.ParseInt(pos[1], 10, 64)
+	if err != nil || amount <= 0 {
+		return usageErr("AMOUNT must be a positive whole number of micro-units, not %q", pos[1])
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	var res map[string]any
+	if err := c.call(http.MethodPost, "/orgs/"+url.PathEscape(pos[0])+"/credits", map[string]any{"amount": amount, "reference": *ref}, &res); err != nil {
+		return err
+	}
+	return o.print(res, []string{"org", "seq", "delta", "reference", "created_at"}, one(res))
+}
+
+// cmdKeys: escrow keys ORG | create ORG [--name N] | rename ID NAME | revoke ID.
+func cmdKeys(args []string) error {
+	fs := flag.NewFlagSet("keys", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	name := fs.String("name", "", "display name (create)")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	var res map[string]any
+	switch {
+	case len(pos) == 1:
+		rows, err := c.all("/orgs/"+url.PathEscape(pos[0])+"/keys", url.Values{"limit": {"1000"}})
+		if err != nil {
+			return err
+		}
+		return o.print(rows, []string{"id", "name", "created_at", "revoked_at"}, rows)
+	case len(pos) == 2 && pos[0] == "create":
+		if err := c.call(http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/keys", map[string]string{"name": *name}, &res); err != nil {
+			return err
+		}
+		return o.print(res, []string{"id", "name", "key"}, one(res))
+	case len(pos) == 3 && pos[0] == "rename":
+		if err := c.call(http.MethodPatch, "/keys/"+url.PathEscape(pos[1]), map[string]string{"name": pos[2]}, &res); err != nil {
+			return err
+		}
+		return o.print(res, []string{"id", "name"}, one(res))
+	case len(pos) == 2 && pos[0] == "revoke":
+		if err := c.call(http.MethodDelete, "/keys/"+url.PathEscape(pos[1]), nil, nil); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, "revoked", pos[1])
+		return nil
+	default:
+		return usageErr("usage: escrow keys ORG | create ORG [--name NAME] | rename KEY_ID NAME | revoke KEY_ID  [--json|--csv]")
+	}
+}
+
+// cmdUsage: escrow usage ORG [--by day|model|key] [--from T] [--to T] [--csv|--json].
+func cmdUsage(args []string) error {
+	fs := flag.NewFlagSet("usage", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	by := fs.String("by", "day", "group by day, model or key")
+	from := fs.String("from", "", "from this time (RFC 3339) or date (YYYY-MM-DD), inclusive")
+	to := fs.String("to", "", "to this time or date, exclusive")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) != 1 {
+		return usageErr("usage: escrow usage ORG [--by day|model|key] [--from T] [--to T] [--json|--csv]")
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	q := url.Values{"group_by": {*by}}
+	if *from != "" {
+		q.Set("from", *from)
+	}
+	if *to != "" {
+		q.Set("to", *to)
+	}
+	path := "/orgs/" + url.PathEscape(pos[0]) + "/usage?" + q.Encode()
+	if o.csv { // the API's own CSV, as exported for reconciliation
+		raw, _, err := c.raw(http.MethodGet, path, nil, "text/csv")
+		if err != nil {
+			return err
+		}
+		_, err = stdout.Write(raw)
+		return err
+	}
+	var p page
+	if err := c.call(http.MethodGet, path, nil, &p); err != nil {
+		return err
+	}
+	for _, r := range p.Data {
+		r[*by] = r["group"]
+	}
+	return o.print(p, []string{*by, "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens"}, p.Data)
+}
+
+// cmdModels: escrow models | show M | set M [--input D] [--cached-input D] [--output D]
+// [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | delete M. Prices are
+// decimals in currency units per 1M tokens ("0.15"), sent as text and converted exactly by the API.
+func cmdModels(args []string) error {
+	fs := flag.NewFlagSet("models", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	var prices [3]string
+	fs.StringVar(&prices[0], "input", "", "input price per 1M tokens (decimal, currency units)")
+	fs.StringVar(&prices[1], "cached-input", "", "cached input price per 1M tokens")
+	fs.StringVar(&prices[2], "output", "", "output price per 1M tokens")
+	var ints [3]string
+	fs.StringVar(&ints[0], "max-input-tokens", "", "context window")
+	fs.StringVar(&ints[1], "max-output-tokens", "", "largest output")
+	fs.StringVar(&ints[2], "default-hold", "", "hold (micro-units) when nothing better is known")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	cols := []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold"}
+	var res map[string]any
+	switch {
+	case len(pos) == 0:
+		var p page
+		if err := c.call(http.MethodGet, "/models", nil, &p); err != nil {
+			return err
+		}
+		return o.print(p, cols, p.Data)
+	case len(pos) == 2 && pos[0] == "show":
+		err = c.call(http.MethodGet, "/models/"+url.PathEscape(pos[1]), nil, &res)
+	case len(pos) == 2 && pos[0] == "set":
+		body := map[string]any{}
+		for i, k := range []string{"input_per_1m", "cached_input_per_1m", "output_per_1m"} {
+			if prices[i] != "" {
+				body[k] = prices[i]
+			}
+		}
+		for i, k := range []string{"max_input_tokens", "max_output_tokens", "default_hold"} {
+			if ints[i] != "" {
+				n, err := strconv.ParseInt(ints[i], 10, 64)
+				if err != nil {
+					return usageErr("--%s must be a whole number, not %q", strings.ReplaceAll(k, "_", "-"), ints[i])
+				}
+				body[k] = n
+			}
+		}
+		if len(body) == 0 {
+			return usageErr("escrow models set %s: nothing to set (--input, --output, …)", pos[1])
+		}
+		err = c.call(http.MethodPatch, "/models/"+url.PathEscape(pos[1]), body, &res)
+	case len(pos) == 2 && pos[0] == "delete":
+		if err := c.call(http.MethodDelete, "/models/"+url.PathEscape(pos[1]), nil, nil); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, "deleted", pos[1])
+		return nil
+	default:
+		return usageErr("usage: escrow models | show MODEL | set MODEL [--input D] [--cached-input D] [--output D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | delete MODEL  [--json|--csv]")
+	}
+	if err != nil {
+		return err
+	}
+	return o.print(res, cols, one(res))
+}
+
+// cmdRequest: escrow request ID — one request by its x-request-id.
+func cmdRequest(args []string) error {
+	fs := flag.NewFlagSet("request", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) != 1 {
+		return usageErr("usage: escrow request REQUEST_ID [--json|--csv]")
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	var res map[string]any
+	if err := c.call(http.MethodGet, "/requests/"+url.PathEscape(pos[0]), nil, &res); err != nil {
+		return err
+	}
+	return o.print(res, []string{"id", "org", "key_id", "model", "status", "cost", "hold_amount", "estimated", "usage", "created_at"}, one(res))
+}
+
+// cmdEntries: escrow entries ORG [--kind K] [--from T] [--to T] — the org's ledger, newest first.
+func cmdEntries(args []string) error {
+	fs := flag.NewFlagSet("entries", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	kind := fs.String("kind", "", "charge, credit or adjust (default: all)")
+	from := fs.String("from", "", "from this time (RFC 3339) or date, inclusive")
+	to := fs.String("to", "", "to this time or date, exclusive")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) != 1 {
+		return usageErr("usage: escrow entries ORG [--kind charge|credit|adjust] [--from T] [--to T] [--json|--csv]")
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	q := url.Values{"limit": {"1000"}}
+	for k, v := range map[string]string{"kind": *kind, "from": *from, "to": *to} {
+		if v != "" {
+			q.Set(k, v)
+		}
+	}
+	rows, err := c.all("/orgs/"+url.PathEscape(pos[0])+"/entries", q)
+	if err != nil {
+		return err
+	}
+	for _, r := range rows { // a charge's request, flattened for the table and CSV
+		if req, ok := r["request"].(map[string]any); ok {
+			r["request_id"], r["model"], r["cost"], r["hold_amount"] = req["id"], req["model"], req["cost"], req["hold_amount"]
+		}
+	}
+	return o.print(rows, []string{"seq", "kind", "delta", "reference", "request_id", "model", "cost", "hold_amount", "created_at"}, rows)
+}
+
+// cmdAudit: escrow audit — every admin write, newest first.
+func cmdAudit(args []string) error {
+	fs := flag.NewFlagSet("audit", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	if pos, err := parse(fs, args); err != nil {
+		return err
+	} else if len(pos) != 0 {
+		return usageErr("usage: escrow audit [--json|--csv]")
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	rows, err := c.all("/audit", url.Values{"limit": {"1000"}})
+	if err != nil {
+		return err
+	}
+	return o.print(rows, []string{"id", "at", "actor", "action", "target", "status"}, rows)
+}

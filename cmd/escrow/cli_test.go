@@ -1,0 +1,265 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/csv"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/internal/fakeupstream"
+	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/server"
+)
+
+// cli runs one CLI command in-process against the proxy and returns its output. The CLI's
+// globals (stdout, getenv) are swapped, so tests that use it do not run in parallel.
+type cli struct {
+	t   *testing.T
+	env map[string]string
+}
+
+func (c *cli) run(args ...string) (string, error) {
+	var out bytes.Buffer
+	stdout, getenv = &out, func(k string) string { return c.env[k] }
+	defer func() { stdout, getenv = nil, nil }()
+	err := run(args, io.Discard)
+	return out.String(), err
+}
+
+func (c *cli) ok(args ...string) string {
+	c.t.Helper()
+	out, err := c.run(args...)
+	if err != nil {
+		c.t.Fatalf("escrow %s: %v", strings.Join(args, " "), err)
+	}
+	return out
+}
+
+func (c *cli) json(v any, args ...string) {
+	c.t.Helper()
+	out := c.ok(append(args, "--json")...)
+	if err := json.Unmarshal([]byte(out), v); err != nil {
+		c.t.Fatalf("escrow %s --json: %v in %q", strings.Join(args, " "), err, out)
+	}
+}
+
+type usageRow struct {
+	Group      string `json:"group"`
+	Requests   int64  `json:"requests"`
+	Cost       int64  `json:"cost"`
+	Prompt     int64  `json:"prompt_tokens"`
+	Completion int64  `json:"completion_tokens"`
+}
+
+// TestCLIEndToEnd drives the CLI against the proxy started in-process on real Redis and
+// Postgres: an org with a name, two named keys, two models priced by PATCH in decimals, a
+// credit, requests through the proxy, then the lists, usage by day, model and key adding up to
+// the ledger, a CSV export, and one request by its x-request-id.
+func TestCLIEndToEnd(t *testing.T) {
+	if testutil.RealRedisURL() == "" || testutil.RealPostgresURL() == "" {
+		if testutil.RequireServices() {
+			t.Fatal("ESCROW_TEST_REDIS_URL and ESCROW_TEST_DATABASE_URL are required")
+		}
+		t.Skip("needs real Redis and Postgres (ESCROW_TEST_REDIS_URL, ESCROW_TEST_DATABASE_URL)")
+	}
+	rd := testutil.RealRedis(t)
+	pg := testutil.Postgres(t)
+	cfg := server.DefaultConfig()
+	cfg.Addr, cfg.AdminToken, cfg.DemoBalance = "127.0.0.1:0", "adm-cli-test", 0
+	cfg.RedisURL, cfg.DatabaseURL, cfg.Prefix = rd.URL, pg.URL, rd.Prefix
+	cfg.SweepInterval = 100 * time.Millisecond
+	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	ctx := context.Background()
+	srv, err := server.New(ctx, cfg, server.WithUpstream(fakeupstream.New(fakeupstream.Options{}), "sk-fake"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if err := srv.Stop(sctx); err != nil {
+			t.Errorf("stop: %v", err)
+		}
+	})
+	base := "http://" + srv.Addr()
+	c := &cli{t: t, env: map[string]string{"ESCROW_URL": base, "ESCROW_ADMIN_TOKEN": cfg.AdminToken, "USER": "tester"}}
+
+	// Set up: org, keys, prices, credit.
+	c.ok("orgs", "create", "acme", "--name", "Acme Inc")
+	var k1, k2 struct{ ID, Name, Key string }
+	c.json(&k1, "keys", "create", "acme", "--name", "prod")
+	c.json(&k2, "keys", "create", "acme", "--name", "staging")
+	if k1.Name != "prod" || !strings.HasPrefix(k1.Key, "sk-esc-") {
+		t.Fatalf("key: %+v", k1)
+	}
+	var m struct {
+		Input  int64 `json:"input_price"`
+		Output int64 `json:"output_price"`
+	}
+	c.json(&m, "models", "set", "gpt-4o-mini", "--input", "0.15", "--cached-input", "0.075", "--output", "0.6",
+		"--max-input-tokens", "128000", "--max-output-tokens", "16384", "--default-hold", "50000")
+	if m.Input != 150000 || m.Output != 600000 {
+		t.Fatalf("decimal prices in micro-units: %+v", m)
+	}
+	c.ok("models", "set", "gpt-4o", "--input", "2.5", "--output", "10", "--max-output-tokens", "16384", "--default-hold", "50000")
+	c.ok("credit", "acme", "10000000", "--ref", "pay-1")
+
+	// Requests through the proxy, alternating keys and models.
+	const n = 20
+	var ids []string
+	for i := range n {
+		key, model := k1.Key, "gpt-4o-mini"
+		if i%2 == 1 {
+			key = k2.Key
+		}
+		if i%4 == 3 {
+			model = "gpt-4o"
+		}
+		body := fmt.Sprintf(`{"model":%q,"max_tokens":%d,"messages":[{"role":"user","content":"hello there number %d"}]}`, model, 10+i, i)
+		req, _ := http.NewRequest("POST", base+"/v1/chat/completions", strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer "+key)
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d", i, resp.StatusCode)
+		}
+		ids = append(ids, resp.Header.Get("x-request-id"))
+	}
+
+	// Wait for the worker to account every request: 1 credit + n charges in the ledger.
+	var org struct {
+		ID            string `json:"id"`
+		Name          string `json:"name"`
+		LedgerBalance int64  `json:"ledger_balance"`
+		LedgerSeq     int64  `json:"ledger_seq"`
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for c.json(&org, "orgs", "show", "acme"); org.LedgerSeq < 1+n; c.json(&org, "orgs", "show", "acme") {
+		if time.Now().After(deadline) {
+			t.Fatalf("ledger has %d entries, want %d", org.LedgerSeq, 1+n)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	charged := 10000000 - org.LedgerBalance
+	if org.Name != "Acme Inc" || charged <= 0 {
+		t.Fatalf("org: %+v", org)
+	}
+
+	// Lists.
+	if out := c.ok("orgs"); !strings.Contains(out, "acme") || !strings.Contains(out, "Acme Inc") || !strings.HasPrefix(out, "ID") {
+		t.Fatalf("orgs table:\n%s", out)
+	}
+	if out := c.ok("keys", "acme"); !strings.Contains(out, k1.ID) || !strings.Contains(out, "prod") || !strings.Contains(out, "staging") {
+		t.Fatalf("keys table:\n%s", out)
+	}
+	if out := c.ok("models"); !strings.Contains(out, "gpt-4o-mini") || !strings.Contains(out, "150000") {
+		t.Fatalf("models table:\n%s", out)
+	}
+
+	// Usage by day, model and key: each sums to what the ledger charged.
+	for by, groups := range map[string]int{"day": 1, "model": 2, "key": 2} {
+		var p struct{ Data []usageRow }
+		c.json(&p, "usage", "acme", "--by", by)
+		var cost, reqs int64
+		for _, r := range p.Data {
+			cost += r.Cost
+			reqs += r.Requests
+		}
+		if len(p.Data) != groups || cost != charged || reqs != n {
+			t.Errorf("usage by %s: %+v; sums to %d in %d requests, ledger charged %d in %d", by, p.Data, cost, reqs, charged, n)
+		}
+		if by == "key" && (p.Data[0].Requests != n/2 || p.Data[1].Requests != n/2) {
+			t.Errorf("usage by key: %+v, want %d each", p.Data, n/2)
+		}
+	}
+	today := time.Now().UTC().Format(time.DateOnly)
+	var none struct{ Data []usageRow }
+	c.json(&none, "usage", "acme", "--from", time.Now().UTC().AddDate(0, 0, 1).Format(time.DateOnly))
+	if len(none.Data) != 0 {
+		t.Errorf("usage from tomorrow: %+v", none.Data)
+	}
+
+	// CSV export.
+	out := c.ok("usage", "acme", "--by", "model", "--csv")
+	rows, err := csv.NewReader(strings.NewReader(out)).ReadAll()
+	if err != nil || len(rows) != 3 || rows[0][0] != "model" || rows[0][2] != "cost" {
+		t.Fatalf("usage CSV: %v %q", err, out)
+	}
+	var csvCost int64
+	for _, r := range rows[1:] {
+		v, _ := strconv.ParseInt(r[2], 10, 64)
+		csvCost += v
+	}
+	if csvCost != charged {
+		t.Errorf("usage CSV sums to %d, ledger charged %d", csvCost, charged)
+	}
+	if out := c.ok("usage", "acme"); !strings.Contains(out, today) {
+		t.Errorf("usage table by day has no %s:\n%s", today, out)
+	}
+
+	// One request by its x-request-id.
+	var r struct {
+		ID, Org, Model, Status string
+		KeyID                  string `json:"key_id"`
+		Cost                   int64
+		HoldAmount             int64 `json:"hold_amount"`
+	}
+	c.json(&r, "request", ids[3])
+	if r.ID != ids[3] || r.Org != "acme" || r.Model != "gpt-4o" || r.KeyID != k2.ID || r.Status != "accounted" || r.Cost <= 0 || r.HoldAmount < r.Cost {
+		t.Fatalf("request %s: %+v", ids[3], r)
+	}
+
+	// The ledger and the audit trail.
+	var entries []map[string]any
+	c.json(&entries, "entries", "acme")
+	if len(entries) != 1+n || entries[0]["request_id"] != ids[n-1] || entries[n]["kind"] != "credit" {
+		t.Errorf("entries: %d, newest %v, oldest %v", len(entries), entries[0], entries[n])
+	}
+	if out := c.ok("audit"); !strings.Contains(out, "tester (escrow cli)") || !strings.Contains(out, "POST /admin/v1/orgs/:org/credits") {
+		t.Errorf("audit table:\n%s", out)
+	}
+
+	// Refusals: clear messages and exit codes.
+	_, err = c.run("request", "0192f0c4-0000-7000-8000-000000000001")
+	var ee *exitError
+	if !errors.As(err, &ee) || ee.code != exitRefused || !strings.Contains(err.Error(), "request_not_found") {
+		t.Errorf("unknown request: %v", err)
+	}
+	_, err = c.run("models", "delete", "gpt-4o")
+	if !errors.As(err, &ee) || ee.code != exitRefused || !strings.Contains(err.Error(), "model_in_use") {
+		t.Errorf("deleting a used model: %v", err)
+	}
+	_, err = c.run("credit", "acme", "0.5", "--ref", "x")
+	if !errors.As(err, &ee) || ee.code != exitUsage {
+		t.Errorf("a fractional credit: %v", err)
+	}
+	// A wrong method on an admin route: 405 with Allow and a snake_case code.
+	req, _ := http.NewRequest("PUT", base+"/admin/v1/orgs/acme", nil)
+	req.Header.Set("Authorization", "Bearer "+cfg.AdminToken)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 405 || !strings.Contains(resp.Header.Get("Allow"), "GET") || !strings.Contains(string(b), `"code":"method_not_allowed"`) {
+		t.Errorf("wrong method: %d Allow=%q %s", resp.StatusCode, resp.Header.Get("Allow"), b)
+	}
+}
