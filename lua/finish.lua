@@ -1,14 +1,16 @@
 -- finish: a request's usage is durable (ledger or journal); give the unused part of its hold back
 -- at once and take the hold out of the in-flight count, instead of waiting for the settle.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] hfin   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] hfin, KEYS[5] u   (one {org} hash tag)
 --   hexp  zset  unfinished hold id -> expiry ms (the in-flight count of reserve's cap)
 --   hfin  zset  finished hold id -> expiry ms (still reapable through the ledger check)
 -- ARGV[1] settle deadline, ms: a finished hold's expiry becomes max(current, now + this)
 -- ARGV[2..] pairs: hold id, cost (integer string >= 0, the request's real cost)
 --
 -- Per pair, only on an existing, unfinished hold (a re-sent finish changes nothing):
---   bal += hold - cost (only while acct exists), hold := cost, hexp -> hfin.
+--   bal += hold - cost and U += cost - hold on the counters the record names (only while acct
+--   exists), hold := cost (the record keeps its reserve time and counters, marked finished),
+--   hexp -> hfin.
 -- bal + sum(holds) is unchanged, so the invariant holds; settle later gives the hold (now the
 -- cost) back and applies the entry's delta as for any hold. A zero cost leaves a zero hold, so
 -- that settle still tombstones its id. Money moves only with HINCRBY on the stored and argument
@@ -27,8 +29,9 @@ local warm = redis.call('EXISTS', KEYS[1]) == 1
 local out = {}
 for i = 2, #ARGV - 1, 2 do
   local id = ARGV[i]
-  local a = redis.call('HGET', KEYS[2], id)
-  if a and not redis.call('ZSCORE', KEYS[4], id) then
+  local rec = redis.call('HGET', KEYS[2], id)
+  if rec and not redis.call('ZSCORE', KEYS[4], id) then
+    local a, rt, _, fs = hold_parse(rec)
     if warm then
       if a ~= '0' then
         redis.call('HINCRBY', KEYS[1], 'bal', a)
@@ -36,8 +39,14 @@ for i = 2, #ARGV - 1, 2 do
       if ARGV[i + 1] ~= '0' then
         redis.call('HINCRBY', KEYS[1], 'bal', '-' .. ARGV[i + 1])
       end
+      move_hold(KEYS[5], fs, neg(a))
+      if ARGV[i + 1] ~= '0' then move_hold(KEYS[5], fs, ARGV[i + 1]) end
     end
-    redis.call('HSET', KEYS[2], id, ARGV[i + 1])
+    if fs ~= '' then
+      redis.call('HSET', KEYS[2], id, table.concat({ARGV[i + 1], rt, '1', fs}, '|'))
+    else
+      redis.call('HSET', KEYS[2], id, ARGV[i + 1])
+    end
     local exp = redis.call('ZSCORE', KEYS[3], id)
     redis.call('ZREM', KEYS[3], id)
     if exp and tonumber(exp) > due then

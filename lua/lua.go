@@ -5,35 +5,57 @@
 // Every script uses only commands Redis 6.0 has, touches keys of one {org} hash tag per call
 // (the model max script touches its one key), reads time with TIME, and moves money only with
 // HINCRBY on argument or stored strings, never formatting a computed amount.
+//
+// The scripts that keep limit counters start with lib/limits.lua (hold records, counter fields,
+// the UTC calendar of windows), so those rules are written once; the exported sources below
+// are the scripts as Redis runs them.
 package lua
 
 import "embed"
 
-// FS holds every script, named "<name>.lua".
+// FS holds every script, named "<name>.lua", as written (without the shared prelude).
 //
 //go:embed *.lua
 var FS embed.FS
 
-// The scripts' sources.
+//go:embed lib/limits.lua
+var limitsLib string
+
 var (
 	//go:embed reserve.lua
-	Reserve string
+	reserve string
 	//go:embed settle.lua
-	Settle string
+	settle string
 	//go:embed release.lua
-	Release string
+	release string
 	//go:embed finish.lua
-	Finish string
+	finish string
 	//go:embed reap.lua
-	Reap string
+	reap string
+	//go:embed seed.lua
+	seed string
+)
+
+// Lib is lib/limits.lua, the prelude of Reserve, Settle, Release, Finish, Reap and Seed.
+var Lib = limitsLib
+
+// The scripts' sources, as sent to Redis.
+var (
+	Reserve = limitsLib + reserve
+	Settle  = limitsLib + settle
+	Release = limitsLib + release
+	Finish  = limitsLib + finish
+	Reap    = limitsLib + reap
+	Seed    = limitsLib + seed
+
+	//go:embed push_limits.lua
+	PushLimits string
 	//go:embed expired.lua
 	Expired string
 	//go:embed extend.lua
 	Extend string
 	//go:embed unpin.lua
 	Unpin string
-	//go:embed seed.lua
-	Seed string
 	//go:embed state.lua
 	State string
 	//go:embed raise_model_max.lua

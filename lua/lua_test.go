@@ -39,6 +39,7 @@ func scripts(t *testing.T) map[string]string {
 	if err != nil {
 		t.Fatal(err)
 	}
+	out["lib/limits.lua"] = lua.Lib // the shared prelude is checked like a script
 	return out
 }
 
@@ -92,13 +93,18 @@ func TestAllowListCatches(t *testing.T) {
 // TestSourcesExposed: every exported source is one embedded file.
 func TestSourcesExposed(t *testing.T) {
 	all := scripts(t)
+	withLib := map[string]bool{"reserve.lua": true, "settle.lua": true, "release.lua": true, "finish.lua": true, "reap.lua": true, "seed.lua": true}
 	for name, src := range map[string]string{
 		"reserve.lua": lua.Reserve, "settle.lua": lua.Settle, "release.lua": lua.Release, "finish.lua": lua.Finish,
 		"reap.lua": lua.Reap, "expired.lua": lua.Expired, "extend.lua": lua.Extend,
-		"unpin.lua": lua.Unpin, "seed.lua": lua.Seed,
+		"unpin.lua": lua.Unpin, "seed.lua": lua.Seed, "push_limits.lua": lua.PushLimits,
 		"state.lua": lua.State, "raise_model_max.lua": lua.RaiseModelMax,
 	} {
-		if src == "" || all[name] != src {
+		want := all[name]
+		if withLib[name] {
+			want = lua.Lib + want
+		}
+		if src == "" || all[name] == "" || src != want {
 			t.Errorf("%s not exposed", name)
 		}
 	}
@@ -106,15 +112,16 @@ func TestSourcesExposed(t *testing.T) {
 
 // TestNoComputedNumberFormatted flags the two ways a script formats a number by itself with
 // %.14g: tostring() and string concatenation. The right operand of every ".." must be a string
-// literal, an ARGV string, or a value Redis returned as a string (named v); the only exceptions
-// are two millisecond timestamps (now ± a duration, ~1.7e12, exact under %.14g). Numbers passed
+// literal, an ARGV string, a string Redis returned or an argument string (named v or v_<name>),
+// or ms_string(...) (lib/limits: a whole ms timestamp below 10^14, formatted with %d); the only
+// other exceptions are two millisecond timestamps (now ± a duration, ~1.7e12, exact under %.14g). Numbers passed
 // to redis.call are checked at run time by the exactness test on a real Redis.
 func TestNoComputedNumberFormatted(t *testing.T) {
 	timestamp := map[string]string{
 		"expired.lua": "'(' .. (now - tonumber(ARGV[1]))",
 		"state.lua":   "'(' .. (now + tonumber(ARGV[1]))",
 	}
-	okOperand := regexp.MustCompile(`^\s*('|"|ARGV\[|v\b)`)
+	okOperand := regexp.MustCompile(`^\s*('|"|ARGV\[|v\b|v_\w+\b|ms_string\()`)
 	for name, src := range scripts(t) {
 		for _, line := range strings.Split(src, "\n") {
 			code, _, _ := strings.Cut(line, "--")

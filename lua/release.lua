@@ -1,6 +1,7 @@
 -- release: end a hold without a charge (the request failed, or its reserve was not seen).
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin, KEYS[6] u
+--   (one {org} hash tag)
 -- ARGV[1] hold id
 -- ARGV[2] tombstone TTL, ms
 --
@@ -8,16 +9,20 @@
 -- deletes the hold gives its amount back, so a release racing a reaper or a
 -- settle returns the money once. With no acct the hold is only deleted (the next seed does not
 -- subtract it). The id goes into gone either way, so a late re-sent reserve meets GONE.
+-- Counters: U -= hold on the counters the record names, only while acct exists (without acct
+-- there is no u to keep: it went with acct).
 -- Reply: 1 if this call deleted the hold, else 0.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local released = 0
-local a = redis.call('HGET', KEYS[2], ARGV[1])
-if a then
+local rec = redis.call('HGET', KEYS[2], ARGV[1])
+if rec then
+  local a, _, _, fs = hold_parse(rec)
   redis.call('HDEL', KEYS[2], ARGV[1])
   if redis.call('EXISTS', KEYS[1]) == 1 then
     redis.call('HINCRBY', KEYS[1], 'bal', a)
+    move_hold(KEYS[6], fs, neg(a))
   end
   released = 1
 end

@@ -1,10 +1,12 @@
--- reserve: check the org's budget and put one hold on it, all or nothing, in one call.
+-- reserve: check the org's budget and every limit in scope, and put one hold on it, all or
+-- nothing, in one call.
 --
--- KEYS[1] acct   hash  bal, wm, epoch           (all keys share the org's {org} hash tag)
--- KEYS[2] holds  hash  hold id -> amount
+-- KEYS[1] acct   hash  bal, wm, epoch, lv (limits version seeded)   (one {org} hash tag)
+-- KEYS[2] holds  hash  hold id -> record (see lib/limits)
 -- KEYS[3] hexp   zset  hold id -> expiry, ms on the Redis clock
 -- KEYS[4] gone   zset  tombstones: ended hold id -> ms
--- KEYS[5..]      reserved for further limits (per-key caps, windows, freeze), see ARGV[8]
+-- KEYS[5] lim    hash  limits, freezes, key -> project, version v
+-- KEYS[6] u      hash  '<limit id>:<window start ms>' -> used
 --
 -- ARGV[1] epoch "<gen>:<id>" the caller's cached ledger epoch
 -- ARGV[2] hold id
@@ -13,37 +15,60 @@
 -- ARGV[5] cap on unpinned holds in flight
 -- ARGV[6] tombstone TTL, ms
 -- ARGV[7] pin floor, ms: a hold whose expiry is later than now + this is pinned
--- ARGV[8] number of extra limits; each takes 4 further ARGV slots (kind, key index, p1, p2),
---         checked before anything is written. No kind is defined yet: any is refused.
+-- ARGV[8] API key id ('' for none): its limits, its project's (lim's m:<key>) and the org's apply
+-- ARGV[9] limit clock offset, ms (tests only; '0')
 --
--- Replies: {'OK', new balance} | {'COLD'} | {'DUP', balance} | {'GONE'} | {'TOO_MANY', count}
+-- Checks, in this order: amount, COLD (no acct, another epoch, lim missing or older than the
+-- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, LIMIT, INSUFFICIENT.
+-- Replies: {'OK', new balance, reserve ms} | {'COLD'} | {'DUP', balance, original reserve ms}
+--          | {'GONE'} | {'FROZEN', scope, scope id} | {'TOO_MANY', count}
+--          | {'LIMIT', id, scope, scope id, window, cap, used, resets ms ('0': never)}
 --          | {'INSUFFICIENT', balance}
--- Money moves only with HINCRBY on the argument string: no computed number is formatted.
+-- Money moves only with HINCRBY on the argument string: no computed amount is formatted.
 local amount = tonumber(ARGV[3])
 if not amount or amount <= 0 or string.find(ARGV[3], '^%d+$') == nil then
   return redis.error_reply('ERR escrow reserve: amount must be a positive integer')
 end
 
-local nlimits = tonumber(ARGV[8]) or 0
-for i = 1, nlimits do
-  local kind = ARGV[8 + (i - 1) * 4 + 1]
-  return redis.error_reply('ERR escrow reserve: unknown limit kind ' .. tostring(kind))
-end
-
-local acct = redis.call('HMGET', KEYS[1], 'bal', 'epoch')
+local acct = redis.call('HMGET', KEYS[1], 'bal', 'epoch', 'lv')
 if not acct[1] or acct[2] ~= ARGV[1] then
   return {'COLD'}
 end
-
-if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then
-  return {'DUP', acct[1]}
+local lim = redis.call('HMGET', KEYS[5], 'v', 'fo', 'o', 'm:' .. ARGV[8], 'fk:' .. ARGV[8], 'k:' .. ARGV[8])
+if not lim[1] or tonumber(lim[1]) < (tonumber(acct[3]) or 0) then
+  return {'COLD'}
 end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+local rec = redis.call('HGET', KEYS[2], ARGV[2])
+if rec then
+  local _, rt = hold_parse(rec)
+  if rt == '' then
+    rt = ms_string(now + (tonumber(ARGV[9]) or 0)) -- a plain record keeps no time (no counters)
+  end
+  return {'DUP', acct[1], rt}
+end
+
 if redis.call('ZSCORE', KEYS[4], ARGV[2]) then
   return {'GONE'}
+end
+
+local v_project = lim[4]
+local pspec = nil
+if lim[2] then
+  return {'FROZEN', 'org', ''}
+end
+if v_project then
+  local p = redis.call('HMGET', KEYS[5], 'fp:' .. v_project, 'p:' .. v_project)
+  if p[1] then
+    return {'FROZEN', 'project', v_project}
+  end
+  pspec = p[2]
+end
+if lim[5] then
+  return {'FROZEN', 'key', ARGV[8]}
 end
 
 local inflight = redis.call('ZCOUNT', KEYS[3], '-inf', now + tonumber(ARGV[7]))
@@ -51,11 +76,46 @@ if inflight >= tonumber(ARGV[5]) then
   return {'TOO_MANY', inflight}
 end
 
+-- Limits in scope: the org's, the key's project's, the key's; each in the window of the
+-- reserve time.
+local rtime = now + (tonumber(ARGV[9]) or 0)
+local fields, specs = {}, {}
+local function add(scope, sid)
+  return function(v_id, w, cap)
+    local ws, we = window_bounds(w, rtime)
+    if ws then
+      fields[#fields + 1] = v_id .. ':' .. ms_string(ws)
+      specs[#specs + 1] = {v_id, scope, sid, w, cap, we}
+    end
+  end
+end
+each_limit(lim[3], add('org', ''))
+if v_project then each_limit(pspec, add('project', v_project)) end
+each_limit(lim[6], add('key', ARGV[8]))
+
+if #fields > 0 then
+  local used = redis.call('HMGET', KEYS[6], unpack(fields))
+  for i = 1, #fields do
+    local s = specs[i]
+    if (tonumber(used[i]) or 0) + amount > tonumber(s[5]) then
+      return {'LIMIT', s[1], s[2], s[3], s[4], s[5], used[i] or '0', ms_string(s[6])}
+    end
+  end
+end
+
 if tonumber(acct[1]) < amount then
   return {'INSUFFICIENT', acct[1]}
 end
 
 local bal = redis.call('HINCRBY', KEYS[1], 'bal', '-' .. ARGV[3])
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+local rts = ms_string(rtime)
+if #fields > 0 then
+  for i = 1, #fields do
+    redis.call('HINCRBY', KEYS[6], fields[i], ARGV[3])
+  end
+  redis.call('HSET', KEYS[2], ARGV[2], table.concat({ARGV[3], rts, '0', table.concat(fields, ',')}, '|'))
+else
+  redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+end
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[2])
-return {'OK', bal}
+return {'OK', bal, rts}

@@ -1,32 +1,78 @@
--- seed: rebuild a cold org's hot balance from a ledger snapshot.
+-- seed: rebuild a cold org's hot balance, limits and window counters from a ledger snapshot.
 --
--- KEYS[1] acct, KEYS[2] holds   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] lim, KEYS[4] u   (one {org} hash tag)
 -- ARGV[1] epoch "<gen>:<id>" of the snapshot
 -- ARGV[2] base: the ledger balance after every entry up to W (integer string)
 -- ARGV[3] W: the snapshot's ledger sequence
+-- ARGV[4] limit clock offset, ms (tests only; '0')
+-- ARGV[5] limits version (integer string)
+-- ARGV[6] n: the number of lim field/value pairs that follow (see lib/limits for the fields)
+-- ARGV[7 .. 6+2n] lim fields and values
+-- then pairs: counter field '<limit id>:<window start ms>', the ledger's sum of the costs of
+--   entries with seq <= W attributed to it (for windows starting at or after the seeder's T0's)
 --
--- acct with this epoch, or with a higher generation: no-op (reply 0). Otherwise acct becomes
--- bal = base - sum(holds), wm = W, epoch (reply 1). Live holds are subtracted one HINCRBY at a
--- time on their stored strings, so no computed sum is ever formatted (a finished hold of cost 0
--- is skipped: '-0' is not an integer to Redis). The seeder then re-sends
--- every ledger entry past W through settle (catch-up).
-local cur = redis.call('HGET', KEYS[1], 'epoch')
-if cur then
-  if cur == ARGV[1] then
+-- acct with this epoch and a lim as new as acct records, or acct with a higher generation:
+-- no-op (reply 0). Otherwise acct, lim and u are written together (reply 1): bal = base -
+-- sum(holds), wm = W, epoch, lv; lim as given; for every limit, the counter of its current
+-- window = the snapshot's group for it (0 if none) + the live holds whose record names it.
+-- Live holds are subtracted and added one HINCRBY at a time on their stored strings, so no
+-- computed sum is ever formatted (a finished hold of cost 0 is skipped: '-0' is not an integer
+-- to Redis). The seeder then re-sends every ledger entry past W through settle (catch-up).
+local cur = redis.call('HMGET', KEYS[1], 'epoch', 'lv')
+if cur[1] then
+  local lv = redis.call('HGET', KEYS[3], 'v')
+  if cur[1] == ARGV[1] and lv and tonumber(lv) >= (tonumber(cur[2]) or 0) then
     return 0
   end
-  local cg = tonumber(string.match(cur, '^(%d+):')) or -1
+  local cg = tonumber(string.match(cur[1], '^(%d+):')) or -1
   local ag = tonumber(string.match(ARGV[1], '^(%d+):')) or -1
   if cg > ag then
     return 0
   end
 end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'bal', ARGV[2], 'wm', ARGV[3], 'epoch', ARGV[1])
-local vals = redis.call('HVALS', KEYS[2])
-for _, v in ipairs(vals) do
+redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
+redis.call('HSET', KEYS[1], 'bal', ARGV[2], 'wm', ARGV[3], 'epoch', ARGV[1], 'lv', ARGV[5])
+
+local n = tonumber(ARGV[6])
+redis.call('HSET', KEYS[3], 'v', ARGV[5])
+for i = 7, 6 + 2 * n, 2 do
+  redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) -- one pair a call: no unpack stack limit
+end
+
+local groups = {}
+for i = 7 + 2 * n, #ARGV - 1, 2 do
+  groups[ARGV[i]] = ARGV[i + 1]
+end
+
+-- The current window's counter of every limit.
+local clock = limit_clock(ARGV[4])
+local current = {}
+for i = 7, 6 + 2 * n, 2 do
+  local f = ARGV[i]
+  if f == 'o' or string.sub(f, 1, 2) == 'p:' or string.sub(f, 1, 2) == 'k:' then
+    each_limit(ARGV[i + 1], function(v_id, w)
+      local ws = window_bounds(w, clock)
+      if ws then
+        local field = v_id .. ':' .. ms_string(ws)
+        current[field] = true
+        redis.call('HSET', KEYS[4], field, groups[field] or '0')
+      end
+    end)
+  end
+end
+
+local holds = redis.call('HVALS', KEYS[2])
+for _, rec in ipairs(holds) do
+  local v, _, _, fs = hold_parse(rec)
   if v ~= '0' then
     redis.call('HINCRBY', KEYS[1], 'bal', '-' .. v)
+    if fs ~= '' then
+      for f in string.gmatch(fs, '[^,]+') do
+        if current[f] then
+          redis.call('HINCRBY', KEYS[4], f, v)
+        end
+      end
+    end
   end
 end
 return 1

@@ -1,9 +1,12 @@
 -- settle: apply a batch of one org's ledger entries, in sequence order, to the hot balance.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin, KEYS[6] lim, KEYS[7] u
+--   (one {org} hash tag)
 -- ARGV[1] epoch "<gen>:<id>" read from the ledger with the entries
 -- ARGV[2] tombstone TTL, ms
--- ARGV[3..] triples: seq, delta (signed integer string), hold id ('' for none)
+-- ARGV[3] limit clock offset, ms (tests only; '0')
+-- ARGV[4..] sextuples: seq, delta (signed integer string), hold id ('' for none), and the
+--   entry's attribution: API key id, project ('' for none), reserve time ms ('': none)
 --
 -- Per entry (wm = watermark):
 --   seq <= wm    ALREADY: it is in bal already; only its hold, if one is left, comes back
@@ -13,6 +16,11 @@
 -- generation, or the same generation with another id) drops acct; an older one changes nothing.
 -- Every hold id of a settled entry goes into gone. A finished hold (in hfin, holding the cost)
 -- comes back like any other.
+-- Counters (u): a hold that is dropped leaves the counters its record names (U -= hold); an
+-- APPLIED entry with a reserve time adds its cost (-delta) to the counters of every limit of lim
+-- in its scope (the org's, its project's, its key's) in the window of its reserve time. A
+-- missing field is created only for a current window; a past window's is skipped. A newer
+-- epoch's drop takes lim and u with acct (they exist or vanish together).
 --
 -- Reply: {'COLD'} | {'OK', wm, code, code, ...} with code 1 applied, 2 already, 3 gap (last).
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'wm')
@@ -23,7 +31,7 @@ if cur[1] ~= ARGV[1] then
   local cg = tonumber(string.match(cur[1], '^(%d+):')) or -1
   local ag = tonumber(string.match(ARGV[1], '^(%d+):')) or -1
   if ag >= cg then
-    redis.call('DEL', KEYS[1])
+    redis.call('DEL', KEYS[1], KEYS[6], KEYS[7])
   end
   return {'COLD'}
 end
@@ -36,11 +44,44 @@ local wm = tonumber(wmstr)
 local out = {'OK', ''}
 local tomb = false
 
+local clock = now + (tonumber(ARGV[3]) or 0)
+local specs = {} -- lim field -> spec string (false: none), read once per call
+
+local function spec_of(field)
+  local sp = specs[field]
+  if sp == nil then
+    sp = redis.call('HGET', KEYS[6], field) or false
+    specs[field] = sp
+  end
+  return sp or nil
+end
+
+-- attribute: add cost v (an integer string) to the counters of the entry's limits.
+local function attribute(v_key, v_project, rt, v)
+  local t0 = tonumber(rt)
+  if not t0 or v == nil then return end
+  local function one(v_id, w)
+    local ws = window_bounds(w, t0)
+    if not ws then return end
+    local f = v_id .. ':' .. ms_string(ws)
+    if redis.call('HEXISTS', KEYS[7], f) == 1 or ws == window_bounds(w, clock) then
+      redis.call('HINCRBY', KEYS[7], f, v)
+    end
+  end
+  each_limit(spec_of('o'), one)
+  if v_project ~= '' then each_limit(spec_of('p:' .. v_project), one) end
+  if v_key ~= '' then each_limit(spec_of('k:' .. v_key), one) end
+end
+
 local function drop(id)
-  local a = redis.call('HGET', KEYS[2], id)
-  if a then
+  local rec = redis.call('HGET', KEYS[2], id)
+  if rec then
+    local a, _, _, fs = hold_parse(rec)
     redis.call('HDEL', KEYS[2], id)
-    redis.call('HINCRBY', KEYS[1], 'bal', a)
+    if a ~= '0' then
+      redis.call('HINCRBY', KEYS[1], 'bal', a)
+    end
+    move_hold(KEYS[7], fs, neg(a))
   end
   redis.call('ZREM', KEYS[3], id)
   redis.call('ZREM', KEYS[5], id)
@@ -48,8 +89,8 @@ local function drop(id)
   tomb = true
 end
 
-local i = 3
-while i + 2 <= #ARGV do
+local i = 4
+while i + 5 <= #ARGV do
   local seq = tonumber(ARGV[i])
   local id = ARGV[i + 2]
   if seq <= wm then
@@ -60,6 +101,7 @@ while i + 2 <= #ARGV do
     if ARGV[i + 1] ~= '0' then
       redis.call('HINCRBY', KEYS[1], 'bal', ARGV[i + 1])
     end
+    attribute(ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], neg(ARGV[i + 1]))
     redis.call('HSET', KEYS[1], 'wm', ARGV[i])
     wmstr = ARGV[i]
     wm = seq
@@ -68,7 +110,7 @@ while i + 2 <= #ARGV do
     out[#out + 1] = 3
     break
   end
-  i = i + 3
+  i = i + 6
 end
 
 if tomb then

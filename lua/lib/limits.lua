@@ -1,0 +1,114 @@
+-- lib/limits: shared by the scripts that keep limit counters (reserve, settle, release, reap,
+-- finish, seed); package lua puts it in front of each of them, so one rule lives in one place.
+--
+-- Hold records (esc:{org}:holds, id -> record):
+--   '<amount>'                              a hold added to no counter (an org without limits)
+--   '<amount>|<reserve ms>|<fin>|<f1,f2,..>' a hold added to counters f1.. of esc:{org}:u;
+--                                            fin '1' once finished
+-- Counter fields: '<limit id>:<window start ms>'. lim fields: 'v' version; 'o', 'p:<project>',
+-- 'k:<key>' the limits of that scope as 'id,window,cap;...'; 'm:<key>' the key's project;
+-- 'fo', 'fp:<project>', 'fk:<key>' = '1' when frozen.
+--
+-- Calendar maths: Redis Lua has no os.date, so window starts are computed here from a ms
+-- timestamp, in UTC (days <-> civil dates after H. Hinnant's algorithms, valid for any year, the
+-- Gregorian 4/100/400 rule included). Weeks start on Monday (1970-01-01 was a Thursday).
+
+local DAY_MS = 86400000
+
+local function days_from_civil(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mp = m > 2 and m - 3 or m + 9
+  local doy = math.floor((153 * mp + 2) / 5) + d - 1
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+  return era * 146097 + doe - 719468
+end
+
+local function civil_from_days(z)
+  z = z + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m
+end
+
+-- window_bounds: the start of the window w that contains t (ms) and the next window's start
+-- (0, 0 for lifetime: one window, never reset); nil for an unknown window.
+local function window_bounds(w, t)
+  if w == 'lifetime' then return 0, 0 end
+  if w == 'hour' then
+    local s = t - t % 3600000
+    return s, s + 3600000
+  end
+  local days = math.floor(t / DAY_MS)
+  if w == 'day' then return days * DAY_MS, (days + 1) * DAY_MS end
+  if w == 'week' then
+    local s = days - (days + 3) % 7
+    return s * DAY_MS, (s + 7) * DAY_MS
+  end
+  if w == 'month' then
+    local y, m = civil_from_days(days)
+    local ny, nm = y, m + 1
+    if nm == 13 then ny, nm = y + 1, 1 end
+    return days_from_civil(y, m, 1) * DAY_MS, days_from_civil(ny, nm, 1) * DAY_MS
+  end
+  return nil
+end
+
+-- ms_string formats a whole millisecond timestamp exactly ('%d', not Lua's %.14g); it refuses
+-- anything that is not a whole number of magnitude below 10^14 (year 5138).
+local function ms_string(n)
+  if n ~= math.floor(n) or n >= 1e14 or n <= -1e14 then
+    return error('escrow: timestamp out of range')
+  end
+  return string.format('%d', n)
+end
+
+-- limit_clock: the Redis clock in ms plus the test-only offset (a string of ms; '' or nil: 0).
+local function limit_clock(offset)
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + (tonumber(offset) or 0)
+end
+
+-- hold_parse: amount, reserve ms ('' if unknown), finished flag, counter fields ('' if none).
+local function hold_parse(rec)
+  local a, t, f, fs = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
+  if not a then return rec, '', '0', '' end
+  return a, t, f, fs
+end
+
+-- neg: the negation of an integer string, without arithmetic; nil for '0' ('-0' is not an
+-- integer to Redis, and adding 0 is nothing to do).
+local function neg(v)
+  if v == '0' or v == '-0' then return nil end
+  if string.sub(v, 1, 1) == '-' then return string.sub(v, 2) end
+  return '-' .. v
+end
+
+-- move_hold: HINCRBY by v (an integer string; nil: nothing) every field of fs that exists. A
+-- hold's missing field is a past window's (seed writes current windows, reserve creates them):
+-- past windows are not kept exact, so it is skipped, never re-created.
+local function move_hold(ukey, fs, v)
+  if v == nil or fs == '' then return end
+  for f in string.gmatch(fs, '[^,]+') do
+    if redis.call('HEXISTS', ukey, f) == 1 then
+      redis.call('HINCRBY', ukey, f, v)
+    end
+  end
+end
+
+-- each_limit: calls fn(id, window, cap) for every limit of a spec string ('id,window,cap;...').
+local function each_limit(spec, fn)
+  if not spec then return end
+  for id, w, cap in string.gmatch(spec, '([^,;]+),([^,;]+),([^,;]+)') do
+    fn(id, w, cap)
+  end
+end
+
+-- ------------------------------------------------------------------------------------------
