@@ -335,6 +335,8 @@ func TestOneHashTagPerCall(t *testing.T) {
 	must(err)
 	_, err = s.RaiseModelMax(ctx, "gpt-{x}", 5, 10)
 	must(err)
+	_, err = s.PushLimits(ctx, org, 1)
+	must(err)
 
 	shas := map[string]bool{}
 	for _, args := range hook.calls {

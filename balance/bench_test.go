@@ -95,14 +95,14 @@ func BenchmarkRawEVALSHA(b *testing.B) {
 	ctx := context.Background()
 	sha := c.ScriptLoad(ctx, lua.Reserve).Val()
 	p := s.Prefix() + ":{" + org + "}:"
-	keys := []string{p + "acct", p + "holds", p + "hexp", p + "gone"}
+	keys := []string{p + "acct", p + "holds", p + "hexp", p + "gone", p + "lim", p + "u"}
 	epoch := s.Epoch().String()
 	b.ReportAllocs()
 	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
 			id := "w" + strconv.FormatInt(benchSeq.Add(1), 10)
-			res, err := c.EvalSha(ctx, sha, keys, epoch, id, "1", "600000", "1073741824", "30000", "43200000", "0").Slice()
+			res, err := c.EvalSha(ctx, sha, keys, epoch, id, "1", "600000", "1073741824", "30000", "43200000", "", "0").Slice()
 			if err != nil || res[0] != "OK" {
 				b.Error(fmt.Sprint(res, err))
 				return
@@ -124,7 +124,7 @@ func BenchmarkReserveVsRaw(b *testing.B) {
 	if _, err := s.Seed(ctx, rawOrg, balance.Snapshot{Epoch: s.Epoch(), Balance: balance.MaxAmount, Seq: 1}); err != nil {
 		b.Fatal(err)
 	}
-	keys := []string{p + "acct", p + "holds", p + "hexp", p + "gone"}
+	keys := []string{p + "acct", p + "holds", p + "hexp", p + "gone", p + "lim", p + "u"}
 	epoch := s.Epoch().String()
 	var rawNs, resNs atomic.Int64
 	b.ReportAllocs()
@@ -133,7 +133,7 @@ func BenchmarkReserveVsRaw(b *testing.B) {
 		for pb.Next() {
 			n := strconv.FormatInt(benchSeq.Add(1), 10)
 			t0 := time.Now()
-			res, err := c.EvalSha(ctx, sha, keys, epoch, "w"+n, "1", "600000", "1073741824", "30000", "43200000", "0").Slice()
+			res, err := c.EvalSha(ctx, sha, keys, epoch, "w"+n, "1", "600000", "1073741824", "30000", "43200000", "", "0").Slice()
 			t1 := time.Now()
 			if err != nil || res[0] != "OK" {
 				b.Error(fmt.Sprint(res, err))

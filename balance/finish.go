@@ -60,7 +60,7 @@ func (s *Store) FinishBatch(ctx context.Context, fs []Finish) (int, error) {
 			i = len(keys)
 			index[f.Org] = i
 			k := s.orgKeys(f.Org)
-			keys = append(keys, []string{k[0], k[1], k[2], k[4]})
+			keys = append(keys, []string{k[kAcct], k[kHolds], k[kHexp], k[kHfin], k[kU]})
 			args = append(args, []any{s.settleDL})
 		}
 		args[i] = append(args[i], f.HoldID, strconv.FormatInt(f.Cost, 10))

@@ -23,7 +23,7 @@ func TestParseVersion(t *testing.T) {
 func TestOrgKeys(t *testing.T) {
 	s := &Store{prefix: "esc"}
 	got := s.orgKeys("acme")
-	want := []string{"esc:{acme}:acct", "esc:{acme}:holds", "esc:{acme}:hexp", "esc:{acme}:gone", "esc:{acme}:hfin"}
+	want := []string{"esc:{acme}:acct", "esc:{acme}:holds", "esc:{acme}:hexp", "esc:{acme}:gone", "esc:{acme}:hfin", "esc:{acme}:lim", "esc:{acme}:u"}
 	if len(got) != len(want) {
 		t.Fatalf("orgKeys = %q, want %q", got, want)
 	}

@@ -28,6 +28,7 @@ const (
 	scSeed     = "seed"
 	scState    = "state"
 	scRaiseMax = "raise_model_max"
+	scPushLim  = "push_limits"
 )
 
 type script struct {
@@ -39,7 +40,7 @@ func newScripts() map[string]*script {
 	for name, src := range map[string]string{
 		scReserve: lua.Reserve, scSettle: lua.Settle, scRelease: lua.Release, scReap: lua.Reap, scFinish: lua.Finish,
 		scExpired: lua.Expired, scExtend: lua.Extend, scUnpin: lua.Unpin,
-		scSeed: lua.Seed, scState: lua.State, scRaiseMax: lua.RaiseModelMax,
+		scSeed: lua.Seed, scState: lua.State, scRaiseMax: lua.RaiseModelMax, scPushLim: lua.PushLimits,
 	} {
 		h := sha1.Sum([]byte(src))
 		m[name] = &script{src: src, sha: hex.EncodeToString(h[:])}

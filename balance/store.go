@@ -57,6 +57,9 @@ type Config struct {
 	// MaxPipelines, with Coalesce: the most reserve round trips (lone calls or pipelines) in
 	// flight at once; keep it below the client's pool size. Default 4.
 	MaxPipelines int
+	// ClockOffset shifts the clock the scripts use for limit windows (never expiries): for tests
+	// only, so window rollovers are tested without a sleep. Default 0.
+	ClockOffset time.Duration
 	// AllowEviction skips the maxmemory-policy noeviction check (and logs a loud warning):
 	// eviction can drop a hold and lock money, or drop a watermark.
 	AllowEviction bool
@@ -72,7 +75,7 @@ type Store struct {
 	prefix string
 
 	// precomputed script arguments
-	holdTTL, pinTTL, pinFloor, tombTTL, grace, capArg, settleDL string
+	holdTTL, pinTTL, pinFloor, tombTTL, grace, capArg, settleDL, clockArg string
 	// the same, as the interface values a reserve passes (boxed once, not per call)
 	holdTTLArg, capArgArg, tombTTLArg, pinFloorArg any
 
@@ -153,6 +156,7 @@ func New(ctx context.Context, c redis.UniversalClient, cfg Config) (*Store, erro
 		grace:    ms(cfg.ReapGrace),
 		capArg:   strconv.Itoa(cfg.MaxInFlight),
 		settleDL: ms(cfg.SettleDeadline),
+		clockArg: ms(cfg.ClockOffset),
 		scripts:  newScripts(),
 		held:     make(map[string]uint64),
 	}
@@ -255,23 +259,44 @@ func (s *Store) ObserveEpoch(e Epoch) {
 
 func (s *Store) key(org, kind string) string { return s.prefix + ":{" + org + "}:" + kind }
 
-// orgKeys returns the org's acct, holds, hexp, gone and hfin keys (substrings of one
-// allocation). Reserve takes the first four (its KEYS[5..] are reserved for limits); settle,
-// release and reap take all five.
+// orgKinds are the org's keys in orgKeys order.
+var orgKinds = [...]string{"acct", "holds", "hexp", "gone", "hfin", "lim", "u"}
+
+// orgKeys returns the org's acct, holds, hexp, gone, hfin, lim and u keys (substrings of one
+// allocation). Settle takes all seven; the other scripts pick theirs.
 func (s *Store) orgKeys(org string) []string {
 	var b strings.Builder
 	n := len(s.prefix) + len(org) + 4
-	b.Grow(5*n + len("acctholdshexpgonehfin"))
-	for _, kind := range [...]string{"acct", "holds", "hexp", "gone", "hfin"} {
+	b.Grow(len(orgKinds)*n + len("acctholdshexpgonehfinlimu"))
+	var ends [len(orgKinds)]int
+	for i, kind := range orgKinds {
 		b.WriteString(s.prefix)
 		b.WriteString(":{")
 		b.WriteString(org)
 		b.WriteString("}:")
 		b.WriteString(kind)
+		ends[i] = b.Len()
 	}
 	all := b.String()
-	return []string{all[:n+4], all[n+4 : 2*n+9], all[2*n+9 : 3*n+13], all[3*n+13 : 4*n+17], all[4*n+17:]}
+	out := make([]string, len(orgKinds))
+	from := 0
+	for i, e := range ends {
+		out[i] = all[from:e]
+		from = e
+	}
+	return out
 }
+
+// Indexes into orgKeys.
+const (
+	kAcct = iota
+	kHolds
+	kHexp
+	kGone
+	kHfin
+	kLim
+	kU
+)
 
 func (s *Store) modelKey(model string) string { return s.prefix + ":model:" + model + ":max" }
 
@@ -378,21 +403,30 @@ type ReserveRequest struct {
 	Org    string
 	HoldID string
 	Amount int64 // micro-units, 0 < Amount ≤ MaxAmount
+	// KeyID is the API key the request came with ("" for none). The limits and freezes of the
+	// key, of its project (as the hot state's key → project map says) and of the org apply.
+	KeyID string
 }
 
 // Reservation is a granted hold.
 type Reservation struct {
 	Balance   int64 // the available balance after the hold
 	Duplicate bool  // the hold already existed (a re-sent call): nothing more was debited
+	// ReservedAt is the reserve time on the Redis clock (ms precision; for a duplicate, the
+	// original's when its hold was added to limit counters, else this call's). Store it with
+	// the usage event: its cost is charged to the windows that contain it (Entry.ReservedAt).
+	ReservedAt time.Time
 }
 
 // maxColdRetries bounds Reserve's warm-and-retry loop.
 const maxColdRetries = 3
 
-// Reserve puts a hold on the org's balance in one Redis round trip (on a warm org). Errors:
-// *InsufficientError (errors.Is ErrInsufficient), ErrTooManyHolds, ErrGone, ErrInvalidOrg,
-// ErrInvalidHoldID, ErrInvalidAmount, ErrCold (cold org and no ledger, or it stayed cold), or
-// a Redis/ledger error. A cold org is warmed (Warm) and the reserve retried.
+// Reserve puts a hold on the org's balance, and on every limit in the request's scope, in one
+// Redis round trip (on a warm org), all or nothing. Errors: *FrozenError (errors.Is ErrFrozen),
+// *LimitError (ErrLimit), *InsufficientError (ErrInsufficient), ErrTooManyHolds, ErrGone,
+// ErrInvalidOrg, ErrInvalidHoldID, ErrInvalidAmount, ErrInvalidLimits (a malformed key id),
+// ErrCold (cold org and no ledger, or it stayed cold), or a Redis/ledger error. A cold org is
+// warmed (Warm) and the reserve retried.
 func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, error) {
 	if err := checkOrg(r.Org); err != nil {
 		return Reservation{}, err
@@ -403,10 +437,14 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	if r.Amount <= 0 || r.Amount > MaxAmount {
 		return Reservation{}, fmt.Errorf("%w: hold of %d", ErrInvalidAmount, r.Amount)
 	}
-	keys := s.orgKeys(r.Org)[:4]
+	if err := checkKeyID(r.KeyID); err != nil {
+		return Reservation{}, err
+	}
+	k := s.orgKeys(r.Org)
+	keys := []string{k[kAcct], k[kHolds], k[kHexp], k[kGone], k[kLim], k[kU]}
 	amount := strconv.FormatInt(r.Amount, 10)
 	for attempt := 0; ; attempt++ {
-		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, "0"}
+		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, r.KeyID, s.clockArg}
 		var res []any
 		var err error
 		if s.co != nil {
@@ -421,12 +459,18 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 		switch status {
 		case "OK":
 			s.markHeld(r.Org)
-			return Reservation{Balance: toInt(res[1])}, nil
+			return Reservation{Balance: toInt(res[1]), ReservedAt: msTime(res[2])}, nil
 		case "DUP":
 			s.markHeld(r.Org)
-			return Reservation{Balance: toInt(res[1]), Duplicate: true}, nil
+			return Reservation{Balance: toInt(res[1]), Duplicate: true, ReservedAt: msTime(res[2])}, nil
 		case "GONE":
 			return Reservation{}, ErrGone
+		case "FROZEN":
+			sc, _ := res[1].(string)
+			id, _ := res[2].(string)
+			return Reservation{}, &FrozenError{Scope: Scope{Kind: ScopeKind(sc), ID: id}}
+		case "LIMIT":
+			return Reservation{}, limitError(res, r.Amount)
 		case "TOO_MANY":
 			return Reservation{}, ErrTooManyHolds
 		case "INSUFFICIENT":
@@ -442,6 +486,28 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 			return Reservation{}, fmt.Errorf("balance: reserve: unexpected reply %v", res)
 		}
 	}
+}
+
+// msTime reads a script's ms timestamp string.
+func msTime(v any) time.Time { return time.UnixMilli(toInt(v)).UTC() }
+
+// limitError reads {'LIMIT', id, scope, scope id, window, cap, used, resets ms}.
+func limitError(res []any, amount int64) *LimitError {
+	str := func(i int) string {
+		if i < len(res) {
+			v, _ := res[i].(string)
+			return v
+		}
+		return ""
+	}
+	e := &LimitError{
+		Limit: Limit{ID: str(1), Scope: Scope{Kind: ScopeKind(str(2)), ID: str(3)}, Window: Window(str(4)), Cap: toInt(str(5))},
+		Used:  toInt(str(6)), Amount: amount,
+	}
+	if e.Limit.Window != Lifetime {
+		e.ResetsAt = msTime(str(7))
+	}
+	return e
 }
 
 func toInt(v any) int64 {
@@ -483,11 +549,16 @@ func (s *Store) Release(ctx context.Context, org, holdID string) (bool, error) {
 	if err := checkHold(holdID); err != nil {
 		return false, err
 	}
-	n, err := s.run(ctx, scRelease, s.orgKeys(org), holdID, s.tombTTL).Int64()
+	n, err := s.run(ctx, scRelease, releaseKeys(s.orgKeys(org)), holdID, s.tombTTL).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: release: %w: %w", ErrRedis, err)
 	}
 	return n == 1, nil
+}
+
+// releaseKeys are release's and reap's keys: acct, holds, hexp, gone, hfin, u.
+func releaseKeys(k []string) []string {
+	return []string{k[kAcct], k[kHolds], k[kHexp], k[kGone], k[kHfin], k[kU]}
 }
 
 // Extend pushes an existing hold's expiry to now+HoldTTL; it never lowers an expiry (a pinned
@@ -547,6 +618,8 @@ func (s *Store) Settle(ctx context.Context, org string, epoch Epoch, entries []E
 			return nil, fmt.Errorf("%w: delta %d outside ±MaxAmount", ErrInvalidEntry, e.Delta)
 		case e.HoldID != "" && !validHoldID(e.HoldID):
 			return nil, fmt.Errorf("%w: hold id %q", ErrInvalidEntry, e.HoldID)
+		case (e.KeyID != "" && !validLimitID(e.KeyID)) || (e.Project != "" && !validLimitID(e.Project)):
+			return nil, fmt.Errorf("%w: key %q project %q", ErrInvalidEntry, e.KeyID, e.Project)
 		}
 		prev = e.Seq
 	}
@@ -556,10 +629,14 @@ func (s *Store) Settle(ctx context.Context, org string, epoch Epoch, entries []E
 	ep := epoch.String()
 	for start := 0; start < len(entries); start += settleChunk {
 		chunk := entries[start:min(start+settleChunk, len(entries))]
-		args := make([]any, 0, 2+3*len(chunk))
-		args = append(args, ep, s.tombTTL)
+		args := make([]any, 0, 3+6*len(chunk))
+		args = append(args, ep, s.tombTTL, s.clockArg)
 		for _, e := range chunk {
-			args = append(args, strconv.FormatInt(e.Seq, 10), strconv.FormatInt(e.Delta, 10), e.HoldID)
+			rt := ""
+			if !e.ReservedAt.IsZero() {
+				rt = strconv.FormatInt(e.ReservedAt.UnixMilli(), 10)
+			}
+			args = append(args, strconv.FormatInt(e.Seq, 10), strconv.FormatInt(e.Delta, 10), e.HoldID, e.KeyID, e.Project, rt)
 		}
 		res, err := s.run(ctx, scSettle, keys, args...).Slice()
 		if err != nil {
@@ -587,9 +664,12 @@ func (s *Store) Settle(ctx context.Context, org string, epoch Epoch, entries []E
 	return statuses, nil
 }
 
-// Seed writes a cold org's hot balance from a ledger snapshot: bal = Balance − Σ holds, wm =
-// Seq. seeded is false when the org already has a hot balance of this epoch or of a higher
-// generation. Call CatchUp after it (Warm does both).
+// Seed writes a cold org's hot balance, limits and window counters from a ledger snapshot,
+// together: bal = Balance − Σ holds, wm = Seq; lim = snap.Limits; the counter of each limit's
+// current window (on the Redis clock) = its group in snap.Used (0 if none) + the live holds
+// added to it. seeded is false when the org already has a hot balance of this epoch (with
+// limits as new as it was seeded with) or of a higher generation. Call CatchUp after it (Warm
+// does both).
 func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, error) {
 	if err := checkOrg(org); err != nil {
 		return false, err
@@ -600,10 +680,27 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 	if snap.Seq < 0 || snap.Epoch.IsZero() {
 		return false, fmt.Errorf("%w: snapshot seq %d epoch %q", ErrInvalidEntry, snap.Seq, snap.Epoch)
 	}
+	ls := snap.Limits
+	if ls == nil {
+		ls = &LimitSnapshot{}
+	}
+	lim, err := ls.limFields()
+	if err != nil {
+		return false, err
+	}
+	args := make([]any, 0, 6+len(lim)+2*len(ls.Used))
+	args = append(args, snap.Epoch.String(), strconv.FormatInt(snap.Balance, 10), strconv.FormatInt(snap.Seq, 10),
+		s.clockArg, strconv.FormatInt(ls.Version, 10), strconv.Itoa(len(lim)/2))
+	args = append(args, lim...)
+	for _, u := range ls.Used {
+		if !validLimitID(u.LimitID) || u.Used < -MaxAmount || u.Used > MaxAmount || u.Start <= -1e14 || u.Start >= 1e14 {
+			return false, fmt.Errorf("%w: window spend %+v", ErrInvalidLimits, u)
+		}
+		args = append(args, u.LimitID+":"+strconv.FormatInt(u.Start, 10), strconv.FormatInt(u.Used, 10))
+	}
 	s.ObserveEpoch(snap.Epoch)
 	k := s.orgKeys(org)
-	n, err := s.run(ctx, scSeed, k[:2], snap.Epoch.String(),
-		strconv.FormatInt(snap.Balance, 10), strconv.FormatInt(snap.Seq, 10)).Int64()
+	n, err := s.run(ctx, scSeed, []string{k[kAcct], k[kHolds], k[kLim], k[kU]}, args...).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: seed: %w: %w", ErrRedis, err)
 	}
@@ -625,7 +722,7 @@ func (s *Store) Warm(ctx context.Context, org string) error {
 	ch := s.warming.DoChan(org, func() (any, error) {
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), warmTimeout)
 		defer cancel()
-		snap, err := s.cfg.Ledger.Snapshot(ctx, org)
+		snap, err := s.snapshot(ctx, org)
 		if err != nil {
 			return nil, fmt.Errorf("balance: snapshot of %s: %w: %w", org, ErrLedger, err)
 		}
@@ -640,6 +737,21 @@ func (s *Store) Warm(ctx context.Context, org string) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// snapshot reads the ledger's snapshot of org; from a LimitLedger with its limits and the spend
+// of the windows from T0's on, T0 being the Redis clock (plus ClockOffset) read first, so the
+// windows the seed script finds current are in it.
+func (s *Store) snapshot(ctx context.Context, org string) (Snapshot, error) {
+	ll, ok := s.cfg.Ledger.(LimitLedger)
+	if !ok {
+		return s.cfg.Ledger.Snapshot(ctx, org)
+	}
+	t0, err := s.c.Time(ctx).Result()
+	if err != nil {
+		return Snapshot{}, fmt.Errorf("redis TIME: %w", err)
+	}
+	return ll.SnapshotSince(ctx, org, t0.Add(s.cfg.ClockOffset))
 }
 
 // catchUpBatch is how many entries CatchUp asks the ledger for at a time.
@@ -681,13 +793,15 @@ func (s *Store) CatchUp(ctx context.Context, org string) error {
 	return fmt.Errorf("balance: catch-up of %s did not finish", org)
 }
 
-// Invalidate drops the org's hot balance (acct only): the next request reseeds it, and the
-// holds that stay are subtracted then.
+// Invalidate drops the org's hot balance, limits and window counters (acct, lim and u, which
+// exist or vanish together): the next request reseeds them, and the holds that stay are
+// subtracted then (and added to the counters they name).
 func (s *Store) Invalidate(ctx context.Context, org string) error {
 	if err := checkOrg(org); err != nil {
 		return err
 	}
-	if err := s.c.Del(ctx, s.key(org, "acct")).Err(); err != nil {
+	k := s.orgKeys(org)
+	if err := s.c.Del(ctx, k[kAcct], k[kLim], k[kU]).Err(); err != nil {
 		return fmt.Errorf("balance: invalidate: %w", err)
 	}
 	return nil
@@ -751,7 +865,7 @@ func (s *Store) Reap(ctx context.Context, org string) (int, error) {
 	for _, id := range ids {
 		args = append(args, id)
 	}
-	n, err := s.run(ctx, scReap, k, args...).Int64()
+	n, err := s.run(ctx, scReap, releaseKeys(k), args...).Int64()
 	if err != nil {
 		return 0, fmt.Errorf("balance: reap: %w", err)
 	}
@@ -800,12 +914,19 @@ func (s *Store) State(ctx context.Context, org string) (State, error) {
 	}
 	vals, _ := res[3].([]any)
 	for _, v := range vals {
-		st.Held += toInt(v)
+		st.Held += holdAmount(v)
 	}
 	st.Finished = int(toInt(res[5]))
 	st.Holds = int(toInt(res[4])) + st.Finished
 	st.Pinned = int(toInt(res[6]))
 	return st, nil
+}
+
+// holdAmount reads the amount of a hold record ("<amount>" or "<amount>|…", lua/lib/limits.lua).
+func holdAmount(v any) int64 {
+	str, _ := v.(string)
+	a, _, _ := strings.Cut(str, "|")
+	return toInt(a)
 }
 
 func checkModel(m string) error {

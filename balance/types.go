@@ -46,6 +46,9 @@ type Snapshot struct {
 	Epoch   Epoch
 	Balance int64
 	Seq     int64
+	// With a LimitLedger: the org's limits and the spend of their current windows (see
+	// LimitLedger.SnapshotSince). nil: no limits. (A pointer keeps Snapshot comparable.)
+	Limits *LimitSnapshot
 }
 
 // Entry is one ledger entry as the hot balance applies it. Delta < 0 is a charge, > 0 a credit
@@ -58,6 +61,12 @@ type Entry struct {
 	// usage event's created_at, else the entry's own. Filled by UnsettledEntries; zero when
 	// unknown. The scripts never see it.
 	Recorded time.Time
+	// Attribution, for limits (a charge's usage; zero values: none). The cost (−Delta) counts
+	// against the limits of the org, of Project and of KeyID in the windows that contain
+	// ReservedAt (the reserve time Reserve returned).
+	KeyID      string
+	Project    string
+	ReservedAt time.Time
 }
 
 // Ledger is what the hot balance needs from the ledger (implemented by package accounting).

@@ -80,7 +80,7 @@ func measureLimits(ctx context.Context, o options, rdbURL, dbURL, prefix string)
 	}
 	keysOf := func(org string) []string {
 		p := prefix + ":{" + org + "}:"
-		return []string{p + "acct", p + "holds", p + "hexp", p + "gone"}
+		return []string{p + "acct", p + "holds", p + "hexp", p + "gone", p + "lim", p + "u"}
 	}
 	var seq atomic.Int64
 	id := func() string { return "b" + strconv.FormatInt(seq.Add(1), 10) }
@@ -106,13 +106,13 @@ func measureLimits(ctx context.Context, o options, rdbURL, dbURL, prefix string)
 		p50   *time.Duration
 	}{
 		{"raw EVALSHA", 1, func() error {
-			return check(c.EvalSha(ctx, sha, rawKeys, ep, id(), "1", hold, capArg, tomb, pin, "0").Slice())
+			return check(c.EvalSha(ctx, sha, rawKeys, ep, id(), "1", hold, capArg, tomb, pin, "", "0").Slice())
 		}, &lim.rawEvalsha, &lim.p50Raw},
 		{"raw EVALSHA pipelined", evalPipeDepth, func() error {
 			p := c.Pipeline()
 			cmds := make([]*redis.Cmd, evalPipeDepth)
 			for i := range cmds {
-				cmds[i] = p.EvalSha(ctx, sha, pipeKeys, ep, id(), "1", hold, capArg, tomb, pin, "0")
+				cmds[i] = p.EvalSha(ctx, sha, pipeKeys, ep, id(), "1", hold, capArg, tomb, pin, "", "0")
 			}
 			if _, err := p.Exec(ctx); err != nil {
 				return err

@@ -452,7 +452,7 @@ func runFinish(t *testing.T, env Env) {
 			t.Fatalf("batch with a bad cost: %v", err)
 		}
 		// The script refuses a malformed cost anywhere in its arguments before writing anything.
-		keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("hfin")}
+		keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("hfin"), x.key("u")}
 		for _, c := range []string{"-5", "1.5", "abc", "", "1e3"} {
 			if err := x.env.Client.Eval(x.ctx, lua.Finish, keys, "1000", "a", "1", "a", c).Err(); err == nil {
 				t.Fatalf("script accepted cost %q", c)

@@ -202,9 +202,9 @@ func Run(t *testing.T, env Env) {
 	t.Run("ScriptRefusesNonPositiveAmount", func(t *testing.T) {
 		t.Parallel()
 		x := fixture(t, env, balance.Config{}, 1000, true)
-		keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone")}
+		keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone"), x.key("lim"), x.key("u")}
 		for _, a := range []string{"0", "-5", "1.5", "abc"} {
-			err := x.env.Client.Eval(x.ctx, reserveSrc(), keys, x.s.Epoch().String(), "h", a, "1000", "10", "1000", "1000", "0").Err()
+			err := x.env.Client.Eval(x.ctx, reserveSrc(), keys, x.s.Epoch().String(), "h", a, "1000", "10", "1000", "1000", "", "0").Err()
 			if err == nil {
 				t.Fatalf("script accepted amount %q", a)
 			}
@@ -253,8 +253,8 @@ func Run(t *testing.T, env Env) {
 		t.Parallel()
 		x := fixture(t, env, balance.Config{}, 500, true)
 		other := balance.Epoch{Gen: x.l.CurrentEpoch().Gen, ID: "other"}
-		keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone")}
-		res, err := x.env.Client.Eval(x.ctx, reserveSrc(), keys, other.String(), "h", "10", "1000", "10", "1000", "1000", "0").Slice()
+		keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone"), x.key("lim"), x.key("u")}
+		res, err := x.env.Client.Eval(x.ctx, reserveSrc(), keys, other.String(), "h", "10", "1000", "10", "1000", "1000", "", "0").Slice()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -699,7 +699,7 @@ func Run(t *testing.T, env Env) {
 		t.Parallel()
 		x := fixture(t, env, balance.Config{HoldTTL: time.Minute}, 1000, true)
 		x.mustReserve("live", 100)
-		keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone"), x.key("hfin")}
+		keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone"), x.key("hfin"), x.key("u")}
 		n, err := x.env.Client.Eval(x.ctx, reapSrc(), keys, "30000", "0", "live", "unknown").Int64()
 		eq(t, "reaped", n, 0)
 		eq(t, "err", err, nil)

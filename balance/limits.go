@@ -1,0 +1,324 @@
+package balance
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// ScopeKind is what a limit or a freeze applies to.
+type ScopeKind string
+
+// Scope kinds.
+const (
+	ScopeOrg     ScopeKind = "org"     // every request of the org
+	ScopeProject ScopeKind = "project" // the requests of the keys in one project
+	ScopeKey     ScopeKind = "key"     // the requests of one API key
+)
+
+// Scope is an org (ID ""), one of its projects or one of its keys.
+type Scope struct {
+	Kind ScopeKind
+	ID   string
+}
+
+func (s Scope) String() string {
+	if s.Kind == ScopeOrg {
+		return "org"
+	}
+	return string(s.Kind) + ":" + s.ID
+}
+
+// Window is a limit's period; boundaries are UTC on the Redis clock.
+type Window string
+
+// Windows.
+const (
+	Lifetime Window = "lifetime" // one window, never reset
+	Hour     Window = "hour"
+	Day      Window = "day"
+	Week     Window = "week"  // starting Monday 00:00
+	Month    Window = "month" // calendar month
+)
+
+// Bounds returns the start of the window that contains t and the start of the next one, in UTC
+// (zero times for Lifetime). The scripts compute the same bounds from the Redis clock
+// (lua/lib/limits.lua); this is the Go side of the rule, for a ledger that groups spend by
+// window and for reset times.
+func (w Window) Bounds(t time.Time) (start, next time.Time) {
+	t = t.UTC()
+	y, m, d := t.Date()
+	switch w {
+	case Hour:
+		start = t.Truncate(time.Hour)
+		return start, start.Add(time.Hour)
+	case Day:
+		start = time.Date(y, m, d, 0, 0, 0, 0, time.UTC)
+		return start, start.AddDate(0, 0, 1)
+	case Week:
+		back := (int(t.Weekday()) + 6) % 7 // days since Monday
+		start = time.Date(y, m, d-back, 0, 0, 0, 0, time.UTC)
+		return start, start.AddDate(0, 0, 7)
+	case Month:
+		start = time.Date(y, m, 1, 0, 0, 0, 0, time.UTC)
+		return start, start.AddDate(0, 1, 0)
+	}
+	return time.Time{}, time.Time{}
+}
+
+// StartMS is the window start of t as a counter field has it: ms since the Unix epoch (0 for
+// Lifetime).
+func (w Window) StartMS(t time.Time) int64 {
+	if w == Lifetime {
+		return 0
+	}
+	s, _ := w.Bounds(t)
+	return s.UnixMilli()
+}
+
+func (w Window) valid() bool {
+	switch w {
+	case Lifetime, Hour, Day, Week, Month:
+		return true
+	}
+	return false
+}
+
+// Limit caps what the requests in Scope may spend in each Window. IDs are never reused; scope and
+// window never change (a change is a new limit).
+type Limit struct {
+	ID     string
+	Scope  Scope
+	Window Window
+	Cap    int64 // micro-units, 0 < Cap ≤ MaxAmount
+}
+
+// Limits is an org's limits, freezes and key → project map at one version of the ledger.
+type Limits struct {
+	Version  int64 // raised by every change; 0: none ever
+	Limits   []Limit
+	Frozen   []Scope           // frozen scopes: every new hold in them is refused
+	Projects map[string]string // key id → project id (a key is in at most one project)
+}
+
+// WindowUsed is the ledger's spend in one limit's window: Σ cost of the entries (seq ≤ the
+// snapshot's) attributed to it, grouped by their stored reserve time.
+type WindowUsed struct {
+	LimitID string
+	Start   int64 // window start, ms since the Unix epoch (0 for Lifetime)
+	Used    int64
+}
+
+// LimitSnapshot is the limit part of a Snapshot: the org's limits and the ledger's spend of
+// their windows.
+type LimitSnapshot struct {
+	Limits
+	Used []WindowUsed
+}
+
+// LimitLedger is a Ledger that keeps limits. Warm uses SnapshotSince instead of Snapshot when
+// the ledger implements it.
+type LimitLedger interface {
+	Ledger
+	// SnapshotSince is Snapshot plus the org's Limits and, in Used, the spend of every window
+	// starting at or after the window (of each limit) that contains since — a time read from
+	// the Redis clock before the snapshot — grouped by each entry's stored reserve time.
+	SnapshotSince(ctx context.Context, org string, since time.Time) (Snapshot, error)
+}
+
+// Limit and freeze errors. Test for them with errors.Is.
+var (
+	// ErrLimit: a limit in scope would go over its cap (see *LimitError).
+	ErrLimit = errors.New("balance: limit reached")
+	// ErrFrozen: the org, the key's project or the key is frozen (see *FrozenError).
+	ErrFrozen = errors.New("balance: frozen")
+	// ErrInvalidLimits: limits, freezes or the key → project map are malformed.
+	ErrInvalidLimits = errors.New("balance: invalid limits")
+)
+
+// LimitError is returned by Reserve when a limit in scope refuses the hold: nothing was written.
+type LimitError struct {
+	Limit    Limit
+	Used     int64     // the window's counter when the hold was refused
+	Amount   int64     // the hold asked for
+	ResetsAt time.Time // the next window's start; zero for Lifetime
+}
+
+func (e *LimitError) Error() string {
+	return fmt.Sprintf("balance: limit %s (%s, %s) reached: %d used of %d, %d needed",
+		e.Limit.ID, e.Limit.Scope, e.Limit.Window, e.Used, e.Limit.Cap, e.Amount)
+}
+
+// Is makes errors.Is(err, ErrLimit) true.
+func (e *LimitError) Is(target error) bool { return target == ErrLimit }
+
+// FrozenError is returned by Reserve when a scope of the request is frozen.
+type FrozenError struct {
+	Scope Scope
+}
+
+func (e *FrozenError) Error() string { return "balance: frozen: " + e.Scope.String() }
+
+// Is makes errors.Is(err, ErrFrozen) true.
+func (e *FrozenError) Is(target error) bool { return target == ErrFrozen }
+
+// validLimitID: ids, project ids and key ids go into lim's fields and counter field names, so
+// they are 1..128 printable ASCII bytes without space or the separators , ; : |.
+func validLimitID(s string) bool {
+	if s == "" || len(s) > maxIDLen {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		b := s[i]
+		if b <= ' ' || b >= 0x7f || b == ',' || b == ';' || b == ':' || b == '|' {
+			return false
+		}
+	}
+	return true
+}
+
+func checkKeyID(id string) error {
+	if id != "" && !validLimitID(id) {
+		return fmt.Errorf("%w: key id %q", ErrInvalidLimits, id)
+	}
+	return nil
+}
+
+func checkScope(s Scope) error {
+	switch s.Kind {
+	case ScopeOrg:
+		if s.ID != "" {
+			return fmt.Errorf("%w: org scope with id %q", ErrInvalidLimits, s.ID)
+		}
+	case ScopeProject, ScopeKey:
+		if !validLimitID(s.ID) {
+			return fmt.Errorf("%w: %s id %q", ErrInvalidLimits, s.Kind, s.ID)
+		}
+	default:
+		return fmt.Errorf("%w: scope %q", ErrInvalidLimits, s.Kind)
+	}
+	return nil
+}
+
+// limFields turns Limits into lim's fields (without v), checking them: see lua/lib/limits.lua.
+func (l Limits) limFields() ([]any, error) {
+	if l.Version < 0 {
+		return nil, fmt.Errorf("%w: version %d", ErrInvalidLimits, l.Version)
+	}
+	specs := map[string][]string{}
+	var order []string
+	seen := map[string]bool{}
+	for _, x := range l.Limits {
+		switch {
+		case !validLimitID(x.ID) || seen[x.ID]:
+			return nil, fmt.Errorf("%w: limit id %q (empty, malformed or repeated)", ErrInvalidLimits, x.ID)
+		case !x.Window.valid():
+			return nil, fmt.Errorf("%w: limit %s: window %q", ErrInvalidLimits, x.ID, x.Window)
+		case x.Cap <= 0 || x.Cap > MaxAmount:
+			return nil, fmt.Errorf("%w: limit %s: cap %d", ErrInvalidLimits, x.ID, x.Cap)
+		}
+		if err := checkScope(x.Scope); err != nil {
+			return nil, fmt.Errorf("limit %s: %w", x.ID, err)
+		}
+		seen[x.ID] = true
+		f := scopeField("", x.Scope)
+		if _, ok := specs[f]; !ok {
+			order = append(order, f)
+		}
+		specs[f] = append(specs[f], x.ID+","+string(x.Window)+","+strconv.FormatInt(x.Cap, 10))
+	}
+	out := make([]any, 0, 2*(len(order)+len(l.Frozen)+len(l.Projects)))
+	for _, f := range order {
+		out = append(out, f, strings.Join(specs[f], ";"))
+	}
+	for _, s := range l.Frozen {
+		if err := checkScope(s); err != nil {
+			return nil, fmt.Errorf("freeze: %w", err)
+		}
+		out = append(out, scopeField("f", s), "1")
+	}
+	keys := make([]string, 0, len(l.Projects))
+	for k := range l.Projects {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys) // the same Limits always make the same arguments
+	for _, k := range keys {
+		p := l.Projects[k]
+		if !validLimitID(k) || !validLimitID(p) {
+			return nil, fmt.Errorf("%w: key %q in project %q", ErrInvalidLimits, k, p)
+		}
+		out = append(out, "m:"+k, p)
+	}
+	return out, nil
+}
+
+// scopeField is lim's field of a scope: o, p:<project>, k:<key>, after prefix (f for freezes).
+func scopeField(prefix string, s Scope) string {
+	switch s.Kind {
+	case ScopeProject:
+		return prefix + "p:" + s.ID
+	case ScopeKey:
+		return prefix + "k:" + s.ID
+	}
+	return prefix + "o"
+}
+
+// PushLimits is called after the org's limits, freezes or key → project map changed in the
+// ledger (to version): unless the hot state already has that version or a newer one, it drops
+// the org's hot balance, limits and counters together, so the next request reseeds all three
+// from one snapshot (which counts the current windows' spend so far). Freezes take effect at
+// once: the next reserve anywhere is cold and reads them from the ledger. Re-pushing is safe.
+// pushed reports whether this call dropped anything.
+func (s *Store) PushLimits(ctx context.Context, org string, version int64) (pushed bool, err error) {
+	if err := checkOrg(org); err != nil {
+		return false, err
+	}
+	if version < 0 {
+		return false, fmt.Errorf("%w: version %d", ErrInvalidLimits, version)
+	}
+	k := s.limKeys(org)
+	n, err := s.run(ctx, scPushLim, []string{s.key(org, "acct"), k[0], k[1]}, strconv.FormatInt(version, 10)).Int64()
+	if err != nil {
+		return false, fmt.Errorf("balance: push limits: %w", err)
+	}
+	return n == 1, nil
+}
+
+// Counter is one window counter of the hot state.
+type Counter struct {
+	LimitID string
+	Start   int64 // window start, ms since the Unix epoch (0 for Lifetime)
+}
+
+// Counters reads the org's window counters (u): the current windows' and any past ones still
+// kept. While the hot balance exists, a current window's counter is the cost of the entries
+// attributed to it up to the watermark plus the live holds added to it.
+func (s *Store) Counters(ctx context.Context, org string) (map[Counter]int64, error) {
+	if err := checkOrg(org); err != nil {
+		return nil, err
+	}
+	m, err := s.c.HGetAll(ctx, s.limKeys(org)[1]).Result()
+	if err != nil {
+		return nil, fmt.Errorf("balance: counters: %w", err)
+	}
+	out := make(map[Counter]int64, len(m))
+	for f, v := range m {
+		id, start, ok := strings.Cut(f, ":")
+		ms, err1 := strconv.ParseInt(start, 10, 64)
+		n, err2 := strconv.ParseInt(v, 10, 64)
+		if !ok || err1 != nil || err2 != nil {
+			return nil, fmt.Errorf("balance: counters: malformed field %q = %q", f, v)
+		}
+		out[Counter{LimitID: id, Start: ms}] = n
+	}
+	return out, nil
+}
+
+// limKeys returns the org's lim and u keys.
+func (s *Store) limKeys(org string) [2]string {
+	return [2]string{s.key(org, "lim"), s.key(org, "u")}
+}
