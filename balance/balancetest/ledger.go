@@ -20,6 +20,7 @@ type FakeLedger struct {
 	epoch     balance.Epoch
 	orgs      map[string][]balance.Entry
 	unsettled map[string]bool
+	limits    map[string]balance.Limits
 	staleBy   int   // Snapshot leaves out the last staleBy entries (a stale read)
 	err       error // returned by every call when set
 
@@ -41,6 +42,7 @@ func NewFakeLedger(gen int64) *FakeLedger {
 		epoch:     balance.Epoch{Gen: gen, ID: hex.EncodeToString(b[:])},
 		orgs:      map[string][]balance.Entry{},
 		unsettled: map[string]bool{},
+		limits:    map[string]balance.Limits{},
 	}
 }
 
@@ -134,6 +136,93 @@ func (l *FakeLedger) SetErr(err error) {
 	l.mu.Unlock()
 }
 
+// SetLimits replaces org's limits (freezes, key → project map) with lim at the next version,
+// and returns that version (push it with Store.PushLimits).
+func (l *FakeLedger) SetLimits(org string, lim balance.Limits) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	lim.Version = l.limits[org].Version + 1
+	l.limits[org] = lim
+	return lim.Version
+}
+
+// Limits returns org's limits.
+func (l *FakeLedger) Limits(org string) balance.Limits {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.limits[org]
+}
+
+// AddUsage appends a charge of cost for hold id, attributed to key, project and reservedAt.
+func (l *FakeLedger) AddUsage(org string, cost int64, holdID, key, project string, reservedAt time.Time) balance.Entry {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e := balance.Entry{Seq: int64(len(l.orgs[org])) + 1, Delta: -cost, HoldID: holdID, KeyID: key, Project: project, ReservedAt: reservedAt}
+	l.orgs[org] = append(l.orgs[org], e)
+	return e
+}
+
+// inScope reports whether entry e counts against lim.
+func inScope(lim balance.Limit, e balance.Entry) bool {
+	if e.ReservedAt.IsZero() {
+		return false
+	}
+	switch lim.Scope.Kind {
+	case balance.ScopeProject:
+		return e.Project == lim.Scope.ID
+	case balance.ScopeKey:
+		return e.KeyID == lim.Scope.ID
+	}
+	return true
+}
+
+// Used is the model of a counter: Σ cost of org's entries with seq ≤ upTo attributed to limit
+// id in the window starting at start (ms).
+func (l *FakeLedger) Used(org, id string, start, upTo int64) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var n int64
+	for _, lim := range l.limits[org].Limits {
+		if lim.ID != id {
+			continue
+		}
+		for _, e := range l.orgs[org] {
+			if e.Seq <= upTo && inScope(lim, e) && lim.Window.StartMS(e.ReservedAt) == start {
+				n -= e.Delta
+			}
+		}
+	}
+	return n
+}
+
+// SnapshotSince implements balance.LimitLedger: Snapshot plus the org's limits and the spend of
+// every window starting at or after since's, grouped by the entries' reserve times.
+func (l *FakeLedger) SnapshotSince(ctx context.Context, org string, since time.Time) (balance.Snapshot, error) {
+	snap, err := l.Snapshot(ctx, org)
+	if err != nil {
+		return snap, err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ls := &balance.LimitSnapshot{Limits: l.limits[org]}
+	for _, lim := range ls.Limits.Limits {
+		from := lim.Window.StartMS(since)
+		sums := map[int64]int64{}
+		for _, e := range l.orgs[org][:snap.Seq] {
+			if inScope(lim, e) {
+				if st := lim.Window.StartMS(e.ReservedAt); st >= from {
+					sums[st] -= e.Delta
+				}
+			}
+		}
+		for st, n := range sums {
+			ls.Used = append(ls.Used, balance.WindowUsed{LimitID: lim.ID, Start: st, Used: n})
+		}
+	}
+	snap.Limits = ls
+	return snap, nil
+}
+
 // Snapshot implements balance.Ledger.
 func (l *FakeLedger) Snapshot(_ context.Context, org string) (balance.Snapshot, error) {
 	l.Snapshots.Add(1)
@@ -192,4 +281,4 @@ func (l *FakeLedger) UnsettledUsage(_ context.Context, _ string, ids []string) (
 	return out, nil
 }
 
-var _ balance.Ledger = (*FakeLedger)(nil)
+var _ balance.LimitLedger = (*FakeLedger)(nil)

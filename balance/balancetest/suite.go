@@ -824,6 +824,7 @@ func Run(t *testing.T, env Env) {
 	})
 
 	runFinish(t, env)
+	runLimits(t, env)
 }
 
 func mustSnap(t *testing.T, l *FakeLedger, org string) balance.Snapshot {

@@ -1,0 +1,691 @@
+package balancetest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+// redisNow reads the Redis clock (the scripts' clock, before any ClockOffset).
+func (x *h) redisNow() time.Time {
+	x.t.Helper()
+	t, err := x.env.Client.Time(x.ctx).Result()
+	if err != nil {
+		x.t.Fatalf("TIME: %v", err)
+	}
+	return t
+}
+
+// withClock returns a store on the same Redis, prefix and ledger whose limit clock reads at
+// (give or take the test's own run time): a window rollover without a sleep.
+func (x *h) withClock(at time.Time) *balance.Store {
+	x.t.Helper()
+	cfg := x.s.Config()
+	cfg.ClockOffset = at.Sub(x.redisNow())
+	s, err := balance.New(x.ctx, x.env.Client, cfg)
+	if err != nil {
+		x.t.Fatalf("balance.New: %v", err)
+	}
+	return s
+}
+
+// limited makes a warm org with lim (pushed before the first seed) and start on its balance.
+func limited(t *testing.T, env Env, cfg balance.Config, start int64, lim balance.Limits) *h {
+	t.Helper()
+	x := fixture(t, env, cfg, start, false)
+	x.l.SetLimits(x.org, lim)
+	if err := x.s.Warm(x.ctx, x.org); err != nil {
+		t.Fatalf("warm: %v", err)
+	}
+	t.Cleanup(func() {
+		if !t.Failed() {
+			x.counters()
+		}
+	})
+	return x
+}
+
+func (x *h) reserveKey(s *balance.Store, id, key string, amount int64) (balance.Reservation, error) {
+	return s.Reserve(x.ctx, balance.ReserveRequest{Org: x.org, HoldID: id, Amount: amount, KeyID: key})
+}
+
+func (x *h) mustReserveKey(s *balance.Store, id, key string, amount int64) balance.Reservation {
+	x.t.Helper()
+	r, err := x.reserveKey(s, id, key, amount)
+	if err != nil {
+		x.t.Fatalf("reserve %s key %s %d: %v", id, key, amount, err)
+	}
+	return r
+}
+
+// settleUsage records the usage of hold id (cost, attributed to key, its project in the ledger's
+// map, and the reserve time r) and settles it through s.
+func (x *h) settleUsage(s *balance.Store, id, key string, cost int64, at time.Time) balance.SettleStatus {
+	x.t.Helper()
+	e := x.l.AddUsage(x.org, cost, id, key, x.l.Limits(x.org).Projects[key], at)
+	st, err := s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), []balance.Entry{e})
+	if err != nil {
+		x.t.Fatalf("settle %s: %v", id, err)
+	}
+	x.counters()
+	return st[0]
+}
+
+// field is a counter's field name.
+func field(id string, start int64) string { return id + ":" + strconv.FormatInt(start, 10) }
+
+// u reads the org's counters by field.
+func (x *h) u() map[string]int64 {
+	x.t.Helper()
+	m, err := x.s.Counters(x.ctx, x.org)
+	if err != nil {
+		x.t.Fatalf("counters: %v", err)
+	}
+	out := map[string]int64{}
+	for c, n := range m {
+		out[field(c.LimitID, c.Start)] = n
+	}
+	return out
+}
+
+// counters asserts the counter invariant (and the balance invariant) while acct exists: every
+// counter of a current window (on the store's limit clock) is Σ cost of the entries attributed
+// to it with seq ≤ wm plus the live holds whose record names it.
+func (x *h) counters() {
+	x.t.Helper()
+	x.invariant()
+	st := x.state()
+	if !st.Exists {
+		if n, err := x.env.Client.Exists(x.ctx, x.key("lim"), x.key("u")).Result(); err != nil || n != 0 {
+			x.t.Fatalf("acct gone but lim/u left: %d %v", n, err)
+		}
+		return
+	}
+	if n, err := x.env.Client.Exists(x.ctx, x.key("lim")).Result(); err != nil || n != 1 {
+		x.t.Fatalf("acct without lim: %d %v", n, err)
+	}
+	holds, err := x.env.Client.HGetAll(x.ctx, x.key("holds")).Result()
+	if err != nil {
+		x.t.Fatal(err)
+	}
+	held := map[string]int64{}
+	for _, rec := range holds {
+		parts := strings.Split(rec, "|")
+		a, _ := strconv.ParseInt(parts[0], 10, 64)
+		if len(parts) == 4 && parts[3] != "" {
+			for _, f := range strings.Split(parts[3], ",") {
+				held[f] += a
+			}
+		}
+	}
+	now := x.redisNow().Add(x.s.Config().ClockOffset)
+	u := x.u()
+	for _, lim := range x.l.Limits(x.org).Limits {
+		start := lim.Window.StartMS(now)
+		f := field(lim.ID, start)
+		got, ok := u[f]
+		if !ok {
+			continue // not created yet in this window (no reserve since the rollover)
+		}
+		if want := x.l.Used(x.org, lim.ID, start, st.Watermark) + held[f]; got != want {
+			x.t.Fatalf("counter invariant broken for %s: U = %d, ledger %d + holds %d",
+				f, got, x.l.Used(x.org, lim.ID, start, st.Watermark), held[f])
+		}
+	}
+}
+
+func orgLimit(id string, w balance.Window, cap int64) balance.Limit {
+	return balance.Limit{ID: id, Scope: balance.Scope{Kind: balance.ScopeOrg}, Window: w, Cap: cap}
+}
+
+func keyLimit(id, key string, w balance.Window, cap int64) balance.Limit {
+	return balance.Limit{ID: id, Scope: balance.Scope{Kind: balance.ScopeKey, ID: key}, Window: w, Cap: cap}
+}
+
+func projLimit(id, p string, w balance.Window, cap int64) balance.Limit {
+	return balance.Limit{ID: id, Scope: balance.Scope{Kind: balance.ScopeProject, ID: p}, Window: w, Cap: cap}
+}
+
+// runLimits is the conformance suite of DESIGN.md "Limits", one test per rule.
+func runLimits(t *testing.T, env Env) {
+	// "A limit is scope × window × cap": a hold counts against each limit of its org, its key's
+	// project (as lim says) and its key, in the window of its reserve time.
+	t.Run("LimitsScopeWindowCap", func(t *testing.T) {
+		t.Parallel()
+		x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{
+			Limits: []balance.Limit{
+				orgLimit("o-month", balance.Month, 10_000), projLimit("p-day", "staging", balance.Day, 5_000),
+				keyLimit("k-hour", "k1", balance.Hour, 1_000), keyLimit("k2-life", "k2", balance.Lifetime, 700),
+			},
+			Projects: map[string]string{"k1": "staging"},
+		})
+		r := x.mustReserveKey(x.s, "a", "k1", 300)
+		now := r.ReservedAt
+		if d := time.Since(now); d < -time.Minute || d > time.Minute {
+			t.Fatalf("reserve time %v is not the Redis clock", now)
+		}
+		u := x.u()
+		eq(t, "org counter", u[field("o-month", balance.Month.StartMS(now))], 300)
+		eq(t, "project counter", u[field("p-day", balance.Day.StartMS(now))], 300)
+		eq(t, "key counter", u[field("k-hour", balance.Hour.StartMS(now))], 300)
+		eq(t, "other key's lifetime counter", u[field("k2-life", 0)], 0)
+		x.counters()
+		x.mustReserveKey(x.s, "b", "k2", 500) // k2 is in no project: org and k2 only
+		x.mustReserveKey(x.s, "c", "", 100)   // no key: the org's limits only
+		u = x.u()
+		eq(t, "org counter", u[field("o-month", balance.Month.StartMS(now))], 900)
+		eq(t, "project counter", u[field("p-day", balance.Day.StartMS(now))], 300)
+		eq(t, "k2 counter", u[field("k2-life", 0)], 500)
+		x.counters()
+		// The cap is exact: U + amount = cap passes, one more refuses.
+		x.mustReserveKey(x.s, "d", "k2", 200)
+		_, err := x.reserveKey(x.s, "e", "k2", 1)
+		var le *balance.LimitError
+		if !errors.As(err, &le) || !errors.Is(err, balance.ErrLimit) {
+			t.Fatalf("got %v, want *LimitError", err)
+		}
+		eq(t, "limit", le.Limit, keyLimit("k2-life", "k2", balance.Lifetime, 700))
+		eq(t, "used", le.Used, 700)
+		eq(t, "lifetime never resets", le.ResetsAt.IsZero(), true)
+		x.counters()
+	})
+
+	// "LIMIT: some counter in scope has U + amount > cap; nothing is written."
+	t.Run("LimitWritesNothing", func(t *testing.T) {
+		t.Parallel()
+		x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{
+			orgLimit("o", balance.Day, 1_000), keyLimit("k", "k1", balance.Day, 400),
+		}})
+		x.mustReserveKey(x.s, "a", "k1", 300)
+		before, ubefore := x.state(), x.u()
+		_, err := x.reserveKey(x.s, "b", "k1", 101)
+		var le *balance.LimitError
+		if !errors.As(err, &le) || le.Limit.ID != "k" || le.Used != 300 || le.Amount != 101 {
+			t.Fatalf("got %v, want the key's limit with 300 used", err)
+		}
+		_, next := balance.Day.Bounds(x.redisNow())
+		eq(t, "resets at the next day", le.ResetsAt.Equal(next), true)
+		after := x.state()
+		eq(t, "balance", after.Balance, before.Balance)
+		eq(t, "holds", after.Holds, before.Holds)
+		eq(t, "counters", fmt.Sprint(x.u()), fmt.Sprint(ubefore))
+		x.counters()
+	})
+
+	// The order of reserve's checks: amount, COLD, DUPLICATE, GONE, FROZEN, TOO_MANY, LIMIT,
+	// INSUFFICIENT — a re-sent reserve whose first try committed is recognised before any cap.
+	t.Run("ReserveOrder", func(t *testing.T) {
+		t.Parallel()
+		x := limited(t, env, balance.Config{MaxInFlight: 2}, 1_000, balance.Limits{Limits: []balance.Limit{
+			keyLimit("k", "k1", balance.Day, 500),
+		}})
+		x.mustReserveKey(x.s, "a", "k1", 500) // the cap is used up
+		// DUP before LIMIT, with the original's reserve time (here read through a store whose
+		// clock is an hour ahead).
+		x.mustReserveKey(x.s, "a2", "", 10)
+		ahead := x.withClock(x.redisNow().Add(time.Hour))
+		r := x.mustReserveKey(ahead, "a", "k1", 500)
+		eq(t, "duplicate", r.Duplicate, true)
+		if d := time.Since(r.ReservedAt); d < -time.Minute || d > time.Minute {
+			t.Fatalf("duplicate's reserve time %v is not the original's", r.ReservedAt)
+		}
+		first, _ := x.env.Client.HGet(x.ctx, x.key("holds"), "a").Result()
+		eq(t, "record keeps the reserve time", strings.Contains(first, "|"+strconv.FormatInt(r.ReservedAt.UnixMilli(), 10)+"|"), true)
+		// GONE before FROZEN and LIMIT.
+		if _, err := x.s.Release(x.ctx, x.org, "a2"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := x.reserveKey(x.s, "a2", "k1", 10); !errors.Is(err, balance.ErrGone) {
+			t.Fatalf("re-sent after release: %v, want ErrGone", err)
+		}
+		// LIMIT before INSUFFICIENT: 501 is more than the balance left and than the cap.
+		if _, err := x.reserveKey(x.s, "b", "k1", 501); !errors.Is(err, balance.ErrLimit) {
+			t.Fatalf("got %v, want ErrLimit", err)
+		}
+		// TOO_MANY before LIMIT.
+		x.mustReserveKey(x.s, "c", "", 10)
+		if _, err := x.reserveKey(x.s, "d", "k1", 1); !errors.Is(err, balance.ErrTooManyHolds) {
+			t.Fatalf("got %v, want ErrTooManyHolds", err)
+		}
+		// FROZEN before TOO_MANY.
+		lim := x.l.Limits(x.org)
+		lim.Frozen = []balance.Scope{{Kind: balance.ScopeKey, ID: "k1"}}
+		if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+			t.Fatal(err)
+		}
+		_, err := x.reserveKey(x.s, "d", "k1", 1)
+		var fe *balance.FrozenError
+		if !errors.As(err, &fe) || fe.Scope != (balance.Scope{Kind: balance.ScopeKey, ID: "k1"}) {
+			t.Fatalf("got %v, want the key frozen", err)
+		}
+		// DUP before FROZEN.
+		if r, err := x.reserveKey(x.s, "a", "k1", 500); err != nil || !r.Duplicate {
+			t.Fatalf("re-sent reserve of a frozen key: %v %v, want DUP", r, err)
+		}
+		x.counters()
+	})
+
+	// "Reserve answers COLD when lim is missing or its version is older than the one acct
+	// records" (the script itself; Store.Reserve then reseeds).
+	t.Run("ColdWithoutCurrentLim", func(t *testing.T) {
+		t.Parallel()
+		x := limited(t, env, balance.Config{}, 1_000, balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Day, 500)}})
+		keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone"), x.key("lim"), x.key("u")}
+		call := func() string {
+			res, err := x.env.Client.Eval(x.ctx, reserveSrc(), keys, x.s.Epoch().String(), randomID("h"), "10", "1000", "10", "1000", "1000", "", "0").Slice()
+			if err != nil {
+				t.Fatal(err)
+			}
+			return res[0].(string)
+		}
+		if err := x.env.Client.HSet(x.ctx, x.key("lim"), "v", "0").Err(); err != nil {
+			t.Fatal(err)
+		}
+		eq(t, "lim older than acct records", call(), "COLD")
+		if err := x.env.Client.Del(x.ctx, x.key("lim")).Err(); err != nil {
+			t.Fatal(err)
+		}
+		eq(t, "lim missing", call(), "COLD")
+		// Store.Reserve reseeds all three (the seed rewrites an acct whose lim is not current).
+		x.mustReserveKey(x.s, "a", "", 100)
+		eq(t, "counter after reseed", x.u()[field("o", balance.Day.StartMS(x.redisNow()))], 100)
+		x.counters()
+	})
+
+	// "acct, lim and u exist or vanish together": invalidate, settle's newer-epoch drop and
+	// PushLimits drop all three; a seed writes all three.
+	t.Run("ExistOrVanishTogether", func(t *testing.T) {
+		t.Parallel()
+		x := limited(t, env, balance.Config{}, 1_000, balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Day, 500)}})
+		exists := func() int64 {
+			n, err := x.env.Client.Exists(x.ctx, x.key("acct"), x.key("lim"), x.key("u")).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+		eq(t, "after seed", exists(), 3)
+		x.mustReserveKey(x.s, "a", "", 10)
+		if err := x.s.Invalidate(x.ctx, x.org); err != nil {
+			t.Fatal(err)
+		}
+		eq(t, "after invalidate", exists(), 0)
+		x.counters()
+		if err := x.s.Warm(x.ctx, x.org); err != nil {
+			t.Fatal(err)
+		}
+		eq(t, "after reseed", exists(), 3)
+		eq(t, "live hold counted by the seed", x.u()[field("o", balance.Day.StartMS(x.redisNow()))], 10)
+		x.counters()
+		newer := balance.Epoch{Gen: x.l.CurrentEpoch().Gen + 1, ID: "newer"}
+		if _, err := x.s.Settle(x.ctx, x.org, newer, []balance.Entry{{Seq: 2, Delta: -1}}); !errors.Is(err, balance.ErrCold) {
+			t.Fatalf("newer epoch: %v", err)
+		}
+		eq(t, "after a newer epoch's settle", exists(), 0)
+		x.l.SetEpoch(newer)
+		if err := x.s.Warm(x.ctx, x.org); err != nil {
+			t.Fatal(err)
+		}
+		eq(t, "after reseed", exists(), 3)
+		v := x.l.Limits(x.org).Version
+		if pushed, err := x.s.PushLimits(x.ctx, x.org, v); pushed || err != nil {
+			t.Fatalf("push of the current version: %v %v, want nothing", pushed, err)
+		}
+		eq(t, "after a push of the same version", exists(), 3)
+		if pushed, err := x.s.PushLimits(x.ctx, x.org, v+1); !pushed || err != nil {
+			t.Fatalf("push of a newer version: %v %v", pushed, err)
+		}
+		eq(t, "after a push", exists(), 0)
+		x.counters()
+	})
+
+	// Moves: settle seq = wm+1 takes the hold out of its counters and adds the entry's cost to
+	// the counters it names; release and reap U −= hold; finish U += cost − hold.
+	t.Run("MovesKeepCounters", func(t *testing.T) {
+		t.Parallel()
+		x := limited(t, env, balance.Config{HoldTTL: 100 * time.Millisecond, PinTTL: time.Second, ReapGrace: time.Millisecond}, 1_000_000,
+			balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Month, 100_000), keyLimit("k", "k1", balance.Day, 50_000)}, Projects: map[string]string{"k1": "p"}})
+		f := func(id string) int64 {
+			return x.u()[field(id, map[string]balance.Window{"o": balance.Month, "k": balance.Day}[id].StartMS(x.redisNow()))]
+		}
+		ra := x.mustReserveKey(x.s, "a", "k1", 1_000)
+		eq(t, "a held", f("k"), 1_000)
+		eq(t, "settle below the hold", x.settleUsage(x.s, "a", "k1", 400, ra.ReservedAt), balance.Applied)
+		eq(t, "a charged", f("k"), 400)
+		rb := x.mustReserveKey(x.s, "b", "k1", 1_000)
+		eq(t, "settle above the hold (overshoot)", x.settleUsage(x.s, "b", "k1", 1_300, rb.ReservedAt), balance.Applied)
+		eq(t, "b charged", f("k"), 1_700)
+		x.mustReserveKey(x.s, "c", "k1", 1_000)
+		if ok, err := x.s.Release(x.ctx, x.org, "c"); !ok || err != nil {
+			t.Fatalf("release: %v %v", ok, err)
+		}
+		eq(t, "released", f("k"), 1_700)
+		x.counters()
+		rd := x.mustReserveKey(x.s, "d", "k1", 1_000)
+		if ok, err := x.s.Finish(x.ctx, x.org, "d", 250); !ok || err != nil {
+			t.Fatalf("finish: %v %v", ok, err)
+		}
+		eq(t, "finished", f("k"), 1_950)
+		eq(t, "org counter", f("o"), 1_950)
+		x.counters()
+		eq(t, "settle a finished hold", x.settleUsage(x.s, "d", "k1", 250, rd.ReservedAt), balance.Applied)
+		eq(t, "settled", f("k"), 1_950)
+		x.mustReserveKey(x.s, "e", "k1", 1_000)
+		x.mustReserveKey(x.s, "g", "k1", 1_000)
+		if ok, err := x.s.Finish(x.ctx, x.org, "g", 10); !ok || err != nil {
+			t.Fatalf("finish: %v %v", ok, err)
+		}
+		x.counters()
+		time.Sleep(250 * time.Millisecond) // expiry, not a window: the reaper needs real time
+		if n, err := x.s.Reap(x.ctx, x.org); n != 2 || err != nil {
+			t.Fatalf("reap: %d %v, want e and g", n, err)
+		}
+		eq(t, "reaped", f("k"), 1_950)
+		x.counters()
+		// An entry with no reserve time (a credit, an adjust) counts against no limit.
+		x.l.Add(x.org, -5, "")
+		if err := x.s.CatchUp(x.ctx, x.org); err != nil {
+			t.Fatal(err)
+		}
+		eq(t, "unattributed", f("k"), 1_950)
+		x.counters()
+	})
+
+	// "Finish and release with no acct touch no counter"; seq ≤ wm only takes a present hold
+	// out of its counters; the seed counts the window's spend so far plus live holds.
+	t.Run("SeedAndAlready", func(t *testing.T) {
+		t.Parallel()
+		x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{keyLimit("k", "k1", balance.Day, 50_000)}})
+		f := func() int64 { return x.u()[field("k", balance.Day.StartMS(x.redisNow()))] }
+		ra := x.mustReserveKey(x.s, "a", "k1", 1_000)
+		x.mustReserveKey(x.s, "b", "k1", 2_000)
+		x.mustReserveKey(x.s, "c", "k1", 3_000)
+		// a's usage is in the ledger, unsettled; yesterday's usage too (not this window's).
+		ea := x.l.AddUsage(x.org, 600, "a", "k1", "", ra.ReservedAt)
+		x.l.AddUsage(x.org, 999, "old", "k1", "", ra.ReservedAt.Add(-24*time.Hour))
+		if err := x.s.Invalidate(x.ctx, x.org); err != nil {
+			t.Fatal(err)
+		}
+		// No acct: release and finish touch no counter (there is none to touch).
+		if ok, _ := x.s.Release(x.ctx, x.org, "c"); !ok {
+			t.Fatal("release c")
+		}
+		if ok, _ := x.s.Finish(x.ctx, x.org, "b", 500); !ok {
+			t.Fatal("finish b")
+		}
+		n, _ := x.env.Client.Exists(x.ctx, x.key("u")).Result()
+		eq(t, "no counters recreated", n, 0)
+		if err := x.s.Warm(x.ctx, x.org); err != nil {
+			t.Fatal(err)
+		}
+		// The seed: a's cost (ledger, this window) + a's hold + b's (finished) hold.
+		eq(t, "seeded counter", f(), 600+1_000+500)
+		if u := x.u(); len(u) != 1 {
+			t.Fatalf("seed created a past window's counter: %v", u)
+		}
+		x.counters()
+		st, err := x.s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), []balance.Entry{ea})
+		if err != nil || st[0] != balance.Already {
+			t.Fatalf("settle a: %v %v, want already", st, err)
+		}
+		eq(t, "already: only the hold left", f(), 600+500)
+		x.counters()
+	})
+
+	// "A request reserved at 23:59:59 belongs to that day": settled after midnight, its cost is
+	// charged to the day it started; the new day's counter is created by the next reserve.
+	t.Run("ChargedToTheDayItStarted", func(t *testing.T) {
+		t.Parallel()
+		x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{keyLimit("k", "k1", balance.Day, 5_000)}})
+		midnight := time.Date(2031, 3, 4, 0, 0, 0, 0, time.UTC)
+		before := x.withClock(midnight.Add(-800 * time.Millisecond)) // 23:59:59.2
+		r := x.mustReserveKey(before, "late", "k1", 1_000)
+		day1 := midnight.AddDate(0, 0, -1).UnixMilli()
+		if got := balance.Day.StartMS(r.ReservedAt); got != day1 {
+			t.Fatalf("reserved at %v: day %d, want %d", r.ReservedAt, got, day1)
+		}
+		after := x.withClock(midnight.Add(2 * time.Second))
+		eq(t, "settled after midnight", x.settleUsage(after, "late", "k1", 4_000, r.ReservedAt), balance.Applied)
+		u := x.u()
+		eq(t, "charged to its day", u[field("k", day1)], 4_000)
+		if _, ok := u[field("k", midnight.UnixMilli())]; ok {
+			t.Fatal("the new day's counter was charged")
+		}
+		// The new day has its own cap: 5,000 fit.
+		x.mustReserveKey(after, "next", "k1", 5_000)
+		eq(t, "new day", x.u()[field("k", midnight.UnixMilli())], 5_000)
+		if _, err := x.reserveKey(after, "more", "k1", 1); !errors.Is(err, balance.ErrLimit) {
+			t.Fatalf("got %v, want ErrLimit", err)
+		}
+		// A reseed on the new day keeps only the current window; a settle for the past window
+		// then skips its missing field and creates nothing.
+		r2 := x.mustReserveKey(x.withClock(midnight.Add(-800*time.Millisecond)), "late2", "k1", 500)
+		if err := x.s.Invalidate(x.ctx, x.org); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := after.Seed(x.ctx, x.org, mustSnapSince(t, x.l, x.org, midnight.Add(2*time.Second))); err != nil {
+			t.Fatal(err)
+		}
+		if err := after.CatchUp(x.ctx, x.org); err != nil {
+			t.Fatal(err)
+		}
+		u = x.u()
+		if _, ok := u[field("k", day1)]; ok {
+			t.Fatalf("a reseed kept a past window: %v", u)
+		}
+		eq(t, "new day after reseed", u[field("k", midnight.UnixMilli())], 5_000)
+		x.settleUsage(after, "late2", "k1", 300, r2.ReservedAt)
+		u = x.u()
+		if _, ok := u[field("k", day1)]; ok {
+			t.Fatalf("a settle re-created a past window: %v", u)
+		}
+		eq(t, "new day untouched", u[field("k", midnight.UnixMilli())], 5_000)
+	})
+
+	// "A freeze flag on the org, a project or a key refuses every new hold at once; holds in
+	// flight finish normally."
+	t.Run("FreezeAtOnce", func(t *testing.T) {
+		t.Parallel()
+		x := limited(t, env, balance.Config{}, 100_000, balance.Limits{
+			Limits: []balance.Limit{orgLimit("o", balance.Day, 50_000)}, Projects: map[string]string{"k1": "p", "k2": "p"},
+		})
+		ra := x.mustReserveKey(x.s, "a", "k1", 1_000)
+		rb := x.mustReserveKey(x.s, "b", "k3", 1_000)
+		for _, sc := range []balance.Scope{{Kind: balance.ScopeKey, ID: "k1"}, {Kind: balance.ScopeProject, ID: "p"}, {Kind: balance.ScopeOrg}} {
+			lim := x.l.Limits(x.org)
+			lim.Frozen = []balance.Scope{sc}
+			if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+				t.Fatal(err)
+			}
+			key := map[balance.ScopeKind]string{balance.ScopeKey: "k1", balance.ScopeProject: "k2", balance.ScopeOrg: "k3"}[sc.Kind]
+			_, err := x.reserveKey(x.s, randomID("h"), key, 1)
+			var fe *balance.FrozenError
+			if !errors.As(err, &fe) || !errors.Is(err, balance.ErrFrozen) || fe.Scope != sc {
+				t.Fatalf("frozen %v: got %v", sc, err)
+			}
+			x.counters()
+		}
+		// The holds in flight finish and settle normally while the org is frozen.
+		if ok, err := x.s.Finish(x.ctx, x.org, "a", 700); !ok || err != nil {
+			t.Fatalf("finish: %v %v", ok, err)
+		}
+		eq(t, "settle a", x.settleUsage(x.s, "a", "k1", 700, ra.ReservedAt), balance.Applied)
+		eq(t, "settle b", x.settleUsage(x.s, "b", "k3", 1_200, rb.ReservedAt), balance.Applied)
+		eq(t, "balance", x.state().Balance, 100_000-700-1_200)
+		eq(t, "counter", x.u()[field("o", balance.Day.StartMS(x.redisNow()))], 1_900)
+		// Unfreeze: holds pass again.
+		lim := x.l.Limits(x.org)
+		lim.Frozen = nil
+		if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+			t.Fatal(err)
+		}
+		x.mustReserveKey(x.s, "c", "k1", 1)
+	})
+
+	// "Lowering a cap below used refuses new holds and never moves money."
+	t.Run("LowerCapBelowUsed", func(t *testing.T) {
+		t.Parallel()
+		x := limited(t, env, balance.Config{}, 100_000, balance.Limits{Limits: []balance.Limit{keyLimit("k", "k1", balance.Month, 1_000)}})
+		ra := x.mustReserveKey(x.s, "a", "k1", 500)
+		x.settleUsage(x.s, "a", "k1", 300, ra.ReservedAt)
+		rb := x.mustReserveKey(x.s, "b", "k1", 500) // in flight across the change
+		before := x.state()
+		lim := x.l.Limits(x.org)
+		lim.Limits[0].Cap = 200
+		if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+			t.Fatal(err)
+		}
+		_, err := x.reserveKey(x.s, "c", "k1", 1)
+		var le *balance.LimitError
+		if !errors.As(err, &le) || le.Used != 800 || le.Limit.Cap != 200 {
+			t.Fatalf("got %v, want the lowered cap with 800 used", err)
+		}
+		after := x.state()
+		eq(t, "balance", after.Balance, before.Balance)
+		eq(t, "held", after.Held, before.Held)
+		x.counters()
+		eq(t, "the hold in flight settles", x.settleUsage(x.s, "b", "k1", 450, rb.ReservedAt), balance.Applied)
+		eq(t, "balance", x.state().Balance, 100_000-300-450)
+		eq(t, "used over the cap", x.u()[field("k", balance.Month.StartMS(x.redisNow()))], 750)
+	})
+
+	// Window boundaries are computed by the script from TIME: hour, day, week (Monday), calendar
+	// month, UTC; month ends, year ends, leap years and the 100/400 rules, checked against Go's
+	// calendar (Window.Bounds) through the counter fields and the reset times reserve reports.
+	t.Run("Calendar", func(t *testing.T) {
+		t.Parallel()
+		x := fixture(t, env, balance.Config{}, 0, false)
+		var instants []time.Time
+		for _, b := range []time.Time{
+			time.Date(2024, 2, 29, 0, 0, 0, 0, time.UTC), // leap day
+			time.Date(2024, 3, 1, 0, 0, 0, 0, time.UTC),  // after a leap February
+			time.Date(2023, 3, 1, 0, 0, 0, 0, time.UTC),  // after a common February
+			time.Date(2000, 3, 1, 0, 0, 0, 0, time.UTC),  // 2000: divisible by 400, leap
+			time.Date(2100, 3, 1, 0, 0, 0, 0, time.UTC),  // 2100: divisible by 100, common
+			time.Date(1900, 3, 1, 0, 0, 0, 0, time.UTC),  // 1900: common (a negative timestamp)
+			time.Date(2027, 1, 1, 0, 0, 0, 0, time.UTC),  // year end
+			time.Date(2031, 5, 1, 0, 0, 0, 0, time.UTC),  // after a 30-day month
+			time.Date(2026, 12, 7, 0, 0, 0, 0, time.UTC), // a Monday
+			time.Date(2026, 8, 1, 13, 0, 0, 0, time.UTC), // an hour
+		} {
+			instants = append(instants, b.Add(-1500*time.Millisecond), b.Add(1500*time.Millisecond))
+		}
+		rnd := rand.New(rand.NewPCG(7, 13))
+		for range 20 {
+			instants = append(instants, time.UnixMilli(-2_208_988_800_000+rnd.Int64N(300*365*86_400_000)).UTC())
+		}
+		windows := []balance.Window{balance.Hour, balance.Day, balance.Week, balance.Month, balance.Lifetime}
+		var lims []balance.Limit
+		for _, w := range windows {
+			lims = append(lims, keyLimit("l-"+string(w), "k-"+string(w), w, 10))
+		}
+		for i, at := range instants {
+			s := x.withClock(at)
+			org := fmt.Sprintf("%s-%d", x.org, i)
+			x.l.Add(org, 1_000, "")
+			x.l.SetLimits(org, balance.Limits{Limits: lims})
+			for _, w := range windows {
+				r, err := s.Reserve(x.ctx, balance.ReserveRequest{Org: org, HoldID: "a-" + string(w), Amount: 5, KeyID: "k-" + string(w)})
+				if err != nil {
+					t.Fatalf("%v: reserve: %v", at, err)
+				}
+				if d := r.ReservedAt.Sub(at); d < -time.Second || d > time.Second {
+					t.Fatalf("%v: reserve time %v", at, r.ReservedAt)
+				}
+				_, err = s.Reserve(x.ctx, balance.ReserveRequest{Org: org, HoldID: "b-" + string(w), Amount: 6, KeyID: "k-" + string(w)})
+				var le *balance.LimitError
+				if !errors.As(err, &le) {
+					t.Fatalf("%v: %s: got %v, want a limit", at, w, err)
+				}
+				start, next := w.Bounds(at)
+				if w != balance.Lifetime && !le.ResetsAt.Equal(next) {
+					t.Fatalf("%v: %s resets at %v, want %v", at, w, le.ResetsAt, next)
+				}
+				c, err := s.Counters(x.ctx, org)
+				if err != nil {
+					t.Fatal(err)
+				}
+				want := balance.Counter{LimitID: "l-" + string(w), Start: w.StartMS(at)}
+				if c[want] != 5 {
+					t.Fatalf("%v: %s window start: counters %v, want %v (%v)", at, w, c, want, start)
+				}
+			}
+		}
+	})
+
+	t.Run("LimitsValidation", func(t *testing.T) {
+		t.Parallel()
+		x := fixture(t, env, balance.Config{}, 1_000, true)
+		for _, lim := range []balance.Limits{
+			{Limits: []balance.Limit{orgLimit("", balance.Day, 1)}},
+			{Limits: []balance.Limit{orgLimit("a:b", balance.Day, 1)}},
+			{Limits: []balance.Limit{orgLimit("a", "fortnight", 1)}},
+			{Limits: []balance.Limit{orgLimit("a", balance.Day, 0)}},
+			{Limits: []balance.Limit{orgLimit("a", balance.Day, balance.MaxAmount+1)}},
+			{Limits: []balance.Limit{orgLimit("a", balance.Day, 1), orgLimit("a", balance.Hour, 1)}},
+			{Limits: []balance.Limit{keyLimit("a", "", balance.Day, 1)}},
+			{Frozen: []balance.Scope{{Kind: "team", ID: "x"}}},
+			{Projects: map[string]string{"k,1": "p"}},
+		} {
+			_, err := x.s.Seed(x.ctx, randomID("org"), balance.Snapshot{Epoch: x.l.CurrentEpoch(), Seq: 1, Limits: &balance.LimitSnapshot{Limits: lim}})
+			if !errors.Is(err, balance.ErrInvalidLimits) {
+				t.Fatalf("%+v: got %v, want ErrInvalidLimits", lim, err)
+			}
+		}
+		if _, err := x.reserveKey(x.s, "h", "a;b", 1); !errors.Is(err, balance.ErrInvalidLimits) {
+			t.Fatalf("bad key id: %v", err)
+		}
+	})
+
+	// 2,000 concurrent reserves on one key with a daily cap for exactly N holds and a balance far
+	// larger: exactly N pass.
+	t.Run("Burst2000KeyCap", func(t *testing.T) {
+		t.Parallel()
+		const requests, n, hold = 2000, 137, 1_000
+		x := limited(t, env, balance.Config{MaxInFlight: 5000}, 1_000_000_000, balance.Limits{Limits: []balance.Limit{
+			keyLimit("daily", "k1", balance.Day, n*hold), orgLimit("o", balance.Month, 1_000_000_000),
+		}})
+		var wg sync.WaitGroup
+		var granted, refused atomic.Int64
+		gate := make(chan struct{})
+		for i := range requests {
+			wg.Go(func() {
+				<-gate
+				_, err := x.reserveKey(x.s, fmt.Sprintf("burst-%04d", i), "k1", hold)
+				switch {
+				case err == nil:
+					granted.Add(1)
+				case errors.Is(err, balance.ErrLimit):
+					refused.Add(1)
+				default:
+					t.Errorf("reserve: %v", err)
+				}
+			})
+		}
+		close(gate)
+		wg.Wait()
+		eq(t, "granted", granted.Load(), n)
+		eq(t, "refused by the cap", refused.Load(), requests-n)
+		eq(t, "counter", x.u()[field("daily", balance.Day.StartMS(x.redisNow()))], n*hold)
+		eq(t, "balance", x.state().Balance, 1_000_000_000-n*hold)
+		x.counters()
+	})
+}
+
+func mustSnapSince(t *testing.T, l *FakeLedger, org string, at time.Time) balance.Snapshot {
+	t.Helper()
+	s, err := l.SnapshotSince(context.Background(), org, at)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
