@@ -188,3 +188,50 @@ func BenchmarkFinishBatch(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkReserveLimits interleaves, call by call in the same goroutines, a reserve on an org
+// with no limits and one on an org with three limits in scope (the org's month, the key's
+// project's day, the key's hour; caps that never bind), and reports their mean latencies and
+// none/three, the throughput ratio of reserve with three limits to reserve with none (goal ≥ 0.8).
+func BenchmarkReserveLimits(b *testing.B) {
+	s, _, plain := benchEnv(b)
+	ctx := context.Background()
+	l := s.Config().Ledger.(*balancetest.FakeLedger)
+	org := plain + "-lim"
+	l.Add(org, balance.MaxAmount, "")
+	l.SetLimits(org, balance.Limits{
+		Limits: []balance.Limit{
+			{ID: "o", Scope: balance.Scope{Kind: balance.ScopeOrg}, Window: balance.Month, Cap: balance.MaxAmount},
+			{ID: "p", Scope: balance.Scope{Kind: balance.ScopeProject, ID: "prod"}, Window: balance.Day, Cap: balance.MaxAmount},
+			{ID: "k", Scope: balance.Scope{Kind: balance.ScopeKey, ID: "key1"}, Window: balance.Hour, Cap: balance.MaxAmount},
+		},
+		Projects: map[string]string{"key1": "prod"},
+	})
+	if err := s.Warm(ctx, org); err != nil {
+		b.Fatal(err)
+	}
+	var noneNs, limNs atomic.Int64
+	b.ReportAllocs()
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			n := strconv.FormatInt(benchSeq.Add(1), 10)
+			t0 := time.Now()
+			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: plain, HoldID: "n" + n, Amount: 1, KeyID: "key1"}); err != nil {
+				b.Error(err)
+				return
+			}
+			t1 := time.Now()
+			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: "l" + n, Amount: 1, KeyID: "key1"}); err != nil {
+				b.Error(err)
+				return
+			}
+			t2 := time.Now()
+			noneNs.Add(int64(t1.Sub(t0)))
+			limNs.Add(int64(t2.Sub(t1)))
+		}
+	})
+	b.ReportMetric(float64(noneNs.Load())/float64(b.N), "none-ns/call")
+	b.ReportMetric(float64(limNs.Load())/float64(b.N), "three-limits-ns/call")
+	b.ReportMetric(float64(noneNs.Load())/float64(limNs.Load()), "three/none-throughput")
+}
