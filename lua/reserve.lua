@@ -85,7 +85,7 @@ local function add(scope, sid)
     local ws, we = window_bounds(w, rtime)
     if ws then
       fields[#fields + 1] = v_id .. ':' .. ms_string(ws)
-      specs[#specs + 1] = {v_id, scope, sid, w, cap, we}
+      specs[#specs + 1] = {v_id, scope, sid, w, cap, we, ws}
     end
   end
 end
@@ -93,8 +93,9 @@ each_limit(lim[3], add('org', ''))
 if v_project then each_limit(pspec, add('project', v_project)) end
 each_limit(lim[6], add('key', ARGV[8]))
 
+local used = {}
 if #fields > 0 then
-  local used = redis.call('HMGET', KEYS[6], unpack(fields))
+  used = redis.call('HMGET', KEYS[6], unpack(fields))
   for i = 1, #fields do
     local s = specs[i]
     if (tonumber(used[i]) or 0) + amount > tonumber(s[5]) then
@@ -112,6 +113,13 @@ local rts = ms_string(rtime)
 if #fields > 0 then
   for i = 1, #fields do
     redis.call('HINCRBY', KEYS[6], fields[i], ARGV[3])
+    local s = specs[i]
+    if not used[i] and s[4] ~= 'lifetime' then
+      -- The first hold of a window: the window before it is past, and past windows are not
+      -- kept in Redis (reports on them come from the ledger), so its counter goes.
+      local prev = window_bounds(s[4], s[7] - 1)
+      redis.call('HDEL', KEYS[6], s[1] .. ':' .. ms_string(prev))
+    end
   end
   redis.call('HSET', KEYS[2], ARGV[2], table.concat({ARGV[3], rts, '0', table.concat(fields, ',')}, '|'))
 else

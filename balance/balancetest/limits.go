@@ -479,9 +479,14 @@ func runLimits(t *testing.T, env Env) {
 		if _, ok := u[field("k", midnight.UnixMilli())]; ok {
 			t.Fatal("the new day's counter was charged")
 		}
-		// The new day has its own cap: 5,000 fit.
+		// The new day has its own cap: 5,000 fit. Its first hold drops the past day's counter
+		// (past windows are not kept in Redis); a settle there is then skipped.
 		x.mustReserveKey(after, "next", "k1", 5_000)
-		eq(t, "new day", x.u()[field("k", midnight.UnixMilli())], 5_000)
+		u = x.u()
+		eq(t, "new day", u[field("k", midnight.UnixMilli())], 5_000)
+		if _, ok := u[field("k", day1)]; ok {
+			t.Fatalf("the past day's counter is kept: %v", u)
+		}
 		if _, err := x.reserveKey(after, "more", "k1", 1); !errors.Is(err, balance.ErrLimit) {
 			t.Fatalf("got %v, want ErrLimit", err)
 		}
