@@ -181,9 +181,17 @@ func validLimitID(s string) bool {
 	return true
 }
 
-func checkKeyID(id string) error {
-	if id != "" && !validLimitID(id) {
-		return fmt.Errorf("%w: key id %q", ErrInvalidLimits, id)
+// checkRequestKey checks a reserve's key id ("" for none): it names lim fields, so it follows
+// validLimitID as well as the key id rule.
+func checkRequestKey(id string) error {
+	if id == "" {
+		return nil
+	}
+	if err := checkKeyID(id); err != nil {
+		return err
+	}
+	if !validLimitID(id) {
+		return fmt.Errorf("%w: %q (no , ; : | in a key id)", ErrInvalidKeyID, id)
 	}
 	return nil
 }
@@ -283,7 +291,7 @@ func (s *Store) PushLimits(ctx context.Context, org string, version int64) (push
 	k := s.limKeys(org)
 	n, err := s.run(ctx, scPushLim, []string{s.key(org, "acct"), k[0], k[1]}, strconv.FormatInt(version, 10)).Int64()
 	if err != nil {
-		return false, fmt.Errorf("balance: push limits: %w", err)
+		return false, fmt.Errorf("balance: push limits: %w: %w", ErrRedis, err)
 	}
 	return n == 1, nil
 }
@@ -303,7 +311,7 @@ func (s *Store) Counters(ctx context.Context, org string) (map[Counter]int64, er
 	}
 	m, err := s.c.HGetAll(ctx, s.limKeys(org)[1]).Result()
 	if err != nil {
-		return nil, fmt.Errorf("balance: counters: %w", err)
+		return nil, fmt.Errorf("balance: counters: %w: %w", ErrRedis, err)
 	}
 	out := make(map[Counter]int64, len(m))
 	for f, v := range m {

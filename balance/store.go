@@ -424,7 +424,7 @@ const maxColdRetries = 3
 // Reserve puts a hold on the org's balance, and on every limit in the request's scope, in one
 // Redis round trip (on a warm org), all or nothing. Errors: *FrozenError (errors.Is ErrFrozen),
 // *LimitError (ErrLimit), *InsufficientError (ErrInsufficient), ErrTooManyHolds, ErrGone,
-// ErrInvalidOrg, ErrInvalidHoldID, ErrInvalidAmount, ErrInvalidLimits (a malformed key id),
+// ErrInvalidOrg, ErrInvalidHoldID, ErrInvalidAmount, ErrInvalidKeyID,
 // ErrCold (cold org and no ledger, or it stayed cold), or a Redis/ledger error. A cold org is
 // warmed (Warm) and the reserve retried.
 func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, error) {
@@ -437,7 +437,7 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	if r.Amount <= 0 || r.Amount > MaxAmount {
 		return Reservation{}, fmt.Errorf("%w: hold of %d", ErrInvalidAmount, r.Amount)
 	}
-	if err := checkKeyID(r.KeyID); err != nil {
+	if err := checkRequestKey(r.KeyID); err != nil {
 		return Reservation{}, err
 	}
 	k := s.orgKeys(r.Org)
@@ -749,7 +749,7 @@ func (s *Store) snapshot(ctx context.Context, org string) (Snapshot, error) {
 	}
 	t0, err := s.c.Time(ctx).Result()
 	if err != nil {
-		return Snapshot{}, fmt.Errorf("redis TIME: %w", err)
+		return Snapshot{}, fmt.Errorf("redis TIME: %w: %w", ErrRedis, err)
 	}
 	return ll.SnapshotSince(ctx, org, t0.Add(s.cfg.ClockOffset))
 }

@@ -668,7 +668,7 @@ func runLimits(t *testing.T, env Env) {
 				t.Fatalf("%+v: got %v, want ErrInvalidLimits", lim, err)
 			}
 		}
-		if _, err := x.reserveKey(x.s, "h", "a;b", 1); !errors.Is(err, balance.ErrInvalidLimits) {
+		if _, err := x.reserveKey(x.s, "h", "a;b", 1); !errors.Is(err, balance.ErrInvalidKeyID) {
 			t.Fatalf("bad key id: %v", err)
 		}
 	})
