@@ -41,7 +41,11 @@ func TestPostgresBacklog(t *testing.T) {
 		t.Fatalf("accounted %d (%v), want 2", n, err)
 	}
 	check("after accounting", accounting.Backlog{UnsettledEntries: 3})
-	if err := l.MarkSettled(ctx, "o", 3); err != nil {
+	ep, err := l.Epoch(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.MarkSettled(ctx, ep, map[string]int64{"o": 3}); err != nil {
 		t.Fatal(err)
 	}
 	check("after settling", accounting.Backlog{})

@@ -285,3 +285,60 @@ func TestReconcileLoopVisitsIdleOrgs(t *testing.T) {
 		}
 	})
 }
+
+// TestWorkerMarksLazily: a notified pass settles the recorder's entries at once but keeps the
+// "settled up to" mark in memory (MarkDelay); the next pass reads past that mark instead of
+// re-sending the entries, and Stop writes the marks.
+func TestWorkerMarksLazily(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := testutil.Redis(t)
+	mem := accounting.NewMemory()
+	store := newStore(t, env, mem, balance.Config{})
+	w := accounting.NewWorker(mem, store, &accounting.WorkerConfig{MarkDelay: time.Hour, SweepInterval: time.Hour, Logger: quiet})
+	if err := mem.CreateOrg(ctx, "acme"); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := w.Credit(ctx, "acme", 1000, "pay"); err != nil { // settled and marked at once
+		t.Fatal(err)
+	}
+	if err := w.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	id := newID()
+	if _, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: id, Amount: 50}); err != nil {
+		t.Fatal(err)
+	}
+	if err := mem.RecordAndAccount(ctx, []accounting.UsageEvent{{ID: id, Org: "acme", Model: "m", Cost: 30, HoldAmount: 50}}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		st, err := store.State(ctx, "acme")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Holds == 0 && st.Balance == 970 && w.Stats().Settled == 2 { // the credit, the charge
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not settled by the notified pass: %+v", st)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	if a, _ := mem.Account(ctx, "acme"); a.SettledSeq != 1 {
+		t.Fatalf("settled_seq = %d right after the pass, want 1 (the charge's mark still in memory)", a.SettledSeq)
+	}
+	settled := w.Stats().Settled
+	w.Notify("acme") // another pass: it must read past the mark, not re-send seq 2
+	time.Sleep(100 * time.Millisecond)
+	if s := w.Stats().Settled; s != settled {
+		t.Fatalf("settled %d entries, then %d after a pass with nothing new: the pass re-sent what its mark covers", settled, s)
+	}
+	if err := w.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if a, _ := mem.Account(ctx, "acme"); a.SettledSeq != 2 {
+		t.Fatalf("settled_seq = %d after Stop, want 2", a.SettledSeq)
+	}
+}
