@@ -53,25 +53,16 @@ func (f *faultLedger) Snapshot(ctx context.Context, org string) (balance.Snapsho
 }
 
 func (f *faultLedger) RecordUsage(ctx context.Context, evs []accounting.UsageEvent) error {
-	return f.record(ctx, evs, f.Ledger.RecordUsage)
-}
-
-// RecordAndAccount is the recorder's call: the same faults.
-func (f *faultLedger) RecordAndAccount(ctx context.Context, evs []accounting.UsageEvent) error {
-	return f.record(ctx, evs, f.Ledger.RecordAndAccount)
-}
-
-func (f *faultLedger) record(ctx context.Context, evs []accounting.UsageEvent, write func(context.Context, []accounting.UsageEvent) error) error {
 	if d := time.Duration(f.stallBefore.Load()); d > 0 {
 		f.stalls.Add(1)
 		defer f.stalls.Done()
 		time.Sleep(d)
-		err := write(context.Background(), evs) // a stalled write that lands late
+		err := f.Ledger.RecordUsage(context.Background(), evs) // a stalled write that lands late
 		f.commitErrs <- err
 		f.committed <- struct{}{}
 		return err
 	}
-	err := write(ctx, evs)
+	err := f.Ledger.RecordUsage(ctx, evs)
 	if d := time.Duration(f.stallAfter.Load()); d > 0 {
 		f.stalls.Add(1)
 		defer f.stalls.Done()
