@@ -41,11 +41,7 @@ func TestPostgresBacklog(t *testing.T) {
 		t.Fatalf("accounted %d (%v), want 2", n, err)
 	}
 	check("after accounting", accounting.Backlog{UnsettledEntries: 3})
-	ep, err := l.Epoch(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := l.MarkSettled(ctx, ep, map[string]int64{"o": 3}); err != nil {
+	if err := l.MarkSettled(ctx, "o", 3); err != nil {
 		t.Fatal(err)
 	}
 	check("after settling", accounting.Backlog{})

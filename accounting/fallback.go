@@ -203,7 +203,7 @@ func (f *fallback) replay(ctx context.Context) {
 	n, err := f.j.Replay(ctx, f.batch, func(ctx context.Context, events []UsageEvent) error {
 		rctx, cancel := context.WithTimeout(ctx, f.timeout)
 		defer cancel()
-		if err := f.ledger.RecordAndAccount(rctx, events); err != nil {
+		if err := f.ledger.RecordUsage(rctx, events); err != nil {
 			return err
 		}
 		for _, ev := range events {

@@ -133,29 +133,17 @@ type Ledger interface {
 	// RecordUsage still in flight is waited for, never raced); voiding twice is fine. A voided
 	// event is never pending, accounted, or reported by UnsettledUsage.
 	VoidUsage(ctx context.Context, ev UsageEvent) error
-	// RecordAndAccount stores usage events like RecordUsage and, in the same transaction, turns
-	// each new event of an org with an account into its charge entry (the org's next sequence
-	// numbers, in (CreatedAt, ID) order; the account moves once per org): one event row, one
-	// entry row and one account update per org per batch. Events of an org with no account, or
-	// whose charges would take its balance below -MaxAmount, are stored pending, for
-	// AccountPending. The Recorder writes with it.
-	RecordAndAccount(ctx context.Context, events []UsageEvent) error
 	// AccountPending turns up to limit pending usage events into charge entries: per org, in one
 	// transaction holding the org's advisory lock, the balance drops by the costs and each entry
 	// takes the next sequence number. Orgs locked by another worker are left for later. It
 	// returns how many events it accounted.
 	AccountPending(ctx context.Context, limit int) (int, error)
-	// UnsettledEntries returns, for each org in after, up to limit of its entries with Seq >
-	// max(settled_seq, after[org]), in Seq order, and the epoch, all read in one statement (one
-	// snapshot). Orgs with no such entry are absent from the map. after lets a worker that
-	// marks settled entries lazily skip what it settled already (0: from settled_seq).
-	UnsettledEntries(ctx context.Context, after map[string]int64, limit int) (map[string][]balance.Entry, balance.Epoch, error)
-	// MarkSettled records, for each org in marks, that its entries up to the given seq are in
-	// the hot balance (settled_seq = GREATEST(settled_seq, seq), capped at ledger_seq), in one
-	// statement. The marks were read under epoch: when the ledger's epoch is another one (a
-	// restore reuses sequence numbers), nothing is written. Orgs without an account are left
-	// out and reported with ErrUnknownOrg after the others are marked.
-	MarkSettled(ctx context.Context, epoch balance.Epoch, marks map[string]int64) error
+	// UnsettledEntries returns up to limit entries of org with Seq > settled_seq, in Seq order,
+	// and the epoch read in the same transaction.
+	UnsettledEntries(ctx context.Context, org string, limit int) ([]balance.Entry, balance.Epoch, error)
+	// MarkSettled records that the org's entries up to seq are in the hot balance
+	// (settled_seq = GREATEST(settled_seq, seq)).
+	MarkSettled(ctx context.Context, org string, seq int64) error
 	// OrgsToSettle lists up to limit orgs with settled_seq < ledger_seq or pending usage.
 	OrgsToSettle(ctx context.Context, limit int) ([]string, error)
 	// Subscribe delivers the org of every transaction that writes entries or usage events (NOTIFY

@@ -164,30 +164,22 @@ func (m *Memory) EntriesAfter(ctx context.Context, org string, after int64, limi
 	return entriesFrom(a.entries, after, limit), m.epoch, nil
 }
 
-// UnsettledEntries returns up to limit entries of each org past its settled sequence and after.
-func (m *Memory) UnsettledEntries(ctx context.Context, after map[string]int64, limit int) (map[string][]balance.Entry, balance.Epoch, error) {
-	for org := range after {
-		if err := balance.ValidateOrg(org); err != nil {
-			return nil, balance.Epoch{}, err
-		}
+// UnsettledEntries returns up to limit entries of org past its settled sequence.
+func (m *Memory) UnsettledEntries(ctx context.Context, org string, limit int) ([]balance.Entry, balance.Epoch, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return nil, balance.Epoch{}, err
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	res := map[string][]balance.Entry{}
-	for org, from := range after {
-		a := m.accounts[org]
-		if a == nil {
-			continue
-		}
-		out := entriesFrom(a.entries, max(a.settled, from), limit)
-		for i := range out { // the settle-lag clock: the entry's own time (accounting is in-process)
-			out[i].Recorded = a.entries[out[i].Seq-1].CreatedAt
-		}
-		if len(out) > 0 {
-			res[org] = out
-		}
+	a := m.accounts[org]
+	if a == nil {
+		return nil, m.epoch, nil
 	}
-	return res, m.epoch, nil
+	out := entriesFrom(a.entries, a.settled, limit)
+	for i := range out { // the settle-lag clock: the entry's own time (accounting is in-process)
+		out[i].Recorded = a.entries[out[i].Seq-1].CreatedAt
+	}
+	return out, m.epoch, nil
 }
 
 func entriesFrom(entries []LedgerEntry, after int64, limit int) []balance.Entry {
@@ -325,61 +317,6 @@ func (m *Memory) VoidUsage(ctx context.Context, ev UsageEvent) error {
 	return nil
 }
 
-// RecordAndAccount stores events like RecordUsage and, in the same step, writes the charge
-// entry of each new event of an org that has an account (in (CreatedAt, ID) order, each with the
-// org's next sequence number): what RecordUsage then AccountPending would do. Events of an org
-// without an account, or whose charges would take its balance below -MaxAmount, stay pending.
-func (m *Memory) RecordAndAccount(ctx context.Context, events []UsageEvent) error {
-	evs := make([]UsageEvent, len(events))
-	for i, ev := range events {
-		var err error
-		if evs[i], err = normalizeEvent(ev); err != nil {
-			return err
-		}
-	}
-	m.mu.Lock()
-	byOrg := map[string][]*memEvent{}
-	var orgs []string
-	for _, ev := range evs {
-		if m.events[ev.ID] != nil {
-			continue
-		}
-		e := &memEvent{ev: ev}
-		m.events[ev.ID] = e
-		if byOrg[ev.Org] == nil {
-			orgs = append(orgs, ev.Org)
-		}
-		byOrg[ev.Org] = append(byOrg[ev.Org], e)
-	}
-	now := time.Now()
-	for _, org := range orgs {
-		es := byOrg[org]
-		slices.SortFunc(es, cmpEvents)
-		a := m.accounts[org]
-		var sum int64
-		for _, e := range es {
-			sum += e.ev.Cost
-		}
-		if a == nil || a.balance-sum < -balance.MaxAmount {
-			q := m.pending[org]
-			for _, e := range es {
-				i, _ := slices.BinarySearchFunc(q, e, cmpEvents)
-				q = slices.Insert(q, i, e)
-			}
-			m.pending[org] = q
-			continue
-		}
-		for _, e := range es {
-			e.seq = int64(len(a.entries)) + 1
-			a.entries = append(a.entries, LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: KindCharge, HoldID: e.ev.ID, CreatedAt: now})
-		}
-		a.balance -= sum
-	}
-	m.mu.Unlock()
-	m.notify(orgs...)
-	return nil
-}
-
 func cmpEvents(a, b *memEvent) int {
 	return cmp.Or(a.ev.CreatedAt.Compare(b.ev.CreatedAt), cmp.Compare(a.ev.ID, b.ev.ID))
 }
@@ -459,26 +396,18 @@ func (m *Memory) accountOrgLocked(org string, limit int) (int, error) {
 	return limit, nil
 }
 
-// MarkSettled sets each org's settled_seq = GREATEST(settled_seq, seq), capped at ledger_seq.
-func (m *Memory) MarkSettled(ctx context.Context, epoch balance.Epoch, marks map[string]int64) error {
+// MarkSettled sets settled_seq = GREATEST(settled_seq, seq), capped at ledger_seq.
+func (m *Memory) MarkSettled(ctx context.Context, org string, seq int64) error {
+	if err := balance.ValidateOrg(org); err != nil {
+		return err
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if epoch != m.epoch {
-		return nil // marks of another timeline
+	a := m.accounts[org]
+	if a == nil {
+		return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 	}
-	var missing []string
-	for org, seq := range marks {
-		a := m.accounts[org]
-		if a == nil {
-			missing = append(missing, org)
-			continue
-		}
-		a.settled = max(a.settled, min(seq, int64(len(a.entries))))
-	}
-	if len(missing) > 0 {
-		slices.Sort(missing)
-		return fmt.Errorf("%w: %q", ErrUnknownOrg, missing)
-	}
+	a.settled = max(a.settled, min(seq, int64(len(a.entries))))
 	return nil
 }
 

@@ -24,10 +24,10 @@ func ExampleNewMemory() {
 		Usage: accounting.Usage{Prompt: 1200, Completion: 300}, Cost: 6_000, HoldAmount: 50_000,
 	}})
 	n, _ := ledger.AccountPending(ctx, 100)
-	entries, _, _ := ledger.UnsettledEntries(ctx, map[string]int64{"acme": 0}, 10)
+	entries, _, _ := ledger.UnsettledEntries(ctx, "acme", 10)
 	acct, _ := ledger.Account(ctx, "acme")
 	fmt.Println("accounted:", n)
-	for _, e := range entries["acme"] {
+	for _, e := range entries {
 		fmt.Printf("seq %d delta %d hold %q\n", e.Seq, e.Delta, e.HoldID)
 	}
 	fmt.Println("balance:", acct.Balance)

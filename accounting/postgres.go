@@ -8,9 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"maps"
 	"net"
-	"slices"
 	"strings"
 	"time"
 
@@ -135,58 +133,8 @@ WITH acc AS (
 INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id)
 SELECT x.org, x.seq, -x.cost, 'charge', x.id::uuid
 FROM unnest($6::text[], $5::bigint[], $7::bigint[], $4::text[]) AS x(org, seq, cost, id)`
-	// One NOTIFY per batch, not per org: the payload is the batch's orgs, one per line (an org
-	// id has no white space), in chunks of 50 orgs so that a payload stays under Postgres' 8000
-	// bytes (50 × 129). $1: the orgs, distinct.
-	sqlNotifyAll = `SELECT pg_notify(` + sqlChannel + `, string_agg(o, E'\n'))
-FROM (SELECT o, (row_number() OVER () - 1) / 50 AS chunk FROM unnest($1::text[]) AS o) c GROUP BY chunk`
+	sqlNotifyAll  = `SELECT pg_notify(` + sqlChannel + `, o) FROM unnest($1::text[]) AS o`
 	sqlClaimOrder = ` ORDER BY created_at, id`
-	// RecordAndAccount, statement 1: lock the account rows of the batch's orgs in org order and
-	// then, row by row, each org's advisory lock (the order every writer of an org's sequence
-	// numbers takes them: row, then advisory lock; orgs sorted, so two batches never deadlock).
-	// $1: the orgs, sorted.
-	sqlLockOrgs = `
-SELECT count(pg_advisory_xact_lock(hashtext(current_schema()), hashtext(l.org_id))) FROM (
-	SELECT org_id FROM accounts WHERE org_id = ANY($1::text[]) ORDER BY org_id FOR UPDATE
-) l`
-	// RecordAndAccount, statement 2 (a new snapshot, taken with the locks held, so an event
-	// another batch stored meanwhile is seen and skipped): store the new events and, for the
-	// orgs whose account exists and stays within bounds, their charge entries with the next
-	// sequence numbers, one account update per org, and one NOTIFY for the batch. The other
-	// events are stored pending (AccountPending bills them, creating the account).
-	sqlRecordAndAccount = `
-WITH x AS (
-	SELECT DISTINCT ON (id) * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
-		$6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[],
-		$13::timestamptz[]) AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at)
-	ORDER BY id
-), new AS (
-	SELECT x.*, x.id::uuid AS uid FROM x WHERE NOT EXISTS (SELECT 1 FROM usage_events u WHERE u.id = x.id::uuid)
-), ok AS (
-	SELECT a.org_id AS org, a.ledger_seq AS base, s.sum, s.n
-	FROM (SELECT org, sum(cost) AS sum, count(*) AS n FROM new GROUP BY org) s
-	JOIN accounts a ON a.org_id = s.org
-	WHERE a.balance - s.sum >= -100000000000000
-), num AS (
-	SELECT new.uid, new.org, new.cost, new.at,
-		ok.base + row_number() OVER (PARTITION BY new.org ORDER BY new.at, new.uid) AS seq
-	FROM new JOIN ok ON ok.org = new.org
-), acc AS (
-	UPDATE accounts a SET balance = a.balance - ok.sum, ledger_seq = a.ledger_seq + ok.n
-	FROM ok WHERE a.org_id = ok.org
-), ev AS (
-	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
-		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, status, seq)
-	SELECT new.uid, new.org, new.model, NULLIF(new.key, ''), NULLIF(new.endpoint, ''), new.pt, new.ct,
-		new.cpt, new.rt, new.cost, new.hold, new.est, new.at,
-		CASE WHEN num.seq IS NULL THEN 'pending' ELSE 'accounted' END, num.seq
-	FROM new LEFT JOIN num ON num.uid = new.uid
-), ent AS (
-	INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id)
-	SELECT org, seq, -cost, 'charge', uid FROM num
-)
-SELECT pg_notify(` + sqlChannel + `, string_agg(org, E'\n'))
-FROM (SELECT org, (row_number() OVER () - 1) / 50 AS chunk FROM (SELECT DISTINCT org FROM new) d) c GROUP BY chunk`
 )
 
 // maxClaim bounds the events one AccountPending call accounts (a cost sum stays in int64).
@@ -529,16 +477,10 @@ func (p *Postgres) EntriesAfter(ctx context.Context, org string, after int64, li
 	return p.entries(ctx, "entries after", `$3::bigint`, org, limit, after)
 }
 
-// UnsettledEntries returns up to limit entries of each org past max(settled_seq, after), with
-// the epoch, in one statement for all the orgs.
-func (p *Postgres) UnsettledEntries(ctx context.Context, after map[string]int64, limit int) (map[string][]balance.Entry, balance.Epoch, error) {
-	orgs := slices.Sorted(maps.Keys(after))
-	froms := make([]int64, len(orgs))
-	for i, org := range orgs {
-		if err := balance.ValidateOrg(org); err != nil {
-			return nil, balance.Epoch{}, err
-		}
-		froms[i] = after[org]
+// UnsettledEntries returns up to limit entries of org past its settled_seq, with the epoch.
+func (p *Postgres) UnsettledEntries(ctx context.Context, org string, limit int) ([]balance.Entry, balance.Epoch, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return nil, balance.Epoch{}, err
 	}
 	if limit <= 0 {
 		limit = defaultLimit
@@ -546,26 +488,24 @@ func (p *Postgres) UnsettledEntries(ctx context.Context, after map[string]int64,
 	// Like entries, plus each entry's Recorded time: a charge's usage event's created_at (the
 	// settle-lag clock starts when the usage was recorded, not when it was accounted).
 	rows, err := p.pool.Query(ctx, `
-SELECT m.epoch_gen, m.epoch_id, o.org, e.seq, e.delta, e.hold_id::text, e.recorded
-FROM ledger_meta m CROSS JOIN unnest($1::text[], $2::bigint[]) AS o(org, after)
-LEFT JOIN LATERAL (
+SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.recorded
+FROM ledger_meta m LEFT JOIN LATERAL (
 	SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded
 	FROM ledger_entries l LEFT JOIN usage_events u ON u.id = l.hold_id AND l.kind = 'charge'
-	WHERE l.org_id = o.org AND l.seq > GREATEST((SELECT settled_seq FROM accounts WHERE org_id = o.org), o.after)
-	ORDER BY l.seq LIMIT $3
-) e ON true ORDER BY o.org, e.seq`, orgs, froms, limit)
+	WHERE l.org_id = $1 AND l.seq > (SELECT settled_seq FROM accounts WHERE org_id = $1)
+	ORDER BY l.seq LIMIT $2
+) e ON true ORDER BY e.seq`, org, limit)
 	if err != nil {
 		return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
 	}
 	defer rows.Close()
-	out := map[string][]balance.Entry{}
+	var out []balance.Entry
 	var ep balance.Epoch
 	for rows.Next() {
-		var org string
 		var seq, delta *int64
 		var hold *string
 		var rec *time.Time
-		if err := rows.Scan(&ep.Gen, &ep.ID, &org, &seq, &delta, &hold, &rec); err != nil {
+		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &rec); err != nil {
 			return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
 		}
 		if seq == nil {
@@ -578,15 +518,10 @@ LEFT JOIN LATERAL (
 		if rec != nil {
 			e.Recorded = *rec
 		}
-		out[org] = append(out[org], e)
+		out = append(out, e)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
-	}
-	if len(orgs) == 0 {
-		if ep, err = p.Epoch(ctx); err != nil {
-			return nil, balance.Epoch{}, err
-		}
 	}
 	return out, ep, nil
 }
@@ -749,11 +684,24 @@ func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
 	if len(events) == 0 {
 		return nil
 	}
-	args, _, err := usageArgs(events)
-	if err != nil {
-		return err
+	n := len(events)
+	var (
+		ids, orgs, models, keys, endpoints = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+		prompt, cached, completion         = make([]int64, n), make([]int64, n), make([]int64, n)
+		reasoning, costs, holds            = make([]int64, n), make([]int64, n), make([]int64, n)
+		estimated                          = make([]bool, n)
+		created                            = make([]time.Time, n)
+	)
+	for i, ev := range events {
+		ev, err := normalizeEvent(ev)
+		if err != nil {
+			return err
+		}
+		ids[i], orgs[i], models[i], keys[i], endpoints[i] = ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint
+		prompt[i], cached[i], completion[i], reasoning[i] = ev.Usage.Prompt, ev.Usage.Cached, ev.Usage.Completion, ev.Usage.Reasoning
+		costs[i], holds[i], estimated[i], created[i] = ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt
 	}
-	_, err = p.pool.Exec(ctx, `
+	_, err := p.pool.Exec(ctx, `
 WITH ins AS (
 	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
 		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at)
@@ -764,8 +712,8 @@ WITH ins AS (
 	ON CONFLICT (id) DO NOTHING
 	RETURNING org_id
 )
-SELECT pg_notify(`+sqlChannel+`, string_agg(org_id, E'\n'))
-FROM (SELECT org_id, (row_number() OVER () - 1) / 50 AS chunk FROM (SELECT DISTINCT org_id FROM ins) d) c GROUP BY chunk`, args...)
+SELECT pg_notify(`+sqlChannel+`, org_id) FROM (SELECT DISTINCT org_id FROM ins) d`,
+		ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created)
 	if err != nil && notSent(err) {
 		return fmt.Errorf("%w: %w", ErrNotRecorded, wrapPg("record usage", err))
 	}
@@ -814,107 +762,24 @@ SELECT EXISTS (SELECT 1 FROM ins)`, ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoi
 	return fmt.Errorf("%w: %s", ErrUsageRecorded, ev.ID)
 }
 
-// RecordAndAccount stores the events and their charge entries in one transaction and one round
-// trip (a pipeline of two statements, committed together): the account rows of the batch's orgs
-// are locked in org order with their advisory locks, then every new event is stored already
-// accounted, with its entry and one account update per org, and one NOTIFY goes out for the
-// batch. Per event that is one event row and one entry row; nothing is left for AccountPending
-// but the events of orgs without an account or past the balance bound.
-func (p *Postgres) RecordAndAccount(ctx context.Context, events []UsageEvent) error {
-	if len(events) == 0 {
-		return nil
-	}
-	args, orgs, err := usageArgs(events)
-	if err != nil {
+// MarkSettled sets settled_seq = GREATEST(settled_seq, seq), capped at ledger_seq; it writes
+// nothing when that changes nothing.
+func (p *Postgres) MarkSettled(ctx context.Context, org string, seq int64) error {
+	if err := balance.ValidateOrg(org); err != nil {
 		return err
 	}
-	for range 3 {
-		b := &pgx.Batch{} // a new batch each time: a sent one keeps its first connection's statements
-		b.Queue(sqlLockOrgs, orgs)
-		b.Queue(sqlRecordAndAccount, args...)
-		err = p.pool.SendBatch(ctx, b).Close()
-		var pe *pgconn.PgError
-		if !errors.As(err, &pe) || pe.Code != "23505" {
-			break
-		}
-		// An event of the batch was stored by a writer that does not take the org's lock
-		// (RecordUsage), or under another org, between our check and our insert: nothing was
-		// written; once more sees it and skips it.
-	}
-	if err != nil && notSent(err) {
-		return fmt.Errorf("%w: %w", ErrNotRecorded, wrapPg("record and account", err))
-	}
-	return wrapPg("record and account", err)
-}
-
-// usageArgs normalizes events into the 13 column arrays of the usage inserts, and returns the
-// distinct orgs, sorted.
-func usageArgs(events []UsageEvent) (args []any, orgs []string, err error) {
-	n := len(events)
-	var (
-		ids, evOrgs, models, keys, endpoints = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-		prompt, cached, completion           = make([]int64, n), make([]int64, n), make([]int64, n)
-		reasoning, costs, holds              = make([]int64, n), make([]int64, n), make([]int64, n)
-		estimated                            = make([]bool, n)
-		created                              = make([]time.Time, n)
-	)
-	for i, ev := range events {
-		ev, err := normalizeEvent(ev)
-		if err != nil {
-			return nil, nil, err
-		}
-		ids[i], evOrgs[i], models[i], keys[i], endpoints[i] = ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint
-		prompt[i], cached[i], completion[i], reasoning[i] = ev.Usage.Prompt, ev.Usage.Cached, ev.Usage.Completion, ev.Usage.Reasoning
-		costs[i], holds[i], estimated[i], created[i] = ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt
-	}
-	orgs = slices.Compact(slices.Sorted(slices.Values(evOrgs)))
-	return []any{ids, evOrgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created}, orgs, nil
-}
-
-// MarkSettled sets each org's settled_seq = GREATEST(settled_seq, seq), capped at ledger_seq, in
-// one statement that locks the account rows in org order (as every multi-org writer does, so it
-// never deadlocks with a recorder's batch) and writes nothing where nothing changes.
-func (p *Postgres) MarkSettled(ctx context.Context, epoch balance.Epoch, marks map[string]int64) error {
-	if len(marks) == 0 {
-		return nil
-	}
-	orgs := slices.Sorted(maps.Keys(marks))
-	seqs := make([]int64, len(orgs))
-	for i, o := range orgs {
-		seqs[i] = marks[o]
-	}
-	rows, err := p.pool.Query(ctx, `
-WITH m AS (
-	SELECT * FROM unnest($1::text[], $2::bigint[]) AS m(org, seq)
-), l AS (
-	SELECT a.org_id, m.seq FROM accounts a JOIN m ON m.org = a.org_id
-	WHERE EXISTS (SELECT 1 FROM ledger_meta WHERE epoch_gen = $3 AND epoch_id = $4)
-	ORDER BY a.org_id FOR UPDATE OF a
-), u AS (
-	UPDATE accounts a SET settled_seq = LEAST(l.seq, a.ledger_seq)
-	FROM l WHERE a.org_id = l.org_id AND a.settled_seq < LEAST(l.seq, a.ledger_seq)
+	var ok bool
+	err := p.pool.QueryRow(ctx, `
+WITH u AS (
+	UPDATE accounts SET settled_seq = LEAST($2, ledger_seq)
+	WHERE org_id = $1 AND settled_seq < LEAST($2, ledger_seq) RETURNING 1
 )
-SELECT org_id FROM l
-UNION ALL
-SELECT '' FROM ledger_meta WHERE NOT (epoch_gen = $3 AND epoch_id = $4)`, orgs, seqs, epoch.Gen, epoch.ID)
+SELECT EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)`, org, seq).Scan(&ok)
 	if err != nil {
 		return wrapPg("mark settled", err)
 	}
-	found, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		return wrapPg("mark settled", err)
-	}
-	if slices.Contains(found, "") {
-		return nil // marks of another timeline
-	}
-	if len(found) < len(orgs) {
-		var missing []string
-		for _, o := range orgs {
-			if !slices.Contains(found, o) {
-				missing = append(missing, o)
-			}
-		}
-		return fmt.Errorf("%w: %q", ErrUnknownOrg, missing)
+	if !ok {
+		return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 	}
 	return nil
 }
@@ -968,12 +833,9 @@ func (p *Postgres) Subscribe(ctx context.Context) (<-chan string, error) {
 					break
 				}
 				delay = p.cfg.ReconnectDelay
-				// A payload is one org, or a batch's orgs one per line (sqlNotifyAll).
-				for org := range strings.SplitSeq(n.Payload, "\n") {
-					select {
-					case ch <- org:
-					default:
-					}
+				select {
+				case ch <- n.Payload:
+				default:
 				}
 			}
 			select {

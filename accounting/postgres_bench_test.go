@@ -108,30 +108,3 @@ func BenchmarkAccountPending(b *testing.B) {
 		})
 	}
 }
-
-// BenchmarkRecordOne: one event per call, one call at a time (what the recorder does at -c1):
-// RecordUsage (the event only; accounting comes later, in the worker) against RecordAndAccount
-// (the event, its entry and the account update in one round trip).
-func BenchmarkRecordOne(b *testing.B) {
-	l, _ := newPostgres(b)
-	ctx := context.Background()
-	for i := range 10 {
-		if err := l.CreateOrg(ctx, fmt.Sprintf("org%d", i)); err != nil {
-			b.Fatal(err)
-		}
-	}
-	for _, tc := range []struct {
-		name   string
-		record func(context.Context, []accounting.UsageEvent) error
-	}{{"RecordUsage", l.RecordUsage}, {"RecordAndAccount", l.RecordAndAccount}} {
-		b.Run(tc.name, func(b *testing.B) {
-			evs := benchEvents(b.N, 10)
-			b.ResetTimer()
-			for i := range b.N {
-				if err := tc.record(ctx, evs[i:i+1]); err != nil {
-					b.Fatal(err)
-				}
-			}
-		})
-	}
-}

@@ -16,7 +16,7 @@ var ErrRecorderClosed = errors.New("accounting: recorder not running")
 
 // RecorderConfig configures a Recorder. The zero value is ready to use.
 type RecorderConfig struct {
-	// MaxBatch is the most events one RecordAndAccount call carries. Default 500.
+	// MaxBatch is the most events one RecordUsage call carries. Default 500.
 	MaxBatch int
 	// FlushInterval is how long a batch that is not full may wait for more events before it is
 	// written. Default 0: a batch is written as soon as a flusher is free, with every event that
@@ -27,14 +27,14 @@ type RecorderConfig struct {
 	// same two cores, one flusher gave the highest throughput (BenchmarkRecorder); more help
 	// when the round trip, not the server, is the bottleneck (a remote database).
 	Flushers int
-	// Timeout bounds one batch's RecordAndAccount call. Default 5 s. A Record that fails with it may
+	// Timeout bounds one batch's RecordUsage call. Default 5 s. A Record that fails with it may
 	// still have been stored: recording again is safe (events are idempotent by id).
 	Timeout time.Duration
 	// QueueSize is how many events may wait for a flusher; Record blocks (within its context)
 	// when the queue is full. Default 4 × MaxBatch.
 	QueueSize int
 
-	// Journal, when set, is the local fallback for a ledger outage: a batch whose RecordAndAccount
+	// Journal, when set, is the local fallback for a ledger outage: a batch whose RecordUsage
 	// fails with ErrLedgerUnavailable is appended (fsynced) there instead, and its callers get
 	// nil. Until a replay succeeds, new batches go straight there too; every ReplayInterval a
 	// non-empty journal is replayed into the ledger (idempotently). When it is full, Record
@@ -74,8 +74,8 @@ type RecorderConfig struct {
 
 // Recorder writes usage events to the ledger durably, group-committing concurrent calls: each
 // Record returns only when its event is stored (or with the error of the batch it was in), and
-// all events that arrive while a batch is being written go together in the next
-// RecordAndAccount call, one round trip for the lot, which also writes their ledger entries.
+// all events that arrive while a batch is being written go together in the next RecordUsage
+// call, one round trip for the lot.
 //
 // With a Journal (DESIGN.md "Failure policy"), a ledger outage does not fail Record: the batch
 // goes to the fsynced local journal, its holds are pinned, and the journal is replayed when the
@@ -306,9 +306,7 @@ func (r *Recorder) commit(batch []*recordReq) {
 		// (the replay loop finds out when the ledger is back) instead of waiting for it.
 		err = r.fb.append(ctx, events, ErrLedgerUnavailable)
 	} else {
-		// The batch's events and their ledger entries in one transaction: nothing is left
-		// for the worker to account, only to settle.
-		err = r.ledger.RecordAndAccount(ctx, events)
+		err = r.ledger.RecordUsage(ctx, events)
 		if err != nil && r.fb != nil && errors.Is(err, ErrLedgerUnavailable) {
 			actx, acancel := context.WithTimeout(context.Background(), r.cfg.Timeout)
 			err = r.fb.append(actx, events, err)

@@ -22,7 +22,7 @@ type downLedger struct {
 	down atomic.Bool
 
 	mu     sync.Mutex
-	stored map[string]int // event id → RecordAndAccount calls that carried it and succeeded
+	stored map[string]int // event id → RecordUsage calls that carried it and succeeded
 }
 
 func newDownLedger(l accounting.Ledger) *downLedger {
@@ -36,11 +36,11 @@ func (d *downLedger) err() error {
 	return nil
 }
 
-func (d *downLedger) RecordAndAccount(ctx context.Context, events []accounting.UsageEvent) error {
+func (d *downLedger) RecordUsage(ctx context.Context, events []accounting.UsageEvent) error {
 	if err := d.err(); err != nil {
 		return err
 	}
-	if err := d.Ledger.RecordAndAccount(ctx, events); err != nil {
+	if err := d.Ledger.RecordUsage(ctx, events); err != nil {
 		return err
 	}
 	d.mu.Lock()

@@ -13,7 +13,7 @@ import (
 	"github.com/llmescrow/escrow/balance"
 )
 
-// hookLedger counts and optionally slows down or fails RecordAndAccount calls (the recorder's).
+// hookLedger counts and optionally slows down or fails RecordUsage calls.
 type hookLedger struct {
 	accounting.Ledger
 	calls    atomic.Int64
@@ -21,7 +21,7 @@ type hookLedger struct {
 	before   func(events []accounting.UsageEvent) error
 }
 
-func (h *hookLedger) RecordAndAccount(ctx context.Context, events []accounting.UsageEvent) error {
+func (h *hookLedger) RecordUsage(ctx context.Context, events []accounting.UsageEvent) error {
 	h.calls.Add(1)
 	for {
 		m := h.maxBatch.Load()
@@ -34,7 +34,7 @@ func (h *hookLedger) RecordAndAccount(ctx context.Context, events []accounting.U
 			return err
 		}
 	}
-	return h.Ledger.RecordAndAccount(ctx, events)
+	return h.Ledger.RecordUsage(ctx, events)
 }
 
 func usage(org string) accounting.UsageEvent {
@@ -82,7 +82,7 @@ func TestRecorderGroupCommits(t *testing.T) {
 		t.Fatalf("stored %d events (%v), want %d", got, err, n)
 	}
 	if c := h.calls.Load(); c > n/10 {
-		t.Fatalf("%d RecordAndAccount calls for %d concurrent events: not group-committed", c, n)
+		t.Fatalf("%d RecordUsage calls for %d concurrent events: not group-committed", c, n)
 	}
 	if m := h.maxBatch.Load(); m > 50 || m < 2 {
 		t.Fatalf("largest batch %d; want 2…MaxBatch(50)", m)
@@ -219,7 +219,7 @@ func TestRecorderFlushInterval(t *testing.T) {
 		}
 	}
 	if c := h.calls.Load(); c > 2 {
-		t.Fatalf("%d RecordAndAccount calls for 10 events within one flush interval", c)
+		t.Fatalf("%d RecordUsage calls for 10 events within one flush interval", c)
 	}
 }
 

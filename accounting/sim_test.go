@@ -210,9 +210,8 @@ func (s *simulator) step() {
 		s.must(s.worker.SettleOrg(s.ctx, o))
 	case op < 0.64: // a worker dies after the settle script, before marking the entries settled
 		s.counts["settle-killed"]++
-		res, epoch, err := s.ledger.UnsettledEntries(s.ctx, map[string]int64{o: 0}, s.rnd.IntN(4)+1)
+		entries, epoch, err := s.ledger.UnsettledEntries(s.ctx, o, s.rnd.IntN(4)+1)
 		s.must(err)
-		entries := res[o]
 		if len(entries) > 0 {
 			if _, err := s.store.Settle(s.ctx, o, epoch, entries); err != nil &&
 				!errors.Is(err, balance.ErrCold) && !errors.Is(err, balance.ErrGap) {
@@ -322,18 +321,9 @@ func (s *simulator) record(r simReq, cost int64) {
 	s.costOf[r.id] = cost
 	s.servedOrg[r.id] = r.org
 	ev := accounting.UsageEvent{ID: r.id, Org: r.org, Model: "m", Cost: cost, HoldAmount: r.amount, CreatedAt: time.Now()}
-	// The recorder writes the event and its entry together (RecordAndAccount); the older path
-	// leaves it pending for AccountPending or a seed. A retry may take either path.
-	rec := func() error {
-		if s.rnd.Float64() < 0.6 {
-			s.counts["record-accounted"]++
-			return s.ledger.RecordAndAccount(s.ctx, []accounting.UsageEvent{ev})
-		}
-		return s.ledger.RecordUsage(s.ctx, []accounting.UsageEvent{ev})
-	}
-	s.must(rec())
+	s.must(s.ledger.RecordUsage(s.ctx, []accounting.UsageEvent{ev}))
 	if s.rnd.Float64() < 0.05 { // recorded twice (a retried record): charged once
-		s.must(rec())
+		s.must(s.ledger.RecordUsage(s.ctx, []accounting.UsageEvent{ev}))
 	}
 	if r.amount == 0 {
 		return // fail-open: no hold to finish

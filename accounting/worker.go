@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -38,12 +37,6 @@ type WorkerConfig struct {
 	// SettleConcurrency is how many orgs are settled at once (each org's entries stay in order).
 	// Default 8.
 	SettleConcurrency int
-	// MarkDelay is how long the worker's settle passes may keep "settled up to" marks in memory
-	// before writing them to the ledger (one statement for every org marked meanwhile). A mark
-	// that lags only makes the ledger more careful: the reaper keeps a hold whose usage it
-	// thinks unsettled a little longer, and a sweep re-sends entries the settle script then
-	// answers ALREADY. Default 100ms.
-	MarkDelay time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -61,7 +54,6 @@ func (c *WorkerConfig) withDefaults() WorkerConfig {
 	z.ReconcileInterval = cmp.Or(z.ReconcileInterval, time.Minute)
 	z.OrgTimeout = cmp.Or(z.OrgTimeout, 10*time.Second)
 	z.SettleConcurrency = cmp.Or(max(z.SettleConcurrency, 0), 8)
-	z.MarkDelay = cmp.Or(max(z.MarkDelay, 0), 100*time.Millisecond)
 	if z.Logger == nil {
 		z.Logger = slog.Default()
 	}
@@ -101,13 +93,6 @@ type Worker struct {
 	}
 	lag lagHistogram
 
-	// marks are the orgs' "settled up to" marks not yet written to the ledger (MarkDelay),
-	// under the epoch they were read with; reads of the org start after them.
-	marksMu sync.Mutex
-	marks   map[string]settledMark
-
-	pendingSeen atomic.Bool // the last accounting found pending usage (or failed)
-
 	runMu  sync.Mutex
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -125,13 +110,7 @@ func NewWorker(ledger Ledger, store *balance.Store, cfg *WorkerConfig) *Worker {
 		log:    c.Logger.With("component", "escrow.worker"),
 		wake:   make(chan struct{}, 1),
 		dirty:  make(map[string]struct{}),
-		marks:  make(map[string]settledMark),
 	}
-}
-
-type settledMark struct {
-	epoch balance.Epoch
-	seq   int64
 }
 
 // Stats returns the worker's running totals.
@@ -221,19 +200,11 @@ func (w *Worker) listen(ctx context.Context, notes <-chan string) {
 func (w *Worker) settleLoop(ctx context.Context) {
 	sweep := time.NewTicker(w.cfg.SweepInterval)
 	defer sweep.Stop()
-	marks := time.NewTicker(w.cfg.MarkDelay)
-	defer marks.Stop()
 	for {
 		full := false
 		select {
 		case <-ctx.Done():
 			return
-		case <-marks.C:
-			if err := w.flushMarks(ctx); err != nil && ctx.Err() == nil {
-				w.stats.errors.Add(1)
-				w.log.Warn("writing settled marks failed", "err", err)
-			}
-			continue
 		case <-w.wake:
 		case <-sweep.C:
 			full = true
@@ -247,19 +218,10 @@ func (w *Worker) settleLoop(ctx context.Context) {
 
 // pass accounts pending usage and settles the orgs that are dirty (and, on a sweep, every org
 // the ledger says is behind).
-//
-// The recorder writes the ledger entries of its events itself (RecordAndAccount), so pending
-// usage is rare (events of orgs without an account, direct RecordUsage calls, rows of an older
-// version): a notified pass accounts only when the last accounting found work, and every sweep
-// looks.
 func (w *Worker) pass(ctx context.Context, sweep bool) error {
 	var errs []error
-	if sweep || w.pendingSeen.Load() {
-		n, err := w.AccountAll(ctx)
-		if err != nil {
-			errs = append(errs, err)
-		}
-		w.pendingSeen.Store(n > 0 || err != nil)
+	if _, err := w.AccountAll(ctx); err != nil {
+		errs = append(errs, err)
 	}
 	w.mu.Lock()
 	orgs := make([]string, 0, len(w.dirty))
@@ -300,46 +262,13 @@ func (w *Worker) AccountAll(ctx context.Context) (int, error) {
 }
 
 // SettleOrg applies the org's unsettled ledger entries to the hot balance, in sequence order,
-// and marks them settled in the ledger before it returns. A cold org is seeded from a fresh
-// snapshot first; a gap is healed by re-sending the entries past the watermark. Safe to call
-// from anywhere at any time.
+// and marks them settled. A cold org is seeded from a fresh snapshot first; a gap is healed by
+// re-sending the entries past the watermark. Safe to call from anywhere at any time.
 func (w *Worker) SettleOrg(ctx context.Context, org string) error {
-	err := w.settleOrg(ctx, org, nil)
-	w.marksMu.Lock()
-	m, ok := w.marks[org]
-	delete(w.marks, org)
-	w.marksMu.Unlock()
-	if ok {
-		if merr := w.ledger.MarkSettled(ctx, m.epoch, map[string]int64{org: m.seq}); merr != nil {
-			w.keepMarks(map[string]settledMark{org: m})
-			return errors.Join(err, merr)
-		}
-	}
-	return err
-}
-
-// settleOrg settles the org's entries past its mark (the ledger's settled_seq, or this worker's
-// mark not yet written) and leaves the new mark in memory for flushMarks. first, when not nil, is
-// the org's first batch, already read under epoch (settleOrgs reads many orgs at once).
-func (w *Worker) settleOrg(ctx context.Context, org string, first *orgEntries) error {
 	for {
-		var entries []balance.Entry
-		var epoch balance.Epoch
-		if first != nil {
-			entries, epoch, first = first.entries, first.epoch, nil
-		} else {
-			m, ok := w.mark(org)
-			res, ep, err := w.ledger.UnsettledEntries(ctx, map[string]int64{org: m.seq}, w.cfg.SettleBatch)
-			if err != nil {
-				return err
-			}
-			if ok && ep != m.epoch {
-				// The ledger is on another timeline (restored, epoch raised): the mark means
-				// nothing there. Drop it and read from the ledger's own settled_seq.
-				w.dropMark(org, m)
-				continue
-			}
-			entries, epoch = res[org], ep
+		entries, epoch, err := w.ledger.UnsettledEntries(ctx, org, w.cfg.SettleBatch)
+		if err != nil {
+			return err
 		}
 		if len(entries) == 0 {
 			return nil
@@ -349,7 +278,9 @@ func (w *Worker) settleOrg(ctx context.Context, org string, first *orgEntries) e
 		n := settledPrefix(statuses)
 		w.lag.observe(time.Now(), entries[:n])
 		if n > 0 {
-			w.keepMarks(map[string]settledMark{org: {epoch, entries[n-1].Seq}})
+			if merr := w.ledger.MarkSettled(ctx, org, entries[n-1].Seq); merr != nil {
+				return errors.Join(err, merr)
+			}
 			w.stats.settled.Add(int64(n))
 		}
 		if err != nil {
@@ -362,74 +293,6 @@ func (w *Worker) settleOrg(ctx context.Context, org string, first *orgEntries) e
 			return nil
 		}
 	}
-}
-
-type orgEntries struct {
-	entries []balance.Entry
-	epoch   balance.Epoch
-}
-
-func (w *Worker) mark(org string) (settledMark, bool) {
-	w.marksMu.Lock()
-	defer w.marksMu.Unlock()
-	m, ok := w.marks[org]
-	return m, ok
-}
-
-func (w *Worker) dropMark(org string, m settledMark) {
-	w.marksMu.Lock()
-	defer w.marksMu.Unlock()
-	if w.marks[org] == m {
-		delete(w.marks, org)
-	}
-}
-
-// keepMarks records marks in memory, keeping the higher mark of an org within one epoch.
-func (w *Worker) keepMarks(marks map[string]settledMark) {
-	w.marksMu.Lock()
-	defer w.marksMu.Unlock()
-	for org, m := range marks {
-		if old, ok := w.marks[org]; ok && old.epoch == m.epoch && old.seq >= m.seq {
-			continue
-		}
-		w.marks[org] = m
-	}
-}
-
-// flushMarks writes the marks kept in memory to the ledger, one statement per epoch (in
-// practice one). Marks that fail to be written are kept for the next flush, except those of
-// orgs the ledger does not know.
-func (w *Worker) flushMarks(ctx context.Context) error {
-	w.marksMu.Lock()
-	if len(w.marks) == 0 {
-		w.marksMu.Unlock()
-		return nil
-	}
-	pending := w.marks
-	w.marks = make(map[string]settledMark, len(pending))
-	w.marksMu.Unlock()
-	byEpoch := map[balance.Epoch]map[string]int64{}
-	for org, m := range pending {
-		if byEpoch[m.epoch] == nil {
-			byEpoch[m.epoch] = map[string]int64{}
-		}
-		byEpoch[m.epoch][org] = m.seq
-	}
-	var errs []error
-	for epoch, marks := range byEpoch {
-		err := w.ledger.MarkSettled(ctx, epoch, marks)
-		if err != nil && !errors.Is(err, ErrUnknownOrg) {
-			keep := map[string]settledMark{}
-			for org, seq := range marks {
-				keep[org] = settledMark{epoch, seq}
-			}
-			w.keepMarks(keep)
-		}
-		if err != nil {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
 }
 
 // settle calls the settle script, healing a cold org or a gap once.
@@ -470,8 +333,7 @@ func settledPrefix(st []balance.SettleStatus) int {
 	return len(st)
 }
 
-// Drain accounts and settles everything pending now and writes the settled marks, for tests
-// and shutdown.
+// Drain accounts and settles everything pending now, for tests and shutdown.
 func (w *Worker) Drain(ctx context.Context) error {
 	if _, err := w.AccountAll(ctx); err != nil {
 		return err
@@ -480,93 +342,56 @@ func (w *Worker) Drain(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	return errors.Join(w.settleOrgs(ctx, orgs, false), w.flushMarks(ctx))
+	return w.settleOrgs(ctx, orgs, false)
 }
 
 // settleOrgs settles each org once, SettleConcurrency orgs at a time (orgs are independent: each
-// org's entries still go in sequence order, by one caller). The orgs' first batches are read in
-// one statement per settleReadChunk orgs, so a pass over many orgs with a few entries each costs
-// one read, not one per org. With retry, an org that failed is marked dirty again for the next
-// pass.
+// org's entries still go in sequence order, by one caller). With retry, an org that failed is
+// marked dirty again for the next pass.
 func (w *Worker) settleOrgs(ctx context.Context, orgs []string, retry bool) error {
 	var (
 		mu   sync.Mutex
 		errs []error
 		wg   sync.WaitGroup
 		sem  = make(chan struct{}, w.cfg.SettleConcurrency)
+		seen = make(map[string]bool, len(orgs))
 	)
-	orgs = slices.DeleteFunc(slices.Compact(slices.Sorted(slices.Values(orgs))), func(org string) bool {
-		err := balance.ValidateOrg(org)
-		if err == nil {
-			return false
+	for _, org := range orgs {
+		if seen[org] {
+			continue
 		}
-		// A row written before the one org-id rule: the hot balance cannot hold it, so every
-		// pass would fail on it again (and take its read's other orgs with it). Say so once
-		// and leave it to the operator.
-		if _, logged := w.badOrgs.LoadOrStore(org, true); !logged {
-			w.log.Error("org id breaks the org-id rule; its ledger entries are not settled until it is renamed in the ledger", "org", org, "err", err)
-		}
-		return true
-	})
-	fail := func(org string, err error) {
-		mu.Lock()
-		errs = append(errs, fmt.Errorf("org %s: %w", org, err))
-		mu.Unlock()
-		if retry {
-			w.mu.Lock()
-			w.dirty[org] = struct{}{} // retried on the next sweep or notification
-			w.mu.Unlock()
-		}
-	}
-	for len(orgs) > 0 {
-		chunk := orgs[:min(len(orgs), settleReadChunk)]
-		orgs = orgs[len(chunk):]
-		after := make(map[string]int64, len(chunk))
-		marks := make(map[string]settledMark, len(chunk))
-		for _, org := range chunk {
-			m, ok := w.mark(org)
-			after[org] = m.seq
-			if ok {
-				marks[org] = m
-			}
-		}
-		rctx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
-		res, epoch, err := w.ledger.UnsettledEntries(rctx, after, w.cfg.SettleBatch)
-		cancel()
-		if err != nil {
-			for _, org := range chunk {
-				fail(org, err)
+		seen[org] = true
+		if err := balance.ValidateOrg(org); err != nil {
+			// A row written before the one org-id rule: the hot balance cannot hold it, so
+			// every pass would fail on it again. Say so once and leave it to the operator.
+			if _, logged := w.badOrgs.LoadOrStore(org, true); !logged {
+				w.log.Error("org id breaks the org-id rule; its ledger entries are not settled until it is renamed in the ledger", "org", org, "err", err)
 			}
 			continue
 		}
-		for _, org := range chunk {
-			var first *orgEntries
-			if m, ok := marks[org]; ok && m.epoch != epoch {
-				w.dropMark(org, m) // another timeline: settleOrg reads the org again
-			} else if es := res[org]; len(es) > 0 {
-				first = &orgEntries{es, epoch}
-			} else {
-				continue // nothing to settle
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			octx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
+			err := w.SettleOrg(octx, org)
+			cancel()
+			if err == nil {
+				return
 			}
-			sem <- struct{}{}
-			wg.Add(1)
-			go func() {
-				defer func() { <-sem; wg.Done() }()
-				octx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
-				err := w.settleOrg(octx, org, first)
-				cancel()
-				if err != nil {
-					fail(org, err)
-				}
-			}()
-		}
+			mu.Lock()
+			errs = append(errs, fmt.Errorf("org %s: %w", org, err))
+			mu.Unlock()
+			if retry {
+				w.mu.Lock()
+				w.dirty[org] = struct{}{} // retried on the next sweep or notification
+				w.mu.Unlock()
+			}
+		}()
 	}
 	wg.Wait()
 	return errors.Join(errs...)
 }
-
-// settleReadChunk is how many orgs one UnsettledEntries read of a pass covers.
-const settleReadChunk = 500
 
 // Credit adds a recharge to the ledger (idempotent by ref) and returns once the credit is in the
 // hot balance, so a blocked org passes on its very next request. If Redis cannot be reached the

@@ -37,8 +37,6 @@ func Run(t *testing.T, newLedger func(t *testing.T) accounting.Ledger) {
 		{"RecordUsageRejectsBadEvents", testRecordInvalid},
 		{"VoidUsage", testVoidUsage},
 		{"VoidUsageRacesRecord", testVoidRace},
-		{"RecordAndAccount", testRecordAndAccount},
-		{"RecordAndAccountBalanceBound", testRecordAndAccountBound},
 		{"AccountPendingSequencing", testAccountSequencing},
 		{"AccountPendingUnknownOrg", testAccountUnknownOrg},
 		{"AccountPendingConcurrent", testAccountConcurrent},
@@ -118,12 +116,6 @@ func entries(t *testing.T, l accounting.Ledger, org string) []balance.Entry {
 	return es
 }
 
-// unsettled is UnsettledEntries of one org.
-func unsettled(c context.Context, l accounting.Ledger, org string, after int64, limit int) ([]balance.Entry, balance.Epoch, error) {
-	res, ep, err := l.UnsettledEntries(c, map[string]int64{org: after}, limit)
-	return res[org], ep, err
-}
-
 func account(t *testing.T, l accounting.Ledger, org string) accounting.Account {
 	t.Helper()
 	return must(l.Account(ctx(t), org))
@@ -160,8 +152,7 @@ func testOrgs(t *testing.T, l accounting.Ledger) {
 	}
 	_, err = l.Snapshot(c, "nobody")
 	wantErr(t, err, accounting.ErrUnknownOrg, "Snapshot of a missing org")
-	e0 := must(l.Epoch(c))
-	wantErr(t, l.MarkSettled(c, e0, map[string]int64{"nobody": 1}), accounting.ErrUnknownOrg, "MarkSettled of a missing org")
+	wantErr(t, l.MarkSettled(c, "nobody", 1), accounting.ErrUnknownOrg, "MarkSettled of a missing org")
 	_, _, err = l.Credit(c, "nobody", 5, "r-nobody")
 	wantErr(t, err, accounting.ErrUnknownOrg, "Credit of a missing org")
 	es, ep, err := l.EntriesAfter(c, "nobody", 0, 10)
@@ -209,7 +200,7 @@ func testEpoch(t *testing.T, l accounting.Ledger) {
 	s := must(l.Snapshot(c, "o"))
 	_, e3, err := l.EntriesAfter(c, "o", 0, 10)
 	noErr(t, err)
-	_, e4, err := unsettled(c, l, "o", 0, 10)
+	_, e4, err := l.UnsettledEntries(c, "o", 10)
 	noErr(t, err)
 	if s.Epoch != e1 || e3 != e1 || e4 != e1 {
 		t.Fatalf("epochs differ: Epoch %v, Snapshot %v, EntriesAfter %v, UnsettledEntries %v", e1, s.Epoch, e3, e4)
@@ -413,7 +404,7 @@ func testVoidUsage(t *testing.T, l accounting.Ledger) {
 	if snap.Balance != -7 || snap.Seq != 1 {
 		t.Fatalf("snapshot %+v, want balance -7 at seq 1", snap)
 	}
-	noErr(t, l.MarkSettled(c, snap.Epoch, map[string]int64{"o": 1}))
+	noErr(t, l.MarkSettled(c, "o", 1))
 	if orgs := must(l.OrgsToSettle(c, 10)); slices.Contains(orgs, "o") {
 		t.Fatalf("OrgsToSettle = %v: nothing is owed for a voided event", orgs)
 	}
@@ -586,74 +577,6 @@ func testAccountUnknownOrg(t *testing.T, l accounting.Ledger) {
 	}
 }
 
-func testRecordAndAccount(t *testing.T, l accounting.Ledger) {
-	c := ctx(t)
-	noErr(t, l.CreateOrg(c, "o"))
-	_, _, err := l.Credit(c, "o", 100, "pay")
-	noErr(t, err)
-	p1 := event("o", 4, 0)
-	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{p1})) // pending, from the older path
-	e1, e2, x1 := event("o", 7, 2), event("o", 5, 1), event("nobody", 3, 0)
-	noErr(t, l.RecordAndAccount(c, []accounting.UsageEvent{e1, e2, e1, x1}))
-	// The new events of o are entries at once, in (CreatedAt, ID) order; p1 stays pending.
-	es := checkLedger(t, l, "o")
-	if len(es) != 3 || es[1].HoldID != e2.ID || es[1].Delta != -5 || es[2].HoldID != e1.ID || es[2].Delta != -7 {
-		t.Fatalf("entries = %v, want the credit, then e2 (-5), then e1 (-7)", es)
-	}
-	if a := account(t, l, "o"); a.Balance != 88 || a.LedgerSeq != 3 || a.Pending != 1 || a.SettledSeq != 0 {
-		t.Fatalf("account = %+v, want balance 88, seq 3, p1 pending", a)
-	}
-	// An org without an account: stored pending (AccountPending bills it, making the account).
-	_, err = l.Account(c, "nobody")
-	wantErr(t, err, accounting.ErrUnknownOrg, "account of an org with only usage")
-	// Recording again, either way, charges nothing twice; a pending event stays pending.
-	noErr(t, l.RecordAndAccount(c, []accounting.UsageEvent{e1, p1, e2}))
-	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{e1, e2}))
-	if a := account(t, l, "o"); a.Balance != 88 || a.LedgerSeq != 3 || a.Pending != 1 {
-		t.Fatalf("after re-recording: %+v", a)
-	}
-	if n := must(l.AccountPending(c, 10)); n != 2 {
-		t.Fatalf("AccountPending = %d, want p1 and the orphan's event", n)
-	}
-	es = checkLedger(t, l, "o")
-	if len(es) != 4 || es[3].HoldID != p1.ID {
-		t.Fatalf("entries after AccountPending = %v", es)
-	}
-	if a := account(t, l, "nobody"); a.Balance != -3 || a.LedgerSeq != 1 {
-		t.Fatalf("orphan's account = %+v", a)
-	}
-	// Accounted is not settled: the reaper must still keep those holds.
-	got := must(l.UnsettledUsage(c, "o", []string{e1.ID, e2.ID}))
-	if !got[e1.ID] || !got[e2.ID] {
-		t.Fatalf("UnsettledUsage = %v, want both unsettled", got)
-	}
-	es, _, err = unsettled(c, l, "o", 1, 10)
-	noErr(t, err)
-	if len(es) != 3 || es[0].HoldID != e2.ID {
-		t.Fatalf("UnsettledEntries = %v", es)
-	}
-	noErr(t, l.RecordAndAccount(c, nil))
-	wantErr(t, l.RecordAndAccount(c, []accounting.UsageEvent{event("a:b", 1, 0)}), balance.ErrInvalidOrg, "RecordAndAccount with a bad org")
-}
-
-// testRecordAndAccountBound: an org whose charges would take it below -MaxAmount keeps its
-// events pending, without failing the other orgs of the batch.
-func testRecordAndAccountBound(t *testing.T, l accounting.Ledger) {
-	c := ctx(t)
-	noErr(t, l.CreateOrg(c, "poor"))
-	noErr(t, l.CreateOrg(c, "o"))
-	_, _, err := l.Adjust(c, "poor", -balance.MaxAmount+5, "debt")
-	noErr(t, err)
-	big, small := event("poor", 10, 0), event("o", 2, 0)
-	noErr(t, l.RecordAndAccount(c, []accounting.UsageEvent{big, small}))
-	if a := account(t, l, "poor"); a.Balance != -balance.MaxAmount+5 || a.LedgerSeq != 1 || a.Pending != 1 {
-		t.Fatalf("poor = %+v, want its event pending", a)
-	}
-	if a := account(t, l, "o"); a.Balance != -2 || a.LedgerSeq != 1 || a.Pending != 0 {
-		t.Fatalf("o = %+v, want its event accounted", a)
-	}
-}
-
 func testAccountConcurrent(t *testing.T, l accounting.Ledger) {
 	c := ctx(t)
 	orgs := []string{"a", "b", "c"}
@@ -669,13 +592,11 @@ func testAccountConcurrent(t *testing.T, l accounting.Ledger) {
 			all = append(all, event(o, int64(1+i%7+j), i))
 		}
 	}
-	// Record in several batches while three workers (and a snapshotter) account concurrently,
-	// and two recorders record the same events again, already accounted, in other batches and
-	// orders (a retried batch, a journal replay).
-	var recorded atomic.Int32
+	// Record in several batches while three workers (and a snapshotter) account concurrently.
+	var recorded atomic.Bool
 	var workers, snapper sync.WaitGroup
 	workers.Go(func() {
-		defer recorded.Add(1)
+		defer recorded.Store(true)
 		for b := 0; b < len(all); b += 40 {
 			if err := l.RecordUsage(c, all[b:min(b+40, len(all))]); err != nil {
 				t.Error(err)
@@ -683,19 +604,8 @@ func testAccountConcurrent(t *testing.T, l accounting.Ledger) {
 			}
 		}
 	})
-	for _, size := range []int{25, 17} {
-		workers.Go(func() {
-			defer recorded.Add(1)
-			for b := len(all); b > 0; b -= size {
-				if err := l.RecordAndAccount(c, all[max(b-size, 0):b]); err != nil {
-					t.Error(err)
-					return
-				}
-			}
-		})
-	}
 	idle := func() bool {
-		if recorded.Load() < 3 {
+		if !recorded.Load() {
 			return false
 		}
 		for _, o := range orgs {
@@ -826,50 +736,21 @@ func testSettle(t *testing.T, l accounting.Ledger) {
 	if !slices.Equal(orgs, []string{"o"}) {
 		t.Fatalf("OrgsToSettle = %v, want [o]", orgs)
 	}
-	es, ep, err := unsettled(c, l, "o", 0, 3)
+	es, ep, err := l.UnsettledEntries(c, "o", 3)
 	noErr(t, err)
 	if len(es) != 3 || es[0].Seq != 1 || ep.IsZero() {
 		t.Fatalf("UnsettledEntries = %v %v", es, ep)
 	}
-	// after skips what a lazy marker settled already; below settled_seq it changes nothing.
-	if es, _, err := unsettled(c, l, "o", 2, 10); err != nil || len(es) != 2 || es[0].Seq != 3 {
-		t.Fatalf("UnsettledEntries after 2 = %v, %v", es, err)
-	}
-	// Many orgs in one read, each from its own point; orgs with nothing to settle are absent.
-	_, _, err = l.Credit(c, "quiet", 10, "rq")
-	noErr(t, err)
-	res, ep2, err := l.UnsettledEntries(c, map[string]int64{"o": 3, "quiet": 0, "nobody": 0}, 10)
-	noErr(t, err)
-	if ep2 != ep || len(res) != 2 || len(res["o"]) != 1 || res["o"][0].Seq != 4 || len(res["quiet"]) != 1 || res["quiet"][0].Delta != 10 {
-		t.Fatalf("UnsettledEntries of o (after 3), quiet and nobody = %v, %v", res, ep2)
-	}
-	if res, ep3, err := l.UnsettledEntries(c, nil, 10); err != nil || len(res) != 0 || ep3 != ep {
-		t.Fatalf("UnsettledEntries of no org = %v, %v, %v; want nothing and the epoch", res, ep3, err)
-	}
-	mark := func(marks map[string]int64) error { return l.MarkSettled(c, ep, marks) }
-	noErr(t, mark(map[string]int64{"o": 3}))
-	noErr(t, mark(map[string]int64{"o": 1})) // never lowers
+	noErr(t, l.MarkSettled(c, "o", 3))
+	noErr(t, l.MarkSettled(c, "o", 1)) // never lowers
 	if a := account(t, l, "o"); a.SettledSeq != 3 {
 		t.Fatalf("settled_seq = %d, want 3", a.SettledSeq)
 	}
-	es, _, err = unsettled(c, l, "o", 0, 10)
+	es, _, err = l.UnsettledEntries(c, "o", 10)
 	if err != nil || len(es) != 1 || es[0].Seq != 4 {
 		t.Fatalf("UnsettledEntries after 3 = %v, %v", es, err)
 	}
-	if es, _, err := unsettled(c, l, "o", 1, 10); err != nil || len(es) != 1 || es[0].Seq != 4 {
-		t.Fatalf("UnsettledEntries(after 1) with settled_seq 3 = %v, %v", es, err)
-	}
-	// Marks of another epoch (read before a restore) write nothing.
-	noErr(t, l.MarkSettled(c, balance.Epoch{Gen: ep.Gen + 7, ID: "other"}, map[string]int64{"o": 4}))
-	if a := account(t, l, "o"); a.SettledSeq != 3 {
-		t.Fatalf("settled_seq = %d after a mark of another epoch, want 3", a.SettledSeq)
-	}
-	// Several orgs in one call; an unknown one is reported after the others are marked.
-	wantErr(t, mark(map[string]int64{"nobody": 1, "quiet": 1}), accounting.ErrUnknownOrg, "MarkSettled with a missing org")
-	if a := account(t, l, "quiet"); a.SettledSeq != 1 {
-		t.Fatalf("quiet: settled_seq = %d, want 1", a.SettledSeq)
-	}
-	noErr(t, mark(map[string]int64{"o": 99})) // capped at ledger_seq
+	noErr(t, l.MarkSettled(c, "o", 99)) // capped at ledger_seq
 	if a := account(t, l, "o"); a.SettledSeq != 4 {
 		t.Fatalf("settled_seq = %d, want 4 (capped at ledger_seq)", a.SettledSeq)
 	}
@@ -888,7 +769,7 @@ func testUnsettledUsage(t *testing.T, l accounting.Ledger) {
 	settled, accounted, pending, other := event("o", 1, 0), event("o", 2, 1), event("o", 3, 2), event("x", 4, 3)
 	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{settled, accounted}))
 	must(l.AccountPending(c, 10))
-	noErr(t, l.MarkSettled(c, must(l.Epoch(c)), map[string]int64{"o": 1}))
+	noErr(t, l.MarkSettled(c, "o", 1))
 	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{pending, other}))
 	unknown := NewEventID()
 	got := must(l.UnsettledUsage(c, "o", []string{settled.ID, accounted.ID, pending.ID, other.ID, unknown, "not-a-uuid"}))
@@ -934,29 +815,8 @@ func testSubscribe(t *testing.T, l accounting.Ledger) {
 	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{event("p", 1, 0)}))
 	must(l.AccountPending(c, 10))
 	expect("AccountPending", "p")
-	// One notification for a batch of many orgs (more than one payload's worth) names each.
-	var many []accounting.UsageEvent
-	for i := range 120 {
-		org := fmt.Sprintf("org-%03d-%s", i, strings.Repeat("x", 100))
-		noErr(t, l.CreateOrg(c, org))
-		many = append(many, event(org, 1, i))
-	}
-	noErr(t, l.RecordAndAccount(c, many))
-	want := map[string]bool{}
-	for _, ev := range many {
-		want[ev.Org] = true
-	}
-	deadline := time.After(10 * time.Second)
-	for len(want) > 0 {
-		select {
-		case got := <-ch:
-			delete(want, got)
-		case <-deadline:
-			t.Fatalf("RecordAndAccount of %d orgs: %d never notified", len(many), len(want))
-		}
-	}
 	cancel()
-	deadline = time.After(10 * time.Second)
+	deadline := time.After(10 * time.Second)
 	for {
 		select {
 		case _, ok := <-ch:

@@ -146,9 +146,9 @@ func newReplayer(t *testing.T, w worldOf) *replayer {
 	rp.must(mem.CreateOrg(ctx, org))
 	_, _, err := mem.Credit(ctx, org, rp.b0, "b0")
 	rp.must(err)
+	rp.must(mem.MarkSettled(ctx, org, 1))
 	rp.gens[0], err = mem.Epoch(ctx)
 	rp.must(err)
-	rp.must(mem.MarkSettled(ctx, rp.gens[0], map[string]int64{org: 1}))
 	rp.full = rp.newStore(rp.ledger)
 	rp.byGen[0] = rp.newStore(nil)
 	rp.byGen[0].ObserveEpoch(rp.gens[0])
@@ -282,9 +282,8 @@ func (rp *replayer) apply(s step) {
 		_, err := rp.ledger.cur.AccountPending(ctx, 100)
 		rp.must(err)
 	case "unsettled":
-		res, ep, err := rp.ledger.cur.UnsettledEntries(ctx, map[string]int64{org: 0}, 100)
+		entries, ep, err := rp.ledger.cur.UnsettledEntries(ctx, org, 100)
 		rp.must(err)
-		entries := res[org]
 		from := int64(s.args["from"])
 		for len(entries) > 1 && entries[0].Seq < from { // the model's out-of-order view
 			entries = entries[1:]
@@ -307,7 +306,7 @@ func (rp *replayer) apply(s step) {
 		}
 	case "mark":
 		if rp.bdone > 0 {
-			rp.must(rp.ledger.cur.MarkSettled(ctx, rp.bepoch, map[string]int64{org: rp.batch[rp.bdone-1].Seq}))
+			rp.must(rp.ledger.cur.MarkSettled(ctx, org, rp.batch[rp.bdone-1].Seq))
 		}
 	case "record":
 		rp.served[r] = true
@@ -420,9 +419,7 @@ func (rp *replayer) restore(dropped bool) {
 			rp.record(o)
 		}
 	}
-	ep0, err := mem.Epoch(ctx)
-	rp.must(err)
-	rp.must(mem.MarkSettled(ctx, ep0, map[string]int64{org: min(acct.SettledSeq, int64(len(entries)))}))
+	rp.must(mem.MarkSettled(ctx, org, min(acct.SettledSeq, int64(len(entries)))))
 	ep, err := mem.RaiseEpoch(ctx)
 	rp.must(err)
 	rp.gens[1] = ep
