@@ -50,6 +50,7 @@ fuzz:
 ## lag at 2,000 req/s) on the real services, in one run of under 5 minutes; see docs/performance.md.
 ## BENCHFLAGS passes flags to ./bench (e.g. BENCHFLAGS='-profile /tmp/prof').
 bench: services
+	bash scripts/wrk.sh
 	$(GO) run ./bench -redis-url '$(REDIS_URL)' -database-url '$(DATABASE_URL)' $(BENCHFLAGS)
 
 ## run: the example proxy (embedded defaults when REDIS_URL/DATABASE_URL are unset in the environment).

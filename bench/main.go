@@ -53,6 +53,9 @@ type options struct {
 	redisURL    string
 	databaseURL string
 	profileDir  string
+	wrkDuration time.Duration
+	wrkOnly     bool
+	before      string
 }
 
 func main() {
@@ -69,6 +72,9 @@ func main() {
 	flag.StringVar(&o.redisURL, "redis-url", envOr("REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis under test (never flushed: the bench uses a prefix of its own and deletes its keys)")
 	flag.StringVar(&o.databaseURL, "database-url", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "Postgres under test (the bench uses schemas of its own and drops them)")
 	flag.StringVar(&o.profileDir, "profile", "", "if set: also take 10 s CPU and allocation profiles of the escrow proxy at max throughput into this directory")
+	flag.DurationVar(&o.wrkDuration, "wrk-duration", 6*time.Second, "measured time of each wrk scenario (split into -rounds rounds, in turns); 0: no wrk table")
+	flag.BoolVar(&o.wrkOnly, "wrk-only", false, "run only the wrk side by side (the proxies, no limits, no Go load, no settle lag)")
+	flag.StringVar(&o.before, "before", "", "a checkout of an earlier escrow (e.g. a git worktree of main): its proxy is built too and measured in the same wrk rounds, as the 'before' rows")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -248,10 +254,12 @@ func run(ctx context.Context, o options) error {
 	}
 	defer dropBase()
 
-	fmt.Fprintln(os.Stderr, "limits: Redis (interleaved rounds), then Postgres …")
-	lim, err := measureLimits(ctx, o, o.redisURL, limURL, prefix+"l")
-	if err != nil {
-		return fmt.Errorf("limits: %w", err)
+	lim := &limits{}
+	if !o.wrkOnly {
+		fmt.Fprintln(os.Stderr, "limits: Redis (interleaved rounds), then Postgres …")
+		if lim, err = measureLimits(ctx, o, o.redisURL, limURL, prefix+"l"); err != nil {
+			return fmt.Errorf("limits: %w", err)
+		}
 	}
 	if ctx.Err() != nil {
 		return ctx.Err()
@@ -298,6 +306,26 @@ func run(ctx context.Context, o options) error {
 	coHot, err := co.provision("hot", 1)
 	if err != nil {
 		return err
+	}
+	if o.wrkDuration > 0 {
+		var before *beforeProxy
+		if o.before != "" {
+			bfURL, dropBf, err := benchSchema(ctx, o.databaseURL, fmt.Sprintf("escbench_%d_before", id))
+			if err != nil {
+				return err
+			}
+			defer dropBf()
+			if before, err = startBefore(ctx, o.before, tmp, with(bfURL, prefix+"p"), o.orgs); err != nil {
+				return fmt.Errorf("before: %w", err)
+			}
+			defer before.p.stop()
+		}
+		if err := wrkSideBySide(ctx, o, base, esc, keys, hot, before); err != nil {
+			return err
+		}
+		if o.wrkOnly || ctx.Err() != nil {
+			return ctx.Err()
+		}
 	}
 	chat := "/v1/chat/completions"
 	type scenario struct {

@@ -1,0 +1,314 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/llmescrow/escrow/internal/fakeupstream"
+)
+
+// The wrk side by side (DESIGN.md "Performance budget"; issue 12): the same small chat request
+// driven by wrk, a C load generator whose own CPU stays out of the proxy's way, against the fake
+// upstream directly, the proxy with the middleware off, and the proxy with holds on (100 orgs,
+// one hot org, JSON and stream, and one connection). CPU per request by component is what the
+// budget is written in; it moves less than throughput on a shared machine. The Go load
+// generator (load.go) stays for what wrk cannot do: open-loop rates (settle lag) and the
+// Redis-command counts per request.
+
+// wrkRun is one wrk run's result, with the CPU each component spent during it.
+type wrkRun struct {
+	name                string
+	requests, non2xx    int64
+	n429                int64
+	p50, p99            time.Duration
+	elapsed             time.Duration
+	proxy, redis, pgCPU time.Duration
+	hasProxy            bool
+}
+
+func (r wrkRun) rps() float64 { return float64(r.requests) / r.elapsed.Seconds() }
+
+func (r wrkRun) per(d time.Duration) time.Duration {
+	if r.requests == 0 {
+		return 0
+	}
+	return d / time.Duration(r.requests)
+}
+
+// ensureWrk installs wrk (scripts/wrk.sh: the Debian package) when it is absent.
+func ensureWrk(ctx context.Context) (string, error) {
+	if p, err := exec.LookPath("wrk"); err == nil {
+		return p, nil
+	}
+	cmd := exec.CommandContext(ctx, "bash", "scripts/wrk.sh")
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("wrk is not installed and scripts/wrk.sh could not install it: %w", err)
+	}
+	return exec.LookPath("wrk")
+}
+
+// wrkScript is the Lua script: POST body, rotating the API keys, and counting 429s per thread
+// (each wrk thread has its own Lua state; done() reads them through thread:get).
+func wrkScript(dir string, keys []string, body []byte) (string, error) {
+	var b strings.Builder
+	b.WriteString("local keys = {")
+	for i, k := range keys {
+		if i > 0 {
+			b.WriteString(",")
+		}
+		fmt.Fprintf(&b, "%q", "Bearer "+k)
+	}
+	b.WriteString("}\n")
+	fmt.Fprintf(&b, "local body = %q\n", string(body))
+	b.WriteString(`
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+local i = 0
+n429 = 0
+function init(args) i = math.random(#keys) end
+function request()
+  i = i % #keys + 1
+  return wrk.format("POST", nil, {["Authorization"] = keys[i], ["Content-Type"] = "application/json"}, body)
+end
+function response(status, headers, body)
+  if status == 429 then n429 = n429 + 1 end
+end
+function done(summary, latency, requests)
+  local t429 = 0
+  for _, t in ipairs(threads) do t429 = t429 + t:get("n429") end
+  io.write(string.format("WRKRESULT %d %d %d %d %d %d\n", summary.requests, summary.errors.status,
+    t429, latency:percentile(50), latency:percentile(99), summary.duration))
+end
+`)
+	f, err := os.CreateTemp(dir, "wrk-*.lua")
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	_, err = f.WriteString(b.String())
+	return f.Name(), err
+}
+
+// runWrk runs wrk once against url and measures the components' CPU around it (p may be nil: the
+// direct run).
+func runWrk(ctx context.Context, wrk, dir, name, url string, keys []string, body []byte, threads, conns int, d time.Duration, p *proxyProc) (wrkRun, error) {
+	r := wrkRun{name: name, hasProxy: p != nil}
+	script, err := wrkScript(dir, keys, body)
+	if err != nil {
+		return r, err
+	}
+	defer os.Remove(script)
+	var cpu0, redis0 time.Duration
+	if p != nil {
+		cpu0, redis0 = procCPU(p.cmd.Process.Pid), p.redisCPU()
+	}
+	pg0 := postgresCPU()
+	cmd := exec.CommandContext(ctx, wrk, "-t"+strconv.Itoa(threads), "-c"+strconv.Itoa(conns), "-d"+strconv.Itoa(int(d.Seconds()))+"s", "-s", script, url)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, os.Stderr
+	if err := cmd.Run(); err != nil {
+		return r, fmt.Errorf("wrk %s: %w: %s", name, err, out.String())
+	}
+	if p != nil {
+		r.proxy, r.redis = procCPU(p.cmd.Process.Pid)-cpu0, p.redisCPU()-redis0
+	}
+	r.pgCPU = postgresCPU() - pg0
+	sc := bufio.NewScanner(&out)
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) == 7 && f[0] == "WRKRESULT" {
+			v := make([]int64, 6)
+			for i := range v {
+				v[i], _ = strconv.ParseInt(f[i+1], 10, 64)
+			}
+			r.requests, r.non2xx, r.n429 = v[0], v[1], v[2]
+			r.p50, r.p99 = time.Duration(v[3])*time.Microsecond, time.Duration(v[4])*time.Microsecond
+			r.elapsed = time.Duration(v[5]) * time.Microsecond
+		}
+	}
+	if r.elapsed == 0 {
+		return r, fmt.Errorf("wrk %s: no result in its output: %s", name, out.String())
+	}
+	fmt.Fprintf(os.Stderr, "  wrk %-40s %8.0f req/s  p50 %-9s 429s %d  non-2xx %d\n", name, r.rps(), r.p50, r.n429, r.non2xx)
+	return r, nil
+}
+
+// beforeProxy is an earlier escrow's proxy (-before), provisioned like the current one.
+type beforeProxy struct {
+	p         *proxyProc
+	keys, hot []string
+}
+
+func startBefore(ctx context.Context, dir, tmp string, env []string, orgs int) (*beforeProxy, error) {
+	bin := filepath.Join(tmp, "proxy-before")
+	build := exec.CommandContext(ctx, "go", "build", "-o", bin, "./examples/proxy")
+	build.Dir = dir
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		return nil, fmt.Errorf("build %s/examples/proxy: %w", dir, err)
+	}
+	p, err := startProxy(ctx, bin, env)
+	if err != nil {
+		return nil, err
+	}
+	b := &beforeProxy{p: p}
+	if b.keys, err = p.provision("org", orgs); err == nil {
+		b.hot, err = p.provision("hot", 1)
+	}
+	if err != nil {
+		p.stop()
+		return nil, err
+	}
+	return b, nil
+}
+
+// startDirect serves the fake upstream from this process, for the "direct" row.
+func startDirect() (base string, stop func(), err error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", nil, err
+	}
+	srv := &http.Server{Handler: fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = srv.Serve(l) }()
+	return "http://" + l.Addr().String(), func() { _ = srv.Close() }, nil
+}
+
+// wrkSideBySide runs the wrk scenarios (each split into rounds taken in turns, so a burst of load
+// from elsewhere on the machine spreads over all of them) and prints their table.
+func wrkSideBySide(ctx context.Context, o options, base, esc *proxyProc, keys, hot []string, before *beforeProxy) error {
+	wrk, err := ensureWrk(ctx)
+	if err != nil {
+		return err
+	}
+	dir, err := os.MkdirTemp("", "escrow-wrk-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	direct, stopDirect, err := startDirect()
+	if err != nil {
+		return err
+	}
+	defer stopDirect()
+	chat := "/v1/chat/completions"
+	c1keys := keys[:min(10, len(keys))]
+	type sc struct {
+		name        string
+		url         string
+		p           *proxyProc
+		keys        []string
+		body        []byte
+		threads, cs int
+		runs        []wrkRun
+	}
+	many := fmt.Sprintf("%d orgs", len(keys))
+	scs := []*sc{
+		{name: "direct upstream, json", url: direct + chat, keys: []string{"sk-none"}, body: plainBody, threads: 2, cs: 32},
+		{name: "proxy, middleware off, json", url: base.base + chat, p: base, keys: []string{"sk-none"}, body: plainBody, threads: 2, cs: 32},
+		{name: "escrow, json, " + many, url: esc.base + chat, p: esc, keys: keys, body: plainBody, threads: 2, cs: 32},
+		{name: "escrow, json, 1 hot org", url: esc.base + chat, p: esc, keys: hot, body: plainBody, threads: 2, cs: 32},
+		{name: "proxy, middleware off, stream", url: base.base + chat, p: base, keys: []string{"sk-none"}, body: streamBody, threads: 2, cs: 32},
+		{name: "escrow, stream, " + many, url: esc.base + chat, p: esc, keys: keys, body: streamBody, threads: 2, cs: 32},
+		{name: "proxy, middleware off, json, -c1", url: base.base + chat, p: base, keys: []string{"sk-none"}, body: plainBody, threads: 1, cs: 1},
+		{name: fmt.Sprintf("escrow, json, %d orgs, -c1", len(c1keys)), url: esc.base + chat, p: esc, keys: c1keys, body: plainBody, threads: 1, cs: 1},
+	}
+	if before != nil {
+		bp := before.p
+		scs = append(scs,
+			&sc{name: "before: escrow, json, " + many, url: bp.base + chat, p: bp, keys: before.keys, body: plainBody, threads: 2, cs: 32},
+			&sc{name: "before: escrow, json, 1 hot org", url: bp.base + chat, p: bp, keys: before.hot, body: plainBody, threads: 2, cs: 32},
+			&sc{name: fmt.Sprintf("before: escrow, json, %d orgs, -c1", len(c1keys)), url: bp.base + chat, p: bp, keys: before.keys[:len(c1keys)], body: plainBody, threads: 1, cs: 1},
+		)
+	}
+	round := max(o.wrkDuration/time.Duration(o.rounds), time.Second)
+	fmt.Fprintf(os.Stderr, "wrk: %d rounds of %s per scenario, in turns …\n", o.rounds, round)
+	for _, s := range scs { // warm-up: connections, caches, orgs warm in Redis
+		if _, err := runWrk(ctx, wrk, dir, s.name+" (warm-up)", s.url, s.keys, s.body, s.threads, s.cs, time.Second, s.p); err != nil {
+			return err
+		}
+	}
+	for range o.rounds {
+		for _, s := range scs {
+			r, err := runWrk(ctx, wrk, dir, s.name, s.url, s.keys, s.body, s.threads, s.cs, round, s.p)
+			if err != nil {
+				return err
+			}
+			s.runs = append(s.runs, r)
+		}
+	}
+	sum := func(s *sc) wrkRun {
+		t := wrkRun{name: s.name, hasProxy: s.p != nil}
+		var p50s, p99s []time.Duration
+		for _, r := range s.runs {
+			t.requests += r.requests
+			t.non2xx += r.non2xx
+			t.n429 += r.n429
+			t.elapsed += r.elapsed
+			t.proxy += r.proxy
+			t.redis += r.redis
+			t.pgCPU += r.pgCPU
+			p50s, p99s = append(p50s, r.p50), append(p99s, r.p99)
+		}
+		t.p50, t.p99 = median(p50s), median(p99s)
+		return t
+	}
+	res := make([]wrkRun, len(scs))
+	for i, s := range scs {
+		res[i] = sum(s)
+	}
+	offJSON, offStream, offC1 := res[1], res[4], res[6]
+	us := func(d time.Duration) string { return fmt.Sprintf("%.0f µs", float64(d)/float64(time.Microsecond)) }
+	ms := func(d time.Duration) string { return fmt.Sprintf("%.3f ms", float64(d)/float64(time.Millisecond)) }
+	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(w, "\twrk run\treq/s\tp50\tp99\tproxy CPU/req\tredis CPU/req\tpg CPU/req\tCPU/req over off\treq/s ratio\tp50 over off\t429s\tnon-2xx\t")
+	for i, r := range res {
+		off := offJSON
+		switch {
+		case i == 4 || i == 5:
+			off = offStream
+		case i == 6 || i == 7 || i == 10:
+			off = offC1
+		}
+		cpu, over, ratio, p50over := "", "", "", ""
+		if r.hasProxy {
+			cpu = us(r.per(r.proxy)) + "\t" + us(r.per(r.redis)) + "\t" + us(r.per(r.pgCPU))
+			total := r.per(r.proxy+r.redis+r.pgCPU) - off.per(off.proxy+off.redis+off.pgCPU)
+			over = us(total)
+			ratio = fmt.Sprintf("%.2f", r.rps()/off.rps())
+			p50over = "+" + ms(r.p50-off.p50)
+		} else {
+			cpu = "—\t—\t—"
+		}
+		fmt.Fprintf(w, "\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t\n", r.name, num(r.rps()), ms(r.p50), ms(r.p99), cpu, over, ratio, p50over, r.n429, r.non2xx)
+	}
+	w.Flush()
+	fmt.Printf("wrk 4.1 (Debian), -t2 -c32 unless -c1; %d rounds of %s each, in turns. CPU per request: the proxy from /proc/<pid>/stat (its built-in fake upstream included; the middleware-off proxy pays it too), Redis from INFO cpu, Postgres from its processes in /proc — shared servers, so other clients' work counts too; 'over off' subtracts the middleware-off proxy's CPU per request of the same shape. 429s on the hot org are false 429s: only 32 requests are ever in flight.\n", o.rounds, round)
+	return nil
+}
+
+func median(ds []time.Duration) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := append([]time.Duration(nil), ds...)
+	for i := range s {
+		for j := i + 1; j < len(s); j++ {
+			if s[j] < s[i] {
+				s[i], s[j] = s[j], s[i]
+			}
+		}
+	}
+	return s[len(s)/2]
+}
