@@ -45,13 +45,7 @@ func (p *Postgres) ListOrgs(ctx context.Context, q ListQuery) (Page[OrgInfo], er
 	if err != nil {
 		return Page[OrgInfo]{}, wrapPg("list orgs", err)
 	}
-	var pg Page[OrgInfo]
-	if len(orgs) > limit {
-		orgs = orgs[:limit]
-		pg.Next = orgCursor(orgs[limit-1].ID)
-	}
-	pg.Data = orgs
-	return pg, nil
+	return pageOf(orgs, limit, func(x OrgInfo) string { return orgCursor(x.ID) }), nil
 }
 
 // Org returns one org.
@@ -130,13 +124,7 @@ ORDER BY created_at, id LIMIT $4`, org, tsArg(afterT), afterID, limit+1)
 	if err != nil {
 		return Page[KeyInfo]{}, wrapPg("list keys", err)
 	}
-	var pg Page[KeyInfo]
-	if len(keys) > limit {
-		keys = keys[:limit]
-		pg.Next = keyCursor(keys[limit-1].CreatedAt, keys[limit-1].ID)
-	}
-	pg.Data = keys
-	return pg, nil
+	return pageOf(keys, limit, func(x KeyInfo) string { return keyCursor(x.CreatedAt, x.ID) }), nil
 }
 
 // SetKeyName sets a key's display name.
@@ -213,13 +201,7 @@ func (p *Postgres) ListEntries(ctx context.Context, org string, q EntryQuery) (P
 	if err != nil {
 		return Page[EntryInfo]{}, wrapPg("list entries", err)
 	}
-	var pg Page[EntryInfo]
-	if len(out) > limit {
-		out = out[:limit]
-		pg.Next = entryCursor(out[limit-1].Seq)
-	}
-	pg.Data = out
-	return pg, nil
+	return pageOf(out, limit, func(x EntryInfo) string { return entryCursor(x.Seq) }), nil
 }
 
 const sqlListEntries = `
@@ -373,11 +355,5 @@ WHERE id < $1 ORDER BY id DESC LIMIT $2`, before, limit+1)
 	if err != nil {
 		return Page[AuditRecord]{}, wrapPg("audit log", err)
 	}
-	var pg Page[AuditRecord]
-	if len(recs) > limit {
-		recs = recs[:limit]
-		pg.Next = auditCursor(recs[limit-1].ID)
-	}
-	pg.Data = recs
-	return pg, nil
+	return pageOf(recs, limit, func(x AuditRecord) string { return auditCursor(x.ID) }), nil
 }

@@ -205,6 +205,16 @@ func checkName(name string) error {
 	return nil
 }
 
+// pageOf makes a page from rows read with one more than limit: the extra row only tells that
+// a next page exists, and the cursor names the last row kept.
+func pageOf[T any](rows []T, limit int, cursor func(T) string) Page[T] {
+	if len(rows) <= limit {
+		return Page[T]{Data: rows}
+	}
+	rows = rows[:limit]
+	return Page[T]{Data: rows, Next: cursor(rows[limit-1])}
+}
+
 func pageLimit(n int) int {
 	if n <= 0 {
 		return DefaultPageSize

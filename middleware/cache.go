@@ -106,19 +106,9 @@ func (c *ttlCache[V]) put(key string, v V) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	delete(c.neg, key)
-	if _, ok := c.m[key]; !ok && len(c.m) >= c.size {
+	if _, ok := c.m[key]; !ok {
 		// Full: drop what is too old to serve even stale, then arbitrary entries.
-		for k, x := range c.m {
-			if time.Since(x.at) >= c.maxStale {
-				delete(c.m, k)
-			}
-		}
-		for k := range c.m {
-			if len(c.m) < c.size {
-				break
-			}
-			delete(c.m, k)
-		}
+		makeRoom(c.m, c.size, func(x cacheEntry[V]) bool { return time.Since(x.at) >= c.maxStale })
 	}
 	c.m[key] = cacheEntry[V]{v: v, at: time.Now()}
 }
@@ -129,20 +119,29 @@ func (c *ttlCache[V]) putNeg(key string, err error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	delete(c.m, key)
-	if _, ok := c.neg[key]; !ok && len(c.neg) >= c.negSize {
-		for k, x := range c.neg {
-			if time.Since(x.at) >= c.ttl {
-				delete(c.neg, k)
-			}
-		}
-		for k := range c.neg {
-			if len(c.neg) < c.negSize {
-				break
-			}
-			delete(c.neg, k)
-		}
+	if _, ok := c.neg[key]; !ok {
+		makeRoom(c.neg, c.negSize, func(x negEntry) bool { return time.Since(x.at) >= c.ttl })
 	}
 	c.neg[key] = negEntry{err: err, at: time.Now()}
+}
+
+// makeRoom makes room for one more entry in m, which holds at most size: when it is full, it
+// drops the entries past use (old), then arbitrary ones until one fits.
+func makeRoom[E any](m map[string]E, size int, old func(E) bool) {
+	if len(m) < size {
+		return
+	}
+	for k, x := range m {
+		if old(x) {
+			delete(m, k)
+		}
+	}
+	for k := range m {
+		if len(m) < size {
+			break
+		}
+		delete(m, k)
+	}
 }
 
 // failureLimiter counts failed key look-ups per client IP in fixed one-minute windows, so that
