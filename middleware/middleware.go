@@ -349,22 +349,33 @@ func (m *middleware) identityError(err error) *Error {
 // releaseLater releases a hold in the background, retrying with backoff until Redis answers or
 // ReleaseRetryFor has passed.
 func (m *middleware) releaseLater(org, holdID string, cause error) {
+	m.retryLater(func(attempt int) (bool, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		_, err := m.cfg.Store.Release(ctx, org, holdID)
+		cancel()
+		if err == nil && attempt > 1 {
+			m.cfg.Logger.Info("escrow: background release done", "hold_id", holdID, "org", org, "attempts", attempt)
+		}
+		return err == nil, err
+	}, func(attempts int, err error) {
+		m.cfg.Logger.Error("escrow: background release gave up; the reaper will release the hold",
+			"hold_id", holdID, "org", org, "attempts", attempts, "err", err, "cause", cause)
+	})
+}
+
+// retryLater calls try in the background, with backoff (50 ms doubling up to 5 s), until it is
+// done or ReleaseRetryFor has passed; then gaveUp gets the attempts made and the last error.
+func (m *middleware) retryLater(try func(attempt int) (done bool, err error), gaveUp func(attempts int, err error)) {
 	go func() {
 		deadline := time.Now().Add(m.cfg.ReleaseRetryFor)
 		wait := 50 * time.Millisecond
 		for attempt := 1; ; attempt++ {
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			_, err := m.cfg.Store.Release(ctx, org, holdID)
-			cancel()
-			if err == nil {
-				if attempt > 1 {
-					m.cfg.Logger.Info("escrow: background release done", "hold_id", holdID, "org", org, "attempts", attempt)
-				}
+			done, err := try(attempt)
+			if done {
 				return
 			}
 			if time.Now().Add(wait).After(deadline) {
-				m.cfg.Logger.Error("escrow: background release gave up; the reaper will release the hold",
-					"hold_id", holdID, "org", org, "attempts", attempt, "err", err, "cause", cause)
+				gaveUp(attempt, err)
 				return
 			}
 			time.Sleep(wait)

@@ -246,31 +246,24 @@ func (m *middleware) voidLater(cl *call, ev accounting.UsageEvent) {
 			"hold_id", cl.holdID, "org", cl.id.Org)
 		return
 	}
-	go func() {
-		deadline := time.Now().Add(m.cfg.ReleaseRetryFor)
-		wait := 50 * time.Millisecond
-		for {
-			ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
-			err := m.void(ctx, ev)
-			cancel()
-			switch voidResult(err) {
-			case recordNotStored:
-				m.cfg.Logger.Info("escrow: usage voided after an unknown outcome; hold released", "hold_id", cl.holdID, "org", cl.id.Org)
-				cl.releaseHold()
-				return
-			case recordStored:
-				m.cfg.Logger.Info("escrow: usage found recorded after an unknown outcome; it is charged", "hold_id", cl.holdID, "org", cl.id.Org)
-				return
-			}
-			if time.Now().Add(wait).After(deadline) {
-				m.cfg.Logger.Error("escrow: usage outcome still unknown; giving up voiding (the hold stays for the reaper)",
-					"hold_id", cl.holdID, "org", cl.id.Org, "err", err)
-				return
-			}
-			time.Sleep(wait)
-			wait = min(2*wait, 5*time.Second)
+	m.retryLater(func(int) (bool, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
+		err := m.void(ctx, ev)
+		cancel()
+		switch voidResult(err) {
+		case recordNotStored:
+			m.cfg.Logger.Info("escrow: usage voided after an unknown outcome; hold released", "hold_id", cl.holdID, "org", cl.id.Org)
+			cl.releaseHold()
+			return true, nil
+		case recordStored:
+			m.cfg.Logger.Info("escrow: usage found recorded after an unknown outcome; it is charged", "hold_id", cl.holdID, "org", cl.id.Org)
+			return true, nil
 		}
-	}()
+		return false, err
+	}, func(_ int, err error) {
+		m.cfg.Logger.Error("escrow: usage outcome still unknown; giving up voiding (the hold stays for the reaper)",
+			"hold_id", cl.holdID, "org", cl.id.Org, "err", err)
+	})
 }
 
 func cmpErr(errs ...error) error {
