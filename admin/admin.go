@@ -278,18 +278,12 @@ func (a *API) adjust(c echo.Context) error {
 
 func (a *API) balance(c echo.Context) error {
 	b, err := a.ops.Balance(c.Request().Context(), c.Param("org"))
-	if err != nil {
-		return a.fail(c, err)
-	}
-	return writeJSON(c, http.StatusOK, b)
+	return a.answer(c, b, err)
 }
 
 func (a *API) reconcile(c echo.Context) error {
 	d, err := a.ops.Reconcile(c.Request().Context(), c.Param("org"))
-	if err != nil {
-		return a.fail(c, err)
-	}
-	return writeJSON(c, http.StatusOK, d)
+	return a.answer(c, d, err)
 }
 
 func (a *API) createKey(c echo.Context) error {

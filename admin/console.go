@@ -22,6 +22,14 @@ import (
 
 // writeJSON answers v as JSON without HTML escaping ('>' stays '>', not \u003e): the admin API's
 // readers are programs and people at a terminal, never an HTML page.
+// answer writes v with 200, or the refusal err maps to.
+func (a *API) answer(c echo.Context, v any, err error) error {
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeJSON(c, http.StatusOK, v)
+}
+
 func writeJSON(c echo.Context, status int, v any) error {
 	var buf bytes.Buffer
 	enc := json.NewEncoder(&buf)
@@ -130,10 +138,7 @@ func (a *API) listOrgs(c echo.Context) error {
 
 func (a *API) getOrg(c echo.Context) error {
 	o, err := a.ops.Org(c.Request().Context(), c.Param("org"))
-	if err != nil {
-		return a.fail(c, err)
-	}
-	return writeJSON(c, http.StatusOK, o)
+	return a.answer(c, o, err)
 }
 
 type nameRequest struct {
@@ -241,18 +246,12 @@ func (a *API) usage(c echo.Context) error {
 
 func (a *API) request(c echo.Context) error {
 	r, err := a.ops.Request(c.Request().Context(), c.Param("id"))
-	if err != nil {
-		return a.fail(c, err)
-	}
-	return writeJSON(c, http.StatusOK, r)
+	return a.answer(c, r, err)
 }
 
 func (a *API) getModel(c echo.Context) error {
 	m, err := a.ops.Model(c.Request().Context(), c.Param("model"))
-	if err != nil {
-		return a.fail(c, err)
-	}
-	return writeJSON(c, http.StatusOK, m)
+	return a.answer(c, m, err)
 }
 
 func (a *API) deleteModel(c echo.Context) error {
@@ -315,10 +314,7 @@ func (a *API) patchModel(c echo.Context) error {
 		}
 	}
 	m, err := a.ops.PatchModel(c.Request().Context(), c.Param("model"), p)
-	if err != nil {
-		return a.fail(c, err)
-	}
-	return writeJSON(c, http.StatusOK, m)
+	return a.answer(c, m, err)
 }
 
 var decimalText = regexp.MustCompile(`^([0-9]+)(?:\.([0-9]+))?$`)
