@@ -151,6 +151,29 @@ func (c *client) all(path string, query url.Values) ([]map[string]any, error) {
 	}
 }
 
+// start parses a subcommand's flags, checks that it got want positional arguments, and makes
+// the API client.
+func start(fs *flag.FlagSet, args []string, want int, usage string) ([]string, *client, error) {
+	pos, err := parse(fs, args)
+	if err != nil {
+		return nil, nil, err
+	}
+	if len(pos) != want {
+		return nil, nil, usageErr("%s", usage)
+	}
+	c, err := newClient()
+	return pos, c, err
+}
+
+// setGiven sets the query parameters whose flags were given (non-empty).
+func setGiven(q url.Values, flags map[string]string) {
+	for k, v := range flags {
+		if v != "" {
+			q.Set(k, v)
+		}
+	}
+}
+
 // parse parses flags wherever they are among the arguments and returns the positional ones.
 func parse(fs *flag.FlagSet, args []string) ([]string, error) {
 	fs.SetOutput(io.Discard)
@@ -346,24 +369,12 @@ func cmdUsage(args []string) error {
 	by := fs.String("by", "day", "group by day, model or key")
 	from := fs.String("from", "", "from this time (RFC 3339) or date (YYYY-MM-DD), inclusive")
 	to := fs.String("to", "", "to this time or date, exclusive")
-	pos, err := parse(fs, args)
-	if err != nil {
-		return err
-	}
-	if len(pos) != 1 {
-		return usageErr("usage: escrow usage ORG [--by day|model|key] [--from T] [--to T] [--json|--csv]")
-	}
-	c, err := newClient()
+	pos, c, err := start(fs, args, 1, "usage: escrow usage ORG [--by day|model|key] [--from T] [--to T] [--json|--csv]")
 	if err != nil {
 		return err
 	}
 	q := url.Values{"group_by": {*by}}
-	if *from != "" {
-		q.Set("from", *from)
-	}
-	if *to != "" {
-		q.Set("to", *to)
-	}
+	setGiven(q, map[string]string{"from": *from, "to": *to})
 	path := "/orgs/" + url.PathEscape(pos[0]) + "/usage?" + q.Encode()
 	if o.csv { // the API's own CSV, as exported for reconciliation
 		raw, _, err := c.raw(http.MethodGet, path, nil, "text/csv")
@@ -457,14 +468,7 @@ func cmdRequest(args []string) error {
 	fs := flag.NewFlagSet("request", flag.ContinueOnError)
 	var o output
 	o.flags(fs)
-	pos, err := parse(fs, args)
-	if err != nil {
-		return err
-	}
-	if len(pos) != 1 {
-		return usageErr("usage: escrow request REQUEST_ID [--json|--csv]")
-	}
-	c, err := newClient()
+	pos, c, err := start(fs, args, 1, "usage: escrow request REQUEST_ID [--json|--csv]")
 	if err != nil {
 		return err
 	}
@@ -483,23 +487,12 @@ func cmdEntries(args []string) error {
 	kind := fs.String("kind", "", "charge, credit or adjust (default: all)")
 	from := fs.String("from", "", "from this time (RFC 3339) or date, inclusive")
 	to := fs.String("to", "", "to this time or date, exclusive")
-	pos, err := parse(fs, args)
-	if err != nil {
-		return err
-	}
-	if len(pos) != 1 {
-		return usageErr("usage: escrow entries ORG [--kind charge|credit|adjust] [--from T] [--to T] [--json|--csv]")
-	}
-	c, err := newClient()
+	pos, c, err := start(fs, args, 1, "usage: escrow entries ORG [--kind charge|credit|adjust] [--from T] [--to T] [--json|--csv]")
 	if err != nil {
 		return err
 	}
 	q := url.Values{"limit": {"1000"}}
-	for k, v := range map[string]string{"kind": *kind, "from": *from, "to": *to} {
-		if v != "" {
-			q.Set(k, v)
-		}
-	}
+	setGiven(q, map[string]string{"kind": *kind, "from": *from, "to": *to})
 	rows, err := c.all("/orgs/"+url.PathEscape(pos[0])+"/entries", q)
 	if err != nil {
 		return err
@@ -517,12 +510,7 @@ func cmdAudit(args []string) error {
 	fs := flag.NewFlagSet("audit", flag.ContinueOnError)
 	var o output
 	o.flags(fs)
-	if pos, err := parse(fs, args); err != nil {
-		return err
-	} else if len(pos) != 0 {
-		return usageErr("usage: escrow audit [--json|--csv]")
-	}
-	c, err := newClient()
+	_, c, err := start(fs, args, 0, "usage: escrow audit [--json|--csv]")
 	if err != nil {
 		return err
 	}
