@@ -30,13 +30,9 @@ func (m *Memory) orgInfoLocked(id string, a *memAccount) OrgInfo {
 
 // ListOrgs lists orgs by id.
 func (m *Memory) ListOrgs(ctx context.Context, q ListQuery) (Page[OrgInfo], error) {
-	after := ""
-	if q.Cursor != "" {
-		f, err := readCursor(q.Cursor, "org", 1)
-		if err != nil {
-			return Page[OrgInfo]{}, err
-		}
-		after = f[0]
+	after, err := parseOrgCursor(q.Cursor)
+	if err != nil {
+		return Page[OrgInfo]{}, err
 	}
 	limit := pageLimit(q.Limit)
 	m.mu.Lock()

@@ -31,13 +31,9 @@ func scanOrg(r pgx.CollectableRow) (OrgInfo, error) {
 
 // ListOrgs lists orgs by id (the accounts primary key).
 func (p *Postgres) ListOrgs(ctx context.Context, q ListQuery) (Page[OrgInfo], error) {
-	after := ""
-	if q.Cursor != "" {
-		f, err := readCursor(q.Cursor, "org", 1)
-		if err != nil {
-			return Page[OrgInfo]{}, err
-		}
-		after = f[0]
+	after, err := parseOrgCursor(q.Cursor)
+	if err != nil {
+		return Page[OrgInfo]{}, err
 	}
 	limit := pageLimit(q.Limit)
 	rows, _ := p.pool.Query(ctx, `SELECT `+sqlOrgColumns+` FROM accounts WHERE org_id > $1 ORDER BY org_id LIMIT $2`, after, limit+1)

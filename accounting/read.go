@@ -260,6 +260,18 @@ func inRange(t, from, to time.Time) bool {
 	return (from.IsZero() || !t.Before(from)) && (to.IsZero() || t.Before(to))
 }
 
+// parseOrgCursor returns the org id an org cursor names ("" for no cursor: from the start).
+func parseOrgCursor(c string) (string, error) {
+	if c == "" {
+		return "", nil
+	}
+	f, err := readCursor(c, "org", 1)
+	if err != nil {
+		return "", err
+	}
+	return f[0], nil
+}
+
 // parseKeyCursor returns the (created, id) a key cursor names.
 func parseKeyCursor(c string) (time.Time, string, error) {
 	f, err := readCursor(c, "key", 2)
