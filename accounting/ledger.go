@@ -49,9 +49,15 @@ func (m Model) CostBound() (bound int64, ok bool, err error) {
 // UsageEvent is what one served request consumed. Its ID is the request's hold id (a UUIDv7
 // made by the server), which makes recording idempotent.
 type UsageEvent struct {
-	ID         string    `json:"id"`
-	Org        string    `json:"org"`
-	KeyID      string    `json:"key_id,omitempty"`
+	ID    string `json:"id"`
+	Org   string `json:"org"`
+	KeyID string `json:"key_id,omitempty"`
+	// Project and ReservedAt are the request's limit attribution (balance.Reservation): its
+	// cost counts against the limits of the org, of Project and of KeyID in the windows that
+	// contain ReservedAt (the Redis clock at reserve). Zero values: none (fail-open requests are
+	// attributed to their record time).
+	Project    string    `json:"project,omitempty"`
+	ReservedAt time.Time `json:"reserved_at,omitzero"`
 	Model      string    `json:"model"`
 	Endpoint   string    `json:"endpoint,omitempty"`
 	Usage      Usage     `json:"usage"`

@@ -416,6 +416,10 @@ type Reservation struct {
 	// original's when its hold was added to limit counters, else this call's). Store it with
 	// the usage event: its cost is charged to the windows that contain it (Entry.ReservedAt).
 	ReservedAt time.Time
+	// Project is the key's project as the hot state's key → project map said at reserve time
+	// ("" for none; for a duplicate, the map's answer now). Store it with the usage event:
+	// the cost counts against that project's limits (Entry.Project).
+	Project string
 }
 
 // maxColdRetries bounds Reserve's warm-and-retry loop.
@@ -459,10 +463,10 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 		switch status {
 		case "OK":
 			s.markHeld(r.Org)
-			return Reservation{Balance: toInt(res[1]), ReservedAt: msTime(res[2])}, nil
+			return Reservation{Balance: toInt(res[1]), ReservedAt: msTime(res[2]), Project: str(res, 3)}, nil
 		case "DUP":
 			s.markHeld(r.Org)
-			return Reservation{Balance: toInt(res[1]), Duplicate: true, ReservedAt: msTime(res[2])}, nil
+			return Reservation{Balance: toInt(res[1]), Duplicate: true, ReservedAt: msTime(res[2]), Project: str(res, 3)}, nil
 		case "GONE":
 			return Reservation{}, ErrGone
 		case "FROZEN":
@@ -490,6 +494,15 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 
 // msTime reads a script's ms timestamp string.
 func msTime(v any) time.Time { return time.UnixMilli(toInt(v)).UTC() }
+
+// str returns reply element i as a string ("" when absent or not a string).
+func str(res []any, i int) string {
+	if i >= len(res) {
+		return ""
+	}
+	s, _ := res[i].(string)
+	return s
+}
 
 // limitError reads {'LIMIT', id, scope, scope id, window, cap, used, resets ms}.
 func limitError(res []any, amount int64) *LimitError {

@@ -20,7 +20,8 @@
 --
 -- Checks, in this order: amount, COLD (no acct, another epoch, lim missing or older than the
 -- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, LIMIT, INSUFFICIENT.
--- Replies: {'OK', new balance, reserve ms} | {'COLD'} | {'DUP', balance, original reserve ms}
+-- Replies: {'OK', new balance, reserve ms, project} | {'COLD'}
+--          | {'DUP', balance, original reserve ms, project now}
 --          | {'GONE'} | {'FROZEN', scope, scope id} | {'TOO_MANY', count}
 --          | {'LIMIT', id, scope, scope id, window, cap, used, resets ms ('0': never)}
 --          | {'INSUFFICIENT', balance}
@@ -48,7 +49,7 @@ if rec then
   if rt == '' then
     rt = ms_string(now + (tonumber(ARGV[9]) or 0)) -- a plain record keeps no time (no counters)
   end
-  return {'DUP', acct[1], rt}
+  return {'DUP', acct[1], rt, lim[4] or ''}
 end
 
 if redis.call('ZSCORE', KEYS[4], ARGV[2]) then
@@ -126,4 +127,4 @@ else
   redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 end
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[2])
-return {'OK', bal, rts}
+return {'OK', bal, rts, v_project or ''}
