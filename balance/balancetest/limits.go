@@ -179,539 +179,19 @@ func projLimit(id, p string, w balance.Window, cap int64) balance.Limit {
 
 // runLimits is the conformance suite of DESIGN.md "Limits", one test per rule.
 func runLimits(t *testing.T, env Env) {
-	// "A limit is scope × window × cap": a hold counts against each limit of its org, its key's
-	// project (as lim says) and its key, in the window of its reserve time.
-	t.Run("LimitsScopeWindowCap", func(t *testing.T) {
-		t.Parallel()
-		x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{
-			Limits: []balance.Limit{
-				orgLimit("o-month", balance.Month, 10_000), projLimit("p-day", "staging", balance.Day, 5_000),
-				keyLimit("k-hour", "k1", balance.Hour, 1_000), keyLimit("k2-life", "k2", balance.Lifetime, 700),
-			},
-			Projects: map[string]string{"k1": "staging"},
-		})
-		r := x.mustReserveKey(x.s, "a", "k1", 300)
-		now := r.ReservedAt
-		if d := time.Since(now); d < -time.Minute || d > time.Minute {
-			t.Fatalf("reserve time %v is not the Redis clock", now)
-		}
-		u := x.u()
-		eq(t, "org counter", u[field("o-month", balance.Month.StartMS(now))], 300)
-		eq(t, "project counter", u[field("p-day", balance.Day.StartMS(now))], 300)
-		eq(t, "key counter", u[field("k-hour", balance.Hour.StartMS(now))], 300)
-		eq(t, "other key's lifetime counter", u[field("k2-life", 0)], 0)
-		x.counters()
-		x.mustReserveKey(x.s, "b", "k2", 500) // k2 is in no project: org and k2 only
-		x.mustReserveKey(x.s, "c", "", 100)   // no key: the org's limits only
-		u = x.u()
-		eq(t, "org counter", u[field("o-month", balance.Month.StartMS(now))], 900)
-		eq(t, "project counter", u[field("p-day", balance.Day.StartMS(now))], 300)
-		eq(t, "k2 counter", u[field("k2-life", 0)], 500)
-		x.counters()
-		// The cap is exact: U + amount = cap passes, one more refuses.
-		x.mustReserveKey(x.s, "d", "k2", 200)
-		_, err := x.reserveKey(x.s, "e", "k2", 1)
-		var le *balance.LimitError
-		if !errors.As(err, &le) || !errors.Is(err, balance.ErrLimit) {
-			t.Fatalf("got %v, want *LimitError", err)
-		}
-		eq(t, "limit", le.Limit, keyLimit("k2-life", "k2", balance.Lifetime, 700))
-		eq(t, "used", le.Used, 700)
-		eq(t, "lifetime never resets", le.ResetsAt.IsZero(), true)
-		x.counters()
-	})
-
-	// "LIMIT: some counter in scope has U + amount > cap; nothing is written."
-	t.Run("LimitWritesNothing", func(t *testing.T) {
-		t.Parallel()
-		x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{
-			orgLimit("o", balance.Day, 1_000), keyLimit("k", "k1", balance.Day, 400),
-		}})
-		x.mustReserveKey(x.s, "a", "k1", 300)
-		before, ubefore := x.state(), x.u()
-		_, err := x.reserveKey(x.s, "b", "k1", 101)
-		var le *balance.LimitError
-		if !errors.As(err, &le) || le.Limit.ID != "k" || le.Used != 300 || le.Amount != 101 {
-			t.Fatalf("got %v, want the key's limit with 300 used", err)
-		}
-		_, next := balance.Day.Bounds(x.redisNow())
-		eq(t, "resets at the next day", le.ResetsAt.Equal(next), true)
-		after := x.state()
-		eq(t, "balance", after.Balance, before.Balance)
-		eq(t, "holds", after.Holds, before.Holds)
-		eq(t, "counters", fmt.Sprint(x.u()), fmt.Sprint(ubefore))
-		x.counters()
-	})
-
-	// The order of reserve's checks: amount, COLD, DUPLICATE, GONE, FROZEN, TOO_MANY, LIMIT,
-	// INSUFFICIENT — a re-sent reserve whose first try committed is recognised before any cap.
-	t.Run("ReserveOrder", func(t *testing.T) {
-		t.Parallel()
-		x := limited(t, env, balance.Config{MaxInFlight: 2}, 1_000, balance.Limits{Limits: []balance.Limit{
-			keyLimit("k", "k1", balance.Day, 500),
-		}})
-		x.mustReserveKey(x.s, "a", "k1", 500) // the cap is used up
-		// DUP before LIMIT, with the original's reserve time (here read through a store whose
-		// clock is an hour ahead).
-		x.mustReserveKey(x.s, "a2", "", 10)
-		ahead := x.withClock(x.redisNow().Add(time.Hour))
-		r := x.mustReserveKey(ahead, "a", "k1", 500)
-		eq(t, "duplicate", r.Duplicate, true)
-		if d := time.Since(r.ReservedAt); d < -time.Minute || d > time.Minute {
-			t.Fatalf("duplicate's reserve time %v is not the original's", r.ReservedAt)
-		}
-		first, _ := x.env.Client.HGet(x.ctx, x.key("holds"), "a").Result()
-		eq(t, "record keeps the reserve time", strings.Contains(first, "|"+strconv.FormatInt(r.ReservedAt.UnixMilli(), 10)+"|"), true)
-		// GONE before FROZEN and LIMIT.
-		if _, err := x.s.Release(x.ctx, x.org, "a2"); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := x.reserveKey(x.s, "a2", "k1", 10); !errors.Is(err, balance.ErrGone) {
-			t.Fatalf("re-sent after release: %v, want ErrGone", err)
-		}
-		// LIMIT before INSUFFICIENT: 501 is more than the balance left and than the cap.
-		if _, err := x.reserveKey(x.s, "b", "k1", 501); !errors.Is(err, balance.ErrLimit) {
-			t.Fatalf("got %v, want ErrLimit", err)
-		}
-		// TOO_MANY before LIMIT.
-		x.mustReserveKey(x.s, "c", "", 10)
-		if _, err := x.reserveKey(x.s, "d", "k1", 1); !errors.Is(err, balance.ErrTooManyHolds) {
-			t.Fatalf("got %v, want ErrTooManyHolds", err)
-		}
-		// FROZEN before TOO_MANY.
-		lim := x.l.Limits(x.org)
-		lim.Frozen = []balance.Scope{{Kind: balance.ScopeKey, ID: "k1"}}
-		if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
-			t.Fatal(err)
-		}
-		_, err := x.reserveKey(x.s, "d", "k1", 1)
-		var fe *balance.FrozenError
-		if !errors.As(err, &fe) || fe.Scope != (balance.Scope{Kind: balance.ScopeKey, ID: "k1"}) {
-			t.Fatalf("got %v, want the key frozen", err)
-		}
-		// DUP before FROZEN.
-		if r, err := x.reserveKey(x.s, "a", "k1", 500); err != nil || !r.Duplicate {
-			t.Fatalf("re-sent reserve of a frozen key: %v %v, want DUP", r, err)
-		}
-		x.counters()
-	})
-
-	// "Reserve answers COLD when lim is missing or its version is older than the one acct
-	// records" (the script itself; Store.Reserve then reseeds).
-	t.Run("ColdWithoutCurrentLim", func(t *testing.T) {
-		t.Parallel()
-		x := limited(t, env, balance.Config{}, 1_000, balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Day, 500)}})
-		keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone"), x.key("lim"), x.key("u")}
-		call := func() string {
-			res, err := x.env.Client.Eval(x.ctx, reserveSrc(), keys, x.s.Epoch().String(), randomID("h"), "10", "1000", "10", "1000", "1000", "", "0").Slice()
-			if err != nil {
-				t.Fatal(err)
-			}
-			return res[0].(string)
-		}
-		if err := x.env.Client.HSet(x.ctx, x.key("lim"), "v", "0").Err(); err != nil {
-			t.Fatal(err)
-		}
-		eq(t, "lim older than acct records", call(), "COLD")
-		if err := x.env.Client.Del(x.ctx, x.key("lim")).Err(); err != nil {
-			t.Fatal(err)
-		}
-		eq(t, "lim missing", call(), "COLD")
-		// Store.Reserve reseeds all three (the seed rewrites an acct whose lim is not current).
-		x.mustReserveKey(x.s, "a", "", 100)
-		eq(t, "counter after reseed", x.u()[field("o", balance.Day.StartMS(x.redisNow()))], 100)
-		x.counters()
-	})
-
-	// "acct, lim and u exist or vanish together": invalidate, settle's newer-epoch drop and
-	// PushLimits drop all three; a seed writes all three.
-	t.Run("ExistOrVanishTogether", func(t *testing.T) {
-		t.Parallel()
-		x := limited(t, env, balance.Config{}, 1_000, balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Day, 500)}})
-		exists := func() int64 {
-			n, err := x.env.Client.Exists(x.ctx, x.key("acct"), x.key("lim"), x.key("u")).Result()
-			if err != nil {
-				t.Fatal(err)
-			}
-			return n
-		}
-		eq(t, "after seed", exists(), 3)
-		x.mustReserveKey(x.s, "a", "", 10)
-		if err := x.s.Invalidate(x.ctx, x.org); err != nil {
-			t.Fatal(err)
-		}
-		eq(t, "after invalidate", exists(), 0)
-		x.counters()
-		if err := x.s.Warm(x.ctx, x.org); err != nil {
-			t.Fatal(err)
-		}
-		eq(t, "after reseed", exists(), 3)
-		eq(t, "live hold counted by the seed", x.u()[field("o", balance.Day.StartMS(x.redisNow()))], 10)
-		x.counters()
-		newer := balance.Epoch{Gen: x.l.CurrentEpoch().Gen + 1, ID: "newer"}
-		if _, err := x.s.Settle(x.ctx, x.org, newer, []balance.Entry{{Seq: 2, Delta: -1}}); !errors.Is(err, balance.ErrCold) {
-			t.Fatalf("newer epoch: %v", err)
-		}
-		eq(t, "after a newer epoch's settle", exists(), 0)
-		x.l.SetEpoch(newer)
-		if err := x.s.Warm(x.ctx, x.org); err != nil {
-			t.Fatal(err)
-		}
-		eq(t, "after reseed", exists(), 3)
-		v := x.l.Limits(x.org).Version
-		if pushed, err := x.s.PushLimits(x.ctx, x.org, v); pushed || err != nil {
-			t.Fatalf("push of the current version: %v %v, want nothing", pushed, err)
-		}
-		eq(t, "after a push of the same version", exists(), 3)
-		if pushed, err := x.s.PushLimits(x.ctx, x.org, v+1); !pushed || err != nil {
-			t.Fatalf("push of a newer version: %v %v", pushed, err)
-		}
-		eq(t, "after a push", exists(), 0)
-		x.counters()
-	})
-
-	// Moves: settle seq = wm+1 takes the hold out of its counters and adds the entry's cost to
-	// the counters it names; release and reap U −= hold; finish U += cost − hold.
-	t.Run("MovesKeepCounters", func(t *testing.T) {
-		t.Parallel()
-		x := limited(t, env, balance.Config{HoldTTL: 100 * time.Millisecond, PinTTL: time.Second, ReapGrace: time.Millisecond}, 1_000_000,
-			balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Month, 100_000), keyLimit("k", "k1", balance.Day, 50_000)}, Projects: map[string]string{"k1": "p"}})
-		f := func(id string) int64 {
-			return x.u()[field(id, map[string]balance.Window{"o": balance.Month, "k": balance.Day}[id].StartMS(x.redisNow()))]
-		}
-		ra := x.mustReserveKey(x.s, "a", "k1", 1_000)
-		eq(t, "a held", f("k"), 1_000)
-		eq(t, "settle below the hold", x.settleUsage(x.s, "a", "k1", 400, ra.ReservedAt), balance.Applied)
-		eq(t, "a charged", f("k"), 400)
-		rb := x.mustReserveKey(x.s, "b", "k1", 1_000)
-		eq(t, "settle above the hold (overshoot)", x.settleUsage(x.s, "b", "k1", 1_300, rb.ReservedAt), balance.Applied)
-		eq(t, "b charged", f("k"), 1_700)
-		x.mustReserveKey(x.s, "c", "k1", 1_000)
-		if ok, err := x.s.Release(x.ctx, x.org, "c"); !ok || err != nil {
-			t.Fatalf("release: %v %v", ok, err)
-		}
-		eq(t, "released", f("k"), 1_700)
-		x.counters()
-		rd := x.mustReserveKey(x.s, "d", "k1", 1_000)
-		if ok, err := x.s.Finish(x.ctx, x.org, "d", 250); !ok || err != nil {
-			t.Fatalf("finish: %v %v", ok, err)
-		}
-		eq(t, "finished", f("k"), 1_950)
-		eq(t, "org counter", f("o"), 1_950)
-		x.counters()
-		eq(t, "settle a finished hold", x.settleUsage(x.s, "d", "k1", 250, rd.ReservedAt), balance.Applied)
-		eq(t, "settled", f("k"), 1_950)
-		x.mustReserveKey(x.s, "e", "k1", 1_000)
-		x.mustReserveKey(x.s, "g", "k1", 1_000)
-		if ok, err := x.s.Finish(x.ctx, x.org, "g", 10); !ok || err != nil {
-			t.Fatalf("finish: %v %v", ok, err)
-		}
-		x.counters()
-		time.Sleep(250 * time.Millisecond) // expiry, not a window: the reaper needs real time
-		if n, err := x.s.Reap(x.ctx, x.org); n != 2 || err != nil {
-			t.Fatalf("reap: %d %v, want e and g", n, err)
-		}
-		eq(t, "reaped", f("k"), 1_950)
-		x.counters()
-		// An entry with no reserve time (a credit, an adjust) counts against no limit.
-		x.l.Add(x.org, -5, "")
-		if err := x.s.CatchUp(x.ctx, x.org); err != nil {
-			t.Fatal(err)
-		}
-		eq(t, "unattributed", f("k"), 1_950)
-		x.counters()
-	})
-
-	// "Finish and release with no acct touch no counter"; seq ≤ wm only takes a present hold
-	// out of its counters; the seed counts the window's spend so far plus live holds.
-	t.Run("SeedAndAlready", func(t *testing.T) {
-		t.Parallel()
-		x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{keyLimit("k", "k1", balance.Day, 50_000)}})
-		f := func() int64 { return x.u()[field("k", balance.Day.StartMS(x.redisNow()))] }
-		ra := x.mustReserveKey(x.s, "a", "k1", 1_000)
-		x.mustReserveKey(x.s, "b", "k1", 2_000)
-		x.mustReserveKey(x.s, "c", "k1", 3_000)
-		// a's usage is in the ledger, unsettled; yesterday's usage too (not this window's).
-		ea := x.l.AddUsage(x.org, 600, "a", "k1", "", ra.ReservedAt)
-		x.l.AddUsage(x.org, 999, "old", "k1", "", ra.ReservedAt.Add(-24*time.Hour))
-		if err := x.s.Invalidate(x.ctx, x.org); err != nil {
-			t.Fatal(err)
-		}
-		// No acct: release and finish touch no counter (there is none to touch).
-		if ok, _ := x.s.Release(x.ctx, x.org, "c"); !ok {
-			t.Fatal("release c")
-		}
-		if ok, _ := x.s.Finish(x.ctx, x.org, "b", 500); !ok {
-			t.Fatal("finish b")
-		}
-		n, _ := x.env.Client.Exists(x.ctx, x.key("u")).Result()
-		eq(t, "no counters recreated", n, 0)
-		if err := x.s.Warm(x.ctx, x.org); err != nil {
-			t.Fatal(err)
-		}
-		// The seed: a's cost (ledger, this window) + a's hold + b's (finished) hold.
-		eq(t, "seeded counter", f(), 600+1_000+500)
-		if u := x.u(); len(u) != 1 {
-			t.Fatalf("seed created a past window's counter: %v", u)
-		}
-		x.counters()
-		st, err := x.s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), []balance.Entry{ea})
-		if err != nil || st[0] != balance.Already {
-			t.Fatalf("settle a: %v %v, want already", st, err)
-		}
-		eq(t, "already: only the hold left", f(), 600+500)
-		x.counters()
-	})
-
-	// "A request reserved at 23:59:59 belongs to that day": settled after midnight, its cost is
-	// charged to the day it started; the new day's counter is created by the next reserve.
-	t.Run("ChargedToTheDayItStarted", func(t *testing.T) {
-		t.Parallel()
-		x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{keyLimit("k", "k1", balance.Day, 5_000)}})
-		midnight := time.Date(2031, 3, 4, 0, 0, 0, 0, time.UTC)
-		late, r := x.reserveBefore(midnight, "late", "k1", 1_000) // at 23:59:59
-		day1 := midnight.AddDate(0, 0, -1).UnixMilli()
-		if got := balance.Day.StartMS(r.ReservedAt); got != day1 {
-			t.Fatalf("reserved at %v: day %d, want %d", r.ReservedAt, got, day1)
-		}
-		after := x.withClock(midnight.Add(2 * time.Second))
-		eq(t, "settled after midnight", x.settleUsage(after, late, "k1", 4_000, r.ReservedAt), balance.Applied)
-		u := x.u()
-		eq(t, "charged to its day", u[field("k", day1)], 4_000)
-		if _, ok := u[field("k", midnight.UnixMilli())]; ok {
-			t.Fatal("the new day's counter was charged")
-		}
-		// The new day has its own cap: 5,000 fit. Its first hold drops the past day's counter
-		// (past windows are not kept in Redis); a settle there is then skipped.
-		x.mustReserveKey(after, "next", "k1", 5_000)
-		u = x.u()
-		eq(t, "new day", u[field("k", midnight.UnixMilli())], 5_000)
-		if _, ok := u[field("k", day1)]; ok {
-			t.Fatalf("the past day's counter is kept: %v", u)
-		}
-		if _, err := x.reserveKey(after, "more", "k1", 1); !errors.Is(err, balance.ErrLimit) {
-			t.Fatalf("got %v, want ErrLimit", err)
-		}
-		// A reseed on the new day keeps only the current window; a settle for the past window
-		// then skips its missing field and creates nothing.
-		late2, r2 := x.reserveBefore(midnight, "late2", "k1", 500)
-		if err := x.s.Invalidate(x.ctx, x.org); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := after.Seed(x.ctx, x.org, mustSnapSince(t, x.l, x.org, midnight.Add(2*time.Second))); err != nil {
-			t.Fatal(err)
-		}
-		if err := after.CatchUp(x.ctx, x.org); err != nil {
-			t.Fatal(err)
-		}
-		u = x.u()
-		if _, ok := u[field("k", day1)]; ok {
-			t.Fatalf("a reseed kept a past window: %v", u)
-		}
-		eq(t, "new day after reseed", u[field("k", midnight.UnixMilli())], 5_000)
-		x.settleUsage(after, late2, "k1", 300, r2.ReservedAt)
-		u = x.u()
-		if _, ok := u[field("k", day1)]; ok {
-			t.Fatalf("a settle re-created a past window: %v", u)
-		}
-		eq(t, "new day untouched", u[field("k", midnight.UnixMilli())], 5_000)
-	})
-
-	// "A freeze flag on the org, a project or a key refuses every new hold at once; holds in
-	// flight finish normally."
-	t.Run("FreezeAtOnce", func(t *testing.T) {
-		t.Parallel()
-		x := limited(t, env, balance.Config{}, 100_000, balance.Limits{
-			Limits: []balance.Limit{orgLimit("o", balance.Day, 50_000)}, Projects: map[string]string{"k1": "p", "k2": "p"},
-		})
-		ra := x.mustReserveKey(x.s, "a", "k1", 1_000)
-		rb := x.mustReserveKey(x.s, "b", "k3", 1_000)
-		for _, sc := range []balance.Scope{{Kind: balance.ScopeKey, ID: "k1"}, {Kind: balance.ScopeProject, ID: "p"}, {Kind: balance.ScopeOrg}} {
-			lim := x.l.Limits(x.org)
-			lim.Frozen = []balance.Scope{sc}
-			if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
-				t.Fatal(err)
-			}
-			key := map[balance.ScopeKind]string{balance.ScopeKey: "k1", balance.ScopeProject: "k2", balance.ScopeOrg: "k3"}[sc.Kind]
-			_, err := x.reserveKey(x.s, randomID("h"), key, 1)
-			var fe *balance.FrozenError
-			if !errors.As(err, &fe) || !errors.Is(err, balance.ErrFrozen) || fe.Scope != sc {
-				t.Fatalf("frozen %v: got %v", sc, err)
-			}
-			x.counters()
-		}
-		// The holds in flight finish and settle normally while the org is frozen.
-		if ok, err := x.s.Finish(x.ctx, x.org, "a", 700); !ok || err != nil {
-			t.Fatalf("finish: %v %v", ok, err)
-		}
-		eq(t, "settle a", x.settleUsage(x.s, "a", "k1", 700, ra.ReservedAt), balance.Applied)
-		eq(t, "settle b", x.settleUsage(x.s, "b", "k3", 1_200, rb.ReservedAt), balance.Applied)
-		eq(t, "balance", x.state().Balance, 100_000-700-1_200)
-		eq(t, "counter", x.u()[field("o", balance.Day.StartMS(x.redisNow()))], 1_900)
-		// Unfreeze: holds pass again.
-		lim := x.l.Limits(x.org)
-		lim.Frozen = nil
-		if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
-			t.Fatal(err)
-		}
-		x.mustReserveKey(x.s, "c", "k1", 1)
-	})
-
-	// "Lowering a cap below used refuses new holds and never moves money."
-	t.Run("LowerCapBelowUsed", func(t *testing.T) {
-		t.Parallel()
-		x := limited(t, env, balance.Config{}, 100_000, balance.Limits{Limits: []balance.Limit{keyLimit("k", "k1", balance.Month, 1_000)}})
-		ra := x.mustReserveKey(x.s, "a", "k1", 500)
-		x.settleUsage(x.s, "a", "k1", 300, ra.ReservedAt)
-		rb := x.mustReserveKey(x.s, "b", "k1", 500) // in flight across the change
-		before := x.state()
-		lim := x.l.Limits(x.org)
-		lim.Limits[0].Cap = 200
-		if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
-			t.Fatal(err)
-		}
-		_, err := x.reserveKey(x.s, "c", "k1", 1)
-		var le *balance.LimitError
-		if !errors.As(err, &le) || le.Used != 800 || le.Limit.Cap != 200 {
-			t.Fatalf("got %v, want the lowered cap with 800 used", err)
-		}
-		after := x.state()
-		eq(t, "balance", after.Balance, before.Balance)
-		eq(t, "held", after.Held, before.Held)
-		x.counters()
-		eq(t, "the hold in flight settles", x.settleUsage(x.s, "b", "k1", 450, rb.ReservedAt), balance.Applied)
-		eq(t, "balance", x.state().Balance, 100_000-300-450)
-		eq(t, "used over the cap", x.u()[field("k", balance.Month.StartMS(x.redisNow()))], 750)
-	})
-
-	// Window boundaries are computed by the script from TIME: hour, day, week (Monday), calendar
-	// month, UTC; month ends, year ends, leap years and the 100/400 rules, checked against Go's
-	// calendar (Window.Bounds) through the counter fields and the reset times reserve reports.
-	t.Run("Calendar", func(t *testing.T) {
-		t.Parallel()
-		x := fixture(t, env, balance.Config{}, 0, false)
-		var instants []time.Time
-		for _, b := range []time.Time{
-			time.Date(2024, 2, 29, 0, 0, 0, 0, time.UTC), // leap day
-			time.Date(2024, 3, 1, 0, 0, 0, 0, time.UTC),  // after a leap February
-			time.Date(2023, 3, 1, 0, 0, 0, 0, time.UTC),  // after a common February
-			time.Date(2000, 3, 1, 0, 0, 0, 0, time.UTC),  // 2000: divisible by 400, leap
-			time.Date(2100, 3, 1, 0, 0, 0, 0, time.UTC),  // 2100: divisible by 100, common
-			time.Date(1900, 3, 1, 0, 0, 0, 0, time.UTC),  // 1900: common (a negative timestamp)
-			time.Date(2027, 1, 1, 0, 0, 0, 0, time.UTC),  // year end
-			time.Date(2031, 5, 1, 0, 0, 0, 0, time.UTC),  // after a 30-day month
-			time.Date(2026, 12, 7, 0, 0, 0, 0, time.UTC), // a Monday
-			time.Date(2026, 8, 1, 13, 0, 0, 0, time.UTC), // an hour
-		} {
-			instants = append(instants, b.Add(-1500*time.Millisecond), b.Add(1500*time.Millisecond))
-		}
-		rnd := rand.New(rand.NewPCG(7, 13))
-		for range 20 {
-			instants = append(instants, time.UnixMilli(-2_208_988_800_000+rnd.Int64N(300*365*86_400_000)).UTC())
-		}
-		windows := []balance.Window{balance.Hour, balance.Day, balance.Week, balance.Month, balance.Lifetime}
-		var lims []balance.Limit
-		for _, w := range windows {
-			lims = append(lims, keyLimit("l-"+string(w), "k-"+string(w), w, 10))
-		}
-		for i, at := range instants {
-			s := x.withClock(at)
-			org := fmt.Sprintf("%s-%d", x.org, i)
-			x.l.Add(org, 1_000, "")
-			x.l.SetLimits(org, balance.Limits{Limits: lims})
-			// The script's windows are compared with Go's at the reserve time it reports (the
-			// instants are only aimed at: the test's own run time moves them a little).
-			for _, w := range windows {
-				_, err := s.Reserve(x.ctx, balance.ReserveRequest{Org: org, HoldID: "a-" + string(w), Amount: 11, KeyID: "k-" + string(w)})
-				var le *balance.LimitError
-				if !errors.As(err, &le) {
-					t.Fatalf("%v: %s: got %v, want a limit", at, w, err)
-				}
-				r, err := s.Reserve(x.ctx, balance.ReserveRequest{Org: org, HoldID: "b-" + string(w), Amount: 5, KeyID: "k-" + string(w)})
-				if err != nil {
-					t.Fatalf("%v: reserve: %v", at, err)
-				}
-				if d := r.ReservedAt.Sub(at); d < -time.Minute || d > time.Minute {
-					t.Fatalf("%v: reserve time %v", at, r.ReservedAt)
-				}
-				start, next := w.Bounds(r.ReservedAt)
-				// The refusal came first: its window is the reserve's, or the one before it.
-				if w != balance.Lifetime && !le.ResetsAt.Equal(next) && !le.ResetsAt.Equal(start) {
-					t.Fatalf("%v: %s resets at %v, want %v", r.ReservedAt, w, le.ResetsAt, next)
-				}
-				c, err := s.Counters(x.ctx, org)
-				if err != nil {
-					t.Fatal(err)
-				}
-				want := balance.Counter{LimitID: "l-" + string(w), Start: w.StartMS(r.ReservedAt)}
-				if c[want] != 5 {
-					t.Fatalf("%v: %s window start: counters %v, want %v (%v)", r.ReservedAt, w, c, want, start)
-				}
-			}
-		}
-	})
-
-	t.Run("LimitsValidation", func(t *testing.T) {
-		t.Parallel()
-		x := fixture(t, env, balance.Config{}, 1_000, true)
-		for _, lim := range []balance.Limits{
-			{Limits: []balance.Limit{orgLimit("", balance.Day, 1)}},
-			{Limits: []balance.Limit{orgLimit("a:b", balance.Day, 1)}},
-			{Limits: []balance.Limit{orgLimit("a", "fortnight", 1)}},
-			{Limits: []balance.Limit{orgLimit("a", balance.Day, 0)}},
-			{Limits: []balance.Limit{orgLimit("a", balance.Day, balance.MaxAmount+1)}},
-			{Limits: []balance.Limit{orgLimit("a", balance.Day, 1), orgLimit("a", balance.Hour, 1)}},
-			{Limits: []balance.Limit{keyLimit("a", "", balance.Day, 1)}},
-			{Frozen: []balance.Scope{{Kind: "team", ID: "x"}}},
-			{Projects: map[string]string{"k,1": "p"}},
-		} {
-			_, err := x.s.Seed(x.ctx, randomID("org"), balance.Snapshot{Epoch: x.l.CurrentEpoch(), Seq: 1, Limits: &balance.LimitSnapshot{Limits: lim}})
-			if !errors.Is(err, balance.ErrInvalidLimits) {
-				t.Fatalf("%+v: got %v, want ErrInvalidLimits", lim, err)
-			}
-		}
-		if _, err := x.reserveKey(x.s, "h", "a;b", 1); !errors.Is(err, balance.ErrInvalidKeyID) {
-			t.Fatalf("bad key id: %v", err)
-		}
-	})
-
-	// 2,000 concurrent reserves on one key with a daily cap for exactly N holds and a balance far
-	// larger: exactly N pass.
-	t.Run("Burst2000KeyCap", func(t *testing.T) {
-		t.Parallel()
-		const requests, n, hold = 2000, 137, 1_000
-		// Exact counts: a client of its own with room for the burst and timeouts a loaded machine
-		// (the race detector, a shared CI box) cannot hit, as TestBurst does.
-		env := env
-		env.Client = roomyClient(t, env.Client)
-		x := limited(t, env, balance.Config{MaxInFlight: 5000}, 1_000_000_000, balance.Limits{Limits: []balance.Limit{
-			keyLimit("daily", "k1", balance.Day, n*hold), orgLimit("o", balance.Month, 1_000_000_000),
-		}})
-		var wg sync.WaitGroup
-		var granted, refused atomic.Int64
-		gate := make(chan struct{})
-		for i := range requests {
-			wg.Go(func() {
-				<-gate
-				_, err := x.reserveKey(x.s, fmt.Sprintf("burst-%04d", i), "k1", hold)
-				switch {
-				case err == nil:
-					granted.Add(1)
-				case errors.Is(err, balance.ErrLimit):
-					refused.Add(1)
-				default:
-					t.Errorf("reserve: %v", err)
-				}
-			})
-		}
-		close(gate)
-		wg.Wait()
-		eq(t, "granted", granted.Load(), n)
-		eq(t, "refused by the cap", refused.Load(), requests-n)
-		eq(t, "counter", x.u()[field("daily", balance.Day.StartMS(x.redisNow()))], n*hold)
-		eq(t, "balance", x.state().Balance, 1_000_000_000-n*hold)
-		x.counters()
-	})
+	t.Run("LimitsScopeWindowCap", func(t *testing.T) { exerciseLimitsScopeWindowCap(t, env) })
+	t.Run("LimitWritesNothing", func(t *testing.T) { exerciseLimitWritesNothing(t, env) })
+	t.Run("ReserveOrder", func(t *testing.T) { exerciseReserveOrder(t, env) })
+	t.Run("ColdWithoutCurrentLim", func(t *testing.T) { exerciseColdWithoutCurrentLim(t, env) })
+	t.Run("ExistOrVanishTogether", func(t *testing.T) { exerciseExistOrVanishTogether(t, env) })
+	t.Run("MovesKeepCounters", func(t *testing.T) { exerciseMovesKeepCounters(t, env) })
+	t.Run("SeedAndAlready", func(t *testing.T) { exerciseSeedAndAlready(t, env) })
+	t.Run("ChargedToTheDayItStarted", func(t *testing.T) { exerciseChargedToTheDayItStarted(t, env) })
+	t.Run("FreezeAtOnce", func(t *testing.T) { exerciseFreezeAtOnce(t, env) })
+	t.Run("LowerCapBelowUsed", func(t *testing.T) { exerciseLowerCapBelowUsed(t, env) })
+	t.Run("Calendar", func(t *testing.T) { exerciseCalendar(t, env) })
+	t.Run("LimitsValidation", func(t *testing.T) { exerciseLimitsValidation(t, env) })
+	t.Run("Burst2000KeyCap", func(t *testing.T) { exerciseBurst2000KeyCap(t, env) })
 }
 
 // roomyClient is a client of c's server(s) with a large pool and long timeouts.
@@ -741,4 +221,537 @@ func mustSnapSince(t *testing.T, l *FakeLedger, org string, at time.Time) balanc
 		t.Fatal(err)
 	}
 	return s
+}
+
+// "A limit is scope × window × cap": a hold counts against each limit of its org, its key's
+// project (as lim says) and its key, in the window of its reserve time.
+func exerciseLimitsScopeWindowCap(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{
+		Limits: []balance.Limit{
+			orgLimit("o-month", balance.Month, 10_000), projLimit("p-day", "staging", balance.Day, 5_000),
+			keyLimit("k-hour", "k1", balance.Hour, 1_000), keyLimit("k2-life", "k2", balance.Lifetime, 700),
+		},
+		Projects: map[string]string{"k1": "staging"},
+	})
+	r := x.mustReserveKey(x.s, "a", "k1", 300)
+	now := r.ReservedAt
+	if d := time.Since(now); d < -time.Minute || d > time.Minute {
+		t.Fatalf("reserve time %v is not the Redis clock", now)
+	}
+	u := x.u()
+	eq(t, "org counter", u[field("o-month", balance.Month.StartMS(now))], 300)
+	eq(t, "project counter", u[field("p-day", balance.Day.StartMS(now))], 300)
+	eq(t, "key counter", u[field("k-hour", balance.Hour.StartMS(now))], 300)
+	eq(t, "other key's lifetime counter", u[field("k2-life", 0)], 0)
+	x.counters()
+	x.mustReserveKey(x.s, "b", "k2", 500) // k2 is in no project: org and k2 only
+	x.mustReserveKey(x.s, "c", "", 100)   // no key: the org's limits only
+	u = x.u()
+	eq(t, "org counter", u[field("o-month", balance.Month.StartMS(now))], 900)
+	eq(t, "project counter", u[field("p-day", balance.Day.StartMS(now))], 300)
+	eq(t, "k2 counter", u[field("k2-life", 0)], 500)
+	x.counters()
+	// The cap is exact: U + amount = cap passes, one more refuses.
+	x.mustReserveKey(x.s, "d", "k2", 200)
+	_, err := x.reserveKey(x.s, "e", "k2", 1)
+	var le *balance.LimitError
+	if !errors.As(err, &le) || !errors.Is(err, balance.ErrLimit) {
+		t.Fatalf("got %v, want *LimitError", err)
+	}
+	eq(t, "limit", le.Limit, keyLimit("k2-life", "k2", balance.Lifetime, 700))
+	eq(t, "used", le.Used, 700)
+	eq(t, "lifetime never resets", le.ResetsAt.IsZero(), true)
+	x.counters()
+}
+
+// "LIMIT: some counter in scope has U + amount > cap; nothing is written."
+func exerciseLimitWritesNothing(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{
+		orgLimit("o", balance.Day, 1_000), keyLimit("k", "k1", balance.Day, 400),
+	}})
+	x.mustReserveKey(x.s, "a", "k1", 300)
+	before, ubefore := x.state(), x.u()
+	_, err := x.reserveKey(x.s, "b", "k1", 101)
+	var le *balance.LimitError
+	if !errors.As(err, &le) || le.Limit.ID != "k" || le.Used != 300 || le.Amount != 101 {
+		t.Fatalf("got %v, want the key's limit with 300 used", err)
+	}
+	_, next := balance.Day.Bounds(x.redisNow())
+	eq(t, "resets at the next day", le.ResetsAt.Equal(next), true)
+	after := x.state()
+	eq(t, "balance", after.Balance, before.Balance)
+	eq(t, "holds", after.Holds, before.Holds)
+	eq(t, "counters", fmt.Sprint(x.u()), fmt.Sprint(ubefore))
+	x.counters()
+}
+
+// The order of reserve's checks: amount, COLD, DUPLICATE, GONE, FROZEN, TOO_MANY, LIMIT,
+// INSUFFICIENT — a re-sent reserve whose first try committed is recognised before any cap.
+func exerciseReserveOrder(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{MaxInFlight: 2}, 1_000, balance.Limits{Limits: []balance.Limit{
+		keyLimit("k", "k1", balance.Day, 500),
+	}})
+	x.mustReserveKey(x.s, "a", "k1", 500) // the cap is used up
+	// DUP before LIMIT, with the original's reserve time (here read through a store whose
+	// clock is an hour ahead).
+	x.mustReserveKey(x.s, "a2", "", 10)
+	ahead := x.withClock(x.redisNow().Add(time.Hour))
+	r := x.mustReserveKey(ahead, "a", "k1", 500)
+	eq(t, "duplicate", r.Duplicate, true)
+	if d := time.Since(r.ReservedAt); d < -time.Minute || d > time.Minute {
+		t.Fatalf("duplicate's reserve time %v is not the original's", r.ReservedAt)
+	}
+	first, _ := x.env.Client.HGet(x.ctx, x.key("holds"), "a").Result()
+	eq(t, "record keeps the reserve time", strings.Contains(first, "|"+strconv.FormatInt(r.ReservedAt.UnixMilli(), 10)+"|"), true)
+	// GONE before FROZEN and LIMIT.
+	if _, err := x.s.Release(x.ctx, x.org, "a2"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := x.reserveKey(x.s, "a2", "k1", 10); !errors.Is(err, balance.ErrGone) {
+		t.Fatalf("re-sent after release: %v, want ErrGone", err)
+	}
+	// LIMIT before INSUFFICIENT: 501 is more than the balance left and than the cap.
+	if _, err := x.reserveKey(x.s, "b", "k1", 501); !errors.Is(err, balance.ErrLimit) {
+		t.Fatalf("got %v, want ErrLimit", err)
+	}
+	// TOO_MANY before LIMIT.
+	x.mustReserveKey(x.s, "c", "", 10)
+	if _, err := x.reserveKey(x.s, "d", "k1", 1); !errors.Is(err, balance.ErrTooManyHolds) {
+		t.Fatalf("got %v, want ErrTooManyHolds", err)
+	}
+	// FROZEN before TOO_MANY.
+	lim := x.l.Limits(x.org)
+	lim.Frozen = []balance.Scope{{Kind: balance.ScopeKey, ID: "k1"}}
+	if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+		t.Fatal(err)
+	}
+	_, err := x.reserveKey(x.s, "d", "k1", 1)
+	var fe *balance.FrozenError
+	if !errors.As(err, &fe) || fe.Scope != (balance.Scope{Kind: balance.ScopeKey, ID: "k1"}) {
+		t.Fatalf("got %v, want the key frozen", err)
+	}
+	// DUP before FROZEN.
+	if r, err := x.reserveKey(x.s, "a", "k1", 500); err != nil || !r.Duplicate {
+		t.Fatalf("re-sent reserve of a frozen key: %v %v, want DUP", r, err)
+	}
+	x.counters()
+}
+
+// "Reserve answers COLD when lim is missing or its version is older than the one acct
+// records" (the script itself; Store.Reserve then reseeds).
+func exerciseColdWithoutCurrentLim(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000, balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Day, 500)}})
+	keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone"), x.key("lim"), x.key("u")}
+	call := func() string {
+		res, err := x.env.Client.Eval(x.ctx, reserveSrc(), keys, x.s.Epoch().String(), randomID("h"), "10", "1000", "10", "1000", "1000", "", "0").Slice()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res[0].(string)
+	}
+	if err := x.env.Client.HSet(x.ctx, x.key("lim"), "v", "0").Err(); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "lim older than acct records", call(), "COLD")
+	if err := x.env.Client.Del(x.ctx, x.key("lim")).Err(); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "lim missing", call(), "COLD")
+	// Store.Reserve reseeds all three (the seed rewrites an acct whose lim is not current).
+	x.mustReserveKey(x.s, "a", "", 100)
+	eq(t, "counter after reseed", x.u()[field("o", balance.Day.StartMS(x.redisNow()))], 100)
+	x.counters()
+}
+
+// "acct, lim and u exist or vanish together": invalidate, settle's newer-epoch drop and
+// PushLimits drop all three; a seed writes all three.
+func exerciseExistOrVanishTogether(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000, balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Day, 500)}})
+	exists := func() int64 {
+		n, err := x.env.Client.Exists(x.ctx, x.key("acct"), x.key("lim"), x.key("u")).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	eq(t, "after seed", exists(), 3)
+	x.mustReserveKey(x.s, "a", "", 10)
+	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "after invalidate", exists(), 0)
+	x.counters()
+	if err := x.s.Warm(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "after reseed", exists(), 3)
+	eq(t, "live hold counted by the seed", x.u()[field("o", balance.Day.StartMS(x.redisNow()))], 10)
+	x.counters()
+	newer := balance.Epoch{Gen: x.l.CurrentEpoch().Gen + 1, ID: "newer"}
+	if _, err := x.s.Settle(x.ctx, x.org, newer, []balance.Entry{{Seq: 2, Delta: -1}}); !errors.Is(err, balance.ErrCold) {
+		t.Fatalf("newer epoch: %v", err)
+	}
+	eq(t, "after a newer epoch's settle", exists(), 0)
+	x.l.SetEpoch(newer)
+	if err := x.s.Warm(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "after reseed", exists(), 3)
+	v := x.l.Limits(x.org).Version
+	if pushed, err := x.s.PushLimits(x.ctx, x.org, v); pushed || err != nil {
+		t.Fatalf("push of the current version: %v %v, want nothing", pushed, err)
+	}
+	eq(t, "after a push of the same version", exists(), 3)
+	if pushed, err := x.s.PushLimits(x.ctx, x.org, v+1); !pushed || err != nil {
+		t.Fatalf("push of a newer version: %v %v", pushed, err)
+	}
+	eq(t, "after a push", exists(), 0)
+	x.counters()
+}
+
+// Moves: settle seq = wm+1 takes the hold out of its counters and adds the entry's cost to
+// the counters it names; release and reap U −= hold; finish U += cost − hold.
+func exerciseMovesKeepCounters(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{HoldTTL: 100 * time.Millisecond, PinTTL: time.Second, ReapGrace: time.Millisecond}, 1_000_000,
+		balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Month, 100_000), keyLimit("k", "k1", balance.Day, 50_000)}, Projects: map[string]string{"k1": "p"}})
+	f := func(id string) int64 {
+		return x.u()[field(id, map[string]balance.Window{"o": balance.Month, "k": balance.Day}[id].StartMS(x.redisNow()))]
+	}
+	ra := x.mustReserveKey(x.s, "a", "k1", 1_000)
+	eq(t, "a held", f("k"), 1_000)
+	eq(t, "settle below the hold", x.settleUsage(x.s, "a", "k1", 400, ra.ReservedAt), balance.Applied)
+	eq(t, "a charged", f("k"), 400)
+	rb := x.mustReserveKey(x.s, "b", "k1", 1_000)
+	eq(t, "settle above the hold (overshoot)", x.settleUsage(x.s, "b", "k1", 1_300, rb.ReservedAt), balance.Applied)
+	eq(t, "b charged", f("k"), 1_700)
+	x.mustReserveKey(x.s, "c", "k1", 1_000)
+	if ok, err := x.s.Release(x.ctx, x.org, "c"); !ok || err != nil {
+		t.Fatalf("release: %v %v", ok, err)
+	}
+	eq(t, "released", f("k"), 1_700)
+	x.counters()
+	rd := x.mustReserveKey(x.s, "d", "k1", 1_000)
+	if ok, err := x.s.Finish(x.ctx, x.org, "d", 250); !ok || err != nil {
+		t.Fatalf("finish: %v %v", ok, err)
+	}
+	eq(t, "finished", f("k"), 1_950)
+	eq(t, "org counter", f("o"), 1_950)
+	x.counters()
+	eq(t, "settle a finished hold", x.settleUsage(x.s, "d", "k1", 250, rd.ReservedAt), balance.Applied)
+	eq(t, "settled", f("k"), 1_950)
+	x.mustReserveKey(x.s, "e", "k1", 1_000)
+	x.mustReserveKey(x.s, "g", "k1", 1_000)
+	if ok, err := x.s.Finish(x.ctx, x.org, "g", 10); !ok || err != nil {
+		t.Fatalf("finish: %v %v", ok, err)
+	}
+	x.counters()
+	time.Sleep(250 * time.Millisecond) // expiry, not a window: the reaper needs real time
+	if n, err := x.s.Reap(x.ctx, x.org); n != 2 || err != nil {
+		t.Fatalf("reap: %d %v, want e and g", n, err)
+	}
+	eq(t, "reaped", f("k"), 1_950)
+	x.counters()
+	// An entry with no reserve time (a credit, an adjust) counts against no limit.
+	x.l.Add(x.org, -5, "")
+	if err := x.s.CatchUp(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "unattributed", f("k"), 1_950)
+	x.counters()
+}
+
+// "Finish and release with no acct touch no counter"; seq ≤ wm only takes a present hold
+// out of its counters; the seed counts the window's spend so far plus live holds.
+func exerciseSeedAndAlready(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{keyLimit("k", "k1", balance.Day, 50_000)}})
+	f := func() int64 { return x.u()[field("k", balance.Day.StartMS(x.redisNow()))] }
+	ra := x.mustReserveKey(x.s, "a", "k1", 1_000)
+	x.mustReserveKey(x.s, "b", "k1", 2_000)
+	x.mustReserveKey(x.s, "c", "k1", 3_000)
+	// a's usage is in the ledger, unsettled; yesterday's usage too (not this window's).
+	ea := x.l.AddUsage(x.org, 600, "a", "k1", "", ra.ReservedAt)
+	x.l.AddUsage(x.org, 999, "old", "k1", "", ra.ReservedAt.Add(-24*time.Hour))
+	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	// No acct: release and finish touch no counter (there is none to touch).
+	if ok, _ := x.s.Release(x.ctx, x.org, "c"); !ok {
+		t.Fatal("release c")
+	}
+	if ok, _ := x.s.Finish(x.ctx, x.org, "b", 500); !ok {
+		t.Fatal("finish b")
+	}
+	n, _ := x.env.Client.Exists(x.ctx, x.key("u")).Result()
+	eq(t, "no counters recreated", n, 0)
+	if err := x.s.Warm(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	// The seed: a's cost (ledger, this window) + a's hold + b's (finished) hold.
+	eq(t, "seeded counter", f(), 600+1_000+500)
+	if u := x.u(); len(u) != 1 {
+		t.Fatalf("seed created a past window's counter: %v", u)
+	}
+	x.counters()
+	st, err := x.s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), []balance.Entry{ea})
+	if err != nil || st[0] != balance.Already {
+		t.Fatalf("settle a: %v %v, want already", st, err)
+	}
+	eq(t, "already: only the hold left", f(), 600+500)
+	x.counters()
+}
+
+// "A request reserved at 23:59:59 belongs to that day": settled after midnight, its cost is
+// charged to the day it started; the new day's counter is created by the next reserve.
+func exerciseChargedToTheDayItStarted(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{keyLimit("k", "k1", balance.Day, 5_000)}})
+	midnight := time.Date(2031, 3, 4, 0, 0, 0, 0, time.UTC)
+	late, r := x.reserveBefore(midnight, "late", "k1", 1_000) // at 23:59:59
+	day1 := midnight.AddDate(0, 0, -1).UnixMilli()
+	if got := balance.Day.StartMS(r.ReservedAt); got != day1 {
+		t.Fatalf("reserved at %v: day %d, want %d", r.ReservedAt, got, day1)
+	}
+	after := x.withClock(midnight.Add(2 * time.Second))
+	eq(t, "settled after midnight", x.settleUsage(after, late, "k1", 4_000, r.ReservedAt), balance.Applied)
+	u := x.u()
+	eq(t, "charged to its day", u[field("k", day1)], 4_000)
+	if _, ok := u[field("k", midnight.UnixMilli())]; ok {
+		t.Fatal("the new day's counter was charged")
+	}
+	// The new day has its own cap: 5,000 fit. Its first hold drops the past day's counter
+	// (past windows are not kept in Redis); a settle there is then skipped.
+	x.mustReserveKey(after, "next", "k1", 5_000)
+	u = x.u()
+	eq(t, "new day", u[field("k", midnight.UnixMilli())], 5_000)
+	if _, ok := u[field("k", day1)]; ok {
+		t.Fatalf("the past day's counter is kept: %v", u)
+	}
+	if _, err := x.reserveKey(after, "more", "k1", 1); !errors.Is(err, balance.ErrLimit) {
+		t.Fatalf("got %v, want ErrLimit", err)
+	}
+	// A reseed on the new day keeps only the current window; a settle for the past window
+	// then skips its missing field and creates nothing.
+	late2, r2 := x.reserveBefore(midnight, "late2", "k1", 500)
+	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := after.Seed(x.ctx, x.org, mustSnapSince(t, x.l, x.org, midnight.Add(2*time.Second))); err != nil {
+		t.Fatal(err)
+	}
+	if err := after.CatchUp(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	u = x.u()
+	if _, ok := u[field("k", day1)]; ok {
+		t.Fatalf("a reseed kept a past window: %v", u)
+	}
+	eq(t, "new day after reseed", u[field("k", midnight.UnixMilli())], 5_000)
+	x.settleUsage(after, late2, "k1", 300, r2.ReservedAt)
+	u = x.u()
+	if _, ok := u[field("k", day1)]; ok {
+		t.Fatalf("a settle re-created a past window: %v", u)
+	}
+	eq(t, "new day untouched", u[field("k", midnight.UnixMilli())], 5_000)
+}
+
+// "A freeze flag on the org, a project or a key refuses every new hold at once; holds in
+// flight finish normally."
+func exerciseFreezeAtOnce(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 100_000, balance.Limits{
+		Limits: []balance.Limit{orgLimit("o", balance.Day, 50_000)}, Projects: map[string]string{"k1": "p", "k2": "p"},
+	})
+	ra := x.mustReserveKey(x.s, "a", "k1", 1_000)
+	rb := x.mustReserveKey(x.s, "b", "k3", 1_000)
+	for _, sc := range []balance.Scope{{Kind: balance.ScopeKey, ID: "k1"}, {Kind: balance.ScopeProject, ID: "p"}, {Kind: balance.ScopeOrg}} {
+		lim := x.l.Limits(x.org)
+		lim.Frozen = []balance.Scope{sc}
+		if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+			t.Fatal(err)
+		}
+		key := map[balance.ScopeKind]string{balance.ScopeKey: "k1", balance.ScopeProject: "k2", balance.ScopeOrg: "k3"}[sc.Kind]
+		_, err := x.reserveKey(x.s, randomID("h"), key, 1)
+		var fe *balance.FrozenError
+		if !errors.As(err, &fe) || !errors.Is(err, balance.ErrFrozen) || fe.Scope != sc {
+			t.Fatalf("frozen %v: got %v", sc, err)
+		}
+		x.counters()
+	}
+	// The holds in flight finish and settle normally while the org is frozen.
+	if ok, err := x.s.Finish(x.ctx, x.org, "a", 700); !ok || err != nil {
+		t.Fatalf("finish: %v %v", ok, err)
+	}
+	eq(t, "settle a", x.settleUsage(x.s, "a", "k1", 700, ra.ReservedAt), balance.Applied)
+	eq(t, "settle b", x.settleUsage(x.s, "b", "k3", 1_200, rb.ReservedAt), balance.Applied)
+	eq(t, "balance", x.state().Balance, 100_000-700-1_200)
+	eq(t, "counter", x.u()[field("o", balance.Day.StartMS(x.redisNow()))], 1_900)
+	// Unfreeze: holds pass again.
+	lim := x.l.Limits(x.org)
+	lim.Frozen = nil
+	if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+		t.Fatal(err)
+	}
+	x.mustReserveKey(x.s, "c", "k1", 1)
+}
+
+// "Lowering a cap below used refuses new holds and never moves money."
+func exerciseLowerCapBelowUsed(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 100_000, balance.Limits{Limits: []balance.Limit{keyLimit("k", "k1", balance.Month, 1_000)}})
+	ra := x.mustReserveKey(x.s, "a", "k1", 500)
+	x.settleUsage(x.s, "a", "k1", 300, ra.ReservedAt)
+	rb := x.mustReserveKey(x.s, "b", "k1", 500) // in flight across the change
+	before := x.state()
+	lim := x.l.Limits(x.org)
+	lim.Limits[0].Cap = 200
+	if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+		t.Fatal(err)
+	}
+	_, err := x.reserveKey(x.s, "c", "k1", 1)
+	var le *balance.LimitError
+	if !errors.As(err, &le) || le.Used != 800 || le.Limit.Cap != 200 {
+		t.Fatalf("got %v, want the lowered cap with 800 used", err)
+	}
+	after := x.state()
+	eq(t, "balance", after.Balance, before.Balance)
+	eq(t, "held", after.Held, before.Held)
+	x.counters()
+	eq(t, "the hold in flight settles", x.settleUsage(x.s, "b", "k1", 450, rb.ReservedAt), balance.Applied)
+	eq(t, "balance", x.state().Balance, 100_000-300-450)
+	eq(t, "used over the cap", x.u()[field("k", balance.Month.StartMS(x.redisNow()))], 750)
+}
+
+// Window boundaries are computed by the script from TIME: hour, day, week (Monday), calendar
+// month, UTC; month ends, year ends, leap years and the 100/400 rules, checked against Go's
+// calendar (Window.Bounds) through the counter fields and the reset times reserve reports.
+func exerciseCalendar(t *testing.T, env Env) {
+	t.Parallel()
+	x := fixture(t, env, balance.Config{}, 0, false)
+	var instants []time.Time
+	for _, b := range []time.Time{
+		time.Date(2024, 2, 29, 0, 0, 0, 0, time.UTC), // leap day
+		time.Date(2024, 3, 1, 0, 0, 0, 0, time.UTC),  // after a leap February
+		time.Date(2023, 3, 1, 0, 0, 0, 0, time.UTC),  // after a common February
+		time.Date(2000, 3, 1, 0, 0, 0, 0, time.UTC),  // 2000: divisible by 400, leap
+		time.Date(2100, 3, 1, 0, 0, 0, 0, time.UTC),  // 2100: divisible by 100, common
+		time.Date(1900, 3, 1, 0, 0, 0, 0, time.UTC),  // 1900: common (a negative timestamp)
+		time.Date(2027, 1, 1, 0, 0, 0, 0, time.UTC),  // year end
+		time.Date(2031, 5, 1, 0, 0, 0, 0, time.UTC),  // after a 30-day month
+		time.Date(2026, 12, 7, 0, 0, 0, 0, time.UTC), // a Monday
+		time.Date(2026, 8, 1, 13, 0, 0, 0, time.UTC), // an hour
+	} {
+		instants = append(instants, b.Add(-1500*time.Millisecond), b.Add(1500*time.Millisecond))
+	}
+	rnd := rand.New(rand.NewPCG(7, 13))
+	for range 20 {
+		instants = append(instants, time.UnixMilli(-2_208_988_800_000+rnd.Int64N(300*365*86_400_000)).UTC())
+	}
+	windows := []balance.Window{balance.Hour, balance.Day, balance.Week, balance.Month, balance.Lifetime}
+	var lims []balance.Limit
+	for _, w := range windows {
+		lims = append(lims, keyLimit("l-"+string(w), "k-"+string(w), w, 10))
+	}
+	for i, at := range instants {
+		s := x.withClock(at)
+		org := fmt.Sprintf("%s-%d", x.org, i)
+		x.l.Add(org, 1_000, "")
+		x.l.SetLimits(org, balance.Limits{Limits: lims})
+		// The script's windows are compared with Go's at the reserve time it reports (the
+		// instants are only aimed at: the test's own run time moves them a little).
+		for _, w := range windows {
+			_, err := s.Reserve(x.ctx, balance.ReserveRequest{Org: org, HoldID: "a-" + string(w), Amount: 11, KeyID: "k-" + string(w)})
+			var le *balance.LimitError
+			if !errors.As(err, &le) {
+				t.Fatalf("%v: %s: got %v, want a limit", at, w, err)
+			}
+			r, err := s.Reserve(x.ctx, balance.ReserveRequest{Org: org, HoldID: "b-" + string(w), Amount: 5, KeyID: "k-" + string(w)})
+			if err != nil {
+				t.Fatalf("%v: reserve: %v", at, err)
+			}
+			if d := r.ReservedAt.Sub(at); d < -time.Minute || d > time.Minute {
+				t.Fatalf("%v: reserve time %v", at, r.ReservedAt)
+			}
+			start, next := w.Bounds(r.ReservedAt)
+			// The refusal came first: its window is the reserve's, or the one before it.
+			if w != balance.Lifetime && !le.ResetsAt.Equal(next) && !le.ResetsAt.Equal(start) {
+				t.Fatalf("%v: %s resets at %v, want %v", r.ReservedAt, w, le.ResetsAt, next)
+			}
+			c, err := s.Counters(x.ctx, org)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := balance.Counter{LimitID: "l-" + string(w), Start: w.StartMS(r.ReservedAt)}
+			if c[want] != 5 {
+				t.Fatalf("%v: %s window start: counters %v, want %v (%v)", r.ReservedAt, w, c, want, start)
+			}
+		}
+	}
+}
+
+func exerciseLimitsValidation(t *testing.T, env Env) {
+	t.Parallel()
+	x := fixture(t, env, balance.Config{}, 1_000, true)
+	for _, lim := range []balance.Limits{
+		{Limits: []balance.Limit{orgLimit("", balance.Day, 1)}},
+		{Limits: []balance.Limit{orgLimit("a:b", balance.Day, 1)}},
+		{Limits: []balance.Limit{orgLimit("a", "fortnight", 1)}},
+		{Limits: []balance.Limit{orgLimit("a", balance.Day, 0)}},
+		{Limits: []balance.Limit{orgLimit("a", balance.Day, balance.MaxAmount+1)}},
+		{Limits: []balance.Limit{orgLimit("a", balance.Day, 1), orgLimit("a", balance.Hour, 1)}},
+		{Limits: []balance.Limit{keyLimit("a", "", balance.Day, 1)}},
+		{Frozen: []balance.Scope{{Kind: "team", ID: "x"}}},
+		{Projects: map[string]string{"k,1": "p"}},
+	} {
+		_, err := x.s.Seed(x.ctx, randomID("org"), balance.Snapshot{Epoch: x.l.CurrentEpoch(), Seq: 1, Limits: &balance.LimitSnapshot{Limits: lim}})
+		if !errors.Is(err, balance.ErrInvalidLimits) {
+			t.Fatalf("%+v: got %v, want ErrInvalidLimits", lim, err)
+		}
+	}
+	if _, err := x.reserveKey(x.s, "h", "a;b", 1); !errors.Is(err, balance.ErrInvalidKeyID) {
+		t.Fatalf("bad key id: %v", err)
+	}
+}
+
+// 2,000 concurrent reserves on one key with a daily cap for exactly N holds and a balance far
+// larger: exactly N pass.
+func exerciseBurst2000KeyCap(t *testing.T, env Env) {
+	t.Parallel()
+	const requests, n, hold = 2000, 137, 1_000
+	// Exact counts: a client of its own with room for the burst and timeouts a loaded machine
+	// (the race detector, a shared CI box) cannot hit, as TestBurst does.
+	env.Client = roomyClient(t, env.Client) // env is this function's copy
+	x := limited(t, env, balance.Config{MaxInFlight: 5000}, 1_000_000_000, balance.Limits{Limits: []balance.Limit{
+		keyLimit("daily", "k1", balance.Day, n*hold), orgLimit("o", balance.Month, 1_000_000_000),
+	}})
+	var wg sync.WaitGroup
+	var granted, refused atomic.Int64
+	gate := make(chan struct{})
+	for i := range requests {
+		wg.Go(func() {
+			<-gate
+			_, err := x.reserveKey(x.s, fmt.Sprintf("burst-%04d", i), "k1", hold)
+			switch {
+			case err == nil:
+				granted.Add(1)
+			case errors.Is(err, balance.ErrLimit):
+				refused.Add(1)
+			default:
+				t.Errorf("reserve: %v", err)
+			}
+		})
+	}
+	close(gate)
+	wg.Wait()
+	eq(t, "granted", granted.Load(), n)
+	eq(t, "refused by the cap", refused.Load(), requests-n)
+	eq(t, "counter", x.u()[field("daily", balance.Day.StartMS(x.redisNow()))], n*hold)
+	eq(t, "balance", x.state().Balance, 1_000_000_000-n*hold)
+	x.counters()
 }

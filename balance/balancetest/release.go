@@ -1,0 +1,162 @@
+package balancetest
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+func exerciseReleaseWithoutAcct(t *testing.T, env Env) {
+	t.Parallel()
+	x := fixture(t, env, balance.Config{}, 1000, true)
+	x.mustReserve("a", 100)
+	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	ok, err := x.s.Release(x.ctx, x.org, "a")
+	eq(t, "released", ok, true)
+	eq(t, "err", err, nil)
+	st := x.state()
+	eq(t, "acct not recreated", st.Exists, false)
+	eq(t, "holds", st.Holds, 0)
+	eq(t, "tombstone", x.inGone("a"), true)
+	ok, err = x.s.Release(x.ctx, x.org, "never")
+	eq(t, "released unknown", ok, false)
+	eq(t, "err", err, nil)
+	eq(t, "tombstone of unknown", x.inGone("never"), true)
+	if err := x.s.Warm(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "balance after reseed", x.state().Balance, 1000)
+}
+
+func exerciseReleaseRacesReaper(t *testing.T, env Env) {
+	t.Parallel()
+	x := fixture(t, env, balance.Config{HoldTTL: 20 * time.Millisecond, PinTTL: time.Second, ReapGrace: time.Millisecond}, 1000, true)
+	const n = 10
+	for i := range n {
+		x.mustReserve(fmt.Sprint("h", i), 10)
+	}
+	time.Sleep(60 * time.Millisecond)
+	var released, reaped atomic.Int64
+	var wg sync.WaitGroup
+	for i := range n {
+		for range 3 {
+			wg.Go(func() {
+				if ok, err := x.s.Release(x.ctx, x.org, fmt.Sprint("h", i)); err != nil {
+					t.Error(err)
+				} else if ok {
+					released.Add(1)
+				}
+			})
+		}
+	}
+	for range 3 {
+		wg.Go(func() {
+			k, err := x.s.Reap(x.ctx, x.org)
+			if err != nil {
+				t.Error(err)
+			}
+			reaped.Add(int64(k))
+		})
+	}
+	wg.Wait()
+	eq(t, "holds given back", released.Load()+reaped.Load(), n)
+	eq(t, "balance", x.state().Balance, 1000)
+	eq(t, "holds", x.state().Holds, 0)
+}
+
+func exerciseReapRules(t *testing.T, env Env) {
+	t.Parallel()
+	x := fixture(t, env, balance.Config{HoldTTL: 300 * time.Millisecond, PinTTL: time.Hour, ReapGrace: 50 * time.Millisecond}, 1000, true)
+	x.mustReserve("usage", 100)   // usage recorded, not settled: never reaped
+	x.mustReserve("pinned", 100)  // journaled: pinned
+	x.mustReserve("phantom", 100) // a late re-send whose usage is settled: released
+	x.mustReserve("dead", 100)    // owner died, no usage: released
+	x.l.SetUnsettled(true, "usage")
+	if ok, err := x.s.Pin(x.ctx, x.org, "pinned"); !ok || err != nil {
+		t.Fatalf("pin: %v %v", ok, err)
+	}
+	// Not yet expired past the grace: nothing.
+	if n, err := x.s.Reap(x.ctx, x.org); n != 0 || err != nil {
+		t.Fatalf("early reap: %d %v", n, err)
+	}
+	time.Sleep(450 * time.Millisecond)
+	// Ledger down: nothing.
+	x.l.SetErr(errors.New("ledger down"))
+	if n, err := x.s.Reap(x.ctx, x.org); n != 0 || err == nil {
+		t.Fatalf("reap with the ledger down: %d %v, want 0 and an error", n, err)
+	}
+	eq(t, "holds while ledger down", x.state().Holds, 4)
+	x.l.SetErr(nil)
+	n, err := x.s.Reap(x.ctx, x.org)
+	eq(t, "reaped", n, 2)
+	eq(t, "err", err, nil)
+	st := x.state()
+	eq(t, "holds", st.Holds, 2)
+	eq(t, "balance", st.Balance, 800)
+	eq(t, "phantom tombstoned", x.inGone("phantom"), true)
+	if _, ok := x.expiry("usage"); !ok {
+		t.Fatal("hold with unsettled usage was reaped")
+	}
+	if _, ok := x.expiry("pinned"); !ok {
+		t.Fatal("pinned hold was reaped")
+	}
+	// Still tracked: holds are left.
+	eq(t, "held orgs", len(x.s.HeldOrgs()), 1)
+	x.l.SetUnsettled(false, "usage")
+	if _, err := x.s.Unpin(x.ctx, x.org, "pinned"); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(450 * time.Millisecond)
+	n, err = x.s.Reap(x.ctx, x.org)
+	eq(t, "reaped", n, 2)
+	eq(t, "err", err, nil)
+	eq(t, "balance", x.state().Balance, 1000)
+	if _, err := x.s.Reap(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "held orgs after all reaped", len(x.s.HeldOrgs()), 0)
+}
+
+func exerciseReapScriptRechecksExpiry(t *testing.T, env Env) {
+	t.Parallel()
+	x := fixture(t, env, balance.Config{HoldTTL: time.Minute}, 1000, true)
+	x.mustReserve("live", 100)
+	keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone"), x.key("hfin"), x.key("u")}
+	n, err := x.env.Client.Eval(x.ctx, reapSrc(), keys, "30000", "0", "live", "unknown").Int64()
+	eq(t, "reaped", n, 0)
+	eq(t, "err", err, nil)
+	eq(t, "holds", x.state().Holds, 1)
+}
+
+func exerciseTombstoneTrim(t *testing.T, env Env) {
+	t.Parallel()
+	x := fixture(t, env, balance.Config{TombstoneTTL: 400 * time.Millisecond}, 1000, true)
+	x.mustReserve("old", 10)
+	if _, err := x.s.Release(x.ctx, x.org, "old"); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "tombstone", x.inGone("old"), true)
+	ttl, err := x.env.Client.PTTL(x.ctx, x.key("gone")).Result()
+	if err != nil || ttl <= 0 || ttl > 400*time.Millisecond {
+		t.Fatalf("gone ttl %v %v, want (0, 400ms]", ttl, err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	x.mustReserve("new", 10)
+	if _, err := x.s.Release(x.ctx, x.org, "new"); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(250 * time.Millisecond)
+	// A write trims what is older than the TTL; "new" is younger.
+	if _, err := x.s.Release(x.ctx, x.org, "third"); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "old trimmed", x.inGone("old"), false)
+	eq(t, "new kept", x.inGone("new"), true)
+}
