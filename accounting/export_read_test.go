@@ -1,4 +1,9 @@
 package accounting
 
+import "github.com/jackc/pgx/v5/pgxpool"
+
 // SQLListEntries is ListEntries' query, for the plan test.
 const SQLListEntries = sqlListEntries
+
+// Pool returns the ledger's connection pool, for tests that break it on purpose.
+func (p *Postgres) Pool() *pgxpool.Pool { return p.pool }

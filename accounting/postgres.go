@@ -98,9 +98,6 @@ func NewPostgres(pool *pgxpool.Pool, cfg *PostgresConfig) *Postgres {
 	return &Postgres{pool: pool, cfg: c, log: cmp.Or(c.Logger, slog.Default()), closed: make(chan struct{})}
 }
 
-// Pool returns the ledger's connection pool.
-func (p *Postgres) Pool() *pgxpool.Pool { return p.pool }
-
 // Close stops the subscriptions and, when OpenPostgres made the pool, closes it.
 func (p *Postgres) Close() {
 	select {

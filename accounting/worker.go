@@ -556,9 +556,9 @@ func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 	return d, nil
 }
 
-// SettleLagBounds are the upper bounds of the settle-lag histogram's buckets (the last bucket,
-// above them all, is implicit).
-var SettleLagBounds = []time.Duration{
+// settleLagBounds are the upper bounds of the settle-lag histogram's buckets (the last bucket,
+// above them all, is implicit). Read-only: every SettleLag shares it as Bounds.
+var settleLagBounds = []time.Duration{
 	time.Millisecond, 2 * time.Millisecond, 5 * time.Millisecond, 10 * time.Millisecond,
 	20 * time.Millisecond, 35 * time.Millisecond, 50 * time.Millisecond, 75 * time.Millisecond,
 	100 * time.Millisecond, 150 * time.Millisecond, 200 * time.Millisecond, 300 * time.Millisecond,
@@ -572,7 +572,8 @@ var SettleLagBounds = []time.Duration{
 // moment the settle script put it in the hot balance. Entries with no Recorded time are not
 // counted.
 type SettleLag struct {
-	Counts []uint64      // Counts[i]: lags ≤ SettleLagBounds[i] and above the bound before; the last one: above every bound
+	Bounds []time.Duration // the buckets' upper bounds, ascending (read-only)
+	Counts []uint64        // Counts[i]: lags ≤ Bounds[i] and above the bound before; the last one: above every bound
 	Count  uint64        // entries observed
 	Sum    time.Duration // total lag
 }
@@ -587,11 +588,11 @@ func (l SettleLag) Quantile(q float64) time.Duration {
 	var seen uint64
 	for i, c := range l.Counts {
 		seen += c
-		if seen >= rank && i < len(SettleLagBounds) {
-			return SettleLagBounds[i]
+		if seen >= rank && i < len(l.Bounds) {
+			return l.Bounds[i]
 		}
 	}
-	return SettleLagBounds[len(SettleLagBounds)-1]
+	return l.Bounds[len(l.Bounds)-1]
 }
 
 // SettleLag returns the settle-lag histogram so far.
@@ -600,7 +601,7 @@ func (w *Worker) SettleLag() SettleLag {
 }
 
 type lagHistogram struct {
-	counts [24]atomic.Uint64 // len(SettleLagBounds)+1
+	counts [24]atomic.Uint64 // len(settleLagBounds)+1
 	count  atomic.Uint64
 	sum    atomic.Int64
 }
@@ -612,7 +613,7 @@ func (h *lagHistogram) observe(now time.Time, entries []balance.Entry) {
 		}
 		d := max(now.Sub(e.Recorded), 0)
 		i := 0
-		for i < len(SettleLagBounds) && d > SettleLagBounds[i] {
+		for i < len(settleLagBounds) && d > settleLagBounds[i] {
 			i++
 		}
 		h.counts[i].Add(1)
@@ -622,7 +623,7 @@ func (h *lagHistogram) observe(now time.Time, entries []balance.Entry) {
 }
 
 func (h *lagHistogram) snapshot() SettleLag {
-	l := SettleLag{Counts: make([]uint64, len(SettleLagBounds)+1)}
+	l := SettleLag{Bounds: settleLagBounds, Counts: make([]uint64, len(settleLagBounds)+1)}
 	for i := range l.Counts {
 		l.Counts[i] = h.counts[i].Load()
 	}

@@ -75,7 +75,8 @@ func TestSettleLagQuantile(t *testing.T) {
 	if l.Quantile(0.99) != 0 {
 		t.Fatal("quantile of nothing")
 	}
-	l.Counts = make([]uint64, len(accounting.SettleLagBounds)+1)
+	l.Bounds = []time.Duration{time.Millisecond, 2 * time.Millisecond, 5 * time.Millisecond, 10 * time.Millisecond, time.Minute}
+	l.Counts = make([]uint64, len(l.Bounds)+1)
 	l.Counts[0], l.Counts[3], l.Counts[len(l.Counts)-1] = 90, 9, 1 // ≤1ms, (5ms,10ms], above all
 	l.Count = 100
 	for q, want := range map[float64]time.Duration{0.5: time.Millisecond, 0.9: time.Millisecond, 0.95: 10 * time.Millisecond, 0.99: 10 * time.Millisecond, 1: time.Minute} {

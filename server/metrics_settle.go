@@ -81,9 +81,9 @@ func (c settleLagCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc 
 
 func (c settleLagCollector) Collect(ch chan<- prometheus.Metric) {
 	l := c.w.SettleLag()
-	buckets := make(map[float64]uint64, len(accounting.SettleLagBounds))
+	buckets := make(map[float64]uint64, len(l.Bounds))
 	var cum uint64
-	for i, b := range accounting.SettleLagBounds {
+	for i, b := range l.Bounds {
 		cum += l.Counts[i]
 		buckets[b.Seconds()] = cum
 	}
