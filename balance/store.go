@@ -257,7 +257,13 @@ func (s *Store) ObserveEpoch(e Epoch) {
 
 // Keys.
 
-func (s *Store) key(org, kind string) string { return s.prefix + ":{" + org + "}:" + kind }
+func (s *Store) key(org, kind string) string { return OrgKey(s.prefix, org, kind) }
+
+// OrgKey is the Redis key of one of an org's hot-state structures under prefix: kind is acct,
+// holds, hexp, gone, hfin, lim or u (DESIGN.md "Redis keys"). The org is the key's hash tag, so
+// every key of an org is on one Cluster slot. The one place the layout is written; tools that
+// read Redis directly use it.
+func OrgKey(prefix, org, kind string) string { return prefix + ":{" + org + "}:" + kind }
 
 // orgKinds are the org's keys in orgKeys order.
 var orgKinds = [...]string{"acct", "holds", "hexp", "gone", "hfin", "lim", "u"}

@@ -79,8 +79,11 @@ func measureLimits(ctx context.Context, o options, rdbURL, dbURL, prefix string)
 		return nil, err
 	}
 	keysOf := func(org string) []string {
-		p := prefix + ":{" + org + "}:"
-		return []string{p + "acct", p + "holds", p + "hexp", p + "gone", p + "lim", p + "u"}
+		keys := make([]string, 0, 6)
+		for _, kind := range []string{"acct", "holds", "hexp", "gone", "lim", "u"} { // reserve's KEYS
+			keys = append(keys, balance.OrgKey(prefix, org, kind))
+		}
+		return keys
 	}
 	var seq atomic.Int64
 	id := func() string { return "b" + strconv.FormatInt(seq.Add(1), 10) }

@@ -78,7 +78,7 @@ func fixture(t *testing.T, env Env, cfg balance.Config, start int64, warm bool) 
 	return x
 }
 
-func (x *h) key(kind string) string { return x.env.Prefix + ":{" + x.org + "}:" + kind }
+func (x *h) key(kind string) string { return balance.OrgKey(x.env.Prefix, x.org, kind) }
 
 // invariant asserts bal + Σ holds = B(wm) while acct exists.
 func (x *h) invariant() {
