@@ -72,6 +72,9 @@ type setting struct {
 	set                  func(string) error
 }
 
+// settings is every setting of the proxy — env var, flag, default, help, parser — as one table,
+// read top to bottom by LoadConfig, the usage text and the redacted startup log. It is long
+// because it is the list; split, the list would be in pieces.
 func (c *Config) settings() []setting {
 	str := func(p *string) func(string) error { return func(v string) error { *p = v; return nil } }
 	dur := func(p *time.Duration) func(string) error {

@@ -577,6 +577,9 @@ func testAccountUnknownOrg(t *testing.T, l accounting.Ledger) {
 	}
 }
 
+// testAccountConcurrent records usage in batches while three workers and a snapshotter account
+// it at once, then checks every org's balance and sequence are exact. One piece: the checks at
+// the end read what the goroutines above them did.
 func testAccountConcurrent(t *testing.T, l accounting.Ledger) {
 	c := ctx(t)
 	orgs := []string{"a", "b", "c"}
