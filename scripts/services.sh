@@ -59,5 +59,13 @@ ensure_postgres() {
   fi
 }
 
+# The README's sessions run in bash with curl and jq (server/readme_test.go).
+ensure_tools() {
+  local missing=()
+  for t in curl jq; do command -v "$t" >/dev/null || missing+=("$t"); done
+  if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
+}
+
+ensure_tools
 ensure_redis
 ensure_postgres
