@@ -9,10 +9,12 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 )
 
 var updateReadme = flag.Bool("update-readme", false, "rewrite the outputs (#> lines) of README.md's sessions from a run")
@@ -106,6 +108,64 @@ func normalise(s string) string {
 	return s
 }
 
+// tableHeader is the first line of a table the CLI prints (text/tabwriter, two spaces between
+// columns): upper-case column names.
+var tableHeader = regexp.MustCompile(`^[A-Z][A-Z_]*( {2,}[A-Z][A-Z_]*)*$`)
+
+// normaliseOutput normalises a command's output; a table's cells are cut at its header's column
+// starts, normalised one by one and laid out again, so that a volatile value replaced by a
+// shorter one leaves the columns aligned (and empty cells stay empty).
+func normaliseOutput(out string) string {
+	lines := strings.Split(out, "\n")
+	var res []string
+	for i := 0; i < len(lines); i++ {
+		if !tableHeader.MatchString(lines[i]) {
+			res = append(res, normalise(lines[i]))
+			continue
+		}
+		var starts []int
+		h := lines[i]
+		for k := 0; k < len(h); k++ {
+			if h[k] != ' ' && (k == 0 || (k >= 2 && h[k-1] == ' ' && h[k-2] == ' ')) {
+				starts = append(starts, k)
+			}
+		}
+		var rows [][]string
+		j := i
+		for ; j < len(lines) && strings.TrimSpace(lines[j]) != "" && (j == i || !tableHeader.MatchString(lines[j])); j++ {
+			row := make([]string, len(starts))
+			for c, st := range starts {
+				end := len(lines[j])
+				if c+1 < len(starts) {
+					end = min(starts[c+1], end)
+				}
+				if st < end {
+					row[c] = normalise(strings.TrimSpace(lines[j][st:end]))
+				}
+			}
+			rows = append(rows, row)
+		}
+		widths := make([]int, len(starts))
+		for _, r := range rows {
+			for c, cell := range r {
+				widths[c] = max(widths[c], utf8.RuneCountInString(cell))
+			}
+		}
+		for _, r := range rows {
+			var b strings.Builder
+			for c, cell := range r {
+				b.WriteString(cell)
+				if c+1 < len(r) {
+					b.WriteString(strings.Repeat(" ", widths[c]-utf8.RuneCountInString(cell)+2))
+				}
+			}
+			res = append(res, strings.TrimRight(b.String(), " "))
+		}
+		i = j - 1
+	}
+	return strings.Join(res, "\n")
+}
+
 // shell is one bash that keeps the session's variables between commands.
 type shell struct {
 	cmd *exec.Cmd
@@ -114,7 +174,18 @@ type shell struct {
 	n   int
 }
 
-func startShell(t *testing.T, proxy string) *shell {
+// buildEscrow builds cmd/escrow for the sessions that use the CLI and returns its directory.
+func buildEscrow(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	out, err := exec.Command("go", "build", "-o", filepath.Join(dir, "escrow"), "../cmd/escrow").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go build ./cmd/escrow: %v: %s", err, out)
+	}
+	return dir
+}
+
+func startShell(t *testing.T, proxy, bin string) *shell {
 	t.Helper()
 	u, err := url.Parse(proxy)
 	if err != nil {
@@ -126,7 +197,8 @@ func startShell(t *testing.T, proxy string) *shell {
 		}
 	}
 	cmd := exec.Command("bash", "--norc", "--noprofile")
-	cmd.Env = append(os.Environ(), "ESCROW_ADMIN_TOKEN="+testAdmin, "ESCROW_URL=http://localhost:8080")
+	// The CLI reads ESCROW_URL (the README's default is the demo's address).
+	cmd.Env = append(os.Environ(), "ESCROW_ADMIN_TOKEN="+testAdmin, "ESCROW_URL="+proxy, "PATH="+bin+string(os.PathListSeparator)+os.Getenv("PATH"))
 	in, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -205,12 +277,13 @@ func TestREADMESessions(t *testing.T) {
 	if len(sessions) == 0 {
 		t.Fatal("README.md has no <!-- session: … --> block")
 	}
+	bin := buildEscrow(t)
 	var rewritten []string
 	at := 0
 	stale := false
 	for _, s := range sessions {
 		p := startTestProxy(t, false)
-		sh := startShell(t, p.base)
+		sh := startShell(t, p.base, bin)
 		rewritten = append(rewritten, lines[at:s.first]...)
 		for _, c := range s.cmds {
 			rewritten = append(rewritten, c.lines...)
@@ -218,7 +291,7 @@ func TestREADMESessions(t *testing.T) {
 				continue // trailing comments
 			}
 			p.allSettled(t)
-			out := strings.TrimRight(normalise(sh.run(t, strings.Join(c.lines, "\n"))), "\n")
+			out := normaliseOutput(strings.TrimRight(sh.run(t, strings.Join(c.lines, "\n")), "\n"))
 			var got []string
 			if out != "" {
 				for _, l := range strings.Split(out, "\n") {
