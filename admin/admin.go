@@ -85,6 +85,7 @@ func (a *API) Register(g *echo.Group) {
 	add(http.MethodPut, "/models/:model", a.putModel)
 	add(http.MethodPatch, "/models/:model", a.patchModel)
 	add(http.MethodDelete, "/models/:model", a.deleteModel)
+	add(http.MethodGet, "/ledger/epoch", a.epoch)
 	add(http.MethodPost, "/ledger/epoch", a.raiseEpoch)
 	add(http.MethodGet, "/audit", a.auditLog)
 }
@@ -344,6 +345,14 @@ func (a *API) models(c echo.Context) error {
 
 // raiseEpoch starts a new ledger epoch (run it after restoring the database from a backup): every
 // hot balance of the old timeline is dropped and reseeded on its next use.
+func (a *API) epoch(c echo.Context) error {
+	e, err := a.ops.SyncEpoch(c.Request().Context())
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeJSON(c, http.StatusOK, map[string]any{"generation": e.Gen, "id": e.ID})
+}
+
 func (a *API) raiseEpoch(c echo.Context) error {
 	e, err := a.ops.RaiseEpoch(c.Request().Context())
 	if err != nil {

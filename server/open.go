@@ -52,17 +52,29 @@ func redisClient(raw string) (redis.UniversalClient, error) {
 }
 
 func migrateDB(ctx context.Context, dsn string, log *slog.Logger) error {
-	pool, err := pgxpool.New(ctx, dsn)
+	applied, err := Migrate(ctx, dsn)
 	if err != nil {
-		return fmt.Errorf("database: %w", err)
-	}
-	defer pool.Close()
-	applied, err := migrations.Up(ctx, pool) // its errors already say "migrations: …"
-	if err != nil {
-		return fmt.Errorf("database: %w", err)
+		return err
 	}
 	if len(applied) > 0 {
 		log.Info("database migrated", "applied", applied)
 	}
 	return nil
+}
+
+// Migrate applies the ledger's migrations that the database at databaseURL lacks, in order,
+// under an advisory lock (so proxies starting together apply each once), and returns the
+// versions it applied (none: the database was up to date). `escrow migrate` runs it; the proxy
+// runs it at start unless ESCROW_MIGRATE=false.
+func Migrate(ctx context.Context, databaseURL string) (applied []int, err error) {
+	pool, err := pgxpool.New(ctx, databaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("database: %w", err)
+	}
+	defer pool.Close()
+	applied, err = migrations.Up(ctx, pool) // its errors already say "migrations: …"
+	if err != nil {
+		return nil, fmt.Errorf("database: %w", err)
+	}
+	return applied, nil
 }

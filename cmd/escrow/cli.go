@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/csv"
 	"encoding/json"
 	"errors"
@@ -15,6 +16,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/llmescrow/escrow/server"
 )
 
 // The operator's CLI: each command is one or a few calls to the admin API at ESCROW_URL
@@ -46,7 +49,21 @@ func usageErr(format string, a ...any) error {
 var (
 	stdout io.Writer = os.Stdout
 	getenv           = os.Getenv
+	// progress gets a progress line while a list of several pages is fetched: standard error
+	// when it is a terminal, else nothing (so scripts and pipes see only the result).
+	progress io.Writer = terminal(os.Stderr)
 )
+
+// pageLimit is the page size the CLI asks lists for (the API's largest; tests lower it).
+var pageLimit = "1000"
+
+// terminal returns f when it is a character device (a terminal), else nil.
+func terminal(f *os.File) io.Writer {
+	if st, err := f.Stat(); err == nil && st.Mode()&os.ModeCharDevice != 0 {
+		return f
+	}
+	return nil
+}
 
 // client talks to the admin API.
 type client struct {
@@ -135,17 +152,26 @@ type page struct {
 	Next *string          `json:"next"`
 }
 
-// all follows a list's cursors to its end.
+// all follows a list's cursors to its end, with a progress line from the second page on.
 func (c *client) all(path string, query url.Values) ([]map[string]any, error) {
 	var out []map[string]any
-	for {
+	for pages := 1; ; pages++ {
 		var p page
 		if err := c.call(http.MethodGet, path+"?"+query.Encode(), nil, &p); err != nil {
+			if pages > 1 && progress != nil {
+				fmt.Fprintln(progress)
+			}
 			return nil, err
 		}
 		out = append(out, p.Data...)
 		if p.Next == nil {
+			if pages > 1 && progress != nil {
+				fmt.Fprintf(progress, "\r\x1b[Kescrow: %d rows in %d pages\n", len(out), pages)
+			}
 			return out, nil
+		}
+		if progress != nil {
+			fmt.Fprintf(progress, "\r\x1b[Kescrow: %d rows fetched, page %d …", len(out), pages+1)
 		}
 		query.Set("cursor", *p.Next)
 	}
@@ -269,7 +295,7 @@ func cmdOrgs(args []string) error {
 	var res map[string]any
 	switch {
 	case sub == "list" && len(pos) == 0:
-		rows, err := c.all("/orgs", url.Values{"limit": {"1000"}})
+		rows, err := c.all("/orgs", url.Values{"limit": {pageLimit}})
 		if err != nil {
 			return err
 		}
@@ -335,7 +361,7 @@ func cmdKeys(args []string) error {
 	var res map[string]any
 	switch {
 	case len(pos) == 1:
-		rows, err := c.all("/orgs/"+url.PathEscape(pos[0])+"/keys", url.Values{"limit": {"1000"}})
+		rows, err := c.all("/orgs/"+url.PathEscape(pos[0])+"/keys", url.Values{"limit": {pageLimit}})
 		if err != nil {
 			return err
 		}
@@ -491,7 +517,7 @@ func cmdEntries(args []string) error {
 	if err != nil {
 		return err
 	}
-	q := url.Values{"limit": {"1000"}}
+	q := url.Values{"limit": {pageLimit}}
 	setGiven(q, map[string]string{"kind": *kind, "from": *from, "to": *to})
 	rows, err := c.all("/orgs/"+url.PathEscape(pos[0])+"/entries", q)
 	if err != nil {
@@ -514,9 +540,81 @@ func cmdAudit(args []string) error {
 	if err != nil {
 		return err
 	}
-	rows, err := c.all("/audit", url.Values{"limit": {"1000"}})
+	rows, err := c.all("/audit", url.Values{"limit": {pageLimit}})
 	if err != nil {
 		return err
 	}
 	return o.print(rows, []string{"id", "at", "actor", "action", "target", "status"}, rows)
+}
+
+// cmdReconcile: escrow reconcile ORG — the org's hot balance against the ledger; a drift is
+// repaired (the hot balance is dropped and reseeds on the next request).
+func cmdReconcile(args []string) error {
+	fs := flag.NewFlagSet("reconcile", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	pos, c, err := start(fs, args, 1, "usage: escrow reconcile ORG [--json|--csv]")
+	if err != nil {
+		return err
+	}
+	var res map[string]any
+	if err := c.call(http.MethodPost, "/orgs/"+url.PathEscape(pos[0])+"/reconcile", nil, &res); err != nil {
+		return err
+	}
+	return o.print(res, []string{"org", "warm", "hot", "expected", "drift", "repaired", "caught_up"}, one(res))
+}
+
+// cmdEpoch: escrow epoch [raise] — the ledger's epoch; raise starts a new one, after restoring
+// the ledger from a backup (every hot balance of the old timeline is then reseeded).
+func cmdEpoch(args []string) error {
+	fs := flag.NewFlagSet("epoch", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	method := http.MethodGet
+	switch {
+	case len(pos) == 0:
+	case len(pos) == 1 && pos[0] == "raise":
+		method = http.MethodPost
+	default:
+		return usageErr("usage: escrow epoch [raise]  [--json|--csv]")
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	var res map[string]any
+	if err := c.call(method, "/ledger/epoch", nil, &res); err != nil {
+		return err
+	}
+	return o.print(res, []string{"generation", "id"}, one(res))
+}
+
+// cmdMigrate: escrow migrate [--database-url URL] — applies the ledger's migrations, then exits;
+// for deployments that run the proxies with ESCROW_MIGRATE=false.
+func cmdMigrate(args []string) error {
+	fs := flag.NewFlagSet("migrate", flag.ContinueOnError)
+	dsn := fs.String("database-url", getenv("DATABASE_URL"), "the ledger's Postgres (default: DATABASE_URL)")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) != 0 || *dsn == "" {
+		return usageErr("usage: escrow migrate [--database-url URL]  (or set DATABASE_URL)")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	applied, err := server.Migrate(ctx, *dsn)
+	if err != nil {
+		return &exitError{exitUnreachable, err}
+	}
+	if len(applied) == 0 {
+		fmt.Fprintln(stdout, "the database is up to date")
+		return nil
+	}
+	fmt.Fprintln(stdout, "applied migrations", strings.Trim(fmt.Sprint(applied), "[]"))
+	return nil
 }

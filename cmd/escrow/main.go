@@ -28,15 +28,18 @@ var commands = map[string]struct {
 	help string
 	run  func(args []string) error
 }{
-	"serve":   {"run the proxy (REDIS_URL, DATABASE_URL, UPSTREAM_URL and UPSTREAM_API_KEY are required)", serve},
-	"orgs":    {"list, create, show or rename orgs (the CLI commands use ESCROW_URL and ESCROW_ADMIN_TOKEN)", cmdOrgs},
-	"credit":  {"credit an org: escrow credit ORG MICRO_UNITS --ref REFERENCE", cmdCredit},
-	"keys":    {"list an org's API keys, create, rename or revoke one", cmdKeys},
-	"usage":   {"an org's usage by day, model or key, as a table, JSON or CSV", cmdUsage},
-	"models":  {"list, show, price (decimals per 1M tokens) or delete models", cmdModels},
-	"request": {"one request by its x-request-id: hold, usage, cost, status", cmdRequest},
-	"entries": {"an org's ledger entries, newest first (charges with their request)", cmdEntries},
-	"audit":   {"every admin write: who, what, when", cmdAudit},
+	"serve":     {"run the proxy (REDIS_URL, DATABASE_URL, UPSTREAM_URL and UPSTREAM_API_KEY are required)", serve},
+	"orgs":      {"list, create, show or rename orgs (the CLI commands use ESCROW_URL and ESCROW_ADMIN_TOKEN)", cmdOrgs},
+	"credit":    {"credit an org: escrow credit ORG MICRO_UNITS --ref REFERENCE", cmdCredit},
+	"keys":      {"list an org's API keys, create, rename or revoke one", cmdKeys},
+	"usage":     {"an org's usage by day, model or key, as a table, JSON or CSV", cmdUsage},
+	"models":    {"list, show, price (decimals per 1M tokens) or delete models", cmdModels},
+	"request":   {"one request by its x-request-id: hold, usage, cost, status", cmdRequest},
+	"entries":   {"an org's ledger entries, newest first (charges with their request)", cmdEntries},
+	"audit":     {"every admin write: who, what, when", cmdAudit},
+	"reconcile": {"compare an org's hot balance with the ledger and repair a drift: escrow reconcile ORG", cmdReconcile},
+	"epoch":     {"show the ledger epoch, or raise it after restoring the ledger from a backup", cmdEpoch},
+	"migrate":   {"apply the ledger's database migrations (DATABASE_URL) and exit", cmdMigrate},
 }
 
 func main() {
@@ -57,7 +60,7 @@ func run(args []string, out io.Writer) error {
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
 		fmt.Fprintln(out, "Usage: escrow <command> [flags]\n\nCommands:")
 		for _, name := range slices.Sorted(maps.Keys(commands)) {
-			fmt.Fprintf(out, "  %-8s %s\n", name, commands[name].help)
+			fmt.Fprintf(out, "  %-10s %s\n", name, commands[name].help)
 		}
 		if len(args) == 0 {
 			return errors.New("no command")
