@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -202,6 +203,36 @@ func (m *Memory) ListEntries(ctx context.Context, org string, q EntryQuery) (Pag
 	return p, nil
 }
 
+// TopSpenders sums the accounted usage in the range per org and keeps the largest.
+func (m *Memory) TopSpenders(ctx context.Context, q TopQuery) ([]UsageRow, error) {
+	if err := q.Check(); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := []UsageRow{}
+	for org, a := range m.accounts {
+		r := UsageRow{Group: org}
+		for _, e := range a.entries {
+			ev := m.events[e.HoldID]
+			if e.Kind != KindCharge || ev == nil || !inRange(ev.ev.CreatedAt, q.From, q.To) {
+				continue
+			}
+			r.add(-e.Delta, ev.ev.Usage)
+		}
+		if r.Requests > 0 {
+			out = append(out, r)
+		}
+	}
+	slices.SortFunc(out, func(a, b UsageRow) int {
+		if c := cmp.Compare(b.Cost, a.Cost); c != 0 {
+			return c
+		}
+		return strings.Compare(a.Group, b.Group)
+	})
+	return out[:min(len(out), q.Limit)], nil
+}
+
 // UsageReport sums the org's accounted usage per group, in group order.
 func (m *Memory) UsageReport(ctx context.Context, org string, q UsageQuery) ([]UsageRow, error) {
 	if err := balance.ValidateOrg(org); err != nil {
@@ -236,12 +267,7 @@ func (m *Memory) UsageReport(ctx context.Context, org string, q UsageQuery) ([]U
 			r = &UsageRow{Group: g}
 			rows[g] = r
 		}
-		r.Requests++
-		r.Cost += -e.Delta
-		r.Prompt += ev.ev.Usage.Prompt
-		r.Cached += ev.ev.Usage.Cached
-		r.Completion += ev.ev.Usage.Completion
-		r.Reasoning += ev.ev.Usage.Reasoning
+		r.add(-e.Delta, ev.ev.Usage)
 	}
 	out := make([]UsageRow, 0, len(rows))
 	for _, r := range rows {
@@ -325,4 +351,14 @@ func (m *Memory) AuditLog(ctx context.Context, q ListQuery) (Page[AuditRecord], 
 		p.Data = append(p.Data, m.console.audit[id-1])
 	}
 	return p, nil
+}
+
+// add counts one request of the given cost and usage in the row.
+func (r *UsageRow) add(cost int64, u Usage) {
+	r.Requests++
+	r.Cost += cost
+	r.Prompt += u.Prompt
+	r.Cached += u.Cached
+	r.Completion += u.Completion
+	r.Reasoning += u.Reasoning
 }

@@ -117,6 +117,11 @@ func (o *Ops) UsageReport(ctx context.Context, org string, q UsageQuery) ([]Usag
 	return o.ledger.UsageReport(ctx, org, q)
 }
 
+// TopSpenders lists the orgs that spent the most in a time range (see Console.TopSpenders).
+func (o *Ops) TopSpenders(ctx context.Context, q TopQuery) ([]UsageRow, error) {
+	return o.ledger.TopSpenders(ctx, q)
+}
+
 // Request returns one request's usage by its id.
 func (o *Ops) Request(ctx context.Context, id string) (RequestInfo, error) {
 	return o.ledger.Request(ctx, id)

@@ -269,6 +269,33 @@ GROUP BY g ORDER BY g COLLATE "C"`, org, tsArg(q.From), tsArg(q.To))
 	return out, wrapPg("usage report", err)
 }
 
+// TopSpenders sums the accounted usage events in the range per org and keeps the largest. It
+// reads every accounted event of the range (no index orders orgs by spend): for long ranges on a
+// large ledger it is a report query, not a hot one.
+func (p *Postgres) TopSpenders(ctx context.Context, q TopQuery) ([]UsageRow, error) {
+	if err := q.Check(); err != nil {
+		return nil, err
+	}
+	rows, _ := p.pool.Query(ctx, `
+SELECT org_id, count(*), sum(cost)::bigint, sum(prompt_tokens)::bigint, sum(cached_tokens)::bigint,
+       sum(completion_tokens)::bigint, sum(reasoning_tokens)::bigint
+FROM usage_events
+WHERE status = 'accounted'
+  AND ($1::timestamptz IS NULL OR created_at >= $1) AND ($2::timestamptz IS NULL OR created_at < $2)
+GROUP BY org_id
+ORDER BY sum(cost) DESC, org_id COLLATE "C"
+LIMIT $3`, tsArg(q.From), tsArg(q.To), q.Limit)
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (UsageRow, error) {
+		var u UsageRow
+		err := r.Scan(&u.Group, &u.Requests, &u.Cost, &u.Prompt, &u.Cached, &u.Completion, &u.Reasoning)
+		return u, err
+	})
+	if out == nil && err == nil {
+		out = []UsageRow{}
+	}
+	return out, wrapPg("top spenders", err)
+}
+
 // Request returns one request's usage event by its id (the primary key).
 func (p *Postgres) Request(ctx context.Context, id string) (RequestInfo, error) {
 	u, err := uuid.Parse(id)

@@ -55,6 +55,10 @@ type Console interface {
 	// UsageReport sums an org's accounted usage (its charge entries) per group. The rows' costs
 	// add up to minus the charges of the org's ledger in the range.
 	UsageReport(ctx context.Context, org string, q UsageQuery) ([]UsageRow, error)
+	// TopSpenders lists the orgs that spent the most in a time range (by each request's record
+	// time, like UsageReport): one row per org (Group = the org id) with its accounted usage,
+	// by cost descending then org id, at most q.Limit rows.
+	TopSpenders(ctx context.Context, q TopQuery) ([]UsageRow, error)
 	// Request returns one request's usage by its id (ErrUnknownRequest).
 	Request(ctx context.Context, id string) (RequestInfo, error)
 
@@ -132,6 +136,29 @@ const (
 type UsageQuery struct {
 	From, To time.Time // [From, To); a zero bound is open
 	GroupBy  string    // GroupByDay (UTC, "2006-01-02"), GroupByModel or GroupByKey ("" for no key)
+}
+
+// TopQuery asks for the orgs that spent the most in [From, To) (a zero bound is open).
+type TopQuery struct {
+	From, To time.Time
+	Limit    int // rows: 0 means DefaultTopSpenders; at most MaxPageSize
+}
+
+// DefaultTopSpenders is how many orgs TopSpenders lists when the query does not say.
+const DefaultTopSpenders = 10
+
+// Check validates a query and fills its default limit.
+func (q *TopQuery) Check() error {
+	switch {
+	case q.Limit < 0 || q.Limit > MaxPageSize:
+		return fmt.Errorf("%w: limit must be between 1 and %d", ErrInvalidQuery, MaxPageSize)
+	case q.Limit == 0:
+		q.Limit = DefaultTopSpenders
+	}
+	if !q.From.IsZero() && !q.To.IsZero() && !q.To.After(q.From) {
+		return fmt.Errorf("%w: to must be after from", ErrInvalidQuery)
+	}
+	return nil
 }
 
 // UsageRow is one group of a usage report.

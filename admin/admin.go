@@ -79,6 +79,7 @@ func (a *API) Register(g *echo.Group) {
 	add(http.MethodGet, "/orgs/:org/usage", a.usage)
 	add(http.MethodPatch, "/keys/:id", a.patchKey)
 	add(http.MethodDelete, "/keys/:id", a.revokeKey)
+	add(http.MethodGet, "/usage/top", a.topSpenders)
 	add(http.MethodGet, "/requests/:id", a.request)
 	add(http.MethodGet, "/models", a.models)
 	add(http.MethodGet, "/models/:model", a.getModel)

@@ -244,6 +244,42 @@ func (a *API) usage(c echo.Context) error {
 		})
 }
 
+// topSpenders: GET /usage/top?from=&to=&limit= — the orgs that spent the most, by cost.
+func (a *API) topSpenders(c echo.Context) error {
+	var q accounting.TopQuery
+	lq, err := listQuery(c)
+	if err == nil {
+		q.Limit = lq.Limit
+		if q.From, err = timeParam(c, "from"); err == nil {
+			q.To, err = timeParam(c, "to")
+		}
+	}
+	if err != nil {
+		return invalid(c, err.Error())
+	}
+	rows, err := a.ops.TopSpenders(c.Request().Context(), q)
+	if err != nil {
+		return a.fail(c, err)
+	}
+	type spender struct {
+		Org        string `json:"org"`
+		Requests   int64  `json:"requests"`
+		Cost       int64  `json:"cost"`
+		Prompt     int64  `json:"prompt_tokens"`
+		Cached     int64  `json:"cached_tokens"`
+		Completion int64  `json:"completion_tokens"`
+		Reasoning  int64  `json:"reasoning_tokens"`
+	}
+	out := make([]spender, len(rows))
+	for i, r := range rows {
+		out[i] = spender{r.Group, r.Requests, r.Cost, r.Prompt, r.Cached, r.Completion, r.Reasoning}
+	}
+	return writeList(c, out, "", []string{"org", "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens"},
+		func(r spender) []string {
+			return []string{r.Org, i64(r.Requests), i64(r.Cost), i64(r.Prompt), i64(r.Cached), i64(r.Completion), i64(r.Reasoning)}
+		})
+}
+
 func (a *API) request(c echo.Context) error {
 	r, err := a.ops.Request(c.Request().Context(), c.Param("id"))
 	return a.answer(c, r, err)

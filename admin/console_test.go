@@ -174,6 +174,14 @@ func TestConsoleAPI(t *testing.T) {
 	if err != nil || len(rows) != 2 || rows[0][0] != "key" || rows[1][0] != key1["id"] || rows[1][2] != "600" {
 		t.Fatalf("usage by key as CSV: %v %v", rows, err)
 	}
+	var top list[map[string]any]
+	c.ok("GET", "/usage/top?limit=5", "", 200, &top)
+	if len(top.Data) != 1 || top.Data[0]["org"] != "acme" || top.Data[0]["cost"] != 600.0 || top.Data[0]["requests"] != 3.0 {
+		t.Fatalf("top spenders: %+v", top)
+	}
+	if rec := c.do("GET", "/usage/top?format=csv&from=2000-01-01", ""); !strings.Contains(rec.Body.String(), "org,requests,cost,") || !strings.Contains(rec.Body.String(), "\nacme,3,600,30,0,3,0") {
+		t.Fatalf("top spenders as CSV: %q", rec.Body)
+	}
 	var req accounting.RequestInfo
 	c.ok("GET", "/requests/"+ids[1], "", 200, &req)
 	if req.Cost != 200 || req.Status != accounting.RequestAccounted || req.HoldAmount != 5000 || req.KeyID != key1["id"] {
@@ -193,6 +201,8 @@ func TestConsoleAPI(t *testing.T) {
 		{"GET", "/orgs?cursor=zzz", "", 400, "invalid_cursor", "cursor"},
 		{"GET", "/orgs/acme/usage?group_by=week", "", 400, "invalid_value", "group_by must be day, model or key"},
 		{"GET", "/orgs/acme/usage?from=yesterday", "", 400, "invalid_value", "from must be an RFC 3339 time"},
+		{"GET", "/usage/top?limit=0", "", 400, "invalid_value", "limit must be an integer from 1"},
+		{"GET", "/usage/top?from=2026-02-01&to=2026-01-01", "", 400, "invalid_value", "to must be after from"},
 		{"DELETE", "/models/gpt-x", "", 409, "model_in_use", "has recorded usage"},
 		{"DELETE", "/models/nope", "", 404, "model_not_found", "no such model"},
 	} {

@@ -19,6 +19,8 @@ type metrics struct {
 	costs    prometheus.Histogram     // real costs
 	errors   *prometheus.CounterVec   // Redis / ledger errors seen by the middleware
 	latency  *prometheus.HistogramVec // request duration by outcome kind
+	spend    *prometheus.CounterVec   // micro-units charged, by model and outcome
+	tokens   *prometheus.CounterVec   // tokens charged, by model and kind
 
 	journalRefused prometheus.Counter // requests refused because the local journal is nearly full
 }
@@ -46,7 +48,16 @@ func newMetrics(a *Server) *metrics {
 		Name: "escrow_request_seconds", Help: "Time from the request's arrival to its outcome (upstream time included), by outcome kind.",
 		Buckets: prometheus.ExponentialBuckets(0.0005, 2, 18),
 	}, []string{"outcome"})
-	m.reg.MustRegister(m.requests, m.holds, m.costs, m.errors, m.latency)
+	// Spend by model: the model label only takes priced models (a charged request's model is
+	// in the price table), never a client's free text, so it stays as small as the price table.
+	m.spend = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "escrow_spend_microunits_total",
+		Help: "Micro-units charged, by model and outcome (recorded: usage from the upstream; estimated: the hold or an estimate was charged).",
+	}, []string{"model", "outcome"})
+	m.tokens = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "escrow_tokens_total", Help: "Tokens charged, by model and kind (prompt, cached, completion).",
+	}, []string{"model", "kind"})
+	m.reg.MustRegister(m.requests, m.holds, m.costs, m.errors, m.latency, m.spend, m.tokens)
 
 	w := a.worker
 	counter := func(name, help string, f func() int64) {
@@ -126,6 +137,10 @@ func (m *metrics) observe(o middleware.Outcome) {
 	}
 	if o.Kind == middleware.OutcomeRecorded || o.Kind == middleware.OutcomeEstimated {
 		m.costs.Observe(float64(o.Cost))
+		m.spend.WithLabelValues(o.Model, string(o.Kind)).Add(float64(o.Cost))
+		m.tokens.WithLabelValues(o.Model, "prompt").Add(float64(o.Usage.Prompt))
+		m.tokens.WithLabelValues(o.Model, "cached").Add(float64(o.Usage.Cached))
+		m.tokens.WithLabelValues(o.Model, "completion").Add(float64(o.Usage.Completion))
 	}
 	if o.Status == http.StatusServiceUnavailable {
 		m.errors.WithLabelValues("redis").Inc()

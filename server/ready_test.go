@@ -2,6 +2,7 @@ package server
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
@@ -81,5 +82,30 @@ func TestMetricsBacklog(t *testing.T) {
 		if !strings.Contains(string(m), want) {
 			t.Fatalf("metrics lack %q:\n%s", strings.TrimSpace(want), grepLines(string(m), "escrow_worker"))
 		}
+	}
+}
+
+// TestMetricsSpend: the spend counter by model adds up to what the ledger charged, and a
+// request for a model nobody priced leaves no label behind (the client chooses that string).
+func TestMetricsSpend(t *testing.T) {
+	t.Parallel()
+	p := startTestProxy(t, false)
+	key := p.setup("acme", 10_000, 65)
+	for _, q := range []string{"hi", "hello there"} {
+		if st, _, b := p.do("POST", "/v1/chat/completions", key, chat(q)); st != http.StatusOK {
+			t.Fatalf("request: %d %s", st, b)
+		}
+	}
+	if st, _, _ := p.do("POST", "/v1/chat/completions", key, map[string]any{"model": "made-up-model", "messages": []map[string]string{{"role": "user", "content": "x"}}}); st != http.StatusNotFound {
+		t.Fatalf("unpriced model: %d", st)
+	}
+	b := p.settled("acme")
+	_, _, m := p.do("GET", "/metrics", "", nil)
+	want := fmt.Sprintf("\nescrow_spend_microunits_total{model=\"m\",outcome=\"recorded\"} %d\n", 10_000-b.LedgerBalance)
+	if !strings.Contains(string(m), want) || strings.Contains(string(m), "made-up-model") {
+		t.Fatalf("metrics: want %q and no made-up-model:\n%s", strings.TrimSpace(want), grepLines(string(m), "escrow_"))
+	}
+	if !strings.Contains(string(m), "escrow_tokens_total{kind=\"completion\",model=\"m\"}") {
+		t.Fatalf("no token counter:\n%s", grepLines(string(m), "escrow_tokens"))
 	}
 }

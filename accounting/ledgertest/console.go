@@ -20,6 +20,7 @@ var consoleTests = []struct {
 	{"ConsoleKeys", testConsoleKeys},
 	{"ConsoleEntries", testConsoleEntries},
 	{"ConsoleUsageReport", testConsoleUsage},
+	{"ConsoleTopSpenders", testConsoleTopSpenders},
 	{"ConsoleRequest", testConsoleRequest},
 	{"ConsoleDeleteModel", testConsoleDeleteModel},
 	{"ConsoleAudit", testConsoleAudit},
@@ -270,6 +271,56 @@ func testConsoleUsage(t *testing.T, l accounting.Ledger) {
 	wantErr(t, err, accounting.ErrInvalidQuery, "to before from")
 	_, err = l.UsageReport(c, "nobody", accounting.UsageQuery{GroupBy: "day"})
 	wantErr(t, err, accounting.ErrUnknownOrg, "usage of an unknown org")
+}
+
+func testConsoleTopSpenders(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	// Two orgs with the same spend (7 each, at t0): a tie goes by org id.
+	var small []accounting.UsageEvent
+	for i, org := range []string{"t-tie-b", "t-tie-a"} {
+		noErr(t, l.CreateOrg(c, org))
+		must2(l.Credit(c, org, 1000, "pay-"+org))
+		ev := event(org, 7, 100+i)
+		ev.CreatedAt = t0
+		small = append(small, ev)
+	}
+	noErr(t, l.RecordUsage(c, small))
+	usageFixture(t, l, "t-a") // six requests of 2,100 in all, and a pending 9,999 that t-b's fixture accounts
+	usageFixture(t, l, "t-b") // six requests of 2,100; its pending 9,999 is never accounted, never counted
+	noErr(t, l.CreateOrg(c, "t-idle"))
+	check := func(q accounting.TopQuery, want ...string) {
+		t.Helper()
+		got := must(l.TopSpenders(c, q))
+		var ids []string
+		for _, r := range got {
+			ids = append(ids, fmt.Sprintf("%s:%d/%d", r.Group, r.Cost, r.Requests))
+		}
+		if strings.Join(ids, " ") != strings.Join(want, " ") {
+			t.Fatalf("top spenders %+v: %v, want %v", q, ids, want)
+		}
+	}
+	check(accounting.TopQuery{}, "t-a:12099/7", "t-b:2100/6", "t-tie-a:7/1", "t-tie-b:7/1")
+	check(accounting.TopQuery{Limit: 3}, "t-a:12099/7", "t-b:2100/6", "t-tie-a:7/1")
+	day2 := t0.Add(24 * time.Hour)
+	check(accounting.TopQuery{To: day2}, "t-a:10599/4", "t-b:600/3", "t-tie-a:7/1", "t-tie-b:7/1") // the 9,999 was recorded at t0
+	check(accounting.TopQuery{From: day2, To: day2.Add(24 * time.Hour)}, "t-a:1500/3", "t-b:1500/3")
+	check(accounting.TopQuery{From: time.Now().Add(time.Hour)})
+	// A row is the org's usage report summed.
+	var sum accounting.UsageRow
+	for _, r := range must(l.UsageReport(c, "t-b", accounting.UsageQuery{GroupBy: "model"})) {
+		sum.Requests += r.Requests
+		sum.Cost += r.Cost
+		sum.Prompt += r.Prompt
+		sum.Completion += r.Completion
+	}
+	top := must(l.TopSpenders(c, accounting.TopQuery{Limit: accounting.MaxPageSize}))
+	if top[1].Group != "t-b" || top[1].Requests != sum.Requests || top[1].Cost != sum.Cost || top[1].Prompt != sum.Prompt || top[1].Completion != sum.Completion {
+		t.Fatalf("t-b in the top list %+v disagrees with its usage report %+v", top[1], sum)
+	}
+	for _, bad := range []accounting.TopQuery{{Limit: -1}, {Limit: accounting.MaxPageSize + 1}, {From: day2, To: t0}} {
+		_, err := l.TopSpenders(c, bad)
+		wantErr(t, err, accounting.ErrInvalidQuery, fmt.Sprintf("query %+v", bad))
+	}
 }
 
 func testConsoleRequest(t *testing.T, l accounting.Ledger) {

@@ -618,3 +618,24 @@ func cmdMigrate(args []string) error {
 	fmt.Fprintln(stdout, "applied migrations", strings.Trim(fmt.Sprint(applied), "[]"))
 	return nil
 }
+
+// cmdTop: escrow top [--from T] [--to T] [--limit N] — the orgs that spent the most.
+func cmdTop(args []string) error {
+	fs := flag.NewFlagSet("top", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	from := fs.String("from", "", "from this time (RFC 3339) or date (YYYY-MM-DD), inclusive")
+	to := fs.String("to", "", "to this time or date, exclusive")
+	limit := fs.String("limit", "10", "how many orgs (at most 1000)")
+	_, c, err := start(fs, args, 0, "usage: escrow top [--from T] [--to T] [--limit N] [--json|--csv]")
+	if err != nil {
+		return err
+	}
+	q := url.Values{"limit": {*limit}}
+	setGiven(q, map[string]string{"from": *from, "to": *to})
+	var p page
+	if err := c.call(http.MethodGet, "/usage/top?"+q.Encode(), nil, &p); err != nil {
+		return err
+	}
+	return o.print(p, []string{"org", "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens"}, p.Data)
+}

@@ -237,6 +237,13 @@ func TestCLIEndToEnd(t *testing.T) {
 		t.Errorf("audit table:\n%s", out)
 	}
 
+	// The top spenders: one org, the whole charge.
+	var top struct{ Data []map[string]any }
+	c.json(&top, "top", "--from", today)
+	if len(top.Data) != 1 || top.Data[0]["org"] != "acme" || top.Data[0]["cost"] != float64(charged) {
+		t.Errorf("top: %+v, want acme with %d", top.Data, charged)
+	}
+
 	// A long export shows a progress line (on a terminal: here a buffer) and still gets every row.
 	var prog bytes.Buffer
 	pageLimit, progress = "4", &prog
