@@ -574,8 +574,8 @@ var settleLagBounds = []time.Duration{
 type SettleLag struct {
 	Bounds []time.Duration // the buckets' upper bounds, ascending (read-only)
 	Counts []uint64        // Counts[i]: lags ≤ Bounds[i] and above the bound before; the last one: above every bound
-	Count  uint64        // entries observed
-	Sum    time.Duration // total lag
+	Count  uint64          // entries observed
+	Sum    time.Duration   // total lag
 }
 
 // Quantile estimates the q-quantile (0 < q ≤ 1) as the upper bound of the bucket that holds it
