@@ -7,7 +7,7 @@ FUZZTIME  ?= 10s
 export ESCROW_TEST_REDIS_URL    = $(REDIS_URL)
 export ESCROW_TEST_DATABASE_URL = $(DATABASE_URL)
 
-.PHONY: test test-fast services spin modelcheck lint fuzz bench run
+.PHONY: test test-fast services spin modelcheck lint fuzz bench bench-console run
 
 ## test: start Redis and Postgres if needed, then lint and run every test (race detector) on the real services.
 test: services lint
@@ -52,6 +52,13 @@ fuzz:
 bench: services
 	bash scripts/wrk.sh
 	$(GO) run ./bench -redis-url '$(REDIS_URL)' -database-url '$(DATABASE_URL)' $(BENCHFLAGS)
+
+## bench-console: the operator's reads on a ledger of 10,000,000 charges (filled in a schema of
+## its own on DATABASE_URL, dropped afterwards); BENCH_CONSOLE_ROWS changes the size.
+BENCH_CONSOLE_ROWS ?= 10000000
+bench-console: services
+	ESCROW_TEST_DATABASE_URL='$(DATABASE_URL)' ESCROW_BENCH_CONSOLE_ROWS=$(BENCH_CONSOLE_ROWS) \
+	  $(GO) test ./accounting -run '^$$' -bench BenchmarkConsoleLarge -benchtime 50x -timeout 60m -v
 
 ## run: the example proxy (embedded defaults when REDIS_URL/DATABASE_URL are unset in the environment).
 run:
