@@ -179,62 +179,85 @@ func (j *Journal) Replay(ctx context.Context, batch int, record func(context.Con
 	j.replayMu.Lock()
 	defer j.replayMu.Unlock()
 
-	j.mu.Lock()
-	if j.f == nil {
-		j.mu.Unlock()
-		return 0, errors.New("accounting: journal closed")
-	}
-	if j.count == 0 {
-		j.mu.Unlock()
-		return 0, nil
-	}
-	events, end, err := readRecords(j.f)
-	if _, serr := j.f.Seek(j.size, io.SeekStart); err == nil {
-		err = serr
-	}
-	j.mu.Unlock()
-	if err != nil {
+	events, end, err := j.snapshot()
+	if err != nil || len(events) == 0 {
 		return 0, err
 	}
-
 	batch = max(batch, 1)
 	for i := 0; i < len(events); i += batch {
 		if err := record(ctx, events[i:min(i+batch, len(events))]); err != nil {
 			return i, err
 		}
 	}
+	return len(events), j.dropThrough(end, len(events))
+}
 
+// snapshot reads every record in the journal and the offset where they end.
+func (j *Journal) snapshot() ([]UsageEvent, int64, error) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	if j.f == nil {
-		return len(events), errors.New("accounting: journal closed")
+		return nil, 0, errors.New("accounting: journal closed")
+	}
+	if j.count == 0 {
+		return nil, 0, nil
+	}
+	events, end, err := readRecords(j.f)
+	if _, serr := j.f.Seek(j.size, io.SeekStart); err == nil {
+		err = serr
+	}
+	return events, end, err
+}
+
+// dropThrough removes the first n records, which end at offset end, from the journal: in place
+// when nothing was appended since they were read, else by writing what follows them to a new
+// file renamed over the old one.
+func (j *Journal) dropThrough(end int64, n int) error {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.f == nil {
+		return errors.New("accounting: journal closed")
 	}
 	if j.size == end {
 		// Nothing was appended meanwhile: empty the file in place.
 		if err := j.f.Truncate(0); err != nil {
-			return len(events), err
+			return err
 		}
 		if _, err := j.f.Seek(0, io.SeekStart); err != nil {
-			return len(events), err
+			return err
 		}
 		if err := j.f.Sync(); err != nil {
-			return len(events), err
+			return err
 		}
 		j.size, j.count = 0, 0
-		return len(events), nil
+		return nil
 	}
 	// Keep what was appended after the replayed records.
 	rest := make([]byte, j.size-end)
 	if _, err := j.f.ReadAt(rest, end); err != nil {
-		return len(events), fmt.Errorf("accounting: journal compaction: %w", err)
+		return fmt.Errorf("accounting: journal compaction: %w", err)
 	}
 	_, _ = j.f.Seek(j.size, io.SeekStart)
+	nf, err := j.replaceWith(rest)
+	if err != nil {
+		return fmt.Errorf("accounting: journal compaction: %w", err)
+	}
+	j.f.Close()
+	j.f = nf
+	j.size = int64(len(rest))
+	j.count -= n
+	return nil
+}
+
+// replaceWith writes data to a new file, renames it over the journal (durably) and returns it
+// open at its end.
+func (j *Journal) replaceWith(data []byte) (*os.File, error) {
 	tmp := j.path + ".tmp"
 	nf, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
 	if err != nil {
-		return len(events), fmt.Errorf("accounting: journal compaction: %w", err)
+		return nil, err
 	}
-	if _, err := nf.Write(rest); err == nil {
+	if _, err = nf.Write(data); err == nil {
 		err = nf.Sync()
 	}
 	if err == nil {
@@ -243,20 +266,15 @@ func (j *Journal) Replay(ctx context.Context, batch int, record func(context.Con
 	if err == nil {
 		err = syncDir(filepath.Dir(j.path))
 	}
+	if err == nil {
+		_, err = nf.Seek(int64(len(data)), io.SeekStart)
+	}
 	if err != nil {
 		nf.Close()
 		_ = os.Remove(tmp)
-		return len(events), fmt.Errorf("accounting: journal compaction: %w", err)
+		return nil, err
 	}
-	if _, err := nf.Seek(int64(len(rest)), io.SeekStart); err != nil {
-		nf.Close()
-		return len(events), err
-	}
-	j.f.Close()
-	j.f = nf
-	j.size = int64(len(rest))
-	j.count -= len(events)
-	return len(events), nil
+	return nf, nil
 }
 
 // syncDir fsyncs a directory, so that a rename in it survives a crash.
