@@ -42,7 +42,8 @@ type limits struct {
 const evalPipeDepth = 16
 
 // measureLimits runs the Redis and Postgres ceilings. Redis modes are interleaved in short
-// rounds so that the other work on this shared machine weighs on each of them alike.
+// rounds so that the other work on this shared machine weighs on each of them alike. It is one
+// piece because the modes are a table over the clients, orgs and script arguments it sets up.
 func measureLimits(ctx context.Context, o options, rdbURL, dbURL, prefix string) (*limits, error) {
 	lim := &limits{conns: o.redisConns}
 	opt, err := redis.ParseURL(rdbURL)
@@ -209,7 +210,8 @@ func closedLoop(n int, d time.Duration, op func() error) (int64, time.Duration, 
 
 // pgLimits measures Postgres on the usage-event shape, in a schema of its own: RecordUsage of
 // one event per transaction and of 100, the Recorder's group commit, and the whole accounting
-// pipeline (Recorder → Worker → Redis).
+// pipeline (Recorder → Worker → Redis). One piece: a list of measures, each a few lines over
+// the same schema and clients.
 func pgLimits(ctx context.Context, o options, lim *limits, dbURL string, rdb *redis.Client, prefix string) error {
 	pool, err := pgxpool.New(ctx, dbURL)
 	if err != nil {

@@ -186,7 +186,8 @@ func startDirect() (base string, stop func(), err error) {
 }
 
 // wrkSideBySide runs the wrk scenarios (each split into rounds taken in turns, so a burst of load
-// from elsewhere on the machine spreads over all of them) and prints their table.
+// from elsewhere on the machine spreads over all of them) and prints their table. One piece: the
+// scenario list, the rounds and the table read the same rows.
 func wrkSideBySide(ctx context.Context, o options, base, esc *proxyProc, keys, hot []string, before *beforeProxy) error {
 	wrk, err := ensureWrk(ctx)
 	if err != nil {
