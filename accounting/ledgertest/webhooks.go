@@ -182,9 +182,9 @@ func testWebhookEvents(t *testing.T, l accounting.Ledger) {
 	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{event("o", 700, 1), event("o", 800, 2), event("quiet", 5, 3)}))
 	must(l.AccountPending(c, 100)) // 500: crossed, once for the batch
 	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{event("o", 100, 4)}))
-	must(l.AccountPending(c, 100)) // 400: still below, no event
-	must2(l.Credit(c, "o", 600, "pay-2"))  // 1000: at the threshold is not below
-	must2(l.Adjust(c, "o", -1, "fix-1"))   // 999: crossed again
+	must(l.AccountPending(c, 100))          // 400: still below, no event
+	must2(l.Credit(c, "o", 600, "pay-2"))   // 1000: at the threshold is not below
+	must2(l.Adjust(c, "o", -1, "fix-1"))    // 999: crossed again
 	must2(l.Adjust(c, "o", 2_000, "fix-2")) // 2999
 	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{event("o", 2_500, 5)}))
 	must(l.Snapshot(c, "o")) // the seed's accounting: 499, crossed again
