@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -115,6 +116,12 @@ func TestWebhooksThroughTheProxy(t *testing.T) {
 				t.Fatalf("deliveries %+v", ds)
 			}
 			time.Sleep(20 * time.Millisecond)
+		}
+		_, _, metrics := p.do("GET", "/metrics", "", nil)
+		for _, want := range []string{"escrow_webhook_delivered_total 3\n", "escrow_webhook_attempts_total 3\n", "escrow_webhook_failed_total 0\n"} {
+			if !strings.Contains(string(metrics), want) {
+				t.Errorf("/metrics lacks %q", want)
+			}
 		}
 	})
 }

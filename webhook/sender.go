@@ -92,6 +92,8 @@ type Stats struct {
 	Delivered int64 // deliveries answered with a 2xx
 	Retries   int64 // failed attempts with another one to come
 	Failed    int64 // deliveries given up after MaxAttempts
+	// ClaimErrors counts failed reads of the outbox (a ledger outage: logged once per streak).
+	ClaimErrors int64
 }
 
 // Sender delivers the outbox's events. Several senders (in one process or many, on one ledger)
@@ -102,7 +104,7 @@ type Sender struct {
 	log   *slog.Logger
 	wake  chan struct{}
 
-	attempts, delivered, retries, failed atomic.Int64
+	attempts, delivered, retries, failed, claimErrors atomic.Int64
 
 	runMu  sync.Mutex
 	cancel context.CancelFunc
@@ -128,7 +130,8 @@ func (s *Sender) Config() Config { return s.cfg }
 
 // Stats returns the sender's running totals.
 func (s *Sender) Stats() Stats {
-	return Stats{Attempts: s.attempts.Load(), Delivered: s.delivered.Load(), Retries: s.retries.Load(), Failed: s.failed.Load()}
+	return Stats{Attempts: s.attempts.Load(), Delivered: s.delivered.Load(), Retries: s.retries.Load(), Failed: s.failed.Load(),
+		ClaimErrors: s.claimErrors.Load()}
 }
 
 // Start starts the delivery loop. It runs until Stop (or until ctx ends).
@@ -180,11 +183,20 @@ func (s *Sender) loop(ctx context.Context) {
 	defer tick.Stop()
 	// Attempts are not cut by Stop (only by their Timeout): their outcome is then recorded.
 	sendCtx := context.WithoutCancel(ctx)
+	failing := false // the outbox could not be read: logged once until it can again
 	for {
 		if free := cap(slots) - len(slots); free > 0 {
 			ds, err := s.store.ClaimDeliveries(ctx, free, s.cfg.Lease)
-			if err != nil && ctx.Err() == nil {
-				s.log.Warn("webhook: claiming deliveries failed", "err", err)
+			switch {
+			case err != nil && ctx.Err() == nil:
+				s.claimErrors.Add(1)
+				if !failing {
+					s.log.Warn("webhook: reading the outbox failed; retrying at each poll", "err", err)
+				}
+				failing = true
+			case err == nil && failing:
+				s.log.Info("webhook: the outbox is readable again")
+				failing = false
 			}
 			for _, d := range ds {
 				slots <- struct{}{}

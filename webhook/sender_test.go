@@ -401,3 +401,88 @@ func TestBackoffGrowsWithJitter(t *testing.T) {
 		}
 	}
 }
+
+// flakyStore is a ledger's webhook side whose outbox reads and outcome writes fail on demand,
+// as in a ledger outage.
+type flakyStore struct {
+	accounting.Webhooks
+	mu                        sync.Mutex
+	claimDown                 bool
+	finishFailures, finishTry int
+}
+
+func (f *flakyStore) ClaimDeliveries(ctx context.Context, limit int, lease time.Duration) ([]accounting.Delivery, error) {
+	f.mu.Lock()
+	down := f.claimDown
+	f.mu.Unlock()
+	if down {
+		return nil, fmt.Errorf("claim: %w", accounting.ErrLedgerUnavailable)
+	}
+	return f.Webhooks.ClaimDeliveries(ctx, limit, lease)
+}
+
+func (f *flakyStore) FinishDelivery(ctx context.Context, id int64, attempt int, o accounting.Outcome) error {
+	f.mu.Lock()
+	f.finishTry++
+	fail := f.finishTry <= f.finishFailures
+	f.mu.Unlock()
+	if fail {
+		return fmt.Errorf("finish: %w", accounting.ErrLedgerUnavailable)
+	}
+	return f.Webhooks.FinishDelivery(ctx, id, attempt, o)
+}
+
+// TestDeliveryRidesOutLedgerOutage: while the outbox cannot be read nothing is sent (and the
+// failures are counted); an attempt whose outcome could not be recorded is sent again after its
+// lease, with the same event id — at least once, never lost.
+func TestDeliveryRidesOutLedgerOutage(t *testing.T) {
+	t.Parallel()
+	ledgers(t, func(t *testing.T, l accounting.Ledger) {
+		r := newReceiver(t, func(int) int { return http.StatusOK })
+		store := &flakyStore{Webhooks: l.(accounting.Webhooks), claimDown: true, finishFailures: 1}
+		w, secret, err := store.CreateWebhook(context.Background(), r.URL, []accounting.EventType{accounting.EventCreditReceived})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.CreateOrg(context.Background(), "o"); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := l.Credit(context.Background(), "o", 5, "p"); err != nil {
+			t.Fatal(err)
+		}
+		cfg := fastConfig()
+		cfg.Lease = 500 * time.Millisecond
+		s, err := webhook.NewSender(store, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Start(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = s.Stop(context.Background()) })
+		waitFor(t, "claim errors", 5*time.Second, func() bool { return s.Stats().ClaimErrors >= 3 })
+		if n := len(r.requests()); n != 0 {
+			t.Fatalf("%d requests while the outbox was unreadable", n)
+		}
+		store.mu.Lock()
+		store.claimDown = false
+		store.mu.Unlock()
+		waitFor(t, "the delivery", 10*time.Second, func() bool {
+			ds := deliveries(t, l, w.ID)
+			return len(ds) == 1 && ds[0].Status == accounting.DeliveryDelivered
+		})
+		got := r.requests()
+		if len(got) != 2 || got[0].eventID != got[1].eventID || got[0].attempt != 1 || got[1].attempt != 2 || string(got[0].body) != string(got[1].body) {
+			t.Fatalf("requests %+v; want the event twice (its first outcome was not recorded), same id and body", got)
+		}
+		if gap := got[1].at.Sub(got[0].at); gap < 400*time.Millisecond {
+			t.Fatalf("resent %v after the first attempt; want after the 500ms lease", gap)
+		}
+		for _, g := range got {
+			verify(t, secret, g)
+		}
+		if d := deliveries(t, l, w.ID)[0]; d.Attempts != 2 {
+			t.Fatalf("delivery %+v", d)
+		}
+	})
+}
