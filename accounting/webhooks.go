@@ -2,8 +2,6 @@ package accounting
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/base64"
 	"errors"
 	"fmt"
 	"net/url"
@@ -185,11 +183,9 @@ const SecretPrefix = "whsec_"
 
 func newWebhookID() string { return "wh_" + randomHex(12) }
 
-func newWebhookSecret() string {
-	b := make([]byte, 32)
-	_, _ = rand.Read(b)
-	return SecretPrefix + base64.RawURLEncoding.EncodeToString(b)
-}
+// newWebhookSecret is SecretPrefix and 32 random bytes in hex (no character a receiver's
+// configuration could mangle).
+func newWebhookSecret() string { return SecretPrefix + randomHex(32) }
 
 // crossedBelow reports whether a balance change from before to after crosses threshold
 // downwards.
