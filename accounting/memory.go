@@ -33,6 +33,7 @@ type Memory struct {
 	keyHash  map[[32]byte]*memKey
 	subs     map[*memSub]struct{}
 	console  memConsole // names and the audit trail (memory_read.go)
+	hooks    memHooks   // webhooks: endpoints, thresholds, the outbox (memory_webhooks.go)
 }
 
 type memAccount struct {
@@ -265,6 +266,10 @@ func (m *Memory) write(org string, kind EntryKind, delta int64, ref string) (Led
 	if ref != "" {
 		m.refs[refKey{kind, ref}] = e
 	}
+	if kind == KindCredit {
+		m.hooks.emit(EventCreditReceived, org, creditData{Amount: delta, Reference: ref, Seq: e.Seq, Balance: a.balance})
+	}
+	m.hooks.balanceChanged(org, a.balance-delta, a.balance)
 	m.mu.Unlock()
 	m.notify(org)
 	return e, true, nil
@@ -388,6 +393,7 @@ func (m *Memory) accountOrgLocked(org string, limit int) (int, error) {
 		a.entries = append(a.entries, LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: KindCharge, HoldID: e.ev.ID, CreatedAt: now})
 	}
 	a.balance -= sum
+	m.hooks.balanceChanged(org, a.balance+sum, a.balance)
 	if limit == len(q) {
 		delete(m.pending, org)
 	} else {
@@ -564,6 +570,7 @@ func (m *Memory) RevokeKey(ctx context.Context, id string) error {
 	}
 	if !k.revoked {
 		k.revoked, k.revAt = true, time.Now().UTC().Truncate(time.Microsecond)
+		m.hooks.emit(EventKeyRevoked, k.key.Org, keyRevokedData{KeyID: id})
 	}
 	return nil
 }

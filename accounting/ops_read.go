@@ -15,6 +15,8 @@ type OrgView struct {
 	OrgInfo
 	Available *int64 `json:"available"`
 	Held      int64  `json:"held"`
+	// LowBalanceThreshold is the org's low-balance webhook threshold (set in Org, not in lists).
+	LowBalanceThreshold *int64 `json:"low_balance_threshold,omitempty"`
 }
 
 func (o *Ops) view(ctx context.Context, info OrgInfo) (OrgView, error) {
@@ -58,7 +60,12 @@ func (o *Ops) Org(ctx context.Context, org string) (OrgView, error) {
 	if err != nil {
 		return OrgView{}, err
 	}
-	return o.view(ctx, info)
+	v, err := o.view(ctx, info)
+	if err != nil {
+		return v, err
+	}
+	v.LowBalanceThreshold, err = o.lowBalanceThreshold(ctx, org)
+	return v, err
 }
 
 // CreateNamedOrg creates an org with a display name ("" for none).

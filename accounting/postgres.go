@@ -316,6 +316,11 @@ func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges) error {
 	b := &pgx.Batch{}
 	b.Queue(sqlWriteCharges, orgs, sums, counts, ids, seqs, evOrgs, costs)
 	b.Queue(sqlNotifyAll, orgs)
+	changes := make([]int64, len(sums))
+	for i, s := range sums {
+		changes[i] = -s
+	}
+	queueLowBalance(b, orgs, changes) // webhooks: in the same transaction
 	return tx.SendBatch(ctx, b).Close()
 }
 
@@ -637,6 +642,7 @@ WITH acc AS (
 INSERT INTO ledger_entries (org_id, seq, delta, kind, ref)
 SELECT $1, ledger_seq, $2, $3, NULLIF($4, '') FROM acc RETURNING seq, created_at`, org, delta, string(kind), ref)
 		b.Queue(sqlNotify, org)
+		queueEntryOutbox(b, org, kind, delta, ref) // webhooks: in the same (implicit) transaction
 		br := p.pool.SendBatch(ctx, b)
 		err := br.QueryRow().Scan(&e.Seq, &e.CreatedAt)
 		if err == nil {
@@ -971,11 +977,11 @@ func (p *Postgres) LookupKey(ctx context.Context, secret string) (APIKey, error)
 
 // RevokeKey revokes a key by id (revoking twice is fine).
 func (p *Postgres) RevokeKey(ctx context.Context, id string) error {
-	tag, err := p.pool.Exec(ctx, `UPDATE api_keys SET revoked_at = coalesce(revoked_at, now()) WHERE id = $1`, id)
-	if err != nil {
+	var ok bool
+	if err := p.pool.QueryRow(ctx, sqlRevokeKey, id).Scan(&ok); err != nil {
 		return wrapPg("revoke key", err)
 	}
-	if tag.RowsAffected() == 0 {
+	if !ok {
 		return fmt.Errorf("%w: %q", ErrUnknownKey, id)
 	}
 	return nil

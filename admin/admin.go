@@ -89,6 +89,7 @@ func (a *API) Register(g *echo.Group) {
 	add(http.MethodGet, "/ledger/epoch", a.epoch)
 	add(http.MethodPost, "/ledger/epoch", a.raiseEpoch)
 	add(http.MethodGet, "/audit", a.auditLog)
+	a.registerWebhooks(add)
 }
 
 // apiError is an answer in OpenAI's error shape, like the proxy's own refusals, so one client

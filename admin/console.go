@@ -146,16 +146,26 @@ type nameRequest struct {
 }
 
 func (a *API) patchOrg(c echo.Context) error {
-	var req nameRequest
+	var req struct {
+		nameRequest
+		LowBalanceThreshold json.RawMessage `json:"low_balance_threshold"` // webhooks.go
+	}
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
 	}
-	if req.Name == nil {
-		return invalid(c, "name is required")
+	if req.Name == nil && req.LowBalanceThreshold == nil {
+		return invalid(c, "name or low_balance_threshold is required")
 	}
 	ctx := c.Request().Context()
-	if err := a.ops.SetOrgName(ctx, c.Param("org"), *req.Name); err != nil {
-		return a.fail(c, err)
+	if req.LowBalanceThreshold != nil {
+		if err := a.setThreshold(c, req.LowBalanceThreshold); err != nil || c.Response().Committed {
+			return err
+		}
+	}
+	if req.Name != nil {
+		if err := a.ops.SetOrgName(ctx, c.Param("org"), *req.Name); err != nil {
+			return a.fail(c, err)
+		}
 	}
 	return a.getOrg(c)
 }

@@ -51,6 +51,10 @@ type Config struct {
 	KeyMaxStale     time.Duration
 	KeyFailures     int
 
+	// Webhook deliveries (package webhook).
+	WebhookTimeout     time.Duration
+	WebhookMaxAttempts int
+
 	// The client-facing HTTP server's timeouts (see newHTTPServer).
 	ReadHeaderTimeout time.Duration
 	ReadTimeout       time.Duration
@@ -156,6 +160,8 @@ func (c *Config) settings() []setting {
 		{"ESCROW_DEMO_BALANCE", "demo-balance", "10000000", "balance (micro-units) of the demo org created by the embedded default (examples/proxy)", integer(&c.DemoBalance, 0)},
 		{"ESCROW_BENCH_BASELINE", "bench-baseline", "false", "benchmarks only: proxy without the middleware (requests pass unbilled)", boolean(&c.BenchBaseline)},
 		{"ESCROW_COALESCE", "coalesce", "false", "send reserves that arrive together as one Redis pipeline (higher throughput under heavy concurrency)", boolean(&c.Coalesce)},
+		{"ESCROW_WEBHOOK_TIMEOUT", "webhook-timeout", "10s", "bound on one webhook delivery attempt (connect, send, answer)", dur(&c.WebhookTimeout)},
+		{"ESCROW_WEBHOOK_MAX_ATTEMPTS", "webhook-max-attempts", "12", "attempts after which a webhook delivery is marked failed (retries back off from 5s, doubling, up to 1h, with jitter)", intp(&c.WebhookMaxAttempts)},
 		{"ESCROW_RECORD_TIMEOUT", "record-timeout", "15s", "bound on recording a request's usage; past it the event is voided and the client gets 503, unless it was stored (then the request completes)", dur(&c.RecordTimeout)},
 		{"ESCROW_KEY_CACHE_TTL", "key-cache-ttl", "5s", "how long an API key look-up is trusted; a revoked key stops within it, also while Postgres is down (revocations go through Redis)", dur(&c.KeyCacheTTL)},
 		{"ESCROW_KEY_MAX_STALE", "key-max-stale", "10m", "while Postgres is down, a known key keeps working for this long after its last look-up (unless revoked)", dur(&c.KeyMaxStale)},

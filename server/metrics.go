@@ -78,6 +78,7 @@ func newMetrics(a *Server) *metrics {
 	gauge("escrow_worker_backlog_orgs", "Orgs waiting to be settled at the last sweep.", func() int64 { return w.Stats().PendingBacklog })
 	m.settleMetrics(a)
 	m.journalMetrics(a)
+	m.webhookMetrics(a) // webhooks.go
 	return m
 }
 

@@ -7,6 +7,8 @@ import (
 	"log/slog"
 	"regexp"
 	"strings"
+
+	"github.com/llmescrow/escrow/accounting"
 )
 
 // redacted replaces a secret in a log line.
@@ -15,7 +17,8 @@ const redacted = "xxxxx"
 // redact returns s with the secrets of every URL in it masked: the password of a userinfo
 // (redis://user:pw@host → redis://user:xxxxx@host) and the value of every query parameter whose
 // name looks like a credential (?password=, ?token=, ?api_key=, ?sig=, …), plus the password of a
-// key=value connection string (PostgreSQL's "host=… password=…"). It is the one redaction rule:
+// key=value connection string (PostgreSQL's "host=… password=…"), and every webhook signing
+// secret (whsec_…). It is the one redaction rule:
 // the server's logger applies it to every line (redactingHandler), and errors that leave New
 // carry it (redactError), because configuration URLs (UPSTREAM_URL, REDIS_URL, DATABASE_URL) and
 // the errors of the clients that dial them end up in log lines.
@@ -48,8 +51,14 @@ func redact(s string) string {
 	if dsnPassword.MatchString(s) {
 		s = dsnPassword.ReplaceAllString(s, "${1}"+redacted)
 	}
+	if strings.Contains(s, accounting.SecretPrefix) {
+		s = webhookSecret.ReplaceAllString(s, accounting.SecretPrefix+redacted)
+	}
 	return s
 }
+
+// webhookSecret is a webhook signing secret (accounting.SecretPrefix and its base64url).
+var webhookSecret = regexp.MustCompile(regexp.QuoteMeta(accounting.SecretPrefix) + `[A-Za-z0-9_-]+`)
 
 // dsnPassword is the password of a key=value connection string.
 var dsnPassword = regexp.MustCompile(`(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&'"]+)`)

@@ -30,6 +30,7 @@ func TestRedact(t *testing.T) {
 		{"host=db sslpassword=k password=plain", "host=db sslpassword=xxxxx password=xxxxx"},
 		{`parse "redis://u:p%zz@h:1": invalid URL escape "%zz"`, `parse "redis://u:xxxxx@h:1": invalid URL escape "%zz"`},
 		{`Post "http://op:pw@up:80/v1/chat/completions?token=tok": dial tcp: refused`, `Post "http://op:xxxxx@up:80/v1/chat/completions?token=xxxxx": dial tcp: refused`},
+		{`webhook secret whsec_AbC-d_9 in "whsec_zz"`, `webhook secret whsec_xxxxx in "whsec_xxxxx"`},
 		// Nothing secret: unchanged.
 		{"https://api.openai.com", "https://api.openai.com"},
 		{"redis://cache:6379/0 and postgres://app@db/x?sslmode=disable", "redis://cache:6379/0 and postgres://app@db/x?sslmode=disable"},

@@ -31,6 +31,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/webhook"
 )
 
 // ErrNoRedis and ErrNoUpstream are returned by New when neither the configuration nor an Option
@@ -83,6 +84,7 @@ type Server struct {
 	recorder *accounting.Recorder
 	worker   *accounting.Worker
 	ops      *accounting.Ops
+	webhooks *webhook.Sender // delivers the ledger's webhook outbox
 	metrics  *metrics
 	echo     *echo.Echo
 
@@ -224,7 +226,7 @@ func (s *Server) openAccounting() error {
 		ReconcileInterval: cfg.ReconcileEvery,
 	})
 	s.ops = accounting.NewOps(s.worker)
-	return nil
+	return s.openWebhooks()
 }
 
 func (s *Server) openUpstream(p parts) error {
@@ -264,6 +266,9 @@ func (s *Server) Start(ctx context.Context) error {
 	// recorded up to the end is settled.
 	if err := s.worker.Start(context.WithoutCancel(ctx)); err != nil {
 		return fmt.Errorf("worker: %w", err)
+	}
+	if err := s.webhooks.Start(context.WithoutCancel(ctx)); err != nil {
+		return fmt.Errorf("webhooks: %w", err)
 	}
 	ln, err := net.Listen("tcp", s.cfg.Addr)
 	if err != nil {
@@ -323,6 +328,11 @@ func (s *Server) Stop(ctx context.Context) error {
 	if s.worker != nil {
 		if err := s.worker.Stop(ctx); err != nil {
 			errs = append(errs, fmt.Errorf("worker: %w", err))
+		}
+	}
+	if s.webhooks != nil {
+		if err := s.webhooks.Stop(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("webhooks: %w", err))
 		}
 	}
 	s.close()

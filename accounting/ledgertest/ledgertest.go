@@ -49,6 +49,7 @@ func Run(t *testing.T, newLedger func(t *testing.T) accounting.Ledger) {
 		{"Keys", testKeys},
 	}
 	tests = append(tests, consoleTests...)
+	tests = append(tests, webhookTests...)
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

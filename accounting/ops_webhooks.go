@@ -1,0 +1,68 @@
+package accounting
+
+import "context"
+
+// Webhooks returns the ledger's webhook side (ErrNoWebhooks for a ledger without one; both of
+// escrow's ledgers have it).
+func (o *Ops) Webhooks() (Webhooks, error) {
+	h, ok := o.ledger.(Webhooks)
+	if !ok {
+		return nil, ErrNoWebhooks
+	}
+	return h, nil
+}
+
+// CreateWebhook adds an endpoint for the given event types; its signing secret is returned
+// once.
+func (o *Ops) CreateWebhook(ctx context.Context, rawURL string, events []EventType) (Webhook, string, error) {
+	h, err := o.Webhooks()
+	if err != nil {
+		return Webhook{}, "", err
+	}
+	return h.CreateWebhook(ctx, rawURL, events)
+}
+
+// ListWebhooks lists the endpoints (without their secrets).
+func (o *Ops) ListWebhooks(ctx context.Context) ([]Webhook, error) {
+	h, err := o.Webhooks()
+	if err != nil {
+		return nil, err
+	}
+	return h.ListWebhooks(ctx)
+}
+
+// DeleteWebhook deletes an endpoint and its deliveries (ErrUnknownWebhook).
+func (o *Ops) DeleteWebhook(ctx context.Context, id string) error {
+	h, err := o.Webhooks()
+	if err != nil {
+		return err
+	}
+	return h.DeleteWebhook(ctx, id)
+}
+
+// ListDeliveries lists an endpoint's deliveries, newest first (ErrUnknownWebhook).
+func (o *Ops) ListDeliveries(ctx context.Context, id string, q ListQuery) (Page[Delivery], error) {
+	h, err := o.Webhooks()
+	if err != nil {
+		return Page[Delivery]{}, err
+	}
+	return h.ListDeliveries(ctx, id, q)
+}
+
+// SetLowBalanceThreshold sets (nil: clears) the org's low-balance threshold.
+func (o *Ops) SetLowBalanceThreshold(ctx context.Context, org string, threshold *int64) error {
+	h, err := o.Webhooks()
+	if err != nil {
+		return err
+	}
+	return h.SetLowBalanceThreshold(ctx, org, threshold)
+}
+
+// lowBalanceThreshold is the org's threshold, nil for none or without webhooks.
+func (o *Ops) lowBalanceThreshold(ctx context.Context, org string) (*int64, error) {
+	h, ok := o.ledger.(Webhooks)
+	if !ok {
+		return nil, nil
+	}
+	return h.LowBalanceThreshold(ctx, org)
+}

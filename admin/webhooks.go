@@ -1,0 +1,116 @@
+package admin
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/llmescrow/escrow/accounting"
+)
+
+// registerWebhooks adds the webhook routes: endpoints (the secret is in the 201 answer only) and
+// each one's deliveries.
+func (a *API) registerWebhooks(add func(method, path string, h echo.HandlerFunc)) {
+	add(http.MethodGet, "/webhooks", a.listWebhooks)
+	add(http.MethodPost, "/webhooks", a.createWebhook)
+	add(http.MethodDelete, "/webhooks/:id", a.deleteWebhook)
+	add(http.MethodGet, "/webhooks/:id/deliveries", a.listDeliveries)
+}
+
+// failWebhook maps the webhook errors, then the others (fail).
+func (a *API) failWebhook(c echo.Context, err error) error {
+	switch {
+	case errors.Is(err, accounting.ErrUnknownWebhook):
+		return writeError(c, apiError{status: http.StatusNotFound, typ: typeInvalid, code: "webhook_not_found", msg: "no such webhook"})
+	case errors.Is(err, accounting.ErrInvalidWebhook):
+		return invalid(c, message(err))
+	case errors.Is(err, accounting.ErrNoWebhooks):
+		return writeError(c, apiError{status: http.StatusNotImplemented, typ: typeServer, code: "webhooks_unsupported", msg: message(err)})
+	}
+	return a.fail(c, err)
+}
+
+func (a *API) createWebhook(c echo.Context) error {
+	var req struct {
+		URL    string                 `json:"url"`
+		Events []accounting.EventType `json:"events"`
+	}
+	if err := bind(c, &req); err != nil || c.Response().Committed {
+		return err
+	}
+	w, secret, err := a.ops.CreateWebhook(c.Request().Context(), req.URL, req.Events)
+	if err != nil {
+		return a.failWebhook(c, err)
+	}
+	return writeJSON(c, http.StatusCreated, struct {
+		accounting.Webhook
+		Secret string `json:"secret"`
+	}{w, secret})
+}
+
+func (a *API) listWebhooks(c echo.Context) error {
+	ws, err := a.ops.ListWebhooks(c.Request().Context())
+	if err != nil {
+		return a.failWebhook(c, err)
+	}
+	return writeList(c, ws, "", []string{"id", "url", "events", "created_at"}, func(w accounting.Webhook) []string {
+		evs := make([]string, len(w.Events))
+		for i, e := range w.Events {
+			evs[i] = string(e)
+		}
+		return []string{w.ID, w.URL, strings.Join(evs, " "), ts(w.CreatedAt)}
+	})
+}
+
+func (a *API) deleteWebhook(c echo.Context) error {
+	if err := a.ops.DeleteWebhook(c.Request().Context(), c.Param("id")); err != nil {
+		return a.failWebhook(c, err)
+	}
+	return c.NoContent(http.StatusNoContent)
+}
+
+func (a *API) listDeliveries(c echo.Context) error {
+	q, err := listQuery(c)
+	if err != nil {
+		return invalid(c, err.Error())
+	}
+	p, err := a.ops.ListDeliveries(c.Request().Context(), c.Param("id"), q)
+	if err != nil {
+		return a.failWebhook(c, err)
+	}
+	return writeList(c, p.Data, p.Next,
+		[]string{"id", "webhook_id", "event_id", "event_type", "org", "status", "attempts", "last_status", "last_error", "next_attempt_at", "delivered_at", "created_at"},
+		func(d accounting.Delivery) []string {
+			next, done := "", ""
+			if d.NextAttemptAt != nil {
+				next = ts(*d.NextAttemptAt)
+			}
+			if d.DeliveredAt != nil {
+				done = ts(*d.DeliveredAt)
+			}
+			return []string{i64(d.ID), d.WebhookID, d.EventID, string(d.EventType), d.Org, string(d.Status), strconv.Itoa(d.Attempts),
+				strconv.Itoa(d.LastStatus), d.LastError, next, done, ts(d.CreatedAt)}
+		})
+}
+
+// setThreshold applies a PATCH's low_balance_threshold (raw JSON: an integer in micro-units, or
+// null to clear it); it answers the 400 itself.
+func (a *API) setThreshold(c echo.Context, raw json.RawMessage) error {
+	var t *int64
+	if !bytes.Equal(bytes.TrimSpace(raw), []byte("null")) {
+		var v int64
+		if err := json.Unmarshal(raw, &v); err != nil {
+			return invalid(c, "low_balance_threshold must be an integer (micro-units) or null")
+		}
+		t = &v
+	}
+	if err := a.ops.SetLowBalanceThreshold(c.Request().Context(), c.Param("org"), t); err != nil {
+		return a.failWebhook(c, err)
+	}
+	return nil
+}

@@ -1,0 +1,46 @@
+package server
+
+import (
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/webhook"
+)
+
+// openWebhooks makes the sender of the ledger's webhook outbox (both ledgers have one). Every
+// proxy process runs one: claims are exclusive for their lease, so several never send the same
+// attempt.
+func (s *Server) openWebhooks() error {
+	h, ok := s.ledger.(accounting.Webhooks)
+	if !ok {
+		return fmt.Errorf("webhooks: %w", accounting.ErrNoWebhooks)
+	}
+	var err error
+	s.webhooks, err = webhook.NewSender(h, &webhook.Config{
+		Timeout:     s.cfg.WebhookTimeout,
+		MaxAttempts: s.cfg.WebhookMaxAttempts,
+		Logger:      s.log,
+	})
+	if err != nil {
+		return fmt.Errorf("webhooks: %w", err)
+	}
+	return nil
+}
+
+// Webhooks returns the server's webhook sender (its Stats, for metrics and tests).
+func (s *Server) Webhooks() *webhook.Sender { return s.webhooks }
+
+// webhookMetrics are the sender's totals.
+func (m *metrics) webhookMetrics(a *Server) {
+	ws := a.webhooks
+	counter := func(name, help string, f func(webhook.Stats) int64) {
+		m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, func() float64 { return float64(f(ws.Stats())) }))
+	}
+	counter("escrow_webhook_attempts_total", "Webhook delivery attempts sent (or tried).", func(s webhook.Stats) int64 { return s.Attempts })
+	counter("escrow_webhook_delivered_total", "Webhook deliveries answered with a 2xx.", func(s webhook.Stats) int64 { return s.Delivered })
+	counter("escrow_webhook_retries_total", "Failed webhook attempts with another one to come.", func(s webhook.Stats) int64 { return s.Retries })
+	counter("escrow_webhook_failed_total", "Webhook deliveries given up after the last attempt.", func(s webhook.Stats) int64 { return s.Failed })
+	counter("escrow_webhook_claim_errors_total", "Failed reads of the webhook outbox (the ledger unreachable).", func(s webhook.Stats) int64 { return s.ClaimErrors })
+}
