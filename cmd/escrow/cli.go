@@ -639,3 +639,48 @@ func cmdTop(args []string) error {
 	}
 	return o.print(p, []string{"org", "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens"}, p.Data)
 }
+
+// cmdWebhooks: escrow webhooks | create URL --events E1,E2 | delete ID | deliveries ID.
+func cmdWebhooks(args []string) error {
+	fs := flag.NewFlagSet("webhooks", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	events := fs.String("events", "", "comma-separated event types (create): balance.low, credit.received, key.revoked")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	cols := []string{"id", "url", "events", "created_at"}
+	switch {
+	case len(pos) == 0:
+		rows, err := c.all("/webhooks", url.Values{"limit": {pageLimit}})
+		if err != nil {
+			return err
+		}
+		return o.print(rows, cols, rows)
+	case len(pos) == 2 && pos[0] == "create" && *events != "":
+		var res map[string]any
+		if err := c.call(http.MethodPost, "/webhooks", map[string]any{"url": pos[1], "events": strings.Split(*events, ",")}, &res); err != nil {
+			return err
+		}
+		return o.print(res, append(cols, "secret"), one(res))
+	case len(pos) == 2 && pos[0] == "delete":
+		if err := c.call(http.MethodDelete, "/webhooks/"+url.PathEscape(pos[1]), nil, nil); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, "deleted", pos[1])
+		return nil
+	case len(pos) == 2 && pos[0] == "deliveries":
+		rows, err := c.all("/webhooks/"+url.PathEscape(pos[1])+"/deliveries", url.Values{"limit": {pageLimit}})
+		if err != nil {
+			return err
+		}
+		return o.print(rows, []string{"id", "event_type", "org", "status", "attempts", "last_status", "last_error", "next_attempt_at", "created_at"}, rows)
+	default:
+		return usageErr("usage: escrow webhooks | create URL --events TYPE[,TYPE…] | delete ID | deliveries ID  [--json|--csv]")
+	}
+}

@@ -253,6 +253,24 @@ func TestCLIEndToEnd(t *testing.T) {
 		t.Errorf("paged export: %d entries, progress %q", len(entries), prog.String())
 	}
 
+	// Webhooks: created with its secret shown once, listed, a revocation delivered to it, deleted.
+	var wh struct{ ID, Secret string }
+	c.json(&wh, "webhooks", "create", "http://127.0.0.1:1/hook", "--events", "key.revoked,credit.received")
+	if !strings.HasPrefix(wh.Secret, "whsec_") {
+		t.Fatalf("webhook: %+v", wh)
+	}
+	if out := c.ok("webhooks"); !strings.Contains(out, wh.ID) || strings.Contains(out, wh.Secret) {
+		t.Errorf("webhooks table shows no id or the secret:\n%s", out)
+	}
+	c.ok("keys", "revoke", k2.ID)
+	if out := c.ok("webhooks", "deliveries", wh.ID); !strings.Contains(out, "key.revoked") {
+		t.Errorf("deliveries:\n%s", out)
+	}
+	c.ok("webhooks", "delete", wh.ID)
+	if _, err := c.run("webhooks", "create", "http://x"); !errors.As(err, new(*exitError)) {
+		t.Errorf("create without --events: %v", err)
+	}
+
 	// Reconcile: no drift; the epoch, raised once.
 	var d struct {
 		Drift int64 `json:"drift"`

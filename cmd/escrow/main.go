@@ -39,6 +39,7 @@ var commands = map[string]struct {
 	"audit":     {"every admin write: who, what, when", cmdAudit},
 	"reconcile": {"compare an org's hot balance with the ledger and repair a drift: escrow reconcile ORG", cmdReconcile},
 	"epoch":     {"show the ledger epoch, or raise it after restoring the ledger from a backup", cmdEpoch},
+	"webhooks":  {"list, create or delete webhook endpoints, and list an endpoint's deliveries", cmdWebhooks},
 	"top":       {"the orgs that spent the most in a time range", cmdTop},
 	"migrate":   {"apply the ledger's database migrations (DATABASE_URL) and exit", cmdMigrate},
 }
