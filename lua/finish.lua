@@ -15,7 +15,9 @@
 -- cost) back and applies the entry's delta as for any hold. A zero cost leaves a zero hold, so
 -- that settle still tombstones its id. Money moves only with HINCRBY on the stored and argument
 -- strings ('-0' is not an integer to Redis, hence the zero checks).
--- Reply: {1 or 0 per pair}: 1 if this call finished the hold.
+-- Reply: two items per pair: 1 if this call finished the hold (else 0), then the org's available
+-- balance right after it as the stored string (read with HGET, never computed here), or nil when
+-- this call did not finish the hold or there is no acct (the hot balance is unknown).
 for i = 3, #ARGV, 2 do
   if string.find(ARGV[i], '^%d+$') == nil then
     return redis.error_reply('ERR escrow finish: cost must be a non-negative integer')
@@ -55,8 +57,10 @@ for i = 2, #ARGV - 1, 2 do
       redis.call('ZADD', KEYS[4], due, id)
     end
     out[#out + 1] = 1
+    out[#out + 1] = warm and redis.call('HGET', KEYS[1], 'bal') or false
   else
     out[#out + 1] = 0
+    out[#out + 1] = false
   end
 end
 return out
