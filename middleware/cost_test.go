@@ -1,0 +1,330 @@
+package middleware
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+)
+
+// costEnv is the middleware harness with an *accounting.Recorder that finishes holds (as the
+// proxy wires it) and no worker: nothing settles, so the store's available balance moves only
+// by reserves and finishes.
+func costEnv(t *testing.T, tweak func(*Config)) *testEnv {
+	t.Helper()
+	return newEnv(t, envOpt{cfg: func(c *Config) {
+		rec := accounting.NewRecorder(c.Ledger.(*accounting.Memory), accounting.RecorderConfig{Logger: quiet, Finisher: c.Store.(*balance.Store)})
+		rec.Start(context.Background())
+		t.Cleanup(func() { _ = rec.Stop(context.Background()) })
+		c.Recorder = rec
+		if tweak != nil {
+			tweak(c)
+		}
+	}})
+}
+
+// send posts body with the extra request headers and returns the response with its whole body
+// read (so that its trailers have arrived).
+func (e *testEnv) send(path, body string, hdr map[string]string) (*http.Response, string) {
+	e.t.Helper()
+	req, err := http.NewRequest(http.MethodPost, e.srv.URL+path, strings.NewReader(body))
+	must(e.t, err)
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer "+e.key)
+	for k, v := range hdr {
+		req.Header.Set(k, v)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	must(e.t, err)
+	b, err := io.ReadAll(resp.Body)
+	must(e.t, err)
+	resp.Body.Close()
+	return resp, string(b)
+}
+
+// charged is the cost the ledger holds for the request.
+func (e *testEnv) charged(id string) accounting.RequestInfo {
+	e.t.Helper()
+	ri, err := e.ledger.Request(context.Background(), id)
+	must(e.t, err)
+	return ri
+}
+
+func num(t *testing.T, what, s string) int64 {
+	t.Helper()
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		t.Fatalf("%s %q: %v", what, s, err)
+	}
+	return n
+}
+
+// TestCostHeadersJSON: a JSON response carries x-escrow-cost = the ledger's charge for it,
+// exactly, and x-escrow-balance = the org's available balance after it (the store's, nothing
+// else in flight), as headers; two calls in a row: the balance drops by exactly the second cost.
+func TestCostHeadersJSON(t *testing.T) {
+	t.Parallel()
+	e := costEnv(t, nil)
+	prev := testCredit
+	for i, c := range []struct{ path, body string }{
+		{EndpointChat, jsonBody(testModel, "")},
+		{EndpointEmbeddings, `{"model":"text-embedding-test","input":"hello"}`},
+		{EndpointResponses, `{"model":"gpt-test","input":"hi"}`},
+	} {
+		resp, body := e.send(c.path, c.body, nil)
+		if resp.StatusCode != 200 || !json.Valid([]byte(body)) {
+			t.Fatalf("call %d: %d %s", i, resp.StatusCode, body)
+		}
+		ri := e.charged(resp.Header.Get("x-request-id"))
+		cost := num(t, "x-escrow-cost", resp.Header.Get(HeaderCost))
+		bal := num(t, "x-escrow-balance", resp.Header.Get(HeaderBalance))
+		if ri.Cost <= 0 || cost != ri.Cost {
+			t.Fatalf("call %d: x-escrow-cost %d, ledger charge %d", i, cost, ri.Cost)
+		}
+		if st := e.state(); bal != st.Balance || bal != prev-cost {
+			t.Fatalf("call %d: x-escrow-balance %d, store %d, previous %d − cost %d", i, bal, st.Balance, prev, cost)
+		}
+		if resp.Header.Get("Trailer") != "" || resp.ContentLength != int64(len(body)) || len(resp.Trailer) != 0 {
+			t.Fatalf("call %d: a small body has its cost in headers: Trailer %q, length %d, trailers %v", i, resp.Header.Get("Trailer"), resp.ContentLength, resp.Trailer)
+		}
+		prev = bal
+	}
+}
+
+// TestCostTrailersLargeJSON: a JSON body larger than MaxResponseBytes streams as it comes
+// (memory flat), so its header leaves before the cost is known: the cost and the balance come
+// as announced HTTP trailers, the upstream's Content-Length dropped (chunked), the body intact.
+func TestCostTrailersLargeJSON(t *testing.T) {
+	t.Parallel()
+	e := costEnv(t, func(c *Config) { c.MaxResponseBytes = 1024 })
+	big := `{"id":"chatcmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"` +
+		strings.Repeat("x", 64<<10) + `"},"finish_reason":"stop"}],"usage":` + chatUsageJSON + `}`
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", strconv.Itoa(len(big)))
+		for i := 0; i < len(big); i += 4096 {
+			_, _ = io.WriteString(w, big[i:min(i+4096, len(big))])
+		}
+	})
+	for i := range 2 {
+		before := e.state().Balance
+		resp, body := e.send(EndpointChat, jsonBody(testModel, ""), nil)
+		if resp.StatusCode != 200 || body != big {
+			t.Fatalf("call %d: %d, body intact %v", i, resp.StatusCode, body == big)
+		}
+		// Go's client takes the announced names out of the Trailer header into resp.Trailer.
+		_, announced := resp.Trailer[HeaderCost]
+		_, announcedBal := resp.Trailer[HeaderBalance]
+		if !announced || !announcedBal || resp.Header.Get(HeaderCost) != "" || resp.ContentLength != -1 || len(resp.TransferEncoding) != 1 {
+			t.Fatalf("call %d: trailers %v, header cost %q, length %d, %v", i, resp.Trailer, resp.Header.Get(HeaderCost), resp.ContentLength, resp.TransferEncoding)
+		}
+		ri := e.charged(resp.Header.Get("x-request-id"))
+		c := num(t, "trailer cost", resp.Trailer.Get(HeaderCost))
+		bal := num(t, "trailer balance", resp.Trailer.Get(HeaderBalance))
+		if c != ri.Cost || c != cost(t, chatUsage) {
+			t.Fatalf("call %d: trailer cost %d, ledger %d", i, c, ri.Cost)
+		}
+		if st := e.state(); bal != st.Balance || (i > 0 && bal != before-c) {
+			t.Fatalf("call %d: trailer balance %d, store %d, before %d − cost %d", i, bal, st.Balance, before, c)
+		}
+	}
+}
+
+// sdkStream decodes an event stream the way the OpenAI SDKs do (openai-python's SSEDecoder and
+// Stream.__stream__, openai-node's Stream.fromSSEResponse): lines are split on \n, \r\n or \r;
+// a line starting with ':' is skipped; a blank line dispatches the event only when it has a
+// name or data; `data: [DONE]` ends the stream; every other dispatched event — whatever its
+// name — reaches the caller as a JSON value (python: sse.json(); node: JSON.parse), so it must
+// decode. It returns what the caller iterates over and whether [DONE] was seen.
+func sdkStream(t *testing.T, body string) (items []map[string]any, done bool) {
+	t.Helper()
+	sc := bufio.NewScanner(strings.NewReader(strings.ReplaceAll(strings.ReplaceAll(body, "\r\n", "\n"), "\r", "\n")))
+	sc.Buffer(nil, 1<<24)
+	var event string
+	var data []string
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" {
+			if event == "" && len(data) == 0 {
+				continue
+			}
+			d := strings.Join(data, "\n")
+			event, data = "", nil
+			if strings.HasPrefix(d, "[DONE]") {
+				return items, true
+			}
+			var v map[string]any
+			if err := json.Unmarshal([]byte(d), &v); err != nil {
+				t.Fatalf("the SDK cannot decode the event %q: %v", d, err)
+			}
+			items = append(items, v)
+			continue
+		}
+		if line[0] == ':' {
+			continue
+		}
+		field, value, _ := strings.Cut(line, ":")
+		value = strings.TrimPrefix(value, " ")
+		switch field {
+		case "event":
+			event = value
+		case "data":
+			data = append(data, value)
+		}
+	}
+	if len(data) > 0 || event != "" {
+		t.Fatalf("stream ends inside an event")
+	}
+	return items, false
+}
+
+// costComment finds the escrow comment in an event stream: its bytes, and the cost and the
+// balance it carries (-1 when left out).
+func costComment(t *testing.T, body string) (comment string, cost, bal int64) {
+	t.Helper()
+	i := strings.Index(body, ": escrow ")
+	if i < 0 {
+		t.Fatalf("no escrow comment in %q", body)
+	}
+	if strings.Count(body, ": escrow ") != 1 {
+		t.Fatalf("more than one escrow comment in %q", body)
+	}
+	end := strings.Index(body[i:], "\n\n")
+	if end < 0 || (i > 0 && !strings.HasSuffix(body[:i], "\n\n")) {
+		t.Fatalf("the comment is not a block of its own: %q", body)
+	}
+	comment = body[i : i+end+2]
+	var v struct {
+		Cost    *int64
+		Balance *int64
+	}
+	if err := json.Unmarshal([]byte(strings.TrimPrefix(comment[:len(comment)-2], ": escrow ")), &v); err != nil || v.Cost == nil {
+		t.Fatalf("comment %q: %v", comment, err)
+	}
+	cost, bal = *v.Cost, -1
+	if v.Balance != nil {
+		bal = *v.Balance
+	}
+	return comment, cost, bal
+}
+
+// TestCostSSEComment: an event stream carries the cost only when the client asks
+// (x-escrow-include-cost: true): an SSE comment, a block of its own, right before `data: [DONE]`
+// (chat) or before response.completed (Responses), with the ledger's charge and the store's
+// balance after it; a strict OpenAI SDK parser decodes the same chunks with it as without it;
+// and without the header the stream is byte-identical to the upstream's (when escrow has
+// nothing to edit) or to what escrow sent before (same bytes as with the header, minus the
+// comment).
+func TestCostSSEComment(t *testing.T) {
+	t.Parallel()
+	e := costEnv(t, nil)
+	ask := map[string]string{HeaderIncludeCost: "true"}
+	for _, tc := range []struct {
+		name, path, body, before string
+		upstream                 string // the upstream's bytes, when the client must get them unchanged
+		chunks                   int    // what the SDK yields
+	}{
+		{"chat, client include_usage", EndpointChat, jsonBody(testModel, `"stream":true,"stream_options":{"include_usage":true}`),
+			"data: [DONE]\n\n", strings.Join(chatChunks(true), ""), 3},
+		{"chat, usage injected", EndpointChat, jsonBody(testModel, `"stream":true`), "data: [DONE]\n\n", "", 2},
+		{"responses", EndpointResponses, `{"model":"gpt-test","input":"hi","stream":true}`,
+			"event: response.completed\n", strings.Join(responsesEvents, ""), 3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			plain, plainBody := e.send(tc.path, tc.body, nil)
+			if plain.StatusCode != 200 || strings.Contains(plainBody, "escrow") || plain.Header.Get(HeaderCost) != "" || len(plain.Trailer) != 0 {
+				t.Fatalf("without the header: %d %q %v", plain.StatusCode, plainBody, plain.Header)
+			}
+			if tc.upstream != "" && plainBody != tc.upstream {
+				t.Fatalf("without the header the stream changed:\n%q\nwant\n%q", plainBody, tc.upstream)
+			}
+			before := e.state().Balance
+			resp, body := e.send(tc.path, tc.body, ask)
+			if resp.StatusCode != 200 {
+				t.Fatalf("%d %s", resp.StatusCode, body)
+			}
+			comment, cost, bal := costComment(t, body)
+			if !strings.HasPrefix(body[strings.Index(body, comment)+len(comment):], tc.before) {
+				t.Fatalf("the comment is not right before %q: %q", tc.before, body)
+			}
+			if strings.Replace(body, comment, "", 1) != plainBody {
+				t.Fatalf("with the header, minus the comment:\n%q\nwithout:\n%q", strings.Replace(body, comment, "", 1), plainBody)
+			}
+			ri := e.charged(resp.Header.Get("x-request-id"))
+			if cost != ri.Cost || cost <= 0 {
+				t.Fatalf("comment cost %d, ledger %d", cost, ri.Cost)
+			}
+			if st := e.state(); bal != st.Balance || bal != before-cost {
+				t.Fatalf("comment balance %d, store %d, before %d − cost %d", bal, st.Balance, before, cost)
+			}
+			a, doneA := sdkStream(t, plainBody)
+			b, doneB := sdkStream(t, body)
+			if len(a) != tc.chunks || len(b) != len(a) || doneA != doneB || doneA != (tc.path == EndpointChat) {
+				t.Fatalf("SDK items: %d (done %v) with the comment, %d (done %v) without, want %d", len(b), doneB, len(a), doneA, tc.chunks)
+			}
+			for i := range a {
+				x, _ := json.Marshal(a[i])
+				y, _ := json.Marshal(b[i])
+				if string(x) != string(y) {
+					t.Fatalf("item %d: %s vs %s", i, y, x)
+				}
+				if tc.path == EndpointChat && b[i]["object"] != "chat.completion.chunk" {
+					t.Fatalf("item %d is not a chunk: %s", i, y)
+				}
+				if typ, _ := b[i]["type"].(string); tc.path == EndpointResponses && !strings.HasPrefix(typ, "response.") {
+					t.Fatalf("item %d is not a Responses event: %s", i, y)
+				}
+			}
+		})
+	}
+}
+
+// TestCostSSEEstimated: a stream whose usage never comes (the upstream ignores include_usage)
+// is charged an estimate; the comment says what was charged.
+func TestCostSSEEstimated(t *testing.T) {
+	t.Parallel()
+	e := costEnv(t, nil)
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for _, ch := range chatChunks(false) {
+			_, _ = io.WriteString(w, ch)
+		}
+	})
+	resp, body := e.send(EndpointChat, jsonBody(testModel, `"stream":true`), map[string]string{HeaderIncludeCost: "1"})
+	_, cost, bal := costComment(t, body)
+	ri := e.charged(resp.Header.Get("x-request-id"))
+	if !ri.Estimated || cost != ri.Cost || bal != e.state().Balance {
+		t.Fatalf("comment cost %d balance %d; ledger %+v, store %d", cost, bal, ri.UsageEvent, e.state().Balance)
+	}
+	if !strings.HasSuffix(body, "data: [DONE]\n\n") {
+		t.Fatalf("stream end: %q", body)
+	}
+}
+
+// TestCostNotOnFailures: an upstream error is not charged, so it carries no cost and no
+// balance; x-escrow-include-cost is escrow's own and never reaches the upstream.
+func TestCostNotOnFailures(t *testing.T) {
+	t.Parallel()
+	e := costEnv(t, nil)
+	got := make(chan string, 1)
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		got <- r.Header.Get(HeaderIncludeCost)
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusInternalServerError)
+		_, _ = io.WriteString(w, `{"error":{"message":"boom","type":"server_error","param":null,"code":null}}`)
+	})
+	resp, _ := e.send(EndpointChat, jsonBody(testModel, ""), map[string]string{HeaderIncludeCost: "true"})
+	if resp.StatusCode != 500 || resp.Header.Get(HeaderCost) != "" || resp.Header.Get(HeaderBalance) != "" || len(resp.Trailer) != 0 {
+		t.Fatalf("upstream error: %d %v %v", resp.StatusCode, resp.Header, resp.Trailer)
+	}
+	if h := <-got; h != "" {
+		t.Fatalf("the upstream saw x-escrow-include-cost: %q", h)
+	}
+}
