@@ -1,7 +1,6 @@
 package middleware
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"io"
@@ -12,6 +11,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/internal/testutil"
 )
 
 // costEnv is the middleware harness with an *accounting.Recorder that finishes holds (as the
@@ -137,80 +137,24 @@ func TestCostTrailersLargeJSON(t *testing.T) {
 	}
 }
 
-// sdkStream decodes an event stream the way the OpenAI SDKs do (openai-python's SSEDecoder and
-// Stream.__stream__, openai-node's Stream.fromSSEResponse): lines are split on \n, \r\n or \r;
-// a line starting with ':' is skipped; a blank line dispatches the event only when it has a
-// name or data; `data: [DONE]` ends the stream; every other dispatched event — whatever its
-// name — reaches the caller as a JSON value (python: sse.json(); node: JSON.parse), so it must
-// decode. It returns what the caller iterates over and whether [DONE] was seen.
-func sdkStream(t *testing.T, body string) (items []map[string]any, done bool) {
+// sdkStream decodes body as the OpenAI SDKs do (see testutil.SDKStream); it fails the test on
+// an event they could not decode.
+func sdkStream(t *testing.T, body string) ([]map[string]any, bool) {
 	t.Helper()
-	sc := bufio.NewScanner(strings.NewReader(strings.ReplaceAll(strings.ReplaceAll(body, "\r\n", "\n"), "\r", "\n")))
-	sc.Buffer(nil, 1<<24)
-	var event string
-	var data []string
-	for sc.Scan() {
-		line := sc.Text()
-		if line == "" {
-			if event == "" && len(data) == 0 {
-				continue
-			}
-			d := strings.Join(data, "\n")
-			event, data = "", nil
-			if strings.HasPrefix(d, "[DONE]") {
-				return items, true
-			}
-			var v map[string]any
-			if err := json.Unmarshal([]byte(d), &v); err != nil {
-				t.Fatalf("the SDK cannot decode the event %q: %v", d, err)
-			}
-			items = append(items, v)
-			continue
-		}
-		if line[0] == ':' {
-			continue
-		}
-		field, value, _ := strings.Cut(line, ":")
-		value = strings.TrimPrefix(value, " ")
-		switch field {
-		case "event":
-			event = value
-		case "data":
-			data = append(data, value)
-		}
+	items, done, err := testutil.SDKStream(body)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if len(data) > 0 || event != "" {
-		t.Fatalf("stream ends inside an event")
-	}
-	return items, false
+	return items, done
 }
 
 // costComment finds the escrow comment in an event stream: its bytes, and the cost and the
 // balance it carries (-1 when left out).
 func costComment(t *testing.T, body string) (comment string, cost, bal int64) {
 	t.Helper()
-	i := strings.Index(body, ": escrow ")
-	if i < 0 {
-		t.Fatalf("no escrow comment in %q", body)
-	}
-	if strings.Count(body, ": escrow ") != 1 {
-		t.Fatalf("more than one escrow comment in %q", body)
-	}
-	end := strings.Index(body[i:], "\n\n")
-	if end < 0 || (i > 0 && !strings.HasSuffix(body[:i], "\n\n")) {
-		t.Fatalf("the comment is not a block of its own: %q", body)
-	}
-	comment = body[i : i+end+2]
-	var v struct {
-		Cost    *int64
-		Balance *int64
-	}
-	if err := json.Unmarshal([]byte(strings.TrimPrefix(comment[:len(comment)-2], ": escrow ")), &v); err != nil || v.Cost == nil {
-		t.Fatalf("comment %q: %v", comment, err)
-	}
-	cost, bal = *v.Cost, -1
-	if v.Balance != nil {
-		bal = *v.Balance
+	comment, cost, bal, ok, err := testutil.CostComment(body)
+	if !ok || err != nil {
+		t.Fatalf("escrow comment in %q: found %v, %v", body, ok, err)
 	}
 	return comment, cost, bal
 }
