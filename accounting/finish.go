@@ -19,9 +19,10 @@ type Finisher interface {
 type Receipt struct {
 	// Balance is the org's available hot balance right after the event's hold was finished
 	// (the event's cost charged, the rest of its hold given back), valid when HaveBalance: the
-	// recorder has a Finisher, and its finish of this batch finished this hold while the org's
-	// hot balance existed. Unknown otherwise (no hold — fail-open —, the finish failed, the
-	// hold was already finished or gone, the org was cold): then nothing is claimed.
+	// recorder has a Finisher, and its finish of this batch found the org's hot balance
+	// reflecting this event's cost (the hold finished, now or before, or already settled).
+	// Unknown otherwise (no hold — fail-open —, the finish failed, the hold was lost, the org
+	// was cold): then nothing is claimed.
 	Balance     int64
 	HaveBalance bool
 }
@@ -62,7 +63,7 @@ func (r *Recorder) finish(events []UsageEvent) []Receipt {
 		if f.Done {
 			n++
 		}
-		if f.Done && f.HaveBalance {
+		if f.HaveBalance {
 			out[at[j]] = Receipt{Balance: f.Balance, HaveBalance: true}
 		}
 	}

@@ -85,8 +85,7 @@ func TestRecorderFinishReturnsUnusedHold(t *testing.T) {
 // event's hold was finished, as the batch's finish call read it; the events of one batch (one
 // org) each get the balance after their own finish, and the last one is the store's balance
 // (nothing else in flight). No balance is claimed when it is unknown: an event with no hold
-// (fail-open), a re-recorded event (its hold already finished), a failed finish, a cold org, no
-// Finisher.
+// (fail-open), a failed finish, a cold org, no Finisher.
 func TestRecorderReceipt(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -129,9 +128,9 @@ func TestRecorderReceipt(t *testing.T) {
 		t.Fatalf("%d finish calls for 20 events: not batched", fin.calls.Load())
 	}
 
-	// Re-recorded: stored once, its hold already finished: no balance claimed.
-	if rc, err := r.RecordReceipt(ctx, evs[0]); err != nil || rc.HaveBalance {
-		t.Fatalf("re-recorded: %+v %v", rc, err)
+	// Re-recorded: stored once, its hold already finished: the balance reflects it.
+	if rc, err := r.RecordReceipt(ctx, evs[0]); err != nil || !rc.HaveBalance || rc.Balance != st.Balance {
+		t.Fatalf("re-recorded: %+v %v, store %d", rc, err, st.Balance)
 	}
 	// Fail-open: no hold, no balance.
 	if rc, err := r.RecordReceipt(ctx, accounting.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 2}); err != nil || rc.HaveBalance {

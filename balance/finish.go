@@ -23,9 +23,12 @@ type Finished struct {
 	// Done: this call finished the hold (false: no such hold — settled, released, reaped,
 	// lost —, already finished, or the call failed).
 	Done bool
-	// Balance is the org's available hot balance right after this hold was finished (the
-	// request's cost charged, the rest of its hold given back), valid when HaveBalance: Done
-	// and the org's hot balance exists. Other requests of the org may move it at any time.
+	// Balance is the org's available hot balance right after this call, valid when
+	// HaveBalance: the org's hot balance exists and already reflects the request's cost — this
+	// call finished the hold, an earlier finish did, or the hold is already settled (its id
+	// tombstoned: the worker may settle a durable event before its finish runs). A hold missing
+	// for another reason (lost with Redis data) gives none. Other requests of the org may move
+	// the balance at any time.
 	Balance     int64
 	HaveBalance bool
 }
@@ -59,8 +62,8 @@ func (s *Store) FinishBatch(ctx context.Context, fs []Finish) (int, error) {
 //
 // All calls go in one pipeline (one script call per org): one round trip, one per master on a
 // Cluster. It returns one Finished per element of fs, in order: whether this call finished the
-// hold and the org's available balance right after it (read by the same script call: no extra
-// round trip). On an error (ErrInvalidOrg, ErrInvalidHoldID, ErrInvalidAmount before anything
+// hold and the org's available balance right after it, when it reflects the request's cost
+// (read by the same script call: no extra round trip). On an error (ErrInvalidOrg, ErrInvalidHoldID, ErrInvalidAmount before anything
 // is sent, and nil results; else the first Redis error) some orgs' holds may be finished and
 // others not, which is safe: settle works the same on both; the holds of a failed call are
 // reported not Done.
@@ -88,7 +91,7 @@ func (s *Store) FinishEach(ctx context.Context, fs []Finish) ([]Finished, error)
 			i = len(keys)
 			index[f.Org] = i
 			k := s.orgKeys(f.Org)
-			keys = append(keys, []string{k[kAcct], k[kHolds], k[kHexp], k[kHfin], k[kU]})
+			keys = append(keys, []string{k[kAcct], k[kHolds], k[kHexp], k[kHfin], k[kU], k[kGone]})
 			args = append(args, []any{s.settleDL})
 			pos = append(pos, nil)
 		}
@@ -117,7 +120,7 @@ func (s *Store) FinishEach(ctx context.Context, fs []Finish) ([]Finished, error)
 		for j, n := range pos[i] {
 			r := &out[n]
 			r.Done = toInt(res[2*j]) == 1
-			if b, ok := res[2*j+1].(string); ok && r.Done {
+			if b, ok := res[2*j+1].(string); ok {
 				v, err := strconv.ParseInt(b, 10, 64)
 				r.Balance, r.HaveBalance = v, err == nil
 			}

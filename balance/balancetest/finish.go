@@ -126,8 +126,8 @@ func exerciseFinishGivesBackUnused(t *testing.T, env Env) {
 
 // FinishEach answers, per hold in the caller's order, whether this call finished it and the
 // org's available balance right after it (what the proxy reports as x-escrow-balance): the
-// balance only for a hold this call finished while acct exists; a re-sent or missing hold,
-// or a cold org, has none.
+// balance only while acct exists and reflects the cost (finished now or before, or already
+// settled); a missing hold, or a cold org, has none.
 func exerciseFinishEachBalance(t *testing.T, env Env) {
 	t.Parallel()
 	x := fixture(t, env, balance.Config{}, 1000, true)
@@ -149,9 +149,21 @@ func exerciseFinishEachBalance(t *testing.T, env Env) {
 	eq(t, "a", res[0], balance.Finished{Done: true, Balance: 1000 - 160 + 100 - 30, HaveBalance: true})
 	eq(t, "other org", res[1], balance.Finished{Done: true, Balance: 500 - 45, HaveBalance: true})
 	eq(t, "b after a", res[2], balance.Finished{Done: true, Balance: 1000 - 160 + 100 - 30 + 50, HaveBalance: true})
-	eq(t, "a re-sent", res[3], balance.Finished{})
+	eq(t, "a re-sent: already finished, the balance reflects it", res[3], balance.Finished{Balance: res[2].Balance, HaveBalance: true})
 	eq(t, "missing", res[4], balance.Finished{})
 	eq(t, "store balance", x.state().Balance, res[2].Balance)
+
+	// Settled before its finish (the worker can be first): not finished by this call, the
+	// balance already reflects the cost.
+	x.mustReserve("d", 100)
+	held := x.state().Balance
+	eq(t, "settle", x.charge("d", 60)[0], balance.Applied)
+	res, err = x.s.FinishEach(x.ctx, []balance.Finish{{Org: x.org, HoldID: "d", Cost: 60}})
+	eq(t, "err", err, nil)
+	x.invariant()
+	eq(t, "settled first", res[0], balance.Finished{Balance: res[0].Balance, HaveBalance: true})
+	eq(t, "settled first: the store's balance", res[0].Balance, x.state().Balance)
+	eq(t, "settled first: charged", res[0].Balance, held+100-60)
 
 	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
 		t.Fatal(err)
