@@ -24,7 +24,9 @@ import (
 //     HTTP/1.1 body with a length cannot carry trailers; it goes chunked instead).
 //
 // An event stream carries them only when the client asks with HeaderIncludeCost: true, as an
-// SSE comment right before the held-back end (`data: [DONE]`, or a terminal Responses event):
+// SSE comment, a block of its own, right before the held-back end (`data: [DONE]`, or a
+// terminal Responses event; right after that event when it was too long to keep whole, since
+// only its tail was held; none when the stream has no such end):
 //
 //	: escrow {"cost":123,"balance":999877}
 //

@@ -230,6 +230,25 @@ func TestCostSSEComment(t *testing.T) {
 	}
 }
 
+// TestCostSSEAfterBigTerminalEvent: a terminal Responses event too long to keep whole passes as
+// it comes, its tail held back: the comment cannot go before it, so it follows it, still a block
+// of its own that the SDK skips.
+func TestCostSSEAfterBigTerminalEvent(t *testing.T) {
+	t.Parallel()
+	e := costEnv(t, func(c *Config) { c.MaxResponseBytes = 64 }) // every event is "big"
+	resp, body := e.send(EndpointResponses, `{"model":"gpt-test","input":"hi","stream":true}`, map[string]string{HeaderIncludeCost: "true"})
+	comment, c, bal := costComment(t, body)
+	if want := strings.Join(responsesEvents, "") + comment; body != want {
+		t.Fatalf("stream:\n%q\nwant\n%q", body, want)
+	}
+	if ri := e.charged(resp.Header.Get("x-request-id")); c != ri.Cost || c != cost(t, responsesUsage) || bal != e.state().Balance {
+		t.Fatalf("comment cost %d balance %d; ledger %d, store %d", c, bal, ri.Cost, e.state().Balance)
+	}
+	if items, _ := sdkStream(t, body); len(items) != len(responsesEvents) {
+		t.Fatalf("SDK items: %v", items)
+	}
+}
+
 // TestCostSSEEstimated: a stream whose usage never comes (the upstream ignores include_usage)
 // is charged an estimate; the comment says what was charged.
 func TestCostSSEEstimated(t *testing.T) {
