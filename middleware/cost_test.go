@@ -291,3 +291,25 @@ func TestCostNotOnFailures(t *testing.T) {
 		t.Fatalf("the upstream saw x-escrow-include-cost: %q", h)
 	}
 }
+
+// TestCostFailOpen: a fail-open request (Redis unreachable, no hold) is charged and says so,
+// but the balance after it is unknown: x-escrow-balance is left out rather than guessed.
+func TestCostFailOpen(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{withFault: true, cfg: func(c *Config) {
+		rec := accounting.NewRecorder(c.Ledger.(*accounting.Memory), accounting.RecorderConfig{Logger: quiet, Finisher: c.Store.(*balance.Store)})
+		rec.Start(context.Background())
+		t.Cleanup(func() { _ = rec.Stop(context.Background()) })
+		c.Recorder, c.FailOpen = rec, true
+	}})
+	e.fault.Block()
+	e.fault.Cut()
+	resp, _ := e.send(EndpointChat, jsonBody(testModel, ""), nil)
+	if o := e.outcome(); resp.StatusCode != 200 || !o.FailOpen {
+		t.Fatalf("%d %+v", resp.StatusCode, o)
+	}
+	ri := e.charged(resp.Header.Get("x-request-id"))
+	if resp.Header.Get(HeaderCost) != itoa(ri.Cost) || ri.Cost != cost(t, chatUsage) || len(resp.Header.Values(HeaderBalance)) != 0 {
+		t.Fatalf("cost %q (ledger %d), balance %q", resp.Header.Get(HeaderCost), ri.Cost, resp.Header.Values(HeaderBalance))
+	}
+}
