@@ -70,6 +70,8 @@ func (r costReceipt) set(h http.Header) {
 	h.Set(HeaderCost, strconv.FormatInt(r.cost, 10))
 	if r.haveBal {
 		h.Set(HeaderBalance, strconv.FormatInt(r.balance, 10))
+	} else {
+		h.Del(HeaderBalance) // nothing the handler set survives
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/llmescrow/escrow/accounting"
@@ -311,5 +312,45 @@ func TestCostFailOpen(t *testing.T) {
 	ri := e.charged(resp.Header.Get("x-request-id"))
 	if resp.Header.Get(HeaderCost) != itoa(ri.Cost) || ri.Cost != cost(t, chatUsage) || len(resp.Header.Values(HeaderBalance)) != 0 {
 		t.Fatalf("cost %q (ledger %d), balance %q", resp.Header.Get(HeaderCost), ri.Cost, resp.Header.Values(HeaderBalance))
+	}
+}
+
+// TestCostNotFromTheHandler: the cost headers are escrow's own. A handler (here a reverse proxy
+// with no header filter) that sets them — as headers, or as trailers after the body — never
+// gets them to the client: a 2xx carries the ledger's cost and no balance this Recorder cannot
+// tell; an upstream error carries neither.
+func TestCostNotFromTheHandler(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{}) // the spy Recorder: no balance known
+	var status atomic.Int32
+	status.Store(http.StatusOK)
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set(HeaderCost, "1")
+		w.Header().Set(HeaderBalance, "999999999")
+		w.Header().Set("Trailer", HeaderCost+", "+HeaderBalance)
+		if st := int(status.Load()); st != http.StatusOK {
+			w.WriteHeader(st)
+		}
+		fakeOpenAI(w, r, body)
+		w.Header().Set(HeaderCost, "2")
+		w.Header().Set(HeaderBalance, "888888888")
+	})
+	resp, _ := e.send(EndpointChat, jsonBody(testModel, ""), nil)
+	ev := e.assertRecorded(resp.Header.Get("x-request-id"), e.outcome().HoldAmount)
+	got := append(resp.Header.Values(HeaderCost), resp.Trailer.Values(HeaderCost)...)
+	for _, v := range got {
+		if v != itoa(ev.Cost) {
+			t.Fatalf("x-escrow-cost %q, charged %d", got, ev.Cost)
+		}
+	}
+	if len(got) == 0 || len(resp.Header.Values(HeaderBalance))+len(resp.Trailer.Values(HeaderBalance)) != 0 {
+		t.Fatalf("cost %q; balance %q / %q", got, resp.Header.Values(HeaderBalance), resp.Trailer.Values(HeaderBalance))
+	}
+	e.settleAll()
+
+	status.Store(http.StatusBadGateway)
+	resp, _ = e.send(EndpointChat, jsonBody(testModel, ""), nil)
+	if resp.StatusCode != http.StatusBadGateway || len(resp.Header.Values(HeaderCost))+len(resp.Header.Values(HeaderBalance)) != 0 {
+		t.Fatalf("upstream error: %d %v", resp.StatusCode, resp.Header)
 	}
 }

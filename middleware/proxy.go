@@ -92,6 +92,8 @@ func (cl *call) setHeaders(h http.Header) {
 	}
 	h.Set("x-request-id", cl.holdID)
 	h.Set("x-escrow-hold-id", cl.holdID)
+	h.Del(HeaderCost) // escrow's own: never the handler's
+	h.Del(HeaderBalance)
 }
 
 func (cl *call) releaseHold() {
