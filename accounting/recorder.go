@@ -98,7 +98,12 @@ type Recorder struct {
 
 type recordReq struct {
 	ev   UsageEvent
-	done chan error
+	done chan recordDone
+}
+
+type recordDone struct {
+	err     error
+	receipt Receipt
 }
 
 // NewRecorder returns a recorder writing to l. Call Start before Record.
@@ -209,28 +214,35 @@ func (r *Recorder) close() {
 // and never spoil the batch of others. When ctx ends first, Record returns ctx.Err() but the
 // event may still be written.
 func (r *Recorder) Record(ctx context.Context, ev UsageEvent) error {
+	_, err := r.RecordReceipt(ctx, ev)
+	return err
+}
+
+// RecordReceipt is Record, also answering the org's available balance right after the event's
+// hold was finished (see Receipt), as the batch's finish call read it: no extra round trip.
+func (r *Recorder) RecordReceipt(ctx context.Context, ev UsageEvent) (Receipt, error) {
 	ev, err := normalizeEvent(ev)
 	if err != nil {
-		return err
+		return Receipt{}, err
 	}
-	req := &recordReq{ev: ev, done: make(chan error, 1)}
+	req := &recordReq{ev: ev, done: make(chan recordDone, 1)}
 	r.mu.RLock()
 	if !r.running || r.stopped {
 		r.mu.RUnlock()
-		return ErrRecorderClosed
+		return Receipt{}, ErrRecorderClosed
 	}
 	select {
 	case r.queue <- req:
 		r.mu.RUnlock()
 	case <-ctx.Done():
 		r.mu.RUnlock()
-		return ctx.Err()
+		return Receipt{}, ctx.Err()
 	}
 	select {
-	case err := <-req.done:
-		return err
+	case d := <-req.done:
+		return d.receipt, d.err
 	case <-ctx.Done():
-		return ctx.Err()
+		return Receipt{}, ctx.Err()
 	}
 }
 
@@ -313,13 +325,18 @@ func (r *Recorder) commit(batch []*recordReq) {
 			acancel()
 		}
 	}
+	var receipts []Receipt
 	if err == nil {
 		// Before the callers hear back: a client that saw its request end must not meet its
 		// hold in the in-flight count on its next request.
-		r.finish(events)
+		receipts = r.finish(events)
 	}
-	for _, req := range batch {
-		req.done <- err
+	for i, req := range batch {
+		d := recordDone{err: err}
+		if i < len(receipts) {
+			d.receipt = receipts[i]
+		}
+		req.done <- d
 	}
 }
 

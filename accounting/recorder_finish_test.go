@@ -3,6 +3,7 @@ package accounting_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -12,7 +13,7 @@ import (
 	"github.com/llmescrow/escrow/internal/testutil"
 )
 
-// countingFinisher counts FinishBatch calls and can fail them.
+// countingFinisher counts FinishEach calls and can fail them.
 type countingFinisher struct {
 	next  accounting.Finisher
 	calls atomic.Int64
@@ -20,13 +21,13 @@ type countingFinisher struct {
 	fail  atomic.Bool
 }
 
-func (c *countingFinisher) FinishBatch(ctx context.Context, fs []balance.Finish) (int, error) {
+func (c *countingFinisher) FinishEach(ctx context.Context, fs []balance.Finish) ([]balance.Finished, error) {
 	c.calls.Add(1)
 	c.holds.Add(int64(len(fs)))
 	if c.fail.Load() {
-		return 0, errors.New("redis down")
+		return nil, errors.New("redis down")
 	}
-	return c.next.FinishBatch(ctx, fs)
+	return c.next.FinishEach(ctx, fs)
 }
 
 // TestRecorderFinishReturnsUnusedHold: once Record returns, the unused part of each hold is back
@@ -77,6 +78,89 @@ func TestRecorderFinishReturnsUnusedHold(t *testing.T) {
 	st, _ = store.State(ctx, "acme")
 	if want := int64(1000 - 17 - 2); acct.Balance != want || st.Balance+st.Held != want || st.Holds != 1 || st.Finished != 0 {
 		t.Fatalf("after the settle: ledger %d, hot %+v; want %d and the one new hold", acct.Balance, st, want)
+	}
+}
+
+// TestRecorderReceipt: RecordReceipt answers the org's available balance right after the
+// event's hold was finished, as the batch's finish call read it; the events of one batch (one
+// org) each get the balance after their own finish, and the last one is the store's balance
+// (nothing else in flight). No balance is claimed when it is unknown: an event with no hold
+// (fail-open), a failed finish, a cold org, no Finisher.
+func TestRecorderReceipt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := testutil.Redis(t)
+	mem := accounting.NewMemory()
+	store := newStore(t, env, mem, balance.Config{})
+	w := accounting.NewWorker(mem, store, &accounting.WorkerConfig{Logger: quiet})
+	evs := journalSetup(t, store, w, mem, "acme", 20) // 20 holds of 10, cost 3 each
+	fin := &countingFinisher{next: store}
+	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error {
+		time.Sleep(5 * time.Millisecond) // callers pile up: batches of several events
+		return nil
+	}}
+	r := startRecorder(t, h, accounting.RecorderConfig{Finisher: fin, Logger: quiet})
+	recs := make([]accounting.Receipt, len(evs))
+	errs := make([]error, len(evs))
+	var wg sync.WaitGroup
+	for i := range evs {
+		wg.Go(func() { recs[i], errs[i] = r.RecordReceipt(ctx, evs[i]) })
+	}
+	wg.Wait()
+	// Every event's balance is distinct and on the path 1000−200 → 1000−200+7·k (each finish
+	// gives back 10−3), and the lowest one is the first finish's.
+	seen := map[int64]bool{}
+	for i, rc := range recs {
+		if errs[i] != nil || !rc.HaveBalance {
+			t.Fatalf("event %d: %+v %v", i, rc, errs[i])
+		}
+		k := (rc.Balance - 800) / 7
+		if (rc.Balance-800)%7 != 0 || k < 1 || k > 20 || seen[rc.Balance] {
+			t.Fatalf("event %d: balance %d is not after exactly one more finish", i, rc.Balance)
+		}
+		seen[rc.Balance] = true
+	}
+	st, err := store.State(ctx, "acme")
+	if err != nil || st.Balance != 1000-20*3 || !seen[st.Balance] {
+		t.Fatalf("store %+v %v; receipts %v", st, err, seen)
+	}
+	if fin.calls.Load() >= 20 {
+		t.Fatalf("%d finish calls for 20 events: not batched", fin.calls.Load())
+	}
+
+	// Re-recorded: stored once, its hold already finished: the balance reflects it.
+	if rc, err := r.RecordReceipt(ctx, evs[0]); err != nil || !rc.HaveBalance || rc.Balance != st.Balance {
+		t.Fatalf("re-recorded: %+v %v, store %d", rc, err, st.Balance)
+	}
+	// Fail-open: no hold, no balance.
+	if rc, err := r.RecordReceipt(ctx, accounting.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 2}); err != nil || rc.HaveBalance {
+		t.Fatalf("fail-open: %+v %v", rc, err)
+	}
+	// A failed finish: recorded, no balance.
+	id := newID()
+	if _, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: id, Amount: 10}); err != nil {
+		t.Fatal(err)
+	}
+	fin.fail.Store(true)
+	if rc, err := r.RecordReceipt(ctx, accounting.UsageEvent{ID: id, Org: "acme", Model: "m", Cost: 4, HoldAmount: 10}); err != nil || rc.HaveBalance {
+		t.Fatalf("failed finish: %+v %v", rc, err)
+	}
+	fin.fail.Store(false)
+	// A cold org: the hold is finished, the balance unknown.
+	id = newID()
+	if _, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: id, Amount: 10}); err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Invalidate(ctx, "acme"); err != nil {
+		t.Fatal(err)
+	}
+	if rc, err := r.RecordReceipt(ctx, accounting.UsageEvent{ID: id, Org: "acme", Model: "m", Cost: 4, HoldAmount: 10}); err != nil || rc.HaveBalance {
+		t.Fatalf("cold org: %+v %v", rc, err)
+	}
+	// No Finisher: nothing known.
+	r2 := startRecorder(t, mem, accounting.RecorderConfig{Logger: quiet})
+	if rc, err := r2.RecordReceipt(ctx, accounting.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 1, HoldAmount: 5}); err != nil || rc.HaveBalance {
+		t.Fatalf("no finisher: %+v %v", rc, err)
 	}
 }
 

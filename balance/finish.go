@@ -18,6 +18,21 @@ type Finish struct {
 // finishChunk bounds the holds of one finish script call (a script blocks Redis while it runs).
 const finishChunk = 256
 
+// Finished is what finishing one hold did.
+type Finished struct {
+	// Done: this call finished the hold (false: no such hold — settled, released, reaped,
+	// lost —, already finished, or the call failed).
+	Done bool
+	// Balance is the org's available hot balance right after this call, valid when
+	// HaveBalance: the org's hot balance exists and already reflects the request's cost — this
+	// call finished the hold, an earlier finish did, or the hold is already settled (its id
+	// tombstoned: the worker may settle a durable event before its finish runs). A hold missing
+	// for another reason (lost with Redis data) gives none. Other requests of the org may move
+	// the balance at any time.
+	Balance     int64
+	HaveBalance bool
+}
+
 // Finish finishes one hold (see FinishBatch). finished is false when there was nothing to do:
 // no such hold (settled, released, reaped, lost) or already finished.
 func (s *Store) Finish(ctx context.Context, org, holdID string, cost int64) (bool, error) {
@@ -25,7 +40,19 @@ func (s *Store) Finish(ctx context.Context, org, holdID string, cost int64) (boo
 	return n == 1, err
 }
 
-// FinishBatch is called right after the usage of the requests is durable (in the ledger or the
+// FinishBatch is FinishEach counting the holds this call finished.
+func (s *Store) FinishBatch(ctx context.Context, fs []Finish) (int, error) {
+	res, err := s.FinishEach(ctx, fs)
+	n := 0
+	for _, r := range res {
+		if r.Done {
+			n++
+		}
+	}
+	return n, err
+}
+
+// FinishEach is called right after the usage of the requests is durable (in the ledger or the
 // local journal). For each existing, unfinished hold it gives the unused part back to the
 // available balance at once (bal += hold − cost; with no hot balance, none is touched), makes
 // the hold the request's cost, marks it finished — out of the in-flight count MaxInFlight caps —
@@ -34,36 +61,42 @@ func (s *Store) Finish(ctx context.Context, org, holdID string, cost int64) (boo
 // missing or already finished is left alone, so re-sending a finish is safe.
 //
 // All calls go in one pipeline (one script call per org): one round trip, one per master on a
-// Cluster. It returns how many holds this call finished; on an error (ErrInvalidOrg,
-// ErrInvalidHoldID, ErrInvalidAmount before anything is sent; else the first Redis error) some
-// orgs' holds may be finished and others not, which is safe: settle works the same on both.
-func (s *Store) FinishBatch(ctx context.Context, fs []Finish) (int, error) {
+// Cluster. It returns one Finished per element of fs, in order: whether this call finished the
+// hold and the org's available balance right after it, when it reflects the request's cost
+// (read by the same script call: no extra round trip). On an error (ErrInvalidOrg, ErrInvalidHoldID, ErrInvalidAmount before anything
+// is sent, and nil results; else the first Redis error) some orgs' holds may be finished and
+// others not, which is safe: settle works the same on both; the holds of a failed call are
+// reported not Done.
+func (s *Store) FinishEach(ctx context.Context, fs []Finish) ([]Finished, error) {
 	if len(fs) == 0 {
-		return 0, nil
+		return nil, nil
 	}
 	// Group by org, keeping each org's first position: one script call per org and chunk.
 	index := make(map[string]int, 4)
 	var keys [][]string
 	var args [][]any
-	for _, f := range fs {
+	var pos [][]int // pos[i][j]: the index in fs of call i's j-th hold
+	for n, f := range fs {
 		if err := checkOrg(f.Org); err != nil {
-			return 0, err
+			return nil, err
 		}
 		if err := checkHold(f.HoldID); err != nil {
-			return 0, err
+			return nil, err
 		}
 		if f.Cost < 0 || f.Cost > MaxAmount {
-			return 0, fmt.Errorf("%w: cost %d of hold %s", ErrInvalidAmount, f.Cost, f.HoldID)
+			return nil, fmt.Errorf("%w: cost %d of hold %s", ErrInvalidAmount, f.Cost, f.HoldID)
 		}
 		i, ok := index[f.Org]
 		if !ok || len(args[i]) >= 1+2*finishChunk {
 			i = len(keys)
 			index[f.Org] = i
 			k := s.orgKeys(f.Org)
-			keys = append(keys, []string{k[kAcct], k[kHolds], k[kHexp], k[kHfin], k[kU]})
+			keys = append(keys, []string{k[kAcct], k[kHolds], k[kHexp], k[kHfin], k[kU], k[kGone]})
 			args = append(args, []any{s.settleDL})
+			pos = append(pos, nil)
 		}
 		args[i] = append(args[i], f.HoldID, strconv.FormatInt(f.Cost, 10))
+		pos[i] = append(pos[i], n)
 	}
 	var cmds []*redis.Cmd
 	if len(keys) == 1 {
@@ -71,21 +104,27 @@ func (s *Store) FinishBatch(ctx context.Context, fs []Finish) (int, error) {
 	} else {
 		cmds = s.pipelined(ctx, scFinish, keys, args)
 	}
-	n := 0
+	out := make([]Finished, len(fs))
 	var first error
-	for _, c := range cmds {
+	for i, c := range cmds {
 		res, err := c.Slice()
+		if err == nil && len(res) != 2*len(pos[i]) {
+			err = fmt.Errorf("%d items for %d holds", len(res), len(pos[i]))
+		}
 		if err != nil {
 			if first == nil {
 				first = fmt.Errorf("balance: finish: %w", err)
 			}
 			continue
 		}
-		for _, v := range res {
-			if toInt(v) == 1 {
-				n++
+		for j, n := range pos[i] {
+			r := &out[n]
+			r.Done = toInt(res[2*j]) == 1
+			if b, ok := res[2*j+1].(string); ok {
+				v, err := strconv.ParseInt(b, 10, 64)
+				r.Balance, r.HaveBalance = v, err == nil
 			}
 		}
 	}
-	return n, first
+	return out, first
 }

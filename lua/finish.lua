@@ -1,7 +1,7 @@
 -- finish: a request's usage is durable (ledger or journal); give the unused part of its hold back
 -- at once and take the hold out of the in-flight count, instead of waiting for the settle.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] hfin, KEYS[5] u   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] hfin, KEYS[5] u, KEYS[6] gone   (one {org} hash tag)
 --   hexp  zset  unfinished hold id -> expiry ms (the in-flight count of reserve's cap)
 --   hfin  zset  finished hold id -> expiry ms (still reapable through the ledger check)
 -- ARGV[1] settle deadline, ms: a finished hold's expiry becomes max(current, now + this)
@@ -15,7 +15,12 @@
 -- cost) back and applies the entry's delta as for any hold. A zero cost leaves a zero hold, so
 -- that settle still tombstones its id. Money moves only with HINCRBY on the stored and argument
 -- strings ('-0' is not an integer to Redis, hence the zero checks).
--- Reply: {1 or 0 per pair}: 1 if this call finished the hold.
+-- Reply: two items per pair: 1 if this call finished the hold (else 0), then the org's available
+-- balance right after it as the stored string (read with HGET, never computed here) when it is
+-- known to reflect the request's cost: acct exists and the hold was finished (by this call or an
+-- earlier one) or is already settled (gone from holds, its id tombstoned: the worker may settle a
+-- durable event before its finish runs); else nil (no acct; a hold missing for another reason,
+-- e.g. lost with Redis data, whose charge may still be to come).
 for i = 3, #ARGV, 2 do
   if string.find(ARGV[i], '^%d+$') == nil then
     return redis.error_reply('ERR escrow finish: cost must be a non-negative integer')
@@ -55,8 +60,11 @@ for i = 2, #ARGV - 1, 2 do
       redis.call('ZADD', KEYS[4], due, id)
     end
     out[#out + 1] = 1
+    out[#out + 1] = warm and redis.call('HGET', KEYS[1], 'bal') or false
   else
     out[#out + 1] = 0
+    local known = warm and (rec or redis.call('ZSCORE', KEYS[6], id))
+    out[#out + 1] = known and redis.call('HGET', KEYS[1], 'bal') or false
   end
 end
 return out

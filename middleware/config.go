@@ -73,6 +73,8 @@ type Config struct {
 	// the Ledger has VoidUsage) is asked to void the event: only a void that succeeded lets the
 	// client get an error (the request is then never charged), an event found stored lets it
 	// complete, and otherwise the connection is cut with the hold kept (OutcomeRecordUnknown).
+	// x-escrow-balance (see HeaderBalance) needs a Recorder that also has RecordReceipt
+	// (*accounting.Recorder with a Finisher); with any other it is left out.
 	Recorder Recorder
 
 	// OrgFunc identifies the org. Default: the key of "Authorization: Bearer <key>" looked up in
@@ -112,7 +114,8 @@ type Config struct {
 	// (so that a failed record still answers a clean 503) and one SSE event is parsed whole up
 	// to it. Past it the bytes pass on as they come while a streaming scanner reads the usage,
 	// so no response is too large to bill; only its end waits for the record (a failed record
-	// then aborts the connection). Default 1 MiB.
+	// then aborts the connection), and its cost headers become trailers (see HeaderCost).
+	// Default 1 MiB.
 	MaxResponseBytes int
 	// KeyCacheTTL is how long a key look-up (or a model) is trusted. Default 5s. Past it, an
 	// entry still answers for up to MaxStale while the ledger is unreachable (default 10m, at

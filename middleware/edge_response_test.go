@@ -330,6 +330,11 @@ func TestUnreadableChargesHold(t *testing.T) {
 			if !ev.Estimated || ev.Cost != o.HoldAmount {
 				t.Fatalf("event %+v", ev)
 			}
+			// The client is told it was charged the hold (a header, or a trailer when the
+			// header left before the end: a large or undecodable body).
+			if c := resp.Header.Get(HeaderCost) + resp.Trailer.Get(HeaderCost); c != itoa(o.HoldAmount) {
+				t.Fatalf("x-escrow-cost %q (header %q), hold %d", c, resp.Header.Get(HeaderCost), o.HoldAmount)
+			}
 			e.settleAll()
 		})
 	}

@@ -158,8 +158,6 @@ type call struct {
 	learned    int64 // the model's learned max cost when the hold was taken
 	failOpen   bool
 	start      time.Time
-	balance    int64
-	haveBal    bool
 }
 
 func (m *middleware) refuse(c echo.Context, o Outcome, e *Error) error {
@@ -277,7 +275,7 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	o.HoldID, o.HoldAmount = cl.holdID, amount
 
 	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)
-	res, err := m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: id.Org, HoldID: cl.holdID, Amount: amount})
+	_, err = m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: id.Org, HoldID: cl.holdID, Amount: amount})
 	cancel()
 	if err != nil {
 		e, unknown := m.reserveError(err, amount)
@@ -292,8 +290,6 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 		cl.holdAmount, cl.failOpen = 0, true
 		o.HoldAmount, o.FailOpen = 0, true
 		m.cfg.Logger.Warn("escrow: fail-open: request passes without a hold", "hold_id", cl.holdID, "org", id.Org, "err", err)
-	} else {
-		cl.balance, cl.haveBal = res.Balance, true
 	}
 	return cl.proxy(c, next, body, o)
 }

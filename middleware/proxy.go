@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"net/http"
-	"strconv"
 	"sync"
 	"time"
 
@@ -37,6 +36,8 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 		body, injected = b, true
 	}
 	req.Header.Del("Authorization") // the client's key never goes upstream
+	costInStream := wantsCost(req.Header)
+	req.Header.Del(HeaderIncludeCost) // escrow's own
 	req.Header.Set("Accept-Encoding", "identity")
 	setBody(req, body)
 
@@ -53,6 +54,7 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 		hangupBytes: m.cfg.HangupBytes,
 		hangupAfter: m.cfg.HangupTimeout,
 		onBound:     func() { upCancel(errHangupBound) },
+		costSSE:     costInStream,
 	}
 	cw.sse = &sseFilter{inject: injected, responses: r.Endpoint == EndpointResponses, maxEvent: m.cfg.MaxResponseBytes, emit: cw.out}
 	c.Response().Writer = cw
@@ -82,16 +84,16 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 	return nextErr
 }
 
-// setHeaders sets the request id (= hold id) and the remaining balance on the response.
+// setHeaders sets the request id (= hold id) on the response. (The cost and the balance after
+// it come at commit: see HeaderCost.)
 func (cl *call) setHeaders(h http.Header) {
 	if up := h.Get("x-request-id"); up != "" && up != cl.holdID {
 		h.Set("x-upstream-request-id", up)
 	}
 	h.Set("x-request-id", cl.holdID)
 	h.Set("x-escrow-hold-id", cl.holdID)
-	if cl.haveBal {
-		h.Set("x-escrow-balance", strconv.FormatInt(cl.balance, 10))
-	}
+	h.Del(HeaderCost) // escrow's own: never the handler's
+	h.Del(HeaderBalance)
 }
 
 func (cl *call) releaseHold() {
@@ -160,7 +162,7 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	}
 	o.Usage, o.Cost, o.Err = usage, cost, why
 	rctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
-	err := m.cfg.Recorder.Record(rctx, ev)
+	rcpt, err := m.record(rctx, ev)
 	cancel()
 	if err != nil {
 		switch m.recordOutcome(ev, err) {
@@ -194,7 +196,8 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	} else {
 		cl.learnFrom(cost)
 	}
-	cw.commit()
+	// A late-found record (err != nil) is charged, but its finish is unknown: no balance.
+	cw.commit(costReceipt{cost: cost, balance: rcpt.Balance, haveBal: err == nil && rcpt.HaveBalance})
 	return false
 }
 

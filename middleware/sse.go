@@ -39,6 +39,7 @@ type sseFilter struct {
 
 	holding bool
 	held    []byte
+	heldAt  bool // the held bytes start with a whole event ([DONE] or a terminal event kept whole)
 
 	usage     accounting.Usage
 	haveUsage bool
@@ -301,14 +302,31 @@ func (f *sseFilter) send(b []byte) {
 	f.held = append(f.held, b...)
 	if len(f.held) > 2*f.maxEvent {
 		f.emit(f.held)
-		f.held, f.holding, f.open = nil, false, false
+		f.held, f.holding, f.open, f.heldAt = nil, false, false, false
 	}
+}
+
+// hold starts holding at a whole event (dispatch's): what is held from here is the end.
+func (f *sseFilter) hold() {
+	if !f.holding {
+		f.holding, f.heldAt = true, true
+	}
+}
+
+// costPlace says where an SSE comment may go in the held-back end, without landing inside an
+// event: before it (it starts with a whole event), else after it (it ends with a blank line:
+// a terminal event too long to keep whole, held from its tail); neither when nothing is held.
+func (f *sseFilter) costPlace() (before, after bool) {
+	if len(f.held) == 0 {
+		return false, false
+	}
+	return f.heldAt, bytes.HasSuffix(f.held, []byte("\n\n")) || bytes.HasSuffix(f.held, []byte("\n\r\n"))
 }
 
 // release returns the held-back bytes (the end of the stream) and stops holding.
 func (f *sseFilter) release() []byte {
 	b := f.held
-	f.held, f.holding = nil, false
+	f.held, f.holding, f.heldAt = nil, false, false
 	return b
 }
 
@@ -374,7 +392,7 @@ func (f *sseFilter) dispatch(ev []byte) {
 	}
 	if bytes.Equal(data, doneData) {
 		f.terminal = true
-		f.holding = true
+		f.hold()
 		f.send(ev)
 		return
 	}
@@ -394,7 +412,7 @@ func (f *sseFilter) dispatch(ev []byte) {
 	}
 	if f.takeUsage(sc, kind, typed) {
 		f.terminal = true
-		f.holding = true
+		f.hold()
 		f.send(ev)
 		return
 	}

@@ -51,6 +51,7 @@ type captureWriter struct {
 	hangupBytes int64
 	hangupAfter time.Duration
 	onBound     func() // cancels the upstream call
+	costSSE     bool   // the client asked for the cost in an event stream (HeaderIncludeCost)
 
 	status      int
 	wroteHeader bool
@@ -107,6 +108,7 @@ func (cw *captureWriter) WriteHeader(code int) {
 	codings, known := responseCodings(cw.coding)
 	if !known {
 		cw.mode = modeOpaque // a coding escrow cannot read: the body passes as it is, charged the hold
+		cw.announceTrailers()
 		cw.sendHeader()
 		return
 	}
@@ -130,6 +132,15 @@ func (cw *captureWriter) WriteHeader(code int) {
 		return
 	}
 	cw.mode = modeJSON // header waits with the body
+}
+
+// announceTrailers declares the cost headers as trailers of a 2xx body whose header goes out
+// before its cost is known, and drops its Content-Length: an HTTP/1.1 body with a length
+// cannot carry trailers, so it goes chunked.
+func (cw *captureWriter) announceTrailers() {
+	h := cw.w.Header()
+	h.Del("Content-Length")
+	h.Add("Trailer", HeaderCost+", "+HeaderBalance)
 }
 
 func (cw *captureWriter) sendHeader() {
@@ -171,6 +182,7 @@ func (cw *captureWriter) plain(p []byte) {
 			}
 			// Too large to keep: from here on the body passes as it comes, its end held.
 			cw.streaming = true
+			cw.announceTrailers()
 			cw.sendHeader()
 			b := cw.buf
 			cw.buf = nil
@@ -312,24 +324,35 @@ func (cw *captureWriter) outputEstimate() int64 {
 	return max(chunks, (bytes+3)/4)
 }
 
-// commit sends the held-back end of the response: the usage is recorded.
-func (cw *captureWriter) commit() {
+// commit sends the held-back end of the response, with what it cost: the usage is recorded.
+func (cw *captureWriter) commit(rc costReceipt) {
+	h := cw.w.Header()
 	switch cw.mode {
 	case modeJSON:
 		if cw.streaming {
 			cw.out(cw.pending)
+			rc.set(h) // declared trailers
 			break
 		}
-		h := cw.w.Header()
 		if h.Get("Content-Length") == "" {
 			h.Set("Content-Length", strconv.Itoa(len(cw.buf)))
 		}
+		rc.set(h)
 		cw.sendHeader()
 		cw.out(cw.buf)
 	case modeOpaque:
 		cw.out(cw.pending)
+		rc.set(h) // declared trailers
 	case modeSSE:
-		cw.out(cw.sse.release())
+		before, after := cw.sse.costPlace()
+		end := cw.sse.release()
+		if cw.costSSE && before {
+			cw.out(rc.comment())
+		}
+		cw.out(end)
+		if cw.costSSE && !before && after {
+			cw.out(rc.comment())
+		}
 	}
 	cw.Flush()
 }

@@ -74,19 +74,24 @@ func TestEdgeResponse(t *testing.T) {
 		msg := func(s string) string { return `"messages":[{"role":"user","content":"` + s + `"}]` }
 
 		// First, alone on a fresh org: an unknown coding — its usage cannot be read, so the hold
-		// is charged (the client's x-escrow-balance says what was held).
+		// is charged (the client's x-escrow-cost says so, as a trailer: the header left before
+		// the end of a body escrow cannot read).
 		before := p.settled("edge").LedgerBalance
-		st, h, body := p.do("POST", "/v1/chat/completions", k.Key, `{"model":"gpt-4o-mini",`+msg("[encoding:zstd] hello")+`,"max_tokens":100}`)
-		if st != http.StatusOK || h.Get("Content-Encoding") != "zstd" || len(body) == 0 {
-			t.Fatalf("unknown coding: %d %q %d bytes", st, h.Get("Content-Encoding"), len(body))
+		resp, body := p.send("/v1/chat/completions", k.Key, `{"model":"gpt-4o-mini",`+msg("[encoding:zstd] hello")+`,"max_tokens":100}`, nil)
+		if resp.StatusCode != http.StatusOK || resp.Header.Get("Content-Encoding") != "zstd" || len(body) == 0 {
+			t.Fatalf("unknown coding: %d %q %d bytes", resp.StatusCode, resp.Header.Get("Content-Encoding"), len(body))
 		}
-		after, err := strconv.ParseInt(h.Get("x-escrow-balance"), 10, 64)
+		hold, err := strconv.ParseInt(resp.Trailer.Get("X-Escrow-Cost"), 10, 64)
 		if err != nil {
 			t.Fatal(err)
 		}
-		hold := before - after
-		if b := p.settled("edge"); hold <= 0 || b.LedgerBalance != before-hold {
-			t.Fatalf("unreadable reply: ledger %d, want %d − hold %d", b.LedgerBalance, before, hold)
+		var req struct {
+			HoldAmount int64 `json:"hold_amount"`
+			Estimated  bool  `json:"estimated"`
+		}
+		p.admin("GET", "/requests/"+resp.Header.Get("X-Request-Id"), nil, http.StatusOK, &req)
+		if b := p.settled("edge"); hold <= 0 || hold != req.HoldAmount || !req.Estimated || b.LedgerBalance != before-hold {
+			t.Fatalf("unreadable reply: ledger %d, want %d − hold %d (%+v)", b.LedgerBalance, before, hold, req)
 		}
 
 		for _, tc := range []struct{ name, path, body string }{

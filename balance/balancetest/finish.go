@@ -75,6 +75,7 @@ func near(t *testing.T, what string, got, want time.Duration) {
 // sentence of the rule, the invariant asserted after every step.
 func runFinish(t *testing.T, env Env) {
 	t.Run("FinishGivesBackUnused", func(t *testing.T) { exerciseFinishGivesBackUnused(t, env) })
+	t.Run("FinishEachBalance", func(t *testing.T) { exerciseFinishEachBalance(t, env) })
 	t.Run("FinishOnlyExistingUnfinished", func(t *testing.T) { exerciseFinishOnlyExistingUnfinished(t, env) })
 	t.Run("FinishCostAboveHold", func(t *testing.T) { exerciseFinishCostAboveHold(t, env) })
 	t.Run("FinishZeroCost", func(t *testing.T) { exerciseFinishZeroCost(t, env) })
@@ -120,6 +121,58 @@ func exerciseFinishGivesBackUnused(t *testing.T, env Env) {
 	eq(t, "tombstone", x.inGone("h1"), true)
 	if _, ok := x.score("hfin", "h1"); ok {
 		t.Fatal("settle left the hold in hfin")
+	}
+}
+
+// FinishEach answers, per hold in the caller's order, whether this call finished it and the
+// org's available balance right after it (what the proxy reports as x-escrow-balance): the
+// balance only while acct exists and reflects the cost (finished now or before, or already
+// settled); a missing hold, or a cold org, has none.
+func exerciseFinishEachBalance(t *testing.T, env Env) {
+	t.Parallel()
+	x := fixture(t, env, balance.Config{}, 1000, true)
+	x.mustReserve("a", 100)
+	x.mustReserve("b", 50)
+	x.mustReserve("c", 10)
+	other := randomID("org")
+	x.l.Add(other, 500, "")
+	if _, err := x.s.Reserve(x.ctx, balance.ReserveRequest{Org: other, HoldID: "o", Amount: 40}); err != nil {
+		t.Fatal(err)
+	}
+	res, err := x.s.FinishEach(x.ctx, []balance.Finish{
+		{Org: x.org, HoldID: "a", Cost: 30}, {Org: other, HoldID: "o", Cost: 45}, {Org: x.org, HoldID: "b", Cost: 0},
+		{Org: x.org, HoldID: "a", Cost: 30}, {Org: x.org, HoldID: "missing", Cost: 1},
+	})
+	eq(t, "err", err, nil)
+	x.invariant()
+	eq(t, "results", len(res), 5)
+	eq(t, "a", res[0], balance.Finished{Done: true, Balance: 1000 - 160 + 100 - 30, HaveBalance: true})
+	eq(t, "other org", res[1], balance.Finished{Done: true, Balance: 500 - 45, HaveBalance: true})
+	eq(t, "b after a", res[2], balance.Finished{Done: true, Balance: 1000 - 160 + 100 - 30 + 50, HaveBalance: true})
+	eq(t, "a re-sent: already finished, the balance reflects it", res[3], balance.Finished{Balance: res[2].Balance, HaveBalance: true})
+	eq(t, "missing", res[4], balance.Finished{})
+	eq(t, "store balance", x.state().Balance, res[2].Balance)
+
+	// Settled before its finish (the worker can be first): not finished by this call, the
+	// balance already reflects the cost.
+	x.mustReserve("d", 100)
+	held := x.state().Balance
+	eq(t, "settle", x.charge("d", 60)[0], balance.Applied)
+	res, err = x.s.FinishEach(x.ctx, []balance.Finish{{Org: x.org, HoldID: "d", Cost: 60}})
+	eq(t, "err", err, nil)
+	x.invariant()
+	eq(t, "settled first", res[0], balance.Finished{Balance: res[0].Balance, HaveBalance: true})
+	eq(t, "settled first: the store's balance", res[0].Balance, x.state().Balance)
+	eq(t, "settled first: charged", res[0].Balance, held+100-60)
+
+	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	res, err = x.s.FinishEach(x.ctx, []balance.Finish{{Org: x.org, HoldID: "c", Cost: 7}})
+	eq(t, "err", err, nil)
+	eq(t, "cold org: done, balance unknown", res[0], balance.Finished{Done: true})
+	if res, err := x.s.FinishEach(x.ctx, nil); res != nil || err != nil {
+		t.Fatalf("empty: %v %v", res, err)
 	}
 }
 

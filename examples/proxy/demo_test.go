@@ -80,7 +80,7 @@ func TestDemoCurlLine(t *testing.T) {
 	if err := json.Unmarshal(raw, &body); err != nil || resp.StatusCode != 200 || len(body.Choices) != 1 {
 		t.Fatalf("the demo's curl request: %d %s", resp.StatusCode, raw)
 	}
-	if resp.Header.Get("x-request-id") == "" || resp.Header.Get("x-escrow-balance") == "" {
+	if resp.Header.Get("x-request-id") == "" || resp.Header.Get("x-escrow-cost") == "" || resp.Header.Get("x-escrow-balance") == "" {
 		t.Fatalf("missing escrow headers: %v", resp.Header)
 	}
 }
