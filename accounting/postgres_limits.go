@@ -402,4 +402,3 @@ func attribute(e *balance.Entry, key, project *string, at *time.Time) {
 		e.ReservedAt = at.UTC()
 	}
 }
-
