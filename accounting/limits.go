@@ -62,6 +62,9 @@ type LimitStore interface {
 	// (maxSeq < 0: all) attributed to each (limit, window start), by each entry's reserve time.
 	// It writes nothing (SnapshotSince is the seed's read).
 	LimitUsage(ctx context.Context, org string, since time.Time, maxSeq int64) ([]balance.WindowUsed, error)
+	// SnapshotSince is Snapshot plus, in the same transaction, the org's Limits and the spend
+	// of their windows from since's on up to the snapshot's seq (balance.LimitLedger).
+	SnapshotSince(ctx context.Context, org string, since time.Time) (balance.Snapshot, error)
 }
 
 // checkLimit checks a new limit's scope, window and cap.
