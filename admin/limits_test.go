@@ -117,6 +117,11 @@ func TestLimitRoutes(t *testing.T) {
 		r.call("POST", "/orgs/acme/keys", "", 201, &key)
 		k := key["id"]
 
+		if b := r.call("GET", "/orgs/acme/limits", "", 200, nil); !strings.HasPrefix(b, `{"data":[]`) {
+			t.Fatalf("no limits yet: %s", b)
+		}
+		r.refused("GET", "/orgs/nobody/limits", "", 404, "org_not_found")
+
 		// Projects and a key's project.
 		var proj map[string]string
 		r.call("POST", "/orgs/acme/projects", `{"id":"staging"}`, 201, &proj)
