@@ -281,3 +281,78 @@ func TestReconcilePushesLimits(t *testing.T) {
 		}
 	})
 }
+
+// TestLimitsReservedBeforeMidnight: a request reserved just before midnight and settled after
+// it is charged to the day it started, in Redis (while that day's counter is kept) and in the
+// ledger; the new day starts empty, and its first hold drops the past day's counter.
+func TestLimitsReservedBeforeMidnight(t *testing.T) {
+	t.Parallel()
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
+		r := newLimitRig(t, env, l)
+		ctx := r.ctx
+		day, err := r.ops.CreateLimit(ctx, rigOrg, balance.Scope{Kind: balance.ScopeKey, ID: r.key}, balance.Day, 100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := time.Date(2030, 6, 14, 0, 0, 0, 0, time.UTC)
+		midnight := d.Add(24 * time.Hour)
+		prev, cur := balance.Counter{LimitID: day.ID, Start: d.UnixMilli()}, balance.Counter{LimitID: day.ID, Start: midnight.UnixMilli()}
+		before := newStore(t, env, l, balance.Config{ClockOffset: time.Until(midnight.Add(-5 * time.Second))})
+		id := newID()
+		res, err := before.Reserve(ctx, balance.ReserveRequest{Org: rigOrg, HoldID: id, Amount: 100, KeyID: r.key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !res.ReservedAt.Before(midnight) || res.ReservedAt.Before(midnight.Add(-time.Minute)) {
+			t.Fatalf("reserved at %v, want just before %v", res.ReservedAt, midnight)
+		}
+		// Recorded, accounted and settled after midnight (a store whose clock is past it).
+		after := newStore(t, env, l, balance.Config{ClockOffset: time.Until(midnight.Add(30 * time.Second))})
+		ev := accounting.UsageEvent{ID: id, Org: rigOrg, KeyID: r.key, Project: res.Project, ReservedAt: res.ReservedAt,
+			Model: "m", Cost: 70, HoldAmount: 100, CreatedAt: midnight.Add(20 * time.Second)}
+		if err := l.RecordUsage(ctx, []accounting.UsageEvent{ev}); err != nil {
+			t.Fatal(err)
+		}
+		w := accounting.NewWorker(l, after, &accounting.WorkerConfig{Logger: quiet})
+		if _, err := w.AccountAll(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := w.SettleOrg(ctx, rigOrg); err != nil {
+			t.Fatal(err)
+		}
+		counters := func() map[balance.Counter]int64 {
+			cs, err := after.Counters(ctx, rigOrg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return cs
+		}
+		if cs := counters(); cs[prev] != 70 || cs[cur] != 0 {
+			t.Fatalf("counters %v: want the 14th at 70 (the cost, in place of the hold), nothing on the 15th", cs)
+		}
+		used, err := l.LimitUsage(ctx, rigOrg, d, -1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := (balance.WindowUsed{LimitID: day.ID, Start: d.UnixMilli(), Used: 70}); len(used) != 1 || used[0] != want {
+			t.Fatalf("the ledger's spend %v, want %v", used, want)
+		}
+		// The new day's cap is whole: its first hold passes, and the past day's counter goes.
+		if _, err := after.Reserve(ctx, balance.ReserveRequest{Org: rigOrg, HoldID: newID(), Amount: 100, KeyID: r.key}); err != nil {
+			t.Fatalf("the first reserve of the new day: %v", err)
+		}
+		if cs := counters(); cs[cur] != 100 || len(cs) != 1 {
+			t.Fatalf("counters after the new day's first hold %v, want only the 15th at 100", cs)
+		}
+		// A reseed after midnight counts the new day only: its hold, not the 14th's cost.
+		if err := after.Invalidate(ctx, rigOrg); err != nil {
+			t.Fatal(err)
+		}
+		if err := after.Warm(ctx, rigOrg); err != nil {
+			t.Fatal(err)
+		}
+		if cs := counters(); cs[cur] != 100 || len(cs) != 1 {
+			t.Fatalf("counters after a reseed past midnight %v, want only the 15th at 100", cs)
+		}
+	})
+}
