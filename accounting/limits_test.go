@@ -356,3 +356,28 @@ func TestLimitsReservedBeforeMidnight(t *testing.T) {
 		}
 	})
 }
+
+// TestListLimitsRedisDown: with Redis gone, ListLimits answers from the ledger (the settled
+// spend of each current window, nothing held) instead of failing.
+func TestListLimitsRedisDown(t *testing.T) {
+	t.Parallel()
+	env := testutil.MiniRedis(t)
+	r := newLimitRig(t, env, accounting.NewMemory())
+	lim, err := r.ops.CreateLimit(r.ctx, rigOrg, balance.Scope{Kind: balance.ScopeOrg}, balance.Lifetime, 1_000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.serve(100, 30)
+	if _, _, err := r.reserve(50); err != nil { // held while Redis is up
+		t.Fatal(err)
+	}
+	views, err := r.ops.ListLimits(r.ctx, rigOrg)
+	if err != nil || len(views) != 1 || views[0].Used != 80 || views[0].Held != 50 || views[0].ResetsAt != nil {
+		t.Fatalf("ListLimits with Redis up: %+v %v", views, err)
+	}
+	env.Mini.Close()
+	views, err = r.ops.ListLimits(r.ctx, rigOrg)
+	if err != nil || len(views) != 1 || views[0].ID != lim.ID || views[0].Used != 30 || views[0].Held != 0 {
+		t.Fatalf("ListLimits with Redis down: %+v %v, want the ledger's 30", views, err)
+	}
+}
