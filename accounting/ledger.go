@@ -106,7 +106,8 @@ type APIKey struct {
 // pass the same conformance suite (accounting/ledgertest).
 type Ledger interface {
 	balance.Ledger
-	Console // the operator's lists, names and audit trail (read.go)
+	Console    // the operator's lists, names and audit trail (read.go)
+	LimitStore // limits, projects and freezes (limits.go)
 
 	// Epoch returns the ledger's epoch.
 	Epoch(ctx context.Context) (balance.Epoch, error)

@@ -34,6 +34,8 @@ type Memory struct {
 	subs     map[*memSub]struct{}
 	console  memConsole // names and the audit trail (memory_read.go)
 	hooks    memHooks   // webhooks: endpoints, thresholds, the outbox (memory_webhooks.go)
+	// lastLimit is the last limit id given out (ids are never reused).
+	lastLimit int64
 }
 
 type memAccount struct {
@@ -41,6 +43,14 @@ type memAccount struct {
 	settled int64
 	entries []LedgerEntry // entries[i].Seq == i+1
 	created time.Time
+	attr    map[int64]entryAttr // a charge's attribution, by seq
+	lims    memLimits           // memory_limits.go
+}
+
+// entryAttr is what a charge entry carries for limits.
+type entryAttr struct {
+	key, project string
+	at           time.Time // reserve time, else the usage's record time
 }
 
 type memEvent struct {
@@ -60,6 +70,8 @@ type memKey struct {
 	revoked bool
 	created time.Time
 	revAt   time.Time
+	project string // "" for none
+	frozen  bool
 }
 
 type memSub struct {
@@ -129,6 +141,16 @@ func (m *Memory) Account(ctx context.Context, org string) (Account, error) {
 
 // Snapshot accounts the org's pending usage, then returns its balance and ledger sequence.
 func (m *Memory) Snapshot(ctx context.Context, org string) (balance.Snapshot, error) {
+	return m.snapshot(org, nil)
+}
+
+// SnapshotSince is Snapshot plus, under the same lock, the org's limits and the spend of their
+// windows from the one that contains since on (balance.LimitLedger).
+func (m *Memory) SnapshotSince(ctx context.Context, org string, since time.Time) (balance.Snapshot, error) {
+	return m.snapshot(org, &since)
+}
+
+func (m *Memory) snapshot(org string, since *time.Time) (balance.Snapshot, error) {
 	if err := balance.ValidateOrg(org); err != nil {
 		return balance.Snapshot{}, err
 	}
@@ -141,6 +163,10 @@ func (m *Memory) Snapshot(ctx context.Context, org string) (balance.Snapshot, er
 	n, err := m.accountOrgLocked(org, -1)
 	a = m.accounts[org]
 	snap := balance.Snapshot{Epoch: m.epoch, Balance: a.balance, Seq: int64(len(a.entries))}
+	if since != nil && err == nil {
+		ls := m.limitsLocked(org)
+		snap.Limits = &balance.LimitSnapshot{Limits: ls, Used: a.usedLocked(ls.Limits, *since, snap.Seq)}
+	}
 	m.mu.Unlock()
 	if n > 0 {
 		m.notify(org)
@@ -162,7 +188,7 @@ func (m *Memory) EntriesAfter(ctx context.Context, org string, after int64, limi
 	if a == nil {
 		return nil, m.epoch, nil
 	}
-	return entriesFrom(a.entries, after, limit), m.epoch, nil
+	return a.entriesFrom(after, limit), m.epoch, nil
 }
 
 // UnsettledEntries returns up to limit entries of org past its settled sequence.
@@ -176,22 +202,26 @@ func (m *Memory) UnsettledEntries(ctx context.Context, org string, limit int) ([
 	if a == nil {
 		return nil, m.epoch, nil
 	}
-	out := entriesFrom(a.entries, a.settled, limit)
+	out := a.entriesFrom(a.settled, limit)
 	for i := range out { // the settle-lag clock: the entry's own time (accounting is in-process)
 		out[i].Recorded = a.entries[out[i].Seq-1].CreatedAt
 	}
 	return out, m.epoch, nil
 }
 
-func entriesFrom(entries []LedgerEntry, after int64, limit int) []balance.Entry {
+func (a *memAccount) entriesFrom(after int64, limit int) []balance.Entry {
 	if limit <= 0 {
 		limit = defaultLimit
 	}
 	after = max(after, 0)
 	var out []balance.Entry
-	for i := after; i < int64(len(entries)) && len(out) < limit; i++ {
-		e := entries[i]
-		out = append(out, balance.Entry{Seq: e.Seq, Delta: e.Delta, HoldID: e.HoldID})
+	for i := after; i < int64(len(a.entries)) && len(out) < limit; i++ {
+		e := a.entries[i]
+		be := balance.Entry{Seq: e.Seq, Delta: e.Delta, HoldID: e.HoldID}
+		if at, ok := a.attr[e.Seq]; ok {
+			be.KeyID, be.Project, be.ReservedAt = attrID(balance.ScopeKey, at.key), attrID(balance.ScopeProject, at.project), at.at
+		}
+		out = append(out, be)
 	}
 	return out
 }
@@ -388,9 +418,13 @@ func (m *Memory) accountOrgLocked(org string, limit int) (int, error) {
 		return 0, fmt.Errorf("%w: org %q: balance would leave ±%d", ErrInvalidAmount, org, balance.MaxAmount)
 	}
 	now := time.Now()
+	if a.attr == nil {
+		a.attr = map[int64]entryAttr{}
+	}
 	for _, e := range q[:limit] {
 		e.seq = int64(len(a.entries)) + 1
 		a.entries = append(a.entries, LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: KindCharge, HoldID: e.ev.ID, CreatedAt: now})
+		a.attr[e.seq] = entryAttr{key: e.ev.KeyID, project: e.ev.Project, at: attrTime(e.ev.ReservedAt, e.ev.CreatedAt)}
 	}
 	a.balance -= sum
 	m.hooks.balanceChanged(org, a.balance+sum, a.balance)
@@ -623,6 +657,9 @@ func normalizeEvent(ev UsageEvent) (UsageEvent, error) {
 	}
 	// Postgres keeps microseconds; so does the memory ledger, so both order events alike.
 	ev.CreatedAt = ev.CreatedAt.Round(0).Truncate(time.Microsecond)
+	if !ev.ReservedAt.IsZero() { // a Redis clock reading: whole milliseconds, kept exactly
+		ev.ReservedAt = ev.ReservedAt.Round(0).Truncate(time.Millisecond).UTC()
+	}
 	return ev, nil
 }
 

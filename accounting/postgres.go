@@ -116,7 +116,8 @@ const (
 	sqlChannel = `'escrow_' || left(md5(current_schema()), 16)`
 	sqlNotify  = `SELECT pg_notify(` + sqlChannel + `, $1)`
 	// Charges for several orgs at once: $1 orgs, $2 their cost sums, $3 their event counts;
-	// $4 event ids, $5 their seqs, $6 their orgs, $7 their costs.
+	// $4 event ids, $5 their seqs. Each entry copies its event's cost and attribution (key,
+	// project, reserve time or else record time) from the row the update just marked.
 	sqlWriteCharges = `
 WITH acc AS (
 	UPDATE accounts a SET balance = a.balance - x.sum, ledger_seq = a.ledger_seq + x.n
@@ -126,10 +127,10 @@ WITH acc AS (
 	UPDATE usage_events u SET status = 'accounted', seq = x.seq
 	FROM unnest($4::text[], $5::bigint[]) AS x(id, seq)
 	WHERE u.id = x.id::uuid
+	RETURNING u.org_id, x.seq, u.cost, u.id, u.key_id, u.project, coalesce(u.reserved_at, u.created_at) AS at
 )
-INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id)
-SELECT x.org, x.seq, -x.cost, 'charge', x.id::uuid
-FROM unnest($6::text[], $5::bigint[], $7::bigint[], $4::text[]) AS x(org, seq, cost, id)`
+INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id, key_id, project, reserved_at)
+SELECT org_id, seq, -cost, 'charge', id, key_id, project, at FROM ev`
 	sqlNotifyAll  = `SELECT pg_notify(` + sqlChannel + `, o) FROM unnest($1::text[]) AS o`
 	sqlClaimOrder = ` ORDER BY created_at, id`
 )
@@ -189,16 +190,32 @@ FROM accounts WHERE org_id = $1`, org).Scan(&a.Balance, &a.LedgerSeq, &a.Settled
 // LOCKED), so the snapshot covers every usage recorded before it. With nothing pending it
 // writes nothing.
 func (p *Postgres) Snapshot(ctx context.Context, org string) (balance.Snapshot, error) {
+	return p.snapshot(ctx, org, nil)
+}
+
+// SnapshotSince is Snapshot plus, in the same transaction (after the account row is locked, so
+// no entry and no limits change can land in between), the org's limits and the spend of their
+// windows from the one that contains since on, for the entries up to the snapshot's seq
+// (balance.LimitLedger).
+func (p *Postgres) SnapshotSince(ctx context.Context, org string, since time.Time) (balance.Snapshot, error) {
+	return p.snapshot(ctx, org, &since)
+}
+
+func (p *Postgres) snapshot(ctx context.Context, org string, since *time.Time) (balance.Snapshot, error) {
 	if err := balance.ValidateOrg(org); err != nil {
 		return balance.Snapshot{}, err
 	}
 	var s balance.Snapshot
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		s = balance.Snapshot{}
 		b := &pgx.Batch{}
 		b.Queue(`SELECT balance, ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE`, org)
 		b.Queue(`SELECT pg_advisory_xact_lock(hashtext(current_schema()), hashtext($1))`, org)
 		b.Queue(`SELECT id::text, cost FROM usage_events WHERE org_id = $1 AND status = 'pending'`+sqlClaimOrder+` FOR UPDATE`, org)
 		b.Queue(`SELECT epoch_gen, epoch_id FROM ledger_meta`)
+		if since != nil {
+			queueLimits(b, org)
+		}
 		br := tx.SendBatch(ctx, b)
 		found := true
 		if err := br.QueryRow().Scan(&s.Balance, &s.Seq); errors.Is(err, pgx.ErrNoRows) {
@@ -221,9 +238,17 @@ func (p *Postgres) Snapshot(ctx context.Context, org string) (balance.Snapshot, 
 			br.Close()
 			return err
 		}
+		var ls balance.Limits
+		if since != nil {
+			if ls, _, err = scanLimits(br); err != nil {
+				br.Close()
+				return err
+			}
+		}
 		if err := br.Close(); err != nil {
 			return err
 		}
+
 		if !found {
 			if len(ids) == 0 {
 				return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
@@ -236,18 +261,26 @@ func (p *Postgres) Snapshot(ctx context.Context, org string) (balance.Snapshot, 
 				return err
 			}
 		}
-		if len(ids) == 0 {
+		if len(ids) > 0 {
+			c := orgCharges{org: org, balance: s.Balance, base: s.Seq, ids: ids, costs: costs}
+			if err := c.check(); err != nil {
+				return err
+			}
+			if err := writeCharges(ctx, tx, []orgCharges{c}); err != nil {
+				return err
+			}
+			s.Balance -= c.sum()
+			s.Seq += int64(len(ids))
+		}
+		if since == nil {
 			return nil
 		}
-		c := orgCharges{org: org, balance: s.Balance, base: s.Seq, ids: ids, costs: costs}
-		if err := c.check(); err != nil {
+		// The charges just written are in the sums (seq ≤ s.Seq).
+		used, err := limitUsage(ctx, tx, org, ls.Limits, *since, s.Seq)
+		if err != nil {
 			return err
 		}
-		if err := writeCharges(ctx, tx, []orgCharges{c}); err != nil {
-			return err
-		}
-		s.Balance -= c.sum()
-		s.Seq += int64(len(ids))
+		s.Limits = &balance.LimitSnapshot{Limits: ls, Used: used}
 		return nil
 	})
 	if err != nil {
@@ -300,8 +333,8 @@ func (c *orgCharges) check() error {
 // accounted and notifies, in the caller's transaction (which holds the orgs' locks), in one
 // round trip.
 func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges) error {
-	var orgs, ids, evOrgs []string
-	var sums, counts, seqs, costs []int64
+	var orgs, ids []string
+	var sums, counts, seqs []int64
 	for _, c := range cs {
 		orgs = append(orgs, c.org)
 		sums = append(sums, c.sum())
@@ -309,12 +342,10 @@ func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges) error {
 		for i, id := range c.ids {
 			ids = append(ids, id)
 			seqs = append(seqs, c.base+int64(i)+1)
-			evOrgs = append(evOrgs, c.org)
-			costs = append(costs, c.costs[i])
 		}
 	}
 	b := &pgx.Batch{}
-	b.Queue(sqlWriteCharges, orgs, sums, counts, ids, seqs, evOrgs, costs)
+	b.Queue(sqlWriteCharges, orgs, sums, counts, ids, seqs)
 	b.Queue(sqlNotifyAll, orgs)
 	changes := make([]int64, len(sums))
 	for i, s := range sums {
@@ -490,9 +521,10 @@ func (p *Postgres) UnsettledEntries(ctx context.Context, org string, limit int) 
 	// Like entries, plus each entry's Recorded time: a charge's usage event's created_at (the
 	// settle-lag clock starts when the usage was recorded, not when it was accounted).
 	rows, err := p.pool.Query(ctx, `
-SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.recorded
+SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.at
 FROM ledger_meta m LEFT JOIN LATERAL (
-	SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded
+	SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded, l.key_id, l.project,
+		CASE WHEN l.kind = 'charge' THEN coalesce(l.reserved_at, l.created_at) END AS at
 	FROM ledger_entries l LEFT JOIN usage_events u ON u.id = l.hold_id AND l.kind = 'charge'
 	WHERE l.org_id = $1 AND l.seq > (SELECT settled_seq FROM accounts WHERE org_id = $1)
 	ORDER BY l.seq LIMIT $2
@@ -505,9 +537,9 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 	var ep balance.Epoch
 	for rows.Next() {
 		var seq, delta *int64
-		var hold *string
-		var rec *time.Time
-		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &rec); err != nil {
+		var hold, key, project *string
+		var rec, at *time.Time
+		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &rec, &key, &project, &at); err != nil {
 			return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
 		}
 		if seq == nil {
@@ -520,6 +552,7 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 		if rec != nil {
 			e.Recorded = *rec
 		}
+		attribute(&e, key, project, at)
 		out = append(out, e)
 	}
 	if err := rows.Err(); err != nil {
@@ -535,9 +568,11 @@ func (p *Postgres) entries(ctx context.Context, op, after string, org string, li
 		limit = defaultLimit
 	}
 	rows, err := p.pool.Query(ctx, `
-SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text
+SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.key_id, e.project, e.at
 FROM ledger_meta m LEFT JOIN LATERAL (
-	SELECT seq, delta, hold_id FROM ledger_entries
+	SELECT seq, delta, hold_id, key_id, project,
+		CASE WHEN kind = 'charge' THEN coalesce(reserved_at, created_at) END AS at
+	FROM ledger_entries
 	WHERE org_id = $1 AND seq > `+after+` ORDER BY seq LIMIT $2
 ) e ON true ORDER BY e.seq`, append([]any{org, limit}, more...)...)
 	if err != nil {
@@ -548,8 +583,9 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 	var ep balance.Epoch
 	for rows.Next() {
 		var seq, delta *int64
-		var hold *string
-		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold); err != nil {
+		var hold, key, project *string
+		var at *time.Time
+		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &key, &project, &at); err != nil {
 			return nil, balance.Epoch{}, wrapPg(op, err)
 		}
 		if seq == nil {
@@ -559,6 +595,7 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 		if hold != nil {
 			e.HoldID = *hold
 		}
+		attribute(&e, key, project, at)
 		out = append(out, e)
 	}
 	if err := rows.Err(); err != nil {
@@ -694,6 +731,8 @@ func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
 		reasoning, costs, holds            = make([]int64, n), make([]int64, n), make([]int64, n)
 		estimated                          = make([]bool, n)
 		created                            = make([]time.Time, n)
+		projects                           = make([]string, n)
+		reserved                           = make([]*time.Time, n)
 	)
 	for i, ev := range events {
 		ev, err := normalizeEvent(ev)
@@ -703,20 +742,24 @@ func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
 		ids[i], orgs[i], models[i], keys[i], endpoints[i] = ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint
 		prompt[i], cached[i], completion[i], reasoning[i] = ev.Usage.Prompt, ev.Usage.Cached, ev.Usage.Completion, ev.Usage.Reasoning
 		costs[i], holds[i], estimated[i], created[i] = ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt
+		projects[i] = ev.Project
+		if !ev.ReservedAt.IsZero() {
+			reserved[i] = &ev.ReservedAt
+		}
 	}
 	_, err := p.pool.Exec(ctx, `
 WITH ins AS (
 	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
-		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at)
-	SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at
+		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at)
+	SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat
 	FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
-		$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[])
-		AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at)
+		$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[])
+		AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat)
 	ON CONFLICT (id) DO NOTHING
 	RETURNING org_id
 )
 SELECT pg_notify(`+sqlChannel+`, org_id) FROM (SELECT DISTINCT org_id FROM ins) d`,
-		ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created)
+		ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved)
 	if err != nil && notSent(err) {
 		return fmt.Errorf("%w: %w", ErrNotRecorded, wrapPg("record usage", err))
 	}

@@ -303,22 +303,26 @@ func (p *Postgres) Request(ctx context.Context, id string) (RequestInfo, error) 
 		return RequestInfo{}, fmt.Errorf("%w: %q", ErrUnknownRequest, id)
 	}
 	var r RequestInfo
-	var key, endpoint *string
+	var key, endpoint, project *string
 	var seq *int64
+	var reserved *time.Time
 	err = p.pool.QueryRow(ctx, `
 SELECT id::text, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens,
-       reasoning_tokens, cost, hold_amount, estimated, status, seq, created_at
+       reasoning_tokens, cost, hold_amount, estimated, status, seq, created_at, project, reserved_at
 FROM usage_events WHERE id = $1`, u).Scan(&r.ID, &r.Org, &key, &r.Model, &endpoint,
 		&r.Usage.Prompt, &r.Usage.Cached, &r.Usage.Completion, &r.Usage.Reasoning, &r.Cost, &r.HoldAmount,
-		&r.Estimated, &r.Status, &seq, &r.CreatedAt)
+		&r.Estimated, &r.Status, &seq, &r.CreatedAt, &project, &reserved)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return RequestInfo{}, fmt.Errorf("%w: %q", ErrUnknownRequest, id)
 	}
 	if err != nil {
 		return RequestInfo{}, wrapPg("request", err)
 	}
-	r.KeyID, r.Endpoint, r.Seq = deref(key), deref(endpoint), deref(seq)
+	r.KeyID, r.Endpoint, r.Seq, r.Project = deref(key), deref(endpoint), deref(seq), deref(project)
 	r.CreatedAt = r.CreatedAt.UTC()
+	if reserved != nil {
+		r.ReservedAt = reserved.UTC()
+	}
 	return r, nil
 }
 

@@ -65,6 +65,13 @@ func (d *downLedger) Snapshot(ctx context.Context, org string) (balance.Snapshot
 	return d.Ledger.Snapshot(ctx, org)
 }
 
+func (d *downLedger) SnapshotSince(ctx context.Context, org string, since time.Time) (balance.Snapshot, error) {
+	if err := d.err(); err != nil {
+		return balance.Snapshot{}, err
+	}
+	return d.Ledger.SnapshotSince(ctx, org, since)
+}
+
 func (d *downLedger) timesStored(id string) int {
 	d.mu.Lock()
 	defer d.mu.Unlock()

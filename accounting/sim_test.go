@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -28,10 +29,13 @@ var (
 // TestSimulation drives the real scripts and a real ledger through random interleavings of
 // reserve, record, finish (at once, late, re-sent, before and after the settle, after a data
 // loss), account, settle (with workers killed before marking), release, reap, invalidate,
-// credit, stale seeds, Redis data loss and re-sent calls, and checks after every step that
-// bal + Σ holds == B(wm) for every warm org and that no hold id is also tombstoned, and at quiescence that Redis agrees with the
-// ledger to the micro-unit, that every served request is billed exactly once, and that debt
-// stays within the debt rule. A failure prints the seed; replay it with -sim.seed.
+// credit, stale seeds, Redis data loss and re-sent calls, limit changes and freezes, and window
+// rollovers (the limit clock moved forward with the store's ClockOffset), and checks after every
+// step that bal + Σ holds == B(wm) for every warm org, that no hold id is also tombstoned, and
+// the counter invariant of DESIGN.md "Limits" for every current window; and at quiescence that
+// Redis agrees with the ledger to the micro-unit (balances and window counters), that every
+// served request is billed exactly once, and that debt stays within the debt rule. A failure
+// prints the seed; replay it with -sim.seed.
 func TestSimulation(t *testing.T) {
 	t.Parallel()
 	steps := *simSteps
@@ -70,6 +74,9 @@ type simulator struct {
 	ledger accounting.Ledger
 	store  *balance.Store
 	worker *accounting.Worker
+	ops    *accounting.Ops
+	offset time.Duration       // the limit clock's offset (window rollovers without a sleep)
+	keys   map[string][]string // org → its API keys ("" too: requests without a key)
 	orgs   []string
 	cache  map[string]*simOrg
 
@@ -88,26 +95,22 @@ type simulator struct {
 type simReq struct {
 	org, id string
 	amount  int64
+	// attribution, as the reserve returned it
+	key, project string
+	at           time.Time
 }
 
 func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger accounting.Ledger) {
 	ctx := context.Background()
-	store, err := balance.New(ctx, env.Client, balance.Config{
-		Ledger: ledger, Prefix: env.Prefix, MaxInFlight: 100000,
-		HoldTTL: time.Millisecond, ReapGrace: time.Nanosecond, // every hold is reapable: owners may be slow
-		SettleDeadline: time.Millisecond, // finished holds too (through the ledger check)
-		Logger:         slog.New(slog.NewTextHandler(io.Discard, nil)),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	s := &simulator{
-		t: t, ctx: ctx, rnd: rand.New(rand.NewPCG(seed, 7)), seed: seed, env: env, ledger: ledger, store: store,
-		worker: accounting.NewWorker(ledger, store, &accounting.WorkerConfig{SettleBatch: 4, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}),
-		orgs:   []string{"a", "b", "c"}, cache: map[string]*simOrg{},
+		t: t, ctx: ctx, rnd: rand.New(rand.NewPCG(seed, 7)), seed: seed, env: env, ledger: ledger,
+		orgs: []string{"a", "b", "c"}, cache: map[string]*simOrg{}, keys: map[string][]string{},
 		inflight: map[string]simReq{}, costOf: map[string]int64{}, holdAtRecord: map[string]int64{},
 		servedOrg: map[string]string{}, credits: map[string]int64{}, counts: map[string]int{},
 	}
+	// The limit clock starts in the last hours of a month, so rollovers of every window come soon.
+	start := time.Date(2031, 1, 31, 20, 0, 0, 0, time.UTC).Add(time.Duration(s.rnd.Int64N(int64(4 * time.Hour))))
+	s.newStore(time.Until(start))
 	defer func() {
 		if r := recover(); r != nil {
 			t.Fatalf("simulation seed %d panicked: %v", seed, r)
@@ -119,6 +122,7 @@ func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger
 		_, _, err := ledger.Credit(ctx, o, c, "init-"+o+"-"+strconv.FormatUint(seed, 10))
 		s.must(err)
 		s.credits[o] += c
+		s.setupLimits(o)
 	}
 	for step := 0; step < steps; step++ {
 		s.step()
@@ -129,6 +133,56 @@ func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger
 	}
 	s.quiesce()
 	t.Logf("seed %d: %d steps, ops %v", seed, steps, s.counts)
+}
+
+// newStore makes the store (and its worker and Ops) with the limit clock at offset; a window
+// rollover is a new store with a later clock over the same Redis and ledger.
+func (s *simulator) newStore(offset time.Duration) {
+	store, err := balance.New(s.ctx, s.env.Client, balance.Config{
+		Ledger: s.ledger, Prefix: s.env.Prefix, MaxInFlight: 100000,
+		HoldTTL: time.Millisecond, ReapGrace: time.Nanosecond, // every hold is reapable: owners may be slow
+		SettleDeadline: time.Millisecond, // finished holds too (through the ledger check)
+		ClockOffset:    offset,
+		Logger:         slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	s.must(err)
+	s.store, s.offset = store, offset
+	s.worker = accounting.NewWorker(s.ledger, store, &accounting.WorkerConfig{SettleBatch: 4, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	s.ops = accounting.NewOps(s.worker)
+}
+
+// setupLimits gives org two keys (one in project p), and limits of every scope and window whose
+// caps a run reaches now and then.
+func (s *simulator) setupLimits(o string) {
+	var keys []string
+	for range 2 {
+		k, _, err := s.ledger.CreateKey(s.ctx, o)
+		s.must(err)
+		keys = append(keys, k.ID)
+	}
+	s.keys[o] = append(keys, "")
+	s.must(s.ops.CreateProject(s.ctx, o, "p"))
+	s.must(s.ops.SetKeyProject(s.ctx, keys[0], "p"))
+	for _, l := range []struct {
+		scope balance.Scope
+		w     balance.Window
+	}{
+		{balance.Scope{Kind: balance.ScopeOrg}, balance.Day},
+		{balance.Scope{Kind: balance.ScopeOrg}, balance.Month},
+		{balance.Scope{Kind: balance.ScopeProject, ID: "p"}, balance.Week},
+		{balance.Scope{Kind: balance.ScopeKey, ID: keys[0]}, balance.Hour},
+		{balance.Scope{Kind: balance.ScopeKey, ID: keys[1]}, balance.Lifetime},
+	} {
+		_, err := s.ops.CreateLimit(s.ctx, o, l.scope, l.w, s.rnd.Int64N(1500)+300)
+		s.must(err)
+	}
+}
+
+// clock is the limit clock: Redis TIME plus the offset.
+func (s *simulator) clock() time.Time {
+	t, err := s.env.Client.Time(s.ctx).Result()
+	s.must(err)
+	return t.Add(s.offset)
 }
 
 func (s *simulator) must(err error) {
@@ -146,22 +200,27 @@ func (s *simulator) step() {
 		s.counts["reserve"]++
 		id := uuid.Must(uuid.NewV7()).String()
 		amt := s.rnd.Int64N(60) + 1
-		_, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt})
+		key := s.keys[o][s.rnd.IntN(len(s.keys[o]))]
+		res, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key})
 		switch {
 		case err == nil:
-			s.inflight[id] = simReq{o, id, amt}
+			s.inflight[id] = simReq{org: o, id: id, amount: amt, key: key, project: res.Project, at: res.ReservedAt}
 			if s.rnd.Float64() < 0.05 { // the Redis client re-sends the same call
-				r, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt})
-				if err != nil || !r.Duplicate {
-					s.t.Fatalf("seed %d: re-sent reserve: %+v %v, want duplicate", s.seed, r, err)
+				r, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key})
+				if err != nil || !r.Duplicate || !r.ReservedAt.Equal(res.ReservedAt) {
+					s.t.Fatalf("seed %d: re-sent reserve: %+v %v, want duplicate at %v", s.seed, r, err, res.ReservedAt)
 				}
 			}
 		case errors.Is(err, balance.ErrInsufficient):
+		case errors.Is(err, balance.ErrLimit):
+			s.counts["limit"]++
+		case errors.Is(err, balance.ErrFrozen):
+			s.counts["frozen"]++
 		default:
 			s.must(err)
 		}
 	case op < 0.26: // take a snapshot now, apply it later (stale seed)
-		snap, err := s.ledger.Snapshot(s.ctx, o)
+		snap, err := s.ledger.SnapshotSince(s.ctx, o, s.clock())
 		s.must(err)
 		s.stale = append(s.stale, snap)
 		s.staleOrg = append(s.staleOrg, o)
@@ -198,7 +257,8 @@ func (s *simulator) step() {
 		}
 		if err == nil {
 			s.counts["phantom"]++ // only possible after a data loss took the tombstone
-		} else if !errors.Is(err, balance.ErrGone) && !errors.Is(err, balance.ErrInsufficient) {
+		} else if !errors.Is(err, balance.ErrGone) && !errors.Is(err, balance.ErrInsufficient) &&
+			!errors.Is(err, balance.ErrLimit) && !errors.Is(err, balance.ErrFrozen) {
 			s.must(err)
 		}
 	case op < 0.53:
@@ -267,7 +327,8 @@ func (s *simulator) step() {
 		testutil.DeletePrefix(s.ctx, s.env.Client, s.env.Prefix)
 	case op < 0.77: // fail-open request: no hold, usage recorded
 		s.counts["fail-open"]++
-		s.record(simReq{o, uuid.Must(uuid.NewV7()).String(), 0}, s.rnd.Int64N(30))
+		key := s.keys[o][s.rnd.IntN(len(s.keys[o]))]
+		s.record(simReq{org: o, id: uuid.Must(uuid.NewV7()).String(), key: key}, s.rnd.Int64N(30))
 	case op < 0.83 && len(s.finSent) > 0: // a finish arrives late, or is re-sent (go-redis retries)
 		s.counts["finish-late"]++
 		f := s.finSent[s.rnd.IntN(len(s.finSent))]
@@ -283,7 +344,35 @@ func (s *simulator) step() {
 				s.counts["finished"]++
 			}
 		}
+	case op < 0.84: // an operator changes a cap, or freezes or unfreezes a scope
+		s.counts["limit-change"]++
+		s.changeLimits(o)
+	case op < 0.86: // time passes: the limit clock moves forward (windows roll over)
+		s.counts["clock"]++
+		steps := []time.Duration{10 * time.Minute, time.Hour, 5 * time.Hour, 24 * time.Hour, 3 * 24 * time.Hour}
+		s.newStore(s.offset + steps[s.rnd.IntN(len(steps))])
 	}
+}
+
+func (s *simulator) changeLimits(o string) {
+	ls, err := s.ledger.Limits(s.ctx, o)
+	s.must(err)
+	scopes := []balance.Scope{{Kind: balance.ScopeOrg}, {Kind: balance.ScopeProject, ID: "p"},
+		{Kind: balance.ScopeKey, ID: s.keys[o][0]}, {Kind: balance.ScopeKey, ID: s.keys[o][1]}}
+	switch x := s.rnd.Float64(); {
+	case x < 0.5:
+		l := ls.Limits[s.rnd.IntN(len(ls.Limits))]
+		_, err = s.ops.SetLimitCap(s.ctx, o, l.ID, s.rnd.Int64N(1500)+20) // below what is used, at times
+	case x < 0.6:
+		err = s.ops.Freeze(s.ctx, o, scopes[s.rnd.IntN(len(scopes))])
+	default:
+		for _, f := range ls.Frozen {
+			if err == nil && s.rnd.Float64() < 0.7 {
+				err = s.ops.Unfreeze(s.ctx, o, f)
+			}
+		}
+	}
+	s.must(err)
 }
 
 func (s *simulator) pickInflight() simReq {
@@ -302,11 +391,110 @@ func (s *simulator) holds(org string) map[string]int64 {
 	s.must(err)
 	out := make(map[string]int64, len(m))
 	for k, v := range m {
-		n, err := strconv.ParseInt(v, 10, 64)
+		amount, _, _ := strings.Cut(v, "|") // '<amount>' or '<amount>|<ms>|<fin>|<fields>'
+		n, err := strconv.ParseInt(amount, 10, 64)
 		s.must(err)
 		out[k] = n
 	}
 	return out
+}
+
+// holdFields reads the org's holds with the counter fields each was added to.
+func (s *simulator) holdFields(org string) map[string][]string {
+	m, err := s.env.Client.HGetAll(s.ctx, s.env.Prefix+":{"+org+"}:holds").Result()
+	s.must(err)
+	out := map[string][]string{}
+	for id, v := range m {
+		f := strings.SplitN(v, "|", 4)
+		if len(f) == 4 && f[3] != "" {
+			out[id] = strings.Split(f[3], ",")
+		}
+	}
+	return out
+}
+
+// hotLimits parses the org's lim hash (lua/lib/limits.lua): the limits the hot state enforces.
+func (s *simulator) hotLimits(org string) []balance.Limit {
+	m, err := s.env.Client.HGetAll(s.ctx, s.env.Prefix+":{"+org+"}:lim").Result()
+	s.must(err)
+	var out []balance.Limit
+	for f, v := range m {
+		var sc balance.Scope
+		switch {
+		case f == "o":
+			sc = balance.Scope{Kind: balance.ScopeOrg}
+		case strings.HasPrefix(f, "p:"):
+			sc = balance.Scope{Kind: balance.ScopeProject, ID: f[2:]}
+		case strings.HasPrefix(f, "k:"):
+			sc = balance.Scope{Kind: balance.ScopeKey, ID: f[2:]}
+		default:
+			continue
+		}
+		for _, spec := range strings.Split(v, ";") {
+			p := strings.Split(spec, ",")
+			if len(p) != 3 {
+				s.t.Fatalf("seed %d: lim field %s = %q", s.seed, f, v)
+			}
+			c, err := strconv.ParseInt(p[2], 10, 64)
+			s.must(err)
+			out = append(out, balance.Limit{ID: p[0], Scope: sc, Window: balance.Window(p[1]), Cap: c})
+		}
+	}
+	return out
+}
+
+// attributed reports whether a ledger entry counts against limit l (DESIGN.md "Limits").
+func attributed(l balance.Limit, e balance.Entry) bool {
+	if e.Delta >= 0 || e.ReservedAt.IsZero() {
+		return false // credits, positive adjustments: no spend
+	}
+	switch l.Scope.Kind {
+	case balance.ScopeProject:
+		return e.Project == l.Scope.ID
+	case balance.ScopeKey:
+		return e.KeyID == l.Scope.ID
+	}
+	return true
+}
+
+// checkCounters checks the counter invariant of every current window of a warm org: U = Σ cost
+// of the entries attributed to it with seq ≤ wm + Σ amounts of the live holds added to it.
+func (s *simulator) checkCounters(step int, o string, wm int64) {
+	t0 := s.clock()
+	lims := s.hotLimits(o)
+	u, err := s.store.Counters(s.ctx, o)
+	s.must(err)
+	holds, fields := s.holds(o), s.holdFields(o)
+	s.b(o, wm) // the entries up to wm, cached
+	t1 := s.clock()
+	for _, l := range lims {
+		if l.Window.StartMS(t0) != l.Window.StartMS(t1) {
+			return // a window rolled over while reading: the next step checks
+		}
+	}
+	for _, l := range lims {
+		start := l.Window.StartMS(t0)
+		field := l.ID + ":" + strconv.FormatInt(start, 10)
+		var want int64
+		for _, e := range s.cache[o].entries {
+			if e.Seq > wm {
+				break
+			}
+			if attributed(l, e) && l.Window.StartMS(e.ReservedAt) == start {
+				want -= e.Delta
+			}
+		}
+		for id, fs := range fields {
+			if slices.Contains(fs, field) {
+				want += holds[id]
+			}
+		}
+		got, ok := u[balance.Counter{LimitID: l.ID, Start: start}]
+		if got != want || (!ok && want != 0) {
+			s.t.Fatalf("seed %d step %d: org %s: counter %s (%s %s) = %d (present %v), want %d (entries to wm %d + live holds)",
+				s.seed, step, o, field, l.Scope, l.Window, got, ok, want, wm)
+		}
+	}
 }
 
 func (s *simulator) realCost(hold int64) int64 {
@@ -320,7 +508,10 @@ func (s *simulator) record(r simReq, cost int64) {
 	s.holdAtRecord[r.id] = s.holds(r.org)[r.id]
 	s.costOf[r.id] = cost
 	s.servedOrg[r.id] = r.org
-	ev := accounting.UsageEvent{ID: r.id, Org: r.org, Model: "m", Cost: cost, HoldAmount: r.amount, CreatedAt: time.Now()}
+	// Recorded "now" on the limit clock, so a fail-open request (no reserve time) counts at
+	// its record time in the windows the scripts see.
+	ev := accounting.UsageEvent{ID: r.id, Org: r.org, KeyID: r.key, Project: r.project, ReservedAt: r.at,
+		Model: "m", Cost: cost, HoldAmount: r.amount, CreatedAt: time.Now().Add(s.offset)}
 	s.must(s.ledger.RecordUsage(s.ctx, []accounting.UsageEvent{ev}))
 	if s.rnd.Float64() < 0.05 { // recorded twice (a retried record): charged once
 		s.must(s.ledger.RecordUsage(s.ctx, []accounting.UsageEvent{ev}))
@@ -380,6 +571,7 @@ func (s *simulator) check(step int) {
 		if got, want := st.Balance+st.Held, s.b(o, st.Watermark); got != want {
 			s.t.Fatalf("seed %d step %d: org %s: bal+holds = %d, B(wm=%d) = %d", s.seed, step, o, got, st.Watermark, want)
 		}
+		s.checkCounters(step, o, st.Watermark)
 	}
 	// No script leaves a hold on an id it tombstoned, or writes one on a tombstoned id (a finish
 	// that re-created the hold of a settled request would lock its cost until a reaper came).
@@ -452,6 +644,26 @@ func (s *simulator) quiesce() {
 		}
 		if acct.Balance < -debt {
 			t.Fatalf("seed %d: org %s: balance %d below the allowed debt -%d", s.seed, o, acct.Balance, debt)
+		}
+		// The current windows' counters agree with the ledger's spend exactly (no holds left).
+		now := s.clock()
+		used, err := s.ledger.LimitUsage(s.ctx, o, now, -1)
+		s.must(err)
+		cs, err := s.store.Counters(s.ctx, o)
+		s.must(err)
+		ls, err := s.ledger.Limits(s.ctx, o)
+		s.must(err)
+		for _, l := range ls.Limits {
+			k := balance.Counter{LimitID: l.ID, Start: l.Window.StartMS(now)}
+			var want int64
+			for _, w := range used {
+				if w.LimitID == k.LimitID && w.Start == k.Start {
+					want = w.Used
+				}
+			}
+			if got := cs[k]; got != want {
+				t.Fatalf("seed %d: org %s at rest: counter %+v = %d, the ledger's spend %d", s.seed, o, k, got, want)
+			}
 		}
 	}
 }

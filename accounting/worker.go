@@ -476,6 +476,9 @@ type Drift struct {
 	Drift    int64  `json:"drift"`     // Hot − Expected
 	Repaired bool   `json:"repaired"`  // the hot balance was dropped (reseeds on next use)
 	CaughtUp bool   `json:"caught_up"` // the watermark lagged and entries were re-sent
+	// LimitsPushed: the hot limits were older than the ledger's (a push that failed), so the
+	// hot state was dropped to reseed with them.
+	LimitsPushed bool `json:"limits_pushed"`
 }
 
 // Reconcile compares the org's hot balance with the ledger: bal + Σ holds must equal B(wm), the
@@ -496,6 +499,22 @@ func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 		return d, w.store.Invalidate(ctx, org)
 	}
 	d.Warm = true
+	// The hot limits' version against the ledger's: an older one (a push that failed) is
+	// pushed again, which drops the hot state to reseed.
+	if ls, err := w.ledger.Limits(ctx, org); err == nil {
+		pushed, err := w.store.PushLimits(ctx, org, ls.Version)
+		if err != nil {
+			return d, err
+		}
+		if pushed {
+			w.stats.repairs.Add(1)
+			w.log.Warn("hot limits older than the ledger's: pushed again", "org", org, "version", ls.Version)
+			d.Repaired, d.LimitsPushed = true, true
+			return d, nil
+		}
+	} else if !errors.Is(err, ErrUnknownOrg) {
+		return d, err
+	}
 	var ledgerSeq int64
 	// B(wm) = balance − Σ deltas after wm, from one consistent view: the account is read after
 	// the entries and the read is retried if an entry landed in between.

@@ -90,6 +90,7 @@ func (a *API) Register(g *echo.Group) {
 	add(http.MethodPost, "/ledger/epoch", a.raiseEpoch)
 	add(http.MethodGet, "/audit", a.auditLog)
 	a.registerWebhooks(add)
+	a.registerLimits(add)
 }
 
 // apiError is an answer in OpenAI's error shape, like the proxy's own refusals, so one client
@@ -180,6 +181,14 @@ func (a *API) fail(c echo.Context, err error) error {
 		return notFound("request_not_found", "no request with this id in the ledger")
 	case errors.Is(err, accounting.ErrModelInUse):
 		return conflict("model_in_use", "the model has recorded usage and cannot be deleted")
+	case errors.Is(err, accounting.ErrUnknownProject):
+		return notFound("project_not_found", "no such project in this org")
+	case errors.Is(err, accounting.ErrUnknownLimit):
+		return notFound("limit_not_found", "no such limit in this org")
+	case errors.Is(err, accounting.ErrProjectExists):
+		return conflict("project_exists", "the project already exists")
+	case errors.Is(err, accounting.ErrInvalidLimit):
+		return invalid(c, message(err))
 	case errors.Is(err, balance.ErrInvalidOrg):
 		return invalidOrg(c, err)
 	case errors.Is(err, accounting.ErrInvalidCursor):

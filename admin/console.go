@@ -441,6 +441,9 @@ func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
 				target = v
 			}
 		}
+		if org, id := c.Param("org"), c.Param("id"); org != "" && id != "" {
+			target = org + "/" + id // a project or limit of the org
+		}
 		status := c.Response().Status
 		if !c.Response().Committed && err != nil {
 			status = http.StatusInternalServerError

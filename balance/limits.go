@@ -330,3 +330,11 @@ func (s *Store) Counters(ctx context.Context, org string) (map[Counter]int64, er
 func (s *Store) limKeys(org string) [2]string {
 	return [2]string{s.key(org, "lim"), s.key(org, "u")}
 }
+
+// Validate checks a scope by the rule lim applies (ErrInvalidLimits): the org scope has no id; a
+// project or key id is 1..128 printable ASCII bytes without space or , ; : |. The ledgers check
+// project ids, limits and freezes with it before storing them.
+func (s Scope) Validate() error { return checkScope(s) }
+
+// Valid reports whether w is one of the windows.
+func (w Window) Valid() bool { return w.valid() }

@@ -52,6 +52,14 @@ func (f *faultLedger) Snapshot(ctx context.Context, org string) (balance.Snapsho
 	return f.Ledger.Snapshot(ctx, org)
 }
 
+// SnapshotSince is the snapshot the store takes (the ledger keeps limits): the same fault.
+func (f *faultLedger) SnapshotSince(ctx context.Context, org string, since time.Time) (balance.Snapshot, error) {
+	if f.snapshotDown.Load() {
+		return balance.Snapshot{}, errFaultDown
+	}
+	return f.Ledger.SnapshotSince(ctx, org, since)
+}
+
 func (f *faultLedger) RecordUsage(ctx context.Context, evs []accounting.UsageEvent) error {
 	if d := time.Duration(f.stallBefore.Load()); d > 0 {
 		f.stalls.Add(1)

@@ -50,6 +50,7 @@ func Run(t *testing.T, newLedger func(t *testing.T) accounting.Ledger) {
 	}
 	tests = append(tests, consoleTests...)
 	tests = append(tests, webhookTests...)
+	tests = append(tests, limitsTests...)
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -354,7 +355,9 @@ func testRecordIdempotent(t *testing.T, l accounting.Ledger) {
 		t.Fatalf("AccountPending after re-record = %d, want 0", n)
 	}
 	es := checkLedger(t, l, "o")
-	want := []balance.Entry{{Seq: 1, Delta: -42, HoldID: ev.ID}, {Seq: 2, Delta: -8, HoldID: ev2.ID}}
+	// A charge carries its key and, with no reserve time (fail-open), its record time.
+	want := []balance.Entry{{Seq: 1, Delta: -42, HoldID: ev.ID, KeyID: "key_1", ReservedAt: ev.CreatedAt},
+		{Seq: 2, Delta: -8, HoldID: ev2.ID, KeyID: "key_1", ReservedAt: ev2.CreatedAt}}
 	if !slices.Equal(es, want) {
 		t.Fatalf("entries %v, want %v", es, want)
 	}
@@ -397,7 +400,7 @@ func testVoidUsage(t *testing.T, l accounting.Ledger) {
 	}
 	wantErr(t, l.VoidUsage(c, recorded), accounting.ErrUsageRecorded, "VoidUsage of an accounted event")
 	es := checkLedger(t, l, "o")
-	if want := []balance.Entry{{Seq: 1, Delta: -7, HoldID: recorded.ID}}; !slices.Equal(es, want) {
+	if want := []balance.Entry{{Seq: 1, Delta: -7, HoldID: recorded.ID, KeyID: "key_1", ReservedAt: recorded.CreatedAt}}; !slices.Equal(es, want) {
 		t.Fatalf("entries %v, want %v", es, want)
 	}
 	// A snapshot accounts nothing for it either, and no sweep is owed for it.

@@ -1,0 +1,186 @@
+package accounting
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+// The operator's limit operations: each writes the ledger, then pushes the new limits version
+// to the hot balance (balance.Store.PushLimits) before it returns, so the org's next request
+// anywhere meets the change (a freeze refuses it at once). When only the push failed, the
+// change is durable, the error wraps ErrHotBalance, and the reconciler pushes it later.
+
+// push sends a durable change to the hot balance.
+func (o *Ops) push(ctx context.Context, c LimitChange) error {
+	if _, err := o.store.PushLimits(ctx, c.Org, c.Version); err != nil {
+		return fmt.Errorf("%w: limits of %s (version %d) not pushed: %w", ErrHotBalance, c.Org, c.Version, err)
+	}
+	return nil
+}
+
+// CreateProject creates a project (a named group of the org's keys).
+func (o *Ops) CreateProject(ctx context.Context, org, project string) error {
+	c, err := o.ledger.CreateProject(ctx, org, project)
+	if err != nil {
+		return err
+	}
+	return o.push(ctx, c)
+}
+
+// SetKeyProject puts a key in a project of its org, or in none when project is "".
+func (o *Ops) SetKeyProject(ctx context.Context, keyID, project string) error {
+	c, err := o.ledger.SetKeyProject(ctx, keyID, project)
+	if err != nil {
+		return err
+	}
+	return o.push(ctx, c)
+}
+
+// CreateLimit adds a limit (scope × window × cap) and returns it with its id.
+func (o *Ops) CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, cap int64) (balance.Limit, error) {
+	l, c, err := o.ledger.CreateLimit(ctx, org, scope, w, cap)
+	if err != nil {
+		return l, err
+	}
+	return l, o.push(ctx, c)
+}
+
+// SetLimitCap changes a limit's cap. A cap below what is used refuses new holds in scope; it
+// never moves money.
+func (o *Ops) SetLimitCap(ctx context.Context, org, id string, cap int64) (balance.Limit, error) {
+	l, c, err := o.ledger.SetLimitCap(ctx, org, id, cap)
+	if err != nil {
+		return l, err
+	}
+	return l, o.push(ctx, c)
+}
+
+// DeleteLimit deletes a limit.
+func (o *Ops) DeleteLimit(ctx context.Context, org, id string) error {
+	c, err := o.ledger.DeleteLimit(ctx, org, id)
+	if err != nil {
+		return err
+	}
+	return o.push(ctx, c)
+}
+
+// Freeze refuses every new hold of the scope (the org, one of its projects or keys) from the
+// next request on; holds in flight finish normally. For a key, org may be "".
+func (o *Ops) Freeze(ctx context.Context, org string, scope balance.Scope) error {
+	return o.setFrozen(ctx, org, scope, true)
+}
+
+// Unfreeze lifts a freeze.
+func (o *Ops) Unfreeze(ctx context.Context, org string, scope balance.Scope) error {
+	return o.setFrozen(ctx, org, scope, false)
+}
+
+func (o *Ops) setFrozen(ctx context.Context, org string, scope balance.Scope, frozen bool) error {
+	c, err := o.ledger.SetFrozen(ctx, org, scope, frozen)
+	if err != nil {
+		return err
+	}
+	return o.push(ctx, c)
+}
+
+// LimitView is a limit with the state of its current window.
+type LimitView struct {
+	ID      string            `json:"id"`
+	Scope   balance.ScopeKind `json:"scope"`
+	ScopeID string            `json:"scope_id,omitempty"` // the project or key; absent for the org
+	Window  balance.Window    `json:"window"`
+	Cap     int64             `json:"cap"`
+	// Used is the current window's counter: the cost of the charges attributed to it plus what
+	// its requests in flight hold (from the hot balance when the org is warm, else the
+	// ledger's charges). It may exceed Cap only by real costs beyond their holds, or after the
+	// cap was lowered.
+	Used int64 `json:"used"`
+	// Held is the part of Used held by requests in flight (0 when the org is cold).
+	Held     int64      `json:"held"`
+	ResetsAt *time.Time `json:"resets_at"` // the next window's start; null for lifetime
+}
+
+// ListLimits lists the org's limits (by id) with their current windows, on the Redis clock.
+// While Redis does not answer, the windows are those of this process's clock and the numbers
+// the ledger's (Held 0): a report, not an error.
+func (o *Ops) ListLimits(ctx context.Context, org string) ([]LimitView, error) {
+	ls, err := o.ledger.Limits(ctx, org)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]LimitView, 0, len(ls.Limits))
+	if len(ls.Limits) == 0 {
+		return out, nil
+	}
+	var hot map[balance.Counter]int64
+	var wm int64
+	warm := false
+	now, err := o.store.Client().Time(ctx).Result()
+	if err == nil {
+		hot, wm, warm, err = o.hotCounters(ctx, org)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		now, warm = time.Now(), false
+	}
+	now = now.Add(o.store.Config().ClockOffset)
+	maxSeq := int64(-1)
+	if warm {
+		maxSeq = wm
+	}
+	lu, err := o.ledger.LimitUsage(ctx, org, now, maxSeq)
+	if err != nil {
+		return nil, err
+	}
+	ledgerUsed := make(map[balance.Counter]int64, len(lu))
+	for _, u := range lu {
+		ledgerUsed[balance.Counter{LimitID: u.LimitID, Start: u.Start}] = u.Used
+	}
+	for _, l := range ls.Limits {
+		v := LimitView{ID: l.ID, Scope: l.Scope.Kind, ScopeID: l.Scope.ID, Window: l.Window, Cap: l.Cap}
+		k := balance.Counter{LimitID: l.ID, Start: l.Window.StartMS(now)}
+		v.Used = ledgerUsed[k]
+		if u, ok := hot[k]; ok && warm {
+			// U = the charges up to wm + the live holds added to it.
+			v.Used, v.Held = u, u-ledgerUsed[k]
+		}
+		if l.Window != balance.Lifetime {
+			_, next := l.Window.Bounds(now)
+			v.ResetsAt = &next
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// hotCounters reads the org's window counters and the watermark they go with: warm is false
+// when the org has no hot balance. The watermark is read before and after the counters, and
+// the read is repeated if a settle moved it in between.
+func (o *Ops) hotCounters(ctx context.Context, org string) (map[balance.Counter]int64, int64, bool, error) {
+	for range 5 {
+		st, err := o.store.State(ctx, org)
+		if err != nil {
+			return nil, 0, false, fmt.Errorf("%w: %w", ErrHotBalance, err)
+		}
+		if !st.Exists {
+			return nil, 0, false, nil
+		}
+		cs, err := o.store.Counters(ctx, org)
+		if err != nil {
+			return nil, 0, false, fmt.Errorf("%w: %w", ErrHotBalance, err)
+		}
+		st2, err := o.store.State(ctx, org)
+		if err != nil {
+			return nil, 0, false, fmt.Errorf("%w: %w", ErrHotBalance, err)
+		}
+		if st2.Exists && st2.Watermark == st.Watermark && st2.Epoch == st.Epoch {
+			return cs, st.Watermark, true, nil
+		}
+	}
+	return nil, 0, false, nil // busy: the ledger's numbers
+}

@@ -1,0 +1,184 @@
+package admin
+
+import (
+	"errors"
+	"net/http"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+)
+
+// Limits, projects and freezes (DESIGN.md "Limits"): each route is one call to accounting.Ops,
+// which writes the ledger and pushes the change to the hot balance before it returns. When only
+// the push failed, the change is durable: the answer is the usual one with an x-escrow-warning
+// header (the reconciler pushes it later).
+
+func (a *API) registerLimits(add func(method, path string, h echo.HandlerFunc)) {
+	add(http.MethodPost, "/orgs/:org/projects", a.createProject)
+	add(http.MethodPut, "/keys/:id/project", a.setKeyProject)
+	add(http.MethodGet, "/orgs/:org/limits", a.listLimits)
+	add(http.MethodPost, "/orgs/:org/limits", a.createLimit)
+	add(http.MethodPatch, "/orgs/:org/limits/:id", a.patchLimit)
+	add(http.MethodDelete, "/orgs/:org/limits/:id", a.deleteLimit)
+	for _, f := range []struct {
+		path   string
+		frozen bool
+	}{{"freeze", true}, {"unfreeze", false}} {
+		add(http.MethodPost, "/orgs/:org/"+f.path, a.freeze(balance.ScopeOrg, f.frozen))
+		add(http.MethodPost, "/orgs/:org/projects/:id/"+f.path, a.freeze(balance.ScopeProject, f.frozen))
+		add(http.MethodPost, "/keys/:id/"+f.path, a.freeze(balance.ScopeKey, f.frozen))
+	}
+}
+
+// limitAnswer writes v with status, after a change whose push may have failed (a warning
+// header then), or the refusal err maps to.
+func (a *API) limitAnswer(c echo.Context, status int, v any, err error) error {
+	if err != nil && !errors.Is(err, accounting.ErrHotBalance) {
+		return a.fail(c, err)
+	}
+	if err != nil {
+		a.log.Warn("limit change recorded; hot state not updated", "path", c.Path(), "err", err)
+		c.Response().Header().Set("x-escrow-warning", "change recorded; hot balance update pending")
+	}
+	if v == nil {
+		return c.NoContent(status)
+	}
+	return writeJSON(c, status, v)
+}
+
+func (a *API) createProject(c echo.Context) error {
+	var req struct {
+		ID string `json:"id"`
+	}
+	if err := bind(c, &req); err != nil || c.Response().Committed {
+		return err
+	}
+	if req.ID == "" {
+		return invalid(c, "id is required")
+	}
+	err := a.ops.CreateProject(c.Request().Context(), c.Param("org"), req.ID)
+	return a.limitAnswer(c, http.StatusCreated, map[string]string{"id": req.ID, "org": c.Param("org")}, err)
+}
+
+func (a *API) setKeyProject(c echo.Context) error {
+	var req struct {
+		Project *string `json:"project"` // null: no project
+	}
+	if err := bind(c, &req); err != nil || c.Response().Committed {
+		return err
+	}
+	project := ""
+	if req.Project != nil {
+		if *req.Project == "" {
+			return invalid(c, `project is a project id, or null for none`)
+		}
+		project = *req.Project
+	}
+	err := a.ops.SetKeyProject(c.Request().Context(), c.Param("id"), project)
+	return a.limitAnswer(c, http.StatusOK, map[string]any{"id": c.Param("id"), "project": req.Project}, err)
+}
+
+// limitJSON is a limit as the routes answer it.
+type limitJSON struct {
+	ID      string `json:"id"`
+	Scope   string `json:"scope"`
+	ScopeID string `json:"scope_id,omitempty"`
+	Window  string `json:"window"`
+	Cap     int64  `json:"cap"`
+}
+
+func toJSON(l balance.Limit) limitJSON {
+	return limitJSON{ID: l.ID, Scope: string(l.Scope.Kind), ScopeID: l.Scope.ID, Window: string(l.Window), Cap: l.Cap}
+}
+
+func (a *API) createLimit(c echo.Context) error {
+	var req struct {
+		Scope   string  `json:"scope"`
+		ScopeID *string `json:"scope_id"`
+		Window  string  `json:"window"`
+		Cap     *int64  `json:"cap"`
+	}
+	if err := bind(c, &req); err != nil || c.Response().Committed {
+		return err
+	}
+	s := balance.Scope{Kind: balance.ScopeKind(req.Scope)}
+	switch {
+	case req.Scope != "org" && req.Scope != "project" && req.Scope != "key":
+		return invalid(c, `scope must be "org", "project" or "key"`)
+	case req.Scope == "org" && req.ScopeID != nil && *req.ScopeID != "":
+		return invalid(c, "an org limit has no scope_id")
+	case req.Scope != "org" && (req.ScopeID == nil || *req.ScopeID == ""):
+		return invalid(c, "scope_id (the project or key id) is required")
+	case req.Cap == nil:
+		return invalid(c, "cap (micro-units, > 0) is required")
+	case !balance.Window(req.Window).Valid():
+		return invalid(c, `window must be "lifetime", "hour", "day", "week" or "month"`)
+	}
+	if req.ScopeID != nil && req.Scope != "org" {
+		s.ID = *req.ScopeID
+	}
+	l, err := a.ops.CreateLimit(c.Request().Context(), c.Param("org"), s, balance.Window(req.Window), *req.Cap)
+	return a.limitAnswer(c, http.StatusCreated, toJSON(l), err)
+}
+
+func (a *API) listLimits(c echo.Context) error {
+	ls, err := a.ops.ListLimits(c.Request().Context(), c.Param("org"))
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeList(c, ls, "", []string{"id", "scope", "scope_id", "window", "cap", "used", "held", "resets_at"},
+		func(l accounting.LimitView) []string {
+			reset := ""
+			if l.ResetsAt != nil {
+				reset = ts(*l.ResetsAt)
+			}
+			return []string{l.ID, string(l.Scope), l.ScopeID, string(l.Window), i64(l.Cap), i64(l.Used), i64(l.Held), reset}
+		})
+}
+
+func (a *API) patchLimit(c echo.Context) error {
+	var req struct {
+		Cap *int64 `json:"cap"`
+	}
+	if err := bind(c, &req); err != nil || c.Response().Committed {
+		return err
+	}
+	if req.Cap == nil {
+		return invalid(c, "cap (micro-units, > 0) is required; scope and window never change (create a new limit)")
+	}
+	l, err := a.ops.SetLimitCap(c.Request().Context(), c.Param("org"), c.Param("id"), *req.Cap)
+	return a.limitAnswer(c, http.StatusOK, toJSON(l), err)
+}
+
+func (a *API) deleteLimit(c echo.Context) error {
+	err := a.ops.DeleteLimit(c.Request().Context(), c.Param("org"), c.Param("id"))
+	return a.limitAnswer(c, http.StatusNoContent, nil, err)
+}
+
+// freeze answers POST …/freeze and …/unfreeze of the org, a project (:id under the org) or a
+// key (:id); the body is empty.
+func (a *API) freeze(kind balance.ScopeKind, frozen bool) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		s := balance.Scope{Kind: kind}
+		if kind != balance.ScopeOrg {
+			s.ID = c.Param("id")
+		}
+		ctx := c.Request().Context()
+		var err error
+		if frozen {
+			err = a.ops.Freeze(ctx, c.Param("org"), s)
+		} else {
+			err = a.ops.Unfreeze(ctx, c.Param("org"), s)
+		}
+		out := map[string]any{"scope": string(kind), "frozen": frozen}
+		if org := c.Param("org"); org != "" {
+			out["org"] = org
+		}
+		if s.ID != "" {
+			out["scope_id"] = s.ID
+		}
+		return a.limitAnswer(c, http.StatusOK, out, err)
+	}
+}
