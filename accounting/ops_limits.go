@@ -13,8 +13,12 @@ import (
 // anywhere meets the change (a freeze refuses it at once). When only the push failed, the
 // change is durable, the error wraps ErrHotBalance, and the reconciler pushes it later.
 
-// push sends a durable change to the hot balance.
+// push sends a durable change to the hot balance. The store learns the ledger's epoch first:
+// the push's floor (which refuses seeds of snapshots older than the change) is kept per epoch.
 func (o *Ops) push(ctx context.Context, c LimitChange) error {
+	if _, err := o.SyncEpoch(ctx); err != nil {
+		return fmt.Errorf("%w: limits of %s (version %d) not pushed: %w", ErrHotBalance, c.Org, c.Version, err)
+	}
 	if _, err := o.store.PushLimits(ctx, c.Org, c.Version); err != nil {
 		return fmt.Errorf("%w: limits of %s (version %d) not pushed: %w", ErrHotBalance, c.Org, c.Version, err)
 	}

@@ -88,6 +88,8 @@ type simulator struct {
 	credits      map[string]int64
 	stale        []balance.Snapshot
 	staleOrg     []string
+	staleLost    []bool          // a Redis data loss came after the snapshot was taken
+	limitsLag    map[string]bool // a pre-loss snapshot was seeded: the hot limits may lag until a push
 	counts       map[string]int
 	finSent      []balance.Finish // finish calls sent, re-sent (or first sent) later at random
 }
@@ -105,7 +107,7 @@ func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger
 	s := &simulator{
 		t: t, ctx: ctx, rnd: rand.New(rand.NewPCG(seed, 7)), seed: seed, env: env, ledger: ledger,
 		orgs: []string{"a", "b", "c"}, cache: map[string]*simOrg{}, keys: map[string][]string{},
-		inflight: map[string]simReq{}, costOf: map[string]int64{}, holdAtRecord: map[string]int64{},
+		inflight: map[string]simReq{}, limitsLag: map[string]bool{}, costOf: map[string]int64{}, holdAtRecord: map[string]int64{},
 		servedOrg: map[string]string{}, credits: map[string]int64{}, counts: map[string]int{},
 	}
 	// The limit clock starts in the last hours of a month, so rollovers of every window come soon.
@@ -224,14 +226,25 @@ func (s *simulator) step() {
 		s.must(err)
 		s.stale = append(s.stale, snap)
 		s.staleOrg = append(s.staleOrg, o)
+		s.staleLost = append(s.staleLost, false)
 	case op < 0.29 && len(s.stale) > 0: // a seeder applies a maybe stale snapshot, then catches up
 		s.counts["stale-seed"]++
 		i := s.rnd.IntN(len(s.stale))
-		snap, so := s.stale[i], s.staleOrg[i]
+		snap, so, lost := s.stale[i], s.staleOrg[i], s.staleLost[i]
 		s.stale = slices.Delete(s.stale, i, i+1)
 		s.staleOrg = slices.Delete(s.staleOrg, i, i+1)
+		s.staleLost = slices.Delete(s.staleLost, i, i+1)
 		seeded, err := s.store.Seed(s.ctx, so, snap)
+		if errors.Is(err, balance.ErrStaleSnapshot) { // the org's limits changed after the snapshot
+			s.counts["stale-refused"]++
+			break
+		}
 		s.must(err)
+		if seeded && lost {
+			// The data loss took the push's floor with it: limits changed between this snapshot
+			// and the loss are missing until the next push (the reconciler's, in production).
+			s.limitsLag[so] = true
+		}
 		if seeded && s.rnd.Float64() < 0.98 { // 2%: the seeder dies before catching up
 			s.must(s.store.CatchUp(s.ctx, so))
 		}
@@ -322,9 +335,14 @@ func (s *simulator) step() {
 	case op < 0.75:
 		s.counts["invalidate"]++
 		s.must(s.store.Invalidate(s.ctx, o))
+		delete(s.limitsLag, o)
 	case op < 0.755: // Redis loses its data
 		s.counts["data-loss"]++
 		testutil.DeletePrefix(s.ctx, s.env.Client, s.env.Prefix)
+		for i := range s.staleLost {
+			s.staleLost[i] = true
+		}
+		clear(s.limitsLag)
 	case op < 0.77: // fail-open request: no hold, usage recorded
 		s.counts["fail-open"]++
 		key := s.keys[o][s.rnd.IntN(len(s.keys[o]))]
@@ -572,6 +590,22 @@ func (s *simulator) check(step int) {
 			s.t.Fatalf("seed %d step %d: org %s: bal+holds = %d, B(wm=%d) = %d", s.seed, step, o, got, st.Watermark, want)
 		}
 		s.checkCounters(step, o, st.Watermark)
+		// Every limits change is pushed before the call returns, and a seed of a snapshot older
+		// than a push is refused: the hot limits are always the ledger's (a freeze is never
+		// missed, even by a stale seeder).
+		lim, err := s.ledger.Limits(s.ctx, o)
+		s.must(err)
+		v, err := s.env.Client.HGet(s.ctx, s.env.Prefix+":{"+o+"}:lim", "v").Int64()
+		s.must(err)
+		if s.limitsLag[o] { // until a push (or a drop) brings the ledger's limits
+			if v == lim.Version {
+				delete(s.limitsLag, o)
+			}
+			continue
+		}
+		if v != lim.Version {
+			s.t.Fatalf("seed %d step %d: org %s: hot limits at version %d, the ledger's at %d", s.seed, step, o, v, lim.Version)
+		}
 	}
 	// No script leaves a hold on an id it tombstoned, or writes one on a tombstoned id (a finish
 	// that re-created the hold of a settled request would lock its cost until a reaper came).

@@ -502,6 +502,7 @@ func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 	// The hot limits' version against the ledger's: an older one (a push that failed) is
 	// pushed again, which drops the hot state to reseed.
 	if ls, err := w.ledger.Limits(ctx, org); err == nil {
+		w.store.ObserveEpoch(epoch) // the push's floor is kept per epoch
 		pushed, err := w.store.PushLimits(ctx, org, ls.Version)
 		if err != nil {
 			return d, err

@@ -279,7 +279,10 @@ func scopeField(prefix string, s Scope) string {
 // ledger (to version): unless the hot state already has that version or a newer one, it drops
 // the org's hot balance, limits and counters together, so the next request reseeds all three
 // from one snapshot (which counts the current windows' spend so far). Freezes take effect at
-// once: the next reserve anywhere is cold and reads them from the ledger. Re-pushing is safe.
+// once: the next reserve anywhere is cold and reads them from the ledger. It also raises the
+// org's limits floor to version (under the store's ledger epoch), so that a seed of a snapshot
+// read before the change, written after this push, is refused and re-read (Seed's
+// ErrStaleSnapshot) instead of bringing the old limits back. Re-pushing is safe.
 // pushed reports whether this call dropped anything.
 func (s *Store) PushLimits(ctx context.Context, org string, version int64) (pushed bool, err error) {
 	if err := checkOrg(org); err != nil {
@@ -289,7 +292,7 @@ func (s *Store) PushLimits(ctx context.Context, org string, version int64) (push
 		return false, fmt.Errorf("%w: version %d", ErrInvalidLimits, version)
 	}
 	k := s.limKeys(org)
-	n, err := s.run(ctx, scPushLim, []string{s.key(org, "acct"), k[0], k[1]}, strconv.FormatInt(version, 10)).Int64()
+	n, err := s.run(ctx, scPushLim, []string{s.key(org, "acct"), k[0], k[1], s.key(org, "limv")}, strconv.FormatInt(version, 10), s.epochArg()).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: push limits: %w: %w", ErrRedis, err)
 	}

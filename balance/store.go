@@ -719,12 +719,18 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 	}
 	s.ObserveEpoch(snap.Epoch)
 	k := s.orgKeys(org)
-	n, err := s.run(ctx, scSeed, []string{k[kAcct], k[kHolds], k[kLim], k[kU]}, args...).Int64()
+	n, err := s.run(ctx, scSeed, []string{k[kAcct], k[kHolds], k[kLim], k[kU], s.key(org, "limv")}, args...).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: seed: %w: %w", ErrRedis, err)
 	}
+	if n == -1 {
+		return false, ErrStaleSnapshot
+	}
 	return n == 1, nil
 }
+
+// maxStaleSnapshots bounds the snapshots one warm-up reads while the org's limits keep changing.
+const maxStaleSnapshots = 5
 
 // warmTimeout bounds one shared warm-up (snapshot, seed, catch-up).
 const warmTimeout = 30 * time.Second
@@ -741,14 +747,22 @@ func (s *Store) Warm(ctx context.Context, org string) error {
 	ch := s.warming.DoChan(org, func() (any, error) {
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), warmTimeout)
 		defer cancel()
-		snap, err := s.snapshot(ctx, org)
-		if err != nil {
-			return nil, fmt.Errorf("balance: snapshot of %s: %w: %w", org, ErrLedger, err)
+		// A snapshot read just before the org's limits changed is refused by the seed
+		// (ErrStaleSnapshot): the next one has the new limits.
+		for attempt := 1; ; attempt++ {
+			snap, err := s.snapshot(ctx, org)
+			if err != nil {
+				return nil, fmt.Errorf("balance: snapshot of %s: %w: %w", org, ErrLedger, err)
+			}
+			_, err = s.Seed(ctx, org, snap)
+			if errors.Is(err, ErrStaleSnapshot) && attempt < maxStaleSnapshots {
+				continue
+			}
+			if err != nil {
+				return nil, err
+			}
+			return nil, s.CatchUp(ctx, org)
 		}
-		if _, err := s.Seed(ctx, org, snap); err != nil {
-			return nil, err
-		}
-		return nil, s.CatchUp(ctx, org)
 	})
 	select {
 	case r := <-ch:

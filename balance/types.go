@@ -121,6 +121,9 @@ func (s SettleStatus) Settled() bool { return s == Applied || s == Already }
 var (
 	// ErrCold: the org has no hot balance of the current ledger epoch.
 	ErrCold = errors.New("balance: org is cold")
+	// ErrStaleSnapshot: Seed refused a snapshot whose limits version is older than one already
+	// pushed (PushLimits) for the same epoch; read a new snapshot.
+	ErrStaleSnapshot = errors.New("balance: snapshot older than the org's pushed limits")
 	// ErrInsufficient: the balance does not cover the hold (see *InsufficientError).
 	ErrInsufficient = errors.New("balance: insufficient balance")
 	// ErrTooManyHolds: the org has as many requests in flight as its cap allows.

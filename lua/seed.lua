@@ -1,6 +1,6 @@
 -- seed: rebuild a cold org's hot balance, limits and window counters from a ledger snapshot.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] lim, KEYS[4] u   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] lim, KEYS[4] u, KEYS[5] limv   (one {org} hash tag)
 -- ARGV[1] epoch "<gen>:<id>" of the snapshot
 -- ARGV[2] base: the ledger balance after every entry up to W (integer string)
 -- ARGV[3] W: the snapshot's ledger sequence
@@ -12,7 +12,9 @@
 --   entries with seq <= W attributed to it (for windows starting at or after the seeder's T0's)
 --
 -- acct with this epoch and a lim as new as acct records, or acct with a higher generation:
--- no-op (reply 0). Otherwise acct, lim and u are written together (reply 1): bal = base -
+-- no-op (reply 0). A snapshot whose limits version is below the floor push-limits left for
+-- the same epoch is stale (the limits changed after it was read): nothing is written (reply -1;
+-- the seeder reads a new snapshot). Otherwise acct, lim and u are written together (reply 1): bal = base -
 -- sum(holds), wm = W, epoch, lv; lim as given; for every limit, the counter of its current
 -- window = the snapshot's group for it (0 if none) + the live holds whose record names it.
 -- Live holds are subtracted and added one HINCRBY at a time on their stored strings, so no
@@ -28,6 +30,13 @@ if cur[1] then
   local ag = tonumber(string.match(ARGV[1], '^(%d+):')) or -1
   if cg > ag then
     return 0
+  end
+end
+local fl = redis.call('GET', KEYS[5])
+if fl then
+  local fe, fv = string.match(fl, '^(.*)|(%d+)$')
+  if fe == ARGV[1] and tonumber(ARGV[5]) < tonumber(fv) then
+    return -1
   end
 end
 redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])

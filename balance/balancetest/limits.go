@@ -188,6 +188,7 @@ func runLimits(t *testing.T, env Env) {
 	t.Run("SeedAndAlready", func(t *testing.T) { exerciseSeedAndAlready(t, env) })
 	t.Run("ChargedToTheDayItStarted", func(t *testing.T) { exerciseChargedToTheDayItStarted(t, env) })
 	t.Run("FreezeAtOnce", func(t *testing.T) { exerciseFreezeAtOnce(t, env) })
+	t.Run("PushFencesStaleSeed", func(t *testing.T) { exercisePushFencesStaleSeed(t, env) })
 	t.Run("LowerCapBelowUsed", func(t *testing.T) { exerciseLowerCapBelowUsed(t, env) })
 	t.Run("Calendar", func(t *testing.T) { exerciseCalendar(t, env) })
 	t.Run("LimitsValidation", func(t *testing.T) { exerciseLimitsValidation(t, env) })
@@ -599,6 +600,46 @@ func exerciseFreezeAtOnce(t *testing.T, env Env) {
 		t.Fatal(err)
 	}
 	x.mustReserveKey(x.s, "c", "k1", 1)
+}
+
+// A seeder that read the ledger before a freeze and seeds after the freeze was pushed must not
+// bring the old limits back (the freeze would be missed until the reconciler's next pass): the
+// push leaves a floor, and a seed of an older snapshot of the same epoch is refused.
+func exercisePushFencesStaleSeed(t *testing.T, env Env) {
+	t.Parallel()
+	x := fixture(t, env, balance.Config{}, 10_000, false)
+	x.l.SetLimits(x.org, balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Day, 5_000)}})
+	stale := mustSnapSince(t, x.l, x.org, x.redisNow()) // read before the freeze
+	lim := x.l.Limits(x.org)
+	lim.Frozen = []balance.Scope{{Kind: balance.ScopeOrg}}
+	v := x.l.SetLimits(x.org, lim)
+	// The org is cold: the push has nothing to drop, but it leaves the floor.
+	if pushed, err := x.s.PushLimits(x.ctx, x.org, v); err != nil || pushed {
+		t.Fatalf("push on a cold org: %v %v", pushed, err)
+	}
+	if _, err := x.s.Seed(x.ctx, x.org, stale); !errors.Is(err, balance.ErrStaleSnapshot) {
+		t.Fatalf("seed of the snapshot read before the freeze: %v, want ErrStaleSnapshot", err)
+	}
+	eq(t, "acct written", x.exists("acct"), false)
+	_, err := x.reserveKey(x.s, "a", "k1", 1) // cold: warms from the ledger, which has the freeze
+	if !errors.Is(err, balance.ErrFrozen) {
+		t.Fatalf("reserve after the freeze: %v, want ErrFrozen", err)
+	}
+	// A snapshot at the pushed version or newer seeds; so does one of another epoch (a restored
+	// ledger may have an older limits version: the floor belongs to the old timeline).
+	if ok, err := x.s.Seed(x.ctx, x.org, mustSnapSince(t, x.l, x.org, x.redisNow())); err != nil || ok {
+		t.Fatalf("seed of a current snapshot on a warm org: %v %v (want a no-op)", ok, err)
+	}
+	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	next := balance.Epoch{Gen: x.l.CurrentEpoch().Gen + 1, ID: "restored"}
+	x.l.SetEpoch(next)
+	old := stale
+	old.Epoch = next
+	if ok, err := x.s.Seed(x.ctx, x.org, old); err != nil || !ok {
+		t.Fatalf("seed of an older limits version in a new epoch: %v %v", ok, err)
+	}
 }
 
 // "Lowering a cap below used refuses new holds and never moves money."
