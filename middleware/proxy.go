@@ -36,6 +36,7 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 		body, injected = b, true
 	}
 	req.Header.Del("Authorization") // the client's key never goes upstream
+	req.Header.Del("X-Api-Key")
 	costInStream := wantsCost(req.Header)
 	req.Header.Del(HeaderIncludeCost) // escrow's own
 	req.Header.Set("Accept-Encoding", "identity")
@@ -57,6 +58,7 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 		costSSE:     costInStream,
 	}
 	cw.sse = &sseFilter{inject: injected, responses: r.Endpoint == EndpointResponses, maxEvent: m.cfg.MaxResponseBytes, emit: cw.out}
+	cw.scan.anthropic, cw.sse.anthropic = r.Endpoint == EndpointMessages, r.Endpoint == EndpointMessages
 	c.Response().Writer = cw
 	cl.setHeaders(orig.Header())
 	stopWatch := context.AfterFunc(clientCtx, cw.markGone)
@@ -177,6 +179,9 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 			cl.releaseHold()
 			e := errUnavailable("The usage of this request could not be recorded; it was not completed.", m.cfg.RetryAfter)
 			e.Code = CodeBillingFailed
+			if cl.req.Endpoint == EndpointMessages {
+				e = e.forAnthropic()
+			}
 			if cw.mode == modeJSON && !cw.streaming {
 				o.Status = e.Status
 			}

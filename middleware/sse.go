@@ -27,6 +27,12 @@ import (
 type sseFilter struct {
 	inject    bool
 	responses bool // a Responses API stream (errors are written as its error events)
+	// anthropic: a Messages API stream. Usage is message_start's message.usage with
+	// message_delta's (cumulative) usage over it, complete once a message_delta came;
+	// message_stop is the end that is held back.
+	anthropic bool
+	anth      anthUsage
+	anthDelta bool // a message_delta with usage was read
 	maxEvent  int
 	emit      func([]byte)
 
@@ -115,6 +121,7 @@ func (f *sseFilter) startBig() {
 	}
 	b := f.big
 	b.scan.reset()
+	b.scan.anthropic = f.anthropic
 	*b = bigEvent{scan: b.scan, name: b.name[:0], tail: b.tail[:0]}
 	f.inBig, f.open = true, true
 	kept := f.cur
@@ -214,6 +221,25 @@ func (f *sseFilter) bigSegment(seg []byte) {
 // Responses event (it reports true: the end of the stream), none of the other Responses
 // events, the top-level usage of anything else (chat/completions chunks).
 func (f *sseFilter) takeUsage(sc *usageScanner, kind string, typed bool) (terminal bool) {
+	if f.anthropic {
+		switch kind {
+		case "message_start":
+			if a, ok := sc.anthMessageUsage(); ok {
+				f.anth.merge(a)
+			}
+		case "message_delta":
+			if a, ok := sc.anthUsage(); ok {
+				f.anth.merge(a)
+				f.anthDelta = true
+			}
+		case "message_stop":
+			return true
+		}
+		if f.anthDelta && f.anth.complete() {
+			f.setUsage(f.anth.usage())
+		}
+		return false
+	}
 	switch {
 	case kind == "response.completed" || kind == "response.incomplete" || kind == "response.failed":
 		if u, ok := sc.responseUsage(); ok {
@@ -400,6 +426,7 @@ func (f *sseFilter) dispatch(ev []byte) {
 	// keep, so that keys match the same (leniently) whatever the event's size.
 	sc := &f.small
 	sc.reset()
+	sc.anthropic = f.anthropic
 	sc.Write(data)
 	sc.finish()
 	if !sc.complete() {
@@ -425,6 +452,14 @@ func (f *sseFilter) dispatch(ev []byte) {
 	}
 	if typed && strings.HasPrefix(kind, "response.") {
 		f.send(ev) // other Responses events carry no usage
+		return
+	}
+	if f.anthropic {
+		if kind == "content_block_delta" {
+			d := gjson.GetBytes(data, "delta")
+			f.countOut(textLen(d.Get("text")) + textLen(d.Get("partial_json")) + textLen(d.Get("thinking")))
+		}
+		f.send(ev)
 		return
 	}
 	// chat/completions chunk
