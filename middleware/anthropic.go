@@ -391,6 +391,20 @@ func (p *reqParser) msgBlocks(v, path string) {
 	})
 }
 
+// msgBetaFeatures adds the anthropic-beta flags that change the price without showing in the
+// body: the 1M-token context window (context-1m-…) bills long prompts at a premium rate. The
+// betas that enable priced features in the body (server tools, the 1-hour cache, MCP) are
+// caught by those features.
+func msgBetaFeatures(h http.Header, r *Request) {
+	for _, v := range h.Values("Anthropic-Beta") {
+		for _, b := range strings.Split(v, ",") {
+			if b = strings.TrimSpace(b); strings.HasPrefix(strings.ToLower(b), "context-1m") {
+				r.addFeature("beta:" + b)
+			}
+		}
+	}
+}
+
 // anthUsage is Anthropic's usage as read so far, each count with whether it was present.
 type anthUsage struct {
 	in, write, read, out                 int64

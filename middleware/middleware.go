@@ -114,20 +114,16 @@ func (m *middleware) handler(next echo.HandlerFunc) echo.HandlerFunc {
 	}
 }
 
-// bearerOrg is the default OrgFunc: the key of "Authorization: Bearer <key>" or, as Anthropic's
-// SDKs send it, of "x-api-key: <key>", looked up in the ledger. Two different keys in one
-// request are refused: escrow never guesses which one pays.
+// bearerOrg is the default OrgFunc: the key of "Authorization: Bearer <key>" or, when the
+// request has no Authorization header, of "x-api-key: <key>" (as Anthropic's SDKs send it),
+// looked up in the ledger. Neither header ever reaches the upstream.
 func (m *middleware) bearerOrg(c echo.Context) (Identity, error) {
 	h := c.Request().Header
 	auth := h.Get("Authorization")
 	scheme, key, ok := strings.Cut(auth, " ")
 	key = strings.TrimSpace(key)
 	ok = ok && strings.EqualFold(scheme, "Bearer") && key != ""
-	if xkey := strings.TrimSpace(h.Get("X-Api-Key")); xkey != "" {
-		if auth != "" && (!ok || key != xkey) {
-			return Identity{}, &Error{Status: http.StatusUnauthorized, Type: TypeInvalidRequest, Code: CodeInvalidAPIKey,
-				Message: "Give your API key once: in the x-api-key header or as Authorization: Bearer, not two different ones."}
-		}
+	if xkey := strings.TrimSpace(h.Get("X-Api-Key")); auth == "" && xkey != "" {
 		key, ok = xkey, true
 	}
 	if !ok {
@@ -247,6 +243,9 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	r, e := parseRequest(path, body)
 	if e != nil {
 		return m.refuse(c, o, e)
+	}
+	if path == EndpointMessages {
+		msgBetaFeatures(req.Header, &r)
 	}
 	o.Model = r.Model
 	if r.Background {
@@ -456,6 +455,8 @@ func featureParam(f string) string {
 		return "cache_control.ttl"
 	case strings.HasPrefix(f, "inference_geo:"):
 		return "inference_geo"
+	case strings.HasPrefix(f, "beta:"):
+		return "anthropic-beta"
 	case strings.HasPrefix(f, "speed:"):
 		return "speed"
 	}
