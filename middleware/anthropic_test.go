@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
@@ -222,5 +223,30 @@ func TestUsageFromAnthropicBody(t *testing.T) {
 		if u, ok := s.usage(); ok {
 			t.Errorf("%s: usage %+v", bad, u)
 		}
+	}
+}
+
+// TestMessagesHold: a plain Messages request is held at its hard bound — body bytes at the
+// highest input price (here the cache-write one) plus max_tokens at the output price — and a
+// request whose input the bytes do not bound (an image) keeps the learned max.
+func TestMessagesHold(t *testing.T) {
+	t.Parallel()
+	m := accounting.Model{Name: "claude-x", Prices: accounting.Prices{Input: 3_000_000, CacheWriteInput: 3_750_000, CachedInput: 300_000, Output: 15_000_000},
+		MaxInputTokens: 200_000, MaxOutputTokens: 8192}
+	body := `{"model":"claude-x","max_tokens":100,"messages":[{"role":"user","content":[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}]}]}`
+	r, e := parseMessages([]byte(body))
+	if e != nil {
+		t.Fatal(e)
+	}
+	hold, err := HoldAmount(context.Background(), HoldInput{Request: r, Model: m, LearnedMax: 500_000, Fallback: 1})
+	want := (int64(len(body))*3_750_000 + 100*15_000_000 + 999_999) / 1_000_000
+	if err != nil || hold != want {
+		t.Fatalf("hold %d %v, want %d", hold, err, want)
+	}
+	img := `{"model":"claude-x","max_tokens":100,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://x/y.png"}}]}]}`
+	r, _ = parseMessages([]byte(img))
+	hold, err = HoldAmount(context.Background(), HoldInput{Request: r, Model: m, LearnedMax: 500_000, Fallback: 1})
+	if err != nil || hold != 500_000 {
+		t.Fatalf("image hold %d %v, want the learned max 500000", hold, err)
 	}
 }
