@@ -47,6 +47,7 @@ func (e *Error) forAnthropic() *Error {
 	a.Anthropic = true
 	if a.Code == CodeInsufficientQuota && a.Status == http.StatusTooManyRequests {
 		a.Status, a.NoRetry = http.StatusPaymentRequired, true
+		a.Message = "Your credit balance is too low for this request. Add credit and retry."
 	}
 	switch s := a.Status; {
 	case s == http.StatusUnauthorized:

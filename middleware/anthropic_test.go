@@ -108,7 +108,7 @@ func TestAnthropicErrorShape(t *testing.T) {
 		} `json:"error"`
 	}
 	if err := json.Unmarshal(ins.Body(), &body); err != nil || body.Type != "error" || body.Error.Type != AnthropicBilling ||
-		body.Error.Message != "no money" {
+		!strings.Contains(body.Error.Message, "credit balance is too low") {
 		t.Fatalf("body %s: %+v %v", ins.Body(), body, err)
 	}
 	rec := httptest.NewRecorder()
