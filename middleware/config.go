@@ -77,7 +77,8 @@ type Config struct {
 	// (*accounting.Recorder with a Finisher); with any other it is left out.
 	Recorder Recorder
 
-	// OrgFunc identifies the org. Default: the key of "Authorization: Bearer <key>" looked up in
+	// OrgFunc identifies the org. Default: the key of "Authorization: Bearer <key>" (or, with no
+	// Authorization header, of "x-api-key: <key>", as Anthropic's SDKs send it) looked up in
 	// the Ledger (cached for KeyCacheTTL). Returning an *Error refuses with it; an error that is
 	// accounting.ErrUnknownKey refuses with 401 invalid_api_key; any other error with 503.
 	OrgFunc func(c echo.Context) (Identity, error)
