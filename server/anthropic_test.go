@@ -293,3 +293,32 @@ func TestAnthropicCountTokens(t *testing.T) {
 		}
 	})
 }
+
+// TestAnthropicClientHangsUp: a client that leaves a Messages stream after its first event is
+// still billed exactly the usage the upstream reports at the end of the stream (the proxy
+// reads on into the void), never the hold and never nothing.
+func TestAnthropicClientHangsUp(t *testing.T) {
+	t.Parallel()
+	eachAnthropicMode(t, func(t *testing.T, p anthProxy) {
+		key := p.setupClaude("hang", 10_000_000)
+		body := strings.Replace(cachedBody, `"max_tokens":7`, `"max_tokens":7,"stream":true`, 1)
+		body = strings.Replace(body, "alpha", "[slow]", 1) // one word every 200 ms; the same counts
+		ctx, cancel := context.WithCancel(context.Background())
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, p.base+"/v1/messages", strings.NewReader(body))
+		req.Header.Set("x-api-key", key)
+		req.Header.Set("anthropic-version", "2023-06-01")
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		line, err := bufio.NewReader(res.Body).ReadString('\n')
+		if err != nil || line != "event: message_start\n" {
+			t.Fatalf("first line %q %v", line, err)
+		}
+		cancel()
+		res.Body.Close()
+		if b := p.settled("hang"); b.LedgerBalance != 10_000_000-cachedCost {
+			t.Fatalf("after the hang-up: %+v, want the ledger at %d", b, 10_000_000-cachedCost)
+		}
+	})
+}
