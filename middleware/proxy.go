@@ -16,6 +16,7 @@ var (
 	errHangupBound = errors.New("middleware: client hung up and the upstream went on past the bound")
 	errHoldLost    = errors.New("middleware: the hold could not be extended before its expiry")
 	errNoUsage     = errors.New("middleware: the response carried no usage")
+	errStreamError = errors.New("middleware: the upstream ended the stream with an error event")
 	errUnreadable  = errors.New("middleware: the response could not be read")
 	errNoResponse  = errors.New("middleware: the handler wrote no response")
 )
@@ -134,6 +135,9 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		why, truncated = cmpErr(nextErr, panicErr(panicked)), true
 	default:
 		why = errNoUsage
+		if cw.mode == modeSSE && cw.sse.upstreamError {
+			why, truncated = errStreamError, true // the upstream failed after the first byte
+		}
 	}
 	if err := cw.readable(); !ok && err != nil {
 		why, truncated = err, false
@@ -145,6 +149,11 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		// Cut off after the first byte: the input at least, and what was streamed, counted
 		// generously.
 		usage = accounting.Usage{Prompt: (int64(cl.req.Size) + 3) / 4, Completion: cw.outputEstimate()}
+		if a, ok := cw.sse.partialUsage(); ok && cw.mode == modeSSE {
+			// A Messages stream's message_start gave the exact input counts.
+			usage = a.usage()
+			usage.Completion = max(usage.Completion, cw.outputEstimate())
+		}
 	case estimated:
 		// A 2xx whose usage cannot be read: charged what the org agreed to risk, the hold
 		// (a fail-open request has none on the balance, but the amount it would have held).

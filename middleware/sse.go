@@ -33,8 +33,11 @@ type sseFilter struct {
 	anthropic bool
 	anth      anthUsage
 	anthDelta bool // a message_delta with usage was read
-	maxEvent  int
-	emit      func([]byte)
+	// upstreamError: an Anthropic "error" event came (e.g. overloaded_error mid-stream): the
+	// upstream failed after the first byte, so the usage is estimated, not the hold charged.
+	upstreamError bool
+	maxEvent      int
+	emit          func([]byte)
 
 	cur       []byte // the current event's bytes so far
 	lineStart int    // where the current line starts in cur
@@ -234,6 +237,8 @@ func (f *sseFilter) takeUsage(sc *usageScanner, kind string, typed bool) (termin
 			}
 		case "message_stop":
 			return true
+		case "error":
+			f.upstreamError = true
 		}
 		if f.anthDelta && f.anth.complete() {
 			f.setUsage(f.anth.usage())
@@ -357,6 +362,12 @@ func (f *sseFilter) release() []byte {
 }
 
 func (f *sseFilter) setUsage(u accounting.Usage) { f.usage, f.haveUsage = u, true }
+
+// partialUsage is what a Messages stream said of its usage before it ended without a complete
+// one: message_start's input counts (and output so far). ok is false without them.
+func (f *sseFilter) partialUsage() (anthUsage, bool) {
+	return f.anth, f.anthropic && f.anth.haveIn
+}
 
 // nextLine splits ev at the first line end: the line without its end, and the rest.
 func nextLine(ev []byte) (line, rest []byte) {

@@ -322,3 +322,29 @@ func TestAnthropicClientHangsUp(t *testing.T) {
 		}
 	})
 }
+
+// TestAnthropicStreamError: a stream the upstream ends with an error event after message_start
+// (overloaded_error mid-stream) is billed as a stream cut short — message_start's exact input
+// counts plus the streamed output counted generously, marked estimated — not the hold.
+func TestAnthropicStreamError(t *testing.T) {
+	t.Parallel()
+	eachAnthropicMode(t, func(t *testing.T, p anthProxy) {
+		key := p.setupClaude("err", 10_000_000)
+		body := strings.Replace(cachedBody, `"max_tokens":7`, `"max_tokens":7,"stream":true`, 1)
+		body = strings.Replace(body, "alpha", "[error_after:2]", 1)
+		st, h, b := p.messages("/v1/messages", key, body)
+		if st != 200 || !strings.Contains(string(b), "event: error") || strings.Contains(string(b), "message_stop") {
+			t.Fatalf("stream %d:\n%s", st, b)
+		}
+		// Input 5 plain + 3 written + 4 read (message_start); output: "tok1" and " tok2" streamed,
+		// 9 bytes counted generously as ⌈9/4⌉ = 3 tokens.
+		want, _ := claudePrices.Cost(accounting.Usage{Prompt: 12, CacheWrite: 3, Cached: 4, Completion: 3})
+		if bal := p.settled("err"); bal.LedgerBalance != 10_000_000-want {
+			t.Fatalf("balance %+v, want %d charged", bal, want)
+		}
+		r, err := p.app.ledger.Request(context.Background(), h.Get("x-request-id"))
+		if err != nil || !r.Estimated || r.Cost != want || r.Usage.CacheWrite != 3 || r.Usage.Cached != 4 {
+			t.Fatalf("request %+v %v", r, err)
+		}
+	})
+}

@@ -18,7 +18,9 @@ import (
 //     (the uncached input only).
 //   - output tokens = max_tokens (required: a 400 in Anthropic's shape without it), capped at
 //     Options.MaxOutputTokens; the reply is that many words.
-//   - [fail] answers 500 api_error; [slow] pauses Options.SlowDelay per output word.
+//   - [fail] answers 500 api_error; [slow] pauses Options.SlowDelay per output word;
+//     [error_after:N] ends a stream after N words with an "error" event (overloaded_error), as
+//     Anthropic does when it fails mid-stream: no message_delta, no message_stop.
 //   - a stream sends message_start (message.usage with the input counts and output_tokens 1),
 //     content_block_start, ping, one content_block_delta per word, content_block_stop,
 //     message_delta (usage.output_tokens, the cumulative count) and message_stop.
@@ -49,7 +51,10 @@ type AnthropicMessage struct {
 	Usage        AnthropicUsage   `json:"usage"`
 }
 
-var cacheWriteMarker = regexp.MustCompile(`\[cache_write:(\d+)\]`)
+var (
+	cacheWriteMarker = regexp.MustCompile(`\[cache_write:(\d+)\]`)
+	errorAfterMarker = regexp.MustCompile(`\[error_after:(\d+)\]`)
+)
 
 // writeAnthropicError writes Anthropic's error shape.
 func writeAnthropicError(w http.ResponseWriter, status int, typ, msg string) {
@@ -130,7 +135,15 @@ func (s *Server) messages(w http.ResponseWriter, r *http.Request, req *apiReques
 			return
 		}
 	}
-	for _, word := range out {
+	errorAfter := -1
+	if m := errorAfterMarker.FindStringSubmatch(last); m != nil {
+		errorAfter, _ = strconv.Atoi(m[1])
+	}
+	for i, word := range out {
+		if i == errorAfter {
+			_ = e.event("error", obj{"type": "error", "error": obj{"type": "overloaded_error", "message": "Overloaded"}})
+			return
+		}
 		if p.slow && !pause(r.Context(), s.opts.SlowDelay) {
 			return
 		}
