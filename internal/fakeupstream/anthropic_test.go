@@ -73,6 +73,13 @@ func TestAnthropicMessagesErrors(t *testing.T) {
 	if res.StatusCode != 500 {
 		t.Fatalf("[fail]: %d", res.StatusCode)
 	}
+	res = postAnthropic(t, s, "/v1/messages", `{"model":"claude-x","max_tokens":5,"stream":true,"messages":[{"role":"user","content":"[error_after:2]"}]}`)
+	raw, _ = io.ReadAll(res.Body)
+	if st := string(raw); res.StatusCode != 200 || strings.Count(st, "event: content_block_delta") != 2 ||
+		!strings.HasSuffix(st, "event: error\ndata: {\"error\":{\"message\":\"Overloaded\",\"type\":\"overloaded_error\"},\"type\":\"error\"}\n\n") ||
+		strings.Contains(st, "message_delta") {
+		t.Fatalf("[error_after:2]: %d\n%s", res.StatusCode, raw)
+	}
 	res = postAnthropic(t, s, "/v1/messages/count_tokens", `{"model":"claude-x","system":"a b","messages":[{"role":"user","content":"c d e"}]}`)
 	raw, _ = io.ReadAll(res.Body)
 	if res.StatusCode != 200 || strings.TrimSpace(string(raw)) != `{"input_tokens":5}` {
