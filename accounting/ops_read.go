@@ -143,6 +143,7 @@ func (o *Ops) Model(ctx context.Context, name string) (Model, error) {
 // micro-units per 1,000,000 tokens.
 type ModelPatch struct {
 	Input, CachedInput, Output      *int64
+	CacheWriteInput                 *int64 // Anthropic's prompt-cache writes
 	MaxInputTokens, MaxOutputTokens *int64
 	MaxCost, DefaultHold            *int64
 }
@@ -161,7 +162,7 @@ func (o *Ops) PatchModel(ctx context.Context, name string, p ModelPatch) (Model,
 		dst *int64
 		src *int64
 	}{
-		{&m.Input, p.Input}, {&m.CachedInput, p.CachedInput}, {&m.Output, p.Output},
+		{&m.Input, p.Input}, {&m.CachedInput, p.CachedInput}, {&m.Output, p.Output}, {&m.CacheWriteInput, p.CacheWriteInput},
 		{&m.MaxInputTokens, p.MaxInputTokens}, {&m.MaxOutputTokens, p.MaxOutputTokens},
 		{&m.MaxCost, p.MaxCost}, {&m.DefaultHold, p.DefaultHold},
 	} {

@@ -728,6 +728,7 @@ func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
 	var (
 		ids, orgs, models, keys, endpoints = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 		prompt, cached, completion         = make([]int64, n), make([]int64, n), make([]int64, n)
+		cacheWrite                         = make([]int64, n)
 		reasoning, costs, holds            = make([]int64, n), make([]int64, n), make([]int64, n)
 		estimated                          = make([]bool, n)
 		created                            = make([]time.Time, n)
@@ -741,6 +742,7 @@ func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
 		}
 		ids[i], orgs[i], models[i], keys[i], endpoints[i] = ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint
 		prompt[i], cached[i], completion[i], reasoning[i] = ev.Usage.Prompt, ev.Usage.Cached, ev.Usage.Completion, ev.Usage.Reasoning
+		cacheWrite[i] = ev.Usage.CacheWrite
 		costs[i], holds[i], estimated[i], created[i] = ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt
 		projects[i] = ev.Project
 		if !ev.ReservedAt.IsZero() {
@@ -750,16 +752,16 @@ func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
 	_, err := p.pool.Exec(ctx, `
 WITH ins AS (
 	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
-		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at)
-	SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat
+		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens)
+	SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt
 	FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
-		$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[])
-		AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat)
+		$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[])
+		AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt)
 	ON CONFLICT (id) DO NOTHING
 	RETURNING org_id
 )
 SELECT pg_notify(`+sqlChannel+`, org_id) FROM (SELECT DISTINCT org_id FROM ins) d`,
-		ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved)
+		ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite)
 	if err != nil && notSent(err) {
 		return fmt.Errorf("%w: %w", ErrNotRecorded, wrapPg("record usage", err))
 	}
@@ -786,12 +788,12 @@ func (p *Postgres) VoidUsage(ctx context.Context, ev UsageEvent) error {
 	err = p.pool.QueryRow(ctx, `
 WITH ins AS (
 	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
-		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, status, created_at)
-	VALUES ($1::uuid, $2, $3, NULLIF($4, ''), NULLIF($5, ''), $6, $7, $8, $9, $10, $11, $12, 'voided', $13)
+		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, status, created_at, cache_write_tokens)
+	VALUES ($1::uuid, $2, $3, NULLIF($4, ''), NULLIF($5, ''), $6, $7, $8, $9, $10, $11, $12, 'voided', $13, $14)
 	ON CONFLICT (id) DO NOTHING RETURNING 1
 )
 SELECT EXISTS (SELECT 1 FROM ins)`, ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint, ev.Usage.Prompt, ev.Usage.Cached,
-		ev.Usage.Completion, ev.Usage.Reasoning, ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt).Scan(&inserted)
+		ev.Usage.Completion, ev.Usage.Reasoning, ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt, ev.Usage.CacheWrite).Scan(&inserted)
 	if err != nil {
 		return wrapPg("void usage", err)
 	}
@@ -934,21 +936,22 @@ func (p *Postgres) PutModel(ctx context.Context, m Model) error {
 	}
 	_, err := p.pool.Exec(ctx, `
 INSERT INTO models (model, input_price, cached_input_price, output_price, max_input_tokens,
-	max_output_tokens, max_cost, default_hold)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+	max_output_tokens, max_cost, default_hold, cache_write_input_price)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
 ON CONFLICT (model) DO UPDATE SET input_price = EXCLUDED.input_price,
 	cached_input_price = EXCLUDED.cached_input_price, output_price = EXCLUDED.output_price,
+	cache_write_input_price = EXCLUDED.cache_write_input_price,
 	max_input_tokens = EXCLUDED.max_input_tokens, max_output_tokens = EXCLUDED.max_output_tokens,
 	max_cost = EXCLUDED.max_cost, default_hold = EXCLUDED.default_hold, updated_at = now()`,
-		m.Name, m.Input, m.CachedInput, m.Output, m.MaxInputTokens, m.MaxOutputTokens, m.MaxCost, m.DefaultHold)
+		m.Name, m.Input, m.CachedInput, m.Output, m.MaxInputTokens, m.MaxOutputTokens, m.MaxCost, m.DefaultHold, m.CacheWriteInput)
 	return wrapPg("put model", err)
 }
 
-const sqlModelColumns = `model, input_price, cached_input_price, output_price, max_input_tokens, max_output_tokens, max_cost, default_hold`
+const sqlModelColumns = `model, input_price, cached_input_price, output_price, max_input_tokens, max_output_tokens, max_cost, default_hold, cache_write_input_price`
 
 func scanModel(r pgx.CollectableRow) (Model, error) {
 	var m Model
-	err := r.Scan(&m.Name, &m.Input, &m.CachedInput, &m.Output, &m.MaxInputTokens, &m.MaxOutputTokens, &m.MaxCost, &m.DefaultHold)
+	err := r.Scan(&m.Name, &m.Input, &m.CachedInput, &m.Output, &m.MaxInputTokens, &m.MaxOutputTokens, &m.MaxCost, &m.DefaultHold, &m.CacheWriteInput)
 	return m, err
 }
 

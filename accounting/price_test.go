@@ -90,3 +90,94 @@ func TestCostMatchesBigInt(t *testing.T) {
 		}
 	}
 }
+
+// TestCostCacheWrite checks the cache-write price against math/big on random inputs, with
+// Anthropic's mapping (Prompt = uncached + written + read), and that usage with no cache writes
+// costs what it cost before cache writes had a price.
+func TestCostCacheWrite(t *testing.T) {
+	t.Parallel()
+	r := rand.New(rand.NewPCG(3, 4))
+	for i := 0; i < 20000; i++ {
+		p := Prices{Input: r.Int64N(1 << 40), CachedInput: r.Int64N(1 << 40), Output: r.Int64N(1 << 40), CacheWriteInput: r.Int64N(1 << 40)}
+		in, written, read, out := r.Int64N(1<<30), r.Int64N(1<<30), r.Int64N(1<<30), r.Int64N(1<<30)
+		u := Usage{Prompt: in + written + read, Cached: read, CacheWrite: written, Completion: out}
+		num := new(big.Int).Mul(big.NewInt(in), big.NewInt(p.Input))
+		num.Add(num, new(big.Int).Mul(big.NewInt(read), big.NewInt(p.CachedInput)))
+		num.Add(num, new(big.Int).Mul(big.NewInt(written), big.NewInt(p.CacheWriteInput)))
+		num.Add(num, new(big.Int).Mul(big.NewInt(out), big.NewInt(p.Output)))
+		q, m := new(big.Int).QuoRem(num, big.NewInt(TokensPerPriceUnit), new(big.Int))
+		if m.Sign() > 0 {
+			q.Add(q, big.NewInt(1))
+		}
+		got, err := p.Cost(u)
+		if q.Cmp(big.NewInt(balance.MaxAmount)) > 0 {
+			if !errors.Is(err, ErrCostOverflow) {
+				t.Fatalf("%+v %+v: want overflow, got %d %v", p, u, got, err)
+			}
+			continue
+		}
+		if err != nil || got != q.Int64() {
+			t.Fatalf("%+v %+v: got %d %v, want %s", p, u, got, err, q)
+		}
+		// OpenAI usage (no cache writes) ignores the cache-write price.
+		u.CacheWrite = 0
+		a, errA := p.Cost(u)
+		p.CacheWriteInput = 0
+		b, errB := p.Cost(u)
+		if a != b || (errA == nil) != (errB == nil) {
+			t.Fatalf("%+v %+v: cache-write price changed an OpenAI cost: %d %v vs %d %v", p, u, a, errA, b, errB)
+		}
+	}
+}
+
+// TestCostCacheWriteBoundaries: exact values, the round-up, inconsistent counts clamped so
+// that written tokens are never charged less than the prompt allows, and negatives refused.
+func TestCostCacheWriteBoundaries(t *testing.T) {
+	t.Parallel()
+	// Claude-like prices: input 3 units/M, cache write 3.75, cache read 0.30, output 15.
+	p := Prices{Input: 3_000_000, CacheWriteInput: 3_750_000, CachedInput: 300_000, Output: 15_000_000}
+	cases := []struct {
+		name string
+		u    Usage
+		want int64
+	}{
+		// 100·3 + 2000·3.75 + 5000·0.3 + 50·15 = 300 + 7500 + 1500 + 750 = 10050 micro-units
+		{"exact", Usage{Prompt: 7100, CacheWrite: 2000, Cached: 5000, Completion: 50}, 10050},
+		{"one written token rounds up", Usage{Prompt: 1, CacheWrite: 1}, 4},
+		{"write above prompt counted as prompt", Usage{Prompt: 10, CacheWrite: 20}, 38},
+		{"read clamped to what writes left", Usage{Prompt: 10, CacheWrite: 10, Cached: 10}, 38},
+	}
+	for _, c := range cases {
+		if got, err := p.Cost(c.u); err != nil || got != c.want {
+			t.Errorf("%s: Cost(%+v) = %d, %v; want %d", c.name, c.u, got, err, c.want)
+		}
+	}
+	if _, err := p.Cost(Usage{Prompt: 1, CacheWrite: -1}); !errors.Is(err, ErrInvalidUsage) {
+		t.Errorf("negative cache writes: want ErrInvalidUsage, got %v", err)
+	}
+	if _, err := (Prices{CacheWriteInput: -1}).Cost(Usage{}); !errors.Is(err, ErrInvalidUsage) {
+		t.Errorf("negative cache-write price: want ErrInvalidUsage, got %v", err)
+	}
+}
+
+// TestBoundUsesHighestInputPrice: a hold bound prices every input token at the highest input
+// price, the cache-write one included, so no mix of cached, written and plain tokens costs
+// more than the bound.
+func TestBoundUsesHighestInputPrice(t *testing.T) {
+	t.Parallel()
+	p := Prices{Input: 3_000_000, CacheWriteInput: 6_000_000, CachedInput: 300_000, Output: 15_000_000}
+	b, err := p.Bound(1000, 100)
+	if err != nil || b != 1000*6+100*15 {
+		t.Fatalf("Bound = %d, %v; want %d", b, err, 1000*6+100*15)
+	}
+	for w := int64(0); w <= 1000; w += 50 {
+		c, err := p.Cost(Usage{Prompt: 1000, CacheWrite: w, Cached: (1000 - w) / 2, Completion: 100})
+		if err != nil || c > b {
+			t.Fatalf("cost %d (%v) with %d written above the bound %d", c, err, w, b)
+		}
+	}
+	m := Model{Prices: p, MaxInputTokens: 200_000, MaxOutputTokens: 64_000}
+	if cb, ok, err := m.CostBound(); !ok || err != nil || cb != 200_000*6+64_000*15 {
+		t.Fatalf("CostBound = %d %v %v", cb, ok, err)
+	}
+}

@@ -77,7 +77,8 @@ type Config struct {
 	// (*accounting.Recorder with a Finisher); with any other it is left out.
 	Recorder Recorder
 
-	// OrgFunc identifies the org. Default: the key of "Authorization: Bearer <key>" looked up in
+	// OrgFunc identifies the org. Default: the key of "Authorization: Bearer <key>" (or, with no
+	// Authorization header, of "x-api-key: <key>", as Anthropic's SDKs send it) looked up in
 	// the Ledger (cached for KeyCacheTTL). Returning an *Error refuses with it; an error that is
 	// accounting.ErrUnknownKey refuses with 401 invalid_api_key; any other error with 503.
 	OrgFunc func(c echo.Context) (Identity, error)
@@ -97,7 +98,9 @@ type Config struct {
 	PassThrough []string
 	// Allow lists the features the price table cannot price that may pass anyway: "audio",
 	// "image_output", "service_tier:<tier>" (e.g. "service_tier:priority"), "tool:<type>" (e.g.
-	// "tool:web_search"). Default: none (such requests get a 400).
+	// "tool:web_search"); on /v1/messages also "tool:<server tool type>", "mcp_servers",
+	// "container", "cache_ttl:1h", "speed:<speed>", "inference_geo:<geo>", "beta:context-1m-…".
+	// Default: none (such requests get a 400).
 	Allow []string
 	// DefaultModel, when set, prices models the Ledger does not know (its Name is ignored).
 	// Default: nil (unknown models get a 404 model_not_found).

@@ -47,6 +47,9 @@ type Error struct {
 	Code       string        // "" is written as null
 	RetryAfter time.Duration // > 0: Retry-After header (whole seconds, at least 1)
 	NoRetry    bool          // header x-should-retry: false (the official SDKs retry 429s otherwise)
+	// Anthropic: the body is in Anthropic's shape, {"type":"error","error":{"type":"…",
+	// "message":"…"}} (the Messages API's routes; see forAnthropic).
+	Anthropic bool
 }
 
 func (e *Error) Error() string {
@@ -55,6 +58,17 @@ func (e *Error) Error() string {
 
 // Body returns the JSON body of the error.
 func (e *Error) Body() []byte {
+	if e.Anthropic {
+		type inner struct {
+			Type    string `json:"type"`
+			Message string `json:"message"`
+		}
+		b, _ := json.Marshal(struct {
+			Type  string `json:"type"`
+			Error inner  `json:"error"`
+		}{"error", inner{Type: e.Type, Message: e.Message}})
+		return b
+	}
 	type inner struct {
 		Message string  `json:"message"`
 		Type    string  `json:"type"`

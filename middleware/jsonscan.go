@@ -54,6 +54,11 @@ type usageScanner struct {
 
 	text   int64 // bytes of string values below the top level (generated text, for estimates)
 	failed bool
+
+	// anthropic: the document is the Messages API's (a message, or a stream event): its nested
+	// object is "message" (message_start's message.usage) instead of "response", and usage
+	// is read as Anthropic counts it (anthropicUsageOf).
+	anthropic bool
 }
 
 const (
@@ -106,11 +111,12 @@ var (
 	keyUsage    = []byte("usage")
 	keyType     = []byte("type")
 	keyResponse = []byte("response")
+	keyMessage  = []byte("message")
 )
 
 // reset readies the scanner for a new document, keeping its buffers.
 func (s *usageScanner) reset() {
-	*s = usageScanner{capBuf: s.capBuf[:0], stack: s.stack} // push sets every bit it reads
+	*s = usageScanner{capBuf: s.capBuf[:0], stack: s.stack, anthropic: s.anthropic} // push sets every bit it reads
 }
 
 func isSpace(c byte) bool { return c == ' ' || c == '\n' || c == '\r' || c == '\t' }
@@ -478,7 +484,8 @@ func (s *usageScanner) keyEnd() {
 		s.next = tUsage
 	case s.depth == 1 && bytes.EqualFold(k, keyType):
 		s.next = tType
-	case s.depth == 1 && bytes.EqualFold(k, keyResponse):
+	case s.depth == 1 && bytes.EqualFold(k, keyResponse) && !s.anthropic,
+		s.depth == 1 && bytes.EqualFold(k, keyMessage) && s.anthropic:
 		s.next = tResponse
 	case s.depth == 2 && s.inResp && bytes.EqualFold(k, keyUsage):
 		s.next = tRespUsage
@@ -539,7 +546,31 @@ func (s *usageScanner) usage() (accounting.Usage, bool) {
 	if s.failed || !s.haveUsage {
 		return accounting.Usage{}, false
 	}
+	if s.anthropic {
+		a, ok := anthropicUsageOf(gjson.ParseBytes(s.usageRaw))
+		if !ok || !a.complete() {
+			return accounting.Usage{}, false
+		}
+		return a.usage(), true
+	}
 	return usageOf(gjson.ParseBytes(s.usageRaw))
+}
+
+// anthUsage is the top-level usage of an Anthropic document as read, whole or partial
+// (message_delta's).
+func (s *usageScanner) anthUsage() (anthUsage, bool) {
+	if s.failed || !s.haveUsage {
+		return anthUsage{}, false
+	}
+	return anthropicUsageOf(gjson.ParseBytes(s.usageRaw))
+}
+
+// anthMessageUsage is message.usage of an Anthropic message_start event.
+func (s *usageScanner) anthMessageUsage() (anthUsage, bool) {
+	if s.failed || !s.haveResp {
+		return anthUsage{}, false
+	}
+	return anthropicUsageOf(gjson.ParseBytes(s.respRaw))
 }
 
 // responseUsage is the last "response"."usage" read (Responses API stream events).

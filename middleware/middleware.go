@@ -114,14 +114,21 @@ func (m *middleware) handler(next echo.HandlerFunc) echo.HandlerFunc {
 	}
 }
 
-// bearerOrg is the default OrgFunc: "Authorization: Bearer <key>" looked up in the ledger.
+// bearerOrg is the default OrgFunc: the key of "Authorization: Bearer <key>" or, when the
+// request has no Authorization header, of "x-api-key: <key>" (as Anthropic's SDKs send it),
+// looked up in the ledger. Neither header ever reaches the upstream.
 func (m *middleware) bearerOrg(c echo.Context) (Identity, error) {
-	auth := c.Request().Header.Get("Authorization")
+	h := c.Request().Header
+	auth := h.Get("Authorization")
 	scheme, key, ok := strings.Cut(auth, " ")
 	key = strings.TrimSpace(key)
-	if !ok || !strings.EqualFold(scheme, "Bearer") || key == "" {
+	ok = ok && strings.EqualFold(scheme, "Bearer") && key != ""
+	if xkey := strings.TrimSpace(h.Get("X-Api-Key")); auth == "" && xkey != "" {
+		key, ok = xkey, true
+	}
+	if !ok {
 		return Identity{}, &Error{Status: http.StatusUnauthorized, Type: TypeInvalidRequest, Code: CodeInvalidAPIKey,
-			Message: "You didn't provide an API key. Provide it in the Authorization header (Authorization: Bearer YOUR_KEY)."}
+			Message: "You didn't provide an API key. Provide it in the Authorization header (Authorization: Bearer YOUR_KEY) or in x-api-key."}
 	}
 	ip := clientIP(c)
 	k, err := m.keys.get(c.Request().Context(), key, func(ctx context.Context, secret string) (accounting.APIKey, error) {
@@ -161,6 +168,9 @@ type call struct {
 }
 
 func (m *middleware) refuse(c echo.Context, o Outcome, e *Error) error {
+	if isAnthropic(c.Request().URL.Path) && !e.Anthropic {
+		e = e.forAnthropic()
+	}
 	o.Kind, o.Status, o.Code, o.Err = OutcomeRefused, e.Status, e.Code, e
 	if o.HoldID != "" {
 		c.Response().Header().Set("x-request-id", o.HoldID)
@@ -210,8 +220,9 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	}
 	path := req.URL.Path
 	if !pricedEndpoint(path) {
-		if m.pass[path] {
+		if m.pass[path] || path == EndpointCountTokens {
 			req.Header.Del("Authorization")
+			req.Header.Del("X-Api-Key")
 			o.Kind = OutcomePassed
 			err := next(c)
 			o.Status = c.Response().Status
@@ -232,6 +243,9 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	r, e := parseRequest(path, body)
 	if e != nil {
 		return m.refuse(c, o, e)
+	}
+	if path == EndpointMessages {
+		msgBetaFeatures(req.Header, &r)
 	}
 	o.Model = r.Model
 	if r.Background {
@@ -435,6 +449,16 @@ func featureParam(f string) string {
 		return "service_tier"
 	case strings.HasPrefix(f, "tool:"):
 		return "tools"
+	case f == "mcp_servers", f == "container":
+		return f
+	case strings.HasPrefix(f, "cache_ttl:"):
+		return "cache_control.ttl"
+	case strings.HasPrefix(f, "inference_geo:"):
+		return "inference_geo"
+	case strings.HasPrefix(f, "beta:"):
+		return "anthropic-beta"
+	case strings.HasPrefix(f, "speed:"):
+		return "speed"
 	}
 	return ""
 }

@@ -16,6 +16,7 @@ var (
 	errHangupBound = errors.New("middleware: client hung up and the upstream went on past the bound")
 	errHoldLost    = errors.New("middleware: the hold could not be extended before its expiry")
 	errNoUsage     = errors.New("middleware: the response carried no usage")
+	errStreamError = errors.New("middleware: the upstream ended the stream with an error event")
 	errUnreadable  = errors.New("middleware: the response could not be read")
 	errNoResponse  = errors.New("middleware: the handler wrote no response")
 )
@@ -36,6 +37,7 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 		body, injected = b, true
 	}
 	req.Header.Del("Authorization") // the client's key never goes upstream
+	req.Header.Del("X-Api-Key")
 	costInStream := wantsCost(req.Header)
 	req.Header.Del(HeaderIncludeCost) // escrow's own
 	req.Header.Set("Accept-Encoding", "identity")
@@ -57,6 +59,7 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 		costSSE:     costInStream,
 	}
 	cw.sse = &sseFilter{inject: injected, responses: r.Endpoint == EndpointResponses, maxEvent: m.cfg.MaxResponseBytes, emit: cw.out}
+	cw.scan.anthropic, cw.sse.anthropic = r.Endpoint == EndpointMessages, r.Endpoint == EndpointMessages
 	c.Response().Writer = cw
 	cl.setHeaders(orig.Header())
 	stopWatch := context.AfterFunc(clientCtx, cw.markGone)
@@ -132,6 +135,9 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		why, truncated = cmpErr(nextErr, panicErr(panicked)), true
 	default:
 		why = errNoUsage
+		if cw.mode == modeSSE && cw.sse.upstreamError {
+			why, truncated = errStreamError, true // the upstream failed after the first byte
+		}
 	}
 	if err := cw.readable(); !ok && err != nil {
 		why, truncated = err, false
@@ -143,6 +149,11 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		// Cut off after the first byte: the input at least, and what was streamed, counted
 		// generously.
 		usage = accounting.Usage{Prompt: (int64(cl.req.Size) + 3) / 4, Completion: cw.outputEstimate()}
+		if a, ok := cw.sse.partialUsage(); ok && cw.mode == modeSSE {
+			// A Messages stream's message_start gave the exact input counts.
+			usage = a.usage()
+			usage.Completion = max(usage.Completion, cw.outputEstimate())
+		}
 	case estimated:
 		// A 2xx whose usage cannot be read: charged what the org agreed to risk, the hold
 		// (a fail-open request has none on the balance, but the amount it would have held).
@@ -177,6 +188,9 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 			cl.releaseHold()
 			e := errUnavailable("The usage of this request could not be recorded; it was not completed.", m.cfg.RetryAfter)
 			e.Code = CodeBillingFailed
+			if cl.req.Endpoint == EndpointMessages {
+				e = e.forAnthropic()
+			}
 			if cw.mode == modeJSON && !cw.streaming {
 				o.Status = e.Status
 			}

@@ -22,7 +22,7 @@ const (
 
 func pricedEndpoint(path string) bool {
 	switch path {
-	case EndpointChat, EndpointCompletions, EndpointEmbeddings, EndpointResponses:
+	case EndpointChat, EndpointCompletions, EndpointEmbeddings, EndpointResponses, EndpointMessages:
 		return true
 	}
 	return false
@@ -32,7 +32,7 @@ func pricedEndpoint(path string) bool {
 // walk over the raw bytes of the top-level fields and of the few objects below that matter,
 // reading every key as leniently as any upstream would (fields.go).
 type Request struct {
-	Endpoint     string // one of the Endpoint… paths
+	Endpoint     string // one of the Endpoint… paths (EndpointMessages: parsed by parseMessages)
 	Model        string
 	Stream       bool
 	IncludeUsage bool  // stream_options.include_usage is true
@@ -99,22 +99,14 @@ func bstr(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
 // (stream_options, tools[*], tool_choice, messages / input items and their content parts),
 // allocating only for the model name, escaped keys and refusals.
 func parseRequest(endpoint string, body []byte) (Request, *Error) {
-	r := Request{Endpoint: endpoint, N: 1, PlainText: true, Size: len(body)}
-	if !gjson.ValidBytes(body) {
-		return r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON,
-			Message: "We could not parse the JSON body of your request. The body must be a JSON object."}
+	if endpoint == EndpointMessages {
+		return parseMessages(body)
 	}
-	// Python upstreams refuse a body that is not UTF-8 and Go ones read its bad bytes as U+FFFD:
-	// refused here, so no string escrow reads can be read otherwise.
-	if !utf8.Valid(body) {
-		return r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON,
-			Message: "The body of your request is not valid UTF-8."}
+	r := Request{Endpoint: endpoint, N: 1, PlainText: true, Size: len(body)}
+	if e := checkJSONObject(body); e != nil {
+		return r, e
 	}
 	raw := bstr(body)
-	if i := skipWS(raw, 0); i >= len(raw) || raw[i] != '{' {
-		return r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON,
-			Message: "The body of your request must be a JSON object."}
-	}
 	// The Request lives in the parser (not behind a pointer to r) so that it stays on the stack.
 	p := reqParser{r: r}
 	forEachRaw(raw, func(key, v string) bool {
@@ -129,6 +121,26 @@ func parseRequest(endpoint string, body []byte) (Request, *Error) {
 			Message: "You must provide a model parameter."}
 	}
 	return p.r, nil
+}
+
+// checkJSONObject refuses a body that is not one valid JSON object in UTF-8.
+func checkJSONObject(body []byte) *Error {
+	if !gjson.ValidBytes(body) {
+		return &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON,
+			Message: "We could not parse the JSON body of your request. The body must be a JSON object."}
+	}
+	// Python upstreams refuse a body that is not UTF-8 and Go ones read its bad bytes as U+FFFD:
+	// refused here, so no string escrow reads can be read otherwise.
+	if !utf8.Valid(body) {
+		return &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON,
+			Message: "The body of your request is not valid UTF-8."}
+	}
+	raw := bstr(body)
+	if i := skipWS(raw, 0); i >= len(raw) || raw[i] != '{' {
+		return &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON,
+			Message: "The body of your request must be a JSON object."}
+	}
+	return nil
 }
 
 // reqParser is one walk over a request body.

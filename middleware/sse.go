@@ -27,8 +27,17 @@ import (
 type sseFilter struct {
 	inject    bool
 	responses bool // a Responses API stream (errors are written as its error events)
-	maxEvent  int
-	emit      func([]byte)
+	// anthropic: a Messages API stream. Usage is message_start's message.usage with
+	// message_delta's (cumulative) usage over it, complete once a message_delta came;
+	// message_stop is the end that is held back.
+	anthropic bool
+	anth      anthUsage
+	anthDelta bool // a message_delta with usage was read
+	// upstreamError: an Anthropic "error" event came (e.g. overloaded_error mid-stream): the
+	// upstream failed after the first byte, so the usage is estimated, not the hold charged.
+	upstreamError bool
+	maxEvent      int
+	emit          func([]byte)
 
 	cur       []byte // the current event's bytes so far
 	lineStart int    // where the current line starts in cur
@@ -115,6 +124,7 @@ func (f *sseFilter) startBig() {
 	}
 	b := f.big
 	b.scan.reset()
+	b.scan.anthropic = f.anthropic
 	*b = bigEvent{scan: b.scan, name: b.name[:0], tail: b.tail[:0]}
 	f.inBig, f.open = true, true
 	kept := f.cur
@@ -214,6 +224,27 @@ func (f *sseFilter) bigSegment(seg []byte) {
 // Responses event (it reports true: the end of the stream), none of the other Responses
 // events, the top-level usage of anything else (chat/completions chunks).
 func (f *sseFilter) takeUsage(sc *usageScanner, kind string, typed bool) (terminal bool) {
+	if f.anthropic {
+		switch kind {
+		case "message_start":
+			if a, ok := sc.anthMessageUsage(); ok {
+				f.anth.merge(a)
+			}
+		case "message_delta":
+			if a, ok := sc.anthUsage(); ok {
+				f.anth.merge(a)
+				f.anthDelta = true
+			}
+		case "message_stop":
+			return true
+		case "error":
+			f.upstreamError = true
+		}
+		if f.anthDelta && f.anth.complete() {
+			f.setUsage(f.anth.usage())
+		}
+		return false
+	}
 	switch {
 	case kind == "response.completed" || kind == "response.incomplete" || kind == "response.failed":
 		if u, ok := sc.responseUsage(); ok {
@@ -332,6 +363,12 @@ func (f *sseFilter) release() []byte {
 
 func (f *sseFilter) setUsage(u accounting.Usage) { f.usage, f.haveUsage = u, true }
 
+// partialUsage is what a Messages stream said of its usage before it ended without a complete
+// one: message_start's input counts (and output so far). ok is false without them.
+func (f *sseFilter) partialUsage() (anthUsage, bool) {
+	return f.anth, f.anthropic && f.anth.haveIn
+}
+
 // nextLine splits ev at the first line end: the line without its end, and the rest.
 func nextLine(ev []byte) (line, rest []byte) {
 	i := bytes.IndexByte(ev, '\n')
@@ -400,6 +437,7 @@ func (f *sseFilter) dispatch(ev []byte) {
 	// keep, so that keys match the same (leniently) whatever the event's size.
 	sc := &f.small
 	sc.reset()
+	sc.anthropic = f.anthropic
 	sc.Write(data)
 	sc.finish()
 	if !sc.complete() {
@@ -425,6 +463,14 @@ func (f *sseFilter) dispatch(ev []byte) {
 	}
 	if typed && strings.HasPrefix(kind, "response.") {
 		f.send(ev) // other Responses events carry no usage
+		return
+	}
+	if f.anthropic {
+		if kind == "content_block_delta" {
+			d := gjson.GetBytes(data, "delta")
+			f.countOut(textLen(d.Get("text")) + textLen(d.Get("partial_json")) + textLen(d.Get("thinking")))
+		}
+		f.send(ev)
 		return
 	}
 	// chat/completions chunk

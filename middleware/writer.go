@@ -377,7 +377,9 @@ func (cw *captureWriter) fail(e *Error) (abort bool) {
 			return true
 		}
 		var ev []byte
-		if cw.sse.responses {
+		if cw.sse.anthropic {
+			ev = append(append([]byte("event: error\ndata: "), e.forAnthropic().Body()...), "\n\n"...)
+		} else if cw.sse.responses {
 			ev = []byte(`event: error` + "\n" + `data: {"type":"error","code":` + jsonString(e.Code) + `,"message":` + jsonString(e.Message) + `,"param":null}` + "\n\n")
 		} else {
 			ev = append(append([]byte("data: "), e.Body()...), "\n\n"...)

@@ -16,11 +16,16 @@ import (
 // flag of the same meaning (LoadConfig; `-h` lists them with their defaults); a flag beats the
 // variable, the variable beats the default. DefaultConfig returns the defaults.
 type Config struct {
-	Addr            string
-	RedisURL        string
-	DatabaseURL     string
-	UpstreamURL     string
-	UpstreamAPIKey  string
+	Addr           string
+	RedisURL       string
+	DatabaseURL    string
+	UpstreamURL    string
+	UpstreamAPIKey string
+	// AnthropicURL and AnthropicAPIKey: the upstream of the Messages API routes (/v1/messages,
+	// /v1/messages/count_tokens), its key sent as x-api-key. Empty: those routes go to the
+	// in-process upstream when there is one (the demo's fake serves both APIs), else 404.
+	AnthropicURL    string
+	AnthropicAPIKey string
 	AdminToken      string
 	HoldTTL         time.Duration
 	FailOpen        bool
@@ -136,6 +141,8 @@ func (c *Config) settings() []setting {
 		{"DATABASE_URL", "database-url", "", "PostgreSQL URL for the ledger; empty: in-memory ledger (only with embedded Redis, examples/proxy)", str(&c.DatabaseURL)},
 		{"UPSTREAM_URL", "upstream-url", "", "OpenAI-compatible upstream base URL (e.g. https://api.openai.com); empty: built-in fake upstream (examples/proxy only; required by escrow serve)", str(&c.UpstreamURL)},
 		{"UPSTREAM_API_KEY", "upstream-api-key", "", "API key sent to the upstream (clients' keys are never forwarded)", str(&c.UpstreamAPIKey)},
+		{"ESCROW_ANTHROPIC_URL", "anthropic-url", "", "Anthropic Messages API upstream base URL (e.g. https://api.anthropic.com) for /v1/messages; empty: those routes answer 404 (the demo's fake serves them)", str(&c.AnthropicURL)},
+		{"ESCROW_ANTHROPIC_API_KEY", "anthropic-api-key", "", "API key sent to the Anthropic upstream as x-api-key (clients' keys are never forwarded)", str(&c.AnthropicAPIKey)},
 		{"ESCROW_ADMIN_TOKEN", "admin-token", "", "bearer token of the admin API; empty: admin API off (the embedded demo generates one)", str(&c.AdminToken)},
 		{"ESCROW_HOLD_TTL", "hold-ttl", "10m", "hold expiry; extended every third of it while a request runs", dur(&c.HoldTTL)},
 		{"ESCROW_FAIL_OPEN", "fail-open", "false", "when Redis is down, serve requests without a hold (their usage is still billed)", boolean(&c.FailOpen)},
@@ -271,6 +278,9 @@ func (c *Config) check() error {
 	}
 	if c.UpstreamURL != "" && c.UpstreamAPIKey == "" {
 		return errors.New("UPSTREAM_URL is set but UPSTREAM_API_KEY is empty")
+	}
+	if c.AnthropicURL != "" && c.AnthropicAPIKey == "" {
+		return errors.New("ESCROW_ANTHROPIC_URL is set but ESCROW_ANTHROPIC_API_KEY is empty")
 	}
 	return nil
 }

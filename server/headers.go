@@ -42,13 +42,15 @@ var (
 		"Openai-Project", "X-Escrow-*", "X-Upstream-Request-Id", "Alt-Svc"}, hopByHop...)
 )
 
-// Defaults of ESCROW_UPSTREAM_REQUEST_HEADERS and ESCROW_UPSTREAM_RESPONSE_HEADERS. Not
+// Defaults of ESCROW_UPSTREAM_REQUEST_HEADERS and ESCROW_UPSTREAM_RESPONSE_HEADERS (Anthropic's
+// API version and beta flags go up — the middleware refuses the betas it cannot price — and its
+// request id and rate limits come back). Not
 // forwarded by default: Idempotency-Key (the upstream would replay a stored reply that escrow
 // bills again, so one upstream call would be paid twice), the SDKs' X-Stainless-* telemetry
 // (the client's OS and runtime are none of the upstream account's business), Accept-Language.
 const (
-	defaultRequestHeaders  = "Accept,User-Agent,OpenAI-Beta"
-	defaultResponseHeaders = "X-Request-Id,OpenAI-Processing-Ms,OpenAI-Version,X-Ratelimit-*,Retry-After,Retry-After-Ms,X-Should-Retry,Cache-Control"
+	defaultRequestHeaders  = "Accept,User-Agent,OpenAI-Beta,Anthropic-Version,Anthropic-Beta"
+	defaultResponseHeaders = "X-Request-Id,OpenAI-Processing-Ms,OpenAI-Version,X-Ratelimit-*,Retry-After,Retry-After-Ms,X-Should-Retry,Cache-Control,Request-Id,Anthropic-Ratelimit-*"
 )
 
 // headerSet matches header names: exact names (canonical form) and prefixes (a pattern

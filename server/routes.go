@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httputil"
+	"net/url"
 	"strings"
 	"time"
 
@@ -106,12 +107,22 @@ func statusCode(status int) string {
 // Only allow-listed headers cross it, in either direction (headers.go), and the upstream's
 // interim responses never reach the client (finalOnly).
 func (s *Server) reverseProxy() http.Handler {
+	key := s.cfg.UpstreamAPIKey
+	openai := s.proxyTo(s.upstream, func(h http.Header) {
+		if key != "" {
+			h.Set("Authorization", "Bearer "+key)
+		}
+	})
+	return s.withAnthropic(openai)
+}
+
+// proxyTo is the reverse proxy to one upstream; auth sets the upstream's credentials on each
+// outgoing request (after the client's were filtered out).
+func (s *Server) proxyTo(up *url.URL, auth func(http.Header)) http.Handler {
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	tr.MaxIdleConns = 1024
 	tr.MaxIdleConnsPerHost = 1024
 	tr.ResponseHeaderTimeout = 10 * time.Minute
-	up := s.upstream
-	key := s.cfg.UpstreamAPIKey
 	// Validated with the configuration: these cannot fail here.
 	reqList, _ := parseHeaderList(s.cfg.UpstreamRequestHeaders, neverRequestHeaders)
 	respList, _ := parseHeaderList(s.cfg.UpstreamResponseHeaders, neverResponseHeaders)
@@ -122,9 +133,7 @@ func (s *Server) reverseProxy() http.Handler {
 			pr.SetURL(up)
 			pr.Out.Host = up.Host
 			reqHeaders.filter(pr.Out.Header)
-			if key != "" {
-				pr.Out.Header.Set("Authorization", "Bearer "+key)
-			}
+			auth(pr.Out.Header)
 		},
 		ModifyResponse: func(res *http.Response) error {
 			respHeaders.filter(res.Header)
@@ -142,7 +151,11 @@ func (s *Server) reverseProxy() http.Handler {
 		BufferPool:    proxyBuffers,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			s.log.Warn("upstream error", "err", err, "path", r.URL.Path)
-			body := (&middleware.Error{Type: middleware.TypeServer, Code: "upstream_error", Message: "upstream unavailable"}).Body()
+			e := &middleware.Error{Type: middleware.TypeServer, Code: "upstream_error", Message: "upstream unavailable"}
+			if isAnthropicPath(r.URL.Path) {
+				e.Type, e.Anthropic = middleware.AnthropicAPI, true
+			}
+			body := e.Body()
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusBadGateway)
 			_, _ = w.Write(body)

@@ -89,6 +89,7 @@ type Server struct {
 	echo     *echo.Echo
 
 	upstream   *url.URL
+	anthropic  *url.URL     // the Messages API's upstream (nil: none configured)
 	fake       *http.Server // in-process upstream (WithUpstream)
 	ln         net.Listener
 	httpServer *http.Server
@@ -152,7 +153,7 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 		return nil, fmt.Errorf("ledger not ready (are the migrations applied? ESCROW_MIGRATE=true applies them): %w", err)
 	}
 	s.metrics = newMetrics(s)
-	if err := s.openUpstream(p); err != nil {
+	if err := s.openUpstreams(p); err != nil {
 		return nil, err
 	}
 	if err := s.buildEcho(); err != nil {
@@ -254,6 +255,15 @@ func (s *Server) openUpstream(p parts) error {
 	return nil
 }
 
+// openUpstreams opens the main upstream and the Anthropic one.
+func (s *Server) openUpstreams(p parts) (err error) {
+	if err := s.openUpstream(p); err != nil {
+		return err
+	}
+	s.anthropic, err = s.openAnthropic()
+	return err
+}
+
 // Ops are the operator's operations (credit, adjust, models, keys, epoch, balances) on this
 // server's ledger and store: what the admin API serves, for programs that embed the server.
 func (s *Server) Ops() *accounting.Ops { return s.ops }
@@ -289,7 +299,11 @@ func (s *Server) Start(ctx context.Context) error {
 		redisDesc = s.cfg.RedisURL
 	}
 	// The URLs are logged as configured, their secrets masked by the logger (redact).
-	s.log.Info("escrow proxy listening", "addr", ln.Addr().String(), "upstream", s.upstream.String(),
+	anth := "none"
+	if s.anthropic != nil {
+		anth = s.anthropic.String()
+	}
+	s.log.Info("escrow proxy listening", "addr", ln.Addr().String(), "upstream", s.upstream.String(), "anthropic_upstream", anth,
 		"redis", redisDesc, "database", cmp.Or(s.cfg.DatabaseURL, "in-memory ledger"),
 		"admin_api", s.cfg.AdminToken != "")
 	return nil

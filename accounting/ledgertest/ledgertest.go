@@ -46,6 +46,7 @@ func Run(t *testing.T, newLedger func(t *testing.T) accounting.Ledger) {
 		{"UnsettledUsage", testUnsettledUsage},
 		{"Subscribe", testSubscribe},
 		{"Models", testModels},
+		{"CacheWrite", testCacheWrite},
 		{"Keys", testKeys},
 	}
 	tests = append(tests, consoleTests...)
@@ -492,12 +493,13 @@ func testRecordInvalid(t *testing.T, l accounting.Ledger) {
 		mod    func(*accounting.UsageEvent)
 		target error
 	}{
-		"non-uuid id":    {func(e *accounting.UsageEvent) { e.ID = "req-1" }, accounting.ErrInvalidUsage},
-		"no model":       {func(e *accounting.UsageEvent) { e.Model = "" }, accounting.ErrInvalidUsage},
-		"negative token": {func(e *accounting.UsageEvent) { e.Usage.Completion = -1 }, accounting.ErrInvalidUsage},
-		"negative cost":  {func(e *accounting.UsageEvent) { e.Cost = -1 }, accounting.ErrInvalidAmount},
-		"huge cost":      {func(e *accounting.UsageEvent) { e.Cost = balance.MaxAmount + 1 }, accounting.ErrInvalidAmount},
-		"negative hold":  {func(e *accounting.UsageEvent) { e.HoldAmount = -1 }, accounting.ErrInvalidAmount},
+		"non-uuid id":          {func(e *accounting.UsageEvent) { e.ID = "req-1" }, accounting.ErrInvalidUsage},
+		"no model":             {func(e *accounting.UsageEvent) { e.Model = "" }, accounting.ErrInvalidUsage},
+		"negative token":       {func(e *accounting.UsageEvent) { e.Usage.Completion = -1 }, accounting.ErrInvalidUsage},
+		"negative cache write": {func(e *accounting.UsageEvent) { e.Usage.CacheWrite = -1 }, accounting.ErrInvalidUsage},
+		"negative cost":        {func(e *accounting.UsageEvent) { e.Cost = -1 }, accounting.ErrInvalidAmount},
+		"huge cost":            {func(e *accounting.UsageEvent) { e.Cost = balance.MaxAmount + 1 }, accounting.ErrInvalidAmount},
+		"negative hold":        {func(e *accounting.UsageEvent) { e.HoldAmount = -1 }, accounting.ErrInvalidAmount},
 	}
 	for name, tc := range cases {
 		bad := event("o", 1, 1)
@@ -841,7 +843,7 @@ func testModels(t *testing.T, l accounting.Ledger) {
 	_, err := l.Model(c, "m")
 	wantErr(t, err, accounting.ErrUnknownModel, "missing model")
 	wantErr(t, l.RaiseMaxCost(c, "m", 5), accounting.ErrUnknownModel, "RaiseMaxCost of a missing model")
-	m := accounting.Model{Name: "m", Prices: accounting.Prices{Input: 2_500_000, CachedInput: 1_250_000, Output: 10_000_000},
+	m := accounting.Model{Name: "m", Prices: accounting.Prices{Input: 2_500_000, CachedInput: 1_250_000, Output: 10_000_000, CacheWriteInput: 3_125_000},
 		MaxInputTokens: 128_000, MaxOutputTokens: 16_384, MaxCost: 100, DefaultHold: 50_000}
 	noErr(t, l.PutModel(c, m))
 	noErr(t, l.PutModel(c, accounting.Model{Name: "a", DefaultHold: 1}))
@@ -866,6 +868,8 @@ func testModels(t *testing.T, l accounting.Ledger) {
 		t.Fatalf("after replace: %+v", got)
 	}
 	wantErr(t, l.PutModel(c, accounting.Model{Name: "bad", Prices: accounting.Prices{Input: -1}}), accounting.ErrInvalidAmount, "negative price")
+	wantErr(t, l.PutModel(c, accounting.Model{Name: "bad", Prices: accounting.Prices{CacheWriteInput: -1}}), accounting.ErrInvalidAmount, "negative cache-write price")
+	wantErr(t, l.PutModel(c, accounting.Model{Name: "bad", Prices: accounting.Prices{CacheWriteInput: balance.MaxAmount + 1}}), accounting.ErrInvalidAmount, "huge cache-write price")
 	wantErr(t, l.PutModel(c, accounting.Model{Name: ""}), accounting.ErrInvalidAmount, "empty name")
 }
 
@@ -893,5 +897,34 @@ func testKeys(t *testing.T, l accounting.Ledger) {
 	wantErr(t, l.RevokeKey(c, "key_nope"), accounting.ErrUnknownKey, "revoke missing key")
 	if got := must(l.LookupKey(c, secret2)); got != k2 {
 		t.Fatalf("other key after revoke: %+v", got)
+	}
+}
+
+// testCacheWrite: a usage event's cache-write tokens (Anthropic's cache_creation_input_tokens)
+// are stored with it and read back unchanged, pending, accounted and voided.
+func testCacheWrite(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "cw"))
+	ev := event("cw", 10_050, 0)
+	ev.Usage = accounting.Usage{Prompt: 7100, Cached: 5000, CacheWrite: 2000, Completion: 50}
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{ev}))
+	if r := must(l.Request(c, ev.ID)); r.Usage != ev.Usage || r.Status != accounting.RequestPending {
+		t.Fatalf("pending request %+v, want usage %+v", r, ev.Usage)
+	}
+	if n := must(l.AccountPending(c, 10)); n != 1 {
+		t.Fatalf("accounted %d events, want 1", n)
+	}
+	if r := must(l.Request(c, ev.ID)); r.Usage != ev.Usage || r.Status != accounting.RequestAccounted || r.Cost != 10_050 {
+		t.Fatalf("accounted request %+v, want usage %+v", r, ev.Usage)
+	}
+	page := must(l.ListEntries(c, "cw", accounting.EntryQuery{}))
+	if len(page.Data) != 1 || page.Data[0].Request == nil || page.Data[0].Request.Usage != ev.Usage {
+		t.Fatalf("entries %+v, want one charge with usage %+v", page.Data, ev.Usage)
+	}
+	void := event("cw", 7, 1)
+	void.Usage.CacheWrite = 33
+	noErr(t, l.VoidUsage(c, void))
+	if r := must(l.Request(c, void.ID)); r.Usage != void.Usage || r.Status != accounting.RequestVoided {
+		t.Fatalf("voided request %+v, want usage %+v", r, void.Usage)
 	}
 }

@@ -421,16 +421,17 @@ func cmdUsage(args []string) error {
 }
 
 // cmdModels: escrow models | show M | set M [--input D] [--cached-input D] [--output D]
-// [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | delete M. Prices are
+// [--cache-write-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | delete M. Prices are
 // decimals in currency units per 1M tokens ("0.15"), sent as text and converted exactly by the API.
 func cmdModels(args []string) error {
 	fs := flag.NewFlagSet("models", flag.ContinueOnError)
 	var o output
 	o.flags(fs)
-	var prices [3]string
+	var prices [4]string
 	fs.StringVar(&prices[0], "input", "", "input price per 1M tokens (decimal, currency units)")
 	fs.StringVar(&prices[1], "cached-input", "", "cached input price per 1M tokens")
 	fs.StringVar(&prices[2], "output", "", "output price per 1M tokens")
+	fs.StringVar(&prices[3], "cache-write-input", "", "prompt-cache write price per 1M tokens (Anthropic)")
 	var ints [3]string
 	fs.StringVar(&ints[0], "max-input-tokens", "", "context window")
 	fs.StringVar(&ints[1], "max-output-tokens", "", "largest output")
@@ -443,7 +444,7 @@ func cmdModels(args []string) error {
 	if err != nil {
 		return err
 	}
-	cols := []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold"}
+	cols := []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold", "cache_write_input_price"}
 	var res map[string]any
 	switch {
 	case len(pos) == 0:
@@ -456,7 +457,7 @@ func cmdModels(args []string) error {
 		err = c.call(http.MethodGet, "/models/"+url.PathEscape(pos[1]), nil, &res)
 	case len(pos) == 2 && pos[0] == "set":
 		body := map[string]any{}
-		for i, k := range []string{"input_per_1m", "cached_input_per_1m", "output_per_1m"} {
+		for i, k := range []string{"input_per_1m", "cached_input_per_1m", "output_per_1m", "cache_write_input_per_1m"} {
 			if prices[i] != "" {
 				body[k] = prices[i]
 			}
@@ -481,7 +482,7 @@ func cmdModels(args []string) error {
 		fmt.Fprintln(stdout, "deleted", pos[1])
 		return nil
 	default:
-		return usageErr("usage: escrow models | show MODEL | set MODEL [--input D] [--cached-input D] [--output D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | delete MODEL  [--json|--csv]")
+		return usageErr("usage: escrow models | show MODEL | set MODEL [--input D] [--cached-input D] [--output D] [--cache-write-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | delete MODEL  [--json|--csv]")
 	}
 	if err != nil {
 		return err

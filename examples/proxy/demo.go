@@ -19,6 +19,9 @@ var demoModels = []accounting.Model{
 		MaxInputTokens: 1_047_576, MaxOutputTokens: 32_768, DefaultHold: 500_000},
 	{Name: "text-embedding-3-small", Prices: accounting.Prices{Input: 20_000},
 		MaxInputTokens: 8_192, MaxOutputTokens: 1, DefaultHold: 1_000},
+	// Served on /v1/messages by the fake's Anthropic API (cache writes and reads priced).
+	{Name: "claude-haiku-4-5", Prices: accounting.Prices{Input: 1_000_000, CacheWriteInput: 1_250_000, CachedInput: 100_000, Output: 5_000_000},
+		MaxInputTokens: 200_000, MaxOutputTokens: 64_000, DefaultHold: 100_000},
 }
 
 // seedDemo creates the demo models, the demo org with its balance, and an API key, through the
@@ -50,6 +53,8 @@ func demoBanner(addr, key, adminToken string, funds int64) string {
 	fmt.Fprintf(&b, "  admin token: %s\n\nTry:\n", adminToken)
 	fmt.Fprintf(&b, "  curl -s %s/v1/chat/completions -H 'Authorization: Bearer %s' -H 'Content-Type: application/json' \\\n", base, key)
 	fmt.Fprintf(&b, "    -d '{\"model\":\"gpt-4o-mini\",\"max_tokens\":50,\"messages\":[{\"role\":\"user\",\"content\":\"hello there\"}]}'\n")
+	fmt.Fprintf(&b, "  curl -s %s/v1/messages -H 'x-api-key: %s' -H 'anthropic-version: 2023-06-01' -H 'Content-Type: application/json' \\\n", base, key)
+	fmt.Fprintf(&b, "    -d '{\"model\":\"claude-haiku-4-5\",\"max_tokens\":50,\"messages\":[{\"role\":\"user\",\"content\":\"hello there\"}]}'\n")
 	fmt.Fprintf(&b, "  curl -s %s/admin/v1/orgs/demo/balance -H 'Authorization: Bearer %s'\n\n", base, adminToken)
 	return b.String()
 }

@@ -18,6 +18,7 @@ type apiRequest struct {
 		Role    string          `json:"role"`
 		Content json.RawMessage `json:"content"`
 	} `json:"messages"`
+	System              json.RawMessage `json:"system"` // Anthropic Messages
 	Prompt              json.RawMessage `json:"prompt"`
 	Input               json.RawMessage `json:"input"`
 	MaxTokens           *int64          `json:"max_tokens"`

@@ -1,6 +1,8 @@
 // Package fakeupstream is an OpenAI-compatible fake LLM: an http.Handler that answers
 // POST /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/responses, as JSON or as
-// server-sent events (stream: true), with token usage that a test can predict exactly. The
+// server-sent events (stream: true), with token usage that a test can predict exactly; and a
+// fake of Anthropic's Messages API, POST /v1/messages and /v1/messages/count_tokens (rules in
+// anthropic.go). The
 // tests use it, and the runnable proxy uses it as its built-in upstream.
 //
 // # Usage rules
@@ -79,8 +81,8 @@ type Options struct {
 	MaxOutputTokens int
 	// MaxBodyBytes limits the request body; a larger one gets 413. Default 8 MiB.
 	MaxBodyBytes int64
-	// APIKey, when set, is required as "Authorization: Bearer <APIKey>"; other requests get
-	// 401 invalid_api_key. Default: any key, or none, is accepted.
+	// APIKey, when set, is required as "Authorization: Bearer <APIKey>" or "x-api-key:
+	// <APIKey>"; other requests get 401 invalid_api_key. Default: any key, or none, is accepted.
 	APIKey string
 	// OnRequest, when set, is called for every request, after its body has been read and
 	// before it is answered, from the request's goroutine. Its Body is a copy it may keep.
@@ -95,8 +97,9 @@ type Options struct {
 type Request struct {
 	Method        string
 	Path          string
-	Authorization string // the Authorization header as received
-	Model         string // the body's "model", "" when absent or unparsable
+	Authorization string      // the Authorization header as received
+	Header        http.Header // every header as received (a copy)
+	Model         string      // the body's "model", "" when absent or unparsable
 	Stream        bool
 	IncludeUsage  bool   // stream_options.include_usage
 	Body          []byte // the raw body (a copy; in Seen and LastRequest, its first 64 KiB)
@@ -161,7 +164,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		parseErr = json.Unmarshal(body, &req)
 	}
 	seen := Request{
-		Method: r.Method, Path: r.URL.Path, Authorization: r.Header.Get("Authorization"),
+		Method: r.Method, Path: r.URL.Path, Authorization: r.Header.Get("Authorization"), Header: r.Header.Clone(),
 		Model: req.Model, Stream: req.Stream, Body: body, Time: time.Now(),
 		IncludeUsage: req.StreamOptions != nil && req.StreamOptions.IncludeUsage,
 	}
@@ -176,7 +179,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Allow", http.MethodPost)
 		writeError(w, http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed",
 			fmt.Sprintf("Method %s not allowed on %s", r.Method, r.URL.Path))
-	case s.opts.APIKey != "" && r.Header.Get("Authorization") != "Bearer "+s.opts.APIKey:
+	case s.opts.APIKey != "" && r.Header.Get("Authorization") != "Bearer "+s.opts.APIKey && r.Header.Get("X-Api-Key") != s.opts.APIKey:
 		writeError(w, http.StatusUnauthorized, "invalid_request_error", "invalid_api_key",
 			"Incorrect API key provided.")
 	case readErr != nil:
@@ -220,10 +223,12 @@ func (s *Server) record(req Request) {
 }
 
 var endpoints = map[string]func(*Server, http.ResponseWriter, *http.Request, *apiRequest){
-	"/v1/chat/completions": (*Server).chat,
-	"/v1/completions":      (*Server).completions,
-	"/v1/embeddings":       (*Server).embeddings,
-	"/v1/responses":        (*Server).responses,
+	"/v1/chat/completions":      (*Server).chat,
+	"/v1/completions":           (*Server).completions,
+	"/v1/embeddings":            (*Server).embeddings,
+	"/v1/responses":             (*Server).responses,
+	"/v1/messages":              (*Server).messages,
+	"/v1/messages/count_tokens": (*Server).countTokens,
 }
 
 // errorBody is OpenAI's error shape.

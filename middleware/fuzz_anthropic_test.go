@@ -1,0 +1,70 @@
+package middleware
+
+import (
+	"bytes"
+	"strconv"
+	"testing"
+
+	"github.com/tidwall/gjson"
+)
+
+// FuzzMessagesRequest: parseMessages never panics, refuses with a 400 or accepts a valid object
+// with a model and a positive max_tokens that is in the body.
+func FuzzMessagesRequest(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"m","max_tokens":5,"stream":true,"system":[{"type":"text","text":"s","cache_control":{"type":"ephemeral"}}],"messages":[{"role":"user","content":"hi"}]}`,
+		`{"model":"m","max_tokens":1,"tools":[{"type":"web_search_20250305","name":"web_search"}]}`,
+		`{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"tool_result","content":[{"type":"text","cache_control":{"ttl":"1h"}}]}]}]}`,
+		`{"model":"m","Max_Tokens":2,"max_tokens":1}`, `{"model":"m"}`, `[]`, `{`, "{\"model\":\"m\",\"max_tokens\":1,\"\u017fpeed\":\"fast\"}",
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		r, e := parseMessages(body)
+		if e != nil {
+			if e.Status != 400 || e.Code == "" || e.forAnthropic().Type != AnthropicInvalidRequest {
+				t.Fatalf("bad error %+v", e)
+			}
+			return
+		}
+		if !gjson.ValidBytes(body) || r.Model == "" || r.OutputCap < 1 || r.N != 1 || r.Size != len(body) || r.Endpoint != EndpointMessages {
+			t.Fatalf("accepted %q as %+v", body, r)
+		}
+		if !bytes.Contains(body, []byte(strconv.FormatInt(r.OutputCap, 10))) {
+			t.Fatalf("max_tokens %d not in the body", r.OutputCap)
+		}
+	})
+}
+
+// FuzzAnthropicSSE: the Messages stream filter never changes the stream, reads the same usage
+// whatever the writes' sizes, and never invents counts.
+func FuzzAnthropicSSE(f *testing.F) {
+	f.Add([]byte(anthStream), uint8(3))
+	f.Add([]byte("event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":3,\"output_tokens\":2}}\n\n"), uint8(1))
+	f.Fuzz(func(t *testing.T, stream []byte, step uint8) {
+		run := func(s int) *sseFilter {
+			var out bytes.Buffer
+			flt := &sseFilter{anthropic: true, maxEvent: 256, emit: func(b []byte) { out.Write(b) }}
+			for b := stream; len(b) > 0; {
+				n := min(s, len(b))
+				flt.Write(b[:n])
+				b = b[n:]
+			}
+			flt.finish()
+			out.Write(flt.release())
+			if !bytes.Equal(out.Bytes(), stream) {
+				t.Fatalf("stream changed:\n%q\n%q", stream, out.Bytes())
+			}
+			return flt
+		}
+		whole, parts := run(len(stream)+1), run(max(int(step), 1))
+		if whole.haveUsage != parts.haveUsage || whole.usage != parts.usage {
+			t.Fatalf("usage depends on the writes: %+v %v vs %+v %v", whole.usage, whole.haveUsage, parts.usage, parts.haveUsage)
+		}
+		if u := whole.usage; whole.haveUsage {
+			if u.Prompt < u.Cached+u.CacheWrite || u.Completion < 0 || !bytes.Contains(stream, []byte("output_tokens")) {
+				t.Fatalf("usage %+v from %q", u, stream)
+			}
+		}
+	})
+}

@@ -1,0 +1,106 @@
+package server
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/internal/testutil"
+)
+
+// needNodeSDK returns the path of node with the sdktest packages installed. Without them the
+// test fails when ESCROW_REQUIRE_SERVICES is set (CI installs them with scripts/sdktest.sh) and
+// is skipped otherwise — never counted as passed.
+func needNodeSDK(t *testing.T, pkg string) string {
+	t.Helper()
+	missing := func(what string) {
+		msg := what + " (install with: bash scripts/sdktest.sh)"
+		if testutil.RequireServices() {
+			t.Fatalf("ESCROW_REQUIRE_SERVICES=1 and %s", msg)
+		}
+		t.Skip(msg)
+	}
+	node, err := exec.LookPath("node")
+	if err != nil {
+		missing("node is not on PATH")
+	}
+	if _, err := os.Stat(filepath.Join("..", "sdktest", "node_modules", filepath.FromSlash(pkg), "package.json")); err != nil {
+		missing("the npm package " + pkg + " is not installed in sdktest/")
+	}
+	return node
+}
+
+// TestAnthropicSDK drives the proxy with the official @anthropic-ai/sdk (sdktest/anthropic.mjs):
+// a Messages request as JSON and as a stream, with prompt-cache writes and reads, are billed to
+// the micro-unit what the SDK reported, and an insufficient balance surfaces as the SDK's
+// PaymentRequiredError after one HTTP attempt (no retries, although the client allows 3).
+func TestAnthropicSDK(t *testing.T) {
+	t.Parallel()
+	node := needNodeSDK(t, "@anthropic-ai/sdk")
+	eachAnthropicMode(t, func(t *testing.T, p anthProxy) {
+		const funds = 10_000_000
+		key := p.setupClaude("sdk", funds)
+		poor := p.setupClaude("sdk-poor", 5)
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, node, filepath.Join("..", "sdktest", "anthropic.mjs"))
+		cmd.Env = append(os.Environ(), "ESCROW_BASE_URL="+p.base, "ESCROW_KEY="+key, "ESCROW_POOR_KEY="+poor, "ESCROW_MODEL=claude-t")
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		out, err := cmd.Output()
+		if err != nil {
+			t.Fatalf("node: %v\n%s", err, stderr.String())
+		}
+		var res struct {
+			JSON, Stream struct {
+				ID    string    `json:"id"`
+				Usage anthUsage `json:"usage"`
+				Text  string    `json:"text"`
+			}
+			Refused *struct {
+				Status            int    `json:"status"`
+				Class             string `json:"class"`
+				IsAPIError        bool   `json:"isAPIError"`
+				IsPaymentRequired bool   `json:"isPaymentRequired"`
+				Type              string `json:"type"`
+				Attempts          int    `json:"attempts"`
+			}
+		}
+		if err := json.Unmarshal(bytes.TrimSpace(out), &res); err != nil {
+			t.Fatalf("node output %s: %v", out, err)
+		}
+		// 3 system words + 8 user words: 4 written, 3 read, 4 plain; 9 output words.
+		want := anthUsage{Input: 4, CacheWrite: 4, CacheRead: 3, Output: 9}
+		if res.JSON.Usage != want || res.Stream.Usage != want || res.JSON.Text == "" || res.Stream.Text != res.JSON.Text {
+			t.Fatalf("the SDK reported %+v", res)
+		}
+		var total int64
+		for _, u := range []anthUsage{res.JSON.Usage, res.Stream.Usage} {
+			c, err := claudePrices.Cost(u.usage())
+			if err != nil {
+				t.Fatal(err)
+			}
+			total += c
+		}
+		if b := p.settled("sdk"); b.LedgerBalance != funds-total || b.Available != funds-total {
+			t.Fatalf("ledger %+v, want %d (the usage the SDK reported, %d)", b, funds-total, total)
+		}
+		r := res.Refused
+		if r == nil || r.Status != 402 || r.Class != "PaymentRequiredError" || !r.IsPaymentRequired || !r.IsAPIError ||
+			r.Type != "billing_error" || r.Attempts != 1 {
+			t.Fatalf("insufficient balance as the SDK saw it: %+v", r)
+		}
+		if b := p.settled("sdk-poor"); b.LedgerBalance != 5 || b.Held != 0 {
+			t.Fatalf("poor org: %+v", b)
+		}
+		if !strings.HasPrefix(res.JSON.ID, "msg") {
+			t.Fatalf("message id %q", res.JSON.ID)
+		}
+	})
+}
