@@ -62,6 +62,7 @@ type middleware struct {
 	failures *failureLimiter // failed key look-ups per client IP
 	models   *ttlCache[accounting.Model]
 	pass     map[string]bool
+	passDirs []string // PassThrough prefixes ("/v1/models/" for "/v1/models/*")
 	allow    map[string]bool
 	extendIn time.Duration
 	raised   sync.Map // model → the highest cost this process raised its learned max to
@@ -75,6 +76,10 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	m := &middleware{cfg: cfg, pass: map[string]bool{}, allow: map[string]bool{}, extendIn: cfg.HoldTTL / 3}
 	m.void = voidOf(cfg.Recorder)
 	for _, p := range cfg.PassThrough {
+		if dir, ok := strings.CutSuffix(p, "/*"); ok {
+			m.passDirs = append(m.passDirs, dir+"/")
+			continue
+		}
 		m.pass[p] = true
 	}
 	for _, f := range cfg.Allow {
@@ -210,7 +215,7 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	}
 	path := req.URL.Path
 	if !pricedEndpoint(path) {
-		if m.pass[path] {
+		if m.passes(path) {
 			req.Header.Del("Authorization")
 			o.Kind = OutcomePassed
 			err := next(c)
@@ -241,6 +246,19 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 		if !m.allow[f] {
 			return m.refuse(c, o, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: featureParam(f), Code: CodeUnsupported,
 				Message: "This request uses a feature that cannot be priced here: " + f + "."})
+		}
+	}
+	if m.cfg.Route != nil {
+		up, err := m.cfg.Route(c, r.Model)
+		if err != nil {
+			o.Err = err
+			return m.refuse(c, o, m.routeError(err))
+		}
+		if up != "" && up != r.Model {
+			// parseRequest refused any body whose "model" key is not unique and exactly spelled,
+			// so the member replaced is the one priced; the hold's size bound counts the new body.
+			body = setTopString(body, "model", up)
+			r.Size = max(r.Size, len(body))
 		}
 	}
 	model, err := m.models.get(ctx, r.Model, m.cfg.Ledger.Model)
@@ -327,6 +345,29 @@ func (m *middleware) reserveError(err error, amount int64) (e *Error, unknown bo
 	// Redis trouble with fail-open off, or a failure nobody classified (a timeout while
 	// waiting for a warm-up): 503, and a release in case a reserve committed unseen.
 	return errUnavailable("The balance service is unavailable; please retry.", m.cfg.RetryAfter), true
+}
+
+// passes reports whether path is a PassThrough path.
+func (m *middleware) passes(path string) bool {
+	if m.pass[path] {
+		return true
+	}
+	for _, d := range m.passDirs {
+		if strings.HasPrefix(path, d) && len(path) > len(d) {
+			return true
+		}
+	}
+	return false
+}
+
+// routeError maps a failed Config.Route to a refusal.
+func (m *middleware) routeError(err error) *Error {
+	var e *Error
+	if errors.As(err, &e) {
+		return e
+	}
+	m.cfg.Logger.Warn("escrow: routing failed", "err", err)
+	return errUnavailable("The routing service is unavailable; please retry.", m.cfg.RetryAfter)
 }
 
 func (m *middleware) identityError(err error) *Error {
