@@ -21,6 +21,7 @@ type Config struct {
 	DatabaseURL     string
 	UpstreamURL     string
 	UpstreamAPIKey  string
+	RoutesFile      string
 	AdminToken      string
 	HoldTTL         time.Duration
 	FailOpen        bool
@@ -136,6 +137,7 @@ func (c *Config) settings() []setting {
 		{"DATABASE_URL", "database-url", "", "PostgreSQL URL for the ledger; empty: in-memory ledger (only with embedded Redis, examples/proxy)", str(&c.DatabaseURL)},
 		{"UPSTREAM_URL", "upstream-url", "", "OpenAI-compatible upstream base URL (e.g. https://api.openai.com); empty: built-in fake upstream (examples/proxy only; required by escrow serve)", str(&c.UpstreamURL)},
 		{"UPSTREAM_API_KEY", "upstream-api-key", "", "API key sent to the upstream (clients' keys are never forwarded)", str(&c.UpstreamAPIKey)},
+		{"ESCROW_ROUTES_FILE", "routes-file", "", "JSON file of upstream routes by model ({\"routes\":[{\"model\" or \"prefix\", \"upstream\", \"api_key_env\" or \"api_key\", \"style\": openai|anthropic, \"rename\"}]}); replaces UPSTREAM_URL; empty: UPSTREAM_URL serves every model", str(&c.RoutesFile)},
 		{"ESCROW_ADMIN_TOKEN", "admin-token", "", "bearer token of the admin API; empty: admin API off (the embedded demo generates one)", str(&c.AdminToken)},
 		{"ESCROW_HOLD_TTL", "hold-ttl", "10m", "hold expiry; extended every third of it while a request runs", dur(&c.HoldTTL)},
 		{"ESCROW_FAIL_OPEN", "fail-open", "false", "when Redis is down, serve requests without a hold (their usage is still billed)", boolean(&c.FailOpen)},
@@ -269,6 +271,9 @@ func (c *Config) check() error {
 			return fmt.Errorf("%s: %w", h.env, err)
 		}
 	}
+	if c.RoutesFile != "" && c.UpstreamURL != "" {
+		return errors.New("set ESCROW_ROUTES_FILE or UPSTREAM_URL, not both (a route with \"prefix\": \"\" serves every other model)")
+	}
 	if c.UpstreamURL != "" && c.UpstreamAPIKey == "" {
 		return errors.New("UPSTREAM_URL is set but UPSTREAM_API_KEY is empty")
 	}
@@ -297,5 +302,5 @@ func (c *Config) NewLogger(w io.Writer) *slog.Logger {
 	if c.LogFormat == "json" {
 		h = slog.NewJSONHandler(w, opts)
 	}
-	return slog.New(redactingHandler{h})
+	return slog.New(redactingHandler{next: h})
 }

@@ -46,16 +46,21 @@ func (s *Server) buildEcho() error {
 		KeyFailuresPerMinute: s.cfg.KeyFailures,
 		Logger:               s.log,
 		OnOutcome:            s.metrics.observe,
+		Route:                s.route,
+		PassThrough:          []string{"/v1/models", "/v1/models/*"},
 	}.ToMiddleware()
 	if err != nil {
 		return fmt.Errorf("middleware: %w", err)
 	}
-	rp := s.reverseProxy()
+	rp := s.proxyHandler()
 	if s.cfg.BenchBaseline {
 		s.log.Warn("ESCROW_BENCH_BASELINE is set: requests pass without holds and are not billed")
-		e.Any("/v1/*", echo.WrapHandler(rp))
+		e.Any("/v1/*", rp)
 	} else {
-		e.Any("/v1/*", echo.WrapHandler(rp), s.journalGate, mw)
+		e.Any("/v1/*", rp, s.journalGate, mw)
+		// Authenticated by the middleware (PassThrough), unbilled, answered here.
+		e.GET("/v1/models", s.listModels, mw)
+		e.GET("/v1/models/*", s.getModel, mw)
 	}
 	s.echo = e
 	return nil
@@ -102,16 +107,33 @@ func statusCode(status int) string {
 	return b.String()
 }
 
-// reverseProxy forwards to the upstream with the upstream's key; the client's key never leaves.
-// Only allow-listed headers cross it, in either direction (headers.go), and the upstream's
-// interim responses never reach the client (finalOnly).
+// proxyHandler forwards each request to the upstream the middleware's Route chose for its
+// model (without the middleware, in the benchmark baseline: the catch-all route of its style).
+func (s *Server) proxyHandler() echo.HandlerFunc {
+	rp := s.reverseProxy()
+	return func(c echo.Context) error {
+		req := c.Request()
+		u, _ := c.Get(routeKey).(*upstream)
+		if u == nil {
+			u = s.routes.catchAll(styleOf(req.URL.Path))
+		}
+		if u == nil {
+			return middleware.WriteError(c, &middleware.Error{Status: http.StatusNotFound, Type: middleware.TypeInvalidRequest, Code: middleware.CodeNotFound,
+				Message: "Invalid URL (" + req.Method + " " + req.URL.Path + ")"})
+		}
+		rp.ServeHTTP(finalOnly{c.Response()}, req.WithContext(context.WithValue(req.Context(), upstreamCtxKey{}, u)))
+		return nil
+	}
+}
+
+// reverseProxy forwards to the request's upstream (on its context) with that upstream's key;
+// the client's key never leaves. Only allow-listed headers cross it, in either direction
+// (headers.go), and the upstream's interim responses never reach the client (finalOnly).
 func (s *Server) reverseProxy() http.Handler {
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	tr.MaxIdleConns = 1024
 	tr.MaxIdleConnsPerHost = 1024
 	tr.ResponseHeaderTimeout = 10 * time.Minute
-	up := s.upstream
-	key := s.cfg.UpstreamAPIKey
 	// Validated with the configuration: these cannot fail here.
 	reqList, _ := parseHeaderList(s.cfg.UpstreamRequestHeaders, neverRequestHeaders)
 	respList, _ := parseHeaderList(s.cfg.UpstreamResponseHeaders, neverResponseHeaders)
@@ -119,12 +141,11 @@ func (s *Server) reverseProxy() http.Handler {
 	respHeaders := newHeaderPolicy(alwaysResponseHeaders, respList, neverResponseHeaders)
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.SetURL(up)
-			pr.Out.Host = up.Host
+			up := pr.In.Context().Value(upstreamCtxKey{}).(*upstream)
+			pr.SetURL(up.base)
+			pr.Out.Host = up.base.Host
 			reqHeaders.filter(pr.Out.Header)
-			if key != "" {
-				pr.Out.Header.Set("Authorization", "Bearer "+key)
-			}
+			up.setKey(pr.Out.Header)
 		},
 		ModifyResponse: func(res *http.Response) error {
 			respHeaders.filter(res.Header)
@@ -148,7 +169,7 @@ func (s *Server) reverseProxy() http.Handler {
 			_, _ = w.Write(body)
 		},
 	}
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { rp.ServeHTTP(finalOnly{w}, r) })
+	return rp
 }
 
 // journalGate refuses new requests (503 before any hold is taken) while the local journal is

@@ -38,7 +38,7 @@ import (
 // provides the part.
 var (
 	ErrNoRedis    = errors.New("server: no Redis (set REDIS_URL)")
-	ErrNoUpstream = errors.New("server: no upstream (set UPSTREAM_URL and UPSTREAM_API_KEY)")
+	ErrNoUpstream = errors.New("server: no upstream (set UPSTREAM_URL and UPSTREAM_API_KEY, or ESCROW_ROUTES_FILE)")
 )
 
 // Option gives New a part instead of the one the configuration describes.
@@ -88,7 +88,7 @@ type Server struct {
 	metrics  *metrics
 	echo     *echo.Echo
 
-	upstream   *url.URL
+	routes     *routeTable  // each model's upstream (upstreams.go)
 	fake       *http.Server // in-process upstream (WithUpstream)
 	ln         net.Listener
 	httpServer *http.Server
@@ -125,6 +125,12 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 			err = redactError(err)
 		}
 	}()
+	// The routes first, so that every part logs through a logger that masks the upstreams'
+	// keys (and the admin token) wherever they would appear.
+	if err := s.openUpstream(p); err != nil {
+		return nil, err
+	}
+	s.log = redactLogger(s.log, append(s.routes.keys, cfg.AdminToken)...)
 	if err := s.openRedis(p); err != nil {
 		return nil, err
 	}
@@ -152,8 +158,8 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 		return nil, fmt.Errorf("ledger not ready (are the migrations applied? ESCROW_MIGRATE=true applies them): %w", err)
 	}
 	s.metrics = newMetrics(s)
-	if err := s.openUpstream(p); err != nil {
-		return nil, err
+	if s.routes.empty() {
+		return nil, ErrNoUpstream
 	}
 	if err := s.buildEcho(); err != nil {
 		return nil, err
@@ -229,28 +235,46 @@ func (s *Server) openAccounting() error {
 	return s.openWebhooks()
 }
 
+// openUpstream builds the route table: the routes file; or one catch-all OpenAI route to
+// UPSTREAM_URL, or to the in-process upstream of WithUpstream.
 func (s *Server) openUpstream(p parts) error {
-	if p.upstream != nil {
+	var rs []Route
+	all := ""
+	switch {
+	case p.upstream != nil && s.cfg.RoutesFile != "":
+		return fmt.Errorf("%w: WithUpstream and ESCROW_ROUTES_FILE exclude each other", ErrConfig)
+	case p.upstream != nil:
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			return fmt.Errorf("in-process upstream: %w", err)
 		}
 		s.fake = &http.Server{Handler: p.upstream, ReadHeaderTimeout: 10 * time.Second}
 		go func() { _ = s.fake.Serve(ln) }()
-		s.upstream = &url.URL{Scheme: "http", Host: ln.Addr().String()}
 		s.cfg.UpstreamAPIKey = p.upstreamKey
-		s.log.Info("using an in-process upstream", "addr", s.upstream.Host)
+		s.log.Info("using an in-process upstream", "addr", ln.Addr().String())
+		rs = []Route{{Prefix: &all, Upstream: "http://" + ln.Addr().String(), APIKey: p.upstreamKey}}
+	case s.cfg.RoutesFile != "":
+		var err error
+		if rs, err = readRoutesFile(s.cfg.RoutesFile); err != nil {
+			return fmt.Errorf("%w: %w", ErrConfig, err)
+		}
+	case s.cfg.UpstreamURL != "":
+		u, err := url.Parse(s.cfg.UpstreamURL)
+		if err != nil || u.Host == "" {
+			// Not quoted: a value that does not parse may not be masked by redact either.
+			return fmt.Errorf("%w: UPSTREAM_URL is not an absolute URL (want scheme://host, e.g. https://api.openai.com)", ErrConfig)
+		}
+		rs = []Route{{Prefix: &all, Upstream: s.cfg.UpstreamURL, APIKey: s.cfg.UpstreamAPIKey}}
+	default:
+		// Reported by New after the other parts, whose own configuration errors come first.
+		s.routes = &routeTable{}
 		return nil
 	}
-	if s.cfg.UpstreamURL == "" {
-		return ErrNoUpstream
+	t, err := newRouteTable(rs, os.Getenv)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
-	u, err := url.Parse(s.cfg.UpstreamURL)
-	if err != nil || u.Host == "" {
-		// Not quoted: a value that does not parse may not be masked by redact either.
-		return fmt.Errorf("%w: UPSTREAM_URL is not an absolute URL (want scheme://host, e.g. https://api.openai.com)", ErrConfig)
-	}
-	s.upstream = u
+	s.routes = t
 	return nil
 }
 
@@ -289,7 +313,7 @@ func (s *Server) Start(ctx context.Context) error {
 		redisDesc = s.cfg.RedisURL
 	}
 	// The URLs are logged as configured, their secrets masked by the logger (redact).
-	s.log.Info("escrow proxy listening", "addr", ln.Addr().String(), "upstream", s.upstream.String(),
+	s.log.Info("escrow proxy listening", "addr", ln.Addr().String(), "upstreams", s.routes.String(),
 		"redis", redisDesc, "database", cmp.Or(s.cfg.DatabaseURL, "in-memory ledger"),
 		"admin_api", s.cfg.AdminToken != "")
 	return nil
