@@ -417,7 +417,8 @@ func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
 			if err != nil {
 				return invalid(c, "could not read the request body")
 			}
-			r.Body = io.NopCloser(bytes.NewReader(body))
+			// What was not read (a body above MaxBodyBytes, for the routes that take one) follows.
+			r.Body = io.NopCloser(io.MultiReader(bytes.NewReader(body), r.Body))
 		}
 		err := next(c)
 		actor := strings.TrimSpace(r.Header.Get(ActorHeader))
@@ -438,6 +439,9 @@ func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
 			status = http.StatusInternalServerError
 		}
 		detail := string(body)
+		if d, ok := c.Get(auditDetail).(string); ok {
+			detail = d
+		}
 		if len(detail) > 4096 {
 			detail = detail[:4096]
 		}
