@@ -108,15 +108,19 @@ func statusCode(status int) string {
 }
 
 // proxyHandler forwards each request to the upstream the middleware's Route chose for its
-// model (without the middleware, in the benchmark baseline: the catch-all route of its style).
+// model (without the middleware, in the benchmark baseline: the catch-all route of its style);
+// anything else gets a 404.
 func (s *Server) proxyHandler() echo.HandlerFunc {
 	rp := s.reverseProxy()
 	return func(c echo.Context) error {
 		req := c.Request()
 		u, _ := c.Get(routeKey).(*upstream)
-		if u == nil {
+		if u == nil && s.cfg.BenchBaseline {
 			u = s.routes.catchAll(styleOf(req.URL.Path))
 		}
+		// With the middleware, a request without a route is one it passed unpriced (a
+		// PassThrough path such as DELETE /v1/models/{id}): never sent upstream with the
+		// operator's key.
 		if u == nil {
 			return middleware.WriteError(c, &middleware.Error{Status: http.StatusNotFound, Type: middleware.TypeInvalidRequest, Code: middleware.CodeNotFound,
 				Message: "Invalid URL (" + req.Method + " " + req.URL.Path + ")"})

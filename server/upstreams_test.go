@@ -334,10 +334,42 @@ func TestModelsEndpoint(t *testing.T) {
 	if !errors.As(err, &apiErr) || apiErr.StatusCode != 404 || apiErr.Code != "model_not_found" {
 		t.Fatalf("SDK get of an unrouted model: %v", err)
 	}
+	// Other methods on the model paths are never forwarded (OpenAI's DELETE /v1/models/{id}
+	// deletes a fine-tuned model with the operator's key).
+	for _, m := range []string{"DELETE", "POST", "PUT"} {
+		for _, path := range []string{"/v1/models", "/v1/models/b-1"} {
+			if st, _, body := p.do(m, path, k.Key, nil); st/100 != 4 {
+				t.Fatalf("%s %s: %d %s", m, path, st, body)
+			}
+		}
+	}
 	if b := p.settled("acme"); b.LedgerBalance != 1000 || b.Available != 1000 {
 		t.Fatalf("listing billed something: %+v", b)
 	}
 	if n := len(u.a.Seen()) + len(u.b.Seen()); n != 0 {
 		t.Fatalf("listing reached an upstream %d times", n)
+	}
+}
+
+// TestModelPathsNotForwarded: with UPSTREAM_URL as the catch-all route, the model paths are
+// still answered by the proxy: a DELETE /v1/models/{id} (which deletes a fine-tuned model at
+// OpenAI) never reaches the upstream with the operator's key, and the list is the priced models.
+func TestModelPathsNotForwarded(t *testing.T) {
+	t.Parallel()
+	up := fakeupstream.New(fakeupstream.Options{APIKey: "sk-op"})
+	su := httptest.NewServer(up)
+	t.Cleanup(su.Close)
+	p := startTestProxy(t, false, func(c *Config) { c.UpstreamURL, c.UpstreamAPIKey = su.URL, "sk-op" })
+	key := p.setup("acme", 1000, 65)
+	for _, m := range []string{"DELETE", "POST"} {
+		if st, _, body := p.do(m, "/v1/models/ft:gpt-4o:acme", key, nil); st/100 != 4 {
+			t.Fatalf("%s: %d %s", m, st, body)
+		}
+	}
+	if st, _, body := p.do("GET", "/v1/models", key, nil); st != 200 || !strings.Contains(string(body), `"id":"m"`) {
+		t.Fatalf("list: %d %s", st, body)
+	}
+	if n := up.Requests(); n != 0 {
+		t.Fatalf("the upstream got %d requests", n)
 	}
 }
