@@ -23,6 +23,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -49,6 +50,7 @@ type parts struct {
 	embedded    bool
 	upstream    http.Handler
 	upstreamKey string
+	routes      []Route
 }
 
 // WithRedis makes the server use c instead of dialing Config.RedisURL. The caller keeps c:
@@ -68,6 +70,13 @@ func WithEmbeddedRedis(c redis.UniversalClient) Option {
 // upstream key, instead of Config.UpstreamURL (the demo's fake upstream). Stop closes it.
 func WithUpstream(h http.Handler, apiKey string) Option {
 	return func(p *parts) { p.upstream, p.upstreamKey = h, apiKey }
+}
+
+// WithRoutes adds routes (see Route) before the configured ones (ESCROW_ROUTES_FILE, or the
+// catch-all of UPSTREAM_URL or WithUpstream), e.g. a demo's second, in-process upstream for some
+// models. The combined table follows the same rules (a model or prefix listed twice is an error).
+func WithRoutes(rs ...Route) Option {
+	return func(p *parts) { p.routes = append(p.routes, rs...) }
 }
 
 // Server is one proxy process: its parts and their lifecycle. New builds every part, Start
@@ -265,12 +274,12 @@ func (s *Server) openUpstream(p parts) error {
 			return fmt.Errorf("%w: UPSTREAM_URL is not an absolute URL (want scheme://host, e.g. https://api.openai.com)", ErrConfig)
 		}
 		rs = []Route{{Prefix: &all, Upstream: s.cfg.UpstreamURL, APIKey: s.cfg.UpstreamAPIKey}}
-	default:
+	case len(p.routes) == 0:
 		// Reported by New after the other parts, whose own configuration errors come first.
 		s.routes = &routeTable{}
 		return nil
 	}
-	t, err := newRouteTable(rs, os.Getenv)
+	t, err := newRouteTable(append(slices.Clip(p.routes), rs...), os.Getenv)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -14,7 +15,9 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/openai/openai-go/v3"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
@@ -371,5 +374,61 @@ func TestModelPathsNotForwarded(t *testing.T) {
 	}
 	if n := up.Requests(); n != 0 {
 		t.Fatalf("the upstream got %d requests", n)
+	}
+}
+
+// TestWithRoutes: routes given by a program come before the configured catch-all (here the
+// in-process upstream of WithUpstream), so one embedded proxy serves two upstreams.
+func TestWithRoutes(t *testing.T) {
+	t.Parallel()
+	a := fakeupstream.New(fakeupstream.Options{APIKey: "sk-a-in-process"})
+	b := fakeupstream.New(fakeupstream.Options{APIKey: "sk-b-routed"})
+	sb := httptest.NewServer(b)
+	t.Cleanup(sb.Close)
+	mini := miniredis.RunT(t)
+	rdb := redis.NewClient(&redis.Options{Addr: mini.Addr()})
+	t.Cleanup(func() { _ = rdb.Close() })
+	cfg := DefaultConfig()
+	cfg.Addr, cfg.Logger = "127.0.0.1:0", slog.New(slog.NewTextHandler(io.Discard, nil))
+	ctx := context.Background()
+	s, err := New(ctx, cfg, WithEmbeddedRedis(rdb), WithUpstream(a, "sk-a-in-process"),
+		WithRoutes(Route{Model: "claude-x", Upstream: sb.URL, APIKey: "sk-b-routed", Rename: "b-model"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Stop(context.Background()) })
+	ops := s.Ops()
+	for _, m := range []string{"m", "claude-x"} {
+		if err := ops.PutModel(ctx, accounting.Model{Name: m, Prices: accounting.Prices{Output: 1_000_000}, DefaultHold: 100}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := ops.CreateOrg(ctx, "acme"); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := ops.Credit(ctx, "acme", 1000, "init"); err != nil {
+		t.Fatal(err)
+	}
+	_, key, err := ops.CreateKey(ctx, "acme")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &testProxy{t: t, app: s, base: "http://" + s.Addr()}
+	for _, m := range []string{"m", "claude-x"} {
+		if st, _, body := p.do("POST", "/v1/chat/completions", key, map[string]any{"model": m, "max_tokens": 3,
+			"messages": []map[string]string{{"role": "user", "content": "hi"}}}); st != 200 {
+			t.Fatalf("%s: %d %s", m, st, body)
+		}
+	}
+	ra, _ := a.LastRequest()
+	rb, _ := b.LastRequest()
+	if a.Requests() != 1 || b.Requests() != 1 || ra.Model != "m" || rb.Model != "b-model" || rb.Authorization != "Bearer sk-b-routed" {
+		t.Fatalf("A %d %+v, B %d %+v", a.Requests(), ra.Model, b.Requests(), rb)
+	}
+	if _, err := New(ctx, cfg, WithEmbeddedRedis(rdb), WithUpstream(a, "k-a"), WithRoutes(Route{Prefix: ptr(""), Upstream: sb.URL, APIKey: "k"})); err == nil {
+		t.Fatal("two catch-all routes: accepted")
 	}
 }
