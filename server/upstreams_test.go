@@ -154,6 +154,7 @@ func startTwoUpstreams(t *testing.T) *twoUpstreams {
 		{"prefix": "b-", "upstream": sb.URL, "api_key": keyB},
 		{"model": "alias", "upstream": sb.URL, "api_key": keyB, "rename": "b-dear", "owned_by": "team-b"},
 		{"model": "down", "upstream": down.URL, "api_key": keyA},
+		{"prefix": "claude-", "upstream": sb.URL, "api_key": keyB, "style": "anthropic"},
 	}})
 	f := filepath.Join(t.TempDir(), "routes.json")
 	if err := os.WriteFile(f, routes, 0o600); err != nil {
@@ -290,7 +291,7 @@ func TestModelsEndpoint(t *testing.T) {
 	t.Parallel()
 	u := startTwoUpstreams(t)
 	p := u.p
-	for _, m := range []string{"model-a", "b-1", "alias", "unrouted"} {
+	for _, m := range []string{"model-a", "b-1", "alias", "unrouted", "claude-9", "claude-1"} {
 		p.admin("PUT", "/models/"+m, map[string]any{"input_price": 1, "output_price": 1, "default_hold": 10}, http.StatusOK, nil)
 	}
 	p.admin("POST", "/orgs", map[string]string{"id": "acme"}, http.StatusCreated, nil)
@@ -337,6 +338,32 @@ func TestModelsEndpoint(t *testing.T) {
 	if !errors.As(err, &apiErr) || apiErr.StatusCode != 404 || apiErr.Code != "model_not_found" {
 		t.Fatalf("SDK get of an unrouted model: %v", err)
 	}
+	// With anthropic-version: the models of the anthropic-style routes, in Anthropic's shape.
+	get := func(path string) (int, string) {
+		req, _ := http.NewRequest("GET", p.base+path, nil)
+		req.Header.Set("Authorization", "Bearer "+k.Key)
+		req.Header.Set("anthropic-version", "2023-06-01")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var b bytes.Buffer
+		_, _ = b.ReadFrom(resp.Body)
+		return resp.StatusCode, b.String()
+	}
+	const wantList = `{"data":[{"type":"model","id":"claude-1","display_name":"claude-1","created_at":"1970-01-01T00:00:00Z"},` +
+		`{"type":"model","id":"claude-9","display_name":"claude-9","created_at":"1970-01-01T00:00:00Z"}],"has_more":false,"first_id":"claude-1","last_id":"claude-9"}`
+	if st, body := get("/v1/models"); st != 200 || strings.TrimSpace(body) != wantList {
+		t.Fatalf("anthropic list: %d %s", st, body)
+	}
+	if st, body := get("/v1/models/claude-9"); st != 200 || !strings.Contains(body, `"id":"claude-9"`) {
+		t.Fatalf("anthropic get: %d %s", st, body)
+	}
+	if st, body := get("/v1/models/model-a"); st != 404 || !strings.Contains(body, `"type":"not_found_error"`) {
+		t.Fatalf("anthropic get of an openai-style model: %d %s", st, body)
+	}
+
 	// Other methods on the model paths are never forwarded (OpenAI's DELETE /v1/models/{id}
 	// deletes a fine-tuned model with the operator's key).
 	for _, m := range []string{"DELETE", "POST", "PUT"} {
