@@ -186,6 +186,7 @@ const CSVHeader = "model,input_per_1m,output_per_1m,cached_input_per_1m,max_inpu
 // empty cached price is the input price); lines starting with # are comments. A row that
 // cannot be read is skipped with the reason.
 func ParsePriceCSV(b []byte) (PriceTable, error) {
+	b = bytes.TrimPrefix(b, []byte("\ufeff")) // a spreadsheet's byte order mark
 	r := csv.NewReader(bytes.NewReader(b))
 	r.FieldsPerRecord = -1
 	r.Comment = '#'

@@ -123,7 +123,7 @@ func TestParseLiteLLMEdges(t *testing.T) {
 // TestParsePriceCSV: the simple CSV format, prices per 1M tokens in currency units.
 func TestParsePriceCSV(t *testing.T) {
 	t.Parallel()
-	tab, err := accounting.ParsePriceTable([]byte(accounting.CSVHeader+`
+	tab, err := accounting.ParsePriceTable([]byte("\ufeff"+accounting.CSVHeader+`
 # a comment
 gpt-4o-mini, 0.15, 0.6, 0.075, 128000, 16384
 "name,with,commas",2.5,10,,,
