@@ -3,6 +3,7 @@ package middleware
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -62,6 +63,7 @@ type middleware struct {
 	failures *failureLimiter // failed key look-ups per client IP
 	models   *ttlCache[accounting.Model]
 	pass     map[string]bool
+	passDirs []string // PassThrough prefixes ("/v1/models/" for "/v1/models/*")
 	allow    map[string]bool
 	extendIn time.Duration
 	raised   sync.Map // model → the highest cost this process raised its learned max to
@@ -75,6 +77,10 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	m := &middleware{cfg: cfg, pass: map[string]bool{}, allow: map[string]bool{}, extendIn: cfg.HoldTTL / 3}
 	m.void = voidOf(cfg.Recorder)
 	for _, p := range cfg.PassThrough {
+		if dir, ok := strings.CutSuffix(p, "/*"); ok {
+			m.passDirs = append(m.passDirs, dir+"/")
+			continue
+		}
 		m.pass[p] = true
 	}
 	for _, f := range cfg.Allow {
@@ -220,7 +226,14 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	}
 	path := req.URL.Path
 	if !pricedEndpoint(path) {
-		if m.pass[path] || path == EndpointCountTokens {
+		if path == EndpointCountTokens && m.cfg.Route != nil {
+			// Unbilled, but sent to the upstream of its model's route, like the Messages it
+			// counts for.
+			if e := m.routeUnpriced(c); e != nil {
+				return m.refuse(c, o, e)
+			}
+		}
+		if m.passes(path) || path == EndpointCountTokens {
 			req.Header.Del("Authorization")
 			req.Header.Del("X-Api-Key")
 			o.Kind = OutcomePassed
@@ -255,6 +268,19 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 		if !m.allow[f] {
 			return m.refuse(c, o, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: featureParam(f), Code: CodeUnsupported,
 				Message: "This request uses a feature that cannot be priced here: " + f + "."})
+		}
+	}
+	if m.cfg.Route != nil {
+		up, err := m.cfg.Route(c, r.Model)
+		if err != nil {
+			o.Err = err
+			return m.refuse(c, o, m.routeError(err))
+		}
+		if up != "" && up != r.Model {
+			// parseRequest refused any body whose "model" key is not unique and exactly spelled,
+			// so the member replaced is the one priced; the hold's size bound counts the new body.
+			body = setTopString(body, "model", up)
+			r.Size = max(r.Size, len(body))
 		}
 	}
 	model, err := m.models.get(ctx, r.Model, m.cfg.Ledger.Model)
@@ -341,6 +367,58 @@ func (m *middleware) reserveError(err error, amount int64) (e *Error, unknown bo
 	// Redis trouble with fail-open off, or a failure nobody classified (a timeout while
 	// waiting for a warm-up): 503, and a release in case a reserve committed unseen.
 	return errUnavailable("The balance service is unavailable; please retry.", m.cfg.RetryAfter), true
+}
+
+// passes reports whether path is a PassThrough path.
+func (m *middleware) passes(path string) bool {
+	if m.pass[path] {
+		return true
+	}
+	for _, d := range m.passDirs {
+		if strings.HasPrefix(path, d) && len(path) > len(d) {
+			return true
+		}
+	}
+	return false
+}
+
+// routeUnpriced routes a request passed unbilled whose body names a model
+// (/v1/messages/count_tokens): Config.Route is asked for that model, and a rename is applied to
+// the body as for a priced request.
+func (m *middleware) routeUnpriced(c echo.Context) *Error {
+	req := c.Request()
+	body, e := readBody(req, m.cfg.MaxRequestBytes)
+	if e != nil {
+		return e
+	}
+	var v struct {
+		Model *string `json:"model"`
+	}
+	if json.Unmarshal(body, &v) != nil {
+		return &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON, Message: "The request body is not valid JSON."}
+	}
+	if v.Model == nil || *v.Model == "" {
+		return errInvalid("model", "model: field required")
+	}
+	up, err := m.cfg.Route(c, *v.Model)
+	if err != nil {
+		return m.routeError(err)
+	}
+	if up != "" && up != *v.Model {
+		body = setTopString(body, "model", up)
+	}
+	setBody(req, body)
+	return nil
+}
+
+// routeError maps a failed Config.Route to a refusal.
+func (m *middleware) routeError(err error) *Error {
+	var e *Error
+	if errors.As(err, &e) {
+		return e
+	}
+	m.cfg.Logger.Warn("escrow: routing failed", "err", err)
+	return errUnavailable("The routing service is unavailable; please retry.", m.cfg.RetryAfter)
 }
 
 func (m *middleware) identityError(err error) *Error {

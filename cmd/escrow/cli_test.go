@@ -53,19 +53,10 @@ func (c *cli) json(v any, args ...string) {
 	}
 }
 
-type usageRow struct {
-	Group      string `json:"group"`
-	Requests   int64  `json:"requests"`
-	Cost       int64  `json:"cost"`
-	Prompt     int64  `json:"prompt_tokens"`
-	Completion int64  `json:"completion_tokens"`
-}
-
-// TestCLIEndToEnd drives the CLI against the proxy started in-process on real Redis and
-// Postgres: an org with a name, two named keys, two models priced by PATCH in decimals, a
-// credit, requests through the proxy, then the lists, usage by day, model and key adding up to
-// the ledger, a CSV export, and one request by its x-request-id.
-func TestCLIEndToEnd(t *testing.T) {
+// startCLIServer starts the proxy in-process on real Redis and Postgres with the fake upstream
+// and returns its base URL and a CLI pointed at it.
+func startCLIServer(t *testing.T) (string, *cli) {
+	t.Helper()
 	if testutil.RealRedisURL() == "" || testutil.RealPostgresURL() == "" {
 		if testutil.RequireServices() {
 			t.Fatal("ESCROW_TEST_REDIS_URL and ESCROW_TEST_DATABASE_URL are required")
@@ -95,7 +86,23 @@ func TestCLIEndToEnd(t *testing.T) {
 		}
 	})
 	base := "http://" + srv.Addr()
-	c := &cli{t: t, env: map[string]string{"ESCROW_URL": base, "ESCROW_ADMIN_TOKEN": cfg.AdminToken, "USER": "tester"}}
+	return base, &cli{t: t, env: map[string]string{"ESCROW_URL": base, "ESCROW_ADMIN_TOKEN": cfg.AdminToken, "USER": "tester"}}
+}
+
+type usageRow struct {
+	Group      string `json:"group"`
+	Requests   int64  `json:"requests"`
+	Cost       int64  `json:"cost"`
+	Prompt     int64  `json:"prompt_tokens"`
+	Completion int64  `json:"completion_tokens"`
+}
+
+// TestCLIEndToEnd drives the CLI against the proxy started in-process on real Redis and
+// Postgres: an org with a name, two named keys, two models priced by PATCH in decimals, a
+// credit, requests through the proxy, then the lists, usage by day, model and key adding up to
+// the ledger, a CSV export, and one request by its x-request-id.
+func TestCLIEndToEnd(t *testing.T) {
+	base, c := startCLIServer(t)
 
 	// Set up: org, keys, prices, credit.
 	c.ok("orgs", "create", "acme", "--name", "Acme Inc")
@@ -309,7 +316,7 @@ func TestCLIEndToEnd(t *testing.T) {
 	}
 	// A wrong method on an admin route: 405 with Allow and a snake_case code.
 	req, _ := http.NewRequest("PUT", base+"/admin/v1/orgs/acme", nil)
-	req.Header.Set("Authorization", "Bearer "+cfg.AdminToken)
+	req.Header.Set("Authorization", "Bearer "+c.env["ESCROW_ADMIN_TOKEN"])
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
