@@ -22,13 +22,11 @@ type ImportReport struct {
 	// RoundedUp lists "model: field" for every price that was not a whole number of
 	// micro-units per 1M tokens and was rounded up.
 	RoundedUp []string `json:"rounded_up"`
-	// CacheWriteSkipped lists the models whose table entry has a cache-write price, which escrow
-	// does not store (yet): their cache writes are billed as input tokens.
-	CacheWriteSkipped []string `json:"cache_write_skipped"`
 }
 
 // ImportPrices applies a parsed price table to the ledger: each row's prices (input, cached
-// input, output) and the token limits it gives replace the model's; a new model is created
+// input, output, and the cache-write price when the table gives one) and the token limits it
+// gives replace the model's; a new model is created
 // with them. Everything else of an existing model stays: its default hold and its learned max
 // cost, in the ledger and in Redis (an import never lowers or resets what requests taught the
 // store; the ledger's copy is raised back to Redis' value should a request have raised it
@@ -36,16 +34,13 @@ type ImportReport struct {
 // An error stops the import: the report then lists what was written before it.
 func (o *Ops) ImportPrices(ctx context.Context, t PriceTable, dryRun bool) (ImportReport, error) {
 	r := ImportReport{DryRun: dryRun, New: []Model{}, Changed: []PriceChange{}, Unchanged: []string{}, Skipped: t.Skipped,
-		RoundedUp: []string{}, CacheWriteSkipped: []string{}}
+		RoundedUp: []string{}}
 	if r.Skipped == nil {
 		r.Skipped = []SkippedPrice{}
 	}
 	for _, row := range t.Rows {
 		for _, f := range row.RoundedUp {
 			r.RoundedUp = append(r.RoundedUp, row.Model+": "+f)
-		}
-		if row.CacheWrite != nil {
-			r.CacheWriteSkipped = append(r.CacheWriteSkipped, row.Model)
 		}
 		old, err := o.ledger.Model(ctx, row.Model)
 		isNew := errors.Is(err, ErrUnknownModel)
@@ -57,6 +52,10 @@ func (o *Ops) ImportPrices(ctx context.Context, t PriceTable, dryRun bool) (Impo
 			m = Model{Name: row.Model}
 		}
 		m.Prices = row.Prices
+		if row.CacheWrite == nil && !isNew {
+			// The table gives no cache-write price: the model keeps its own (0 for a new one).
+			m.CacheWriteInput = old.CacheWriteInput
+		}
 		if row.MaxInputTokens != nil {
 			m.MaxInputTokens = *row.MaxInputTokens
 		}

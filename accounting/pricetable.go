@@ -20,9 +20,11 @@ var ErrInvalidPriceTable = errors.New("accounting: invalid price table")
 // 1,000,000 tokens (DecimalMicros; fractions rounded up). A nil token limit is one the table
 // does not give: the import keeps the model's current value.
 type PriceRow struct {
-	Model           string   `json:"model"`
-	Prices                   // CachedInput is Input when the table gives no cache-read price
-	CacheWrite      *int64   `json:"cache_write_price,omitempty"` // Anthropic's cache-write price, when given
+	Model  string `json:"model"`
+	Prices        // CachedInput is Input when the table gives no cache-read price
+	// CacheWrite is the cache-write price (Prices.CacheWriteInput) when the table gives one;
+	// nil: the import keeps the model's current cache-write price (0 for a new model).
+	CacheWrite      *int64   `json:"cache_write_input_price,omitempty"`
 	MaxInputTokens  *int64   `json:"max_input_tokens,omitempty"`
 	MaxOutputTokens *int64   `json:"max_output_tokens,omitempty"`
 	Provider        string   `json:"provider,omitempty"`
@@ -54,7 +56,8 @@ var importModes = []string{"chat", "completion", "responses", "embedding"}
 // not empty, keeps only the LiteLLM entries of those litellm_provider values.
 //
 // LiteLLM's prices are currency units per token (input_cost_per_token,
-// output_cost_per_token, cache_read_input_token_cost, cache_creation_input_token_cost), read
+// output_cost_per_token, cache_read_input_token_cost, cache_creation_input_token_cost: the
+// cache-write price, Prices.CacheWriteInput), read
 // exactly from their decimal text (1.5e-07 per token is 150,000 micro-units per 1M tokens,
 // assuming the table's currency, USD, is the deployment's: 1 USD = 1,000,000 micro-units) and
 // rounded up when not whole, so an import never under-charges. Entries whose mode is not chat,
@@ -154,10 +157,10 @@ func liteLLMRow(name string, raw json.RawMessage, providers []string) (PriceRow,
 		return row, why
 	}
 	var cw int64
-	if given, why = price("cache_write_price", "cache_creation_input_token_cost", &cw); why != "" {
+	if given, why = price("cache_write_input_price", "cache_creation_input_token_cost", &cw); why != "" {
 		return row, why
 	} else if given {
-		row.CacheWrite = &cw
+		row.CacheWriteInput, row.CacheWrite = cw, &cw
 	}
 	for _, f := range []struct {
 		key string
@@ -177,10 +180,11 @@ func liteLLMRow(name string, raw json.RawMessage, providers []string) (PriceRow,
 }
 
 // CSVHeader is the header of a CSV price table.
-const CSVHeader = "model,input_per_1m,output_per_1m,cached_input_per_1m,max_input_tokens,max_output_tokens"
+const CSVHeader = "model,input_per_1m,output_per_1m,cached_input_per_1m,max_input_tokens,max_output_tokens,cache_write_input_per_1m"
 
 // ParsePriceCSV reads a CSV price table: model, input_per_1m, output_per_1m and optionally
-// cached_input_per_1m, max_input_tokens, max_output_tokens, prices in currency units per 1M
+// cached_input_per_1m, max_input_tokens, max_output_tokens, cache_write_input_per_1m (Anthropic's
+// prompt-cache writes; empty: the model's current one is kept), prices in currency units per 1M
 // tokens as decimals ("0.15" is 150,000 micro-units), rounded up to whole micro-units like
 // LiteLLM's. A first row starting with "model" is the header; blank cells are "not given" (an
 // empty cached price is the input price); lines starting with # are comments. A row that
@@ -230,8 +234,8 @@ func csvRow(rec []string) (PriceRow, string) {
 	switch {
 	case row.Model == "" || len(row.Model) > 200:
 		return row, "model name empty or longer than 200 bytes"
-	case len(rec) < 3 || len(rec) > 6:
-		return row, "want 3 to 6 columns: " + CSVHeader
+	case len(rec) < 3 || len(rec) > 7:
+		return row, "want 3 to 7 columns: " + CSVHeader
 	}
 	price := func(field string, i int, dst *int64) (bool, string) {
 		if cell(i) == "" {
@@ -263,6 +267,12 @@ func csvRow(rec []string) (PriceRow, string) {
 	row.CachedInput = row.Input
 	if _, why := price("cached_input_price", 3, &row.CachedInput); why != "" {
 		return row, why
+	}
+	var cw int64
+	if given, why := price("cache_write_input_price", 6, &cw); why != "" {
+		return row, why
+	} else if given {
+		row.CacheWriteInput, row.CacheWrite = cw, &cw
 	}
 	for _, f := range []struct {
 		name string

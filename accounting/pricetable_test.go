@@ -42,8 +42,8 @@ func TestParseLiteLLM(t *testing.T) {
 		// cache_read_input_token_cost 5.46875e-07, input 2.1875e-06, output 1.75e-05.
 		"amazon.nova-2-pro-preview-20251202-v1:0": {Prices: accounting.Prices{Input: 2_187_500, CachedInput: 546_875, Output: 17_500_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
 		"jp.amazon.nova-2-lite-v1:0":              {Prices: accounting.Prices{Input: 330_000, CachedInput: 82_500, Output: 2_750_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
-		// cache_creation_input_token_cost 6.875e-06 is read (6,875,000) but has no field yet.
-		"eu.anthropic.claude-opus-4-6-v1": {Prices: accounting.Prices{Input: 5_500_000, CachedInput: 550_000, Output: 27_500_000}, CacheWrite: i64p(6_875_000), MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(128_000)},
+		// cache_creation_input_token_cost 6.875e-06: the cache-write price, 6,875,000.
+		"eu.anthropic.claude-opus-4-6-v1": {Prices: accounting.Prices{Input: 5_500_000, CachedInput: 550_000, Output: 27_500_000, CacheWriteInput: 6_875_000}, CacheWrite: i64p(6_875_000), MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(128_000)},
 		"anthropic.claude-mythos-preview": {MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(128_000)},
 	} {
 		got, ok := rows[name]
@@ -233,5 +233,52 @@ func TestImportPrices(t *testing.T) {
 	again, err := ops.ImportPrices(ctx, tab, false)
 	if err != nil || len(again.New)+len(again.Changed) != 0 || len(again.Unchanged) != 3 {
 		t.Fatalf("second import: %+v %v", again, err)
+	}
+}
+
+// TestImportCacheWrite: a table's cache-write price (LiteLLM's cache_creation_input_token_cost,
+// the CSV's seventh column) is stored as Prices.CacheWriteInput; a table without one keeps the
+// model's current cache-write price.
+func TestImportCacheWrite(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := testutil.Redis(t)
+	ledger := accounting.NewMemory()
+	store, err := balance.New(ctx, env.Client, balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ops := accounting.NewOps(accounting.NewWorker(ledger, store, nil))
+	tab, err := accounting.ParsePriceTable([]byte(`{"claude-x":{"mode":"chat","input_cost_per_token":1e-06,"output_cost_per_token":5e-06,
+		"cache_read_input_token_cost":1e-07,"cache_creation_input_token_cost":1.25e-06}}`), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := ops.ImportPrices(ctx, tab, true)
+	if err != nil || len(r.New) != 1 || r.New[0].CacheWriteInput != 1_250_000 {
+		t.Fatalf("dry run: %+v %v", r, err)
+	}
+	if _, err := ops.ImportPrices(ctx, tab, false); err != nil {
+		t.Fatal(err)
+	}
+	m, err := ledger.Model(ctx, "claude-x")
+	if err != nil || m.Prices != (accounting.Prices{Input: 1_000_000, CachedInput: 100_000, Output: 5_000_000, CacheWriteInput: 1_250_000}) {
+		t.Fatalf("imported: %+v %v", m, err)
+	}
+	// A CSV without the column keeps it; with it, changes it (the diff shows old → new).
+	csv, err := accounting.ParsePriceTable([]byte("claude-x,1,5,0.1\n"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := ops.ImportPrices(ctx, csv, false); err != nil || len(r.Unchanged) != 1 {
+		t.Fatalf("CSV without a cache-write price: %+v %v", r, err)
+	}
+	csv, err = accounting.ParsePriceTable([]byte(accounting.CSVHeader+"\nclaude-x,1,5,0.1,,,1.5\n"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err = ops.ImportPrices(ctx, csv, true)
+	if err != nil || len(r.Changed) != 1 || r.Changed[0].Old.CacheWriteInput != 1_250_000 || r.Changed[0].New.CacheWriteInput != 1_500_000 {
+		t.Fatalf("CSV with a cache-write price: %+v %v", r, err)
 	}
 }

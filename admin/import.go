@@ -51,8 +51,8 @@ func (a *API) importModels(c echo.Context) error {
 		return invalid(c, message(err))
 	}
 	r, err := a.ops.ImportPrices(c.Request().Context(), t, dry)
-	c.Set(auditDetail, fmt.Sprintf("price table of %d bytes, dry_run=%v, provider=%q: %d new, %d changed, %d unchanged, %d skipped, %d rounded up, %d cache-write prices not stored%s",
-		len(body), dry, strings.Join(providers, ","), len(r.New), len(r.Changed), len(r.Unchanged), len(r.Skipped), len(r.RoundedUp), len(r.CacheWriteSkipped),
+	c.Set(auditDetail, fmt.Sprintf("price table of %d bytes, dry_run=%v, provider=%q: %d new, %d changed, %d unchanged, %d skipped, %d rounded up%s",
+		len(body), dry, strings.Join(providers, ","), len(r.New), len(r.Changed), len(r.Unchanged), len(r.Skipped), len(r.RoundedUp),
 		map[bool]string{true: "; stopped by an error", false: ""}[err != nil]))
 	if err != nil {
 		return a.fail(c, err)

@@ -698,13 +698,12 @@ func cmdWebhooks(args []string) error {
 
 // importReport is the admin API's answer to an import (accounting.ImportReport).
 type importReport struct {
-	DryRun            bool                                `json:"dry_run"`
-	New               []map[string]any                    `json:"new"`
-	Changed           []struct{ Old, New map[string]any } `json:"changed"`
-	Unchanged         []string                            `json:"unchanged"`
-	Skipped           []struct{ Model, Reason string }    `json:"skipped"`
-	RoundedUp         []string                            `json:"rounded_up"`
-	CacheWriteSkipped []string                            `json:"cache_write_skipped"`
+	DryRun    bool                                `json:"dry_run"`
+	New       []map[string]any                    `json:"new"`
+	Changed   []struct{ Old, New map[string]any } `json:"changed"`
+	Unchanged []string                            `json:"unchanged"`
+	Skipped   []struct{ Model, Reason string }    `json:"skipped"`
+	RoundedUp []string                            `json:"rounded_up"`
 }
 
 // importModels sends a price table to POST /models/import and prints the diff: each new model
@@ -732,7 +731,7 @@ func importModels(c *client, o output, file string, dryRun bool, provider string
 	if err := json.Unmarshal(raw, &r); err != nil {
 		return fmt.Errorf("escrow models import: unexpected answer: %w", err)
 	}
-	fields := []string{"input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens"}
+	fields := []string{"input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "cache_write_input_price"}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	if r.DryRun {
 		fmt.Fprintln(tw, "dry run: nothing written")
@@ -740,6 +739,9 @@ func importModels(c *client, o output, file string, dryRun bool, provider string
 	for _, m := range r.New {
 		var parts []string
 		for _, f := range fields {
+			if f == "cache_write_input_price" && cell(m[f]) == "0" {
+				continue // a model without prompt-cache writes
+			}
 			parts = append(parts, f+" "+cell(m[f]))
 		}
 		fmt.Fprintf(tw, "new\t%s\t%s\n", cell(m["model"]), strings.Join(parts, ", "))
@@ -769,9 +771,6 @@ func importModels(c *client, o output, file string, dryRun bool, provider string
 	}
 	for _, why := range order {
 		fmt.Fprintf(stdout, "skipped %d: %s\n", reasons[why], why)
-	}
-	if n := len(r.CacheWriteSkipped); n > 0 {
-		fmt.Fprintf(stdout, "cache-write prices not stored (escrow has no field for them yet): %d models\n", n)
 	}
 	verb := "imported"
 	if r.DryRun {

@@ -27,7 +27,7 @@ func TestCLIImport(t *testing.T) {
 		"changed ai21.j2-mid-v1 input_price 10000000 → 12500000, cached_input_price 0 → 12500000, output_price 10000000 → 12500000, max_input_tokens 0 → 8191, max_output_tokens 100 → 8191",
 		"new amazon.nova-2-lite-v1:0 input_price 300000, cached_input_price 75000, output_price 2500000, max_input_tokens 1000000, max_output_tokens 64000",
 		"skipped 18: mode \"image_generation\" is not priced per token here",
-		"cache-write prices not stored (escrow has no field for them yet): 2 models",
+		"new eu.anthropic.claude-opus-4-6-v1 input_price 5500000, cached_input_price 550000, output_price 27500000, max_input_tokens 1000000, max_output_tokens 128000, cache_write_input_price 6875000",
 		"would import: 15 new, 1 changed, 0 unchanged, 19 skipped",
 	} {
 		if !strings.Contains(out, want) {
