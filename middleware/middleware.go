@@ -3,7 +3,6 @@ package middleware
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -382,29 +381,52 @@ func (m *middleware) passes(path string) bool {
 	return false
 }
 
+// modelField is the one top-level field routeUnpriced reads.
+var modelField = newFieldSet("model")
+
 // routeUnpriced routes a request passed unbilled whose body names a model
 // (/v1/messages/count_tokens): Config.Route is asked for that model, and a rename is applied to
-// the body as for a priced request.
+// the body as for a priced request. The model member is read by the same rules as a priced
+// request's (one, exactly spelled), so the model routed is the one the upstream reads.
 func (m *middleware) routeUnpriced(c echo.Context) *Error {
 	req := c.Request()
 	body, e := readBody(req, m.cfg.MaxRequestBytes)
 	if e != nil {
 		return e
 	}
-	var v struct {
-		Model *string `json:"model"`
+	if e := checkJSONObject(body); e != nil {
+		return e
 	}
-	if json.Unmarshal(body, &v) != nil {
-		return &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Code: CodeInvalidJSON, Message: "The request body is not valid JSON."}
+	var model string
+	var seen uint64
+	forEachRaw(bstr(body), func(key, v string) bool {
+		i, kc := modelField.check(key, &seen)
+		switch kc {
+		case keyUnknown:
+			return true
+		case keyVariant, keyDuplicate:
+			e = keyError("", key, modelField.names[i], kc)
+			return false
+		}
+		if s := rawString(v); rawKind(v) == '"' && s != "" {
+			model = strings.Clone(s)
+			return true
+		}
+		e = errInvalid("model", "'model' must be a non-empty string.")
+		return false
+	})
+	if e != nil {
+		return e
 	}
-	if v.Model == nil || *v.Model == "" {
-		return errInvalid("model", "model: field required")
+	if model == "" {
+		return &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: "model", Code: CodeMissingField,
+			Message: "You must provide a model parameter."}
 	}
-	up, err := m.cfg.Route(c, *v.Model)
+	up, err := m.cfg.Route(c, model)
 	if err != nil {
 		return m.routeError(err)
 	}
-	if up != "" && up != *v.Model {
+	if up != "" && up != model {
 		body = setTopString(body, "model", up)
 	}
 	setBody(req, body)

@@ -114,3 +114,56 @@ func TestPassThroughDir(t *testing.T) {
 	}
 	e.assertNothingDebited()
 }
+
+// TestRouteCountTokens: with a Route, an unbilled count_tokens request is routed by its
+// body's model (renamed like a priced request) and passed on; a model without a route, or a
+// model member that is duplicated, misspelt in case or missing, is refused in Anthropic's
+// shape before anything reaches the upstream; nothing is debited.
+func TestRouteCountTokens(t *testing.T) {
+	t.Parallel()
+	var asked []string
+	e := newEnv(t, envOpt{cfg: func(c *Config) {
+		c.Route = func(c echo.Context, model string) (string, error) {
+			asked = append(asked, model)
+			if model == "claude-alias" {
+				return "claude-real", nil
+			}
+			return "", &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Param: "model", Code: CodeModelNotFound, Message: "no route"}
+		}
+	}})
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		_, _ = io.WriteString(w, `{"input_tokens":3}`)
+	})
+	resp := e.post(context.Background(), EndpointCountTokens, e.key, `{"model":"claude-alias","messages":[{"role":"user","content":"model"}]}`)
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if o := e.outcome(); resp.StatusCode != 200 || o.Kind != OutcomePassed {
+		t.Fatalf("routed: %d %+v", resp.StatusCode, o)
+	}
+	ups := e.upstreamRequests()
+	if len(ups) != 1 || ups[0].Path != EndpointCountTokens || string(ups[0].Body) != `{"model":"claude-real","messages":[{"role":"user","content":"model"}]}` {
+		t.Fatalf("upstream got %+v", ups)
+	}
+	for body, want := range map[string]int{
+		`{"model":"gpt-x","messages":[]}`:                        404,
+		`{"model":"claude-alias","Model":"gpt-x","messages":[]}`: 400,
+		`{"model":"claude-alias","model":"claude-alias"}`:        400,
+		`{"messages":[]}`: 400,
+		`{"model":7}`:     400,
+		`not json`:        400,
+	} {
+		resp := e.post(context.Background(), EndpointCountTokens, e.key, body)
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if o := e.outcome(); resp.StatusCode != want || o.Kind != OutcomeRefused || !strings.HasPrefix(string(b), `{"type":"error","error":{"type":`) {
+			t.Errorf("%s: %d %s %+v, want %d", body, resp.StatusCode, b, o, want)
+		}
+	}
+	if ups := e.upstreamRequests(); len(ups) != 1 {
+		t.Fatalf("refused requests reached the upstream: %+v", ups[1:])
+	}
+	if len(asked) != 2 {
+		t.Errorf("Route asked for %q, want claude-alias and gpt-x", asked)
+	}
+	e.assertNothingDebited()
+}
