@@ -125,6 +125,11 @@ func TestRouteTableRefusals(t *testing.T) {
 	if err := cfg.validate(); err == nil {
 		t.Error("ESCROW_ROUTES_FILE with UPSTREAM_URL: accepted")
 	}
+	cfg = DefaultConfig()
+	cfg.RoutesFile, cfg.AnthropicURL, cfg.AnthropicAPIKey = "r.json", "http://x", "k"
+	if err := cfg.validate(); err == nil {
+		t.Error("ESCROW_ROUTES_FILE with ESCROW_ANTHROPIC_URL: accepted")
+	}
 }
 
 // twoUpstreams is a proxy on real Redis and Postgres in front of two fake upstreams, each with
