@@ -98,18 +98,15 @@ func (p *Postgres) ListKeys(ctx context.Context, org string, q ListQuery) (Page[
 			return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 		}
 		rows, _ := tx.Query(ctx, `
-SELECT id, org_id, name, created_at, revoked_at FROM api_keys
+SELECT id, org_id, name, created_at, revoked_at, coalesce(project_id, ''), frozen, last_used_at FROM api_keys
 WHERE org_id = $1 AND ($2::timestamptz IS NULL OR (created_at, id) > ($2, $3))
 ORDER BY created_at, id LIMIT $4`, org, tsArg(afterT), afterID, limit+1)
 		var err error
 		keys, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (KeyInfo, error) {
 			var k KeyInfo
-			err := r.Scan(&k.ID, &k.Org, &k.Name, &k.CreatedAt, &k.RevokedAt)
+			err := r.Scan(&k.ID, &k.Org, &k.Name, &k.CreatedAt, &k.RevokedAt, &k.Project, &k.Frozen, &k.LastUsedAt)
 			k.CreatedAt = k.CreatedAt.UTC()
-			if k.RevokedAt != nil {
-				t := k.RevokedAt.UTC()
-				k.RevokedAt = &t
-			}
+			k.RevokedAt, k.LastUsedAt = utcPtr(k.RevokedAt), utcPtr(k.LastUsedAt)
 			return k, err
 		})
 		return err
@@ -397,4 +394,13 @@ WHERE id < $1 ORDER BY id DESC LIMIT $2`, before, limit+1)
 		return Page[AuditRecord]{}, wrapPg("audit log", err)
 	}
 	return pageOf(recs, limit, func(x AuditRecord) string { return auditCursor(x.ID) }), nil
+}
+
+// utcPtr returns t in UTC (nil stays nil).
+func utcPtr(t *time.Time) *time.Time {
+	if t == nil {
+		return nil
+	}
+	u := t.UTC()
+	return &u
 }

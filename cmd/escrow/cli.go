@@ -365,7 +365,7 @@ func cmdKeys(args []string) error {
 		if err != nil {
 			return err
 		}
-		return o.print(rows, []string{"id", "name", "created_at", "revoked_at"}, rows)
+		return o.print(rows, []string{"id", "name", "project", "created_at", "last_used_at", "revoked_at"}, rows)
 	case len(pos) == 2 && pos[0] == "create":
 		if err := c.call(http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/keys", map[string]string{"name": *name}, &res); err != nil {
 			return err
