@@ -168,7 +168,10 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		}
 	}
 	ev := accounting.UsageEvent{
-		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Model: cl.req.Model, Endpoint: cl.req.Endpoint,
+		// The limit attribution is what the reserve used (a fail-open request has no reserve
+		// time: it is attributed to its record time).
+		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.limitKey, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt,
+		Model: cl.req.Model, Endpoint: cl.req.Endpoint,
 		Usage: usage, Cost: cost, HoldAmount: cl.holdAmount, Estimated: estimated, CreatedAt: time.Now(),
 	}
 	o.Usage, o.Cost, o.Err = usage, cost, why
