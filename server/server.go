@@ -49,6 +49,7 @@ type parts struct {
 	embedded    bool
 	upstream    http.Handler
 	upstreamKey string
+	wrapLedger  func(accounting.Ledger) accounting.Ledger // tests: a ledger around the configured one
 }
 
 // WithRedis makes the server use c instead of dialing Config.RedisURL. The caller keeps c:
@@ -131,6 +132,9 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 	}
 	if err := s.openLedger(ctx, p.embedded); err != nil {
 		return nil, err
+	}
+	if p.wrapLedger != nil {
+		s.ledger = p.wrapLedger(s.ledger)
 	}
 	s.store, err = balance.New(ctx, s.rdb, balance.Config{
 		Ledger:        s.ledger,

@@ -1,0 +1,182 @@
+package server
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/internal/fakeupstream"
+	"github.com/llmescrow/escrow/internal/testutil"
+)
+
+// limitLedger is the proxy's ledger plus limits set by the test (a balance.LimitLedger): the
+// ledgers keep no limits yet. SnapshotSince is Snapshot plus the org's limits, with no spend
+// before the test's requests.
+type limitLedger struct {
+	accounting.Ledger
+	mu     sync.Mutex
+	limits map[string]balance.Limits
+}
+
+func (l *limitLedger) SnapshotSince(ctx context.Context, org string, _ time.Time) (balance.Snapshot, error) {
+	snap, err := l.Ledger.Snapshot(ctx, org)
+	if err != nil {
+		return snap, err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	snap.Limits = &balance.LimitSnapshot{Limits: l.limits[org]}
+	return snap, nil
+}
+
+func (l *limitLedger) set(org string, lim balance.Limits) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.limits[org] = lim
+}
+
+// gate holds every upstream request until it is opened, so that the requests of a burst are
+// all in flight together (no settle can land between their reserves).
+type gate struct {
+	h       http.Handler
+	arrived atomic.Int64
+	open    chan struct{}
+}
+
+func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	g.arrived.Add(1)
+	select {
+	case <-g.open:
+	case <-r.Context().Done():
+		return
+	}
+	g.h.ServeHTTP(w, r)
+}
+
+// TestLimitBurstProxy: through the proxy (real Redis + Postgres, the embedded parts, and a
+// Redis Cluster + Postgres), 2,000 concurrent requests of one key with a daily cap for exactly
+// 37 of them (hold = cost = 20, the fake upstream's 20 output tokens at 1 µ each) and a balance
+// of 1,000,000: exactly 37 get 200 and 1,963 get 429 budget_exceeded, only 37 reach the
+// upstream, and after the settle the ledger and the hot balance are down by exactly 37 × 20.
+func TestLimitBurstProxy(t *testing.T) {
+	t.Parallel()
+	burst := func(t *testing.T, start func(extra []Option, tweak func(*Config)) *testProxy) {
+		const total, n, unit, funds = 2000, 37, 20, 1_000_000
+		ll := &limitLedger{limits: map[string]balance.Limits{}}
+		g := &gate{h: fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), open: make(chan struct{})}
+		p := start([]Option{
+			func(p *parts) {
+				p.wrapLedger = func(l accounting.Ledger) accounting.Ledger { ll.Ledger = l; return ll }
+			},
+			WithUpstream(g, "sk-fake-upstream"),
+		}, func(c *Config) { c.MaxInFlight = 2 * total; c.ReserveTimeout = time.Minute })
+		org := "acme"
+		p.admin("PUT", "/models/m", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
+			"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": unit, "default_hold": unit}, http.StatusOK, nil)
+		p.admin("POST", "/orgs", map[string]string{"id": org}, http.StatusCreated, nil)
+		var k struct{ ID, Key string }
+		p.admin("POST", "/orgs/"+org+"/keys", nil, http.StatusCreated, &k)
+		ll.set(org, balance.Limits{Version: 1, Limits: []balance.Limit{
+			{ID: "key-day", Scope: balance.Scope{Kind: balance.ScopeKey, ID: k.ID}, Window: balance.Day, Cap: n * unit}}})
+		ctx := context.Background()
+		if _, err := p.app.store.PushLimits(ctx, org, 1); err != nil {
+			t.Fatal(err)
+		}
+		p.admin("POST", "/orgs/"+org+"/credits", map[string]any{"amount": funds, "reference": "init-" + org}, http.StatusCreated, nil)
+
+		client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: total}}
+		defer client.CloseIdleConnections()
+		var ok, refused, other atomic.Int64
+		var firstOther atomic.Value
+		var ready, wg sync.WaitGroup
+		ready.Add(1)
+		body := `{"model":"m","messages":[{"role":"user","content":"hello"}]}`
+		for range total {
+			wg.Go(func() {
+				req, err := http.NewRequest(http.MethodPost, p.base+"/v1/chat/completions", strings.NewReader(body))
+				if err != nil {
+					other.Add(1)
+					return
+				}
+				req.Header.Set("Authorization", "Bearer "+k.Key)
+				req.Header.Set("Content-Type", "application/json")
+				ready.Wait()
+				resp, err := client.Do(req)
+				if err != nil {
+					firstOther.CompareAndSwap(nil, err.Error())
+					other.Add(1)
+					return
+				}
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				switch {
+				case resp.StatusCode == http.StatusOK:
+					ok.Add(1)
+				case resp.StatusCode == http.StatusTooManyRequests && strings.Contains(string(b), `"code":"budget_exceeded"`) &&
+					resp.Header.Get("x-should-retry") == "false" && resp.Header.Get("x-escrow-limit-reset") != "":
+					refused.Add(1)
+				default:
+					firstOther.CompareAndSwap(nil, strconv.Itoa(resp.StatusCode)+" "+string(b))
+					other.Add(1)
+				}
+			})
+		}
+		ready.Done()
+		// Open the gate once every request is decided: held at the upstream or answered.
+		deadline := time.Now().Add(2 * time.Minute)
+		for g.arrived.Load()+refused.Load()+other.Load() < total && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+		close(g.open)
+		wg.Wait()
+		if ok.Load() != n || refused.Load() != total-n || other.Load() != 0 || g.arrived.Load() != n {
+			t.Fatalf("%d ok, %d budget_exceeded, %d other (first: %v), %d upstream calls; want %d, %d, 0, %d",
+				ok.Load(), refused.Load(), other.Load(), firstOther.Load(), g.arrived.Load(), n, total-n, n)
+		}
+		b := p.settled(org)
+		if b.Available != funds-n*unit || b.LedgerBalance != funds-n*unit {
+			t.Fatalf("after settle: %+v, want %d", b, funds-n*unit)
+		}
+		acct, err := p.app.ledger.Account(ctx, org)
+		if err != nil || acct.Balance != funds-n*unit {
+			t.Fatalf("ledger account %+v, %v", acct, err)
+		}
+		// The refusals are counted under their code.
+		_, _, m := p.do("GET", "/metrics", "", nil)
+		if want := `escrow_requests_total{outcome="budget_exceeded"} ` + strconv.Itoa(total-n); !strings.Contains(string(m), want) {
+			t.Fatalf("metrics lack %q", want)
+		}
+	}
+	t.Run("real", func(t *testing.T) {
+		t.Parallel()
+		burst(t, func(extra []Option, tweak func(*Config)) *testProxy { return startTestProxyWith(t, true, extra, tweak) })
+	})
+	t.Run("embedded", func(t *testing.T) {
+		t.Parallel()
+		burst(t, func(extra []Option, tweak func(*Config)) *testProxy {
+			return startTestProxyWith(t, false, extra, tweak)
+		})
+	})
+	t.Run("cluster", func(t *testing.T) {
+		t.Parallel()
+		cl := testutil.StartRedisCluster(t)
+		burst(t, func(extra []Option, tweak func(*Config)) *testProxy {
+			urls := make([]string, 0, 3)
+			for _, a := range cl.Addrs() {
+				urls = append(urls, "redis://"+a)
+			}
+			pg := testutil.Postgres(t)
+			return startTestProxyWith(t, false, extra, tweak, func(c *Config) {
+				c.RedisURL, c.DatabaseURL, c.Prefix = strings.Join(urls, ","), pg.URL, testutil.RandomName("c")
+			})
+		})
+	})
+}
