@@ -546,3 +546,19 @@ func TestLimitBurst(t *testing.T) {
 		}
 	})
 }
+
+// TestLimitLedgerKeyIDs: the key ids both ledgers make ("key_" + hex) are ones the limits layer
+// can name, so the default authenticator always reserves under the key.
+func TestLimitLedgerKeyIDs(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, pg bool) {
+		e := newLedgerEnv(t, pg, nil)
+		for range 20 {
+			k, _, err := e.ledger.CreateKey(context.Background(), e.org)
+			must(t, err)
+			if err := balance.ValidateReserveKey(k.ID); err != nil || !strings.HasPrefix(k.ID, "key_") {
+				t.Fatalf("ledger key id %q: %v", k.ID, err)
+			}
+		}
+	})
+}
