@@ -320,8 +320,8 @@ func TestLimitFrozen(t *testing.T) {
 				if code != tc.code || typ != TypeInvalidRequest || got.Error.Message != strings.ReplaceAll(tc.msg, "%KEY", e.keyID) {
 					t.Fatalf("frozen: %s", body)
 				}
-				if h.Get("x-should-retry") != "false" || h.Get(HeaderLimitReset) != "" {
-					t.Fatalf("headers %v", h)
+				if h.Get("x-should-retry") != "false" || h.Get(HeaderLimitReset) != "" || strings.Contains(body, `"limit"`) {
+					t.Fatalf("headers %v, body %s", h, body)
 				}
 				if o := e.outcome(); o.Kind != OutcomeRefused || o.Status != 403 || o.Code != tc.code {
 					t.Fatalf("outcome %+v", o)
