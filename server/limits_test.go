@@ -11,19 +11,25 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
 	"github.com/llmescrow/escrow/internal/testutil"
 )
 
-// limitLedger is the proxy's ledger plus limits set by the test (a balance.LimitLedger): the
-// ledgers keep no limits yet. SnapshotSince is Snapshot plus the org's limits, with no spend
-// before the test's requests.
+// limitLedger is the hot balance's view of the proxy's ledger plus limits set by the test (a
+// balance.LimitLedger): the ledgers keep no limits yet. SnapshotSince is Snapshot plus the
+// org's limits, with no spend before the test's requests.
 type limitLedger struct {
-	accounting.Ledger
+	balance.Ledger
 	mu     sync.Mutex
 	limits map[string]balance.Limits
+}
+
+// Epoch lets the store learn the ledger's epoch at start, as it does from the ledger itself.
+func (l *limitLedger) Epoch(ctx context.Context) (balance.Epoch, error) {
+	return l.Ledger.(interface {
+		Epoch(context.Context) (balance.Epoch, error)
+	}).Epoch(ctx)
 }
 
 func (l *limitLedger) SnapshotSince(ctx context.Context, org string, _ time.Time) (balance.Snapshot, error) {
@@ -76,7 +82,7 @@ func TestLimitBurstProxy(t *testing.T) {
 		g := &gate{h: fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), open: make(chan struct{})}
 		p := start([]Option{
 			func(p *parts) {
-				p.wrapLedger = func(l accounting.Ledger) accounting.Ledger { ll.Ledger = l; return ll }
+				p.storeLedger = func(l balance.Ledger) balance.Ledger { ll.Ledger = l; return ll }
 			},
 			WithUpstream(g, "sk-fake-upstream"),
 		}, func(c *Config) { c.MaxInFlight = 2 * total; c.ReserveTimeout = time.Minute })

@@ -49,7 +49,7 @@ type parts struct {
 	embedded    bool
 	upstream    http.Handler
 	upstreamKey string
-	wrapLedger  func(accounting.Ledger) accounting.Ledger // tests: a ledger around the configured one
+	storeLedger func(balance.Ledger) balance.Ledger // tests: the hot balance's view of the ledger, around the server's
 }
 
 // WithRedis makes the server use c instead of dialing Config.RedisURL. The caller keeps c:
@@ -133,11 +133,12 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 	if err := s.openLedger(ctx, p.embedded); err != nil {
 		return nil, err
 	}
-	if p.wrapLedger != nil {
-		s.ledger = p.wrapLedger(s.ledger)
+	var storeLedger balance.Ledger = s.ledger
+	if p.storeLedger != nil {
+		storeLedger = p.storeLedger(storeLedger)
 	}
 	s.store, err = balance.New(ctx, s.rdb, balance.Config{
-		Ledger:        s.ledger,
+		Ledger:        storeLedger,
 		Prefix:        cfg.Prefix,
 		HoldTTL:       cfg.HoldTTL,
 		PinTTL:        cfg.PinTTL,
