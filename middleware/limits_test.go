@@ -475,8 +475,9 @@ func TestLimitUnnameableKeyID(t *testing.T) {
 }
 
 // TestLimitBurst: 2,000 concurrent requests of one key with a daily cap for exactly N of them
-// (hold = cost = 21, the fake upstream's fixed usage) and a balance for far more: exactly N get
-// 200 and the rest 429 budget_exceeded; the ledger charges exactly N × 21.
+// (hold = cost = 21, the fake upstream's fixed usage) and a balance for far more, all in flight
+// together: exactly N get 200 (and reach the upstream) and the rest 429 budget_exceeded; the
+// ledger charges exactly N × 21.
 //
 // Not parallel with the package's other tests: 4,000 requests at once on two cores would push
 // their reserves past the 1 s reserve timeout (this test raises its own).
@@ -493,6 +494,17 @@ func TestLimitBurst(t *testing.T) {
 		})
 		e.ll.set(t, e.store, e.org, func(l *balance.Limits) {
 			l.Limits = []balance.Limit{{ID: "d", Scope: balance.Scope{Kind: balance.ScopeKey, ID: e.keyID}, Window: balance.Day, Cap: n * unit}}
+		})
+		// The upstream holds every request until each one is decided (held there or refused),
+		// so that all are in flight together: a usage recorded meanwhile could be settled by a
+		// straggler's warm-up (its snapshot accounts it, its catch-up settles it), and this test
+		// ledger's entries name no counter, so the settle would take the hold out of the count.
+		var arrived atomic.Int64
+		open := make(chan struct{})
+		e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+			arrived.Add(1)
+			<-open
+			fakeOpenAI(w, r, body)
 		})
 		var start sync.WaitGroup
 		start.Add(1)
@@ -529,9 +541,14 @@ func TestLimitBurst(t *testing.T) {
 			}()
 		}
 		start.Done()
+		deadline := time.Now().Add(2 * time.Minute)
+		for arrived.Load()+refused.Load()+other.Load() < total && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+		close(open)
 		wg.Wait()
-		if ok.Load() != n || refused.Load() != total-n || other.Load() != 0 {
-			t.Fatalf("%d ok, %d budget_exceeded, %d other; want %d and %d", ok.Load(), refused.Load(), other.Load(), n, total-n)
+		if ok.Load() != n || refused.Load() != total-n || other.Load() != 0 || arrived.Load() != n {
+			t.Fatalf("%d ok, %d budget_exceeded, %d other, %d upstream calls; want %d and %d", ok.Load(), refused.Load(), other.Load(), arrived.Load(), n, total-n)
 		}
 		if c := e.counters()["d"]; c != n*unit {
 			t.Fatalf("counter %d, want %d", c, n*unit)
