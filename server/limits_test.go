@@ -11,43 +11,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
 	"github.com/llmescrow/escrow/internal/testutil"
 )
-
-// limitLedger is the hot balance's view of the proxy's ledger plus limits set by the test (a
-// balance.LimitLedger): the ledgers keep no limits yet. SnapshotSince is Snapshot plus the
-// org's limits, with no spend before the test's requests.
-type limitLedger struct {
-	balance.Ledger
-	mu     sync.Mutex
-	limits map[string]balance.Limits
-}
-
-// Epoch lets the store learn the ledger's epoch at start, as it does from the ledger itself.
-func (l *limitLedger) Epoch(ctx context.Context) (balance.Epoch, error) {
-	return l.Ledger.(interface {
-		Epoch(context.Context) (balance.Epoch, error)
-	}).Epoch(ctx)
-}
-
-func (l *limitLedger) SnapshotSince(ctx context.Context, org string, _ time.Time) (balance.Snapshot, error) {
-	snap, err := l.Ledger.Snapshot(ctx, org)
-	if err != nil {
-		return snap, err
-	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	snap.Limits = &balance.LimitSnapshot{Limits: l.limits[org]}
-	return snap, nil
-}
-
-func (l *limitLedger) set(org string, lim balance.Limits) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.limits[org] = lim
-}
 
 // gate holds every upstream request until it is opened, so that the requests of a burst are
 // all in flight together (no settle can land between their reserves).
@@ -68,22 +34,19 @@ func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 // TestLimitBurstProxy: through the proxy (real Redis + Postgres, the embedded parts, and a
-// Redis Cluster + Postgres), 2,000 concurrent requests of one key with a daily cap for exactly
-// 37 of them (hold = cost = 20, the fake upstream's 20 output tokens at 1 µ each) and a balance
-// of 1,000,000: exactly 37 get 200 and 1,963 get 429 budget_exceeded, only 37 reach the
-// upstream, and after the settle the ledger and the hot balance are down by exactly 37 × 20.
+// Redis Cluster + Postgres), 2,000 concurrent requests of one key with a daily cap (made with
+// the admin API) for exactly 37 of them (hold = cost = 20, the fake upstream's 20 output tokens
+// at 1 µ each) and a balance of 1,000,000: exactly 37 get 200 and 1,963 get 429
+// budget_exceeded, only 37 reach the upstream, and after the settle the ledger and the hot
+// balance are down by exactly 37 × 20, which is what the limit reports used.
 //
 // Not parallel with the package's other tests: 6,000 requests at once on two cores would push
 // their reserves past the 1 s reserve timeout (this test raises its own).
 func TestLimitBurstProxy(t *testing.T) {
 	burst := func(t *testing.T, start func(extra []Option, tweak func(*Config)) *testProxy) {
 		const total, n, unit, funds = 2000, 37, 20, 1_000_000
-		ll := &limitLedger{limits: map[string]balance.Limits{}}
 		g := &gate{h: fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), open: make(chan struct{})}
 		p := start([]Option{
-			func(p *parts) {
-				p.storeLedger = func(l balance.Ledger) balance.Ledger { ll.Ledger = l; return ll }
-			},
 			WithUpstream(g, "sk-fake-upstream"),
 		}, func(c *Config) { c.MaxInFlight = 2 * total; c.ReserveTimeout = time.Minute })
 		org := "acme"
@@ -92,12 +55,9 @@ func TestLimitBurstProxy(t *testing.T) {
 		p.admin("POST", "/orgs", map[string]string{"id": org}, http.StatusCreated, nil)
 		var k struct{ ID, Key string }
 		p.admin("POST", "/orgs/"+org+"/keys", nil, http.StatusCreated, &k)
-		ll.set(org, balance.Limits{Version: 1, Limits: []balance.Limit{
-			{ID: "key-day", Scope: balance.Scope{Kind: balance.ScopeKey, ID: k.ID}, Window: balance.Day, Cap: n * unit}}})
+		var lim struct{ ID string }
+		p.admin("POST", "/orgs/"+org+"/limits", map[string]any{"scope": "key", "scope_id": k.ID, "window": "day", "cap": n * unit}, http.StatusCreated, &lim)
 		ctx := context.Background()
-		if _, err := p.app.store.PushLimits(ctx, org, 1); err != nil {
-			t.Fatal(err)
-		}
 		p.admin("POST", "/orgs/"+org+"/credits", map[string]any{"amount": funds, "reference": "init-" + org}, http.StatusCreated, nil)
 
 		client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: total}}
@@ -156,6 +116,17 @@ func TestLimitBurstProxy(t *testing.T) {
 		acct, err := p.app.ledger.Account(ctx, org)
 		if err != nil || acct.Balance != funds-n*unit {
 			t.Fatalf("ledger account %+v, %v", acct, err)
+		}
+		// The limit's window holds exactly the N charges, nothing in flight.
+		var limits struct {
+			Data []struct {
+				ID         string
+				Used, Held int64
+			}
+		}
+		p.admin("GET", "/orgs/"+org+"/limits", nil, http.StatusOK, &limits)
+		if len(limits.Data) != 1 || limits.Data[0].ID != lim.ID || limits.Data[0].Used != n*unit || limits.Data[0].Held != 0 {
+			t.Fatalf("limits after settle: %+v, want %s used %d", limits, lim.ID, n*unit)
 		}
 		// The refusals are counted under their code.
 		_, _, m := p.do("GET", "/metrics", "", nil)

@@ -49,7 +49,6 @@ type parts struct {
 	embedded    bool
 	upstream    http.Handler
 	upstreamKey string
-	storeLedger func(balance.Ledger) balance.Ledger // tests: the hot balance's view of the ledger, around the server's
 }
 
 // WithRedis makes the server use c instead of dialing Config.RedisURL. The caller keeps c:
@@ -133,12 +132,8 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 	if err := s.openLedger(ctx, p.embedded); err != nil {
 		return nil, err
 	}
-	var storeLedger balance.Ledger = s.ledger
-	if p.storeLedger != nil {
-		storeLedger = p.storeLedger(storeLedger)
-	}
 	s.store, err = balance.New(ctx, s.rdb, balance.Config{
-		Ledger:        storeLedger,
+		Ledger:        s.ledger,
 		Prefix:        cfg.Prefix,
 		HoldTTL:       cfg.HoldTTL,
 		PinTTL:        cfg.PinTTL,
