@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"net/http"
 	"strconv"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
 	"github.com/llmescrow/escrow/internal/testutil"
 )
@@ -157,5 +159,84 @@ func TestLimitBurstProxy(t *testing.T) {
 				c.RedisURL, c.DatabaseURL, c.Prefix = strings.Join(urls, ","), pg.URL, testutil.RandomName("c")
 			})
 		})
+	})
+}
+
+// TestLimitRepliesProxy: limits and freezes made with the admin API answer through the proxy:
+// a key's daily cap → 429 budget_exceeded naming the limit (id, used, reset in body and header);
+// a frozen key, the key's frozen project → 403 key_frozen; a frozen org → 403 account_frozen;
+// each unfreeze lets the next request through; refusals are not charged.
+func TestLimitRepliesProxy(t *testing.T) {
+	t.Parallel()
+	eachMode(t, func(t *testing.T, p *testProxy) {
+		const unit = 20
+		p.admin("PUT", "/models/m", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
+			"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": unit, "default_hold": unit}, http.StatusOK, nil)
+		p.admin("POST", "/orgs", map[string]string{"id": "acme"}, http.StatusCreated, nil)
+		p.admin("POST", "/orgs/acme/credits", map[string]any{"amount": 10_000, "reference": "init-acme"}, http.StatusCreated, nil)
+		var k struct{ ID, Key string }
+		p.admin("POST", "/orgs/acme/keys", nil, http.StatusCreated, &k)
+		p.admin("POST", "/orgs/acme/projects", map[string]string{"id": "staging"}, http.StatusCreated, nil)
+		p.admin("PUT", "/keys/"+k.ID+"/project", map[string]string{"project": "staging"}, http.StatusOK, nil)
+		var lim struct{ ID string }
+		p.admin("POST", "/orgs/acme/limits", map[string]any{"scope": "key", "scope_id": k.ID, "window": "day", "cap": 3 * unit}, http.StatusCreated, &lim)
+
+		send := func() (int, http.Header, string) {
+			st, h, b := p.do("POST", "/v1/chat/completions", k.Key, chat("hello"))
+			return st, h, string(b)
+		}
+		expect := func(what string, status int, code string) string {
+			t.Helper()
+			st, h, b := send()
+			if st != status || (code != "" && !strings.Contains(b, `"code":"`+code+`"`)) {
+				t.Fatalf("%s: %d %s, want %d %s", what, st, b, status, code)
+			}
+			if code != "" && h.Get("x-should-retry") != "false" {
+				t.Fatalf("%s: headers %v", what, h)
+			}
+			return b
+		}
+		for _, f := range []struct{ freeze, unfreeze, code, says string }{
+			{"/keys/" + k.ID + "/freeze", "/keys/" + k.ID + "/unfreeze", "key_frozen", "This API key (" + k.ID + ") is frozen"},
+			{"/orgs/acme/projects/staging/freeze", "/orgs/acme/projects/staging/unfreeze", "key_frozen", "The project staging of this API key is frozen"},
+			{"/orgs/acme/freeze", "/orgs/acme/unfreeze", "account_frozen", "Your organization is frozen"},
+		} {
+			p.admin("POST", f.freeze, nil, http.StatusOK, nil)
+			if b := expect(f.freeze, http.StatusForbidden, f.code); !strings.Contains(b, f.says) {
+				t.Fatalf("%s: %s, want it to say %q", f.freeze, b, f.says)
+			}
+			p.admin("POST", f.unfreeze, nil, http.StatusOK, nil)
+			expect(f.unfreeze, http.StatusOK, "")
+			// At rest before the next change: a reseed (every change reseeds) while a charge is
+			// in the ledger but its hold not yet settled counts both, as the balance does, until
+			// the settle lands.
+			p.settled("acme")
+		}
+		// Three requests of 20 fit the cap of 60; the fourth is refused.
+		b := expect("over the cap", http.StatusTooManyRequests, "budget_exceeded")
+		var got struct {
+			Error struct {
+				Message string
+				Limit   struct {
+					ID, Scope, ScopeID, Window, ResetsAt string
+					Cap, Used                            int64
+				}
+			}
+		}
+		if err := json.Unmarshal([]byte(b), &got); err != nil {
+			t.Fatal(err)
+		}
+		g := got.Error.Limit
+		_, next := balance.Day.Bounds(time.Now())
+		if g.ID != lim.ID || g.Scope != "key" || g.Window != "day" || g.Cap != 3*unit || g.Used != 3*unit ||
+			!strings.HasPrefix(got.Error.Message, "Key "+k.ID+" daily limit of 60 reached: 60 used, 20 needed; resets ") {
+			t.Fatalf("refusal %s", b)
+		}
+		if rs := next.Format(time.RFC3339); !strings.Contains(b, `"resets_at":"`+rs+`"`) && time.Until(next) > time.Minute {
+			t.Fatalf("refusal %s, want resets_at %s", b, rs)
+		}
+		if bv := p.settled("acme"); bv.LedgerBalance != 10_000-3*unit {
+			t.Fatalf("after settle: %+v, want %d", bv, 10_000-3*unit)
+		}
 	})
 }
