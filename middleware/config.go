@@ -86,7 +86,8 @@ type Config struct {
 	// accounting.ErrUnknownKey refuses with 401 invalid_api_key; any other error with 503.
 	// Identity.KeyID names the key for its limits, freezes and usage events: it must pass
 	// balance.ValidateReserveKey (the ledgers' "key_…" ids do); a key id that does not is
-	// reserved and recorded without a key id (only the org's limits apply), logged once.
+	// reserved without a key id (only the org's limits and freeze apply; its usage events keep
+	// it for reports), logged once.
 	OrgFunc func(c echo.Context) (Identity, error)
 	// HoldFunc chooses the hold amount. Default: HoldAmount.
 	HoldFunc func(ctx context.Context, in HoldInput) (int64, error)

@@ -3,6 +3,7 @@ package middleware
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"log/slog"
 	"net/http"
@@ -432,7 +433,8 @@ func (h countingHandler) Enabled(context.Context, slog.Level) bool { return true
 
 // TestLimitUnnameableKeyID: an authenticator whose key ids the limits layer cannot name (here
 // "team:alice", with a colon) is served: its requests are reserved without a key id (the org's
-// limits still apply), recorded without one, and the first is logged once.
+// limits still apply), their usage events keep the key id (reports), and the first is logged
+// once.
 func TestLimitUnnameableKeyID(t *testing.T) {
 	t.Parallel()
 	eachRedis(t, func(t *testing.T, mini bool) {
@@ -458,7 +460,7 @@ func TestLimitUnnameableKeyID(t *testing.T) {
 			}
 		}
 		for _, ev := range e.rec.events() {
-			if ev.KeyID != "" || ev.ReservedAt.IsZero() {
+			if ev.KeyID != "team:alice" || ev.ReservedAt.IsZero() {
 				t.Fatalf("event %+v", ev)
 			}
 		}
@@ -578,6 +580,35 @@ func TestLimitLedgerKeyIDs(t *testing.T) {
 			if err := balance.ValidateReserveKey(k.ID); err != nil || !strings.HasPrefix(k.ID, "key_") {
 				t.Fatalf("ledger key id %q: %v", k.ID, err)
 			}
+		}
+	})
+}
+
+// TestLimitUnnameableKeySettles: with the real recorder and worker, the usage of a key id the
+// limits layer cannot name is accounted and settled, and the hot balance agrees with the ledger:
+// the store refuses an entry naming such a key, so the ledger leaves it out of the attribution.
+func TestLimitUnnameableKeySettles(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, pg bool) {
+		var org string
+		e := newLedgerEnv(t, pg, func(c *Config) {
+			c.OrgFunc = func(echo.Context) (Identity, error) { return Identity{Org: org, KeyID: "team:alice"}, nil }
+		})
+		org = e.org
+		for i := range 2 {
+			st, body, err := e.do("", jsonBody(testModel, ""))
+			must(t, err)
+			if st != 200 {
+				t.Fatalf("request %d: %d %s", i, st, body)
+			}
+			e.outcome()
+		}
+		e.settle(2*cost(t, chatUsage), 2)
+		ep, err := e.ledger.Epoch(context.Background())
+		must(t, err)
+		_, err = e.store.Settle(context.Background(), e.org, ep, []balance.Entry{{Seq: 99, Delta: -1, KeyID: "team:alice"}})
+		if !errors.Is(err, balance.ErrInvalidEntry) {
+			t.Fatalf("settle of an entry naming key team:alice: %v, want ErrInvalidEntry", err)
 		}
 	})
 }

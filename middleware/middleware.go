@@ -166,8 +166,7 @@ type call struct {
 	learned    int64 // the model's learned max cost when the hold was taken
 	failOpen   bool
 	// limitKey is the key id the hold was reserved under ("" when none, or when the limits layer
-	// cannot name the identity's key id): the usage event carries it, so the cost is attributed
-	// to the counters the hold was added to.
+	// cannot name the identity's key id).
 	limitKey string
 	reserved balance.Reservation // what Reserve answered (zero for fail-open: no hold)
 	start    time.Time
@@ -319,16 +318,17 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 
 // limitKey is the key id to reserve under: the identity's, unless the limits layer cannot name
 // it (balance.ValidateReserveKey: a custom OrgFunc may return ids with , ; : | or spaces). Such
-// a key is reserved without a key id, so only the org's limits and freeze apply to it, and its
-// usage events carry no key id; the first one is logged, once per middleware. Refusing them
-// instead would turn every request of that authenticator into an error.
+// a key is reserved without a key id, so only the org's limits and freeze apply to it (its usage
+// events keep the key id for reports; the ledger leaves it out of the limit attribution); the
+// first one is logged, once per middleware. Refusing them instead would turn every request of
+// that authenticator into an error.
 func (m *middleware) limitKey(id Identity) string {
 	if id.KeyID == "" {
 		return ""
 	}
 	if err := balance.ValidateReserveKey(id.KeyID); err != nil {
 		m.badKey.Do(func() {
-			m.cfg.Logger.Warn("escrow: key id cannot be named by limits: its requests are reserved and recorded without a key id (only org limits apply); "+
+			m.cfg.Logger.Warn("escrow: key id cannot be named by limits: its requests are reserved without a key id (only the org's limits and freeze apply); "+
 				"return key ids of 1-128 printable ASCII bytes without space, braces or , ; : | from the OrgFunc", "key_id", id.KeyID, "err", err)
 		})
 		return ""

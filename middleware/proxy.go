@@ -168,9 +168,11 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		}
 	}
 	ev := accounting.UsageEvent{
-		// The limit attribution is what the reserve used (a fail-open request has no reserve
-		// time: it is attributed to its record time).
-		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.limitKey, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt,
+		// The limit attribution is what the reserve answered (a fail-open request has no reserve
+		// time: it is attributed to its record time). A key id the limits layer cannot name is
+		// kept for reports; the ledger leaves it out of the entry's attribution, as the reserve
+		// left it out of the hold's.
+		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt,
 		Model: cl.req.Model, Endpoint: cl.req.Endpoint,
 		Usage: usage, Cost: cost, HoldAmount: cl.holdAmount, Estimated: estimated, CreatedAt: time.Now(),
 	}
