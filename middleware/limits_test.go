@@ -498,9 +498,9 @@ func TestLimitBurst(t *testing.T) {
 			l.Limits = []balance.Limit{{ID: "d", Scope: balance.Scope{Kind: balance.ScopeKey, ID: e.keyID}, Window: balance.Day, Cap: n * unit}}
 		})
 		// The upstream holds every request until each one is decided (held there or refused),
-		// so that all are in flight together: a usage recorded meanwhile could be settled by a
-		// straggler's warm-up (its snapshot accounts it, its catch-up settles it), and this test
-		// ledger's entries name no counter, so the settle would take the hold out of the count.
+		// so that all are in flight together and no settle lands between the reserves (a
+		// straggler's warm-up accounts recorded usage and its catch-up settles it; this test
+		// ledger seeds no window spend, so a reseed then would undercount).
 		var arrived atomic.Int64
 		open := make(chan struct{})
 		e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
