@@ -92,13 +92,14 @@ func (e *Error) Error() string {
 func (e *Error) Body() []byte {
 	if e.Anthropic {
 		type inner struct {
-			Type    string `json:"type"`
-			Message string `json:"message"`
+			Type    string     `json:"type"`
+			Message string     `json:"message"`
+			Limit   *LimitInfo `json:"limit,omitempty"`
 		}
 		b, _ := json.Marshal(struct {
 			Type  string `json:"type"`
 			Error inner  `json:"error"`
-		}{"error", inner{Type: e.Type, Message: e.Message}})
+		}{"error", inner{Type: e.Type, Message: e.Message, Limit: e.Limit}})
 		return b
 	}
 	type inner struct {

@@ -612,3 +612,23 @@ func TestLimitUnnameableKeySettles(t *testing.T) {
 		}
 	})
 }
+
+// TestLimitRefusalAnthropic: on the Messages API's routes the limit refusal keeps its status,
+// x-should-retry: false, the reset header and the limit object, in Anthropic's error shape
+// (rate_limit_error); a freeze is a permission_error.
+func TestLimitRefusalAnthropic(t *testing.T) {
+	t.Parallel()
+	le := &balance.LimitError{Limit: balance.Limit{ID: "l1", Scope: balance.Scope{Kind: balance.ScopeOrg}, Window: balance.Day, Cap: 100},
+		Used: 90, Amount: 20, ResetsAt: time.Date(2030, 6, 16, 0, 0, 0, 0, time.UTC)}
+	e := limitRefusal(le).forAnthropic()
+	h := http.Header{}
+	e.setHeaders(h)
+	want := `{"type":"error","error":{"type":"rate_limit_error","message":"Organization daily limit of 100 reached: 90 used, 20 needed; resets 2030-06-16T00:00:00Z.",` +
+		`"limit":{"id":"l1","scope":"org","scope_id":null,"window":"day","cap":100,"used":90,"resets_at":"2030-06-16T00:00:00Z"}}}`
+	if e.Status != 429 || string(e.Body()) != want || h.Get("x-should-retry") != "false" || h.Get(HeaderLimitReset) != "2030-06-16T00:00:00Z" {
+		t.Fatalf("%d %s %v", e.Status, e.Body(), h)
+	}
+	if f := frozenRefusal(balance.Scope{Kind: balance.ScopeKey, ID: "key_1"}).forAnthropic(); f.Status != 403 || f.Type != AnthropicPermission {
+		t.Fatalf("frozen: %d %s", f.Status, f.Body())
+	}
+}
