@@ -7,10 +7,10 @@ FUZZTIME  ?= 10s
 export ESCROW_TEST_REDIS_URL    = $(REDIS_URL)
 export ESCROW_TEST_DATABASE_URL = $(DATABASE_URL)
 
-.PHONY: test test-fast services spin modelcheck lint fuzz bench bench-console run
+.PHONY: test test-fast services sdk spin modelcheck lint fuzz bench bench-console run
 
 ## test: start Redis and Postgres if needed, then lint and run every test (race detector) on the real services.
-test: services lint
+test: services sdk lint
 	ESCROW_REQUIRE_SERVICES=1 $(GO) test -race -count=1 -timeout 20m ./...
 	@echo "simulation: 10,000 steps per backend, without the race detector"
 	ESCROW_REQUIRE_SERVICES=1 $(GO) test -count=1 -timeout 10m -run '^TestSimulation$$' ./accounting/
@@ -23,6 +23,10 @@ test-fast:
 
 services:
 	bash scripts/services.sh
+
+## sdk: the official SDKs the SDK tests drive the proxy with (npm ci in sdktest/).
+sdk:
+	bash scripts/sdktest.sh
 
 spin:
 	bash scripts/spin.sh

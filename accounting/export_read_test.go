@@ -7,3 +7,6 @@ const SQLListEntries = sqlListEntries
 
 // Pool returns the ledger's connection pool, for tests that break it on purpose.
 func (p *Postgres) Pool() *pgxpool.Pool { return p.pool }
+
+// SQLTopSpenders is TopSpenders' query for a WHERE clause, for the plan test.
+var SQLTopSpenders = sqlTopSpenders

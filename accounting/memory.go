@@ -72,6 +72,7 @@ type memKey struct {
 	revAt   time.Time
 	project string // "" for none
 	frozen  bool
+	used    time.Time // the reserve time of its latest accounted request
 }
 
 type memSub struct {
@@ -424,7 +425,11 @@ func (m *Memory) accountOrgLocked(org string, limit int) (int, error) {
 	for _, e := range q[:limit] {
 		e.seq = int64(len(a.entries)) + 1
 		a.entries = append(a.entries, LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: KindCharge, HoldID: e.ev.ID, CreatedAt: now})
-		a.attr[e.seq] = entryAttr{key: e.ev.KeyID, project: e.ev.Project, at: attrTime(e.ev.ReservedAt, e.ev.CreatedAt)}
+		at := attrTime(e.ev.ReservedAt, e.ev.CreatedAt)
+		a.attr[e.seq] = entryAttr{key: e.ev.KeyID, project: e.ev.Project, at: at}
+		if k := m.keys[e.ev.KeyID]; k != nil && at.After(k.used) {
+			k.used = at
+		}
 	}
 	a.balance -= sum
 	m.hooks.balanceChanged(org, a.balance+sum, a.balance)

@@ -129,10 +129,14 @@ func (m *Memory) ListKeys(ctx context.Context, org string, q ListQuery) (Page[Ke
 			p.Next = keyCursor(last.CreatedAt, last.ID)
 			break
 		}
-		ki := KeyInfo{ID: k.key.ID, Org: org, Name: m.console.keyNames[k.key.ID], CreatedAt: k.created}
+		ki := KeyInfo{ID: k.key.ID, Org: org, Name: m.console.keyNames[k.key.ID], CreatedAt: k.created, Project: k.project, Frozen: k.frozen}
 		if k.revoked {
 			at := k.revAt
 			ki.RevokedAt = &at
+		}
+		if !k.used.IsZero() {
+			at := k.used
+			ki.LastUsedAt = &at
 		}
 		p.Data = append(p.Data, ki)
 	}

@@ -117,7 +117,8 @@ const (
 	sqlNotify  = `SELECT pg_notify(` + sqlChannel + `, $1)`
 	// Charges for several orgs at once: $1 orgs, $2 their cost sums, $3 their event counts;
 	// $4 event ids, $5 their seqs. Each entry copies its event's cost and attribution (key,
-	// project, reserve time or else record time) from the row the update just marked.
+	// project, reserve time or else record time) from the row the update just marked; each key
+	// used in the batch gets its last use (one row update per key, not per request).
 	sqlWriteCharges = `
 WITH acc AS (
 	UPDATE accounts a SET balance = a.balance - x.sum, ledger_seq = a.ledger_seq + x.n
@@ -128,9 +129,13 @@ WITH acc AS (
 	FROM unnest($4::text[], $5::bigint[]) AS x(id, seq)
 	WHERE u.id = x.id::uuid
 	RETURNING u.org_id, x.seq, u.cost, u.id, u.key_id, u.project, coalesce(u.reserved_at, u.created_at) AS at
+), ins AS (
+	INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id, key_id, project, reserved_at)
+	SELECT org_id, seq, -cost, 'charge', id, key_id, project, at FROM ev
 )
-INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id, key_id, project, reserved_at)
-SELECT org_id, seq, -cost, 'charge', id, key_id, project, at FROM ev`
+UPDATE api_keys k SET last_used_at = GREATEST(k.last_used_at, x.t)
+FROM (SELECT key_id, max(at) AS t FROM ev WHERE key_id IS NOT NULL GROUP BY key_id) x
+WHERE k.id = x.key_id`
 	sqlNotifyAll  = `SELECT pg_notify(` + sqlChannel + `, o) FROM unnest($1::text[]) AS o`
 	sqlClaimOrder = ` ORDER BY created_at, id`
 )

@@ -98,18 +98,15 @@ func (p *Postgres) ListKeys(ctx context.Context, org string, q ListQuery) (Page[
 			return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 		}
 		rows, _ := tx.Query(ctx, `
-SELECT id, org_id, name, created_at, revoked_at FROM api_keys
+SELECT id, org_id, name, created_at, revoked_at, coalesce(project_id, ''), frozen, last_used_at FROM api_keys
 WHERE org_id = $1 AND ($2::timestamptz IS NULL OR (created_at, id) > ($2, $3))
 ORDER BY created_at, id LIMIT $4`, org, tsArg(afterT), afterID, limit+1)
 		var err error
 		keys, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (KeyInfo, error) {
 			var k KeyInfo
-			err := r.Scan(&k.ID, &k.Org, &k.Name, &k.CreatedAt, &k.RevokedAt)
+			err := r.Scan(&k.ID, &k.Org, &k.Name, &k.CreatedAt, &k.RevokedAt, &k.Project, &k.Frozen, &k.LastUsedAt)
 			k.CreatedAt = k.CreatedAt.UTC()
-			if k.RevokedAt != nil {
-				t := k.RevokedAt.UTC()
-				k.RevokedAt = &t
-			}
+			k.RevokedAt, k.LastUsedAt = utcPtr(k.RevokedAt), utcPtr(k.LastUsedAt)
 			return k, err
 		})
 		return err
@@ -270,21 +267,24 @@ GROUP BY g ORDER BY g COLLATE "C"`, org, tsArg(q.From), tsArg(q.To))
 }
 
 // TopSpenders sums the accounted usage events in the range per org and keeps the largest. It
-// reads every accounted event of the range (no index orders orgs by spend): for long ranges on a
-// large ledger it is a report query, not a hot one.
+// reads every accounted event of the range (the BRIN index on created_at skips the blocks
+// outside it; no index orders orgs by spend): a report query, not a hot one.
 func (p *Postgres) TopSpenders(ctx context.Context, q TopQuery) ([]UsageRow, error) {
 	if err := q.Check(); err != nil {
 		return nil, err
 	}
-	rows, _ := p.pool.Query(ctx, `
-SELECT org_id, count(*), sum(cost)::bigint, sum(prompt_tokens)::bigint, sum(cached_tokens)::bigint,
-       sum(completion_tokens)::bigint, sum(reasoning_tokens)::bigint
-FROM usage_events
-WHERE status = 'accounted'
-  AND ($1::timestamptz IS NULL OR created_at >= $1) AND ($2::timestamptz IS NULL OR created_at < $2)
-GROUP BY org_id
-ORDER BY sum(cost) DESC, org_id COLLATE "C"
-LIMIT $3`, tsArg(q.From), tsArg(q.To), q.Limit)
+	// The bounds are written into the statement only when given, so the planner sees the range
+	// and uses usage_events_created_brin (an "x IS NULL OR" form would hide it in a generic plan).
+	where, args := "status = 'accounted'", []any{q.Limit}
+	if !q.From.IsZero() {
+		args = append(args, q.From)
+		where += fmt.Sprintf(" AND created_at >= $%d", len(args))
+	}
+	if !q.To.IsZero() {
+		args = append(args, q.To)
+		where += fmt.Sprintf(" AND created_at < $%d", len(args))
+	}
+	rows, _ := p.pool.Query(ctx, sqlTopSpenders(where), args...)
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (UsageRow, error) {
 		var u UsageRow
 		err := r.Scan(&u.Group, &u.Requests, &u.Cost, &u.Prompt, &u.Cached, &u.Completion, &u.Reasoning)
@@ -294,6 +294,17 @@ LIMIT $3`, tsArg(q.From), tsArg(q.To), q.Limit)
 		out = []UsageRow{}
 	}
 	return out, wrapPg("top spenders", err)
+}
+
+// sqlTopSpenders is TopSpenders' query for a WHERE clause ($1 is the limit).
+func sqlTopSpenders(where string) string {
+	return `
+SELECT org_id, count(*), sum(cost)::bigint, sum(prompt_tokens)::bigint, sum(cached_tokens)::bigint,
+       sum(completion_tokens)::bigint, sum(reasoning_tokens)::bigint
+FROM usage_events WHERE ` + where + `
+GROUP BY org_id
+ORDER BY sum(cost) DESC, org_id COLLATE "C"
+LIMIT $1`
 }
 
 // Request returns one request's usage event by its id (the primary key).
@@ -383,4 +394,13 @@ WHERE id < $1 ORDER BY id DESC LIMIT $2`, before, limit+1)
 		return Page[AuditRecord]{}, wrapPg("audit log", err)
 	}
 	return pageOf(recs, limit, func(x AuditRecord) string { return auditCursor(x.ID) }), nil
+}
+
+// utcPtr returns t in UTC (nil stays nil).
+func utcPtr(t *time.Time) *time.Time {
+	if t == nil {
+		return nil
+	}
+	u := t.UTC()
+	return &u
 }

@@ -42,6 +42,7 @@ ANALYZE`)
 		"list entries": `EXECUTE list_entries('o7', 50, '', NULL, NULL, 101)`,
 		"usage report": `SELECT model, count(*), sum(cost) FROM usage_events WHERE org_id = 'o7' AND status = 'accounted' AND created_at >= now() - interval '3 days' AND created_at < now() GROUP BY model`,
 		"request":      `SELECT id, org_id, cost, status FROM usage_events WHERE id = '0192f0c4-0000-7000-8000-000000000001'`,
+		"top spenders": strings.ReplaceAll(accounting.SQLTopSpenders(`status = 'accounted' AND created_at >= now() - interval '3 hours' AND created_at < now()`), "$1", "10"),
 	} {
 		rows, err := conn.Query(ctx, "EXPLAIN "+q)
 		if err != nil {

@@ -99,6 +99,11 @@ type KeyInfo struct {
 	Name      string     `json:"name"`
 	CreatedAt time.Time  `json:"created_at"`
 	RevokedAt *time.Time `json:"revoked_at"`
+	Project   string     `json:"project"` // "" for none
+	Frozen    bool       `json:"frozen"`
+	// LastUsedAt is the reserve time of the key's latest accounted request (nil: none yet);
+	// the account pass keeps it, so it trails the request by the accounting lag.
+	LastUsedAt *time.Time `json:"last_used_at"`
 }
 
 // EntryQuery filters an org's ledger entries.

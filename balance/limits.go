@@ -181,6 +181,12 @@ func validLimitID(s string) bool {
 	return true
 }
 
+// ValidateReserveKey checks a key id as Reserve does (ReserveRequest.KeyID; "" for none is
+// valid): 1 to 128 printable ASCII bytes without space, braces or the separators , ; : |, since
+// it names fields of the org's limits and counters. The ledgers' key ids ("key_" + hex) pass; a
+// custom authenticator's may not (the error wraps ErrInvalidKeyID).
+func ValidateReserveKey(id string) error { return checkRequestKey(id) }
+
 // checkRequestKey checks a reserve's key id ("" for none): it names lim fields, so it follows
 // validLimitID as well as the key id rule.
 func checkRequestKey(id string) error {

@@ -9,7 +9,10 @@
 // Refusals are OpenAI-shaped JSON errors ({"error":{"message","type","param","code"}}): 401
 // invalid_api_key, 404 for unpriced paths and unknown models, 400 for bad input, 413 for an
 // oversized body, 429 insufficient_quota (x-should-retry: false) or rate_limit_exceeded
-// (Retry-After), and 503 when Redis is down or slow (Retry-After; never a 429).
+// (Retry-After), 429 budget_exceeded when a limit is reached (type insufficient_quota,
+// x-should-retry: false, the limit in the body and its reset time in x-escrow-limit-reset),
+// 403 account_frozen / key_frozen for a frozen org / key or project, and 503 when Redis is down
+// or slow (Retry-After; never a 429).
 //
 // What happens to each request is reported through Config.OnOutcome and Config.Logger; the
 // package registers no metrics itself.
@@ -81,6 +84,10 @@ type Config struct {
 	// Authorization header, of "x-api-key: <key>", as Anthropic's SDKs send it) looked up in
 	// the Ledger (cached for KeyCacheTTL). Returning an *Error refuses with it; an error that is
 	// accounting.ErrUnknownKey refuses with 401 invalid_api_key; any other error with 503.
+	// Identity.KeyID names the key for its limits, freezes and usage events: it must pass
+	// balance.ValidateReserveKey (the ledgers' "key_…" ids do); a key id that does not is
+	// reserved without a key id (only the org's limits and freeze apply; its usage events keep
+	// it for reports), logged once.
 	OrgFunc func(c echo.Context) (Identity, error)
 	// HoldFunc chooses the hold amount. Default: HoldAmount.
 	HoldFunc func(ctx context.Context, in HoldInput) (int64, error)

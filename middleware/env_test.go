@@ -101,13 +101,18 @@ type envOpt struct {
 	cfg       func(*Config)
 	storeCfg  func(*balance.Config)
 	withFault bool
+	mini      bool // miniredis even when a real Redis is configured
 }
 
 func newEnv(t *testing.T, o envOpt) *testEnv {
 	t.Helper()
 	ctx := context.Background()
 	e := &testEnv{t: t, ledger: accounting.NewMemory(), outcomes: make(chan Outcome, 100)}
-	e.redis = testutil.Redis(t)
+	if o.mini {
+		e.redis = testutil.MiniRedis(t)
+	} else {
+		e.redis = testutil.Redis(t)
+	}
 	client := e.redis.Client
 	if o.withFault {
 		addr := strings.TrimPrefix(e.redis.URL, "redis://")

@@ -2,11 +2,14 @@ package middleware
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/labstack/echo/v4"
+	"github.com/llmescrow/escrow/balance"
 )
 
 // OpenAI error types and codes the middleware answers with.
@@ -32,7 +35,14 @@ const (
 	CodeServiceUnavailable = "service_unavailable"
 	CodeInternal           = "internal_error"
 	CodeBillingFailed      = "billing_unavailable"
+	CodeBudgetExceeded     = "budget_exceeded" // 429: a limit (cap per key, project or org and window) is reached
+	CodeAccountFrozen      = "account_frozen"  // 403: the org is frozen
+	CodeKeyFrozen          = "key_frozen"      // 403: the API key, or its project, is frozen
 )
+
+// HeaderLimitReset is the header of a 429 budget_exceeded that says when the limit's window
+// resets (RFC 3339, UTC); absent for a lifetime limit, which never resets.
+const HeaderLimitReset = "x-escrow-limit-reset"
 
 // Error is a refusal in OpenAI's shape:
 //
@@ -50,6 +60,28 @@ type Error struct {
 	// Anthropic: the body is in Anthropic's shape, {"type":"error","error":{"type":"…",
 	// "message":"…"}} (the Messages API's routes; see forAnthropic).
 	Anthropic bool
+	// Limit is the limit a 429 budget_exceeded names: written as "limit" in the error object,
+	// and its reset time as the x-escrow-limit-reset header. nil: none.
+	Limit *LimitInfo
+}
+
+// LimitInfo is the limit that refused a request, as the error body has it:
+//
+//	"limit":{"id":"lim_1","scope":"key","scope_id":"key_x","window":"day","cap":50000,
+//	         "used":49990,"resets_at":"2026-12-02T00:00:00Z"}
+//
+// scope is org, project or key; scope_id is the project or key id (null for the org); window
+// is lifetime, hour, day, week or month; cap and used are micro-units (used: the window's spend
+// and holds when the request came); resets_at is the next window's start, RFC 3339 UTC (null
+// for lifetime).
+type LimitInfo struct {
+	ID       string  `json:"id"`
+	Scope    string  `json:"scope"`
+	ScopeID  *string `json:"scope_id"`
+	Window   string  `json:"window"`
+	Cap      int64   `json:"cap"`
+	Used     int64   `json:"used"`
+	ResetsAt *string `json:"resets_at"`
 }
 
 func (e *Error) Error() string {
@@ -60,22 +92,24 @@ func (e *Error) Error() string {
 func (e *Error) Body() []byte {
 	if e.Anthropic {
 		type inner struct {
-			Type    string `json:"type"`
-			Message string `json:"message"`
+			Type    string     `json:"type"`
+			Message string     `json:"message"`
+			Limit   *LimitInfo `json:"limit,omitempty"`
 		}
 		b, _ := json.Marshal(struct {
 			Type  string `json:"type"`
 			Error inner  `json:"error"`
-		}{"error", inner{Type: e.Type, Message: e.Message}})
+		}{"error", inner{Type: e.Type, Message: e.Message, Limit: e.Limit}})
 		return b
 	}
 	type inner struct {
-		Message string  `json:"message"`
-		Type    string  `json:"type"`
-		Param   *string `json:"param"`
-		Code    *string `json:"code"`
+		Message string     `json:"message"`
+		Type    string     `json:"type"`
+		Param   *string    `json:"param"`
+		Code    *string    `json:"code"`
+		Limit   *LimitInfo `json:"limit,omitempty"`
 	}
-	in := inner{Message: e.Message, Type: e.Type}
+	in := inner{Message: e.Message, Type: e.Type, Limit: e.Limit}
 	if e.Param != "" {
 		in.Param = &e.Param
 	}
@@ -96,6 +130,9 @@ func (e *Error) setHeaders(h http.Header) {
 	}
 	if e.NoRetry {
 		h.Set("x-should-retry", "false")
+	}
+	if e.Limit != nil && e.Limit.ResetsAt != nil {
+		h.Set(HeaderLimitReset, *e.Limit.ResetsAt)
 	}
 }
 
@@ -128,4 +165,66 @@ func errUnavailable(msg string, retry time.Duration) *Error {
 
 func errInternal(msg string) *Error {
 	return &Error{Status: http.StatusInternalServerError, Type: TypeServer, Code: CodeInternal, Message: msg}
+}
+
+// limitRefusal is the 429 of a hold a limit refused: type insufficient_quota (the SDKs' "stop,
+// do not retry"), code budget_exceeded, x-should-retry: false, and the limit in the body and
+// (its reset time) in a header.
+func limitRefusal(le *balance.LimitError) *Error {
+	e := &Error{Status: http.StatusTooManyRequests, Type: TypeInsufficientQuota, Code: CodeBudgetExceeded, NoRetry: true,
+		Message: "A spending limit of your organization is reached; this request was not started."}
+	l := le.Limit
+	if l.ID == "" {
+		return e
+	}
+	info := &LimitInfo{ID: l.ID, Scope: string(l.Scope.Kind), Window: string(l.Window), Cap: l.Cap, Used: le.Used}
+	var who string
+	switch l.Scope.Kind {
+	case balance.ScopeOrg:
+		who = "organization"
+	default:
+		id := l.Scope.ID
+		info.ScopeID = &id
+		who = string(l.Scope.Kind) + " " + id
+	}
+	reset := "it does not reset"
+	if !le.ResetsAt.IsZero() {
+		r := le.ResetsAt.UTC().Format(time.RFC3339)
+		info.ResetsAt = &r
+		reset = "resets " + r
+	}
+	e.Limit = info
+	e.Message = fmt.Sprintf("%s %s limit of %d reached: %d used, %d needed; %s.", who, windowAdjective(l.Window), l.Cap, le.Used, le.Amount, reset)
+	e.Message = strings.ToUpper(e.Message[:1]) + e.Message[1:]
+	return e
+}
+
+func windowAdjective(w balance.Window) string {
+	switch w {
+	case balance.Hour:
+		return "hourly"
+	case balance.Day:
+		return "daily"
+	case balance.Week:
+		return "weekly"
+	case balance.Month:
+		return "monthly"
+	}
+	return string(w) // lifetime
+}
+
+// frozenRefusal is the 403 of a hold refused because a scope of the request is frozen:
+// account_frozen for the org, key_frozen for the key or its project (the message says which).
+func frozenRefusal(s balance.Scope) *Error {
+	e := &Error{Status: http.StatusForbidden, Type: TypeInvalidRequest, Code: CodeKeyFrozen, NoRetry: true}
+	switch s.Kind {
+	case balance.ScopeKey:
+		e.Message = "This API key (" + s.ID + ") is frozen: its new requests are refused until it is unfrozen."
+	case balance.ScopeProject:
+		e.Message = "The project " + s.ID + " of this API key is frozen: its keys' new requests are refused until it is unfrozen."
+	default:
+		e.Code = CodeAccountFrozen
+		e.Message = "Your organization is frozen: its new requests are refused until it is unfrozen."
+	}
+	return e
 }

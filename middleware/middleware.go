@@ -65,7 +65,8 @@ type middleware struct {
 	passDirs []string // PassThrough prefixes ("/v1/models/" for "/v1/models/*")
 	allow    map[string]bool
 	extendIn time.Duration
-	raised   sync.Map // model → the highest cost this process raised its learned max to
+	raised   sync.Map  // model → the highest cost this process raised its learned max to
+	badKey   sync.Once // logs the first key id the limits layer cannot name
 }
 
 func newMiddleware(cfg Config) (*middleware, error) {
@@ -169,7 +170,11 @@ type call struct {
 	agreed     int64 // the hold amount computed for the request, kept when fail-open takes no hold
 	learned    int64 // the model's learned max cost when the hold was taken
 	failOpen   bool
-	start      time.Time
+	// limitKey is the key id the hold was reserved under ("" when none, or when the limits layer
+	// cannot name the identity's key id).
+	limitKey string
+	reserved balance.Reservation // what Reserve answered (zero for fail-open: no hold)
+	start    time.Time
 }
 
 func (m *middleware) refuse(c echo.Context, o Outcome, e *Error) error {
@@ -310,11 +315,12 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	if err != nil {
 		return m.refuse(c, o, errInternal("No request id could be made."))
 	}
-	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, agreed: amount, learned: max(learned, model.MaxCost), start: start}
+	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, agreed: amount, learned: max(learned, model.MaxCost),
+		limitKey: m.limitKey(id), start: start}
 	o.HoldID, o.HoldAmount = cl.holdID, amount
 
 	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)
-	_, err = m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: id.Org, HoldID: cl.holdID, Amount: amount})
+	res, err := m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: id.Org, HoldID: cl.holdID, Amount: amount, KeyID: cl.limitKey})
 	cancel()
 	if err != nil {
 		e, unknown := m.reserveError(err, amount)
@@ -329,15 +335,47 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 		cl.holdAmount, cl.failOpen = 0, true
 		o.HoldAmount, o.FailOpen = 0, true
 		m.cfg.Logger.Warn("escrow: fail-open: request passes without a hold", "hold_id", cl.holdID, "org", id.Org, "err", err)
+	} else {
+		cl.reserved = res
 	}
 	return cl.proxy(c, next, body, o)
+}
+
+// limitKey is the key id to reserve under: the identity's, unless the limits layer cannot name
+// it (balance.ValidateReserveKey: a custom OrgFunc may return ids with , ; : | or spaces). Such
+// a key is reserved without a key id, so only the org's limits and freeze apply to it (its usage
+// events keep the key id for reports; the ledger leaves it out of the limit attribution); the
+// first one is logged, once per middleware. Refusing them instead would turn every request of
+// that authenticator into an error.
+func (m *middleware) limitKey(id Identity) string {
+	if id.KeyID == "" {
+		return ""
+	}
+	if err := balance.ValidateReserveKey(id.KeyID); err != nil {
+		m.badKey.Do(func() {
+			m.cfg.Logger.Warn("escrow: key id cannot be named by limits: its requests are reserved without a key id (only the org's limits and freeze apply); "+
+				"return key ids of 1-128 printable ASCII bytes without space, braces or , ; : | from the OrgFunc", "key_id", id.KeyID, "err", err)
+		})
+		return ""
+	}
+	return id.KeyID
 }
 
 // reserveError maps a failed reserve to a refusal. unknown is true when the reserve may have
 // committed (Redis trouble). A nil *Error means: pass without a hold (fail-open).
 func (m *middleware) reserveError(err error, amount int64) (e *Error, unknown bool) {
 	var ins *balance.InsufficientError
+	var lim *balance.LimitError
+	var frozen *balance.FrozenError
 	switch {
+	case errors.As(err, &lim):
+		return limitRefusal(lim), false
+	case errors.As(err, &frozen):
+		return frozenRefusal(frozen.Scope), false
+	case errors.Is(err, balance.ErrLimit): // a Holds that names no limit
+		return limitRefusal(&balance.LimitError{}), false
+	case errors.Is(err, balance.ErrFrozen):
+		return frozenRefusal(balance.Scope{}), false
 	case errors.As(err, &ins), errors.Is(err, balance.ErrInsufficient):
 		return &Error{Status: http.StatusTooManyRequests, Type: TypeInsufficientQuota, Code: CodeInsufficientQuota, NoRetry: true,
 			Message: "You exceeded your current quota: your balance does not cover this request. Add credit and retry."}, false

@@ -168,7 +168,12 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		}
 	}
 	ev := accounting.UsageEvent{
-		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Model: cl.req.Model, Endpoint: cl.req.Endpoint,
+		// The limit attribution is what the reserve answered (a fail-open request has no reserve
+		// time: it is attributed to its record time). A key id the limits layer cannot name is
+		// kept for reports; the ledger leaves it out of the entry's attribution, as the reserve
+		// left it out of the hold's.
+		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt,
+		Model: cl.req.Model, Endpoint: cl.req.Endpoint,
 		Usage: usage, Cost: cost, HoldAmount: cl.holdAmount, Estimated: estimated, CreatedAt: time.Now(),
 	}
 	o.Usage, o.Cost, o.Err = usage, cost, why

@@ -54,6 +54,7 @@ type Config struct {
 	Coalesce        bool
 	PprofAddr       string
 	RecordTimeout   time.Duration
+	ReserveTimeout  time.Duration
 	KeyCacheTTL     time.Duration
 	KeyMaxStale     time.Duration
 	KeyFailures     int
@@ -173,6 +174,7 @@ func (c *Config) settings() []setting {
 		{"ESCROW_WEBHOOK_TIMEOUT", "webhook-timeout", "10s", "bound on one webhook delivery attempt (connect, send, answer)", dur(&c.WebhookTimeout)},
 		{"ESCROW_WEBHOOK_MAX_ATTEMPTS", "webhook-max-attempts", "12", "attempts after which a webhook delivery is marked failed (retries back off from 5s, doubling, up to 1h, with jitter)", intp(&c.WebhookMaxAttempts)},
 		{"ESCROW_RECORD_TIMEOUT", "record-timeout", "15s", "bound on recording a request's usage; past it the event is voided and the client gets 503, unless it was stored (then the request completes)", dur(&c.RecordTimeout)},
+		{"ESCROW_RESERVE_TIMEOUT", "reserve-timeout", "1s", "bound on a request's reserve call to Redis; past it the client gets 503 and the hold, if it was taken unseen, is released", dur(&c.ReserveTimeout)},
 		{"ESCROW_KEY_CACHE_TTL", "key-cache-ttl", "5s", "how long an API key look-up is trusted; a revoked key stops within it, also while Postgres is down (revocations go through Redis)", dur(&c.KeyCacheTTL)},
 		{"ESCROW_KEY_MAX_STALE", "key-max-stale", "10m", "while Postgres is down, a known key keeps working for this long after its last look-up (unless revoked)", dur(&c.KeyMaxStale)},
 		{"ESCROW_KEY_FAILURES_PER_MINUTE", "key-failures-per-minute", "20", "failed API key look-ups one client IP may cause per minute (429 beyond it)", intp(&c.KeyFailures)},

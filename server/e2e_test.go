@@ -38,6 +38,12 @@ type config = Config
 // tweak sets UpstreamURL or RoutesFile.
 func startTestProxy(t *testing.T, real bool, tweak ...func(*Config)) *testProxy {
 	t.Helper()
+	return startTestProxyWith(t, real, nil, tweak...)
+}
+
+// startTestProxyWith is startTestProxy with options applied after its own (a later option wins).
+func startTestProxyWith(t *testing.T, real bool, extra []Option, tweak ...func(*Config)) *testProxy {
+	t.Helper()
 	cfg := DefaultConfig()
 	cfg.Addr = "127.0.0.1:0"
 	cfg.AdminToken = testAdmin
@@ -69,6 +75,7 @@ func startTestProxy(t *testing.T, real bool, tweak ...func(*Config)) *testProxy 
 	if cfg.UpstreamURL == "" && cfg.RoutesFile == "" {
 		opts = append(opts, WithUpstream(fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), "sk-fake-upstream"))
 	}
+	opts = append(opts, extra...)
 	ctx := context.Background()
 	a, err := New(ctx, cfg, opts...)
 	if err != nil {

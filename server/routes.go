@@ -41,6 +41,7 @@ func (s *Server) buildEcho() error {
 		DefaultHold:          s.cfg.DefaultHold,
 		HoldTTL:              s.cfg.HoldTTL,
 		RecordTimeout:        s.cfg.RecordTimeout,
+		ReserveTimeout:       s.cfg.ReserveTimeout,
 		KeyCacheTTL:          s.cfg.KeyCacheTTL,
 		MaxStale:             s.cfg.KeyMaxStale,
 		KeyFailuresPerMinute: s.cfg.KeyFailures,

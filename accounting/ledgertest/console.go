@@ -129,6 +129,36 @@ func testConsoleKeys(t *testing.T, l accounting.Ledger) {
 	if p := must(l.ListKeys(c, "k-other", accounting.ListQuery{})); len(p.Data) != 1 || p.Next != "" {
 		t.Fatalf("keys of k-other: %+v", p)
 	}
+	// Last use: the reserve time of the key's latest accounted request (a pending one does not
+	// count yet); the project it is in.
+	if got[0].LastUsedAt != nil || got[0].Project != "" {
+		t.Fatalf("unused key: %+v", got[0])
+	}
+	must2(l.Credit(c, "k-org", 1000, "pay-k-org"))
+	_, err = l.CreateProject(c, "k-org", "staging")
+	noErr(t, err)
+	_, err = l.SetKeyProject(c, made[0], "staging")
+	noErr(t, err)
+	at := t0.Add(5 * time.Hour)
+	for i, when := range []time.Time{at.Add(-time.Minute), at, at.Add(-time.Hour)} {
+		ev := event("k-org", 1, 200+i)
+		ev.KeyID, ev.ReservedAt = made[0], when
+		noErr(t, l.RecordUsage(c, []accounting.UsageEvent{ev}))
+	}
+	for {
+		n, err := l.AccountPending(c, 1000)
+		noErr(t, err)
+		if n == 0 {
+			break
+		}
+	}
+	late := event("k-org", 1, 300)
+	late.KeyID, late.ReservedAt = made[0], at.Add(time.Hour) // recorded, not accounted
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{late}))
+	k0 := must(l.ListKeys(c, "k-org", accounting.ListQuery{Limit: 1})).Data[0]
+	if k0.LastUsedAt == nil || !k0.LastUsedAt.Equal(at) || k0.Project != "staging" {
+		t.Fatalf("used key: %+v, want last used at %v in staging", k0, at)
+	}
 }
 
 func must2[A, B any](a A, b B, err error) (A, B) {

@@ -369,7 +369,7 @@ func cmdKeys(args []string) error {
 		if err != nil {
 			return err
 		}
-		return o.print(rows, []string{"id", "name", "created_at", "revoked_at"}, rows)
+		return o.print(rows, []string{"id", "name", "project", "created_at", "last_used_at", "revoked_at"}, rows)
 	case len(pos) == 2 && pos[0] == "create":
 		if err := c.call(http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/keys", map[string]string{"name": *name}, &res); err != nil {
 			return err
@@ -778,4 +778,131 @@ func importModels(c *client, o output, file string, dryRun bool, provider string
 	}
 	fmt.Fprintf(stdout, "%s: %d new, %d changed, %d unchanged, %d skipped\n", verb, len(r.New), len(r.Changed), len(r.Unchanged), len(r.Skipped))
 	return nil
+}
+
+// cmdLimits: escrow limits ORG | create ORG --window W --cap N [--key ID | --project P] |
+// set-cap ORG LIMIT_ID N | delete ORG LIMIT_ID.
+func cmdLimits(args []string) error {
+	fs := flag.NewFlagSet("limits", flag.ContinueOnError)
+	var o output
+	o.flags(fs)
+	window := fs.String("window", "", "lifetime, hour, day, week or month (create)")
+	capArg := fs.String("cap", "", "the cap in micro-units (create)")
+	key := fs.String("key", "", "a key's limit: the key id (create)")
+	project := fs.String("project", "", "a project's limit: the project id (create)")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	usage := usageErr("usage: escrow limits ORG | create ORG --window W --cap N [--key ID|--project P] | set-cap ORG LIMIT_ID N | delete ORG LIMIT_ID  [--json|--csv]")
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	cols := []string{"id", "scope", "scope_id", "window", "cap", "used", "held", "resets_at"}
+	var res map[string]any
+	switch {
+	case len(pos) == 1:
+		rows, err := c.all("/orgs/"+url.PathEscape(pos[0])+"/limits", url.Values{})
+		if err != nil {
+			return err
+		}
+		return o.print(rows, cols, rows)
+	case len(pos) == 2 && pos[0] == "create":
+		n, err := strconv.ParseInt(*capArg, 10, 64)
+		if err != nil || *window == "" || (*key != "" && *project != "") {
+			return usage
+		}
+		body := map[string]any{"scope": "org", "window": *window, "cap": n}
+		switch {
+		case *key != "":
+			body["scope"], body["scope_id"] = "key", *key
+		case *project != "":
+			body["scope"], body["scope_id"] = "project", *project
+		}
+		err = c.call(http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/limits", body, &res)
+		cols = []string{"id", "scope", "scope_id", "window", "cap"}
+		if err != nil {
+			return err
+		}
+	case len(pos) == 4 && pos[0] == "set-cap":
+		n, err := strconv.ParseInt(pos[3], 10, 64)
+		if err != nil {
+			return usageErr("the cap must be a whole number of micro-units, not %q", pos[3])
+		}
+		if err := c.call(http.MethodPatch, "/orgs/"+url.PathEscape(pos[1])+"/limits/"+url.PathEscape(pos[2]), map[string]any{"cap": n}, &res); err != nil {
+			return err
+		}
+		cols = []string{"id", "scope", "scope_id", "window", "cap"}
+	case len(pos) == 3 && pos[0] == "delete":
+		if err := c.call(http.MethodDelete, "/orgs/"+url.PathEscape(pos[1])+"/limits/"+url.PathEscape(pos[2]), nil, nil); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, "deleted", pos[2])
+		return nil
+	default:
+		return usage
+	}
+	return o.print(res, cols, one(res))
+}
+
+// cmdProjects: escrow projects create ORG ID | add-key KEY_ID PROJECT | remove-key KEY_ID.
+func cmdProjects(args []string) error {
+	fs := flag.NewFlagSet("projects", flag.ContinueOnError)
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(pos) == 3 && pos[0] == "create":
+		err = c.call(http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/projects", map[string]string{"id": pos[2]}, nil)
+	case len(pos) == 3 && pos[0] == "add-key":
+		err = c.call(http.MethodPut, "/keys/"+url.PathEscape(pos[1])+"/project", map[string]any{"project": pos[2]}, nil)
+	case len(pos) == 2 && pos[0] == "remove-key":
+		err = c.call(http.MethodPut, "/keys/"+url.PathEscape(pos[1])+"/project", map[string]any{"project": nil}, nil)
+	default:
+		return usageErr("usage: escrow projects create ORG PROJECT | add-key KEY_ID PROJECT | remove-key KEY_ID")
+	}
+	if err != nil {
+		return err
+	}
+	fmt.Fprintln(stdout, "ok")
+	return nil
+}
+
+// freezeCmd: escrow freeze|unfreeze ORG [--project P] | --key KEY_ID.
+func freezeCmd(name, path string) func(args []string) error {
+	return func(args []string) error {
+		fs := flag.NewFlagSet(name, flag.ContinueOnError)
+		project := fs.String("project", "", "the org's project to "+name)
+		key := fs.String("key", "", "the key to "+name+" (no ORG then)")
+		pos, err := parse(fs, args)
+		if err != nil {
+			return err
+		}
+		var target string
+		switch {
+		case *key != "" && len(pos) == 0 && *project == "":
+			target = "/keys/" + url.PathEscape(*key) + "/" + path
+		case *key == "" && len(pos) == 1 && *project != "":
+			target = "/orgs/" + url.PathEscape(pos[0]) + "/projects/" + url.PathEscape(*project) + "/" + path
+		case *key == "" && len(pos) == 1:
+			target = "/orgs/" + url.PathEscape(pos[0]) + "/" + path
+		default:
+			return usageErr("usage: escrow %s ORG [--project P] | escrow %s --key KEY_ID", name, name)
+		}
+		c, err := newClient()
+		if err != nil {
+			return err
+		}
+		if err := c.call(http.MethodPost, target, nil, nil); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, map[string]string{"freeze": "frozen", "unfreeze": "unfrozen"}[name])
+		return nil
+	}
 }

@@ -53,9 +53,17 @@ func (c *cli) json(v any, args ...string) {
 	}
 }
 
-// startCLIServer starts the proxy in-process on real Redis and Postgres with the fake upstream
-// and returns its base URL and a CLI pointed at it.
-func startCLIServer(t *testing.T) (string, *cli) {
+type usageRow struct {
+	Group      string `json:"group"`
+	Requests   int64  `json:"requests"`
+	Cost       int64  `json:"cost"`
+	Prompt     int64  `json:"prompt_tokens"`
+	Completion int64  `json:"completion_tokens"`
+}
+
+// startCLIProxy starts the proxy in-process on real Redis and Postgres with the fake upstream
+// and returns a CLI pointed at it, and its base URL.
+func startCLIProxy(t *testing.T) (*cli, string) {
 	t.Helper()
 	if testutil.RealRedisURL() == "" || testutil.RealPostgresURL() == "" {
 		if testutil.RequireServices() {
@@ -86,15 +94,13 @@ func startCLIServer(t *testing.T) (string, *cli) {
 		}
 	})
 	base := "http://" + srv.Addr()
-	return base, &cli{t: t, env: map[string]string{"ESCROW_URL": base, "ESCROW_ADMIN_TOKEN": cfg.AdminToken, "USER": "tester"}}
+	return &cli{t: t, env: map[string]string{"ESCROW_URL": base, "ESCROW_ADMIN_TOKEN": cfg.AdminToken, "USER": "tester"}}, base
 }
 
-type usageRow struct {
-	Group      string `json:"group"`
-	Requests   int64  `json:"requests"`
-	Cost       int64  `json:"cost"`
-	Prompt     int64  `json:"prompt_tokens"`
-	Completion int64  `json:"completion_tokens"`
+// startCLIServer is startCLIProxy with its results the other way round.
+func startCLIServer(t *testing.T) (string, *cli) {
+	c, base := startCLIProxy(t)
+	return base, c
 }
 
 // TestCLIEndToEnd drives the CLI against the proxy started in-process on real Redis and
@@ -102,7 +108,7 @@ type usageRow struct {
 // credit, requests through the proxy, then the lists, usage by day, model and key adding up to
 // the ledger, a CSV export, and one request by its x-request-id.
 func TestCLIEndToEnd(t *testing.T) {
-	base, c := startCLIServer(t)
+	c, base := startCLIProxy(t)
 
 	// Set up: org, keys, prices, credit.
 	c.ok("orgs", "create", "acme", "--name", "Acme Inc")
@@ -356,5 +362,107 @@ func TestCLIMigrate(t *testing.T) {
 	c.env = nil
 	if _, err := c.run("migrate"); !errors.As(err, &ee) || ee.code != exitUsage {
 		t.Errorf("no database URL: %v", err)
+	}
+}
+
+// chatStatus sends one chat request with key and returns the status and the error code.
+func chatStatus(t *testing.T, base, key string) (int, string) {
+	t.Helper()
+	body := `{"model":"gpt-4o-mini","max_tokens":20,"messages":[{"role":"user","content":"hi"}]}`
+	req, _ := http.NewRequest("POST", base+"/v1/chat/completions", strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var e struct {
+		Error struct{ Code string } `json:"error"`
+	}
+	b, _ := io.ReadAll(resp.Body)
+	_ = json.Unmarshal(b, &e)
+	return resp.StatusCode, e.Error.Code
+}
+
+// TestCLILimits drives limits, projects and freezes through the CLI against the proxy: a key's
+// daily cap refuses the request that would pass it, a project freeze stops its keys and not the
+// others, an org freeze stops every key, and each lifts again.
+func TestCLILimits(t *testing.T) {
+	c, base := startCLIProxy(t)
+	c.ok("orgs", "create", "acme")
+	c.ok("models", "set", "gpt-4o-mini", "--input", "1", "--output", "1", "--max-input-tokens", "1000", "--max-output-tokens", "100", "--default-hold", "1000")
+	c.ok("credit", "acme", "10000000", "--ref", "pay-1")
+	var k1, k2 struct{ ID, Key string }
+	c.json(&k1, "keys", "create", "acme", "--name", "batch")
+	c.json(&k2, "keys", "create", "acme", "--name", "web")
+	c.ok("projects", "create", "acme", "staging")
+	c.ok("projects", "add-key", k2.ID, "staging")
+
+	// A daily cap on k1: one request passes, then the cap is lowered to what it used, and the
+	// next request of k1 is refused while k2's pass.
+	var lim struct{ ID string }
+	c.json(&lim, "limits", "create", "acme", "--key", k1.ID, "--window", "day", "--cap", "1000000")
+	if st, code := chatStatus(t, base, k1.Key); st != 200 {
+		t.Fatalf("first request: %d %s", st, code)
+	}
+	var ls []struct {
+		ID, Scope, Window string
+		ScopeID           string `json:"scope_id"`
+		Cap, Used, Held   int64
+	}
+	c.json(&ls, "limits", "acme")
+	if len(ls) != 1 || ls[0].ID != lim.ID || ls[0].ScopeID != k1.ID || ls[0].Window != "day" || ls[0].Used <= 0 || ls[0].Held > ls[0].Used {
+		t.Fatalf("limits after one request: %+v", ls)
+	}
+	used := ls[0].Used                                                     // the window's counter, holds in flight included
+	c.ok("limits", "set-cap", "acme", lim.ID, strconv.FormatInt(used, 10)) // lowered to what is used
+	if st, code := chatStatus(t, base, k1.Key); st != 429 || code != "budget_exceeded" {
+		t.Errorf("k1 over its cap: %d %s, want 429 budget_exceeded", st, code)
+	}
+	if st, _ := chatStatus(t, base, k2.Key); st != 200 {
+		t.Errorf("k2 has no cap: %d", st)
+	}
+	c.ok("limits", "delete", "acme", lim.ID)
+	if st, _ := chatStatus(t, base, k1.Key); st != 200 {
+		t.Errorf("k1 after its limit was deleted: %d", st)
+	}
+
+	// Freezes: the project (k2 only), the key, the org; each lifted.
+	for _, f := range []struct {
+		args       []string
+		k1Refused  bool
+		k2Refused  bool
+		code       string
+		unfreezeBy []string
+	}{
+		{[]string{"acme", "--project", "staging"}, false, true, "key_frozen", nil},
+		{[]string{"--key", k1.ID}, true, false, "key_frozen", nil},
+		{[]string{"acme"}, true, true, "account_frozen", nil},
+	} {
+		if out := c.ok(append([]string{"freeze"}, f.args...)...); out != "frozen\n" {
+			t.Fatalf("freeze %v: %q", f.args, out)
+		}
+		for _, k := range []struct {
+			key     string
+			refused bool
+		}{{k1.Key, f.k1Refused}, {k2.Key, f.k2Refused}} {
+			st, code := chatStatus(t, base, k.key)
+			if k.refused && (st != 403 || code != f.code) || !k.refused && st != 200 {
+				t.Errorf("freeze %v: %d %s (refused: %v, want code %s)", f.args, st, code, k.refused, f.code)
+			}
+		}
+		c.ok(append([]string{"unfreeze"}, f.args...)...)
+		if st, _ := chatStatus(t, base, k1.Key); st != 200 {
+			t.Errorf("after unfreeze %v: %d", f.args, st)
+		}
+	}
+	c.ok("projects", "remove-key", k2.ID)
+	var ee *exitError
+	if _, err := c.run("freeze", "acme", "--key", k1.ID); !errors.As(err, &ee) || ee.code != exitUsage {
+		t.Errorf("freeze with both an org and a key: %v", err)
+	}
+	if _, err := c.run("limits", "create", "acme", "--window", "fortnight", "--cap", "5"); !errors.As(err, &ee) || ee.code != exitRefused {
+		t.Errorf("a window that does not exist: %v", err)
 	}
 }

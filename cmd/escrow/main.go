@@ -40,6 +40,10 @@ var commands = map[string]struct {
 	"reconcile": {"compare an org's hot balance with the ledger and repair a drift: escrow reconcile ORG", cmdReconcile},
 	"epoch":     {"show the ledger epoch, or raise it after restoring the ledger from a backup", cmdEpoch},
 	"webhooks":  {"list, create or delete webhook endpoints, and list an endpoint's deliveries", cmdWebhooks},
+	"limits":    {"list, create, change the cap of or delete an org's spending limits (per org, project or key and window)", cmdLimits},
+	"projects":  {"create a project (a named group of an org's keys), put a key in one or take it out", cmdProjects},
+	"freeze":    {"refuse every new request of an org, one of its projects or a key, at once", freezeCmd("freeze", "freeze")},
+	"unfreeze":  {"lift a freeze", freezeCmd("unfreeze", "unfreeze")},
 	"top":       {"the orgs that spent the most in a time range", cmdTop},
 	"migrate":   {"apply the ledger's database migrations (DATABASE_URL) and exit", cmdMigrate},
 }

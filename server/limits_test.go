@@ -1,0 +1,242 @@
+package server
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/internal/fakeupstream"
+	"github.com/llmescrow/escrow/internal/testutil"
+)
+
+// gate holds every upstream request until it is opened, so that the requests of a burst are
+// all in flight together (no settle can land between their reserves).
+type gate struct {
+	h       http.Handler
+	arrived atomic.Int64
+	open    chan struct{}
+}
+
+func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	g.arrived.Add(1)
+	select {
+	case <-g.open:
+	case <-r.Context().Done():
+		return
+	}
+	g.h.ServeHTTP(w, r)
+}
+
+// TestLimitBurstProxy: through the proxy (real Redis + Postgres, the embedded parts, and a
+// Redis Cluster + Postgres), 2,000 concurrent requests of one key with a daily cap (made with
+// the admin API) for exactly 37 of them (hold = cost = 20, the fake upstream's 20 output tokens
+// at 1 µ each) and a balance of 1,000,000: exactly 37 get 200 and 1,963 get 429
+// budget_exceeded, only 37 reach the upstream, and after the settle the ledger and the hot
+// balance are down by exactly 37 × 20, which is what the limit reports used.
+//
+// Not parallel with the package's other tests: 6,000 requests at once on two cores would push
+// their reserves past the 1 s reserve timeout (this test raises its own).
+func TestLimitBurstProxy(t *testing.T) {
+	burst := func(t *testing.T, start func(extra []Option, tweak func(*Config)) *testProxy) {
+		const total, n, unit, funds = 2000, 37, 20, 1_000_000
+		g := &gate{h: fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), open: make(chan struct{})}
+		p := start([]Option{
+			WithUpstream(g, "sk-fake-upstream"),
+		}, func(c *Config) { c.MaxInFlight = 2 * total; c.ReserveTimeout = time.Minute })
+		org := "acme"
+		p.admin("PUT", "/models/m", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
+			"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": unit, "default_hold": unit}, http.StatusOK, nil)
+		p.admin("POST", "/orgs", map[string]string{"id": org}, http.StatusCreated, nil)
+		var k struct{ ID, Key string }
+		p.admin("POST", "/orgs/"+org+"/keys", nil, http.StatusCreated, &k)
+		var lim struct{ ID string }
+		p.admin("POST", "/orgs/"+org+"/limits", map[string]any{"scope": "key", "scope_id": k.ID, "window": "day", "cap": n * unit}, http.StatusCreated, &lim)
+		ctx := context.Background()
+		p.admin("POST", "/orgs/"+org+"/credits", map[string]any{"amount": funds, "reference": "init-" + org}, http.StatusCreated, nil)
+
+		client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: total}}
+		defer client.CloseIdleConnections()
+		var ok, refused, other atomic.Int64
+		var firstOther atomic.Value
+		var ready, wg sync.WaitGroup
+		ready.Add(1)
+		body := `{"model":"m","messages":[{"role":"user","content":"hello"}]}`
+		for range total {
+			wg.Go(func() {
+				req, err := http.NewRequest(http.MethodPost, p.base+"/v1/chat/completions", strings.NewReader(body))
+				if err != nil {
+					other.Add(1)
+					return
+				}
+				req.Header.Set("Authorization", "Bearer "+k.Key)
+				req.Header.Set("Content-Type", "application/json")
+				ready.Wait()
+				resp, err := client.Do(req)
+				if err != nil {
+					firstOther.CompareAndSwap(nil, err.Error())
+					other.Add(1)
+					return
+				}
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				switch {
+				case resp.StatusCode == http.StatusOK:
+					ok.Add(1)
+				case resp.StatusCode == http.StatusTooManyRequests && strings.Contains(string(b), `"code":"budget_exceeded"`) &&
+					resp.Header.Get("x-should-retry") == "false" && resp.Header.Get("x-escrow-limit-reset") != "":
+					refused.Add(1)
+				default:
+					firstOther.CompareAndSwap(nil, strconv.Itoa(resp.StatusCode)+" "+string(b))
+					other.Add(1)
+				}
+			})
+		}
+		ready.Done()
+		// Open the gate once every request is decided: held at the upstream or answered.
+		deadline := time.Now().Add(2 * time.Minute)
+		for g.arrived.Load()+refused.Load()+other.Load() < total && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+		close(g.open)
+		wg.Wait()
+		if ok.Load() != n || refused.Load() != total-n || other.Load() != 0 || g.arrived.Load() != n {
+			t.Fatalf("%d ok, %d budget_exceeded, %d other (first: %v), %d upstream calls; want %d, %d, 0, %d",
+				ok.Load(), refused.Load(), other.Load(), firstOther.Load(), g.arrived.Load(), n, total-n, n)
+		}
+		b := p.settled(org)
+		if b.Available != funds-n*unit || b.LedgerBalance != funds-n*unit {
+			t.Fatalf("after settle: %+v, want %d", b, funds-n*unit)
+		}
+		acct, err := p.app.ledger.Account(ctx, org)
+		if err != nil || acct.Balance != funds-n*unit {
+			t.Fatalf("ledger account %+v, %v", acct, err)
+		}
+		// The limit's window holds exactly the N charges, nothing in flight.
+		var limits struct {
+			Data []struct {
+				ID         string
+				Used, Held int64
+			}
+		}
+		p.admin("GET", "/orgs/"+org+"/limits", nil, http.StatusOK, &limits)
+		if len(limits.Data) != 1 || limits.Data[0].ID != lim.ID || limits.Data[0].Used != n*unit || limits.Data[0].Held != 0 {
+			t.Fatalf("limits after settle: %+v, want %s used %d", limits, lim.ID, n*unit)
+		}
+		// The refusals are counted under their code.
+		_, _, m := p.do("GET", "/metrics", "", nil)
+		if want := `escrow_requests_total{outcome="budget_exceeded"} ` + strconv.Itoa(total-n); !strings.Contains(string(m), want) {
+			t.Fatalf("metrics lack %q", want)
+		}
+	}
+	t.Run("real", func(t *testing.T) {
+		t.Parallel()
+		burst(t, func(extra []Option, tweak func(*Config)) *testProxy { return startTestProxyWith(t, true, extra, tweak) })
+	})
+	t.Run("embedded", func(t *testing.T) {
+		t.Parallel()
+		burst(t, func(extra []Option, tweak func(*Config)) *testProxy {
+			return startTestProxyWith(t, false, extra, tweak)
+		})
+	})
+	t.Run("cluster", func(t *testing.T) {
+		t.Parallel()
+		cl := testutil.StartRedisCluster(t)
+		burst(t, func(extra []Option, tweak func(*Config)) *testProxy {
+			urls := make([]string, 0, 3)
+			for _, a := range cl.Addrs() {
+				urls = append(urls, "redis://"+a)
+			}
+			pg := testutil.Postgres(t)
+			return startTestProxyWith(t, false, extra, tweak, func(c *Config) {
+				c.RedisURL, c.DatabaseURL, c.Prefix = strings.Join(urls, ","), pg.URL, testutil.RandomName("c")
+			})
+		})
+	})
+}
+
+// TestLimitRepliesProxy: limits and freezes made with the admin API answer through the proxy:
+// a key's daily cap → 429 budget_exceeded naming the limit (id, used, reset in body and header);
+// a frozen key, the key's frozen project → 403 key_frozen; a frozen org → 403 account_frozen;
+// each unfreeze lets the next request through; refusals are not charged.
+func TestLimitRepliesProxy(t *testing.T) {
+	t.Parallel()
+	eachMode(t, func(t *testing.T, p *testProxy) {
+		const unit = 20
+		p.admin("PUT", "/models/m", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
+			"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": unit, "default_hold": unit}, http.StatusOK, nil)
+		p.admin("POST", "/orgs", map[string]string{"id": "acme"}, http.StatusCreated, nil)
+		p.admin("POST", "/orgs/acme/credits", map[string]any{"amount": 10_000, "reference": "init-acme"}, http.StatusCreated, nil)
+		var k struct{ ID, Key string }
+		p.admin("POST", "/orgs/acme/keys", nil, http.StatusCreated, &k)
+		p.admin("POST", "/orgs/acme/projects", map[string]string{"id": "staging"}, http.StatusCreated, nil)
+		p.admin("PUT", "/keys/"+k.ID+"/project", map[string]string{"project": "staging"}, http.StatusOK, nil)
+		var lim struct{ ID string }
+		p.admin("POST", "/orgs/acme/limits", map[string]any{"scope": "key", "scope_id": k.ID, "window": "day", "cap": 3 * unit}, http.StatusCreated, &lim)
+
+		send := func() (int, http.Header, string) {
+			st, h, b := p.do("POST", "/v1/chat/completions", k.Key, chat("hello"))
+			return st, h, string(b)
+		}
+		expect := func(what string, status int, code string) string {
+			t.Helper()
+			st, h, b := send()
+			if st != status || (code != "" && !strings.Contains(b, `"code":"`+code+`"`)) {
+				t.Fatalf("%s: %d %s, want %d %s", what, st, b, status, code)
+			}
+			if code != "" && h.Get("x-should-retry") != "false" {
+				t.Fatalf("%s: headers %v", what, h)
+			}
+			return b
+		}
+		for _, f := range []struct{ freeze, unfreeze, code, says string }{
+			{"/keys/" + k.ID + "/freeze", "/keys/" + k.ID + "/unfreeze", "key_frozen", "This API key (" + k.ID + ") is frozen"},
+			{"/orgs/acme/projects/staging/freeze", "/orgs/acme/projects/staging/unfreeze", "key_frozen", "The project staging of this API key is frozen"},
+			{"/orgs/acme/freeze", "/orgs/acme/unfreeze", "account_frozen", "Your organization is frozen"},
+		} {
+			p.admin("POST", f.freeze, nil, http.StatusOK, nil)
+			if b := expect(f.freeze, http.StatusForbidden, f.code); !strings.Contains(b, f.says) {
+				t.Fatalf("%s: %s, want it to say %q", f.freeze, b, f.says)
+			}
+			p.admin("POST", f.unfreeze, nil, http.StatusOK, nil)
+			expect(f.unfreeze, http.StatusOK, "")
+			// At rest before the next change: a reseed (every change reseeds) while a charge is
+			// in the ledger but its hold not yet settled counts both, as the balance does, until
+			// the settle lands.
+			p.settled("acme")
+		}
+		// Three requests of 20 fit the cap of 60; the fourth is refused.
+		b := expect("over the cap", http.StatusTooManyRequests, "budget_exceeded")
+		var got struct {
+			Error struct {
+				Message string
+				Limit   struct {
+					ID, Scope, ScopeID, Window, ResetsAt string
+					Cap, Used                            int64
+				}
+			}
+		}
+		if err := json.Unmarshal([]byte(b), &got); err != nil {
+			t.Fatal(err)
+		}
+		g := got.Error.Limit
+		_, next := balance.Day.Bounds(time.Now())
+		if g.ID != lim.ID || g.Scope != "key" || g.Window != "day" || g.Cap != 3*unit || g.Used != 3*unit ||
+			!strings.HasPrefix(got.Error.Message, "Key "+k.ID+" daily limit of 60 reached: 60 used, 20 needed; resets ") {
+			t.Fatalf("refusal %s", b)
+		}
+		if rs := next.Format(time.RFC3339); !strings.Contains(b, `"resets_at":"`+rs+`"`) && time.Until(next) > time.Minute {
+			t.Fatalf("refusal %s, want resets_at %s", b, rs)
+		}
+		if bv := p.settled("acme"); bv.LedgerBalance != 10_000-3*unit {
+			t.Fatalf("after settle: %+v, want %d", bv, 10_000-3*unit)
+		}
+	})
+}
