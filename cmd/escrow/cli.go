@@ -277,7 +277,8 @@ func cell(v any) string {
 
 func one(v map[string]any) []map[string]any { return []map[string]any{v} }
 
-// cmdOrgs: escrow orgs [list] | create ID [--name N] | show ID | rename ID NAME.
+// cmdOrgs: escrow orgs [list] | create ID [--name N] | show ID | rename ID NAME | threshold ID N|none
+// (the balance under which a balance.low webhook fires).
 func cmdOrgs(args []string) error {
 	fs := flag.NewFlagSet("orgs", flag.ContinueOnError)
 	var o output
@@ -311,8 +312,19 @@ func cmdOrgs(args []string) error {
 		err = c.call(http.MethodGet, "/orgs/"+url.PathEscape(pos[0]), nil, &res)
 	case sub == "rename" && len(pos) == 2:
 		err = c.call(http.MethodPatch, "/orgs/"+url.PathEscape(pos[0]), map[string]string{"name": pos[1]}, &res)
+	case sub == "threshold" && len(pos) == 2:
+		var v any // "none" clears it
+		if pos[1] != "none" {
+			n, perr := strconv.ParseInt(pos[1], 10, 64)
+			if perr != nil {
+				return usageErr("the low-balance threshold is a whole number of micro-units or none, not %q", pos[1])
+			}
+			v = n
+		}
+		err = c.call(http.MethodPatch, "/orgs/"+url.PathEscape(pos[0]), map[string]any{"low_balance_threshold": v}, &res)
+		cols = []string{"id", "low_balance_threshold"}
 	default:
-		return usageErr("usage: escrow orgs [list] | create ID [--name NAME] | show ID | rename ID NAME  [--json|--csv]")
+		return usageErr("usage: escrow orgs [list] | create ID [--name NAME] | show ID | rename ID NAME | threshold ID MICRO_UNITS|none  [--json|--csv]")
 	}
 	if err != nil {
 		return err

@@ -3,13 +3,17 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
 	"encoding/csv"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
 	"testing"
@@ -104,9 +108,11 @@ func startCLIServer(t *testing.T) (string, *cli) {
 }
 
 // TestCLIEndToEnd drives the CLI against the proxy started in-process on real Redis and
-// Postgres: an org with a name, two named keys, two models priced by PATCH in decimals, a
-// credit, requests through the proxy, then the lists, usage by day, model and key adding up to
-// the ledger, a CSV export, and one request by its x-request-id.
+// Postgres: an org with a name, two named keys (one in a project), two models priced by PATCH in
+// decimals, a credit, a webhook for low balances with its threshold, 50 requests through the
+// proxy, then the lists, usage by day, model and key adding up to the ledger, a CSV export, one
+// request by its x-request-id, and the webhook receiver's one balance.low delivery, its
+// signature checked here on its own.
 func TestCLIEndToEnd(t *testing.T) {
 	c, base := startCLIProxy(t)
 
@@ -129,9 +135,27 @@ func TestCLIEndToEnd(t *testing.T) {
 	}
 	c.ok("models", "set", "gpt-4o", "--input", "2.5", "--output", "10", "--max-output-tokens", "16384", "--default-hold", "50000")
 	c.ok("credit", "acme", "10000000", "--ref", "pay-1")
+	c.ok("projects", "create", "acme", "web")
+	c.ok("projects", "add-key", k2.ID, "web")
+
+	// A webhook receiver told when acme's balance falls under 9,999,000: a real HTTP server that
+	// keeps every delivery as it arrived.
+	type delivery struct {
+		sig  string
+		body []byte
+	}
+	got := make(chan delivery, 16)
+	recv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		got <- delivery{r.Header.Get("X-Escrow-Signature"), b}
+	}))
+	defer recv.Close()
+	var hook struct{ ID, Secret string }
+	c.json(&hook, "webhooks", "create", recv.URL+"/escrow", "--events", "balance.low")
+	c.ok("orgs", "threshold", "acme", "9999000")
 
 	// Requests through the proxy, alternating keys and models.
-	const n = 20
+	const n = 50
 	var ids []string
 	for i := range n {
 		key, model := k1.Key, "gpt-4o-mini"
@@ -155,6 +179,30 @@ func TestCLIEndToEnd(t *testing.T) {
 			t.Fatalf("request %d: %d", i, resp.StatusCode)
 		}
 		ids = append(ids, resp.Header.Get("x-request-id"))
+	}
+
+	// The low-balance event arrived once, signed: HMAC-SHA256 of "<t>.<body>" with the secret,
+	// computed here on its own.
+	select {
+	case d := <-got:
+		var ts, v1 string
+		for _, part := range strings.Split(d.sig, ",") {
+			k, v, _ := strings.Cut(part, "=")
+			if k == "t" {
+				ts = v
+			} else if k == "v1" {
+				v1 = v
+			}
+		}
+		mac := hmac.New(sha256.New, []byte(hook.Secret))
+		mac.Write([]byte(ts + "." + string(d.body)))
+		var ev struct{ Type, Org string }
+		_ = json.Unmarshal(d.body, &ev)
+		if ts == "" || v1 != hex.EncodeToString(mac.Sum(nil)) || ev.Type != "balance.low" || ev.Org != "acme" {
+			t.Errorf("webhook delivery %q %s: signature or event wrong", d.sig, d.body)
+		}
+	case <-time.After(30 * time.Second):
+		t.Error("no balance.low webhook within 30 s")
 	}
 
 	// Wait for the worker to account every request: 1 credit + n charges in the ledger.
@@ -331,6 +379,11 @@ func TestCLIEndToEnd(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != 405 || !strings.Contains(resp.Header.Get("Allow"), "GET") || !strings.Contains(string(b), `"code":"method_not_allowed"`) {
 		t.Errorf("wrong method: %d Allow=%q %s", resp.StatusCode, resp.Header.Get("Allow"), b)
+	}
+	select { // the balance crossed the threshold once: one event
+	case d := <-got:
+		t.Errorf("a second balance.low delivery: %s", d.body)
+	default:
 	}
 }
 
