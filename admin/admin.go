@@ -82,6 +82,7 @@ func (a *API) Register(g *echo.Group) {
 	add(http.MethodGet, "/usage/top", a.topSpenders)
 	add(http.MethodGet, "/requests/:id", a.request)
 	add(http.MethodGet, "/models", a.models)
+	add(http.MethodPost, "/models/import", a.importModels)
 	add(http.MethodGet, "/models/:model", a.getModel)
 	add(http.MethodPut, "/models/:model", a.putModel)
 	add(http.MethodPatch, "/models/:model", a.patchModel)

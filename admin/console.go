@@ -5,11 +5,10 @@ import (
 	"context"
 	"encoding/csv"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
-	"math/big"
 	"net/http"
-	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -368,12 +367,10 @@ func (a *API) patchModel(c echo.Context) error {
 	return a.answer(c, m, err)
 }
 
-var decimalText = regexp.MustCompile(`^([0-9]+)(?:\.([0-9]+))?$`)
-
-// DecimalMicros converts a JSON number or string holding a plain non-negative decimal (currency
-// units) to micro-units exactly: "0.15" → 150000. More than six decimals that are not zeros, an
-// exponent, a sign or a value above 10^14 micro-units is an error saying so; the text is parsed
-// digit by digit, never through a float.
+// DecimalMicros converts a JSON number or string holding a non-negative decimal (currency units)
+// to micro-units exactly: "0.15" → 150000. A value that is not a whole number of micro-units, a
+// sign or a value above 10^14 micro-units is an error saying so; the text is parsed digit by
+// digit, never through a float (accounting.DecimalMicros, the one rule for decimal prices).
 func DecimalMicros(raw json.RawMessage) (int64, error) {
 	s := strings.TrimSpace(string(raw))
 	if strings.HasPrefix(s, `"`) {
@@ -382,19 +379,11 @@ func DecimalMicros(raw json.RawMessage) (int64, error) {
 		}
 		s = strings.TrimSpace(s)
 	}
-	m := decimalText.FindStringSubmatch(s)
-	if m == nil {
-		return 0, fmt.Errorf("%q is not a plain decimal such as 0.15 (digits, an optional point and digits; no sign or exponent)", s)
+	v, _, err := accounting.DecimalMicros(s, 6, false)
+	if err != nil {
+		return 0, errors.New(message(err))
 	}
-	frac := strings.TrimRight(m[2], "0")
-	if len(frac) > 6 {
-		return 0, fmt.Errorf("%q is not a whole number of micro-units (at most 6 decimals)", s)
-	}
-	v, ok := new(big.Int).SetString(m[1]+frac+strings.Repeat("0", 6-len(frac)), 10)
-	if !ok || v.Cmp(big.NewInt(balance.MaxAmount)) > 0 {
-		return 0, fmt.Errorf("%q is above 10^14 micro-units", s)
-	}
-	return v.Int64(), nil
+	return v, nil
 }
 
 func (a *API) auditLog(c echo.Context) error {
@@ -433,7 +422,8 @@ func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
 			if err != nil {
 				return invalid(c, "could not read the request body")
 			}
-			r.Body = io.NopCloser(bytes.NewReader(body))
+			// What was not read (a body above MaxBodyBytes, for the routes that take one) follows.
+			r.Body = io.NopCloser(io.MultiReader(bytes.NewReader(body), r.Body))
 		}
 		err := next(c)
 		actor := strings.TrimSpace(r.Header.Get(ActorHeader))
@@ -454,6 +444,9 @@ func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
 			status = http.StatusInternalServerError
 		}
 		detail := string(body)
+		if d, ok := c.Get(auditDetail).(string); ok {
+			detail = d
+		}
 		if len(detail) > 4096 {
 			detail = detail[:4096]
 		}

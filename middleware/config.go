@@ -100,9 +100,18 @@ type Config struct {
 	Logger *slog.Logger
 
 	// PassThrough lists paths (besides the priced endpoints) that are passed to the handler
-	// after authentication, without a hold (e.g. "/v1/models"). Default: none; every other path
-	// gets a 404.
+	// after authentication, without a hold (e.g. "/v1/models"); a path ending in "/*" passes
+	// every path below it ("/v1/models/*"). Default: none; every other path gets a 404.
 	PassThrough []string
+	// Route, when set, is asked for each priced request, once its model is read and before its
+	// price is looked up or anything is held, whether an upstream serves that model; it may
+	// record its choice on c (c.Set) for the handler. A non-empty upstreamModel other than the
+	// requested one is written as the body's "model" for the handler (the member the
+	// middleware read, and only it), while the request is still priced as the model the client
+	// named: the name the route maps from. An *Error refuses the request with it (e.g. 404
+	// model_not_found for a model no upstream serves), any other error with 503; either way
+	// nothing is held. Default: nil (every model goes to the handler as named).
+	Route func(c echo.Context, model string) (upstreamModel string, err error)
 	// Allow lists the features the price table cannot price that may pass anyway: "audio",
 	// "image_output", "service_tier:<tier>" (e.g. "service_tier:priority"), "tool:<type>" (e.g.
 	// "tool:web_search"); on /v1/messages also "tool:<server tool type>", "mcp_servers",

@@ -62,6 +62,7 @@ type middleware struct {
 	failures *failureLimiter // failed key look-ups per client IP
 	models   *ttlCache[accounting.Model]
 	pass     map[string]bool
+	passDirs []string // PassThrough prefixes ("/v1/models/" for "/v1/models/*")
 	allow    map[string]bool
 	extendIn time.Duration
 	raised   sync.Map  // model → the highest cost this process raised its learned max to
@@ -76,6 +77,10 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	m := &middleware{cfg: cfg, pass: map[string]bool{}, allow: map[string]bool{}, extendIn: cfg.HoldTTL / 3}
 	m.void = voidOf(cfg.Recorder)
 	for _, p := range cfg.PassThrough {
+		if dir, ok := strings.CutSuffix(p, "/*"); ok {
+			m.passDirs = append(m.passDirs, dir+"/")
+			continue
+		}
 		m.pass[p] = true
 	}
 	for _, f := range cfg.Allow {
@@ -225,7 +230,14 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	}
 	path := req.URL.Path
 	if !pricedEndpoint(path) {
-		if m.pass[path] || path == EndpointCountTokens {
+		if path == EndpointCountTokens && m.cfg.Route != nil {
+			// Unbilled, but sent to the upstream of its model's route, like the Messages it
+			// counts for.
+			if e := m.routeUnpriced(c); e != nil {
+				return m.refuse(c, o, e)
+			}
+		}
+		if m.passes(path) || path == EndpointCountTokens {
 			req.Header.Del("Authorization")
 			req.Header.Del("X-Api-Key")
 			o.Kind = OutcomePassed
@@ -260,6 +272,19 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 		if !m.allow[f] {
 			return m.refuse(c, o, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: featureParam(f), Code: CodeUnsupported,
 				Message: "This request uses a feature that cannot be priced here: " + f + "."})
+		}
+	}
+	if m.cfg.Route != nil {
+		up, err := m.cfg.Route(c, r.Model)
+		if err != nil {
+			o.Err = err
+			return m.refuse(c, o, m.routeError(err))
+		}
+		if up != "" && up != r.Model {
+			// parseRequest refused any body whose "model" key is not unique and exactly spelled,
+			// so the member replaced is the one priced; the hold's size bound counts the new body.
+			body = setTopString(body, "model", up)
+			r.Size = max(r.Size, len(body))
 		}
 	}
 	model, err := m.models.get(ctx, r.Model, m.cfg.Ledger.Model)
@@ -379,6 +404,81 @@ func (m *middleware) reserveError(err error, amount int64) (e *Error, unknown bo
 	// Redis trouble with fail-open off, or a failure nobody classified (a timeout while
 	// waiting for a warm-up): 503, and a release in case a reserve committed unseen.
 	return errUnavailable("The balance service is unavailable; please retry.", m.cfg.RetryAfter), true
+}
+
+// passes reports whether path is a PassThrough path.
+func (m *middleware) passes(path string) bool {
+	if m.pass[path] {
+		return true
+	}
+	for _, d := range m.passDirs {
+		if strings.HasPrefix(path, d) && len(path) > len(d) {
+			return true
+		}
+	}
+	return false
+}
+
+// modelField is the one top-level field routeUnpriced reads.
+var modelField = newFieldSet("model")
+
+// routeUnpriced routes a request passed unbilled whose body names a model
+// (/v1/messages/count_tokens): Config.Route is asked for that model, and a rename is applied to
+// the body as for a priced request. The model member is read by the same rules as a priced
+// request's (one, exactly spelled), so the model routed is the one the upstream reads.
+func (m *middleware) routeUnpriced(c echo.Context) *Error {
+	req := c.Request()
+	body, e := readBody(req, m.cfg.MaxRequestBytes)
+	if e != nil {
+		return e
+	}
+	if e := checkJSONObject(body); e != nil {
+		return e
+	}
+	var model string
+	var seen uint64
+	forEachRaw(bstr(body), func(key, v string) bool {
+		i, kc := modelField.check(key, &seen)
+		switch kc {
+		case keyUnknown:
+			return true
+		case keyVariant, keyDuplicate:
+			e = keyError("", key, modelField.names[i], kc)
+			return false
+		}
+		if s := rawString(v); rawKind(v) == '"' && s != "" {
+			model = strings.Clone(s)
+			return true
+		}
+		e = errInvalid("model", "'model' must be a non-empty string.")
+		return false
+	})
+	if e != nil {
+		return e
+	}
+	if model == "" {
+		return &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: "model", Code: CodeMissingField,
+			Message: "You must provide a model parameter."}
+	}
+	up, err := m.cfg.Route(c, model)
+	if err != nil {
+		return m.routeError(err)
+	}
+	if up != "" && up != model {
+		body = setTopString(body, "model", up)
+	}
+	setBody(req, body)
+	return nil
+}
+
+// routeError maps a failed Config.Route to a refusal.
+func (m *middleware) routeError(err error) *Error {
+	var e *Error
+	if errors.As(err, &e) {
+		return e
+	}
+	m.cfg.Logger.Warn("escrow: routing failed", "err", err)
+	return errUnavailable("The routing service is unavailable; please retry.", m.cfg.RetryAfter)
 }
 
 func (m *middleware) identityError(err error) *Error {

@@ -1,6 +1,7 @@
 package middleware
 
 import (
+	"encoding/json"
 	"net/http"
 	"slices"
 	"strconv"
@@ -668,6 +669,42 @@ func skipValue(s string, i int) int {
 		i++
 	}
 	return i
+}
+
+// setTopString returns a copy of body, a JSON object whose top-level member key is unique and
+// spelled exactly (parseRequest checked both), with that member's value replaced by the JSON
+// string v; nothing else changes. Without such a member, body is returned as it is.
+func setTopString(body []byte, key, v string) []byte {
+	raw := bstr(body)
+	i := skipWS(raw, 0)
+	if i >= len(raw) || raw[i] != '{' {
+		return body
+	}
+	for i++; ; {
+		i = skipWS(raw, i)
+		if i >= len(raw) || raw[i] == '}' {
+			return body
+		}
+		if raw[i] == ',' {
+			i++
+			continue
+		}
+		end := skipString(raw, i)
+		k := rawString(raw[i:end])
+		i = skipWS(raw, end)
+		if i < len(raw) && raw[i] == ':' {
+			i++
+		}
+		i = skipWS(raw, i)
+		vend := skipValue(raw, i)
+		if k == key {
+			enc, _ := json.Marshal(v) // a string always encodes
+			out := make([]byte, 0, len(body)-(vend-i)+len(enc))
+			out = append(append(append(out, body[:i]...), enc...), body[vend:]...)
+			return out
+		}
+		i = vend
+	}
 }
 
 // injectIncludeUsage returns a copy of body with stream_options.include_usage = true, touching

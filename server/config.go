@@ -21,11 +21,13 @@ type Config struct {
 	DatabaseURL    string
 	UpstreamURL    string
 	UpstreamAPIKey string
-	// AnthropicURL and AnthropicAPIKey: the upstream of the Messages API routes (/v1/messages,
-	// /v1/messages/count_tokens), its key sent as x-api-key. Empty: those routes go to the
-	// in-process upstream when there is one (the demo's fake serves both APIs), else 404.
+	// AnthropicURL and AnthropicAPIKey: without a routes file, a catch-all anthropic-style
+	// route (the Messages API's routes, /v1/messages and /v1/messages/count_tokens), its key
+	// sent as x-api-key. Empty: those routes go to the in-process upstream when there is one (the
+	// demo's fake serves both APIs), else every model is 404 there.
 	AnthropicURL    string
 	AnthropicAPIKey string
+	RoutesFile      string
 	AdminToken      string
 	HoldTTL         time.Duration
 	FailOpen        bool
@@ -142,8 +144,9 @@ func (c *Config) settings() []setting {
 		{"DATABASE_URL", "database-url", "", "PostgreSQL URL for the ledger; empty: in-memory ledger (only with embedded Redis, examples/proxy)", str(&c.DatabaseURL)},
 		{"UPSTREAM_URL", "upstream-url", "", "OpenAI-compatible upstream base URL (e.g. https://api.openai.com); empty: built-in fake upstream (examples/proxy only; required by escrow serve)", str(&c.UpstreamURL)},
 		{"UPSTREAM_API_KEY", "upstream-api-key", "", "API key sent to the upstream (clients' keys are never forwarded)", str(&c.UpstreamAPIKey)},
-		{"ESCROW_ANTHROPIC_URL", "anthropic-url", "", "Anthropic Messages API upstream base URL (e.g. https://api.anthropic.com) for /v1/messages; empty: those routes answer 404 (the demo's fake serves them)", str(&c.AnthropicURL)},
+		{"ESCROW_ANTHROPIC_URL", "anthropic-url", "", "Anthropic Messages API upstream base URL (e.g. https://api.anthropic.com) for /v1/messages: a catch-all anthropic-style route (without ESCROW_ROUTES_FILE); empty: those routes answer 404 (the demo's fake serves them)", str(&c.AnthropicURL)},
 		{"ESCROW_ANTHROPIC_API_KEY", "anthropic-api-key", "", "API key sent to the Anthropic upstream as x-api-key (clients' keys are never forwarded)", str(&c.AnthropicAPIKey)},
+		{"ESCROW_ROUTES_FILE", "routes-file", "", "JSON file of upstream routes by model ({\"routes\":[{\"model\" or \"prefix\", \"upstream\", \"api_key_env\" or \"api_key\", \"style\": openai|anthropic, \"rename\"}]}); replaces UPSTREAM_URL and ESCROW_ANTHROPIC_URL; empty: UPSTREAM_URL serves every model (and ESCROW_ANTHROPIC_URL every Messages API model)", str(&c.RoutesFile)},
 		{"ESCROW_ADMIN_TOKEN", "admin-token", "", "bearer token of the admin API; empty: admin API off (the embedded demo generates one)", str(&c.AdminToken)},
 		{"ESCROW_HOLD_TTL", "hold-ttl", "10m", "hold expiry; extended every third of it while a request runs", dur(&c.HoldTTL)},
 		{"ESCROW_FAIL_OPEN", "fail-open", "false", "when Redis is down, serve requests without a hold (their usage is still billed)", boolean(&c.FailOpen)},
@@ -278,6 +281,12 @@ func (c *Config) check() error {
 			return fmt.Errorf("%s: %w", h.env, err)
 		}
 	}
+	if c.RoutesFile != "" && c.UpstreamURL != "" {
+		return errors.New("set ESCROW_ROUTES_FILE or UPSTREAM_URL, not both (a route with \"prefix\": \"\" serves every other model)")
+	}
+	if c.RoutesFile != "" && c.AnthropicURL != "" {
+		return errors.New("set ESCROW_ROUTES_FILE or ESCROW_ANTHROPIC_URL, not both (a route with \"style\": \"anthropic\", \"prefix\": \"\" serves every other Messages API model)")
+	}
 	if c.UpstreamURL != "" && c.UpstreamAPIKey == "" {
 		return errors.New("UPSTREAM_URL is set but UPSTREAM_API_KEY is empty")
 	}
@@ -309,5 +318,5 @@ func (c *Config) NewLogger(w io.Writer) *slog.Logger {
 	if c.LogFormat == "json" {
 		h = slog.NewJSONHandler(w, opts)
 	}
-	return slog.New(redactingHandler{h})
+	return slog.New(redactingHandler{next: h})
 }

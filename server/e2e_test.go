@@ -35,7 +35,7 @@ type config = Config
 
 // startTestProxy starts the proxy: real Redis and Postgres when real is true, embedded parts
 // (miniredis, the memory ledger) otherwise, as tweaked; the upstream is the fake one unless a
-// tweak sets UpstreamURL.
+// tweak sets UpstreamURL or RoutesFile.
 func startTestProxy(t *testing.T, real bool, tweak ...func(*Config)) *testProxy {
 	t.Helper()
 	return startTestProxyWith(t, real, nil, tweak...)
@@ -56,9 +56,11 @@ func startTestProxyWith(t *testing.T, real bool, extra []Option, tweak ...func(*
 	for _, f := range tweak {
 		f(cfg)
 	}
-	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
-	if testing.Verbose() {
-		cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	if cfg.Logger == nil { // a tweak may set its own
+		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+		if testing.Verbose() {
+			cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+		}
 	}
 	var opts []Option
 	if cfg.RedisURL == "" {
@@ -70,7 +72,7 @@ func startTestProxyWith(t *testing.T, real bool, extra []Option, tweak ...func(*
 		t.Cleanup(func() { _ = rdb.Close(); mini.Close() }) // after the server's Stop (cleanups run last-in first-out)
 		opts = append(opts, WithEmbeddedRedis(rdb))
 	}
-	if cfg.UpstreamURL == "" {
+	if cfg.UpstreamURL == "" && cfg.RoutesFile == "" {
 		opts = append(opts, WithUpstream(fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), "sk-fake-upstream"))
 	}
 	opts = append(opts, extra...)

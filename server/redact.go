@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"regexp"
+	"slices"
 	"strings"
 
 	"github.com/llmescrow/escrow/accounting"
@@ -134,15 +135,45 @@ func (e *redactedError) Unwrap() error { return e.err }
 
 // redactingHandler applies redact to every log record's message and to its string, error and
 // Stringer attributes (in groups too), so no log line of the server or of the parts it logs for
-// carries a URL's password or token.
-type redactingHandler struct{ next slog.Handler }
+// carries a URL's password or token; it also masks every occurrence of the secrets it was given
+// (the upstreams' keys, the admin token), wherever they appear.
+type redactingHandler struct {
+	next    slog.Handler
+	secrets []string
+}
 
-// redactLogger returns l logging through a redactingHandler (l itself if it already does).
-func redactLogger(l *slog.Logger) *slog.Logger {
-	if _, ok := l.Handler().(redactingHandler); ok {
+// minSecret is the shortest secret masked by value: shorter ones would mask common words.
+const minSecret = 4
+
+// redactLogger returns l logging through a redactingHandler that also masks secrets (l itself
+// if it already does and no secret is added).
+func redactLogger(l *slog.Logger, secrets ...string) *slog.Logger {
+	h, ok := l.Handler().(redactingHandler)
+	if !ok {
+		h = redactingHandler{next: l.Handler()}
+	}
+	added := false
+	for _, s := range secrets {
+		if len(s) >= minSecret && !slices.Contains(h.secrets, s) {
+			h.secrets = append(slices.Clip(h.secrets), s)
+			added = true
+		}
+	}
+	if ok && !added {
 		return l
 	}
-	return slog.New(redactingHandler{l.Handler()})
+	return slog.New(h)
+}
+
+// redact is the package's redact plus the handler's secrets.
+func (h redactingHandler) redact(s string) string {
+	s = redact(s)
+	for _, sec := range h.secrets {
+		if strings.Contains(s, sec) {
+			s = strings.ReplaceAll(s, sec, redacted)
+		}
+	}
+	return s
 }
 
 func (h redactingHandler) Enabled(ctx context.Context, l slog.Level) bool {
@@ -150,9 +181,9 @@ func (h redactingHandler) Enabled(ctx context.Context, l slog.Level) bool {
 }
 
 func (h redactingHandler) Handle(ctx context.Context, r slog.Record) error {
-	out := slog.NewRecord(r.Time, r.Level, redact(r.Message), r.PC)
+	out := slog.NewRecord(r.Time, r.Level, h.redact(r.Message), r.PC)
 	r.Attrs(func(a slog.Attr) bool {
-		out.AddAttrs(redactAttr(a))
+		out.AddAttrs(h.redactAttr(a))
 		return true
 	})
 	return h.next.Handle(ctx, out)
@@ -161,33 +192,33 @@ func (h redactingHandler) Handle(ctx context.Context, r slog.Record) error {
 func (h redactingHandler) WithAttrs(as []slog.Attr) slog.Handler {
 	red := make([]slog.Attr, len(as))
 	for i, a := range as {
-		red[i] = redactAttr(a)
+		red[i] = h.redactAttr(a)
 	}
-	return redactingHandler{h.next.WithAttrs(red)}
+	return redactingHandler{h.next.WithAttrs(red), h.secrets}
 }
 
 func (h redactingHandler) WithGroup(name string) slog.Handler {
-	return redactingHandler{h.next.WithGroup(name)}
+	return redactingHandler{h.next.WithGroup(name), h.secrets}
 }
 
-func redactAttr(a slog.Attr) slog.Attr {
+func (h redactingHandler) redactAttr(a slog.Attr) slog.Attr {
 	v := a.Value.Resolve()
 	switch v.Kind() {
 	case slog.KindString:
-		return slog.String(a.Key, redact(v.String()))
+		return slog.String(a.Key, h.redact(v.String()))
 	case slog.KindGroup:
 		g := v.Group()
 		red := make([]any, len(g))
 		for i, x := range g {
-			red[i] = redactAttr(x)
+			red[i] = h.redactAttr(x)
 		}
 		return slog.Group(a.Key, red...)
 	case slog.KindAny:
 		switch x := v.Any().(type) {
 		case error:
-			return slog.String(a.Key, redact(x.Error()))
+			return slog.String(a.Key, h.redact(x.Error()))
 		case fmt.Stringer:
-			return slog.String(a.Key, redact(x.String()))
+			return slog.String(a.Key, h.redact(x.String()))
 		}
 	}
 	return slog.Attr{Key: a.Key, Value: v}

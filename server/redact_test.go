@@ -76,6 +76,31 @@ func TestRedactingLogger(t *testing.T) {
 	}
 }
 
+// TestRedactingLoggerSecrets: the secrets given (upstream keys, the admin token) are masked
+// wherever they appear — message, attributes, With, groups, errors — also when added to a
+// logger that already redacts; a secret too short to mask safely is left alone.
+func TestRedactingLoggerSecrets(t *testing.T) {
+	t.Parallel()
+	var buf bytes.Buffer
+	base := redactLogger(slog.New(slog.NewTextHandler(&buf, nil)))
+	l := redactLogger(base, "sk-up-111", "adm-222", "k")
+	if l == base || redactLogger(l, "sk-up-111") != l {
+		t.Fatal("adding secrets: the logger was not replaced once")
+	}
+	l = redactLogger(l, "sk-up-333")
+	l.With("hdr", "Bearer sk-up-111").WithGroup("g").Warn("key sk-up-333 refused",
+		"err", errors.New("401 for adm-222"), slog.Group("inner", "k", "x-api-key: sk-up-333"), "word", "kept")
+	out := buf.String()
+	for _, secret := range []string{"sk-up-111", "adm-222", "sk-up-333"} {
+		if strings.Contains(out, secret) {
+			t.Errorf("log line carries %q: %s", secret, out)
+		}
+	}
+	if strings.Count(out, redacted) != 4 || !strings.Contains(out, "word=kept") {
+		t.Errorf("masked wrongly: %s", out)
+	}
+}
+
 // TestRedactError: the message is masked, the chain still answers errors.Is.
 func TestRedactError(t *testing.T) {
 	t.Parallel()

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httputil"
-	"net/url"
 	"strings"
 	"time"
 
@@ -48,16 +47,21 @@ func (s *Server) buildEcho() error {
 		KeyFailuresPerMinute: s.cfg.KeyFailures,
 		Logger:               s.log,
 		OnOutcome:            s.metrics.observe,
+		Route:                s.route,
+		PassThrough:          []string{"/v1/models", "/v1/models/*"},
 	}.ToMiddleware()
 	if err != nil {
 		return fmt.Errorf("middleware: %w", err)
 	}
-	rp := s.reverseProxy()
+	rp := s.proxyHandler()
 	if s.cfg.BenchBaseline {
 		s.log.Warn("ESCROW_BENCH_BASELINE is set: requests pass without holds and are not billed")
-		e.Any("/v1/*", echo.WrapHandler(rp))
+		e.Any("/v1/*", rp)
 	} else {
-		e.Any("/v1/*", echo.WrapHandler(rp), s.journalGate, mw)
+		e.Any("/v1/*", rp, s.journalGate, mw)
+		// Authenticated by the middleware (PassThrough), unbilled, answered here.
+		e.GET("/v1/models", s.listModels, mw)
+		e.GET("/v1/models/*", s.getModel, mw)
 	}
 	s.echo = e
 	return nil
@@ -104,22 +108,37 @@ func statusCode(status int) string {
 	return b.String()
 }
 
-// reverseProxy forwards to the upstream with the upstream's key; the client's key never leaves.
-// Only allow-listed headers cross it, in either direction (headers.go), and the upstream's
-// interim responses never reach the client (finalOnly).
-func (s *Server) reverseProxy() http.Handler {
-	key := s.cfg.UpstreamAPIKey
-	openai := s.proxyTo(s.upstream, func(h http.Header) {
-		if key != "" {
-			h.Set("Authorization", "Bearer "+key)
+// proxyHandler forwards each request to the upstream the middleware's Route chose for its
+// model (without the middleware, in the benchmark baseline: the catch-all route of its style);
+// anything else gets a 404.
+func (s *Server) proxyHandler() echo.HandlerFunc {
+	rp := s.reverseProxy()
+	return func(c echo.Context) error {
+		req := c.Request()
+		u, _ := c.Get(routeKey).(*upstream)
+		if u == nil && s.cfg.BenchBaseline {
+			u = s.routes.catchAll(styleOf(req.URL.Path))
 		}
-	})
-	return s.withAnthropic(openai)
+		// With the middleware, a request without a route is one it passed unpriced (a
+		// PassThrough path such as DELETE /v1/models/{id}): never sent upstream with the
+		// operator's key.
+		if u == nil {
+			e := &middleware.Error{Status: http.StatusNotFound, Type: middleware.TypeInvalidRequest, Code: middleware.CodeNotFound,
+				Message: "Invalid URL (" + req.Method + " " + req.URL.Path + ")"}
+			if isAnthropicPath(req.URL.Path) {
+				e.Type, e.Anthropic = middleware.AnthropicNotFound, true
+			}
+			return middleware.WriteError(c, e)
+		}
+		rp.ServeHTTP(finalOnly{c.Response()}, req.WithContext(context.WithValue(req.Context(), upstreamCtxKey{}, u)))
+		return nil
+	}
 }
 
-// proxyTo is the reverse proxy to one upstream; auth sets the upstream's credentials on each
-// outgoing request (after the client's were filtered out).
-func (s *Server) proxyTo(up *url.URL, auth func(http.Header)) http.Handler {
+// reverseProxy forwards to the request's upstream (on its context) with that upstream's key;
+// the client's key never leaves. Only allow-listed headers cross it, in either direction
+// (headers.go), and the upstream's interim responses never reach the client (finalOnly).
+func (s *Server) reverseProxy() http.Handler {
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	tr.MaxIdleConns = 1024
 	tr.MaxIdleConnsPerHost = 1024
@@ -131,10 +150,11 @@ func (s *Server) proxyTo(up *url.URL, auth func(http.Header)) http.Handler {
 	respHeaders := newHeaderPolicy(alwaysResponseHeaders, respList, neverResponseHeaders)
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.SetURL(up)
-			pr.Out.Host = up.Host
+			up := pr.In.Context().Value(upstreamCtxKey{}).(*upstream)
+			pr.SetURL(up.base)
+			pr.Out.Host = up.base.Host
 			reqHeaders.filter(pr.Out.Header)
-			auth(pr.Out.Header)
+			up.setKey(pr.Out.Header)
 		},
 		ModifyResponse: func(res *http.Response) error {
 			respHeaders.filter(res.Header)
@@ -162,7 +182,7 @@ func (s *Server) proxyTo(up *url.URL, auth func(http.Header)) http.Handler {
 			_, _ = w.Write(body)
 		},
 	}
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { rp.ServeHTTP(finalOnly{w}, r) })
+	return rp
 }
 
 // journalGate refuses new requests (503 before any hold is taken) while the local journal is

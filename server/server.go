@@ -23,6 +23,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -38,7 +39,7 @@ import (
 // provides the part.
 var (
 	ErrNoRedis    = errors.New("server: no Redis (set REDIS_URL)")
-	ErrNoUpstream = errors.New("server: no upstream (set UPSTREAM_URL and UPSTREAM_API_KEY)")
+	ErrNoUpstream = errors.New("server: no upstream (set UPSTREAM_URL and UPSTREAM_API_KEY, or ESCROW_ROUTES_FILE)")
 )
 
 // Option gives New a part instead of the one the configuration describes.
@@ -49,6 +50,7 @@ type parts struct {
 	embedded    bool
 	upstream    http.Handler
 	upstreamKey string
+	routes      []Route
 }
 
 // WithRedis makes the server use c instead of dialing Config.RedisURL. The caller keeps c:
@@ -70,6 +72,13 @@ func WithUpstream(h http.Handler, apiKey string) Option {
 	return func(p *parts) { p.upstream, p.upstreamKey = h, apiKey }
 }
 
+// WithRoutes adds routes (see Route) before the configured ones (ESCROW_ROUTES_FILE, or the
+// catch-all of UPSTREAM_URL or WithUpstream), e.g. a demo's second, in-process upstream for some
+// models. The combined table follows the same rules (a model or prefix listed twice is an error).
+func WithRoutes(rs ...Route) Option {
+	return func(p *parts) { p.routes = append(p.routes, rs...) }
+}
+
 // Server is one proxy process: its parts and their lifecycle. New builds every part, Start
 // listens and starts the background work, Stop undoes both.
 type Server struct {
@@ -88,8 +97,7 @@ type Server struct {
 	metrics  *metrics
 	echo     *echo.Echo
 
-	upstream   *url.URL
-	anthropic  *url.URL     // the Messages API's upstream (nil: none configured)
+	routes     *routeTable  // each model's upstream (upstreams.go)
 	fake       *http.Server // in-process upstream (WithUpstream)
 	ln         net.Listener
 	httpServer *http.Server
@@ -126,6 +134,12 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 			err = redactError(err)
 		}
 	}()
+	// The routes first, so that every part logs through a logger that masks the upstreams'
+	// keys (and the admin token) wherever they would appear.
+	if err := s.openUpstream(p); err != nil {
+		return nil, err
+	}
+	s.log = redactLogger(s.log, append(s.routes.keys, cfg.AdminToken)...)
 	if err := s.openRedis(p); err != nil {
 		return nil, err
 	}
@@ -153,8 +167,8 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 		return nil, fmt.Errorf("ledger not ready (are the migrations applied? ESCROW_MIGRATE=true applies them): %w", err)
 	}
 	s.metrics = newMetrics(s)
-	if err := s.openUpstreams(p); err != nil {
-		return nil, err
+	if s.routes.empty() {
+		return nil, ErrNoUpstream
 	}
 	if err := s.buildEcho(); err != nil {
 		return nil, err
@@ -230,38 +244,60 @@ func (s *Server) openAccounting() error {
 	return s.openWebhooks()
 }
 
+// openUpstream builds the route table: the routes file; or one catch-all OpenAI route to
+// UPSTREAM_URL, or to the in-process upstream of WithUpstream, and one catch-all Anthropic route
+// to ESCROW_ANTHROPIC_URL (its key sent as x-api-key), or to the in-process upstream when that
+// is unset (the demo's fake serves both APIs).
 func (s *Server) openUpstream(p parts) error {
-	if p.upstream != nil {
+	var rs []Route
+	all := ""
+	switch {
+	case p.upstream != nil && s.cfg.RoutesFile != "":
+		return fmt.Errorf("%w: WithUpstream and ESCROW_ROUTES_FILE exclude each other", ErrConfig)
+	case p.upstream != nil:
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			return fmt.Errorf("in-process upstream: %w", err)
 		}
 		s.fake = &http.Server{Handler: p.upstream, ReadHeaderTimeout: 10 * time.Second}
 		go func() { _ = s.fake.Serve(ln) }()
-		s.upstream = &url.URL{Scheme: "http", Host: ln.Addr().String()}
 		s.cfg.UpstreamAPIKey = p.upstreamKey
-		s.log.Info("using an in-process upstream", "addr", s.upstream.Host)
+		s.log.Info("using an in-process upstream", "addr", ln.Addr().String())
+		rs = []Route{{Prefix: &all, Upstream: "http://" + ln.Addr().String(), APIKey: p.upstreamKey}}
+		if s.cfg.AnthropicURL == "" {
+			rs = append(rs, Route{Prefix: &all, Upstream: "http://" + ln.Addr().String(), APIKey: p.upstreamKey, Style: StyleAnthropic})
+		}
+	case s.cfg.RoutesFile != "":
+		var err error
+		if rs, err = readRoutesFile(s.cfg.RoutesFile); err != nil {
+			return fmt.Errorf("%w: %w", ErrConfig, err)
+		}
+	case s.cfg.UpstreamURL != "":
+		u, err := url.Parse(s.cfg.UpstreamURL)
+		if err != nil || u.Host == "" {
+			// Not quoted: a value that does not parse may not be masked by redact either.
+			return fmt.Errorf("%w: UPSTREAM_URL is not an absolute URL (want scheme://host, e.g. https://api.openai.com)", ErrConfig)
+		}
+		rs = []Route{{Prefix: &all, Upstream: s.cfg.UpstreamURL, APIKey: s.cfg.UpstreamAPIKey}}
+	case len(p.routes) == 0 && s.cfg.AnthropicURL == "":
+		// Reported by New after the other parts, whose own configuration errors come first.
+		s.routes = &routeTable{}
 		return nil
 	}
-	if s.cfg.UpstreamURL == "" {
-		return ErrNoUpstream
+	if s.cfg.AnthropicURL != "" && s.cfg.RoutesFile == "" {
+		u, err := url.Parse(s.cfg.AnthropicURL)
+		if err != nil || u.Host == "" || (u.Scheme != "http" && u.Scheme != "https") {
+			// Not quoted: a value that does not parse may not be masked by redact either.
+			return fmt.Errorf("%w: ESCROW_ANTHROPIC_URL is not an absolute URL (want scheme://host, e.g. https://api.anthropic.com)", ErrConfig)
+		}
+		rs = append(rs, Route{Prefix: &all, Upstream: s.cfg.AnthropicURL, APIKey: s.cfg.AnthropicAPIKey, Style: StyleAnthropic})
 	}
-	u, err := url.Parse(s.cfg.UpstreamURL)
-	if err != nil || u.Host == "" {
-		// Not quoted: a value that does not parse may not be masked by redact either.
-		return fmt.Errorf("%w: UPSTREAM_URL is not an absolute URL (want scheme://host, e.g. https://api.openai.com)", ErrConfig)
+	t, err := newRouteTable(append(slices.Clip(p.routes), rs...), os.Getenv)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
-	s.upstream = u
+	s.routes = t
 	return nil
-}
-
-// openUpstreams opens the main upstream and the Anthropic one.
-func (s *Server) openUpstreams(p parts) (err error) {
-	if err := s.openUpstream(p); err != nil {
-		return err
-	}
-	s.anthropic, err = s.openAnthropic()
-	return err
 }
 
 // Ops are the operator's operations (credit, adjust, models, keys, epoch, balances) on this
@@ -299,11 +335,7 @@ func (s *Server) Start(ctx context.Context) error {
 		redisDesc = s.cfg.RedisURL
 	}
 	// The URLs are logged as configured, their secrets masked by the logger (redact).
-	anth := "none"
-	if s.anthropic != nil {
-		anth = s.anthropic.String()
-	}
-	s.log.Info("escrow proxy listening", "addr", ln.Addr().String(), "upstream", s.upstream.String(), "anthropic_upstream", anth,
+	s.log.Info("escrow proxy listening", "addr", ln.Addr().String(), "upstreams", s.routes.String(),
 		"redis", redisDesc, "database", cmp.Or(s.cfg.DatabaseURL, "in-memory ledger"),
 		"admin_api", s.cfg.AdminToken != "")
 	return nil

@@ -106,12 +106,16 @@ func (c *client) call(method, path string, body, out any) error {
 
 func (c *client) raw(method, path string, body any, accept string) ([]byte, http.Header, error) {
 	var rd io.Reader
-	if body != nil {
-		b, err := json.Marshal(body)
+	switch b := body.(type) {
+	case nil:
+	case []byte: // sent as it is (a price table)
+		rd = bytes.NewReader(b)
+	default:
+		j, err := json.Marshal(body)
 		if err != nil {
 			return nil, nil, err
 		}
-		rd = bytes.NewReader(b)
+		rd = bytes.NewReader(j)
 	}
 	req, err := http.NewRequest(method, c.base+path, rd)
 	if err != nil {
@@ -433,8 +437,10 @@ func cmdUsage(args []string) error {
 }
 
 // cmdModels: escrow models | show M | set M [--input D] [--cached-input D] [--output D]
-// [--cache-write-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | delete M. Prices are
-// decimals in currency units per 1M tokens ("0.15"), sent as text and converted exactly by the API.
+// [--cache-write-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] |
+// import FILE [--dry-run] [--provider P] | delete M. Prices are decimals in currency units per 1M
+// tokens ("0.15"), sent as text and converted exactly by the API; an import sends the file
+// (LiteLLM's JSON or a CSV) as it is (importModels).
 func cmdModels(args []string) error {
 	fs := flag.NewFlagSet("models", flag.ContinueOnError)
 	var o output
@@ -448,6 +454,8 @@ func cmdModels(args []string) error {
 	fs.StringVar(&ints[0], "max-input-tokens", "", "context window")
 	fs.StringVar(&ints[1], "max-output-tokens", "", "largest output")
 	fs.StringVar(&ints[2], "default-hold", "", "hold (micro-units) when nothing better is known")
+	dryRun := fs.Bool("dry-run", false, "import: print what would change and write nothing")
+	provider := fs.String("provider", "", "import: only these litellm_provider values (comma-separated)")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return err
@@ -487,6 +495,8 @@ func cmdModels(args []string) error {
 			return usageErr("escrow models set %s: nothing to set (--input, --output, …)", pos[1])
 		}
 		err = c.call(http.MethodPatch, "/models/"+url.PathEscape(pos[1]), body, &res)
+	case len(pos) == 2 && pos[0] == "import":
+		return importModels(c, o, pos[1], *dryRun, *provider)
 	case len(pos) == 2 && pos[0] == "delete":
 		if err := c.call(http.MethodDelete, "/models/"+url.PathEscape(pos[1]), nil, nil); err != nil {
 			return err
@@ -494,7 +504,7 @@ func cmdModels(args []string) error {
 		fmt.Fprintln(stdout, "deleted", pos[1])
 		return nil
 	default:
-		return usageErr("usage: escrow models | show MODEL | set MODEL [--input D] [--cached-input D] [--output D] [--cache-write-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | delete MODEL  [--json|--csv]")
+		return usageErr("usage: escrow models | show MODEL | set MODEL [--input D] [--cached-input D] [--output D] [--cache-write-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | import FILE [--dry-run] [--provider P,…] | delete MODEL  [--json|--csv]")
 	}
 	if err != nil {
 		return err
@@ -696,6 +706,90 @@ func cmdWebhooks(args []string) error {
 	default:
 		return usageErr("usage: escrow webhooks | create URL --events TYPE[,TYPE…] | delete ID | deliveries ID  [--json|--csv]")
 	}
+}
+
+// importReport is the admin API's answer to an import (accounting.ImportReport).
+type importReport struct {
+	DryRun    bool                                `json:"dry_run"`
+	New       []map[string]any                    `json:"new"`
+	Changed   []struct{ Old, New map[string]any } `json:"changed"`
+	Unchanged []string                            `json:"unchanged"`
+	Skipped   []struct{ Model, Reason string }    `json:"skipped"`
+	RoundedUp []string                            `json:"rounded_up"`
+}
+
+// importModels sends a price table to POST /models/import and prints the diff: each new model
+// with its prices, each changed field as old → new, the count of unchanged models, and the
+// skipped entries counted by reason.
+func importModels(c *client, o output, file string, dryRun bool, provider string) error {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return usageErr("escrow models import: %v", err)
+	}
+	q := url.Values{}
+	if dryRun {
+		q.Set("dry_run", "1")
+	}
+	setGiven(q, map[string]string{"provider": provider})
+	raw, _, err := c.raw(http.MethodPost, "/models/import?"+q.Encode(), b, "")
+	if err != nil {
+		return err
+	}
+	if o.json {
+		_, err := stdout.Write(raw)
+		return err
+	}
+	var r importReport
+	if err := json.Unmarshal(raw, &r); err != nil {
+		return fmt.Errorf("escrow models import: unexpected answer: %w", err)
+	}
+	fields := []string{"input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "cache_write_input_price"}
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	if r.DryRun {
+		fmt.Fprintln(tw, "dry run: nothing written")
+	}
+	for _, m := range r.New {
+		var parts []string
+		for _, f := range fields {
+			if f == "cache_write_input_price" && cell(m[f]) == "0" {
+				continue // a model without prompt-cache writes
+			}
+			parts = append(parts, f+" "+cell(m[f]))
+		}
+		fmt.Fprintf(tw, "new\t%s\t%s\n", cell(m["model"]), strings.Join(parts, ", "))
+	}
+	for _, ch := range r.Changed {
+		var parts []string
+		for _, f := range fields {
+			if a, b := cell(ch.Old[f]), cell(ch.New[f]); a != b {
+				parts = append(parts, f+" "+a+" → "+b)
+			}
+		}
+		fmt.Fprintf(tw, "changed\t%s\t%s\n", cell(ch.New["model"]), strings.Join(parts, ", "))
+	}
+	for _, ru := range r.RoundedUp {
+		fmt.Fprintf(tw, "rounded up\t%s\t(not a whole micro-unit per 1M tokens)\n", ru)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	reasons := map[string]int{}
+	var order []string
+	for _, s := range r.Skipped {
+		if reasons[s.Reason] == 0 {
+			order = append(order, s.Reason)
+		}
+		reasons[s.Reason]++
+	}
+	for _, why := range order {
+		fmt.Fprintf(stdout, "skipped %d: %s\n", reasons[why], why)
+	}
+	verb := "imported"
+	if r.DryRun {
+		verb = "would import"
+	}
+	fmt.Fprintf(stdout, "%s: %d new, %d changed, %d unchanged, %d skipped\n", verb, len(r.New), len(r.Changed), len(r.Unchanged), len(r.Skipped))
+	return nil
 }
 
 // cmdLimits: escrow limits ORG | create ORG --window W --cap N [--key ID | --project P] |

@@ -101,6 +101,12 @@ func startCLIProxy(t *testing.T) (*cli, string) {
 	return &cli{t: t, env: map[string]string{"ESCROW_URL": base, "ESCROW_ADMIN_TOKEN": cfg.AdminToken, "USER": "tester"}}, base
 }
 
+// startCLIServer is startCLIProxy with its results the other way round.
+func startCLIServer(t *testing.T) (string, *cli) {
+	c, base := startCLIProxy(t)
+	return base, c
+}
+
 // TestCLIEndToEnd drives the CLI against the proxy started in-process on real Redis and
 // Postgres: an org with a name, two named keys (one in a project), two models priced by PATCH in
 // decimals, a credit, a webhook for low balances with its threshold, 50 requests through the

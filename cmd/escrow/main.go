@@ -28,12 +28,12 @@ var commands = map[string]struct {
 	help string
 	run  func(args []string) error
 }{
-	"serve":     {"run the proxy (REDIS_URL, DATABASE_URL, UPSTREAM_URL and UPSTREAM_API_KEY are required)", serve},
+	"serve":     {"run the proxy (REDIS_URL, DATABASE_URL, and UPSTREAM_URL with UPSTREAM_API_KEY or ESCROW_ROUTES_FILE are required)", serve},
 	"orgs":      {"list, create, show or rename orgs (the CLI commands use ESCROW_URL and ESCROW_ADMIN_TOKEN)", cmdOrgs},
 	"credit":    {"credit an org: escrow credit ORG MICRO_UNITS --ref REFERENCE", cmdCredit},
 	"keys":      {"list an org's API keys, create, rename or revoke one", cmdKeys},
 	"usage":     {"an org's usage by day, model or key, as a table, JSON or CSV", cmdUsage},
-	"models":    {"list, show, price (decimals per 1M tokens) or delete models", cmdModels},
+	"models":    {"list, show, price (decimals per 1M tokens), import a price table (LiteLLM JSON or CSV) or delete models", cmdModels},
 	"request":   {"one request by its x-request-id: hold, usage, cost, status", cmdRequest},
 	"entries":   {"an org's ledger entries, newest first (charges with their request)", cmdEntries},
 	"audit":     {"every admin write: who, what, when", cmdAudit},

@@ -60,7 +60,7 @@ func run(args []string) error {
 		log.Info("using embedded Redis (miniredis): balances are lost when the process stops")
 		opts = append(opts, server.WithEmbeddedRedis(rdb))
 	}
-	if cfg.UpstreamURL == "" {
+	if cfg.UpstreamURL == "" && cfg.RoutesFile == "" {
 		log.Info("using the built-in fake upstream")
 		opts = append(opts, server.WithUpstream(fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), "sk-fake-upstream"))
 	}
