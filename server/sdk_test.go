@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -101,6 +102,76 @@ func TestAnthropicSDK(t *testing.T) {
 		}
 		if !strings.HasPrefix(res.JSON.ID, "msg") {
 			t.Fatalf("message id %q", res.JSON.ID)
+		}
+	})
+}
+
+// TestOpenAINodeSDK drives the proxy with the official openai npm package (sdktest/openai.mjs):
+// a chat completion as JSON and as a stream are billed to the micro-unit what the SDK reported,
+// the model list holds the priced model, and an insufficient balance surfaces as the SDK's
+// RateLimitError with code insufficient_quota after one HTTP attempt (no retries, although the
+// client allows 3: x-should-retry: false).
+func TestOpenAINodeSDK(t *testing.T) {
+	t.Parallel()
+	node := needNodeSDK(t, "openai")
+	eachMode(t, func(t *testing.T, p *testProxy) {
+		const funds = 1_000_000
+		key := p.setup("sdk", funds, 65)   // 1 µ per output token, input free
+		poor := p.setup("sdk-poor", 5, 65) // a hold of 65 does not fit in 5
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, node, filepath.Join("..", "sdktest", "openai.mjs"))
+		cmd.Env = append(os.Environ(), "ESCROW_BASE_URL="+p.base, "ESCROW_KEY="+key, "ESCROW_POOR_KEY="+poor, "ESCROW_MODEL=m")
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		out, err := cmd.Output()
+		if err != nil {
+			t.Fatalf("node: %v\n%s", err, stderr.String())
+		}
+		type usage struct {
+			Prompt     int64 `json:"prompt_tokens"`
+			Completion int64 `json:"completion_tokens"`
+		}
+		var res struct {
+			JSON struct {
+				ID    string `json:"id"`
+				Usage usage  `json:"usage"`
+				Text  string `json:"text"`
+			} `json:"json"`
+			Stream struct {
+				Usage *usage `json:"usage"`
+				Text  string `json:"text"`
+			} `json:"stream"`
+			Models  []string `json:"models"`
+			Refused *struct {
+				Status      int    `json:"status"`
+				Class       string `json:"class"`
+				IsRateLimit bool   `json:"isRateLimit"`
+				Code        string `json:"code"`
+				Type        string `json:"type"`
+				Attempts    int    `json:"attempts"`
+			} `json:"refused"`
+		}
+		if err := json.Unmarshal(bytes.TrimSpace(out), &res); err != nil {
+			t.Fatalf("node output %s: %v", out, err)
+		}
+		if res.JSON.Usage.Completion <= 0 || res.Stream.Usage == nil || res.Stream.Usage.Completion <= 0 || res.Stream.Text == "" {
+			t.Fatalf("SDK results: %s", out)
+		}
+		if !slices.Contains(res.Models, "m") {
+			t.Errorf("models listed: %v, want m", res.Models)
+		}
+		r := res.Refused
+		if r == nil || r.Status != 429 || !r.IsRateLimit || r.Code != "insufficient_quota" || r.Attempts != 1 {
+			t.Errorf("insufficient balance through the SDK: %+v, want 429 RateLimitError insufficient_quota after 1 attempt", r)
+		}
+		// The model costs 1 µ per output token: the ledger is charged exactly what the SDK reported.
+		b := p.settled("sdk")
+		if want := int64(funds) - res.JSON.Usage.Completion - res.Stream.Usage.Completion; b.LedgerBalance != want || b.Available != want {
+			t.Errorf("balance after the SDK's two requests: %+v, want %d", b, want)
+		}
+		if pb := p.settled("sdk-poor"); pb.LedgerBalance != 5 || pb.Available != 5 {
+			t.Errorf("the refused org was charged: %+v", pb)
 		}
 	})
 }
