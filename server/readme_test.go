@@ -117,6 +117,9 @@ var tableHeader = regexp.MustCompile(`^[A-Z][A-Z_]*( {2,}[A-Z][A-Z_]*)*$`)
 // shorter one leaves the columns aligned (and empty cells stay empty).
 func normaliseOutput(out string) string {
 	lines := strings.Split(out, "\n")
+	for i, l := range lines {
+		lines[i] = strings.TrimRight(l, "\r") // HTTP header lines (curl -D -) end in CRLF
+	}
 	var res []string
 	for i := 0; i < len(lines); i++ {
 		if !tableHeader.MatchString(lines[i]) {
