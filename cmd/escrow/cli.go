@@ -195,6 +195,17 @@ func start(fs *flag.FlagSet, args []string, want int, usage string) ([]string, *
 	return pos, c, err
 }
 
+// begin parses a subcommand's flags (its positional arguments are checked by the caller) and
+// makes the API client.
+func begin(fs *flag.FlagSet, args []string) ([]string, *client, error) {
+	pos, err := parse(fs, args)
+	if err != nil {
+		return nil, nil, err
+	}
+	c, err := newClient()
+	return pos, c, err
+}
+
 // setGiven sets the query parameters whose flags were given (non-empty).
 func setGiven(q url.Values, flags map[string]string) {
 	for k, v := range flags {
@@ -202,6 +213,13 @@ func setGiven(q url.Values, flags map[string]string) {
 			q.Set(k, v)
 		}
 	}
+}
+
+// timeRange adds --from and --to to fs; the function it returns puts the given ones into a query.
+func timeRange(fs *flag.FlagSet) func(q url.Values) {
+	from := fs.String("from", "", "from this time (RFC 3339) or date (YYYY-MM-DD), inclusive")
+	to := fs.String("to", "", "to this time or date, exclusive")
+	return func(q url.Values) { setGiven(q, map[string]string{"from": *from, "to": *to}) }
 }
 
 // parse parses flags wherever they are among the arguments and returns the positional ones.
@@ -284,11 +302,7 @@ func cmdOrgs(args []string) error {
 	var o output
 	o.flags(fs)
 	name := fs.String("name", "", "display name (create)")
-	pos, err := parse(fs, args)
-	if err != nil {
-		return err
-	}
-	c, err := newClient()
+	pos, c, err := begin(fs, args)
 	if err != nil {
 		return err
 	}
@@ -366,11 +380,7 @@ func cmdKeys(args []string) error {
 	var o output
 	o.flags(fs)
 	name := fs.String("name", "", "display name (create)")
-	pos, err := parse(fs, args)
-	if err != nil {
-		return err
-	}
-	c, err := newClient()
+	pos, c, err := begin(fs, args)
 	if err != nil {
 		return err
 	}
@@ -409,14 +419,13 @@ func cmdUsage(args []string) error {
 	var o output
 	o.flags(fs)
 	by := fs.String("by", "day", "group by day, model or key")
-	from := fs.String("from", "", "from this time (RFC 3339) or date (YYYY-MM-DD), inclusive")
-	to := fs.String("to", "", "to this time or date, exclusive")
+	inRange := timeRange(fs)
 	pos, c, err := start(fs, args, 1, "usage: escrow usage ORG [--by day|model|key] [--from T] [--to T] [--json|--csv]")
 	if err != nil {
 		return err
 	}
 	q := url.Values{"group_by": {*by}}
-	setGiven(q, map[string]string{"from": *from, "to": *to})
+	inRange(q)
 	path := "/orgs/" + url.PathEscape(pos[0]) + "/usage?" + q.Encode()
 	if o.csv { // the API's own CSV, as exported for reconciliation
 		raw, _, err := c.raw(http.MethodGet, path, nil, "text/csv")
@@ -456,11 +465,7 @@ func cmdModels(args []string) error {
 	fs.StringVar(&ints[2], "default-hold", "", "hold (micro-units) when nothing better is known")
 	dryRun := fs.Bool("dry-run", false, "import: print what would change and write nothing")
 	provider := fs.String("provider", "", "import: only these litellm_provider values (comma-separated)")
-	pos, err := parse(fs, args)
-	if err != nil {
-		return err
-	}
-	c, err := newClient()
+	pos, c, err := begin(fs, args)
 	if err != nil {
 		return err
 	}
@@ -534,14 +539,14 @@ func cmdEntries(args []string) error {
 	var o output
 	o.flags(fs)
 	kind := fs.String("kind", "", "charge, credit or adjust (default: all)")
-	from := fs.String("from", "", "from this time (RFC 3339) or date, inclusive")
-	to := fs.String("to", "", "to this time or date, exclusive")
+	inRange := timeRange(fs)
 	pos, c, err := start(fs, args, 1, "usage: escrow entries ORG [--kind charge|credit|adjust] [--from T] [--to T] [--json|--csv]")
 	if err != nil {
 		return err
 	}
 	q := url.Values{"limit": {pageLimit}}
-	setGiven(q, map[string]string{"kind": *kind, "from": *from, "to": *to})
+	setGiven(q, map[string]string{"kind": *kind})
+	inRange(q)
 	rows, err := c.all("/orgs/"+url.PathEscape(pos[0])+"/entries", q)
 	if err != nil {
 		return err
@@ -647,15 +652,14 @@ func cmdTop(args []string) error {
 	fs := flag.NewFlagSet("top", flag.ContinueOnError)
 	var o output
 	o.flags(fs)
-	from := fs.String("from", "", "from this time (RFC 3339) or date (YYYY-MM-DD), inclusive")
-	to := fs.String("to", "", "to this time or date, exclusive")
+	inRange := timeRange(fs)
 	limit := fs.String("limit", "10", "how many orgs (at most 1000)")
 	_, c, err := start(fs, args, 0, "usage: escrow top [--from T] [--to T] [--limit N] [--json|--csv]")
 	if err != nil {
 		return err
 	}
 	q := url.Values{"limit": {*limit}}
-	setGiven(q, map[string]string{"from": *from, "to": *to})
+	inRange(q)
 	var p page
 	if err := c.call(http.MethodGet, "/usage/top?"+q.Encode(), nil, &p); err != nil {
 		return err
@@ -669,11 +673,7 @@ func cmdWebhooks(args []string) error {
 	var o output
 	o.flags(fs)
 	events := fs.String("events", "", "comma-separated event types (create): balance.low, credit.received, key.revoked")
-	pos, err := parse(fs, args)
-	if err != nil {
-		return err
-	}
-	c, err := newClient()
+	pos, c, err := begin(fs, args)
 	if err != nil {
 		return err
 	}
@@ -861,11 +861,7 @@ func cmdLimits(args []string) error {
 // cmdProjects: escrow projects create ORG ID | add-key KEY_ID PROJECT | remove-key KEY_ID.
 func cmdProjects(args []string) error {
 	fs := flag.NewFlagSet("projects", flag.ContinueOnError)
-	pos, err := parse(fs, args)
-	if err != nil {
-		return err
-	}
-	c, err := newClient()
+	pos, c, err := begin(fs, args)
 	if err != nil {
 		return err
 	}
