@@ -45,6 +45,7 @@ type memAccount struct {
 	created time.Time
 	attr    map[int64]entryAttr // a charge's attribution, by seq
 	lims    memLimits           // memory_limits.go
+	windows map[winKey]int64    // the spend of limits' current and later windows (limit_crossed.go)
 }
 
 // entryAttr is what a charge entry carries for limits.
@@ -422,6 +423,8 @@ func (m *Memory) accountOrgLocked(org string, limit int) (int, error) {
 	if a.attr == nil {
 		a.attr = map[int64]entryAttr{}
 	}
+	base := int64(len(a.entries))
+	var charges []chargeAttr // for the limits' windows: only an org with limits pays for them
 	for _, e := range q[:limit] {
 		e.seq = int64(len(a.entries)) + 1
 		a.entries = append(a.entries, LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: KindCharge, HoldID: e.ev.ID, CreatedAt: now})
@@ -430,9 +433,15 @@ func (m *Memory) accountOrgLocked(org string, limit int) (int, error) {
 		if k := m.keys[e.ev.KeyID]; k != nil && at.After(k.used) {
 			k.used = at
 		}
+		if len(a.lims.limits) > 0 {
+			charges = append(charges, chargeAttr{key: e.ev.KeyID, project: e.ev.Project, at: at, cost: e.ev.Cost})
+		}
 	}
 	a.balance -= sum
 	m.hooks.balanceChanged(org, a.balance+sum, a.balance)
+	if len(charges) > 0 {
+		m.chargeWindowsLocked(org, a, base, charges, now)
+	}
 	if limit == len(q) {
 		delete(m.pending, org)
 	} else {

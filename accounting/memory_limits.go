@@ -153,6 +153,11 @@ func (m *Memory) DeleteLimit(ctx context.Context, org, id string) (LimitChange, 
 	if err != nil {
 		return LimitChange{}, err
 	}
+	for k := range a.windows { // a deleted limit never fires
+		if k.limit == id {
+			delete(a.windows, k)
+		}
+	}
 	a.lims.limits = slices.Delete(a.lims.limits, i, i+1)
 	return changed(org, a), nil
 }
@@ -275,4 +280,48 @@ func (a *memAccount) usedLocked(limits []balance.Limit, since time.Time, maxSeq 
 		rows = append(rows, spendRow{Key: g.key, Project: g.project, Hour: g.hour, Cost: cost})
 	}
 	return span.used(rows)
+}
+
+// winKey is one window of one limit in memAccount.windows.
+type winKey struct {
+	limit string
+	start int64 // ms since the Unix epoch (0 for lifetime)
+}
+
+// chargeWindowsLocked moves the spend of the limits' windows by a batch of charges just
+// written after entry base (the memory ledger's limit_windows) and emits limit.crossed for each
+// threshold a window crosses, under the lock that wrote the charges.
+func (m *Memory) chargeWindowsLocked(org string, a *memAccount, base int64, charges []chargeAttr, now time.Time) {
+	if a.windows == nil {
+		a.windows = map[winKey]int64{}
+	}
+	for _, w := range windowIncs(a.lims.limits, charges, now) {
+		k := winKey{w.limit.ID, w.start.UnixMilli()}
+		before, ok := a.windows[k]
+		if !ok { // the window's first batch: its charges so far, then drop the limit's past windows
+			before = a.spentLocked(w, base)
+			for old := range a.windows {
+				if old.limit == k.limit && old.start < w.current.UnixMilli() {
+					delete(a.windows, old)
+				}
+			}
+		}
+		after := before + w.inc
+		a.windows[k] = after
+		for _, pct := range crossedUp(before, after, w.limit.Cap) {
+			m.hooks.emit(EventLimitCrossed, org, newLimitCrossedData(w, after, pct))
+		}
+	}
+}
+
+// spentLocked sums the charges with seq ≤ maxSeq attributed to w's limit in w's window.
+func (a *memAccount) spentLocked(w windowInc, maxSeq int64) int64 {
+	var sum int64
+	for _, e := range a.entries[:min(maxSeq, int64(len(a.entries)))] {
+		at, ok := a.attr[e.Seq]
+		if e.Kind == KindCharge && ok && attributedTo(w.limit, at.key, at.project) && !at.at.Before(w.start) && at.at.Before(w.next) {
+			sum += -e.Delta
+		}
+	}
+	return sum
 }

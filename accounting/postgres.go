@@ -138,6 +138,8 @@ FROM (SELECT key_id, max(at) AS t FROM ev WHERE key_id IS NOT NULL GROUP BY key_
 WHERE k.id = x.key_id`
 	sqlNotifyAll  = `SELECT pg_notify(` + sqlChannel + `, o) FROM unnest($1::text[]) AS o`
 	sqlClaimOrder = ` ORDER BY created_at, id`
+	// sqlClaimAttr: a claimed event's attribution (chargeAttr), after its cost.
+	sqlClaimAttr = `coalesce(key_id, ''), coalesce(project, ''), coalesce(reserved_at, created_at)`
 )
 
 // maxClaim bounds the events one AccountPending call accounts (a cost sum stays in int64).
@@ -216,8 +218,9 @@ func (p *Postgres) snapshot(ctx context.Context, org string, since *time.Time) (
 		b := &pgx.Batch{}
 		b.Queue(`SELECT balance, ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE`, org)
 		b.Queue(`SELECT pg_advisory_xact_lock(hashtext(current_schema()), hashtext($1))`, org)
-		b.Queue(`SELECT id::text, cost FROM usage_events WHERE org_id = $1 AND status = 'pending'`+sqlClaimOrder+` FOR UPDATE`, org)
+		b.Queue(`SELECT id::text, cost, `+sqlClaimAttr+` FROM usage_events WHERE org_id = $1 AND status = 'pending'`+sqlClaimOrder+` FOR UPDATE`, org)
 		b.Queue(`SELECT epoch_gen, epoch_id FROM ledger_meta`)
+		b.Queue(sqlChargeLimits, []string{org})
 		if since != nil {
 			queueLimits(b, org)
 		}
@@ -234,12 +237,18 @@ func (p *Postgres) snapshot(ctx context.Context, org string, since *time.Time) (
 			return err
 		}
 		rows, _ := br.Query()
-		ids, costs, err := scanClaim(rows)
+		ids, costs, attrs, err := scanClaim(rows)
 		if err != nil {
 			br.Close()
 			return err
 		}
 		if err := br.QueryRow().Scan(&s.Epoch.Gen, &s.Epoch.ID); err != nil {
+			br.Close()
+			return err
+		}
+		rows, _ = br.Query()
+		lims, now, err := scanChargeLimits(rows)
+		if err != nil {
 			br.Close()
 			return err
 		}
@@ -267,11 +276,11 @@ func (p *Postgres) snapshot(ctx context.Context, org string, since *time.Time) (
 			}
 		}
 		if len(ids) > 0 {
-			c := orgCharges{org: org, balance: s.Balance, base: s.Seq, ids: ids, costs: costs}
+			c := orgCharges{org: org, balance: s.Balance, base: s.Seq, ids: ids, costs: costs, attrs: attrs, limits: lims[org]}
 			if err := c.check(); err != nil {
 				return err
 			}
-			if err := writeCharges(ctx, tx, []orgCharges{c}); err != nil {
+			if err := writeCharges(ctx, tx, []orgCharges{c}, now); err != nil {
 				return err
 			}
 			s.Balance -= c.sum()
@@ -294,18 +303,19 @@ func (p *Postgres) snapshot(ctx context.Context, org string, since *time.Time) (
 	return s, nil
 }
 
-func scanClaim(rows pgx.Rows) (ids []string, costs []int64, err error) {
+func scanClaim(rows pgx.Rows) (ids []string, costs []int64, attrs []chargeAttr, err error) {
 	defer rows.Close()
 	for rows.Next() {
 		var id string
-		var cost int64
-		if err := rows.Scan(&id, &cost); err != nil {
-			return nil, nil, err
+		var a chargeAttr
+		if err := rows.Scan(&id, &a.cost, &a.key, &a.project, &a.at); err != nil {
+			return nil, nil, nil, err
 		}
 		ids = append(ids, id)
-		costs = append(costs, cost)
+		costs = append(costs, a.cost)
+		attrs = append(attrs, a)
 	}
-	return ids, costs, rows.Err()
+	return ids, costs, attrs, rows.Err()
 }
 
 // orgCharges are one org's claimed events, to become entries base+1 … base+n.
@@ -315,6 +325,8 @@ type orgCharges struct {
 	base    int64 // ledger_seq before
 	ids     []string
 	costs   []int64
+	attrs   []chargeAttr    // each charge's attribution, for the limits' windows
+	limits  []balance.Limit // the org's live limits (none: no window is moved)
 }
 
 func (c *orgCharges) sum() int64 {
@@ -335,9 +347,10 @@ func (c *orgCharges) check() error {
 }
 
 // writeCharges writes the entries of every org in cs, moves each account once, marks the events
-// accounted and notifies, in the caller's transaction (which holds the orgs' locks), in one
-// round trip.
-func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges) error {
+// accounted, notifies, writes the webhook events and moves the limits' windows (at now, the
+// transaction's time), in the caller's transaction (which holds the orgs' locks), in one round
+// trip.
+func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges, now time.Time) error {
 	var orgs, ids []string
 	var sums, counts, seqs []int64
 	for _, c := range cs {
@@ -357,6 +370,7 @@ func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges) error {
 		changes[i] = -s
 	}
 	queueLowBalance(b, orgs, changes) // webhooks: in the same transaction
+	queueLimitWindows(b, cs, now)
 	return tx.SendBatch(ctx, b).Close()
 }
 
@@ -455,28 +469,42 @@ ON CONFLICT DO NOTHING RETURNING org_id, balance, ledger_seq`, missing)
 		for _, o := range got {
 			limits = append(limits, int32(want[o]))
 		}
-		rows, _ = tx.Query(ctx, `
-SELECT c.org_id, c.id::text, c.cost
+		b := &pgx.Batch{}
+		b.Queue(`
+SELECT c.org_id, c.id::text, c.cost, `+sqlClaimAttr+`
 FROM unnest($1::text[], $2::int[]) WITH ORDINALITY AS o(org, n, ord)
 CROSS JOIN LATERAL (
-	SELECT org_id, id, cost, created_at FROM usage_events
+	SELECT org_id, id, cost, created_at, key_id, project, reserved_at FROM usage_events
 	WHERE org_id = o.org AND status = 'pending'`+sqlClaimOrder+` LIMIT o.n FOR UPDATE SKIP LOCKED
 ) c ORDER BY o.ord, c.created_at, c.id`, got, limits)
+		b.Queue(sqlChargeLimits, got)
+		br := tx.SendBatch(ctx, b)
 		var cs []orgCharges
 		err = func() error {
+			rows, _ := br.Query()
 			defer rows.Close()
 			for rows.Next() {
 				var org, id string
-				var cost int64
-				if err := rows.Scan(&org, &id, &cost); err != nil {
+				var a chargeAttr
+				if err := rows.Scan(&org, &id, &a.cost, &a.key, &a.project, &a.at); err != nil {
 					return err
 				}
 				c := accts[org]
 				c.ids = append(c.ids, id)
-				c.costs = append(c.costs, cost)
+				c.costs = append(c.costs, a.cost)
+				c.attrs = append(c.attrs, a)
 			}
 			return rows.Err()
 		}()
+		var lims map[string][]balance.Limit
+		var now time.Time
+		if err == nil {
+			rows, _ := br.Query()
+			lims, now, err = scanChargeLimits(rows)
+		}
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
 		if err != nil {
 			return err
 		}
@@ -489,13 +517,14 @@ CROSS JOIN LATERAL (
 				orgErrs = append(orgErrs, err)
 				continue
 			}
+			c.limits = lims[o]
 			cs = append(cs, *c)
 			total += len(c.ids)
 		}
 		if len(cs) == 0 {
 			return nil
 		}
-		return writeCharges(ctx, tx, cs)
+		return writeCharges(ctx, tx, cs, now)
 	})
 	if err != nil {
 		return 0, wrapPg("account pending", err)

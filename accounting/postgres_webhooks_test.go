@@ -2,11 +2,14 @@ package accounting_test
 
 import (
 	"context"
+	"encoding/json"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 
 	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
 )
 
 // TestPostgresOutboxSameTransaction: when the outbox write fails, the change that triggered it
@@ -77,5 +80,84 @@ func TestPostgresOutboxSameTransaction(t *testing.T) {
 	var events int
 	if err := env.Pool.QueryRow(ctx, `SELECT count(*) FROM webhook_events`).Scan(&events); err != nil || events != 2 {
 		t.Fatalf("%d events (%v), want balance.low and key.revoked", events, err)
+	}
+}
+
+// TestPostgresLimitCrossedSameTransaction: a limit.crossed event is written in the transaction
+// of the charges that cross (when it cannot be written, the charges and the window's spend are
+// rolled back with it), and only the orgs with limits have window rows.
+func TestPostgresLimitCrossedSameTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	l, env := newPostgres(t)
+	for _, org := range []string{"o", "bare"} {
+		if err := l.CreateOrg(ctx, org); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := l.Credit(ctx, org, 1_000, "pay-"+org); err != nil {
+			t.Fatal(err)
+		}
+	}
+	lim, _, err := l.CreateLimit(ctx, "o", balance.Scope{Kind: balance.ScopeOrg}, balance.Lifetime, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := l.CreateWebhook(ctx, "https://example.com/h", []accounting.EventType{accounting.EventLimitCrossed}); err != nil {
+		t.Fatal(err)
+	}
+	charge := func(org string, cost int64) {
+		t.Helper()
+		ev := accounting.UsageEvent{ID: uuid.Must(uuid.NewV7()).String(), Org: org, Model: "m", Cost: cost, ReservedAt: time.Now()}
+		if err := l.RecordUsage(ctx, []accounting.UsageEvent{ev}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	windows := func() (rows, used int64) {
+		t.Helper()
+		if err := env.Pool.QueryRow(ctx, `SELECT count(*), coalesce(sum(used), 0) FROM limit_windows`).Scan(&rows, &used); err != nil {
+			t.Fatal(err)
+		}
+		return rows, used
+	}
+	charge("o", 10)
+	charge("bare", 10)
+	if n, err := l.AccountPending(ctx, 10); err != nil || n != 2 {
+		t.Fatalf("AccountPending = %d, %v", n, err)
+	}
+	if rows, used := windows(); rows != 1 || used != 10 {
+		t.Fatalf("%d window rows with %d used; want o's one with 10 (none for an org without limits)", rows, used)
+	}
+	if _, err := env.Pool.Exec(ctx, `ALTER TABLE webhook_events ADD CONSTRAINT test_refuse CHECK (false) NOT VALID`); err != nil {
+		t.Fatal(err)
+	}
+	charge("o", 80) // 90: crosses 80 %
+	if _, err := l.AccountPending(ctx, 10); err == nil {
+		t.Fatal("charges whose limit.crossed event could not be written were kept")
+	}
+	if a, err := l.Account(ctx, "o"); err != nil || a.Balance != 990 || a.LedgerSeq != 2 || a.Pending != 1 {
+		t.Fatalf("account %+v (%v); want the charge rolled back", a, err)
+	}
+	if rows, used := windows(); rows != 1 || used != 10 {
+		t.Fatalf("window spend %d (%d rows); want 10: rolled back with the charge", used, rows)
+	}
+	if _, err := env.Pool.Exec(ctx, `ALTER TABLE webhook_events DROP CONSTRAINT test_refuse`); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := l.AccountPending(ctx, 10); err != nil || n != 1 {
+		t.Fatalf("AccountPending = %d, %v", n, err)
+	}
+	var body string
+	if err := env.Pool.QueryRow(ctx, `SELECT body FROM webhook_events WHERE type = 'limit.crossed'`).Scan(&body); err != nil {
+		t.Fatal(err)
+	}
+	var ev struct {
+		Data map[string]any `json:"data"`
+	}
+	if err := json.Unmarshal([]byte(body), &ev); err != nil {
+		t.Fatal(err)
+	}
+	if d := ev.Data; d["limit_id"] != lim.ID || d["threshold"] != 80.0 || d["used"] != 90.0 || d["cap"] != 100.0 || d["window_start"] != nil ||
+		d["window"] != "lifetime" || d["scope"] != "org" || d["scope_id"] != "" {
+		t.Fatalf("event data %v", d)
 	}
 }

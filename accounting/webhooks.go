@@ -14,7 +14,7 @@ import (
 )
 
 // Webhooks: the ledger side of durable webhooks. An event (a low balance, a credit, a revoked
-// key) is written to an outbox in the same transaction as the ledger change that triggers it,
+// key, a limit crossing) is written to an outbox in the same transaction as the ledger change that triggers it,
 // with one delivery per endpoint subscribed to its type; a delivery worker (package webhook)
 // claims due deliveries, sends them and records the outcome. Both ledgers implement Webhooks
 // and pass the same conformance suite (accounting/ledgertest). Nothing here speaks HTTP.
@@ -33,10 +33,16 @@ const (
 	EventCreditReceived EventType = "credit.received"
 	// EventKeyRevoked: an API key was revoked (once per key). Data: key_id.
 	EventKeyRevoked EventType = "key.revoked"
+	// EventLimitCrossed: the accounting of charges took the ledger's spend in a limit's window
+	// from below 80 % (100 %) of its cap to at or above it (once per crossing and window: a
+	// batch that jumps past both fires both; a cap change never fires by itself; a deleted
+	// limit never fires; see limit_crossed.go). Data: limit_id, scope, scope_id, window,
+	// window_start (null for lifetime), cap, used, threshold (80 or 100).
+	EventLimitCrossed EventType = "limit.crossed"
 )
 
 // EventTypes lists every event type an endpoint may subscribe to.
-var EventTypes = []EventType{EventBalanceLow, EventCreditReceived, EventKeyRevoked}
+var EventTypes = []EventType{EventBalanceLow, EventCreditReceived, EventKeyRevoked, EventLimitCrossed}
 
 // Sentinel errors of webhooks.
 var (

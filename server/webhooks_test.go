@@ -2,6 +2,7 @@ package server
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -122,6 +123,98 @@ func TestWebhooksThroughTheProxy(t *testing.T) {
 			if !strings.Contains(string(metrics), want) {
 				t.Errorf("/metrics lacks %q", want)
 			}
+		}
+	})
+}
+
+// TestLimitWebhooksThroughTheProxy: on the running proxy (real Redis + Postgres, and embedded),
+// a webhook subscribed to limit.crossed through the admin API receives, signed, the 80 % event
+// when the requests of a key with a daily cap have spent 80 % of it, then the 100 % event, each
+// once, and nothing for the request the cap refuses.
+func TestLimitWebhooksThroughTheProxy(t *testing.T) {
+	t.Parallel()
+	bothModes(t, func(t *testing.T, real bool) {
+		var mu sync.Mutex
+		var got []map[string]any
+		var secret string
+		recv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			body, _ := io.ReadAll(r.Body)
+			mu.Lock()
+			defer mu.Unlock()
+			if err := webhook.Verify(r.Header.Get(webhook.HeaderSignature), secret, body, time.Minute, time.Now()); err != nil {
+				t.Errorf("event %s: %v", body, err)
+				w.WriteHeader(http.StatusBadRequest)
+				return
+			}
+			var ev map[string]any
+			if err := json.Unmarshal(body, &ev); err != nil || ev["id"] != r.Header.Get(webhook.HeaderEventID) || ev["type"] != r.Header.Get(webhook.HeaderEventType) {
+				t.Errorf("body %s, headers %v: %v", body, r.Header, err)
+			}
+			got = append(got, ev)
+		}))
+		t.Cleanup(recv.Close)
+		events := func() []map[string]any {
+			mu.Lock()
+			defer mu.Unlock()
+			return slices.Clone(got)
+		}
+		waitEvents := func(n int) []map[string]any {
+			t.Helper()
+			deadline := time.Now().Add(20 * time.Second)
+			for len(events()) < n {
+				if time.Now().After(deadline) {
+					t.Fatalf("got %d events, want %d: %v", len(events()), n, events())
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			return events()
+		}
+
+		p := startTestProxy(t, real)
+		var w struct{ ID, Secret string }
+		mu.Lock()
+		p.admin("POST", "/webhooks", map[string]any{"url": recv.URL, "events": []string{"limit.crossed"}}, http.StatusCreated, &w)
+		secret = w.Secret
+		mu.Unlock()
+		p.setup("acme", 10_000, 20) // hold = cost = 20 per request
+		var k struct{ ID, Key string }
+		p.admin("POST", "/orgs/acme/keys", nil, http.StatusCreated, &k)
+		var lim struct{ ID string }
+		p.admin("POST", "/orgs/acme/limits", map[string]any{"scope": "key", "scope_id": k.ID, "window": "day", "cap": 100}, http.StatusCreated, &lim)
+		request := func(want int) {
+			t.Helper()
+			if st, _, b := p.do("POST", "/v1/chat/completions", k.Key, chat("hello world")); st != want {
+				t.Fatalf("request: %d %s, want %d", st, b, want)
+			}
+			p.settled("acme")
+		}
+		check := func(ev map[string]any, pct, used float64) {
+			t.Helper()
+			data, _ := ev["data"].(map[string]any)
+			start, err := time.Parse(time.RFC3339, fmt.Sprint(data["window_start"]))
+			if ev["type"] != "limit.crossed" || ev["org"] != "acme" || data["limit_id"] != lim.ID || data["scope"] != "key" ||
+				data["scope_id"] != k.ID || data["window"] != "day" || data["cap"] != 100.0 || data["threshold"] != pct ||
+				data["used"] != used || err != nil || !start.Equal(start.Truncate(24*time.Hour)) || time.Since(start) > 25*time.Hour {
+				t.Fatalf("event %v; want limit.crossed %v%% at %v used", ev, pct, used)
+			}
+		}
+		for range 3 {
+			request(http.StatusOK) // 20, 40, 60
+		}
+		time.Sleep(100 * time.Millisecond)
+		if evs := events(); len(evs) != 0 {
+			t.Fatalf("events below 80 %%: %v", evs)
+		}
+		request(http.StatusOK) // 80: 80 %
+		check(waitEvents(1)[0], 80, 80)
+		request(http.StatusOK) // 100: 100 %
+		check(waitEvents(2)[1], 100, 100)
+		if st, _, b := p.do("POST", "/v1/chat/completions", k.Key, chat("hello world")); st != http.StatusTooManyRequests {
+			t.Fatalf("over the cap: %d %s", st, b)
+		}
+		time.Sleep(200 * time.Millisecond)
+		if evs := events(); len(evs) != 2 {
+			t.Fatalf("events %v; want the 80 %% and 100 %% crossings only", evs)
 		}
 	})
 }

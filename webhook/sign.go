@@ -7,7 +7,7 @@
 //
 //	Content-Type: application/json
 //	X-Escrow-Event-Id: <uuid>          (the same on every attempt and every endpoint)
-//	X-Escrow-Event-Type: balance.low | credit.received | key.revoked
+//	X-Escrow-Event-Type: balance.low | credit.received | key.revoked | limit.crossed
 //	X-Escrow-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret, t + "." + body)>
 //
 // like Stripe's signatures: Verify checks one (a receiver in Go may call it; any language can

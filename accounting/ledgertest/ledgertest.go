@@ -52,6 +52,7 @@ func Run(t *testing.T, newLedger func(t *testing.T) accounting.Ledger) {
 	tests = append(tests, consoleTests...)
 	tests = append(tests, webhookTests...)
 	tests = append(tests, limitsTests...)
+	tests = append(tests, limitCrossedTests...)
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

@@ -44,7 +44,7 @@ func testWebhookEndpoints(t *testing.T, l accounting.Ledger) {
 	}
 	_, _, err := h.CreateWebhook(c, "https://example.com/h", nil)
 	wantErr(t, err, accounting.ErrInvalidWebhook, "CreateWebhook without events")
-	_, _, err = h.CreateWebhook(c, "https://example.com/h", []accounting.EventType{"limit.crossed"})
+	_, _, err = h.CreateWebhook(c, "https://example.com/h", []accounting.EventType{"limit.exceeded"})
 	wantErr(t, err, accounting.ErrInvalidWebhook, "CreateWebhook with an unknown event")
 
 	w1, s1, err := h.CreateWebhook(c, "https://example.com/a", []accounting.EventType{accounting.EventKeyRevoked, accounting.EventBalanceLow, accounting.EventKeyRevoked})

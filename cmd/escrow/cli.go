@@ -672,7 +672,7 @@ func cmdWebhooks(args []string) error {
 	fs := flag.NewFlagSet("webhooks", flag.ContinueOnError)
 	var o output
 	o.flags(fs)
-	events := fs.String("events", "", "comma-separated event types (create): balance.low, credit.received, key.revoked")
+	events := fs.String("events", "", "comma-separated event types (create): balance.low, credit.received, key.revoked, limit.crossed")
 	pos, c, err := begin(fs, args)
 	if err != nil {
 		return err
