@@ -90,12 +90,8 @@ func (p *Postgres) ListKeys(ctx context.Context, org string, q ListQuery) (Page[
 	limit := pageLimit(q.Limit)
 	var keys []KeyInfo
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-		var ok bool
-		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)`, org).Scan(&ok); err != nil {
+		if err := orgExists(ctx, tx, org); err != nil {
 			return err
-		}
-		if !ok {
-			return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 		}
 		rows, _ := tx.Query(ctx, `
 SELECT id, org_id, name, created_at, revoked_at, coalesce(project_id, ''), frozen, last_used_at FROM api_keys
@@ -154,12 +150,8 @@ func (p *Postgres) ListEntries(ctx context.Context, org string, q EntryQuery) (P
 	limit := pageLimit(q.Limit)
 	var out []EntryInfo
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-		var ok bool
-		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)`, org).Scan(&ok); err != nil {
+		if err := orgExists(ctx, tx, org); err != nil {
 			return err
-		}
-		if !ok {
-			return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 		}
 		rows, err := tx.Query(ctx, sqlListEntries, org, before, string(q.Kind), tsArg(q.From), tsArg(q.To), limit+1)
 		if err != nil {
@@ -234,12 +226,8 @@ func (p *Postgres) UsageReport(ctx context.Context, org string, q UsageQuery) ([
 	}[q.GroupBy]
 	var out []UsageRow
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-		var ok bool
-		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)`, org).Scan(&ok); err != nil {
+		if err := orgExists(ctx, tx, org); err != nil {
 			return err
-		}
-		if !ok {
-			return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 		}
 		rows, _ := tx.Query(ctx, `
 SELECT g, count(*), sum(cost)::bigint, sum(prompt_tokens)::bigint, sum(cached_tokens)::bigint,
@@ -403,4 +391,17 @@ func utcPtr(t *time.Time) *time.Time {
 	}
 	u := t.UTC()
 	return &u
+}
+
+// orgExists is nil when org has an account, ErrUnknownOrg when not: the reads that list an org's
+// rows check it in their transaction, so an unknown org is an error, not an empty list.
+func orgExists(ctx context.Context, tx pgx.Tx, org string) error {
+	var ok bool
+	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)`, org).Scan(&ok); err != nil {
+		return err
+	}
+	if !ok {
+		return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	return nil
 }
