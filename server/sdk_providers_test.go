@@ -5,9 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -65,14 +62,7 @@ func TestSDKsOneProxy(t *testing.T) {
 	}
 
 	// The Anthropic SDK: JSON and a stream with cache writes and reads, and a refusal.
-	cmd := exec.CommandContext(ctx, node, filepath.Join("..", "sdktest", "anthropic.mjs"))
-	cmd.Env = append(os.Environ(), "ESCROW_BASE_URL="+p.base, "ESCROW_KEY="+key, "ESCROW_POOR_KEY="+poor, "ESCROW_MODEL=claude-t")
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("node: %v\n%s", err, stderr.String())
-	}
+	out := runSDKScript(ctx, t, node, "anthropic.mjs", p.base, key, poor, "claude-t")
 	var res struct {
 		JSON, Stream struct {
 			Usage anthUsage `json:"usage"`

@@ -37,6 +37,22 @@ func needNodeSDK(t *testing.T, pkg string) string {
 	return node
 }
 
+// runSDKScript runs sdktest/<script> with node against the proxy at base (env ESCROW_BASE_URL,
+// ESCROW_KEY, ESCROW_POOR_KEY, ESCROW_MODEL) and returns what it printed; a failing script fails
+// the test with its standard error.
+func runSDKScript(ctx context.Context, t *testing.T, node, script, base, key, poor, model string) []byte {
+	t.Helper()
+	cmd := exec.CommandContext(ctx, node, filepath.Join("..", "sdktest", script))
+	cmd.Env = append(os.Environ(), "ESCROW_BASE_URL="+base, "ESCROW_KEY="+key, "ESCROW_POOR_KEY="+poor, "ESCROW_MODEL="+model)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("node %s: %v\n%s", script, err, stderr.String())
+	}
+	return out
+}
+
 // TestAnthropicSDK drives the proxy with the official @anthropic-ai/sdk (sdktest/anthropic.mjs):
 // a Messages request as JSON and as a stream, with prompt-cache writes and reads, are billed to
 // the micro-unit what the SDK reported, and an insufficient balance surfaces as the SDK's
@@ -50,14 +66,7 @@ func TestAnthropicSDK(t *testing.T) {
 		poor := p.setupClaude("sdk-poor", 5)
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		defer cancel()
-		cmd := exec.CommandContext(ctx, node, filepath.Join("..", "sdktest", "anthropic.mjs"))
-		cmd.Env = append(os.Environ(), "ESCROW_BASE_URL="+p.base, "ESCROW_KEY="+key, "ESCROW_POOR_KEY="+poor, "ESCROW_MODEL=claude-t")
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		out, err := cmd.Output()
-		if err != nil {
-			t.Fatalf("node: %v\n%s", err, stderr.String())
-		}
+		out := runSDKScript(ctx, t, node, "anthropic.mjs", p.base, key, poor, "claude-t")
 		var res struct {
 			JSON, Stream struct {
 				ID    string    `json:"id"`
@@ -120,14 +129,7 @@ func TestOpenAINodeSDK(t *testing.T) {
 		poor := p.setup("sdk-poor", 5, 65) // a hold of 65 does not fit in 5
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		defer cancel()
-		cmd := exec.CommandContext(ctx, node, filepath.Join("..", "sdktest", "openai.mjs"))
-		cmd.Env = append(os.Environ(), "ESCROW_BASE_URL="+p.base, "ESCROW_KEY="+key, "ESCROW_POOR_KEY="+poor, "ESCROW_MODEL=m")
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		out, err := cmd.Output()
-		if err != nil {
-			t.Fatalf("node: %v\n%s", err, stderr.String())
-		}
+		out := runSDKScript(ctx, t, node, "openai.mjs", p.base, key, poor, "m")
 		type usage struct {
 			Prompt     int64 `json:"prompt_tokens"`
 			Completion int64 `json:"completion_tokens"`
