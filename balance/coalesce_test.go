@@ -202,6 +202,9 @@ func TestCoalescedNoScript(t *testing.T) {
 	// SCRIPT FLUSH would disturb other tests on the shared server: miniredis and a private one.
 	private := func(t *testing.T) *testutil.RedisEnv {
 		if testutil.RealRedisURL() == "" {
+			if testutil.RequireServices() {
+				t.Fatal("ESCROW_REQUIRE_SERVICES=1 but ESCROW_TEST_REDIS_URL is not set")
+			}
 			t.Skip("a private redis-server is started only when real services are configured")
 		}
 		srv := testutil.StartRedisServer(t)
