@@ -5,6 +5,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/llmescrow/escrow/accounting"
 )
 
@@ -44,22 +46,38 @@ ANALYZE`)
 		"request":      `SELECT id, org_id, cost, status FROM usage_events WHERE id = '0192f0c4-0000-7000-8000-000000000001'`,
 		"top spenders": strings.ReplaceAll(accounting.SQLTopSpenders(`status = 'accounted' AND created_at >= now() - interval '3 hours' AND created_at < now()`), "$1", "10"),
 	} {
-		rows, err := conn.Query(ctx, "EXPLAIN "+q)
-		if err != nil {
-			t.Fatalf("%s: %v", name, err)
-		}
-		var plan []string
-		for rows.Next() {
-			var line string
-			_ = rows.Scan(&line)
-			plan = append(plan, line)
-		}
-		rows.Close()
-		p := strings.Join(plan, "\n")
+		p := explain(ctx, t, conn, name, q)
 		for _, table := range []string{"usage_events", "ledger_entries", "api_keys", "accounts"} {
 			if strings.Contains(p, "Seq Scan on "+table) {
 				t.Errorf("%s: sequential scan:\n%s", name, p)
 			}
 		}
 	}
+}
+
+// explain returns the plan Postgres would use for q, one line per node.
+func explain(ctx context.Context, t *testing.T, q querier, name, sql string) string {
+	t.Helper()
+	rows, err := q.Query(ctx, "EXPLAIN "+sql)
+	if err != nil {
+		t.Fatalf("%s: %v", name, err)
+	}
+	defer rows.Close()
+	var plan []string
+	for rows.Next() {
+		var line string
+		if err := rows.Scan(&line); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		plan = append(plan, line)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatalf("%s: %v", name, err)
+	}
+	return strings.Join(plan, "\n")
+}
+
+// querier is a pool or one of its connections.
+type querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }

@@ -119,18 +119,7 @@ ANALYZE`)
 		"orgs to settle":    `(SELECT org_id FROM accounts WHERE settled_seq < ledger_seq LIMIT 100) UNION (SELECT DISTINCT org_id FROM usage_events WHERE status = 'pending' LIMIT 100) LIMIT 100`,
 		"unsettled usage":   `SELECT u.id FROM usage_events u LEFT JOIN accounts a ON a.org_id = u.org_id WHERE u.id = ANY('{0192f0c4-0000-7000-8000-000000000001,0192f0c4-0000-7000-8000-000000000002}'::uuid[]) AND u.org_id = 'o7'`,
 	} {
-		rows, err := env.Pool.Query(ctx, "EXPLAIN "+q)
-		if err != nil {
-			t.Fatalf("%s: %v", name, err)
-		}
-		var plan []string
-		for rows.Next() {
-			var line string
-			_ = rows.Scan(&line)
-			plan = append(plan, line)
-		}
-		rows.Close()
-		p := strings.Join(plan, "\n")
+		p := explain(ctx, t, env.Pool, name, q)
 		if strings.Contains(p, "Seq Scan on usage_events") || strings.Contains(p, "Seq Scan on ledger_entries") {
 			t.Errorf("%s: sequential scan:\n%s", name, p)
 		}
