@@ -22,51 +22,13 @@ import (
 func TestWebhooksThroughTheProxy(t *testing.T) {
 	t.Parallel()
 	bothModes(t, func(t *testing.T, real bool) {
-		var mu sync.Mutex
-		var got []map[string]any
-		var secret string
-		recv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			body, _ := io.ReadAll(r.Body)
-			mu.Lock()
-			defer mu.Unlock()
-			if err := webhook.Verify(r.Header.Get(webhook.HeaderSignature), secret, body, time.Minute, time.Now()); err != nil {
-				t.Errorf("event %s: %v", body, err)
-				w.WriteHeader(http.StatusBadRequest)
-				return
-			}
-			var ev map[string]any
-			if err := json.Unmarshal(body, &ev); err != nil || ev["id"] != r.Header.Get(webhook.HeaderEventID) {
-				t.Errorf("body %s, event id header %q: %v", body, r.Header.Get(webhook.HeaderEventID), err)
-			}
-			got = append(got, ev)
-		}))
-		t.Cleanup(recv.Close)
-		events := func() []map[string]any {
-			mu.Lock()
-			defer mu.Unlock()
-			return slices.Clone(got)
-		}
-		waitEvents := func(n int) []map[string]any {
-			t.Helper()
-			deadline := time.Now().Add(20 * time.Second)
-			for len(events()) < n {
-				if time.Now().After(deadline) {
-					t.Fatalf("got %d events, want %d: %v", len(events()), n, events())
-				}
-				time.Sleep(20 * time.Millisecond)
-			}
-			return events()
-		}
+		recv := newSignedReceiver(t)
 
 		p := startTestProxy(t, real)
-		var w struct{ ID, Secret string }
-		mu.Lock()
-		p.admin("POST", "/webhooks", map[string]any{"url": recv.URL, "events": []string{"balance.low", "credit.received", "key.revoked"}}, http.StatusCreated, &w)
-		secret = w.Secret
-		mu.Unlock()
+		hookID := recv.subscribe(p, "balance.low", "credit.received", "key.revoked")
 		key := p.setup("acme", 1_000, 65) // credits 1000
 		p.admin("PATCH", "/orgs/acme", map[string]any{"low_balance_threshold": 970}, http.StatusOK, nil)
-		if evs := waitEvents(1); evs[0]["type"] != "credit.received" {
+		if evs := recv.wait(1); evs[0]["type"] != "credit.received" {
 			t.Fatalf("first event %v", evs[0])
 		}
 		// Each request costs 20: 980 (above), then 960 (crossed).
@@ -76,7 +38,7 @@ func TestWebhooksThroughTheProxy(t *testing.T) {
 			}
 			p.settled("acme")
 		}
-		evs := waitEvents(2)
+		evs := recv.wait(2)
 		if evs[1]["type"] != "balance.low" || evs[1]["org"] != "acme" {
 			t.Fatalf("second event %v", evs[1])
 		}
@@ -91,9 +53,9 @@ func TestWebhooksThroughTheProxy(t *testing.T) {
 		var k struct{ ID string }
 		p.admin("POST", "/orgs/acme/keys", nil, http.StatusCreated, &k)
 		p.admin("DELETE", "/keys/"+k.ID, nil, http.StatusNoContent, nil)
-		evs = waitEvents(3)
+		evs = recv.wait(3)
 		time.Sleep(200 * time.Millisecond)
-		if evs = events(); len(evs) != 3 || evs[2]["type"] != "key.revoked" {
+		if evs = recv.events(); len(evs) != 3 || evs[2]["type"] != "key.revoked" {
 			t.Fatalf("events %v; want the key revocation third and nothing more", evs)
 		}
 		// Each delivery is recorded as delivered at its first attempt (right after the answer).
@@ -105,7 +67,7 @@ func TestWebhooksThroughTheProxy(t *testing.T) {
 					Attempts int    `json:"attempts"`
 				} `json:"data"`
 			}
-			p.admin("GET", "/webhooks/"+w.ID+"/deliveries", nil, http.StatusOK, &ds)
+			p.admin("GET", "/webhooks/"+hookID+"/deliveries", nil, http.StatusOK, &ds)
 			done := len(ds.Data) == 3
 			for _, d := range ds.Data {
 				done = done && d.Status == "delivered" && d.Attempts == 1
@@ -134,48 +96,10 @@ func TestWebhooksThroughTheProxy(t *testing.T) {
 func TestLimitWebhooksThroughTheProxy(t *testing.T) {
 	t.Parallel()
 	bothModes(t, func(t *testing.T, real bool) {
-		var mu sync.Mutex
-		var got []map[string]any
-		var secret string
-		recv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			body, _ := io.ReadAll(r.Body)
-			mu.Lock()
-			defer mu.Unlock()
-			if err := webhook.Verify(r.Header.Get(webhook.HeaderSignature), secret, body, time.Minute, time.Now()); err != nil {
-				t.Errorf("event %s: %v", body, err)
-				w.WriteHeader(http.StatusBadRequest)
-				return
-			}
-			var ev map[string]any
-			if err := json.Unmarshal(body, &ev); err != nil || ev["id"] != r.Header.Get(webhook.HeaderEventID) || ev["type"] != r.Header.Get(webhook.HeaderEventType) {
-				t.Errorf("body %s, headers %v: %v", body, r.Header, err)
-			}
-			got = append(got, ev)
-		}))
-		t.Cleanup(recv.Close)
-		events := func() []map[string]any {
-			mu.Lock()
-			defer mu.Unlock()
-			return slices.Clone(got)
-		}
-		waitEvents := func(n int) []map[string]any {
-			t.Helper()
-			deadline := time.Now().Add(20 * time.Second)
-			for len(events()) < n {
-				if time.Now().After(deadline) {
-					t.Fatalf("got %d events, want %d: %v", len(events()), n, events())
-				}
-				time.Sleep(20 * time.Millisecond)
-			}
-			return events()
-		}
+		recv := newSignedReceiver(t)
 
 		p := startTestProxy(t, real)
-		var w struct{ ID, Secret string }
-		mu.Lock()
-		p.admin("POST", "/webhooks", map[string]any{"url": recv.URL, "events": []string{"limit.crossed"}}, http.StatusCreated, &w)
-		secret = w.Secret
-		mu.Unlock()
+		recv.subscribe(p, "limit.crossed")
 		p.setup("acme", 10_000, 20) // hold = cost = 20 per request
 		var k struct{ ID, Key string }
 		p.admin("POST", "/orgs/acme/keys", nil, http.StatusCreated, &k)
@@ -202,19 +126,80 @@ func TestLimitWebhooksThroughTheProxy(t *testing.T) {
 			request(http.StatusOK) // 20, 40, 60
 		}
 		time.Sleep(100 * time.Millisecond)
-		if evs := events(); len(evs) != 0 {
+		if evs := recv.events(); len(evs) != 0 {
 			t.Fatalf("events below 80 %%: %v", evs)
 		}
 		request(http.StatusOK) // 80: 80 %
-		check(waitEvents(1)[0], 80, 80)
+		check(recv.wait(1)[0], 80, 80)
 		request(http.StatusOK) // 100: 100 %
-		check(waitEvents(2)[1], 100, 100)
+		check(recv.wait(2)[1], 100, 100)
 		if st, _, b := p.do("POST", "/v1/chat/completions", k.Key, chat("hello world")); st != http.StatusTooManyRequests {
 			t.Fatalf("over the cap: %d %s", st, b)
 		}
 		time.Sleep(200 * time.Millisecond)
-		if evs := events(); len(evs) != 2 {
+		if evs := recv.events(); len(evs) != 2 {
 			t.Fatalf("events %v; want the 80 %% and 100 %% crossings only", evs)
 		}
 	})
+}
+
+// signedReceiver is a webhook endpoint (a real HTTP server) that checks each delivery's
+// signature with the endpoint's secret and keeps the events it got.
+type signedReceiver struct {
+	t      *testing.T
+	srv    *httptest.Server
+	mu     sync.Mutex
+	got    []map[string]any
+	secret string
+}
+
+func newSignedReceiver(t *testing.T) *signedReceiver {
+	r := &signedReceiver{t: t}
+	r.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		body, _ := io.ReadAll(req.Body)
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		if err := webhook.Verify(req.Header.Get(webhook.HeaderSignature), r.secret, body, time.Minute, time.Now()); err != nil {
+			t.Errorf("event %s: %v", body, err)
+			w.WriteHeader(http.StatusBadRequest)
+			return
+		}
+		var ev map[string]any
+		if err := json.Unmarshal(body, &ev); err != nil || ev["id"] != req.Header.Get(webhook.HeaderEventID) || ev["type"] != req.Header.Get(webhook.HeaderEventType) {
+			t.Errorf("body %s, headers %v: %v", body, req.Header, err)
+		}
+		r.got = append(r.got, ev)
+	}))
+	t.Cleanup(r.srv.Close)
+	return r
+}
+
+// subscribe makes a webhook to the receiver for events through p's admin API, keeps its secret
+// and returns its id.
+func (r *signedReceiver) subscribe(p *testProxy, events ...string) string {
+	var w struct{ ID, Secret string }
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	p.admin("POST", "/webhooks", map[string]any{"url": r.srv.URL, "events": events}, http.StatusCreated, &w)
+	r.secret = w.Secret
+	return w.ID
+}
+
+func (r *signedReceiver) events() []map[string]any {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.got)
+}
+
+// wait returns the events once there are at least n (fails the test after 20 s).
+func (r *signedReceiver) wait(n int) []map[string]any {
+	r.t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for len(r.events()) < n {
+		if time.Now().After(deadline) {
+			r.t.Fatalf("got %d events, want %d: %v", len(r.events()), n, r.events())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return r.events()
 }
