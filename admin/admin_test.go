@@ -9,12 +9,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/labstack/echo/v4"
-
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/admin"
-	"github.com/llmescrow/escrow/balance"
-	"github.com/llmescrow/escrow/internal/testutil"
 )
 
 // TestMountedGroup: the admin API mounted on a group of a program's own Echo, over the memory
@@ -25,19 +21,7 @@ func TestMountedGroup(t *testing.T) {
 	if _, err := admin.New(&accounting.Ops{}, &admin.Config{}); !errors.Is(err, admin.ErrNoToken) {
 		t.Fatalf("New without a token: %v, want ErrNoToken", err)
 	}
-	ctx := context.Background()
-	env := testutil.Redis(t)
-	ledger := accounting.NewMemory()
-	store, err := balance.New(ctx, env.Client, balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	api, err := admin.New(accounting.NewOps(accounting.NewWorker(ledger, store, nil)), &admin.Config{Token: "tok"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	e := echo.New()
-	api.Register(e.Group("/ops/admin"))
+	e, _, store := mountAdmin(t, "/ops/admin")
 	call := func(method, path, token, body string) (int, string) {
 		req := httptest.NewRequest(method, "/ops/admin"+path, strings.NewReader(body))
 		req.Header.Set("Authorization", "Bearer "+token)
@@ -57,7 +41,7 @@ func TestMountedGroup(t *testing.T) {
 	if st, b := call("POST", "/orgs/acme/credits", "tok", `{"amount":-1,"reference":"pay-2"}`); st != http.StatusBadRequest {
 		t.Fatalf("negative credit: %d %s", st, b)
 	}
-	hot, err := store.State(ctx, "acme")
+	hot, err := store.State(context.Background(), "acme")
 	if err != nil || !hot.Exists || hot.Balance != 700 {
 		t.Fatalf("hot balance right after the credit: %+v %v, want 700", hot, err)
 	}

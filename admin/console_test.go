@@ -27,10 +27,17 @@ type console struct {
 
 func newConsole(t *testing.T) *console {
 	t.Helper()
-	ctx := context.Background()
+	e, ledger, _ := mountAdmin(t, "/admin/v1")
+	return &console{t: t, e: e, ledger: ledger}
+}
+
+// mountAdmin mounts the admin API (token "tok") at prefix on a new Echo, over the memory ledger
+// and a hot balance on the test Redis.
+func mountAdmin(t *testing.T, prefix string) (*echo.Echo, *accounting.Memory, *balance.Store) {
+	t.Helper()
 	env := testutil.Redis(t)
 	ledger := accounting.NewMemory()
-	store, err := balance.New(ctx, env.Client, balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
+	store, err := balance.New(context.Background(), env.Client, balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,8 +46,8 @@ func newConsole(t *testing.T) *console {
 		t.Fatal(err)
 	}
 	e := echo.New()
-	api.Register(e.Group("/admin/v1"))
-	return &console{t: t, e: e, ledger: ledger}
+	api.Register(e.Group(prefix))
+	return e, ledger, store
 }
 
 func (c *console) do(method, path, body string, hdr ...string) *httptest.ResponseRecorder {
