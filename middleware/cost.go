@@ -50,12 +50,22 @@ type receiptRecorder interface {
 	RecordReceipt(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error)
 }
 
+// recordFunc records an event and answers the balance after it when the Recorder can tell.
+type recordFunc func(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error)
+
+// recordOf finds, once, how the Recorder records: with a receipt when it can give one.
+func recordOf(r Recorder) recordFunc {
+	if rr, ok := r.(receiptRecorder); ok {
+		return rr.RecordReceipt
+	}
+	return func(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error) {
+		return accounting.Receipt{}, r.Record(ctx, ev)
+	}
+}
+
 // record records ev, with the balance after it when the Recorder can tell.
 func (m *middleware) record(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error) {
-	if r, ok := m.cfg.Recorder.(receiptRecorder); ok {
-		return r.RecordReceipt(ctx, ev)
-	}
-	return accounting.Receipt{}, m.cfg.Recorder.Record(ctx, ev)
+	return m.recordFn(ctx, ev)
 }
 
 // costReceipt is what a recorded request was charged and the org's balance after it.

@@ -58,6 +58,7 @@ type Outcome struct {
 type middleware struct {
 	cfg      Config
 	void     voidFunc // nil when the Recorder cannot void events
+	recordFn recordFunc
 	keys     *ttlCache[accounting.APIKey]
 	failures *failureLimiter // failed key look-ups per client IP
 	models   *ttlCache[accounting.Model]
@@ -76,6 +77,7 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	}
 	m := &middleware{cfg: cfg, pass: map[string]bool{}, allow: map[string]bool{}, extendIn: cfg.HoldTTL / 3}
 	m.void = voidOf(cfg.Recorder)
+	m.recordFn = recordOf(cfg.Recorder)
 	for _, p := range cfg.PassThrough {
 		if dir, ok := strings.CutSuffix(p, "/*"); ok {
 			m.passDirs = append(m.passDirs, dir+"/")
