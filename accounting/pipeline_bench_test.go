@@ -26,7 +26,7 @@ func BenchmarkPipeline(b *testing.B) {
 				b.Fatal(err)
 			}
 			defer l.Close()
-			store, err := balance.New(ctx, env.Client, balance.Config{Ledger: l, Prefix: env.Prefix, MaxInFlight: 1 << 20, Logger: quiet})
+			store, err := balance.New(ctx, env.Client, &balance.Config{Ledger: l, Prefix: env.Prefix, MaxInFlight: 1 << 20, Logger: quiet})
 			if err != nil {
 				b.Fatal(err)
 			}

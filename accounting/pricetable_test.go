@@ -166,7 +166,7 @@ func TestImportPrices(t *testing.T) {
 	ctx := context.Background()
 	env := testutil.Redis(t)
 	ledger := accounting.NewMemory()
-	store, err := balance.New(ctx, env.Client, balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
+	store, err := balance.New(ctx, env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -219,7 +219,7 @@ func TestImportPrices(t *testing.T) {
 	if err != nil || m != wantNew {
 		t.Fatalf("imported %+v %v, want %+v", m, err, wantNew)
 	}
-	store2, err := balance.New(ctx, env.Client, balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true}) // no cache
+	store2, err := balance.New(ctx, env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true}) // no cache
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -244,7 +244,7 @@ func TestImportCacheWrite(t *testing.T) {
 	ctx := context.Background()
 	env := testutil.Redis(t)
 	ledger := accounting.NewMemory()
-	store, err := balance.New(ctx, env.Client, balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
+	store, err := balance.New(ctx, env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -140,7 +140,7 @@ func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger
 // newStore makes the store (and its worker and Ops) with the limit clock at offset; a window
 // rollover is a new store with a later clock over the same Redis and ledger.
 func (s *simulator) newStore(offset time.Duration) {
-	store, err := balance.New(s.ctx, s.env.Client, balance.Config{
+	store, err := balance.New(s.ctx, s.env.Client, &balance.Config{
 		Ledger: s.ledger, Prefix: s.env.Prefix, MaxInFlight: 100000,
 		HoldTTL: time.Millisecond, ReapGrace: time.Nanosecond, // every hold is reapable: owners may be slow
 		SettleDeadline: time.Millisecond, // finished holds too (through the ledger check)

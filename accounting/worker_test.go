@@ -34,7 +34,7 @@ func eachBackend(t *testing.T, fn func(t *testing.T, env *testutil.RedisEnv, l a
 func newStore(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger, cfg balance.Config) *balance.Store {
 	t.Helper()
 	cfg.Ledger, cfg.Prefix, cfg.Logger = l, env.Prefix, quiet
-	s, err := balance.New(context.Background(), env.Client, cfg)
+	s, err := balance.New(context.Background(), env.Client, &cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

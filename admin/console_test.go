@@ -37,7 +37,7 @@ func mountAdmin(t *testing.T, prefix string) (*echo.Echo, *accounting.Memory, *b
 	t.Helper()
 	env := testutil.Redis(t)
 	ledger := accounting.NewMemory()
-	store, err := balance.New(context.Background(), env.Client, balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
+	store, err := balance.New(context.Background(), env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -46,7 +46,7 @@ func eachLedger(t *testing.T, fn func(t *testing.T, r *limitsRig)) {
 			}
 			// The limit clock at noon of a fixed day: no window rolls over during the test.
 			noon := time.Date(2030, 6, 14, 12, 0, 0, 0, time.UTC)
-			store, err := balance.New(ctx, env.Client, balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true, ClockOffset: time.Until(noon)})
+			store, err := balance.New(ctx, env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true, ClockOffset: time.Until(noon)})
 			if err != nil {
 				t.Fatal(err)
 			}

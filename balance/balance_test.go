@@ -80,7 +80,7 @@ func burst(t *testing.T, env *testutil.RedisEnv, coalesce bool) {
 		ctx := context.Background()
 		c := ownClient(t, env, nil)
 		l := balancetest.NewFakeLedger(1)
-		s, err := balance.New(ctx, c, balance.Config{Ledger: l, Prefix: env.Prefix, MaxInFlight: 5000, Coalesce: coalesce, MaxBatch: 16})
+		s, err := balance.New(ctx, c, &balance.Config{Ledger: l, Prefix: env.Prefix, MaxInFlight: 5000, Coalesce: coalesce, MaxBatch: 16})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -201,7 +201,7 @@ func TestDroppedReply(t *testing.T) {
 			o.MaxRetryBackoff = 5 * time.Millisecond
 		})
 		l := balancetest.NewFakeLedger(1)
-		s, err := balance.New(ctx, c, balance.Config{Ledger: l, Prefix: env.Prefix})
+		s, err := balance.New(ctx, c, &balance.Config{Ledger: l, Prefix: env.Prefix})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -297,7 +297,7 @@ func TestOneHashTagPerCall(t *testing.T) {
 	c.AddHook(hook)
 	ctx := context.Background()
 	l := balancetest.NewFakeLedger(1)
-	s, err := balance.New(ctx, c, balance.Config{Ledger: l, Prefix: env.Prefix, HoldTTL: 10 * time.Millisecond, PinTTL: time.Second, ReapGrace: time.Millisecond})
+	s, err := balance.New(ctx, c, &balance.Config{Ledger: l, Prefix: env.Prefix, HoldTTL: 10 * time.Millisecond, PinTTL: time.Second, ReapGrace: time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -368,7 +368,7 @@ func TestNoScriptReload(t *testing.T) {
 	env := testutil.MiniRedis(t)
 	ctx := context.Background()
 	l := balancetest.NewFakeLedger(1)
-	s, err := balance.New(ctx, env.Client, balance.Config{Ledger: l, Prefix: env.Prefix})
+	s, err := balance.New(ctx, env.Client, &balance.Config{Ledger: l, Prefix: env.Prefix})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -414,7 +414,7 @@ func TestNoScriptRealRestart(t *testing.T) {
 	c := srv.Client()
 	ctx := context.Background()
 	l := balancetest.NewFakeLedger(1)
-	s, err := balance.New(ctx, c, balance.Config{Ledger: l})
+	s, err := balance.New(ctx, c, &balance.Config{Ledger: l})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -438,10 +438,10 @@ func TestRefusesEviction(t *testing.T) {
 	t.Parallel()
 	srv := testutil.StartRedisServer(t, testutil.RedisArgs("--maxmemory-policy", "allkeys-lru"))
 	ctx := context.Background()
-	if _, err := balance.New(ctx, srv.Client(), balance.Config{}); !errors.Is(err, balance.ErrUnsupportedRedis) {
+	if _, err := balance.New(ctx, srv.Client(), &balance.Config{}); !errors.Is(err, balance.ErrUnsupportedRedis) {
 		t.Fatalf("got %v, want ErrUnsupportedRedis", err)
 	}
-	s, err := balance.New(ctx, srv.Client(), balance.Config{AllowEviction: true})
+	s, err := balance.New(ctx, srv.Client(), &balance.Config{AllowEviction: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -464,11 +464,11 @@ func TestConfigValidation(t *testing.T) {
 		{Prefix: "has space"},
 		{MaxInFlight: -1},
 	} {
-		if _, err := balance.New(ctx, env.Client, cfg); err == nil {
+		if _, err := balance.New(ctx, env.Client, &cfg); err == nil {
 			t.Fatalf("config %+v accepted", cfg)
 		}
 	}
-	if _, err := balance.New(ctx, nil, balance.Config{}); err == nil {
+	if _, err := balance.New(ctx, nil, &balance.Config{}); err == nil {
 		t.Fatal("nil client accepted")
 	}
 }

@@ -36,7 +36,7 @@ func benchEnvCfg(b *testing.B, cfg balance.Config) (*balance.Store, redis.Univer
 	ctx := context.Background()
 	l := balancetest.NewFakeLedger(1)
 	cfg.Ledger, cfg.Prefix, cfg.MaxInFlight, cfg.Logger = l, env.Prefix, 1<<30, slog.New(slog.DiscardHandler)
-	s, err := balance.New(ctx, c, cfg)
+	s, err := balance.New(ctx, c, &cfg)
 	if err != nil {
 		b.Fatal(err)
 	}

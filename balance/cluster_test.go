@@ -28,7 +28,7 @@ func TestConformanceCluster(t *testing.T) {
 	t.Run("coalesced-burst", func(t *testing.T) {
 		ctx := context.Background()
 		l := balancetest.NewFakeLedger(1)
-		s, err := balance.New(ctx, c.Client(), balance.Config{Ledger: l, Prefix: testutil.RandomName("t"), Coalesce: true, MaxPipelines: 1})
+		s, err := balance.New(ctx, c.Client(), &balance.Config{Ledger: l, Prefix: testutil.RandomName("t"), Coalesce: true, MaxPipelines: 1})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -62,7 +62,7 @@ func coalesced(t *testing.T, env *testutil.RedisEnv, start int64, cfg balance.Co
 	l := balancetest.NewFakeLedger(1)
 	cfg.Ledger, cfg.Prefix, cfg.Coalesce = l, env.Prefix, true
 	cfg.MaxInFlight = 100_000
-	s, err := balance.New(context.Background(), c, cfg)
+	s, err := balance.New(context.Background(), c, &cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -277,7 +277,7 @@ func TestModelMaxOneGet(t *testing.T) {
 		h := &getCounter{delay: 30 * time.Millisecond}
 		c.AddHook(h)
 		const ttl = 300 * time.Millisecond
-		s, err := balance.New(ctx, c, balance.Config{Prefix: env.Prefix, ModelMaxCacheTTL: ttl})
+		s, err := balance.New(ctx, c, &balance.Config{Prefix: env.Prefix, ModelMaxCacheTTL: ttl})
 		if err != nil {
 			t.Fatal(err)
 		}

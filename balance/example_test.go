@@ -26,7 +26,7 @@ func ExampleStore_Reserve() {
 	ledger := balancetest.NewFakeLedger(1) // accounting.OpenPostgres / NewMemory in real use
 	ledger.Add("acme", 5_000_000, "")      // a 5.00 credit, in micro-units
 
-	store, err := balance.New(ctx, rdb, balance.Config{Ledger: ledger})
+	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: ledger})
 	if err != nil {
 		panic(err)
 	}
@@ -59,7 +59,7 @@ func ExampleConfig_coalesce() {
 	ledger := balancetest.NewFakeLedger(1)
 	ledger.Add("acme", 1_000, "")
 
-	store, err := balance.New(ctx, rdb, balance.Config{Ledger: ledger, Coalesce: true, MaxPipelines: 1})
+	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: ledger, Coalesce: true, MaxPipelines: 1})
 	if err != nil {
 		panic(err)
 	}

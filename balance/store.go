@@ -1,7 +1,6 @@
 package balance
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -15,57 +14,6 @@ import (
 	"github.com/redis/go-redis/v9"
 	"golang.org/x/sync/singleflight"
 )
-
-// Config configures a Store. The zero value works: every field has a documented default.
-type Config struct {
-	// Ledger is needed for cold orgs (seed, catch-up) and for the reaper's usage check. nil: a
-	// cold org returns ErrCold, and Reap releases expired holds without asking anyone.
-	Ledger Ledger
-	// Prefix is the key namespace. Default "esc".
-	Prefix string
-	// HoldTTL is a hold's lifetime; Extend pushes its expiry to now+HoldTTL. Default 10m.
-	HoldTTL time.Duration
-	// PinTTL is how far Pin pushes an expiry (now+PinTTL); renew a pin well within it. A hold
-	// whose expiry is more than PinTTL/2 away counts as pinned. Must be ≥ 4×HoldTTL. Default 24h.
-	PinTTL time.Duration
-	// SettleDeadline is how long a finished hold (Finish) waits for its settle before a reaper
-	// may look at it: its expiry becomes max(current, now+SettleDeadline). The reaper still
-	// releases it only once the ledger has no unsettled usage for it. Default HoldTTL.
-	SettleDeadline time.Duration
-	// MaxInFlight caps an org's unfinished, unpinned holds: its requests really in flight.
-	// Default 256.
-	MaxInFlight int
-	// TombstoneTTL is how long an ended hold id stays in gone; keep it ≥ twice the Redis
-	// client's total timeout including retries. Default 30s.
-	TombstoneTTL time.Duration
-	// ReapGrace: a hold is reaped only after expiry+ReapGrace. Default 1m.
-	ReapGrace time.Duration
-	// ModelMaxCacheTTL is how long ModelMax serves a value from memory. Default 1s.
-	ModelMaxCacheTTL time.Duration
-	// ScanPause is the pause between two SCAN pages of ScanOrgs (its rate limit). Default 10ms.
-	ScanPause time.Duration
-	// Coalesce sends reserves that arrive while MaxPipelines reserve round trips are already in
-	// flight together, as one pipeline, instead of each waiting for a connection of its own. A
-	// reserve that finds a free slot goes to Redis at once, alone (nothing waits at low load).
-	// Each reserve keeps its own reply. Default false.
-	Coalesce bool
-	// BatchWindow, with Coalesce: while other pipelines are in flight, how long a batch that is
-	// not full waits for more reserves before it is sent. Default 0 (send what is queued).
-	BatchWindow time.Duration
-	// MaxBatch, with Coalesce: the most reserves in one pipeline. Default 128.
-	MaxBatch int
-	// MaxPipelines, with Coalesce: the most reserve round trips (lone calls or pipelines) in
-	// flight at once; keep it below the client's pool size. Default 4.
-	MaxPipelines int
-	// ClockOffset shifts the clock the scripts use for limit windows (never expiries): for tests
-	// only, so window rollovers are tested without a sleep. Default 0.
-	ClockOffset time.Duration
-	// AllowEviction skips the maxmemory-policy noeviction check (and logs a loud warning):
-	// eviction can drop a hold and lock money, or drop a watermark.
-	AllowEviction bool
-	// Logger defaults to slog.Default().
-	Logger *slog.Logger
-}
 
 // Store is the hot balance of every org in Redis. It is safe for concurrent use.
 type Store struct {
@@ -104,45 +52,21 @@ type cachedMax struct {
 	at time.Time
 }
 
-// maxOrgLen bounds org ids and hold ids.
+// maxIDLen bounds hold ids.
 const maxIDLen = 128
 
-// New checks the Redis server (version ≥ 6.0, maxmemory-policy noeviction unless
-// cfg.AllowEviction, AOF — a warning when off), loads every script on every master, and
-// returns the Store. On a server that does not answer CONFIG (miniredis) the policy and AOF
-// checks are skipped.
-func New(ctx context.Context, c redis.UniversalClient, cfg Config) (*Store, error) {
+// New checks conf (nil: every default; a value out of range is refused with an error wrapping
+// ErrConfig, never corrected), then the Redis server (version ≥ 6.0, maxmemory-policy
+// noeviction unless conf.AllowEviction, AOF — a warning when off), loads every script on every
+// master, and returns the Store. On a server that does not answer CONFIG (miniredis) the policy
+// and AOF checks are skipped.
+func New(ctx context.Context, c redis.UniversalClient, conf *Config) (*Store, error) {
 	if c == nil {
-		return nil, errors.New("balance: nil redis client")
+		return nil, fmt.Errorf("%w: nil redis client", ErrConfig)
 	}
-	cfg.Prefix = cmp.Or(cfg.Prefix, "esc")
-	cfg.HoldTTL = cmp.Or(cfg.HoldTTL, 10*time.Minute)
-	cfg.PinTTL = cmp.Or(cfg.PinTTL, 24*time.Hour)
-	cfg.SettleDeadline = cmp.Or(cfg.SettleDeadline, cfg.HoldTTL)
-	cfg.MaxInFlight = cmp.Or(cfg.MaxInFlight, 256)
-	cfg.TombstoneTTL = cmp.Or(cfg.TombstoneTTL, 30*time.Second)
-	cfg.ReapGrace = cmp.Or(cfg.ReapGrace, time.Minute)
-	cfg.ModelMaxCacheTTL = cmp.Or(cfg.ModelMaxCacheTTL, time.Second)
-	cfg.ScanPause = cmp.Or(cfg.ScanPause, 10*time.Millisecond)
-	cfg.Logger = cmp.Or(cfg.Logger, slog.Default())
-	cfg.MaxBatch = cmp.Or(cfg.MaxBatch, 128)
-	cfg.MaxPipelines = cmp.Or(cfg.MaxPipelines, 4)
-	switch {
-	case cfg.MaxBatch < 1 || cfg.MaxPipelines < 1 || cfg.BatchWindow < 0 || cfg.BatchWindow > time.Second:
-		return nil, errors.New("balance: MaxBatch and MaxPipelines must be ≥ 1, BatchWindow within 0..1s")
-	case cfg.HoldTTL < time.Millisecond || cfg.TombstoneTTL < time.Millisecond || cfg.ReapGrace < 0:
-		return nil, errors.New("balance: HoldTTL and TombstoneTTL must be ≥ 1ms, ReapGrace ≥ 0")
-	case cfg.SettleDeadline < time.Millisecond || cfg.SettleDeadline > cfg.PinTTL/2:
-		// Above PinTTL/2 a finished hold would count as pinned.
-		return nil, fmt.Errorf("balance: SettleDeadline %v must be within 1ms..PinTTL/2", cfg.SettleDeadline)
-	case cfg.PinTTL < 4*cfg.HoldTTL:
-		return nil, fmt.Errorf("balance: PinTTL %v must be at least 4×HoldTTL (%v)", cfg.PinTTL, cfg.HoldTTL)
-	case cfg.PinTTL > 100*365*24*time.Hour:
-		return nil, errors.New("balance: PinTTL too long")
-	case cfg.MaxInFlight < 0:
-		return nil, errors.New("balance: MaxInFlight must be > 0")
-	case !validPrefix(cfg.Prefix):
-		return nil, fmt.Errorf("balance: invalid prefix %q", cfg.Prefix)
+	cfg := conf.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
 	}
 	s := &Store{
 		c:        c,
@@ -187,16 +111,6 @@ func New(ctx context.Context, c redis.UniversalClient, cfg Config) (*Store, erro
 }
 
 func ms(d time.Duration) string { return strconv.FormatInt(d.Milliseconds(), 10) }
-
-func validPrefix(p string) bool {
-	for i := 0; i < len(p); i++ {
-		b := p[i]
-		if b <= ' ' || b >= 0x7f || b == '{' || b == '}' || b == '*' || b == '?' || b == '[' || b == ']' || b == '\\' {
-			return false
-		}
-	}
-	return p != "" && len(p) <= 64
-}
 
 // Warnings lists what New found worth a warning (AOF off, eviction allowed, unknown version).
 func (s *Store) Warnings() []string {

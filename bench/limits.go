@@ -56,11 +56,11 @@ func measureLimits(ctx context.Context, o options, rdbURL, dbURL, prefix string)
 	quiet := slog.New(slog.DiscardHandler)
 
 	ledger := &fixedLedger{}
-	direct, err := balance.New(ctx, c, balance.Config{Ledger: ledger, Prefix: prefix, MaxInFlight: 1 << 30, Logger: quiet})
+	direct, err := balance.New(ctx, c, &balance.Config{Ledger: ledger, Prefix: prefix, MaxInFlight: 1 << 30, Logger: quiet})
 	if err != nil {
 		return nil, err
 	}
-	co, err := balance.New(ctx, c, balance.Config{Ledger: ledger, Prefix: prefix, MaxInFlight: 1 << 30, Logger: quiet, Coalesce: true})
+	co, err := balance.New(ctx, c, &balance.Config{Ledger: ledger, Prefix: prefix, MaxInFlight: 1 << 30, Logger: quiet, Coalesce: true})
 	if err != nil {
 		return nil, err
 	}
@@ -282,7 +282,7 @@ func pgLimits(ctx context.Context, o options, lim *limits, dbURL string, rdb *re
 
 	// The pipeline: the worker accounts and settles what the recorder writes, into Redis.
 	fmt.Fprintf(os.Stderr, "\r  limit: record+account+settle ")
-	store, err := balance.New(ctx, rdb, balance.Config{Ledger: pg, Prefix: prefix + "p", Logger: slog.New(slog.DiscardHandler)})
+	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: pg, Prefix: prefix + "p", Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		return err
 	}

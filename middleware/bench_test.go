@@ -86,7 +86,7 @@ func BenchmarkMiddleware(b *testing.B) {
 	})
 	b.Run("middleware_redis_store", func(b *testing.B) {
 		env := testutil.Redis(b)
-		st, err := balance.New(ctx, env.Client, balance.Config{Ledger: ledger, Prefix: env.Prefix, MaxInFlight: 1 << 30, HoldTTL: time.Minute, Logger: quiet})
+		st, err := balance.New(ctx, env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, MaxInFlight: 1 << 30, HoldTTL: time.Minute, Logger: quiet})
 		must2(b, err)
 		e := echo.New()
 		e.Use(New(Config{Store: st, Ledger: ledger, Recorder: nopRecorder{}, Logger: quiet}))

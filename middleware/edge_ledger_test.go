@@ -150,7 +150,7 @@ func newLedgerEnv(t *testing.T, pg bool, cfg func(*Config)) *ledgerEnv {
 	}
 	t.Cleanup(base.Close)
 	e := &ledgerEnv{t: t, ledger: newFaultLedger(base), outcomes: make(chan Outcome, 100)}
-	st, err := balance.New(ctx, redisEnv.Client, balance.Config{Ledger: e.ledger, Prefix: redisEnv.Prefix, Logger: quiet})
+	st, err := balance.New(ctx, redisEnv.Client, &balance.Config{Ledger: e.ledger, Prefix: redisEnv.Prefix, Logger: quiet})
 	must(t, err)
 	e.store = st
 	e.rec = accounting.NewRecorder(e.ledger, accounting.RecorderConfig{Logger: quiet, Timeout: 10 * time.Second})

@@ -133,7 +133,7 @@ func newEnv(t *testing.T, o envOpt) *testEnv {
 	if o.storeCfg != nil {
 		o.storeCfg(&bcfg)
 	}
-	st, err := balance.New(ctx, client, bcfg)
+	st, err := balance.New(ctx, client, &bcfg)
 	if err != nil {
 		t.Fatalf("balance.New: %v", err)
 	}

@@ -30,7 +30,7 @@ func Example() {
 	_, _, _ = ledger.Credit(ctx, "acme", 1_000_000, "payment-1")
 	_, secret, _ := ledger.CreateKey(ctx, "acme")
 	_ = ledger.PutModel(ctx, accounting.Model{Name: "gpt-test", Prices: accounting.Prices{Input: 1_000_000, Output: 2_000_000}, MaxOutputTokens: 1000, DefaultHold: 5000})
-	store, err := balance.New(ctx, rdb, balance.Config{Ledger: ledger})
+	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: ledger})
 	if err != nil {
 		fmt.Println(err)
 		return

@@ -264,9 +264,6 @@ func (c *Config) check() error {
 	if c.DatabaseURL == "" && c.RedisURL != "" {
 		return errors.New("the in-memory ledger only pairs with the embedded Redis: set DATABASE_URL or unset REDIS_URL")
 	}
-	if c.PinTTL < 4*c.HoldTTL {
-		return fmt.Errorf("ESCROW_PIN_TTL (%s) must be at least 4× ESCROW_HOLD_TTL (%s)", c.PinTTL, c.HoldTTL)
-	}
 	if c.ReadHeaderTimeout > c.ReadTimeout {
 		return fmt.Errorf("ESCROW_READ_HEADER_TIMEOUT (%s) must not exceed ESCROW_READ_TIMEOUT (%s), which bounds the whole request", c.ReadHeaderTimeout, c.ReadTimeout)
 	}

@@ -146,7 +146,7 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 	if err := s.openLedger(ctx, p.embedded); err != nil {
 		return nil, err
 	}
-	s.store, err = balance.New(ctx, s.rdb, balance.Config{
+	s.store, err = balance.New(ctx, s.rdb, &balance.Config{
 		Ledger:        s.ledger,
 		Prefix:        cfg.Prefix,
 		HoldTTL:       cfg.HoldTTL,
@@ -157,6 +157,10 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 		Coalesce:      cfg.Coalesce,
 		Logger:        s.log, // its warnings (AOF off, eviction allowed, version) are logged there, once
 	})
+	if errors.Is(err, balance.ErrConfig) {
+		// The hot balance checks its own settings (ESCROW_HOLD_TTL, ESCROW_PIN_TTL, …).
+		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("redis: %w", err)
 	}

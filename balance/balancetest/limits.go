@@ -33,7 +33,7 @@ func (x *h) withClock(at time.Time) *balance.Store {
 	x.t.Helper()
 	cfg := x.s.Config()
 	cfg.ClockOffset = at.Sub(x.redisNow())
-	s, err := balance.New(x.ctx, x.env.Client, cfg)
+	s, err := balance.New(x.ctx, x.env.Client, &cfg)
 	if err != nil {
 		x.t.Fatalf("balance.New: %v", err)
 	}

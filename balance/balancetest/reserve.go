@@ -64,7 +64,7 @@ func exerciseScriptRefusesNonPositiveAmount(t *testing.T, env Env) {
 
 func exerciseReserveColdNoLedger(t *testing.T, env Env) {
 	t.Parallel()
-	s, err := balance.New(context.Background(), env.Client, balance.Config{Prefix: env.Prefix})
+	s, err := balance.New(context.Background(), env.Client, &balance.Config{Prefix: env.Prefix})
 	if err != nil {
 		t.Fatal(err)
 	}

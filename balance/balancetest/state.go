@@ -44,7 +44,7 @@ func exerciseModelMax(t *testing.T, env Env) {
 	v, _ = x.s.ModelMax(x.ctx, m)
 	eq(t, "lowered by admin", v, 10)
 	// Another process's raise shows after the cache TTL (here: a store with a tiny TTL).
-	other, err := balance.New(x.ctx, x.env.Client, balance.Config{Prefix: x.env.Prefix, ModelMaxCacheTTL: time.Nanosecond})
+	other, err := balance.New(x.ctx, x.env.Client, &balance.Config{Prefix: x.env.Prefix, ModelMaxCacheTTL: time.Nanosecond})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -57,7 +57,7 @@ func fixture(t *testing.T, env Env, cfg balance.Config, start int64, warm bool) 
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
-	s, err := balance.New(ctx, env.Client, cfg)
+	s, err := balance.New(ctx, env.Client, &cfg)
 	if err != nil {
 		t.Fatalf("balance.New: %v", err)
 	}

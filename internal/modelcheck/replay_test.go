@@ -171,7 +171,7 @@ func (rp *replayer) newStore(l balance.Ledger) *balance.Store {
 	if l != nil {
 		cfg.Ledger = l
 	}
-	s, err := balance.New(rp.ctx, rp.env.Client, cfg)
+	s, err := balance.New(rp.ctx, rp.env.Client, &cfg)
 	rp.must(err)
 	return s
 }

@@ -1,0 +1,149 @@
+package balance
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+)
+
+// Defaults of the Config fields left zero.
+const (
+	DefaultPrefix           = "esc"
+	DefaultHoldTTL          = 10 * time.Minute
+	DefaultPinTTL           = 24 * time.Hour
+	DefaultMaxInFlight      = 256
+	DefaultTombstoneTTL     = 30 * time.Second
+	DefaultReapGrace        = time.Minute
+	DefaultModelMaxCacheTTL = time.Second
+	DefaultScanPause        = 10 * time.Millisecond
+	DefaultMaxBatch         = 128
+	DefaultMaxPipelines     = 4
+)
+
+// Bounds New checks the configuration against.
+const (
+	// minPinToHold: PinTTL must be at least this many HoldTTLs, so that a pinned hold (expiry
+	// more than PinTTL/2 away) is never mistaken for an ordinary one.
+	minPinToHold = 4
+	maxPinTTL    = 100 * 365 * 24 * time.Hour
+	maxBatchWait = time.Second
+)
+
+// ErrConfig is wrapped by New's error for a configuration it cannot use. New never corrects a
+// field: a value out of range is refused, only a zero value gets its default.
+var ErrConfig = errors.New("balance: invalid config")
+
+// Config configures a Store. A nil *Config, and every zero field, means the documented default.
+type Config struct {
+	// Ledger is needed for cold orgs (seed, catch-up) and for the reaper's usage check. nil: a
+	// cold org returns ErrCold, and Reap releases expired holds without asking anyone.
+	Ledger Ledger
+	// Prefix is the key namespace (see OrgKeys). Default DefaultPrefix ("esc").
+	Prefix string
+	// HoldTTL is a hold's lifetime; Extend pushes its expiry to now+HoldTTL. Default 10m.
+	HoldTTL time.Duration
+	// PinTTL is how far Pin pushes an expiry (now+PinTTL); renew a pin well within it (see
+	// Store.PinRenewal). A hold whose expiry is more than PinTTL/2 away counts as pinned. Must
+	// be ≥ 4×HoldTTL. Default 24h.
+	PinTTL time.Duration
+	// SettleDeadline is how long a finished hold (Finish) waits for its settle before a reaper
+	// may look at it: its expiry becomes max(current, now+SettleDeadline). The reaper still
+	// releases it only once the ledger has no unsettled usage for it. At most PinTTL/2.
+	// Default HoldTTL.
+	SettleDeadline time.Duration
+	// MaxInFlight caps an org's unfinished, unpinned holds: its requests really in flight.
+	// Default 256.
+	MaxInFlight int
+	// TombstoneTTL is how long an ended hold id stays in gone; keep it ≥ twice the Redis
+	// client's total timeout including retries. Default 30s.
+	TombstoneTTL time.Duration
+	// ReapGrace: a hold is reaped only after expiry+ReapGrace. Default 1m.
+	ReapGrace time.Duration
+	// ModelMaxCacheTTL is how long ModelMax serves a value from memory. Default 1s.
+	ModelMaxCacheTTL time.Duration
+	// ScanPause is the pause between two SCAN pages of ScanOrgs (its rate limit). Default 10ms.
+	ScanPause time.Duration
+	// Coalesce sends reserves that arrive while MaxPipelines reserve round trips are already in
+	// flight together, as one pipeline, instead of each waiting for a connection of its own. A
+	// reserve that finds a free slot goes to Redis at once, alone (nothing waits at low load).
+	// Each reserve keeps its own reply. Default false.
+	Coalesce bool
+	// BatchWindow, with Coalesce: while other pipelines are in flight, how long a batch that is
+	// not full waits for more reserves before it is sent; at most 1s. Default 0 (send what is
+	// queued).
+	BatchWindow time.Duration
+	// MaxBatch, with Coalesce: the most reserves in one pipeline. Default 128.
+	MaxBatch int
+	// MaxPipelines, with Coalesce: the most reserve round trips (lone calls or pipelines) in
+	// flight at once; keep it below the client's pool size. Default 4.
+	MaxPipelines int
+	// ClockOffset shifts the clock the scripts use for limit windows (never expiries): for tests
+	// only, so window rollovers are tested without a sleep. Default 0.
+	ClockOffset time.Duration
+	// AllowEviction skips the maxmemory-policy noeviction check (and logs a loud warning):
+	// eviction can drop a hold and lock money, or drop a watermark.
+	AllowEviction bool
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// withDefaults returns a copy of c (nil: the zero Config) with every zero field set to its
+// default.
+func (c *Config) withDefaults() Config {
+	var z Config
+	if c != nil {
+		z = *c
+	}
+	z.Prefix = cmp.Or(z.Prefix, DefaultPrefix)
+	z.HoldTTL = cmp.Or(z.HoldTTL, DefaultHoldTTL)
+	z.PinTTL = cmp.Or(z.PinTTL, DefaultPinTTL)
+	z.SettleDeadline = cmp.Or(z.SettleDeadline, z.HoldTTL)
+	z.MaxInFlight = cmp.Or(z.MaxInFlight, DefaultMaxInFlight)
+	z.TombstoneTTL = cmp.Or(z.TombstoneTTL, DefaultTombstoneTTL)
+	z.ReapGrace = cmp.Or(z.ReapGrace, DefaultReapGrace)
+	z.ModelMaxCacheTTL = cmp.Or(z.ModelMaxCacheTTL, DefaultModelMaxCacheTTL)
+	z.ScanPause = cmp.Or(z.ScanPause, DefaultScanPause)
+	z.MaxBatch = cmp.Or(z.MaxBatch, DefaultMaxBatch)
+	z.MaxPipelines = cmp.Or(z.MaxPipelines, DefaultMaxPipelines)
+	z.Logger = cmp.Or(z.Logger, slog.Default())
+	return z
+}
+
+// validate checks a Config with its defaults filled in; its errors wrap ErrConfig.
+func (c *Config) validate() error {
+	switch {
+	case c.MaxBatch < 1 || c.MaxPipelines < 1 || c.BatchWindow < 0 || c.BatchWindow > maxBatchWait:
+		return fmt.Errorf("%w: MaxBatch (%d) and MaxPipelines (%d) must be ≥ 1, BatchWindow (%v) within 0..%v",
+			ErrConfig, c.MaxBatch, c.MaxPipelines, c.BatchWindow, maxBatchWait)
+	case c.HoldTTL < time.Millisecond || c.TombstoneTTL < time.Millisecond || c.ReapGrace < 0:
+		return fmt.Errorf("%w: HoldTTL (%v) and TombstoneTTL (%v) must be ≥ 1ms, ReapGrace (%v) ≥ 0",
+			ErrConfig, c.HoldTTL, c.TombstoneTTL, c.ReapGrace)
+	case c.PinTTL < minPinToHold*c.HoldTTL:
+		return fmt.Errorf("%w: PinTTL (%v) must be at least %d×HoldTTL (%v)", ErrConfig, c.PinTTL, minPinToHold, c.HoldTTL)
+	case c.PinTTL > maxPinTTL:
+		return fmt.Errorf("%w: PinTTL (%v) above %v", ErrConfig, c.PinTTL, maxPinTTL)
+	case c.SettleDeadline < time.Millisecond || c.SettleDeadline > c.PinTTL/2:
+		// Above PinTTL/2 a finished hold would count as pinned.
+		return fmt.Errorf("%w: SettleDeadline (%v) must be within 1ms..PinTTL/2 (%v)", ErrConfig, c.SettleDeadline, c.PinTTL/2)
+	case c.MaxInFlight < 1:
+		return fmt.Errorf("%w: MaxInFlight (%d) must be ≥ 1", ErrConfig, c.MaxInFlight)
+	case c.ModelMaxCacheTTL < 0 || c.ScanPause < 0:
+		return fmt.Errorf("%w: ModelMaxCacheTTL (%v) and ScanPause (%v) must be ≥ 0", ErrConfig, c.ModelMaxCacheTTL, c.ScanPause)
+	case !validPrefix(c.Prefix):
+		return fmt.Errorf("%w: prefix %q: 1 to 64 printable ASCII bytes, none of {}*?[]\\ or space", ErrConfig, c.Prefix)
+	}
+	return nil
+}
+
+// validPrefix: a prefix may not contain a hash-tag brace, a SCAN pattern character or a space.
+func validPrefix(p string) bool {
+	for i := 0; i < len(p); i++ {
+		b := p[i]
+		if b <= ' ' || b >= 0x7f || b == '{' || b == '}' || b == '*' || b == '?' || b == '[' || b == ']' || b == '\\' {
+			return false
+		}
+	}
+	return p != "" && len(p) <= 64
+}
