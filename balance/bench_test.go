@@ -17,13 +17,23 @@ import (
 	"github.com/llmescrow/escrow/lua"
 )
 
+// benchRig is what a benchmark runs on: a store, its client, a warm org, the key prefix and the
+// fake ledger behind the store.
+type benchRig struct {
+	s      *balance.Store
+	c      redis.UniversalClient
+	org    string
+	prefix string
+	l      *balancetest.FakeLedger
+}
+
 // benchEnv is a real Redis for benchmarks (skipped without ESCROW_TEST_REDIS_URL), a warm org
 // with a balance that never runs out, and a cap that never binds.
-func benchEnv(b *testing.B) (*balance.Store, redis.UniversalClient, string) {
+func benchEnv(b *testing.B) benchRig {
 	return benchEnvCfg(b, balance.Config{})
 }
 
-func benchEnvCfg(b *testing.B, cfg balance.Config) (*balance.Store, redis.UniversalClient, string) {
+func benchEnvCfg(b *testing.B, cfg balance.Config) benchRig {
 	b.Helper()
 	if testutil.RealRedisURL() == "" {
 		b.Skip("benchmarks need a real Redis: set ESCROW_TEST_REDIS_URL")
@@ -45,14 +55,15 @@ func benchEnvCfg(b *testing.B, cfg balance.Config) (*balance.Store, redis.Univer
 	if err := s.Warm(ctx, org); err != nil {
 		b.Fatal(err)
 	}
-	return s, c, org
+	return benchRig{s: s, c: c, org: org, prefix: env.Prefix, l: l}
 }
 
 var benchSeq atomic.Int64
 
 // BenchmarkReserve is the hot path: Store.Reserve on a warm org (one EVALSHA), in parallel.
 func BenchmarkReserve(b *testing.B) {
-	s, _, org := benchEnv(b)
+	r := benchEnv(b)
+	s, org := r.s, r.org
 	ctx := context.Background()
 	b.ReportAllocs()
 	b.ResetTimer()
@@ -72,7 +83,8 @@ func BenchmarkReserve(b *testing.B) {
 // -cpu 1,2 and a high -benchtime to see it at several concurrencies; compare with
 // BenchmarkReserve and BenchmarkRawEVALSHA, or see BenchmarkCoalesceVsDirect.
 func BenchmarkReserveCoalesced(b *testing.B) {
-	s, _, org := benchEnvCfg(b, balance.Config{Coalesce: true})
+	r := benchEnvCfg(b, balance.Config{Coalesce: true})
+	s, org := r.s, r.org
 	ctx := context.Background()
 	b.ReportAllocs()
 	b.ResetTimer()
@@ -91,11 +103,11 @@ func BenchmarkReserveCoalesced(b *testing.B) {
 // a plain client.EvalSha, no Go layer. BenchmarkReserve / BenchmarkRawEVALSHA (ns/op inverted)
 // is the Go layer's throughput ratio.
 func BenchmarkRawEVALSHA(b *testing.B) {
-	s, c, org := benchEnv(b)
+	r := benchEnv(b)
+	s, c := r.s, r.c
 	ctx := context.Background()
 	sha := c.ScriptLoad(ctx, lua.Reserve).Val()
-	p := s.Prefix() + ":{" + org + "}:"
-	keys := []string{p + "acct", p + "holds", p + "hexp", p + "gone", p + "lim", p + "u"}
+	keys := balance.KeysOf(r.prefix, r.org).ReserveKeys()
 	epoch := s.Epoch().String()
 	b.ReportAllocs()
 	b.ResetTimer()
@@ -115,16 +127,16 @@ func BenchmarkRawEVALSHA(b *testing.B) {
 // see the same machine load (this machine's other work makes back-to-back runs noisy), and
 // reports their mean latencies and raw/reserve, the Go layer's throughput ratio (goal ≥ 0.8).
 func BenchmarkReserveVsRaw(b *testing.B) {
-	s, c, org := benchEnv(b)
+	r := benchEnv(b)
+	s, c, org := r.s, r.c, r.org
 	ctx := context.Background()
 	sha := c.ScriptLoad(ctx, lua.Reserve).Val()
 	rawOrg := org + "raw"
-	p := s.Prefix() + ":{" + rawOrg + "}:"
 	// The raw path works on its own org, seeded the same way.
 	if _, err := s.Seed(ctx, rawOrg, balance.Snapshot{Epoch: s.Epoch(), Balance: balance.MaxAmount, Seq: 1}); err != nil {
 		b.Fatal(err)
 	}
-	keys := []string{p + "acct", p + "holds", p + "hexp", p + "gone", p + "lim", p + "u"}
+	keys := balance.KeysOf(r.prefix, rawOrg).ReserveKeys()
 	epoch := s.Epoch().String()
 	var rawNs, resNs atomic.Int64
 	b.ReportAllocs()
@@ -159,7 +171,8 @@ func BenchmarkReserveVsRaw(b *testing.B) {
 func BenchmarkFinishBatch(b *testing.B) {
 	for _, orgs := range []int{1, 10} {
 		b.Run(fmt.Sprintf("orgs=%d", orgs), func(b *testing.B) {
-			s, _, org := benchEnv(b)
+			r := benchEnv(b)
+			s, org := r.s, r.org
 			ctx := context.Background()
 			const batch = 100
 			fs := make([]balance.Finish, 0, batch)
@@ -194,9 +207,9 @@ func BenchmarkFinishBatch(b *testing.B) {
 // project's day, the key's hour; caps that never bind), and reports their mean latencies and
 // none/three, the throughput ratio of reserve with three limits to reserve with none (goal ≥ 0.8).
 func BenchmarkReserveLimits(b *testing.B) {
-	s, _, plain := benchEnv(b)
+	r := benchEnv(b)
+	s, plain, l := r.s, r.org, r.l
 	ctx := context.Background()
-	l := s.Config().Ledger.(*balancetest.FakeLedger)
 	org := plain + "-lim"
 	l.Add(org, balance.MaxAmount, "")
 	l.SetLimits(org, balance.Limits{

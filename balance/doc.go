@@ -4,7 +4,7 @@
 // # Keys
 //
 // All keys of one org share the hash tag {org}, so each script call touches one Cluster slot
-// (prefix "esc" is Config.Prefix):
+// (prefix "esc" is Config.Prefix; KeysOf names them):
 //
 //	esc:{org}:acct    hash   bal (available balance), wm (watermark: highest ledger seq in bal), epoch ("<gen>:<id>"), lv (limits version seeded)
 //	esc:{org}:holds   hash   hold id → amount, or "amount|reserve ms|finished|counter fields" for a hold added to limit counters
@@ -13,6 +13,7 @@
 //	esc:{org}:hexp    zset   unfinished hold id → expiry, ms on the Redis clock; a pinned hold's is far out
 //	esc:{org}:hfin    zset   finished hold id → expiry (the settle deadline, or far out when pinned)
 //	esc:{org}:gone    zset   tombstones of settled or released hold ids, kept TombstoneTTL
+//	esc:{org}:limv    string the limits floor "<epoch>|<version>": a seed from an older snapshot is refused
 //	esc:model:<m>:max string the model's learned max cost (its own slot, its own call)
 //
 // # The invariant

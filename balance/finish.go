@@ -90,8 +90,7 @@ func (s *Store) FinishEach(ctx context.Context, fs []Finish) ([]Finished, error)
 		if !ok || len(args[i]) >= 1+2*finishChunk {
 			i = len(keys)
 			index[f.Org] = i
-			k := s.orgKeys(f.Org)
-			keys = append(keys, []string{k[kAcct], k[kHolds], k[kHexp], k[kHfin], k[kU], k[kGone]})
+			keys = append(keys, s.keys(f.Org).finishKeys())
 			args = append(args, []any{s.settleDL})
 			pos = append(pos, nil)
 		}

@@ -22,22 +22,24 @@ func TestParseVersion(t *testing.T) {
 
 func TestOrgKeys(t *testing.T) {
 	s := &Store{prefix: "esc"}
-	got := s.orgKeys("acme")
-	want := []string{"esc:{acme}:acct", "esc:{acme}:holds", "esc:{acme}:hexp", "esc:{acme}:gone", "esc:{acme}:hfin", "esc:{acme}:lim", "esc:{acme}:u"}
-	if len(got) != len(want) {
-		t.Fatalf("orgKeys = %q, want %q", got, want)
-	}
+	k := s.keys("acme")
+	got := []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Hfin, k.Lim, k.U, k.LimV}
+	want := []string{"esc:{acme}:acct", "esc:{acme}:holds", "esc:{acme}:hexp", "esc:{acme}:gone", "esc:{acme}:hfin", "esc:{acme}:lim", "esc:{acme}:u", "esc:{acme}:limv"}
 	for i := range want {
-		if got[i] != want[i] || s.key("acme", want[i][len("esc:{acme}:"):]) != want[i] {
-			t.Fatalf("orgKeys = %q, want %q", got, want)
+		if got[i] != want[i] {
+			t.Fatalf("keys = %q, want %q", got, want)
 		}
 	}
-	if org, ok := s.orgOfKey("esc:{acme}:hexp", "hexp"); !ok || org != "acme" {
-		t.Fatalf("orgOfKey = %q %v", org, ok)
+	pattern, orgOf := s.kindPattern(func(k OrgKeys) string { return k.Hexp })
+	if pattern != "esc:{*}:hexp" {
+		t.Fatalf("pattern = %q", pattern)
+	}
+	if org, ok := orgOf("esc:{acme}:hexp"); !ok || org != "acme" {
+		t.Fatalf("orgOf = %q %v", org, ok)
 	}
 	for _, k := range []string{"other:{acme}:hexp", "esc:{a:b}:hexp", "esc:{acme}:holds"} {
-		if _, ok := s.orgOfKey(k, "hexp"); ok {
-			t.Fatalf("orgOfKey accepted %q", k)
+		if _, ok := orgOf(k); ok {
+			t.Fatalf("orgOf accepted %q", k)
 		}
 	}
 }

@@ -297,8 +297,8 @@ func (s *Store) PushLimits(ctx context.Context, org string, version int64) (push
 	if version < 0 {
 		return false, fmt.Errorf("%w: version %d", ErrInvalidLimits, version)
 	}
-	k := s.limKeys(org)
-	n, err := s.run(ctx, scPushLim, []string{s.key(org, "acct"), k[0], k[1], s.key(org, "limv")}, strconv.FormatInt(version, 10), s.epochArg()).Int64()
+	k := s.keys(org)
+	n, err := s.run(ctx, scPushLim, []string{k.Acct, k.Lim, k.U, k.LimV}, strconv.FormatInt(version, 10), s.epochArg()).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: push limits: %w: %w", ErrRedis, err)
 	}
@@ -318,7 +318,7 @@ func (s *Store) Counters(ctx context.Context, org string) (map[Counter]int64, er
 	if err := checkOrg(org); err != nil {
 		return nil, err
 	}
-	m, err := s.c.HGetAll(ctx, s.limKeys(org)[1]).Result()
+	m, err := s.c.HGetAll(ctx, s.keys(org).U).Result()
 	if err != nil {
 		return nil, fmt.Errorf("balance: counters: %w: %w", ErrRedis, err)
 	}
@@ -333,11 +333,6 @@ func (s *Store) Counters(ctx context.Context, org string) (map[Counter]int64, er
 		out[Counter{LimitID: id, Start: ms}] = n
 	}
 	return out, nil
-}
-
-// limKeys returns the org's lim and u keys.
-func (s *Store) limKeys(org string) [2]string {
-	return [2]string{s.key(org, "lim"), s.key(org, "u")}
 }
 
 // Validate checks a scope by the rule lim applies (ErrInvalidLimits): the org scope has no id; a

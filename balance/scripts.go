@@ -231,20 +231,21 @@ const scanPage = 100
 // backstop for holds left by dead processes. fn may see an org more than once; an error from fn
 // stops the scan.
 func (s *Store) ScanOrgs(ctx context.Context, fn func(org string) error) error {
-	if err := s.scanKind(ctx, "hexp", fn); err != nil {
+	if err := s.scanKind(ctx, func(k OrgKeys) string { return k.Hexp }, fn); err != nil {
 		return err
 	}
-	return s.scanKind(ctx, "hfin", fn)
+	return s.scanKind(ctx, func(k OrgKeys) string { return k.Hfin }, fn)
 }
 
 // ScanWarmOrgs calls fn for every org that has a hot balance (an acct key), with the same slow
 // SCAN as ScanOrgs. It is the reconciler's round: every warm org, busy or at rest.
 func (s *Store) ScanWarmOrgs(ctx context.Context, fn func(org string) error) error {
-	return s.scanKind(ctx, "acct", fn)
+	return s.scanKind(ctx, func(k OrgKeys) string { return k.Acct }, fn)
 }
 
-func (s *Store) scanKind(ctx context.Context, kind string, fn func(org string) error) error {
-	pattern := s.prefix + ":{*}:" + kind
+// scanKind calls fn for the org of every key of one kind (a field of OrgKeys).
+func (s *Store) scanKind(ctx context.Context, kind func(OrgKeys) string, fn func(org string) error) error {
+	pattern, orgOf := s.kindPattern(kind)
 	return s.eachMaster(ctx, func(ctx context.Context, c redis.Cmdable) error {
 		var cursor uint64
 		for {
@@ -253,7 +254,7 @@ func (s *Store) scanKind(ctx context.Context, kind string, fn func(org string) e
 				return fmt.Errorf("balance: scan: %w", err)
 			}
 			for _, k := range keys {
-				org, ok := s.orgOfKey(k, kind)
+				org, ok := orgOf(k)
 				if !ok {
 					continue
 				}
@@ -274,17 +275,4 @@ func (s *Store) scanKind(ctx context.Context, kind string, fn func(org string) e
 			}
 		}
 	})
-}
-
-// orgOfKey extracts org from "<prefix>:{org}:<kind>".
-func (s *Store) orgOfKey(key, kind string) (string, bool) {
-	rest, ok := strings.CutPrefix(key, s.prefix+":{")
-	if !ok {
-		return "", false
-	}
-	org, ok := strings.CutSuffix(rest, "}:"+kind)
-	if !ok || !ValidOrg(org) {
-		return "", false
-	}
-	return org, true
 }

@@ -169,59 +169,6 @@ func (s *Store) ObserveEpoch(e Epoch) {
 	}
 }
 
-// Keys.
-
-func (s *Store) key(org, kind string) string { return OrgKey(s.prefix, org, kind) }
-
-// OrgKey is the Redis key of one of an org's hot-state structures under prefix: kind is acct,
-// holds, hexp, gone, hfin, lim or u (DESIGN.md "Redis keys"). The org is the key's hash tag, so
-// every key of an org is on one Cluster slot. The one place the layout is written; tools that
-// read Redis directly use it.
-func OrgKey(prefix, org, kind string) string { return prefix + ":{" + org + "}:" + kind }
-
-// orgKinds are the org's keys in orgKeys order.
-var orgKinds = [...]string{"acct", "holds", "hexp", "gone", "hfin", "lim", "u"}
-
-// orgKeys returns the org's acct, holds, hexp, gone, hfin, lim and u keys (substrings of one
-// allocation). Settle takes all seven; the other scripts pick theirs.
-func (s *Store) orgKeys(org string) []string {
-	var b strings.Builder
-	n := len(s.prefix) + len(org) + 4
-	b.Grow(len(orgKinds)*n + len("acctholdshexpgonehfinlimu"))
-	var ends [len(orgKinds)]int
-	for i, kind := range orgKinds {
-		b.WriteString(s.prefix)
-		b.WriteString(":{")
-		b.WriteString(org)
-		b.WriteString("}:")
-		b.WriteString(kind)
-		ends[i] = b.Len()
-	}
-	all := b.String()
-	out := make([]string, len(orgKinds))
-	from := 0
-	for i, e := range ends {
-		out[i] = all[from:e]
-		from = e
-	}
-	return out
-}
-
-// Indexes into orgKeys.
-const (
-	kAcct = iota
-	kHolds
-	kHexp
-	kGone
-	kHfin
-	kLim
-	kU
-)
-
-func (s *Store) modelKey(model string) string { return s.prefix + ":model:" + model + ":max" }
-
-func (s *Store) revokedKey(keyID string) string { return s.prefix + ":key:" + keyID + ":revoked" }
-
 // RevocationTTL is how long RevokeKey's mark stays in Redis. A key cache may serve an entry that
 // predates the revocation for at most its stale window while the ledger is unreachable; that
 // window must stay below this.
@@ -364,8 +311,7 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	if err := checkRequestKey(r.KeyID); err != nil {
 		return Reservation{}, err
 	}
-	k := s.orgKeys(r.Org)
-	keys := []string{k[kAcct], k[kHolds], k[kHexp], k[kGone], k[kLim], k[kU]}
+	keys := s.keys(r.Org).ReserveKeys()
 	amount := strconv.FormatInt(r.Amount, 10)
 	for attempt := 0; ; attempt++ {
 		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, r.KeyID, s.clockArg}
@@ -482,16 +428,11 @@ func (s *Store) Release(ctx context.Context, org, holdID string) (bool, error) {
 	if err := checkHold(holdID); err != nil {
 		return false, err
 	}
-	n, err := s.run(ctx, scRelease, releaseKeys(s.orgKeys(org)), holdID, s.tombTTL).Int64()
+	n, err := s.run(ctx, scRelease, s.keys(org).releaseKeys(), holdID, s.tombTTL).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: release: %w: %w", ErrRedis, err)
 	}
 	return n == 1, nil
-}
-
-// releaseKeys are release's and reap's keys: acct, holds, hexp, gone, hfin, u.
-func releaseKeys(k []string) []string {
-	return []string{k[kAcct], k[kHolds], k[kHexp], k[kGone], k[kHfin], k[kU]}
 }
 
 // Extend pushes an existing hold's expiry to now+HoldTTL; it never lowers an expiry (a pinned
@@ -520,8 +461,7 @@ func (s *Store) expiry(ctx context.Context, sc, org, holdID, ttl, arg3 string) (
 	if err := checkHold(holdID); err != nil {
 		return false, err
 	}
-	k := s.orgKeys(org)
-	n, err := s.run(ctx, sc, []string{k[2], k[4]}, holdID, ttl, arg3).Int64()
+	n, err := s.run(ctx, sc, s.keys(org).expiryKeys(), holdID, ttl, arg3).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: %s: %w: %w", sc, ErrRedis, err)
 	}
@@ -558,7 +498,7 @@ func (s *Store) Settle(ctx context.Context, org string, epoch Epoch, entries []E
 	}
 	s.ObserveEpoch(epoch)
 	statuses := make([]SettleStatus, len(entries))
-	keys := s.orgKeys(org)
+	keys := s.keys(org).settleKeys()
 	ep := epoch.String()
 	for start := 0; start < len(entries); start += settleChunk {
 		chunk := entries[start:min(start+settleChunk, len(entries))]
@@ -632,8 +572,8 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 		args = append(args, u.LimitID+":"+strconv.FormatInt(u.Start, 10), strconv.FormatInt(u.Used, 10))
 	}
 	s.ObserveEpoch(snap.Epoch)
-	k := s.orgKeys(org)
-	n, err := s.run(ctx, scSeed, []string{k[kAcct], k[kHolds], k[kLim], k[kU], s.key(org, "limv")}, args...).Int64()
+	k := s.keys(org)
+	n, err := s.run(ctx, scSeed, []string{k.Acct, k.Holds, k.Lim, k.U, k.LimV}, args...).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: seed: %w: %w", ErrRedis, err)
 	}
@@ -714,7 +654,7 @@ func (s *Store) CatchUp(ctx context.Context, org string) error {
 		return ErrCold
 	}
 	for range 10_000 {
-		v, err := s.c.HMGet(ctx, s.key(org, "acct"), "wm").Result()
+		v, err := s.c.HMGet(ctx, s.keys(org).Acct, "wm").Result()
 		if err != nil {
 			return fmt.Errorf("balance: catch-up: %w: %w", ErrRedis, err)
 		}
@@ -747,8 +687,8 @@ func (s *Store) Invalidate(ctx context.Context, org string) error {
 	if err := checkOrg(org); err != nil {
 		return err
 	}
-	k := s.orgKeys(org)
-	if err := s.c.Del(ctx, k[kAcct], k[kLim], k[kU]).Err(); err != nil {
+	k := s.keys(org)
+	if err := s.c.Del(ctx, k.Acct, k.Lim, k.U).Err(); err != nil {
 		return fmt.Errorf("balance: invalidate: %w", err)
 	}
 	return nil
@@ -768,8 +708,8 @@ func (s *Store) Reap(ctx context.Context, org string) (int, error) {
 	s.heldMu.Lock()
 	gen, tracked := s.held[org]
 	s.heldMu.Unlock()
-	k := s.orgKeys(org)
-	res, err := s.run(ctx, scExpired, []string{k[2], k[4]}, s.grace, strconv.Itoa(reapBatch)).Slice()
+	k := s.keys(org)
+	res, err := s.run(ctx, scExpired, k.expiryKeys(), s.grace, strconv.Itoa(reapBatch)).Slice()
 	if err != nil {
 		return 0, fmt.Errorf("balance: reap: %w", err)
 	}
@@ -812,7 +752,7 @@ func (s *Store) Reap(ctx context.Context, org string) (int, error) {
 	for _, id := range ids {
 		args = append(args, id)
 	}
-	n, err := s.run(ctx, scReap, releaseKeys(k), args...).Int64()
+	n, err := s.run(ctx, scReap, k.releaseKeys(), args...).Int64()
 	if err != nil {
 		return 0, fmt.Errorf("balance: reap: %w", err)
 	}
@@ -843,8 +783,8 @@ func (s *Store) State(ctx context.Context, org string) (State, error) {
 	if err := checkOrg(org); err != nil {
 		return State{}, err
 	}
-	k := s.orgKeys(org)
-	res, err := s.run(ctx, scState, []string{k[0], k[1], k[2], k[4]}, s.pinFloor).Slice()
+	k := s.keys(org)
+	res, err := s.run(ctx, scState, []string{k.Acct, k.Holds, k.Hexp, k.Hfin}, s.pinFloor).Slice()
 	if err != nil {
 		return State{}, fmt.Errorf("balance: state: %w", err)
 	}

@@ -41,9 +41,11 @@ type limits struct {
 
 const evalPipeDepth = 16
 
+// limitRounds is how many rounds each Redis mode runs, in turns with the others.
+const limitRounds = 8
+
 // measureLimits runs the Redis and Postgres ceilings. Redis modes are interleaved in short
-// rounds so that the other work on this shared machine weighs on each of them alike. It is one
-// piece because the modes are a table over the clients, orgs and script arguments it sets up.
+// rounds so that the other work on this shared machine weighs on each of them alike.
 func measureLimits(ctx context.Context, o options, rdbURL, dbURL, prefix string) (*limits, error) {
 	lim := &limits{conns: o.redisConns}
 	opt, err := redis.ParseURL(rdbURL)
@@ -53,100 +55,87 @@ func measureLimits(ctx context.Context, o options, rdbURL, dbURL, prefix string)
 	opt.PoolSize = o.redisConns + 8
 	c := redis.NewClient(opt)
 	defer c.Close()
-	quiet := slog.New(slog.DiscardHandler)
+	modes, err := redisModes(ctx, c, prefix, lim)
+	if err != nil {
+		return nil, err
+	}
+	if err := throughputRounds(modes, o.redisConns, o.limitRound); err != nil {
+		return nil, err
+	}
+	if err := loneLatencies(modes, o.limitRound); err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(os.Stderr, "\r%-70s\r", "")
+	if err := pgLimits(ctx, o, lim, dbURL, c, prefix); err != nil {
+		return nil, fmt.Errorf("postgres: %w", err)
+	}
+	return lim, nil
+}
 
-	ledger := &fixedLedger{}
-	direct, err := balance.New(ctx, c, &balance.Config{Ledger: ledger, Prefix: prefix, MaxInFlight: 1 << 30, Logger: quiet})
+// limitMode is one way of putting holds that the Redis limits measure.
+type limitMode struct {
+	name  string
+	perOp int // reserves per call of op
+	op    func() error
+	out   *float64       // reserves/s under load
+	p50   *time.Duration // latency of a lone call; nil: not measured
+}
+
+// redisModes sets the Redis modes up, each on an org of its own seeded with a balance that
+// never runs out: the reserve script called raw (alone and pipelined), Store.Reserve, and
+// Store.Reserve with coalescing. Their results go to lim.
+func redisModes(ctx context.Context, c *redis.Client, prefix string, lim *limits) ([]limitMode, error) {
+	cfg := balance.Config{Ledger: fixedLedger{}, Prefix: prefix, MaxInFlight: 1 << 30, Logger: slog.New(slog.DiscardHandler),
+		HoldTTL: balance.DefaultHoldTTL, PinTTL: balance.DefaultPinTTL, TombstoneTTL: balance.DefaultTombstoneTTL}
+	direct, err := balance.New(ctx, c, &cfg)
 	if err != nil {
 		return nil, err
 	}
-	co, err := balance.New(ctx, c, &balance.Config{Ledger: ledger, Prefix: prefix, MaxInFlight: 1 << 30, Logger: quiet, Coalesce: true})
+	coCfg := cfg
+	coCfg.Coalesce = true
+	co, err := balance.New(ctx, c, &coCfg)
 	if err != nil {
 		return nil, err
 	}
-	epoch := balance.Epoch{Gen: 1, ID: "bench"}
-	direct.ObserveEpoch(epoch)
-	co.ObserveEpoch(epoch)
-	// Every mode has its own org, seeded alike (a balance that never runs out).
+	direct.ObserveEpoch(benchEpoch)
+	co.ObserveEpoch(benchEpoch)
 	orgs := map[string]string{}
 	for _, m := range []string{"raw", "pipe", "reserve", "coalesced"} {
 		orgs[m] = "lim-" + m
-		if _, err := direct.Seed(ctx, orgs[m], balance.Snapshot{Epoch: epoch, Balance: balance.MaxAmount, Seq: 1}); err != nil {
+		if _, err := direct.Seed(ctx, orgs[m], fixedLedger{}.snapshot()); err != nil {
 			return nil, err
 		}
 	}
-	sha, err := c.ScriptLoad(ctx, lua.Reserve).Result()
+	raw, err := newRawReserve(ctx, c, cfg)
 	if err != nil {
 		return nil, err
 	}
-	keysOf := func(org string) []string {
-		keys := make([]string, 0, 6)
-		for _, kind := range []string{"acct", "holds", "hexp", "gone", "lim", "u"} { // reserve's KEYS
-			keys = append(keys, balance.OrgKey(prefix, org, kind))
-		}
-		return keys
-	}
-	var seq atomic.Int64
-	id := func() string { return "b" + strconv.FormatInt(seq.Add(1), 10) }
-	ep := epoch.String()
-	rawKeys, pipeKeys := keysOf(orgs["raw"]), keysOf(orgs["pipe"])
-	cfg := direct.Config()
-	hold, capArg, tomb, pin := strconv.FormatInt(cfg.HoldTTL.Milliseconds(), 10), strconv.Itoa(cfg.MaxInFlight),
-		strconv.FormatInt(cfg.TombstoneTTL.Milliseconds(), 10), strconv.FormatInt(cfg.PinTTL.Milliseconds()/2, 10)
-	check := func(res []any, err error) error {
-		if err != nil {
+	rawKeys, pipeKeys := balance.KeysOf(prefix, orgs["raw"]).ReserveKeys(), balance.KeysOf(prefix, orgs["pipe"]).ReserveKeys()
+	storeOp := func(s *balance.Store, org string) func() error {
+		return func() error {
+			_, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: raw.id(), Amount: 1})
 			return err
 		}
-		if st, _ := res[0].(string); st != "OK" {
-			return fmt.Errorf("reserve script answered %v", res)
-		}
-		return nil
 	}
-	modes := []struct {
-		name  string
-		perOp int // reserves per call of op
-		op    func() error
-		out   *float64
-		p50   *time.Duration
-	}{
-		{"raw EVALSHA", 1, func() error {
-			return check(c.EvalSha(ctx, sha, rawKeys, ep, id(), "1", hold, capArg, tomb, pin, "", "0").Slice())
-		}, &lim.rawEvalsha, &lim.p50Raw},
-		{"raw EVALSHA pipelined", evalPipeDepth, func() error {
-			p := c.Pipeline()
-			cmds := make([]*redis.Cmd, evalPipeDepth)
-			for i := range cmds {
-				cmds[i] = p.EvalSha(ctx, sha, pipeKeys, ep, id(), "1", hold, capArg, tomb, pin, "", "0")
-			}
-			if _, err := p.Exec(ctx); err != nil {
-				return err
-			}
-			for _, cmd := range cmds {
-				if err := check(cmd.Slice()); err != nil {
-					return err
-				}
-			}
-			return nil
-		}, &lim.rawPipelined, nil},
-		{"Store.Reserve", 1, func() error {
-			_, err := direct.Reserve(ctx, balance.ReserveRequest{Org: orgs["reserve"], HoldID: id(), Amount: 1})
-			return err
-		}, &lim.reserve, &lim.p50Reserve},
-		{"Store.Reserve coalesced", 1, func() error {
-			_, err := co.Reserve(ctx, balance.ReserveRequest{Org: orgs["coalesced"], HoldID: id(), Amount: 1})
-			return err
-		}, &lim.coalesced, &lim.p50Coalesced},
-	}
-	const rounds = 8
-	round := o.limitRound
+	return []limitMode{
+		{"raw EVALSHA", 1, func() error { return raw.one(ctx, rawKeys) }, &lim.rawEvalsha, &lim.p50Raw},
+		{"raw EVALSHA pipelined", evalPipeDepth, func() error { return raw.pipelined(ctx, pipeKeys) }, &lim.rawPipelined, nil},
+		{"Store.Reserve", 1, storeOp(direct, orgs["reserve"]), &lim.reserve, &lim.p50Reserve},
+		{"Store.Reserve coalesced", 1, storeOp(co, orgs["coalesced"]), &lim.coalesced, &lim.p50Coalesced},
+	}, nil
+}
+
+// throughputRounds runs every mode from conns goroutines in limitRounds rounds of round each,
+// taking turns, and writes each one's reserves/s.
+func throughputRounds(modes []limitMode, conns int, round time.Duration) error {
 	counts := make([]int64, len(modes))
 	spent := make([]time.Duration, len(modes))
-	for r := range rounds {
+	for r := range limitRounds {
 		for i, m := range modes {
-			fmt.Fprintf(os.Stderr, "\r  limit: %-26s round %d/%d   ", m.name, r+1, rounds)
-			n, el, err := closedLoop(o.redisConns, round, m.op)
+			fmt.Fprintf(os.Stderr, "\r  limit: %-26s round %d/%d   ", m.name, r+1, limitRounds)
+			n, el, err := closedLoop(conns, round, m.op)
 			if err != nil {
-				return nil, fmt.Errorf("%s: %w", m.name, err)
+				return fmt.Errorf("%s: %w", m.name, err)
 			}
 			counts[i] += n * int64(m.perOp)
 			spent[i] += el
@@ -155,30 +144,99 @@ func measureLimits(ctx context.Context, o options, rdbURL, dbURL, prefix string)
 	for i, m := range modes {
 		*m.out = float64(counts[i]) / spent[i].Seconds()
 	}
-	// Low load: one caller, latency of each call.
+	return nil
+}
+
+// loneLatencies calls each mode that has a p50 from one caller for d (low load) and writes the
+// median latency of a call.
+func loneLatencies(modes []limitMode, d time.Duration) error {
 	for _, m := range modes {
 		if m.p50 == nil {
 			continue
 		}
 		fmt.Fprintf(os.Stderr, "\r  limit: %-26s one caller          ", m.name)
 		var lat []time.Duration
-		end := time.Now().Add(round)
+		end := time.Now().Add(d)
 		for time.Now().Before(end) {
 			t0 := time.Now()
 			if err := m.op(); err != nil {
-				return nil, fmt.Errorf("%s: %w", m.name, err)
+				return fmt.Errorf("%s: %w", m.name, err)
 			}
 			lat = append(lat, time.Since(t0))
 		}
 		slices.Sort(lat)
 		*m.p50 = percentile(lat, 50)
 	}
-	fmt.Fprintf(os.Stderr, "\r%-70s\r", "")
+	return nil
+}
 
-	if err := pgLimits(ctx, o, lim, dbURL, c, prefix); err != nil {
-		return nil, fmt.Errorf("postgres: %w", err)
+// rawReserve calls the reserve script by EVALSHA with the arguments a Store of cfg would pass,
+// without the Go layer: the baseline of Store.Reserve.
+type rawReserve struct {
+	c    *redis.Client
+	sha  string
+	args []any // the script's ARGV, with a placeholder for the hold id
+	seq  atomic.Int64
+}
+
+// rawHoldID is the index of the hold id in rawReserve.args.
+const rawHoldID = 1
+
+func newRawReserve(ctx context.Context, c *redis.Client, cfg balance.Config) (*rawReserve, error) {
+	sha, err := c.ScriptLoad(ctx, lua.Reserve).Result()
+	if err != nil {
+		return nil, err
 	}
-	return lim, nil
+	msOf := func(d time.Duration) string { return strconv.FormatInt(d.Milliseconds(), 10) }
+	// ARGV: epoch, hold id, amount, hold TTL, in-flight cap, tombstone TTL, pin floor (PinTTL/2),
+	// key id, clock offset (lua/reserve.lua).
+	args := []any{benchEpoch.String(), "", "1", msOf(cfg.HoldTTL), strconv.Itoa(cfg.MaxInFlight), msOf(cfg.TombstoneTTL),
+		msOf(cfg.PinTTL / 2), "", "0"}
+	return &rawReserve{c: c, sha: sha, args: args}, nil
+}
+
+// id is a new hold id.
+func (r *rawReserve) id() string { return "b" + strconv.FormatInt(r.seq.Add(1), 10) }
+
+// call sends (or queues, on a pipeline) one reserve with a new hold id.
+func (r *rawReserve) call(ctx context.Context, c redis.Cmdable, keys []string) *redis.Cmd {
+	args := slices.Clone(r.args)
+	args[rawHoldID] = r.id()
+	return c.EvalSha(ctx, r.sha, keys, args...)
+}
+
+// one is a lone reserve on the org of keys (its ReserveKeys).
+func (r *rawReserve) one(ctx context.Context, keys []string) error {
+	return checkReserved(r.call(ctx, r.c, keys).Slice())
+}
+
+// pipelined is evalPipeDepth reserves on the org of keys in one pipeline.
+func (r *rawReserve) pipelined(ctx context.Context, keys []string) error {
+	p := r.c.Pipeline()
+	cmds := make([]*redis.Cmd, evalPipeDepth)
+	for i := range cmds {
+		cmds[i] = r.call(ctx, p, keys)
+	}
+	if _, err := p.Exec(ctx); err != nil {
+		return err
+	}
+	for _, cmd := range cmds {
+		if err := checkReserved(cmd.Slice()); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkReserved fails unless the reserve script answered OK.
+func checkReserved(res []any, err error) error {
+	if err != nil {
+		return err
+	}
+	if st, _ := res[0].(string); st != "OK" {
+		return fmt.Errorf("reserve script answered %v", res)
+	}
+	return nil
 }
 
 // closedLoop runs op from n goroutines for d and returns how many calls completed.
@@ -210,119 +268,155 @@ func closedLoop(n int, d time.Duration, op func() error) (int64, time.Duration, 
 
 // pgLimits measures Postgres on the usage-event shape, in a schema of its own: RecordUsage of
 // one event per transaction and of 100, the Recorder's group commit, and the whole accounting
-// pipeline (Recorder → Worker → Redis). One piece: a list of measures, each a few lines over
-// the same schema and clients.
+// pipeline (Recorder → Worker → Redis, under prefix+"p").
 func pgLimits(ctx context.Context, o options, lim *limits, dbURL string, rdb *redis.Client, prefix string) error {
-	pool, err := pgxpool.New(ctx, dbURL)
-	if err != nil {
-		return err
-	}
-	if _, err := migrations.Up(ctx, pool); err != nil {
-		pool.Close()
-		return err
-	}
-	pool.Close()
-	pg, err := accounting.OpenPostgres(ctx, dbURL)
+	pg, err := openBenchLedger(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pg.Close()
-	event := func(org string) accounting.UsageEvent {
-		return accounting.UsageEvent{ID: uuid.Must(uuid.NewV7()).String(), Org: org, KeyID: "k", Model: "bench-model",
-			Endpoint: "/v1/chat/completions", Usage: accounting.Usage{Prompt: 20, Completion: 16}, Cost: 13, HoldAmount: 10_000,
-			CreatedAt: time.Now()}
+	b := &pgBench{pg: pg, d: 5 * o.limitRound}
+	if err := b.rowRates(ctx, lim); err != nil {
+		return err
 	}
-	orgOf := func(i int64) string { return fmt.Sprintf("pg-%03d", i%100) }
-	var n atomic.Int64
-	d := 5 * o.limitRound
+	// Account what the two runs left, so the pipeline run starts from an empty queue.
+	if err := b.accountAll(ctx); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "\r  limit: recorder            ")
+	rec := accounting.NewRecorder(pg, accounting.RecorderConfig{})
+	rec.Start(ctx)
+	defer func() { _ = rec.Stop(ctx) }()
+	cnt, el, err := b.record(ctx, rec)
+	if err != nil {
+		return err
+	}
+	lim.recorder = float64(cnt) / el.Seconds()
+	fmt.Fprintf(os.Stderr, "\r  limit: record+account+settle ")
+	if lim.pipeline, err = b.pipelineRate(ctx, rec, rdb, prefix+"p"); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "\r%-70s\r", "")
+	return nil
+}
 
+// openBenchLedger applies the migrations and opens the ledger at dbURL.
+func openBenchLedger(ctx context.Context, dbURL string) (*accounting.Postgres, error) {
+	pool, err := pgxpool.New(ctx, dbURL)
+	if err != nil {
+		return nil, err
+	}
+	_, err = migrations.Up(ctx, pool)
+	pool.Close()
+	if err != nil {
+		return nil, err
+	}
+	return accounting.OpenPostgres(ctx, dbURL)
+}
+
+// pgBench writes usage events of 100 orgs into one ledger, each run for d.
+type pgBench struct {
+	pg *accounting.Postgres
+	d  time.Duration
+	n  atomic.Int64 // events made so far: the next one's org
+}
+
+// event is a new usage event, of the next org in turn.
+func (b *pgBench) event() accounting.UsageEvent {
+	return accounting.UsageEvent{ID: uuid.Must(uuid.NewV7()).String(), Org: fmt.Sprintf("pg-%03d", b.n.Add(1)%100), KeyID: "k",
+		Model: "bench-model", Endpoint: "/v1/chat/completions", Usage: accounting.Usage{Prompt: 20, Completion: 16}, Cost: 13,
+		HoldAmount: 10_000, CreatedAt: time.Now()}
+}
+
+// rowRates measures RecordUsage with one event per transaction and with 100.
+func (b *pgBench) rowRates(ctx context.Context, lim *limits) error {
 	fmt.Fprintf(os.Stderr, "\r  limit: postgres 1 row/tx   ")
-	cnt, el, err := closedLoop(16, d, func() error {
-		return pg.RecordUsage(ctx, []accounting.UsageEvent{event(orgOf(n.Add(1)))})
+	cnt, el, err := closedLoop(16, b.d, func() error {
+		return b.pg.RecordUsage(ctx, []accounting.UsageEvent{b.event()})
 	})
 	if err != nil {
 		return err
 	}
 	lim.pgSingle = float64(cnt) / el.Seconds()
-
 	fmt.Fprintf(os.Stderr, "\r  limit: postgres 100 rows/tx ")
-	cnt, el, err = closedLoop(4, d, func() error {
+	cnt, el, err = closedLoop(4, b.d, func() error {
 		evs := make([]accounting.UsageEvent, 100)
 		for i := range evs {
-			evs[i] = event(orgOf(n.Add(1)))
+			evs[i] = b.event()
 		}
-		return pg.RecordUsage(ctx, evs)
+		return b.pg.RecordUsage(ctx, evs)
 	})
 	if err != nil {
 		return err
 	}
 	lim.pgBatch = float64(cnt*100) / el.Seconds()
+	return nil
+}
 
-	// Account what the two runs left, so the pipeline run starts from an empty queue.
+// accountAll accounts every pending usage event.
+func (b *pgBench) accountAll(ctx context.Context) error {
 	for {
-		k, err := pg.AccountPending(ctx, 5000)
-		if err != nil {
+		k, err := b.pg.AccountPending(ctx, 5000)
+		if err != nil || k == 0 {
 			return err
 		}
-		if k == 0 {
-			break
-		}
 	}
+}
 
-	fmt.Fprintf(os.Stderr, "\r  limit: recorder            ")
-	rec := accounting.NewRecorder(pg, accounting.RecorderConfig{})
-	rec.Start(ctx)
-	cnt, el, err = closedLoop(256, d, func() error {
-		return rec.Record(ctx, event(orgOf(n.Add(1))))
-	})
-	if err != nil {
-		return err
-	}
-	lim.recorder = float64(cnt) / el.Seconds()
+// record has 256 callers record events through rec for d; it returns how many were recorded and
+// in how long.
+func (b *pgBench) record(ctx context.Context, rec *accounting.Recorder) (int64, time.Duration, error) {
+	return closedLoop(256, b.d, func() error { return rec.Record(ctx, b.event()) })
+}
 
-	// The pipeline: the worker accounts and settles what the recorder writes, into Redis.
-	fmt.Fprintf(os.Stderr, "\r  limit: record+account+settle ")
-	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: pg, Prefix: prefix + "p", Logger: slog.New(slog.DiscardHandler)})
+// pipelineRate is the events/s recorded through rec and accounted and settled into Redis (under
+// prefix) by a worker, counted until the worker has settled them all (or for at most a minute).
+func (b *pgBench) pipelineRate(ctx context.Context, rec *accounting.Recorder, rdb *redis.Client, prefix string) (float64, error) {
+	quiet := slog.New(slog.DiscardHandler)
+	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: b.pg, Prefix: prefix, Logger: quiet})
 	if err != nil {
-		return err
+		return 0, err
 	}
-	w := accounting.NewWorker(pg, store, &accounting.WorkerConfig{Logger: slog.New(slog.DiscardHandler)})
+	w := accounting.NewWorker(b.pg, store, &accounting.WorkerConfig{Logger: quiet})
 	// Settle what the earlier runs left first, so that the count below is only this run's.
 	if err := w.Drain(ctx); err != nil {
-		return err
+		return 0, err
 	}
 	if err := w.Start(ctx); err != nil {
-		return err
+		return 0, err
 	}
+	defer func() { _ = w.Stop(ctx) }()
 	before := w.Stats().Settled
 	start := time.Now()
-	cnt, _, err = closedLoop(256, d, func() error {
-		return rec.Record(ctx, event(orgOf(n.Add(1))))
-	})
+	cnt, _, err := b.record(ctx, rec)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	deadline := time.Now().Add(60 * time.Second)
 	for w.Stats().Settled-before < cnt && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
-	lim.pipeline = float64(w.Stats().Settled-before) / time.Since(start).Seconds()
-	_ = rec.Stop(ctx)
-	_ = w.Stop(ctx)
-	fmt.Fprintf(os.Stderr, "\r%-70s\r", "")
-	return nil
+	return float64(w.Stats().Settled-before) / time.Since(start).Seconds(), nil
 }
+
+// benchEpoch is the epoch of the Redis limit runs' ledger.
+var benchEpoch = balance.Epoch{Gen: 1, ID: "bench"}
 
 // fixedLedger is the ledger of the Redis limit runs: their orgs are seeded by hand and never
 // cold, so it is never asked for anything but the epoch.
 type fixedLedger struct{}
 
-func (fixedLedger) Snapshot(ctx context.Context, org string) (balance.Snapshot, error) {
-	return balance.Snapshot{Epoch: balance.Epoch{Gen: 1, ID: "bench"}, Balance: balance.MaxAmount, Seq: 1}, nil
+// snapshot is every org's account: a balance that never runs out.
+func (fixedLedger) snapshot() balance.Snapshot {
+	return balance.Snapshot{Epoch: benchEpoch, Balance: balance.MaxAmount, Seq: 1}
+}
+
+func (l fixedLedger) Snapshot(ctx context.Context, org string) (balance.Snapshot, error) {
+	return l.snapshot(), nil
 }
 
 func (fixedLedger) EntriesAfter(ctx context.Context, org string, after int64, limit int) ([]balance.Entry, balance.Epoch, error) {
-	return nil, balance.Epoch{Gen: 1, ID: "bench"}, nil
+	return nil, benchEpoch, nil
 }
 
 func (fixedLedger) UnsettledUsage(ctx context.Context, org string, ids []string) (map[string]bool, error) {

@@ -24,15 +24,15 @@ func (x *h) finish(id string, cost int64) bool {
 	return ok
 }
 
-// score is id's score in the org's zset kind (hexp, hfin, gone).
-func (x *h) score(kind, id string) (float64, bool) {
+// score is id's score in the zset key (one of the org's: hexp, hfin, gone).
+func (x *h) score(key, id string) (float64, bool) {
 	x.t.Helper()
-	v, err := x.env.Client.ZScore(x.ctx, x.key(kind), id).Result()
+	v, err := x.env.Client.ZScore(x.ctx, key, id).Result()
 	if errors.Is(err, redis.Nil) {
 		return 0, false
 	}
 	if err != nil {
-		x.t.Fatalf("zscore %s: %v", kind, err)
+		x.t.Fatalf("zscore %s: %v", key, err)
 	}
 	return v, true
 }
@@ -40,7 +40,7 @@ func (x *h) score(kind, id string) (float64, bool) {
 // holdAmount is the hold's stored amount ("" when there is none).
 func (x *h) holdAmount(id string) string {
 	x.t.Helper()
-	v, err := x.env.Client.HGet(x.ctx, x.key("holds"), id).Result()
+	v, err := x.env.Client.HGet(x.ctx, x.keys().Holds, id).Result()
 	if errors.Is(err, redis.Nil) {
 		return ""
 	}
@@ -50,9 +50,10 @@ func (x *h) holdAmount(id string) string {
 	return v
 }
 
-func (x *h) exists(kind string) bool {
+// exists reports whether the key exists.
+func (x *h) exists(key string) bool {
 	x.t.Helper()
-	n, err := x.env.Client.Exists(x.ctx, x.key(kind)).Result()
+	n, err := x.env.Client.Exists(x.ctx, key).Result()
 	if err != nil {
 		x.t.Fatal(err)
 	}
@@ -106,10 +107,10 @@ func exerciseFinishGivesBackUnused(t *testing.T, env Env) {
 	eq(t, "finished holds", st.Finished, 1)
 	eq(t, "in flight", st.InFlight(), 1)
 	eq(t, "hold amount", x.holdAmount("h1"), "120")
-	if _, ok := x.score("hexp", "h1"); ok {
+	if _, ok := x.score(x.keys().Hexp, "h1"); ok {
 		t.Fatal("finished hold still in hexp (the in-flight count)")
 	}
-	if _, ok := x.score("hfin", "h1"); !ok {
+	if _, ok := x.score(x.keys().Hfin, "h1"); !ok {
 		t.Fatal("finished hold not in hfin")
 	}
 	eq(t, "settle", x.charge("h1", 120)[0], balance.Applied)
@@ -119,7 +120,7 @@ func exerciseFinishGivesBackUnused(t *testing.T, env Env) {
 	eq(t, "holds after settle", st.Holds, 1)
 	eq(t, "finished after settle", st.Finished, 0)
 	eq(t, "tombstone", x.inGone("h1"), true)
-	if _, ok := x.score("hfin", "h1"); ok {
+	if _, ok := x.score(x.keys().Hfin, "h1"); ok {
 		t.Fatal("settle left the hold in hfin")
 	}
 }
@@ -182,19 +183,19 @@ func exerciseFinishOnlyExistingUnfinished(t *testing.T, env Env) {
 	x := fixture(t, env, balance.Config{}, 1000, true)
 	eq(t, "finish of an unknown hold", x.finish("never", 5), false)
 	eq(t, "no hold written", x.holdAmount("never"), "")
-	eq(t, "no hfin written", x.exists("hfin"), false)
+	eq(t, "no hfin written", x.exists(x.keys().Hfin), false)
 	eq(t, "balance", x.state().Balance, 1000)
 
 	x.mustReserve("a", 100)
 	eq(t, "first finish", x.finish("a", 40), true)
-	exp, _ := x.score("hfin", "a")
+	exp, _ := x.score(x.keys().Hfin, "a")
 	time.Sleep(5 * time.Millisecond)
 	eq(t, "re-sent finish", x.finish("a", 40), false)
 	eq(t, "re-sent finish, other cost", x.finish("a", 10), false)
 	st := x.state()
 	eq(t, "balance", st.Balance, 960)
 	eq(t, "held", st.Held, 40)
-	again, _ := x.score("hfin", "a")
+	again, _ := x.score(x.keys().Hfin, "a")
 	eq(t, "expiry unchanged", again, exp)
 
 	x.mustReserve("b", 100)
@@ -296,15 +297,15 @@ func exerciseFinishExpiry(t *testing.T, env Env) {
 	x := fixture(t, env, balance.Config{HoldTTL: time.Minute, SettleDeadline: 5 * time.Minute, PinTTL: time.Hour}, 1000, true)
 	x.mustReserve("a", 10)
 	x.finish("a", 5)
-	e, _ := x.score("hfin", "a")
+	e, _ := x.score(x.keys().Hfin, "a")
 	near(t, "finished expiry", fromNow(e), 5*time.Minute)
 	x.mustReserve("pinned", 10)
 	if ok, err := x.s.Pin(x.ctx, x.org, "pinned"); !ok || err != nil {
 		t.Fatalf("pin: %v %v", ok, err)
 	}
-	p, _ := x.score("hexp", "pinned")
+	p, _ := x.score(x.keys().Hexp, "pinned")
 	x.finish("pinned", 5)
-	pf, _ := x.score("hfin", "pinned")
+	pf, _ := x.score(x.keys().Hfin, "pinned")
 	eq(t, "a pinned expiry kept", pf, p)
 	eq(t, "still pinned", x.state().Pinned, 1)
 
@@ -325,7 +326,7 @@ func exerciseFinishNoAcct(t *testing.T, env Env) {
 		t.Fatal(err)
 	}
 	eq(t, "finished", x.finish("a", 30), true)
-	eq(t, "acct not re-created", x.exists("acct"), false)
+	eq(t, "acct not re-created", x.exists(x.keys().Acct), false)
 	st := x.state()
 	eq(t, "held", st.Held, 30)
 	eq(t, "finished holds", st.Finished, 1)
@@ -364,14 +365,14 @@ func exerciseFinishedExtendUntouched(t *testing.T, env Env) {
 	x := fixture(t, env, balance.Config{HoldTTL: time.Minute, SettleDeadline: time.Second}, 1000, true)
 	x.mustReserve("a", 10)
 	x.finish("a", 3)
-	e0, _ := x.score("hfin", "a")
+	e0, _ := x.score(x.keys().Hfin, "a")
 	time.Sleep(5 * time.Millisecond)
 	ok, err := x.s.Extend(x.ctx, x.org, "a")
 	eq(t, "extend reports the hold", ok, true)
 	eq(t, "err", err, nil)
-	e1, _ := x.score("hfin", "a")
+	e1, _ := x.score(x.keys().Hfin, "a")
 	eq(t, "expiry untouched", e1, e0)
-	if _, ok := x.score("hexp", "a"); ok {
+	if _, ok := x.score(x.keys().Hexp, "a"); ok {
 		t.Fatal("extend moved a finished hold back in flight")
 	}
 }
@@ -385,7 +386,7 @@ func exerciseFinishedPinUnpin(t *testing.T, env Env) {
 	ok, err := x.s.Pin(x.ctx, x.org, "a")
 	eq(t, "pinned", ok, true)
 	eq(t, "err", err, nil)
-	p, _ := x.score("hfin", "a")
+	p, _ := x.score(x.keys().Hfin, "a")
 	near(t, "pinned finished expiry", fromNow(p), time.Hour)
 	st := x.state()
 	eq(t, "pinned count", st.Pinned, 1)
@@ -397,9 +398,9 @@ func exerciseFinishedPinUnpin(t *testing.T, env Env) {
 	ok, err = x.s.Unpin(x.ctx, x.org, "a")
 	eq(t, "unpinned", ok, true)
 	eq(t, "err", err, nil)
-	u, _ := x.score("hfin", "a")
+	u, _ := x.score(x.keys().Hfin, "a")
 	near(t, "unpinned finished expiry", fromNow(u), 2*time.Minute)
-	if _, ok := x.score("hexp", "a"); ok {
+	if _, ok := x.score(x.keys().Hexp, "a"); ok {
 		t.Fatal("unpin moved a finished hold back in flight")
 	}
 	st = x.state()
@@ -473,7 +474,7 @@ func exerciseFinishedRelease(t *testing.T, env Env) {
 	st := x.state()
 	eq(t, "balance", st.Balance, 1000)
 	eq(t, "holds", st.Holds, 0)
-	eq(t, "hfin emptied", x.exists("hfin"), false)
+	eq(t, "hfin emptied", x.exists(x.keys().Hfin), false)
 	ok, _ = x.s.Release(x.ctx, x.org, "a")
 	eq(t, "released twice", ok, false)
 	if _, err := x.reserve("a", 100); !errors.Is(err, balance.ErrGone) {
@@ -489,7 +490,7 @@ func exerciseScanOrgsFindsFinished(t *testing.T, env Env) {
 	x := fixture(t, env, balance.Config{ScanPause: time.Microsecond}, 1000, true)
 	x.mustReserve("a", 10)
 	x.finish("a", 1)
-	eq(t, "hexp gone with its last member", x.exists("hexp"), false)
+	eq(t, "hexp gone with its last member", x.exists(x.keys().Hexp), false)
 	var found atomic.Bool // fn runs on every master at once in a Cluster
 	err := x.s.ScanOrgs(x.ctx, func(org string) error {
 		if org == x.org {
@@ -521,7 +522,7 @@ func exerciseFinishValidation(t *testing.T, env Env) {
 		t.Fatalf("batch with a bad cost: %v", err)
 	}
 	// The script refuses a malformed cost anywhere in its arguments before writing anything.
-	keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("hfin"), x.key("u")}
+	keys := []string{x.keys().Acct, x.keys().Holds, x.keys().Hexp, x.keys().Hfin, x.keys().U}
 	for _, c := range []string{"-5", "1.5", "abc", "", "1e3"} {
 		if err := x.env.Client.Eval(x.ctx, lua.Finish, keys, "1000", "a", "1", "a", c).Err(); err == nil {
 			t.Fatalf("script accepted cost %q", c)

@@ -127,15 +127,15 @@ func (x *h) counters() {
 	x.invariant()
 	st := x.state()
 	if !st.Exists {
-		if n, err := x.env.Client.Exists(x.ctx, x.key("lim"), x.key("u")).Result(); err != nil || n != 0 {
+		if n, err := x.env.Client.Exists(x.ctx, x.keys().Lim, x.keys().U).Result(); err != nil || n != 0 {
 			x.t.Fatalf("acct gone but lim/u left: %d %v", n, err)
 		}
 		return
 	}
-	if n, err := x.env.Client.Exists(x.ctx, x.key("lim")).Result(); err != nil || n != 1 {
+	if n, err := x.env.Client.Exists(x.ctx, x.keys().Lim).Result(); err != nil || n != 1 {
 		x.t.Fatalf("acct without lim: %d %v", n, err)
 	}
-	holds, err := x.env.Client.HGetAll(x.ctx, x.key("holds")).Result()
+	holds, err := x.env.Client.HGetAll(x.ctx, x.keys().Holds).Result()
 	if err != nil {
 		x.t.Fatal(err)
 	}
@@ -305,7 +305,7 @@ func exerciseReserveOrder(t *testing.T, env Env) {
 	if d := time.Since(r.ReservedAt); d < -time.Minute || d > time.Minute {
 		t.Fatalf("duplicate's reserve time %v is not the original's", r.ReservedAt)
 	}
-	first, _ := x.env.Client.HGet(x.ctx, x.key("holds"), "a").Result()
+	first, _ := x.env.Client.HGet(x.ctx, x.keys().Holds, "a").Result()
 	eq(t, "record keeps the reserve time", strings.Contains(first, "|"+strconv.FormatInt(r.ReservedAt.UnixMilli(), 10)+"|"), true)
 	// GONE before FROZEN and LIMIT.
 	if _, err := x.s.Release(x.ctx, x.org, "a2"); err != nil {
@@ -346,7 +346,7 @@ func exerciseReserveOrder(t *testing.T, env Env) {
 func exerciseColdWithoutCurrentLim(t *testing.T, env Env) {
 	t.Parallel()
 	x := limited(t, env, balance.Config{}, 1_000, balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Day, 500)}})
-	keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone"), x.key("lim"), x.key("u")}
+	keys := []string{x.keys().Acct, x.keys().Holds, x.keys().Hexp, x.keys().Gone, x.keys().Lim, x.keys().U}
 	call := func() string {
 		res, err := x.env.Client.Eval(x.ctx, reserveSrc(), keys, x.s.Epoch().String(), randomID("h"), "10", "1000", "10", "1000", "1000", "", "0").Slice()
 		if err != nil {
@@ -354,11 +354,11 @@ func exerciseColdWithoutCurrentLim(t *testing.T, env Env) {
 		}
 		return res[0].(string)
 	}
-	if err := x.env.Client.HSet(x.ctx, x.key("lim"), "v", "0").Err(); err != nil {
+	if err := x.env.Client.HSet(x.ctx, x.keys().Lim, "v", "0").Err(); err != nil {
 		t.Fatal(err)
 	}
 	eq(t, "lim older than acct records", call(), "COLD")
-	if err := x.env.Client.Del(x.ctx, x.key("lim")).Err(); err != nil {
+	if err := x.env.Client.Del(x.ctx, x.keys().Lim).Err(); err != nil {
 		t.Fatal(err)
 	}
 	eq(t, "lim missing", call(), "COLD")
@@ -374,7 +374,7 @@ func exerciseExistOrVanishTogether(t *testing.T, env Env) {
 	t.Parallel()
 	x := limited(t, env, balance.Config{}, 1_000, balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Day, 500)}})
 	exists := func() int64 {
-		n, err := x.env.Client.Exists(x.ctx, x.key("acct"), x.key("lim"), x.key("u")).Result()
+		n, err := x.env.Client.Exists(x.ctx, x.keys().Acct, x.keys().Lim, x.keys().U).Result()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -489,7 +489,7 @@ func exerciseSeedAndAlready(t *testing.T, env Env) {
 	if ok, _ := x.s.Finish(x.ctx, x.org, "b", 500); !ok {
 		t.Fatal("finish b")
 	}
-	n, _ := x.env.Client.Exists(x.ctx, x.key("u")).Result()
+	n, _ := x.env.Client.Exists(x.ctx, x.keys().U).Result()
 	eq(t, "no counters recreated", n, 0)
 	if err := x.s.Warm(x.ctx, x.org); err != nil {
 		t.Fatal(err)
@@ -620,7 +620,7 @@ func exercisePushFencesStaleSeed(t *testing.T, env Env) {
 	if _, err := x.s.Seed(x.ctx, x.org, stale); !errors.Is(err, balance.ErrStaleSnapshot) {
 		t.Fatalf("seed of the snapshot read before the freeze: %v, want ErrStaleSnapshot", err)
 	}
-	eq(t, "acct written", x.exists("acct"), false)
+	eq(t, "acct written", x.exists(x.keys().Acct), false)
 	_, err := x.reserveKey(x.s, "a", "k1", 1) // cold: warms from the ledger, which has the freeze
 	if !errors.Is(err, balance.ErrFrozen) {
 		t.Fatalf("reserve after the freeze: %v, want ErrFrozen", err)

@@ -128,7 +128,7 @@ func exerciseReapScriptRechecksExpiry(t *testing.T, env Env) {
 	t.Parallel()
 	x := fixture(t, env, balance.Config{HoldTTL: time.Minute}, 1000, true)
 	x.mustReserve("live", 100)
-	keys := []string{x.key("acct"), x.key("holds"), x.key("hexp"), x.key("gone"), x.key("hfin"), x.key("u")}
+	keys := []string{x.keys().Acct, x.keys().Holds, x.keys().Hexp, x.keys().Gone, x.keys().Hfin, x.keys().U}
 	n, err := x.env.Client.Eval(x.ctx, reapSrc(), keys, "30000", "0", "live", "unknown").Int64()
 	eq(t, "reaped", n, 0)
 	eq(t, "err", err, nil)
@@ -143,7 +143,7 @@ func exerciseTombstoneTrim(t *testing.T, env Env) {
 		t.Fatal(err)
 	}
 	eq(t, "tombstone", x.inGone("old"), true)
-	ttl, err := x.env.Client.PTTL(x.ctx, x.key("gone")).Result()
+	ttl, err := x.env.Client.PTTL(x.ctx, x.keys().Gone).Result()
 	if err != nil || ttl <= 0 || ttl > 400*time.Millisecond {
 		t.Fatalf("gone ttl %v %v, want (0, 400ms]", ttl, err)
 	}

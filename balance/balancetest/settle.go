@@ -91,7 +91,7 @@ func exerciseSettleCold(t *testing.T, env Env) {
 	}
 	eq(t, "statuses", fmt.Sprint(st), fmt.Sprint([]balance.SettleStatus{balance.Cold, balance.Cold}))
 	eq(t, "still cold", x.state().Exists, false)
-	n, err := x.env.Client.Exists(x.ctx, x.key("acct"), x.key("gone")).Result()
+	n, err := x.env.Client.Exists(x.ctx, x.keys().Acct, x.keys().Gone).Result()
 	eq(t, "no key written", n, 0)
 	eq(t, "err", err, nil)
 }

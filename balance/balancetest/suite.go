@@ -78,7 +78,8 @@ func fixture(t *testing.T, env Env, cfg balance.Config, start int64, warm bool) 
 	return x
 }
 
-func (x *h) key(kind string) string { return balance.OrgKey(x.env.Prefix, x.org, kind) }
+// keys are the names of the fixture org's Redis keys.
+func (x *h) keys() balance.OrgKeys { return balance.KeysOf(x.env.Prefix, x.org) }
 
 // invariant asserts bal + Σ holds = B(wm) while acct exists.
 func (x *h) invariant() {
@@ -129,25 +130,13 @@ func (x *h) charge(id string, cost int64) []balance.SettleStatus {
 	return st
 }
 
-func (x *h) expiry(id string) (float64, bool) {
-	x.t.Helper()
-	v, err := x.env.Client.ZScore(x.ctx, x.key("hexp"), id).Result()
-	if errors.Is(err, redis.Nil) {
-		return 0, false
-	}
-	if err != nil {
-		x.t.Fatalf("zscore: %v", err)
-	}
-	return v, true
-}
+// expiry is the hold's expiry in hexp (false: not an unfinished hold).
+func (x *h) expiry(id string) (float64, bool) { return x.score(x.keys().Hexp, id) }
 
+// inGone reports whether the hold id is tombstoned.
 func (x *h) inGone(id string) bool {
-	x.t.Helper()
-	_, err := x.env.Client.ZScore(x.ctx, x.key("gone"), id).Result()
-	if err != nil && !errors.Is(err, redis.Nil) {
-		x.t.Fatalf("zscore gone: %v", err)
-	}
-	return err == nil
+	_, ok := x.score(x.keys().Gone, id)
+	return ok
 }
 
 func eq[T comparable](t *testing.T, what string, got, want T) {

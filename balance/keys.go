@@ -1,0 +1,104 @@
+package balance
+
+import "strings"
+
+// OrgKeys are the Redis keys of one org's hot state (DESIGN.md "Redis keys"; the package
+// documentation says what each holds). Every name is "<prefix>:{<org>}:<kind>": the org is the
+// hash tag, so all of an org's keys are on one Cluster slot and one script may touch them
+// together. KeysOf is the one place this layout is written; the Store and every tool that reads
+// or writes Redis directly (tests, the bench) take the names from it.
+type OrgKeys struct {
+	Acct  string // hash: bal, wm, epoch, lv
+	Holds string // hash: hold id → record
+	Hexp  string // zset: unfinished hold id → expiry (ms)
+	Hfin  string // zset: finished hold id → expiry (ms)
+	Gone  string // zset: tombstones of ended hold ids → time (ms)
+	Lim   string // hash: limits, freezes, key → project
+	U     string // hash: window counters
+	LimV  string // string: the limits floor "<epoch>|<version>" PushLimits raises
+}
+
+// orgKinds are the key kinds, in the order keysOf fills OrgKeys's fields.
+var orgKinds = [...]string{"acct", "holds", "hexp", "hfin", "gone", "lim", "u", "limv"}
+
+// KeysOf returns the names of org's keys under prefix (Config.Prefix; DefaultPrefix unless
+// set). It checks neither; the Store calls it only with a valid org.
+func KeysOf(prefix, org string) OrgKeys {
+	var k OrgKeys
+	dst := [len(orgKinds)]*string{&k.Acct, &k.Holds, &k.Hexp, &k.Hfin, &k.Gone, &k.Lim, &k.U, &k.LimV}
+	// One allocation for all of them: each name is a substring of it.
+	var b strings.Builder
+	b.Grow(len(orgKinds)*(len(prefix)+len(org)+len(":{}:")) + len("acctholdshexphfingonelimulimv"))
+	var ends [len(orgKinds)]int
+	for i, kind := range orgKinds {
+		writeOrgKey(&b, prefix, org, kind)
+		ends[i] = b.Len()
+	}
+	all := b.String()
+	from := 0
+	for i, end := range ends {
+		*dst[i] = all[from:end]
+		from = end
+	}
+	return k
+}
+
+// writeOrgKey writes the key of one kind: the layout itself.
+func writeOrgKey(b *strings.Builder, prefix, org, kind string) {
+	b.WriteString(prefix)
+	b.WriteString(":{")
+	b.WriteString(org)
+	b.WriteString("}:")
+	b.WriteString(kind)
+}
+
+// ReserveKeys are the KEYS of the reserve script (lua.Reserve), in its order: acct, holds,
+// hexp, gone, lim, u.
+func (k OrgKeys) ReserveKeys() []string {
+	return []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Lim, k.U}
+}
+
+// settleKeys are the settle script's KEYS: acct, holds, hexp, gone, hfin, lim, u.
+func (k OrgKeys) settleKeys() []string {
+	return []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Hfin, k.Lim, k.U}
+}
+
+// releaseKeys are the release and reap scripts' KEYS: acct, holds, hexp, gone, hfin, u.
+func (k OrgKeys) releaseKeys() []string {
+	return []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Hfin, k.U}
+}
+
+// finishKeys are the finish script's KEYS: acct, holds, hexp, hfin, u, gone.
+func (k OrgKeys) finishKeys() []string {
+	return []string{k.Acct, k.Holds, k.Hexp, k.Hfin, k.U, k.Gone}
+}
+
+// expiryKeys are the KEYS of the scripts that move or read expiries (extend, unpin, expired):
+// hexp, hfin.
+func (k OrgKeys) expiryKeys() []string { return []string{k.Hexp, k.Hfin} }
+
+// keys returns the org's key names under the Store's prefix.
+func (s *Store) keys(org string) OrgKeys { return KeysOf(s.prefix, org) }
+
+// kindPattern is the SCAN pattern of every org's key of one kind (a field of OrgKeys, chosen by
+// kind), and orgOf reads the org back from such a key.
+func (s *Store) kindPattern(kind func(OrgKeys) string) (pattern string, orgOf func(key string) (string, bool)) {
+	head, tail, _ := strings.Cut(kind(KeysOf(s.prefix, "\x00")), "\x00")
+	return head + "*" + tail, func(key string) (string, bool) {
+		rest, ok := strings.CutPrefix(key, head)
+		if !ok {
+			return "", false
+		}
+		org, ok := strings.CutSuffix(rest, tail)
+		if !ok || !ValidOrg(org) {
+			return "", false
+		}
+		return org, true
+	}
+}
+
+// modelKey is the model's learned max cost: its own key, outside any org's slot.
+func (s *Store) modelKey(model string) string { return s.prefix + ":model:" + model + ":max" }
+
+// revokedKey is RevokeKey's mark of an API key.
+func (s *Store) revokedKey(keyID string) string { return s.prefix + ":key:" + keyID + ":revoked" }
