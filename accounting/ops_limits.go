@@ -122,7 +122,7 @@ func (o *Ops) ListLimits(ctx context.Context, org string) ([]LimitView, error) {
 	var hot map[balance.Counter]int64
 	var wm int64
 	warm := false
-	now, err := o.store.Client().Time(ctx).Result()
+	now, err := o.store.Now(ctx) // without Redis: this process's clock
 	if err == nil {
 		hot, wm, warm, err = o.hotCounters(ctx, org)
 	}
@@ -130,9 +130,8 @@ func (o *Ops) ListLimits(ctx context.Context, org string) ([]LimitView, error) {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
-		now, warm = time.Now(), false
+		warm = false
 	}
-	now = now.Add(o.store.Config().ClockOffset)
 	maxSeq := int64(-1)
 	if warm {
 		maxSeq = wm

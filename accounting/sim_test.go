@@ -263,7 +263,7 @@ func (s *simulator) step() {
 	case op < 0.47 && len(s.ended) > 0: // a late client retry of a request that already ended
 		s.counts["late-retry"]++
 		r := s.ended[s.rnd.IntN(len(s.ended))]
-		tomb := s.env.Client.ZScore(s.ctx, s.env.Prefix+":{"+r.org+"}:gone", r.id).Err() == nil
+		tomb := s.env.Client.ZScore(s.ctx, balance.KeysOf(s.env.Prefix, r.org).Gone, r.id).Err() == nil
 		_, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: r.org, HoldID: r.id, Amount: 5})
 		if err == nil && tomb {
 			s.t.Fatalf("seed %d: late retry of %s re-created a hold despite its tombstone", s.seed, r.id)
@@ -405,7 +405,7 @@ func (s *simulator) holdGone(org, id string) bool {
 
 // holds reads the org's hold hash directly (key layout of DESIGN.md "Redis keys").
 func (s *simulator) holds(org string) map[string]int64 {
-	m, err := s.env.Client.HGetAll(s.ctx, s.env.Prefix+":{"+org+"}:holds").Result()
+	m, err := s.env.Client.HGetAll(s.ctx, balance.KeysOf(s.env.Prefix, org).Holds).Result()
 	s.must(err)
 	out := make(map[string]int64, len(m))
 	for k, v := range m {
@@ -419,7 +419,7 @@ func (s *simulator) holds(org string) map[string]int64 {
 
 // holdFields reads the org's holds with the counter fields each was added to.
 func (s *simulator) holdFields(org string) map[string][]string {
-	m, err := s.env.Client.HGetAll(s.ctx, s.env.Prefix+":{"+org+"}:holds").Result()
+	m, err := s.env.Client.HGetAll(s.ctx, balance.KeysOf(s.env.Prefix, org).Holds).Result()
 	s.must(err)
 	out := map[string][]string{}
 	for id, v := range m {
@@ -433,7 +433,7 @@ func (s *simulator) holdFields(org string) map[string][]string {
 
 // hotLimits parses the org's lim hash (lua/lib/limits.lua): the limits the hot state enforces.
 func (s *simulator) hotLimits(org string) []balance.Limit {
-	m, err := s.env.Client.HGetAll(s.ctx, s.env.Prefix+":{"+org+"}:lim").Result()
+	m, err := s.env.Client.HGetAll(s.ctx, balance.KeysOf(s.env.Prefix, org).Lim).Result()
 	s.must(err)
 	var out []balance.Limit
 	for f, v := range m {
@@ -595,7 +595,7 @@ func (s *simulator) check(step int) {
 		// missed, even by a stale seeder).
 		lim, err := s.ledger.Limits(s.ctx, o)
 		s.must(err)
-		v, err := s.env.Client.HGet(s.ctx, s.env.Prefix+":{"+o+"}:lim", "v").Int64()
+		v, err := s.env.Client.HGet(s.ctx, balance.KeysOf(s.env.Prefix, o).Lim, "v").Int64()
 		s.must(err)
 		if s.limitsLag[o] { // until a push (or a drop) brings the ledger's limits
 			if v == lim.Version {
@@ -610,7 +610,7 @@ func (s *simulator) check(step int) {
 	// No script leaves a hold on an id it tombstoned, or writes one on a tombstoned id (a finish
 	// that re-created the hold of a settled request would lock its cost until a reaper came).
 	for _, o := range s.orgs {
-		gone, err := s.env.Client.ZRange(s.ctx, s.env.Prefix+":{"+o+"}:gone", 0, -1).Result()
+		gone, err := s.env.Client.ZRange(s.ctx, balance.KeysOf(s.env.Prefix, o).Gone, 0, -1).Result()
 		s.must(err)
 		if len(gone) == 0 {
 			continue

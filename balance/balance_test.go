@@ -106,7 +106,7 @@ func burst(t *testing.T, env *testutil.RedisEnv, coalesce bool) {
 					return
 				default:
 				}
-				v, err := c.HGet(ctx, env.Prefix+":{"+org+"}:acct", "bal").Int64()
+				v, err := c.HGet(ctx, balance.KeysOf(env.Prefix, org).Acct, "bal").Int64()
 				if err == nil {
 					samples.Add(1)
 					if v < 0 {
@@ -418,7 +418,7 @@ func TestNoScriptRealRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(s.Warnings()) == 0 {
+	if len(balance.Warnings(s)) == 0 {
 		t.Fatal("no warning for a server without AOF")
 	}
 	l.Add("acme", 100, "")
@@ -446,11 +446,11 @@ func TestRefusesEviction(t *testing.T) {
 		t.Fatal(err)
 	}
 	found := false
-	for _, w := range s.Warnings() {
+	for _, w := range balance.Warnings(s) {
 		found = found || strings.Contains(w, "allkeys-lru")
 	}
 	if !found {
-		t.Fatalf("no eviction warning: %q", s.Warnings())
+		t.Fatalf("no eviction warning: %q", balance.Warnings(s))
 	}
 }
 

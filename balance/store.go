@@ -112,21 +112,33 @@ func New(ctx context.Context, c redis.UniversalClient, conf *Config) (*Store, er
 
 func ms(d time.Duration) string { return strconv.FormatInt(d.Milliseconds(), 10) }
 
-// Warnings lists what New found worth a warning (AOF off, eviction allowed, unknown version).
-func (s *Store) Warnings() []string {
+// warningList is what New found worth a warning (AOF off, eviction allowed, unknown version);
+// New logs each once.
+func (s *Store) warningList() []string {
 	s.warnMu.Lock()
 	defer s.warnMu.Unlock()
 	return append([]string(nil), s.warnings...)
 }
 
-// Client is the Redis client the Store uses.
-func (s *Store) Client() redis.UniversalClient { return s.c }
-
-// Prefix is the key namespace.
-func (s *Store) Prefix() string { return s.prefix }
-
-// Config returns the configuration with its defaults filled in.
+// Config returns the configuration with its defaults filled in. (The middleware reads HoldTTL
+// from it; nothing else outside the package should need it.)
 func (s *Store) Config() Config { return s.cfg }
+
+// PinRenewal is how often a holder of pinned holds should pin them again (Pin): a quarter of
+// PinTTL, so that a pin survives a few missed renewals.
+func (s *Store) PinRenewal() time.Duration { return s.cfg.PinTTL / 4 }
+
+// Now reads the clock the scripts use for limit windows: the Redis server's TIME shifted by
+// Config.ClockOffset, so that Window.StartMS of it names the windows whose counters the scripts
+// keep. When Redis does not answer it returns this process's clock, shifted alike, with the
+// error (ErrRedis): a caller that can answer without Redis may use it as its best guess.
+func (s *Store) Now(ctx context.Context) (time.Time, error) {
+	t, err := s.c.Time(ctx).Result()
+	if err != nil {
+		return time.Now().Add(s.cfg.ClockOffset), fmt.Errorf("balance: redis TIME: %w: %w", ErrRedis, err)
+	}
+	return t.Add(s.cfg.ClockOffset), nil
+}
 
 // Epoch is the ledger epoch this process last saw (zero before any).
 func (s *Store) Epoch() Epoch {
@@ -151,8 +163,13 @@ func (s *Store) epochString() string {
 	return Epoch{}.String()
 }
 
-// ObserveEpoch records an epoch read from the ledger (with entries, or in a snapshot). A lower
-// generation than the cached one is ignored; anything else replaces it.
+// ObserveEpoch is this process's part of the epoch protocol (DESIGN.md "Redis keys"): whoever
+// reads the ledger's epoch — with the entries it settles, in a snapshot, or at start — hands it
+// here, and every reserve and settle after it carries it, so that a hot balance written against
+// another ledger (a restore, a new memory ledger) answers cold instead of being used. Settle,
+// Seed and CatchUp call it themselves; the accounting worker and its operations call it for the
+// epochs they read on their own. A lower generation than the cached one is ignored (no process
+// goes back to an older ledger); anything else replaces it.
 func (s *Store) ObserveEpoch(e Epoch) {
 	if e.IsZero() {
 		return
@@ -634,11 +651,11 @@ func (s *Store) snapshot(ctx context.Context, org string) (Snapshot, error) {
 	if !ok {
 		return s.cfg.Ledger.Snapshot(ctx, org)
 	}
-	t0, err := s.c.Time(ctx).Result()
+	t0, err := s.Now(ctx)
 	if err != nil {
-		return Snapshot{}, fmt.Errorf("redis TIME: %w: %w", ErrRedis, err)
+		return Snapshot{}, err
 	}
-	return ll.SnapshotSince(ctx, org, t0.Add(s.cfg.ClockOffset))
+	return ll.SnapshotSince(ctx, org, t0)
 }
 
 // catchUpBatch is how many entries CatchUp asks the ledger for at a time.

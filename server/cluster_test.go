@@ -5,6 +5,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
 )
 
@@ -35,7 +36,7 @@ func TestClusterFlows(t *testing.T) {
 		}
 		masters := map[string]bool{}
 		for _, org := range orgs {
-			masters[cl.NodeFor("esc:{"+org+"}:acct").Addr()] = true
+			masters[cl.NodeFor(balance.KeysOf(balance.DefaultPrefix, org).Acct).Addr()] = true
 		}
 		if len(masters) < 2 {
 			t.Fatalf("the orgs all live on one master; pick other names")

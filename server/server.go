@@ -231,7 +231,7 @@ func (s *Server) openAccounting() error {
 		}
 		// Usage left from an earlier run is announced by the recorder when it replays it.
 		rc.Journal, rc.Pinner = s.journal, s.store
-		rc.PinInterval = s.store.Config().PinTTL / 4
+		rc.PinInterval = s.store.PinRenewal()
 		rc.ReplayInterval = cfg.ReplayInterval
 	} else if cfg.DatabaseURL != "" {
 		s.log.Warn("no ESCROW_JOURNAL_DIR: while the ledger is down, requests fail with 503 billing_unavailable instead of being journaled")

@@ -31,7 +31,7 @@ func (x *h) redisNow() time.Time {
 // (give or take the test's own run time): a window rollover without a sleep.
 func (x *h) withClock(at time.Time) *balance.Store {
 	x.t.Helper()
-	cfg := x.s.Config()
+	cfg := x.cfg
 	cfg.ClockOffset = at.Sub(x.redisNow())
 	s, err := balance.New(x.ctx, x.env.Client, &cfg)
 	if err != nil {
@@ -149,7 +149,10 @@ func (x *h) counters() {
 			}
 		}
 	}
-	now := x.redisNow().Add(x.s.Config().ClockOffset)
+	now, err := x.s.Now(x.ctx)
+	if err != nil {
+		x.t.Fatal(err)
+	}
 	u := x.u()
 	for _, lim := range x.l.Limits(x.org).Limits {
 		start := lim.Window.StartMS(now)

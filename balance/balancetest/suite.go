@@ -33,6 +33,7 @@ type h struct {
 	ctx context.Context
 	env Env
 	s   *balance.Store
+	cfg balance.Config // s's configuration, as given to New
 	l   *FakeLedger
 	org string
 }
@@ -61,7 +62,7 @@ func fixture(t *testing.T, env Env, cfg balance.Config, start int64, warm bool) 
 	if err != nil {
 		t.Fatalf("balance.New: %v", err)
 	}
-	x := &h{t: t, ctx: ctx, env: env, s: s, l: l, org: randomID("org")}
+	x := &h{t: t, ctx: ctx, env: env, s: s, cfg: cfg, l: l, org: randomID("org")}
 	if start != 0 {
 		l.Add(x.org, start, "")
 	}

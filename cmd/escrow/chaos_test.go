@@ -26,6 +26,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
 	"github.com/llmescrow/escrow/internal/testutil"
 )
@@ -359,7 +360,7 @@ func TestChaos(t *testing.T) {
 				now := time.Now().UnixMilli()
 				line := fmt.Sprintf("%5.1fs", time.Since(loadStart).Seconds())
 				for _, org := range loadOrgs {
-					k := "esc:{" + org + "}:hexp"
+					k := balance.KeysOf(balance.DefaultPrefix, org).Hexp
 					all, _ := rc.ZCard(ctx0, k).Result()
 					unpinned, _ := rc.ZCount(ctx0, k, "-inf", strconv.FormatInt(now+12*3600*1000, 10)).Result()
 					expired, _ := rc.ZCount(ctx0, k, "-inf", strconv.FormatInt(now, 10)).Result()

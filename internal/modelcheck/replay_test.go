@@ -183,10 +183,10 @@ func (rp *replayer) must(err error) {
 	}
 }
 
-func (rp *replayer) key(kind string) string { return rp.env.Prefix + ":{" + org + "}:" + kind }
+func (rp *replayer) keys() balance.OrgKeys { return balance.KeysOf(rp.env.Prefix, org) }
 
 func (rp *replayer) holdAmount(r int) (int64, bool) {
-	v, err := rp.env.Client.HGet(rp.ctx, rp.key("holds"), holdID(r)).Result()
+	v, err := rp.env.Client.HGet(rp.ctx, rp.keys().Holds, holdID(r)).Result()
 	if err != nil {
 		return 0, false
 	}
@@ -458,7 +458,7 @@ func (rp *replayer) check(where string) {
 		}
 	}
 	for r := range nReq {
-		if rp.env.Client.ZScore(rp.ctx, rp.key("gone"), holdID(r)).Err() == nil {
+		if rp.env.Client.ZScore(rp.ctx, rp.keys().Gone, holdID(r)).Err() == nil {
 			rp.ended[r] = true
 		}
 		if _, ok := rp.holdAmount(r); ok && rp.ended[r] && !rp.tombLost {
