@@ -186,8 +186,7 @@ func startDirect() (base string, stop func(), err error) {
 }
 
 // wrkSideBySide runs the wrk scenarios (each split into rounds taken in turns, so a burst of load
-// from elsewhere on the machine spreads over all of them) and prints their table. One piece: the
-// scenario list, the rounds and the table read the same rows.
+// from elsewhere on the machine spreads over all of them) and prints their table.
 func wrkSideBySide(ctx context.Context, o options, base, esc *proxyProc, keys, hot []string, before *beforeProxy) error {
 	wrk, err := ensureWrk(ctx)
 	if err != nil {
@@ -203,44 +202,75 @@ func wrkSideBySide(ctx context.Context, o options, base, esc *proxyProc, keys, h
 		return err
 	}
 	defer stopDirect()
-	chat := "/v1/chat/completions"
-	c1keys := keys[:min(10, len(keys))]
-	type sc struct {
-		name        string
-		url         string
-		p           *proxyProc
-		keys        []string
-		body        []byte
-		threads, cs int
-		runs        []wrkRun
+	scs := wrkScenarios(direct, base, esc, keys, hot, before)
+	round := max(o.wrkDuration/time.Duration(o.rounds), time.Second)
+	fmt.Fprintf(os.Stderr, "wrk: %d rounds of %s per scenario, in turns …\n", o.rounds, round)
+	if err := runWrkRounds(ctx, wrk, dir, scs, o.rounds, round); err != nil {
+		return err
 	}
+	printWrkTable(scs)
+	fmt.Printf("wrk 4.1 (Debian), -t2 -c32 unless -c1; %d rounds of %s each, in turns. CPU per request: the proxy from /proc/<pid>/stat (its built-in fake upstream included; the middleware-off proxy pays it too), Redis from INFO cpu, Postgres from its processes in /proc — shared servers, so other clients' work counts too; 'over off' subtracts the middleware-off proxy's CPU per request of the same shape. 429s on the hot org are false 429s: only 32 requests are ever in flight.\n", o.rounds, round)
+	return nil
+}
+
+// wrkScenario is one row of the wrk table: a URL, the keys its requests take turns with, a body
+// and wrk's threads and connections, and the rounds run so far.
+type wrkScenario struct {
+	name        string
+	url         string
+	p           *proxyProc // nil: no proxy (the direct row)
+	keys        []string
+	body        []byte
+	threads, cs int
+	// off is the middleware-off row of the same shape, which this row's overheads are measured
+	// against (nil for the direct row).
+	off  *wrkScenario
+	runs []wrkRun
+}
+
+// wrkScenarios lists the rows: the fake upstream served directly, the middleware-off proxy and
+// escrow with JSON and streamed answers, over many orgs, one hot org and one connection; with
+// before, the earlier escrow's rows too.
+func wrkScenarios(direct string, base, esc *proxyProc, keys, hot []string, before *beforeProxy) []*wrkScenario {
+	const chat = "/v1/chat/completions"
+	none := []string{"sk-none"}
+	c1keys := keys[:min(10, len(keys))]
 	many := fmt.Sprintf("%d orgs", len(keys))
-	scs := []*sc{
-		{name: "direct upstream, json", url: direct + chat, keys: []string{"sk-none"}, body: plainBody, threads: 2, cs: 32},
-		{name: "proxy, middleware off, json", url: base.base + chat, p: base, keys: []string{"sk-none"}, body: plainBody, threads: 2, cs: 32},
-		{name: "escrow, json, " + many, url: esc.base + chat, p: esc, keys: keys, body: plainBody, threads: 2, cs: 32},
-		{name: "escrow, json, 1 hot org", url: esc.base + chat, p: esc, keys: hot, body: plainBody, threads: 2, cs: 32},
-		{name: "proxy, middleware off, stream", url: base.base + chat, p: base, keys: []string{"sk-none"}, body: streamBody, threads: 2, cs: 32},
-		{name: "escrow, stream, " + many, url: esc.base + chat, p: esc, keys: keys, body: streamBody, threads: 2, cs: 32},
-		{name: "proxy, middleware off, json, -c1", url: base.base + chat, p: base, keys: []string{"sk-none"}, body: plainBody, threads: 1, cs: 1},
-		{name: fmt.Sprintf("escrow, json, %d orgs, -c1", len(c1keys)), url: esc.base + chat, p: esc, keys: c1keys, body: plainBody, threads: 1, cs: 1},
+	c1 := fmt.Sprintf("%d orgs, -c1", len(c1keys))
+	offJSON := &wrkScenario{name: "proxy, middleware off, json", url: base.base + chat, p: base, keys: none, body: plainBody, threads: 2, cs: 32}
+	offStream := &wrkScenario{name: "proxy, middleware off, stream", url: base.base + chat, p: base, keys: none, body: streamBody, threads: 2, cs: 32}
+	offC1 := &wrkScenario{name: "proxy, middleware off, json, -c1", url: base.base + chat, p: base, keys: none, body: plainBody, threads: 1, cs: 1}
+	offJSON.off, offStream.off, offC1.off = offJSON, offStream, offC1
+	scs := []*wrkScenario{
+		{name: "direct upstream, json", url: direct + chat, keys: none, body: plainBody, threads: 2, cs: 32},
+		offJSON,
+		{name: "escrow, json, " + many, url: esc.base + chat, p: esc, keys: keys, body: plainBody, threads: 2, cs: 32, off: offJSON},
+		{name: "escrow, json, 1 hot org", url: esc.base + chat, p: esc, keys: hot, body: plainBody, threads: 2, cs: 32, off: offJSON},
+		offStream,
+		{name: "escrow, stream, " + many, url: esc.base + chat, p: esc, keys: keys, body: streamBody, threads: 2, cs: 32, off: offStream},
+		offC1,
+		{name: "escrow, json, " + c1, url: esc.base + chat, p: esc, keys: c1keys, body: plainBody, threads: 1, cs: 1, off: offC1},
 	}
 	if before != nil {
 		bp := before.p
 		scs = append(scs,
-			&sc{name: "before: escrow, json, " + many, url: bp.base + chat, p: bp, keys: before.keys, body: plainBody, threads: 2, cs: 32},
-			&sc{name: "before: escrow, json, 1 hot org", url: bp.base + chat, p: bp, keys: before.hot, body: plainBody, threads: 2, cs: 32},
-			&sc{name: fmt.Sprintf("before: escrow, json, %d orgs, -c1", len(c1keys)), url: bp.base + chat, p: bp, keys: before.keys[:len(c1keys)], body: plainBody, threads: 1, cs: 1},
+			&wrkScenario{name: "before: escrow, json, " + many, url: bp.base + chat, p: bp, keys: before.keys, body: plainBody, threads: 2, cs: 32, off: offJSON},
+			&wrkScenario{name: "before: escrow, json, 1 hot org", url: bp.base + chat, p: bp, keys: before.hot, body: plainBody, threads: 2, cs: 32, off: offJSON},
+			&wrkScenario{name: "before: escrow, json, " + c1, url: bp.base + chat, p: bp, keys: before.keys[:len(c1keys)], body: plainBody, threads: 1, cs: 1, off: offC1},
 		)
 	}
-	round := max(o.wrkDuration/time.Duration(o.rounds), time.Second)
-	fmt.Fprintf(os.Stderr, "wrk: %d rounds of %s per scenario, in turns …\n", o.rounds, round)
+	return scs
+}
+
+// runWrkRounds warms every scenario up for a second, then runs rounds rounds of round each,
+// the scenarios taking turns.
+func runWrkRounds(ctx context.Context, wrk, dir string, scs []*wrkScenario, rounds int, round time.Duration) error {
 	for _, s := range scs { // warm-up: connections, caches, orgs warm in Redis
 		if _, err := runWrk(ctx, wrk, dir, s.name+" (warm-up)", s.url, s.keys, s.body, s.threads, s.cs, time.Second, s.p); err != nil {
 			return err
 		}
 	}
-	for range o.rounds {
+	for range rounds {
 		for _, s := range scs {
 			r, err := runWrk(ctx, wrk, dir, s.name, s.url, s.keys, s.body, s.threads, s.cs, round, s.p)
 			if err != nil {
@@ -249,54 +279,47 @@ func wrkSideBySide(ctx context.Context, o options, base, esc *proxyProc, keys, h
 			s.runs = append(s.runs, r)
 		}
 	}
-	sum := func(s *sc) wrkRun {
-		t := wrkRun{name: s.name, hasProxy: s.p != nil}
-		var p50s, p99s []time.Duration
-		for _, r := range s.runs {
-			t.requests += r.requests
-			t.non2xx += r.non2xx
-			t.n429 += r.n429
-			t.elapsed += r.elapsed
-			t.proxy += r.proxy
-			t.redis += r.redis
-			t.pgCPU += r.pgCPU
-			p50s, p99s = append(p50s, r.p50), append(p99s, r.p99)
-		}
-		t.p50, t.p99 = median(p50s), median(p99s)
-		return t
+	return nil
+}
+
+// total sums the scenario's rounds; its latencies are the medians of the rounds'.
+func (s *wrkScenario) total() wrkRun {
+	t := wrkRun{name: s.name, hasProxy: s.p != nil}
+	var p50s, p99s []time.Duration
+	for _, r := range s.runs {
+		t.requests += r.requests
+		t.non2xx += r.non2xx
+		t.n429 += r.n429
+		t.elapsed += r.elapsed
+		t.proxy += r.proxy
+		t.redis += r.redis
+		t.pgCPU += r.pgCPU
+		p50s, p99s = append(p50s, r.p50), append(p99s, r.p99)
 	}
-	res := make([]wrkRun, len(scs))
-	for i, s := range scs {
-		res[i] = sum(s)
-	}
-	offJSON, offStream, offC1 := res[1], res[4], res[6]
+	t.p50, t.p99 = median(p50s), median(p99s)
+	return t
+}
+
+// printWrkTable prints one line per scenario: throughput, latencies, CPU per request, and for a
+// proxied row its overheads over its middleware-off row.
+func printWrkTable(scs []*wrkScenario) {
 	us := func(d time.Duration) string { return fmt.Sprintf("%.0f µs", float64(d)/float64(time.Microsecond)) }
 	ms := func(d time.Duration) string { return fmt.Sprintf("%.3f ms", float64(d)/float64(time.Millisecond)) }
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(w, "\twrk run\treq/s\tp50\tp99\tproxy CPU/req\tredis CPU/req\tpg CPU/req\tCPU/req over off\treq/s ratio\tp50 over off\t429s\tnon-2xx\t")
-	for i, r := range res {
-		off := offJSON
-		switch {
-		case i == 4 || i == 5:
-			off = offStream
-		case i == 6 || i == 7 || i == 10:
-			off = offC1
-		}
-		cpu, over, ratio, p50over := "", "", "", ""
+	for _, s := range scs {
+		r := s.total()
+		cpu, over, ratio, p50over := "—\t—\t—", "", "", ""
 		if r.hasProxy {
+			off := s.off.total()
 			cpu = us(r.per(r.proxy)) + "\t" + us(r.per(r.redis)) + "\t" + us(r.per(r.pgCPU))
-			total := r.per(r.proxy+r.redis+r.pgCPU) - off.per(off.proxy+off.redis+off.pgCPU)
-			over = us(total)
+			over = us(r.per(r.proxy+r.redis+r.pgCPU) - off.per(off.proxy+off.redis+off.pgCPU))
 			ratio = fmt.Sprintf("%.2f", r.rps()/off.rps())
 			p50over = "+" + ms(r.p50-off.p50)
-		} else {
-			cpu = "—\t—\t—"
 		}
 		fmt.Fprintf(w, "\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t\n", r.name, num(r.rps()), ms(r.p50), ms(r.p99), cpu, over, ratio, p50over, r.n429, r.non2xx)
 	}
 	w.Flush()
-	fmt.Printf("wrk 4.1 (Debian), -t2 -c32 unless -c1; %d rounds of %s each, in turns. CPU per request: the proxy from /proc/<pid>/stat (its built-in fake upstream included; the middleware-off proxy pays it too), Redis from INFO cpu, Postgres from its processes in /proc — shared servers, so other clients' work counts too; 'over off' subtracts the middleware-off proxy's CPU per request of the same shape. 429s on the hot org are false 429s: only 32 requests are ever in flight.\n", o.rounds, round)
-	return nil
 }
 
 func median(ds []time.Duration) time.Duration {
