@@ -62,20 +62,7 @@ var benchSeq atomic.Int64
 
 // BenchmarkReserve is the hot path: Store.Reserve on a warm org (one EVALSHA), in parallel.
 func BenchmarkReserve(b *testing.B) {
-	r := benchEnv(b)
-	s, org := r.s, r.org
-	ctx := context.Background()
-	b.ReportAllocs()
-	b.ResetTimer()
-	b.RunParallel(func(pb *testing.PB) {
-		for pb.Next() {
-			id := "r" + strconv.FormatInt(benchSeq.Add(1), 10)
-			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: 1}); err != nil {
-				b.Error(err)
-				return
-			}
-		}
-	})
+	benchReserve(b, benchEnv(b), "r")
 }
 
 // BenchmarkReserveCoalesced is BenchmarkReserve with Config.Coalesce: reserves that arrive
@@ -83,15 +70,18 @@ func BenchmarkReserve(b *testing.B) {
 // -cpu 1,2 and a high -benchtime to see it at several concurrencies; compare with
 // BenchmarkReserve and BenchmarkRawEVALSHA, or see BenchmarkCoalesceVsDirect.
 func BenchmarkReserveCoalesced(b *testing.B) {
-	r := benchEnvCfg(b, balance.Config{Coalesce: true})
-	s, org := r.s, r.org
+	benchReserve(b, benchEnvCfg(b, balance.Config{Coalesce: true}), "c")
+}
+
+// benchReserve reserves 1 on the rig's org in parallel, under hold ids starting with idPrefix.
+func benchReserve(b *testing.B, r benchRig, idPrefix string) {
 	ctx := context.Background()
 	b.ReportAllocs()
 	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
-			id := "c" + strconv.FormatInt(benchSeq.Add(1), 10)
-			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: 1}); err != nil {
+			id := idPrefix + strconv.FormatInt(benchSeq.Add(1), 10)
+			if _, err := r.s.Reserve(ctx, balance.ReserveRequest{Org: r.org, HoldID: id, Amount: 1}); err != nil {
 				b.Error(err)
 				return
 			}

@@ -221,9 +221,7 @@ func exerciseFinishCostAboveHold(t *testing.T, env Env) {
 	st := x.state()
 	eq(t, "balance in debt", st.Balance, -50)
 	eq(t, "held", st.Held, 150)
-	if _, err := x.reserve("b", 1); !errors.Is(err, balance.ErrInsufficient) {
-		t.Fatalf("reserve in debt: %v", err)
-	}
+	x.mustRefuse("reserve in debt", "b", 1, balance.ErrInsufficient)
 	eq(t, "settle", x.charge("a", 150)[0], balance.Applied)
 	x.invariant()
 	eq(t, "balance after settle", x.state().Balance, -50)
@@ -241,21 +239,14 @@ func exerciseFinishZeroCost(t *testing.T, env Env) {
 	eq(t, "held", st.Held, 0)
 	eq(t, "holds", st.Holds, 1)
 	eq(t, "hold amount", x.holdAmount("a"), "0")
-	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
-		t.Fatal(err)
-	}
-	if err := x.s.Warm(x.ctx, x.org); err != nil {
-		t.Fatalf("seed over a zero hold: %v", err)
-	}
+	x.reseed() // over a zero hold
 	x.invariant()
 	eq(t, "balance after reseed", x.state().Balance, 1000)
 	eq(t, "settle", x.charge("a", 0)[0], balance.Applied)
 	x.invariant()
 	eq(t, "tombstone", x.inGone("a"), true)
 	eq(t, "holds after settle", x.state().Holds, 0)
-	if _, err := x.reserve("a", 10); !errors.Is(err, balance.ErrGone) {
-		t.Fatalf("re-sent reserve after a zero-cost settle: %v, want ErrGone", err)
-	}
+	x.mustRefuse("re-sent reserve after a zero-cost settle", "a", 10, balance.ErrGone)
 }
 
 // The per-org cap counts only unfinished, unpinned holds.
@@ -265,14 +256,10 @@ func exerciseFinishLeavesInFlightCount(t *testing.T, env Env) {
 	for i := range 3 {
 		x.mustReserve(fmt.Sprint("h", i), 10)
 	}
-	if _, err := x.reserve("h3", 10); !errors.Is(err, balance.ErrTooManyHolds) {
-		t.Fatalf("4th hold: %v, want ErrTooManyHolds", err)
-	}
+	x.mustRefuse("4th hold", "h3", 10, balance.ErrTooManyHolds)
 	eq(t, "finished", x.finish("h0", 4), true)
 	x.mustReserve("h3", 10)
-	if _, err := x.reserve("h4", 10); !errors.Is(err, balance.ErrTooManyHolds) {
-		t.Fatalf("5th hold: %v, want ErrTooManyHolds", err)
-	}
+	x.mustRefuse("5th hold", "h4", 10, balance.ErrTooManyHolds)
 	n, err := x.s.FinishBatch(x.ctx, []balance.Finish{
 		{Org: x.org, HoldID: "h1", Cost: 1}, {Org: x.org, HoldID: "h2", Cost: 2}, {Org: x.org, HoldID: "h1", Cost: 1},
 	})
@@ -281,9 +268,7 @@ func exerciseFinishLeavesInFlightCount(t *testing.T, env Env) {
 	x.invariant()
 	x.mustReserve("h4", 10)
 	x.mustReserve("h5", 10)
-	if _, err := x.reserve("h6", 10); !errors.Is(err, balance.ErrTooManyHolds) {
-		t.Fatalf("7th hold: %v, want ErrTooManyHolds", err)
-	}
+	x.mustRefuse("7th hold", "h6", 10, balance.ErrTooManyHolds)
 	st := x.state()
 	eq(t, "holds", st.Holds, 6)
 	eq(t, "finished", st.Finished, 3)
@@ -392,9 +377,7 @@ func exerciseFinishedPinUnpin(t *testing.T, env Env) {
 	eq(t, "pinned count", st.Pinned, 1)
 	eq(t, "in flight", st.InFlight(), 0)
 	x.mustReserve("b", 10) // the cap of 1 sees no request in flight
-	if _, err := x.reserve("c", 10); !errors.Is(err, balance.ErrTooManyHolds) {
-		t.Fatalf("2nd request in flight: %v, want ErrTooManyHolds", err)
-	}
+	x.mustRefuse("2nd request in flight", "c", 10, balance.ErrTooManyHolds)
 	ok, err = x.s.Unpin(x.ctx, x.org, "a")
 	eq(t, "unpinned", ok, true)
 	eq(t, "err", err, nil)
@@ -418,19 +401,8 @@ func exerciseFinishedReapRules(t *testing.T, env Env) {
 		x.mustReserve(id, 100)
 		x.finish(id, 40)
 	}
-	x.l.SetUnsettled(true, "usage")
-	if ok, err := x.s.Pin(x.ctx, x.org, "pinned"); !ok || err != nil {
-		t.Fatalf("pin: %v %v", ok, err)
-	}
 	eq(t, "balance after finishes", x.state().Balance, 1000-4*40)
-	if n, err := x.s.Reap(x.ctx, x.org); n != 0 || err != nil {
-		t.Fatalf("early reap: %d %v", n, err)
-	}
-	time.Sleep(450 * time.Millisecond)
-	x.l.SetErr(errors.New("ledger down"))
-	if n, err := x.s.Reap(x.ctx, x.org); n != 0 || err == nil {
-		t.Fatalf("reap with the ledger down: %d %v, want 0 and an error", n, err)
-	}
+	x.reapNothingYet()
 	x.l.SetErr(nil)
 	n, err := x.s.Reap(x.ctx, x.org)
 	eq(t, "reaped", n, 2)
@@ -447,14 +419,7 @@ func exerciseFinishedReapRules(t *testing.T, env Env) {
 			t.Fatalf("finished hold %s reaped", id)
 		}
 	}
-	x.l.SetUnsettled(false, "usage")
-	if _, err := x.s.Unpin(x.ctx, x.org, "pinned"); err != nil {
-		t.Fatal(err)
-	}
-	time.Sleep(450 * time.Millisecond)
-	n, err = x.s.Reap(x.ctx, x.org)
-	eq(t, "reaped", n, 2)
-	eq(t, "err", err, nil)
+	x.reapUsageAndPinned()
 	x.invariant()
 	st = x.state()
 	eq(t, "balance", st.Balance, 1000)
@@ -477,9 +442,7 @@ func exerciseFinishedRelease(t *testing.T, env Env) {
 	eq(t, "hfin emptied", x.exists(x.keys().Hfin), false)
 	ok, _ = x.s.Release(x.ctx, x.org, "a")
 	eq(t, "released twice", ok, false)
-	if _, err := x.reserve("a", 100); !errors.Is(err, balance.ErrGone) {
-		t.Fatalf("re-sent reserve: %v, want ErrGone", err)
-	}
+	x.mustRefuse("re-sent reserve", "a", 100, balance.ErrGone)
 	eq(t, "finish after release", x.finish("a", 30), false)
 	eq(t, "balance at the end", x.state().Balance, 1000)
 }
@@ -564,4 +527,37 @@ func exerciseFinishBatchManyOrgs(t *testing.T, env Env) {
 	ost, err := x.s.State(x.ctx, other)
 	eq(t, "err", err, nil)
 	eq(t, "other org", ost, balance.State{Exists: true, Balance: 1000 - 5, Watermark: 1, Epoch: x.l.CurrentEpoch(), Held: 5, Holds: 5, Finished: 5})
+}
+
+// reapNothingYet marks hold "usage" as having unsettled usage in the ledger and pins hold
+// "pinned", then checks that a reap releases nothing before the holds have expired past the
+// grace, nor after (450ms) while the ledger is down. It leaves the ledger down.
+func (x *h) reapNothingYet() {
+	x.t.Helper()
+	x.l.SetUnsettled(true, "usage")
+	if ok, err := x.s.Pin(x.ctx, x.org, "pinned"); !ok || err != nil {
+		x.t.Fatalf("pin: %v %v", ok, err)
+	}
+	if n, err := x.s.Reap(x.ctx, x.org); n != 0 || err != nil {
+		x.t.Fatalf("early reap: %d %v", n, err)
+	}
+	time.Sleep(450 * time.Millisecond)
+	x.l.SetErr(errors.New("ledger down"))
+	if n, err := x.s.Reap(x.ctx, x.org); n != 0 || err == nil {
+		x.t.Fatalf("reap with the ledger down: %d %v, want 0 and an error", n, err)
+	}
+}
+
+// reapUsageAndPinned settles the usage of hold "usage" and unpins hold "pinned" (the two holds
+// a reaper had to keep), waits past their expiry, and checks that a reap now releases both.
+func (x *h) reapUsageAndPinned() {
+	x.t.Helper()
+	x.l.SetUnsettled(false, "usage")
+	if _, err := x.s.Unpin(x.ctx, x.org, "pinned"); err != nil {
+		x.t.Fatal(err)
+	}
+	time.Sleep(450 * time.Millisecond)
+	n, err := x.s.Reap(x.ctx, x.org)
+	eq(x.t, "reaped", n, 2)
+	eq(x.t, "err", err, nil)
 }

@@ -1,7 +1,6 @@
 package balancetest
 
 import (
-	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -78,20 +77,7 @@ func exerciseReapRules(t *testing.T, env Env) {
 	x.mustReserve("pinned", 100)  // journaled: pinned
 	x.mustReserve("phantom", 100) // a late re-send whose usage is settled: released
 	x.mustReserve("dead", 100)    // owner died, no usage: released
-	x.l.SetUnsettled(true, "usage")
-	if ok, err := x.s.Pin(x.ctx, x.org, "pinned"); !ok || err != nil {
-		t.Fatalf("pin: %v %v", ok, err)
-	}
-	// Not yet expired past the grace: nothing.
-	if n, err := x.s.Reap(x.ctx, x.org); n != 0 || err != nil {
-		t.Fatalf("early reap: %d %v", n, err)
-	}
-	time.Sleep(450 * time.Millisecond)
-	// Ledger down: nothing.
-	x.l.SetErr(errors.New("ledger down"))
-	if n, err := x.s.Reap(x.ctx, x.org); n != 0 || err == nil {
-		t.Fatalf("reap with the ledger down: %d %v, want 0 and an error", n, err)
-	}
+	x.reapNothingYet()            // not yet expired past the grace, then the ledger down: nothing
 	eq(t, "holds while ledger down", x.state().Holds, 4)
 	x.l.SetErr(nil)
 	n, err := x.s.Reap(x.ctx, x.org)
@@ -109,14 +95,7 @@ func exerciseReapRules(t *testing.T, env Env) {
 	}
 	// Still tracked: holds are left.
 	eq(t, "held orgs", len(x.s.HeldOrgs()), 1)
-	x.l.SetUnsettled(false, "usage")
-	if _, err := x.s.Unpin(x.ctx, x.org, "pinned"); err != nil {
-		t.Fatal(err)
-	}
-	time.Sleep(450 * time.Millisecond)
-	n, err = x.s.Reap(x.ctx, x.org)
-	eq(t, "reaped", n, 2)
-	eq(t, "err", err, nil)
+	x.reapUsageAndPinned()
 	eq(t, "balance", x.state().Balance, 1000)
 	if _, err := x.s.Reap(x.ctx, x.org); err != nil {
 		t.Fatal(err)

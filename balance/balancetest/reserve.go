@@ -42,9 +42,7 @@ func exerciseReserveInvalid(t *testing.T, env Env) {
 			t.Fatalf("org %q: got %v, want ErrInvalidOrg", org, err)
 		}
 	}
-	if _, err := x.reserve("", 1); !errors.Is(err, balance.ErrInvalidHoldID) {
-		t.Fatalf("empty hold id: %v", err)
-	}
+	x.mustRefuse("empty hold id", "", 1, balance.ErrInvalidHoldID)
 	eq(t, "balance", x.state().Balance, 1000)
 }
 
@@ -130,9 +128,7 @@ func exerciseGoneAfterRelease(t *testing.T, env Env) {
 	ok, err := x.s.Release(x.ctx, x.org, "h1")
 	eq(t, "released", ok, true)
 	eq(t, "err", err, nil)
-	if _, err := x.reserve("h1", 100); !errors.Is(err, balance.ErrGone) {
-		t.Fatalf("re-sent reserve: %v, want ErrGone", err)
-	}
+	x.mustRefuse("re-sent reserve", "h1", 100, balance.ErrGone)
 	eq(t, "balance", x.state().Balance, 1000)
 }
 
@@ -141,9 +137,7 @@ func exerciseGoneAfterSettle(t *testing.T, env Env) {
 	x := fixture(t, env, balance.Config{}, 1000, true)
 	x.mustReserve("h1", 100)
 	eq(t, "status", x.charge("h1", 40)[0], balance.Applied)
-	if _, err := x.reserve("h1", 100); !errors.Is(err, balance.ErrGone) {
-		t.Fatalf("re-sent reserve: %v, want ErrGone", err)
-	}
+	x.mustRefuse("re-sent reserve", "h1", 100, balance.ErrGone)
 	eq(t, "balance", x.state().Balance, 960)
 }
 
@@ -153,16 +147,12 @@ func exerciseTooManyCountsOnlyUnpinned(t *testing.T, env Env) {
 	for i := range 3 {
 		x.mustReserve(fmt.Sprint("h", i), 10)
 	}
-	if _, err := x.reserve("h3", 10); !errors.Is(err, balance.ErrTooManyHolds) {
-		t.Fatalf("4th hold: %v, want ErrTooManyHolds", err)
-	}
+	x.mustRefuse("4th hold", "h3", 10, balance.ErrTooManyHolds)
 	if ok, err := x.s.Pin(x.ctx, x.org, "h0"); !ok || err != nil {
 		t.Fatalf("pin: %v %v", ok, err)
 	}
 	x.mustReserve("h3", 10)
-	if _, err := x.reserve("h4", 10); !errors.Is(err, balance.ErrTooManyHolds) {
-		t.Fatalf("5th hold: %v, want ErrTooManyHolds", err)
-	}
+	x.mustRefuse("5th hold", "h4", 10, balance.ErrTooManyHolds)
 	st := x.state()
 	eq(t, "holds", st.Holds, 4)
 	eq(t, "pinned", st.Pinned, 1)

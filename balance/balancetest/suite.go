@@ -123,12 +123,7 @@ func (x *h) mustReserve(id string, amount int64) balance.Reservation {
 // charge records usage of hold id costing cost in the ledger and settles it.
 func (x *h) charge(id string, cost int64) []balance.SettleStatus {
 	x.t.Helper()
-	e := x.l.Add(x.org, -cost, id)
-	st, err := x.s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), []balance.Entry{e})
-	if err != nil {
-		x.t.Fatalf("settle: %v", err)
-	}
-	return st
+	return x.mustSettle(x.l.Add(x.org, -cost, id))
 }
 
 // expiry is the hold's expiry in hexp (false: not an unfinished hold).
@@ -202,64 +197,61 @@ func exactNear1e14(t *testing.T, env Env) {
 	const top = balance.MaxAmount // 100000000000000: 15 digits
 	x := fixture(t, env, balance.Config{}, top, true)
 	eq(t, "seeded at the bound", x.state().Balance, top)
+	exactHoldsAtBound(x, top)
+	exactFinishAtBound(x, top)
+	exactDebtAtBound(x, top)
+	exactReseedAtBound(x, top)
+	v, err := x.s.RaiseModelMax(x.ctx, randomID("m"), top, top)
+	eq(t, "model max", v, top)
+	eq(t, "err", err, nil)
+}
+
+// exactHoldsAtBound: holds that take the whole balance, refusals that report it, a release and
+// settles that bring it back to top.
+func exactHoldsAtBound(x *h, top int64) {
+	t := x.t
 	r := x.mustReserve("a", 1)
 	eq(t, "after a hold of 1", r.Balance, top-1)
 	x.mustReserve("b", 1)
 	x.mustReserve("c", top-2) // the whole rest
-	_, err := x.reserve("d", 1)
-	var ie *balance.InsufficientError
-	if !errors.As(err, &ie) || ie.Balance != 0 {
-		t.Fatalf("got %v, want insufficient with 0", err)
-	}
-	if ok, _ := x.s.Release(x.ctx, x.org, "c"); !ok {
-		t.Fatal("release c")
-	}
+	x.mustRefuseWith("d", 1, 0)
+	x.mustRelease("c")
 	eq(t, "after release", x.state().Balance, top-2)
-	if _, err = x.reserve("e", top); !errors.As(err, &ie) || ie.Balance != top-2 {
-		t.Fatalf("got %v, want insufficient with %d", err, top-2)
-	}
+	x.mustRefuseWith("e", top, top-2)
 	// Charge 1 for a (its hold of 1 comes back), credit 1: bal = top-1 while b holds 1.
-	e1 := x.l.Add(x.org, -1, "a")
-	e2 := x.l.Add(x.org, 1, "")
-	if _, err := x.s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), []balance.Entry{e1, e2}); err != nil {
-		t.Fatal(err)
-	}
+	x.mustSettle(x.l.Add(x.org, -1, "a"), x.l.Add(x.org, 1, ""))
 	eq(t, "after settles", x.state().Balance, top-1)
-	if ok, _ := x.s.Release(x.ctx, x.org, "b"); !ok {
-		t.Fatal("release b")
-	}
+	x.mustRelease("b")
 	eq(t, "back at the bound", x.state().Balance, top)
-	// Finish moves hold − cost back at the bound: the whole balance held, a cost of 1.
+}
+
+// exactFinishAtBound: finish moves hold − cost back at the bound (the whole balance held, a cost
+// of 1), and the settle of the finished hold.
+func exactFinishAtBound(x *h, top int64) {
+	t := x.t
 	x.mustReserve("fa", top)
 	if ok, err := x.s.Finish(x.ctx, x.org, "fa", 1); !ok || err != nil {
 		t.Fatalf("finish fa: %v %v", ok, err)
 	}
 	eq(t, "after finish", x.state().Balance, top-1)
-	e5 := x.l.Add(x.org, -1, "fa")
-	e6 := x.l.Add(x.org, 1, "")
-	if _, err := x.s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), []balance.Entry{e5, e6}); err != nil {
-		t.Fatal(err)
-	}
+	x.mustSettle(x.l.Add(x.org, -1, "fa"), x.l.Add(x.org, 1, ""))
 	eq(t, "finished hold settled", x.state().Balance, top)
-	// Down to a debt of exactly -10^14.
-	e3 := x.l.Add(x.org, -top, "")
-	e4 := x.l.Add(x.org, -top, "")
-	if _, err := x.s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), []balance.Entry{e3, e4}); err != nil {
-		t.Fatal(err)
-	}
+}
+
+// exactDebtAtBound: down to a debt of exactly -10^14, and a reseed there.
+func exactDebtAtBound(x *h, top int64) {
+	t := x.t
+	x.mustSettle(x.l.Add(x.org, -top, ""), x.l.Add(x.org, -top, ""))
 	eq(t, "debt at the bound", x.state().Balance, -top)
-	// Reseed at -10^14.
-	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
-		t.Fatal(err)
-	}
-	if err := x.s.Warm(x.ctx, x.org); err != nil {
-		t.Fatal(err)
-	}
+	x.reseed()
 	eq(t, "reseeded in debt", x.state().Balance, -top)
-	if _, err = x.reserve("f", 1); !errors.As(err, &ie) || ie.Balance != -top {
-		t.Fatalf("got %v, want insufficient with %d", err, -top)
-	}
-	// Back up to the bound, a live hold, and a reseed that subtracts it.
+	x.mustRefuseWith("f", 1, -top)
+}
+
+// exactReseedAtBound: back up to the bound by catch-up, a hold of all of it, and a reseed that
+// subtracts it.
+func exactReseedAtBound(x *h, top int64) {
+	t := x.t
 	x.l.Add(x.org, top, "")
 	x.l.Add(x.org, top, "")
 	if err := x.s.CatchUp(x.ctx, x.org); err != nil {
@@ -267,20 +259,59 @@ func exactNear1e14(t *testing.T, env Env) {
 	}
 	eq(t, "recharged to the bound", x.state().Balance, top)
 	x.mustReserve("g", top)
-	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
-		t.Fatal(err)
-	}
-	if err := x.s.Warm(x.ctx, x.org); err != nil {
-		t.Fatal(err)
-	}
+	x.reseed()
 	st := x.state()
 	eq(t, "reseeded minus the hold", st.Balance, 0)
 	eq(t, "held", st.Held, top)
-	if ok, _ := x.s.Release(x.ctx, x.org, "g"); !ok {
-		t.Fatal("release g")
-	}
+	x.mustRelease("g")
 	eq(t, "released to the bound", x.state().Balance, top)
-	v, err := x.s.RaiseModelMax(x.ctx, randomID("m"), top, top)
-	eq(t, "model max", v, top)
-	eq(t, "err", err, nil)
+}
+
+// mustRefuse fails the test unless reserving amount under id fails with want (what names the
+// attempt in the failure).
+func (x *h) mustRefuse(what, id string, amount int64, want error) {
+	x.t.Helper()
+	if _, err := x.reserve(id, amount); !errors.Is(err, want) {
+		x.t.Fatalf("%s: %v, want %v", what, err, want)
+	}
+}
+
+// mustRefuseWith fails the test unless reserving amount under id is refused as insufficient,
+// reporting balance bal.
+func (x *h) mustRefuseWith(id string, amount, bal int64) {
+	x.t.Helper()
+	_, err := x.reserve(id, amount)
+	var ie *balance.InsufficientError
+	if !errors.As(err, &ie) || ie.Balance != bal {
+		x.t.Fatalf("reserve %s of %d: got %v, want insufficient with %d", id, amount, err, bal)
+	}
+}
+
+// mustRelease releases the hold and fails the test unless this call gave it back.
+func (x *h) mustRelease(id string) {
+	x.t.Helper()
+	if ok, err := x.s.Release(x.ctx, x.org, id); !ok || err != nil {
+		x.t.Fatalf("release %s: %v %v", id, ok, err)
+	}
+}
+
+// mustSettle settles the org's ledger entries and fails the test on an error.
+func (x *h) mustSettle(entries ...balance.Entry) []balance.SettleStatus {
+	x.t.Helper()
+	st, err := x.s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), entries)
+	if err != nil {
+		x.t.Fatalf("settle: %v", err)
+	}
+	return st
+}
+
+// reseed drops the org's hot balance and warms it again from the ledger.
+func (x *h) reseed() {
+	x.t.Helper()
+	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
+		x.t.Fatal(err)
+	}
+	if err := x.s.Warm(x.ctx, x.org); err != nil {
+		x.t.Fatal(err)
+	}
 }
