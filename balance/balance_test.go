@@ -473,6 +473,40 @@ func TestConfigValidation(t *testing.T) {
 	}
 }
 
+// TestConfigShape: a nil Config is every default; an unusable one is refused with an error
+// wrapping ErrConfig, never corrected.
+func TestConfigShape(t *testing.T) {
+	t.Parallel()
+	env := testutil.MiniRedis(t)
+	ctx := context.Background()
+	s, err := balance.New(ctx, env.Client, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := s.Config()
+	if got.Prefix != balance.DefaultPrefix || got.HoldTTL != balance.DefaultHoldTTL || got.PinTTL != balance.DefaultPinTTL ||
+		got.SettleDeadline != balance.DefaultHoldTTL || got.MaxInFlight != balance.DefaultMaxInFlight {
+		t.Fatalf("nil config: %+v", got)
+	}
+	if s.PinRenewal() != balance.DefaultPinTTL/4 {
+		t.Fatalf("pin renewal %v", s.PinRenewal())
+	}
+	for _, cfg := range []*balance.Config{
+		{HoldTTL: time.Hour, PinTTL: 2 * time.Hour},
+		{MaxInFlight: -1},
+		{BatchWindow: 2 * time.Second},
+		{SettleDeadline: 13 * time.Hour},
+		{ScanPause: -time.Second},
+	} {
+		if _, err := balance.New(ctx, env.Client, cfg); !errors.Is(err, balance.ErrConfig) {
+			t.Fatalf("config %+v: got %v, want ErrConfig", *cfg, err)
+		}
+	}
+	if _, err := balance.New(ctx, nil, nil); !errors.Is(err, balance.ErrConfig) {
+		t.Fatalf("nil client: %v, want ErrConfig", err)
+	}
+}
+
 func TestValidOrg(t *testing.T) {
 	t.Parallel()
 	for org, want := range map[string]bool{
