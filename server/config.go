@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -84,60 +85,16 @@ type setting struct {
 	set                  func(string) error
 }
 
-// settings is every setting of the proxy — env var, flag, default, help, parser — as one table,
-// read top to bottom by LoadConfig, the usage text and the redacted startup log. It is long
-// because it is the list; split, the list would be in pieces.
+// settings is every setting of the proxy — env var, flag, default, help, parser — read top to
+// bottom by LoadConfig, the usage text and the redacted startup log; the groups below keep
+// that order.
 func (c *Config) settings() []setting {
-	str := func(p *string) func(string) error { return func(v string) error { *p = v; return nil } }
-	dur := func(p *time.Duration) func(string) error {
-		return func(v string) error {
-			d, err := time.ParseDuration(v)
-			if err != nil || d <= 0 {
-				return fmt.Errorf("want a positive Go duration such as 10m, got %q", v)
-			}
-			*p = d
-			return nil
-		}
-	}
-	boolean := func(p *bool) func(string) error {
-		return func(v string) error {
-			b, err := strconv.ParseBool(v)
-			if err != nil {
-				return fmt.Errorf("want true or false, got %q", v)
-			}
-			*p = b
-			return nil
-		}
-	}
-	integer := func(p *int64, min int64) func(string) error {
-		return func(v string) error {
-			n, err := strconv.ParseInt(v, 10, 64)
-			if err != nil || n < min {
-				return fmt.Errorf("want an integer ≥ %d, got %q", min, v)
-			}
-			*p = n
-			return nil
-		}
-	}
-	intp := func(p *int) func(string) error {
-		return func(v string) error {
-			n, err := strconv.Atoi(v)
-			if err != nil || n < 1 {
-				return fmt.Errorf("want a positive integer, got %q", v)
-			}
-			*p = n
-			return nil
-		}
-	}
-	headerList := func(p *string, never []string) func(string) error {
-		return func(v string) error {
-			if _, err := parseHeaderList(v, never); err != nil {
-				return err
-			}
-			*p = v
-			return nil
-		}
-	}
+	return slices.Concat(c.connectionSettings(), c.holdSettings(), c.workerSettings(),
+		c.runSettings(), c.httpSettings())
+}
+
+// connectionSettings: where Redis, the ledger, the upstreams and the admin API are.
+func (c *Config) connectionSettings() []setting {
 	return []setting{
 		{"ESCROW_ADDR", "addr", "127.0.0.1:8080", "listen address", str(&c.Addr)},
 		{"REDIS_URL", "redis-url", "", "Redis URL (redis:// or rediss:// with verified TLS); comma-separated URLs mean a Redis Cluster; empty: embedded miniredis (examples/proxy only; required by escrow serve)", str(&c.RedisURL)},
@@ -148,6 +105,12 @@ func (c *Config) settings() []setting {
 		{"ESCROW_ANTHROPIC_API_KEY", "anthropic-api-key", "", "API key sent to the Anthropic upstream as x-api-key (clients' keys are never forwarded)", str(&c.AnthropicAPIKey)},
 		{"ESCROW_ROUTES_FILE", "routes-file", "", "JSON file of upstream routes by model ({\"routes\":[{\"model\" or \"prefix\", \"upstream\", \"api_key_env\" or \"api_key\", \"style\": openai|anthropic, \"rename\"}]}); replaces UPSTREAM_URL and ESCROW_ANTHROPIC_URL; empty: UPSTREAM_URL serves every model (and ESCROW_ANTHROPIC_URL every Messages API model)", str(&c.RoutesFile)},
 		{"ESCROW_ADMIN_TOKEN", "admin-token", "", "bearer token of the admin API; empty: admin API off (the embedded demo generates one)", str(&c.AdminToken)},
+	}
+}
+
+// holdSettings: how holds are taken, bounded and journaled.
+func (c *Config) holdSettings() []setting {
+	return []setting{
 		{"ESCROW_HOLD_TTL", "hold-ttl", "10m", "hold expiry; extended every third of it while a request runs", dur(&c.HoldTTL)},
 		{"ESCROW_FAIL_OPEN", "fail-open", "false", "when Redis is down, serve requests without a hold (their usage is still billed)", boolean(&c.FailOpen)},
 		{"ESCROW_MAX_IN_FLIGHT", "max-in-flight", "256", "per-org cap on requests in flight (429 rate_limit_exceeded beyond it)", intp(&c.MaxInFlight)},
@@ -159,6 +122,12 @@ func (c *Config) settings() []setting {
 		{"ESCROW_JOURNAL_DIR", "journal-dir", "", "directory of the local usage journal used while Postgres is down; empty: none", str(&c.JournalDir)},
 		{"ESCROW_JOURNAL_MAX_BYTES", "journal-max-bytes", "67108864", "size cap of the local journal; new holds are refused (503) when less than a tenth of it is free", integer(&c.JournalMaxBytes, 1)},
 		{"ESCROW_JOURNAL_REPLAY_INTERVAL", "journal-replay-interval", "1s", "how often a non-empty journal is replayed into the ledger", dur(&c.ReplayInterval)},
+	}
+}
+
+// workerSettings: the background loops' pace and the shutdown bound.
+func (c *Config) workerSettings() []setting {
+	return []setting{
 		{"ESCROW_REAP_GRACE", "reap-grace", "1m", "a hold past its expiry is reaped only after this grace (keep it above the record timeout)", dur(&c.ReapGrace)},
 		{"ESCROW_PIN_TTL", "pin-ttl", "24h", "how far a journaled request's hold is pinned (renewed every quarter of it); at least 4× the hold TTL", dur(&c.PinTTL)},
 		{"ESCROW_SWEEP_INTERVAL", "sweep-interval", "2s", "how often the worker looks for unsettled orgs without a notification", dur(&c.SweepInterval)},
@@ -166,6 +135,12 @@ func (c *Config) settings() []setting {
 		{"ESCROW_SCAN_INTERVAL", "scan-interval", "1m", "how often a rate-limited SCAN looks for expired holds of dead processes", dur(&c.ScanInterval)},
 		{"ESCROW_RECONCILE_INTERVAL", "reconcile-interval", "1m", "how often every warm org is checked against the ledger (drift repair)", dur(&c.ReconcileEvery)},
 		{"ESCROW_SHUTDOWN_TIMEOUT", "shutdown-timeout", "30s", "how long shutdown waits for in-flight requests", dur(&c.ShutdownTimeout)},
+	}
+}
+
+// runSettings: logs, the demo, benchmarks, webhooks and the request path's bounds.
+func (c *Config) runSettings() []setting {
+	return []setting{
 		{"ESCROW_LOG_LEVEL", "log-level", "info", "debug, info, warn or error", str(&c.LogLevel)},
 		{"ESCROW_LOG_FORMAT", "log-format", "text", "text or json", str(&c.LogFormat)},
 		{"ESCROW_DEMO_BALANCE", "demo-balance", "10000000", "balance (micro-units) of the demo org created by the embedded default (examples/proxy)", integer(&c.DemoBalance, 0)},
@@ -179,12 +154,72 @@ func (c *Config) settings() []setting {
 		{"ESCROW_KEY_MAX_STALE", "key-max-stale", "10m", "while Postgres is down, a known key keeps working for this long after its last look-up (unless revoked)", dur(&c.KeyMaxStale)},
 		{"ESCROW_KEY_FAILURES_PER_MINUTE", "key-failures-per-minute", "20", "failed API key look-ups one client IP may cause per minute (429 beyond it)", intp(&c.KeyFailures)},
 		{"ESCROW_PPROF_ADDR", "pprof-addr", "", "profiling only: serve net/http/pprof on this address (keep it on loopback); empty: off", str(&c.PprofAddr)},
+	}
+}
+
+// httpSettings: the client-facing server's timeouts and the headers that cross the proxy.
+func (c *Config) httpSettings() []setting {
+	return []setting{
 		{"ESCROW_READ_HEADER_TIMEOUT", "read-header-timeout", "10s", "how long a client may take to send a request's headers", dur(&c.ReadHeaderTimeout)},
 		{"ESCROW_READ_TIMEOUT", "read-timeout", "60s", "how long a client may take to send a whole request, body included (a slow or missing body is cut off)", dur(&c.ReadTimeout)},
 		{"ESCROW_WRITE_TIMEOUT", "write-timeout", "60s", "how long one write to the client may block; renewed at every write, so a stream runs as long as the client reads", dur(&c.WriteTimeout)},
 		{"ESCROW_IDLE_TIMEOUT", "idle-timeout", "120s", "how long a keep-alive connection may wait for its next request", dur(&c.IdleTimeout)},
 		{"ESCROW_UPSTREAM_REQUEST_HEADERS", "upstream-request-headers", defaultRequestHeaders, "client request headers passed to the upstream besides Content-Type (comma-separated, Name* is a prefix, none: no other); credentials, cookies, OpenAI-Organization/-Project, Expect, X-Escrow-* and hop-by-hop headers never pass", headerList(&c.UpstreamRequestHeaders, neverRequestHeaders)},
 		{"ESCROW_UPSTREAM_RESPONSE_HEADERS", "upstream-response-headers", defaultResponseHeaders, "upstream response headers passed to the client besides Content-Type, -Length and -Encoding (comma-separated, Name* is a prefix, none: no other); Server, Set-Cookie, OpenAI-Organization/-Project, X-Escrow-* and hop-by-hop headers never pass", headerList(&c.UpstreamResponseHeaders, neverResponseHeaders)},
+	}
+}
+
+// The parsers of the table: each checks a value and stores it in its field.
+
+func str(p *string) func(string) error { return func(v string) error { *p = v; return nil } }
+
+// parsed stores parse(v) in *p, or says what was wanted when parse does not accept v.
+func parsed[T any](p *T, want string, parse func(string) (T, bool)) func(string) error {
+	return func(v string) error {
+		x, ok := parse(v)
+		if !ok {
+			return fmt.Errorf("want %s, got %q", want, v)
+		}
+		*p = x
+		return nil
+	}
+}
+
+func dur(p *time.Duration) func(string) error {
+	return parsed(p, "a positive Go duration such as 10m", func(v string) (time.Duration, bool) {
+		d, err := time.ParseDuration(v)
+		return d, err == nil && d > 0
+	})
+}
+
+func boolean(p *bool) func(string) error {
+	return parsed(p, "true or false", func(v string) (bool, bool) {
+		b, err := strconv.ParseBool(v)
+		return b, err == nil
+	})
+}
+
+func integer(p *int64, min int64) func(string) error {
+	return parsed(p, fmt.Sprintf("an integer ≥ %d", min), func(v string) (int64, bool) {
+		n, err := strconv.ParseInt(v, 10, 64)
+		return n, err == nil && n >= min
+	})
+}
+
+func intp(p *int) func(string) error {
+	return parsed(p, "a positive integer", func(v string) (int, bool) {
+		n, err := strconv.Atoi(v)
+		return n, err == nil && n >= 1
+	})
+}
+
+func headerList(p *string, never []string) func(string) error {
+	return func(v string) error {
+		if _, err := parseHeaderList(v, never); err != nil {
+			return err
+		}
+		*p = v
+		return nil
 	}
 }
 
