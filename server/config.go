@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -85,16 +84,9 @@ type setting struct {
 	set                  func(string) error
 }
 
-// settings is every setting of the proxy — env var, flag, default, help, parser — read top to
-// bottom by LoadConfig, the usage text and the redacted startup log; the groups below keep
-// that order.
+// settings is every setting of the proxy — env var, flag, default, help, parser — as one table,
+// read top to bottom by LoadConfig, the usage text and the redacted startup log.
 func (c *Config) settings() []setting {
-	return slices.Concat(c.connectionSettings(), c.holdSettings(), c.workerSettings(),
-		c.runSettings(), c.httpSettings())
-}
-
-// connectionSettings: where Redis, the ledger, the upstreams and the admin API are.
-func (c *Config) connectionSettings() []setting {
 	return []setting{
 		{"ESCROW_ADDR", "addr", "127.0.0.1:8080", "listen address", str(&c.Addr)},
 		{"REDIS_URL", "redis-url", "", "Redis URL (redis:// or rediss:// with verified TLS); comma-separated URLs mean a Redis Cluster; empty: embedded miniredis (examples/proxy only; required by escrow serve)", str(&c.RedisURL)},
@@ -105,12 +97,6 @@ func (c *Config) connectionSettings() []setting {
 		{"ESCROW_ANTHROPIC_API_KEY", "anthropic-api-key", "", "API key sent to the Anthropic upstream as x-api-key (clients' keys are never forwarded)", str(&c.AnthropicAPIKey)},
 		{"ESCROW_ROUTES_FILE", "routes-file", "", "JSON file of upstream routes by model ({\"routes\":[{\"model\" or \"prefix\", \"upstream\", \"api_key_env\" or \"api_key\", \"style\": openai|anthropic, \"rename\"}]}); replaces UPSTREAM_URL and ESCROW_ANTHROPIC_URL; empty: UPSTREAM_URL serves every model (and ESCROW_ANTHROPIC_URL every Messages API model)", str(&c.RoutesFile)},
 		{"ESCROW_ADMIN_TOKEN", "admin-token", "", "bearer token of the admin API; empty: admin API off (the embedded demo generates one)", str(&c.AdminToken)},
-	}
-}
-
-// holdSettings: how holds are taken, bounded and journaled.
-func (c *Config) holdSettings() []setting {
-	return []setting{
 		{"ESCROW_HOLD_TTL", "hold-ttl", "10m", "hold expiry; extended every third of it while a request runs", dur(&c.HoldTTL)},
 		{"ESCROW_FAIL_OPEN", "fail-open", "false", "when Redis is down, serve requests without a hold (their usage is still billed)", boolean(&c.FailOpen)},
 		{"ESCROW_MAX_IN_FLIGHT", "max-in-flight", "256", "per-org cap on requests in flight (429 rate_limit_exceeded beyond it)", intp(&c.MaxInFlight)},
@@ -122,12 +108,6 @@ func (c *Config) holdSettings() []setting {
 		{"ESCROW_JOURNAL_DIR", "journal-dir", "", "directory of the local usage journal used while Postgres is down; empty: none", str(&c.JournalDir)},
 		{"ESCROW_JOURNAL_MAX_BYTES", "journal-max-bytes", "67108864", "size cap of the local journal; new holds are refused (503) when less than a tenth of it is free", integer(&c.JournalMaxBytes, 1)},
 		{"ESCROW_JOURNAL_REPLAY_INTERVAL", "journal-replay-interval", "1s", "how often a non-empty journal is replayed into the ledger", dur(&c.ReplayInterval)},
-	}
-}
-
-// workerSettings: the background loops' pace and the shutdown bound.
-func (c *Config) workerSettings() []setting {
-	return []setting{
 		{"ESCROW_REAP_GRACE", "reap-grace", "1m", "a hold past its expiry is reaped only after this grace (keep it above the record timeout)", dur(&c.ReapGrace)},
 		{"ESCROW_PIN_TTL", "pin-ttl", "24h", "how far a journaled request's hold is pinned (renewed every quarter of it); at least 4× the hold TTL", dur(&c.PinTTL)},
 		{"ESCROW_SWEEP_INTERVAL", "sweep-interval", "2s", "how often the worker looks for unsettled orgs without a notification", dur(&c.SweepInterval)},
@@ -135,12 +115,6 @@ func (c *Config) workerSettings() []setting {
 		{"ESCROW_SCAN_INTERVAL", "scan-interval", "1m", "how often a rate-limited SCAN looks for expired holds of dead processes", dur(&c.ScanInterval)},
 		{"ESCROW_RECONCILE_INTERVAL", "reconcile-interval", "1m", "how often every warm org is checked against the ledger (drift repair)", dur(&c.ReconcileEvery)},
 		{"ESCROW_SHUTDOWN_TIMEOUT", "shutdown-timeout", "30s", "how long shutdown waits for in-flight requests", dur(&c.ShutdownTimeout)},
-	}
-}
-
-// runSettings: logs, the demo, benchmarks, webhooks and the request path's bounds.
-func (c *Config) runSettings() []setting {
-	return []setting{
 		{"ESCROW_LOG_LEVEL", "log-level", "info", "debug, info, warn or error", str(&c.LogLevel)},
 		{"ESCROW_LOG_FORMAT", "log-format", "text", "text or json", str(&c.LogFormat)},
 		{"ESCROW_DEMO_BALANCE", "demo-balance", "10000000", "balance (micro-units) of the demo org created by the embedded default (examples/proxy)", integer(&c.DemoBalance, 0)},
@@ -154,12 +128,6 @@ func (c *Config) runSettings() []setting {
 		{"ESCROW_KEY_MAX_STALE", "key-max-stale", "10m", "while Postgres is down, a known key keeps working for this long after its last look-up (unless revoked)", dur(&c.KeyMaxStale)},
 		{"ESCROW_KEY_FAILURES_PER_MINUTE", "key-failures-per-minute", "20", "failed API key look-ups one client IP may cause per minute (429 beyond it)", intp(&c.KeyFailures)},
 		{"ESCROW_PPROF_ADDR", "pprof-addr", "", "profiling only: serve net/http/pprof on this address (keep it on loopback); empty: off", str(&c.PprofAddr)},
-	}
-}
-
-// httpSettings: the client-facing server's timeouts and the headers that cross the proxy.
-func (c *Config) httpSettings() []setting {
-	return []setting{
 		{"ESCROW_READ_HEADER_TIMEOUT", "read-header-timeout", "10s", "how long a client may take to send a request's headers", dur(&c.ReadHeaderTimeout)},
 		{"ESCROW_READ_TIMEOUT", "read-timeout", "60s", "how long a client may take to send a whole request, body included (a slow or missing body is cut off)", dur(&c.ReadTimeout)},
 		{"ESCROW_WRITE_TIMEOUT", "write-timeout", "60s", "how long one write to the client may block; renewed at every write, so a stream runs as long as the client reads", dur(&c.WriteTimeout)},
