@@ -8,6 +8,7 @@
 package admin
 
 import (
+	"context"
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
@@ -71,8 +72,8 @@ func (a *API) Register(g *echo.Group) {
 	add(http.MethodPatch, "/orgs/:org", a.patchOrg)
 	add(http.MethodPost, "/orgs/:org/credits", a.credit)
 	add(http.MethodPost, "/orgs/:org/adjustments", a.adjust)
-	add(http.MethodGet, "/orgs/:org/balance", a.balance)
-	add(http.MethodPost, "/orgs/:org/reconcile", a.reconcile)
+	add(http.MethodGet, "/orgs/:org/balance", read(a, "org", a.ops.Balance))
+	add(http.MethodPost, "/orgs/:org/reconcile", read(a, "org", a.ops.Reconcile))
 	add(http.MethodGet, "/orgs/:org/keys", a.listKeys)
 	add(http.MethodPost, "/orgs/:org/keys", a.createKey)
 	add(http.MethodGet, "/orgs/:org/entries", a.listEntries)
@@ -80,18 +81,36 @@ func (a *API) Register(g *echo.Group) {
 	add(http.MethodPatch, "/keys/:id", a.patchKey)
 	add(http.MethodDelete, "/keys/:id", a.revokeKey)
 	add(http.MethodGet, "/usage/top", a.topSpenders)
-	add(http.MethodGet, "/requests/:id", a.request)
+	add(http.MethodGet, "/requests/:id", read(a, "id", a.ops.Request))
 	add(http.MethodGet, "/models", a.models)
 	add(http.MethodPost, "/models/import", a.importModels)
-	add(http.MethodGet, "/models/:model", a.getModel)
+	add(http.MethodGet, "/models/:model", read(a, "model", a.ops.Model))
 	add(http.MethodPut, "/models/:model", a.putModel)
 	add(http.MethodPatch, "/models/:model", a.patchModel)
 	add(http.MethodDelete, "/models/:model", a.deleteModel)
 	add(http.MethodGet, "/ledger/epoch", a.epoch)
 	add(http.MethodPost, "/ledger/epoch", a.raiseEpoch)
 	add(http.MethodGet, "/audit", a.auditLog)
-	a.registerWebhooks(add)
-	a.registerLimits(add)
+	// Webhook endpoints (the secret is in the 201 answer only) and each one's deliveries.
+	add(http.MethodGet, "/webhooks", a.listWebhooks)
+	add(http.MethodPost, "/webhooks", a.createWebhook)
+	add(http.MethodDelete, "/webhooks/:id", a.deleteWebhook)
+	add(http.MethodGet, "/webhooks/:id/deliveries", a.listDeliveries)
+	// Limits, projects and freezes (limits.go).
+	add(http.MethodPost, "/orgs/:org/projects", a.createProject)
+	add(http.MethodPut, "/keys/:id/project", a.setKeyProject)
+	add(http.MethodGet, "/orgs/:org/limits", a.listLimits)
+	add(http.MethodPost, "/orgs/:org/limits", a.createLimit)
+	add(http.MethodPatch, "/orgs/:org/limits/:id", a.patchLimit)
+	add(http.MethodDelete, "/orgs/:org/limits/:id", a.deleteLimit)
+	for _, f := range []struct {
+		path   string
+		frozen bool
+	}{{"freeze", true}, {"unfreeze", false}} {
+		add(http.MethodPost, "/orgs/:org/"+f.path, a.freeze(balance.ScopeOrg, f.frozen))
+		add(http.MethodPost, "/orgs/:org/projects/:id/"+f.path, a.freeze(balance.ScopeProject, f.frozen))
+		add(http.MethodPost, "/keys/:id/"+f.path, a.freeze(balance.ScopeKey, f.frozen))
+	}
 }
 
 // apiError is an answer in OpenAI's error shape, like the proxy's own refusals, so one client
@@ -159,52 +178,65 @@ func invalidOrg(c echo.Context, err error) error {
 	return writeError(c, apiError{status: http.StatusBadRequest, typ: typeInvalid, code: "invalid_org", msg: message(err)})
 }
 
-// fail maps an error of accounting.Ops to an answer.
-func (a *API) fail(c echo.Context, err error) error {
-	notFound := func(code, msg string) error {
-		return writeError(c, apiError{status: http.StatusNotFound, typ: typeInvalid, code: code, msg: msg})
-	}
-	conflict := func(code, msg string) error {
-		return writeError(c, apiError{status: http.StatusConflict, typ: typeInvalid, code: code, msg: msg})
+// refusal is the answer to one error of accounting.Ops: a status, a code and a message (""
+// means the error's own message, without package prefixes).
+type refusal struct {
+	err       error
+	status    int
+	code, msg string
+}
+
+// refusals are the errors with an answer of their own, checked in order (the webhook ones
+// first); any other error is a 500.
+var refusals = []refusal{
+	{accounting.ErrUnknownWebhook, http.StatusNotFound, "webhook_not_found", "no such webhook"},
+	{accounting.ErrInvalidWebhook, http.StatusBadRequest, "invalid_value", ""},
+	{accounting.ErrNoWebhooks, http.StatusNotImplemented, "webhooks_unsupported", ""},
+	{accounting.ErrUnknownOrg, http.StatusNotFound, "org_not_found", "no such org"},
+	{accounting.ErrOrgExists, http.StatusConflict, "org_exists", "the org already exists"},
+	{accounting.ErrReferenceConflict, http.StatusConflict, "reference_conflict", "this reference was already used for another credit"},
+	{accounting.ErrUnknownKey, http.StatusNotFound, "key_not_found", "no such key"},
+	{accounting.ErrUnknownModel, http.StatusNotFound, "model_not_found", "no such model"},
+	{accounting.ErrUnknownRequest, http.StatusNotFound, "request_not_found", "no request with this id in the ledger"},
+	{accounting.ErrModelInUse, http.StatusConflict, "model_in_use", "the model has recorded usage and cannot be deleted"},
+	{accounting.ErrUnknownProject, http.StatusNotFound, "project_not_found", "no such project in this org"},
+	{accounting.ErrUnknownLimit, http.StatusNotFound, "limit_not_found", "no such limit in this org"},
+	{accounting.ErrProjectExists, http.StatusConflict, "project_exists", "the project already exists"},
+	{accounting.ErrInvalidLimit, http.StatusBadRequest, "invalid_value", ""},
+	{balance.ErrInvalidOrg, http.StatusBadRequest, "invalid_org", ""},
+	{accounting.ErrInvalidCursor, http.StatusBadRequest, "invalid_cursor", ""},
+	{accounting.ErrInvalidQuery, http.StatusBadRequest, "invalid_value", ""},
+	{accounting.ErrInvalidAmount, http.StatusBadRequest, "invalid_value", ""},
+	{balance.ErrInvalidAmount, http.StatusBadRequest, "invalid_value", ""},
+	{accounting.ErrCostOverflow, http.StatusBadRequest, "invalid_value", ""},
+	{accounting.ErrLedgerUnavailable, http.StatusServiceUnavailable, "ledger_unavailable", "the ledger is unavailable"},
+	{accounting.ErrHotBalance, http.StatusServiceUnavailable, "redis_unavailable", "the hot balance is unavailable"},
+}
+
+// answer is the refusal of err: a 503 is retried after a second, a 4xx is the client's error.
+func (r refusal) answer(err error) apiError {
+	e := apiError{status: r.status, typ: typeInvalid, code: r.code, msg: r.msg}
+	if e.msg == "" {
+		e.msg = message(err)
 	}
 	switch {
-	case errors.Is(err, accounting.ErrUnknownOrg):
-		return notFound("org_not_found", "no such org")
-	case errors.Is(err, accounting.ErrOrgExists):
-		return conflict("org_exists", "the org already exists")
-	case errors.Is(err, accounting.ErrReferenceConflict):
-		return conflict("reference_conflict", "this reference was already used for another credit")
-	case errors.Is(err, accounting.ErrUnknownKey):
-		return notFound("key_not_found", "no such key")
-	case errors.Is(err, accounting.ErrUnknownModel):
-		return notFound("model_not_found", "no such model")
-	case errors.Is(err, accounting.ErrUnknownRequest):
-		return notFound("request_not_found", "no request with this id in the ledger")
-	case errors.Is(err, accounting.ErrModelInUse):
-		return conflict("model_in_use", "the model has recorded usage and cannot be deleted")
-	case errors.Is(err, accounting.ErrUnknownProject):
-		return notFound("project_not_found", "no such project in this org")
-	case errors.Is(err, accounting.ErrUnknownLimit):
-		return notFound("limit_not_found", "no such limit in this org")
-	case errors.Is(err, accounting.ErrProjectExists):
-		return conflict("project_exists", "the project already exists")
-	case errors.Is(err, accounting.ErrInvalidLimit):
-		return invalid(c, message(err))
-	case errors.Is(err, balance.ErrInvalidOrg):
-		return invalidOrg(c, err)
-	case errors.Is(err, accounting.ErrInvalidCursor):
-		return writeError(c, apiError{status: http.StatusBadRequest, typ: typeInvalid, code: "invalid_cursor", msg: message(err)})
-	case errors.Is(err, accounting.ErrInvalidQuery), errors.Is(err, accounting.ErrInvalidAmount),
-		errors.Is(err, balance.ErrInvalidAmount), errors.Is(err, accounting.ErrCostOverflow):
-		return invalid(c, message(err))
-	case errors.Is(err, accounting.ErrLedgerUnavailable):
-		return unavailable(c, "ledger_unavailable", "the ledger is unavailable")
-	case errors.Is(err, accounting.ErrHotBalance):
-		return unavailable(c, "redis_unavailable", "the hot balance is unavailable")
-	default:
-		a.log.Error("admin request failed", "path", c.Path(), "err", err)
-		return writeError(c, apiError{status: http.StatusInternalServerError, typ: typeServer, code: "internal_error", msg: "internal error"})
+	case r.status == http.StatusServiceUnavailable:
+		e.typ, e.retryAfter = typeUnavailable, time.Second
+	case r.status >= 500:
+		e.typ = typeServer
 	}
+	return e
+}
+
+// fail maps an error of accounting.Ops to an answer.
+func (a *API) fail(c echo.Context, err error) error {
+	for _, r := range refusals {
+		if errors.Is(err, r.err) {
+			return writeError(c, r.answer(err))
+		}
+	}
+	a.log.Error("admin request failed", "path", c.Path(), "err", err)
+	return writeError(c, apiError{status: http.StatusInternalServerError, typ: typeServer, code: "internal_error", msg: "internal error"})
 }
 
 // message is err's text for a client: without the Go package prefixes ("accounting: "), which
@@ -259,44 +291,33 @@ type moneyRequest struct {
 	Reference string `json:"reference"`
 }
 
+// credit: POST /orgs/:org/credits, a payment (amount > 0).
 func (a *API) credit(c echo.Context) error {
-	var req moneyRequest
-	if err := bind(c, &req); err != nil || c.Response().Committed {
-		return err
-	}
-	if req.Amount == nil || *req.Amount <= 0 || req.Reference == "" {
-		return invalid(c, "amount (> 0, micro-units) and reference are required")
-	}
-	e, created, err := a.ops.Credit(c.Request().Context(), c.Param("org"), *req.Amount, req.Reference)
-	if err != nil && !errors.Is(err, accounting.ErrHotBalance) {
-		return a.fail(c, err)
-	}
-	return writeJSON(c, entryStatus(c, created, err), e)
+	return a.entry(c, func(n int64) bool { return n > 0 }, "amount (> 0, micro-units) and reference are required", a.ops.Credit)
 }
 
+// adjust: POST /orgs/:org/adjustments, a correction either way (amount ≠ 0).
 func (a *API) adjust(c echo.Context) error {
+	return a.entry(c, func(n int64) bool { return n != 0 }, "amount (≠ 0, micro-units) and reference are required", a.ops.Adjust)
+}
+
+// entry writes a ledger entry of the body's amount (accepted by valid, else 400 need) and
+// reference with write; a durable entry whose hot-balance update failed is answered too
+// (entryStatus).
+func (a *API) entry(c echo.Context, valid func(int64) bool, need string,
+	write func(ctx context.Context, org string, amount int64, ref string) (accounting.LedgerEntry, bool, error)) error {
 	var req moneyRequest
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
 	}
-	if req.Amount == nil || *req.Amount == 0 || req.Reference == "" {
-		return invalid(c, "amount (≠ 0, micro-units) and reference are required")
+	if req.Amount == nil || !valid(*req.Amount) || req.Reference == "" {
+		return invalid(c, need)
 	}
-	e, created, err := a.ops.Adjust(c.Request().Context(), c.Param("org"), *req.Amount, req.Reference)
+	e, created, err := write(c.Request().Context(), c.Param("org"), *req.Amount, req.Reference)
 	if err != nil && !errors.Is(err, accounting.ErrHotBalance) {
 		return a.fail(c, err)
 	}
 	return writeJSON(c, entryStatus(c, created, err), e)
-}
-
-func (a *API) balance(c echo.Context) error {
-	b, err := a.ops.Balance(c.Request().Context(), c.Param("org"))
-	return a.answer(c, b, err)
-}
-
-func (a *API) reconcile(c echo.Context) error {
-	d, err := a.ops.Reconcile(c.Request().Context(), c.Param("org"))
-	return a.answer(c, d, err)
 }
 
 func (a *API) createKey(c echo.Context) error {

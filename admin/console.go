@@ -19,8 +19,6 @@ import (
 	"github.com/llmescrow/escrow/balance"
 )
 
-// writeJSON answers v as JSON without HTML escaping ('>' stays '>', not \u003e): the admin API's
-// readers are programs and people at a terminal, never an HTML page.
 // answer writes v with 200, or the refusal err maps to.
 func (a *API) answer(c echo.Context, v any, err error) error {
 	if err != nil {
@@ -29,6 +27,16 @@ func (a *API) answer(c echo.Context, v any, err error) error {
 	return writeJSON(c, http.StatusOK, v)
 }
 
+// read is the handler of a route that is one read of accounting.Ops: get of the route's param.
+func read[T any](a *API, param string, get func(context.Context, string) (T, error)) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		v, err := get(c.Request().Context(), c.Param(param))
+		return a.answer(c, v, err)
+	}
+}
+
+// writeJSON answers v as JSON without HTML escaping ('>' stays '>', not \u003e): the admin API's
+// readers are programs and people at a terminal, never an HTML page.
 func writeJSON(c echo.Context, status int, v any) error {
 	var buf bytes.Buffer
 	enc := json.NewEncoder(&buf)
@@ -101,6 +109,15 @@ func listQuery(c echo.Context) (accounting.ListQuery, error) {
 	return q, nil
 }
 
+// timeRange reads the from and to parameters (timeParam).
+func timeRange(c echo.Context) (from, to time.Time, err error) {
+	if from, err = timeParam(c, "from"); err != nil {
+		return from, to, err
+	}
+	to, err = timeParam(c, "to")
+	return from, to, err
+}
+
 // timeParam reads an RFC 3339 time or a UTC date (2006-01-02) from the query; "" is a zero time.
 func timeParam(c echo.Context, name string) (time.Time, error) {
 	s := c.QueryParam(name)
@@ -135,10 +152,7 @@ func (a *API) listOrgs(c echo.Context) error {
 		})
 }
 
-func (a *API) getOrg(c echo.Context) error {
-	o, err := a.ops.Org(c.Request().Context(), c.Param("org"))
-	return a.answer(c, o, err)
-}
+func (a *API) getOrg(c echo.Context) error { return read(a, "org", a.ops.Org)(c) }
 
 type nameRequest struct {
 	Name *string `json:"name"`
@@ -208,10 +222,7 @@ func (a *API) listEntries(c echo.Context) error {
 		return invalid(c, err.Error())
 	}
 	q := accounting.EntryQuery{ListQuery: lq, Kind: accounting.EntryKind(c.QueryParam("kind"))}
-	if q.From, err = timeParam(c, "from"); err == nil {
-		q.To, err = timeParam(c, "to")
-	}
-	if err != nil {
+	if q.From, q.To, err = timeRange(c); err != nil {
 		return invalid(c, err.Error())
 	}
 	p, err := a.ops.ListEntries(c.Request().Context(), c.Param("org"), q)
@@ -237,10 +248,7 @@ func (a *API) usage(c echo.Context) error {
 		q.GroupBy = accounting.GroupByDay
 	}
 	var err error
-	if q.From, err = timeParam(c, "from"); err == nil {
-		q.To, err = timeParam(c, "to")
-	}
-	if err != nil {
+	if q.From, q.To, err = timeRange(c); err != nil {
 		return invalid(c, err.Error())
 	}
 	rows, err := a.ops.UsageReport(c.Request().Context(), c.Param("org"), q)
@@ -259,9 +267,7 @@ func (a *API) topSpenders(c echo.Context) error {
 	lq, err := listQuery(c)
 	if err == nil {
 		q.Limit = lq.Limit
-		if q.From, err = timeParam(c, "from"); err == nil {
-			q.To, err = timeParam(c, "to")
-		}
+		q.From, q.To, err = timeRange(c)
 	}
 	if err != nil {
 		return invalid(c, err.Error())
@@ -287,16 +293,6 @@ func (a *API) topSpenders(c echo.Context) error {
 		func(r spender) []string {
 			return []string{r.Org, i64(r.Requests), i64(r.Cost), i64(r.Prompt), i64(r.Cached), i64(r.Completion), i64(r.Reasoning)}
 		})
-}
-
-func (a *API) request(c echo.Context) error {
-	r, err := a.ops.Request(c.Request().Context(), c.Param("id"))
-	return a.answer(c, r, err)
-}
-
-func (a *API) getModel(c echo.Context) error {
-	m, err := a.ops.Model(c.Request().Context(), c.Param("model"))
-	return a.answer(c, m, err)
 }
 
 func (a *API) deleteModel(c echo.Context) error {

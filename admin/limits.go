@@ -15,23 +15,6 @@ import (
 // the push failed, the change is durable: the answer is the usual one with an x-escrow-warning
 // header (the reconciler pushes it later).
 
-func (a *API) registerLimits(add func(method, path string, h echo.HandlerFunc)) {
-	add(http.MethodPost, "/orgs/:org/projects", a.createProject)
-	add(http.MethodPut, "/keys/:id/project", a.setKeyProject)
-	add(http.MethodGet, "/orgs/:org/limits", a.listLimits)
-	add(http.MethodPost, "/orgs/:org/limits", a.createLimit)
-	add(http.MethodPatch, "/orgs/:org/limits/:id", a.patchLimit)
-	add(http.MethodDelete, "/orgs/:org/limits/:id", a.deleteLimit)
-	for _, f := range []struct {
-		path   string
-		frozen bool
-	}{{"freeze", true}, {"unfreeze", false}} {
-		add(http.MethodPost, "/orgs/:org/"+f.path, a.freeze(balance.ScopeOrg, f.frozen))
-		add(http.MethodPost, "/orgs/:org/projects/:id/"+f.path, a.freeze(balance.ScopeProject, f.frozen))
-		add(http.MethodPost, "/keys/:id/"+f.path, a.freeze(balance.ScopeKey, f.frozen))
-	}
-}
-
 // limitAnswer writes v with status, after a change whose push may have failed (a warning
 // header then), or the refusal err maps to.
 func (a *API) limitAnswer(c echo.Context, status int, v any, err error) error {

@@ -3,7 +3,6 @@ package admin
 import (
 	"bytes"
 	"encoding/json"
-	"errors"
 	"net/http"
 	"strconv"
 	"strings"
@@ -12,28 +11,6 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 )
-
-// registerWebhooks adds the webhook routes: endpoints (the secret is in the 201 answer only) and
-// each one's deliveries.
-func (a *API) registerWebhooks(add func(method, path string, h echo.HandlerFunc)) {
-	add(http.MethodGet, "/webhooks", a.listWebhooks)
-	add(http.MethodPost, "/webhooks", a.createWebhook)
-	add(http.MethodDelete, "/webhooks/:id", a.deleteWebhook)
-	add(http.MethodGet, "/webhooks/:id/deliveries", a.listDeliveries)
-}
-
-// failWebhook maps the webhook errors, then the others (fail).
-func (a *API) failWebhook(c echo.Context, err error) error {
-	switch {
-	case errors.Is(err, accounting.ErrUnknownWebhook):
-		return writeError(c, apiError{status: http.StatusNotFound, typ: typeInvalid, code: "webhook_not_found", msg: "no such webhook"})
-	case errors.Is(err, accounting.ErrInvalidWebhook):
-		return invalid(c, message(err))
-	case errors.Is(err, accounting.ErrNoWebhooks):
-		return writeError(c, apiError{status: http.StatusNotImplemented, typ: typeServer, code: "webhooks_unsupported", msg: message(err)})
-	}
-	return a.fail(c, err)
-}
 
 func (a *API) createWebhook(c echo.Context) error {
 	var req struct {
@@ -45,7 +22,7 @@ func (a *API) createWebhook(c echo.Context) error {
 	}
 	w, secret, err := a.ops.CreateWebhook(c.Request().Context(), req.URL, req.Events)
 	if err != nil {
-		return a.failWebhook(c, err)
+		return a.fail(c, err)
 	}
 	return writeJSON(c, http.StatusCreated, struct {
 		accounting.Webhook
@@ -56,7 +33,7 @@ func (a *API) createWebhook(c echo.Context) error {
 func (a *API) listWebhooks(c echo.Context) error {
 	ws, err := a.ops.ListWebhooks(c.Request().Context())
 	if err != nil {
-		return a.failWebhook(c, err)
+		return a.fail(c, err)
 	}
 	return writeList(c, ws, "", []string{"id", "url", "events", "created_at"}, func(w accounting.Webhook) []string {
 		evs := make([]string, len(w.Events))
@@ -69,7 +46,7 @@ func (a *API) listWebhooks(c echo.Context) error {
 
 func (a *API) deleteWebhook(c echo.Context) error {
 	if err := a.ops.DeleteWebhook(c.Request().Context(), c.Param("id")); err != nil {
-		return a.failWebhook(c, err)
+		return a.fail(c, err)
 	}
 	return c.NoContent(http.StatusNoContent)
 }
@@ -81,7 +58,7 @@ func (a *API) listDeliveries(c echo.Context) error {
 	}
 	p, err := a.ops.ListDeliveries(c.Request().Context(), c.Param("id"), q)
 	if err != nil {
-		return a.failWebhook(c, err)
+		return a.fail(c, err)
 	}
 	return writeList(c, p.Data, p.Next,
 		[]string{"id", "webhook_id", "event_id", "event_type", "org", "status", "attempts", "last_status", "last_error", "next_attempt_at", "delivered_at", "created_at"},
@@ -110,7 +87,7 @@ func (a *API) setThreshold(c echo.Context, raw json.RawMessage) error {
 		t = &v
 	}
 	if err := a.ops.SetLowBalanceThreshold(c.Request().Context(), c.Param("org"), t); err != nil {
-		return a.failWebhook(c, err)
+		return a.fail(c, err)
 	}
 	return nil
 }

@@ -7,15 +7,9 @@ set -euo pipefail
 REDIS_PORT=${REDIS_PORT:-6379}
 PG_PORT=${PG_PORT:-5432}
 
-log() { printf 'services: %s\n' "$*" >&2; }
-die() { log "FATAL: $*"; exit 1; }
-
-apt_install() {
-  log "installing $* with apt-get"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq >/dev/null 2>&1 || true
-  apt-get install -y -qq "$@" >/dev/null || die "apt-get install $* failed"
-}
+LOG_NAME=services
+# shellcheck source=apt.sh
+. "$(dirname "${BASH_SOURCE[0]}")/apt.sh"
 
 wait_for() { # name, tries, command...
   local name=$1 tries=$2; shift 2

@@ -4,15 +4,9 @@
 # Fails loudly: `make test` must never skip the model check for want of a tool.
 set -euo pipefail
 
-log() { printf 'spin: %s\n' "$*" >&2; }
-die() { log "FATAL: $*"; exit 1; }
-
-apt_install() {
-  log "installing $* with apt-get"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq >/dev/null 2>&1 || true
-  apt-get install -y -qq "$@" >/dev/null || die "apt-get install $* failed"
-}
+LOG_NAME=spin
+# shellcheck source=apt.sh
+. "$(dirname "${BASH_SOURCE[0]}")/apt.sh"
 
 if ! command -v spin >/dev/null; then apt_install spin; fi
 if ! command -v gcc >/dev/null; then apt_install gcc; fi

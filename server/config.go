@@ -85,59 +85,8 @@ type setting struct {
 }
 
 // settings is every setting of the proxy — env var, flag, default, help, parser — as one table,
-// read top to bottom by LoadConfig, the usage text and the redacted startup log. It is long
-// because it is the list; split, the list would be in pieces.
+// read top to bottom by LoadConfig, the usage text and the redacted startup log.
 func (c *Config) settings() []setting {
-	str := func(p *string) func(string) error { return func(v string) error { *p = v; return nil } }
-	dur := func(p *time.Duration) func(string) error {
-		return func(v string) error {
-			d, err := time.ParseDuration(v)
-			if err != nil || d <= 0 {
-				return fmt.Errorf("want a positive Go duration such as 10m, got %q", v)
-			}
-			*p = d
-			return nil
-		}
-	}
-	boolean := func(p *bool) func(string) error {
-		return func(v string) error {
-			b, err := strconv.ParseBool(v)
-			if err != nil {
-				return fmt.Errorf("want true or false, got %q", v)
-			}
-			*p = b
-			return nil
-		}
-	}
-	integer := func(p *int64, min int64) func(string) error {
-		return func(v string) error {
-			n, err := strconv.ParseInt(v, 10, 64)
-			if err != nil || n < min {
-				return fmt.Errorf("want an integer ≥ %d, got %q", min, v)
-			}
-			*p = n
-			return nil
-		}
-	}
-	intp := func(p *int) func(string) error {
-		return func(v string) error {
-			n, err := strconv.Atoi(v)
-			if err != nil || n < 1 {
-				return fmt.Errorf("want a positive integer, got %q", v)
-			}
-			*p = n
-			return nil
-		}
-	}
-	headerList := func(p *string, never []string) func(string) error {
-		return func(v string) error {
-			if _, err := parseHeaderList(v, never); err != nil {
-				return err
-			}
-			*p = v
-			return nil
-		}
-	}
 	return []setting{
 		{"ESCROW_ADDR", "addr", "127.0.0.1:8080", "listen address", str(&c.Addr)},
 		{"REDIS_URL", "redis-url", "", "Redis URL (redis:// or rediss:// with verified TLS); comma-separated URLs mean a Redis Cluster; empty: embedded miniredis (examples/proxy only; required by escrow serve)", str(&c.RedisURL)},
@@ -185,6 +134,60 @@ func (c *Config) settings() []setting {
 		{"ESCROW_IDLE_TIMEOUT", "idle-timeout", "120s", "how long a keep-alive connection may wait for its next request", dur(&c.IdleTimeout)},
 		{"ESCROW_UPSTREAM_REQUEST_HEADERS", "upstream-request-headers", defaultRequestHeaders, "client request headers passed to the upstream besides Content-Type (comma-separated, Name* is a prefix, none: no other); credentials, cookies, OpenAI-Organization/-Project, Expect, X-Escrow-* and hop-by-hop headers never pass", headerList(&c.UpstreamRequestHeaders, neverRequestHeaders)},
 		{"ESCROW_UPSTREAM_RESPONSE_HEADERS", "upstream-response-headers", defaultResponseHeaders, "upstream response headers passed to the client besides Content-Type, -Length and -Encoding (comma-separated, Name* is a prefix, none: no other); Server, Set-Cookie, OpenAI-Organization/-Project, X-Escrow-* and hop-by-hop headers never pass", headerList(&c.UpstreamResponseHeaders, neverResponseHeaders)},
+	}
+}
+
+// The parsers of the table: each checks a value and stores it in its field.
+
+func str(p *string) func(string) error { return func(v string) error { *p = v; return nil } }
+
+// parsed stores parse(v) in *p, or says what was wanted when parse does not accept v.
+func parsed[T any](p *T, want string, parse func(string) (T, bool)) func(string) error {
+	return func(v string) error {
+		x, ok := parse(v)
+		if !ok {
+			return fmt.Errorf("want %s, got %q", want, v)
+		}
+		*p = x
+		return nil
+	}
+}
+
+func dur(p *time.Duration) func(string) error {
+	return parsed(p, "a positive Go duration such as 10m", func(v string) (time.Duration, bool) {
+		d, err := time.ParseDuration(v)
+		return d, err == nil && d > 0
+	})
+}
+
+func boolean(p *bool) func(string) error {
+	return parsed(p, "true or false", func(v string) (bool, bool) {
+		b, err := strconv.ParseBool(v)
+		return b, err == nil
+	})
+}
+
+func integer(p *int64, min int64) func(string) error {
+	return parsed(p, fmt.Sprintf("an integer ≥ %d", min), func(v string) (int64, bool) {
+		n, err := strconv.ParseInt(v, 10, 64)
+		return n, err == nil && n >= min
+	})
+}
+
+func intp(p *int) func(string) error {
+	return parsed(p, "a positive integer", func(v string) (int, bool) {
+		n, err := strconv.Atoi(v)
+		return n, err == nil && n >= 1
+	})
+}
+
+func headerList(p *string, never []string) func(string) error {
+	return func(v string) error {
+		if _, err := parseHeaderList(v, never); err != nil {
+			return err
+		}
+		*p = v
+		return nil
 	}
 }
 

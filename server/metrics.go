@@ -82,15 +82,22 @@ func newMetrics(a *Server) *metrics {
 	return m
 }
 
+// statFuncs returns the registrars of counters and gauges whose value is read from stats() at
+// each scrape.
+func statFuncs[S any](reg *prometheus.Registry, stats func() S) (counter, gauge func(name, help string, f func(S) int64)) {
+	counter = func(name, help string, f func(S) int64) {
+		reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, func() float64 { return float64(f(stats())) }))
+	}
+	gauge = func(name, help string, f func(S) int64) {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 { return float64(f(stats())) }))
+	}
+	return counter, gauge
+}
+
 // journalMetrics says whether the local usage journal is in use (a ledger outage).
 func (m *metrics) journalMetrics(a *Server) {
 	r := a.recorder
-	gauge := func(name, help string, f func(accounting.RecorderStats) int64) {
-		m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 { return float64(f(r.Stats())) }))
-	}
-	counter := func(name, help string, f func(accounting.RecorderStats) int64) {
-		m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, func() float64 { return float64(f(r.Stats())) }))
-	}
+	counter, gauge := statFuncs(m.reg, r.Stats)
 	gauge("escrow_journal_bytes", "Size of the local usage journal (non-zero: the ledger was unreachable and usage waits to be replayed).", func(s accounting.RecorderStats) int64 { return s.JournalBytes })
 	gauge("escrow_journal_events", "Usage events waiting in the local journal.", func(s accounting.RecorderStats) int64 { return s.JournalEvents })
 	gauge("escrow_journal_max_bytes", "Cap of the local journal (0: no journal).", func(s accounting.RecorderStats) int64 { return s.JournalMaxBytes })

@@ -3,8 +3,6 @@ package server
 import (
 	"fmt"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/webhook"
 )
@@ -34,10 +32,7 @@ func (s *Server) Webhooks() *webhook.Sender { return s.webhooks }
 
 // webhookMetrics are the sender's totals.
 func (m *metrics) webhookMetrics(a *Server) {
-	ws := a.webhooks
-	counter := func(name, help string, f func(webhook.Stats) int64) {
-		m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, func() float64 { return float64(f(ws.Stats())) }))
-	}
+	counter, _ := statFuncs(m.reg, a.webhooks.Stats)
 	counter("escrow_webhook_attempts_total", "Webhook delivery attempts sent (or tried).", func(s webhook.Stats) int64 { return s.Attempts })
 	counter("escrow_webhook_delivered_total", "Webhook deliveries answered with a 2xx.", func(s webhook.Stats) int64 { return s.Delivered })
 	counter("escrow_webhook_retries_total", "Failed webhook attempts with another one to come.", func(s webhook.Stats) int64 { return s.Retries })

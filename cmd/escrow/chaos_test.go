@@ -217,6 +217,68 @@ func chaosAdmin(base, method, path string, body any) (int, []byte, error) {
 // request whose outcome the client never saw; no hold id is charged twice; no request the
 // client saw refused is charged; the balance never went below the debt bound; and Redis
 // available equals the ledger.
+// chaosRun is one run of the chaos test: the services and the proxy it runs, the orgs it loads,
+// and what the clients, the credits and the faults saw.
+type chaosRun struct {
+	t    *testing.T
+	seed uint64
+	rs   *testutil.RedisServer
+	fp   *testutil.FaultProxy
+	pg   *testutil.PostgresServer
+	p    *proxyProc
+	dir  string
+	base string
+
+	client   *http.Client
+	orgs     []string // every org; the first five take the load
+	loadOrgs []string
+	keys     map[string]string
+
+	loadStart        time.Time
+	loadTime         time.Duration
+	results          []chaosResult
+	credits          []creditTry
+	windows          []faultWindow
+	coldDuringOutage int
+	views            map[string]chaosView // each org's balance, at rest
+}
+
+// creditTry is one credit to the poor org during the faults, with the status it got.
+type creditTry struct {
+	ref    string
+	status int
+}
+
+// faultWindow is when a fault was in force.
+type faultWindow struct {
+	what       string
+	start, end time.Time
+}
+
+// chaosView is an org's balance as the admin API shows it.
+type chaosView struct {
+	LedgerBalance int64 `json:"ledger_balance"`
+	Available     int64 `json:"available"`
+	Held          int64 `json:"held"`
+	Holds         int   `json:"holds"`
+	LedgerSeq     int64 `json:"ledger_seq"`
+	SettledSeq    int64 `json:"settled_seq"`
+}
+
+// chaosCharge is what the ledger charged one hold id: to which org, how much, how many times.
+type chaosCharge struct {
+	org   string
+	delta int64
+	n     int
+}
+
+// chaosTally counts what the clients of one org saw.
+type chaosTally struct {
+	requests, ok, r429, r503, r5xx, other, unknown, unsent int
+	okCost, unknownCharged                                 int64
+	unknownNoID, unmatchedCharges                          int
+}
+
 func TestChaos(t *testing.T) {
 	if testing.Short() {
 		t.Skip("chaos test: skipped with -short")
@@ -229,6 +291,35 @@ func TestChaos(t *testing.T) {
 	t.Logf("chaos seed %d (ESCROW_CHAOS_SEED to replay the fault order)", seed)
 	rng := rand.New(rand.NewPCG(seed, 1))
 
+	c := startChaos(t, seed)
+	c.setup()
+	stop, wait := c.load()
+	c.faults(rng)
+	stop()
+	wait()
+	c.loadTime = time.Since(c.loadStart)
+
+	ctx := context.Background()
+	db, err := pgx.Connect(ctx, c.pg.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close(ctx)
+	c.waitAtRest(db)
+	restTime := time.Since(c.loadStart) - c.loadTime
+	c.checkStop()
+	charges, creditRefs := c.readLedger(db)
+	c.checkCredits(creditRefs)
+	tallies, seen, codes := c.tally(charges)
+	total := c.checkOrgs(db, tallies, seen, charges, creditRefs)
+	c.checkRedisOutages()
+	servedInOutage := c.servedInPostgresOutages()
+	c.report(total, charges, codes, servedInOutage, restTime)
+}
+
+// startChaos starts Redis behind a fault proxy, a private Postgres, the fake upstream and the
+// proxy binary, built for the test, configured for short holds and quick background loops.
+func startChaos(t *testing.T, seed uint64) *chaosRun {
 	began := time.Now()
 	rs := testutil.StartRedisServer(t)
 	fp := testutil.StartFaultProxy(t, rs.Addr())
@@ -258,8 +349,8 @@ func TestChaos(t *testing.T) {
 	)
 	t.Logf("built and started in %.1fs", time.Since(began).Seconds())
 	p.start()
-	defer p.kill()
-	defer func() {
+	t.Cleanup(p.kill)
+	t.Cleanup(func() {
 		if keep := os.Getenv("ESCROW_CHAOS_KEEP_LOG"); keep != "" {
 			b, _ := os.ReadFile(p.log)
 			_ = os.WriteFile(keep, b, 0o644)
@@ -267,10 +358,18 @@ func TestChaos(t *testing.T) {
 		if t.Failed() {
 			t.Logf("proxy log (tail):\n%s", tail(p.log, 12000))
 		}
-	}()
-	base := "http://" + p.addr
+	})
+	return &chaosRun{t: t, seed: seed, rs: rs, fp: fp, pg: pg, p: p, dir: dir, base: "http://" + p.addr,
+		client: &http.Client{
+			Transport: &http.Transport{MaxIdleConns: 512, MaxIdleConnsPerHost: 512, IdleConnTimeout: 30 * time.Second},
+			Timeout:   30 * time.Second,
+		}}
+}
 
-	// Setup: a model, four rich orgs, a poor one (429s, recharged during the run), a cold one.
+// setup makes a model, four rich orgs, a poor one (429s, recharged during the run) and a cold
+// one, each with a key.
+func (c *chaosRun) setup() {
+	t := c.t
 	must := func(st int, b []byte, err error) []byte {
 		t.Helper()
 		if err != nil || st >= 300 {
@@ -278,44 +377,42 @@ func TestChaos(t *testing.T) {
 		}
 		return b
 	}
-	must(chaosAdmin(base, "PUT", "/models/m", map[string]any{"input_price": 1_000_000, "cached_input_price": 0, "output_price": 2_000_000,
+	must(chaosAdmin(c.base, "PUT", "/models/m", map[string]any{"input_price": 1_000_000, "cached_input_price": 0, "output_price": 2_000_000,
 		"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": chaosMaxCost, "default_hold": chaosMaxCost}))
-	orgs := []string{"rich1", "rich2", "rich3", "rich4", "poor", "cold"}
-	keys := map[string]string{}
-	for _, org := range orgs {
-		must(chaosAdmin(base, "POST", "/orgs", map[string]string{"id": org}))
+	c.orgs = []string{"rich1", "rich2", "rich3", "rich4", "poor", "cold"}
+	c.keys = map[string]string{}
+	for _, org := range c.orgs {
+		must(chaosAdmin(c.base, "POST", "/orgs", map[string]string{"id": org}))
 		funds := int64(chaosRichFunds)
 		if org == "poor" {
 			funds = chaosPoorFunds
 		}
-		must(chaosAdmin(base, "POST", "/orgs/"+org+"/credits", map[string]any{"amount": funds, "reference": "init-" + org}))
+		must(chaosAdmin(c.base, "POST", "/orgs/"+org+"/credits", map[string]any{"amount": funds, "reference": "init-" + org}))
 		var k struct{ Key string }
-		_ = json.Unmarshal(must(chaosAdmin(base, "POST", "/orgs/"+org+"/keys", nil)), &k)
-		keys[org] = k.Key
+		_ = json.Unmarshal(must(chaosAdmin(c.base, "POST", "/orgs/"+org+"/keys", nil)), &k)
+		c.keys[org] = k.Key
 	}
-	loadOrgs := orgs[:5]
+	c.loadOrgs = c.orgs[:5]
+}
 
-	client := &http.Client{
-		Transport: &http.Transport{MaxIdleConns: 512, MaxIdleConnsPerHost: 512, IdleConnTimeout: 30 * time.Second},
-		Timeout:   30 * time.Second,
-	}
-
-	// Load.
-	ctx0 := context.Background()
-	loadStart := time.Now()
+// load starts the clients, the credits to the poor org (only the ledger knows which landed when
+// the answer was lost, so each is checked there) and, with ESCROW_CHAOS_DEBUG, a line of hold
+// counts every half second. stop ends them all; wait waits for them and collects the results.
+func (c *chaosRun) load() (stop, wait func()) {
+	c.loadStart = time.Now()
 	var (
-		mu      sync.Mutex
-		results []chaosResult
-		stop    atomic.Bool
-		wg      sync.WaitGroup
+		mu        sync.Mutex
+		stopped   atomic.Bool
+		wg        sync.WaitGroup
+		creditsWG sync.WaitGroup
 	)
 	for i := range chaosClients {
-		org := loadOrgs[i%len(loadOrgs)]
-		crng := rand.New(rand.NewPCG(seed, uint64(i)+2))
+		org := c.loadOrgs[i%len(c.loadOrgs)]
+		crng := rand.New(rand.NewPCG(c.seed, uint64(i)+2))
 		wg.Go(func() {
 			var mine []chaosResult
-			for !stop.Load() {
-				r := chaosRequest(client, base, keys[org], crng)
+			for !stopped.Load() {
+				r := chaosRequest(c.client, c.base, c.keys[org], crng)
 				r.org = org
 				mine = append(mine, r)
 				switch {
@@ -328,163 +425,138 @@ func TestChaos(t *testing.T) {
 				}
 			}
 			mu.Lock()
-			results = append(results, mine...)
+			c.results = append(c.results, mine...)
 			mu.Unlock()
 		})
 	}
-
-	// Credits to the poor org while the faults go on; only the ledger knows which landed when
-	// the answer was lost, so each is checked there.
-	type creditTry struct {
-		ref    string
-		status int
-	}
-	var (
-		credits   []creditTry
-		creditsWG sync.WaitGroup
-	)
 	creditsWG.Go(func() {
-		for i := 0; !stop.Load(); i++ {
+		for i := 0; !stopped.Load(); i++ {
 			time.Sleep(2 * time.Second)
 			ref := fmt.Sprintf("chaos-credit-%d", i)
-			st, _, _ := chaosAdmin(base, "POST", "/orgs/poor/credits", map[string]any{"amount": chaosCredit, "reference": ref})
-			credits = append(credits, creditTry{ref, st})
+			st, _, _ := chaosAdmin(c.base, "POST", "/orgs/poor/credits", map[string]any{"amount": chaosCredit, "reference": ref})
+			c.credits = append(c.credits, creditTry{ref, st})
 		}
 	})
-
 	if os.Getenv("ESCROW_CHAOS_DEBUG") != "" {
-		creditsWG.Go(func() {
-			rc := rs.Client()
-			for !stop.Load() {
-				time.Sleep(500 * time.Millisecond)
-				now := time.Now().UnixMilli()
-				line := fmt.Sprintf("%5.1fs", time.Since(loadStart).Seconds())
-				for _, org := range loadOrgs {
-					k := balance.KeysOf(balance.DefaultPrefix, org).Hexp
-					all, _ := rc.ZCard(ctx0, k).Result()
-					unpinned, _ := rc.ZCount(ctx0, k, "-inf", strconv.FormatInt(now+12*3600*1000, 10)).Result()
-					expired, _ := rc.ZCount(ctx0, k, "-inf", strconv.FormatInt(now, 10)).Result()
-					line += fmt.Sprintf("  %s %d/%d/%d", org, all, unpinned, expired)
-				}
-				t.Log(line)
-			}
-		})
+		creditsWG.Go(func() { c.debugHolds(&stopped) })
 	}
+	return func() { stopped.Store(true) }, func() { wg.Wait(); creditsWG.Wait() }
+}
 
-	// Faults, one at a time, in a random order.
-	type window struct {
-		what       string
-		start, end time.Time
+// debugHolds logs, every half second until stopped, each load org's holds: all, unpinned,
+// expired.
+func (c *chaosRun) debugHolds(stopped *atomic.Bool) {
+	ctx := context.Background()
+	rc := c.rs.Client()
+	for !stopped.Load() {
+		time.Sleep(500 * time.Millisecond)
+		now := time.Now().UnixMilli()
+		line := fmt.Sprintf("%5.1fs", time.Since(c.loadStart).Seconds())
+		for _, org := range c.loadOrgs {
+			k := balance.KeysOf(balance.DefaultPrefix, org).Hexp
+			all, _ := rc.ZCard(ctx, k).Result()
+			unpinned, _ := rc.ZCount(ctx, k, "-inf", strconv.FormatInt(now+12*3600*1000, 10)).Result()
+			expired, _ := rc.ZCount(ctx, k, "-inf", strconv.FormatInt(now, 10)).Result()
+			line += fmt.Sprintf("  %s %d/%d/%d", org, all, unpinned, expired)
+		}
+		c.t.Log(line)
 	}
-	var windows []window
+}
+
+// faults plays the faults, one at a time, in a random order, then lets the load run to its end.
+func (c *chaosRun) faults(rng *rand.Rand) {
 	faults := []string{"redis-restart", "proxy-kill", "postgres-outage", "redis-drop", "proxy-kill", "redis-drop", "postgres-outage"}
 	rng.Shuffle(len(faults), func(i, j int) { faults[i], faults[j] = faults[j], faults[i] })
 	time.Sleep(3 * time.Second)
-	coldDuringOutage := 0
 	for _, f := range faults {
-		w := window{what: f, start: time.Now()}
+		w := faultWindow{what: f, start: time.Now()}
 		switch f {
 		case "redis-restart":
-			rs.Kill() // AOF is off: every balance, hold and tombstone is gone
+			c.rs.Kill() // AOF is off: every balance, hold and tombstone is gone
 			time.Sleep(1500 * time.Millisecond)
 			w.end = time.Now()
-			rs.Start()
+			c.rs.Start()
 		case "proxy-kill":
-			p.kill()
+			c.p.kill()
 			time.Sleep(300 * time.Millisecond)
-			p.start()
-			p.restarts++
+			c.p.start()
+			c.p.restarts++
 			w.end = time.Now()
 		case "postgres-outage":
-			pg.Stop()
+			c.pg.Stop()
 			time.Sleep(1500 * time.Millisecond)
 			// A cold org (never used, so neither its key nor its balance is cached) gets a 503.
-			r := chaosRequest(client, base, keys["cold"], rand.New(rand.NewPCG(seed, 0)))
+			r := chaosRequest(c.client, c.base, c.keys["cold"], rand.New(rand.NewPCG(c.seed, 0)))
 			if r.status != http.StatusServiceUnavailable {
-				t.Errorf("cold org during the Postgres outage: status %d (%s), want 503", r.status, r.kind)
+				c.t.Errorf("cold org during the Postgres outage: status %d (%s), want 503", r.status, r.kind)
 			}
-			coldDuringOutage++
+			c.coldDuringOutage++
 			time.Sleep(2500 * time.Millisecond)
 			w.end = time.Now()
-			pg.Start()
+			c.pg.Start()
 		case "redis-drop":
-			fp.DropRepliesIf(40, testutil.RequestContains("evalsha"))
+			c.fp.DropRepliesIf(40, testutil.RequestContains("evalsha"))
 			time.Sleep(2 * time.Second)
-			fp.Reset()
+			c.fp.Reset()
 			w.end = time.Now()
 		}
-		windows = append(windows, w)
-		t.Logf("fault %-16s %5.1fs … %5.1fs", f, w.start.Sub(loadStart).Seconds(), w.end.Sub(loadStart).Seconds())
+		c.windows = append(c.windows, w)
+		c.t.Logf("fault %-16s %5.1fs … %5.1fs", f, w.start.Sub(c.loadStart).Seconds(), w.end.Sub(c.loadStart).Seconds())
 		time.Sleep(1500 * time.Millisecond)
 	}
-	if rest := chaosLoad - time.Since(loadStart); rest > 0 {
+	if rest := chaosLoad - time.Since(c.loadStart); rest > 0 {
 		time.Sleep(rest)
 	}
-	stop.Store(true)
-	wg.Wait()
-	creditsWG.Wait()
-	loadTime := time.Since(loadStart)
+}
 
-	// At rest: everything healthy; wait for the journal to be replayed, every hold to be
-	// settled or reaped, and every entry to be settled.
-	fp.Reset()
+// waitAtRest waits, everything healthy again, for the journal to be replayed, every hold to be
+// settled or reaped, and every entry to be settled; it keeps each org's balance in c.views.
+func (c *chaosRun) waitAtRest(db *pgx.Conn) {
+	c.fp.Reset()
 	ctx := context.Background()
-	db, err := pgx.Connect(ctx, pg.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close(ctx)
-	type view struct {
-		LedgerBalance int64 `json:"ledger_balance"`
-		Available     int64 `json:"available"`
-		Held          int64 `json:"held"`
-		Holds         int   `json:"holds"`
-		LedgerSeq     int64 `json:"ledger_seq"`
-		SettledSeq    int64 `json:"settled_seq"`
-	}
-	views := map[string]view{}
+	c.views = map[string]chaosView{}
 	restDeadline := time.Now().Add(60 * time.Second)
 	for {
 		var pending int
 		err := db.QueryRow(ctx, `SELECT count(*) FROM usage_events WHERE status = 'pending'`).Scan(&pending)
 		ok := err == nil && pending == 0
-		for _, org := range orgs {
-			st, b, err := chaosAdmin(base, "GET", "/orgs/"+org+"/balance", nil)
-			var v view
+		for _, org := range c.orgs {
+			st, b, err := chaosAdmin(c.base, "GET", "/orgs/"+org+"/balance", nil)
+			var v chaosView
 			if err != nil || st != http.StatusOK || json.Unmarshal(b, &v) != nil {
 				ok = false
 				continue
 			}
-			views[org] = v
+			c.views[org] = v
 			if v.Holds != 0 || v.Available != v.LedgerBalance || v.SettledSeq != v.LedgerSeq {
 				ok = false
 			}
 		}
 		if ok {
-			break
+			return
 		}
 		if time.Now().After(restDeadline) {
-			t.Fatalf("never at rest (pending usage %d, err %v): %+v", pending, err, views)
+			c.t.Fatalf("never at rest (pending usage %d, err %v): %+v", pending, err, c.views)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	restTime := time.Since(loadStart) - loadTime
+}
 
-	// A graceful stop flushes and exits 0; the journal is empty afterwards.
-	if err := p.stop(); err != nil {
-		t.Errorf("graceful stop: %v", err)
+// checkStop: a graceful stop flushes and exits 0; the journal is empty afterwards.
+func (c *chaosRun) checkStop() {
+	if err := c.p.stop(); err != nil {
+		c.t.Errorf("graceful stop: %v", err)
 	}
-	if fi, err := os.Stat(filepath.Join(dir, "journal", "usage.journal")); err != nil || fi.Size() != 0 {
-		t.Errorf("journal after the run: %v, size %d; want empty", err, fi.Size())
+	if fi, err := os.Stat(filepath.Join(c.dir, "journal", "usage.journal")); err != nil || fi.Size() != 0 {
+		c.t.Errorf("journal after the run: %v, size %d; want empty", err, fi.Size())
 	}
+}
 
-	// The ledger, per hold id.
-	type charge struct {
-		org   string
-		delta int64
-		n     int
-	}
-	charges := map[string]*charge{}
+// readLedger reads the charges per hold id and the credits per reference, and checks that
+// every usage event was charged once.
+func (c *chaosRun) readLedger(db *pgx.Conn) (charges map[string]*chaosCharge, creditRefs map[string]int64) {
+	t, ctx := c.t, context.Background()
+	charges = map[string]*chaosCharge{}
 	rows, err := db.Query(ctx, `SELECT org_id, hold_id::text, delta FROM ledger_entries WHERE kind = 'charge' ORDER BY org_id, seq`)
 	if err != nil {
 		t.Fatal(err)
@@ -495,18 +567,18 @@ func TestChaos(t *testing.T) {
 		if err := rows.Scan(&org, &id, &delta); err != nil {
 			t.Fatal(err)
 		}
-		c := charges[id]
-		if c == nil {
-			c = &charge{org: org}
-			charges[id] = c
+		ch := charges[id]
+		if ch == nil {
+			ch = &chaosCharge{org: org}
+			charges[id] = ch
 		}
-		c.delta += delta
-		c.n++
+		ch.delta += delta
+		ch.n++
 	}
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
 	}
-	creditRefs := map[string]int64{}
+	creditRefs = map[string]int64{}
 	rows, err = db.Query(ctx, `SELECT ref, delta FROM ledger_entries WHERE kind = 'credit'`)
 	if err != nil {
 		t.Fatal(err)
@@ -529,39 +601,41 @@ func TestChaos(t *testing.T) {
 	if events != len(charges) {
 		t.Errorf("%d usage events but %d charged hold ids", events, len(charges))
 	}
-	for id, c := range charges {
-		if c.n != 1 {
-			t.Errorf("hold %s charged %d times", id, c.n)
+	for id, ch := range charges {
+		if ch.n != 1 {
+			t.Errorf("hold %s charged %d times", id, ch.n)
 		}
 	}
+	return charges, creditRefs
+}
 
-	// Every credit the admin API confirmed is in the ledger once; no other credit is.
-	for _, c := range credits {
-		if c.status == http.StatusCreated || c.status == http.StatusOK {
-			if creditRefs[c.ref] != chaosCredit {
-				t.Errorf("credit %s confirmed (%d) but not in the ledger", c.ref, c.status)
+// checkCredits: every credit the admin API confirmed is in the ledger once; no other credit is.
+func (c *chaosRun) checkCredits(creditRefs map[string]int64) {
+	for _, cr := range c.credits {
+		if cr.status == http.StatusCreated || cr.status == http.StatusOK {
+			if creditRefs[cr.ref] != chaosCredit {
+				c.t.Errorf("credit %s confirmed (%d) but not in the ledger", cr.ref, cr.status)
 			}
 		}
 	}
 	for ref := range creditRefs {
 		if !strings.HasPrefix(ref, "init-") && !strings.HasPrefix(ref, "chaos-credit-") {
-			t.Errorf("unexpected credit %s", ref)
+			c.t.Errorf("unexpected credit %s", ref)
 		}
 	}
+}
 
-	// Per org: what the clients saw against what the ledger charged.
-	type tally struct {
-		requests, ok, r429, r503, r5xx, other, unknown, unsent int
-		okCost, unknownCharged                                 int64
-		unknownNoID, unmatchedCharges                          int
+// tally counts, per org, what the clients saw, and checks each answer against the ledger: a
+// success charged its cost once, to its org; a refusal charged nothing; no hold id twice.
+func (c *chaosRun) tally(charges map[string]*chaosCharge) (tallies map[string]*chaosTally, seen map[string]bool, codes map[string]int) {
+	t := c.t
+	tallies = map[string]*chaosTally{}
+	for _, org := range c.orgs {
+		tallies[org] = &chaosTally{}
 	}
-	tallies := map[string]*tally{}
-	for _, org := range orgs {
-		tallies[org] = &tally{}
-	}
-	seen := map[string]bool{}
-	codes := map[string]int{}
-	for _, r := range results {
+	seen = map[string]bool{}
+	codes = map[string]int{}
+	for _, r := range c.results {
 		tl := tallies[r.org]
 		tl.requests++
 		codes[fmt.Sprintf("%s %d %s", r.kind, r.status, r.code)]++
@@ -571,16 +645,16 @@ func TestChaos(t *testing.T) {
 			}
 			seen[r.holdID] = true
 		}
-		c := charges[r.holdID]
+		ch := charges[r.holdID]
 		switch r.kind {
 		case "ok":
 			tl.ok++
 			tl.okCost += r.cost
 			switch {
-			case c == nil:
+			case ch == nil:
 				t.Errorf("request %s (%s) succeeded with cost %d but was never charged", r.holdID, r.org, r.cost)
-			case -c.delta != r.cost || c.org != r.org:
-				t.Errorf("request %s (%s) succeeded with cost %d but was charged %d to %s", r.holdID, r.org, r.cost, -c.delta, c.org)
+			case -ch.delta != r.cost || ch.org != r.org:
+				t.Errorf("request %s (%s) succeeded with cost %d but was charged %d to %s", r.holdID, r.org, r.cost, -ch.delta, ch.org)
 			}
 		case "refused":
 			switch {
@@ -593,31 +667,39 @@ func TestChaos(t *testing.T) {
 			default:
 				tl.other++
 			}
-			if c != nil {
-				t.Errorf("request %s (%s) got %d %s but was charged %d", r.holdID, r.org, r.status, r.code, -c.delta)
+			if ch != nil {
+				t.Errorf("request %s (%s) got %d %s but was charged %d", r.holdID, r.org, r.status, r.code, -ch.delta)
 			}
 		case "unknown":
 			tl.unknown++
 			if r.holdID == "" {
 				tl.unknownNoID++
-			} else if c != nil {
-				tl.unknownCharged += -c.delta
+			} else if ch != nil {
+				tl.unknownCharged += -ch.delta
 			}
 		case "unsent":
 			tl.unsent++
 		}
 	}
-	for id, c := range charges {
+	return tallies, seen, codes
+}
+
+// checkOrgs checks each org's accounts: the ledger is its credits less what its clients saw
+// charged and the charges of unknown outcome; charges no client saw an id of are at most the
+// answers lost before the headers; at rest nothing is held; the debt stayed within its bound.
+// It returns the totals over the orgs.
+func (c *chaosRun) checkOrgs(db *pgx.Conn, tallies map[string]*chaosTally, seen map[string]bool,
+	charges map[string]*chaosCharge, creditRefs map[string]int64) (total chaosTally) {
+	t := c.t
+	for id, ch := range charges {
 		if !seen[id] {
-			tallies[c.org].unmatchedCharges++
-			tallies[c.org].unknownCharged += -c.delta
+			tallies[ch.org].unmatchedCharges++
+			tallies[ch.org].unknownCharged += -ch.delta
 		}
 	}
-
-	var total tally
-	for _, org := range orgs {
+	for _, org := range c.orgs {
 		tl := tallies[org]
-		v := views[org]
+		v := c.views[org]
 		var credited int64
 		for ref, d := range creditRefs {
 			if ref == "init-"+org || (org == "poor" && strings.HasPrefix(ref, "chaos-credit-")) {
@@ -638,22 +720,7 @@ func TestChaos(t *testing.T) {
 		if v.Available != v.LedgerBalance || v.Holds != 0 {
 			t.Errorf("%s at rest: available %d, ledger %d, holds %d", org, v.Available, v.LedgerBalance, v.Holds)
 		}
-		// Debt: never below −(cap on requests in flight × the largest hold).
-		var run, low int64
-		rows, err := db.Query(ctx, `SELECT delta FROM ledger_entries WHERE org_id = $1 ORDER BY seq`, org)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for rows.Next() {
-			var d int64
-			_ = rows.Scan(&d)
-			run += d
-			low = min(low, run)
-		}
-		rows.Close()
-		if low < -chaosMaxInFlight*chaosMaxCost {
-			t.Errorf("%s went down to %d, below the debt bound %d", org, low, -chaosMaxInFlight*chaosMaxCost)
-		}
+		c.checkDebt(db, org)
 		total.requests += tl.requests
 		total.ok += tl.ok
 		total.r429 += tl.r429
@@ -662,67 +729,101 @@ func TestChaos(t *testing.T) {
 		total.unknown += tl.unknown
 		total.unsent += tl.unsent
 	}
+	return total
+}
 
-	// Redis down means 503, never a 200 or a false 429: requests that started after the kill and
-	// ended before the restart.
-	for _, w := range windows {
+// checkDebt: an org's running balance never went below −(cap on requests in flight × the
+// largest hold).
+func (c *chaosRun) checkDebt(db *pgx.Conn, org string) {
+	var run, low int64
+	rows, err := db.Query(context.Background(), `SELECT delta FROM ledger_entries WHERE org_id = $1 ORDER BY seq`, org)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	for rows.Next() {
+		var d int64
+		_ = rows.Scan(&d)
+		run += d
+		low = min(low, run)
+	}
+	rows.Close()
+	if low < -chaosMaxInFlight*chaosMaxCost {
+		c.t.Errorf("%s went down to %d, below the debt bound %d", org, low, -chaosMaxInFlight*chaosMaxCost)
+	}
+}
+
+// checkRedisOutages: Redis down means 503, never a 200 or a false 429 (requests that started
+// after the kill and ended before the restart); after a restart every org is cold, reseeds from
+// the ledger and gets answers from the reserve again (a 200, or the poor org's 429
+// insufficient_quota).
+func (c *chaosRun) checkRedisOutages() {
+	for _, w := range c.windows {
 		if w.what != "redis-restart" {
 			continue
 		}
-		for _, r := range results {
+		for _, r := range c.results {
 			if r.start.After(w.start.Add(100*time.Millisecond)) && r.end.Before(w.end) && r.kind != "unknown" && r.kind != "unsent" && r.status != http.StatusServiceUnavailable {
-				t.Errorf("request during the Redis outage: %d %s, want 503", r.status, r.code)
+				c.t.Errorf("request during the Redis outage: %d %s, want 503", r.status, r.code)
 			}
 		}
 	}
-	// After a Redis restart every org is cold; each reseeds from the ledger and gets answers
-	// from the reserve again (a 200, or the poor org's 429 insufficient_quota).
-	for _, w := range windows {
+	for _, w := range c.windows {
 		if w.what != "redis-restart" {
 			continue
 		}
 		answered := map[string]bool{}
-		for _, r := range results {
+		for _, r := range c.results {
 			if r.start.After(w.end) && (r.kind == "ok" || r.code == "insufficient_quota") {
 				answered[r.org] = true
 			}
 		}
-		for _, org := range loadOrgs {
+		for _, org := range c.loadOrgs {
 			if !answered[org] {
-				t.Errorf("%s was never served after the Redis restart", org)
+				c.t.Errorf("%s was never served after the Redis restart", org)
 			}
 		}
 	}
-	// Warm orgs are served while Postgres is down (their usage goes to the journal).
-	servedInOutage := 0
-	for _, w := range windows {
+}
+
+// servedInPostgresOutages counts the successes while Postgres was down (warm orgs are served,
+// their usage goes to the journal).
+func (c *chaosRun) servedInPostgresOutages() int {
+	served := 0
+	for _, w := range c.windows {
 		if w.what != "postgres-outage" {
 			continue
 		}
-		for _, r := range results {
+		for _, r := range c.results {
 			if r.kind == "ok" && r.start.After(w.start.Add(time.Second)) && r.end.Before(w.end) {
-				servedInOutage++
+				served++
 			}
 		}
 	}
-	logText := tail(p.log, 1<<30)
+	return served
+}
+
+// report logs the run's totals (and, with -v, the outcomes second by second) and checks that
+// the load met every outcome and that the Postgres outages went through the journal.
+func (c *chaosRun) report(total chaosTally, charges map[string]*chaosCharge, codes map[string]int, servedInOutage int, restTime time.Duration) {
+	t := c.t
+	logText := tail(c.p.log, 1<<30)
 	replays := strings.Count(logText, "local journal replayed into the ledger")
 	journaled := strings.Count(logText, "usage goes to the local journal")
 	t.Logf("chaos: %d clients, load %.1fs, rest %.1fs; requests %d: 200 %d, 429 %d, 503 %d, 5xx %d, unknown outcome %d, unsent %d; "+
 		"proxy restarts %d, journal episodes %d, journal replays %d, served during Postgres outages %d, cold-org 503s %d, charged hold ids %d",
-		chaosClients, loadTime.Seconds(), restTime.Seconds(), total.requests, total.ok, total.r429, total.r503, total.r5xx,
-		total.unknown, total.unsent, p.restarts, journaled, replays, servedInOutage, coldDuringOutage, len(charges))
+		chaosClients, c.loadTime.Seconds(), restTime.Seconds(), total.requests, total.ok, total.r429, total.r503, total.r5xx,
+		total.unknown, total.unsent, c.p.restarts, journaled, replays, servedInOutage, c.coldDuringOutage, len(charges))
 	t.Logf("outcomes: %v", codes)
 	if testing.Verbose() {
 		perSecond := map[int]map[string]int{}
-		for _, r := range results {
-			sec := int(r.start.Sub(loadStart).Seconds())
+		for _, r := range c.results {
+			sec := int(r.start.Sub(c.loadStart).Seconds())
 			if perSecond[sec] == nil {
 				perSecond[sec] = map[string]int{}
 			}
 			perSecond[sec][fmt.Sprintf("%d%s", r.status, r.code)]++
 		}
-		for sec := 0; sec <= int(loadTime.Seconds()); sec++ {
+		for sec := 0; sec <= int(c.loadTime.Seconds()); sec++ {
 			t.Logf("second %2d: %v", sec, perSecond[sec])
 		}
 	}

@@ -295,12 +295,54 @@ func cell(v any) string {
 
 func one(v map[string]any) []map[string]any { return []map[string]any{v} }
 
+// newFlags is a subcommand's flag set with the output flags (--json, --csv) on it.
+func newFlags(name string) (*flag.FlagSet, *output) {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	o := &output{}
+	o.flags(fs)
+	return fs, o
+}
+
+// show sends one call and prints its answer, one object, with cols.
+func (c *client) show(o *output, method, path string, body any, cols []string) error {
+	var res map[string]any
+	if err := c.call(method, path, body, &res); err != nil {
+		return err
+	}
+	return o.print(res, cols, one(res))
+}
+
+// list fetches a whole list (every page) and prints it with cols.
+func (c *client) list(o *output, path string, query url.Values, cols []string) error {
+	rows, err := c.all(path, query)
+	if err != nil {
+		return err
+	}
+	return o.print(rows, cols, rows)
+}
+
+// do sends one call whose answer says nothing worth printing, then prints said.
+func (c *client) do(method, path string, body any, said string) error {
+	if err := c.call(method, path, body, nil); err != nil {
+		return err
+	}
+	fmt.Fprintln(stdout, said)
+	return nil
+}
+
+// firstPage fetches one page of a list (the API answers it whole) and prints it with cols.
+func (c *client) firstPage(o *output, path string, cols []string) error {
+	var p page
+	if err := c.call(http.MethodGet, path, nil, &p); err != nil {
+		return err
+	}
+	return o.print(p, cols, p.Data)
+}
+
 // cmdOrgs: escrow orgs [list] | create ID [--name N] | show ID | rename ID NAME | threshold ID N|none
 // (the balance under which a balance.low webhook fires).
 func cmdOrgs(args []string) error {
-	fs := flag.NewFlagSet("orgs", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("orgs")
 	name := fs.String("name", "", "display name (create)")
 	pos, c, err := begin(fs, args)
 	if err != nil {
@@ -311,21 +353,15 @@ func cmdOrgs(args []string) error {
 	if len(pos) > 0 {
 		sub, pos = pos[0], pos[1:]
 	}
-	var res map[string]any
 	switch {
 	case sub == "list" && len(pos) == 0:
-		rows, err := c.all("/orgs", url.Values{"limit": {pageLimit}})
-		if err != nil {
-			return err
-		}
-		return o.print(rows, cols, rows)
+		return c.list(o, "/orgs", url.Values{"limit": {pageLimit}}, cols)
 	case sub == "create" && len(pos) == 1:
-		err = c.call(http.MethodPost, "/orgs", map[string]string{"id": pos[0], "name": *name}, &res)
-		cols = []string{"id", "name"}
+		return c.show(o, http.MethodPost, "/orgs", map[string]string{"id": pos[0], "name": *name}, []string{"id", "name"})
 	case sub == "show" && len(pos) == 1:
-		err = c.call(http.MethodGet, "/orgs/"+url.PathEscape(pos[0]), nil, &res)
+		return c.show(o, http.MethodGet, "/orgs/"+url.PathEscape(pos[0]), nil, cols)
 	case sub == "rename" && len(pos) == 2:
-		err = c.call(http.MethodPatch, "/orgs/"+url.PathEscape(pos[0]), map[string]string{"name": pos[1]}, &res)
+		return c.show(o, http.MethodPatch, "/orgs/"+url.PathEscape(pos[0]), map[string]string{"name": pos[1]}, cols)
 	case sub == "threshold" && len(pos) == 2:
 		var v any // "none" clears it
 		if pos[1] != "none" {
@@ -335,22 +371,15 @@ func cmdOrgs(args []string) error {
 			}
 			v = n
 		}
-		err = c.call(http.MethodPatch, "/orgs/"+url.PathEscape(pos[0]), map[string]any{"low_balance_threshold": v}, &res)
-		cols = []string{"id", "low_balance_threshold"}
+		return c.show(o, http.MethodPatch, "/orgs/"+url.PathEscape(pos[0]), map[string]any{"low_balance_threshold": v}, []string{"id", "low_balance_threshold"})
 	default:
 		return usageErr("usage: escrow orgs [list] | create ID [--name NAME] | show ID | rename ID NAME | threshold ID MICRO_UNITS|none  [--json|--csv]")
 	}
-	if err != nil {
-		return err
-	}
-	return o.print(res, cols, one(res))
 }
 
 // cmdCredit: escrow credit ORG AMOUNT --ref REF (AMOUNT in micro-units).
 func cmdCredit(args []string) error {
-	fs := flag.NewFlagSet("credit", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("credit")
 	ref := fs.String("ref", "", "payment reference (required; the same reference again is the same credit)")
 	pos, err := parse(fs, args)
 	if err != nil {
@@ -367,47 +396,28 @@ func cmdCredit(args []string) error {
 	if err != nil {
 		return err
 	}
-	var res map[string]any
-	if err := c.call(http.MethodPost, "/orgs/"+url.PathEscape(pos[0])+"/credits", map[string]any{"amount": amount, "reference": *ref}, &res); err != nil {
-		return err
-	}
-	return o.print(res, []string{"org", "seq", "delta", "reference", "created_at"}, one(res))
+	return c.show(o, http.MethodPost, "/orgs/"+url.PathEscape(pos[0])+"/credits", map[string]any{"amount": amount, "reference": *ref},
+		[]string{"org", "seq", "delta", "reference", "created_at"})
 }
 
 // cmdKeys: escrow keys ORG | create ORG [--name N] | rename ID NAME | revoke ID.
 func cmdKeys(args []string) error {
-	fs := flag.NewFlagSet("keys", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("keys")
 	name := fs.String("name", "", "display name (create)")
 	pos, c, err := begin(fs, args)
 	if err != nil {
 		return err
 	}
-	var res map[string]any
 	switch {
 	case len(pos) == 1:
-		rows, err := c.all("/orgs/"+url.PathEscape(pos[0])+"/keys", url.Values{"limit": {pageLimit}})
-		if err != nil {
-			return err
-		}
-		return o.print(rows, []string{"id", "name", "project", "created_at", "last_used_at", "revoked_at"}, rows)
+		return c.list(o, "/orgs/"+url.PathEscape(pos[0])+"/keys", url.Values{"limit": {pageLimit}},
+			[]string{"id", "name", "project", "created_at", "last_used_at", "revoked_at"})
 	case len(pos) == 2 && pos[0] == "create":
-		if err := c.call(http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/keys", map[string]string{"name": *name}, &res); err != nil {
-			return err
-		}
-		return o.print(res, []string{"id", "name", "key"}, one(res))
+		return c.show(o, http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/keys", map[string]string{"name": *name}, []string{"id", "name", "key"})
 	case len(pos) == 3 && pos[0] == "rename":
-		if err := c.call(http.MethodPatch, "/keys/"+url.PathEscape(pos[1]), map[string]string{"name": pos[2]}, &res); err != nil {
-			return err
-		}
-		return o.print(res, []string{"id", "name"}, one(res))
+		return c.show(o, http.MethodPatch, "/keys/"+url.PathEscape(pos[1]), map[string]string{"name": pos[2]}, []string{"id", "name"})
 	case len(pos) == 2 && pos[0] == "revoke":
-		if err := c.call(http.MethodDelete, "/keys/"+url.PathEscape(pos[1]), nil, nil); err != nil {
-			return err
-		}
-		fmt.Fprintln(stdout, "revoked", pos[1])
-		return nil
+		return c.do(http.MethodDelete, "/keys/"+url.PathEscape(pos[1]), nil, "revoked "+pos[1])
 	default:
 		return usageErr("usage: escrow keys ORG | create ORG [--name NAME] | rename KEY_ID NAME | revoke KEY_ID  [--json|--csv]")
 	}
@@ -415,9 +425,7 @@ func cmdKeys(args []string) error {
 
 // cmdUsage: escrow usage ORG [--by day|model|key] [--from T] [--to T] [--csv|--json].
 func cmdUsage(args []string) error {
-	fs := flag.NewFlagSet("usage", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("usage")
 	by := fs.String("by", "day", "group by day, model or key")
 	inRange := timeRange(fs)
 	pos, c, err := start(fs, args, 1, "usage: escrow usage ORG [--by day|model|key] [--from T] [--to T] [--json|--csv]")
@@ -451,9 +459,39 @@ func cmdUsage(args []string) error {
 // tokens ("0.15"), sent as text and converted exactly by the API; an import sends the file
 // (LiteLLM's JSON or a CSV) as it is (importModels).
 func cmdModels(args []string) error {
-	fs := flag.NewFlagSet("models", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("models")
+	setBody := modelFlags(fs)
+	dryRun := fs.Bool("dry-run", false, "import: print what would change and write nothing")
+	provider := fs.String("provider", "", "import: only these litellm_provider values (comma-separated)")
+	pos, c, err := begin(fs, args)
+	if err != nil {
+		return err
+	}
+	cols := []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold", "cache_write_input_price"}
+	switch {
+	case len(pos) == 0:
+		return c.firstPage(o, "/models", cols)
+	case len(pos) == 2 && pos[0] == "show":
+		return c.show(o, http.MethodGet, "/models/"+url.PathEscape(pos[1]), nil, cols)
+	case len(pos) == 2 && pos[0] == "set":
+		body, err := setBody(pos[1])
+		if err != nil {
+			return err
+		}
+		return c.show(o, http.MethodPatch, "/models/"+url.PathEscape(pos[1]), body, cols)
+	case len(pos) == 2 && pos[0] == "import":
+		return importModels(c, *o, pos[1], *dryRun, *provider)
+	case len(pos) == 2 && pos[0] == "delete":
+		return c.do(http.MethodDelete, "/models/"+url.PathEscape(pos[1]), nil, "deleted "+pos[1])
+	default:
+		return usageErr("usage: escrow models | show MODEL | set MODEL [--input D] [--cached-input D] [--output D] [--cache-write-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | import FILE [--dry-run] [--provider P,…] | delete MODEL  [--json|--csv]")
+	}
+}
+
+// modelFlags adds the flags of `escrow models set` to fs; the function it returns makes the
+// PATCH body of model from the given ones (a usage error when none is given or one is not a
+// whole number).
+func modelFlags(fs *flag.FlagSet) func(model string) (map[string]any, error) {
 	var prices [4]string
 	fs.StringVar(&prices[0], "input", "", "input price per 1M tokens (decimal, currency units)")
 	fs.StringVar(&prices[1], "cached-input", "", "cached input price per 1M tokens")
@@ -463,24 +501,7 @@ func cmdModels(args []string) error {
 	fs.StringVar(&ints[0], "max-input-tokens", "", "context window")
 	fs.StringVar(&ints[1], "max-output-tokens", "", "largest output")
 	fs.StringVar(&ints[2], "default-hold", "", "hold (micro-units) when nothing better is known")
-	dryRun := fs.Bool("dry-run", false, "import: print what would change and write nothing")
-	provider := fs.String("provider", "", "import: only these litellm_provider values (comma-separated)")
-	pos, c, err := begin(fs, args)
-	if err != nil {
-		return err
-	}
-	cols := []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold", "cache_write_input_price"}
-	var res map[string]any
-	switch {
-	case len(pos) == 0:
-		var p page
-		if err := c.call(http.MethodGet, "/models", nil, &p); err != nil {
-			return err
-		}
-		return o.print(p, cols, p.Data)
-	case len(pos) == 2 && pos[0] == "show":
-		err = c.call(http.MethodGet, "/models/"+url.PathEscape(pos[1]), nil, &res)
-	case len(pos) == 2 && pos[0] == "set":
+	return func(model string) (map[string]any, error) {
 		body := map[string]any{}
 		for i, k := range []string{"input_per_1m", "cached_input_per_1m", "output_per_1m", "cache_write_input_per_1m"} {
 			if prices[i] != "" {
@@ -491,53 +512,32 @@ func cmdModels(args []string) error {
 			if ints[i] != "" {
 				n, err := strconv.ParseInt(ints[i], 10, 64)
 				if err != nil {
-					return usageErr("--%s must be a whole number, not %q", strings.ReplaceAll(k, "_", "-"), ints[i])
+					return nil, usageErr("--%s must be a whole number, not %q", strings.ReplaceAll(k, "_", "-"), ints[i])
 				}
 				body[k] = n
 			}
 		}
 		if len(body) == 0 {
-			return usageErr("escrow models set %s: nothing to set (--input, --output, …)", pos[1])
+			return nil, usageErr("escrow models set %s: nothing to set (--input, --output, …)", model)
 		}
-		err = c.call(http.MethodPatch, "/models/"+url.PathEscape(pos[1]), body, &res)
-	case len(pos) == 2 && pos[0] == "import":
-		return importModels(c, o, pos[1], *dryRun, *provider)
-	case len(pos) == 2 && pos[0] == "delete":
-		if err := c.call(http.MethodDelete, "/models/"+url.PathEscape(pos[1]), nil, nil); err != nil {
-			return err
-		}
-		fmt.Fprintln(stdout, "deleted", pos[1])
-		return nil
-	default:
-		return usageErr("usage: escrow models | show MODEL | set MODEL [--input D] [--cached-input D] [--output D] [--cache-write-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | import FILE [--dry-run] [--provider P,…] | delete MODEL  [--json|--csv]")
+		return body, nil
 	}
-	if err != nil {
-		return err
-	}
-	return o.print(res, cols, one(res))
 }
 
 // cmdRequest: escrow request ID — one request by its x-request-id.
 func cmdRequest(args []string) error {
-	fs := flag.NewFlagSet("request", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("request")
 	pos, c, err := start(fs, args, 1, "usage: escrow request REQUEST_ID [--json|--csv]")
 	if err != nil {
 		return err
 	}
-	var res map[string]any
-	if err := c.call(http.MethodGet, "/requests/"+url.PathEscape(pos[0]), nil, &res); err != nil {
-		return err
-	}
-	return o.print(res, []string{"id", "org", "key_id", "model", "status", "cost", "hold_amount", "estimated", "usage", "created_at"}, one(res))
+	return c.show(o, http.MethodGet, "/requests/"+url.PathEscape(pos[0]), nil,
+		[]string{"id", "org", "key_id", "model", "status", "cost", "hold_amount", "estimated", "usage", "created_at"})
 }
 
 // cmdEntries: escrow entries ORG [--kind K] [--from T] [--to T] — the org's ledger, newest first.
 func cmdEntries(args []string) error {
-	fs := flag.NewFlagSet("entries", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("entries")
 	kind := fs.String("kind", "", "charge, credit or adjust (default: all)")
 	inRange := timeRange(fs)
 	pos, c, err := start(fs, args, 1, "usage: escrow entries ORG [--kind charge|credit|adjust] [--from T] [--to T] [--json|--csv]")
@@ -561,43 +561,30 @@ func cmdEntries(args []string) error {
 
 // cmdAudit: escrow audit — every admin write, newest first.
 func cmdAudit(args []string) error {
-	fs := flag.NewFlagSet("audit", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("audit")
 	_, c, err := start(fs, args, 0, "usage: escrow audit [--json|--csv]")
 	if err != nil {
 		return err
 	}
-	rows, err := c.all("/audit", url.Values{"limit": {pageLimit}})
-	if err != nil {
-		return err
-	}
-	return o.print(rows, []string{"id", "at", "actor", "action", "target", "status"}, rows)
+	return c.list(o, "/audit", url.Values{"limit": {pageLimit}}, []string{"id", "at", "actor", "action", "target", "status"})
 }
 
 // cmdReconcile: escrow reconcile ORG — the org's hot balance against the ledger; a drift is
 // repaired (the hot balance is dropped and reseeds on the next request).
 func cmdReconcile(args []string) error {
-	fs := flag.NewFlagSet("reconcile", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("reconcile")
 	pos, c, err := start(fs, args, 1, "usage: escrow reconcile ORG [--json|--csv]")
 	if err != nil {
 		return err
 	}
-	var res map[string]any
-	if err := c.call(http.MethodPost, "/orgs/"+url.PathEscape(pos[0])+"/reconcile", nil, &res); err != nil {
-		return err
-	}
-	return o.print(res, []string{"org", "warm", "hot", "expected", "drift", "repaired", "caught_up"}, one(res))
+	return c.show(o, http.MethodPost, "/orgs/"+url.PathEscape(pos[0])+"/reconcile", nil,
+		[]string{"org", "warm", "hot", "expected", "drift", "repaired", "caught_up"})
 }
 
 // cmdEpoch: escrow epoch [raise] — the ledger's epoch; raise starts a new one, after restoring
 // the ledger from a backup (every hot balance of the old timeline is then reseeded).
 func cmdEpoch(args []string) error {
-	fs := flag.NewFlagSet("epoch", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("epoch")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return err
@@ -614,11 +601,7 @@ func cmdEpoch(args []string) error {
 	if err != nil {
 		return err
 	}
-	var res map[string]any
-	if err := c.call(method, "/ledger/epoch", nil, &res); err != nil {
-		return err
-	}
-	return o.print(res, []string{"generation", "id"}, one(res))
+	return c.show(o, method, "/ledger/epoch", nil, []string{"generation", "id"})
 }
 
 // cmdMigrate: escrow migrate [--database-url URL] — applies the ledger's migrations, then exits;
@@ -649,9 +632,7 @@ func cmdMigrate(args []string) error {
 
 // cmdTop: escrow top [--from T] [--to T] [--limit N] — the orgs that spent the most.
 func cmdTop(args []string) error {
-	fs := flag.NewFlagSet("top", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("top")
 	inRange := timeRange(fs)
 	limit := fs.String("limit", "10", "how many orgs (at most 1000)")
 	_, c, err := start(fs, args, 0, "usage: escrow top [--from T] [--to T] [--limit N] [--json|--csv]")
@@ -660,18 +641,12 @@ func cmdTop(args []string) error {
 	}
 	q := url.Values{"limit": {*limit}}
 	inRange(q)
-	var p page
-	if err := c.call(http.MethodGet, "/usage/top?"+q.Encode(), nil, &p); err != nil {
-		return err
-	}
-	return o.print(p, []string{"org", "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens"}, p.Data)
+	return c.firstPage(o, "/usage/top?"+q.Encode(), []string{"org", "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens"})
 }
 
 // cmdWebhooks: escrow webhooks | create URL --events E1,E2 | delete ID | deliveries ID.
 func cmdWebhooks(args []string) error {
-	fs := flag.NewFlagSet("webhooks", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("webhooks")
 	events := fs.String("events", "", "comma-separated event types (create): balance.low, credit.received, key.revoked, limit.crossed")
 	pos, c, err := begin(fs, args)
 	if err != nil {
@@ -680,29 +655,14 @@ func cmdWebhooks(args []string) error {
 	cols := []string{"id", "url", "events", "created_at"}
 	switch {
 	case len(pos) == 0:
-		rows, err := c.all("/webhooks", url.Values{"limit": {pageLimit}})
-		if err != nil {
-			return err
-		}
-		return o.print(rows, cols, rows)
+		return c.list(o, "/webhooks", url.Values{"limit": {pageLimit}}, cols)
 	case len(pos) == 2 && pos[0] == "create" && *events != "":
-		var res map[string]any
-		if err := c.call(http.MethodPost, "/webhooks", map[string]any{"url": pos[1], "events": strings.Split(*events, ",")}, &res); err != nil {
-			return err
-		}
-		return o.print(res, append(cols, "secret"), one(res))
+		return c.show(o, http.MethodPost, "/webhooks", map[string]any{"url": pos[1], "events": strings.Split(*events, ",")}, append(cols, "secret"))
 	case len(pos) == 2 && pos[0] == "delete":
-		if err := c.call(http.MethodDelete, "/webhooks/"+url.PathEscape(pos[1]), nil, nil); err != nil {
-			return err
-		}
-		fmt.Fprintln(stdout, "deleted", pos[1])
-		return nil
+		return c.do(http.MethodDelete, "/webhooks/"+url.PathEscape(pos[1]), nil, "deleted "+pos[1])
 	case len(pos) == 2 && pos[0] == "deliveries":
-		rows, err := c.all("/webhooks/"+url.PathEscape(pos[1])+"/deliveries", url.Values{"limit": {pageLimit}})
-		if err != nil {
-			return err
-		}
-		return o.print(rows, []string{"id", "event_type", "org", "status", "attempts", "last_status", "last_error", "next_attempt_at", "created_at"}, rows)
+		return c.list(o, "/webhooks/"+url.PathEscape(pos[1])+"/deliveries", url.Values{"limit": {pageLimit}},
+			[]string{"id", "event_type", "org", "status", "attempts", "last_status", "last_error", "next_attempt_at", "created_at"})
 	default:
 		return usageErr("usage: escrow webhooks | create URL --events TYPE[,TYPE…] | delete ID | deliveries ID  [--json|--csv]")
 	}
@@ -795,9 +755,7 @@ func importModels(c *client, o output, file string, dryRun bool, provider string
 // cmdLimits: escrow limits ORG | create ORG --window W --cap N [--key ID | --project P] |
 // set-cap ORG LIMIT_ID N | delete ORG LIMIT_ID.
 func cmdLimits(args []string) error {
-	fs := flag.NewFlagSet("limits", flag.ContinueOnError)
-	var o output
-	o.flags(fs)
+	fs, o := newFlags("limits")
 	window := fs.String("window", "", "lifetime, hour, day, week or month (create)")
 	capArg := fs.String("cap", "", "the cap in micro-units (create)")
 	key := fs.String("key", "", "a key's limit: the key id (create)")
@@ -811,15 +769,10 @@ func cmdLimits(args []string) error {
 	if err != nil {
 		return err
 	}
-	cols := []string{"id", "scope", "scope_id", "window", "cap", "used", "held", "resets_at"}
-	var res map[string]any
+	created := []string{"id", "scope", "scope_id", "window", "cap"}
 	switch {
 	case len(pos) == 1:
-		rows, err := c.all("/orgs/"+url.PathEscape(pos[0])+"/limits", url.Values{})
-		if err != nil {
-			return err
-		}
-		return o.print(rows, cols, rows)
+		return c.list(o, "/orgs/"+url.PathEscape(pos[0])+"/limits", url.Values{}, []string{"id", "scope", "scope_id", "window", "cap", "used", "held", "resets_at"})
 	case len(pos) == 2 && pos[0] == "create":
 		n, err := strconv.ParseInt(*capArg, 10, 64)
 		if err != nil || *window == "" || (*key != "" && *project != "") {
@@ -832,30 +785,18 @@ func cmdLimits(args []string) error {
 		case *project != "":
 			body["scope"], body["scope_id"] = "project", *project
 		}
-		err = c.call(http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/limits", body, &res)
-		cols = []string{"id", "scope", "scope_id", "window", "cap"}
-		if err != nil {
-			return err
-		}
+		return c.show(o, http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/limits", body, created)
 	case len(pos) == 4 && pos[0] == "set-cap":
 		n, err := strconv.ParseInt(pos[3], 10, 64)
 		if err != nil {
 			return usageErr("the cap must be a whole number of micro-units, not %q", pos[3])
 		}
-		if err := c.call(http.MethodPatch, "/orgs/"+url.PathEscape(pos[1])+"/limits/"+url.PathEscape(pos[2]), map[string]any{"cap": n}, &res); err != nil {
-			return err
-		}
-		cols = []string{"id", "scope", "scope_id", "window", "cap"}
+		return c.show(o, http.MethodPatch, "/orgs/"+url.PathEscape(pos[1])+"/limits/"+url.PathEscape(pos[2]), map[string]any{"cap": n}, created)
 	case len(pos) == 3 && pos[0] == "delete":
-		if err := c.call(http.MethodDelete, "/orgs/"+url.PathEscape(pos[1])+"/limits/"+url.PathEscape(pos[2]), nil, nil); err != nil {
-			return err
-		}
-		fmt.Fprintln(stdout, "deleted", pos[2])
-		return nil
+		return c.do(http.MethodDelete, "/orgs/"+url.PathEscape(pos[1])+"/limits/"+url.PathEscape(pos[2]), nil, "deleted "+pos[2])
 	default:
 		return usage
 	}
-	return o.print(res, cols, one(res))
 }
 
 // cmdProjects: escrow projects create ORG ID | add-key KEY_ID PROJECT | remove-key KEY_ID.
@@ -867,19 +808,14 @@ func cmdProjects(args []string) error {
 	}
 	switch {
 	case len(pos) == 3 && pos[0] == "create":
-		err = c.call(http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/projects", map[string]string{"id": pos[2]}, nil)
+		return c.do(http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/projects", map[string]string{"id": pos[2]}, "ok")
 	case len(pos) == 3 && pos[0] == "add-key":
-		err = c.call(http.MethodPut, "/keys/"+url.PathEscape(pos[1])+"/project", map[string]any{"project": pos[2]}, nil)
+		return c.do(http.MethodPut, "/keys/"+url.PathEscape(pos[1])+"/project", map[string]any{"project": pos[2]}, "ok")
 	case len(pos) == 2 && pos[0] == "remove-key":
-		err = c.call(http.MethodPut, "/keys/"+url.PathEscape(pos[1])+"/project", map[string]any{"project": nil}, nil)
+		return c.do(http.MethodPut, "/keys/"+url.PathEscape(pos[1])+"/project", map[string]any{"project": nil}, "ok")
 	default:
 		return usageErr("usage: escrow projects create ORG PROJECT | add-key KEY_ID PROJECT | remove-key KEY_ID")
 	}
-	if err != nil {
-		return err
-	}
-	fmt.Fprintln(stdout, "ok")
-	return nil
 }
 
 // freezeCmd: escrow freeze|unfreeze ORG [--project P] | --key KEY_ID.
@@ -907,10 +843,6 @@ func freezeCmd(name, path string) func(args []string) error {
 		if err != nil {
 			return err
 		}
-		if err := c.call(http.MethodPost, target, nil, nil); err != nil {
-			return err
-		}
-		fmt.Fprintln(stdout, map[string]string{"freeze": "frozen", "unfreeze": "unfrozen"}[name])
-		return nil
+		return c.do(http.MethodPost, target, nil, map[string]string{"freeze": "frozen", "unfreeze": "unfrozen"}[name])
 	}
 }

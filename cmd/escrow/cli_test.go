@@ -166,13 +166,7 @@ func TestCLIEndToEnd(t *testing.T) {
 			model = "gpt-4o"
 		}
 		body := fmt.Sprintf(`{"model":%q,"max_tokens":%d,"messages":[{"role":"user","content":"hello there number %d"}]}`, model, 10+i, i)
-		req, _ := http.NewRequest("POST", base+"/v1/chat/completions", strings.NewReader(body))
-		req.Header.Set("Authorization", "Bearer "+key)
-		req.Header.Set("Content-Type", "application/json")
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
+		resp := postChat(t, base, key, body)
 		_, _ = io.Copy(io.Discard, resp.Body)
 		resp.Body.Close()
 		if resp.StatusCode != 200 {
@@ -418,10 +412,10 @@ func TestCLIMigrate(t *testing.T) {
 	}
 }
 
-// chatStatus sends one chat request with key and returns the status and the error code.
-func chatStatus(t *testing.T, base, key string) (int, string) {
+// postChat sends a chat completion request (JSON body) with key; it fails the test when no
+// answer comes. The caller closes the body.
+func postChat(t *testing.T, base, key, body string) *http.Response {
 	t.Helper()
-	body := `{"model":"gpt-4o-mini","max_tokens":20,"messages":[{"role":"user","content":"hi"}]}`
 	req, _ := http.NewRequest("POST", base+"/v1/chat/completions", strings.NewReader(body))
 	req.Header.Set("Authorization", "Bearer "+key)
 	req.Header.Set("Content-Type", "application/json")
@@ -429,6 +423,13 @@ func chatStatus(t *testing.T, base, key string) (int, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return resp
+}
+
+// chatStatus sends one chat request with key and returns the status and the error code.
+func chatStatus(t *testing.T, base, key string) (int, string) {
+	t.Helper()
+	resp := postChat(t, base, key, `{"model":"gpt-4o-mini","max_tokens":20,"messages":[{"role":"user","content":"hi"}]}`)
 	defer resp.Body.Close()
 	var e struct {
 		Error struct{ Code string } `json:"error"`

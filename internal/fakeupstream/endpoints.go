@@ -106,6 +106,66 @@ func badCap(w http.ResponseWriter, name string, v *int64) bool {
 	return false
 }
 
+// answer is one OpenAI-style reply in the making: its plan, id, creation time and the words of
+// each choice's output.
+type answer struct {
+	plan
+	id      string
+	created int64
+	out     []string
+}
+
+// start computes the plan of an OpenAI-style reply and wraps w for the plan's encoding; ok is
+// false when the plan says [fail] (a 500 is written then). done must be called when the reply is
+// written.
+func (s *Server) start(w http.ResponseWriter, words int, last string, outCap, n *int64) (p plan, ew http.ResponseWriter, done func(), ok bool) {
+	p = s.newPlan(words, last, outCap, n)
+	if p.fail {
+		writeServerError(w)
+		return p, w, nil, false
+	}
+	ew, done = p.encode(w)
+	return p, ew, done, true
+}
+
+// step waits n × SlowDelay when the plan is [slow]; false: the client left meanwhile.
+func (s *Server) step(ctx context.Context, p plan, n int) bool {
+	return !p.slow || pause(ctx, time.Duration(n)*s.opts.SlowDelay)
+}
+
+// jsonReady plays a JSON reply's markers: [hang] sends its first bytes and waits for the client
+// to leave, [slow] waits tokens × SlowDelay. false: write nothing more.
+func (s *Server) jsonReady(w http.ResponseWriter, r *http.Request, p plan, tokens int) bool {
+	if p.hang {
+		hangJSON(w, r)
+		return false
+	}
+	return s.step(r.Context(), p, tokens)
+}
+
+// usageSlot is the usage of a stream's chunks before the usage chunk: null when the client asked
+// for usage (stream_options.include_usage), else absent (nil).
+func usageSlot(req *apiRequest) json.RawMessage {
+	if req.StreamOptions != nil && req.StreamOptions.IncludeUsage {
+		return json.RawMessage("null")
+	}
+	return nil
+}
+
+// endStream sends each choice's last chunk, then the usage chunk when there is one (nil: the
+// client did not ask for it), then [DONE]; it stops at the first write that fails.
+func endStream(e *sse, choices int, last func(i int) any, usage any) {
+	for i := 0; i < choices; i++ {
+		if e.data(last(i)) != nil {
+			return
+		}
+	}
+	if usage != nil && e.data(usage) != nil {
+		return
+	}
+	_ = e.raw("", []byte("[DONE]"))
+}
+
 // ---- chat completions ----
 
 // ChatUsage is the usage object of chat completions (JSON and the last stream chunk).
@@ -243,87 +303,73 @@ func (s *Server) chat(w http.ResponseWriter, r *http.Request, req *apiRequest) {
 	if outCap == nil {
 		outCap = req.MaxTokens
 	}
-	p := s.newPlan(words, last, outCap, req.N)
-	if p.fail {
-		writeServerError(w)
+	p, w, done, ok := s.start(w, words, last, outCap, req.N)
+	if !ok {
 		return
 	}
-	w, done := p.encode(w)
 	defer done()
-	id, created := s.nextID("chatcmpl"), time.Now().Unix()
-	out := outputWords(p.completionTokens)
-	if !req.Stream {
-		if p.hang {
-			hangJSON(w, r)
-			return
-		}
-		if p.slow && !pause(r.Context(), time.Duration(p.totalCompletion())*s.opts.SlowDelay) {
-			return
-		}
-		resp := chatCompletion{ID: id, Object: "chat.completion", Created: created, Model: req.Model,
-			Usage: p.chatUsage(), SystemFingerprint: fingerprint}
-		var lp *chatLogprobs
-		if top := req.chatLogprobs(); top >= 0 {
-			lp = &chatLogprobs{Content: logprobsOf(out, top)}
-		}
-		for i := 0; i < p.choices; i++ {
-			resp.Choices = append(resp.Choices, chatChoice{Index: i, FinishReason: p.finishReason(),
-				Message: chatMessage{Role: "assistant", Content: joinWords(out)}, Logprobs: lp})
-		}
-		writeJSON(w, http.StatusOK, resp)
-		return
+	a := answer{plan: p, id: s.nextID("chatcmpl"), created: time.Now().Unix(), out: outputWords(p.completionTokens)}
+	if req.Stream {
+		s.chatStream(w, r, req, a)
+	} else if s.jsonReady(w, r, p, p.totalCompletion()) {
+		writeJSON(w, http.StatusOK, chatReply(req, a))
 	}
+}
 
-	includeUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage
+// chatReply is the JSON reply of a chat completion: every choice says the same words.
+func chatReply(req *apiRequest, a answer) chatCompletion {
+	resp := chatCompletion{ID: a.id, Object: "chat.completion", Created: a.created, Model: req.Model,
+		Usage: a.chatUsage(), SystemFingerprint: fingerprint}
+	var lp *chatLogprobs
+	if top := req.chatLogprobs(); top >= 0 {
+		lp = &chatLogprobs{Content: logprobsOf(a.out, top)}
+	}
+	for i := 0; i < a.choices; i++ {
+		resp.Choices = append(resp.Choices, chatChoice{Index: i, FinishReason: a.finishReason(),
+			Message: chatMessage{Role: "assistant", Content: joinWords(a.out)}, Logprobs: lp})
+	}
+	return resp
+}
+
+// chatStream streams a chat completion: each choice's role, then word by word (each word for
+// every choice in turn), each choice's finish reason, the usage chunk when asked for, [DONE].
+func (s *Server) chatStream(w http.ResponseWriter, r *http.Request, req *apiRequest, a answer) {
+	slot := usageSlot(req)
 	e := startSSE(w)
-	chunk := func(choices []chunkChoice) chatChunk {
-		c := chatChunk{ID: id, Object: "chat.completion.chunk", Created: created, Model: req.Model,
-			SystemFingerprint: fingerprint, Choices: choices}
-		if includeUsage {
-			c.Usage = json.RawMessage("null")
-		}
-		return c
+	chunk := func(usage json.RawMessage, choices []chunkChoice) chatChunk {
+		return chatChunk{ID: a.id, Object: "chat.completion.chunk", Created: a.created, Model: req.Model,
+			SystemFingerprint: fingerprint, Choices: choices, Usage: usage}
 	}
 	empty := ""
-	for i := 0; i < p.choices; i++ {
-		if e.data(chunk([]chunkChoice{{Index: i, Delta: chatDelta{Role: "assistant", Content: &empty}}})) != nil {
+	for i := 0; i < a.choices; i++ {
+		if e.data(chunk(slot, []chunkChoice{{Index: i, Delta: chatDelta{Role: "assistant", Content: &empty}}})) != nil {
 			return
 		}
 	}
-	if p.hang {
+	if a.hang {
 		<-r.Context().Done()
 		return
 	}
 	top := req.chatLogprobs()
-	for _, word := range out {
+	for _, word := range a.out {
 		var lp *chatLogprobs
 		if top >= 0 {
 			lp = &chatLogprobs{Content: logprobsOf([]string{word}, top)}
 		}
-		for i := 0; i < p.choices; i++ {
-			if p.slow && !pause(r.Context(), s.opts.SlowDelay) {
+		for i := 0; i < a.choices; i++ {
+			if !s.step(r.Context(), a.plan, 1) ||
+				e.data(chunk(slot, []chunkChoice{{Index: i, Delta: chatDelta{Content: &word}, Logprobs: lp}})) != nil {
 				return
 			}
-			if e.data(chunk([]chunkChoice{{Index: i, Delta: chatDelta{Content: &word}, Logprobs: lp}})) != nil {
-				return
-			}
 		}
 	}
-	reason := p.finishReason()
-	for i := 0; i < p.choices; i++ {
-		if e.data(chunk([]chunkChoice{{Index: i, FinishReason: &reason}})) != nil {
-			return
-		}
+	reason := a.finishReason()
+	var final any
+	if slot != nil {
+		u, _ := json.Marshal(a.chatUsage())
+		final = chunk(u, []chunkChoice{})
 	}
-	if includeUsage {
-		u, _ := json.Marshal(p.chatUsage())
-		c := chunk([]chunkChoice{})
-		c.Usage = u
-		if e.data(c) != nil {
-			return
-		}
-	}
-	_ = e.raw("", []byte("[DONE]"))
+	endStream(e, a.choices, func(i int) any { return chunk(slot, []chunkChoice{{Index: i, FinishReason: &reason}}) }, final)
 }
 
 // ---- legacy completions ----
@@ -363,72 +409,58 @@ func (s *Server) completions(w http.ResponseWriter, r *http.Request, req *apiReq
 	if badN(w, req.N) || badCap(w, "max_tokens", req.MaxTokens) {
 		return
 	}
-	p := s.newPlan(words, last, req.MaxTokens, req.N)
-	if p.fail {
-		writeServerError(w)
+	p, w, done, ok := s.start(w, words, last, req.MaxTokens, req.N)
+	if !ok {
 		return
 	}
-	w, done := p.encode(w)
 	defer done()
-	id, created := s.nextID("cmpl"), time.Now().Unix()
-	out := outputWords(p.completionTokens)
+	a := answer{plan: p, id: s.nextID("cmpl"), created: time.Now().Unix(), out: outputWords(p.completionTokens)}
 	usage, _ := json.Marshal(CompletionUsage{PromptTokens: p.promptTokens,
 		CompletionTokens: p.totalCompletion(), TotalTokens: p.promptTokens + p.totalCompletion()})
-	reason := p.finishReason()
-	if !req.Stream {
-		if p.hang {
-			hangJSON(w, r)
-			return
-		}
-		if p.slow && !pause(r.Context(), time.Duration(p.totalCompletion())*s.opts.SlowDelay) {
-			return
-		}
-		resp := completion{ID: id, Object: "text_completion", Created: created, Model: req.Model,
-			SystemFingerprint: fingerprint, Usage: usage}
-		for i := 0; i < p.choices; i++ {
-			resp.Choices = append(resp.Choices, completionChoice{Text: joinWords(out), Index: i, FinishReason: &reason})
-		}
-		writeJSON(w, http.StatusOK, resp)
+	if req.Stream {
+		s.completionStream(w, r, req, a, usage)
 		return
 	}
-
-	includeUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage
-	e := startSSE(w)
-	chunk := func(choices []completionChoice) completion {
-		c := completion{ID: id, Object: "text_completion", Created: created, Model: req.Model,
-			SystemFingerprint: fingerprint, Choices: choices}
-		if includeUsage {
-			c.Usage = json.RawMessage("null")
-		}
-		return c
+	if !s.jsonReady(w, r, p, p.totalCompletion()) {
+		return
 	}
-	for j, word := range out {
-		for i := 0; i < p.choices; i++ {
-			if p.slow && !pause(r.Context(), s.opts.SlowDelay) {
+	reason := p.finishReason()
+	resp := completion{ID: a.id, Object: "text_completion", Created: a.created, Model: req.Model,
+		SystemFingerprint: fingerprint, Usage: usage}
+	for i := 0; i < p.choices; i++ {
+		resp.Choices = append(resp.Choices, completionChoice{Text: joinWords(a.out), Index: i, FinishReason: &reason})
+	}
+	writeJSON(w, http.StatusOK, resp)
+}
+
+// completionStream streams a legacy completion word by word (each word for every choice in
+// turn), then each choice's finish reason, the usage chunk when asked for, [DONE].
+func (s *Server) completionStream(w http.ResponseWriter, r *http.Request, req *apiRequest, a answer, usage json.RawMessage) {
+	slot := usageSlot(req)
+	e := startSSE(w)
+	chunk := func(usage json.RawMessage, choices []completionChoice) completion {
+		return completion{ID: a.id, Object: "text_completion", Created: a.created, Model: req.Model,
+			SystemFingerprint: fingerprint, Choices: choices, Usage: usage}
+	}
+	for j, word := range a.out {
+		for i := 0; i < a.choices; i++ {
+			if !s.step(r.Context(), a.plan, 1) || e.data(chunk(slot, []completionChoice{{Text: word, Index: i}})) != nil {
 				return
 			}
-			if e.data(chunk([]completionChoice{{Text: word, Index: i}})) != nil {
-				return
-			}
-			if p.hang && j == 0 && i == 0 {
+			if a.hang && j == 0 && i == 0 {
 				<-r.Context().Done()
 				return
 			}
 		}
 	}
-	for i := 0; i < p.choices; i++ {
-		if e.data(chunk([]completionChoice{{Text: "", Index: i, FinishReason: &reason}})) != nil {
-			return
-		}
+	reason := a.finishReason()
+	var final any
+	if slot != nil {
+		final = chunk(usage, []completionChoice{})
 	}
-	if includeUsage {
-		c := chunk([]completionChoice{})
-		c.Usage = usage
-		if e.data(c) != nil {
-			return
-		}
-	}
-	_ = e.raw("", []byte("[DONE]"))
+	endStream(e, a.choices, func(i int) any {
+		return chunk(slot, []completionChoice{{Text: "", Index: i, FinishReason: &reason}})
+	}, final)
 }
 
 // ---- embeddings ----
@@ -481,18 +513,12 @@ func (s *Server) embeddings(w http.ResponseWriter, r *http.Request, req *apiRequ
 		}
 		dims = req.Dimensions
 	}
-	p := s.newPlan(words, last, nil, nil)
-	if p.fail {
-		writeServerError(w)
+	p, w, done, ok := s.start(w, words, last, nil, nil)
+	if !ok {
 		return
 	}
-	w, done := p.encode(w)
 	defer done()
-	if p.hang {
-		hangJSON(w, r)
-		return
-	}
-	if p.slow && !pause(r.Context(), s.opts.SlowDelay) {
+	if !s.jsonReady(w, r, p, 1) {
 		return
 	}
 	resp := embeddingList{Object: "list", Model: req.Model,
@@ -580,39 +606,42 @@ func (s *Server) responses(w http.ResponseWriter, r *http.Request, req *apiReque
 	if badCap(w, "max_output_tokens", req.MaxOutputTokens) {
 		return
 	}
-	p := s.newPlan(words, last, req.MaxOutputTokens, nil)
-	if p.fail {
-		writeServerError(w)
+	p, w, done, ok := s.start(w, words, last, req.MaxOutputTokens, nil)
+	if !ok {
 		return
 	}
-	w, done := p.encode(w)
 	defer done()
 	id, msgID, created := s.nextID("resp"), s.nextID("msg"), time.Now().Unix()
-	out := outputWords(p.completionTokens)
-	final := response{ID: id, Object: "response", CreatedAt: created, Status: "completed",
-		MaxOutputTokens: req.MaxOutputTokens, Model: req.Model, Usage: p.responsesUsage(),
-		Output: []outputItem{{ID: msgID, Type: "message", Status: "completed", Role: "assistant",
-			Content: []outputText{{Type: "output_text", Text: joinWords(out), Annotations: []any{}}}}}}
-	if top := req.responsesLogprobs(); top >= 0 {
-		final.Output[0].Content[0].Logprobs = logprobsOf(out, top)
+	a := answer{plan: p, id: id, created: created, out: outputWords(p.completionTokens)}
+	final := finalResponse(req, a, msgID)
+	if req.Stream {
+		s.responseStream(w, r, a, final)
+	} else if s.jsonReady(w, r, p, p.completionTokens) {
+		writeJSON(w, http.StatusOK, final)
 	}
-	if p.incomplete {
+}
+
+// finalResponse is the response as it ends: the JSON reply, and the last event of a stream.
+func finalResponse(req *apiRequest, a answer, msgID string) response {
+	final := response{ID: a.id, Object: "response", CreatedAt: a.created, Status: "completed",
+		MaxOutputTokens: req.MaxOutputTokens, Model: req.Model, Usage: a.responsesUsage(),
+		Output: []outputItem{{ID: msgID, Type: "message", Status: "completed", Role: "assistant",
+			Content: []outputText{{Type: "output_text", Text: joinWords(a.out), Annotations: []any{}}}}}}
+	if top := req.responsesLogprobs(); top >= 0 {
+		final.Output[0].Content[0].Logprobs = logprobsOf(a.out, top)
+	}
+	if a.incomplete {
 		final.Status = "incomplete"
 		final.IncompleteDetails = &incompleteDetails{Reason: "max_output_tokens"}
 		final.Output[0].Status = "incomplete"
 	}
-	if !req.Stream {
-		if p.hang {
-			hangJSON(w, r)
-			return
-		}
-		if p.slow && !pause(r.Context(), time.Duration(p.completionTokens)*s.opts.SlowDelay) {
-			return
-		}
-		writeJSON(w, http.StatusOK, final)
-		return
-	}
+	return final
+}
 
+// responseStream streams a response as the Responses API does: created, in progress, the
+// message item and its text part opened, the text word by word, everything closed again, and
+// final (completed or incomplete); each event numbered.
+func (s *Server) responseStream(w http.ResponseWriter, r *http.Request, a answer, final response) {
 	e := startSSE(w)
 	seq := 0
 	send := func(typ string, fields map[string]any) bool {
@@ -626,10 +655,11 @@ func (s *Server) responses(w http.ResponseWriter, r *http.Request, req *apiReque
 	if !send("response.created", map[string]any{"response": pending}) {
 		return
 	}
-	if p.hang {
+	if a.hang {
 		<-r.Context().Done()
 		return
 	}
+	msgID := final.Output[0].ID
 	item := outputItem{ID: msgID, Type: "message", Status: "in_progress", Role: "assistant", Content: []outputText{}}
 	part := outputText{Type: "output_text", Text: "", Annotations: []any{}}
 	loc := func(m map[string]any) map[string]any {
@@ -641,15 +671,12 @@ func (s *Server) responses(w http.ResponseWriter, r *http.Request, req *apiReque
 		!send("response.content_part.added", loc(map[string]any{"part": part})) {
 		return
 	}
-	for _, word := range out {
-		if p.slow && !pause(r.Context(), s.opts.SlowDelay) {
-			return
-		}
-		if !send("response.output_text.delta", loc(map[string]any{"delta": word})) {
+	for _, word := range a.out {
+		if !s.step(r.Context(), a.plan, 1) || !send("response.output_text.delta", loc(map[string]any{"delta": word})) {
 			return
 		}
 	}
-	text := joinWords(out)
+	text := joinWords(a.out)
 	part.Text = text
 	if !send("response.output_text.done", loc(map[string]any{"text": text})) ||
 		!send("response.content_part.done", loc(map[string]any{"part": part})) ||
@@ -657,7 +684,7 @@ func (s *Server) responses(w http.ResponseWriter, r *http.Request, req *apiReque
 		return
 	}
 	end := "response.completed"
-	if p.incomplete {
+	if a.incomplete {
 		end = "response.incomplete"
 	}
 	send(end, map[string]any{"response": final})

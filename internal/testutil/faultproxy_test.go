@@ -96,8 +96,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 
 func TestFaultProxyForwards(t *testing.T) {
 	t.Parallel()
-	e := startEcho(t)
-	p := StartFaultProxy(t, e.ln.Addr().String())
+	e, p := echoProxy(t)
 	c := dial(t, p.Addr())
 	for _, msg := range []string{"hello", "world"} {
 		got, err := roundTrip(c, msg, 2*time.Second)
@@ -124,8 +123,7 @@ func TestFaultProxyRejectsNonLoopback(t *testing.T) {
 
 func TestFaultProxyDelay(t *testing.T) {
 	t.Parallel()
-	e := startEcho(t)
-	p := StartFaultProxy(t, e.ln.Addr().String())
+	_, p := echoProxy(t)
 	c := dial(t, p.Addr())
 	p.SetDelay(150 * time.Millisecond)
 	start := time.Now()
@@ -153,8 +151,7 @@ func TestFaultProxyDelay(t *testing.T) {
 
 func TestFaultProxyDropReply(t *testing.T) {
 	t.Parallel()
-	e := startEcho(t)
-	p := StartFaultProxy(t, e.ln.Addr().String())
+	e, p := echoProxy(t)
 	c := dial(t, p.Addr())
 	p.DropNextReply()
 	if _, err := roundTrip(c, "lost", 200*time.Millisecond); !isTimeout(err) {
@@ -163,9 +160,7 @@ func TestFaultProxyDropReply(t *testing.T) {
 	if got := e.received.Load(); got != 4 {
 		t.Fatalf("server received %d bytes, want the 4 of the request whose reply was dropped", got)
 	}
-	if got, err := roundTrip(c, "next", 2*time.Second); err != nil || got != "next" {
-		t.Fatalf("the reply after the dropped one: %q, %v", got, err)
-	}
+	mustEcho(t, c, "next", "the reply after the dropped one")
 	if s := p.Stats(); s.DroppedReplies != 1 || p.PendingDrops() != 0 {
 		t.Fatalf("stats = %+v, pending %d", s, p.PendingDrops())
 	}
@@ -234,8 +229,7 @@ func TestFaultProxyDropsAMultiChunkReplyWhole(t *testing.T) {
 
 func TestFaultProxyDropRepliesCountsWritesAcrossConnections(t *testing.T) {
 	t.Parallel()
-	e := startEcho(t)
-	p := StartFaultProxy(t, e.ln.Addr().String())
+	_, p := echoProxy(t)
 	c1, c2 := dial(t, p.Addr()), dial(t, p.Addr())
 	p.DropReplies(2)
 	for i, c := range []net.Conn{c1, c2} {
@@ -244,9 +238,7 @@ func TestFaultProxyDropRepliesCountsWritesAcrossConnections(t *testing.T) {
 		}
 	}
 	c3 := dial(t, p.Addr())
-	if got, err := roundTrip(c3, "ok", 2*time.Second); err != nil || got != "ok" {
-		t.Fatalf("third write: %q, %v", got, err)
-	}
+	mustEcho(t, c3, "ok", "third write")
 	if s := p.Stats(); s.DroppedReplies != 2 {
 		t.Fatalf("dropped %d, want 2", s.DroppedReplies)
 	}
@@ -254,25 +246,17 @@ func TestFaultProxyDropRepliesCountsWritesAcrossConnections(t *testing.T) {
 
 func TestFaultProxyDropRepliesIf(t *testing.T) {
 	t.Parallel()
-	e := startEcho(t)
-	p := StartFaultProxy(t, e.ln.Addr().String())
+	_, p := echoProxy(t)
 	c := dial(t, p.Addr())
 	p.DropRepliesIf(1, func(req []byte) bool { return bytes.Contains(req, []byte("EVAL")) })
-	if got, err := roundTrip(c, "PING", 2*time.Second); err != nil || got != "PING" {
-		t.Fatalf("unmatched write: %q, %v", got, err)
-	}
-	if _, err := roundTrip(c, "EVAL", 150*time.Millisecond); !isTimeout(err) {
-		t.Fatalf("matched write: want a timeout, got %v", err)
-	}
-	if got, err := roundTrip(c, "EVAL", 2*time.Second); err != nil || got != "EVAL" {
-		t.Fatalf("second matched write: %q, %v", got, err)
-	}
+	mustEcho(t, c, "PING", "unmatched write")
+	wantTimeout(t, c, "EVAL", "matched write")
+	mustEcho(t, c, "EVAL", "second matched write")
 }
 
 func TestFaultProxyCut(t *testing.T) {
 	t.Parallel()
-	e := startEcho(t)
-	p := StartFaultProxy(t, e.ln.Addr().String())
+	_, p := echoProxy(t)
 	c := dial(t, p.Addr())
 	if _, err := roundTrip(c, "a", 2*time.Second); err != nil {
 		t.Fatal(err)
@@ -284,9 +268,7 @@ func TestFaultProxyCut(t *testing.T) {
 	}
 	waitFor(t, "no active connections", func() bool { return p.Stats().Active == 0 })
 	c2 := dial(t, p.Addr())
-	if got, err := roundTrip(c2, "b", 2*time.Second); err != nil || got != "b" {
-		t.Fatalf("after cut: %q, %v", got, err)
-	}
+	mustEcho(t, c2, "b", "after cut")
 	if s := p.Stats(); s.Cuts != 1 || s.Accepted != 2 {
 		t.Fatalf("stats = %+v", s)
 	}
@@ -294,8 +276,7 @@ func TestFaultProxyCut(t *testing.T) {
 
 func TestFaultProxyBlock(t *testing.T) {
 	t.Parallel()
-	e := startEcho(t)
-	p := StartFaultProxy(t, e.ln.Addr().String())
+	_, p := echoProxy(t)
 	open := dial(t, p.Addr())
 	if _, err := roundTrip(open, "0", 2*time.Second); err != nil { // accepted before Block
 		t.Fatal(err)
@@ -308,14 +289,10 @@ func TestFaultProxyBlock(t *testing.T) {
 			t.Fatalf("blocked: want a reset/EOF, got %v", err)
 		}
 	}
-	if got, err := roundTrip(open, "still", 2*time.Second); err != nil || got != "still" {
-		t.Fatalf("a connection opened before Block: %q, %v", got, err)
-	}
+	mustEcho(t, open, "still", "a connection opened before Block")
 	p.Unblock()
 	c2 := dial(t, p.Addr())
-	if got, err := roundTrip(c2, "y", 2*time.Second); err != nil || got != "y" {
-		t.Fatalf("after Unblock: %q, %v", got, err)
-	}
+	mustEcho(t, c2, "y", "after Unblock")
 	if s := p.Stats(); s.Refused != 1 {
 		t.Fatalf("refused = %d, want 1", s.Refused)
 	}
@@ -323,20 +300,15 @@ func TestFaultProxyBlock(t *testing.T) {
 
 func TestFaultProxyHang(t *testing.T) {
 	t.Parallel()
-	e := startEcho(t)
-	p := StartFaultProxy(t, e.ln.Addr().String())
+	e, p := echoProxy(t)
 	old := dial(t, p.Addr())
 	if _, err := roundTrip(old, "0", 2*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	p.Hang()
 	c := dial(t, p.Addr())
-	if _, err := roundTrip(c, "new", 150*time.Millisecond); !isTimeout(err) {
-		t.Fatalf("new connection while hung: want a timeout, got %v", err)
-	}
-	if _, err := roundTrip(old, "old", 150*time.Millisecond); !isTimeout(err) {
-		t.Fatalf("open connection while hung: want a timeout, got %v", err)
-	}
+	wantTimeout(t, c, "new", "new connection while hung")
+	wantTimeout(t, old, "old", "open connection while hung")
 	if got := e.received.Load(); got != 1 {
 		t.Fatalf("server received %d bytes while hung, want only the 1 before", got)
 	}
@@ -355,8 +327,7 @@ func TestFaultProxyHang(t *testing.T) {
 
 func TestFaultProxyCloseEndsEverything(t *testing.T) {
 	t.Parallel()
-	e := startEcho(t)
-	p := StartFaultProxy(t, e.ln.Addr().String())
+	_, p := echoProxy(t)
 	c := dial(t, p.Addr())
 	p.Hang()
 	_, _ = c.Write([]byte("x"))
@@ -471,5 +442,28 @@ func TestFaultProxyGoRedisHangTimesOut(t *testing.T) {
 	p.Reset()
 	if err := c.Ping(ctx).Err(); err != nil {
 		t.Fatalf("PING after Reset: %v", err)
+	}
+}
+
+// echoProxy starts an echo server and a fault proxy in front of it.
+func echoProxy(t *testing.T) (*echoServer, *FaultProxy) {
+	e := startEcho(t)
+	return e, StartFaultProxy(t, e.ln.Addr().String())
+}
+
+// mustEcho sends msg on c and fails the test (saying what) unless msg comes back within 2s.
+func mustEcho(t *testing.T, c net.Conn, msg, what string) {
+	t.Helper()
+	if got, err := roundTrip(c, msg, 2*time.Second); err != nil || got != msg {
+		t.Fatalf("%s: %q, %v", what, got, err)
+	}
+}
+
+// wantTimeout sends msg on c and fails the test (saying what) unless no answer comes within
+// 150ms.
+func wantTimeout(t *testing.T, c net.Conn, msg, what string) {
+	t.Helper()
+	if _, err := roundTrip(c, msg, 150*time.Millisecond); !isTimeout(err) {
+		t.Fatalf("%s: want a timeout, got %v", what, err)
 	}
 }

@@ -39,10 +39,8 @@ type PostgresServer struct {
 	cred    *syscall.Credential // nil: run as the current user
 	initDur time.Duration
 
-	mu       sync.Mutex
-	cmd      *exec.Cmd
-	exited   chan struct{}
-	startDur time.Duration
+	daemon
+	startDur time.Duration // under daemon.mu
 }
 
 // pgStartTimeout bounds how long a start waits for the server to accept connections (crash
@@ -89,22 +87,10 @@ func StartPostgresServer(tb testing.TB) *PostgresServer {
 	}
 	s.initDur = time.Since(t0)
 
-	var lastErr error
-	for attempt := 0; attempt < 5; attempt++ {
-		port, err := freeLoopbackPort(0)
-		if err != nil {
-			tb.Fatalf("postgres: %v", err)
-		}
-		s.port = port
-		if lastErr = s.start(); lastErr == nil {
-			return s
-		}
-		if !strings.Contains(lastErr.Error(), "in use") {
-			break
-		}
+	if err := onFreePort(0, func(port int) error { s.port = port; return s.start() }); err != nil {
+		tb.Fatalf("start private postgres: %v", err)
 	}
-	tb.Fatalf("start private postgres: %v", lastErr)
-	return nil
+	return s
 }
 
 // URL is a connection string for user postgres, database postgres, without TLS.
@@ -127,25 +113,6 @@ func (s *PostgresServer) StartTime() time.Duration {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.startDur
-}
-
-// Running reports whether the postmaster is alive.
-func (s *PostgresServer) Running() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.runningLocked()
-}
-
-func (s *PostgresServer) runningLocked() bool {
-	if s.cmd == nil {
-		return false
-	}
-	select {
-	case <-s.exited:
-		return false
-	default:
-		return true
-	}
 }
 
 // Start starts the server again after Stop or Kill, on the same port and data directory (after
@@ -229,7 +196,6 @@ func (s *PostgresServer) start() error {
 		return fmt.Errorf("postgres log: %w", err)
 	}
 	defer logFile.Close()
-	logStart := fileSize(logPath)
 	cmd := s.command("postgres", "-D", s.dataDir(), "-p", strconv.Itoa(s.port),
 		"-h", "127.0.0.1", "-k", s.dir,
 		"-c", "fsync=off", "-c", "full_page_writes=off",
@@ -237,15 +203,9 @@ func (s *PostgresServer) start() error {
 		"-c", "logging_collector=off", "-c", "log_min_messages=warning")
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	t0 := time.Now()
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("exec postgres: %w", err)
-	}
-	exited := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(exited) }()
-	s.cmd, s.exited = cmd, exited
-	if err := waitPostgresReady(s.URL(), exited, pgStartTimeout); err != nil {
-		killPostgres(cmd, exited)
-		return fmt.Errorf("%w; postgres.log: %s", err, tailFrom(logPath, logStart, 2000))
+	ready := func(exited <-chan struct{}) error { return waitPostgresReady(s.URL(), exited, pgStartTimeout) }
+	if err := s.launchLocked(cmd, logPath, ready, killPostgres); err != nil {
+		return err
 	}
 	s.startDur = time.Since(t0)
 	return nil
@@ -253,28 +213,16 @@ func (s *PostgresServer) start() error {
 
 // waitPostgresReady polls a connection until one succeeds, the process exits or timeout.
 func waitPostgresReady(url string, exited <-chan struct{}, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for {
+	return pollReady("postgres", "accept connections", exited, timeout, func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
 		conn, err := pgx.Connect(ctx, url)
 		if err == nil {
 			err = conn.Ping(ctx)
 			_ = conn.Close(ctx)
 		}
-		cancel()
-		if err == nil {
-			return nil
-		}
-		select {
-		case <-exited:
-			return errors.New("postgres exited during start")
-		default:
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("postgres did not accept connections within %v: %w", timeout, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return err
+	})
 }
 
 // postgresBindir finds the directory holding initdb and postgres.

@@ -10,7 +10,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -31,11 +30,9 @@ type RedisServer struct {
 	port int
 	cfg  redisServerConfig
 
-	mu      sync.Mutex
-	cmd     *exec.Cmd
-	exited  chan struct{} // closed when cmd has been waited for
-	client  *redis.Client
-	started int // how many times the process was started
+	daemon
+	client  *redis.Client // under daemon.mu, like started
+	started int           // how many times the process was started
 }
 
 type redisServerConfig struct {
@@ -100,23 +97,12 @@ func newRedisServer(tb testing.TB, opts ...RedisServerOption) *RedisServer {
 // between, so a start that loses that race tries another port. Safe to call concurrently on
 // different servers.
 func (s *RedisServer) startFresh(busOffset int) error {
-	var lastErr error
-	for attempt := 0; attempt < 5; attempt++ {
-		port, err := freeLoopbackPort(busOffset)
-		if err != nil {
-			return err
-		}
+	return onFreePort(busOffset, func(port int) error {
 		s.mu.Lock()
 		s.port = port
 		s.mu.Unlock()
-		if lastErr = s.start(); lastErr == nil {
-			return nil
-		}
-		if !strings.Contains(lastErr.Error(), "in use") {
-			break
-		}
-	}
-	return lastErr
+		return s.start()
+	})
 }
 
 // Addr is the server's host:port on 127.0.0.1.
@@ -140,25 +126,6 @@ func (s *RedisServer) Client() *redis.Client {
 		s.client = redis.NewClient(&redis.Options{Addr: s.Addr()})
 	}
 	return s.client
-}
-
-// Running reports whether the server process is alive.
-func (s *RedisServer) Running() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.runningLocked()
-}
-
-func (s *RedisServer) runningLocked() bool {
-	if s.cmd == nil {
-		return false
-	}
-	select {
-	case <-s.exited:
-		return false
-	default:
-		return true
-	}
 }
 
 // Start starts the server again after Stop or Kill, on the same port and in the same
@@ -226,25 +193,15 @@ func (s *RedisServer) start() error {
 	if s.port == sharedRedisPort || s.port <= 0 {
 		return fmt.Errorf("refusing to run a private redis-server on port %d", s.port)
 	}
-	logPath := filepath.Join(s.dir, "redis.log")
-	logStart := fileSize(logPath)
 	cmd := exec.Command(s.bin, s.args()...)
 	cmd.Dir = s.dir
 	cmd.SysProcAttr = childProcAttr()
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("exec %s: %w", s.bin, err)
+	ready := func(exited <-chan struct{}) error {
+		s.started++
+		return waitRedisReady(s.Addr(), exited, redisStartTimeout)
 	}
-	exited := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(exited) }()
-	s.cmd, s.exited = cmd, exited
-	s.started++
-
-	if err := waitRedisReady(s.Addr(), exited, redisStartTimeout); err != nil {
-		killGroup(cmd)
-		<-exited
-		return fmt.Errorf("%w; redis.log: %s", err, tailFrom(logPath, logStart, 2000))
-	}
-	return nil
+	kill := func(cmd *exec.Cmd, exited <-chan struct{}) { stopProcess(cmd, exited, syscall.SIGKILL, 0) }
+	return s.launchLocked(cmd, filepath.Join(s.dir, "redis.log"), ready, kill)
 }
 
 // waitRedisReady polls PING until it answers PONG (not LOADING), the process exits or timeout.
@@ -254,25 +211,11 @@ func waitRedisReady(addr string, exited <-chan struct{}, timeout time.Duration) 
 		MaxRetries: -1, PoolSize: 1, Protocol: 2, DisableIdentity: true,
 	})
 	defer c.Close()
-	deadline := time.Now().Add(timeout)
-	var err error
-	for {
+	return pollReady("redis-server", "answer PING", exited, timeout, func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		err = c.Ping(ctx).Err()
-		cancel()
-		if err == nil {
-			return nil
-		}
-		select {
-		case <-exited:
-			return errors.New("redis-server exited during start")
-		default:
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("redis-server did not answer PING within %v: %w", timeout, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		defer cancel()
+		return c.Ping(ctx).Err()
+	})
 }
 
 // signal sends sig to the running server and waits for it to exit; after grace (0: no grace),
