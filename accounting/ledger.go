@@ -24,6 +24,9 @@ var (
 	// ErrNotRecorded: RecordUsage failed before anything reached the ledger (no connection
 	// could be made, or the write was never sent), so the events are certainly not stored.
 	ErrNotRecorded = errors.New("accounting: usage not recorded")
+	// ErrConfig: a constructor (NewRecorder, NewWorker, OpenPostgres, NewPostgres, OpenJournal)
+	// was given a config field out of range; nothing was started.
+	ErrConfig = errors.New("accounting: invalid config")
 )
 
 // Model is a priced model.

@@ -60,13 +60,35 @@ type Postgres struct {
 
 var _ Ledger = (*Postgres)(nil)
 
+// defaultReconnectDelay is PostgresConfig.ReconnectDelay's default.
+const defaultReconnectDelay = 250 * time.Millisecond
+
+// withDefaults returns the config with every zero field set to its default; c may be nil.
+func (c *PostgresConfig) withDefaults() PostgresConfig {
+	var z PostgresConfig
+	if c != nil {
+		z = *c
+	}
+	z.ReconnectDelay = cmp.Or(z.ReconnectDelay, defaultReconnectDelay)
+	z.Logger = cmp.Or(z.Logger, slog.Default())
+	return z
+}
+
+// validate refuses a negative ReconnectDelay.
+func (c *PostgresConfig) validate() error {
+	if c.ReconnectDelay < 0 {
+		return fmt.Errorf("%w: postgres ReconnectDelay %v must be ≥ 0", ErrConfig, c.ReconnectDelay)
+	}
+	return nil
+}
+
 // OpenPostgres connects to url (a pgx connection string; its search_path selects the schema)
-// and, unless cfg says otherwise, applies the migrations. The ledger owns the pool: Close
-// closes it.
-func OpenPostgres(ctx context.Context, url string, cfg ...PostgresConfig) (*Postgres, error) {
-	var c PostgresConfig
-	if len(cfg) > 0 {
-		c = cfg[0]
+// and, unless cfg says otherwise, applies the migrations; cfg may be nil for the defaults. The
+// ledger owns the pool: Close closes it.
+func OpenPostgres(ctx context.Context, url string, cfg *PostgresConfig) (*Postgres, error) {
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
 	}
 	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
@@ -82,20 +104,26 @@ func OpenPostgres(ctx context.Context, url string, cfg ...PostgresConfig) (*Post
 			return nil, wrapPg("migrate", err)
 		}
 	}
-	p := NewPostgres(pool, &c)
+	p := newPostgres(pool, c)
 	p.owned = true
 	return p, nil
 }
 
-// NewPostgres returns a ledger on pool, whose schema must be migrated (migrations.Up). The
-// caller keeps the pool: Close does not close it. cfg may be nil.
-func NewPostgres(pool *pgxpool.Pool, cfg *PostgresConfig) *Postgres {
-	var c PostgresConfig
-	if cfg != nil {
-		c = *cfg
+// NewPostgres returns a ledger on pool, whose schema must be migrated (migrations.Up); cfg may
+// be nil for the defaults. The caller keeps the pool: Close does not close it.
+func NewPostgres(pool *pgxpool.Pool, cfg *PostgresConfig) (*Postgres, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("%w: postgres ledger needs a pool", ErrConfig)
 	}
-	c.ReconnectDelay = cmp.Or(c.ReconnectDelay, 250*time.Millisecond)
-	return &Postgres{pool: pool, cfg: c, log: cmp.Or(c.Logger, slog.Default()), closed: make(chan struct{})}
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	return newPostgres(pool, c), nil
+}
+
+func newPostgres(pool *pgxpool.Pool, c PostgresConfig) *Postgres {
+	return &Postgres{pool: pool, cfg: c, log: c.Logger, closed: make(chan struct{})}
 }
 
 // Close stops the subscriptions and, when OpenPostgres made the pool, closes it.

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -14,7 +15,8 @@ import (
 // Stop).
 var ErrRecorderClosed = errors.New("accounting: recorder not running")
 
-// RecorderConfig configures a Recorder. The zero value is ready to use.
+// RecorderConfig configures a Recorder. The zero value of every field means its documented
+// default; a negative value is refused (ErrConfig).
 type RecorderConfig struct {
 	// MaxBatch is the most events one RecordUsage call carries. Default 500.
 	MaxBatch int
@@ -106,28 +108,68 @@ type recordDone struct {
 	receipt Receipt
 }
 
-// NewRecorder returns a recorder writing to l. Call Start before Record.
-func NewRecorder(l Ledger, cfg RecorderConfig) *Recorder {
-	cfg.MaxBatch = cmp.Or(max(cfg.MaxBatch, 0), 500)
-	cfg.Flushers = cmp.Or(max(cfg.Flushers, 0), 1)
-	cfg.Timeout = cmp.Or(max(cfg.Timeout, 0), 5*time.Second)
-	cfg.QueueSize = cmp.Or(max(cfg.QueueSize, 0), 4*cfg.MaxBatch)
-	cfg.FlushInterval = max(cfg.FlushInterval, 0)
-	cfg.PinInterval = cmp.Or(max(cfg.PinInterval, 0), 6*time.Hour)
-	cfg.ReplayInterval = cmp.Or(max(cfg.ReplayInterval, 0), time.Second)
-	cfg.UnpinDelay = cmp.Or(max(cfg.UnpinDelay, 0), 5*time.Second)
-	cfg.FinishTimeout = cmp.Or(max(cfg.FinishTimeout, 0), time.Second)
-	if cfg.JournalReserve <= 0 || cfg.JournalReserve >= 1 {
-		cfg.JournalReserve = 0.1
+// The Recorder's defaults, used for the zero value of the RecorderConfig field they name.
+const (
+	defaultRecorderMaxBatch       = 500
+	defaultRecorderFlushers       = 1
+	defaultRecorderTimeout        = 5 * time.Second
+	defaultRecorderQueuePerBatch  = 4 // QueueSize = 4 × MaxBatch
+	defaultRecorderPinInterval    = 6 * time.Hour
+	defaultRecorderReplayInterval = time.Second
+	defaultRecorderUnpinDelay     = 5 * time.Second
+	defaultRecorderJournalReserve = 0.1
+	defaultRecorderFinishTimeout  = time.Second
+)
+
+// withDefaults returns the config with every zero field set to its default; c may be nil.
+func (c *RecorderConfig) withDefaults() RecorderConfig {
+	var z RecorderConfig
+	if c != nil {
+		z = *c
 	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
+	z.MaxBatch = cmp.Or(z.MaxBatch, defaultRecorderMaxBatch)
+	z.Flushers = cmp.Or(z.Flushers, defaultRecorderFlushers)
+	z.Timeout = cmp.Or(z.Timeout, defaultRecorderTimeout)
+	z.QueueSize = cmp.Or(z.QueueSize, defaultRecorderQueuePerBatch*z.MaxBatch)
+	z.PinInterval = cmp.Or(z.PinInterval, defaultRecorderPinInterval)
+	z.ReplayInterval = cmp.Or(z.ReplayInterval, defaultRecorderReplayInterval)
+	z.UnpinDelay = cmp.Or(z.UnpinDelay, defaultRecorderUnpinDelay)
+	z.JournalReserve = cmp.Or(z.JournalReserve, defaultRecorderJournalReserve)
+	z.FinishTimeout = cmp.Or(z.FinishTimeout, defaultRecorderFinishTimeout)
+	z.Logger = cmp.Or(z.Logger, slog.Default())
+	return z
+}
+
+// validate refuses a config (after withDefaults) that no default can mend: a negative size or
+// duration, a journal reserve outside (0, 1).
+func (c *RecorderConfig) validate() error {
+	switch {
+	case c.MaxBatch < 0 || c.Flushers < 0 || c.QueueSize < 0:
+		return fmt.Errorf("%w: recorder MaxBatch, Flushers and QueueSize must be ≥ 0", ErrConfig)
+	case c.FlushInterval < 0 || c.Timeout < 0 || c.PinInterval < 0 || c.ReplayInterval < 0 ||
+		c.UnpinDelay < 0 || c.FinishTimeout < 0:
+		return fmt.Errorf("%w: recorder durations must be ≥ 0", ErrConfig)
+	case c.JournalReserve <= 0 || c.JournalReserve >= 1:
+		return fmt.Errorf("%w: recorder JournalReserve %v is outside (0, 1)", ErrConfig, c.JournalReserve)
 	}
-	r := &Recorder{ledger: l, cfg: cfg, queue: make(chan *recordReq, cfg.QueueSize)}
-	if cfg.Journal != nil {
-		r.fb = newFallback(l, cfg)
+	return nil
+}
+
+// NewRecorder returns a recorder writing to l; cfg may be nil for the defaults. A config field
+// out of range is refused with an error wrapping ErrConfig. Call Start before Record.
+func NewRecorder(l Ledger, cfg *RecorderConfig) (*Recorder, error) {
+	if l == nil {
+		return nil, fmt.Errorf("%w: recorder needs a ledger", ErrConfig)
 	}
-	return r
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	r := &Recorder{ledger: l, cfg: c, queue: make(chan *recordReq, c.QueueSize)}
+	if c.Journal != nil {
+		r.fb = newFallback(l, c)
+	}
+	return r, nil
 }
 
 // Degraded reports whether new holds should be refused (503) because the local journal is

@@ -13,7 +13,8 @@ import (
 	"github.com/llmescrow/escrow/balance"
 )
 
-// WorkerConfig configures a Worker. The zero value of every field means its documented default.
+// WorkerConfig configures a Worker. The zero value of every field means its documented default;
+// a negative value is refused (ErrConfig).
 type WorkerConfig struct {
 	// AccountBatch is how many pending usage events one accounting pass claims. Default 1000.
 	AccountBatch int
@@ -41,23 +42,46 @@ type WorkerConfig struct {
 	Logger *slog.Logger
 }
 
+// The Worker's defaults, used for the zero value of the WorkerConfig field they name.
+const (
+	defaultWorkerAccountBatch      = 1000
+	defaultWorkerSettleBatch       = 500
+	defaultWorkerSweepInterval     = 2 * time.Second
+	defaultWorkerReapInterval      = 5 * time.Second
+	defaultWorkerScanInterval      = time.Minute
+	defaultWorkerReconcileInterval = time.Minute
+	defaultWorkerOrgTimeout        = 10 * time.Second
+	defaultWorkerSettleConcurrency = 8
+)
+
+// withDefaults returns the config with every zero field set to its default; c may be nil.
 func (c *WorkerConfig) withDefaults() WorkerConfig {
 	var z WorkerConfig
 	if c != nil {
 		z = *c
 	}
-	z.AccountBatch = cmp.Or(z.AccountBatch, 1000)
-	z.SettleBatch = cmp.Or(z.SettleBatch, 500)
-	z.SweepInterval = cmp.Or(z.SweepInterval, 2*time.Second)
-	z.ReapInterval = cmp.Or(z.ReapInterval, 5*time.Second)
-	z.ScanInterval = cmp.Or(z.ScanInterval, time.Minute)
-	z.ReconcileInterval = cmp.Or(z.ReconcileInterval, time.Minute)
-	z.OrgTimeout = cmp.Or(z.OrgTimeout, 10*time.Second)
-	z.SettleConcurrency = cmp.Or(max(z.SettleConcurrency, 0), 8)
-	if z.Logger == nil {
-		z.Logger = slog.Default()
-	}
+	z.AccountBatch = cmp.Or(z.AccountBatch, defaultWorkerAccountBatch)
+	z.SettleBatch = cmp.Or(z.SettleBatch, defaultWorkerSettleBatch)
+	z.SweepInterval = cmp.Or(z.SweepInterval, defaultWorkerSweepInterval)
+	z.ReapInterval = cmp.Or(z.ReapInterval, defaultWorkerReapInterval)
+	z.ScanInterval = cmp.Or(z.ScanInterval, defaultWorkerScanInterval)
+	z.ReconcileInterval = cmp.Or(z.ReconcileInterval, defaultWorkerReconcileInterval)
+	z.OrgTimeout = cmp.Or(z.OrgTimeout, defaultWorkerOrgTimeout)
+	z.SettleConcurrency = cmp.Or(z.SettleConcurrency, defaultWorkerSettleConcurrency)
+	z.Logger = cmp.Or(z.Logger, slog.Default())
 	return z
+}
+
+// validate refuses a config (after withDefaults) with a negative batch, concurrency or
+// duration.
+func (c *WorkerConfig) validate() error {
+	switch {
+	case c.AccountBatch < 0 || c.SettleBatch < 0 || c.SettleConcurrency < 0:
+		return fmt.Errorf("%w: worker AccountBatch, SettleBatch and SettleConcurrency must be ≥ 0", ErrConfig)
+	case c.SweepInterval < 0 || c.ReapInterval < 0 || c.ScanInterval < 0 || c.ReconcileInterval < 0 || c.OrgTimeout < 0:
+		return fmt.Errorf("%w: worker intervals and OrgTimeout must be ≥ 0", ErrConfig)
+	}
+	return nil
 }
 
 // WorkerStats are the worker's running totals, for metrics.
@@ -100,9 +124,16 @@ type Worker struct {
 	badOrgs sync.Map // org ids of old rows that break the org-id rule, logged once each
 }
 
-// NewWorker returns a worker over ledger and store; cfg may be nil for the defaults.
-func NewWorker(ledger Ledger, store *balance.Store, cfg *WorkerConfig) *Worker {
+// NewWorker returns a worker over ledger and store; cfg may be nil for the defaults. A config
+// field out of range is refused with an error wrapping ErrConfig.
+func NewWorker(ledger Ledger, store *balance.Store, cfg *WorkerConfig) (*Worker, error) {
+	if ledger == nil || store == nil {
+		return nil, fmt.Errorf("%w: worker needs a ledger and a store", ErrConfig)
+	}
 	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
 	return &Worker{
 		ledger: ledger,
 		store:  store,
@@ -110,7 +141,7 @@ func NewWorker(ledger Ledger, store *balance.Store, cfg *WorkerConfig) *Worker {
 		log:    c.Logger.With("component", "escrow.worker"),
 		wake:   make(chan struct{}, 1),
 		dirty:  make(map[string]struct{}),
-	}
+	}, nil
 }
 
 // Stats returns the worker's running totals.

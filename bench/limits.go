@@ -222,7 +222,7 @@ func pgLimits(ctx context.Context, o options, lim *limits, dbURL string, rdb *re
 		return err
 	}
 	pool.Close()
-	pg, err := accounting.OpenPostgres(ctx, dbURL)
+	pg, err := accounting.OpenPostgres(ctx, dbURL, nil)
 	if err != nil {
 		return err
 	}
@@ -270,7 +270,10 @@ func pgLimits(ctx context.Context, o options, lim *limits, dbURL string, rdb *re
 	}
 
 	fmt.Fprintf(os.Stderr, "\r  limit: recorder            ")
-	rec := accounting.NewRecorder(pg, accounting.RecorderConfig{})
+	rec, err := accounting.NewRecorder(pg, nil)
+	if err != nil {
+		return err
+	}
 	rec.Start(ctx)
 	cnt, el, err = closedLoop(256, d, func() error {
 		return rec.Record(ctx, event(orgOf(n.Add(1))))
@@ -286,7 +289,10 @@ func pgLimits(ctx context.Context, o options, lim *limits, dbURL string, rdb *re
 	if err != nil {
 		return err
 	}
-	w := accounting.NewWorker(pg, store, &accounting.WorkerConfig{Logger: slog.New(slog.DiscardHandler)})
+	w, err := accounting.NewWorker(pg, store, &accounting.WorkerConfig{Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		return err
+	}
 	// Settle what the earlier runs left first, so that the count below is only this run's.
 	if err := w.Drain(ctx); err != nil {
 		return err

@@ -209,7 +209,7 @@ func (s *Server) openLedger(ctx context.Context, embeddedRedis bool) error {
 		}
 	}
 	// Migrations ran above (or were turned off with ESCROW_MIGRATE=false): never here.
-	l, err := accounting.OpenPostgres(ctx, s.cfg.DatabaseURL, accounting.PostgresConfig{SkipMigrations: true, Logger: s.log})
+	l, err := accounting.OpenPostgres(ctx, s.cfg.DatabaseURL, &accounting.PostgresConfig{SkipMigrations: true, Logger: s.log})
 	if err != nil {
 		return fmt.Errorf("ledger: %w", err)
 	}
@@ -222,7 +222,7 @@ func (s *Server) openAccounting() error {
 	rc := accounting.RecorderConfig{Logger: s.log, Finisher: s.store} // holds finished in each record batch
 	if cfg.JournalDir != "" {
 		var err error
-		if s.journal, err = accounting.OpenJournal(cfg.JournalDir, cfg.JournalMaxBytes); err != nil {
+		if s.journal, err = accounting.OpenJournal(cfg.JournalDir, &accounting.JournalConfig{MaxBytes: cfg.JournalMaxBytes}); err != nil {
 			return fmt.Errorf("journal: %w", err)
 		}
 		// Usage left from an earlier run is announced by the recorder when it replays it.
@@ -232,14 +232,20 @@ func (s *Server) openAccounting() error {
 	} else if cfg.DatabaseURL != "" {
 		s.log.Warn("no ESCROW_JOURNAL_DIR: while the ledger is down, requests fail with 503 billing_unavailable instead of being journaled")
 	}
-	s.recorder = accounting.NewRecorder(s.ledger, rc)
-	s.worker = accounting.NewWorker(s.ledger, s.store, &accounting.WorkerConfig{
+	var err error
+	if s.recorder, err = accounting.NewRecorder(s.ledger, &rc); err != nil {
+		return fmt.Errorf("recorder: %w", err)
+	}
+	s.worker, err = accounting.NewWorker(s.ledger, s.store, &accounting.WorkerConfig{
 		Logger:            s.log,
 		SweepInterval:     cfg.SweepInterval,
 		ReapInterval:      cfg.ReapInterval,
 		ScanInterval:      cfg.ScanInterval,
 		ReconcileInterval: cfg.ReconcileEvery,
 	})
+	if err != nil {
+		return fmt.Errorf("worker: %w", err)
+	}
 	s.ops = accounting.NewOps(s.worker)
 	return s.openWebhooks()
 }
