@@ -9,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/llmescrow/escrow/internal/startstop"
 )
 
 // ErrRecorderClosed is returned by Record when the recorder is not running (before Start, after
@@ -88,12 +90,11 @@ type Recorder struct {
 	cfg    RecorderConfig
 	fb     *fallback // nil without a journal
 
-	mu      sync.RWMutex
-	running bool
-	stopped bool
-	queue   chan *recordReq
-	wg      sync.WaitGroup
-	stopCtx func() bool // unregisters Start's context hook
+	run    startstop.Base
+	mu     sync.RWMutex // orders Record's sends before the queue's close
+	open   bool         // between Start and the queue's close: Record may queue
+	closed bool         // the queue is closed
+	queue  chan *recordReq
 
 	finished, finishErrs atomic.Int64
 }
@@ -195,58 +196,52 @@ func (r *Recorder) Stats() RecorderStats {
 
 // Start starts the flushers. They run until Stop, or until ctx ends, which stops the recorder
 // like Stop (events already queued are still written). With a journal, Start also replays what
-// an earlier run left in it (in the background), pinning those holds until it succeeds.
-func (r *Recorder) Start(ctx context.Context) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.running || r.stopped {
-		return
+// an earlier run left in it (in the background), pinning those holds until it succeeds; the
+// journal's loops run until Stop, whatever becomes of ctx. A second Start, or a Start after
+// Stop, starts nothing.
+func (r *Recorder) Start(ctx context.Context) error {
+	runCtx, ok := r.run.Start(ctx)
+	if !ok {
+		return nil
 	}
-	r.running = true
 	if r.fb != nil {
 		r.fb.start(ctx)
 	}
 	for range r.cfg.Flushers {
-		r.wg.Add(1)
-		go r.flusher()
+		if !r.run.Go(r.flusher) {
+			return nil // stopped meanwhile
+		}
 	}
-	r.stopCtx = context.AfterFunc(ctx, r.close)
+	r.mu.Lock()
+	r.open = !r.closed
+	r.mu.Unlock()
+	// Stop, or the end of ctx, closes the queue: the flushers write what it holds and return.
+	context.AfterFunc(runCtx, r.close)
+	return nil
 }
 
 // Stop stops accepting events, writes every event already queued and waits for the flushers
 // (or for ctx, whichever ends first). With a journal it then tries one last replay; what the
-// journal still holds stays on disk for the next run.
+// journal still holds stays on disk for the next run. Stop before Start does nothing.
 func (r *Recorder) Stop(ctx context.Context) error {
-	r.close()
-	r.mu.RLock()
-	stop := r.stopCtx
-	r.mu.RUnlock()
-	if stop != nil {
-		stop()
-	}
-	done := make(chan struct{})
-	go func() {
-		r.wg.Wait()
-		close(done)
-	}()
-	select {
-	case <-done:
-	case <-ctx.Done():
-		return ctx.Err()
+	first, err := r.run.Stop(ctx)
+	if err != nil || !first {
+		return err
 	}
 	if r.fb != nil {
-		r.fb.stop(ctx)
+		return r.fb.stop(ctx)
 	}
 	return nil
 }
 
+// close closes the queue (once): Record refuses new events from then on.
 func (r *Recorder) close() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.stopped {
+	if r.closed {
 		return
 	}
-	r.stopped = true
+	r.closed, r.open = true, false
 	close(r.queue)
 }
 
@@ -269,7 +264,7 @@ func (r *Recorder) RecordReceipt(ctx context.Context, ev UsageEvent) (Receipt, e
 	}
 	req := &recordReq{ev: ev, done: make(chan recordDone, 1)}
 	r.mu.RLock()
-	if !r.running || r.stopped {
+	if !r.open {
 		r.mu.RUnlock()
 		return Receipt{}, ErrRecorderClosed
 	}
@@ -289,7 +284,6 @@ func (r *Recorder) RecordReceipt(ctx context.Context, ev UsageEvent) (Receipt, e
 }
 
 func (r *Recorder) flusher() {
-	defer r.wg.Done()
 	batch := make([]*recordReq, 0, r.cfg.MaxBatch)
 	var timer *time.Timer
 	for {

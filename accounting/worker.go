@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/internal/startstop"
 )
 
 // WorkerConfig configures a Worker. The zero value of every field means its documented default;
@@ -117,9 +118,7 @@ type Worker struct {
 	}
 	lag lagHistogram
 
-	runMu  sync.Mutex
-	cancel context.CancelFunc
-	done   chan struct{}
+	run startstop.Base
 
 	badOrgs sync.Map // org ids of old rows that break the org-id rule, logged once each
 }
@@ -155,43 +154,32 @@ func (w *Worker) Stats() WorkerStats {
 	}
 }
 
-// Start runs the worker's loops until Stop or until ctx ends. It returns at once.
+// Start runs the worker's loops until Stop, or until ctx ends (then the loops end without the
+// last pass: call Stop for it). It returns at once. A second Start, or a Start after Stop,
+// starts nothing.
 func (w *Worker) Start(ctx context.Context) error {
-	w.runMu.Lock()
-	defer w.runMu.Unlock()
-	if w.done != nil {
-		return errors.New("accounting: worker already started")
+	ctx, ok := w.run.Start(ctx)
+	if !ok {
+		return nil
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	w.cancel = cancel
-	w.done = make(chan struct{})
 	notes, err := w.ledger.Subscribe(ctx)
 	if err != nil {
 		w.log.Warn("no ledger notifications; settling on the sweep only", "err", err)
 		notes = nil
 	}
-	var wg sync.WaitGroup
-	wg.Add(3)
-	go func() { defer wg.Done(); w.listen(ctx, notes) }()
-	go func() { defer wg.Done(); w.settleLoop(ctx) }()
-	go func() { defer wg.Done(); w.maintenanceLoop(ctx) }()
-	go func() { wg.Wait(); close(w.done) }()
+	w.run.Go(func() { w.listen(ctx, notes) })
+	w.run.Go(func() { w.settleLoop(ctx) })
+	w.run.Go(func() { w.maintenanceLoop(ctx) })
 	return nil
 }
 
-// Stop ends the loops after a last accounting and settle pass, or when ctx ends.
+// Stop ends the loops and then makes a last accounting and settle pass, unless ctx ends first.
+// Stop before Start does nothing; only the first Stop of a started worker makes the last pass
+// (the others wait for the loops).
 func (w *Worker) Stop(ctx context.Context) error {
-	w.runMu.Lock()
-	cancel, done := w.cancel, w.done
-	w.runMu.Unlock()
-	if done == nil {
-		return nil
-	}
-	cancel()
-	select {
-	case <-done:
-	case <-ctx.Done():
-		return ctx.Err()
+	first, err := w.run.Stop(ctx)
+	if err != nil || !first {
+		return err
 	}
 	// Flush: what was recorded before Stop is accounted and settled before it returns.
 	if err := w.Drain(ctx); err != nil && ctx.Err() == nil {

@@ -313,13 +313,17 @@ func (s *Server) Ops() *accounting.Ops { return s.ops }
 // Start listens on Config.Addr and starts the recorder, the worker and (when configured) the
 // pprof listener. After an error, Stop releases what New and Start made.
 func (s *Server) Start(ctx context.Context) error {
-	s.recorder.Start(ctx)
-	// The worker outlives ctx: Stop ends it after a last accounting and settle pass, so usage
-	// recorded up to the end is settled.
-	if err := s.worker.Start(context.WithoutCancel(ctx)); err != nil {
+	// The background parts outlive ctx, all alike: Stop ends them, after the HTTP server has
+	// drained, so the requests still in flight when ctx ends (a SIGTERM) record their usage,
+	// and the worker's last pass settles it.
+	run := context.WithoutCancel(ctx)
+	if err := s.recorder.Start(run); err != nil {
+		return fmt.Errorf("recorder: %w", err)
+	}
+	if err := s.worker.Start(run); err != nil {
 		return fmt.Errorf("worker: %w", err)
 	}
-	if err := s.webhooks.Start(context.WithoutCancel(ctx)); err != nil {
+	if err := s.webhooks.Start(run); err != nil {
 		return fmt.Errorf("webhooks: %w", err)
 	}
 	ln, err := net.Listen("tcp", s.cfg.Addr)
