@@ -52,7 +52,7 @@ type pinState struct {
 // then unpins the holds.
 type fallback struct {
 	j      *Journal
-	ledger Ledger
+	ledger UsageStore
 	pin    Pinner
 	log    *slog.Logger
 
@@ -79,7 +79,7 @@ type fallback struct {
 // pinRetryMax bounds the wait between two tries of a pin or unpin that failed.
 const pinRetryMax = 5 * time.Second
 
-func newFallback(l Ledger, cfg RecorderConfig) *fallback {
+func newFallback(l UsageStore, cfg RecorderConfig) *fallback {
 	return &fallback{
 		j: cfg.Journal, ledger: l, pin: cfg.Pinner, log: cfg.Logger,
 		replayEvery: cfg.ReplayInterval, pinEvery: cfg.PinInterval, unpinDelay: cfg.UnpinDelay,

@@ -86,7 +86,7 @@ type RecorderConfig struct {
 // ledger answers again; Degraded tells the caller to stop taking new holds when the journal
 // nears its cap.
 type Recorder struct {
-	ledger Ledger
+	ledger UsageStore
 	cfg    RecorderConfig
 	fb     *fallback // nil without a journal
 
@@ -158,7 +158,7 @@ func (c *RecorderConfig) validate() error {
 
 // NewRecorder returns a recorder writing to l; cfg may be nil for the defaults. A config field
 // out of range is refused with an error wrapping ErrConfig. Call Start before Record.
-func NewRecorder(l Ledger, cfg *RecorderConfig) (*Recorder, error) {
+func NewRecorder(l UsageStore, cfg *RecorderConfig) (*Recorder, error) {
 	if l == nil {
 		return nil, fmt.Errorf("%w: recorder needs a ledger", ErrConfig)
 	}
