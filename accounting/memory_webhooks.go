@@ -192,10 +192,7 @@ func (m *Memory) ListDeliveries(ctx context.Context, webhookID string, q ListQue
 
 // SetLowBalanceThreshold sets or clears the org's threshold.
 func (m *Memory) SetLowBalanceThreshold(ctx context.Context, org string, threshold *int64) error {
-	if err := balance.ValidateOrg(org); err != nil {
-		return err
-	}
-	if err := checkThreshold(threshold); err != nil {
+	if err := checkThreshold(org, threshold); err != nil {
 		return err
 	}
 	m.mu.Lock()

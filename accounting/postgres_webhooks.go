@@ -165,10 +165,7 @@ WHERE d.endpoint_id = $1 AND d.id < $2 ORDER BY d.id DESC LIMIT $3`, webhookID, 
 
 // SetLowBalanceThreshold sets or clears the org's threshold.
 func (p *Postgres) SetLowBalanceThreshold(ctx context.Context, org string, threshold *int64) error {
-	if err := balance.ValidateOrg(org); err != nil {
-		return err
-	}
-	if err := checkThreshold(threshold); err != nil {
+	if err := checkThreshold(org, threshold); err != nil {
 		return err
 	}
 	tag, err := p.pool.Exec(ctx, `UPDATE accounts SET low_balance_threshold = $2 WHERE org_id = $1`, org, threshold)

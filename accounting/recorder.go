@@ -304,30 +304,27 @@ func (r *Recorder) flusher() {
 		}
 	fill:
 		for len(batch) < r.cfg.MaxBatch {
+			// What is queued already joins the batch; with a flush interval, so does what comes
+			// before the deadline.
+			var req *recordReq
+			var ok bool
 			select {
-			case req, ok := <-r.queue:
-				if !ok {
-					open = false
-					break fill
-				}
-				batch = append(batch, req)
-				continue
+			case req, ok = <-r.queue:
 			default:
-			}
-			if deadline == nil {
-				break
-			}
-			select {
-			case req, ok := <-r.queue:
-				if !ok {
-					open = false
+				if deadline == nil {
 					break fill
 				}
-				batch = append(batch, req)
-			case <-deadline:
-				deadline = nil
+				select {
+				case req, ok = <-r.queue:
+				case <-deadline:
+					break fill
+				}
+			}
+			if !ok {
+				open = false
 				break fill
 			}
+			batch = append(batch, req)
 		}
 		if timer != nil {
 			timer.Stop() // since Go 1.23 a stopped timer's channel holds no stale tick

@@ -155,7 +155,12 @@ func checkWebhook(rawURL string, events []EventType) ([]EventType, error) {
 	return out, nil
 }
 
-func checkThreshold(t *int64) error {
+// checkThreshold checks SetLowBalanceThreshold's arguments: a valid org id, and a threshold
+// (when set) within ±balance.MaxAmount.
+func checkThreshold(org string, t *int64) error {
+	if err := balance.ValidateOrg(org); err != nil {
+		return err
+	}
 	if t != nil && (*t > balance.MaxAmount || *t < -balance.MaxAmount) {
 		return fmt.Errorf("%w: low balance threshold %d outside ±%d", ErrInvalidAmount, *t, balance.MaxAmount)
 	}

@@ -518,81 +518,103 @@ func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 		return d, w.store.Invalidate(ctx, org)
 	}
 	d.Warm = true
-	// The hot limits' version against the ledger's: an older one (a push that failed) is
-	// pushed again, which drops the hot state to reseed.
-	if ls, err := w.ledger.Limits(ctx, org); err == nil {
-		w.store.ObserveEpoch(epoch) // the push's floor is kept per epoch
-		pushed, err := w.store.PushLimits(ctx, org, ls.Version)
-		if err != nil {
-			return d, err
-		}
-		if pushed {
-			w.stats.repairs.Add(1)
-			w.log.Warn("hot limits older than the ledger's: pushed again", "org", org, "version", ls.Version)
-			d.Repaired, d.LimitsPushed = true, true
-			return d, nil
-		}
-	} else if !errors.Is(err, ErrUnknownOrg) {
+	if pushed, err := w.pushOlderLimits(ctx, org, epoch); err != nil || pushed {
+		d.Repaired, d.LimitsPushed = pushed, pushed
 		return d, err
 	}
-	var ledgerSeq int64
-	// B(wm) = balance − Σ deltas after wm, from one consistent view: the account is read after
-	// the entries and the read is retried if an entry landed in between.
-	for attempt := 0; ; attempt++ {
-		entries, _, err := w.ledger.EntriesAfter(ctx, org, st.Watermark, 1_000_000)
-		if err != nil {
-			return d, err
-		}
-		acct, err := w.ledger.Account(ctx, org)
-		if err != nil {
-			return d, err
-		}
-		last := st.Watermark
-		var after int64
-		for _, e := range entries {
-			after += e.Delta
-			last = e.Seq
-		}
-		if st.Watermark > acct.LedgerSeq {
-			// A watermark the ledger never reached: an acct left by another ledger.
-			w.log.Warn("stale hot balance: watermark above ledger", "org", org, "wm", st.Watermark, "ledger_seq", acct.LedgerSeq)
-			w.stats.repairs.Add(1)
-			d.Repaired = true
-			return d, w.store.Invalidate(ctx, org)
-		}
-		if last != acct.LedgerSeq {
-			if attempt < 3 {
-				continue
-			}
-			return d, errors.New("accounting: ledger kept moving during reconcile")
-		}
-		ledgerSeq = acct.LedgerSeq
-		d.Hot = st.Balance + st.Held
-		d.Expected = acct.Balance - after
-		d.Drift = d.Hot - d.Expected
-		break
+	expected, ledgerSeq, err := w.balanceAt(ctx, org, st.Watermark)
+	if err != nil {
+		return d, err
 	}
-	if d.Drift != 0 {
-		// The state read and the ledger read are not one snapshot: a settle may have moved the
-		// watermark between them. Read again before calling it drift.
-		st2, err := w.store.State(ctx, org)
-		if err != nil {
-			return d, err
-		}
-		if st2.Watermark != st.Watermark || st2.Balance+st2.Held != d.Hot {
-			return d, nil
-		}
-		w.stats.lastDrift.Store(d.Drift)
+	if st.Watermark > ledgerSeq {
+		// A watermark the ledger never reached: an acct left by another ledger.
+		w.log.Warn("stale hot balance: watermark above ledger", "org", org, "wm", st.Watermark, "ledger_seq", ledgerSeq)
 		w.stats.repairs.Add(1)
-		w.log.Warn("hot balance drift repaired", "org", org, "hot", d.Hot, "expected", d.Expected, "drift", d.Drift)
 		d.Repaired = true
 		return d, w.store.Invalidate(ctx, org)
+	}
+	d.Hot = st.Balance + st.Held
+	d.Expected = expected
+	d.Drift = d.Hot - d.Expected
+	if d.Drift != 0 {
+		return w.repairDrift(ctx, st, d)
 	}
 	if st.Watermark < ledgerSeq {
 		d.CaughtUp = true
 		return d, w.store.CatchUp(ctx, org)
 	}
 	return d, nil
+}
+
+// pushOlderLimits compares the hot limits' version with the ledger's: an older one (a push that
+// failed) is pushed again, which drops the org's hot state to reseed. It reports whether it
+// pushed.
+func (w *Worker) pushOlderLimits(ctx context.Context, org string, epoch balance.Epoch) (bool, error) {
+	ls, err := w.ledger.Limits(ctx, org)
+	if errors.Is(err, ErrUnknownOrg) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	w.store.ObserveEpoch(epoch) // the push's floor is kept per epoch
+	pushed, err := w.store.PushLimits(ctx, org, ls.Version)
+	if err != nil || !pushed {
+		return false, err
+	}
+	w.stats.repairs.Add(1)
+	w.log.Warn("hot limits older than the ledger's: pushed again", "org", org, "version", ls.Version)
+	return true, nil
+}
+
+// balanceAt is B(wm), the org's ledger balance up to the watermark wm (the account's balance
+// minus the deltas of the entries after wm), and the account's ledger_seq, from one consistent
+// view: the account is read after the entries, and both are read again if an entry landed in
+// between. A watermark above ledger_seq is returned at once (the caller drops that acct).
+func (w *Worker) balanceAt(ctx context.Context, org string, wm int64) (expected, ledgerSeq int64, err error) {
+	for attempt := 0; ; attempt++ {
+		entries, _, err := w.ledger.EntriesAfter(ctx, org, wm, 1_000_000)
+		if err != nil {
+			return 0, 0, err
+		}
+		acct, err := w.ledger.Account(ctx, org)
+		if err != nil {
+			return 0, 0, err
+		}
+		if wm > acct.LedgerSeq {
+			return 0, acct.LedgerSeq, nil
+		}
+		last := wm
+		var after int64
+		for _, e := range entries {
+			after += e.Delta
+			last = e.Seq
+		}
+		if last == acct.LedgerSeq {
+			return acct.Balance - after, acct.LedgerSeq, nil
+		}
+		if attempt >= 3 {
+			return 0, 0, errors.New("accounting: ledger kept moving during reconcile")
+		}
+	}
+}
+
+// repairDrift drops the hot balance of d's org when the drift holds on a second read. The state
+// read and the ledger read are not one snapshot: a settle may have moved the watermark between
+// them, so a changed state is no drift.
+func (w *Worker) repairDrift(ctx context.Context, st balance.State, d Drift) (Drift, error) {
+	st2, err := w.store.State(ctx, d.Org)
+	if err != nil {
+		return d, err
+	}
+	if st2.Watermark != st.Watermark || st2.Balance+st2.Held != d.Hot {
+		return d, nil
+	}
+	w.stats.lastDrift.Store(d.Drift)
+	w.stats.repairs.Add(1)
+	w.log.Warn("hot balance drift repaired", "org", d.Org, "hot", d.Hot, "expected", d.Expected, "drift", d.Drift)
+	d.Repaired = true
+	return d, w.store.Invalidate(ctx, d.Org)
 }
 
 // settleLagBounds are the upper bounds of the settle-lag histogram's buckets (the last bucket,
