@@ -20,13 +20,13 @@ func TestRestoreReusesSequences(t *testing.T) {
 	ctx := context.Background()
 	env := testutil.RealRedis(t)
 	pg := testutil.Postgres(t)
-	l, err := accounting.OpenPostgres(ctx, pg.URL)
+	l, err := accounting.OpenPostgres(ctx, pg.URL, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.Close()
 	store := newStore(t, env, l, balance.Config{})
-	w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
 	if err := l.CreateOrg(ctx, "acme"); err != nil {
 		t.Fatal(err)
 	}
@@ -107,7 +107,7 @@ func TestMemoryRaiseEpoch(t *testing.T) {
 	env := testutil.MiniRedis(t)
 	l := accounting.NewMemory()
 	store := newStore(t, env, l, balance.Config{})
-	w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
 	if err := l.CreateOrg(ctx, "acme"); err != nil {
 		t.Fatal(err)
 	}

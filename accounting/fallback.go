@@ -8,6 +8,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/llmescrow/escrow/internal/startstop"
 )
 
 // Pinner pins and unpins holds (*balance.Store implements it). Pin pushes a hold's expiry far out
@@ -50,7 +52,7 @@ type pinState struct {
 // then unpins the holds.
 type fallback struct {
 	j      *Journal
-	ledger Ledger
+	ledger UsageStore
 	pin    Pinner
 	log    *slog.Logger
 
@@ -71,14 +73,13 @@ type fallback struct {
 
 	journaled, replays, replayed, replayErrs, pinErrs, full atomic.Int64
 
-	cancel context.CancelFunc
-	done   chan struct{}
+	run startstop.Base
 }
 
 // pinRetryMax bounds the wait between two tries of a pin or unpin that failed.
 const pinRetryMax = 5 * time.Second
 
-func newFallback(l Ledger, cfg RecorderConfig) *fallback {
+func newFallback(l UsageStore, cfg RecorderConfig) *fallback {
 	return &fallback{
 		j: cfg.Journal, ledger: l, pin: cfg.Pinner, log: cfg.Logger,
 		replayEvery: cfg.ReplayInterval, pinEvery: cfg.PinInterval, unpinDelay: cfg.UnpinDelay,
@@ -89,30 +90,30 @@ func newFallback(l Ledger, cfg RecorderConfig) *fallback {
 }
 
 // start loads what a previous process left in the journal (its holds are pinned again, then
-// unpinned after the replay) and starts the loop, which replays at once.
+// unpinned after the replay) and starts the loops, which replay at once. They outlive ctx: only
+// stop ends them.
 func (f *fallback) start(ctx context.Context) {
+	ctx, ok := f.run.Start(context.WithoutCancel(ctx))
+	if !ok {
+		return
+	}
 	if evs, err := f.j.Events(); err != nil {
 		f.log.Error("escrow: cannot read the local journal", "err", err)
 	} else if len(evs) > 0 {
 		f.log.Warn("escrow: the local journal holds usage from an earlier run; replaying it", "events", len(evs), "bytes", f.j.Size())
 		f.track(evs)
 	}
-	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	f.cancel = cancel
-	f.done = make(chan struct{})
-	go f.loop(ctx)
+	// The replay loop and the pin loop run side by side, so that a replay waiting for a slow
+	// ledger never delays a pin.
+	f.run.Go(func() { f.replayLoop(ctx) })
+	f.run.Go(func() { f.pinLoop(ctx) })
 }
 
-// stop ends the loop after one last replay attempt (the journal stays on disk otherwise).
-func (f *fallback) stop(ctx context.Context) {
-	if f.cancel == nil {
-		return
-	}
-	f.cancel()
-	select {
-	case <-f.done:
-	case <-ctx.Done():
-		return
+// stop ends the loops, then makes one last replay attempt (the journal stays on disk otherwise).
+func (f *fallback) stop(ctx context.Context) error {
+	first, err := f.run.Stop(ctx)
+	if err != nil || !first {
+		return err
 	}
 	if f.j.Len() > 0 {
 		f.replay(ctx)
@@ -120,6 +121,7 @@ func (f *fallback) stop(ctx context.Context) {
 	// Holds replayed get one unpin try now; the pins of the rest expire by themselves, or are
 	// renewed by the next process that opens the journal.
 	f.pinDue(ctx, time.Now().Add(f.unpinDelay), true)
+	return nil
 }
 
 // ledgerDown reports whether new batches should go straight to the journal: the ledger failed
@@ -162,39 +164,36 @@ func (f *fallback) track(events []UsageEvent) {
 	}
 }
 
-// loop runs the replay loop and the pin loop side by side, so that a replay waiting for a slow
-// ledger never delays a pin.
-func (f *fallback) loop(ctx context.Context) {
-	defer close(f.done)
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		tick := time.NewTicker(f.replayEvery)
-		defer tick.Stop()
-		for {
-			if f.j.Len() > 0 {
-				f.replay(ctx)
-			}
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			}
+// replayLoop replays a non-empty journal every replayEvery until ctx ends.
+func (f *fallback) replayLoop(ctx context.Context) {
+	tick := time.NewTicker(f.replayEvery)
+	defer tick.Stop()
+	for {
+		if f.j.Len() > 0 {
+			f.replay(ctx)
 		}
-	})
-	wg.Go(func() {
-		tick := time.NewTicker(50 * time.Millisecond)
-		defer tick.Stop()
-		for {
-			f.pinDue(ctx, time.Now(), false)
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			case <-f.wake:
-			}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
 		}
-	})
-	wg.Wait()
+	}
+}
+
+// pinLoop pins (and unpins) the holds whose turn it is, on a short tick or when woken, until
+// ctx ends.
+func (f *fallback) pinLoop(ctx context.Context) {
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		f.pinDue(ctx, time.Now(), false)
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		case <-f.wake:
+		}
+	}
 }
 
 // replay hands the journal to the ledger; on success its holds get their normal expiry back.

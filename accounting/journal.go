@@ -2,6 +2,7 @@ package accounting
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/binary"
 	"encoding/json"
@@ -40,11 +41,42 @@ type Journal struct {
 	count    int
 }
 
-// OpenJournal opens (or creates) the journal in dir, capped at maxBytes.
-func OpenJournal(dir string, maxBytes int64) (*Journal, error) {
-	if maxBytes <= 0 {
-		return nil, fmt.Errorf("accounting: journal size cap must be > 0")
+// JournalConfig configures a Journal. The zero value of every field means its documented
+// default; a negative value is refused (ErrConfig).
+type JournalConfig struct {
+	// MaxBytes caps the journal file's size: Append refuses (ErrJournalFull) what would take it
+	// past the cap. Default 64 MiB.
+	MaxBytes int64
+}
+
+// defaultJournalMaxBytes is JournalConfig.MaxBytes's default.
+const defaultJournalMaxBytes = 64 << 20
+
+// withDefaults returns the config with every zero field set to its default; c may be nil.
+func (c *JournalConfig) withDefaults() JournalConfig {
+	var z JournalConfig
+	if c != nil {
+		z = *c
 	}
+	z.MaxBytes = cmp.Or(z.MaxBytes, defaultJournalMaxBytes)
+	return z
+}
+
+// validate refuses a negative size cap.
+func (c *JournalConfig) validate() error {
+	if c.MaxBytes < 0 {
+		return fmt.Errorf("%w: journal MaxBytes %d must be ≥ 0", ErrConfig, c.MaxBytes)
+	}
+	return nil
+}
+
+// OpenJournal opens (or creates) the journal in dir; cfg may be nil for the defaults.
+func OpenJournal(dir string, cfg *JournalConfig) (*Journal, error) {
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	maxBytes := c.MaxBytes
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("accounting: journal dir: %w", err)
 	}

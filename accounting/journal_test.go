@@ -30,7 +30,7 @@ func pad12(i int) string {
 func TestJournalAppendReopen(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	j, err := OpenJournal(dir, 1<<20)
+	j, err := OpenJournal(dir, &JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -42,7 +42,7 @@ func TestJournalAppendReopen(t *testing.T) {
 		t.Fatal(err)
 	}
 	j.Close()
-	j, err = OpenJournal(dir, 1<<20)
+	j, err = OpenJournal(dir, &JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -63,7 +63,7 @@ func TestJournalAppendReopen(t *testing.T) {
 func TestJournalTornWrite(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	j, err := OpenJournal(dir, 1<<20)
+	j, err := OpenJournal(dir, &JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -86,7 +86,7 @@ func TestJournalTornWrite(t *testing.T) {
 		if err := os.WriteFile(path, whole[:cut], 0o600); err != nil {
 			t.Fatal(err)
 		}
-		j, err := OpenJournal(dir, 1<<20)
+		j, err := OpenJournal(dir, &JournalConfig{MaxBytes: 1 << 20})
 		if err != nil {
 			t.Fatalf("cut at %d: %v", cut, err)
 		}
@@ -108,7 +108,7 @@ func TestJournalTornWrite(t *testing.T) {
 	if err := os.WriteFile(path, bad, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	j, err = OpenJournal(dir, 1<<20)
+	j, err = OpenJournal(dir, &JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +120,7 @@ func TestJournalTornWrite(t *testing.T) {
 
 func TestJournalCap(t *testing.T) {
 	t.Parallel()
-	j, err := OpenJournal(t.TempDir(), 600)
+	j, err := OpenJournal(t.TempDir(), &JournalConfig{MaxBytes: 600})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -154,7 +154,7 @@ func TestJournalReplayTwice(t *testing.T) {
 		t.Fatal(err)
 	}
 	dir := t.TempDir()
-	j, err := OpenJournal(dir, 1<<20)
+	j, err := OpenJournal(dir, &JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -177,7 +177,7 @@ func TestJournalReplayTwice(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, journalFile), saved, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	j, err = OpenJournal(dir, 1<<20)
+	j, err = OpenJournal(dir, &JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,7 +207,7 @@ func TestJournalAppendDuringReplay(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	dir := t.TempDir()
-	j, err := OpenJournal(dir, 1<<20)
+	j, err := OpenJournal(dir, &JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -237,7 +237,7 @@ func TestJournalAppendDuringReplay(t *testing.T) {
 		t.Fatal(err)
 	}
 	j.Close()
-	j, err = OpenJournal(dir, 1<<20)
+	j, err = OpenJournal(dir, &JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -24,6 +24,9 @@ var (
 	// ErrNotRecorded: RecordUsage failed before anything reached the ledger (no connection
 	// could be made, or the write was never sent), so the events are certainly not stored.
 	ErrNotRecorded = errors.New("accounting: usage not recorded")
+	// ErrConfig: a constructor (NewRecorder, NewWorker, OpenPostgres, NewPostgres, OpenJournal)
+	// was given a config field out of range; nothing was started.
+	ErrConfig = errors.New("accounting: invalid config")
 )
 
 // Model is a priced model.
@@ -103,31 +106,54 @@ type APIKey struct {
 }
 
 // Ledger is the durable record: Postgres in production, memory for the embedded default. Both
-// pass the same conformance suite (accounting/ledgertest).
+// pass the same conformance suite (accounting/ledgertest). It is made of roles, one interface
+// each, so that a part that needs only one of them says so: the Recorder takes a UsageStore,
+// the hot balance (package balance) a balance.Ledger, the webhook sender the Webhooks role
+// (which both ledgers have, though a Ledger need not), the middleware keys and models (its
+// Directory: part of KeyStore and ModelStore).
 type Ledger interface {
-	balance.Ledger
-	Console    // the operator's lists, names and audit trail (read.go)
-	LimitStore // limits, projects and freezes (limits.go)
+	balance.Ledger // snapshots, entries after a watermark, the reaper's check (the hot balance's view)
+	Console        // the operator's lists, names and audit trail (read.go)
+	LimitStore     // limits, projects and freezes (limits.go)
+	EpochStore
+	Accounts
+	UsageStore
+	Settlement
+	Listener
+	ModelStore
+	KeyStore
 
+	// Close releases the ledger's resources.
+	Close()
+}
+
+// EpochStore holds the ledger's epoch (DESIGN.md "Redis keys").
+type EpochStore interface {
 	// Epoch returns the ledger's epoch.
 	Epoch(ctx context.Context) (balance.Epoch, error)
 	// RaiseEpoch starts a new epoch with a higher generation and a new id. Run it after
 	// restoring the ledger from a backup: no hot balance written against the old timeline (whose
 	// watermarks may be above the restored sequence numbers) is trusted again.
 	RaiseEpoch(ctx context.Context) (balance.Epoch, error)
+}
 
+// Accounts are the orgs' accounts and the entries an operator writes to them.
+type Accounts interface {
 	// CreateOrg creates an account with balance 0 (ErrOrgExists when it exists).
 	CreateOrg(ctx context.Context, org string) error
 	// Account returns the org's account (ErrUnknownOrg).
 	Account(ctx context.Context, org string) (Account, error)
-
 	// Credit adds amount (> 0) to the org as a credit entry, idempotent by ref, which is unique
 	// across all orgs: the same ref for the same org and amount returns the original entry with
 	// created=false; for another org or amount it is ErrReferenceConflict (revealing nothing).
 	Credit(ctx context.Context, org string, amount int64, ref string) (e LedgerEntry, created bool, err error)
 	// Adjust writes a signed admin correction (delta ≠ 0), idempotent by ref like Credit.
 	Adjust(ctx context.Context, org string, delta int64, ref string) (LedgerEntry, bool, error)
+}
 
+// UsageStore is where served requests' usage is written: the Recorder's (and its journal
+// replay's) whole view of the ledger.
+type UsageStore interface {
 	// RecordUsage stores usage events durably before it returns, in one round trip for the
 	// whole batch. An event whose ID is already stored (or voided) is ignored (never charged
 	// twice). An error that wraps ErrNotRecorded means nothing was stored; any other error
@@ -140,6 +166,11 @@ type Ledger interface {
 	// RecordUsage still in flight is waited for, never raced); voiding twice is fine. A voided
 	// event is never pending, accounted, or reported by UnsettledUsage.
 	VoidUsage(ctx context.Context, ev UsageEvent) error
+}
+
+// Settlement is the worker's pass over the ledger: pending usage becomes entries, entries reach
+// the hot balance and are marked settled.
+type Settlement interface {
 	// AccountPending turns up to limit pending usage events into charge entries: per org, in one
 	// transaction holding the org's advisory lock, the balance drops by the costs and each entry
 	// takes the next sequence number. Orgs locked by another worker are left for later. It
@@ -153,10 +184,18 @@ type Ledger interface {
 	MarkSettled(ctx context.Context, org string, seq int64) error
 	// OrgsToSettle lists up to limit orgs with settled_seq < ledger_seq or pending usage.
 	OrgsToSettle(ctx context.Context, limit int) ([]string, error)
+}
+
+// Listener tells the worker which orgs have new work, so that it settles within moments instead
+// of on its sweep.
+type Listener interface {
 	// Subscribe delivers the org of every transaction that writes entries or usage events (NOTIFY
 	// for Postgres), best effort: a sweep covers what it misses. The channel closes with ctx.
 	Subscribe(ctx context.Context) (<-chan string, error)
+}
 
+// ModelStore holds the priced models.
+type ModelStore interface {
 	// PutModel creates or replaces a model's prices and limits.
 	PutModel(ctx context.Context, m Model) error
 	// Model returns a model (ErrUnknownModel).
@@ -165,14 +204,14 @@ type Ledger interface {
 	Models(ctx context.Context) ([]Model, error)
 	// RaiseMaxCost raises the model's learned max cost to cost if it is higher (never lowers).
 	RaiseMaxCost(ctx context.Context, model string, cost int64) error
+}
 
+// KeyStore holds the API keys (only a hash of each secret).
+type KeyStore interface {
 	// CreateKey makes a new API key for org; the secret is returned once and only its hash kept.
 	CreateKey(ctx context.Context, org string) (APIKey, string, error)
 	// LookupKey resolves a secret key (ErrUnknownKey, also for revoked keys).
 	LookupKey(ctx context.Context, secret string) (APIKey, error)
 	// RevokeKey revokes a key by id (ErrUnknownKey).
 	RevokeKey(ctx context.Context, id string) error
-
-	// Close releases the ledger's resources.
-	Close()
 }

@@ -18,8 +18,8 @@ import (
 // the window's charges already in the ledger (a limit created mid-window, or a window no batch
 // touched yet), so the table never needs the history summed again.
 
-// LimitThresholds are the percentages of a limit's cap whose crossing fires limit.crossed.
-var LimitThresholds = []int64{80, 100}
+// limitThresholds are the percentages of a limit's cap whose crossing fires limit.crossed.
+var limitThresholds = []int64{80, 100}
 
 // lifetimeEnd stands for the end of a lifetime limit's one window.
 var lifetimeEnd = time.Date(9999, 12, 31, 0, 0, 0, 0, time.UTC)
@@ -98,10 +98,10 @@ func windowIncs(limits []balance.Limit, charges []chargeAttr, now time.Time) []w
 // thresholdOf is the least spend at or above pct % of cap (exact: cap ≤ 10^14).
 func thresholdOf(cap, pct int64) int64 { return (cap*pct + 99) / 100 }
 
-// crossedUp lists the LimitThresholds a window's spend crosses going from before to after.
+// crossedUp lists the limitThresholds a window's spend crosses going from before to after.
 func crossedUp(before, after, cap int64) []int64 {
 	var out []int64
-	for _, pct := range LimitThresholds {
+	for _, pct := range limitThresholds {
 		if th := thresholdOf(cap, pct); before < th && after >= th {
 			out = append(out, pct)
 		}

@@ -33,7 +33,7 @@ func newLimitRig(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) *lim
 	t.Helper()
 	noon := time.Date(2030, 6, 14, 12, 0, 0, 0, time.UTC) // a Friday
 	store := newStore(t, env, l, balance.Config{ClockOffset: time.Until(noon)})
-	w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
 	r := &limitRig{t: t, ctx: context.Background(), env: env, l: l, store: store, w: w, ops: accounting.NewOps(w), noon: noon}
 	if err := l.CreateOrg(r.ctx, rigOrg); err != nil {
 		t.Fatal(err)
@@ -313,7 +313,7 @@ func TestLimitsReservedBeforeMidnight(t *testing.T) {
 		if err := l.RecordUsage(ctx, []accounting.UsageEvent{ev}); err != nil {
 			t.Fatal(err)
 		}
-		w := accounting.NewWorker(l, after, &accounting.WorkerConfig{Logger: quiet})
+		w := newWorker(t, l, after, &accounting.WorkerConfig{Logger: quiet})
 		if _, err := w.AccountAll(ctx); err != nil {
 			t.Fatal(err)
 		}

@@ -3,10 +3,7 @@ package accounting
 import (
 	"cmp"
 	"context"
-	"crypto/rand"
 	"crypto/sha256"
-	"encoding/base64"
-	"encoding/hex"
 	"fmt"
 	"slices"
 	"sync"
@@ -634,74 +631,4 @@ func (m *Memory) Close() {
 		}
 		delete(m.subs, s)
 	}
-}
-
-// ---- checks and helpers shared by both ledgers ----
-
-const (
-	defaultLimit       = 1000
-	subscriptionBuffer = 1024
-	// KeyPrefix starts every API key secret.
-	KeyPrefix = "sk-esc-"
-)
-
-// normalizeEvent checks a usage event and returns it with its ID in canonical UUID form and a
-// CreatedAt (now when unset).
-func normalizeEvent(ev UsageEvent) (UsageEvent, error) {
-	id, err := uuid.Parse(ev.ID)
-	if err != nil {
-		return ev, fmt.Errorf("%w: event id %q is not a UUID", ErrInvalidUsage, ev.ID)
-	}
-	ev.ID = id.String()
-	if err := balance.ValidateOrg(ev.Org); err != nil {
-		return ev, fmt.Errorf("%w: event %s: %w", ErrInvalidUsage, ev.ID, err)
-	}
-	if ev.Model == "" {
-		return ev, fmt.Errorf("%w: event %s has no model", ErrInvalidUsage, ev.ID)
-	}
-	u := ev.Usage
-	if u.Prompt < 0 || u.Cached < 0 || u.Completion < 0 || u.Reasoning < 0 || u.CacheWrite < 0 {
-		return ev, fmt.Errorf("%w: event %s: negative token count", ErrInvalidUsage, ev.ID)
-	}
-	if ev.Cost < 0 || ev.Cost > balance.MaxAmount || ev.HoldAmount < 0 || ev.HoldAmount > balance.MaxAmount {
-		return ev, fmt.Errorf("%w: event %s: cost %d or hold %d outside [0, %d]", ErrInvalidAmount, ev.ID, ev.Cost, ev.HoldAmount, balance.MaxAmount)
-	}
-	if ev.CreatedAt.IsZero() {
-		ev.CreatedAt = time.Now()
-	}
-	// Postgres keeps microseconds; so does the memory ledger, so both order events alike.
-	ev.CreatedAt = ev.CreatedAt.Round(0).Truncate(time.Microsecond)
-	if !ev.ReservedAt.IsZero() { // a Redis clock reading: whole milliseconds, kept exactly
-		ev.ReservedAt = ev.ReservedAt.Round(0).Truncate(time.Millisecond).UTC()
-	}
-	return ev, nil
-}
-
-func validateModel(m Model) error {
-	if m.Name == "" {
-		return fmt.Errorf("%w: empty model name", ErrInvalidAmount)
-	}
-	for _, v := range []int64{m.Input, m.CachedInput, m.Output, m.CacheWriteInput, m.MaxCost, m.DefaultHold} {
-		if v < 0 || v > balance.MaxAmount {
-			return fmt.Errorf("%w: model %q: price or amount %d outside [0, %d]", ErrInvalidAmount, m.Name, v, balance.MaxAmount)
-		}
-	}
-	if m.MaxInputTokens < 0 || m.MaxOutputTokens < 0 {
-		return fmt.Errorf("%w: model %q: negative token limit", ErrInvalidAmount, m.Name)
-	}
-	return nil
-}
-
-func randomHex(n int) string {
-	b := make([]byte, n)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
-}
-
-func newKeyID() string { return "key_" + randomHex(12) }
-
-func newSecret() string {
-	b := make([]byte, 32)
-	_, _ = rand.Read(b)
-	return KeyPrefix + base64.RawURLEncoding.EncodeToString(b)
 }

@@ -11,7 +11,7 @@ import (
 // and the entries the hot balance settles.
 func ExampleNewMemory() {
 	ctx := context.Background()
-	ledger := accounting.NewMemory() // or accounting.OpenPostgres(ctx, databaseURL)
+	ledger := accounting.NewMemory() // or accounting.OpenPostgres(ctx, databaseURL, nil)
 	defer ledger.Close()
 
 	_ = ledger.CreateOrg(ctx, "acme")

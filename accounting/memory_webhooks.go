@@ -167,14 +167,10 @@ func (d *memDelivery) view() Delivery {
 
 // ListDeliveries lists an endpoint's deliveries, newest first.
 func (m *Memory) ListDeliveries(ctx context.Context, webhookID string, q ListQuery) (Page[Delivery], error) {
-	before := int64(1<<63 - 1)
-	if q.Cursor != "" {
-		var err error
-		if before, err = parseSeqCursor(q.Cursor, "delivery"); err != nil {
-			return Page[Delivery]{}, err
-		}
+	before, limit, err := deliveryPage(q)
+	if err != nil {
+		return Page[Delivery]{}, err
 	}
-	limit := pageLimit(q.Limit)
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.endpointLocked(webhookID) == nil {
@@ -192,10 +188,7 @@ func (m *Memory) ListDeliveries(ctx context.Context, webhookID string, q ListQue
 
 // SetLowBalanceThreshold sets or clears the org's threshold.
 func (m *Memory) SetLowBalanceThreshold(ctx context.Context, org string, threshold *int64) error {
-	if err := balance.ValidateOrg(org); err != nil {
-		return err
-	}
-	if err := checkThreshold(threshold); err != nil {
+	if err := checkThreshold(org, threshold); err != nil {
 		return err
 	}
 	m.mu.Lock()

@@ -21,7 +21,7 @@ func BenchmarkPipeline(b *testing.B) {
 			ctx := context.Background()
 			env := testutil.RealRedis(b)
 			pg := testutil.Postgres(b)
-			l, err := accounting.OpenPostgres(ctx, pg.URL)
+			l, err := accounting.OpenPostgres(ctx, pg.URL, nil)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -30,7 +30,7 @@ func BenchmarkPipeline(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+			w := newWorker(b, l, store, &accounting.WorkerConfig{Logger: quiet})
 			for i := 0; i < orgs; i++ {
 				o := fmt.Sprintf("org%d", i)
 				if err := l.CreateOrg(ctx, o); err != nil {

@@ -60,13 +60,35 @@ type Postgres struct {
 
 var _ Ledger = (*Postgres)(nil)
 
+// defaultReconnectDelay is PostgresConfig.ReconnectDelay's default.
+const defaultReconnectDelay = 250 * time.Millisecond
+
+// withDefaults returns the config with every zero field set to its default; c may be nil.
+func (c *PostgresConfig) withDefaults() PostgresConfig {
+	var z PostgresConfig
+	if c != nil {
+		z = *c
+	}
+	z.ReconnectDelay = cmp.Or(z.ReconnectDelay, defaultReconnectDelay)
+	z.Logger = cmp.Or(z.Logger, slog.Default())
+	return z
+}
+
+// validate refuses a negative ReconnectDelay.
+func (c *PostgresConfig) validate() error {
+	if c.ReconnectDelay < 0 {
+		return fmt.Errorf("%w: postgres ReconnectDelay %v must be ≥ 0", ErrConfig, c.ReconnectDelay)
+	}
+	return nil
+}
+
 // OpenPostgres connects to url (a pgx connection string; its search_path selects the schema)
-// and, unless cfg says otherwise, applies the migrations. The ledger owns the pool: Close
-// closes it.
-func OpenPostgres(ctx context.Context, url string, cfg ...PostgresConfig) (*Postgres, error) {
-	var c PostgresConfig
-	if len(cfg) > 0 {
-		c = cfg[0]
+// and, unless cfg says otherwise, applies the migrations; cfg may be nil for the defaults. The
+// ledger owns the pool: Close closes it.
+func OpenPostgres(ctx context.Context, url string, cfg *PostgresConfig) (*Postgres, error) {
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
 	}
 	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
@@ -82,20 +104,26 @@ func OpenPostgres(ctx context.Context, url string, cfg ...PostgresConfig) (*Post
 			return nil, wrapPg("migrate", err)
 		}
 	}
-	p := NewPostgres(pool, &c)
+	p := newPostgres(pool, c)
 	p.owned = true
 	return p, nil
 }
 
-// NewPostgres returns a ledger on pool, whose schema must be migrated (migrations.Up). The
-// caller keeps the pool: Close does not close it. cfg may be nil.
-func NewPostgres(pool *pgxpool.Pool, cfg *PostgresConfig) *Postgres {
-	var c PostgresConfig
-	if cfg != nil {
-		c = *cfg
+// NewPostgres returns a ledger on pool, whose schema must be migrated (migrations.Up); cfg may
+// be nil for the defaults. The caller keeps the pool: Close does not close it.
+func NewPostgres(pool *pgxpool.Pool, cfg *PostgresConfig) (*Postgres, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("%w: postgres ledger needs a pool", ErrConfig)
 	}
-	c.ReconnectDelay = cmp.Or(c.ReconnectDelay, 250*time.Millisecond)
-	return &Postgres{pool: pool, cfg: c, log: cmp.Or(c.Logger, slog.Default()), closed: make(chan struct{})}
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	return newPostgres(pool, c), nil
+}
+
+func newPostgres(pool *pgxpool.Pool, c PostgresConfig) *Postgres {
+	return &Postgres{pool: pool, cfg: c, log: c.Logger, closed: make(chan struct{})}
 }
 
 // Close stops the subscriptions and, when OpenPostgres made the pool, closes it.
@@ -214,93 +242,126 @@ func (p *Postgres) snapshot(ctx context.Context, org string, since *time.Time) (
 	}
 	var s balance.Snapshot
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-		s = balance.Snapshot{}
-		b := &pgx.Batch{}
-		b.Queue(`SELECT balance, ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE`, org)
-		b.Queue(`SELECT pg_advisory_xact_lock(hashtext(current_schema()), hashtext($1))`, org)
-		b.Queue(`SELECT id::text, cost, `+sqlClaimAttr+` FROM usage_events WHERE org_id = $1 AND status = 'pending'`+sqlClaimOrder+` FOR UPDATE`, org)
-		b.Queue(`SELECT epoch_gen, epoch_id FROM ledger_meta`)
-		b.Queue(sqlChargeLimits, []string{org})
-		if since != nil {
-			queueLimits(b, org)
-		}
-		br := tx.SendBatch(ctx, b)
-		found := true
-		if err := br.QueryRow().Scan(&s.Balance, &s.Seq); errors.Is(err, pgx.ErrNoRows) {
-			found = false
-		} else if err != nil {
-			br.Close()
-			return err
-		}
-		if _, err := br.Exec(); err != nil {
-			br.Close()
-			return err
-		}
-		rows, _ := br.Query()
-		ids, costs, attrs, err := scanClaim(rows)
+		rd, err := readSnapshot(ctx, tx, org, since != nil)
 		if err != nil {
-			br.Close()
 			return err
 		}
-		if err := br.QueryRow().Scan(&s.Epoch.Gen, &s.Epoch.ID); err != nil {
-			br.Close()
+		if err := chargeAtSnapshot(ctx, tx, org, &rd); err != nil {
 			return err
 		}
-		rows, _ = br.Query()
-		lims, now, err := scanChargeLimits(rows)
-		if err != nil {
-			br.Close()
-			return err
-		}
-		var ls balance.Limits
-		if since != nil {
-			if ls, _, err = scanLimits(br); err != nil {
-				br.Close()
-				return err
-			}
-		}
-		if err := br.Close(); err != nil {
-			return err
-		}
-
-		if !found {
-			if len(ids) == 0 {
-				return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
-			}
-			// Usage of an org without an account: bill it, creating the account.
-			if _, err := tx.Exec(ctx, `INSERT INTO accounts (org_id) VALUES ($1) ON CONFLICT DO NOTHING`, org); err != nil {
-				return err
-			}
-			if err := tx.QueryRow(ctx, `SELECT balance, ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE`, org).Scan(&s.Balance, &s.Seq); err != nil {
-				return err
-			}
-		}
-		if len(ids) > 0 {
-			c := orgCharges{org: org, balance: s.Balance, base: s.Seq, ids: ids, costs: costs, attrs: attrs, limits: lims[org]}
-			if err := c.check(); err != nil {
-				return err
-			}
-			if err := writeCharges(ctx, tx, []orgCharges{c}, now); err != nil {
-				return err
-			}
-			s.Balance -= c.sum()
-			s.Seq += int64(len(ids))
-		}
+		s = balance.Snapshot{Balance: rd.balance, Seq: rd.seq, Epoch: rd.epoch}
 		if since == nil {
 			return nil
 		}
 		// The charges just written are in the sums (seq ≤ s.Seq).
-		used, err := limitUsage(ctx, tx, org, ls.Limits, *since, s.Seq)
+		used, err := limitUsage(ctx, tx, org, rd.ls.Limits, *since, s.Seq)
 		if err != nil {
 			return err
 		}
-		s.Limits = &balance.LimitSnapshot{Limits: ls, Used: used}
+		s.Limits = &balance.LimitSnapshot{Limits: rd.ls, Used: used}
 		return nil
 	})
 	if err != nil {
 		return balance.Snapshot{}, wrapPg("snapshot", err)
 	}
 	return s, nil
+}
+
+// snapRead is what a snapshot reads in its first round trip, under the account row's lock and
+// the org's advisory lock.
+type snapRead struct {
+	found        bool  // the org has an account row
+	balance, seq int64 // the account's balance and ledger_seq (0 without a row)
+	epoch        balance.Epoch
+	// The org's pending usage events, claimed (FOR UPDATE, waiting for a worker's claim), with
+	// their limit attribution, the org's limits as the charges see them and the database clock.
+	ids    []string
+	costs  []int64
+	attrs  []chargeAttr
+	limits map[string][]balance.Limit
+	now    time.Time
+	ls     balance.Limits // the org's limits, read only withLimits
+}
+
+// readSnapshot sends the snapshot's reads in one batch: lock the account row, take the org's
+// advisory lock (blocking: never skip a worker's half-done claim), claim the pending usage,
+// read the epoch, the limits the charges count against and, withLimits, the org's limits.
+func readSnapshot(ctx context.Context, tx pgx.Tx, org string, withLimits bool) (snapRead, error) {
+	b := &pgx.Batch{}
+	b.Queue(`SELECT balance, ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE`, org)
+	b.Queue(`SELECT pg_advisory_xact_lock(hashtext(current_schema()), hashtext($1))`, org)
+	b.Queue(`SELECT id::text, cost, `+sqlClaimAttr+` FROM usage_events WHERE org_id = $1 AND status = 'pending'`+sqlClaimOrder+` FOR UPDATE`, org)
+	b.Queue(`SELECT epoch_gen, epoch_id FROM ledger_meta`)
+	b.Queue(sqlChargeLimits, []string{org})
+	if withLimits {
+		queueLimits(b, org)
+	}
+	br := tx.SendBatch(ctx, b)
+	rd, err := scanSnapshot(br, withLimits)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return rd, err
+}
+
+// scanSnapshot reads readSnapshot's results, in the order they were queued.
+func scanSnapshot(br pgx.BatchResults, withLimits bool) (rd snapRead, err error) {
+	rd.found = true
+	if err := br.QueryRow().Scan(&rd.balance, &rd.seq); errors.Is(err, pgx.ErrNoRows) {
+		rd.found = false
+	} else if err != nil {
+		return rd, err
+	}
+	if _, err := br.Exec(); err != nil {
+		return rd, err
+	}
+	rows, _ := br.Query()
+	if rd.ids, rd.costs, rd.attrs, err = scanClaim(rows); err != nil {
+		return rd, err
+	}
+	if err := br.QueryRow().Scan(&rd.epoch.Gen, &rd.epoch.ID); err != nil {
+		return rd, err
+	}
+	rows, _ = br.Query()
+	if rd.limits, rd.now, err = scanChargeLimits(rows); err != nil {
+		return rd, err
+	}
+	if withLimits {
+		if rd.ls, _, err = scanLimits(br); err != nil {
+			return rd, err
+		}
+	}
+	return rd, nil
+}
+
+// chargeAtSnapshot accounts the org's claimed pending usage (so the snapshot covers every usage
+// already recorded) and moves rd's balance and seq past the charges. An org with usage and no
+// account gets one (a served request is billed); with neither it is ErrUnknownOrg.
+func chargeAtSnapshot(ctx context.Context, tx pgx.Tx, org string, rd *snapRead) error {
+	if !rd.found {
+		if len(rd.ids) == 0 {
+			return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO accounts (org_id) VALUES ($1) ON CONFLICT DO NOTHING`, org); err != nil {
+			return err
+		}
+		if err := tx.QueryRow(ctx, `SELECT balance, ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE`, org).Scan(&rd.balance, &rd.seq); err != nil {
+			return err
+		}
+	}
+	if len(rd.ids) == 0 {
+		return nil
+	}
+	c := orgCharges{org: org, balance: rd.balance, base: rd.seq, ids: rd.ids, costs: rd.costs, attrs: rd.attrs, limits: rd.limits[org]}
+	if err := c.check(); err != nil {
+		return err
+	}
+	if err := writeCharges(ctx, tx, []orgCharges{c}, rd.now); err != nil {
+		return err
+	}
+	rd.balance -= c.sum()
+	rd.seq += int64(len(rd.ids))
+	return nil
 }
 
 func scanClaim(rows pgx.Rows) (ids []string, costs []int64, attrs []chargeAttr, err error) {

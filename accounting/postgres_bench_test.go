@@ -52,7 +52,7 @@ func BenchmarkRecorder(b *testing.B) {
 	for _, flushers := range []int{1, 2, 4} {
 		b.Run(fmt.Sprintf("flushers=%d", flushers), func(b *testing.B) {
 			l, _ := newPostgres(b)
-			r := accounting.NewRecorder(l, accounting.RecorderConfig{Flushers: flushers})
+			r := newRecorder(b, l, accounting.RecorderConfig{Flushers: flushers})
 			r.Start(context.Background())
 			defer r.Stop(context.Background())
 			evs := benchEvents(b.N, 100)

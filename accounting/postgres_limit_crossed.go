@@ -96,5 +96,5 @@ func queueLimitWindows(b *pgx.Batch, cs []orgCharges, now time.Time) {
 		return
 	}
 	b.Queue(sqlWindowsStart, ids, starts, stops, bases, curs)
-	b.Queue(sqlWindowsAdd, ids, starts, incs, LimitThresholds)
+	b.Queue(sqlWindowsAdd, ids, starts, incs, limitThresholds)
 }

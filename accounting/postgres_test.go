@@ -23,7 +23,10 @@ func newPostgres(t testing.TB) (*accounting.Postgres, *testutil.PostgresEnv) {
 	if _, err := migrations.Up(context.Background(), env.Pool); err != nil {
 		t.Fatal(err)
 	}
-	l := accounting.NewPostgres(env.Pool, nil)
+	l, err := accounting.NewPostgres(env.Pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(l.Close)
 	return l, env
 }
@@ -40,7 +43,7 @@ func TestOpenPostgresMigrates(t *testing.T) {
 	t.Parallel()
 	env := testutil.Postgres(t)
 	ctx := context.Background()
-	l, err := accounting.OpenPostgres(ctx, env.URL)
+	l, err := accounting.OpenPostgres(ctx, env.URL, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -50,7 +53,7 @@ func TestOpenPostgresMigrates(t *testing.T) {
 		t.Fatalf("epoch %+v, %v", e1, err)
 	}
 	// A second ledger on the same schema is the same ledger: same epoch, migrations a no-op.
-	l2, err := accounting.OpenPostgres(ctx, env.URL)
+	l2, err := accounting.OpenPostgres(ctx, env.URL, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -70,7 +73,7 @@ func TestPostgresUnavailable(t *testing.T) {
 	// Nothing listens on port 1: no Postgres is needed until the last check.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	_, err := accounting.OpenPostgres(ctx, "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=2")
+	_, err := accounting.OpenPostgres(ctx, "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=2", nil)
 	if !errors.Is(err, accounting.ErrLedgerUnavailable) {
 		t.Fatalf("OpenPostgres on a closed port: %v; want ErrLedgerUnavailable", err)
 	}
@@ -79,7 +82,10 @@ func TestPostgresUnavailable(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	l := accounting.NewPostgres(pool, nil)
+	l, err := accounting.NewPostgres(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if _, err := l.Snapshot(ctx, "o"); !errors.Is(err, accounting.ErrLedgerUnavailable) {
 		t.Fatalf("Snapshot: %v; want ErrLedgerUnavailable", err)
 	}

@@ -138,14 +138,10 @@ func scanDelivery(r pgx.Row, more ...any) (Delivery, error) {
 
 // ListDeliveries lists an endpoint's deliveries, newest first.
 func (p *Postgres) ListDeliveries(ctx context.Context, webhookID string, q ListQuery) (Page[Delivery], error) {
-	before := int64(1<<63 - 1)
-	if q.Cursor != "" {
-		var err error
-		if before, err = parseSeqCursor(q.Cursor, "delivery"); err != nil {
-			return Page[Delivery]{}, err
-		}
+	before, limit, err := deliveryPage(q)
+	if err != nil {
+		return Page[Delivery]{}, err
 	}
-	limit := pageLimit(q.Limit)
 	var exists bool
 	if err := p.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM webhook_endpoints WHERE id = $1)`, webhookID).Scan(&exists); err != nil {
 		return Page[Delivery]{}, wrapPg("list deliveries", err)
@@ -165,10 +161,7 @@ WHERE d.endpoint_id = $1 AND d.id < $2 ORDER BY d.id DESC LIMIT $3`, webhookID, 
 
 // SetLowBalanceThreshold sets or clears the org's threshold.
 func (p *Postgres) SetLowBalanceThreshold(ctx context.Context, org string, threshold *int64) error {
-	if err := balance.ValidateOrg(org); err != nil {
-		return err
-	}
-	if err := checkThreshold(threshold); err != nil {
+	if err := checkThreshold(org, threshold); err != nil {
 		return err
 	}
 	tag, err := p.pool.Exec(ctx, `UPDATE accounts SET low_balance_threshold = $2 WHERE org_id = $1`, org, threshold)

@@ -170,7 +170,7 @@ func TestImportPrices(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ops := accounting.NewOps(accounting.NewWorker(ledger, store, nil))
+	ops := accounting.NewOps(newWorker(t, ledger, store, nil))
 	old := accounting.Model{Name: "gpt-4o-mini", Prices: accounting.Prices{Input: 100_000, CachedInput: 50_000, Output: 400_000},
 		MaxInputTokens: 128_000, MaxOutputTokens: 4096, MaxCost: 7_000, DefaultHold: 9_000}
 	if err := ops.PutModel(ctx, old); err != nil {
@@ -248,7 +248,7 @@ func TestImportCacheWrite(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ops := accounting.NewOps(accounting.NewWorker(ledger, store, nil))
+	ops := accounting.NewOps(newWorker(t, ledger, store, nil))
 	tab, err := accounting.ParsePriceTable([]byte(`{"claude-x":{"mode":"chat","input_cost_per_token":1e-06,"output_cost_per_token":5e-06,
 		"cache_read_input_token_cost":1e-07,"cache_creation_input_token_cost":1.25e-06}}`), nil)
 	if err != nil {

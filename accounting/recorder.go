@@ -4,17 +4,21 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/llmescrow/escrow/internal/startstop"
 )
 
 // ErrRecorderClosed is returned by Record when the recorder is not running (before Start, after
 // Stop).
 var ErrRecorderClosed = errors.New("accounting: recorder not running")
 
-// RecorderConfig configures a Recorder. The zero value is ready to use.
+// RecorderConfig configures a Recorder. The zero value of every field means its documented
+// default; a negative value is refused (ErrConfig).
 type RecorderConfig struct {
 	// MaxBatch is the most events one RecordUsage call carries. Default 500.
 	MaxBatch int
@@ -82,16 +86,15 @@ type RecorderConfig struct {
 // ledger answers again; Degraded tells the caller to stop taking new holds when the journal
 // nears its cap.
 type Recorder struct {
-	ledger Ledger
+	ledger UsageStore
 	cfg    RecorderConfig
 	fb     *fallback // nil without a journal
 
-	mu      sync.RWMutex
-	running bool
-	stopped bool
-	queue   chan *recordReq
-	wg      sync.WaitGroup
-	stopCtx func() bool // unregisters Start's context hook
+	run    startstop.Base
+	mu     sync.RWMutex // orders Record's sends before the queue's close
+	open   bool         // between Start and the queue's close: Record may queue
+	closed bool         // the queue is closed
+	queue  chan *recordReq
 
 	finished, finishErrs atomic.Int64
 }
@@ -106,28 +109,68 @@ type recordDone struct {
 	receipt Receipt
 }
 
-// NewRecorder returns a recorder writing to l. Call Start before Record.
-func NewRecorder(l Ledger, cfg RecorderConfig) *Recorder {
-	cfg.MaxBatch = cmp.Or(max(cfg.MaxBatch, 0), 500)
-	cfg.Flushers = cmp.Or(max(cfg.Flushers, 0), 1)
-	cfg.Timeout = cmp.Or(max(cfg.Timeout, 0), 5*time.Second)
-	cfg.QueueSize = cmp.Or(max(cfg.QueueSize, 0), 4*cfg.MaxBatch)
-	cfg.FlushInterval = max(cfg.FlushInterval, 0)
-	cfg.PinInterval = cmp.Or(max(cfg.PinInterval, 0), 6*time.Hour)
-	cfg.ReplayInterval = cmp.Or(max(cfg.ReplayInterval, 0), time.Second)
-	cfg.UnpinDelay = cmp.Or(max(cfg.UnpinDelay, 0), 5*time.Second)
-	cfg.FinishTimeout = cmp.Or(max(cfg.FinishTimeout, 0), time.Second)
-	if cfg.JournalReserve <= 0 || cfg.JournalReserve >= 1 {
-		cfg.JournalReserve = 0.1
+// The Recorder's defaults, used for the zero value of the RecorderConfig field they name.
+const (
+	defaultRecorderMaxBatch       = 500
+	defaultRecorderFlushers       = 1
+	defaultRecorderTimeout        = 5 * time.Second
+	defaultRecorderQueuePerBatch  = 4 // QueueSize = 4 × MaxBatch
+	defaultRecorderPinInterval    = 6 * time.Hour
+	defaultRecorderReplayInterval = time.Second
+	defaultRecorderUnpinDelay     = 5 * time.Second
+	defaultRecorderJournalReserve = 0.1
+	defaultRecorderFinishTimeout  = time.Second
+)
+
+// withDefaults returns the config with every zero field set to its default; c may be nil.
+func (c *RecorderConfig) withDefaults() RecorderConfig {
+	var z RecorderConfig
+	if c != nil {
+		z = *c
 	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
+	z.MaxBatch = cmp.Or(z.MaxBatch, defaultRecorderMaxBatch)
+	z.Flushers = cmp.Or(z.Flushers, defaultRecorderFlushers)
+	z.Timeout = cmp.Or(z.Timeout, defaultRecorderTimeout)
+	z.QueueSize = cmp.Or(z.QueueSize, defaultRecorderQueuePerBatch*z.MaxBatch)
+	z.PinInterval = cmp.Or(z.PinInterval, defaultRecorderPinInterval)
+	z.ReplayInterval = cmp.Or(z.ReplayInterval, defaultRecorderReplayInterval)
+	z.UnpinDelay = cmp.Or(z.UnpinDelay, defaultRecorderUnpinDelay)
+	z.JournalReserve = cmp.Or(z.JournalReserve, defaultRecorderJournalReserve)
+	z.FinishTimeout = cmp.Or(z.FinishTimeout, defaultRecorderFinishTimeout)
+	z.Logger = cmp.Or(z.Logger, slog.Default())
+	return z
+}
+
+// validate refuses a config (after withDefaults) that no default can mend: a negative size or
+// duration, a journal reserve outside (0, 1).
+func (c *RecorderConfig) validate() error {
+	switch {
+	case c.MaxBatch < 0 || c.Flushers < 0 || c.QueueSize < 0:
+		return fmt.Errorf("%w: recorder MaxBatch, Flushers and QueueSize must be ≥ 0", ErrConfig)
+	case c.FlushInterval < 0 || c.Timeout < 0 || c.PinInterval < 0 || c.ReplayInterval < 0 ||
+		c.UnpinDelay < 0 || c.FinishTimeout < 0:
+		return fmt.Errorf("%w: recorder durations must be ≥ 0", ErrConfig)
+	case c.JournalReserve <= 0 || c.JournalReserve >= 1:
+		return fmt.Errorf("%w: recorder JournalReserve %v is outside (0, 1)", ErrConfig, c.JournalReserve)
 	}
-	r := &Recorder{ledger: l, cfg: cfg, queue: make(chan *recordReq, cfg.QueueSize)}
-	if cfg.Journal != nil {
-		r.fb = newFallback(l, cfg)
+	return nil
+}
+
+// NewRecorder returns a recorder writing to l; cfg may be nil for the defaults. A config field
+// out of range is refused with an error wrapping ErrConfig. Call Start before Record.
+func NewRecorder(l UsageStore, cfg *RecorderConfig) (*Recorder, error) {
+	if l == nil {
+		return nil, fmt.Errorf("%w: recorder needs a ledger", ErrConfig)
 	}
-	return r
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	r := &Recorder{ledger: l, cfg: c, queue: make(chan *recordReq, c.QueueSize)}
+	if c.Journal != nil {
+		r.fb = newFallback(l, c)
+	}
+	return r, nil
 }
 
 // Degraded reports whether new holds should be refused (503) because the local journal is
@@ -153,58 +196,52 @@ func (r *Recorder) Stats() RecorderStats {
 
 // Start starts the flushers. They run until Stop, or until ctx ends, which stops the recorder
 // like Stop (events already queued are still written). With a journal, Start also replays what
-// an earlier run left in it (in the background), pinning those holds until it succeeds.
-func (r *Recorder) Start(ctx context.Context) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.running || r.stopped {
-		return
+// an earlier run left in it (in the background), pinning those holds until it succeeds; the
+// journal's loops run until Stop, whatever becomes of ctx. A second Start, or a Start after
+// Stop, starts nothing.
+func (r *Recorder) Start(ctx context.Context) error {
+	runCtx, ok := r.run.Start(ctx)
+	if !ok {
+		return nil
 	}
-	r.running = true
 	if r.fb != nil {
 		r.fb.start(ctx)
 	}
 	for range r.cfg.Flushers {
-		r.wg.Add(1)
-		go r.flusher()
+		if !r.run.Go(r.flusher) {
+			return nil // stopped meanwhile
+		}
 	}
-	r.stopCtx = context.AfterFunc(ctx, r.close)
+	r.mu.Lock()
+	r.open = !r.closed
+	r.mu.Unlock()
+	// Stop, or the end of ctx, closes the queue: the flushers write what it holds and return.
+	context.AfterFunc(runCtx, r.close)
+	return nil
 }
 
 // Stop stops accepting events, writes every event already queued and waits for the flushers
 // (or for ctx, whichever ends first). With a journal it then tries one last replay; what the
-// journal still holds stays on disk for the next run.
+// journal still holds stays on disk for the next run. Stop before Start does nothing.
 func (r *Recorder) Stop(ctx context.Context) error {
-	r.close()
-	r.mu.RLock()
-	stop := r.stopCtx
-	r.mu.RUnlock()
-	if stop != nil {
-		stop()
-	}
-	done := make(chan struct{})
-	go func() {
-		r.wg.Wait()
-		close(done)
-	}()
-	select {
-	case <-done:
-	case <-ctx.Done():
-		return ctx.Err()
+	first, err := r.run.Stop(ctx)
+	if err != nil || !first {
+		return err
 	}
 	if r.fb != nil {
-		r.fb.stop(ctx)
+		return r.fb.stop(ctx)
 	}
 	return nil
 }
 
+// close closes the queue (once): Record refuses new events from then on.
 func (r *Recorder) close() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.stopped {
+	if r.closed {
 		return
 	}
-	r.stopped = true
+	r.closed, r.open = true, false
 	close(r.queue)
 }
 
@@ -227,7 +264,7 @@ func (r *Recorder) RecordReceipt(ctx context.Context, ev UsageEvent) (Receipt, e
 	}
 	req := &recordReq{ev: ev, done: make(chan recordDone, 1)}
 	r.mu.RLock()
-	if !r.running || r.stopped {
+	if !r.open {
 		r.mu.RUnlock()
 		return Receipt{}, ErrRecorderClosed
 	}
@@ -247,7 +284,6 @@ func (r *Recorder) RecordReceipt(ctx context.Context, ev UsageEvent) (Receipt, e
 }
 
 func (r *Recorder) flusher() {
-	defer r.wg.Done()
 	batch := make([]*recordReq, 0, r.cfg.MaxBatch)
 	var timer *time.Timer
 	for {
@@ -268,30 +304,27 @@ func (r *Recorder) flusher() {
 		}
 	fill:
 		for len(batch) < r.cfg.MaxBatch {
+			// What is queued already joins the batch; with a flush interval, so does what comes
+			// before the deadline.
+			var req *recordReq
+			var ok bool
 			select {
-			case req, ok := <-r.queue:
-				if !ok {
-					open = false
-					break fill
-				}
-				batch = append(batch, req)
-				continue
+			case req, ok = <-r.queue:
 			default:
-			}
-			if deadline == nil {
-				break
-			}
-			select {
-			case req, ok := <-r.queue:
-				if !ok {
-					open = false
+				if deadline == nil {
 					break fill
 				}
-				batch = append(batch, req)
-			case <-deadline:
-				deadline = nil
+				select {
+				case req, ok = <-r.queue:
+				case <-deadline:
+					break fill
+				}
+			}
+			if !ok {
+				open = false
 				break fill
 			}
+			batch = append(batch, req)
 		}
 		if timer != nil {
 			timer.Stop() // since Go 1.23 a stopped timer's channel holds no stale tick

@@ -39,7 +39,7 @@ func TestRecorderFinishReturnsUnusedHold(t *testing.T) {
 	env := testutil.Redis(t)
 	mem := accounting.NewMemory()
 	store := newStore(t, env, mem, balance.Config{MaxInFlight: 3})
-	w := accounting.NewWorker(mem, store, &accounting.WorkerConfig{Logger: quiet})
+	w := newWorker(t, mem, store, &accounting.WorkerConfig{Logger: quiet})
 	evs := journalSetup(t, store, w, mem, "acme", 3) // three holds of 10: the cap is full
 	evs[0].Cost, evs[1].Cost, evs[2].Cost = 3, 0, 14 // the last costs more than its hold
 	if _, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: newID(), Amount: 10}); !errors.Is(err, balance.ErrTooManyHolds) {
@@ -92,7 +92,7 @@ func TestRecorderReceipt(t *testing.T) {
 	env := testutil.Redis(t)
 	mem := accounting.NewMemory()
 	store := newStore(t, env, mem, balance.Config{})
-	w := accounting.NewWorker(mem, store, &accounting.WorkerConfig{Logger: quiet})
+	w := newWorker(t, mem, store, &accounting.WorkerConfig{Logger: quiet})
 	evs := journalSetup(t, store, w, mem, "acme", 20) // 20 holds of 10, cost 3 each
 	fin := &countingFinisher{next: store}
 	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error {
@@ -171,7 +171,7 @@ func TestRecorderFinishOnePerBatch(t *testing.T) {
 	env := testutil.Redis(t)
 	mem := accounting.NewMemory()
 	store := newStore(t, env, mem, balance.Config{MaxInFlight: 1000})
-	w := accounting.NewWorker(mem, store, &accounting.WorkerConfig{Logger: quiet})
+	w := newWorker(t, mem, store, &accounting.WorkerConfig{Logger: quiet})
 	evs := journalSetup(t, store, w, mem, "acme", 90)
 	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error {
 		time.Sleep(5 * time.Millisecond) // callers pile up behind each batch
@@ -197,7 +197,7 @@ func TestRecorderFinishBestEffort(t *testing.T) {
 	env := testutil.Redis(t)
 	mem := accounting.NewMemory()
 	store := newStore(t, env, mem, balance.Config{})
-	w := accounting.NewWorker(mem, store, &accounting.WorkerConfig{Logger: quiet})
+	w := newWorker(t, mem, store, &accounting.WorkerConfig{Logger: quiet})
 	evs := journalSetup(t, store, w, mem, "acme", 5)
 	fin := &countingFinisher{next: store}
 	fin.fail.Store(true)
@@ -229,10 +229,10 @@ func TestRecorderFinishJournaled(t *testing.T) {
 	mem := accounting.NewMemory()
 	l := newDownLedger(mem)
 	store := newStore(t, env, l, balance.Config{HoldTTL: 50 * time.Millisecond, SettleDeadline: 50 * time.Millisecond, PinTTL: time.Hour, ReapGrace: time.Millisecond})
-	w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
 	const n = 10
 	evs := journalSetup(t, store, w, l, "acme", n)
-	j, err := accounting.OpenJournal(t.TempDir(), 1<<20)
+	j, err := accounting.OpenJournal(t.TempDir(), &accounting.JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -134,11 +134,11 @@ func TestRecorderJournalOutage(t *testing.T) {
 	mem := accounting.NewMemory()
 	l := newDownLedger(mem)
 	store := newStore(t, env, l, balance.Config{HoldTTL: 50 * time.Millisecond, PinTTL: time.Hour, ReapGrace: time.Millisecond})
-	w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
 	const n = 40
 	evs := journalSetup(t, store, w, l, "acme", n)
 
-	j, err := accounting.OpenJournal(t.TempDir(), 1<<20)
+	j, err := accounting.OpenJournal(t.TempDir(), &accounting.JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -218,16 +218,16 @@ func TestRecorderJournalSurvivesRestart(t *testing.T) {
 	env := testutil.Redis(t)
 	l := newDownLedger(accounting.NewMemory())
 	store := newStore(t, env, l, balance.Config{})
-	w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
 	const n = 10
 	evs := journalSetup(t, store, w, l, "acme", n)
 	dir := t.TempDir()
 
-	j1, err := accounting.OpenJournal(dir, 1<<20)
+	j1, err := accounting.OpenJournal(dir, &accounting.JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
-	r1 := accounting.NewRecorder(l, accounting.RecorderConfig{Journal: j1, Pinner: store, ReplayInterval: 20 * time.Millisecond, UnpinDelay: 20 * time.Millisecond, Logger: quiet})
+	r1 := newRecorder(t, l, accounting.RecorderConfig{Journal: j1, Pinner: store, ReplayInterval: 20 * time.Millisecond, UnpinDelay: 20 * time.Millisecond, Logger: quiet})
 	r1.Start(ctx)
 	l.down.Store(true)
 	recordEach(t, r1, evs)
@@ -240,7 +240,7 @@ func TestRecorderJournalSurvivesRestart(t *testing.T) {
 	}
 
 	l.down.Store(false)
-	j2, err := accounting.OpenJournal(dir, 1<<20)
+	j2, err := accounting.OpenJournal(dir, &accounting.JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -271,7 +271,7 @@ func TestRecorderJournalFull(t *testing.T) {
 	l.down.Store(true)
 	ev := accounting.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 3}
 	size := func() int64 {
-		j, err := accounting.OpenJournal(t.TempDir(), 1<<20)
+		j, err := accounting.OpenJournal(t.TempDir(), &accounting.JournalConfig{MaxBytes: 1 << 20})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -281,7 +281,7 @@ func TestRecorderJournalFull(t *testing.T) {
 		}
 		return j.Size()
 	}() + 8 // an event with another id of the same length, plus slack for created_at
-	j, err := accounting.OpenJournal(t.TempDir(), 10*size)
+	j, err := accounting.OpenJournal(t.TempDir(), &accounting.JournalConfig{MaxBytes: 10 * size})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -317,7 +317,7 @@ func TestRecorderJournalPostgresOutage(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	srv := testutil.StartPostgresServer(t)
-	pg, err := accounting.OpenPostgres(ctx, srv.URL())
+	pg, err := accounting.OpenPostgres(ctx, srv.URL(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -325,10 +325,10 @@ func TestRecorderJournalPostgresOutage(t *testing.T) {
 	env := testutil.Redis(t)
 	l := newDownLedger(pg) // never switched off: the outage is the real server's
 	store := newStore(t, env, l, balance.Config{})
-	w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
 	const n = 20
 	evs := journalSetup(t, store, w, l, "acme", n)
-	j, err := accounting.OpenJournal(t.TempDir(), 1<<20)
+	j, err := accounting.OpenJournal(t.TempDir(), &accounting.JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}

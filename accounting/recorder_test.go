@@ -43,9 +43,19 @@ func usage(org string) accounting.UsageEvent {
 
 func startRecorder(t *testing.T, l accounting.Ledger, cfg accounting.RecorderConfig) *accounting.Recorder {
 	t.Helper()
-	r := accounting.NewRecorder(l, cfg)
+	r := newRecorder(t, l, cfg)
 	r.Start(context.Background())
 	t.Cleanup(func() { _ = r.Stop(context.Background()) })
+	return r
+}
+
+// newRecorder is accounting.NewRecorder, failing the test on a config error.
+func newRecorder(t testing.TB, l accounting.Ledger, cfg accounting.RecorderConfig) *accounting.Recorder {
+	t.Helper()
+	r, err := accounting.NewRecorder(l, &cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
 	return r
 }
 
@@ -152,7 +162,7 @@ func TestRecorderStopFlushes(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 		return nil
 	}}
-	r := accounting.NewRecorder(h, accounting.RecorderConfig{Flushers: 1, MaxBatch: 10})
+	r := newRecorder(t, h, accounting.RecorderConfig{Flushers: 1, MaxBatch: 10})
 	if err := r.Record(context.Background(), usage("o")); !errors.Is(err, accounting.ErrRecorderClosed) {
 		t.Fatalf("Record before Start: %v", err)
 	}
@@ -188,7 +198,7 @@ func TestRecorderStopFlushes(t *testing.T) {
 
 func TestRecorderStopsWithStartContext(t *testing.T) {
 	t.Parallel()
-	r := accounting.NewRecorder(accounting.NewMemory(), accounting.RecorderConfig{})
+	r := newRecorder(t, accounting.NewMemory(), accounting.RecorderConfig{})
 	ctx, cancel := context.WithCancel(context.Background())
 	r.Start(ctx)
 	if err := r.Record(context.Background(), usage("o")); err != nil {

@@ -149,7 +149,8 @@ func (s *simulator) newStore(offset time.Duration) {
 	})
 	s.must(err)
 	s.store, s.offset = store, offset
-	s.worker = accounting.NewWorker(s.ledger, store, &accounting.WorkerConfig{SettleBatch: 4, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	s.worker, err = accounting.NewWorker(s.ledger, store, &accounting.WorkerConfig{SettleBatch: 4, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	s.must(err)
 	s.ops = accounting.NewOps(s.worker)
 }
 
@@ -705,7 +706,7 @@ func (s *simulator) quiesce() {
 func openTestPostgres(t *testing.T) accounting.Ledger {
 	t.Helper()
 	env := testutil.Postgres(t)
-	l, err := accounting.OpenPostgres(context.Background(), env.URL)
+	l, err := accounting.OpenPostgres(context.Background(), env.URL, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

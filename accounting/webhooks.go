@@ -155,7 +155,24 @@ func checkWebhook(rawURL string, events []EventType) ([]EventType, error) {
 	return out, nil
 }
 
-func checkThreshold(t *int64) error {
+// deliveryPage reads ListDeliveries' query: the deliveries to list are those with an id below
+// before (all of them without a cursor), at most limit of them.
+func deliveryPage(q ListQuery) (before int64, limit int, err error) {
+	before = int64(1<<63 - 1)
+	if q.Cursor != "" {
+		if before, err = parseSeqCursor(q.Cursor, "delivery"); err != nil {
+			return 0, 0, err
+		}
+	}
+	return before, pageLimit(q.Limit), nil
+}
+
+// checkThreshold checks SetLowBalanceThreshold's arguments: a valid org id, and a threshold
+// (when set) within ±balance.MaxAmount.
+func checkThreshold(org string, t *int64) error {
+	if err := balance.ValidateOrg(org); err != nil {
+		return err
+	}
 	if t != nil && (*t > balance.MaxAmount || *t < -balance.MaxAmount) {
 		return fmt.Errorf("%w: low balance threshold %d outside ±%d", ErrInvalidAmount, *t, balance.MaxAmount)
 	}

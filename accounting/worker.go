@@ -11,9 +11,11 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/internal/startstop"
 )
 
-// WorkerConfig configures a Worker. The zero value of every field means its documented default.
+// WorkerConfig configures a Worker. The zero value of every field means its documented default;
+// a negative value is refused (ErrConfig).
 type WorkerConfig struct {
 	// AccountBatch is how many pending usage events one accounting pass claims. Default 1000.
 	AccountBatch int
@@ -41,23 +43,46 @@ type WorkerConfig struct {
 	Logger *slog.Logger
 }
 
+// The Worker's defaults, used for the zero value of the WorkerConfig field they name.
+const (
+	defaultWorkerAccountBatch      = 1000
+	defaultWorkerSettleBatch       = 500
+	defaultWorkerSweepInterval     = 2 * time.Second
+	defaultWorkerReapInterval      = 5 * time.Second
+	defaultWorkerScanInterval      = time.Minute
+	defaultWorkerReconcileInterval = time.Minute
+	defaultWorkerOrgTimeout        = 10 * time.Second
+	defaultWorkerSettleConcurrency = 8
+)
+
+// withDefaults returns the config with every zero field set to its default; c may be nil.
 func (c *WorkerConfig) withDefaults() WorkerConfig {
 	var z WorkerConfig
 	if c != nil {
 		z = *c
 	}
-	z.AccountBatch = cmp.Or(z.AccountBatch, 1000)
-	z.SettleBatch = cmp.Or(z.SettleBatch, 500)
-	z.SweepInterval = cmp.Or(z.SweepInterval, 2*time.Second)
-	z.ReapInterval = cmp.Or(z.ReapInterval, 5*time.Second)
-	z.ScanInterval = cmp.Or(z.ScanInterval, time.Minute)
-	z.ReconcileInterval = cmp.Or(z.ReconcileInterval, time.Minute)
-	z.OrgTimeout = cmp.Or(z.OrgTimeout, 10*time.Second)
-	z.SettleConcurrency = cmp.Or(max(z.SettleConcurrency, 0), 8)
-	if z.Logger == nil {
-		z.Logger = slog.Default()
-	}
+	z.AccountBatch = cmp.Or(z.AccountBatch, defaultWorkerAccountBatch)
+	z.SettleBatch = cmp.Or(z.SettleBatch, defaultWorkerSettleBatch)
+	z.SweepInterval = cmp.Or(z.SweepInterval, defaultWorkerSweepInterval)
+	z.ReapInterval = cmp.Or(z.ReapInterval, defaultWorkerReapInterval)
+	z.ScanInterval = cmp.Or(z.ScanInterval, defaultWorkerScanInterval)
+	z.ReconcileInterval = cmp.Or(z.ReconcileInterval, defaultWorkerReconcileInterval)
+	z.OrgTimeout = cmp.Or(z.OrgTimeout, defaultWorkerOrgTimeout)
+	z.SettleConcurrency = cmp.Or(z.SettleConcurrency, defaultWorkerSettleConcurrency)
+	z.Logger = cmp.Or(z.Logger, slog.Default())
 	return z
+}
+
+// validate refuses a config (after withDefaults) with a negative batch, concurrency or
+// duration.
+func (c *WorkerConfig) validate() error {
+	switch {
+	case c.AccountBatch < 0 || c.SettleBatch < 0 || c.SettleConcurrency < 0:
+		return fmt.Errorf("%w: worker AccountBatch, SettleBatch and SettleConcurrency must be ≥ 0", ErrConfig)
+	case c.SweepInterval < 0 || c.ReapInterval < 0 || c.ScanInterval < 0 || c.ReconcileInterval < 0 || c.OrgTimeout < 0:
+		return fmt.Errorf("%w: worker intervals and OrgTimeout must be ≥ 0", ErrConfig)
+	}
+	return nil
 }
 
 // WorkerStats are the worker's running totals, for metrics.
@@ -93,16 +118,21 @@ type Worker struct {
 	}
 	lag lagHistogram
 
-	runMu  sync.Mutex
-	cancel context.CancelFunc
-	done   chan struct{}
+	run startstop.Base
 
 	badOrgs sync.Map // org ids of old rows that break the org-id rule, logged once each
 }
 
-// NewWorker returns a worker over ledger and store; cfg may be nil for the defaults.
-func NewWorker(ledger Ledger, store *balance.Store, cfg *WorkerConfig) *Worker {
+// NewWorker returns a worker over ledger and store; cfg may be nil for the defaults. A config
+// field out of range is refused with an error wrapping ErrConfig.
+func NewWorker(ledger Ledger, store *balance.Store, cfg *WorkerConfig) (*Worker, error) {
+	if ledger == nil || store == nil {
+		return nil, fmt.Errorf("%w: worker needs a ledger and a store", ErrConfig)
+	}
 	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
 	return &Worker{
 		ledger: ledger,
 		store:  store,
@@ -110,7 +140,7 @@ func NewWorker(ledger Ledger, store *balance.Store, cfg *WorkerConfig) *Worker {
 		log:    c.Logger.With("component", "escrow.worker"),
 		wake:   make(chan struct{}, 1),
 		dirty:  make(map[string]struct{}),
-	}
+	}, nil
 }
 
 // Stats returns the worker's running totals.
@@ -124,43 +154,32 @@ func (w *Worker) Stats() WorkerStats {
 	}
 }
 
-// Start runs the worker's loops until Stop or until ctx ends. It returns at once.
+// Start runs the worker's loops until Stop, or until ctx ends (then the loops end without the
+// last pass: call Stop for it). It returns at once. A second Start, or a Start after Stop,
+// starts nothing.
 func (w *Worker) Start(ctx context.Context) error {
-	w.runMu.Lock()
-	defer w.runMu.Unlock()
-	if w.done != nil {
-		return errors.New("accounting: worker already started")
+	ctx, ok := w.run.Start(ctx)
+	if !ok {
+		return nil
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	w.cancel = cancel
-	w.done = make(chan struct{})
 	notes, err := w.ledger.Subscribe(ctx)
 	if err != nil {
 		w.log.Warn("no ledger notifications; settling on the sweep only", "err", err)
 		notes = nil
 	}
-	var wg sync.WaitGroup
-	wg.Add(3)
-	go func() { defer wg.Done(); w.listen(ctx, notes) }()
-	go func() { defer wg.Done(); w.settleLoop(ctx) }()
-	go func() { defer wg.Done(); w.maintenanceLoop(ctx) }()
-	go func() { wg.Wait(); close(w.done) }()
+	w.run.Go(func() { w.listen(ctx, notes) })
+	w.run.Go(func() { w.settleLoop(ctx) })
+	w.run.Go(func() { w.maintenanceLoop(ctx) })
 	return nil
 }
 
-// Stop ends the loops after a last accounting and settle pass, or when ctx ends.
+// Stop ends the loops and then makes a last accounting and settle pass, unless ctx ends first.
+// Stop before Start does nothing; only the first Stop of a started worker makes the last pass
+// (the others wait for the loops).
 func (w *Worker) Stop(ctx context.Context) error {
-	w.runMu.Lock()
-	cancel, done := w.cancel, w.done
-	w.runMu.Unlock()
-	if done == nil {
-		return nil
-	}
-	cancel()
-	select {
-	case <-done:
-	case <-ctx.Done():
-		return ctx.Err()
+	first, err := w.run.Stop(ctx)
+	if err != nil || !first {
+		return err
 	}
 	// Flush: what was recorded before Stop is accounted and settled before it returns.
 	if err := w.Drain(ctx); err != nil && ctx.Err() == nil {
@@ -499,81 +518,103 @@ func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 		return d, w.store.Invalidate(ctx, org)
 	}
 	d.Warm = true
-	// The hot limits' version against the ledger's: an older one (a push that failed) is
-	// pushed again, which drops the hot state to reseed.
-	if ls, err := w.ledger.Limits(ctx, org); err == nil {
-		w.store.ObserveEpoch(epoch) // the push's floor is kept per epoch
-		pushed, err := w.store.PushLimits(ctx, org, ls.Version)
-		if err != nil {
-			return d, err
-		}
-		if pushed {
-			w.stats.repairs.Add(1)
-			w.log.Warn("hot limits older than the ledger's: pushed again", "org", org, "version", ls.Version)
-			d.Repaired, d.LimitsPushed = true, true
-			return d, nil
-		}
-	} else if !errors.Is(err, ErrUnknownOrg) {
+	if pushed, err := w.pushOlderLimits(ctx, org, epoch); err != nil || pushed {
+		d.Repaired, d.LimitsPushed = pushed, pushed
 		return d, err
 	}
-	var ledgerSeq int64
-	// B(wm) = balance − Σ deltas after wm, from one consistent view: the account is read after
-	// the entries and the read is retried if an entry landed in between.
-	for attempt := 0; ; attempt++ {
-		entries, _, err := w.ledger.EntriesAfter(ctx, org, st.Watermark, 1_000_000)
-		if err != nil {
-			return d, err
-		}
-		acct, err := w.ledger.Account(ctx, org)
-		if err != nil {
-			return d, err
-		}
-		last := st.Watermark
-		var after int64
-		for _, e := range entries {
-			after += e.Delta
-			last = e.Seq
-		}
-		if st.Watermark > acct.LedgerSeq {
-			// A watermark the ledger never reached: an acct left by another ledger.
-			w.log.Warn("stale hot balance: watermark above ledger", "org", org, "wm", st.Watermark, "ledger_seq", acct.LedgerSeq)
-			w.stats.repairs.Add(1)
-			d.Repaired = true
-			return d, w.store.Invalidate(ctx, org)
-		}
-		if last != acct.LedgerSeq {
-			if attempt < 3 {
-				continue
-			}
-			return d, errors.New("accounting: ledger kept moving during reconcile")
-		}
-		ledgerSeq = acct.LedgerSeq
-		d.Hot = st.Balance + st.Held
-		d.Expected = acct.Balance - after
-		d.Drift = d.Hot - d.Expected
-		break
+	expected, ledgerSeq, err := w.balanceAt(ctx, org, st.Watermark)
+	if err != nil {
+		return d, err
 	}
-	if d.Drift != 0 {
-		// The state read and the ledger read are not one snapshot: a settle may have moved the
-		// watermark between them. Read again before calling it drift.
-		st2, err := w.store.State(ctx, org)
-		if err != nil {
-			return d, err
-		}
-		if st2.Watermark != st.Watermark || st2.Balance+st2.Held != d.Hot {
-			return d, nil
-		}
-		w.stats.lastDrift.Store(d.Drift)
+	if st.Watermark > ledgerSeq {
+		// A watermark the ledger never reached: an acct left by another ledger.
+		w.log.Warn("stale hot balance: watermark above ledger", "org", org, "wm", st.Watermark, "ledger_seq", ledgerSeq)
 		w.stats.repairs.Add(1)
-		w.log.Warn("hot balance drift repaired", "org", org, "hot", d.Hot, "expected", d.Expected, "drift", d.Drift)
 		d.Repaired = true
 		return d, w.store.Invalidate(ctx, org)
+	}
+	d.Hot = st.Balance + st.Held
+	d.Expected = expected
+	d.Drift = d.Hot - d.Expected
+	if d.Drift != 0 {
+		return w.repairDrift(ctx, st, d)
 	}
 	if st.Watermark < ledgerSeq {
 		d.CaughtUp = true
 		return d, w.store.CatchUp(ctx, org)
 	}
 	return d, nil
+}
+
+// pushOlderLimits compares the hot limits' version with the ledger's: an older one (a push that
+// failed) is pushed again, which drops the org's hot state to reseed. It reports whether it
+// pushed.
+func (w *Worker) pushOlderLimits(ctx context.Context, org string, epoch balance.Epoch) (bool, error) {
+	ls, err := w.ledger.Limits(ctx, org)
+	if errors.Is(err, ErrUnknownOrg) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	w.store.ObserveEpoch(epoch) // the push's floor is kept per epoch
+	pushed, err := w.store.PushLimits(ctx, org, ls.Version)
+	if err != nil || !pushed {
+		return false, err
+	}
+	w.stats.repairs.Add(1)
+	w.log.Warn("hot limits older than the ledger's: pushed again", "org", org, "version", ls.Version)
+	return true, nil
+}
+
+// balanceAt is B(wm), the org's ledger balance up to the watermark wm (the account's balance
+// minus the deltas of the entries after wm), and the account's ledger_seq, from one consistent
+// view: the account is read after the entries, and both are read again if an entry landed in
+// between. A watermark above ledger_seq is returned at once (the caller drops that acct).
+func (w *Worker) balanceAt(ctx context.Context, org string, wm int64) (expected, ledgerSeq int64, err error) {
+	for attempt := 0; ; attempt++ {
+		entries, _, err := w.ledger.EntriesAfter(ctx, org, wm, 1_000_000)
+		if err != nil {
+			return 0, 0, err
+		}
+		acct, err := w.ledger.Account(ctx, org)
+		if err != nil {
+			return 0, 0, err
+		}
+		if wm > acct.LedgerSeq {
+			return 0, acct.LedgerSeq, nil
+		}
+		last := wm
+		var after int64
+		for _, e := range entries {
+			after += e.Delta
+			last = e.Seq
+		}
+		if last == acct.LedgerSeq {
+			return acct.Balance - after, acct.LedgerSeq, nil
+		}
+		if attempt >= 3 {
+			return 0, 0, errors.New("accounting: ledger kept moving during reconcile")
+		}
+	}
+}
+
+// repairDrift drops the hot balance of d's org when the drift holds on a second read. The state
+// read and the ledger read are not one snapshot: a settle may have moved the watermark between
+// them, so a changed state is no drift.
+func (w *Worker) repairDrift(ctx context.Context, st balance.State, d Drift) (Drift, error) {
+	st2, err := w.store.State(ctx, d.Org)
+	if err != nil {
+		return d, err
+	}
+	if st2.Watermark != st.Watermark || st2.Balance+st2.Held != d.Hot {
+		return d, nil
+	}
+	w.stats.lastDrift.Store(d.Drift)
+	w.stats.repairs.Add(1)
+	w.log.Warn("hot balance drift repaired", "org", d.Org, "hot", d.Hot, "expected", d.Expected, "drift", d.Drift)
+	d.Repaired = true
+	return d, w.store.Invalidate(ctx, d.Org)
 }
 
 // settleLagBounds are the upper bounds of the settle-lag histogram's buckets (the last bucket,

@@ -18,7 +18,7 @@ func TestSettleLag(t *testing.T) {
 	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
 		ctx := context.Background()
 		store := newStore(t, env, l, balance.Config{})
-		w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+		w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
 		org := testutil.RandomName("lag")
 		if err := l.CreateOrg(ctx, org); err != nil {
 			t.Fatal(err)

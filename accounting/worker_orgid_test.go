@@ -35,7 +35,7 @@ func TestWorkerSkipsOrgIDsBeforeTheRule(t *testing.T) {
 	}
 	var logs bytes.Buffer
 	log := slog.New(slog.NewTextHandler(&logs, nil))
-	w := accounting.NewWorker(l, newStore(t, testutil.RealRedis(t), l, balance.Config{}), &accounting.WorkerConfig{Logger: log})
+	w := newWorker(t, l, newStore(t, testutil.RealRedis(t), l, balance.Config{}), &accounting.WorkerConfig{Logger: log})
 	for range 3 {
 		if err := w.Drain(ctx); err != nil {
 			t.Fatalf("Drain: %v", err)

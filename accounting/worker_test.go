@@ -41,6 +41,16 @@ func newStore(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger, cfg bal
 	return s
 }
 
+// newWorker is accounting.NewWorker, failing the test on a config error.
+func newWorker(t testing.TB, l accounting.Ledger, store *balance.Store, cfg *accounting.WorkerConfig) *accounting.Worker {
+	t.Helper()
+	w, err := accounting.NewWorker(l, store, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w
+}
+
 func newID() string { return uuid.Must(uuid.NewV7()).String() }
 
 // TestCreditUnblocks: an org at 0 is refused, a credit lands, and the very next reserve passes
@@ -50,7 +60,7 @@ func TestCreditUnblocks(t *testing.T) {
 	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
 		ctx := context.Background()
 		store := newStore(t, env, l, balance.Config{})
-		w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+		w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
 		if err := l.CreateOrg(ctx, "acme"); err != nil {
 			t.Fatal(err)
 		}
@@ -106,7 +116,7 @@ func TestThreeWorkers(t *testing.T) {
 		for i := 0; i < 3; i++ {
 			// Each worker has its own store (as if in its own process) on the same Redis.
 			st := newStore(t, env, l, balance.Config{})
-			w := accounting.NewWorker(l, st, &accounting.WorkerConfig{Logger: quiet, SweepInterval: 20 * time.Millisecond, AccountBatch: 7, SettleBatch: 5})
+			w := newWorker(t, l, st, &accounting.WorkerConfig{Logger: quiet, SweepInterval: 20 * time.Millisecond, AccountBatch: 7, SettleBatch: 5})
 			if err := w.Start(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -174,7 +184,7 @@ func TestReconcileRepairsDrift(t *testing.T) {
 	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
 		ctx := context.Background()
 		store := newStore(t, env, l, balance.Config{})
-		w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet})
+		w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
 		if err := l.CreateOrg(ctx, "acme"); err != nil {
 			t.Fatal(err)
 		}
@@ -211,7 +221,7 @@ func TestWorkerStopFlushes(t *testing.T) {
 	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
 		ctx := context.Background()
 		store := newStore(t, env, l, balance.Config{})
-		w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet, SweepInterval: time.Hour})
+		w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet, SweepInterval: time.Hour})
 		if err := l.CreateOrg(ctx, "acme"); err != nil {
 			t.Fatal(err)
 		}
@@ -253,7 +263,7 @@ func TestReconcileLoopVisitsIdleOrgs(t *testing.T) {
 	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
 		ctx := context.Background()
 		store := newStore(t, env, l, balance.Config{})
-		w := accounting.NewWorker(l, store, &accounting.WorkerConfig{Logger: quiet, ReconcileInterval: 30 * time.Millisecond})
+		w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet, ReconcileInterval: 30 * time.Millisecond})
 		if err := l.CreateOrg(ctx, "idle"); err != nil {
 			t.Fatal(err)
 		}

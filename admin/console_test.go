@@ -41,7 +41,11 @@ func mountAdmin(t *testing.T, prefix string) (*echo.Echo, *accounting.Memory, *b
 	if err != nil {
 		t.Fatal(err)
 	}
-	api, err := admin.New(accounting.NewOps(accounting.NewWorker(ledger, store, nil)), &admin.Config{Token: "tok"})
+	w, err := accounting.NewWorker(ledger, store, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	api, err := admin.New(accounting.NewOps(w), &admin.Config{Token: "tok"})
 	if err != nil {
 		t.Fatal(err)
 	}

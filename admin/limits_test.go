@@ -37,7 +37,7 @@ func eachLedger(t *testing.T, fn func(t *testing.T, r *limitsRig)) {
 				env, ledger = testutil.MiniRedis(t), accounting.NewMemory()
 			} else {
 				pg := testutil.Postgres(t)
-				l, err := accounting.OpenPostgres(ctx, pg.URL)
+				l, err := accounting.OpenPostgres(ctx, pg.URL, nil)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -50,7 +50,11 @@ func eachLedger(t *testing.T, fn func(t *testing.T, r *limitsRig)) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			api, err := admin.New(accounting.NewOps(accounting.NewWorker(ledger, store, nil)), &admin.Config{Token: "tok"})
+			w, err := accounting.NewWorker(ledger, store, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			api, err := admin.New(accounting.NewOps(w), &admin.Config{Token: "tok"})
 			if err != nil {
 				t.Fatal(err)
 			}

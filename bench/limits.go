@@ -284,7 +284,10 @@ func pgLimits(ctx context.Context, o options, lim *limits, dbURL string, rdb *re
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "\r  limit: recorder            ")
-	rec := accounting.NewRecorder(pg, accounting.RecorderConfig{})
+	rec, err := accounting.NewRecorder(pg, nil)
+	if err != nil {
+		return err
+	}
 	rec.Start(ctx)
 	defer func() { _ = rec.Stop(ctx) }()
 	cnt, el, err := b.record(ctx, rec)
@@ -311,7 +314,7 @@ func openBenchLedger(ctx context.Context, dbURL string) (*accounting.Postgres, e
 	if err != nil {
 		return nil, err
 	}
-	return accounting.OpenPostgres(ctx, dbURL)
+	return accounting.OpenPostgres(ctx, dbURL, nil)
 }
 
 // pgBench writes usage events of 100 orgs into one ledger, each run for d.
@@ -377,7 +380,10 @@ func (b *pgBench) pipelineRate(ctx context.Context, rec *accounting.Recorder, rd
 	if err != nil {
 		return 0, err
 	}
-	w := accounting.NewWorker(b.pg, store, &accounting.WorkerConfig{Logger: quiet})
+	w, err := accounting.NewWorker(b.pg, store, &accounting.WorkerConfig{Logger: quiet})
+	if err != nil {
+		return 0, err
+	}
 	// Settle what the earlier runs left first, so that the count below is only this run's.
 	if err := w.Drain(ctx); err != nil {
 		return 0, err

@@ -21,7 +21,8 @@ import (
 func costEnv(t *testing.T, tweak func(*Config)) *testEnv {
 	t.Helper()
 	return newEnv(t, envOpt{cfg: func(c *Config) {
-		rec := accounting.NewRecorder(c.Ledger.(*accounting.Memory), accounting.RecorderConfig{Logger: quiet, Finisher: c.Store.(*balance.Store)})
+		rec, err := accounting.NewRecorder(c.Ledger.(*accounting.Memory), &accounting.RecorderConfig{Logger: quiet, Finisher: c.Store.(*balance.Store)})
+		must(t, err)
 		rec.Start(context.Background())
 		t.Cleanup(func() { _ = rec.Stop(context.Background()) })
 		c.Recorder = rec
@@ -298,7 +299,8 @@ func TestCostNotOnFailures(t *testing.T) {
 func TestCostFailOpen(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOpt{withFault: true, cfg: func(c *Config) {
-		rec := accounting.NewRecorder(c.Ledger.(*accounting.Memory), accounting.RecorderConfig{Logger: quiet, Finisher: c.Store.(*balance.Store)})
+		rec, err := accounting.NewRecorder(c.Ledger.(*accounting.Memory), &accounting.RecorderConfig{Logger: quiet, Finisher: c.Store.(*balance.Store)})
+		must(t, err)
 		rec.Start(context.Background())
 		t.Cleanup(func() { _ = rec.Stop(context.Background()) })
 		c.Recorder, c.FailOpen = rec, true

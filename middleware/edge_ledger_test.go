@@ -143,7 +143,9 @@ func newLedgerEnv(t *testing.T, pg bool, cfg func(*Config)) *ledgerEnv {
 		if _, err := migrations.Up(ctx, env.Pool); err != nil {
 			t.Fatal(err)
 		}
-		base = accounting.NewPostgres(env.Pool, nil)
+		pgl, err := accounting.NewPostgres(env.Pool, nil)
+		must(t, err)
+		base = pgl
 	} else {
 		redisEnv = testutil.Redis(t)
 		base = accounting.NewMemory()
@@ -153,10 +155,12 @@ func newLedgerEnv(t *testing.T, pg bool, cfg func(*Config)) *ledgerEnv {
 	st, err := balance.New(ctx, redisEnv.Client, &balance.Config{Ledger: e.ledger, Prefix: redisEnv.Prefix, Logger: quiet})
 	must(t, err)
 	e.store = st
-	e.rec = accounting.NewRecorder(e.ledger, accounting.RecorderConfig{Logger: quiet, Timeout: 10 * time.Second})
+	e.rec, err = accounting.NewRecorder(e.ledger, &accounting.RecorderConfig{Logger: quiet, Timeout: 10 * time.Second})
+	must(t, err)
 	e.rec.Start(ctx)
 	t.Cleanup(func() { _ = e.rec.Stop(context.Background()) })
-	e.worker = accounting.NewWorker(e.ledger, e.store, &accounting.WorkerConfig{Logger: quiet})
+	e.worker, err = accounting.NewWorker(e.ledger, e.store, &accounting.WorkerConfig{Logger: quiet})
+	must(t, err)
 	e.org = testutil.RandomName("org")
 	must(t, e.ledger.CreateOrg(ctx, e.org))
 	_, _, err = e.ledger.Credit(ctx, e.org, ledgerEnvCredit, "pay-"+e.org)

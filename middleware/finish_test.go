@@ -27,7 +27,9 @@ func finishEnv(t *testing.T, capN int, finisher bool) (*testEnv, *accounting.Rec
 			if finisher {
 				rc.Finisher = c.Store.(*balance.Store)
 			}
-			rec = accounting.NewRecorder(c.Ledger.(*accounting.Memory), rc)
+			var err error
+			rec, err = accounting.NewRecorder(c.Ledger.(*accounting.Memory), &rc)
+			must(t, err)
 			rec.Start(context.Background())
 			t.Cleanup(func() { _ = rec.Stop(context.Background()) })
 			c.Recorder = rec

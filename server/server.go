@@ -213,7 +213,7 @@ func (s *Server) openLedger(ctx context.Context, embeddedRedis bool) error {
 		}
 	}
 	// Migrations ran above (or were turned off with ESCROW_MIGRATE=false): never here.
-	l, err := accounting.OpenPostgres(ctx, s.cfg.DatabaseURL, accounting.PostgresConfig{SkipMigrations: true, Logger: s.log})
+	l, err := accounting.OpenPostgres(ctx, s.cfg.DatabaseURL, &accounting.PostgresConfig{SkipMigrations: true, Logger: s.log})
 	if err != nil {
 		return fmt.Errorf("ledger: %w", err)
 	}
@@ -226,7 +226,7 @@ func (s *Server) openAccounting() error {
 	rc := accounting.RecorderConfig{Logger: s.log, Finisher: s.store} // holds finished in each record batch
 	if cfg.JournalDir != "" {
 		var err error
-		if s.journal, err = accounting.OpenJournal(cfg.JournalDir, cfg.JournalMaxBytes); err != nil {
+		if s.journal, err = accounting.OpenJournal(cfg.JournalDir, &accounting.JournalConfig{MaxBytes: cfg.JournalMaxBytes}); err != nil {
 			return fmt.Errorf("journal: %w", err)
 		}
 		// Usage left from an earlier run is announced by the recorder when it replays it.
@@ -236,14 +236,20 @@ func (s *Server) openAccounting() error {
 	} else if cfg.DatabaseURL != "" {
 		s.log.Warn("no ESCROW_JOURNAL_DIR: while the ledger is down, requests fail with 503 billing_unavailable instead of being journaled")
 	}
-	s.recorder = accounting.NewRecorder(s.ledger, rc)
-	s.worker = accounting.NewWorker(s.ledger, s.store, &accounting.WorkerConfig{
+	var err error
+	if s.recorder, err = accounting.NewRecorder(s.ledger, &rc); err != nil {
+		return fmt.Errorf("recorder: %w", err)
+	}
+	s.worker, err = accounting.NewWorker(s.ledger, s.store, &accounting.WorkerConfig{
 		Logger:            s.log,
 		SweepInterval:     cfg.SweepInterval,
 		ReapInterval:      cfg.ReapInterval,
 		ScanInterval:      cfg.ScanInterval,
 		ReconcileInterval: cfg.ReconcileEvery,
 	})
+	if err != nil {
+		return fmt.Errorf("worker: %w", err)
+	}
 	s.ops = accounting.NewOps(s.worker)
 	return s.openWebhooks()
 }
@@ -311,13 +317,17 @@ func (s *Server) Ops() *accounting.Ops { return s.ops }
 // Start listens on Config.Addr and starts the recorder, the worker and (when configured) the
 // pprof listener. After an error, Stop releases what New and Start made.
 func (s *Server) Start(ctx context.Context) error {
-	s.recorder.Start(ctx)
-	// The worker outlives ctx: Stop ends it after a last accounting and settle pass, so usage
-	// recorded up to the end is settled.
-	if err := s.worker.Start(context.WithoutCancel(ctx)); err != nil {
+	// The background parts outlive ctx, all alike: Stop ends them, after the HTTP server has
+	// drained, so the requests still in flight when ctx ends (a SIGTERM) record their usage,
+	// and the worker's last pass settles it.
+	run := context.WithoutCancel(ctx)
+	if err := s.recorder.Start(run); err != nil {
+		return fmt.Errorf("recorder: %w", err)
+	}
+	if err := s.worker.Start(run); err != nil {
 		return fmt.Errorf("worker: %w", err)
 	}
-	if err := s.webhooks.Start(context.WithoutCancel(ctx)); err != nil {
+	if err := s.webhooks.Start(run); err != nil {
 		return fmt.Errorf("webhooks: %w", err)
 	}
 	ln, err := net.Listen("tcp", s.cfg.Addr)

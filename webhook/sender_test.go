@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/internal/testutil"
@@ -39,10 +40,20 @@ func ledgers(t *testing.T, fn func(t *testing.T, l accounting.Ledger)) {
 		if _, err := migrations.Up(context.Background(), env.Pool); err != nil {
 			t.Fatal(err)
 		}
-		l := accounting.NewPostgres(env.Pool, nil)
-		t.Cleanup(l.Close)
+		l := mustPostgres(t, env.Pool)
 		fn(t, l)
 	})
+}
+
+// mustPostgres is a Postgres ledger on pool (migrated), closed with the test.
+func mustPostgres(t *testing.T, pool *pgxpool.Pool) *accounting.Postgres {
+	t.Helper()
+	l, err := accounting.NewPostgres(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(l.Close)
+	return l
 }
 
 // received is one request the receiver got.
@@ -318,8 +329,7 @@ func TestTwoSendersOneLedger(t *testing.T) {
 	if _, err := migrations.Up(context.Background(), env.Pool); err != nil {
 		t.Fatal(err)
 	}
-	l := accounting.NewPostgres(env.Pool, nil)
-	t.Cleanup(l.Close)
+	l := mustPostgres(t, env.Pool)
 	r := newReceiver(t, func(n int) int {
 		if n == 1 {
 			return http.StatusServiceUnavailable
@@ -342,7 +352,7 @@ func TestTwoSendersOneLedger(t *testing.T) {
 	cfg := fastConfig()
 	cfg.Concurrency = 4
 	startSender(t, l, cfg)
-	startSender(t, accounting.NewPostgres(env.Pool, nil), cfg) // another process's ledger on the same database
+	startSender(t, mustPostgres(t, env.Pool), cfg) // another process's ledger on the same database
 	waitFor(t, "every event delivered", 20*time.Second, func() bool {
 		n := 0
 		for _, d := range deliveries(t, l, w.ID) {

@@ -488,7 +488,8 @@ func (rp *replayer) rest() {
 		rp.must(rp.full.Invalidate(ctx, org))
 		rp.must(rp.full.Warm(ctx, org))
 	}
-	w := accounting.NewWorker(rp.ledger.cur, rp.full, &accounting.WorkerConfig{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	w, err := accounting.NewWorker(rp.ledger.cur, rp.full, &accounting.WorkerConfig{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	rp.must(err)
 	rp.must(w.Drain(ctx))
 	rp.now = rp.now.Add(48 * time.Hour)
 	rp.env.Mini.SetTime(rp.now)
