@@ -76,12 +76,12 @@ const (
 	sKey                         // after ',' in an object: a key
 	sColon                       // after a key
 	sAfter                       // after a value inside a container: ',' or its closer
-	sString
+	sDone                        // the top-level value ended: only whitespace may follow
+	sString                      // the states from here on are inside a token (structure reads the others)
 	sEscape
 	sHex
 	sNumber
 	sLiteral
-	sDone // the top-level value ended: only whitespace may follow
 )
 
 type numState uint8
@@ -275,22 +275,25 @@ func hexValue(c byte) (byte, bool) {
 // number reads a number's bytes: runs of digits at once, the rest one by one through numByte.
 // The first byte that is not part of the number ends it and is read again in the next state.
 func (s *usageScanner) number(p []byte, i int) int {
-	if s.num == nInt || s.num == nFrac || s.num == nExp { // digits: the bulk of a number
-		for i < len(p) && p[i]-'0' < 10 {
-			i++
+	for i < len(p) {
+		if s.num == nInt || s.num == nFrac || s.num == nExp { // digits: the bulk of a number
+			for i < len(p) && p[i]-'0' < 10 {
+				i++
+			}
+			if i == len(p) {
+				break
+			}
 		}
-		if i == len(p) {
-			return i
+		if !s.numByte(p[i]) {
+			if s.numComplete() {
+				s.ended(p, i)
+			} else {
+				s.fail()
+			}
+			break
 		}
+		i++
 	}
-	if s.numByte(p[i]) {
-		return i + 1
-	}
-	if !s.numComplete() {
-		s.fail()
-		return i
-	}
-	s.ended(p, i)
 	return i
 }
 
@@ -299,47 +302,51 @@ func (s *usageScanner) numComplete() bool {
 	return s.num == nZero || s.num == nInt || s.num == nFrac || s.num == nExp
 }
 
-// literal reads the next byte of true, false or null.
+// literal reads the rest of true, false or null.
 func (s *usageScanner) literal(p []byte, i int) int {
-	if p[i] != s.lit[s.litPos] {
-		s.fail()
-		return i
-	}
-	i++
-	if s.litPos++; s.litPos == len(s.lit) {
-		s.ended(p, i)
+	for ; i < len(p); i++ {
+		if p[i] != s.lit[s.litPos] {
+			s.fail()
+			break
+		}
+		if s.litPos++; s.litPos == len(s.lit) {
+			s.ended(p, i+1)
+			return i + 1
+		}
 	}
 	return i
 }
 
-// structure reads one byte between tokens: whitespace, or the start of a value or key, a colon,
-// a comma or a closer, as the state allows.
+// structure reads the bytes between tokens — whitespace, the start of a value or key, a colon,
+// a comma or a closer, as the state allows — up to the first byte inside a token.
 func (s *usageScanner) structure(p []byte, i int) int {
-	c := p[i]
-	if isSpace(c) {
-		return i + 1
-	}
-	switch s.state {
-	case sValue, sValueOrEnd:
-		if c == ']' && s.state == sValueOrEnd {
-			s.close(p, i, c)
-		} else {
-			s.beginValue(p, i, c)
+	for ; i < len(p) && s.state < sString && !s.failed; i++ {
+		c := p[i]
+		if isSpace(c) {
+			continue
 		}
-	case sKeyOrEnd, sKey:
-		s.beginKey(p, i, c)
-	case sColon:
-		if c == ':' {
-			s.state = sValue
-		} else {
+		switch s.state {
+		case sValue, sValueOrEnd:
+			if c == ']' && s.state == sValueOrEnd {
+				s.close(p, i, c)
+			} else {
+				s.beginValue(p, i, c)
+			}
+		case sKeyOrEnd, sKey:
+			s.beginKey(p, i, c)
+		case sColon:
+			if c == ':' {
+				s.state = sValue
+			} else {
+				s.fail()
+			}
+		case sAfter:
+			s.afterValue(p, i, c)
+		case sDone:
 			s.fail()
 		}
-	case sAfter:
-		s.afterValue(p, i, c)
-	case sDone:
-		s.fail()
 	}
-	return i + 1
+	return i
 }
 
 // beginKey reads the byte where an object key is expected: its opening quote, or (right after
