@@ -125,75 +125,28 @@ func msgClientTools(typ string) bool {
 // fields, tools[*], tool_choice, system blocks, messages[*] and their content blocks (nested
 // tool_result content too) and every cache_control, without decoding the whole body.
 func parseMessages(body []byte) (Request, *Error) {
-	r := Request{Endpoint: EndpointMessages, N: 1, PlainText: true, Size: len(body)}
-	if e := checkJSONObject(body); e != nil {
-		return r, e
-	}
-	p := reqParser{r: r}
-	haveCap := false
-	forEachRaw(bstr(body), func(key, v string) bool {
-		if p.msgTop(key, v) {
-			haveCap = true
-		}
-		return p.fail == nil
-	})
+	r, e := walkTop(EndpointMessages, body, msgTopFields, msgTopPlainMask, (*reqParser).msgTop)
 	switch {
-	case p.fail != nil:
-		return p.r, p.fail
-	case p.r.Model == "":
-		return p.r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: "model", Code: CodeMissingField,
-			Message: "model: Field required"}
-	case !haveCap:
-		return p.r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: "max_tokens", Code: CodeMissingField,
-			Message: "max_tokens: Field required"}
+	case e != nil:
+	case r.Model == "":
+		e = errMissing("model", "model: Field required")
+	case r.OutputCap == 0: // max_tokens is required, and ≥ 1 when present
+		e = errMissing("max_tokens", "max_tokens: Field required")
 	}
-	return p.r, nil
+	return r, e
 }
 
-// msgTop reads one top-level member of a Messages body; it reports whether it was max_tokens.
-func (p *reqParser) msgTop(key, v string) (outputCap bool) {
+// msgTop reads a top-level field of msgTopFields other than model and stream (walkTop).
+func (p *reqParser) msgTop(name string, kind byte, v string) {
 	r := &p.r
-	kind := rawKind(v)
-	i, kc := msgTopFields.check(key, &p.seen)
-	switch kc {
-	case keyUnknown:
-		if kind != 'n' {
-			r.PlainText = false
-		}
-		return false
-	case keyVariant, keyDuplicate:
-		p.fail = keyError("", key, msgTopFields.names[i], kc)
-		return false
-	}
-	if msgTopPlainMask&(1<<i) == 0 && kind != 'n' {
-		r.PlainText = false
-	}
-	switch name := msgTopFields.names[i]; name {
-	case "model":
-		if m := rawString(v); kind == '"' && m != "" {
-			r.Model = strings.Clone(m)
-		} else {
-			p.fail = errInvalid("model", "model: Input should be a non-empty string")
-		}
-	case "stream":
-		b, ok := rawBool(v)
-		if !ok {
-			p.fail = errInvalid("stream", "stream: Input should be a valid boolean")
-		}
-		r.Stream = b
+	switch name {
 	case "max_tokens":
-		n, ok := rawPositiveInt(v)
-		if !ok {
-			p.fail = errInvalid("max_tokens", "max_tokens: Input should be a positive integer")
-			return false
-		}
-		r.OutputCap = n
-		return true
+		r.OutputCap = p.positive(name, v)
 	case "tools":
-		p.msgTools(v)
+		p.tools(v, msgToolFields, false, msgClientTools)
 	case "tool_choice":
 		if kind == '{' {
-			p.msgObject(v, msgChoiceFields, "tool_choice")
+			p.typeOf(v, msgChoiceFields, loc{field: name, i: -1}, false)
 		}
 	case "mcp_servers":
 		if kind != 'n' && v != "[]" {
@@ -203,91 +156,33 @@ func (p *reqParser) msgTop(key, v string) (outputCap bool) {
 		if kind != 'n' {
 			r.addFeature("container")
 		}
-	case "inference_geo":
-		if s := rawString(v); kind != 'n' && s != "global" {
-			r.addFeature("inference_geo:" + s)
-		}
-	case "speed":
-		if s := rawString(v); kind != 'n' && s != "standard" {
-			r.addFeature("speed:" + s)
-		}
-	case "service_tier":
-		if s := rawString(v); kind != 'n' && s != "auto" && s != "standard_only" {
-			r.addFeature("service_tier:" + s)
+	case "inference_geo", "speed", "service_tier":
+		if s := rawString(v); kind != 'n' && !msgStandard(name, s) {
+			r.addFeature(name + ":" + s)
 		}
 	case "cache_control":
-		p.msgCache(v, "cache_control")
+		p.msgCache(v, name)
 	case "system":
 		if kind == '[' {
-			p.msgBlocks(v, "system")
+			p.msgBlocks(v, name)
 		} else if kind != '"' && kind != 'n' {
 			r.PlainText = false
 		}
 	case "messages":
-		if kind != '[' {
-			p.fail = errInvalid("messages", "messages: Input should be a valid list")
-			return false
-		}
-		j := 0
-		forEachRaw(v, func(_, m string) bool {
-			p.msgMessage(m, at("messages", j))
-			j++
-			return p.fail == nil
-		})
+		p.msgMessages(v)
 	}
-	return false
 }
 
-// msgObject checks the spelling of an object's known keys and returns its "type" ("" if none).
-func (p *reqParser) msgObject(raw string, set *fieldSet, path string) (typ string) {
-	var seen uint64
-	forEachRaw(raw, func(key, v string) bool {
-		i, kc := set.check(key, &seen)
-		switch kc {
-		case keyUnknown:
-			return true
-		case keyVariant, keyDuplicate:
-			p.fail = keyError(path, key, set.names[i], kc)
-			return false
-		}
-		switch set.names[i] {
-		case "type":
-			if rawKind(v) != '"' {
-				p.fail = errInvalid(path+".type", path+".type: Input should be a valid string")
-				return false
-			}
-			typ = rawString(v)
-		case "cache_control":
-			p.msgCache(v, path+".cache_control")
-		}
-		return p.fail == nil
-	})
-	return typ
-}
-
-func (p *reqParser) msgTools(v string) {
-	switch rawKind(v) {
-	case 'n':
-		return
-	case '[':
-	default:
-		p.fail = errInvalid("tools", "tools: Input should be a valid list")
-		return
+// msgStandard reports whether s is the value of an option (inference_geo, speed,
+// service_tier) that the price table prices: any other is a feature.
+func msgStandard(option, s string) bool {
+	switch option {
+	case "inference_geo":
+		return s == "global"
+	case "speed":
+		return s == "standard"
 	}
-	j := 0
-	forEachRaw(v, func(_, t string) bool {
-		path := at("tools", j)
-		j++
-		if rawKind(t) != '{' {
-			p.fail = errInvalid(path, path+": Input should be a valid dictionary")
-			return false
-		}
-		typ := p.msgObject(t, msgToolFields, path)
-		if p.fail == nil && !msgClientTools(typ) {
-			p.r.addFeature("tool:" + typ)
-		}
-		return p.fail == nil
-	})
+	return s == "auto" || s == "standard_only" // service_tier
 }
 
 // msgCache checks a cache_control object: only the 5-minute cache is priced
@@ -296,100 +191,88 @@ func (p *reqParser) msgCache(v, path string) {
 	if rawKind(v) != '{' {
 		return
 	}
-	var seen uint64
-	forEachRaw(v, func(key, val string) bool {
-		i, kc := msgCacheFields.check(key, &seen)
-		switch kc {
-		case keyUnknown:
-			return true
-		case keyVariant, keyDuplicate:
-			p.fail = keyError(path, key, msgCacheFields.names[i], kc)
-			return false
-		}
+	p.members(v, msgCacheFields, allPlain, loc{field: path, i: -1}, func(i int, val string) {
 		if msgCacheFields.names[i] == "ttl" && rawKind(val) != 'n' {
 			if ttl := rawString(val); ttl != "5m" {
 				p.r.addFeature("cache_ttl:" + ttl)
 			}
 		}
-		return true
 	})
 }
 
-func (p *reqParser) msgMessage(raw, path string) {
-	if rawKind(raw) != '{' {
-		p.fail = errInvalid(path, path+": Input should be a valid dictionary")
+// msgMessages reads the messages array: each message an object with a role and content.
+func (p *reqParser) msgMessages(v string) {
+	if rawKind(v) != '[' {
+		p.mustBe("messages", shapeArray)
 		return
 	}
-	var seen uint64
-	forEachRaw(raw, func(key, v string) bool {
-		kind := rawKind(v)
-		i, kc := msgMessageFields.check(key, &seen)
-		switch kc {
-		case keyUnknown:
-			if kind != 'n' {
-				p.r.PlainText = false
-			}
-			return true
-		case keyVariant, keyDuplicate:
-			p.fail = keyError(path, key, msgMessageFields.names[i], kc)
-			return false
-		}
-		if msgMessageFields.names[i] == "content" {
-			switch kind {
-			case '"':
-			case '[':
-				p.msgBlocks(v, path+".content")
-			default:
-				p.r.PlainText = false
-			}
-		}
+	j := 0
+	forEachRaw(v, func(_, m string) bool {
+		p.msgMessage(m, loc{field: "messages", i: j})
+		j++
 		return p.fail == nil
 	})
+}
+
+func (p *reqParser) msgMessage(raw string, l loc) {
+	if rawKind(raw) != '{' {
+		p.mustBe(l.String(), shapeObject)
+		return
+	}
+	if !p.members(raw, msgMessageFields, allPlain, l, func(i int, v string) {
+		if msgMessageFields.names[i] != "content" {
+			return
+		}
+		switch rawKind(v) {
+		case '"':
+		case '[':
+			p.msgBlocks(v, l.String()+".content")
+		default:
+			p.r.PlainText = false
+		}
+	}) {
+		p.r.PlainText = false
+	}
 }
 
 // msgBlocks checks an array of content blocks (of a message, of system, of a tool_result).
 func (p *reqParser) msgBlocks(v, path string) {
 	j := 0
 	forEachRaw(v, func(_, b string) bool {
-		bp := at(path, j)
+		p.msgBlock(b, loc{field: path, i: j})
 		j++
-		if rawKind(b) != '{' {
-			p.r.PlainText = false
-			return true
-		}
-		typ := ""
-		var seen uint64
-		forEachRaw(b, func(key, val string) bool {
-			kind := rawKind(val)
-			i, kc := msgBlockFields.check(key, &seen)
-			switch kc {
-			case keyUnknown:
-				return true
-			case keyVariant, keyDuplicate:
-				p.fail = keyError(bp, key, msgBlockFields.names[i], kc)
-				return false
-			}
-			switch msgBlockFields.names[i] {
-			case "type":
-				typ = rawString(val)
-			case "cache_control":
-				p.msgCache(val, bp+".cache_control")
-			case "content": // a tool_result's content: a string or blocks
-				if kind == '[' {
-					p.msgBlocks(val, bp+".content")
-				}
-			case "source", "citations":
-				if kind != 'n' {
-					p.r.PlainText = false
-				}
-			}
-			return p.fail == nil
-		})
-		if !msgPlainBlocks[typ] {
-			p.r.PlainText = false
-		}
 		return p.fail == nil
 	})
+}
+
+// msgBlock checks one content block: plain when its type is one of msgPlainBlocks and it
+// refers to nothing outside the body (an image or document source, citations).
+func (p *reqParser) msgBlock(raw string, l loc) {
+	if rawKind(raw) != '{' {
+		p.r.PlainText = false
+		return
+	}
+	typ := ""
+	p.members(raw, msgBlockFields, allPlain, l, func(i int, v string) {
+		kind := rawKind(v)
+		switch msgBlockFields.names[i] {
+		case "type":
+			typ = rawString(v)
+		case "cache_control":
+			p.msgCache(v, l.String()+".cache_control")
+		case "content": // a tool_result's content: a string or blocks
+			if kind == '[' {
+				p.msgBlocks(v, l.String()+".content")
+			}
+		case "source", "citations":
+			if kind != 'n' {
+				p.r.PlainText = false
+			}
+		}
+	})
+	if !msgPlainBlocks[typ] {
+		p.r.PlainText = false
+	}
 }
 
 // msgBetaFeatures adds the anthropic-beta flags that change the price without showing in the
@@ -412,6 +295,9 @@ type anthUsage struct {
 	haveIn, haveWrite, haveRead, haveOut bool
 }
 
+// anthUsageNames are the members anthropicUsageOf reads, in anthUsage's order.
+var anthUsageNames = [...]string{"input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens", "output_tokens"}
+
 // anthropicUsageOf reads an Anthropic usage object (input_tokens — the uncached input only —
 // cache_creation_input_tokens, cache_read_input_tokens, output_tokens), matching member names
 // as a client's decoder does (case folded, the last of duplicates wins). ok is false unless u
@@ -420,33 +306,20 @@ func anthropicUsageOf(u gjson.Result) (a anthUsage, ok bool) {
 	if !u.IsObject() {
 		return a, false
 	}
-	var in, write, read, out gjson.Result
-	u.ForEach(func(k, v gjson.Result) bool {
-		switch name := k.String(); {
-		case strings.EqualFold(name, "input_tokens"):
-			in = v
-		case strings.EqualFold(name, "cache_creation_input_tokens"):
-			write = v
-		case strings.EqualFold(name, "cache_read_input_tokens"):
-			read = v
-		case strings.EqualFold(name, "output_tokens"):
-			out = v
-		}
-		return true
-	})
-	for _, f := range []struct {
-		v    gjson.Result
+	var f [len(anthUsageNames)]gjson.Result
+	lastMembers(u, anthUsageNames[:], f[:])
+	for k, c := range [...]struct {
 		n    *int64
 		have *bool
-	}{{in, &a.in, &a.haveIn}, {write, &a.write, &a.haveWrite}, {read, &a.read, &a.haveRead}, {out, &a.out, &a.haveOut}} {
-		if !present(f.v) {
+	}{{&a.in, &a.haveIn}, {&a.write, &a.haveWrite}, {&a.read, &a.haveRead}, {&a.out, &a.haveOut}} {
+		if !present(f[k]) {
 			continue
 		}
-		n, ok := tokenCount(f.v)
+		n, ok := tokenCount(f[k])
 		if !ok {
 			return anthUsage{}, false
 		}
-		*f.n, *f.have = n, true
+		*c.n, *c.have = n, true
 	}
 	return a, true
 }

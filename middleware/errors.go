@@ -159,6 +159,10 @@ func errInvalid(param, msg string) *Error {
 	return &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: param, Code: CodeInvalidValue, Message: msg}
 }
 
+func errMissing(param, msg string) *Error {
+	return &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: param, Code: CodeMissingField, Message: msg}
+}
+
 func errUnavailable(msg string, retry time.Duration) *Error {
 	return &Error{Status: http.StatusServiceUnavailable, Type: TypeServiceUnavailable, Code: CodeServiceUnavailable, Message: msg, RetryAfter: retry}
 }

@@ -76,12 +76,12 @@ const (
 	sKey                         // after ',' in an object: a key
 	sColon                       // after a key
 	sAfter                       // after a value inside a container: ',' or its closer
-	sString
+	sDone                        // the top-level value ended: only whitespace may follow
+	sString                      // the states from here on are inside a token (structure reads the others)
 	sEscape
 	sHex
 	sNumber
 	sLiteral
-	sDone // the top-level value ended: only whitespace may follow
 )
 
 type numState uint8
@@ -147,7 +147,9 @@ func (s *usageScanner) after() scanState {
 	return sAfter
 }
 
-// Write scans the next bytes of the document.
+// Write scans the next bytes of the document. It is a state machine: each state's method reads
+// from p[i], moves the state on and returns where it stopped; after a syntax error (fail)
+// nothing more is read.
 func (s *usageScanner) Write(p []byte) {
 	if s.failed {
 		return
@@ -155,200 +157,231 @@ func (s *usageScanner) Write(p []byte) {
 	s.capFrom = 0
 	i := 0
 	quote := -1 // where the next '"' at or after i is in p (len(p): none); kept across escapes so that a long string of escapes is read in linear time
-	for i < len(p) {
-		c := p[i]
+	for i < len(p) && !s.failed {
 		switch s.state {
 		case sString:
-			if quote < i {
-				if quote = bytes.IndexByte(p[i:], '"'); quote < 0 {
-					quote = len(p)
-				} else {
-					quote += i
-				}
-			}
-			rest := p[i:]
-			n := quote - i
-			if b := bytes.IndexByte(rest[:n], '\\'); b >= 0 {
-				n = b
-			}
-			if s.collect {
-				s.keyBytes(rest[:n])
-			} else if !s.isKey && s.depth >= 1 {
-				s.text += int64(n)
-			}
-			i += n
-			if i == len(p) {
-				continue
-			}
-			if p[i] == '\\' {
-				s.state = sEscape
-				i++
-				continue
-			}
-			i++ // the closing quote
-			if s.isKey {
-				s.keyEnd()
-				s.state = sColon
-				continue
-			}
-			s.valueEnd(p, i)
-			s.state = s.after()
-			continue
+			i, quote = s.stringRun(p, i, quote)
 		case sEscape:
-			var e byte
-			switch c {
-			case '"', '\\', '/':
-				e = c
-			case 'b':
-				e = '\b'
-			case 'f':
-				e = '\f'
-			case 'n':
-				e = '\n'
-			case 'r':
-				e = '\r'
-			case 't':
-				e = '\t'
-			case 'u':
-				s.state, s.hexLeft, s.hexVal = sHex, 4, 0
-				i++
-				continue
-			default:
-				s.fail()
-				return
-			}
-			if s.collect {
-				s.keyBytes([]byte{e})
-			}
-			s.state = sString
-			i++
-			continue
+			i = s.escape(p, i)
 		case sHex:
-			var v byte
-			switch {
-			case c >= '0' && c <= '9':
-				v = c - '0'
-			case c >= 'a' && c <= 'f':
-				v = c - 'a' + 10
-			case c >= 'A' && c <= 'F':
-				v = c - 'A' + 10
-			default:
-				s.fail()
-				return
-			}
-			s.hexVal = s.hexVal<<4 | rune(v)
-			if s.hexLeft--; s.hexLeft == 0 {
-				if s.collect {
-					r := s.hexVal
-					if utf8.RuneLen(r) < 0 { // a surrogate: no target name has one
-						r = utf8.RuneError
-					}
-					s.keyBytes(utf8.AppendRune(nil, r))
-				}
-				s.state = sString
-			}
-			i++
-			continue
+			i = s.hexDigit(p, i)
 		case sNumber:
-			if s.num == nInt || s.num == nFrac || s.num == nExp { // digits: the bulk of a number
-				j := i
-				for j < len(p) && p[j]-'0' < 10 {
-					j++
-				}
-				if i = j; i == len(p) {
-					continue
-				}
-				c = p[i]
-			}
-			if s.numByte(c) {
-				i++
-				continue
-			}
-			if s.num == nMinus || s.num == nDot || s.num == nE || s.num == nESign {
-				s.fail()
-				return
-			}
-			s.valueEnd(p, i) // c is not part of the number: read it again in the next state
-			s.state = s.after()
-			continue
+			i = s.number(p, i)
 		case sLiteral:
-			if c != s.lit[s.litPos] {
-				s.fail()
-				return
-			}
-			i++
-			if s.litPos++; s.litPos == len(s.lit) {
-				s.valueEnd(p, i)
-				s.state = s.after()
-			}
-			continue
+			i = s.literal(p, i)
+		default:
+			i = s.structure(p, i)
 		}
-		if isSpace(c) {
-			i++
-			continue
-		}
-		switch s.state {
-		case sValue, sValueOrEnd:
-			if c == ']' && s.state == sValueOrEnd {
-				if !s.close(p, i, c) {
-					return
-				}
-				i++
-				continue
-			}
-			if !s.beginValue(p, i, c) {
-				return
-			}
-		case sKeyOrEnd, sKey:
-			switch {
-			case c == '"':
-				s.isKey, s.collect = true, s.depth == 1 || (s.depth == 2 && s.inResp)
-				s.keyLen, s.keyLong = 0, false
-				s.state = sString
-			case c == '}' && s.state == sKeyOrEnd:
-				if !s.close(p, i, c) {
-					return
-				}
-			default:
-				s.fail()
-				return
-			}
-		case sColon:
-			if c != ':' {
-				s.fail()
-				return
-			}
-			s.state = sValue
-		case sAfter:
-			switch c {
-			case ',':
-				if s.isObject(s.depth) {
-					s.state = sKey
-				} else {
-					s.state = sValue
-				}
-			case '}', ']':
-				if !s.close(p, i, c) {
-					return
-				}
-			default:
-				s.fail()
-				return
-			}
-		case sDone:
-			s.fail()
-			return
-		}
-		i++
 	}
-	if s.capT != tNone {
+	if s.capT != tNone { // fail ends any capture
 		s.capture(p[s.capFrom:])
 		s.capFrom = 0 // the capture goes on from the start of the next write
 	}
 }
 
+// stringRun reads the bytes of a string from p[i] up to its next escape or its closing quote,
+// whichever comes first, with the quote's place found by an earlier call (see Write).
+func (s *usageScanner) stringRun(p []byte, i, quote int) (int, int) {
+	if quote < i {
+		if quote = bytes.IndexByte(p[i:], '"'); quote < 0 {
+			quote = len(p)
+		} else {
+			quote += i
+		}
+	}
+	rest := p[i:]
+	n := quote - i
+	if b := bytes.IndexByte(rest[:n], '\\'); b >= 0 {
+		n = b
+	}
+	if s.collect {
+		s.keyBytes(rest[:n])
+	} else if !s.isKey && s.depth >= 1 {
+		s.text += int64(n)
+	}
+	i += n
+	switch {
+	case i == len(p):
+	case p[i] == '\\':
+		s.state = sEscape
+		i++
+	case s.isKey:
+		i++ // the closing quote
+		s.keyEnd()
+		s.state = sColon
+	default:
+		i++
+		s.ended(p, i)
+	}
+	return i, quote
+}
+
+// unescaped maps the byte after a backslash to the byte it stands for; 0: not a valid escape
+// (\u is read by hexDigit).
+var unescaped = [256]byte{'"': '"', '\\': '\\', '/': '/', 'b': '\b', 'f': '\f', 'n': '\n', 'r': '\r', 't': '\t'}
+
+// escape reads the byte after a backslash.
+func (s *usageScanner) escape(p []byte, i int) int {
+	c := p[i]
+	if c == 'u' {
+		s.state, s.hexLeft, s.hexVal = sHex, 4, 0
+		return i + 1
+	}
+	e := unescaped[c]
+	if e == 0 {
+		s.fail()
+		return i
+	}
+	if s.collect {
+		s.keyBytes([]byte{e})
+	}
+	s.state = sString
+	return i + 1
+}
+
+// hexDigit reads one of the four hex digits of a \u escape.
+func (s *usageScanner) hexDigit(p []byte, i int) int {
+	v, ok := hexValue(p[i])
+	if !ok {
+		s.fail()
+		return i
+	}
+	s.hexVal = s.hexVal<<4 | rune(v)
+	if s.hexLeft--; s.hexLeft == 0 {
+		if s.collect {
+			r := s.hexVal
+			if utf8.RuneLen(r) < 0 { // a surrogate: no target name has one
+				r = utf8.RuneError
+			}
+			s.keyBytes(utf8.AppendRune(nil, r))
+		}
+		s.state = sString
+	}
+	return i + 1
+}
+
+func hexValue(c byte) (byte, bool) {
+	switch {
+	case c >= '0' && c <= '9':
+		return c - '0', true
+	case c >= 'a' && c <= 'f':
+		return c - 'a' + 10, true
+	case c >= 'A' && c <= 'F':
+		return c - 'A' + 10, true
+	}
+	return 0, false
+}
+
+// number reads a number's bytes: runs of digits at once, the rest one by one through numByte.
+// The first byte that is not part of the number ends it and is read again in the next state.
+func (s *usageScanner) number(p []byte, i int) int {
+	for i < len(p) {
+		if s.num == nInt || s.num == nFrac || s.num == nExp { // digits: the bulk of a number
+			for i < len(p) && p[i]-'0' < 10 {
+				i++
+			}
+			if i == len(p) {
+				break
+			}
+		}
+		if !s.numByte(p[i]) {
+			if s.numComplete() {
+				s.ended(p, i)
+			} else {
+				s.fail()
+			}
+			break
+		}
+		i++
+	}
+	return i
+}
+
+// numComplete reports whether the number read so far is a whole number (it may end here).
+func (s *usageScanner) numComplete() bool {
+	return s.num == nZero || s.num == nInt || s.num == nFrac || s.num == nExp
+}
+
+// literal reads the rest of true, false or null.
+func (s *usageScanner) literal(p []byte, i int) int {
+	for ; i < len(p); i++ {
+		if p[i] != s.lit[s.litPos] {
+			s.fail()
+			break
+		}
+		if s.litPos++; s.litPos == len(s.lit) {
+			s.ended(p, i+1)
+			return i + 1
+		}
+	}
+	return i
+}
+
+// structure reads the bytes between tokens — whitespace, the start of a value or key, a colon,
+// a comma or a closer, as the state allows — up to the first byte inside a token.
+func (s *usageScanner) structure(p []byte, i int) int {
+	for ; i < len(p) && s.state < sString && !s.failed; i++ {
+		c := p[i]
+		if isSpace(c) {
+			continue
+		}
+		switch s.state {
+		case sValue, sValueOrEnd:
+			if c == ']' && s.state == sValueOrEnd {
+				s.close(p, i, c)
+			} else {
+				s.beginValue(p, i, c)
+			}
+		case sKeyOrEnd, sKey:
+			s.beginKey(p, i, c)
+		case sColon:
+			if c == ':' {
+				s.state = sValue
+			} else {
+				s.fail()
+			}
+		case sAfter:
+			s.afterValue(p, i, c)
+		case sDone:
+			s.fail()
+		}
+	}
+	return i
+}
+
+// beginKey reads the byte where an object key is expected: its opening quote, or (right after
+// '{') the object's end.
+func (s *usageScanner) beginKey(p []byte, i int, c byte) {
+	switch {
+	case c == '"':
+		s.isKey, s.collect = true, s.depth == 1 || (s.depth == 2 && s.inResp)
+		s.keyLen, s.keyLong = 0, false
+		s.state = sString
+	case c == '}' && s.state == sKeyOrEnd:
+		s.close(p, i, c)
+	default:
+		s.fail()
+	}
+}
+
+// afterValue reads the byte after a value inside a container: a comma or the closer.
+func (s *usageScanner) afterValue(p []byte, i int, c byte) {
+	switch c {
+	case ',':
+		if s.isObject(s.depth) {
+			s.state = sKey
+		} else {
+			s.state = sValue
+		}
+	case '}', ']':
+		s.close(p, i, c)
+	default:
+		s.fail()
+	}
+}
+
 // beginValue starts the value whose first byte is p[i] == c.
-func (s *usageScanner) beginValue(p []byte, i int, c byte) bool {
+func (s *usageScanner) beginValue(p []byte, i int, c byte) {
 	t := s.next
 	s.next = tNone
 	if t != tNone && t != tResponse {
@@ -359,7 +392,7 @@ func (s *usageScanner) beginValue(p []byte, i int, c byte) bool {
 	case c == '{':
 		if !s.push(true) {
 			s.fail()
-			return false
+			return
 		}
 		if t == tResponse {
 			s.inResp = true
@@ -368,7 +401,7 @@ func (s *usageScanner) beginValue(p []byte, i int, c byte) bool {
 	case c == '[':
 		if !s.push(false) {
 			s.fail()
-			return false
+			return
 		}
 		s.state = sValueOrEnd
 	case c == '"':
@@ -388,9 +421,7 @@ func (s *usageScanner) beginValue(p []byte, i int, c byte) bool {
 		s.state, s.lit, s.litPos = sLiteral, "null", 1
 	default:
 		s.fail()
-		return false
 	}
-	return true
 }
 
 // numByte advances the number by c; false when c does not continue it.
@@ -449,19 +480,24 @@ func (s *usageScanner) numByte(c byte) bool {
 	return true
 }
 
-// close ends the container at the current depth with c.
-func (s *usageScanner) close(p []byte, i int, c byte) bool {
+// close ends the container at the current depth with c == p[i].
+func (s *usageScanner) close(p []byte, i int, c byte) {
 	if s.depth == 0 || (c == '}') != s.isObject(s.depth) {
 		s.fail()
-		return false
+		return
 	}
 	if s.depth == 2 && s.inResp {
 		s.inResp = false
 	}
 	s.depth--
-	s.valueEnd(p, i+1)
+	s.ended(p, i+1)
+}
+
+// ended is called when a value ended just before p[end]: its capture completes and the state
+// is what follows a value.
+func (s *usageScanner) ended(p []byte, end int) {
+	s.valueEnd(p, end)
 	s.state = s.after()
-	return true
 }
 
 func (s *usageScanner) keyBytes(b []byte) {
@@ -531,9 +567,8 @@ func (s *usageScanner) fail() {
 
 // finish ends the document: a number at its very end is complete.
 func (s *usageScanner) finish() {
-	if !s.failed && s.state == sNumber && (s.num == nZero || s.num == nInt || s.num == nFrac || s.num == nExp) {
-		s.valueEnd(nil, 0)
-		s.state = s.after()
+	if !s.failed && s.state == sNumber && s.numComplete() {
+		s.ended(nil, 0)
 	}
 }
 

@@ -89,8 +89,9 @@ var (
 	partPlainMask = partFields.mask("type", "text", "refusal", "annotations", "logprobs")
 )
 
-// plainTools are the tool types the client runs itself: their definitions and calls are text.
-var plainTools = map[string]bool{"function": true, "custom": true}
+// isPlainTool reports whether a tool type is run by the client itself: its definitions and
+// calls are text.
+func isPlainTool(typ string) bool { return typ == "function" || typ == "custom" }
 
 // bstr views b as a string without copying; b must not change while the string is used.
 func bstr(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
@@ -103,25 +104,11 @@ func parseRequest(endpoint string, body []byte) (Request, *Error) {
 	if endpoint == EndpointMessages {
 		return parseMessages(body)
 	}
-	r := Request{Endpoint: endpoint, N: 1, PlainText: true, Size: len(body)}
-	if e := checkJSONObject(body); e != nil {
-		return r, e
+	r, e := walkTop(endpoint, body, topFields, topPlainMask, (*reqParser).top)
+	if e == nil && r.Model == "" {
+		e = errMissing("model", "You must provide a model parameter.")
 	}
-	raw := bstr(body)
-	// The Request lives in the parser (not behind a pointer to r) so that it stays on the stack.
-	p := reqParser{r: r}
-	forEachRaw(raw, func(key, v string) bool {
-		p.top(key, v)
-		return p.fail == nil
-	})
-	if p.fail != nil {
-		return p.r, p.fail
-	}
-	if p.r.Model == "" {
-		return p.r, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: "model", Code: CodeMissingField,
-			Message: "You must provide a model parameter."}
-	}
-	return p.r, nil
+	return r, e
 }
 
 // checkJSONObject refuses a body that is not one valid JSON object in UTF-8.
@@ -144,114 +131,40 @@ func checkJSONObject(body []byte) *Error {
 	return nil
 }
 
-// reqParser is one walk over a request body.
-type reqParser struct {
-	r    Request
-	seen uint64 // top-level fields met
-	fail *Error
-}
-
-// top reads one top-level member.
-func (p *reqParser) top(key, v string) {
+// top reads a top-level field of topFields other than model and stream (walkTop).
+func (p *reqParser) top(name string, kind byte, v string) {
 	r := &p.r
-	kind := rawKind(v)
-	i, kc := topFields.check(key, &p.seen)
-	switch kc {
-	case keyUnknown:
-		if kind != 'n' {
-			r.PlainText = false
-		}
-		return
-	case keyVariant, keyDuplicate:
-		p.fail = keyError("", key, topFields.names[i], kc)
-		return
-	}
-	if topPlainMask&(1<<i) == 0 && kind != 'n' {
-		r.PlainText = false
-	}
-	switch name := topFields.names[i]; name {
-	case "model":
-		if m := rawString(v); kind == '"' && m != "" {
-			r.Model = strings.Clone(m)
-		} else {
-			p.fail = errInvalid("model", "'model' must be a non-empty string.")
-		}
-	case "stream":
-		b, ok := rawBool(v)
-		if !ok {
-			p.fail = errInvalid("stream", "'stream' must be a boolean.")
-		}
-		r.Stream = b
+	switch name {
 	case "stream_options":
 		p.streamOptions(v)
 	case "max_tokens", "max_completion_tokens", "max_output_tokens":
-		if kind == 'n' {
-			return
+		if kind != 'n' {
+			r.OutputCap = max(r.OutputCap, p.positive(name, v))
 		}
-		n, ok := rawPositiveInt(v)
-		if !ok {
-			p.fail = errInvalid(name, "'"+name+"' must be a positive integer.")
-		}
-		r.OutputCap = max(r.OutputCap, n)
 	case "n", "best_of":
 		// Each of n (or best_of) choices is generated, and billed, in full: the hold is
 		// multiplied by the larger (HoldAmount).
-		if kind == 'n' {
-			return
+		if kind != 'n' {
+			r.N = max(r.N, p.positive(name, v))
 		}
-		n, ok := rawPositiveInt(v)
-		if !ok {
-			p.fail = errInvalid(name, "'"+name+"' must be a positive integer.")
-		}
-		r.N = max(r.N, n)
 	case "background":
-		b, ok := rawBool(v)
-		if !ok {
-			p.fail = errInvalid("background", "'background' must be a boolean.")
-		}
-		r.Background = b
+		r.Background = p.boolean(name, v)
 	case "audio":
 		if kind != 'n' {
 			r.addFeature("audio")
 		}
 	case "modalities":
-		switch kind {
-		case 'n':
-		case '[':
-			forEachRaw(v, func(_, m string) bool {
-				switch rawString(m) {
-				case "text":
-				case "audio":
-					r.addFeature("audio")
-				default:
-					r.addFeature("image_output")
-				}
-				return true
-			})
-		default:
-			p.fail = errInvalid("modalities", "'modalities' must be an array.")
-		}
+		p.modalities(v)
 	case "service_tier":
-		switch kind {
-		case 'n':
-		case '"':
+		if p.nullOr(name, v, shapeString) {
 			if t := rawString(v); t != "auto" && t != "default" {
 				r.addFeature("service_tier:" + t)
 			}
-		default:
-			p.fail = errInvalid("service_tier", "'service_tier' must be a string.")
 		}
 	case "tools":
-		p.tools(v)
+		p.tools(v, toolFields, true, isPlainTool)
 	case "tool_choice":
-		if kind == '{' {
-			// A hosted tool forced by tool_choice is a hosted tool used.
-			typ := p.typeOf(v, toolChoiceFields, loc{field: "tool_choice", i: -1})
-			if p.fail == nil && !plainTools[typ] && typ != "allowed_tools" {
-				r.PlainText = false
-				r.addFeature("tool:" + typ)
-			}
-		}
+		p.toolChoice(v)
 	case "web_search_options":
 		if kind != 'n' {
 			r.addFeature("tool:web_search")
@@ -264,91 +177,43 @@ func (p *reqParser) top(key, v string) {
 }
 
 func (p *reqParser) streamOptions(v string) {
-	switch rawKind(v) {
-	case 'n':
-		return
-	case '{':
-	default:
-		p.fail = errInvalid("stream_options", "'stream_options' must be an object.")
+	if !p.nullOr("stream_options", v, shapeObject) {
 		return
 	}
-	var seen uint64
-	forEachRaw(v, func(key, v2 string) bool {
-		i, kc := streamOptFields.check(key, &seen)
-		switch kc {
-		case keyUnknown:
-			return true
-		case keyVariant, keyDuplicate:
-			p.fail = keyError("stream_options", key, streamOptFields.names[i], kc)
-			return false
-		}
+	p.members(v, streamOptFields, allPlain, loc{field: "stream_options", i: -1}, func(i int, v string) {
 		if streamOptFields.names[i] == "include_usage" {
-			b, ok := rawBool(v2)
-			if !ok {
-				p.fail = errInvalid("stream_options.include_usage", "'stream_options.include_usage' must be a boolean.")
-				return false
-			}
-			p.r.IncludeUsage = b
+			p.r.IncludeUsage = p.boolean("stream_options.include_usage", v)
+		}
+	})
+}
+
+// modalities reads the output modalities asked for: any but text is a feature.
+func (p *reqParser) modalities(v string) {
+	if !p.nullOr("modalities", v, shapeArray) {
+		return
+	}
+	forEachRaw(v, func(_, m string) bool {
+		switch rawString(m) {
+		case "text":
+		case "audio":
+			p.r.addFeature("audio")
+		default:
+			p.r.addFeature("image_output")
 		}
 		return true
 	})
 }
 
-func (p *reqParser) tools(v string) {
-	switch rawKind(v) {
-	case 'n':
-		return
-	case '[':
-	default:
-		p.fail = errInvalid("tools", "'tools' must be an array.")
-		return
+// toolChoice reads a tool_choice object: a hosted tool forced by it is a hosted tool used.
+func (p *reqParser) toolChoice(v string) {
+	if rawKind(v) != '{' {
+		return // "none", "auto", "required"
 	}
-	i := 0
-	forEachRaw(v, func(_, t string) bool {
-		typ := p.typeOf(t, toolFields, loc{field: "tools", i: i})
-		if p.fail != nil {
-			return false
-		}
-		if !plainTools[typ] {
-			p.r.PlainText = false
-			p.r.addFeature("tool:" + typ)
-		}
-		i++
-		return true
-	})
-}
-
-// typeOf returns the "type" of a tool or tool_choice object, which must have one, a string.
-func (p *reqParser) typeOf(raw string, set *fieldSet, l loc) string {
-	if rawKind(raw) != '{' {
-		p.fail = errInvalid(l.String(), "'"+l.String()+"' must be an object.")
-		return ""
+	typ := p.typeOf(v, toolChoiceFields, loc{field: "tool_choice", i: -1}, true)
+	if p.fail == nil && !isPlainTool(typ) && typ != "allowed_tools" {
+		p.r.PlainText = false
+		p.r.addFeature("tool:" + typ)
 	}
-	typ, have := "", false
-	var seen uint64
-	forEachRaw(raw, func(key, v string) bool {
-		i, kc := set.check(key, &seen)
-		switch kc {
-		case keyUnknown:
-			return true
-		case keyVariant, keyDuplicate:
-			p.fail = keyError(l.String(), key, set.names[i], kc)
-			return false
-		}
-		if set.names[i] == "type" {
-			if rawKind(v) != '"' {
-				p.fail = errInvalid(l.String()+".type", "'"+l.String()+".type' must be a string.")
-				return false
-			}
-			typ, have = rawString(v), true
-		}
-		return true
-	})
-	if p.fail == nil && !have {
-		p.fail = &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: l.String() + ".type", Code: CodeMissingField,
-			Message: "Missing required parameter: '" + l.String() + ".type'."}
-	}
-	return typ
 }
 
 // content reports whether a messages / input / prompt / instructions / suffix value is plain
@@ -403,29 +268,17 @@ var textItems = map[string]bool{
 // content / output that is a string or text parts. Any other non-null field — an item
 // reference, reasoning (server state), a chat message's audio reference — keeps the learned max.
 func (p *reqParser) item(raw string, l loc) bool {
-	plain := true
-	var seen uint64
-	forEachRaw(raw, func(key, v string) bool {
+	textual := true // the item's type and content
+	plain := p.members(raw, itemFields, allPlain, l, func(i int, v string) {
 		kind := rawKind(v)
-		i, kc := itemFields.check(key, &seen)
-		switch kc {
-		case keyUnknown:
-			if kind != 'n' {
-				plain = false
-			}
-			return true
-		case keyVariant, keyDuplicate:
-			p.fail = keyError(l.String(), key, itemFields.names[i], kc)
-			return false
-		}
 		switch name := itemFields.names[i]; name {
 		case "type":
 			if kind != '"' || !textItems[rawString(v)] {
-				plain = false
+				textual = false
 			}
 		case "audio":
 			if kind != 'n' {
-				plain = false
+				textual = false
 			}
 		case "content", "output":
 			switch kind {
@@ -434,18 +287,17 @@ func (p *reqParser) item(raw string, l loc) bool {
 				j := 0
 				forEachRaw(v, func(_, part string) bool {
 					if !p.part(part, loc{field: l.field, i: l.i, sub: name, j: j}) {
-						plain = false
+						textual = false
 					}
 					j++
 					return p.fail == nil
 				})
 			default:
-				plain = false
+				textual = false
 			}
 		}
-		return p.fail == nil
 	})
-	return plain
+	return plain && textual
 }
 
 // part checks one content part: plain when its type is a text part of the endpoint and it
@@ -454,27 +306,11 @@ func (p *reqParser) part(raw string, l loc) bool {
 	if rawKind(raw) != '{' {
 		return false
 	}
-	plain, typ := true, ""
-	var seen uint64
-	forEachRaw(raw, func(key, v string) bool {
-		kind := rawKind(v)
-		i, kc := partFields.check(key, &seen)
-		switch kc {
-		case keyUnknown:
-			if kind != 'n' {
-				plain = false
-			}
-			return true
-		case keyVariant, keyDuplicate:
-			p.fail = keyError(l.String(), key, partFields.names[i], kc)
-			return false
-		}
+	typ := ""
+	plain := p.members(raw, partFields, partPlainMask, l, func(i int, v string) {
 		if partFields.names[i] == "type" {
 			typ = rawString(v)
-		} else if partPlainMask&(1<<i) == 0 && kind != 'n' {
-			plain = false
 		}
-		return true
 	})
 	switch {
 	case p.fail != nil:
@@ -496,26 +332,6 @@ func textPart(endpoint, typ string) bool {
 		return typ == "input_text" || typ == "output_text"
 	}
 	return false
-}
-
-// loc is where an object sits in the body, built into a path only for an error message:
-// field[i] (i ≥ 0), then .sub[j] when sub is set.
-type loc struct {
-	field string
-	i     int
-	sub   string
-	j     int
-}
-
-func (l loc) String() string {
-	s := l.field
-	if l.i >= 0 {
-		s = at(s, l.i)
-	}
-	if l.sub != "" {
-		s = at(s+"."+l.sub, l.j)
-	}
-	return s
 }
 
 func (r *Request) addFeature(f string) {

@@ -179,10 +179,7 @@ func (f *sseFilter) bigSegment(seg []byte) {
 			content = content[k+1:]
 			b.kind, b.skipSpace = fieldKind(b.field[:b.fieldLen]), true
 			if b.kind == lineData {
-				if b.dataLines > 0 {
-					b.scan.Write([]byte{'\n'}) // data lines join with a line feed
-				}
-				b.dataLines++
+				b.dataLine()
 			}
 		case lineData, lineEvent:
 			if b.skipSpace {
@@ -209,11 +206,7 @@ func (f *sseFilter) bigSegment(seg []byte) {
 	}
 	if ends {
 		if b.kind == lineField && b.fieldLen > 0 && fieldKind(b.field[:b.fieldLen]) == lineData {
-			// "data" alone is a data line with an empty value
-			if b.dataLines > 0 {
-				b.scan.Write([]byte{'\n'})
-			}
-			b.dataLines++
+			b.dataLine() // "data" alone is a data line with an empty value
 		}
 		b.fieldLen, b.kind, b.lineLen = 0, lineField, 0
 	}
@@ -260,6 +253,14 @@ func (f *sseFilter) takeUsage(sc *usageScanner, kind string, typed bool) (termin
 	return false
 }
 
+// dataLine starts a data line of the big event: data lines join with a line feed.
+func (b *bigEvent) dataLine() {
+	if b.dataLines > 0 {
+		b.scan.Write([]byte{'\n'})
+	}
+	b.dataLines++
+}
+
 func fieldKind(name []byte) lineKind {
 	switch {
 	case bytes.Equal(name, fieldData):
@@ -295,10 +296,7 @@ func (f *sseFilter) endBig() {
 	f.inBig = false
 	b.scan.finish()
 	if b.dataLines > 0 {
-		kind, typed := b.scan.typeString()
-		if !typed {
-			kind = string(bytes.TrimSuffix(b.name, []byte{'\r'}))
-		}
+		kind, typed := eventKind(&b.scan, bytes.TrimSuffix(b.name, []byte{'\r'}))
 		if f.takeUsage(&b.scan, kind, typed) {
 			f.terminal, f.holding = true, true
 		}
@@ -401,9 +399,23 @@ var (
 	doneData   = []byte("[DONE]")
 )
 
+// dispatch reads an event kept whole: [DONE] starts the held-back end; JSON data is read for
+// its usage and its output text (dispatchJSON).
 func (f *sseFilter) dispatch(ev []byte) {
-	var data, name []byte
-	nData := 0
+	data, name, nData := eventData(ev)
+	switch {
+	case nData == 0:
+		f.send(ev)
+	case bytes.Equal(data, doneData):
+		f.sendEnd(ev)
+	default:
+		f.dispatchJSON(ev, data, name, nData)
+	}
+}
+
+// eventData returns the data of an event (its data lines joined with line feeds), its event
+// name and how many data lines it has.
+func eventData(ev []byte) (data, name []byte, nData int) {
 	for rest := ev; len(rest) > 0; {
 		var line []byte
 		line, rest = nextLine(rest)
@@ -423,16 +435,39 @@ func (f *sseFilter) dispatch(ev []byte) {
 			name = value
 		}
 	}
-	if nData == 0 {
-		f.send(ev)
-		return
+	return data, name, nData
+}
+
+// sendEnd sends ev, a whole event, as the start of the held-back end of the stream.
+func (f *sseFilter) sendEnd(ev []byte) {
+	f.terminal = true
+	f.hold()
+	f.send(ev)
+}
+
+// eventKind is what an event is: the "type" its data has when that is a string, else its
+// event name.
+func eventKind(sc *usageScanner, name []byte) (kind string, typed bool) {
+	if kind, typed = sc.typeString(); !typed {
+		kind = string(name)
 	}
-	if bytes.Equal(data, doneData) {
-		f.terminal = true
-		f.hold()
-		f.send(ev)
-		return
+	return kind, typed
+}
+
+// responsesDelta reports whether kind is a Responses stream event with output text in "delta".
+func responsesDelta(kind string) bool {
+	switch kind {
+	case "response.output_text.delta", "response.refusal.delta", "response.function_call_arguments.delta",
+		"response.custom_tool_call_input.delta", "response.reasoning_text.delta", "response.reasoning_summary_text.delta":
+		return true
 	}
+	return false
+}
+
+// dispatchJSON reads an event kept whole whose data is not [DONE]: its usage is taken (a
+// terminal Responses event starts the held-back end), its output text counted, and the event
+// passed on.
+func (f *sseFilter) dispatchJSON(ev, data, name []byte, nData int) {
 	// type, usage and response.usage are read by the scanner that reads events too long to
 	// keep, so that keys match the same (leniently) whatever the event's size.
 	sc := &f.small
@@ -444,36 +479,32 @@ func (f *sseFilter) dispatch(ev []byte) {
 		f.send(ev)
 		return
 	}
-	kind, typed := sc.typeString()
-	if !typed {
-		kind = string(name)
-	}
+	kind, typed := eventKind(sc, name)
 	if f.takeUsage(sc, kind, typed) {
-		f.terminal = true
-		f.hold()
-		f.send(ev)
+		f.sendEnd(ev)
 		return
 	}
-	switch kind {
-	case "response.output_text.delta", "response.refusal.delta", "response.function_call_arguments.delta",
-		"response.custom_tool_call_input.delta", "response.reasoning_text.delta", "response.reasoning_summary_text.delta":
+	switch {
+	case responsesDelta(kind):
 		f.countOut(textLen(gjson.GetBytes(data, "delta")))
-		f.send(ev)
-		return
-	}
-	if typed && strings.HasPrefix(kind, "response.") {
-		f.send(ev) // other Responses events carry no usage
-		return
-	}
-	if f.anthropic {
+	case typed && strings.HasPrefix(kind, "response."):
+		// other Responses events carry no usage
+	case f.anthropic:
 		if kind == "content_block_delta" {
 			d := gjson.GetBytes(data, "delta")
 			f.countOut(textLen(d.Get("text")) + textLen(d.Get("partial_json")) + textLen(d.Get("thinking")))
 		}
-		f.send(ev)
+	default:
+		f.chatChunk(ev, data, nData)
 		return
 	}
-	// chat/completions chunk
+	f.send(ev)
+}
+
+// chatChunk counts the output text of a chat/completions chunk and passes it on; when escrow
+// asked for the usage (inject), the usage-only chunk is dropped and "usage" is taken out of the
+// others.
+func (f *sseFilter) chatChunk(ev, data []byte, nData int) {
 	choices := gjson.GetBytes(data, "choices")
 	if choices.IsArray() {
 		var n int64

@@ -23,48 +23,64 @@ func usageOf(u gjson.Result) (accounting.Usage, bool) {
 	if !u.IsObject() {
 		return accounting.Usage{}, false
 	}
-	var f usageFields
-	u.ForEach(func(k, v gjson.Result) bool {
-		switch name := k.String(); {
-		case strings.EqualFold(name, "prompt_tokens"):
-			f.prompt = v
-		case strings.EqualFold(name, "input_tokens"):
-			f.input = v
-		case strings.EqualFold(name, "completion_tokens"):
-			f.completion = v
-		case strings.EqualFold(name, "output_tokens"):
-			f.output = v
-		case strings.EqualFold(name, "prompt_tokens_details"):
-			f.promptDetails = v
-		case strings.EqualFold(name, "input_tokens_details"):
-			f.inputDetails = v
-		case strings.EqualFold(name, "completion_tokens_details"):
-			f.completionDetails = v
-		case strings.EqualFold(name, "output_tokens_details"):
-			f.outputDetails = v
-		}
-		return true
-	})
-	var out accounting.Usage
-	var ok bool
-	if out.Prompt, ok = tokenCount(either(f.prompt, f.input)); !ok {
-		return accounting.Usage{}, false
+	var f [len(usageNames)]gjson.Result
+	lastMembers(u, usageNames[:], f[:])
+	var c counts
+	out := accounting.Usage{
+		Prompt:     c.required(either(f[0], f[1])),
+		Completion: c.optional(either(f[2], f[3])),
+		Cached:     c.optional(either(member(f[4], "cached_tokens"), member(f[5], "cached_tokens"))),
+		Reasoning:  c.optional(either(member(f[6], "reasoning_tokens"), member(f[7], "reasoning_tokens"))),
 	}
-	if out.Completion, ok = optCount(either(f.completion, f.output)); !ok {
-		return accounting.Usage{}, false
-	}
-	if out.Cached, ok = optCount(either(member(f.promptDetails, "cached_tokens"), member(f.inputDetails, "cached_tokens"))); !ok {
-		return accounting.Usage{}, false
-	}
-	if out.Reasoning, ok = optCount(either(member(f.completionDetails, "reasoning_tokens"), member(f.outputDetails, "reasoning_tokens"))); !ok {
+	if c.bad {
 		return accounting.Usage{}, false
 	}
 	return out, true
 }
 
-type usageFields struct {
-	prompt, input, completion, output                             gjson.Result
-	promptDetails, inputDetails, completionDetails, outputDetails gjson.Result
+// usageNames are the members usageOf reads, each under its chat/completions name and then its
+// Responses API name.
+var usageNames = [...]string{
+	"prompt_tokens", "input_tokens",
+	"completion_tokens", "output_tokens",
+	"prompt_tokens_details", "input_tokens_details",
+	"completion_tokens_details", "output_tokens_details",
+}
+
+// counts reads the token counts of one usage object; bad is set once one is not valid.
+type counts struct{ bad bool }
+
+// required is the count v, which must be there.
+func (c *counts) required(v gjson.Result) int64 {
+	n, ok := tokenCount(v)
+	c.bad = c.bad || !ok
+	return n
+}
+
+// optional is the count v, 0 when absent or null.
+func (c *counts) optional(v gjson.Result) int64 {
+	if !present(v) {
+		return 0
+	}
+	return c.required(v)
+}
+
+// lastMembers sets out[k] to the last member of the object u whose name matches names[k] as a
+// client's decoder matches it (case folded); out[k] is left alone when there is none.
+func lastMembers(u gjson.Result, names []string, out []gjson.Result) {
+	if !u.IsObject() {
+		return
+	}
+	u.ForEach(func(k, v gjson.Result) bool {
+		name := k.String()
+		for j, n := range names {
+			if strings.EqualFold(name, n) {
+				out[j] = v
+				break
+			}
+		}
+		return true
+	})
 }
 
 // present reports whether v exists and is not null.
@@ -80,25 +96,9 @@ func either(a, b gjson.Result) gjson.Result {
 
 // member is the last member of object o named name (case folded); nothing when o is no object.
 func member(o gjson.Result, name string) gjson.Result {
-	var out gjson.Result
-	if !o.IsObject() {
-		return out
-	}
-	o.ForEach(func(k, v gjson.Result) bool {
-		if strings.EqualFold(k.String(), name) {
-			out = v
-		}
-		return true
-	})
-	return out
-}
-
-// optCount is tokenCount where absence (or null) means 0.
-func optCount(v gjson.Result) (int64, bool) {
-	if !present(v) {
-		return 0, true
-	}
-	return tokenCount(v)
+	var out [1]gjson.Result
+	lastMembers(o, []string{name}, out[:])
+	return out[0]
 }
 
 func tokenCount(v gjson.Result) (int64, bool) {
