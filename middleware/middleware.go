@@ -57,15 +57,12 @@ type Outcome struct {
 
 type middleware struct {
 	cfg      Config
-	void     voidFunc // nil when the Recorder cannot void events
-	recordFn recordFunc
 	keys     *ttlCache[accounting.APIKey]
 	failures *failureLimiter // failed key look-ups per client IP
 	models   *ttlCache[accounting.Model]
 	pass     map[string]bool
 	passDirs []string // PassThrough prefixes ("/v1/models/" for "/v1/models/*")
 	allow    map[string]bool
-	extendIn time.Duration
 	raised   sync.Map  // model → the highest cost this process raised its learned max to
 	badKey   sync.Once // logs the first key id the limits layer cannot name
 }
@@ -75,9 +72,7 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	if err != nil {
 		return nil, err
 	}
-	m := &middleware{cfg: cfg, pass: map[string]bool{}, allow: map[string]bool{}, extendIn: cfg.HoldTTL / 3}
-	m.void = voidOf(cfg.Recorder)
-	m.recordFn = recordOf(cfg.Recorder)
+	m := &middleware{cfg: cfg, pass: map[string]bool{}, allow: map[string]bool{}}
 	for _, p := range cfg.PassThrough {
 		if dir, ok := strings.CutSuffix(p, "/*"); ok {
 			m.passDirs = append(m.passDirs, dir+"/")
@@ -90,20 +85,7 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	}
 	m.keys = newTTLCache[accounting.APIKey](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.NegativeCacheSize, cfg.LookupTimeout,
 		func(err error) bool { return errors.Is(err, accounting.ErrUnknownKey) })
-	if r, ok := cfg.Store.(keyRevocations); ok {
-		m.keys.stale = func(ctx context.Context, k accounting.APIKey) error {
-			rctx, cancel := context.WithTimeout(ctx, cfg.ReserveTimeout)
-			defer cancel()
-			revoked, err := r.KeyRevoked(rctx, k.ID)
-			switch {
-			case err != nil:
-				return fmt.Errorf("middleware: key revocation unknown: %w", err)
-			case revoked:
-				return fmt.Errorf("%w: revoked (pushed through redis)", accounting.ErrUnknownKey)
-			}
-			return nil
-		}
-	}
+	m.keys.stale = m.keyNotRevoked
 	m.failures = newFailureLimiter(cfg.KeyFailuresPerMinute, cfg.KeyCacheSize, time.Minute)
 	m.models = newTTLCache[accounting.Model](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.NegativeCacheSize, cfg.LookupTimeout,
 		func(err error) bool { return errors.Is(err, accounting.ErrUnknownModel) })
@@ -156,9 +138,19 @@ func (m *middleware) bearerOrg(c echo.Context) (Identity, error) {
 	return Identity{Org: k.Org, KeyID: k.ID}, nil
 }
 
-// keyRevocations is the Store's side of key revocation (*balance.Store implements it).
-type keyRevocations interface {
-	KeyRevoked(ctx context.Context, keyID string) (bool, error)
+// keyNotRevoked lets a stale cached key answer only once the Store confirms it was not revoked
+// meanwhile (Config.MaxStale).
+func (m *middleware) keyNotRevoked(ctx context.Context, k accounting.APIKey) error {
+	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)
+	defer cancel()
+	revoked, err := m.cfg.Store.KeyRevoked(rctx, k.ID)
+	switch {
+	case err != nil:
+		return fmt.Errorf("middleware: key revocation unknown: %w", err)
+	case revoked:
+		return fmt.Errorf("%w: revoked (pushed through redis)", accounting.ErrUnknownKey)
+	}
+	return nil
 }
 
 // call is one metered request on its way.
@@ -386,7 +378,7 @@ func (m *middleware) reserveError(err error, amount int64) (e *Error, unknown bo
 			Message: "Too many requests in flight for your organization. Retry when some have finished."}, false
 	case errors.Is(err, balance.ErrInvalidOrg):
 		return errInvalid("", "The organization id of this API key is not valid."), false
-	case errors.Is(err, accounting.ErrUnknownOrg):
+	case errors.Is(err, balance.ErrUnknownOrg):
 		return &Error{Status: http.StatusUnauthorized, Type: TypeInvalidRequest, Code: CodeInvalidAPIKey,
 			Message: "The organization of this API key has no account."}, false
 	case errors.Is(err, balance.ErrInvalidAmount):

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"net/http"
-	"sync"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -21,8 +20,8 @@ var (
 	errNoResponse  = errors.New("middleware: the handler wrote no response")
 )
 
-// proxy runs the handler on a context detached from the client's, with the hold extended on a
-// timer, the client's key stripped, and the response captured; then it settles the outcome.
+// proxy runs the handler on a context detached from the client's, with the hold kept alive by
+// the store, the client's key stripped, and the response captured; then it settles the outcome.
 func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outcome) error {
 	m := cl.m
 	req := c.Request()
@@ -63,7 +62,7 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 	c.Response().Writer = cw
 	cl.setHeaders(orig.Header())
 	stopWatch := context.AfterFunc(clientCtx, cw.markGone)
-	ext := cl.startExtender(upCancel)
+	lease := cl.keepAlive(upCancel)
 
 	var nextErr error
 	var panicked any
@@ -71,7 +70,7 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 		defer func() { panicked = recover() }()
 		nextErr = next(c)
 	}()
-	ext.stop()
+	lease.Stop()
 	stopWatch()
 	cw.stop()
 	c.Response().Writer = orig
@@ -239,12 +238,10 @@ func (m *middleware) recordOutcome(ev accounting.UsageEvent, err error) recordRe
 		errors.Is(err, balance.ErrInvalidOrg), errors.Is(err, accounting.ErrRecorderClosed),
 		errors.Is(err, accounting.ErrNotRecorded):
 		return recordNotStored
-	case m.void == nil:
-		return recordUnknown
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
 	defer cancel()
-	return voidResult(m.void(ctx, ev))
+	return voidResult(m.cfg.Recorder.Void(ctx, ev))
 }
 
 func voidResult(err error) recordResult {
@@ -256,22 +253,22 @@ func voidResult(err error) recordResult {
 	case errors.Is(err, accounting.ErrInvalidUsage), errors.Is(err, accounting.ErrInvalidAmount), errors.Is(err, balance.ErrInvalidOrg):
 		return recordNotStored // the ledger could never store it either
 	}
-	return recordUnknown
+	return recordUnknown // errors.ErrUnsupported (a Recorder that cannot void) included
 }
 
 // voidLater retries voiding ev in the background (until ReleaseRetryFor has passed) after a
 // connection was cut with the outcome unknown: a successful void gives the hold back; an event
 // found stored keeps it, for the settle that will come.
 func (m *middleware) voidLater(cl *call, ev accounting.UsageEvent) {
-	if m.void == nil {
-		m.cfg.Logger.Error("escrow: usage outcome unknown and the recorder cannot void; the hold stays for the reaper",
-			"hold_id", cl.holdID, "org", cl.id.Org)
-		return
-	}
 	m.retryLater(func(int) (bool, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
-		err := m.void(ctx, ev)
+		err := m.cfg.Recorder.Void(ctx, ev)
 		cancel()
+		if errors.Is(err, errors.ErrUnsupported) {
+			m.cfg.Logger.Error("escrow: usage outcome unknown and the recorder cannot void; the hold stays for the reaper",
+				"hold_id", cl.holdID, "org", cl.id.Org)
+			return true, nil
+		}
 		switch voidResult(err) {
 		case recordNotStored:
 			m.cfg.Logger.Info("escrow: usage voided after an unknown outcome; hold released", "hold_id", cl.holdID, "org", cl.id.Org)
@@ -307,62 +304,22 @@ func panicErr(p any) error {
 	return errors.New("middleware: handler panicked")
 }
 
-// extender pushes the hold's expiry out every HoldTTL/3 while the handler runs (a timer: no
-// goroutine unless it fires). If it cannot for so long that the hold would expire (minus a
-// margin) before the next try, it cancels the upstream call: the usage is then estimated, and no
-// reaper can act on a live hold.
-type extender struct {
-	mu      sync.Mutex
-	t       *time.Timer
-	stopped bool
-	running sync.WaitGroup
-}
-
-func (e *extender) stop() {
-	if e == nil {
-		return
-	}
-	e.mu.Lock()
-	e.stopped = true
-	if e.t != nil && e.t.Stop() {
-		e.running.Done() // the pending tick will not run
-	}
-	e.mu.Unlock()
-	e.running.Wait()
-}
-
-func (cl *call) startExtender(cancel context.CancelCauseFunc) *extender {
+// keepAlive has the store keep the hold alive while the handler runs (no timer of its own: a
+// request that ends early costs no extension). When the store cannot extend it in time, the
+// upstream call is cancelled: the usage is then estimated, and no reaper acts on a live hold.
+// nil (fail-open: no hold) stops as a no-op.
+func (cl *call) keepAlive(cancel context.CancelCauseFunc) *balance.Lease {
 	if cl.failOpen {
 		return nil
 	}
 	m := cl.m
-	e := &extender{}
-	lastOK := cl.start
-	margin := m.cfg.HoldTTL / 6
-	var tick func()
-	tick = func() {
-		defer e.running.Done()
-		ctx, cc := context.WithTimeout(context.Background(), max(m.extendIn/2, time.Millisecond))
-		_, err := m.cfg.Store.Extend(ctx, cl.id.Org, cl.holdID)
-		cc()
-		now := time.Now()
-		if err == nil {
-			lastOK = now
-		} else if now.Add(m.extendIn).After(lastOK.Add(m.cfg.HoldTTL - margin)) {
-			m.cfg.Logger.Error("escrow: hold not extended in time; cancelling the upstream call", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
-			cancel(errHoldLost)
-			return
-		}
-		e.mu.Lock()
-		defer e.mu.Unlock()
-		if !e.stopped {
-			e.running.Add(1)
-			e.t = time.AfterFunc(m.extendIn, tick)
-		}
+	l, err := m.cfg.Store.KeepAlive(cl.id.Org, cl.holdID, func(err error) {
+		m.cfg.Logger.Error("escrow: hold not extended in time; cancelling the upstream call", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
+		cancel(errHoldLost)
+	})
+	if err != nil {
+		// Reserve took the same ids, so only a Holds of another kind gets here.
+		m.cfg.Logger.Error("escrow: hold cannot be kept alive; it may expire while the request runs", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
 	}
-	e.mu.Lock()
-	e.running.Add(1)
-	e.t = time.AfterFunc(m.extendIn, tick)
-	e.mu.Unlock()
-	return e
+	return l
 }
