@@ -121,9 +121,42 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		return false
 	}
 	cw.end()
+	usage, estimated, truncated, why := cl.readUsage(cw, nextErr, panicked, cause)
+	usage, cost, estimated := cl.charge(cw, usage, estimated, truncated)
+	ev := accounting.UsageEvent{
+		// The limit attribution is what the reserve answered (a fail-open request has no reserve
+		// time: it is attributed to its record time). A key id the limits layer cannot name is
+		// kept for reports; the ledger leaves it out of the entry's attribution, as the reserve
+		// left it out of the hold's.
+		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt,
+		Model: cl.req.Model, Endpoint: cl.req.Endpoint,
+		Usage: usage, Cost: cost, HoldAmount: cl.holdAmount, Estimated: estimated, CreatedAt: time.Now(),
+	}
+	o.Usage, o.Cost, o.Err = usage, cost, why
+	rctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
+	rcpt, err := m.record(rctx, ev)
+	cancel()
+	if err != nil {
+		if done, abort := cl.recordFailed(cw, ev, err, &o); done {
+			return abort
+		}
+	}
+	o.Kind = OutcomeRecorded
+	if estimated {
+		o.Kind = OutcomeEstimated
+	} else {
+		cl.learnFrom(cost)
+	}
+	// A late-found record (err != nil) is charged, but its finish is unknown: no balance.
+	cw.commit(costReceipt{cost: cost, balance: rcpt.Balance, haveBal: err == nil && rcpt.HaveBalance})
+	return false
+}
+
+// readUsage is the usage the 2xx response reported. When it has none, estimated is true and
+// why says what went wrong; truncated tells whether the response was cut off after its first
+// byte (only part of it was read) rather than complete without a usage.
+func (cl *call) readUsage(cw *captureWriter, nextErr error, panicked any, cause error) (u accounting.Usage, estimated, truncated bool, why error) {
 	usage, ok := cw.usage()
-	var why error
-	truncated := false // the response ended early: only part of it was read
 	switch {
 	case ok:
 	case cw.boundHit.Load() || errors.Is(cause, errHangupBound):
@@ -141,7 +174,12 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	if err := cw.readable(); !ok && err != nil {
 		why, truncated = err, false
 	}
-	estimated := !ok
+	return usage, !ok, truncated, why
+}
+
+// charge is what the request is charged: its usage priced; for a response cut off, an estimate
+// of its usage; for a 2xx whose usage cannot be read, or that cannot be priced, the hold.
+func (cl *call) charge(cw *captureWriter, usage accounting.Usage, estimated, truncated bool) (accounting.Usage, int64, bool) {
 	var cost int64 // set here only for a hold charge (≥ 1); else priced from usage below
 	switch {
 	case truncated:
@@ -162,61 +200,45 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		var err error
 		if cost, err = cl.model.Cost(usage); err != nil {
 			// Absurd token counts: charge what was held (and log it) rather than nothing.
-			m.cfg.Logger.Error("escrow: usage could not be priced", "hold_id", cl.holdID, "usage", usage, "err", err)
+			cl.m.cfg.Logger.Error("escrow: usage could not be priced", "hold_id", cl.holdID, "usage", usage, "err", err)
 			cost, estimated = max(cl.agreed, 1), true
 		}
 	}
-	ev := accounting.UsageEvent{
-		// The limit attribution is what the reserve answered (a fail-open request has no reserve
-		// time: it is attributed to its record time). A key id the limits layer cannot name is
-		// kept for reports; the ledger leaves it out of the entry's attribution, as the reserve
-		// left it out of the hold's.
-		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt,
-		Model: cl.req.Model, Endpoint: cl.req.Endpoint,
-		Usage: usage, Cost: cost, HoldAmount: cl.holdAmount, Estimated: estimated, CreatedAt: time.Now(),
-	}
-	o.Usage, o.Cost, o.Err = usage, cost, why
-	rctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
-	rcpt, err := m.record(rctx, ev)
-	cancel()
-	if err != nil {
-		switch m.recordOutcome(ev, err) {
-		case recordStored:
-			// The event reached the ledger after all (the void found it): it is charged, so
-			// the client gets its success.
-			m.cfg.Logger.Warn("escrow: usage recorded late; the request completes", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
-		case recordNotStored:
-			// Certainly not billed (refused, or voided so that a late write is a no-op): the
-			// client must not see a success, and the hold goes back.
-			o.Kind, o.Err = OutcomeRecordFailed, err
-			cl.releaseHold()
-			e := errUnavailable("The usage of this request could not be recorded; it was not completed.", m.cfg.RetryAfter)
-			e.Code = CodeBillingFailed
-			if cl.req.Endpoint == EndpointMessages {
-				e = e.forAnthropic()
-			}
-			if cw.mode == modeJSON && !cw.streaming {
-				o.Status = e.Status
-			}
-			return cw.fail(e)
-		default:
-			// Nobody can tell yet whether the event will be stored: neither a success nor an
-			// error would be true, so the connection is cut without either, the hold stays
-			// (a stored event settles it), and the void is retried until the ledger answers.
-			o.Kind, o.Err, o.Status = OutcomeRecordUnknown, err, 0
-			m.voidLater(cl, ev)
-			return true
+	return usage, cost, estimated
+}
+
+// recordFailed answers a request whose record failed. done is false when the event was stored
+// after all (the request completes as recorded); else abort tells whether the connection must
+// be cut (the outcome is unknown) rather than answered with an error.
+func (cl *call) recordFailed(cw *captureWriter, ev accounting.UsageEvent, err error, o *Outcome) (done, abort bool) {
+	m := cl.m
+	switch m.recordOutcome(ev, err) {
+	case recordStored:
+		// The event reached the ledger after all (the void found it): it is charged, so the
+		// client gets its success.
+		m.cfg.Logger.Warn("escrow: usage recorded late; the request completes", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
+		return false, false
+	case recordNotStored:
+		// Certainly not billed (refused, or voided so that a late write is a no-op): the client
+		// must not see a success, and the hold goes back.
+		o.Kind, o.Err = OutcomeRecordFailed, err
+		cl.releaseHold()
+		e := errUnavailable("The usage of this request could not be recorded; it was not completed.", m.cfg.RetryAfter)
+		e.Code = CodeBillingFailed
+		if cl.req.Endpoint == EndpointMessages {
+			e = e.forAnthropic()
 		}
+		if cw.mode == modeJSON && !cw.streaming {
+			o.Status = e.Status
+		}
+		return true, cw.fail(e)
 	}
-	o.Kind = OutcomeRecorded
-	if estimated {
-		o.Kind = OutcomeEstimated
-	} else {
-		cl.learnFrom(cost)
-	}
-	// A late-found record (err != nil) is charged, but its finish is unknown: no balance.
-	cw.commit(costReceipt{cost: cost, balance: rcpt.Balance, haveBal: err == nil && rcpt.HaveBalance})
-	return false
+	// Nobody can tell yet whether the event will be stored: neither a success nor an error
+	// would be true, so the connection is cut without either, the hold stays (a stored event
+	// settles it), and the void is retried until the ledger answers.
+	o.Kind, o.Err, o.Status = OutcomeRecordUnknown, err, 0
+	m.voidLater(cl, ev)
+	return true, true
 }
 
 // recordResult is what became of a usage event whose Record failed.
