@@ -91,9 +91,11 @@ func (s *Store) KeepAlive(org, holdID string, onLost func(error)) (*Lease, error
 		return nil, err
 	}
 	k := s.keep.get(s)
-	now := time.Now()
-	l := &Lease{k: k, org: org, holdID: holdID, onLost: onLost, lastOK: now, due: now.Add(k.every)}
+	l := &Lease{k: k, org: org, holdID: holdID, onLost: onLost}
 	k.mu.Lock()
+	// The clock is read under the lock, so the queue stays in due order.
+	l.lastOK = time.Now()
+	l.due = l.lastOK.Add(k.every)
 	k.push(l)
 	if !k.running {
 		k.running = true
@@ -225,9 +227,9 @@ func (k *keeper) extend(batch []*Lease) {
 		}
 	}
 	cancel()
-	now := time.Now()
 	var lost []int // indexes in batch
 	k.mu.Lock()
+	now := time.Now()
 	for i, l := range batch {
 		switch {
 		case l.state != leaseExtending: // stopped while its extension was on the way

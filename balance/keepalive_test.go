@@ -267,3 +267,92 @@ func extendSHA(t *testing.T, env *testutil.RedisEnv) string {
 	}
 	return sha
 }
+
+// afterFuncExtender is the keep-alive the middleware used to run per request, for comparison:
+// a timer armed at every third of HoldTTL, stopped (and waited for) when the request ends.
+type afterFuncExtender struct {
+	mu      sync.Mutex
+	t       *time.Timer
+	stopped bool
+	running sync.WaitGroup
+}
+
+func startAfterFunc(every time.Duration, extend func() error, onLost func(error)) *afterFuncExtender {
+	e := &afterFuncExtender{}
+	var tick func()
+	tick = func() {
+		defer e.running.Done()
+		if err := extend(); err != nil {
+			onLost(err)
+			return
+		}
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if !e.stopped {
+			e.running.Add(1)
+			e.t = time.AfterFunc(every, tick)
+		}
+	}
+	e.mu.Lock()
+	e.running.Add(1)
+	e.t = time.AfterFunc(every, tick)
+	e.mu.Unlock()
+	return e
+}
+
+func (e *afterFuncExtender) stop() {
+	e.mu.Lock()
+	e.stopped = true
+	if e.t != nil && e.t.Stop() {
+		e.running.Done()
+	}
+	e.mu.Unlock()
+	e.running.Wait()
+}
+
+// BenchmarkKeepAlive is the cost a request that ends before its first extension pays for its
+// keep-alive: the store's (a queue slot) against a timer per request (the former extender),
+// from one goroutine and from many.
+func BenchmarkKeepAlive(b *testing.B) {
+	env := testutil.MiniRedis(b)
+	ctx := context.Background()
+	l := balancetest.NewFakeLedger(1)
+	s, err := balance.New(ctx, env.Client, balance.Config{Ledger: l, Prefix: env.Prefix, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		b.Fatal(err)
+	}
+	every := s.Config().HoldTTL / 3
+	extend := func() error { _, err := s.Extend(ctx, "acme", "h"); return err }
+	cancel := func(error) {}
+	store := func() {
+		onLost := func(err error) { cancel(err) } // the middleware's closure, in both cases
+		lease, err := s.KeepAlive("acme", "h", onLost)
+		if err != nil {
+			b.Fatal(err)
+		}
+		lease.Stop()
+	}
+	timer := func() {
+		onLost := func(err error) { cancel(err) }
+		startAfterFunc(every, extend, onLost).stop()
+	}
+	for _, bc := range []struct {
+		name string
+		f    func()
+	}{{"store", store}, {"afterfunc", timer}} {
+		b.Run(bc.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				bc.f()
+			}
+		})
+		b.Run(bc.name+"/parallel", func(b *testing.B) {
+			b.ReportAllocs()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					bc.f()
+				}
+			})
+		})
+	}
+}
