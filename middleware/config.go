@@ -75,6 +75,13 @@ type Recorder interface {
 	Void(ctx context.Context, ev accounting.UsageEvent) error
 }
 
+// escrow's own types are what Config asks for.
+var (
+	_ Holds     = (*balance.Store)(nil)
+	_ Directory = accounting.Ledger(nil)
+	_ Recorder  = (*accounting.Recorder)(nil)
+)
+
 // Skipper returns true for requests the middleware leaves alone.
 type Skipper func(c echo.Context) bool
 
@@ -91,7 +98,8 @@ type Config struct {
 
 	// Store holds and releases balance. Required.
 	Store Holds
-	// Ledger resolves API keys and model prices. Required.
+	// Ledger resolves API keys and model prices (and records usage when Recorder is nil).
+	// Required.
 	Ledger Directory
 	// Recorder records usage events durably. Default: the Ledger's RecordUsage, one event per
 	// call, voided with its VoidUsage (pass an *accounting.Recorder for group commit and the
