@@ -218,8 +218,7 @@ func (k *keeper) extend(batch []*Lease) {
 		keys := make([][]string, len(batch))
 		args := make([][]any, len(batch))
 		for i, l := range batch {
-			ok := s.orgKeys(l.org)
-			keys[i] = []string{ok[kHexp], ok[kHfin]}
+			keys[i] = s.keys(l.org).expiryKeys()
 			args[i] = []any{l.holdID, s.holdTTL, "0"}
 		}
 		for i, cmd := range s.pipelined(ctx, scExtend, keys, args) {
