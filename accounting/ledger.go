@@ -8,9 +8,21 @@ import (
 	"github.com/llmescrow/escrow/balance"
 )
 
+// ErrUnknownOrg: no account for the org. It is also balance.ErrUnknownOrg (errors.Is), which
+// is what balance.Ledger's Snapshot answers for such an org.
+var ErrUnknownOrg error = &alsoError{msg: "accounting: unknown org", also: balance.ErrUnknownOrg}
+
+// alsoError is a sentinel of its own that is also another package's (errors.Is matches both).
+type alsoError struct {
+	msg  string
+	also error
+}
+
+func (e *alsoError) Error() string { return e.msg }
+func (e *alsoError) Unwrap() error { return e.also }
+
 // Sentinel errors of the ledgers. Test for them with errors.Is.
 var (
-	ErrUnknownOrg        = errors.New("accounting: unknown org")
 	ErrOrgExists         = errors.New("accounting: org already exists")
 	ErrUnknownModel      = errors.New("accounting: unknown model")
 	ErrUnknownKey        = errors.New("accounting: unknown api key")

@@ -39,6 +39,8 @@ type Store struct {
 
 	maxCache sync.Map // model → *cachedMax
 	maxLoad  singleflight.Group
+
+	keep keepAlives // KeepAlive's queue and goroutine
 }
 
 type cachedEpoch struct {

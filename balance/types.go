@@ -73,7 +73,8 @@ type Entry struct {
 // Every read goes to the primary.
 type Ledger interface {
 	// Snapshot first accounts the org's pending usage events (waiting for any half-done claim),
-	// then returns the account's balance and ledger sequence, all in one transaction.
+	// then returns the account's balance and ledger sequence, all in one transaction. An org
+	// with no account: an error that is ErrUnknownOrg.
 	Snapshot(ctx context.Context, org string) (Snapshot, error)
 	// EntriesAfter returns up to limit entries of org with Seq > after, in Seq order, settled or
 	// not, and the ledger epoch read in the same transaction.
@@ -145,6 +146,10 @@ var (
 	// ErrLedger: the ledger failed while a cold org was being warmed (snapshot or catch-up). The
 	// org has no trustworthy hot balance, so no request of it may pass, fail-open or not.
 	ErrLedger = errors.New("balance: ledger failed")
+	// ErrUnknownOrg: the ledger has no account for the org (a cold org's snapshot found none).
+	// Ledgers return an error that is ErrUnknownOrg for such an org; Reserve and Warm pass it
+	// on (wrapped with ErrLedger).
+	ErrUnknownOrg = errors.New("balance: org has no account")
 )
 
 // InsufficientError is returned by Reserve when the balance does not cover the hold.

@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"context"
+	"errors"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -22,12 +23,19 @@ func (memHolds) Reserve(context.Context, balance.ReserveRequest) (balance.Reserv
 	return balance.Reservation{Balance: 1}, nil
 }
 func (memHolds) Release(context.Context, string, string) (bool, error) { return true, nil }
-func (memHolds) Extend(context.Context, string, string) (bool, error)  { return true, nil }
-func (memHolds) ModelMax(context.Context, string) (int64, error)       { return 0, nil }
+func (memHolds) KeepAlive(string, string, func(error)) (*balance.Lease, error) {
+	return nil, nil // a nil Lease stops as a no-op
+}
+func (memHolds) ModelMax(context.Context, string) (int64, error)  { return 0, nil }
+func (memHolds) KeyRevoked(context.Context, string) (bool, error) { return false, nil }
 
+// nopRecorder records nothing and cannot void.
 type nopRecorder struct{}
 
-func (nopRecorder) Record(context.Context, accounting.UsageEvent) error { return nil }
+func (nopRecorder) RecordReceipt(context.Context, accounting.UsageEvent) (accounting.Receipt, error) {
+	return accounting.Receipt{}, nil
+}
+func (nopRecorder) Void(context.Context, accounting.UsageEvent) error { return errors.ErrUnsupported }
 
 const benchResponse = `{"id":"chatcmpl-1","object":"chat.completion","model":"gpt-test","choices":[{"index":0,"message":{"role":"assistant","content":"Hello there"},"finish_reason":"stop"}],"usage":` + chatUsageJSON + `}`
 

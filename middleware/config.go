@@ -33,23 +33,54 @@ import (
 
 // Holds is what the middleware needs from the hot balance (*balance.Store implements it).
 type Holds interface {
+	// Reserve puts the request's hold on the org's balance (see balance.Store.Reserve for the
+	// errors the middleware maps to refusals).
 	Reserve(ctx context.Context, r balance.ReserveRequest) (balance.Reservation, error)
+	// Release gives a hold back without a charge (the upstream failed, or a reserve's outcome
+	// is unknown).
 	Release(ctx context.Context, org, holdID string) (bool, error)
-	Extend(ctx context.Context, org, holdID string) (bool, error)
+	// KeepAlive keeps a hold from expiring while its request runs, until the Lease is stopped,
+	// and calls onLost when it cannot (the middleware then cancels the upstream call). A nil
+	// Lease is fine: it stops as a no-op.
+	KeepAlive(org, holdID string, onLost func(error)) (*balance.Lease, error)
+	// ModelMax is the model's learned max cost of one choice (0: none yet).
 	ModelMax(ctx context.Context, model string) (int64, error)
+	// KeyRevoked reports whether the key was revoked (balance.Store.RevokeKey): a key look-up
+	// past KeyCacheTTL is served from the cache while the ledger is down only once this says
+	// false. A Holds that cannot tell answers false.
+	KeyRevoked(ctx context.Context, keyID string) (bool, error)
 }
 
-// Directory is what the middleware reads from the ledger: API keys and model prices
-// (accounting.Ledger implements it). Both are read through a short in-process cache.
+// Directory is what the middleware needs from the ledger (accounting.Ledger implements it): API
+// keys and model prices, read through a short in-process cache, and, when Config.Recorder is
+// nil, usage recording, one event per call.
 type Directory interface {
 	LookupKey(ctx context.Context, secret string) (accounting.APIKey, error)
 	Model(ctx context.Context, name string) (accounting.Model, error)
+	// RecordUsage and VoidUsage stand in for a Recorder (see Config.Recorder).
+	RecordUsage(ctx context.Context, events []accounting.UsageEvent) error
+	VoidUsage(ctx context.Context, ev accounting.UsageEvent) error
 }
 
-// Recorder stores a usage event durably before it returns (*accounting.Recorder implements it).
+// Recorder records usage events durably (*accounting.Recorder implements it).
 type Recorder interface {
-	Record(ctx context.Context, ev accounting.UsageEvent) error
+	// RecordReceipt stores ev durably before it returns. The Receipt carries the org's
+	// available balance right after the event's hold was finished when the Recorder can tell
+	// (HaveBalance; *accounting.Recorder with a Finisher can), for HeaderBalance.
+	RecordReceipt(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error)
+	// Void makes sure ev is never stored, after a RecordReceipt that failed or timed out: nil
+	// when it is voided (a late write of it is then a no-op), accounting.ErrUsageRecorded when
+	// it was stored first, errors.ErrUnsupported when this Recorder cannot void; any other
+	// error leaves it unknown (Void is retried).
+	Void(ctx context.Context, ev accounting.UsageEvent) error
 }
+
+// escrow's own types are what Config asks for.
+var (
+	_ Holds     = (*balance.Store)(nil)
+	_ Directory = accounting.Ledger(nil)
+	_ Recorder  = (*accounting.Recorder)(nil)
+)
 
 // Skipper returns true for requests the middleware leaves alone.
 type Skipper func(c echo.Context) bool
@@ -67,17 +98,17 @@ type Config struct {
 
 	// Store holds and releases balance. Required.
 	Store Holds
-	// Ledger resolves API keys and model prices. Required.
+	// Ledger resolves API keys and model prices (and records usage when Recorder is nil).
+	// Required.
 	Ledger Directory
-	// Recorder records usage events durably. Default: the Ledger's own RecordUsage, one event
-	// per call, when the Ledger has one (pass an *accounting.Recorder for group commit and the
-	// local journal). When a Record fails or times out, a Recorder that also has
-	// Void(ctx, accounting.UsageEvent) error (*accounting.Recorder does; the default does when
-	// the Ledger has VoidUsage) is asked to void the event: only a void that succeeded lets the
-	// client get an error (the request is then never charged), an event found stored lets it
-	// complete, and otherwise the connection is cut with the hold kept (OutcomeRecordUnknown).
-	// x-escrow-balance (see HeaderBalance) needs a Recorder that also has RecordReceipt
-	// (*accounting.Recorder with a Finisher); with any other it is left out.
+	// Recorder records usage events durably. Default: the Ledger's RecordUsage, one event per
+	// call, voided with its VoidUsage (pass an *accounting.Recorder for group commit and the
+	// local journal). When a record fails or times out, the Recorder is asked to void the
+	// event: only a void that succeeded lets the client get an error (the request is then never
+	// charged), an event found stored lets it complete, and otherwise (a Recorder that cannot
+	// void included) the connection is cut with the hold kept (OutcomeRecordUnknown).
+	// x-escrow-balance (see HeaderBalance) is sent only when the Recorder's Receipt has the
+	// balance (*accounting.Recorder with a Finisher); else it is left out.
 	Recorder Recorder
 
 	// OrgFunc identifies the org. Default: the key of "Authorization: Bearer <key>" (or, with no
@@ -139,9 +170,8 @@ type Config struct {
 	// KeyCacheTTL is how long a key look-up (or a model) is trusted. Default 5s. Past it, an
 	// entry still answers for up to MaxStale while the ledger is unreachable (default 10m, at
 	// most balance.RevocationTTL) — for a key, only once Redis confirms it was not revoked
-	// meanwhile, when the Store can tell (*balance.Store.KeyRevoked; revocations are pushed by
-	// balance.Store.RevokeKey): so a revoked key stops within KeyCacheTTL even while the ledger
-	// is down, on every process.
+	// meanwhile (Holds.KeyRevoked; revocations are pushed by balance.Store.RevokeKey): so a
+	// revoked key stops within KeyCacheTTL even while the ledger is down, on every process.
 	KeyCacheTTL time.Duration
 	MaxStale    time.Duration
 	// KeyCacheSize bounds the key and model caches (entries each). Default 10,000.
@@ -164,9 +194,6 @@ type Config struct {
 	ReserveTimeout time.Duration
 	// RetryAfter is the Retry-After of 503s and of 429 rate_limit_exceeded. Default 1s.
 	RetryAfter time.Duration
-	// HoldTTL is the store's hold lifetime; the hold is extended every HoldTTL/3 while the
-	// handler runs. Default: the store's (Config().HoldTTL when it has one), else 10m.
-	HoldTTL time.Duration
 	// RecordTimeout bounds recording a usage event. Default 15s.
 	RecordTimeout time.Duration
 	// HangupTimeout and HangupBytes bound how long and how much the handler may go on after the
@@ -195,7 +222,6 @@ var DefaultConfig = Config{
 	LookupTimeout:        2 * time.Second,
 	ReserveTimeout:       time.Second,
 	RetryAfter:           time.Second,
-	HoldTTL:              10 * time.Minute,
 	RecordTimeout:        15 * time.Second,
 	HangupTimeout:        2 * time.Minute,
 	HangupBytes:          64 << 20,
@@ -223,35 +249,15 @@ func (cfg Config) ToMiddleware() (echo.MiddlewareFunc, error) {
 // ErrConfig is returned by ToMiddleware for an unusable Config.
 var ErrConfig = errors.New("middleware: invalid config")
 
-type usageRecorder interface {
-	RecordUsage(ctx context.Context, events []accounting.UsageEvent) error
+// ledgerRecorder is the default Recorder: the Ledger's own RecordUsage and VoidUsage.
+type ledgerRecorder struct{ l Directory }
+
+func (r ledgerRecorder) RecordReceipt(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error) {
+	return accounting.Receipt{}, r.l.RecordUsage(ctx, []accounting.UsageEvent{ev})
 }
 
-type ledgerRecorder struct{ l usageRecorder }
-
-func (r ledgerRecorder) Record(ctx context.Context, ev accounting.UsageEvent) error {
-	return r.l.RecordUsage(ctx, []accounting.UsageEvent{ev})
-}
-
-// voidFunc makes sure an event is never stored (see Config.Recorder): nil when voided,
-// accounting.ErrUsageRecorded when it was stored first.
-type voidFunc func(ctx context.Context, ev accounting.UsageEvent) error
-
-// voidOf finds the Recorder's way to void an event, if it has one.
-func voidOf(r Recorder) voidFunc {
-	switch x := r.(type) {
-	case ledgerRecorder:
-		if v, ok := x.l.(interface {
-			VoidUsage(ctx context.Context, ev accounting.UsageEvent) error
-		}); ok {
-			return v.VoidUsage
-		}
-	case interface {
-		Void(ctx context.Context, ev accounting.UsageEvent) error
-	}:
-		return x.Void
-	}
-	return nil
+func (r ledgerRecorder) Void(ctx context.Context, ev accounting.UsageEvent) error {
+	return r.l.VoidUsage(ctx, ev)
 }
 
 func (cfg Config) withDefaults() (Config, error) {
@@ -263,11 +269,7 @@ func (cfg Config) withDefaults() (Config, error) {
 		return cfg, fmt.Errorf("%w: Ledger is required", ErrConfig)
 	}
 	if cfg.Recorder == nil {
-		r, ok := cfg.Ledger.(usageRecorder)
-		if !ok {
-			return cfg, fmt.Errorf("%w: Recorder is required (the Ledger cannot record usage)", ErrConfig)
-		}
-		cfg.Recorder = ledgerRecorder{r}
+		cfg.Recorder = ledgerRecorder{cfg.Ledger}
 	}
 	if cfg.Skipper == nil {
 		cfg.Skipper = d.Skipper
@@ -281,11 +283,6 @@ func (cfg Config) withDefaults() (Config, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	if cfg.HoldTTL == 0 {
-		if s, ok := cfg.Store.(interface{ Config() balance.Config }); ok {
-			cfg.HoldTTL = s.Config().HoldTTL
-		}
-	}
 	cfg.DefaultHold = cmp.Or(cfg.DefaultHold, d.DefaultHold)
 	cfg.MaxRequestBytes = cmp.Or(cfg.MaxRequestBytes, d.MaxRequestBytes)
 	cfg.MaxResponseBytes = cmp.Or(cfg.MaxResponseBytes, d.MaxResponseBytes)
@@ -297,7 +294,6 @@ func (cfg Config) withDefaults() (Config, error) {
 	cfg.LookupTimeout = cmp.Or(cfg.LookupTimeout, d.LookupTimeout)
 	cfg.ReserveTimeout = cmp.Or(cfg.ReserveTimeout, d.ReserveTimeout)
 	cfg.RetryAfter = cmp.Or(cfg.RetryAfter, d.RetryAfter)
-	cfg.HoldTTL = cmp.Or(cfg.HoldTTL, d.HoldTTL)
 	cfg.RecordTimeout = cmp.Or(cfg.RecordTimeout, d.RecordTimeout)
 	cfg.HangupTimeout = cmp.Or(cfg.HangupTimeout, d.HangupTimeout)
 	cfg.HangupBytes = cmp.Or(cfg.HangupBytes, d.HangupBytes)
@@ -308,8 +304,8 @@ func (cfg Config) withDefaults() (Config, error) {
 	case cfg.MaxRequestBytes < 0, cfg.MaxResponseBytes < 0, cfg.KeyCacheSize < 0, cfg.NegativeCacheSize < 0, cfg.HangupBytes < 0:
 		return cfg, fmt.Errorf("%w: sizes must be > 0", ErrConfig)
 	case cfg.KeyCacheTTL < 0, cfg.MaxStale < 0, cfg.LookupTimeout < 0, cfg.ReserveTimeout < 0, cfg.RetryAfter < 0,
-		cfg.HoldTTL < 3*time.Millisecond, cfg.RecordTimeout < 0, cfg.HangupTimeout < 0, cfg.ReleaseRetryFor < 0:
-		return cfg, fmt.Errorf("%w: durations must be > 0 (HoldTTL ≥ 3ms)", ErrConfig)
+		cfg.RecordTimeout < 0, cfg.HangupTimeout < 0, cfg.ReleaseRetryFor < 0:
+		return cfg, fmt.Errorf("%w: durations must be > 0", ErrConfig)
 	case cfg.MaxStale > balance.RevocationTTL:
 		// A stale key older than the revocation mark could outlive its revocation.
 		return cfg, fmt.Errorf("%w: MaxStale %v is above balance.RevocationTTL (%v)", ErrConfig, cfg.MaxStale, balance.RevocationTTL)

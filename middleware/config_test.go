@@ -23,7 +23,7 @@ func TestConfigValidation(t *testing.T) {
 		{Ledger: l},
 		{Store: memHolds{}},
 		{Store: memHolds{}, Ledger: l, DefaultHold: -1},
-		{Store: memHolds{}, Ledger: l, HoldTTL: time.Microsecond},
+		{Store: memHolds{}, Ledger: l, RecordTimeout: -time.Second},
 	} {
 		if _, err := c.ToMiddleware(); !errors.Is(err, ErrConfig) {
 			t.Errorf("%+v: err %v", c, err)

@@ -36,7 +36,8 @@ import (
 //
 // HeaderBalance (and "balance") is left out whenever the balance after the charge is unknown:
 // fail-open requests (no hot balance), a finish that failed or found the hold gone, a cold
-// org, a Recorder that cannot tell (one without RecordReceipt, or no Finisher). Nothing is
+// org, a Recorder whose Receipt has no balance (the default, or an *accounting.Recorder with no
+// Finisher). Nothing is
 // sent when the request is not charged (upstream errors) or its record failed.
 const (
 	HeaderCost        = "X-Escrow-Cost"
@@ -44,28 +45,9 @@ const (
 	HeaderIncludeCost = "X-Escrow-Include-Cost"
 )
 
-// receiptRecorder is a Recorder that also answers the org's available balance right after the
-// event's hold was finished (*accounting.Recorder with a Finisher).
-type receiptRecorder interface {
-	RecordReceipt(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error)
-}
-
-// recordFunc records an event and answers the balance after it when the Recorder can tell.
-type recordFunc func(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error)
-
-// recordOf finds, once, how the Recorder records: with a receipt when it can give one.
-func recordOf(r Recorder) recordFunc {
-	if rr, ok := r.(receiptRecorder); ok {
-		return rr.RecordReceipt
-	}
-	return func(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error) {
-		return accounting.Receipt{}, r.Record(ctx, ev)
-	}
-}
-
 // record records ev, with the balance after it when the Recorder can tell.
 func (m *middleware) record(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error) {
-	return m.recordFn(ctx, ev)
+	return m.cfg.Recorder.RecordReceipt(ctx, ev)
 }
 
 // costReceipt is what a recorded request was charged and the org's balance after it.

@@ -42,17 +42,23 @@ func newFakeEnv(t *testing.T, o envOpt) *testEnv {
 	return e
 }
 
-// gatedRecorder blocks Record until open is closed, after telling entered.
+// gatedRecorder blocks a record until open is closed, after telling entered. It gives no
+// balance and cannot void.
 type gatedRecorder struct {
 	next    Recorder
 	entered chan struct{}
 	open    chan struct{}
 }
 
-func (g *gatedRecorder) Record(ctx context.Context, ev accounting.UsageEvent) error {
+func (g *gatedRecorder) RecordReceipt(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error) {
 	close(g.entered)
 	<-g.open
-	return g.next.Record(ctx, ev)
+	_, err := g.next.RecordReceipt(ctx, ev)
+	return accounting.Receipt{}, err
+}
+
+func (g *gatedRecorder) Void(context.Context, accounting.UsageEvent) error {
+	return errors.ErrUnsupported
 }
 
 func gate(g **gatedRecorder) func(*Config) {

@@ -62,6 +62,11 @@ func (s *spyRecorder) Record(ctx context.Context, ev accounting.UsageEvent) erro
 	return nil
 }
 
+// RecordReceipt is Record, with no balance known.
+func (s *spyRecorder) RecordReceipt(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error) {
+	return accounting.Receipt{}, s.Record(ctx, ev)
+}
+
 // Void voids the event in the ledger, as *accounting.Recorder does: a failed Record whose event
 // is voided is certainly not charged, so the client may be told it failed.
 func (s *spyRecorder) Void(ctx context.Context, ev accounting.UsageEvent) error {

@@ -57,15 +57,12 @@ type Outcome struct {
 
 type middleware struct {
 	cfg      Config
-	void     voidFunc // nil when the Recorder cannot void events
-	recordFn recordFunc
 	keys     *ttlCache[accounting.APIKey]
 	failures *failureLimiter // failed key look-ups per client IP
 	models   *ttlCache[accounting.Model]
 	pass     map[string]bool
 	passDirs []string // PassThrough prefixes ("/v1/models/" for "/v1/models/*")
 	allow    map[string]bool
-	extendIn time.Duration
 	raised   sync.Map  // model → the highest cost this process raised its learned max to
 	badKey   sync.Once // logs the first key id the limits layer cannot name
 }
@@ -75,9 +72,7 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	if err != nil {
 		return nil, err
 	}
-	m := &middleware{cfg: cfg, pass: map[string]bool{}, allow: map[string]bool{}, extendIn: cfg.HoldTTL / 3}
-	m.void = voidOf(cfg.Recorder)
-	m.recordFn = recordOf(cfg.Recorder)
+	m := &middleware{cfg: cfg, pass: map[string]bool{}, allow: map[string]bool{}}
 	for _, p := range cfg.PassThrough {
 		if dir, ok := strings.CutSuffix(p, "/*"); ok {
 			m.passDirs = append(m.passDirs, dir+"/")
@@ -90,20 +85,7 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	}
 	m.keys = newTTLCache[accounting.APIKey](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.NegativeCacheSize, cfg.LookupTimeout,
 		func(err error) bool { return errors.Is(err, accounting.ErrUnknownKey) })
-	if r, ok := cfg.Store.(keyRevocations); ok {
-		m.keys.stale = func(ctx context.Context, k accounting.APIKey) error {
-			rctx, cancel := context.WithTimeout(ctx, cfg.ReserveTimeout)
-			defer cancel()
-			revoked, err := r.KeyRevoked(rctx, k.ID)
-			switch {
-			case err != nil:
-				return fmt.Errorf("middleware: key revocation unknown: %w", err)
-			case revoked:
-				return fmt.Errorf("%w: revoked (pushed through redis)", accounting.ErrUnknownKey)
-			}
-			return nil
-		}
-	}
+	m.keys.stale = m.keyNotRevoked
 	m.failures = newFailureLimiter(cfg.KeyFailuresPerMinute, cfg.KeyCacheSize, time.Minute)
 	m.models = newTTLCache[accounting.Model](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.NegativeCacheSize, cfg.LookupTimeout,
 		func(err error) bool { return errors.Is(err, accounting.ErrUnknownModel) })
@@ -156,9 +138,19 @@ func (m *middleware) bearerOrg(c echo.Context) (Identity, error) {
 	return Identity{Org: k.Org, KeyID: k.ID}, nil
 }
 
-// keyRevocations is the Store's side of key revocation (*balance.Store implements it).
-type keyRevocations interface {
-	KeyRevoked(ctx context.Context, keyID string) (bool, error)
+// keyNotRevoked lets a stale cached key answer only once the Store confirms it was not revoked
+// meanwhile (Config.MaxStale).
+func (m *middleware) keyNotRevoked(ctx context.Context, k accounting.APIKey) error {
+	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)
+	defer cancel()
+	revoked, err := m.cfg.Store.KeyRevoked(rctx, k.ID)
+	switch {
+	case err != nil:
+		return fmt.Errorf("middleware: key revocation unknown: %w", err)
+	case revoked:
+		return fmt.Errorf("%w: revoked (pushed through redis)", accounting.ErrUnknownKey)
+	}
+	return nil
 }
 
 // call is one metered request on its way.
@@ -213,74 +205,110 @@ func (m *middleware) report(o Outcome) {
 	}
 }
 
+// serve meters one request: who asks, what it asks for, at what price, the hold; then the
+// upstream call and its usage (call.proxy).
 func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	start := time.Now()
 	req := c.Request()
-	ctx := req.Context()
 	o := Outcome{Endpoint: req.URL.Path, began: start}
+	id, e := m.identify(c, &o)
+	if e != nil {
+		return m.refuse(c, o, e)
+	}
+	if !pricedEndpoint(req.URL.Path) {
+		return m.serveUnpriced(c, next, o)
+	}
+	body, r, e := m.readPriced(c, &o)
+	if e != nil {
+		return m.refuse(c, o, e)
+	}
+	model, e := m.priceModel(req.Context(), body, r)
+	if e != nil {
+		return m.refuse(c, o, e)
+	}
+	cl, e := m.reserveHold(req.Context(), id, r, model, start, &o)
+	if e != nil {
+		return m.refuse(c, o, e)
+	}
+	return cl.proxy(c, next, body, o)
+}
 
+// identify finds who is asking (Config.OrgFunc) and checks the org id.
+func (m *middleware) identify(c echo.Context, o *Outcome) (Identity, *Error) {
 	id, err := m.cfg.OrgFunc(c)
 	if err != nil {
-		return m.refuse(c, o, m.identityError(err))
+		return id, m.identityError(err)
 	}
 	o.Org, o.KeyID = id.Org, id.KeyID
 	if err := balance.ValidateOrg(id.Org); err != nil {
 		// The one org-id rule, checked before anything is read or held (an OrgFunc may return
 		// anything; a ledger row may predate the rule).
 		o.Err = err
-		return m.refuse(c, o, errInvalid("", "The organization id of this API key is not valid: "+err.Error()))
+		return id, errInvalid("", "The organization id of this API key is not valid: "+err.Error())
 	}
+	return id, nil
+}
+
+// serveUnpriced passes an authenticated request to a path that is not billed (PassThrough, or
+// count_tokens) without a hold, or refuses it with a 404.
+func (m *middleware) serveUnpriced(c echo.Context, next echo.HandlerFunc, o Outcome) error {
+	req := c.Request()
 	path := req.URL.Path
-	if !pricedEndpoint(path) {
-		if path == EndpointCountTokens && m.cfg.Route != nil {
-			// Unbilled, but sent to the upstream of its model's route, like the Messages it
-			// counts for.
-			if e := m.routeUnpriced(c); e != nil {
-				return m.refuse(c, o, e)
-			}
+	if path == EndpointCountTokens && m.cfg.Route != nil {
+		// Unbilled, but sent to the upstream of its model's route, like the Messages it
+		// counts for.
+		if e := m.routeUnpriced(c); e != nil {
+			return m.refuse(c, o, e)
 		}
-		if m.passes(path) || path == EndpointCountTokens {
-			req.Header.Del("Authorization")
-			req.Header.Del("X-Api-Key")
-			o.Kind = OutcomePassed
-			err := next(c)
-			o.Status = c.Response().Status
-			m.report(o)
-			return err
-		}
-		return m.refuse(c, o, &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Code: CodeNotFound,
-			Message: "Invalid URL (" + req.Method + " " + path + ")"})
 	}
+	if m.passes(path) || path == EndpointCountTokens {
+		req.Header.Del("Authorization")
+		req.Header.Del("X-Api-Key")
+		o.Kind = OutcomePassed
+		err := next(c)
+		o.Status = c.Response().Status
+		m.report(o)
+		return err
+	}
+	return m.refuse(c, o, &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Code: CodeNotFound,
+		Message: "Invalid URL (" + req.Method + " " + path + ")"})
+}
+
+// readPriced reads and parses a priced request's body, refuses what cannot be priced, and
+// routes its model (Config.Route), renaming it in the body when the route says so.
+func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *Error) {
+	req := c.Request()
+	path := req.URL.Path
 	if req.Method != http.MethodPost {
-		return m.refuse(c, o, &Error{Status: http.StatusMethodNotAllowed, Type: TypeInvalidRequest, Code: CodeMethodNotAllowed,
-			Message: "Method " + req.Method + " is not allowed on " + path + "; use POST."})
+		return nil, Request{}, &Error{Status: http.StatusMethodNotAllowed, Type: TypeInvalidRequest, Code: CodeMethodNotAllowed,
+			Message: "Method " + req.Method + " is not allowed on " + path + "; use POST."}
 	}
 	body, e := readBody(req, m.cfg.MaxRequestBytes)
 	if e != nil {
-		return m.refuse(c, o, e)
+		return nil, Request{}, e
 	}
 	r, e := parseRequest(path, body)
 	if e != nil {
-		return m.refuse(c, o, e)
+		return nil, Request{}, e
 	}
 	if path == EndpointMessages {
 		msgBetaFeatures(req.Header, &r)
 	}
 	o.Model = r.Model
 	if r.Background {
-		return m.refuse(c, o, errInvalid("background", "Background responses are billed after the request ends and are not supported here."))
+		return nil, Request{}, errInvalid("background", "Background responses are billed after the request ends and are not supported here.")
 	}
 	for _, f := range r.Features {
 		if !m.allow[f] {
-			return m.refuse(c, o, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: featureParam(f), Code: CodeUnsupported,
-				Message: "This request uses a feature that cannot be priced here: " + f + "."})
+			return nil, Request{}, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: featureParam(f), Code: CodeUnsupported,
+				Message: "This request uses a feature that cannot be priced here: " + f + "."}
 		}
 	}
 	if m.cfg.Route != nil {
 		up, err := m.cfg.Route(c, r.Model)
 		if err != nil {
 			o.Err = err
-			return m.refuse(c, o, m.routeError(err))
+			return nil, Request{}, m.routeError(err)
 		}
 		if up != "" && up != r.Model {
 			// parseRequest refused any body whose "model" key is not unique and exactly spelled,
@@ -289,21 +317,33 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 			r.Size = max(r.Size, len(body))
 		}
 	}
+	return body, r, nil
+}
+
+// priceModel finds the prices of the request's model (or the DefaultModel's) and checks the
+// request's output cap against the model's.
+func (m *middleware) priceModel(ctx context.Context, body []byte, r Request) (accounting.Model, *Error) {
 	model, err := m.models.get(ctx, r.Model, m.cfg.Ledger.Model)
 	switch {
 	case errors.Is(err, accounting.ErrUnknownModel) && m.cfg.DefaultModel != nil:
 		model = *m.cfg.DefaultModel
 		model.Name = r.Model
 	case errors.Is(err, accounting.ErrUnknownModel):
-		return m.refuse(c, o, &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Param: "model", Code: CodeModelNotFound,
-			Message: "The model '" + r.Model + "' does not exist or you do not have access to it."})
+		return model, &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Param: "model", Code: CodeModelNotFound,
+			Message: "The model '" + r.Model + "' does not exist or you do not have access to it."}
 	case err != nil:
-		return m.refuse(c, o, errUnavailable("The billing service is unavailable; please retry.", m.cfg.RetryAfter))
+		return model, errUnavailable("The billing service is unavailable; please retry.", m.cfg.RetryAfter)
 	}
 	if r.OutputCap > 0 && model.MaxOutputTokens > 0 && r.OutputCap > model.MaxOutputTokens {
-		return m.refuse(c, o, errInvalid(capParam(body), "The output token limit "+strconv.FormatInt(r.OutputCap, 10)+
-			" is above the model's maximum of "+strconv.FormatInt(model.MaxOutputTokens, 10)+"."))
+		return model, errInvalid(capParam(body), "The output token limit "+strconv.FormatInt(r.OutputCap, 10)+
+			" is above the model's maximum of "+strconv.FormatInt(model.MaxOutputTokens, 10)+".")
 	}
+	return model, nil
+}
+
+// reserveHold sizes the hold (Config.HoldFunc), makes the request's id and reserves the hold;
+// with FailOpen, Redis trouble lets the call go on without one.
+func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, model accounting.Model, start time.Time, o *Outcome) (*call, *Error) {
 	learned, err := m.cfg.Store.ModelMax(ctx, model.Name)
 	if err != nil {
 		learned = 0 // the reserve will meet the same trouble; Model.MaxCost stands in
@@ -311,11 +351,11 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	amount, err := m.cfg.HoldFunc(ctx, HoldInput{Request: r, Model: model, LearnedMax: learned, Fallback: m.cfg.DefaultHold})
 	if err != nil || amount <= 0 || amount > balance.MaxAmount {
 		m.cfg.Logger.Error("escrow: bad hold amount", "model", r.Model, "amount", amount, "err", err)
-		return m.refuse(c, o, errInternal("The hold for this request could not be computed."))
+		return nil, errInternal("The hold for this request could not be computed.")
 	}
 	u, err := uuid.NewV7()
 	if err != nil {
-		return m.refuse(c, o, errInternal("No request id could be made."))
+		return nil, errInternal("No request id could be made.")
 	}
 	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, agreed: amount, learned: max(learned, model.MaxCost),
 		limitKey: m.limitKey(id), start: start}
@@ -324,23 +364,23 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)
 	res, err := m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: id.Org, HoldID: cl.holdID, Amount: amount, KeyID: cl.limitKey})
 	cancel()
-	if err != nil {
-		e, unknown := m.reserveError(err, amount)
-		if unknown {
-			// The reserve may have committed unseen: give it back once Redis answers.
-			m.releaseLater(id.Org, cl.holdID, err)
-		}
-		if e != nil {
-			o.Err = err
-			return m.refuse(c, o, e)
-		}
-		cl.holdAmount, cl.failOpen = 0, true
-		o.HoldAmount, o.FailOpen = 0, true
-		m.cfg.Logger.Warn("escrow: fail-open: request passes without a hold", "hold_id", cl.holdID, "org", id.Org, "err", err)
-	} else {
+	if err == nil {
 		cl.reserved = res
+		return cl, nil
 	}
-	return cl.proxy(c, next, body, o)
+	e, unknown := m.reserveError(err, amount)
+	if unknown {
+		// The reserve may have committed unseen: give it back once Redis answers.
+		m.releaseLater(id.Org, cl.holdID, err)
+	}
+	if e != nil {
+		o.Err = err
+		return nil, e
+	}
+	cl.holdAmount, cl.failOpen = 0, true
+	o.HoldAmount, o.FailOpen = 0, true
+	m.cfg.Logger.Warn("escrow: fail-open: request passes without a hold", "hold_id", cl.holdID, "org", id.Org, "err", err)
+	return cl, nil
 }
 
 // limitKey is the key id to reserve under: the identity's, unless the limits layer cannot name
@@ -386,7 +426,7 @@ func (m *middleware) reserveError(err error, amount int64) (e *Error, unknown bo
 			Message: "Too many requests in flight for your organization. Retry when some have finished."}, false
 	case errors.Is(err, balance.ErrInvalidOrg):
 		return errInvalid("", "The organization id of this API key is not valid."), false
-	case errors.Is(err, accounting.ErrUnknownOrg):
+	case errors.Is(err, balance.ErrUnknownOrg):
 		return &Error{Status: http.StatusUnauthorized, Type: TypeInvalidRequest, Code: CodeInvalidAPIKey,
 			Message: "The organization of this API key has no account."}, false
 	case errors.Is(err, balance.ErrInvalidAmount):

@@ -582,6 +582,53 @@ func TestHoldExtendedWhileRunning(t *testing.T) {
 	e.assertRecorded(o.HoldID, o.HoldAmount)
 }
 
+// lostHolds is the real store, except that each keep-alive reports its hold lost once started
+// is closed.
+type lostHolds struct {
+	*balance.Store
+	started chan struct{}
+}
+
+func (h lostHolds) KeepAlive(_, _ string, onLost func(error)) (*balance.Lease, error) {
+	go func() {
+		<-h.started
+		onLost(errors.New("test: the hold could not be extended"))
+	}()
+	return nil, nil
+}
+
+// TestHoldLostCancelsUpstream: when the store gives up keeping the hold alive, the upstream
+// call is cancelled and the request is charged an estimate (the reaper may release the hold).
+func TestHoldLostCancelsUpstream(t *testing.T) {
+	t.Parallel()
+	started := make(chan struct{})
+	e := newEnv(t, envOpt{cfg: func(c *Config) { c.Store = lostHolds{Store: c.Store.(*balance.Store), started: started} }})
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, `data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hello"}}]}`+"\n\n")
+		w.(http.Flusher).Flush()
+		select { // until the middleware cancels the upstream call
+		case <-r.Context().Done():
+		case <-time.After(10 * time.Second):
+		}
+	})
+	resp := e.post(context.Background(), EndpointChat, e.key, jsonBody(testModel, `"stream":true`))
+	first := make([]byte, 8)
+	if _, err := io.ReadFull(resp.Body, first); err != nil {
+		t.Fatalf("the first bytes never came: %v", err)
+	}
+	close(started) // the hold is lost while the response is on its way
+	_, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	o := e.outcome()
+	if o.Kind != OutcomeEstimated || !errors.Is(o.Err, errHoldLost) {
+		t.Fatalf("outcome %+v", o)
+	}
+	if ev := e.assertRecorded(o.HoldID, o.HoldAmount); !ev.Estimated {
+		t.Fatalf("event %+v not estimated", ev)
+	}
+}
+
 func TestPassThroughStripsKey(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOpt{})

@@ -39,7 +39,6 @@ func (s *Server) buildEcho() error {
 		FailOpen:             s.cfg.FailOpen,
 		MaxRequestBytes:      s.cfg.MaxBodyBytes,
 		DefaultHold:          s.cfg.DefaultHold,
-		HoldTTL:              s.cfg.HoldTTL,
 		RecordTimeout:        s.cfg.RecordTimeout,
 		ReserveTimeout:       s.cfg.ReserveTimeout,
 		KeyCacheTTL:          s.cfg.KeyCacheTTL,

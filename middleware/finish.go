@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"net/http"
-	"sync"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -21,8 +20,8 @@ var (
 	errNoResponse  = errors.New("middleware: the handler wrote no response")
 )
 
-// proxy runs the handler on a context detached from the client's, with the hold extended on a
-// timer, the client's key stripped, and the response captured; then it settles the outcome.
+// proxy runs the handler on a context detached from the client's, with the hold kept alive by
+// the store, the client's key stripped, and the response captured; then it settles the outcome.
 func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outcome) error {
 	m := cl.m
 	req := c.Request()
@@ -63,7 +62,7 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 	c.Response().Writer = cw
 	cl.setHeaders(orig.Header())
 	stopWatch := context.AfterFunc(clientCtx, cw.markGone)
-	ext := cl.startExtender(upCancel)
+	lease := cl.keepAlive(upCancel)
 
 	var nextErr error
 	var panicked any
@@ -71,7 +70,7 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 		defer func() { panicked = recover() }()
 		nextErr = next(c)
 	}()
-	ext.stop()
+	lease.Stop()
 	stopWatch()
 	cw.stop()
 	c.Response().Writer = orig
@@ -122,9 +121,42 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		return false
 	}
 	cw.end()
+	usage, estimated, truncated, why := cl.readUsage(cw, nextErr, panicked, cause)
+	usage, cost, estimated := cl.charge(cw, usage, estimated, truncated)
+	ev := accounting.UsageEvent{
+		// The limit attribution is what the reserve answered (a fail-open request has no reserve
+		// time: it is attributed to its record time). A key id the limits layer cannot name is
+		// kept for reports; the ledger leaves it out of the entry's attribution, as the reserve
+		// left it out of the hold's.
+		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt,
+		Model: cl.req.Model, Endpoint: cl.req.Endpoint,
+		Usage: usage, Cost: cost, HoldAmount: cl.holdAmount, Estimated: estimated, CreatedAt: time.Now(),
+	}
+	o.Usage, o.Cost, o.Err = usage, cost, why
+	rctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
+	rcpt, err := m.record(rctx, ev)
+	cancel()
+	if err != nil {
+		if done, abort := cl.recordFailed(cw, ev, err, &o); done {
+			return abort
+		}
+	}
+	o.Kind = OutcomeRecorded
+	if estimated {
+		o.Kind = OutcomeEstimated
+	} else {
+		cl.learnFrom(cost)
+	}
+	// A late-found record (err != nil) is charged, but its finish is unknown: no balance.
+	cw.commit(costReceipt{cost: cost, balance: rcpt.Balance, haveBal: err == nil && rcpt.HaveBalance})
+	return false
+}
+
+// readUsage is the usage the 2xx response reported. When it has none, estimated is true and
+// why says what went wrong; truncated tells whether the response was cut off after its first
+// byte (only part of it was read) rather than complete without a usage.
+func (cl *call) readUsage(cw *captureWriter, nextErr error, panicked any, cause error) (u accounting.Usage, estimated, truncated bool, why error) {
 	usage, ok := cw.usage()
-	var why error
-	truncated := false // the response ended early: only part of it was read
 	switch {
 	case ok:
 	case cw.boundHit.Load() || errors.Is(cause, errHangupBound):
@@ -142,7 +174,12 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	if err := cw.readable(); !ok && err != nil {
 		why, truncated = err, false
 	}
-	estimated := !ok
+	return usage, !ok, truncated, why
+}
+
+// charge is what the request is charged: its usage priced; for a response cut off, an estimate
+// of its usage; for a 2xx whose usage cannot be read, or that cannot be priced, the hold.
+func (cl *call) charge(cw *captureWriter, usage accounting.Usage, estimated, truncated bool) (accounting.Usage, int64, bool) {
 	var cost int64 // set here only for a hold charge (≥ 1); else priced from usage below
 	switch {
 	case truncated:
@@ -163,61 +200,45 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		var err error
 		if cost, err = cl.model.Cost(usage); err != nil {
 			// Absurd token counts: charge what was held (and log it) rather than nothing.
-			m.cfg.Logger.Error("escrow: usage could not be priced", "hold_id", cl.holdID, "usage", usage, "err", err)
+			cl.m.cfg.Logger.Error("escrow: usage could not be priced", "hold_id", cl.holdID, "usage", usage, "err", err)
 			cost, estimated = max(cl.agreed, 1), true
 		}
 	}
-	ev := accounting.UsageEvent{
-		// The limit attribution is what the reserve answered (a fail-open request has no reserve
-		// time: it is attributed to its record time). A key id the limits layer cannot name is
-		// kept for reports; the ledger leaves it out of the entry's attribution, as the reserve
-		// left it out of the hold's.
-		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt,
-		Model: cl.req.Model, Endpoint: cl.req.Endpoint,
-		Usage: usage, Cost: cost, HoldAmount: cl.holdAmount, Estimated: estimated, CreatedAt: time.Now(),
-	}
-	o.Usage, o.Cost, o.Err = usage, cost, why
-	rctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
-	rcpt, err := m.record(rctx, ev)
-	cancel()
-	if err != nil {
-		switch m.recordOutcome(ev, err) {
-		case recordStored:
-			// The event reached the ledger after all (the void found it): it is charged, so
-			// the client gets its success.
-			m.cfg.Logger.Warn("escrow: usage recorded late; the request completes", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
-		case recordNotStored:
-			// Certainly not billed (refused, or voided so that a late write is a no-op): the
-			// client must not see a success, and the hold goes back.
-			o.Kind, o.Err = OutcomeRecordFailed, err
-			cl.releaseHold()
-			e := errUnavailable("The usage of this request could not be recorded; it was not completed.", m.cfg.RetryAfter)
-			e.Code = CodeBillingFailed
-			if cl.req.Endpoint == EndpointMessages {
-				e = e.forAnthropic()
-			}
-			if cw.mode == modeJSON && !cw.streaming {
-				o.Status = e.Status
-			}
-			return cw.fail(e)
-		default:
-			// Nobody can tell yet whether the event will be stored: neither a success nor an
-			// error would be true, so the connection is cut without either, the hold stays
-			// (a stored event settles it), and the void is retried until the ledger answers.
-			o.Kind, o.Err, o.Status = OutcomeRecordUnknown, err, 0
-			m.voidLater(cl, ev)
-			return true
+	return usage, cost, estimated
+}
+
+// recordFailed answers a request whose record failed. done is false when the event was stored
+// after all (the request completes as recorded); else abort tells whether the connection must
+// be cut (the outcome is unknown) rather than answered with an error.
+func (cl *call) recordFailed(cw *captureWriter, ev accounting.UsageEvent, err error, o *Outcome) (done, abort bool) {
+	m := cl.m
+	switch m.recordOutcome(ev, err) {
+	case recordStored:
+		// The event reached the ledger after all (the void found it): it is charged, so the
+		// client gets its success.
+		m.cfg.Logger.Warn("escrow: usage recorded late; the request completes", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
+		return false, false
+	case recordNotStored:
+		// Certainly not billed (refused, or voided so that a late write is a no-op): the client
+		// must not see a success, and the hold goes back.
+		o.Kind, o.Err = OutcomeRecordFailed, err
+		cl.releaseHold()
+		e := errUnavailable("The usage of this request could not be recorded; it was not completed.", m.cfg.RetryAfter)
+		e.Code = CodeBillingFailed
+		if cl.req.Endpoint == EndpointMessages {
+			e = e.forAnthropic()
 		}
+		if cw.mode == modeJSON && !cw.streaming {
+			o.Status = e.Status
+		}
+		return true, cw.fail(e)
 	}
-	o.Kind = OutcomeRecorded
-	if estimated {
-		o.Kind = OutcomeEstimated
-	} else {
-		cl.learnFrom(cost)
-	}
-	// A late-found record (err != nil) is charged, but its finish is unknown: no balance.
-	cw.commit(costReceipt{cost: cost, balance: rcpt.Balance, haveBal: err == nil && rcpt.HaveBalance})
-	return false
+	// Nobody can tell yet whether the event will be stored: neither a success nor an error
+	// would be true, so the connection is cut without either, the hold stays (a stored event
+	// settles it), and the void is retried until the ledger answers.
+	o.Kind, o.Err, o.Status = OutcomeRecordUnknown, err, 0
+	m.voidLater(cl, ev)
+	return true, true
 }
 
 // recordResult is what became of a usage event whose Record failed.
@@ -239,12 +260,10 @@ func (m *middleware) recordOutcome(ev accounting.UsageEvent, err error) recordRe
 		errors.Is(err, balance.ErrInvalidOrg), errors.Is(err, accounting.ErrRecorderClosed),
 		errors.Is(err, accounting.ErrNotRecorded):
 		return recordNotStored
-	case m.void == nil:
-		return recordUnknown
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
 	defer cancel()
-	return voidResult(m.void(ctx, ev))
+	return voidResult(m.cfg.Recorder.Void(ctx, ev))
 }
 
 func voidResult(err error) recordResult {
@@ -256,22 +275,22 @@ func voidResult(err error) recordResult {
 	case errors.Is(err, accounting.ErrInvalidUsage), errors.Is(err, accounting.ErrInvalidAmount), errors.Is(err, balance.ErrInvalidOrg):
 		return recordNotStored // the ledger could never store it either
 	}
-	return recordUnknown
+	return recordUnknown // errors.ErrUnsupported (a Recorder that cannot void) included
 }
 
 // voidLater retries voiding ev in the background (until ReleaseRetryFor has passed) after a
 // connection was cut with the outcome unknown: a successful void gives the hold back; an event
 // found stored keeps it, for the settle that will come.
 func (m *middleware) voidLater(cl *call, ev accounting.UsageEvent) {
-	if m.void == nil {
-		m.cfg.Logger.Error("escrow: usage outcome unknown and the recorder cannot void; the hold stays for the reaper",
-			"hold_id", cl.holdID, "org", cl.id.Org)
-		return
-	}
 	m.retryLater(func(int) (bool, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
-		err := m.void(ctx, ev)
+		err := m.cfg.Recorder.Void(ctx, ev)
 		cancel()
+		if errors.Is(err, errors.ErrUnsupported) {
+			m.cfg.Logger.Error("escrow: usage outcome unknown and the recorder cannot void; the hold stays for the reaper",
+				"hold_id", cl.holdID, "org", cl.id.Org)
+			return true, nil
+		}
 		switch voidResult(err) {
 		case recordNotStored:
 			m.cfg.Logger.Info("escrow: usage voided after an unknown outcome; hold released", "hold_id", cl.holdID, "org", cl.id.Org)
@@ -307,62 +326,22 @@ func panicErr(p any) error {
 	return errors.New("middleware: handler panicked")
 }
 
-// extender pushes the hold's expiry out every HoldTTL/3 while the handler runs (a timer: no
-// goroutine unless it fires). If it cannot for so long that the hold would expire (minus a
-// margin) before the next try, it cancels the upstream call: the usage is then estimated, and no
-// reaper can act on a live hold.
-type extender struct {
-	mu      sync.Mutex
-	t       *time.Timer
-	stopped bool
-	running sync.WaitGroup
-}
-
-func (e *extender) stop() {
-	if e == nil {
-		return
-	}
-	e.mu.Lock()
-	e.stopped = true
-	if e.t != nil && e.t.Stop() {
-		e.running.Done() // the pending tick will not run
-	}
-	e.mu.Unlock()
-	e.running.Wait()
-}
-
-func (cl *call) startExtender(cancel context.CancelCauseFunc) *extender {
+// keepAlive has the store keep the hold alive while the handler runs (no timer of its own: a
+// request that ends early costs no extension). When the store cannot extend it in time, the
+// upstream call is cancelled: the usage is then estimated, and no reaper acts on a live hold.
+// nil (fail-open: no hold) stops as a no-op.
+func (cl *call) keepAlive(cancel context.CancelCauseFunc) *balance.Lease {
 	if cl.failOpen {
 		return nil
 	}
 	m := cl.m
-	e := &extender{}
-	lastOK := cl.start
-	margin := m.cfg.HoldTTL / 6
-	var tick func()
-	tick = func() {
-		defer e.running.Done()
-		ctx, cc := context.WithTimeout(context.Background(), max(m.extendIn/2, time.Millisecond))
-		_, err := m.cfg.Store.Extend(ctx, cl.id.Org, cl.holdID)
-		cc()
-		now := time.Now()
-		if err == nil {
-			lastOK = now
-		} else if now.Add(m.extendIn).After(lastOK.Add(m.cfg.HoldTTL - margin)) {
-			m.cfg.Logger.Error("escrow: hold not extended in time; cancelling the upstream call", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
-			cancel(errHoldLost)
-			return
-		}
-		e.mu.Lock()
-		defer e.mu.Unlock()
-		if !e.stopped {
-			e.running.Add(1)
-			e.t = time.AfterFunc(m.extendIn, tick)
-		}
+	l, err := m.cfg.Store.KeepAlive(cl.id.Org, cl.holdID, func(err error) {
+		m.cfg.Logger.Error("escrow: hold not extended in time; cancelling the upstream call", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
+		cancel(errHoldLost)
+	})
+	if err != nil {
+		// Reserve took the same ids, so only a Holds of another kind gets here.
+		m.cfg.Logger.Error("escrow: hold cannot be kept alive; it may expire while the request runs", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
 	}
-	e.mu.Lock()
-	e.running.Add(1)
-	e.t = time.AfterFunc(m.extendIn, tick)
-	e.mu.Unlock()
-	return e
+	return l
 }

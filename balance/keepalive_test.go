@@ -1,0 +1,358 @@
+package balance_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/balance/balancetest"
+	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/lua"
+)
+
+// keepAliveTTL is the hold lifetime of the keep-alive tests: short, yet long enough for a
+// loaded machine running the race detector to extend in time.
+const keepAliveTTL = time.Second
+
+// keepAliveStore makes a store with HoldTTL ttl (reaped right after expiry) on c and a warm org
+// with a balance of 1,000,000.
+func keepAliveStore(t *testing.T, env *testutil.RedisEnv, c redis.UniversalClient, ttl time.Duration) (*balance.Store, string) {
+	t.Helper()
+	ctx := context.Background()
+	l := balancetest.NewFakeLedger(1)
+	s, err := balance.New(ctx, c, &balance.Config{Ledger: l, Prefix: env.Prefix, HoldTTL: ttl, PinTTL: time.Hour,
+		ReapGrace: time.Millisecond, MaxInFlight: 10_000, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	org := testutil.RandomName("org")
+	l.Add(org, 1_000_000, "")
+	if err := s.Warm(ctx, org); err != nil {
+		t.Fatal(err)
+	}
+	return s, org
+}
+
+func reserveN(t *testing.T, s *balance.Store, org string, ids ...string) {
+	t.Helper()
+	for _, id := range ids {
+		if _, err := s.Reserve(context.Background(), balance.ReserveRequest{Org: org, HoldID: id, Amount: 10}); err != nil {
+			t.Fatalf("reserve %s: %v", id, err)
+		}
+	}
+}
+
+// reap reaps the org until nothing is left to reap and returns how many holds it released.
+func reap(t *testing.T, s *balance.Store, org string) int {
+	t.Helper()
+	total := 0
+	for {
+		n, err := s.Reap(context.Background(), org)
+		if err != nil {
+			t.Fatalf("reap: %v", err)
+		}
+		if n == 0 {
+			return total
+		}
+		total += n
+	}
+}
+
+// TestKeepAlive: a kept-alive hold outlives several HoldTTLs (a reaper finds nothing to
+// release), a hold whose keep-alive was stopped expires and is reaped, and a stopped Lease is
+// stopped for good.
+func TestKeepAlive(t *testing.T) {
+	t.Parallel()
+	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
+		t.Parallel()
+		s, org := keepAliveStore(t, env, env.Client, keepAliveTTL)
+		reserveN(t, s, org, "kept", "stopped")
+		lost := make(chan error, 2)
+		kept, err := s.KeepAlive(org, "kept", func(err error) { lost <- err })
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(kept.Stop)
+		stopped, err := s.KeepAlive(org, "stopped", func(err error) { lost <- err })
+		if err != nil {
+			t.Fatal(err)
+		}
+		stopped.Stop()
+		stopped.Stop() // twice is fine
+
+		time.Sleep(3 * keepAliveTTL)
+		if n := reap(t, s, org); n != 1 {
+			t.Fatalf("reaped %d holds, want 1 (the stopped one)", n)
+		}
+		if st, err := s.State(context.Background(), org); err != nil || st.Holds != 1 {
+			t.Fatalf("state %+v %v: want the kept hold alone", st, err)
+		}
+		kept.Stop()
+		time.Sleep(keepAliveTTL + 50*time.Millisecond)
+		if n := reap(t, s, org); n != 1 {
+			t.Fatalf("reaped %d holds after the keep-alive stopped, want 1", n)
+		}
+		select {
+		case err := <-lost:
+			t.Fatalf("a lease was lost: %v", err)
+		default:
+		}
+	})
+}
+
+// TestKeepAliveInvalid: KeepAlive takes the ids Reserve takes; a nil Lease stops.
+func TestKeepAliveInvalid(t *testing.T) {
+	t.Parallel()
+	env := testutil.MiniRedis(t)
+	s, org := keepAliveStore(t, env, env.Client, keepAliveTTL)
+	if _, err := s.KeepAlive("{bad}", "a", nil); !errors.Is(err, balance.ErrInvalidOrg) {
+		t.Fatalf("bad org: %v", err)
+	}
+	if _, err := s.KeepAlive(org, "", nil); !errors.Is(err, balance.ErrInvalidHoldID) {
+		t.Fatalf("bad hold id: %v", err)
+	}
+	var l *balance.Lease
+	l.Stop()
+}
+
+// TestKeepAliveLost: when Redis stops answering, the lease gives up once the hold could expire
+// before the next try, and calls onLost once; Stop afterwards is fine.
+func TestKeepAliveLost(t *testing.T) {
+	t.Parallel()
+	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
+		t.Parallel()
+		c := ownClient(t, env, nil)
+		s, org := keepAliveStore(t, env, c, keepAliveTTL)
+		reserveN(t, s, org, "a")
+		var calls atomic.Int32
+		lost := make(chan error, 1)
+		start := time.Now()
+		l, err := s.KeepAlive(org, "a", func(err error) { calls.Add(1); lost <- err })
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = c.Close() // every extension fails from now on
+		select {
+		case err := <-lost:
+			if err == nil {
+				t.Fatal("onLost got a nil error")
+			}
+			// Not at the first failure (HoldTTL/3): only once the next try would come after
+			// the hold's expiry less the margin (HoldTTL/2 here; a loaded machine may be late).
+			if d := time.Since(start); d < keepAliveTTL/2 || d > 2*keepAliveTTL {
+				t.Fatalf("given up after %v, want about HoldTTL/2", d)
+			}
+		case <-time.After(10 * keepAliveTTL):
+			t.Fatal("onLost never called")
+		}
+		l.Stop()
+		time.Sleep(keepAliveTTL)
+		if n := calls.Load(); n != 1 {
+			t.Fatalf("onLost called %d times", n)
+		}
+	})
+}
+
+// extendHook counts the extend calls sent to Redis and the round trips they took.
+type extendHook struct {
+	sha        string
+	calls      atomic.Int64
+	roundTrips atomic.Int64
+}
+
+func (h *extendHook) isExtend(c redis.Cmder) bool {
+	a := c.Args()
+	return len(a) > 1 && strings.EqualFold(c.Name(), "evalsha") && fmt.Sprint(a[1]) == h.sha
+}
+
+func (h *extendHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *extendHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if h.isExtend(cmd) {
+			h.calls.Add(1)
+			h.roundTrips.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+func (h *extendHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		n := int64(0)
+		for _, c := range cmds {
+			if h.isExtend(c) {
+				n++
+			}
+		}
+		if n > 0 {
+			h.calls.Add(n)
+			h.roundTrips.Add(1)
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// TestKeepAliveBatched: many holds kept alive at once, from many goroutines, are extended
+// together, a pipeline for many holds, not a round trip each; all of them outlive HoldTTL and
+// all of them expire once stopped.
+func TestKeepAliveBatched(t *testing.T) {
+	t.Parallel()
+	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
+		t.Parallel()
+		// A pipeline of hundreds of scripts takes a while on miniredis under the race detector:
+		// a longer HoldTTL gives it time (each pipeline must answer within HoldTTL/6).
+		const holds, ttl = 300, 2 * keepAliveTTL
+		hook := &extendHook{sha: extendSHA(t, env)}
+		c := ownClient(t, env, nil)
+		c.AddHook(hook)
+		s, org := keepAliveStore(t, env, c, ttl)
+		ids := make([]string, holds)
+		for i := range ids {
+			ids[i] = fmt.Sprintf("h%03d", i)
+		}
+		reserveN(t, s, org, ids...)
+		leases := make([]*balance.Lease, holds)
+		var wg sync.WaitGroup
+		for i := range ids {
+			wg.Go(func() {
+				l, err := s.KeepAlive(org, ids[i], func(err error) { t.Errorf("lease %s lost: %v", ids[i], err) })
+				if err != nil {
+					t.Error(err)
+				}
+				leases[i] = l
+			})
+		}
+		wg.Wait()
+		stopAll := func() {
+			for _, l := range leases {
+				l.Stop()
+			}
+		}
+		t.Cleanup(stopAll)
+		time.Sleep(3 * ttl)
+		if n := reap(t, s, org); n != 0 {
+			t.Fatalf("reaped %d kept-alive holds", n)
+		}
+		stopAll()
+		calls, trips := hook.calls.Load(), hook.roundTrips.Load()
+		t.Logf("%d extensions in %d round trips", calls, trips)
+		if calls < 2*holds {
+			t.Fatalf("%d extensions of %d holds over 3 HoldTTLs, want ≥ %d", calls, holds, 2*holds)
+		}
+		if trips*20 > calls {
+			t.Fatalf("%d extensions took %d round trips: not batched", calls, trips)
+		}
+		time.Sleep(ttl + 50*time.Millisecond)
+		if n := reap(t, s, org); n != holds {
+			t.Fatalf("reaped %d holds after every keep-alive stopped, want %d", n, holds)
+		}
+	})
+}
+
+// extendSHA is the SHA1 of the extend script, as EVALSHA names it.
+func extendSHA(t *testing.T, env *testutil.RedisEnv) string {
+	t.Helper()
+	sha, err := env.Client.ScriptLoad(context.Background(), lua.Extend).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sha
+}
+
+// afterFuncExtender is the keep-alive the middleware used to run per request, for comparison:
+// a timer armed at every third of HoldTTL, stopped (and waited for) when the request ends.
+type afterFuncExtender struct {
+	mu      sync.Mutex
+	t       *time.Timer
+	stopped bool
+	running sync.WaitGroup
+}
+
+func startAfterFunc(every time.Duration, extend func() error, onLost func(error)) *afterFuncExtender {
+	e := &afterFuncExtender{}
+	var tick func()
+	tick = func() {
+		defer e.running.Done()
+		if err := extend(); err != nil {
+			onLost(err)
+			return
+		}
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if !e.stopped {
+			e.running.Add(1)
+			e.t = time.AfterFunc(every, tick)
+		}
+	}
+	e.mu.Lock()
+	e.running.Add(1)
+	e.t = time.AfterFunc(every, tick)
+	e.mu.Unlock()
+	return e
+}
+
+func (e *afterFuncExtender) stop() {
+	e.mu.Lock()
+	e.stopped = true
+	if e.t != nil && e.t.Stop() {
+		e.running.Done()
+	}
+	e.mu.Unlock()
+	e.running.Wait()
+}
+
+// BenchmarkKeepAlive is the cost a request that ends before its first extension pays for its
+// keep-alive: the store's (a queue slot) against a timer per request (the former extender),
+// from one goroutine and from many.
+func BenchmarkKeepAlive(b *testing.B) {
+	env := testutil.MiniRedis(b)
+	ctx := context.Background()
+	l := balancetest.NewFakeLedger(1)
+	s, err := balance.New(ctx, env.Client, &balance.Config{Ledger: l, Prefix: env.Prefix, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		b.Fatal(err)
+	}
+	every := s.Config().HoldTTL / 3
+	extend := func() error { _, err := s.Extend(ctx, "acme", "h"); return err }
+	cancel := func(error) {}
+	store := func() {
+		onLost := func(err error) { cancel(err) } // the middleware's closure, in both cases
+		lease, err := s.KeepAlive("acme", "h", onLost)
+		if err != nil {
+			b.Fatal(err)
+		}
+		lease.Stop()
+	}
+	timer := func() {
+		onLost := func(err error) { cancel(err) }
+		startAfterFunc(every, extend, onLost).stop()
+	}
+	for _, bc := range []struct {
+		name string
+		f    func()
+	}{{"store", store}, {"afterfunc", timer}} {
+		b.Run(bc.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				bc.f()
+			}
+		})
+		b.Run(bc.name+"/parallel", func(b *testing.B) {
+			b.ReportAllocs()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					bc.f()
+				}
+			})
+		})
+	}
+}
