@@ -66,7 +66,6 @@ type middleware struct {
 	passDirs []string // PassThrough prefixes ("/v1/models/" for "/v1/models/*")
 	allow    map[string]bool
 	extendIn time.Duration
-	raised   sync.Map  // model → the highest cost this process raised its learned max to
 	badKey   sync.Once // logs the first key id the limits layer cannot name
 }
 
@@ -170,7 +169,6 @@ type call struct {
 	model      accounting.Model
 	holdAmount int64
 	agreed     int64 // the hold amount computed for the request, kept when fail-open takes no hold
-	learned    int64 // the model's learned max cost when the hold was taken
 	failOpen   bool
 	// limitKey is the key id the hold was reserved under ("" when none, or when the limits layer
 	// cannot name the identity's key id).
@@ -317,7 +315,7 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	if err != nil {
 		return m.refuse(c, o, errInternal("No request id could be made."))
 	}
-	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, agreed: amount, learned: max(learned, model.MaxCost),
+	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, agreed: amount,
 		limitKey: m.limitKey(id), start: start}
 	o.HoldID, o.HoldAmount = cl.holdID, amount
 
