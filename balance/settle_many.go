@@ -67,8 +67,8 @@ func (s *Store) SettleMany(ctx context.Context, epoch Epoch, orgs map[string][]E
 		r := out[c.org]
 		chunk := orgs[c.org][c.start:min(c.start+settleChunk, len(orgs[c.org]))]
 		res, err := cmds[i].Slice()
-		if err == nil && len(res) < 2 {
-			err = errors.New("short settle reply")
+		if err == nil && len(res) == 0 {
+			err = errors.New("empty settle reply")
 		}
 		if err != nil {
 			r.Err = fmt.Errorf("balance: settle: %w: %w", ErrRedis, err)
@@ -128,6 +128,9 @@ func settleReply(res []any, chunk []Entry, statuses []SettleStatus) error {
 			statuses[i] = Cold
 		}
 		return ErrCold
+	}
+	if len(res) < 2 {
+		return fmt.Errorf("balance: settle: %w: short reply %v", ErrRedis, res)
 	}
 	wm := toInt(res[1])
 	for j, code := range res[2:] {
