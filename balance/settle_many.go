@@ -48,7 +48,7 @@ func (s *Store) SettleMany(ctx context.Context, epoch Epoch, orgs map[string][]E
 			continue
 		}
 		out[org] = OrgSettle{Statuses: make([]SettleStatus, len(entries))}
-		k := s.orgKeys(org)
+		k := s.keys(org).settleKeys()
 		for start := 0; start < len(entries); start += settleChunk {
 			calls = append(calls, call{org, start})
 			keys = append(keys, k)
