@@ -79,7 +79,10 @@ type UsageEvent struct {
 	Cost       int64     `json:"cost"`        // priced with the prices in force when the hold was taken
 	HoldAmount int64     `json:"hold_amount"` // 0 for fail-open requests (no hold)
 	Estimated  bool      `json:"estimated"`   // usage estimated (no usage reported by the upstream)
-	CreatedAt  time.Time `json:"created_at"`
+	// Choices is how many choices the request asked for (n, best_of); 0 counts as 1. The
+	// account pass learns the model's max cost of one choice, ⌈Cost / Choices⌉, from it.
+	Choices   int64     `json:"choices,omitempty"`
+	CreatedAt time.Time `json:"created_at"`
 }
 
 // EntryKind is the kind of a ledger entry.
@@ -188,12 +191,21 @@ type Settlement interface {
 	// takes the next sequence number. Orgs locked by another worker are left for later. It
 	// returns how many events it accounted.
 	AccountPending(ctx context.Context, limit int) (int, error)
+	// AccountPass is AccountPending that also says which orgs got entries and, per model, the
+	// highest cost of one choice among the real (not estimated) costs it accounted.
+	AccountPass(ctx context.Context, limit int) (AccountResult, error)
 	// UnsettledEntries returns up to limit entries of org with Seq > settled_seq, in Seq order,
 	// and the epoch read in the same transaction.
 	UnsettledEntries(ctx context.Context, org string, limit int) ([]balance.Entry, balance.Epoch, error)
 	// MarkSettled records that the org's entries up to seq are in the hot balance
 	// (settled_seq = GREATEST(settled_seq, seq)).
 	MarkSettled(ctx context.Context, org string, seq int64) error
+	// UnsettledEntriesOf is UnsettledEntries for several orgs in one read: up to limit entries
+	// of each org, and the epoch read with them. Orgs with nothing to settle are left out.
+	UnsettledEntriesOf(ctx context.Context, orgs []string, limit int) (map[string][]balance.Entry, balance.Epoch, error)
+	// MarkSettledMany is MarkSettled for several orgs in one write (org → seq); orgs with no
+	// account are skipped.
+	MarkSettledMany(ctx context.Context, marks map[string]int64) error
 	// OrgsToSettle lists up to limit orgs with settled_seq < ledger_seq or pending usage.
 	OrgsToSettle(ctx context.Context, limit int) ([]string, error)
 }

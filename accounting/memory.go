@@ -159,7 +159,7 @@ func (m *Memory) snapshot(org string, since *time.Time) (balance.Snapshot, error
 		m.mu.Unlock()
 		return balance.Snapshot{}, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 	}
-	n, err := m.accountOrgLocked(org, -1)
+	n, err := m.accountOrgLocked(org, -1, nil)
 	a = m.accounts[org]
 	snap := balance.Snapshot{Epoch: m.epoch, Balance: a.balance, Seq: int64(len(a.entries))}
 	if since != nil && err == nil {
@@ -204,6 +204,33 @@ func (m *Memory) UnsettledEntries(ctx context.Context, org string, limit int) ([
 	out := a.entriesFrom(a.settled, limit)
 	for i := range out { // the settle-lag clock: the entry's own time (accounting is in-process)
 		out[i].Recorded = a.entries[out[i].Seq-1].CreatedAt
+	}
+	return out, m.epoch, nil
+}
+
+// UnsettledEntriesOf returns, for each of orgs with entries past its settled sequence, up to
+// limit of them, with the epoch.
+func (m *Memory) UnsettledEntriesOf(ctx context.Context, orgs []string, limit int) (map[string][]balance.Entry, balance.Epoch, error) {
+	for _, org := range orgs {
+		if err := balance.ValidateOrg(org); err != nil {
+			return nil, balance.Epoch{}, err
+		}
+	}
+	out := make(map[string][]balance.Entry, len(orgs))
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, org := range orgs {
+		a := m.accounts[org]
+		if a == nil || out[org] != nil {
+			continue
+		}
+		es := a.entriesFrom(a.settled, limit)
+		for i := range es {
+			es[i].Recorded = a.entries[es[i].Seq-1].CreatedAt
+		}
+		if len(es) > 0 {
+			out[org] = es
+		}
 	}
 	return out, m.epoch, nil
 }
@@ -357,6 +384,12 @@ func cmpEvents(a, b *memEvent) int {
 
 // AccountPending turns up to limit pending usage events into charge entries.
 func (m *Memory) AccountPending(ctx context.Context, limit int) (int, error) {
+	r, err := m.AccountPass(ctx, limit)
+	return r.Accounted, err
+}
+
+// AccountPass is AccountPending with the orgs it charged and the learned max costs it found.
+func (m *Memory) AccountPass(ctx context.Context, limit int) (AccountResult, error) {
 	if limit <= 0 {
 		limit = defaultLimit
 	}
@@ -373,30 +406,30 @@ func (m *Memory) AccountPending(ctx context.Context, limit int) (int, error) {
 		}
 	}
 	slices.SortFunc(heads, func(a, b head) int { return cmpEvents(a.e, b.e) })
-	total := 0
-	var orgs []string
+	var r AccountResult
 	var firstErr error
 	for _, h := range heads {
-		if total >= limit {
+		if r.Accounted >= limit {
 			break
 		}
-		n, err := m.accountOrgLocked(h.org, limit-total)
+		n, err := m.accountOrgLocked(h.org, limit-r.Accounted, &r)
 		if err != nil && firstErr == nil {
 			firstErr = err
 		}
 		if n > 0 {
-			total += n
-			orgs = append(orgs, h.org)
+			r.Accounted += n
+			r.Orgs = append(r.Orgs, h.org)
 		}
 	}
 	m.mu.Unlock()
-	m.notify(orgs...)
-	return total, firstErr
+	m.notify(r.Orgs...)
+	return r, firstErr
 }
 
 // accountOrgLocked accounts up to limit (all when < 0) of org's pending events, creating the
-// account when the org has none: a request that was served is billed.
-func (m *Memory) accountOrgLocked(org string, limit int) (int, error) {
+// account when the org has none: a request that was served is billed. With r, each event's
+// cost of one choice is learned into r.MaxCost.
+func (m *Memory) accountOrgLocked(org string, limit int, r *AccountResult) (int, error) {
 	q := m.pending[org]
 	if limit < 0 || limit > len(q) {
 		limit = len(q)
@@ -427,6 +460,9 @@ func (m *Memory) accountOrgLocked(org string, limit int) (int, error) {
 		a.entries = append(a.entries, LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: KindCharge, HoldID: e.ev.ID, CreatedAt: now})
 		at := attrTime(e.ev.ReservedAt, e.ev.CreatedAt)
 		a.attr[e.seq] = entryAttr{key: e.ev.KeyID, project: e.ev.Project, at: at}
+		if r != nil {
+			r.learn(e.ev.Model, e.ev.Cost, e.ev.Choices, e.ev.Estimated)
+		}
 		if k := m.keys[e.ev.KeyID]; k != nil && at.After(k.used) {
 			k.used = at
 		}
@@ -459,6 +495,23 @@ func (m *Memory) MarkSettled(ctx context.Context, org string, seq int64) error {
 		return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 	}
 	a.settled = max(a.settled, min(seq, int64(len(a.entries))))
+	return nil
+}
+
+// MarkSettledMany is MarkSettled for each org of marks; orgs with no account are skipped.
+func (m *Memory) MarkSettledMany(ctx context.Context, marks map[string]int64) error {
+	for org := range marks {
+		if err := balance.ValidateOrg(org); err != nil {
+			return err
+		}
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for org, seq := range marks {
+		if a := m.accounts[org]; a != nil {
+			a.settled = max(a.settled, min(seq, int64(len(a.entries))))
+		}
+	}
 	return nil
 }
 

@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"slices"
 	"strings"
 	"time"
 
@@ -388,6 +389,23 @@ type orgCharges struct {
 	costs   []int64
 	attrs   []chargeAttr    // each charge's attribution, for the limits' windows
 	limits  []balance.Limit // the org's live limits (none: no window is moved)
+	// lowAt is the account's low-balance threshold when lowKnown (read with the row lock):
+	// then the balance.low check is queued only when the charges cross it.
+	lowAt    *int64
+	lowKnown bool
+}
+
+// crossesLow reports whether the charges may take the balance below its low-balance threshold
+// (always true when the threshold was not read).
+func (c *orgCharges) crossesLow() bool {
+	if !c.lowKnown {
+		return true
+	}
+	if c.lowAt == nil {
+		return false
+	}
+	after := c.balance - c.sum()
+	return after < *c.lowAt && c.balance >= *c.lowAt
 }
 
 func (c *orgCharges) sum() int64 {
@@ -412,188 +430,270 @@ func (c *orgCharges) check() error {
 // transaction's time), in the caller's transaction (which holds the orgs' locks), in one round
 // trip.
 func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges, now time.Time) error {
-	var orgs, ids []string
-	var sums, counts, seqs []int64
+	b := &pgx.Batch{}
+	queueCharges(b, cs, now)
+	return tx.SendBatch(ctx, b).Close()
+}
+
+// queueCharges queues writeCharges' statements on b; the balance.low check only for the orgs
+// whose charges may cross their threshold, the windows only for orgs with limits.
+func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time) {
+	var orgs, ids, lowOrgs []string
+	var sums, counts, seqs, lowChanges []int64
 	for _, c := range cs {
 		orgs = append(orgs, c.org)
-		sums = append(sums, c.sum())
+		sum := c.sum()
+		sums = append(sums, sum)
 		counts = append(counts, int64(len(c.ids)))
 		for i, id := range c.ids {
 			ids = append(ids, id)
 			seqs = append(seqs, c.base+int64(i)+1)
 		}
+		if c.crossesLow() {
+			lowOrgs, lowChanges = append(lowOrgs, c.org), append(lowChanges, -sum)
+		}
 	}
-	b := &pgx.Batch{}
 	b.Queue(sqlWriteCharges, orgs, sums, counts, ids, seqs)
 	b.Queue(sqlNotifyAll, orgs)
-	changes := make([]int64, len(sums))
-	for i, s := range sums {
-		changes[i] = -s
+	if len(lowOrgs) > 0 {
+		queueLowBalance(b, lowOrgs, lowChanges) // webhooks: in the same transaction
 	}
-	queueLowBalance(b, orgs, changes) // webhooks: in the same transaction
 	queueLimitWindows(b, cs, now)
-	return tx.SendBatch(ctx, b).Close()
 }
 
 // AccountPending turns up to limit (at most 10,000) pending usage events into charge entries,
+// oldest first (see AccountPass).
+func (p *Postgres) AccountPending(ctx context.Context, limit int) (int, error) {
+	r, err := p.AccountPass(ctx, limit)
+	return r.Accounted, err
+}
+
+// AccountPass turns up to limit (at most 10,000) pending usage events into charge entries,
 // oldest first. One transaction covers the batch: it locks the account rows of the orgs
-// involved with FOR UPDATE SKIP LOCKED and their advisory locks with
+// involved with FOR UPDATE SKIP LOCKED and, after each row, the org's advisory lock with
 // pg_try_advisory_xact_lock (an org another worker or a snapshot holds is left for later, so
 // workers never wait for each other), claims those orgs' events FOR UPDATE SKIP LOCKED, and
 // writes, in one statement, the entries with each org's next sequence numbers, one update per
 // account and the events' status; then notifies each org. So every org's charges are written
 // in one transaction that holds the org's locks, and a batch costs one commit however many
 // orgs it spans. An org with no account row gets one (a request that was served is billed).
-func (p *Postgres) AccountPending(ctx context.Context, limit int) (int, error) {
+//
+// Round trips: the discovery read (outside the transaction), then BEGIN with the locks, the
+// claim with the limits, and the writes with COMMIT: four, however many orgs and events.
+func (p *Postgres) AccountPass(ctx context.Context, limit int) (AccountResult, error) {
 	if limit <= 0 {
 		limit = defaultLimit
 	}
-	limit = min(limit, maxClaim)
-	rows, err := p.pool.Query(ctx, `
+	want, orgs, err := p.pendingOrgs(ctx, min(limit, maxClaim))
+	if err != nil || len(orgs) == 0 {
+		return AccountResult{}, wrapPg("account pending", err)
+	}
+	conn, err := p.pool.Acquire(ctx)
+	if err != nil {
+		return AccountResult{}, wrapPg("account pending", err)
+	}
+	// A connection released inside a transaction (an error below) is closed by the pool, which
+	// rolls the transaction back.
+	defer conn.Release()
+	r, orgErrs, err := accountTx(ctx, conn.Conn(), want, orgs)
+	if err != nil {
+		if conn.Conn().PgConn().TxStatus() != 'I' {
+			_, _ = conn.Exec(ctx, "ROLLBACK")
+		}
+		return AccountResult{}, wrapPg("account pending", err)
+	}
+	if len(orgErrs) > 0 {
+		return r, fmt.Errorf("accounting: account pending: %w", errors.Join(orgErrs...))
+	}
+	return r, nil
+}
+
+// pendingOrgs finds the orgs of the oldest limit pending events, oldest first, and how many
+// events of each are among them.
+func (p *Postgres) pendingOrgs(ctx context.Context, limit int) (map[string]int, []string, error) {
+	rows, _ := p.pool.Query(ctx, `
 SELECT org_id, count(*)::int FROM (
 	SELECT org_id, created_at FROM usage_events WHERE status = 'pending' ORDER BY created_at LIMIT $1
 ) p GROUP BY org_id ORDER BY min(created_at)`, limit)
-	if err != nil {
-		return 0, wrapPg("account pending", err)
-	}
 	want := map[string]int{}
 	var orgs []string
-	for rows.Next() {
-		var org string
-		var n int
-		if err := rows.Scan(&org, &n); err != nil {
-			rows.Close()
-			return 0, wrapPg("account pending", err)
-		}
+	var org string
+	var n int
+	_, err := pgx.ForEachRow(rows, []any{&org, &n}, func() error {
 		want[org] = n
 		orgs = append(orgs, org)
-	}
-	if err := rows.Err(); err != nil {
-		return 0, wrapPg("account pending", err)
-	}
-	if len(orgs) == 0 {
-		return 0, nil
-	}
-	total := 0
-	var orgErrs []error
-	err = pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-		total, orgErrs = 0, nil
-		accts := map[string]*orgCharges{}
-		scanAccts := func(rows pgx.Rows) error {
-			defer rows.Close()
-			for rows.Next() {
-				c := &orgCharges{}
-				if err := rows.Scan(&c.org, &c.balance, &c.base); err != nil {
-					return err
-				}
-				accts[c.org] = c
-			}
-			return rows.Err()
-		}
-		rows, _ := tx.Query(ctx, `SELECT org_id, balance, ledger_seq FROM accounts WHERE org_id = ANY($1::text[]) ORDER BY org_id FOR UPDATE SKIP LOCKED`, orgs)
-		if err := scanAccts(rows); err != nil {
-			return err
-		}
-		var missing []string
-		for _, o := range orgs {
-			if accts[o] == nil {
-				missing = append(missing, o)
-			}
-		}
-		if len(missing) > 0 {
-			// No account (create it) or a row another transaction holds (ON CONFLICT DO
-			// NOTHING does not wait for a row lock: that org is left for later).
-			rows, _ := tx.Query(ctx, `INSERT INTO accounts (org_id) SELECT o FROM unnest($1::text[]) AS o ORDER BY o
-ON CONFLICT DO NOTHING RETURNING org_id, balance, ledger_seq`, missing)
-			if err := scanAccts(rows); err != nil {
-				return err
-			}
-		}
-		var locked []string
-		var limits []int32
-		for _, o := range orgs {
-			if accts[o] != nil {
-				locked = append(locked, o)
-			}
-		}
-		if len(locked) == 0 {
-			return nil
-		}
-		rows, _ = tx.Query(ctx, `SELECT o FROM unnest($1::text[]) AS o WHERE pg_try_advisory_xact_lock(hashtext(current_schema()), hashtext(o))`, locked)
-		got, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			return err
-		}
-		if len(got) == 0 {
-			return nil
-		}
-		for _, o := range got {
-			limits = append(limits, int32(want[o]))
-		}
-		b := &pgx.Batch{}
-		b.Queue(`
-SELECT c.org_id, c.id::text, c.cost, `+sqlClaimAttr+`
+		return nil
+	})
+	return want, orgs, err
+}
+
+// sqlLockAccounts locks the account rows of the orgs $1 that no one else holds, in org order,
+// and, for each row locked, tries the org's advisory lock (after the row, never before): the
+// last column says whether it was taken.
+const sqlLockAccounts = `
+WITH a AS MATERIALIZED (
+	SELECT org_id, balance, ledger_seq, low_balance_threshold FROM accounts
+	WHERE org_id = ANY($1::text[]) ORDER BY org_id FOR UPDATE SKIP LOCKED
+)
+SELECT org_id, balance, ledger_seq, low_balance_threshold,
+	pg_try_advisory_xact_lock(hashtext(current_schema()), hashtext(org_id)) FROM a`
+
+// sqlCreateAccounts makes the accounts of the orgs $1 that have none and takes their advisory
+// locks; a row another transaction is inserting (ON CONFLICT DO NOTHING does not wait for it)
+// is left for later.
+const sqlCreateAccounts = `
+WITH a AS (
+	INSERT INTO accounts (org_id) SELECT o FROM unnest($1::text[]) AS o ORDER BY o
+	ON CONFLICT DO NOTHING RETURNING org_id, balance, ledger_seq, low_balance_threshold
+)
+SELECT org_id, balance, ledger_seq, low_balance_threshold,
+	pg_try_advisory_xact_lock(hashtext(current_schema()), hashtext(org_id)) FROM a`
+
+// sqlClaim claims, for each org of $1 in turn, its $2 oldest pending events that no one else
+// holds, with what the entries and the learned max need.
+const sqlClaim = `
+SELECT c.org_id, c.id::text, c.cost, ` + sqlClaimAttr + `, c.model, c.estimated, c.choices
 FROM unnest($1::text[], $2::int[]) WITH ORDINALITY AS o(org, n, ord)
 CROSS JOIN LATERAL (
-	SELECT org_id, id, cost, created_at, key_id, project, reserved_at FROM usage_events
-	WHERE org_id = o.org AND status = 'pending'`+sqlClaimOrder+` LIMIT o.n FOR UPDATE SKIP LOCKED
-) c ORDER BY o.ord, c.created_at, c.id`, got, limits)
-		b.Queue(sqlChargeLimits, got)
-		br := tx.SendBatch(ctx, b)
-		var cs []orgCharges
-		err = func() error {
-			rows, _ := br.Query()
-			defer rows.Close()
-			for rows.Next() {
-				var org, id string
-				var a chargeAttr
-				if err := rows.Scan(&org, &id, &a.cost, &a.key, &a.project, &a.at); err != nil {
-					return err
-				}
-				c := accts[org]
-				c.ids = append(c.ids, id)
-				c.costs = append(c.costs, a.cost)
-				c.attrs = append(c.attrs, a)
-			}
-			return rows.Err()
-		}()
-		var lims map[string][]balance.Limit
-		var now time.Time
+	SELECT org_id, id, cost, created_at, key_id, project, reserved_at, model, estimated, choices FROM usage_events
+	WHERE org_id = o.org AND status = 'pending'` + sqlClaimOrder + ` LIMIT o.n FOR UPDATE SKIP LOCKED
+) c ORDER BY o.ord, c.created_at, c.id`
+
+// accountTx runs the account pass's transaction on conn (BEGIN is sent with the locks, COMMIT
+// with the writes). orgErrs are orgs left out (their charges would break the balance bound).
+func accountTx(ctx context.Context, conn *pgx.Conn, want map[string]int, orgs []string) (r AccountResult, orgErrs []error, err error) {
+	accts, got, err := lockOrgs(ctx, conn, orgs)
+	if err != nil || len(got) == 0 {
 		if err == nil {
-			rows, _ := br.Query()
-			lims, now, err = scanChargeLimits(rows)
+			_, err = conn.Exec(ctx, "COMMIT")
 		}
-		if cerr := br.Close(); err == nil {
-			err = cerr
-		}
-		if err != nil {
-			return err
-		}
-		for _, o := range got {
-			c := accts[o]
-			if len(c.ids) == 0 {
-				continue
-			}
-			if err := c.check(); err != nil {
-				orgErrs = append(orgErrs, err)
-				continue
-			}
-			c.limits = lims[o]
-			cs = append(cs, *c)
-			total += len(c.ids)
-		}
-		if len(cs) == 0 {
-			return nil
-		}
-		return writeCharges(ctx, tx, cs, now)
-	})
+		return r, nil, err
+	}
+	now, err := claimEvents(ctx, conn, accts, got, want, &r)
 	if err != nil {
-		return 0, wrapPg("account pending", err)
+		return r, nil, err
 	}
-	if len(orgErrs) > 0 {
-		return total, fmt.Errorf("accounting: account pending: %w", errors.Join(orgErrs...))
+	var cs []orgCharges
+	for _, o := range got {
+		c := accts[o]
+		if len(c.ids) == 0 {
+			continue
+		}
+		if err := c.check(); err != nil {
+			orgErrs = append(orgErrs, err)
+			continue
+		}
+		cs = append(cs, *c)
+		r.Accounted += len(c.ids)
+		r.Orgs = append(r.Orgs, o)
 	}
-	return total, nil
+	b := &pgx.Batch{}
+	if len(cs) > 0 {
+		queueCharges(b, cs, now)
+	}
+	b.Queue("COMMIT")
+	if err := conn.SendBatch(ctx, b).Close(); err != nil {
+		return AccountResult{}, nil, err
+	}
+	return r, orgErrs, nil
+}
+
+// lockOrgs begins the transaction and locks what it can of orgs' accounts (creating missing
+// ones) and advisory locks. got lists the orgs whose locks it holds, in orgs' order.
+func lockOrgs(ctx context.Context, conn *pgx.Conn, orgs []string) (map[string]*orgCharges, []string, error) {
+	accts := map[string]*orgCharges{}
+	seen := map[string]bool{}
+	scan := func(rows pgx.Rows) error {
+		var c orgCharges
+		var locked bool
+		_, err := pgx.ForEachRow(rows, []any{&c.org, &c.balance, &c.base, &c.lowAt, &locked}, func() error {
+			seen[c.org] = true
+			if locked {
+				cc := c
+				cc.lowKnown = true
+				accts[c.org] = &cc
+			}
+			return nil
+		})
+		return err
+	}
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	b.Queue(sqlLockAccounts, orgs)
+	br := conn.SendBatch(ctx, b)
+	_, err := br.Exec()
+	if err == nil {
+		rows, _ := br.Query()
+		err = scan(rows)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	// Not seen: no account (create it) or a row another transaction holds (left for later).
+	var missing []string
+	for _, o := range orgs {
+		if !seen[o] {
+			missing = append(missing, o)
+		}
+	}
+	if len(missing) > 0 {
+		rows, _ := conn.Query(ctx, sqlCreateAccounts, missing)
+		if err := scan(rows); err != nil {
+			return nil, nil, err
+		}
+	}
+	var got []string
+	for _, o := range orgs {
+		if accts[o] != nil {
+			got = append(got, o)
+		}
+	}
+	return accts, got, nil
+}
+
+// claimEvents claims the pending events of the locked orgs got (want[org] of each at most)
+// into accts and reads their live limits, in one round trip; it returns the transaction's
+// time (zero when no org has limits) and learns the events' costs of one choice into r.
+func claimEvents(ctx context.Context, conn *pgx.Conn, accts map[string]*orgCharges, got []string, want map[string]int, r *AccountResult) (time.Time, error) {
+	limits := make([]int32, len(got))
+	for i, o := range got {
+		limits[i] = int32(want[o])
+	}
+	b := &pgx.Batch{}
+	b.Queue(sqlClaim, got, limits)
+	b.Queue(sqlChargeLimits, got)
+	br := conn.SendBatch(ctx, b)
+	rows, _ := br.Query()
+	var org, id, model string
+	var a chargeAttr
+	var estimated bool
+	var choices int64
+	_, err := pgx.ForEachRow(rows, []any{&org, &id, &a.cost, &a.key, &a.project, &a.at, &model, &estimated, &choices}, func() error {
+		c := accts[org]
+		c.ids = append(c.ids, id)
+		c.costs = append(c.costs, a.cost)
+		c.attrs = append(c.attrs, a)
+		r.learn(model, a.cost, choices, estimated)
+		return nil
+	})
+	var now time.Time
+	if err == nil {
+		var lims map[string][]balance.Limit
+		rows, _ := br.Query()
+		lims, now, err = scanChargeLimits(rows)
+		for o, l := range lims {
+			if c := accts[o]; c != nil {
+				c.limits = l
+			}
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return now, err
 }
 
 // EntriesAfter returns up to limit entries of org with Seq > after, in Seq order, and the epoch,
@@ -651,6 +751,59 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 		out = append(out, e)
 	}
 	if err := rows.Err(); err != nil {
+		return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
+	}
+	return out, ep, nil
+}
+
+// sqlUnsettledOf reads, for each org of $1, up to $2 entries past its settled_seq (with each
+// charge's usage record time, the settle-lag clock), and the epoch, in one statement.
+const sqlUnsettledOf = `
+SELECT m.epoch_gen, m.epoch_id, e.org_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.at
+FROM ledger_meta m LEFT JOIN LATERAL (
+	SELECT a.org_id, l.* FROM accounts a CROSS JOIN LATERAL (
+		SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded, l.key_id, l.project,
+			CASE WHEN l.kind = 'charge' THEN coalesce(l.reserved_at, l.created_at) END AS at
+		FROM ledger_entries l LEFT JOIN usage_events u ON u.id = l.hold_id AND l.kind = 'charge'
+		WHERE l.org_id = a.org_id AND l.seq > a.settled_seq
+		ORDER BY l.seq LIMIT $2
+	) l
+	WHERE a.org_id = ANY($1::text[]) AND a.settled_seq < a.ledger_seq
+) e ON true ORDER BY e.org_id, e.seq`
+
+// UnsettledEntriesOf returns, for each of orgs with entries past its settled_seq, up to limit
+// of them in Seq order, and the epoch, read in one statement.
+func (p *Postgres) UnsettledEntriesOf(ctx context.Context, orgs []string, limit int) (map[string][]balance.Entry, balance.Epoch, error) {
+	for _, org := range orgs {
+		if err := balance.ValidateOrg(org); err != nil {
+			return nil, balance.Epoch{}, err
+		}
+	}
+	if limit <= 0 {
+		limit = defaultLimit
+	}
+	rows, _ := p.pool.Query(ctx, sqlUnsettledOf, orgs, limit)
+	out := make(map[string][]balance.Entry, len(orgs))
+	var ep balance.Epoch
+	var org, hold, key, project *string
+	var seq, delta *int64
+	var rec, at *time.Time
+	_, err := pgx.ForEachRow(rows, []any{&ep.Gen, &ep.ID, &org, &seq, &delta, &hold, &rec, &key, &project, &at}, func() error {
+		if seq == nil {
+			return nil
+		}
+		e := balance.Entry{Seq: *seq, Delta: *delta}
+		if hold != nil {
+			e.HoldID = *hold
+		}
+		if rec != nil {
+			e.Recorded = *rec
+		}
+		attribute(&e, key, project, at)
+		out[*org] = append(out[*org], e)
+		return nil
+	})
+	if err != nil {
 		return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
 	}
 	return out, ep, nil
@@ -829,6 +982,7 @@ func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
 		created                            = make([]time.Time, n)
 		projects                           = make([]string, n)
 		reserved                           = make([]*time.Time, n)
+		choices                            = make([]int64, n)
 	)
 	for i, ev := range events {
 		ev, err := normalizeEvent(ev)
@@ -839,7 +993,7 @@ func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
 		prompt[i], cached[i], completion[i], reasoning[i] = ev.Usage.Prompt, ev.Usage.Cached, ev.Usage.Completion, ev.Usage.Reasoning
 		cacheWrite[i] = ev.Usage.CacheWrite
 		costs[i], holds[i], estimated[i], created[i] = ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt
-		projects[i] = ev.Project
+		projects[i], choices[i] = ev.Project, max(ev.Choices, 1)
 		if !ev.ReservedAt.IsZero() {
 			reserved[i] = &ev.ReservedAt
 		}
@@ -847,16 +1001,16 @@ func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
 	_, err := p.pool.Exec(ctx, `
 WITH ins AS (
 	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
-		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens)
-	SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt
+		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens, choices)
+	SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt, ch
 	FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
-		$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[])
-		AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt)
+		$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[], $17::bigint[])
+		AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt, ch)
 	ON CONFLICT (id) DO NOTHING
 	RETURNING org_id
 )
 SELECT pg_notify(`+sqlChannel+`, org_id) FROM (SELECT DISTINCT org_id FROM ins) d`,
-		ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite)
+		ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite, choices)
 	if err != nil && notSent(err) {
 		return fmt.Errorf("%w: %w", ErrNotRecorded, wrapPg("record usage", err))
 	}
@@ -925,6 +1079,36 @@ SELECT EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)`, org, seq).Scan(&ok)
 		return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 	}
 	return nil
+}
+
+// MarkSettledMany sets, for each org of marks, settled_seq = GREATEST(settled_seq, seq) capped
+// at ledger_seq, in one statement that writes only the rows it moves; orgs with no account are
+// skipped. The rows are updated in org order, so two such calls never deadlock.
+func (p *Postgres) MarkSettledMany(ctx context.Context, marks map[string]int64) error {
+	if len(marks) == 0 {
+		return nil
+	}
+	orgs := make([]string, 0, len(marks))
+	for org := range marks {
+		if err := balance.ValidateOrg(org); err != nil {
+			return err
+		}
+		orgs = append(orgs, org)
+	}
+	slices.Sort(orgs)
+	seqs := make([]int64, len(orgs))
+	for i, org := range orgs {
+		seqs[i] = marks[org]
+	}
+	_, err := p.pool.Exec(ctx, `
+WITH x AS (
+	SELECT a.org_id, LEAST(m.seq, a.ledger_seq) AS seq
+	FROM unnest($1::text[], $2::bigint[]) AS m(org, seq) JOIN accounts a ON a.org_id = m.org
+	WHERE a.settled_seq < LEAST(m.seq, a.ledger_seq)
+	ORDER BY a.org_id FOR UPDATE OF a
+)
+UPDATE accounts a SET settled_seq = GREATEST(a.settled_seq, x.seq) FROM x WHERE a.org_id = x.org_id`, orgs, seqs)
+	return wrapPg("mark settled", err)
 }
 
 // OrgsToSettle lists up to limit orgs with settled_seq < ledger_seq or pending usage (both from

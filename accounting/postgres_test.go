@@ -130,6 +130,24 @@ ANALYZE`)
 			t.Errorf("%s: sequential scan:\n%s", name, p)
 		}
 	}
+	// The account pass's and the batched settle's statements, with literal arguments.
+	orgs := `'{o7,o8,o9}'::text[]`
+	for name, q := range map[string]string{
+		"unsettled of": strings.NewReplacer("$1::text[]", orgs, "$2", "500").Replace(accounting.SQLUnsettledOf),
+		"lock":         strings.NewReplacer("$1::text[]", orgs).Replace(accounting.SQLLockAccounts),
+		"claim":        strings.NewReplacer("$1::text[]", orgs, "$2::int[]", `'{10,10,10}'::int[]`).Replace(accounting.SQLClaim),
+		"limits":       strings.NewReplacer("$1::text[]", orgs).Replace(accounting.SQLChargeLimits),
+	} {
+		tx, err := env.Pool.Begin(ctx) // the lock and the claim lock rows: roll them back
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := explain(ctx, t, tx, name, q)
+		_ = tx.Rollback(ctx)
+		if strings.Contains(p, "Seq Scan on usage_events") || strings.Contains(p, "Seq Scan on ledger_entries") {
+			t.Errorf("%s: sequential scan:\n%s", name, p)
+		}
+	}
 }
 
 // TestPostgresSubscribeReconnects kills the LISTEN connection; the subscription comes back by

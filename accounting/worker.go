@@ -36,9 +36,18 @@ type WorkerConfig struct {
 	// a Redis that drops replies stalls one org for this long, not the whole loop. It needs a
 	// Redis client that honours context deadlines (go-redis: ContextTimeoutEnabled). Default 10s.
 	OrgTimeout time.Duration
-	// SettleConcurrency is how many orgs are settled at once (each org's entries stay in order).
+	// SettleConcurrency is how many orgs are settled at once when they need one settle each (a
+	// cold org to seed, a gap to heal, a Redis error); the others of a pass are settled together
+	// (one ledger read, one Redis pipeline, one ledger write). Each org's entries stay in order.
 	// Default 8.
 	SettleConcurrency int
+	// PassInterval is the least time between the starts of two accounting passes: a pass woken
+	// sooner waits for the rest of it, while notifications gather, so one pass (a few round trips
+	// to Postgres and one to Redis) covers the usage of many requests. Lower means a shorter
+	// settle lag and more passes; the unused part of a hold is already returned when the usage
+	// is recorded, so the lag ties up no money a request could use. Credits and adjusts settle at
+	// once regardless (Credit settles the org itself). Default 20ms.
+	PassInterval time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -53,6 +62,7 @@ const (
 	defaultWorkerReconcileInterval = time.Minute
 	defaultWorkerOrgTimeout        = 10 * time.Second
 	defaultWorkerSettleConcurrency = 8
+	defaultWorkerPassInterval      = 20 * time.Millisecond
 )
 
 // withDefaults returns the config with every zero field set to its default; c may be nil.
@@ -69,6 +79,7 @@ func (c *WorkerConfig) withDefaults() WorkerConfig {
 	z.ReconcileInterval = cmp.Or(z.ReconcileInterval, defaultWorkerReconcileInterval)
 	z.OrgTimeout = cmp.Or(z.OrgTimeout, defaultWorkerOrgTimeout)
 	z.SettleConcurrency = cmp.Or(z.SettleConcurrency, defaultWorkerSettleConcurrency)
+	z.PassInterval = cmp.Or(z.PassInterval, defaultWorkerPassInterval)
 	z.Logger = cmp.Or(z.Logger, slog.Default())
 	return z
 }
@@ -79,7 +90,7 @@ func (c *WorkerConfig) validate() error {
 	switch {
 	case c.AccountBatch < 0 || c.SettleBatch < 0 || c.SettleConcurrency < 0:
 		return fmt.Errorf("%w: worker AccountBatch, SettleBatch and SettleConcurrency must be ≥ 0", ErrConfig)
-	case c.SweepInterval < 0 || c.ReapInterval < 0 || c.ScanInterval < 0 || c.ReconcileInterval < 0 || c.OrgTimeout < 0:
+	case c.SweepInterval < 0 || c.ReapInterval < 0 || c.ScanInterval < 0 || c.ReconcileInterval < 0 || c.OrgTimeout < 0 || c.PassInterval < 0:
 		return fmt.Errorf("%w: worker intervals and OrgTimeout must be ≥ 0", ErrConfig)
 	}
 	return nil
@@ -121,6 +132,9 @@ type Worker struct {
 	run startstop.Base
 
 	badOrgs sync.Map // org ids of old rows that break the org-id rule, logged once each
+
+	raisedMu sync.Mutex
+	raised   map[string]int64 // model → the learned max this worker last saw or raised it to
 }
 
 // NewWorker returns a worker over ledger and store; cfg may be nil for the defaults. A config
@@ -219,6 +233,7 @@ func (w *Worker) listen(ctx context.Context, notes <-chan string) {
 func (w *Worker) settleLoop(ctx context.Context) {
 	sweep := time.NewTicker(w.cfg.SweepInterval)
 	defer sweep.Stop()
+	var last time.Time // when the last pass began
 	for {
 		full := false
 		select {
@@ -228,6 +243,10 @@ func (w *Worker) settleLoop(ctx context.Context) {
 		case <-sweep.C:
 			full = true
 		}
+		if !w.paced(ctx, last) {
+			return
+		}
+		last = time.Now()
 		if err := w.pass(ctx, full); err != nil && ctx.Err() == nil {
 			w.stats.errors.Add(1)
 			w.log.Warn("settle pass failed", "err", err)
@@ -235,20 +254,46 @@ func (w *Worker) settleLoop(ctx context.Context) {
 	}
 }
 
-// pass accounts pending usage and settles the orgs that are dirty (and, on a sweep, every org
-// the ledger says is behind).
+// paced waits until PassInterval has passed since last (the start of the previous pass), while
+// notifications gather in the dirty set; the wake-ups that came meanwhile are covered by the
+// pass that follows. false: ctx ended.
+func (w *Worker) paced(ctx context.Context, last time.Time) bool {
+	wait := w.cfg.PassInterval - time.Since(last)
+	if last.IsZero() || wait <= 0 {
+		return true
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+	}
+	select { // the pass reads the dirty set after this: it covers that wake-up
+	case <-w.wake:
+	default:
+	}
+	return true
+}
+
+// pass accounts pending usage and settles the orgs that got entries or are dirty (and, on a
+// sweep, every org the ledger says is behind).
 func (w *Worker) pass(ctx context.Context, sweep bool) error {
 	var errs []error
-	if _, err := w.AccountAll(ctx); err != nil {
+	r, err := w.account(ctx)
+	if err != nil {
 		errs = append(errs, err)
 	}
 	w.mu.Lock()
-	orgs := make([]string, 0, len(w.dirty))
+	orgs := make([]string, 0, len(w.dirty)+len(r.Orgs))
 	for o := range w.dirty {
 		orgs = append(orgs, o)
 	}
 	clear(w.dirty)
 	w.mu.Unlock()
+	// The orgs this pass charged are settled now, told in-process; their NOTIFY is for other
+	// processes (and wakes this one for a pass that finds them settled).
+	orgs = append(orgs, r.Orgs...)
 	if sweep {
 		behind, err := w.ledger.OrgsToSettle(ctx, 10000)
 		if err != nil {
@@ -264,20 +309,85 @@ func (w *Worker) pass(ctx context.Context, sweep bool) error {
 }
 
 // AccountAll accounts pending usage events until none is left (or only those of orgs locked by
-// another worker). It returns how many it accounted.
+// another worker), and raises the learned max cost of the models whose real costs beat it. It
+// returns how many it accounted.
 func (w *Worker) AccountAll(ctx context.Context) (int, error) {
-	total := 0
+	r, err := w.account(ctx)
+	return r.Accounted, err
+}
+
+func (w *Worker) account(ctx context.Context) (AccountResult, error) {
+	var total AccountResult
+	var err error
 	for {
-		n, err := w.ledger.AccountPending(ctx, w.cfg.AccountBatch)
-		total += n
-		w.stats.accounted.Add(int64(n))
-		if n > 0 {
-			w.stats.lastBatch.Store(int64(n))
+		var r AccountResult
+		r, err = w.ledger.AccountPass(ctx, w.cfg.AccountBatch)
+		total.merge(r)
+		w.stats.accounted.Add(int64(r.Accounted))
+		if r.Accounted > 0 {
+			w.stats.lastBatch.Store(int64(r.Accounted))
 		}
-		if err != nil || n < w.cfg.AccountBatch {
-			return total, err
+		if err != nil || r.Accounted < w.cfg.AccountBatch {
+			break
 		}
 	}
+	if len(total.MaxCost) > 0 {
+		w.raiseMax(ctx, total.MaxCost)
+	}
+	return total, err
+}
+
+// raiseMax raises the learned max cost of each model of costs (the highest real cost of one
+// choice the pass accounted) where it beats it, in Redis (which the next holds read) and in the
+// ledger (which outlives Redis), capped at the model's bound (Model.CostBound). Raising is
+// monotonic, so workers racing on it are harmless; trouble is logged and never fails the pass
+// (a later cost raises it again).
+func (w *Worker) raiseMax(ctx context.Context, costs map[string]int64) {
+	for model, cost := range costs {
+		w.raisedMu.Lock()
+		known := w.raised[model]
+		w.raisedMu.Unlock()
+		if cost <= known {
+			continue
+		}
+		hot, err := w.store.ModelMax(ctx, model) // a short in-process cache
+		if err == nil && cost <= hot {
+			w.noteRaised(model, hot)
+			continue
+		}
+		m, err := w.ledger.Model(ctx, model)
+		if err != nil {
+			w.log.Warn("learned max cost not raised: model unknown to the ledger", "model", model, "err", err)
+			continue
+		}
+		ceiling := learnedMaxCap(m)
+		c := min(cost, ceiling)
+		if c <= 0 {
+			continue
+		}
+		if c > hot {
+			if _, err := w.store.RaiseModelMax(ctx, model, c, ceiling); err != nil {
+				w.log.Warn("learned max cost not raised in redis", "model", model, "cost", c, "err", err)
+				continue
+			}
+		}
+		if c > m.MaxCost {
+			if err := w.ledger.RaiseMaxCost(ctx, model, c); err != nil {
+				w.log.Warn("learned max cost not raised in the ledger", "model", model, "cost", c, "err", err)
+				continue
+			}
+		}
+		w.noteRaised(model, max(c, m.MaxCost))
+	}
+}
+
+func (w *Worker) noteRaised(model string, v int64) {
+	w.raisedMu.Lock()
+	defer w.raisedMu.Unlock()
+	if w.raised == nil {
+		w.raised = map[string]int64{}
+	}
+	w.raised[model] = max(w.raised[model], v)
 }
 
 // SettleOrg applies the org's unsettled ledger entries to the hot balance, in sequence order,
@@ -364,17 +474,44 @@ func (w *Worker) Drain(ctx context.Context) error {
 	return w.settleOrgs(ctx, orgs, false)
 }
 
-// settleOrgs settles each org once, SettleConcurrency orgs at a time (orgs are independent: each
-// org's entries still go in sequence order, by one caller). With retry, an org that failed is
-// marked dirty again for the next pass.
+// settleGroup bounds the orgs of one batched settle (one ledger read, one Redis pipeline).
+const settleGroup = 256
+
+// settleOrgs settles each org once. The orgs go in groups: one ledger read for the unsettled
+// entries of the whole group, one Redis pipeline of their settle scripts, one ledger write of
+// their settled marks; an org whose settle did not go through (cold, a gap, a Redis error) is
+// then settled on its own (SettleOrg seeds it or heals the gap), SettleConcurrency at a time,
+// and an org with more entries than one batch goes round again. With retry, an org that failed
+// is marked dirty again for the next pass.
 func (w *Worker) settleOrgs(ctx context.Context, orgs []string, retry bool) error {
-	var (
-		mu   sync.Mutex
-		errs []error
-		wg   sync.WaitGroup
-		sem  = make(chan struct{}, w.cfg.SettleConcurrency)
-		seen = make(map[string]bool, len(orgs))
-	)
+	orgs = w.settleable(orgs)
+	var errs []error
+	for len(orgs) > 0 {
+		group := orgs[:min(settleGroup, len(orgs))]
+		orgs = orgs[len(group):]
+		more, slow, err := w.settleBatch(ctx, group)
+		if err != nil {
+			// The ledger read or the marks failed: nothing is lost (re-sending is safe).
+			errs = append(errs, err)
+			if retry {
+				w.redirty(group)
+			}
+			continue
+		}
+		if len(slow) > 0 {
+			if err := w.settleEach(ctx, slow, retry); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		orgs = append(orgs, more...)
+	}
+	return errors.Join(errs...)
+}
+
+// settleable drops repeated orgs and those whose id breaks the org-id rule (logged once each).
+func (w *Worker) settleable(orgs []string) []string {
+	seen := make(map[string]bool, len(orgs))
+	out := orgs[:0:0]
 	for _, org := range orgs {
 		if seen[org] {
 			continue
@@ -388,6 +525,66 @@ func (w *Worker) settleOrgs(ctx context.Context, orgs []string, retry bool) erro
 			}
 			continue
 		}
+		out = append(out, org)
+	}
+	return out
+}
+
+// settleBatch settles one batch of each org of group together. more: orgs that had a full
+// batch (there may be more); slow: orgs whose settle stopped early, to settle on their own.
+func (w *Worker) settleBatch(ctx context.Context, group []string) (more, slow []string, err error) {
+	ctx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
+	defer cancel()
+	byOrg, epoch, err := w.ledger.UnsettledEntriesOf(ctx, group, w.cfg.SettleBatch)
+	if err != nil || len(byOrg) == 0 {
+		return nil, nil, err
+	}
+	w.store.ObserveEpoch(epoch)
+	res := w.store.SettleMany(ctx, epoch, byOrg)
+	marks := make(map[string]int64, len(byOrg))
+	var settled int64
+	now := time.Now()
+	for org, es := range byOrg {
+		r := res[org]
+		n := settledPrefix(r.Statuses)
+		w.lag.observe(now, es[:n])
+		if n > 0 {
+			marks[org] = es[n-1].Seq
+			settled += int64(n)
+		}
+		switch {
+		case r.Err != nil || n < len(es):
+			slow = append(slow, org)
+		case len(es) >= w.cfg.SettleBatch:
+			more = append(more, org)
+		}
+	}
+	if err := w.ledger.MarkSettledMany(ctx, marks); err != nil {
+		return nil, nil, err
+	}
+	w.stats.settled.Add(settled)
+	return more, slow, nil
+}
+
+func (w *Worker) redirty(orgs []string) {
+	w.mu.Lock()
+	for _, org := range orgs {
+		w.dirty[org] = struct{}{} // retried on the next sweep or notification
+	}
+	w.mu.Unlock()
+}
+
+// settleEach settles each org on its own (SettleOrg), SettleConcurrency orgs at a time (orgs
+// are independent: each org's entries still go in sequence order, by one caller). With retry,
+// an org that failed is marked dirty again for the next pass.
+func (w *Worker) settleEach(ctx context.Context, orgs []string, retry bool) error {
+	var (
+		mu   sync.Mutex
+		errs []error
+		wg   sync.WaitGroup
+		sem  = make(chan struct{}, w.cfg.SettleConcurrency)
+	)
+	for _, org := range orgs {
 		sem <- struct{}{}
 		wg.Add(1)
 		go func() {
@@ -402,9 +599,7 @@ func (w *Worker) settleOrgs(ctx context.Context, orgs []string, retry bool) erro
 			errs = append(errs, fmt.Errorf("org %s: %w", org, err))
 			mu.Unlock()
 			if retry {
-				w.mu.Lock()
-				w.dirty[org] = struct{}{} // retried on the next sweep or notification
-				w.mu.Unlock()
+				w.redirty([]string{org})
 			}
 		}()
 	}

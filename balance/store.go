@@ -501,19 +501,8 @@ func (s *Store) Settle(ctx context.Context, org string, epoch Epoch, entries []E
 	if epoch.IsZero() {
 		return nil, fmt.Errorf("%w: zero epoch", ErrInvalidEntry)
 	}
-	var prev int64
-	for i, e := range entries {
-		switch {
-		case e.Seq <= 0 || (i > 0 && e.Seq <= prev):
-			return nil, fmt.Errorf("%w: seq %d out of order", ErrInvalidEntry, e.Seq)
-		case e.Delta < -MaxAmount || e.Delta > MaxAmount:
-			return nil, fmt.Errorf("%w: delta %d outside ±MaxAmount", ErrInvalidEntry, e.Delta)
-		case e.HoldID != "" && !validHoldID(e.HoldID):
-			return nil, fmt.Errorf("%w: hold id %q", ErrInvalidEntry, e.HoldID)
-		case (e.KeyID != "" && !validLimitID(e.KeyID)) || (e.Project != "" && !validLimitID(e.Project)):
-			return nil, fmt.Errorf("%w: key %q project %q", ErrInvalidEntry, e.KeyID, e.Project)
-		}
-		prev = e.Seq
+	if err := checkSettle(org, entries); err != nil {
+		return nil, err
 	}
 	s.ObserveEpoch(epoch)
 	statuses := make([]SettleStatus, len(entries))
@@ -521,36 +510,12 @@ func (s *Store) Settle(ctx context.Context, org string, epoch Epoch, entries []E
 	ep := epoch.String()
 	for start := 0; start < len(entries); start += settleChunk {
 		chunk := entries[start:min(start+settleChunk, len(entries))]
-		args := make([]any, 0, 3+6*len(chunk))
-		args = append(args, ep, s.tombTTL, s.clockArg)
-		for _, e := range chunk {
-			rt := ""
-			if !e.ReservedAt.IsZero() {
-				rt = strconv.FormatInt(e.ReservedAt.UnixMilli(), 10)
-			}
-			args = append(args, strconv.FormatInt(e.Seq, 10), strconv.FormatInt(e.Delta, 10), e.HoldID, e.KeyID, e.Project, rt)
-		}
-		res, err := s.run(ctx, scSettle, keys, args...).Slice()
+		res, err := s.run(ctx, scSettle, keys, s.settleArgs(ep, chunk)...).Slice()
 		if err != nil {
 			return statuses, fmt.Errorf("balance: settle: %w: %w", ErrRedis, err)
 		}
-		if st, _ := res[0].(string); st == "COLD" {
-			for i := start; i < len(entries); i++ {
-				statuses[i] = Cold
-			}
-			return statuses, ErrCold
-		}
-		wm := toInt(res[1])
-		for j, code := range res[2:] {
-			switch toInt(code) {
-			case 1:
-				statuses[start+j] = Applied
-			case 2:
-				statuses[start+j] = Already
-			case 3:
-				statuses[start+j] = Gap
-				return statuses, &GapError{Watermark: wm, Seq: chunk[j].Seq}
-			}
+		if err := settleReply(res, chunk, statuses[start:]); err != nil {
+			return statuses, err
 		}
 	}
 	return statuses, nil

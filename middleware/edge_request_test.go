@@ -256,6 +256,7 @@ func TestLearnedMaxIsPerChoice(t *testing.T) {
 		t.Fatalf("cost %d", o.Cost)
 	}
 	want := (o.Cost + 3) / 4
+	e.drainWorker() // the worker learns the max from the usage event, which carries n
 	waitFor(t, func() bool { m, err := e.store.ModelMax(ctx, testModel); return err == nil && m == want },
 		"learned max = ⌈cost/4⌉ = "+itoa(want))
 	// The next n:4 request holds 4 × the learned max, which covers its cost.

@@ -131,6 +131,7 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt,
 		Model: cl.req.Model, Endpoint: cl.req.Endpoint,
 		Usage: usage, Cost: cost, HoldAmount: cl.holdAmount, Estimated: estimated, CreatedAt: time.Now(),
+		Choices: cl.req.N, // the worker learns the model's max cost of one choice from it
 	}
 	o.Usage, o.Cost, o.Err = usage, cost, why
 	rctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
@@ -144,8 +145,6 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	o.Kind = OutcomeRecorded
 	if estimated {
 		o.Kind = OutcomeEstimated
-	} else {
-		cl.learnFrom(cost)
 	}
 	// A late-found record (err != nil) is charged, but its finish is unknown: no balance.
 	cw.commit(costReceipt{cost: cost, balance: rcpt.Balance, haveBal: err == nil && rcpt.HaveBalance})

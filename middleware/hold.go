@@ -28,8 +28,9 @@ type HoldInput struct {
 //     output tokens, else Model.DefaultHold × n, else the fallback × n.
 //
 // Every choice of n is generated and billed in full, so every amount stands for one choice and
-// is multiplied by n; the learned max is learned per choice (call.learnFrom). Tokens never
-// outnumber bytes, so the bytes of the body bound its input tokens. The result is never ≤ 0
+// is multiplied by n; the learned max is learned per choice (the accounting worker learns
+// ⌈cost / n⌉ from the usage event's Choices). Tokens never outnumber bytes, so the bytes of the
+// body bound its input tokens. The result is never ≤ 0
 // when Fallback > 0, and never above balance.MaxAmount.
 func HoldAmount(_ context.Context, in HoldInput) (int64, error) {
 	m, r := in.Model, in.Request

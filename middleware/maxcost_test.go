@@ -6,11 +6,22 @@ import (
 	"testing"
 	"time"
 
+	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 )
 
+// drainWorker runs an accounting worker's pass over what was recorded so far: it accounts the
+// usage, settles it and raises the learned max costs (DESIGN.md flow step 6).
+func (e *testEnv) drainWorker() {
+	e.t.Helper()
+	w, err := accounting.NewWorker(e.ledger, e.store, &accounting.WorkerConfig{Logger: quiet})
+	must(e.t, err)
+	must(e.t, w.Drain(context.Background()))
+}
+
 // TestLearnedMaxRaised: a real cost above the model's learned max raises it in Redis and in the
-// ledger, so later holds cover such requests; an estimated cost never does.
+// ledger (by the accounting worker, from the usage event), so later holds cover such requests;
+// an estimated cost never does.
 func TestLearnedMaxRaised(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOpt{storeCfg: func(c *balance.Config) { c.ModelMaxCacheTTL = time.Nanosecond }})
@@ -25,6 +36,7 @@ func TestLearnedMaxRaised(t *testing.T) {
 		t.Fatalf("status %d", resp.StatusCode)
 	}
 	want := cost(t, chatUsage)
+	e.drainWorker()
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		redisMax, err := e.store.ModelMax(ctx, testModel)

@@ -63,7 +63,6 @@ type middleware struct {
 	pass     map[string]bool
 	passDirs []string // PassThrough prefixes ("/v1/models/" for "/v1/models/*")
 	allow    map[string]bool
-	raised   sync.Map  // model → the highest cost this process raised its learned max to
 	badKey   sync.Once // logs the first key id the limits layer cannot name
 }
 
@@ -162,7 +161,6 @@ type call struct {
 	model      accounting.Model
 	holdAmount int64
 	agreed     int64 // the hold amount computed for the request, kept when fail-open takes no hold
-	learned    int64 // the model's learned max cost when the hold was taken
 	failOpen   bool
 	// limitKey is the key id the hold was reserved under ("" when none, or when the limits layer
 	// cannot name the identity's key id).
@@ -357,7 +355,7 @@ func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, mo
 	if err != nil {
 		return nil, errInternal("No request id could be made.")
 	}
-	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, agreed: amount, learned: max(learned, model.MaxCost),
+	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, agreed: amount,
 		limitKey: m.limitKey(id), start: start}
 	o.HoldID, o.HoldAmount = cl.holdID, amount
 

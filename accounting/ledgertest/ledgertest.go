@@ -53,6 +53,7 @@ func Run(t *testing.T, newLedger func(t *testing.T) accounting.Ledger) {
 	tests = append(tests, webhookTests...)
 	tests = append(tests, limitsTests...)
 	tests = append(tests, limitCrossedTests...)
+	tests = append(tests, batchTests...)
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

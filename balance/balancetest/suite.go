@@ -163,6 +163,7 @@ func Run(t *testing.T, env Env) {
 	t.Run("SettleGap", func(t *testing.T) { exerciseSettleGap(t, env) })
 	t.Run("SettleCold", func(t *testing.T) { exerciseSettleCold(t, env) })
 	t.Run("SettleValidation", func(t *testing.T) { exerciseSettleValidation(t, env) })
+	t.Run("SettleMany", func(t *testing.T) { exerciseSettleMany(t, env) })
 	t.Run("StaleSnapshotHealedByCatchUp", func(t *testing.T) { exerciseStaleSnapshotHealedByCatchUp(t, env) })
 	t.Run("ReleaseWithoutAcct", func(t *testing.T) { exerciseReleaseWithoutAcct(t, env) })
 	t.Run("ReleaseRacesReaper", func(t *testing.T) { exerciseReleaseRacesReaper(t, env) })

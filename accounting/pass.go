@@ -1,0 +1,58 @@
+package accounting
+
+import "github.com/llmescrow/escrow/balance"
+
+// AccountResult is what one accounting pass (Ledger.AccountPass) did.
+type AccountResult struct {
+	Accounted int      // usage events turned into charge entries
+	Orgs      []string // the orgs that got entries, each once
+	// MaxCost is, per model, the highest cost of one choice, ⌈cost / choices⌉, among the
+	// accounted events whose usage was reported (estimated costs teach nothing).
+	MaxCost map[string]int64
+}
+
+// learn folds one accounted event into MaxCost.
+func (r *AccountResult) learn(model string, cost, choices int64, estimated bool) {
+	if estimated || cost <= 0 {
+		return
+	}
+	per := perChoice(cost, choices)
+	if per > r.MaxCost[model] {
+		if r.MaxCost == nil {
+			r.MaxCost = map[string]int64{}
+		}
+		r.MaxCost[model] = per
+	}
+}
+
+// merge adds another pass's result to r.
+func (r *AccountResult) merge(o AccountResult) {
+	r.Accounted += o.Accounted
+	r.Orgs = append(r.Orgs, o.Orgs...)
+	for m, c := range o.MaxCost {
+		r.learn(m, c, 1, false)
+	}
+}
+
+// perChoice is the cost of one of choices choices, rounded up: held again for the same number
+// of choices (HoldAmount multiplies the learned max by it), it covers the cost; learning the
+// whole cost would hold choices times too much for every later request of that many choices.
+func perChoice(cost, choices int64) int64 {
+	n := max(choices, 1)
+	per := cost / n
+	if cost%n != 0 {
+		per++
+	}
+	return per
+}
+
+// learnedMaxCap is the most a model's learned max may be raised to: the model's bound (max
+// input × input price + max output × output price), or MaxAmount when its token limits are
+// unknown.
+func learnedMaxCap(m Model) int64 {
+	ceiling, ok, err := m.CostBound()
+	if err != nil || !ok {
+		return balance.MaxAmount
+	}
+	return ceiling
+}

@@ -1,0 +1,148 @@
+package balance
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+)
+
+// OrgSettle is what SettleMany did for one org: like Settle's answer, the statuses of its
+// entries (applied or confirmed up to the first that was not) and an error — ErrCold, a
+// *GapError, ErrInvalidEntry or a Redis error — when it stopped before the end.
+type OrgSettle struct {
+	Statuses []SettleStatus
+	Err      error
+}
+
+// SettleMany settles several orgs' entries (org → its entries in Seq order) at once: every
+// org's script calls go in one pipeline (one round trip; on a Cluster the client splits it,
+// one per master). Each org is settled exactly as Settle does it, in sequence order, and stops
+// at its first entry that is not applied or already there: a later call of the same org that
+// was sent meanwhile is refused by the script in turn (the watermark only moves one step at a
+// time), and its statuses are not reported. A cold org or a gap is not healed here: the caller
+// seeds or catches up and settles that org again (Settle does the same on its own).
+func (s *Store) SettleMany(ctx context.Context, epoch Epoch, orgs map[string][]Entry) map[string]OrgSettle {
+	out := make(map[string]OrgSettle, len(orgs))
+	if epoch.IsZero() {
+		for org := range orgs {
+			out[org] = OrgSettle{Err: fmt.Errorf("%w: zero epoch", ErrInvalidEntry)}
+		}
+		return out
+	}
+	s.ObserveEpoch(epoch)
+	ep := epoch.String()
+	type call struct {
+		org   string
+		start int // the chunk's first entry in the org's entries
+	}
+	var calls []call
+	var keys [][]string
+	var args [][]any
+	for org, entries := range orgs {
+		if len(entries) == 0 {
+			continue
+		}
+		if err := checkSettle(org, entries); err != nil {
+			out[org] = OrgSettle{Err: err}
+			continue
+		}
+		out[org] = OrgSettle{Statuses: make([]SettleStatus, len(entries))}
+		k := s.keys(org).settleKeys()
+		for start := 0; start < len(entries); start += settleChunk {
+			calls = append(calls, call{org, start})
+			keys = append(keys, k)
+			args = append(args, s.settleArgs(ep, entries[start:min(start+settleChunk, len(entries))]))
+		}
+	}
+	if len(calls) == 0 {
+		return out
+	}
+	cmds := s.pipelined(ctx, scSettle, keys, args)
+	stopped := map[string]bool{}
+	for i, c := range calls {
+		if stopped[c.org] {
+			continue
+		}
+		r := out[c.org]
+		chunk := orgs[c.org][c.start:min(c.start+settleChunk, len(orgs[c.org]))]
+		res, err := cmds[i].Slice()
+		if err == nil && len(res) == 0 {
+			err = errors.New("empty settle reply")
+		}
+		if err != nil {
+			r.Err = fmt.Errorf("balance: settle: %w: %w", ErrRedis, err)
+		} else {
+			r.Err = settleReply(res, chunk, r.Statuses[c.start:])
+		}
+		if r.Err != nil {
+			stopped[c.org] = true // its later chunks' answers are not reported
+		}
+		out[c.org] = r
+	}
+	return out
+}
+
+// checkSettle checks one org's entries as Settle does before sending anything.
+func checkSettle(org string, entries []Entry) error {
+	if err := checkOrg(org); err != nil {
+		return err
+	}
+	var prev int64
+	for i, e := range entries {
+		switch {
+		case e.Seq <= 0 || (i > 0 && e.Seq <= prev):
+			return fmt.Errorf("%w: seq %d out of order", ErrInvalidEntry, e.Seq)
+		case e.Delta < -MaxAmount || e.Delta > MaxAmount:
+			return fmt.Errorf("%w: delta %d outside ±MaxAmount", ErrInvalidEntry, e.Delta)
+		case e.HoldID != "" && !validHoldID(e.HoldID):
+			return fmt.Errorf("%w: hold id %q", ErrInvalidEntry, e.HoldID)
+		case (e.KeyID != "" && !validLimitID(e.KeyID)) || (e.Project != "" && !validLimitID(e.Project)):
+			return fmt.Errorf("%w: key %q project %q", ErrInvalidEntry, e.KeyID, e.Project)
+		}
+		prev = e.Seq
+	}
+	return nil
+}
+
+// settleArgs are the settle script's arguments for one chunk of entries.
+func (s *Store) settleArgs(ep string, chunk []Entry) []any {
+	args := make([]any, 0, 3+6*len(chunk))
+	args = append(args, ep, s.tombTTL, s.clockArg)
+	for _, e := range chunk {
+		rt := ""
+		if !e.ReservedAt.IsZero() {
+			rt = strconv.FormatInt(e.ReservedAt.UnixMilli(), 10)
+		}
+		args = append(args, strconv.FormatInt(e.Seq, 10), strconv.FormatInt(e.Delta, 10), e.HoldID, e.KeyID, e.Project, rt)
+	}
+	return args
+}
+
+// settleReply reads one settle call's reply into statuses (those of chunk and of the entries
+// after it): nil when every entry was applied or already there, else ErrCold (every status
+// from the chunk on is Cold) or a *GapError.
+func settleReply(res []any, chunk []Entry, statuses []SettleStatus) error {
+	if st, _ := res[0].(string); st == "COLD" {
+		for i := range statuses {
+			statuses[i] = Cold
+		}
+		return ErrCold
+	}
+	if len(res) < 2 {
+		return fmt.Errorf("balance: settle: %w: short reply %v", ErrRedis, res)
+	}
+	wm := toInt(res[1])
+	for j, code := range res[2:] {
+		switch toInt(code) {
+		case 1:
+			statuses[j] = Applied
+		case 2:
+			statuses[j] = Already
+		case 3:
+			statuses[j] = Gap
+			return &GapError{Watermark: wm, Seq: chunk[j].Seq}
+		}
+	}
+	return nil
+}
