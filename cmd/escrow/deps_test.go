@@ -37,7 +37,7 @@ var layers = map[string][]string{
 	"lua":                   nil,
 	"migrations":            nil,
 	"balance":               {"lua"},
-	"accounting":            {"balance", "migrations"},
+	"accounting":            {"balance", "migrations", "internal/startstop"},
 	"middleware":            {"accounting", "balance"},
 	"admin":                 {"accounting"},
 	"server":                {"accounting", "admin", "balance", "middleware", "migrations", "webhook"},
@@ -49,6 +49,7 @@ var layers = map[string][]string{
 	"webhook":               {"accounting"},
 	"internal/fakeupstream": nil,
 	"internal/testutil":     nil,
+	"internal/startstop":    nil, // the one Start/Stop base of the worker, the recorder and the journal fallback
 	"internal/modelcheck":   nil, // tests only: the SPIN model check and its replay
 }
 
