@@ -178,6 +178,12 @@ func (m *Memory) snapshot(org string, since *time.Time) (balance.Snapshot, error
 
 // EntriesAfter returns up to limit entries of org with Seq > after, in Seq order.
 func (m *Memory) EntriesAfter(ctx context.Context, org string, after int64, limit int) ([]balance.Entry, balance.Epoch, error) {
+	return m.entriesOf(org, func(a *memAccount) []balance.Entry { return a.entriesFrom(after, limit) })
+}
+
+// entriesOf validates org and reads entries of its account under the lock, with the epoch (no
+// entries for an org without an account).
+func (m *Memory) entriesOf(org string, read func(a *memAccount) []balance.Entry) ([]balance.Entry, balance.Epoch, error) {
 	if err := balance.ValidateOrg(org); err != nil {
 		return nil, balance.Epoch{}, err
 	}
@@ -187,25 +193,22 @@ func (m *Memory) EntriesAfter(ctx context.Context, org string, after int64, limi
 	if a == nil {
 		return nil, m.epoch, nil
 	}
-	return a.entriesFrom(after, limit), m.epoch, nil
+	return read(a), m.epoch, nil
 }
 
 // UnsettledEntries returns up to limit entries of org past its settled sequence.
 func (m *Memory) UnsettledEntries(ctx context.Context, org string, limit int) ([]balance.Entry, balance.Epoch, error) {
-	if err := balance.ValidateOrg(org); err != nil {
-		return nil, balance.Epoch{}, err
-	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	a := m.accounts[org]
-	if a == nil {
-		return nil, m.epoch, nil
-	}
+	return m.entriesOf(org, func(a *memAccount) []balance.Entry { return a.unsettled(limit) })
+}
+
+// unsettled returns up to limit entries past the settled sequence, each with its Recorded time:
+// the entry's own (accounting is in-process), the settle-lag clock.
+func (a *memAccount) unsettled(limit int) []balance.Entry {
 	out := a.entriesFrom(a.settled, limit)
-	for i := range out { // the settle-lag clock: the entry's own time (accounting is in-process)
+	for i := range out {
 		out[i].Recorded = a.entries[out[i].Seq-1].CreatedAt
 	}
-	return out, m.epoch, nil
+	return out
 }
 
 // UnsettledEntriesOf returns, for each of orgs with entries past its settled sequence, up to
@@ -224,11 +227,7 @@ func (m *Memory) UnsettledEntriesOf(ctx context.Context, orgs []string, limit in
 		if a == nil || out[org] != nil {
 			continue
 		}
-		es := a.entriesFrom(a.settled, limit)
-		for i := range es {
-			es[i].Recorded = a.entries[es[i].Seq-1].CreatedAt
-		}
-		if len(es) > 0 {
+		if es := a.unsettled(limit); len(es) > 0 {
 			out[org] = es
 		}
 	}

@@ -740,15 +740,7 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 		if seq == nil {
 			continue
 		}
-		e := balance.Entry{Seq: *seq, Delta: *delta}
-		if hold != nil {
-			e.HoldID = *hold
-		}
-		if rec != nil {
-			e.Recorded = *rec
-		}
-		attribute(&e, key, project, at)
-		out = append(out, e)
+		out = append(out, unsettledEntry(*seq, *delta, hold, rec, key, project, at))
 	}
 	if err := rows.Err(); err != nil {
 		return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
@@ -771,6 +763,20 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 	WHERE a.org_id = ANY($1::text[]) AND a.settled_seq < a.ledger_seq
 ) e ON true ORDER BY e.org_id, e.seq`
 
+// unsettledEntry builds an entry of an unsettled-entries read from its nullable columns (the
+// read's LEFT JOINs leave them NULL where a column does not apply).
+func unsettledEntry(seq, delta int64, hold *string, rec *time.Time, key, project *string, at *time.Time) balance.Entry {
+	e := balance.Entry{Seq: seq, Delta: delta}
+	if hold != nil {
+		e.HoldID = *hold
+	}
+	if rec != nil {
+		e.Recorded = *rec
+	}
+	attribute(&e, key, project, at)
+	return e
+}
+
 // UnsettledEntriesOf returns, for each of orgs with entries past its settled_seq, up to limit
 // of them in Seq order, and the epoch, read in one statement.
 func (p *Postgres) UnsettledEntriesOf(ctx context.Context, orgs []string, limit int) (map[string][]balance.Entry, balance.Epoch, error) {
@@ -792,15 +798,7 @@ func (p *Postgres) UnsettledEntriesOf(ctx context.Context, orgs []string, limit 
 		if seq == nil {
 			return nil
 		}
-		e := balance.Entry{Seq: *seq, Delta: *delta}
-		if hold != nil {
-			e.HoldID = *hold
-		}
-		if rec != nil {
-			e.Recorded = *rec
-		}
-		attribute(&e, key, project, at)
-		out[*org] = append(out[*org], e)
+		out[*org] = append(out[*org], unsettledEntry(*seq, *delta, hold, rec, key, project, at))
 		return nil
 	})
 	if err != nil {
