@@ -12,6 +12,11 @@ import (
 // is what balance.Ledger's Snapshot answers for such an org.
 var ErrUnknownOrg error = &alsoError{msg: "accounting: unknown org", also: balance.ErrUnknownOrg}
 
+// ErrInvalidAmount: an amount outside the one rule of amounts (balance: a whole number of
+// micro-units in (0, balance.MaxAmount], signed for an adjust). It is also
+// balance.ErrInvalidAmount (errors.Is), so one test covers an amount refused by either layer.
+var ErrInvalidAmount error = &alsoError{msg: "accounting: invalid amount", also: balance.ErrInvalidAmount}
+
 // alsoError is a sentinel of its own that is also another package's (errors.Is matches both).
 type alsoError struct {
 	msg  string
@@ -27,7 +32,6 @@ var (
 	ErrUnknownModel      = errors.New("accounting: unknown model")
 	ErrUnknownKey        = errors.New("accounting: unknown api key")
 	ErrReferenceConflict = errors.New("accounting: payment reference already used")
-	ErrInvalidAmount     = errors.New("accounting: invalid amount")
 	ErrLedgerUnavailable = errors.New("accounting: ledger unavailable")
 	ErrLockBusy          = errors.New("accounting: org locked by another worker")
 	// ErrUsageRecorded: VoidUsage found the event itself stored first; it is (or will be)
