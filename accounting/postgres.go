@@ -1063,18 +1063,23 @@ func (p *Postgres) MarkSettled(ctx context.Context, org string, seq int64) error
 	if err := balance.ValidateOrg(org); err != nil {
 		return err
 	}
-	var ok bool
-	err := p.pool.QueryRow(ctx, `
+	return p.updateExisting(ctx, "mark settled", ErrUnknownOrg, org, `
 WITH u AS (
 	UPDATE accounts SET settled_seq = LEAST($2, ledger_seq)
 	WHERE org_id = $1 AND settled_seq < LEAST($2, ledger_seq) RETURNING 1
 )
-SELECT EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)`, org, seq).Scan(&ok)
-	if err != nil {
-		return wrapPg("mark settled", err)
+SELECT EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)`, org, seq)
+}
+
+// updateExisting runs sql, an update that answers whether the row it names (name) exists, and
+// turns a missing row into missing.
+func (p *Postgres) updateExisting(ctx context.Context, what string, missing error, name, sql string, args ...any) error {
+	var ok bool
+	if err := p.pool.QueryRow(ctx, sql, args...).Scan(&ok); err != nil {
+		return wrapPg(what, err)
 	}
 	if !ok {
-		return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+		return fmt.Errorf("%w: %q", missing, name)
 	}
 	return nil
 }
@@ -1255,17 +1260,9 @@ func (p *Postgres) RaiseMaxCost(ctx context.Context, model string, cost int64) e
 	if cost < 0 || cost > balance.MaxAmount {
 		return fmt.Errorf("%w: max cost %d", ErrInvalidAmount, cost)
 	}
-	var ok bool
-	err := p.pool.QueryRow(ctx, `
+	return p.updateExisting(ctx, "raise max cost", ErrUnknownModel, model, `
 WITH u AS (UPDATE models SET max_cost = $2, updated_at = now() WHERE model = $1 AND max_cost < $2 RETURNING 1)
-SELECT EXISTS (SELECT 1 FROM models WHERE model = $1)`, model, cost).Scan(&ok)
-	if err != nil {
-		return wrapPg("raise max cost", err)
-	}
-	if !ok {
-		return fmt.Errorf("%w: %q", ErrUnknownModel, model)
-	}
-	return nil
+SELECT EXISTS (SELECT 1 FROM models WHERE model = $1)`, model, cost)
 }
 
 // CreateKey makes a new API key for org; only the SHA-256 of the secret is stored.

@@ -276,18 +276,15 @@ func (a *API) topSpenders(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
+	// A usage row named by its org: the outer Group (never encoded) hides the row's own.
 	type spender struct {
-		Org        string `json:"org"`
-		Requests   int64  `json:"requests"`
-		Cost       int64  `json:"cost"`
-		Prompt     int64  `json:"prompt_tokens"`
-		Cached     int64  `json:"cached_tokens"`
-		Completion int64  `json:"completion_tokens"`
-		Reasoning  int64  `json:"reasoning_tokens"`
+		Org   string `json:"org"`
+		Group string `json:"-"`
+		accounting.UsageRow
 	}
 	out := make([]spender, len(rows))
 	for i, r := range rows {
-		out[i] = spender{r.Group, r.Requests, r.Cost, r.Prompt, r.Cached, r.Completion, r.Reasoning}
+		out[i] = spender{Org: r.Group, UsageRow: r}
 	}
 	return writeList(c, out, "", []string{"org", "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens"},
 		func(r spender) []string {
