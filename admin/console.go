@@ -276,10 +276,11 @@ func (a *API) topSpenders(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	// A usage row named by its org: the outer Group (never encoded) hides the row's own.
+	// A usage row named by its org: the outer Group, always empty and so omitted, hides the
+	// row's own "group" from the JSON.
 	type spender struct {
 		Org   string `json:"org"`
-		Group string `json:"-"`
+		Group string `json:"group,omitempty"`
 		accounting.UsageRow
 	}
 	out := make([]spender, len(rows))

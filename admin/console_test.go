@@ -187,7 +187,7 @@ func TestConsoleAPI(t *testing.T) {
 	}
 	var top list[map[string]any]
 	c.ok("GET", "/usage/top?limit=5", "", 200, &top)
-	if len(top.Data) != 1 || top.Data[0]["org"] != "acme" || top.Data[0]["cost"] != 600.0 || top.Data[0]["requests"] != 3.0 {
+	if len(top.Data) != 1 || top.Data[0]["org"] != "acme" || top.Data[0]["cost"] != 600.0 || top.Data[0]["requests"] != 3.0 || top.Data[0]["group"] != nil {
 		t.Fatalf("top spenders: %+v", top)
 	}
 	if rec := c.do("GET", "/usage/top?format=csv&from=2000-01-01", ""); !strings.Contains(rec.Body.String(), "org,requests,cost,") || !strings.Contains(rec.Body.String(), "\nacme,3,600,30,0,3,0") {
