@@ -133,8 +133,6 @@ type Worker struct {
 
 	badOrgs sync.Map // org ids of old rows that break the org-id rule, logged once each
 
-	raisedMu sync.Mutex
-	raised   map[string]int64 // model → the learned max this worker last saw or raised it to
 }
 
 // NewWorker returns a worker over ledger and store; cfg may be nil for the defaults. A config
@@ -344,15 +342,10 @@ func (w *Worker) account(ctx context.Context) (AccountResult, error) {
 // (a later cost raises it again).
 func (w *Worker) raiseMax(ctx context.Context, costs map[string]int64) {
 	for model, cost := range costs {
-		w.raisedMu.Lock()
-		known := w.raised[model]
-		w.raisedMu.Unlock()
-		if cost <= known {
-			continue
-		}
-		hot, err := w.store.ModelMax(ctx, model) // a short in-process cache
+		// The store's in-process cache of the learned max (refreshed by RaiseModelMax) answers
+		// most passes without a round trip.
+		hot, err := w.store.ModelMax(ctx, model)
 		if err == nil && cost <= hot {
-			w.noteRaised(model, hot)
 			continue
 		}
 		m, err := w.ledger.Model(ctx, model)
@@ -377,17 +370,7 @@ func (w *Worker) raiseMax(ctx context.Context, costs map[string]int64) {
 				continue
 			}
 		}
-		w.noteRaised(model, max(c, m.MaxCost))
 	}
-}
-
-func (w *Worker) noteRaised(model string, v int64) {
-	w.raisedMu.Lock()
-	defer w.raisedMu.Unlock()
-	if w.raised == nil {
-		w.raised = map[string]int64{}
-	}
-	w.raised[model] = max(w.raised[model], v)
 }
 
 // SettleOrg applies the org's unsettled ledger entries to the hot balance, in sequence order,
