@@ -7,4 +7,8 @@ const (
 	SQLClaim        = sqlClaim
 	SQLWriteCharges = sqlWriteCharges
 	SQLChargeLimits = sqlChargeLimits
+	SQLMarkSettled  = sqlMarkSettledMany
 )
+
+// SQLLowBalance is the balance.low outbox statement, for the plan test.
+var SQLLowBalance = sqlOutboxLowBalance

@@ -145,18 +145,25 @@ const (
 	sqlChannel = `'escrow_' || left(md5(current_schema()), 16)`
 	sqlNotify  = `SELECT pg_notify(` + sqlChannel + `, $1)`
 	// Charges for several orgs at once: $1 orgs, $2 their cost sums, $3 their event counts;
-	// $4 event ids, $5 their seqs. Each entry copies its event's cost and attribution (key,
-	// project, reserve time or else record time) from the row the update just marked; each key
-	// used in the batch gets its last use (one row update per key, not per request).
+	// $4 event ids, $5 their seqs; $6 the keys of those events. Each entry copies its event's
+	// cost and attribution (key, project, reserve time or else record time) from the row the
+	// update just marked; each key used in the batch gets its last use (one row update per key,
+	// not per request).
+	//
+	// Each joined table is also filtered by "= ANY" of the array it is joined with: that
+	// condition is on the primary key, so the plan probes the index whatever the planner
+	// believes about the table's size. Without it, a plan cached while usage_events was small
+	// and not yet analyzed (a new deployment's first minute, every bench run) hash-joins a
+	// sequential scan of the whole table, on every pass, until autovacuum analyzes it.
 	sqlWriteCharges = `
 WITH acc AS (
 	UPDATE accounts a SET balance = a.balance - x.sum, ledger_seq = a.ledger_seq + x.n
 	FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS x(org, sum, n)
-	WHERE a.org_id = x.org
+	WHERE a.org_id = x.org AND a.org_id = ANY ($1::text[])
 ), ev AS (
 	UPDATE usage_events u SET status = 'accounted', seq = x.seq
 	FROM unnest($4::text[], $5::bigint[]) AS x(id, seq)
-	WHERE u.id = x.id::uuid
+	WHERE u.id = x.id::uuid AND u.id = ANY ($4::text[]::uuid[])
 	RETURNING u.org_id, x.seq, u.cost, u.id, u.key_id, u.project, coalesce(u.reserved_at, u.created_at) AS at
 ), ins AS (
 	INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id, key_id, project, reserved_at)
@@ -164,7 +171,7 @@ WITH acc AS (
 )
 UPDATE api_keys k SET last_used_at = GREATEST(k.last_used_at, x.t)
 FROM (SELECT key_id, max(at) AS t FROM ev WHERE key_id IS NOT NULL GROUP BY key_id) x
-WHERE k.id = x.key_id`
+WHERE k.id = x.key_id AND k.id = ANY ($6::text[])`
 	sqlNotifyAll  = `SELECT pg_notify(` + sqlChannel + `, o) FROM unnest($1::text[]) AS o`
 	sqlClaimOrder = ` ORDER BY created_at, id`
 	// sqlClaimAttr: a claimed event's attribution (chargeAttr), after its cost.
@@ -438,7 +445,7 @@ func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges, now time.Time
 // queueCharges queues writeCharges' statements on b; the balance.low check only for the orgs
 // whose charges may cross their threshold, the windows only for orgs with limits.
 func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time) {
-	var orgs, ids, lowOrgs []string
+	var orgs, ids, keys, lowOrgs []string
 	var sums, counts, seqs, lowChanges []int64
 	for _, c := range cs {
 		orgs = append(orgs, c.org)
@@ -448,12 +455,16 @@ func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time) {
 		for i, id := range c.ids {
 			ids = append(ids, id)
 			seqs = append(seqs, c.base+int64(i)+1)
+			if k := c.attrs[i].key; k != "" {
+				keys = append(keys, k)
+			}
 		}
 		if c.crossesLow() {
 			lowOrgs, lowChanges = append(lowOrgs, c.org), append(lowChanges, -sum)
 		}
 	}
-	b.Queue(sqlWriteCharges, orgs, sums, counts, ids, seqs)
+	slices.Sort(keys)
+	b.Queue(sqlWriteCharges, orgs, sums, counts, ids, seqs, slices.Compact(keys))
 	b.Queue(sqlNotifyAll, orgs)
 	if len(lowOrgs) > 0 {
 		queueLowBalance(b, lowOrgs, lowChanges) // webhooks: in the same transaction
@@ -1103,16 +1114,21 @@ func (p *Postgres) MarkSettledMany(ctx context.Context, marks map[string]int64) 
 	for i, org := range orgs {
 		seqs[i] = marks[org]
 	}
-	_, err := p.pool.Exec(ctx, `
+	_, err := p.pool.Exec(ctx, sqlMarkSettledMany, orgs, seqs)
+	return wrapPg("mark settled", err)
+}
+
+// sqlMarkSettledMany raises the settled marks of the orgs $1 to $2 (each capped at the org's
+// ledger_seq), locking the rows in org order. The "= ANY" keeps the plan on the primary key
+// whatever the planner believes about the table (see sqlWriteCharges).
+const sqlMarkSettledMany = `
 WITH x AS (
 	SELECT a.org_id, LEAST(m.seq, a.ledger_seq) AS seq
 	FROM unnest($1::text[], $2::bigint[]) AS m(org, seq) JOIN accounts a ON a.org_id = m.org
-	WHERE a.settled_seq < LEAST(m.seq, a.ledger_seq)
+	WHERE a.org_id = ANY ($1::text[]) AND a.settled_seq < LEAST(m.seq, a.ledger_seq)
 	ORDER BY a.org_id FOR UPDATE OF a
 )
-UPDATE accounts a SET settled_seq = GREATEST(a.settled_seq, x.seq) FROM x WHERE a.org_id = x.org_id`, orgs, seqs)
-	return wrapPg("mark settled", err)
-}
+UPDATE accounts a SET settled_seq = GREATEST(a.settled_seq, x.seq) FROM x WHERE a.org_id = x.org_id`
 
 // OrgsToSettle lists up to limit orgs with settled_seq < ledger_seq or pending usage (both from
 // partial indexes that hold only such rows).

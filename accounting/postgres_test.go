@@ -150,6 +150,66 @@ ANALYZE`)
 	}
 }
 
+// TestPostgresWritePlansWithoutStats checks the account pass's and the batched settle's writes
+// on the plans a new deployment caches: generic plans made while the tables are small and never
+// analyzed, then run after the tables grew. Each must still find its rows by primary key, not
+// by reading the whole table (which costs a pass a full scan of usage_events until autovacuum
+// first analyzes it).
+func TestPostgresWritePlansWithoutStats(t *testing.T) {
+	t.Parallel()
+	_, env := newPostgres(t)
+	ctx := context.Background()
+	conn, err := env.Pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	stmts := map[string]string{
+		"write charges": accounting.SQLWriteCharges,
+		"mark settled":  accounting.SQLMarkSettled,
+		"low balance":   accounting.SQLLowBalance,
+	}
+	// Generic plans, made now, on tables of a few rows with no statistics.
+	if _, err := conn.Exec(ctx, `
+INSERT INTO accounts (org_id) SELECT 'o' || g FROM generate_series(1, 3) g;
+INSERT INTO api_keys (id, hash, org_id) SELECT 'k' || g, sha256(('k' || g)::bytea), 'o1' FROM generate_series(1, 3) g;
+INSERT INTO usage_events (id, org_id, model, cost) SELECT gen_random_uuid(), 'o1', 'm', 1 FROM generate_series(1, 3);
+SET plan_cache_mode = force_generic_plan`); err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Exec(ctx, "RESET plan_cache_mode") //nolint:errcheck // the connection goes back to a test pool
+	args := map[string]string{
+		"plan_write_charges": `('{o1}', '{1}', '{1}', '{0192f0c4-0000-7000-8000-000000000001}', '{1}', '{k1}')`,
+		"plan_mark_settled":  `('{o1}', '{1}')`,
+		"plan_low_balance":   `('{o1}', '{1}')`,
+	}
+	var names []string
+	for name, q := range stmts {
+		id := "plan_" + strings.ReplaceAll(name, " ", "_")
+		names = append(names, id)
+		if _, err := conn.Exec(ctx, "PREPARE "+id+" AS "+q); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		explain(ctx, t, conn, id, "EXECUTE "+id+args[id]) // makes and caches the generic plan
+	}
+	defer conn.Exec(ctx, "DEALLOCATE ALL") //nolint:errcheck
+	// The tables grow; the cached plans stay.
+	if _, err := conn.Exec(ctx, `
+INSERT INTO accounts (org_id) SELECT 'p' || g FROM generate_series(1, 20000) g;
+INSERT INTO api_keys (id, hash, org_id) SELECT 'kk' || g, sha256(('kk' || g)::bytea), 'o1' FROM generate_series(1, 20000) g;
+INSERT INTO usage_events (id, org_id, model, cost) SELECT gen_random_uuid(), 'o1', 'm', 1 FROM generate_series(1, 20000)`); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range names {
+		p := explain(ctx, t, conn, id, "EXECUTE "+id+args[id])
+		for _, table := range []string{"usage_events", "accounts", "api_keys"} {
+			if strings.Contains(p, "Seq Scan on "+table) {
+				t.Errorf("%s: the cached plan reads all of %s:\n%s", id, table, p)
+			}
+		}
+	}
+}
+
 // TestPostgresSubscribeReconnects kills the LISTEN connection; the subscription comes back by
 // itself and delivers later notifications.
 func TestPostgresSubscribeReconnects(t *testing.T) {

@@ -39,7 +39,7 @@ var (
 	sqlOutboxLowBalance = `WITH ` + sqlOutbox(EventBalanceLow, `
 	SELECT a.org_id AS org, jsonb_build_object('balance', a.balance, 'threshold', a.low_balance_threshold) AS data
 	FROM accounts a JOIN unnest($1::text[], $2::bigint[]) AS c(org, change) ON a.org_id = c.org
-	WHERE a.low_balance_threshold IS NOT NULL AND a.balance < a.low_balance_threshold
+	WHERE a.org_id = ANY ($1::text[]) AND a.low_balance_threshold IS NOT NULL AND a.balance < a.low_balance_threshold
 	  AND a.balance - c.change >= a.low_balance_threshold`) + ` SELECT 1`
 	// $1 org, $2 amount, $3 ref: the credit just written (the account's last entry).
 	sqlOutboxCredit = `WITH ` + sqlOutbox(EventCreditReceived, `

@@ -54,6 +54,7 @@ type options struct {
 	profileDir  string
 	wrkDuration time.Duration
 	wrkOnly     bool
+	wrkRun      string
 	before      string
 }
 
@@ -70,9 +71,10 @@ func main() {
 	flag.DurationVar(&o.limitRound, "limit-round", 400*time.Millisecond, "length of one round of a Redis limit loop (8 rounds each, interleaved)")
 	flag.StringVar(&o.redisURL, "redis-url", envOr("REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis under test (never flushed: the bench uses a prefix of its own and deletes its keys)")
 	flag.StringVar(&o.databaseURL, "database-url", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "Postgres under test (the bench uses schemas of its own and drops them)")
-	flag.StringVar(&o.profileDir, "profile", "", "if set: also take 10 s CPU and allocation profiles of the escrow proxy at max throughput into this directory")
+	flag.StringVar(&o.profileDir, "profile", "", "if set: also take 10 s CPU and allocation profiles of the escrow proxy at max throughput into this directory, and in the wrk side by side a CPU profile of each escrow round (wrk-<row>-<round>.pprof)")
 	flag.DurationVar(&o.wrkDuration, "wrk-duration", 6*time.Second, "measured time of each wrk scenario (split into -rounds rounds, in turns); 0: no wrk table")
 	flag.BoolVar(&o.wrkOnly, "wrk-only", false, "run only the wrk side by side (the proxies, no limits, no Go load, no settle lag)")
+	flag.StringVar(&o.wrkRun, "wrk-run", "", "a regexp: run only the wrk rows whose name matches it (each keeps its middleware-off row), e.g. '100 orgs' or '-c1'")
 	flag.StringVar(&o.before, "before", "", "a checkout of an earlier escrow (e.g. a git worktree of main): its proxy is built too and measured in the same wrk rounds, as the 'before' rows")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -352,15 +354,23 @@ func procCPU(pid int) time.Duration {
 	return time.Duration(ut+st) * time.Second / hz
 }
 
+// pprofAddr is the address the proxy serves pprof on ("" for none, or a nil p).
+func (p *proxyProc) pprofAddr() string {
+	if p == nil {
+		return ""
+	}
+	for _, kv := range p.cmd.Env {
+		if v, ok := strings.CutPrefix(kv, "ESCROW_PPROF_ADDR="); ok {
+			return v
+		}
+	}
+	return ""
+}
+
 // profile takes CPU and allocation profiles of the proxy while a closed-loop run keeps it at
 // max throughput.
 func (p *proxyProc) profile(ctx context.Context, o options, url string, keys []string) error {
-	addr := ""
-	for _, kv := range p.cmd.Env {
-		if v, ok := strings.CutPrefix(kv, "ESCROW_PPROF_ADDR="); ok {
-			addr = v
-		}
-	}
+	addr := p.pprofAddr()
 	if err := os.MkdirAll(o.profileDir, 0o755); err != nil {
 		return err
 	}

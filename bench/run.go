@@ -187,7 +187,7 @@ func (r *rig) wrk(ctx context.Context) error {
 		}
 		r.undo = append(r.undo, before.p.stop)
 	}
-	return wrkSideBySide(ctx, r.o, r.base, r.esc, r.keys, r.hot, before)
+	return wrkSideBySide(ctx, r.o, r.base, r.esc, r.keys, r.hot, before, coRows{r.co, r.coKeys, r.coHot})
 }
 
 const chatPath = "/v1/chat/completions"

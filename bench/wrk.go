@@ -4,12 +4,15 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -187,7 +190,7 @@ func startDirect() (base string, stop func(), err error) {
 
 // wrkSideBySide runs the wrk scenarios (each split into rounds taken in turns, so a burst of load
 // from elsewhere on the machine spreads over all of them) and prints their table.
-func wrkSideBySide(ctx context.Context, o options, base, esc *proxyProc, keys, hot []string, before *beforeProxy) error {
+func wrkSideBySide(ctx context.Context, o options, base, esc *proxyProc, keys, hot []string, before *beforeProxy, co coRows) error {
 	wrk, err := ensureWrk(ctx)
 	if err != nil {
 		return err
@@ -202,10 +205,15 @@ func wrkSideBySide(ctx context.Context, o options, base, esc *proxyProc, keys, h
 		return err
 	}
 	defer stopDirect()
-	scs := wrkScenarios(direct, base, esc, keys, hot, before)
+	scs := wrkScenarios(direct, base, esc, keys, hot, before, co)
+	if o.wrkRun != "" {
+		if scs, err = filterScenarios(scs, o.wrkRun); err != nil {
+			return err
+		}
+	}
 	round := max(o.wrkDuration/time.Duration(o.rounds), time.Second)
 	fmt.Fprintf(os.Stderr, "wrk: %d rounds of %s per scenario, in turns …\n", o.rounds, round)
-	if err := runWrkRounds(ctx, wrk, dir, scs, o.rounds, round); err != nil {
+	if err := runWrkRounds(ctx, wrk, dir, scs, o.rounds, round, o.profileDir); err != nil {
 		return err
 	}
 	printWrkTable(scs)
@@ -228,10 +236,17 @@ type wrkScenario struct {
 	runs []wrkRun
 }
 
+// coRows is the proxy with Config.Coalesce on (ESCROW_COALESCE) and its keys, for its rows of
+// the wrk table (nil p: none).
+type coRows struct {
+	p         *proxyProc
+	keys, hot []string
+}
+
 // wrkScenarios lists the rows: the fake upstream served directly, the middleware-off proxy and
 // escrow with JSON and streamed answers, over many orgs, one hot org and one connection; with
 // before, the earlier escrow's rows too.
-func wrkScenarios(direct string, base, esc *proxyProc, keys, hot []string, before *beforeProxy) []*wrkScenario {
+func wrkScenarios(direct string, base, esc *proxyProc, keys, hot []string, before *beforeProxy, co coRows) []*wrkScenario {
 	const chat = "/v1/chat/completions"
 	none := []string{"sk-none"}
 	c1keys := keys[:min(10, len(keys))]
@@ -251,6 +266,13 @@ func wrkScenarios(direct string, base, esc *proxyProc, keys, hot []string, befor
 		offC1,
 		{name: "escrow, json, " + c1, url: esc.base + chat, p: esc, keys: c1keys, body: plainBody, threads: 1, cs: 1, off: offC1},
 	}
+	if co.p != nil {
+		scs = append(scs,
+			&wrkScenario{name: "escrow+coalesce, json, " + many, url: co.p.base + chat, p: co.p, keys: co.keys, body: plainBody, threads: 2, cs: 32, off: offJSON},
+			&wrkScenario{name: "escrow+coalesce, json, 1 hot org", url: co.p.base + chat, p: co.p, keys: co.hot, body: plainBody, threads: 2, cs: 32, off: offJSON},
+			&wrkScenario{name: "escrow+coalesce, json, " + c1, url: co.p.base + chat, p: co.p, keys: co.keys[:len(c1keys)], body: plainBody, threads: 1, cs: 1, off: offC1},
+		)
+	}
 	if before != nil {
 		bp := before.p
 		scs = append(scs,
@@ -262,17 +284,58 @@ func wrkScenarios(direct string, base, esc *proxyProc, keys, hot []string, befor
 	return scs
 }
 
+// filterScenarios keeps the rows whose name matches the regexp expr, and the middleware-off row
+// each of them is measured against, in their order.
+func filterScenarios(scs []*wrkScenario, expr string) ([]*wrkScenario, error) {
+	re, err := regexp.Compile(expr)
+	if err != nil {
+		return nil, fmt.Errorf("-wrk-run: %w", err)
+	}
+	keep := map[*wrkScenario]bool{}
+	for _, s := range scs {
+		if re.MatchString(s.name) {
+			keep[s] = true
+			if s.off != nil {
+				keep[s.off] = true
+			}
+		}
+	}
+	if len(keep) == 0 {
+		return nil, fmt.Errorf("-wrk-run %q matches no wrk row", expr)
+	}
+	out := scs[:0:0]
+	for _, s := range scs {
+		if keep[s] {
+			out = append(out, s)
+		}
+	}
+	return out, nil
+}
+
 // runWrkRounds warms every scenario up for a second, then runs rounds rounds of round each,
 // the scenarios taking turns.
-func runWrkRounds(ctx context.Context, wrk, dir string, scs []*wrkScenario, rounds int, round time.Duration) error {
+//
+// With profDir, each round of a row whose proxy serves pprof (the escrow proxy under -profile)
+// also takes a CPU profile of that proxy, into profDir/wrk-<row>-<round>.pprof (merge a row's
+// rounds with go tool pprof).
+func runWrkRounds(ctx context.Context, wrk, dir string, scs []*wrkScenario, rounds int, round time.Duration, profDir string) error {
 	for _, s := range scs { // warm-up: connections, caches, orgs warm in Redis
 		if _, err := runWrk(ctx, wrk, dir, s.name+" (warm-up)", s.url, s.keys, s.body, s.threads, s.cs, time.Second, s.p); err != nil {
 			return err
 		}
 	}
-	for range rounds {
+	for i := range rounds {
 		for _, s := range scs {
+			var prof chan error
+			if addr := s.p.pprofAddr(); profDir != "" && addr != "" {
+				prof = make(chan error, 1)
+				file := filepath.Join(profDir, fmt.Sprintf("wrk-%s-%d.pprof", profName(s.name), i+1))
+				go func() { prof <- fetchProfile(ctx, addr, round-200*time.Millisecond, file) }()
+			}
 			r, err := runWrk(ctx, wrk, dir, s.name, s.url, s.keys, s.body, s.threads, s.cs, round, s.p)
+			if prof != nil {
+				err = errors.Join(err, <-prof)
+			}
 			if err != nil {
 				return err
 			}
@@ -280,6 +343,40 @@ func runWrkRounds(ctx context.Context, wrk, dir string, scs []*wrkScenario, roun
 		}
 	}
 	return nil
+}
+
+// profName makes a wrk row's name a file name part.
+func profName(row string) string {
+	return strings.Trim(regexp.MustCompile(`[^a-z0-9]+`).ReplaceAllString(strings.ToLower(row), "-"), "-")
+}
+
+// fetchProfile saves a CPU profile of d from the pprof server at addr into file.
+func fetchProfile(ctx context.Context, addr string, d time.Duration, file string) error {
+	if err := os.MkdirAll(filepath.Dir(file), 0o755); err != nil {
+		return err
+	}
+	url := fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", addr, max(int(d.Seconds()), 1))
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("profile: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("profile: %s", resp.Status)
+	}
+	f, err := os.Create(file)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }
 
 // total sums the scenario's rounds; its latencies are the medians of the rounds'.
