@@ -34,12 +34,13 @@ func TestConformance(t *testing.T) {
 	})
 }
 
-// TestConformanceCoalesced runs the suite again with every store coalescing its reserves.
-func TestConformanceCoalesced(t *testing.T) {
+// TestConformanceUncoalesced runs the suite again with every store sending each reserve on its
+// own (Config.NoCoalesce).
+func TestConformanceUncoalesced(t *testing.T) {
 	t.Parallel()
 	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
 		e := envOf(env)
-		e.Coalesce = true
+		e.NoCoalesce = true
 		balancetest.Run(t, e)
 	})
 }
@@ -64,7 +65,7 @@ func ownClient(t *testing.T, env *testutil.RedisEnv, tweak func(*redis.Options))
 // TestBurst: 2,000 concurrent reserves on one org whose balance fits exactly N holds → exactly
 // N succeed, the balance is never seen below zero, and after settling every hold with a random
 // real cost the balance is start − Σ costs to the micro-unit.
-// With Coalesce the reserves go in pipelines, with the same outcome.
+// Coalesced (the default) the reserves go in pipelines, with the same outcome as one by one.
 func TestBurst(t *testing.T) {
 	t.Parallel()
 	for _, coalesce := range []bool{false, true} {
@@ -80,7 +81,7 @@ func burst(t *testing.T, env *testutil.RedisEnv, coalesce bool) {
 		ctx := context.Background()
 		c := ownClient(t, env, nil)
 		l := balancetest.NewFakeLedger(1)
-		s, err := balance.New(ctx, c, &balance.Config{Ledger: l, Prefix: env.Prefix, MaxInFlight: 5000, Coalesce: coalesce, MaxBatch: 16})
+		s, err := balance.New(ctx, c, &balance.Config{Ledger: l, Prefix: env.Prefix, MaxInFlight: 5000, NoCoalesce: !coalesce, MaxBatch: 16})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -29,8 +29,10 @@ type benchRig struct {
 
 // benchEnv is a real Redis for benchmarks (skipped without ESCROW_TEST_REDIS_URL), a warm org
 // with a balance that never runs out, and a cap that never binds.
+// benchEnv is a rig whose store sends each reserve on its own (Config.NoCoalesce), so that the
+// benchmarks measure one call's path.
 func benchEnv(b *testing.B) benchRig {
-	return benchEnvCfg(b, balance.Config{})
+	return benchEnvCfg(b, balance.Config{NoCoalesce: true})
 }
 
 func benchEnvCfg(b *testing.B, cfg balance.Config) benchRig {
@@ -60,17 +62,18 @@ func benchEnvCfg(b *testing.B, cfg balance.Config) benchRig {
 
 var benchSeq atomic.Int64
 
-// BenchmarkReserve is the hot path: Store.Reserve on a warm org (one EVALSHA), in parallel.
+// BenchmarkReserve is the hot path without coalescing (Config.NoCoalesce): Store.Reserve on a
+// warm org, one EVALSHA each, in parallel.
 func BenchmarkReserve(b *testing.B) {
 	benchReserve(b, benchEnv(b), "r")
 }
 
-// BenchmarkReserveCoalesced is BenchmarkReserve with Config.Coalesce: reserves that arrive
+// BenchmarkReserveCoalesced is BenchmarkReserve coalesced (the default): reserves that arrive
 // while MaxPipelines round trips are in flight go together in one pipeline. Run it with
 // -cpu 1,2 and a high -benchtime to see it at several concurrencies; compare with
 // BenchmarkReserve and BenchmarkRawEVALSHA, or see BenchmarkCoalesceVsDirect.
 func BenchmarkReserveCoalesced(b *testing.B) {
-	benchReserve(b, benchEnvCfg(b, balance.Config{Coalesce: true}), "c")
+	benchReserve(b, benchEnvCfg(b, balance.Config{}), "c")
 }
 
 // benchReserve reserves 1 on the rig's org in parallel, under hold ids starting with idPrefix.

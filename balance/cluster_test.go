@@ -20,15 +20,15 @@ func TestConformanceCluster(t *testing.T) {
 	t.Parallel()
 	c := testutil.StartRedisCluster(t)
 	t.Run("direct", func(t *testing.T) {
-		balancetest.Run(t, balancetest.Env{Client: c.Client(), Prefix: testutil.RandomName("t"), Real: true})
+		balancetest.Run(t, balancetest.Env{Client: c.Client(), Prefix: testutil.RandomName("t"), Real: true, NoCoalesce: true})
 	})
 	t.Run("coalesced", func(t *testing.T) {
-		balancetest.Run(t, balancetest.Env{Client: c.Client(), Prefix: testutil.RandomName("t"), Real: true, Coalesce: true})
+		balancetest.Run(t, balancetest.Env{Client: c.Client(), Prefix: testutil.RandomName("t"), Real: true})
 	})
 	t.Run("coalesced-burst", func(t *testing.T) {
 		ctx := context.Background()
 		l := balancetest.NewFakeLedger(1)
-		s, err := balance.New(ctx, c.Client(), &balance.Config{Ledger: l, Prefix: testutil.RandomName("t"), Coalesce: true, MaxPipelines: 1})
+		s, err := balance.New(ctx, c.Client(), &balance.Config{Ledger: l, Prefix: testutil.RandomName("t"), MaxPipelines: 1})
 		if err != nil {
 			t.Fatal(err)
 		}

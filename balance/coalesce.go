@@ -8,7 +8,8 @@ import (
 	"time"
 )
 
-// coalescer sends reserves that arrive together as one Redis pipeline (Config.Coalesce).
+// coalescer sends reserves that arrive together as one Redis pipeline (unless
+// Config.NoCoalesce).
 //
 // It is a group commit with no goroutine of its own: at most MaxPipelines reserve round trips
 // are in flight at once. A reserve that finds a free slot and nobody waiting goes straight to

@@ -60,7 +60,7 @@ func coalesced(t *testing.T, env *testutil.RedisEnv, start int64, cfg balance.Co
 	h := &pipeHook{}
 	c.AddHook(h)
 	l := balancetest.NewFakeLedger(1)
-	cfg.Ledger, cfg.Prefix, cfg.Coalesce = l, env.Prefix, true
+	cfg.Ledger, cfg.Prefix, cfg.NoCoalesce = l, env.Prefix, false
 	cfg.MaxInFlight = 100_000
 	s, err := balance.New(context.Background(), c, &cfg)
 	if err != nil {

@@ -48,8 +48,8 @@ func ExampleStore_Reserve() {
 	// applied 4250000 0
 }
 
-// With Coalesce, reserves that arrive while other round trips are in flight go to Redis together,
-// as one pipeline; each still gets its own answer.
+// Reserves that arrive while other round trips are in flight go to Redis together, as one
+// pipeline (unless Config.NoCoalesce); each still gets its own answer.
 func ExampleConfig_coalesce() {
 	ctx := context.Background()
 	mr, _ := miniredis.Run()
@@ -59,7 +59,7 @@ func ExampleConfig_coalesce() {
 	ledger := balancetest.NewFakeLedger(1)
 	ledger.Add("acme", 1_000, "")
 
-	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: ledger, Coalesce: true, MaxPipelines: 1})
+	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: ledger, MaxPipelines: 1})
 	if err != nil {
 		panic(err)
 	}

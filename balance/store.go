@@ -28,7 +28,7 @@ type Store struct {
 	holdTTLArg, capArgArg, tombTTLArg, pinFloorArg any
 
 	scripts  map[string]*script
-	co       *coalescer // nil unless Config.Coalesce
+	co       *coalescer // nil with Config.NoCoalesce
 	epoch    atomic.Pointer[cachedEpoch]
 	warming  singleflight.Group
 	warnMu   sync.Mutex
@@ -87,7 +87,7 @@ func New(ctx context.Context, c redis.UniversalClient, conf *Config) (*Store, er
 		held:     make(map[string]uint64),
 	}
 	s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg = s.holdTTL, s.capArg, s.tombTTL, s.pinFloor
-	if cfg.Coalesce {
+	if !cfg.NoCoalesce {
 		s.co = newCoalescer(s, cfg)
 	}
 	if err := s.eachMaster(ctx, s.checkServer); err != nil {

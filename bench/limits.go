@@ -27,8 +27,8 @@ type limits struct {
 
 	rawEvalsha   float64 // EVALSHA of the reserve script, one call per round trip
 	rawPipelined float64 // the same, 16 calls per pipeline
-	reserve      float64 // balance.Store.Reserve
-	coalesced    float64 // balance.Store.Reserve with Config.Coalesce
+	reserve      float64 // balance.Store.Reserve with Config.NoCoalesce
+	coalesced    float64 // balance.Store.Reserve coalesced (the default)
 
 	// one caller at a time (low load): latency of a lone call
 	p50Raw, p50Reserve, p50Coalesced time.Duration
@@ -85,14 +85,14 @@ type limitMode struct {
 // never runs out: the reserve script called raw (alone and pipelined), Store.Reserve, and
 // Store.Reserve with coalescing. Their results go to lim.
 func redisModes(ctx context.Context, c *redis.Client, prefix string, lim *limits) ([]limitMode, error) {
-	cfg := balance.Config{Ledger: fixedLedger{}, Prefix: prefix, MaxInFlight: 1 << 30, Logger: slog.New(slog.DiscardHandler),
+	cfg := balance.Config{Ledger: fixedLedger{}, Prefix: prefix, MaxInFlight: 1 << 30, Logger: slog.New(slog.DiscardHandler), NoCoalesce: true,
 		HoldTTL: balance.DefaultHoldTTL, PinTTL: balance.DefaultPinTTL, TombstoneTTL: balance.DefaultTombstoneTTL}
 	direct, err := balance.New(ctx, c, &cfg)
 	if err != nil {
 		return nil, err
 	}
 	coCfg := cfg
-	coCfg.Coalesce = true
+	coCfg.NoCoalesce = false
 	co, err := balance.New(ctx, c, &coCfg)
 	if err != nil {
 		return nil, err

@@ -158,7 +158,7 @@ func (r *rig) startProxies(ctx context.Context) error {
 	if r.esc, err = start(escEnv); err != nil {
 		return err
 	}
-	if r.co, err = start(r.env(r.coURL, r.prefix+"c", "ESCROW_COALESCE=true")); err != nil {
+	if r.co, err = start(r.env(r.coURL, r.prefix+"c", "ESCROW_COALESCE=false")); err != nil {
 		return err
 	}
 	for _, k := range []struct {
@@ -213,9 +213,9 @@ func (r *rig) scenarios(ctx context.Context) (*scenarios, error) {
 	scs := []scenario{
 		{r.base, "baseline json", []string{"sk-none"}, plainBody, &res.bPlain},
 		{r.esc, "escrow json, " + many, r.keys, plainBody, &res.ePlain},
-		{r.co, "escrow+coalesce json, " + many, r.coKeys, plainBody, &res.cPlain},
+		{r.co, "escrow, coalesce off, json, " + many, r.coKeys, plainBody, &res.cPlain},
 		{r.esc, "escrow json, 1 hot org", r.hot, plainBody, &res.eHot},
-		{r.co, "escrow+coalesce json, 1 hot org", r.coHot, plainBody, &res.cHot},
+		{r.co, "escrow, coalesce off, json, 1 hot org", r.coHot, plainBody, &res.cHot},
 		{r.base, "baseline stream", []string{"sk-none"}, streamBody, &res.bStream},
 		{r.esc, "escrow stream, " + many, r.keys, streamBody, &res.eStream},
 	}
@@ -270,7 +270,7 @@ func (r *rig) lags(ctx context.Context) []lagRun {
 		l.p50, l.p99, l.n = lagQuantiles(b1.plus(b2), a1.plus(a2))
 		return l
 	}
-	lags := []lagRun{on(r.esc, "escrow", r.o.lagRate, r.keys), on(r.co, "escrow+coalesce", r.o.lagRate, r.coKeys), on(r.co, "escrow+coalesce", r.o.lagRate/2, r.coKeys)}
+	lags := []lagRun{on(r.esc, "escrow", r.o.lagRate, r.keys), on(r.co, "escrow, coalesce off,", r.o.lagRate, r.coKeys), on(r.esc, "escrow", r.o.lagRate/2, r.keys)}
 	r.esc.stop()
 	r.co.stop()
 	return lags
@@ -296,8 +296,8 @@ func printTable(lim *limits, s *scenarios, lags []lagRun) {
 	us := func(d time.Duration) string { return d.Round(time.Microsecond).String() }
 	row("limit", fmt.Sprintf("redis: raw EVALSHA reserve script, %d conns", lim.conns), lim.rawEvalsha, us(lim.p50Raw), "", nil, 0, "")
 	row("limit", fmt.Sprintf("redis: raw EVALSHA, pipelined %d deep", evalPipeDepth), lim.rawPipelined, "", "", nil, ratio(lim.rawPipelined, lim.rawEvalsha), "/ raw EVALSHA")
-	row("limit", "redis: balance.Store.Reserve", lim.reserve, us(lim.p50Reserve), "", nil, ratio(lim.reserve, lim.rawEvalsha), "reserve / raw EVALSHA")
-	row("limit", "redis: Store.Reserve, Coalesce", lim.coalesced, us(lim.p50Coalesced), "", nil, ratio(lim.coalesced, lim.rawEvalsha), "coalesced / raw EVALSHA")
+	row("limit", "redis: Store.Reserve, NoCoalesce", lim.reserve, us(lim.p50Reserve), "", nil, ratio(lim.reserve, lim.rawEvalsha), "reserve / raw EVALSHA")
+	row("limit", "redis: Store.Reserve, coalesced", lim.coalesced, us(lim.p50Coalesced), "", nil, ratio(lim.coalesced, lim.rawEvalsha), "coalesced / raw EVALSHA")
 	row("limit", "pg: usage events, 1 row/tx (16 conns)", lim.pgSingle, "", "", nil, 0, "")
 	row("limit", "pg: usage events, 100 rows/tx (4 conns)", lim.pgBatch, "", "", nil, 0, "")
 	row("limit", "pg: Recorder group commit (256 callers)", lim.recorder, "", "", nil, 0, "")
@@ -311,9 +311,9 @@ func printTable(lim *limits, s *scenarios, lags []lagRun) {
 	}
 	lr("baseline", s.bPlain, nil, "")
 	lr("escrow", s.ePlain, &s.bPlain, "/ baseline json")
-	lr("coalesce", s.cPlain, &s.bPlain, "/ baseline json")
+	lr("co off", s.cPlain, &s.bPlain, "/ baseline json")
 	lr("escrow", s.eHot, &s.bPlain, "/ baseline json")
-	lr("coalesce", s.cHot, &s.bPlain, "/ baseline json")
+	lr("co off", s.cHot, &s.bPlain, "/ baseline json")
 	lr("baseline", s.bStream, nil, "")
 	lr("escrow", s.eStream, &s.bStream, "/ baseline stream")
 	for _, l := range lags {

@@ -236,8 +236,8 @@ type wrkScenario struct {
 	runs []wrkRun
 }
 
-// coRows is the proxy with Config.Coalesce on (ESCROW_COALESCE) and its keys, for its rows of
-// the wrk table (nil p: none).
+// coRows is the proxy with coalescing off (ESCROW_COALESCE=false) and its keys, for its rows
+// of the wrk table (nil p: none).
 type coRows struct {
 	p         *proxyProc
 	keys, hot []string
@@ -268,9 +268,9 @@ func wrkScenarios(direct string, base, esc *proxyProc, keys, hot []string, befor
 	}
 	if co.p != nil {
 		scs = append(scs,
-			&wrkScenario{name: "escrow+coalesce, json, " + many, url: co.p.base + chat, p: co.p, keys: co.keys, body: plainBody, threads: 2, cs: 32, off: offJSON},
-			&wrkScenario{name: "escrow+coalesce, json, 1 hot org", url: co.p.base + chat, p: co.p, keys: co.hot, body: plainBody, threads: 2, cs: 32, off: offJSON},
-			&wrkScenario{name: "escrow+coalesce, json, " + c1, url: co.p.base + chat, p: co.p, keys: co.keys[:len(c1keys)], body: plainBody, threads: 1, cs: 1, off: offC1},
+			&wrkScenario{name: "escrow, coalesce off, json, " + many, url: co.p.base + chat, p: co.p, keys: co.keys, body: plainBody, threads: 2, cs: 32, off: offJSON},
+			&wrkScenario{name: "escrow, coalesce off, json, 1 hot org", url: co.p.base + chat, p: co.p, keys: co.hot, body: plainBody, threads: 2, cs: 32, off: offJSON},
+			&wrkScenario{name: "escrow, coalesce off, json, " + c1, url: co.p.base + chat, p: co.p, keys: co.keys[:len(c1keys)], body: plainBody, threads: 1, cs: 1, off: offC1},
 		)
 	}
 	if before != nil {

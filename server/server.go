@@ -154,7 +154,7 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 		ReapGrace:     cfg.ReapGrace,
 		MaxInFlight:   cfg.MaxInFlight,
 		AllowEviction: cfg.AllowEviction || p.embedded,
-		Coalesce:      cfg.Coalesce,
+		NoCoalesce:    !cfg.Coalesce,
 		Logger:        s.log, // its warnings (AOF off, eviction allowed, version) are logged there, once
 	})
 	if errors.Is(err, balance.ErrConfig) {

@@ -23,8 +23,9 @@ type Env struct {
 	Client redis.UniversalClient
 	Prefix string // a key namespace no other test uses
 	Real   bool   // a real Redis server (not miniredis)
-	// Coalesce runs every store of the suite with Config.Coalesce (reserves may go in pipelines).
-	Coalesce bool
+	// NoCoalesce runs every store of the suite with Config.NoCoalesce (each reserve its own
+	// round trip; by default reserves may go in pipelines).
+	NoCoalesce bool
 }
 
 // h is one subtest's fixture: a store, its ledger double, an org of its own.
@@ -54,7 +55,7 @@ func fixture(t *testing.T, env Env, cfg balance.Config, start int64, warm bool) 
 		cfg.Ledger = l
 	}
 	cfg.Prefix = env.Prefix
-	cfg.Coalesce = cfg.Coalesce || env.Coalesce
+	cfg.NoCoalesce = cfg.NoCoalesce || env.NoCoalesce
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
