@@ -182,7 +182,11 @@ func (r *rig) wrk(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if before, err = startBefore(ctx, r.o.before, r.tmp, r.env(bfURL, r.prefix+"p"), r.o.orgs); err != nil {
+		env := r.env(bfURL, r.prefix+"p")
+		if r.o.profileDir != "" { // its wrk rounds are profiled too, for the before/after of the profiles
+			env = append(env, "ESCROW_PPROF_ADDR="+freeAddr())
+		}
+		if before, err = startBefore(ctx, r.o.before, r.tmp, env, r.o.orgs); err != nil {
 			return fmt.Errorf("before: %w", err)
 		}
 		r.undo = append(r.undo, before.p.stop)
