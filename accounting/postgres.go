@@ -59,7 +59,10 @@ type Postgres struct {
 	closed chan struct{}
 }
 
-var _ Ledger = (*Postgres)(nil)
+var (
+	_ Ledger          = (*Postgres)(nil)
+	_ QuietUsageStore = (*Postgres)(nil)
+)
 
 // defaultReconnectDelay is PostgresConfig.ReconnectDelay's default.
 const defaultReconnectDelay = 250 * time.Millisecond
@@ -978,6 +981,34 @@ SELECT $1, ledger_seq, $2, $3, NULLIF($4, '') FROM acc RETURNING seq, created_at
 // RecordUsage stores the events with one multi-row INSERT … ON CONFLICT (id) DO NOTHING, which
 // also notifies the orgs of the new events, in one round trip.
 func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
+	return p.recordUsage(ctx, events, sqlRecordNotify)
+}
+
+// RecordUsageQuiet is RecordUsage without the notification (QuietUsageStore): one INSERT that
+// wakes no listener of the database.
+func (p *Postgres) RecordUsageQuiet(ctx context.Context, events []UsageEvent) error {
+	return p.recordUsage(ctx, events, sqlRecordUsage)
+}
+
+// sqlRecordUsage inserts the events given as arrays, skipping the ids already stored;
+// sqlRecordNotify does the same and notifies the orgs of the rows it inserted.
+const (
+	sqlRecordUsage = `
+INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
+	completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens, choices)
+SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt, ch
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
+	$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[], $17::bigint[])
+	AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt, ch)
+ON CONFLICT (id) DO NOTHING`
+	sqlRecordNotify = `WITH ins AS (` + sqlRecordUsage + `
+RETURNING org_id
+)
+SELECT pg_notify(` + sqlChannel + `, org_id) FROM (SELECT DISTINCT org_id FROM ins) d`
+)
+
+// recordUsage runs sql (sqlRecordUsage or sqlRecordNotify) over the events, in one round trip.
+func (p *Postgres) recordUsage(ctx context.Context, events []UsageEvent, sql string) error {
 	if len(events) == 0 {
 		return nil
 	}
@@ -1007,19 +1038,7 @@ func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
 			reserved[i] = &ev.ReservedAt
 		}
 	}
-	_, err := p.pool.Exec(ctx, `
-WITH ins AS (
-	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
-		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens, choices)
-	SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt, ch
-	FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
-		$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[], $17::bigint[])
-		AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt, ch)
-	ON CONFLICT (id) DO NOTHING
-	RETURNING org_id
-)
-SELECT pg_notify(`+sqlChannel+`, org_id) FROM (SELECT DISTINCT org_id FROM ins) d`,
-		ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite, choices)
+	_, err := p.pool.Exec(ctx, sql, ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite, choices)
 	if err != nil && notSent(err) {
 		return fmt.Errorf("%w: %w", ErrNotRecorded, wrapPg("record usage", err))
 	}

@@ -205,6 +205,14 @@ func (w *Worker) Notify(org string) {
 	w.mu.Lock()
 	w.dirty[org] = struct{}{}
 	w.mu.Unlock()
+	w.Wake()
+}
+
+// Wake wakes the settle loop for a pass, marking no org dirty: the pass accounts the pending
+// usage and settles the orgs it charged. It is RecorderConfig.Wake for a recorder in the same
+// process, whose batches then send no NOTIFY. It never blocks, and wake-ups do not add up: the
+// pass starts no sooner than PassInterval after the previous one, and covers them all.
+func (w *Worker) Wake() {
 	select {
 	case w.wake <- struct{}{}:
 	default:
