@@ -230,7 +230,9 @@ type Settlement interface {
 type Listener interface {
 	// Subscribe delivers the org of every transaction that writes entries or usage events (NOTIFY
 	// for Postgres), best effort: a sweep covers what it misses. The channel closes with ctx.
-	// Usage stored with RecordUsageQuiet is not delivered.
+	// Usage stored with RecordUsageQuiet is not delivered; a ledger may also leave out its own
+	// account passes (Memory does, Postgres when OpenPostgres made it), whose caller settles
+	// their orgs from the AccountResult.
 	Subscribe(ctx context.Context) (<-chan string, error)
 }
 

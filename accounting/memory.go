@@ -436,7 +436,8 @@ func (m *Memory) AccountPass(ctx context.Context, limit int) (AccountResult, err
 		}
 	}
 	m.mu.Unlock()
-	m.notify(r.Orgs...)
+	// No notification: the caller settles r.Orgs itself, and every subscriber of a Memory is in
+	// its process (like Postgres.Subscribe, which leaves out its own passes).
 	return r, firstErr
 }
 

@@ -2,6 +2,8 @@ package accounting_test
 
 import (
 	"context"
+	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -151,6 +153,90 @@ func TestRecordUsageQuietSendsNoNotify(t *testing.T) {
 	}
 }
 
+// TestPostgresDropsOwnPassNotify: two ledgers opened on one schema (two processes). The NOTIFY
+// of an account pass reaches the other ledger's Subscribe, with the org first in its payload,
+// but not the subscription of the ledger that ran the pass; a seed's, a credit's and a usage
+// NOTIFY reach both.
+func TestPostgresDropsOwnPassNotify(t *testing.T) {
+	t.Parallel()
+	env := testutil.Postgres(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	open := func() *accounting.Postgres {
+		l, err := accounting.OpenPostgres(ctx, env.URL, &accounting.PostgresConfig{Logger: quiet})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(l.Close)
+		return l
+	}
+	l1, l2 := open(), open()
+	raw := listenRaw(ctx, t, env)
+	sub1, err := l1.Subscribe(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sub2, err := l2.Subscribe(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, org := range []string{"pass", "seed", "done"} {
+		if err := l1.CreateOrg(ctx, org); err != nil {
+			t.Fatal(err)
+		}
+	}
+	quietUsage := func(org string) {
+		ev := accounting.UsageEvent{ID: newID(), Org: org, Model: "m", Cost: 1}
+		if err := l1.RecordUsageQuiet(ctx, []accounting.UsageEvent{ev}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	quietUsage("pass")
+	if r, err := l1.AccountPass(ctx, 10); err != nil || r.Accounted != 1 {
+		t.Fatalf("pass %+v, %v", r, err)
+	}
+	quietUsage("seed")
+	if _, err := l1.Snapshot(ctx, "seed"); err != nil { // accounts the pending usage: the seed's charge
+		t.Fatal(err)
+	}
+	if err := l1.RecordUsage(ctx, []accounting.UsageEvent{{ID: newID(), Org: "seed", Model: "m", Cost: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	credit(ctx, t, l1, "done")
+
+	raws := nextNotes(ctx, t, raw, "done")
+	if len(raws) != 3 || !strings.HasPrefix(raws[0], "pass ") || raws[1] != "seed" || raws[2] != "seed" {
+		t.Fatalf("raw payloads %q: want the pass's tagged (\"pass <tag>\"), then the seed's and the usage's plain", raws)
+	}
+	if got := drainUntil(ctx, t, sub1, "done"); strings.Join(got, ",") != "seed,seed" {
+		t.Fatalf("the pass's own ledger heard %q before the credit, want seed,seed (its pass left out)", got)
+	}
+	if got := drainUntil(ctx, t, sub2, "done"); strings.Join(got, ",") != "pass,seed,seed" {
+		t.Fatalf("the other ledger heard %q before the credit, want pass,seed,seed", got)
+	}
+	// A ledger on a pool of the caller's (no tag) still hears its own passes.
+	l3, err := accounting.NewPostgres(env.Pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sub3, err := l3.Subscribe(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l3.RecordUsageQuiet(ctx, []accounting.UsageEvent{{ID: newID(), Org: "pass", Model: "m", Cost: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	// The pass also accounts the (loud) usage of "seed" that no pass has taken yet.
+	if n, err := l3.AccountPending(ctx, 10); err != nil || n != 2 {
+		t.Fatalf("accounted %d, %v", n, err)
+	}
+	credit(ctx, t, l3, "done")
+	got := drainUntil(ctx, t, sub3, "done")
+	if slices.Sort(got); strings.Join(got, ",") != "pass,seed" {
+		t.Fatalf("an untagged ledger heard %q before the credit, want its own pass's orgs", got)
+	}
+}
+
 // credit credits org 1 with a new reference.
 func credit(ctx context.Context, t *testing.T, l accounting.Ledger, org string) {
 	t.Helper()
@@ -193,5 +279,27 @@ func nextNotes(ctx context.Context, t *testing.T, conn *pgx.Conn, last string) [
 			return got
 		}
 		got = append(got, n.Payload)
+	}
+}
+
+// drainUntil returns the orgs a subscription delivers before the first that is last.
+func drainUntil(ctx context.Context, t *testing.T, ch <-chan string, last string) []string {
+	t.Helper()
+	var got []string
+	for {
+		select {
+		case org, ok := <-ch:
+			if !ok {
+				t.Fatalf("subscription closed after %q", got)
+			}
+			if org == last {
+				return got
+			}
+			got = append(got, org)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("after %q: no notification for %q", got, last)
+		case <-ctx.Done():
+			t.Fatal(ctx.Err())
+		}
 	}
 }

@@ -298,7 +298,7 @@ func (w *Worker) pass(ctx context.Context, sweep bool) error {
 	clear(w.dirty)
 	w.mu.Unlock()
 	// The orgs this pass charged are settled now, told in-process; their NOTIFY is for other
-	// processes (and wakes this one for a pass that finds them settled).
+	// processes (this ledger's Subscribe leaves it out when it can tell it is its own).
 	orgs = append(orgs, r.Orgs...)
 	if sweep {
 		behind, err := w.ledger.OrgsToSettle(ctx, 10000)
