@@ -55,6 +55,10 @@ type fallback struct {
 	ledger UsageStore
 	pin    Pinner
 	log    *slog.Logger
+	// woken is RecorderConfig.Wake (nil: none), called after a replay that stored events. The
+	// replay notifies as well (RecordUsage): the listeners may have missed much while the
+	// ledger was away, and the woken worker may not be this process's only one.
+	woken func()
 
 	replayEvery time.Duration
 	pinEvery    time.Duration
@@ -81,7 +85,7 @@ const pinRetryMax = 5 * time.Second
 
 func newFallback(l UsageStore, cfg RecorderConfig) *fallback {
 	return &fallback{
-		j: cfg.Journal, ledger: l, pin: cfg.Pinner, log: cfg.Logger,
+		j: cfg.Journal, ledger: l, pin: cfg.Pinner, log: cfg.Logger, woken: cfg.Wake,
 		replayEvery: cfg.ReplayInterval, pinEvery: cfg.PinInterval, unpinDelay: cfg.UnpinDelay,
 		timeout: cfg.Timeout, batch: cfg.MaxBatch,
 		nearFree: cfg.JournalReserve,
@@ -225,6 +229,9 @@ func (f *fallback) replay(ctx context.Context) {
 	}
 	f.replays.Add(1)
 	f.replayed.Add(int64(n))
+	if f.woken != nil {
+		f.woken()
+	}
 	if f.down.CompareAndSwap(true, false) {
 		f.log.Info("escrow: the ledger answers again; usage goes to it directly")
 	}

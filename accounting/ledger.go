@@ -187,6 +187,17 @@ type UsageStore interface {
 	VoidUsage(ctx context.Context, ev UsageEvent) error
 }
 
+// QuietUsageStore is a UsageStore that can also store usage without notifying its listeners
+// (Subscribe). Both ledgers are one. A Recorder with a Wake uses it: the worker it wakes runs in
+// the same process, so a NOTIFY per batch would only wake every listener of the database (every
+// other proxy's worker among them, to race for the same events) for nothing. Events stored
+// quietly are pending like any other: any worker's pass, or its sweep, accounts them.
+type QuietUsageStore interface {
+	UsageStore
+	// RecordUsageQuiet is RecordUsage without the notification.
+	RecordUsageQuiet(ctx context.Context, events []UsageEvent) error
+}
+
 // Settlement is the worker's pass over the ledger: pending usage becomes entries, entries reach
 // the hot balance and are marked settled.
 type Settlement interface {
@@ -219,6 +230,9 @@ type Settlement interface {
 type Listener interface {
 	// Subscribe delivers the org of every transaction that writes entries or usage events (NOTIFY
 	// for Postgres), best effort: a sweep covers what it misses. The channel closes with ctx.
+	// Usage stored with RecordUsageQuiet is not delivered; a ledger may also leave out its own
+	// account passes (Memory does, Postgres when OpenPostgres made it), whose caller settles
+	// their orgs from the AccountResult.
 	Subscribe(ctx context.Context) (<-chan string, error)
 }
 

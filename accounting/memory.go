@@ -78,7 +78,10 @@ type memSub struct {
 	closed bool
 }
 
-var _ Ledger = (*Memory)(nil)
+var (
+	_ Ledger          = (*Memory)(nil)
+	_ QuietUsageStore = (*Memory)(nil)
+)
 
 // NewMemory returns an empty in-memory ledger with a new random epoch (generation 1).
 func NewMemory() *Memory {
@@ -332,11 +335,24 @@ func (m *Memory) write(org string, kind EntryKind, delta int64, ref string) (Led
 
 // RecordUsage stores events; an event whose ID is already stored is ignored.
 func (m *Memory) RecordUsage(ctx context.Context, events []UsageEvent) error {
+	orgs, err := m.recordUsage(events)
+	m.notify(orgs...)
+	return err
+}
+
+// RecordUsageQuiet is RecordUsage without the notification (QuietUsageStore).
+func (m *Memory) RecordUsageQuiet(ctx context.Context, events []UsageEvent) error {
+	_, err := m.recordUsage(events)
+	return err
+}
+
+// recordUsage stores events and returns the orgs of those it stored.
+func (m *Memory) recordUsage(events []UsageEvent) ([]string, error) {
 	evs := make([]UsageEvent, len(events))
 	for i, ev := range events {
 		var err error
 		if evs[i], err = normalizeEvent(ev); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	var orgs []string
@@ -355,8 +371,7 @@ func (m *Memory) RecordUsage(ctx context.Context, events []UsageEvent) error {
 		}
 	}
 	m.mu.Unlock()
-	m.notify(orgs...)
-	return nil
+	return orgs, nil
 }
 
 // VoidUsage stores a tombstone for ev.ID unless the event is stored (ErrUsageRecorded).
@@ -421,7 +436,8 @@ func (m *Memory) AccountPass(ctx context.Context, limit int) (AccountResult, err
 		}
 	}
 	m.mu.Unlock()
-	m.notify(r.Orgs...)
+	// No notification: the caller settles r.Orgs itself, and every subscriber of a Memory is in
+	// its process (like Postgres.Subscribe, which leaves out its own passes).
 	return r, firstErr
 }
 

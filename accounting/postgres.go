@@ -50,16 +50,24 @@ type PostgresConfig struct {
 // request that was served is billed); such an account starts at balance 0 and goes negative.
 //
 // Notifications go to the channel "escrow_" + the first 16 hex digits of md5(current_schema()),
-// so ledgers in different schemas of one database do not hear each other.
+// so ledgers in different schemas of one database do not hear each other. Their payload is the
+// org, followed, for an account pass of a ledger made by OpenPostgres, by a space and that
+// ledger's tag (see Subscribe).
 type Postgres struct {
 	pool   *pgxpool.Pool
 	owned  bool
 	cfg    PostgresConfig
 	log    *slog.Logger
 	closed chan struct{}
+	// tag is set on every connection of an owned pool (escrow.notify_tag) and names this
+	// ledger's account passes in their NOTIFY payloads; "" with a caller's pool.
+	tag string
 }
 
-var _ Ledger = (*Postgres)(nil)
+var (
+	_ Ledger          = (*Postgres)(nil)
+	_ QuietUsageStore = (*Postgres)(nil)
+)
 
 // defaultReconnectDelay is PostgresConfig.ReconnectDelay's default.
 const defaultReconnectDelay = 250 * time.Millisecond
@@ -91,7 +99,13 @@ func OpenPostgres(ctx context.Context, url string, cfg *PostgresConfig) (*Postgr
 	if err := c.validate(); err != nil {
 		return nil, err
 	}
-	pool, err := pgxpool.New(ctx, url)
+	pcfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, wrapPg("open", err)
+	}
+	tag := randomHex(8)
+	pcfg.AfterConnect = tagConn(tag)
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
 		return nil, wrapPg("open", err)
 	}
@@ -106,12 +120,26 @@ func OpenPostgres(ctx context.Context, url string, cfg *PostgresConfig) (*Postgr
 		}
 	}
 	p := newPostgres(pool, c)
-	p.owned = true
+	p.owned, p.tag = true, tag
 	return p, nil
 }
 
+// tagConn sets the session's escrow.notify_tag, which an account pass's NOTIFY carries (see
+// sqlNotifyAll), so that this ledger's Subscribe can leave out its own passes. A session setting
+// rather than a startup parameter: poolers such as PgBouncer refuse startup parameters they do
+// not know. A failure is ignored: a pass on an untagged connection is heard by its own worker
+// again, as before (one wasted read), whereas a connection refused for it fails the ledger.
+func tagConn(tag string) func(context.Context, *pgx.Conn) error {
+	return func(ctx context.Context, conn *pgx.Conn) error {
+		_, _ = conn.Exec(ctx, `SELECT set_config('escrow.notify_tag', $1, false)`, tag)
+		return nil
+	}
+}
+
 // NewPostgres returns a ledger on pool, whose schema must be migrated (migrations.Up); cfg may
-// be nil for the defaults. The caller keeps the pool: Close does not close it.
+// be nil for the defaults. The caller keeps the pool: Close does not close it. Its connections
+// carry no notification tag, so this ledger's Subscribe also delivers its own account passes'
+// notifications (see Subscribe).
 func NewPostgres(pool *pgxpool.Pool, cfg *PostgresConfig) (*Postgres, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("%w: postgres ledger needs a pool", ErrConfig)
@@ -172,7 +200,12 @@ WITH acc AS (
 UPDATE api_keys k SET last_used_at = GREATEST(k.last_used_at, x.t)
 FROM (SELECT key_id, max(at) AS t FROM ev WHERE key_id IS NOT NULL GROUP BY key_id) x
 WHERE k.id = x.key_id AND k.id = ANY ($6::text[])`
-	sqlNotifyAll  = `SELECT pg_notify(` + sqlChannel + `, o) FROM unnest($1::text[]) AS o`
+	// sqlNotifyAll notifies each org of $1, adding the session's notification tag (a space, then
+	// escrow.notify_tag, when set: see tagConn) so that the ledger that sent it knows its own
+	// account pass. A seed's charges clear the tag for their transaction (readSnapshot): their
+	// entries still wait for a settle, which the seeding process's worker must hear about too.
+	sqlNotifyAll = `SELECT pg_notify(` + sqlChannel + `, o || coalesce(' ' || nullif(current_setting('escrow.notify_tag', true), ''), ''))
+FROM unnest($1::text[]) AS o`
 	sqlClaimOrder = ` ORDER BY created_at, id`
 	// sqlClaimAttr: a claimed event's attribution (chargeAttr), after its cost.
 	sqlClaimAttr = `coalesce(key_id, ''), coalesce(project, ''), coalesce(reserved_at, created_at)`
@@ -297,7 +330,9 @@ type snapRead struct {
 func readSnapshot(ctx context.Context, tx pgx.Tx, org string, withLimits bool) (snapRead, error) {
 	b := &pgx.Batch{}
 	b.Queue(`SELECT balance, ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE`, org)
-	b.Queue(`SELECT pg_advisory_xact_lock(hashtext(current_schema()), hashtext($1))`, org)
+	// The seed's charges notify without this ledger's tag (sqlNotifyAll): unlike an account pass,
+	// the seeding process does not settle them itself, so its own worker must hear them too.
+	b.Queue(`SELECT pg_advisory_xact_lock(hashtext(current_schema()), hashtext($1)), set_config('escrow.notify_tag', '', true)`, org)
 	b.Queue(`SELECT id::text, cost, `+sqlClaimAttr+` FROM usage_events WHERE org_id = $1 AND status = 'pending'`+sqlClaimOrder+` FOR UPDATE`, org)
 	b.Queue(`SELECT epoch_gen, epoch_id FROM ledger_meta`)
 	b.Queue(sqlChargeLimits, []string{org})
@@ -978,6 +1013,34 @@ SELECT $1, ledger_seq, $2, $3, NULLIF($4, '') FROM acc RETURNING seq, created_at
 // RecordUsage stores the events with one multi-row INSERT … ON CONFLICT (id) DO NOTHING, which
 // also notifies the orgs of the new events, in one round trip.
 func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
+	return p.recordUsage(ctx, events, sqlRecordNotify)
+}
+
+// RecordUsageQuiet is RecordUsage without the notification (QuietUsageStore): one INSERT that
+// wakes no listener of the database.
+func (p *Postgres) RecordUsageQuiet(ctx context.Context, events []UsageEvent) error {
+	return p.recordUsage(ctx, events, sqlRecordUsage)
+}
+
+// sqlRecordUsage inserts the events given as arrays, skipping the ids already stored;
+// sqlRecordNotify does the same and notifies the orgs of the rows it inserted.
+const (
+	sqlRecordUsage = `
+INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
+	completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens, choices)
+SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt, ch
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
+	$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[], $17::bigint[])
+	AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt, ch)
+ON CONFLICT (id) DO NOTHING`
+	sqlRecordNotify = `WITH ins AS (` + sqlRecordUsage + `
+RETURNING org_id
+)
+SELECT pg_notify(` + sqlChannel + `, org_id) FROM (SELECT DISTINCT org_id FROM ins) d`
+)
+
+// recordUsage runs sql (sqlRecordUsage or sqlRecordNotify) over the events, in one round trip.
+func (p *Postgres) recordUsage(ctx context.Context, events []UsageEvent, sql string) error {
 	if len(events) == 0 {
 		return nil
 	}
@@ -1007,19 +1070,7 @@ func (p *Postgres) RecordUsage(ctx context.Context, events []UsageEvent) error {
 			reserved[i] = &ev.ReservedAt
 		}
 	}
-	_, err := p.pool.Exec(ctx, `
-WITH ins AS (
-	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
-		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens, choices)
-	SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt, ch
-	FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
-		$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[], $17::bigint[])
-		AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt, ch)
-	ON CONFLICT (id) DO NOTHING
-	RETURNING org_id
-)
-SELECT pg_notify(`+sqlChannel+`, org_id) FROM (SELECT DISTINCT org_id FROM ins) d`,
-		ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite, choices)
+	_, err := p.pool.Exec(ctx, sql, ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite, choices)
 	if err != nil && notSent(err) {
 		return fmt.Errorf("%w: %w", ErrNotRecorded, wrapPg("record usage", err))
 	}
@@ -1152,6 +1203,12 @@ LIMIT $1`, limit)
 // or the ledger is closed, then closes the channel. A lost connection is re-made (with
 // backoff); what was sent meanwhile is lost, which the worker's sweep covers. A slow reader
 // loses notifications (the channel holds 1024) rather than slowing Postgres.
+//
+// The notifications of this ledger's own account passes are left out (when it was made by
+// OpenPostgres, which tags its connections): the caller of AccountPass has their orgs in the
+// AccountResult and settles them itself, so hearing them again would only make its next pass
+// read entries it has just settled. Other ledgers (other processes) hear them, as they hear
+// every credit, adjust, seed and usage notification.
 func (p *Postgres) Subscribe(ctx context.Context) (<-chan string, error) {
 	conn, err := p.listen(ctx)
 	if err != nil {
@@ -1179,8 +1236,12 @@ func (p *Postgres) Subscribe(ctx context.Context) (<-chan string, error) {
 					break
 				}
 				delay = p.cfg.ReconnectDelay
+				org, own := p.notifiedOrg(n.Payload)
+				if own {
+					continue
+				}
 				select {
-				case ch <- n.Payload:
+				case ch <- org:
 				default:
 				}
 			}
@@ -1196,6 +1257,13 @@ func (p *Postgres) Subscribe(ctx context.Context) (<-chan string, error) {
 		}
 	}()
 	return ch, nil
+}
+
+// notifiedOrg parses a NOTIFY payload: the org, then (an account pass's) a space and the tag of
+// the ledger that sent it. own: this ledger sent it.
+func (p *Postgres) notifiedOrg(payload string) (org string, own bool) {
+	org, tag, tagged := strings.Cut(payload, " ")
+	return org, tagged && p.tag != "" && tag == p.tag
 }
 
 func (p *Postgres) listen(ctx context.Context) (*pgx.Conn, error) {

@@ -72,6 +72,15 @@ type RecorderConfig struct {
 	Finisher Finisher
 	// FinishTimeout bounds one batch's finish call. Default 1s.
 	FinishTimeout time.Duration
+	// Wake, when set, is called once per batch right after the batch is in the ledger, and after
+	// each journal replay that stored events: it wakes the worker of this process for an
+	// account pass (*Worker.Wake), and a ledger that can (QuietUsageStore: both can) stores the
+	// batch without notifying its listeners. Without it, every batch's NOTIFY wakes every
+	// listener of the database — every proxy's worker, which then race for the same events —
+	// when the worker that should account them is right here. Events no worker is woken for
+	// (the process died first) are accounted by any worker's sweep. A batch that went to the
+	// journal wakes nothing: the worker could not see it. Default nil: batches notify.
+	Wake func()
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -392,7 +401,7 @@ func (r *Recorder) commit(parent context.Context, batch []*recordReq) {
 		// (the replay loop finds out when the ledger is back) instead of waiting for it.
 		err = r.fb.append(ctx, events, ErrLedgerUnavailable)
 	} else {
-		err = r.ledger.RecordUsage(ctx, events)
+		err = r.record(ctx, events)
 		if err != nil && r.fb != nil && errors.Is(err, ErrLedgerUnavailable) {
 			actx, acancel := context.WithTimeout(context.Background(), r.cfg.Timeout)
 			err = r.fb.append(actx, events, err)
@@ -412,6 +421,25 @@ func (r *Recorder) commit(parent context.Context, batch []*recordReq) {
 		}
 		req.done <- d
 	}
+}
+
+// record writes a batch to the ledger: with a Wake, quietly when the ledger can, and then wakes
+// the worker, also after an error that leaves the outcome unknown (the events may be stored; a
+// pass that finds nothing costs little). A batch surely not stored wakes nothing.
+func (r *Recorder) record(ctx context.Context, events []UsageEvent) error {
+	if r.cfg.Wake == nil {
+		return r.ledger.RecordUsage(ctx, events)
+	}
+	var err error
+	if q, ok := r.ledger.(QuietUsageStore); ok {
+		err = q.RecordUsageQuiet(ctx, events)
+	} else {
+		err = r.ledger.RecordUsage(ctx, events)
+	}
+	if !errors.Is(err, ErrNotRecorded) {
+		r.cfg.Wake()
+	}
+	return err
 }
 
 // Void makes sure ev is never charged, for a caller whose Record failed or timed out and that

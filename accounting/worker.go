@@ -205,6 +205,14 @@ func (w *Worker) Notify(org string) {
 	w.mu.Lock()
 	w.dirty[org] = struct{}{}
 	w.mu.Unlock()
+	w.Wake()
+}
+
+// Wake wakes the settle loop for a pass, marking no org dirty: the pass accounts the pending
+// usage and settles the orgs it charged. It is RecorderConfig.Wake for a recorder in the same
+// process, whose batches then send no NOTIFY. It never blocks, and wake-ups do not add up: the
+// pass starts no sooner than PassInterval after the previous one, and covers them all.
+func (w *Worker) Wake() {
 	select {
 	case w.wake <- struct{}{}:
 	default:
@@ -290,7 +298,7 @@ func (w *Worker) pass(ctx context.Context, sweep bool) error {
 	clear(w.dirty)
 	w.mu.Unlock()
 	// The orgs this pass charged are settled now, told in-process; their NOTIFY is for other
-	// processes (and wakes this one for a pass that finds them settled).
+	// processes (this ledger's Subscribe leaves it out when it can tell it is its own).
 	orgs = append(orgs, r.Orgs...)
 	if sweep {
 		behind, err := w.ledger.OrgsToSettle(ctx, 10000)

@@ -237,9 +237,6 @@ func (s *Server) openAccounting() error {
 		s.log.Warn("no ESCROW_JOURNAL_DIR: while the ledger is down, requests fail with 503 billing_unavailable instead of being journaled")
 	}
 	var err error
-	if s.recorder, err = accounting.NewRecorder(s.ledger, &rc); err != nil {
-		return fmt.Errorf("recorder: %w", err)
-	}
 	s.worker, err = accounting.NewWorker(s.ledger, s.store, &accounting.WorkerConfig{
 		Logger:            s.log,
 		SweepInterval:     cfg.SweepInterval,
@@ -249,6 +246,12 @@ func (s *Server) openAccounting() error {
 	})
 	if err != nil {
 		return fmt.Errorf("worker: %w", err)
+	}
+	// The recorder wakes this process's worker itself, and its batches send no NOTIFY, which
+	// would wake every worker listening on the database (every proxy's) for the same events.
+	rc.Wake = s.worker.Wake
+	if s.recorder, err = accounting.NewRecorder(s.ledger, &rc); err != nil {
+		return fmt.Errorf("recorder: %w", err)
 	}
 	s.ops = accounting.NewOps(s.worker)
 	return s.openWebhooks()

@@ -45,6 +45,7 @@ func Run(t *testing.T, newLedger func(t *testing.T) accounting.Ledger) {
 		{"SettleBookkeeping", testSettle},
 		{"UnsettledUsage", testUnsettledUsage},
 		{"Subscribe", testSubscribe},
+		{"RecordUsageQuiet", testRecordQuiet},
 		{"Models", testModels},
 		{"CacheWrite", testCacheWrite},
 		{"Keys", testKeys},
@@ -792,6 +793,39 @@ func testUnsettledUsage(t *testing.T, l accounting.Ledger) {
 	}
 	if got := must(l.UnsettledUsage(c, "o", nil)); len(got) != 0 {
 		t.Fatalf("UnsettledUsage(nil) = %v", got)
+	}
+}
+
+// testRecordQuiet: a ledger that is a QuietUsageStore stores usage with RecordUsageQuiet like
+// RecordUsage (pending, idempotent by id, accounted by the next pass) but notifies no one: a
+// credit written after it is the first notification its subscriber gets.
+func testRecordQuiet(t *testing.T, l accounting.Ledger) {
+	q, ok := l.(accounting.QuietUsageStore)
+	if !ok {
+		t.Skip("not a QuietUsageStore")
+	}
+	c := ctx(t)
+	sctx, cancel := context.WithCancel(c)
+	defer cancel()
+	ch := must(l.Subscribe(sctx))
+	noErr(t, l.CreateOrg(c, "o"))
+	time.Sleep(50 * time.Millisecond) // a LISTEN may need a moment to be in place
+	ev := event("q", 7, 0)
+	noErr(t, q.RecordUsageQuiet(c, []accounting.UsageEvent{ev, event("q", 3, 1)}))
+	noErr(t, q.RecordUsageQuiet(c, []accounting.UsageEvent{ev})) // stored already: ignored
+	_, _, err := l.Credit(c, "o", 5, "r")
+	noErr(t, err)
+	select {
+	case got := <-ch:
+		// Both ledgers deliver in commit order: a notification of the usage would come first.
+		if got != "o" {
+			t.Fatalf("first notification for %q, want the credit's (o): the quiet usage notified", got)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no notification for the credit")
+	}
+	if n := must(l.AccountPending(c, 10)); n != 2 {
+		t.Fatalf("accounted %d quietly recorded events, want 2", n)
 	}
 }
 
