@@ -560,11 +560,14 @@ SELECT org_id, balance, ledger_seq, settled_seq = ledger_seq, low_balance_thresh
 FROM a CROSS JOIN ledger_meta m`
 
 // sqlCreateAccounts makes the accounts of the orgs $1 that have none and takes their advisory
-// locks; a row another transaction is inserting (ON CONFLICT DO NOTHING does not wait for it)
-// is left for later.
+// locks. An org whose row exists (the lock skipped it: another transaction holds it) is left
+// for later without reaching the insert: ON CONFLICT's unique check waits for a transaction
+// that is updating the conflicting row, and that one (a MarkSettledMany) may be waiting for a
+// row this pass holds, a deadlock. A row another transaction is inserting is waited for.
 const sqlCreateAccounts = `
 WITH a AS (
-	INSERT INTO accounts (org_id) SELECT o FROM unnest($1::text[]) AS o ORDER BY o
+	INSERT INTO accounts (org_id) SELECT o FROM unnest($1::text[]) AS o
+	WHERE NOT EXISTS (SELECT 1 FROM accounts x WHERE x.org_id = o) ORDER BY o
 	ON CONFLICT DO NOTHING RETURNING org_id, balance, ledger_seq, settled_seq, low_balance_threshold
 )
 SELECT org_id, balance, ledger_seq, settled_seq = ledger_seq, low_balance_threshold,
