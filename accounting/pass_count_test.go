@@ -155,44 +155,7 @@ type passCounts struct {
 func countPasses(t *testing.T, norgs, perPass, passes int) passCounts {
 	ctx := context.Background()
 	c := &tripCounter{}
-	env := testutil.Postgres(t)
-	if _, err := migrations.Up(ctx, env.Pool); err != nil {
-		t.Fatal(err)
-	}
-	pc, err := pgxpool.ParseConfig(env.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pc.ConnConfig.Tracer = c
-	pool, err := pgxpool.NewWithConfig(ctx, pc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	l, err := accounting.NewPostgres(pool, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	renv := testutil.RealRedis(t)
-	renv.Client.AddHook(c)
-	store := newStore(t, renv, l, balance.Config{ModelMaxCacheTTL: time.Hour})
-	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
-	if err := l.PutModel(ctx, accounting.Model{Name: "m", MaxCost: 1000, DefaultHold: 100}); err != nil {
-		t.Fatal(err)
-	}
-	orgs := make([]string, norgs)
-	for i := range orgs {
-		orgs[i] = fmt.Sprintf("o%03d", i)
-		if err := l.CreateOrg(ctx, orgs[i]); err != nil {
-			t.Fatal(err)
-		}
-		if _, _, err := l.Credit(ctx, orgs[i], 1_000_000_000, "c-"+orgs[i]); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := w.Drain(ctx); err != nil { // seeds every org: the counted passes find them warm
-		t.Fatal(err)
-	}
+	l, w, orgs := countedWorker(t, c, norgs)
 	rnd := rand.New(rand.NewPCG(1, 2))
 	var sum passCounts
 	const warm = 3
@@ -242,6 +205,51 @@ func countPasses(t *testing.T, norgs, perPass, passes int) passCounts {
 	n := float64(passes)
 	sum.stmts, sum.pgTrips, sum.redisTrips, sum.readRows, sum.unsettledReads = sum.stmts/n, sum.pgTrips/n, sum.redisTrips/n, sum.readRows/n, sum.unsettledReads/n
 	return sum
+}
+
+// countedWorker returns a Postgres ledger whose pool c traces, a worker over it and a store on
+// real Redis whose client c counts, and norgs orgs with a credit, settled and warm.
+func countedWorker(t *testing.T, c *tripCounter, norgs int) (*accounting.Postgres, *accounting.Worker, []string) {
+	ctx := context.Background()
+	env := testutil.Postgres(t)
+	if _, err := migrations.Up(ctx, env.Pool); err != nil {
+		t.Fatal(err)
+	}
+	pc, err := pgxpool.ParseConfig(env.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc.ConnConfig.Tracer = c
+	pool, err := pgxpool.NewWithConfig(ctx, pc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	l, err := accounting.NewPostgres(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	renv := testutil.RealRedis(t)
+	renv.Client.AddHook(c)
+	store := newStore(t, renv, l, balance.Config{ModelMaxCacheTTL: time.Hour})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
+	if err := l.PutModel(ctx, accounting.Model{Name: "m", MaxCost: 1000, DefaultHold: 100}); err != nil {
+		t.Fatal(err)
+	}
+	orgs := make([]string, norgs)
+	for i := range orgs {
+		orgs[i] = fmt.Sprintf("o%03d", i)
+		if err := l.CreateOrg(ctx, orgs[i]); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := l.Credit(ctx, orgs[i], 1_000_000_000, "c-"+orgs[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := w.Drain(ctx); err != nil { // seeds every org: the counted passes find them warm
+		t.Fatal(err)
+	}
+	return l, w, orgs
 }
 
 // firstLine is the first non-blank line of a statement, trimmed to 90 characters.

@@ -81,32 +81,7 @@ func TestPassSettlesHandedOver(t *testing.T) {
 	t.Parallel()
 	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, inner accounting.Ledger) {
 		ctx := context.Background()
-		l := &watchedLedger{Ledger: inner}
-		store := newStore(t, env, inner, balance.Config{})
-		w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
-		for _, o := range []string{"clean", "behind"} {
-			if err := l.CreateOrg(ctx, o); err != nil {
-				t.Fatal(err)
-			}
-		}
-		for _, o := range []string{"clean", "behind"} {
-			if err := store.Warm(ctx, o); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if _, _, err := w.Credit(ctx, "clean", 1000, "c1"); err != nil { // settled at once
-			t.Fatal(err)
-		}
-		// Settled in Redis by a seed, not yet marked in the ledger: behind.
-		if _, _, err := l.Credit(ctx, "behind", 1000, "c2"); err != nil {
-			t.Fatal(err)
-		}
-		if err := store.Invalidate(ctx, "behind"); err != nil {
-			t.Fatal(err)
-		}
-		if err := store.Warm(ctx, "behind"); err != nil {
-			t.Fatal(err)
-		}
+		l, store, w := cleanAndBehind(t, env, inner)
 		var evs []accounting.UsageEvent
 		for i, o := range []string{"clean", "behind", "clean", "fresh", "clean", "behind"} {
 			id := newID()
@@ -161,6 +136,37 @@ func TestPassSettlesHandedOver(t *testing.T) {
 	})
 }
 
+// cleanAndBehind returns a watched ledger over inner, a store and a worker, and two warm orgs
+// with a credit of 1000 each: "clean", settled and marked, and "behind", in the hot balance (by
+// a seed) but not marked settled in the ledger.
+func cleanAndBehind(t *testing.T, env *testutil.RedisEnv, inner accounting.Ledger) (*watchedLedger, *balance.Store, *accounting.Worker) {
+	ctx := context.Background()
+	l := &watchedLedger{Ledger: inner}
+	store := newStore(t, env, inner, balance.Config{})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
+	for _, o := range []string{"clean", "behind"} {
+		if err := l.CreateOrg(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+		if err := store.Warm(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, _, err := w.Credit(ctx, "clean", 1000, "c1"); err != nil { // settled at once
+		t.Fatal(err)
+	}
+	if _, _, err := l.Credit(ctx, "behind", 1000, "c2"); err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Invalidate(ctx, "behind"); err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Warm(ctx, "behind"); err != nil {
+		t.Fatal(err)
+	}
+	return l, store, w
+}
+
 // TestTwoWorkersPass runs two workers' passes at once over one ledger and one Redis (each with
 // its own store, as in two processes) while requests reserve and record usage on a few orgs:
 // both hand entries over, both may settle the same org, and every charge is applied once.
@@ -194,21 +200,7 @@ func TestTwoWorkersPass(t *testing.T) {
 		done := make(chan struct{})
 		var wg sync.WaitGroup
 		for _, w := range workers {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for i := 0; ; i++ {
-					select {
-					case <-done:
-						return
-					default:
-					}
-					if err := w.Pass(ctx, i%10 == 9); err != nil {
-						t.Error(err)
-						return
-					}
-				}
-			}()
+			wg.Go(func() { passUntil(t, w, done) })
 		}
 		for i := range 300 {
 			o := orgs[i%len(orgs)]
@@ -245,4 +237,19 @@ func TestTwoWorkersPass(t *testing.T) {
 			}
 		}
 	})
+}
+
+// passUntil runs w's passes back to back (every tenth a sweep) until done closes.
+func passUntil(t *testing.T, w *accounting.Worker, done <-chan struct{}) {
+	for i := 0; ; i++ {
+		select {
+		case <-done:
+			return
+		default:
+		}
+		if err := w.Pass(context.Background(), i%10 == 9); err != nil {
+			t.Error(err)
+			return
+		}
+	}
 }
