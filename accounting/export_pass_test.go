@@ -1,5 +1,7 @@
 package accounting
 
+import "context"
+
 // The worker's batched statements, for the plan test.
 const (
 	SQLUnsettledOf  = sqlUnsettledOf
@@ -12,3 +14,8 @@ const (
 
 // SQLLowBalance is the balance.low outbox statement, for the plan test.
 var SQLLowBalance = sqlOutboxLowBalance
+
+// Pass runs one pass of the settle loop (account, then settle the orgs it charged, the dirty
+// ones and, with sweep, those the ledger says are behind), for the tests that count its
+// statements.
+func (w *Worker) Pass(ctx context.Context, sweep bool) error { return w.pass(ctx, sweep) }

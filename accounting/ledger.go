@@ -207,7 +207,9 @@ type Settlement interface {
 	// returns how many events it accounted.
 	AccountPending(ctx context.Context, limit int) (int, error)
 	// AccountPass is AccountPending that also says which orgs got entries and, per model, the
-	// highest cost of one choice among the real (not estimated) costs it accounted.
+	// highest cost of one choice among the real (not estimated) costs it accounted; and, for
+	// the orgs that were fully settled before it, the entries it wrote with the epoch, which
+	// are then what UnsettledEntries would return (AccountResult.Settle).
 	AccountPass(ctx context.Context, limit int) (AccountResult, error)
 	// UnsettledEntries returns up to limit entries of org with Seq > settled_seq, in Seq order,
 	// and the epoch read in the same transaction.

@@ -435,6 +435,9 @@ func (m *Memory) AccountPass(ctx context.Context, limit int) (AccountResult, err
 			r.Orgs = append(r.Orgs, h.org)
 		}
 	}
+	if len(r.Settle) > 0 {
+		r.Epoch = m.epoch
+	}
 	m.mu.Unlock()
 	// No notification: the caller settles r.Orgs itself, and every subscriber of a Memory is in
 	// its process (like Postgres.Subscribe, which leaves out its own passes).
@@ -443,7 +446,8 @@ func (m *Memory) AccountPass(ctx context.Context, limit int) (AccountResult, err
 
 // accountOrgLocked accounts up to limit (all when < 0) of org's pending events, creating the
 // account when the org has none: a request that was served is billed. With r, each event's
-// cost of one choice is learned into r.MaxCost.
+// cost of one choice is learned into r.MaxCost, and when every earlier entry was settled, the
+// new entries, then the org's unsettled ones, go to r.Settle.
 func (m *Memory) accountOrgLocked(org string, limit int, r *AccountResult) (int, error) {
 	q := m.pending[org]
 	if limit < 0 || limit > len(q) {
@@ -494,6 +498,12 @@ func (m *Memory) accountOrgLocked(org string, limit int, r *AccountResult) (int,
 		delete(m.pending, org)
 	} else {
 		m.pending[org] = slices.Delete(q, 0, limit)
+	}
+	if r != nil && a.settled == base {
+		if r.Settle == nil {
+			r.Settle = map[string][]balance.Entry{}
+		}
+		r.Settle[org] = a.unsettled(limit)
 	}
 	return limit, nil
 }

@@ -431,6 +431,11 @@ type orgCharges struct {
 	costs   []int64
 	attrs   []chargeAttr    // each charge's attribution, for the limits' windows
 	limits  []balance.Limit // the org's live limits (none: no window is moved)
+	// settled: every entry of the org was settled when the pass locked its row (settled_seq =
+	// ledger_seq), so the charges' entries will be its unsettled entries (AccountResult.Settle);
+	// recorded is each claimed event's created_at, their Recorded time.
+	settled  bool
+	recorded []time.Time
 	// lowAt is the account's low-balance threshold when lowKnown (read with the row lock):
 	// then the balance.low check is queued only when the charges cross it.
 	lowAt    *int64
@@ -523,6 +528,8 @@ func (p *Postgres) AccountPending(ctx context.Context, limit int) (int, error) {
 // account and the events' status; then notifies each org. So every org's charges are written
 // in one transaction that holds the org's locks, and a batch costs one commit however many
 // orgs it spans. An org with no account row gets one (a request that was served is billed).
+// The orgs whose settled_seq equalled their ledger_seq under the row lock get their new
+// entries back in Settle, with the epoch the locking statement read.
 //
 // Round trips: the discovery read (outside the transaction), then BEGIN with the locks, the
 // claim with the limits, and the writes with COMMIT: four, however many orgs and events.
@@ -575,30 +582,37 @@ SELECT org_id, count(*)::int FROM (
 
 // sqlLockAccounts locks the account rows of the orgs $1 that no one else holds, in org order,
 // and, for each row locked, tries the org's advisory lock (after the row, never before): the
-// last column says whether it was taken.
+// sixth column says whether it was taken. Each row also says whether the org was fully settled
+// (read under the row lock, which MarkSettledMany takes too) and carries the ledger's epoch, so
+// the pass hands its entries over with the epoch without a read of its own (AccountResult).
 const sqlLockAccounts = `
 WITH a AS MATERIALIZED (
-	SELECT org_id, balance, ledger_seq, low_balance_threshold FROM accounts
+	SELECT org_id, balance, ledger_seq, settled_seq, low_balance_threshold FROM accounts
 	WHERE org_id = ANY($1::text[]) ORDER BY org_id FOR UPDATE SKIP LOCKED
 )
-SELECT org_id, balance, ledger_seq, low_balance_threshold,
-	pg_try_advisory_xact_lock(hashtext(current_schema()), hashtext(org_id)) FROM a`
+SELECT org_id, balance, ledger_seq, settled_seq = ledger_seq, low_balance_threshold,
+	pg_try_advisory_xact_lock(hashtext(current_schema()), hashtext(org_id)), m.epoch_gen, m.epoch_id
+FROM a CROSS JOIN ledger_meta m`
 
 // sqlCreateAccounts makes the accounts of the orgs $1 that have none and takes their advisory
-// locks; a row another transaction is inserting (ON CONFLICT DO NOTHING does not wait for it)
-// is left for later.
+// locks. An org whose row exists (the lock skipped it: another transaction holds it) is left
+// for later without reaching the insert: ON CONFLICT's unique check waits for a transaction
+// that is updating the conflicting row, and that one (a MarkSettledMany) may be waiting for a
+// row this pass holds, a deadlock. A row another transaction is inserting is waited for.
 const sqlCreateAccounts = `
 WITH a AS (
-	INSERT INTO accounts (org_id) SELECT o FROM unnest($1::text[]) AS o ORDER BY o
-	ON CONFLICT DO NOTHING RETURNING org_id, balance, ledger_seq, low_balance_threshold
+	INSERT INTO accounts (org_id) SELECT o FROM unnest($1::text[]) AS o
+	WHERE NOT EXISTS (SELECT 1 FROM accounts x WHERE x.org_id = o) ORDER BY o
+	ON CONFLICT DO NOTHING RETURNING org_id, balance, ledger_seq, settled_seq, low_balance_threshold
 )
-SELECT org_id, balance, ledger_seq, low_balance_threshold,
-	pg_try_advisory_xact_lock(hashtext(current_schema()), hashtext(org_id)) FROM a`
+SELECT org_id, balance, ledger_seq, settled_seq = ledger_seq, low_balance_threshold,
+	pg_try_advisory_xact_lock(hashtext(current_schema()), hashtext(org_id)), m.epoch_gen, m.epoch_id
+FROM a CROSS JOIN ledger_meta m`
 
 // sqlClaim claims, for each org of $1 in turn, its $2 oldest pending events that no one else
-// holds, with what the entries and the learned max need.
+// holds, with what the entries, the learned max and the handed-over entries' Recorded need.
 const sqlClaim = `
-SELECT c.org_id, c.id::text, c.cost, ` + sqlClaimAttr + `, c.model, c.estimated, c.choices
+SELECT c.org_id, c.id::text, c.cost, ` + sqlClaimAttr + `, c.model, c.estimated, c.choices, c.created_at
 FROM unnest($1::text[], $2::int[]) WITH ORDINALITY AS o(org, n, ord)
 CROSS JOIN LATERAL (
 	SELECT org_id, id, cost, created_at, key_id, project, reserved_at, model, estimated, choices FROM usage_events
@@ -608,7 +622,7 @@ CROSS JOIN LATERAL (
 // accountTx runs the account pass's transaction on conn (BEGIN is sent with the locks, COMMIT
 // with the writes). orgErrs are orgs left out (their charges would break the balance bound).
 func accountTx(ctx context.Context, conn *pgx.Conn, want map[string]int, orgs []string) (r AccountResult, orgErrs []error, err error) {
-	accts, got, err := lockOrgs(ctx, conn, orgs)
+	accts, got, epoch, err := lockOrgs(ctx, conn, orgs)
 	if err != nil || len(got) == 0 {
 		if err == nil {
 			_, err = conn.Exec(ctx, "COMMIT")
@@ -641,18 +655,46 @@ func accountTx(ctx context.Context, conn *pgx.Conn, want map[string]int, orgs []
 	if err := conn.SendBatch(ctx, b).Close(); err != nil {
 		return AccountResult{}, nil, err
 	}
+	if r.Settle = handOver(cs); len(r.Settle) > 0 {
+		r.Epoch = epoch
+	}
 	return r, orgErrs, nil
 }
 
+// handOver returns, for each org of cs that was fully settled when its row was locked, the
+// entries its charges became: its unsettled entries, exactly as sqlUnsettledOf reads them back
+// (seq base+i+1, delta −cost, the event's id as hold id, its created_at as Recorded, its
+// attribution), so the worker settles them without that read.
+func handOver(cs []orgCharges) map[string][]balance.Entry {
+	var out map[string][]balance.Entry
+	for _, c := range cs {
+		if !c.settled {
+			continue
+		}
+		es := make([]balance.Entry, len(c.ids))
+		for i, id := range c.ids {
+			a := c.attrs[i]
+			es[i] = balance.Entry{Seq: c.base + int64(i) + 1, Delta: -c.costs[i], HoldID: id, Recorded: c.recorded[i]}
+			attribute(&es[i], &a.key, &a.project, &a.at)
+		}
+		if out == nil {
+			out = map[string][]balance.Entry{}
+		}
+		out[c.org] = es
+	}
+	return out
+}
+
 // lockOrgs begins the transaction and locks what it can of orgs' accounts (creating missing
-// ones) and advisory locks. got lists the orgs whose locks it holds, in orgs' order.
-func lockOrgs(ctx context.Context, conn *pgx.Conn, orgs []string) (map[string]*orgCharges, []string, error) {
-	accts := map[string]*orgCharges{}
+// ones) and advisory locks. got lists the orgs whose locks it holds, in orgs' order; epoch is
+// the ledger's, read with the locks (zero when no account row came back).
+func lockOrgs(ctx context.Context, conn *pgx.Conn, orgs []string) (accts map[string]*orgCharges, got []string, epoch balance.Epoch, err error) {
+	accts = map[string]*orgCharges{}
 	seen := map[string]bool{}
 	scan := func(rows pgx.Rows) error {
 		var c orgCharges
 		var locked bool
-		_, err := pgx.ForEachRow(rows, []any{&c.org, &c.balance, &c.base, &c.lowAt, &locked}, func() error {
+		_, err := pgx.ForEachRow(rows, []any{&c.org, &c.balance, &c.base, &c.settled, &c.lowAt, &locked, &epoch.Gen, &epoch.ID}, func() error {
 			seen[c.org] = true
 			if locked {
 				cc := c
@@ -667,7 +709,7 @@ func lockOrgs(ctx context.Context, conn *pgx.Conn, orgs []string) (map[string]*o
 	b.Queue("BEGIN")
 	b.Queue(sqlLockAccounts, orgs)
 	br := conn.SendBatch(ctx, b)
-	_, err := br.Exec()
+	_, err = br.Exec()
 	if err == nil {
 		rows, _ := br.Query()
 		err = scan(rows)
@@ -676,7 +718,7 @@ func lockOrgs(ctx context.Context, conn *pgx.Conn, orgs []string) (map[string]*o
 		err = cerr
 	}
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, epoch, err
 	}
 	// Not seen: no account (create it) or a row another transaction holds (left for later).
 	var missing []string
@@ -688,16 +730,15 @@ func lockOrgs(ctx context.Context, conn *pgx.Conn, orgs []string) (map[string]*o
 	if len(missing) > 0 {
 		rows, _ := conn.Query(ctx, sqlCreateAccounts, missing)
 		if err := scan(rows); err != nil {
-			return nil, nil, err
+			return nil, nil, epoch, err
 		}
 	}
-	var got []string
 	for _, o := range orgs {
 		if accts[o] != nil {
 			got = append(got, o)
 		}
 	}
-	return accts, got, nil
+	return accts, got, epoch, nil
 }
 
 // claimEvents claims the pending events of the locked orgs got (want[org] of each at most)
@@ -717,11 +758,13 @@ func claimEvents(ctx context.Context, conn *pgx.Conn, accts map[string]*orgCharg
 	var a chargeAttr
 	var estimated bool
 	var choices int64
-	_, err := pgx.ForEachRow(rows, []any{&org, &id, &a.cost, &a.key, &a.project, &a.at, &model, &estimated, &choices}, func() error {
+	var recorded time.Time
+	_, err := pgx.ForEachRow(rows, []any{&org, &id, &a.cost, &a.key, &a.project, &a.at, &model, &estimated, &choices, &recorded}, func() error {
 		c := accts[org]
 		c.ids = append(c.ids, id)
 		c.costs = append(c.costs, a.cost)
 		c.attrs = append(c.attrs, a)
+		c.recorded = append(c.recorded, recorded)
 		r.learn(model, a.cost, choices, estimated)
 		return nil
 	})

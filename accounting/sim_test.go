@@ -28,7 +28,8 @@ var (
 
 // TestSimulation drives the real scripts and a real ledger through random interleavings of
 // reserve, record, finish (at once, late, re-sent, before and after the settle, after a data
-// loss), account, settle (with workers killed before marking), release, reap, invalidate,
+// loss), account, settle (with workers killed before marking), worker passes (settling the
+// entries the account pass handed over, or killed before marking them), release, reap, invalidate,
 // credit, stale seeds, Redis data loss and re-sent calls, limit changes and freezes, and window
 // rollovers (the limit clock moved forward with the store's ClockOffset), and checks after every
 // step that bal + Σ holds == B(wm) for every warm org, that no hold id is also tombstoned, and
@@ -276,9 +277,7 @@ func (s *simulator) step() {
 			s.must(err)
 		}
 	case op < 0.53:
-		s.counts["account"]++
-		_, err := s.ledger.AccountPending(s.ctx, s.rnd.IntN(5)+1)
-		s.must(err)
+		s.account()
 	case op < 0.60: // a worker settles
 		s.counts["settle"]++
 		s.must(s.worker.SettleOrg(s.ctx, o))
@@ -621,6 +620,50 @@ func (s *simulator) check(step int) {
 			if _, ok := holds[id]; ok {
 				s.t.Fatalf("seed %d step %d: org %s: hold %s is also tombstoned", s.seed, step, o, id)
 			}
+		}
+	}
+}
+
+// account accounts pending usage: on its own, in a worker pass that settles what it handed
+// over (and, on a sweep, every org behind), or in a pass whose worker dies after settling what
+// was handed over, before marking it settled.
+func (s *simulator) account() {
+	switch k := s.rnd.IntN(4); k {
+	case 0, 1:
+		s.counts["account"]++
+		_, err := s.ledger.AccountPending(s.ctx, s.rnd.IntN(5)+1)
+		s.must(err)
+	case 2:
+		s.counts["pass"]++
+		s.must(s.worker.Pass(s.ctx, s.rnd.IntN(4) == 0))
+	default:
+		s.counts["pass-killed"]++
+		r, err := s.ledger.AccountPass(s.ctx, s.rnd.IntN(5)+1)
+		s.must(err)
+		s.sameAsRead(r)
+		for _, st := range s.store.SettleMany(s.ctx, r.Epoch, r.Settle) {
+			if st.Err != nil && !errors.Is(st.Err, balance.ErrCold) && !errors.Is(st.Err, balance.ErrGap) {
+				s.must(st.Err)
+			}
+		}
+	}
+}
+
+// sameAsRead checks that what the pass handed over is, field for field, what reading the orgs'
+// unsettled entries back finds (nothing else runs in between).
+func (s *simulator) sameAsRead(r accounting.AccountResult) {
+	if len(r.Settle) == 0 {
+		return
+	}
+	s.counts["handed-over"] += len(r.Settle)
+	read, ep, err := s.ledger.UnsettledEntriesOf(s.ctx, slices.Collect(maps.Keys(r.Settle)), 1000)
+	s.must(err)
+	if ep != r.Epoch {
+		s.t.Fatalf("seed %d: handed over with epoch %v, read back %v", s.seed, r.Epoch, ep)
+	}
+	for o, es := range r.Settle {
+		if !slices.Equal(es, read[o]) {
+			s.t.Fatalf("seed %d: org %s: handed over %+v, read back %+v", s.seed, o, es, read[o])
 		}
 	}
 }

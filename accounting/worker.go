@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -283,35 +285,72 @@ func (w *Worker) paced(ctx context.Context, last time.Time) bool {
 }
 
 // pass accounts pending usage and settles the orgs that got entries or are dirty (and, on a
-// sweep, every org the ledger says is behind).
+// sweep, every org the ledger says is behind). The orgs the account pass handed entries over
+// for (AccountResult.Settle: they were fully settled before it) are settled from those entries;
+// only the others are read back from the ledger.
 func (w *Worker) pass(ctx context.Context, sweep bool) error {
 	var errs []error
+	// Taken before the account pass: these marks come from writes committed before it locked
+	// any account, so an org it hands over has them among its settled entries.
+	before := w.takeDirty()
 	r, err := w.account(ctx)
 	if err != nil {
 		errs = append(errs, err)
 	}
+	after := w.takeDirty()
+	var behind []string
+	if sweep {
+		behind, err = w.ledger.OrgsToSettle(ctx, 10000)
+		if err != nil {
+			errs = append(errs, err)
+		}
+		w.stats.backlog.Store(int64(len(behind)))
+	}
+	read := w.toRead(r, before, after, behind)
+	if err := w.settleOrgs(ctx, read, &handover{entries: r.Settle, epoch: r.Epoch}, true); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// takeDirty empties the dirty set and returns its orgs.
+func (w *Worker) takeDirty() []string {
 	w.mu.Lock()
-	orgs := make([]string, 0, len(w.dirty)+len(r.Orgs))
+	defer w.mu.Unlock()
+	orgs := make([]string, 0, len(w.dirty))
 	for o := range w.dirty {
 		orgs = append(orgs, o)
 	}
 	clear(w.dirty)
-	w.mu.Unlock()
-	// The orgs this pass charged are settled now, told in-process; their NOTIFY is for other
-	// processes (this ledger's Subscribe leaves it out when it can tell it is its own).
-	orgs = append(orgs, r.Orgs...)
-	if sweep {
-		behind, err := w.ledger.OrgsToSettle(ctx, 10000)
-		if err != nil {
-			errs = append(errs, err)
+	return orgs
+}
+
+// toRead returns the orgs a pass reads back: those it charged that were behind, the dirty ones
+// and the sweep's, except the orgs r hands over. A mark taken before the account pass is
+// covered by the hand-over. A mark taken after it, or a sweep (read after it), on a handed-over
+// org is most often the pass's own NOTIFY, but may be a write that landed after the pass's
+// lock: that org stays dirty for the next pass, which reads it back (cheaply: it is settled by
+// then) unless it hands the org over again, which covers the write. So this process's own
+// notifications cost no read of the entries they announce.
+func (w *Worker) toRead(r AccountResult, before, after, behind []string) []string {
+	read := make([]string, 0, len(before)+len(r.Orgs)+len(after)+len(behind))
+	var carry []string
+	for _, o := range append(before, r.Orgs...) {
+		if _, ok := r.Settle[o]; !ok {
+			read = append(read, o)
 		}
-		orgs = append(orgs, behind...)
-		w.stats.backlog.Store(int64(len(behind)))
 	}
-	if err := w.settleOrgs(ctx, orgs, true); err != nil {
-		errs = append(errs, err)
+	for _, o := range append(after, behind...) {
+		if _, ok := r.Settle[o]; ok {
+			carry = append(carry, o)
+		} else {
+			read = append(read, o)
+		}
 	}
-	return errors.Join(errs...)
+	if len(carry) > 0 {
+		w.redirty(carry)
+	}
+	return read
 }
 
 // AccountAll accounts pending usage events until none is left (or only those of orgs locked by
@@ -462,25 +501,52 @@ func (w *Worker) Drain(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	return w.settleOrgs(ctx, orgs, false)
+	return w.settleOrgs(ctx, orgs, nil, false)
 }
 
 // settleGroup bounds the orgs of one batched settle (one ledger read, one Redis pipeline).
 const settleGroup = 256
 
-// settleOrgs settles each org once. The orgs go in groups: one ledger read for the unsettled
-// entries of the whole group, one Redis pipeline of their settle scripts, one ledger write of
-// their settled marks; an org whose settle did not go through (cold, a gap, a Redis error) is
-// then settled on its own (SettleOrg seeds it or heals the gap), SettleConcurrency at a time,
-// and an org with more entries than one batch goes round again. With retry, an org that failed
-// is marked dirty again for the next pass.
-func (w *Worker) settleOrgs(ctx context.Context, orgs []string, retry bool) error {
-	orgs = w.settleable(orgs)
+// handover is what an account pass handed over for settling: orgs' unsettled entries
+// (AccountResult.Settle) and the epoch read with them. Each org's entries are used once: an org
+// that goes round again (a full batch) is read back.
+type handover struct {
+	entries map[string][]balance.Entry
+	epoch   balance.Epoch
+}
+
+// orgs lists the orgs handed over (none for a nil handover).
+func (h *handover) orgs() []string {
+	if h == nil {
+		return nil
+	}
+	return slices.Collect(maps.Keys(h.entries))
+}
+
+// take removes and returns org's entries, if they were handed over.
+func (h *handover) take(org string) ([]balance.Entry, bool) {
+	if h == nil {
+		return nil, false
+	}
+	es, ok := h.entries[org]
+	delete(h.entries, org)
+	return es, ok
+}
+
+// settleOrgs settles each org once, and each org of h from its handed-over entries. The orgs go
+// in groups: one ledger read for the unsettled entries of the group's orgs not handed over, one
+// Redis pipeline of their settle scripts, one ledger write of their settled marks; an org whose
+// settle did not go through (cold, a gap, a Redis error) is then settled on its own (SettleOrg
+// seeds it or heals the gap), SettleConcurrency at a time, and an org with more entries than
+// one batch goes round again (read back). With retry, an org that failed is marked dirty again
+// for the next pass. h may be nil.
+func (w *Worker) settleOrgs(ctx context.Context, orgs []string, h *handover, retry bool) error {
+	orgs = w.settleable(append(h.orgs(), orgs...))
 	var errs []error
 	for len(orgs) > 0 {
 		group := orgs[:min(settleGroup, len(orgs))]
 		orgs = orgs[len(group):]
-		more, slow, err := w.settleBatch(ctx, group)
+		more, slow, err := w.settleBatch(ctx, group, h)
 		if err != nil {
 			// The ledger read or the marks failed: nothing is lost (re-sending is safe).
 			errs = append(errs, err)
@@ -523,10 +589,10 @@ func (w *Worker) settleable(orgs []string) []string {
 
 // settleBatch settles one batch of each org of group together. more: orgs that had a full
 // batch (there may be more); slow: orgs whose settle stopped early, to settle on their own.
-func (w *Worker) settleBatch(ctx context.Context, group []string) (more, slow []string, err error) {
+func (w *Worker) settleBatch(ctx context.Context, group []string, h *handover) (more, slow []string, err error) {
 	ctx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
 	defer cancel()
-	byOrg, epoch, err := w.ledger.UnsettledEntriesOf(ctx, group, w.cfg.SettleBatch)
+	byOrg, epoch, err := w.batchEntries(ctx, group, h)
 	if err != nil || len(byOrg) == 0 {
 		return nil, nil, err
 	}
@@ -555,6 +621,33 @@ func (w *Worker) settleBatch(ctx context.Context, group []string) (more, slow []
 	}
 	w.stats.settled.Add(settled)
 	return more, slow, nil
+}
+
+// batchEntries returns a batch of unsettled entries of each org of group, and the epoch to
+// settle them with: an org handed over in h gets its handed-over entries (at most SettleBatch:
+// a full batch goes round again and reads the rest), the others are read from the ledger in one
+// statement. The read's epoch, when there is a read, is the later one: settling the handed-over
+// entries with it is what reading them back would have done.
+func (w *Worker) batchEntries(ctx context.Context, group []string, h *handover) (map[string][]balance.Entry, balance.Epoch, error) {
+	byOrg := make(map[string][]balance.Entry, len(group))
+	var read []string
+	var epoch balance.Epoch
+	for _, org := range group {
+		if es, ok := h.take(org); ok && len(es) > 0 {
+			byOrg[org], epoch = es[:min(len(es), w.cfg.SettleBatch)], h.epoch
+		} else {
+			read = append(read, org)
+		}
+	}
+	if len(read) == 0 {
+		return byOrg, epoch, nil
+	}
+	got, epoch, err := w.ledger.UnsettledEntriesOf(ctx, read, w.cfg.SettleBatch)
+	if err != nil {
+		return nil, balance.Epoch{}, err
+	}
+	maps.Copy(byOrg, got)
+	return byOrg, epoch, nil
 }
 
 func (w *Worker) redirty(orgs []string) {

@@ -5,6 +5,7 @@ import (
 	"maps"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
@@ -17,6 +18,7 @@ var batchTests = []struct {
 	fn   func(t *testing.T, l accounting.Ledger)
 }{
 	{"AccountPassResult", testAccountPass},
+	{"AccountPassHandsOverEntries", testAccountPassSettle},
 	{"UnsettledEntriesOf", testUnsettledOf},
 	{"MarkSettledMany", testMarkSettledMany},
 }
@@ -64,6 +66,86 @@ func testAccountPass(t *testing.T, l accounting.Ledger) {
 	}
 	if n := must(l.AccountPending(c, 100)); n != 0 {
 		t.Fatalf("AccountPending after the pass = %d", n)
+	}
+}
+
+// testAccountPassSettle: AccountPass hands over, for each org it charged whose entries were all
+// settled before it, the entries it wrote: byte for byte what UnsettledEntriesOf then reads
+// (attribution and Recorded included), with the epoch. An org that was behind, or that a
+// limited pass left with unsettled entries, is not handed over.
+func testAccountPassSettle(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	for _, org := range []string{"clean", "behind"} {
+		noErr(t, l.CreateOrg(c, org))
+		_, _, err := l.Credit(c, org, 1000, "c-"+org)
+		noErr(t, err)
+	}
+	noErr(t, l.MarkSettled(c, "clean", 1))
+	var evs []accounting.UsageEvent
+	for i, org := range []string{"clean", "fresh", "clean", "behind", "fresh", "clean"} {
+		e := event(org, int64(10+i), i)
+		switch i {
+		case 2:
+			e.Project, e.ReservedAt = "proj_1", t0.Add(-time.Minute)
+		case 4:
+			e.KeyID = ""
+		}
+		evs = append(evs, e)
+	}
+	noErr(t, l.RecordUsage(c, evs))
+	r, err := l.AccountPass(c, 100)
+	noErr(t, err)
+	if keys := slices.Sorted(maps.Keys(r.Settle)); !slices.Equal(keys, []string{"clean", "fresh"}) {
+		t.Fatalf("handed over %v, want clean and fresh (behind has an unsettled credit)", keys)
+	}
+	if ep := must(l.Epoch(c)); r.Epoch != ep {
+		t.Fatalf("epoch %v, want the ledger's %v", r.Epoch, ep)
+	}
+	sameAsRead(t, l, r, map[string][]string{"clean": {evs[0].ID, evs[2].ID, evs[5].ID}, "fresh": {evs[1].ID, evs[4].ID}})
+	if s := seqs(r.Settle["clean"]); !slices.Equal(s, []int64{2, 3, 4}) {
+		t.Fatalf("clean: seqs %v, want 2 3 4", s)
+	}
+
+	// A pass limited to part of an org's usage hands that part over; the next pass finds the
+	// org behind (nothing was settled in between) and hands nothing over.
+	noErr(t, l.MarkSettledMany(c, map[string]int64{"clean": 4, "fresh": 2}))
+	more := []accounting.UsageEvent{event("clean", 1, 10), event("clean", 2, 11), event("clean", 3, 12)}
+	noErr(t, l.RecordUsage(c, more))
+	r, err = l.AccountPass(c, 2)
+	noErr(t, err)
+	sameAsRead(t, l, r, map[string][]string{"clean": {more[0].ID, more[1].ID}})
+	r, err = l.AccountPass(c, 100)
+	noErr(t, err)
+	if r.Accounted != 1 || len(r.Settle) != 0 || !r.Epoch.IsZero() {
+		t.Fatalf("pass after an unsettled one: %+v, want one event and nothing handed over", r)
+	}
+}
+
+// sameAsRead checks that r hands over exactly the orgs of want, each with entries for the
+// event ids of want (in order) that equal, field for field, what UnsettledEntriesOf reads.
+func sameAsRead(t *testing.T, l accounting.Ledger, r accounting.AccountResult, want map[string][]string) {
+	t.Helper()
+	if keys := slices.Sorted(maps.Keys(r.Settle)); !slices.Equal(keys, slices.Sorted(maps.Keys(want))) {
+		t.Fatalf("handed over %v, want %v", keys, slices.Sorted(maps.Keys(want)))
+	}
+	read, ep, err := l.UnsettledEntriesOf(ctx(t), slices.Collect(maps.Keys(want)), 1000)
+	noErr(t, err)
+	if ep != r.Epoch {
+		t.Fatalf("epoch %v, the read's %v", r.Epoch, ep)
+	}
+	for org, ids := range want {
+		got := r.Settle[org]
+		if len(got) != len(ids) || len(read[org]) != len(ids) {
+			t.Fatalf("%s: handed over %d entries, read %d, want %d", org, len(got), len(read[org]), len(ids))
+		}
+		for i, e := range got {
+			if e.HoldID != ids[i] {
+				t.Fatalf("%s entry %d: hold %s, want event %s", org, i, e.HoldID, ids[i])
+			}
+			if e != read[org][i] { // == : every field, time zones and monotonic readings included
+				t.Fatalf("%s entry %d:\nhanded over %#v\nread back   %#v", org, i, e, read[org][i])
+			}
+		}
 	}
 }
 
