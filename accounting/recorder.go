@@ -104,9 +104,6 @@ type Recorder struct {
 	open   bool         // between Start and the queue's close: Record may queue
 	closed bool         // the queue is closed
 	queue  chan *recordReq
-	// slots holds one token per batch being written, by a flusher or by a caller writing its
-	// own event (see RecordReceipt); its capacity, Flushers, bounds the writes in flight.
-	slots chan struct{}
 
 	finished, finishErrs atomic.Int64
 }
@@ -178,7 +175,7 @@ func NewRecorder(l UsageStore, cfg *RecorderConfig) (*Recorder, error) {
 	if err := c.validate(); err != nil {
 		return nil, err
 	}
-	r := &Recorder{ledger: l, cfg: c, queue: make(chan *recordReq, c.QueueSize), slots: make(chan struct{}, c.Flushers)}
+	r := &Recorder{ledger: l, cfg: c, queue: make(chan *recordReq, c.QueueSize)}
 	if c.Journal != nil {
 		r.fb = newFallback(l, c)
 	}
@@ -260,11 +257,8 @@ func (r *Recorder) close() {
 // Record stores ev durably and returns nil only once it is stored. An event already stored is
 // not stored again (its id makes recording idempotent), so a Record that failed may be retried.
 // Invalid events are refused at once (ErrInvalidUsage, ErrInvalidAmount, balance.ErrInvalidOrg)
-// and never spoil the batch of others. When ctx ends first, Record returns ctx.Err() (or the
-// ledger's error for a write ctx cut short) but the event may still be written. An event that
-// finds nothing being written is written by the caller itself, with ctx bounding the write:
-// its Record returns when the ledger's call does (the Postgres ledger returns as soon as ctx
-// ends, as pgx does).
+// and never spoil the batch of others. When ctx ends first, Record returns ctx.Err() but the
+// event may still be written.
 func (r *Recorder) Record(ctx context.Context, ev UsageEvent) error {
 	_, err := r.RecordReceipt(ctx, ev)
 	return err
@@ -283,11 +277,6 @@ func (r *Recorder) RecordReceipt(ctx context.Context, ev UsageEvent) (Receipt, e
 		r.mu.RUnlock()
 		return Receipt{}, ErrRecorderClosed
 	}
-	if r.writeAlone(ctx, req) {
-		r.mu.RUnlock()
-		d := <-req.done
-		return d.receipt, d.err
-	}
 	select {
 	case r.queue <- req:
 		r.mu.RUnlock()
@@ -303,32 +292,6 @@ func (r *Recorder) RecordReceipt(ctx context.Context, ev UsageEvent) (Receipt, e
 	}
 }
 
-// writeAlone writes req's event as a batch of one, in the caller's goroutine, when nothing is
-// being written and nobody waits; false: req must queue. It is what a flusher would do at that
-// moment, without the two goroutine hand-offs (the flusher's wake-up, then the caller's) that
-// cost a request at low load more CPU and latency than the write itself on a small machine.
-// Under load a batch is always in flight, so events queue and group-commit as before; events
-// that arrive during this write wait for it like they wait for a flusher's (the write holds one
-// of the Flushers slots). Called under r.mu's read lock, which is held until the write is done,
-// so Stop (which closes the queue under the write lock) waits for it.
-func (r *Recorder) writeAlone(ctx context.Context, req *recordReq) bool {
-	if r.cfg.FlushInterval > 0 || len(r.queue) > 0 {
-		return false
-	}
-	select {
-	case r.slots <- struct{}{}:
-	default:
-		return false
-	}
-	if len(r.queue) > 0 { // others came first: they and this event go in a flusher's batch
-		<-r.slots
-		return false
-	}
-	r.commit(ctx, []*recordReq{req})
-	<-r.slots
-	return true
-}
-
 func (r *Recorder) flusher() {
 	batch := make([]*recordReq, 0, r.cfg.MaxBatch)
 	var timer *time.Timer
@@ -337,7 +300,6 @@ func (r *Recorder) flusher() {
 		if !ok {
 			return
 		}
-		r.slots <- struct{}{} // waits while a caller writes its own event (writeAlone)
 		batch = append(batch[:0], first)
 		open := true
 		var deadline <-chan time.Time
@@ -376,8 +338,7 @@ func (r *Recorder) flusher() {
 		if timer != nil {
 			timer.Stop() // since Go 1.23 a stopped timer's channel holds no stale tick
 		}
-		r.commit(context.Background(), batch)
-		<-r.slots
+		r.commit(batch)
 		clear(batch)
 		if !open {
 			return
@@ -385,15 +346,13 @@ func (r *Recorder) flusher() {
 	}
 }
 
-// commit writes one batch and answers each of its callers. parent bounds the write along with
-// Timeout (a caller writing its own event passes its context: ending it ends the write, and
-// the event may or may not be stored, as when its Record's context ends while it is queued).
-func (r *Recorder) commit(parent context.Context, batch []*recordReq) {
+// commit writes one batch and answers each of its callers.
+func (r *Recorder) commit(batch []*recordReq) {
 	events := make([]UsageEvent, len(batch))
 	for i, req := range batch {
 		events[i] = req.ev
 	}
-	ctx, cancel := context.WithTimeout(parent, r.cfg.Timeout)
+	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.Timeout)
 	defer cancel()
 	var err error
 	if r.fb != nil && r.fb.ledgerDown() {

@@ -3,8 +3,6 @@ package accounting_test
 import (
 	"context"
 	"errors"
-	"runtime"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -254,97 +252,5 @@ func TestRecorderPostgres(t *testing.T) {
 	var n int
 	if err := env.Pool.QueryRow(context.Background(), "SELECT count(*) FROM usage_events").Scan(&n); err != nil || n != 500 {
 		t.Fatalf("usage_events rows = %d, %v; want 500", n, err)
-	}
-}
-
-// TestRecorderLoneEventWrittenByCaller: with nothing being written and nobody waiting, Record
-// writes its event itself (no hand-off to a flusher and back), and later events that arrive
-// while that write is in flight still group-commit behind it.
-func TestRecorderLoneEventWrittenByCaller(t *testing.T) {
-	t.Parallel()
-	mem := accounting.NewMemory()
-	release := make(chan struct{})
-	var inline, calls atomic.Int64
-	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error {
-		if calls.Add(1) == 1 {
-			pcs := make([]uintptr, 32)
-			frames := runtime.CallersFrames(pcs[:runtime.Callers(0, pcs)])
-			for f, more := frames.Next(); more; f, more = frames.Next() {
-				if strings.HasSuffix(f.Function, "(*Recorder).RecordReceipt") {
-					inline.Store(1)
-				}
-			}
-			<-release // the first write stalls: the others queue behind it
-		}
-		return nil
-	}}
-	r := startRecorder(t, h, accounting.RecorderConfig{MaxBatch: 50})
-	first := make(chan error, 1)
-	go func() { first <- r.Record(context.Background(), usage("o")) }()
-	for calls.Load() == 0 {
-		time.Sleep(time.Millisecond)
-	}
-	const n = 20
-	errs := make(chan error, n)
-	for range n {
-		go func() { errs <- r.Record(context.Background(), usage("o")) }()
-	}
-	time.Sleep(20 * time.Millisecond)
-	close(release)
-	if err := <-first; err != nil {
-		t.Fatal(err)
-	}
-	for range n {
-		if err := <-errs; err != nil {
-			t.Fatal(err)
-		}
-	}
-	if inline.Load() != 1 {
-		t.Error("the lone event was not written by its caller's goroutine")
-	}
-	if c := h.calls.Load(); c > 3 {
-		t.Errorf("%d RecordUsage calls for 1 + %d events queued behind it: not group-committed", c, n)
-	}
-	if got, _ := mem.AccountPending(context.Background(), 100); got != n+1 {
-		t.Fatalf("stored %d events, want %d", got, n+1)
-	}
-}
-
-// TestRecorderStopWaitsForCallerWrite: Stop returns only after an event its caller is writing
-// is stored, and Records after Stop are refused.
-func TestRecorderStopWaitsForCallerWrite(t *testing.T) {
-	t.Parallel()
-	mem := accounting.NewMemory()
-	release := make(chan struct{})
-	started := make(chan struct{})
-	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error {
-		close(started)
-		<-release
-		return nil
-	}}
-	r := newRecorder(t, h, accounting.RecorderConfig{})
-	r.Start(context.Background())
-	rec := make(chan error, 1)
-	go func() { rec <- r.Record(context.Background(), usage("o")) }()
-	<-started
-	stopped := make(chan error, 1)
-	go func() { stopped <- r.Stop(context.Background()) }()
-	select {
-	case err := <-stopped:
-		t.Fatalf("Stop returned (%v) while an event was being written", err)
-	case <-time.After(50 * time.Millisecond):
-	}
-	close(release)
-	if err := <-rec; err != nil {
-		t.Fatal(err)
-	}
-	if err := <-stopped; err != nil {
-		t.Fatal(err)
-	}
-	if got, _ := mem.AccountPending(context.Background(), 10); got != 1 {
-		t.Fatalf("stored %d events, want 1", got)
-	}
-	if err := r.Record(context.Background(), usage("o")); !errors.Is(err, accounting.ErrRecorderClosed) {
-		t.Fatalf("Record after Stop: %v", err)
 	}
 }

@@ -29,8 +29,8 @@ import (
 type faultLedger struct {
 	accounting.Ledger
 	snapshotDown atomic.Bool    // Snapshot fails as if Postgres were unreachable
-	stallBefore  atomic.Int64   // ns: the write lands this long after RecordUsage was called, whatever its context says
-	stallAfter   atomic.Int64   // ns: RecordUsage commits, then its answer takes this long
+	stallBefore  atomic.Int64   // ns: RecordUsage waits this long, then commits (whatever its context says)
+	stallAfter   atomic.Int64   // ns: RecordUsage commits, then waits this long before answering
 	voidDown     atomic.Bool    // VoidUsage fails as if Postgres were unreachable
 	lookups      atomic.Int64   // LookupKey calls that reached the ledger
 	keysDown     atomic.Bool    // LookupKey fails as if Postgres were unreachable
@@ -60,27 +60,15 @@ func (f *faultLedger) SnapshotSince(ctx context.Context, org string, since time.
 	return f.Ledger.SnapshotSince(ctx, org, since)
 }
 
-// RecordUsage with a stall behaves like the Postgres ledger over a stalled connection: the
-// caller's context still ends the call (pgx returns at once when it ends) while the server goes
-// on, and the write may land later.
 func (f *faultLedger) RecordUsage(ctx context.Context, evs []accounting.UsageEvent) error {
 	if d := time.Duration(f.stallBefore.Load()); d > 0 {
 		f.stalls.Add(1)
-		res := make(chan error, 1)
-		go func() {
-			defer f.stalls.Done()
-			time.Sleep(d)
-			err := f.Ledger.RecordUsage(context.Background(), evs) // a stalled write that lands late
-			f.commitErrs <- err
-			f.committed <- struct{}{}
-			res <- err
-		}()
-		select {
-		case err := <-res:
-			return err
-		case <-ctx.Done():
-			return ctx.Err()
-		}
+		defer f.stalls.Done()
+		time.Sleep(d)
+		err := f.Ledger.RecordUsage(context.Background(), evs) // a stalled write that lands late
+		f.commitErrs <- err
+		f.committed <- struct{}{}
+		return err
 	}
 	err := f.Ledger.RecordUsage(ctx, evs)
 	if d := time.Duration(f.stallAfter.Load()); d > 0 {
@@ -88,11 +76,7 @@ func (f *faultLedger) RecordUsage(ctx context.Context, evs []accounting.UsageEve
 		defer f.stalls.Done()
 		f.commitErrs <- err
 		f.committed <- struct{}{}
-		select { // committed, but the answer is late
-		case <-time.After(d):
-		case <-ctx.Done():
-			return ctx.Err()
-		}
+		time.Sleep(d) // committed, but the answer is late
 	}
 	return err
 }
