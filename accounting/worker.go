@@ -328,10 +328,10 @@ func (w *Worker) takeDirty() []string {
 // toRead returns the orgs a pass reads back: those it charged that were behind, the dirty ones
 // and the sweep's, except the orgs r hands over. A mark taken before the account pass is
 // covered by the hand-over. A mark taken after it, or a sweep (read after it), on a handed-over
-// org is most often the pass's own NOTIFY, but may be a write that landed after the pass's
-// lock: that org stays dirty for the next pass, which reads it back (cheaply: it is settled by
-// then) unless it hands the org over again, which covers the write. So this process's own
-// notifications cost no read of the entries they announce.
+// org may be a write that landed after the pass's lock (or the pass's own NOTIFY, from a ledger
+// that cannot tell its own: NewPostgres): that org stays dirty for the next pass, which reads
+// it back (cheaply: it is settled by then) unless it hands the org over again, which covers the
+// write.
 func (w *Worker) toRead(r AccountResult, before, after, behind []string) []string {
 	read := make([]string, 0, len(before)+len(r.Orgs)+len(after)+len(behind))
 	var carry []string
