@@ -26,6 +26,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
 	"github.com/llmescrow/escrow/internal/testutil"
@@ -240,7 +241,7 @@ type chaosRun struct {
 	credits          []creditTry
 	windows          []faultWindow
 	coldDuringOutage int
-	views            map[string]chaosView // each org's balance, at rest
+	views            map[string]accounting.Balance // each org's balance as the admin API shows it, at rest
 }
 
 // creditTry is one credit to the poor org during the faults, with the status it got.
@@ -253,16 +254,6 @@ type creditTry struct {
 type faultWindow struct {
 	what       string
 	start, end time.Time
-}
-
-// chaosView is an org's balance as the admin API shows it.
-type chaosView struct {
-	LedgerBalance int64 `json:"ledger_balance"`
-	Available     int64 `json:"available"`
-	Held          int64 `json:"held"`
-	Holds         int   `json:"holds"`
-	LedgerSeq     int64 `json:"ledger_seq"`
-	SettledSeq    int64 `json:"settled_seq"`
 }
 
 // chaosCharge is what the ledger charged one hold id: to which org, how much, how many times.
@@ -514,7 +505,7 @@ func (c *chaosRun) faults(rng *rand.Rand) {
 func (c *chaosRun) waitAtRest(db *pgx.Conn) {
 	c.fp.Reset()
 	ctx := context.Background()
-	c.views = map[string]chaosView{}
+	c.views = map[string]accounting.Balance{}
 	restDeadline := time.Now().Add(60 * time.Second)
 	for {
 		var pending int
@@ -522,7 +513,7 @@ func (c *chaosRun) waitAtRest(db *pgx.Conn) {
 		ok := err == nil && pending == 0
 		for _, org := range c.orgs {
 			st, b, err := chaosAdmin(c.base, "GET", "/orgs/"+org+"/balance", nil)
-			var v chaosView
+			var v accounting.Balance
 			if err != nil || st != http.StatusOK || json.Unmarshal(b, &v) != nil {
 				ok = false
 				continue
