@@ -44,6 +44,17 @@ func startTestProxy(t *testing.T, real bool, tweak ...func(*Config)) *testProxy 
 // startTestProxyWith is startTestProxy with options applied after its own (a later option wins).
 func startTestProxyWith(t *testing.T, real bool, extra []Option, tweak ...func(*Config)) *testProxy {
 	t.Helper()
+	a := newTestApp(t, real, extra, tweak...)
+	if err := a.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return &testProxy{t: t, app: a, base: "http://" + a.Addr()}
+}
+
+// newTestApp makes (without starting it) the proxy startTestProxyWith starts, stopped when the
+// test ends.
+func newTestApp(t *testing.T, real bool, extra []Option, tweak ...func(*Config)) *Server {
+	t.Helper()
 	cfg := DefaultConfig()
 	cfg.Addr = "127.0.0.1:0"
 	cfg.AdminToken = testAdmin
@@ -76,8 +87,7 @@ func startTestProxyWith(t *testing.T, real bool, extra []Option, tweak ...func(*
 		opts = append(opts, WithUpstream(fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), "sk-fake-upstream"))
 	}
 	opts = append(opts, extra...)
-	ctx := context.Background()
-	a, err := New(ctx, cfg, opts...)
+	a, err := New(context.Background(), cfg, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -88,10 +98,7 @@ func startTestProxyWith(t *testing.T, real bool, extra []Option, tweak ...func(*
 			t.Errorf("shutdown: %v", err)
 		}
 	})
-	if err := a.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	return &testProxy{t: t, app: a, base: "http://" + a.Addr()}
+	return a
 }
 
 type testWriter struct{ t *testing.T }

@@ -2,16 +2,9 @@ package server
 
 import (
 	"context"
-	"io"
-	"log/slog"
 	"net/http"
 	"testing"
 	"time"
-
-	"github.com/alicebob/miniredis/v2"
-	"github.com/redis/go-redis/v9"
-
-	"github.com/llmescrow/escrow/internal/fakeupstream"
 )
 
 // TestServesAfterStartContextEnds: the context given to Start ending (a SIGTERM in cmd/escrow)
@@ -19,27 +12,7 @@ import (
 // settled, never refused because the recorder closed under them.
 func TestServesAfterStartContextEnds(t *testing.T) {
 	t.Parallel()
-	cfg := DefaultConfig()
-	cfg.Addr, cfg.AdminToken, cfg.DemoBalance = "127.0.0.1:0", testAdmin, 0
-	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
-	mini := miniredis.NewMiniRedis()
-	if err := mini.StartAddr("127.0.0.1:0"); err != nil {
-		t.Fatal(err)
-	}
-	rdb := redis.NewClient(&redis.Options{Addr: mini.Addr()})
-	t.Cleanup(func() { _ = rdb.Close(); mini.Close() })
-	a, err := New(context.Background(), cfg, WithEmbeddedRedis(rdb),
-		WithUpstream(fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), "sk-fake-upstream"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		if err := a.Stop(ctx); err != nil {
-			t.Errorf("shutdown: %v", err)
-		}
-	})
+	a := newTestApp(t, false, nil)
 	ctx, cancel := context.WithCancel(context.Background())
 	if err := a.Start(ctx); err != nil {
 		t.Fatal(err)
