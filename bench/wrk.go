@@ -345,9 +345,12 @@ func runWrkRounds(ctx context.Context, wrk, dir string, scs []*wrkScenario, roun
 	return nil
 }
 
+// notFileName matches what profName turns into dashes.
+var notFileName = regexp.MustCompile(`[^a-z0-9]+`)
+
 // profName makes a wrk row's name a file name part.
 func profName(row string) string {
-	return strings.Trim(regexp.MustCompile(`[^a-z0-9]+`).ReplaceAllString(strings.ToLower(row), "-"), "-")
+	return strings.Trim(notFileName.ReplaceAllString(strings.ToLower(row), "-"), "-")
 }
 
 // fetchProfile saves a CPU profile of d from the pprof server at addr into file.
