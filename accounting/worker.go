@@ -599,8 +599,7 @@ func (w *Worker) settleBatch(ctx context.Context, group []string, h *handover) (
 	if err != nil || len(byOrg) == 0 {
 		return nil, nil, err
 	}
-	w.store.ObserveEpoch(epoch)
-	res := w.store.SettleMany(ctx, epoch, byOrg)
+	res := w.store.SettleMany(ctx, epoch, byOrg) // it observes the epoch
 	marks := make(map[string]int64, len(byOrg))
 	var settled int64
 	now := time.Now()
