@@ -231,9 +231,21 @@ func TestDeliveryFailsHangsRecovers(t *testing.T) {
 			t.Fatal(err)
 		}
 		keyID := makeEvents(t, l, "acme")
-		s := startSender(t, l, fastConfig())
-		waitFor(t, "three deliveries delivered", 20*time.Second, func() bool {
+		// A backoff long enough (≥ 1 s after the second try) for the poll below to see each
+		// delivery between its hung try and its retry, as the delivery's own record has it.
+		cfg := fastConfig()
+		cfg.BackoffMin, cfg.BackoffMax = time.Second, 2*time.Second
+		s := startSender(t, l, cfg)
+		afterHang := map[string]accounting.Delivery{} // by event id: the record after the hung try, before the retry
+		waitFor(t, "three deliveries delivered", 30*time.Second, func() bool {
 			ds := deliveries(t, l, w.ID)
+			for _, d := range ds {
+				// The last record seen with two attempts: while the second try runs its record
+				// still has the first try's outcome; after it, the hung try's, until the retry.
+				if d.Status == accounting.DeliveryPending && d.Attempts == 2 && d.NextAttemptAt != nil {
+					afterHang[d.EventID] = d
+				}
+			}
 			return len(ds) == 3 && !slices.ContainsFunc(ds, func(d accounting.Delivery) bool { return d.Status != accounting.DeliveryDelivered })
 		})
 		for _, d := range deliveries(t, l, w.ID) {
@@ -256,9 +268,22 @@ func TestDeliveryFailsHangsRecovers(t *testing.T) {
 					t.Fatalf("event %s try %d: attempt %d, type %s, body %s (first %s)", id, i+1, g.attempt, g.eventType, g.body, gs[0].body)
 				}
 			}
-			// The hang lasted the timeout, and the next try waited for its backoff.
-			if gap := gs[2].at.Sub(gs[1].at); gap < 300*time.Millisecond {
-				t.Errorf("event %s: retry %v after a hung try; want ≥ the 300ms timeout", id, gap)
+			// The hung try was cut by the sender's timeout, and its retry was scheduled at least
+			// the backoff after it (the backoff of a second attempt is drawn from
+			// [BackoffMin, 2·BackoffMin]; the try ended after it reached the receiver) and not sent
+			// before that time. Both read from the delivery's own record, not from a clock gap.
+			d, ok := afterHang[id]
+			if !ok {
+				t.Fatalf("event %s: never saw its delivery pending after the hung try", id)
+			}
+			if d.LastError != "no answer within 300ms" || d.LastStatus != 0 {
+				t.Errorf("event %s: after the hung try the record says %q (HTTP %d); want the timeout", id, d.LastError, d.LastStatus)
+			}
+			if next := *d.NextAttemptAt; next.Before(gs[1].at.Add(cfg.BackoffMin).Truncate(time.Microsecond)) {
+				t.Errorf("event %s: retry scheduled at %v, less than the backoff (%v) after the hung try reached the receiver at %v",
+					id, next, cfg.BackoffMin, gs[1].at)
+			} else if gs[2].at.Before(next.Truncate(time.Microsecond)) {
+				t.Errorf("event %s: retry sent at %v, before its scheduled time %v", id, gs[2].at, next)
 			}
 			var body struct {
 				ID, Type, Org string
