@@ -444,6 +444,8 @@ type flakyStore struct {
 	mu                        sync.Mutex
 	claimDown                 bool
 	finishFailures, finishTry int
+	claimed                   []accounting.Delivery // every delivery claimed, as the claim returned it
+	claimedAt                 []time.Time           // for each: when its claim was called
 }
 
 func (f *flakyStore) ClaimDeliveries(ctx context.Context, limit int, lease time.Duration) ([]accounting.Delivery, error) {
@@ -453,7 +455,15 @@ func (f *flakyStore) ClaimDeliveries(ctx context.Context, limit int, lease time.
 	if down {
 		return nil, fmt.Errorf("claim: %w", accounting.ErrLedgerUnavailable)
 	}
-	return f.Webhooks.ClaimDeliveries(ctx, limit, lease)
+	at := time.Now()
+	ds, err := f.Webhooks.ClaimDeliveries(ctx, limit, lease)
+	f.mu.Lock()
+	f.claimed = append(f.claimed, ds...)
+	for range ds {
+		f.claimedAt = append(f.claimedAt, at)
+	}
+	f.mu.Unlock()
+	return ds, err
 }
 
 func (f *flakyStore) FinishDelivery(ctx context.Context, id int64, attempt int, o accounting.Outcome) error {
@@ -510,8 +520,19 @@ func TestDeliveryRidesOutLedgerOutage(t *testing.T) {
 		if len(got) != 2 || got[0].eventID != got[1].eventID || got[0].attempt != 1 || got[1].attempt != 2 || string(got[0].body) != string(got[1].body) {
 			t.Fatalf("requests %+v; want the event twice (its first outcome was not recorded), same id and body", got)
 		}
-		if gap := got[1].at.Sub(got[0].at); gap < 400*time.Millisecond {
-			t.Fatalf("resent %v after the first attempt; want after the 500ms lease", gap)
+		// Sent again only once the first claim's lease was over (the claim's record has the
+		// lease's end as its next attempt time), not after a gap measured here.
+		store.mu.Lock()
+		claimed, claimedAt := slices.Clone(store.claimed), slices.Clone(store.claimedAt)
+		store.mu.Unlock()
+		if len(claimed) != 2 || claimed[0].NextAttemptAt == nil {
+			t.Fatalf("claims %+v; want two", claimed)
+		}
+		if end, least := *claimed[0].NextAttemptAt, claimedAt[0].Add(cfg.Lease).Truncate(time.Microsecond); end.Before(least) {
+			t.Fatalf("the first claim's lease ends at %v, less than the %v lease after the claim (%v)", end, cfg.Lease, claimedAt[0])
+		}
+		if end := claimed[0].NextAttemptAt.Truncate(time.Microsecond); got[1].at.Before(end) {
+			t.Fatalf("resent at %v, before the first claim's lease ended at %v", got[1].at, end)
 		}
 		for _, g := range got {
 			verify(t, secret, g)
