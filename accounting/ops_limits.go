@@ -19,8 +19,14 @@ func (o *Ops) push(ctx context.Context, c LimitChange) error {
 	if _, err := o.SyncEpoch(ctx); err != nil {
 		return fmt.Errorf("%w: limits of %s (version %d) not pushed: %w", ErrHotBalance, c.Org, c.Version, err)
 	}
-	if _, err := o.store.PushLimits(ctx, c.Org, c.Version); err != nil {
+	dropped, err := o.store.PushLimits(ctx, c.Org, c.Version)
+	if err != nil {
 		return fmt.Errorf("%w: limits of %s (version %d) not pushed: %w", ErrHotBalance, c.Org, c.Version, err)
+	}
+	if dropped {
+		// Reseed at once, so that the limits' counters count the holds in flight (seed.lua) and
+		// a listing right after the change shows them; on failure the org's next request does.
+		_ = o.store.Warm(ctx, c.Org)
 	}
 	return nil
 }

@@ -409,7 +409,7 @@ func (s *simulator) holds(org string) map[string]int64 {
 	s.must(err)
 	out := make(map[string]int64, len(m))
 	for k, v := range m {
-		amount, _, _ := strings.Cut(v, "|") // '<amount>' or '<amount>|<ms>|<fin>|<fields>'
+		amount, _, _ := strings.Cut(v, "|") // '<amount>' or '<amount>|<ms>|<fin>|<fields>[|<key>|<project>]'
 		n, err := strconv.ParseInt(amount, 10, 64)
 		s.must(err)
 		out[k] = n
@@ -423,8 +423,8 @@ func (s *simulator) holdFields(org string) map[string][]string {
 	s.must(err)
 	out := map[string][]string{}
 	for id, v := range m {
-		f := strings.SplitN(v, "|", 4)
-		if len(f) == 4 && f[3] != "" {
+		f := strings.Split(v, "|") // '<amount>|<ms>|<fin>|<fields>[|<key>|<project>]'
+		if len(f) >= 4 && f[3] != "" {
 			out[id] = strings.Split(f[3], ",")
 		}
 	}

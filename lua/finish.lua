@@ -36,7 +36,7 @@ for i = 2, #ARGV - 1, 2 do
   local id = ARGV[i]
   local rec = redis.call('HGET', KEYS[2], id)
   if rec and not redis.call('ZSCORE', KEYS[4], id) then
-    local a, rt, _, fs = hold_parse(rec)
+    local a, rt, _, fs, hk, hp = hold_parse(rec)
     if warm then
       if a ~= '0' then
         redis.call('HINCRBY', KEYS[1], 'bal', a)
@@ -47,11 +47,7 @@ for i = 2, #ARGV - 1, 2 do
       move_hold(KEYS[5], fs, neg(a))
       if ARGV[i + 1] ~= '0' then move_hold(KEYS[5], fs, ARGV[i + 1]) end
     end
-    if fs ~= '' then
-      redis.call('HSET', KEYS[2], id, table.concat({ARGV[i + 1], rt, '1', fs}, '|'))
-    else
-      redis.call('HSET', KEYS[2], id, ARGV[i + 1])
-    end
+    redis.call('HSET', KEYS[2], id, hold_record(ARGV[i + 1], rt, '1', fs, hk, hp))
     local exp = redis.call('ZSCORE', KEYS[3], id)
     redis.call('ZREM', KEYS[3], id)
     if exp and tonumber(exp) > due then

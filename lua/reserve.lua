@@ -47,7 +47,7 @@ local rec = redis.call('HGET', KEYS[2], ARGV[2])
 if rec then
   local _, rt = hold_parse(rec)
   if rt == '' then
-    rt = ms_string(now + (tonumber(ARGV[9]) or 0)) -- a plain record keeps no time (no counters)
+    rt = ms_string(now + (tonumber(ARGV[9]) or 0)) -- a plain record (written before attribution was kept) has no time
   end
   return {'DUP', acct[1], rt, lim[4] or ''}
 end
@@ -122,9 +122,7 @@ if #fields > 0 then
       redis.call('HDEL', KEYS[6], s[1] .. ':' .. ms_string(prev))
     end
   end
-  redis.call('HSET', KEYS[2], ARGV[2], table.concat({ARGV[3], rts, '0', table.concat(fields, ',')}, '|'))
-else
-  redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 end
+redis.call('HSET', KEYS[2], ARGV[2], hold_record(ARGV[3], rts, '0', table.concat(fields, ','), ARGV[8], v_project or ''))
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[2])
 return {'OK', bal, rts, v_project or ''}

@@ -16,7 +16,10 @@
 -- the same epoch is stale (the limits changed after it was read): nothing is written (reply -1;
 -- the seeder reads a new snapshot). Otherwise acct, lim and u are written together (reply 1): bal = base -
 -- sum(holds), wm = W, epoch, lv; lim as given; for every limit, the counter of its current
--- window = the snapshot's group for it (0 if none) + the live holds whose record names it.
+-- window = the snapshot's group for it (0 if none) + the live holds whose record names it. A
+-- hold whose record carries its attribution (key, project, reserve time) is first made to name
+-- every current counter of its scope whose window contains its reserve time, so that a limit
+-- created or changed while holds are in flight counts them (its record is rewritten to say so).
 -- Live holds are subtracted and added one HINCRBY at a time on their stored strings, so no
 -- computed sum is ever formatted (a finished hold of cost 0 is skipped: '-0' is not an integer
 -- to Redis). The seeder then re-sends every ledger entry past W through settle (catch-up).
@@ -44,8 +47,10 @@ redis.call('HSET', KEYS[1], 'bal', ARGV[2], 'wm', ARGV[3], 'epoch', ARGV[1], 'lv
 
 local n = tonumber(ARGV[6])
 redis.call('HSET', KEYS[3], 'v', ARGV[5])
+local spec = {} -- lim field -> value, for the attribution of live holds
 for i = 7, 6 + 2 * n, 2 do
   redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) -- one pair a call: no unpack stack limit
+  spec[ARGV[i]] = ARGV[i + 1]
 end
 
 local groups = {}
@@ -70,9 +75,35 @@ for i = 7, 6 + 2 * n, 2 do
   end
 end
 
-local holds = redis.call('HVALS', KEYS[2])
-for _, rec in ipairs(holds) do
-  local v, _, _, fs = hold_parse(rec)
+-- attributed: the current-window counters of every limit in a hold's scope (the org's, its
+-- project's, its key's) whose window contains its reserve time rt (ms), as a field list.
+local function attributed(k, p, rt)
+  local fs = {}
+  local function one(v_id, w)
+    local ws = window_bounds(w, rt)
+    if ws and ws == window_bounds(w, clock) then
+      fs[#fs + 1] = v_id .. ':' .. ms_string(ws)
+    end
+  end
+  each_limit(spec['o'], one)
+  if p ~= '' then each_limit(spec['p:' .. p], one) end
+  if k ~= '' then each_limit(spec['k:' .. k], one) end
+  return table.concat(fs, ',')
+end
+
+local holds = redis.call('HGETALL', KEYS[2])
+for j = 1, #holds, 2 do
+  local v, rt, fin, fs, hk, hp = hold_parse(holds[j + 1])
+  if hk ~= nil and tonumber(rt) then
+    -- A hold with its attribution counts against every limit in its scope now, also one
+    -- created after it was reserved; its record names them from now on, so that its settle,
+    -- finish or release moves them.
+    local afs = attributed(hk, hp, tonumber(rt))
+    if afs ~= fs then
+      redis.call('HSET', KEYS[2], holds[j], hold_record(v, rt, fin, afs, hk, hp))
+      fs = afs
+    end
+  end
   if v ~= '0' then
     redis.call('HINCRBY', KEYS[1], 'bal', '-' .. v)
     if fs ~= '' then

@@ -240,3 +240,68 @@ func TestLimitRepliesProxy(t *testing.T) {
 		}
 	})
 }
+
+// TestLimitCountsHoldsInFlightProxy (issue 26's first hole): a key has 30 requests in flight
+// (held at the upstream, 20 each) when a lifetime limit of 300 is made on it. The limit counts
+// them at once: listed used 600 and held 600, the key's next request is refused (429) without
+// reaching the upstream, and after the 30 finish the limit's window holds exactly their
+// charges. Before, the new limit listed 0 and let requests through until their charges landed.
+func TestLimitCountsHoldsInFlightProxy(t *testing.T) {
+	t.Parallel()
+	const inflight, unit, capacity = 30, 20, 300
+	g := &gate{h: fakeupstream.New(fakeupstream.Options{}), open: make(chan struct{})}
+	p := startTestProxyWith(t, true, []Option{WithUpstream(g, "sk-fake-upstream")})
+	p.admin("PUT", "/models/m", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
+		"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": unit, "default_hold": unit}, http.StatusOK, nil)
+	p.admin("POST", "/orgs", map[string]string{"id": "acme"}, http.StatusCreated, nil)
+	p.admin("POST", "/orgs/acme/credits", map[string]any{"amount": 100_000, "reference": "init-acme"}, http.StatusCreated, nil)
+	var k struct{ ID, Key string }
+	p.admin("POST", "/orgs/acme/keys", nil, http.StatusCreated, &k)
+	body := map[string]any{"model": "m", "max_tokens": unit, "messages": []map[string]string{{"role": "user", "content": "hello"}}}
+	statuses := make(chan int, inflight)
+	for range inflight {
+		go func() {
+			st, _, _ := p.do("POST", "/v1/chat/completions", k.Key, body)
+			statuses <- st
+		}()
+	}
+	deadline := time.Now().Add(time.Minute)
+	for g.arrived.Load() < inflight && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if g.arrived.Load() != inflight {
+		close(g.open)
+		t.Fatalf("%d requests reached the upstream, want %d in flight", g.arrived.Load(), inflight)
+	}
+	var lim struct{ ID string }
+	p.admin("POST", "/orgs/acme/limits", map[string]any{"scope": "key", "scope_id": k.ID, "window": "lifetime", "cap": capacity}, http.StatusCreated, &lim)
+	type view struct {
+		ID         string
+		Used, Held int64
+	}
+	var limits struct{ Data []view }
+	p.admin("GET", "/orgs/acme/limits", nil, http.StatusOK, &limits)
+	if want := (view{lim.ID, inflight * unit, inflight * unit}); len(limits.Data) != 1 || limits.Data[0] != want {
+		t.Fatalf("the new limit lists %+v, want %+v (the holds in flight counted)", limits.Data, want)
+	}
+	st, _, b := p.do("POST", "/v1/chat/completions", k.Key, body)
+	if st != http.StatusTooManyRequests || !strings.Contains(string(b), lim.ID) {
+		t.Fatalf("a request past the new cap: %d %s, want 429 naming %s", st, b, lim.ID)
+	}
+	if n := g.arrived.Load(); n != inflight {
+		t.Fatalf("%d requests reached the upstream, want %d", n, inflight)
+	}
+	close(g.open)
+	for range inflight {
+		if st := <-statuses; st != http.StatusOK {
+			t.Fatalf("a request in flight ended %d", st)
+		}
+	}
+	if bv := p.settled("acme"); bv.LedgerBalance != 100_000-inflight*unit || bv.Available != bv.LedgerBalance {
+		t.Fatalf("after settle: %+v, want %d", bv, 100_000-inflight*unit)
+	}
+	p.admin("GET", "/orgs/acme/limits", nil, http.StatusOK, &limits)
+	if want := (view{lim.ID, inflight * unit, 0}); len(limits.Data) != 1 || limits.Data[0] != want {
+		t.Fatalf("after settle the limit lists %+v, want %+v", limits.Data, want)
+	}
+}

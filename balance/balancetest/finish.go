@@ -3,6 +3,7 @@ package balancetest
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -47,7 +48,8 @@ func (x *h) holdAmount(id string) string {
 	if err != nil {
 		x.t.Fatalf("hget: %v", err)
 	}
-	return v
+	a, _, _ := strings.Cut(v, "|") // '<amount>' or '<amount>|<reserve ms>|…' (lua/lib/limits.lua)
+	return a
 }
 
 // exists reports whether the key exists.

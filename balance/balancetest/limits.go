@@ -143,7 +143,7 @@ func (x *h) counters() {
 	for _, rec := range holds {
 		parts := strings.Split(rec, "|")
 		a, _ := strconv.ParseInt(parts[0], 10, 64)
-		if len(parts) == 4 && parts[3] != "" {
+		if len(parts) >= 4 && parts[3] != "" {
 			for _, f := range strings.Split(parts[3], ",") {
 				held[f] += a
 			}
@@ -196,6 +196,55 @@ func runLimits(t *testing.T, env Env) {
 	t.Run("Calendar", func(t *testing.T) { exerciseCalendar(t, env) })
 	t.Run("LimitsValidation", func(t *testing.T) { exerciseLimitsValidation(t, env) })
 	t.Run("Burst2000KeyCap", func(t *testing.T) { exerciseBurst2000KeyCap(t, env) })
+	t.Run("NewLimitCountsHoldsInFlight", func(t *testing.T) { exerciseNewLimitCountsHoldsInFlight(t, env) })
+}
+
+// "A new or changed limit counts the live holds its scope and window cover": limits created
+// while holds are in flight (none existed at their reserve) count them from the reseed the push
+// causes, finished holds at their cost; the holds' settle and release then move those counters.
+func exerciseNewLimitCountsHoldsInFlight(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Projects: map[string]string{"k1": "p"}})
+	var k1 []balance.Reservation
+	for i := range 6 {
+		k1 = append(k1, x.mustReserveKey(x.s, fmt.Sprintf("a%d", i), "k1", 2_110))
+	}
+	x.mustReserveKey(x.s, "b", "k2", 1_000)
+	fin := x.mustReserveKey(x.s, "f", "k1", 2_110)
+	if ok, err := x.s.Finish(x.ctx, x.org, "f", 500); !ok || err != nil {
+		t.Fatalf("finish: %v %v", ok, err)
+	}
+	lim := x.l.Limits(x.org)
+	lim.Limits = []balance.Limit{keyLimit("kl", "k1", balance.Lifetime, 20_000), projLimit("pl", "p", balance.Day, 100_000),
+		orgLimit("ol", balance.Hour, 1_000_000), keyLimit("k2l", "k2", balance.Day, 5_000)}
+	v := x.l.SetLimits(x.org, lim)
+	if pushed, err := x.s.PushLimits(x.ctx, x.org, v); err != nil || !pushed {
+		t.Fatalf("push: %v %v", pushed, err)
+	}
+	if err := x.s.Warm(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	now := x.redisNow()
+	f := func(id string, w balance.Window) int64 { return x.u()[field(id, w.StartMS(now))] }
+	eq(t, "key limit counts k1's holds", f("kl", balance.Lifetime), 6*2_110+500)
+	eq(t, "project limit counts them", f("pl", balance.Day), 6*2_110+500)
+	eq(t, "org limit counts every hold", f("ol", balance.Hour), 6*2_110+500+1_000)
+	eq(t, "k2's limit counts k2's hold", f("k2l", balance.Day), 1_000)
+	x.counters()
+	if _, err := x.reserveKey(x.s, "c", "k1", 20_000-(6*2_110+500)+1); !errors.Is(err, balance.ErrLimit) {
+		t.Fatalf("a hold past the new cap: %v, want ErrLimit", err)
+	}
+	x.mustReserveKey(x.s, "c", "k1", 20_000-(6*2_110+500)) // exactly to the cap
+	eq(t, "at the cap", f("kl", balance.Lifetime), 20_000)
+	eq(t, "settled below its hold", x.settleUsage(x.s, "a0", "k1", 1_000, k1[0].ReservedAt), balance.Applied)
+	eq(t, "the settle moved the new counter", f("kl", balance.Lifetime), 20_000-1_110)
+	if ok, err := x.s.Release(x.ctx, x.org, "a1"); !ok || err != nil {
+		t.Fatalf("release: %v %v", ok, err)
+	}
+	eq(t, "the release moved it", f("kl", balance.Lifetime), 20_000-1_110-2_110)
+	eq(t, "the finished hold settles at its cost", x.settleUsage(x.s, "f", "k1", 500, fin.ReservedAt), balance.Applied)
+	eq(t, "unchanged by that settle", f("kl", balance.Lifetime), 20_000-1_110-2_110)
+	x.counters()
 }
 
 // roomyClient is a client of c's server(s) with a large pool and long timeouts.

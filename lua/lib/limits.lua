@@ -2,9 +2,13 @@
 -- finish, seed); package lua puts it in front of each of them, so one rule lives in one place.
 --
 -- Hold records (esc:{org}:holds, id -> record):
---   '<amount>'                              a hold added to no counter (an org without limits)
---   '<amount>|<reserve ms>|<fin>|<f1,f2,..>' a hold added to counters f1.. of esc:{org}:u;
---                                            fin '1' once finished
+--   '<amount>|<reserve ms>|<fin>|<f1,f2,..>|<key>|<project>'
+--       a hold added to counters f1.. of esc:{org}:u (none: empty), fin '1' once finished, and
+--       its attribution: the API key ('' for none) and the key's project at reserve time ('' for
+--       none), so that a limit created while it is in flight counts it (seed.lua);
+--   '<amount>|<reserve ms>|<fin>|<f1,f2,..>'  the same without attribution (written before it
+--       was kept; such a hold counts only against the counters it names);
+--   '<amount>'  a hold added to no counter, without attribution (idem).
 -- Counter fields: '<limit id>:<window start ms>'. lim fields: 'v' version; 'o', 'p:<project>',
 -- 'k:<key>' the limits of that scope as 'id,window,cap;...'; 'm:<key>' the key's project;
 -- 'fo', 'fp:<project>', 'fk:<key>' = '1' when frozen.
@@ -76,11 +80,22 @@ local function limit_clock(offset)
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + (tonumber(offset) or 0)
 end
 
--- hold_parse: amount, reserve ms ('' if unknown), finished flag, counter fields ('' if none).
+-- hold_parse: amount, reserve ms ('' if unknown), finished flag, counter fields ('' if none),
+-- then the attribution: key and project (both nil when the record has none).
 local function hold_parse(rec)
-  local a, t, f, fs = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
+  local a, t, f, fs, k, p = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  if a then return a, t, f, fs, k, p end
+  a, t, f, fs = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
   if not a then return rec, '', '0', '' end
   return a, t, f, fs
+end
+
+-- hold_record: the record of a hold (see above); k nil: without attribution (the plain
+-- amount when it also names no counter).
+local function hold_record(a, t, fin, fs, k, p)
+  if k ~= nil then return table.concat({a, t, fin, fs, k, p or ''}, '|') end
+  if fs == '' then return a end
+  return table.concat({a, t, fin, fs}, '|')
 end
 
 -- neg: the negation of an integer string, without arithmetic; nil for '0' ('-0' is not an
