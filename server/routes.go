@@ -11,7 +11,6 @@ import (
 
 	"github.com/labstack/echo/v4"
 
-	"github.com/llmescrow/escrow/admin"
 	"github.com/llmescrow/escrow/middleware"
 )
 
@@ -25,33 +24,11 @@ func (s *Server) buildEcho() error {
 	e.GET("/readyz", s.ready)
 	e.GET("/metrics", echo.WrapHandler(s.metrics.handler()))
 	if s.cfg.AdminToken != "" {
-		api, err := admin.New(s.ops, &admin.Config{Token: s.cfg.AdminToken, Logger: s.log})
-		if err != nil {
+		if err := s.esc.MountAdmin(e.Group("/admin/v1")); err != nil {
 			return fmt.Errorf("admin api: %w", err)
 		}
-		api.Register(e.Group("/admin/v1"))
 	}
-
-	mw, err := middleware.Config{
-		Store:                s.store,
-		Ledger:               s.ledger,
-		Recorder:             s.recorder,
-		FailOpen:             s.cfg.FailOpen,
-		MaxRequestBytes:      s.cfg.MaxBodyBytes,
-		DefaultHold:          s.cfg.DefaultHold,
-		RecordTimeout:        s.cfg.RecordTimeout,
-		ReserveTimeout:       s.cfg.ReserveTimeout,
-		KeyCacheTTL:          s.cfg.KeyCacheTTL,
-		MaxStale:             s.cfg.KeyMaxStale,
-		KeyFailuresPerMinute: s.cfg.KeyFailures,
-		Logger:               s.log,
-		OnOutcome:            s.metrics.observe,
-		Route:                s.route,
-		PassThrough:          []string{"/v1/models", "/v1/models/*"},
-	}.ToMiddleware()
-	if err != nil {
-		return fmt.Errorf("middleware: %w", err)
-	}
+	mw := s.esc.Middleware()
 	rp := s.proxyHandler()
 	if s.cfg.BenchBaseline {
 		s.log.Warn("ESCROW_BENCH_BASELINE is set: requests pass without holds and are not billed")

@@ -30,8 +30,10 @@ import (
 	"github.com/labstack/echo/v4"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/llmescrow/escrow"
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/middleware"
 	"github.com/llmescrow/escrow/webhook"
 )
 
@@ -94,6 +96,7 @@ type Server struct {
 	worker   *accounting.Worker
 	ops      *accounting.Ops
 	webhooks *webhook.Sender // delivers the ledger's webhook outbox
+	esc      *escrow.Escrow  // the parts above, wired and run together (escrow.New)
 	metrics  *metrics
 	echo     *echo.Echo
 
@@ -146,32 +149,8 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 	if err := s.openLedger(ctx, p.embedded); err != nil {
 		return nil, err
 	}
-	s.store, err = balance.New(ctx, s.rdb, &balance.Config{
-		Ledger:        s.ledger,
-		Prefix:        cfg.Prefix,
-		HoldTTL:       cfg.HoldTTL,
-		PinTTL:        cfg.PinTTL,
-		ReapGrace:     cfg.ReapGrace,
-		MaxInFlight:   cfg.MaxInFlight,
-		AllowEviction: cfg.AllowEviction || p.embedded,
-		// An embedded Redis has no round trips to save, and its scripts run one after another
-		// in Go: a pipeline of a hundred could outlast the client's read timeout, failing its
-		// whole batch at once (a 2,000-way burst under the race detector did).
-		NoCoalesce: !cfg.Coalesce || p.embedded,
-		Logger:     s.log, // its warnings (AOF off, eviction allowed, version) are logged there, once
-	})
-	if errors.Is(err, balance.ErrConfig) {
-		// The hot balance checks its own settings (ESCROW_HOLD_TTL, ESCROW_PIN_TTL, …).
-		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("redis: %w", err)
-	}
-	if err := s.openAccounting(); err != nil {
+	if err := s.openEscrow(ctx, p.embedded); err != nil {
 		return nil, err
-	}
-	if _, err := s.ops.SyncEpoch(ctx); err != nil {
-		return nil, fmt.Errorf("ledger not ready (are the migrations applied? ESCROW_MIGRATE=true applies them): %w", err)
 	}
 	s.metrics = newMetrics(s)
 	if s.routes.empty() {
@@ -224,40 +203,67 @@ func (s *Server) openLedger(ctx context.Context, embeddedRedis bool) error {
 	return nil
 }
 
-func (s *Server) openAccounting() error {
+// openEscrow builds the hot balance, the recorder (with the journal when ESCROW_JOURNAL_DIR
+// is set), the worker, the webhook sender and the middleware with escrow.New, on this server's
+// Redis client and ledger, from the configuration.
+func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 	cfg := s.cfg
-	rc := accounting.RecorderConfig{Logger: s.log, Finisher: s.store} // holds finished in each record batch
-	if cfg.JournalDir != "" {
-		var err error
-		if s.journal, err = accounting.OpenJournal(cfg.JournalDir, &accounting.JournalConfig{MaxBytes: cfg.JournalMaxBytes}); err != nil {
-			return fmt.Errorf("journal: %w", err)
-		}
-		// Usage left from an earlier run is announced by the recorder when it replays it.
-		rc.Journal, rc.Pinner = s.journal, s.store
-		rc.PinInterval = s.store.PinRenewal()
-		rc.ReplayInterval = cfg.ReplayInterval
-	} else if cfg.DatabaseURL != "" {
+	if cfg.JournalDir == "" && cfg.DatabaseURL != "" {
 		s.log.Warn("no ESCROW_JOURNAL_DIR: while the ledger is down, requests fail with 503 billing_unavailable instead of being journaled")
 	}
-	var err error
-	s.worker, err = accounting.NewWorker(s.ledger, s.store, &accounting.WorkerConfig{
-		Logger:            s.log,
-		SweepInterval:     cfg.SweepInterval,
-		ReapInterval:      cfg.ReapInterval,
-		ScanInterval:      cfg.ScanInterval,
-		ReconcileInterval: cfg.ReconcileEvery,
+	esc, err := escrow.New(ctx, s.rdb, nil, &escrow.Config{
+		Ledger: s.ledger,
+		Logger: s.log,
+		Balance: balance.Config{
+			Prefix:        cfg.Prefix,
+			HoldTTL:       cfg.HoldTTL,
+			PinTTL:        cfg.PinTTL,
+			ReapGrace:     cfg.ReapGrace,
+			MaxInFlight:   cfg.MaxInFlight,
+			AllowEviction: cfg.AllowEviction || embedded,
+			// An embedded Redis has no round trips to save, and its scripts run one after
+			// another in Go: a pipeline of a hundred could outlast the client's read timeout,
+			// failing its whole batch at once (a 2,000-way burst under the race detector did).
+			NoCoalesce: !cfg.Coalesce || embedded,
+		},
+		Worker: accounting.WorkerConfig{
+			SweepInterval:     cfg.SweepInterval,
+			ReapInterval:      cfg.ReapInterval,
+			ScanInterval:      cfg.ScanInterval,
+			ReconcileInterval: cfg.ReconcileEvery,
+		},
+		// Usage left in the journal from an earlier run is announced by the recorder when it
+		// replays it.
+		Recorder:   accounting.RecorderConfig{ReplayInterval: cfg.ReplayInterval},
+		JournalDir: cfg.JournalDir,
+		Journal:    accounting.JournalConfig{MaxBytes: cfg.JournalMaxBytes},
+		Webhooks:   webhook.Config{Timeout: cfg.WebhookTimeout, MaxAttempts: cfg.WebhookMaxAttempts},
+		Middleware: middleware.Config{
+			FailOpen:             cfg.FailOpen,
+			MaxRequestBytes:      cfg.MaxBodyBytes,
+			DefaultHold:          cfg.DefaultHold,
+			RecordTimeout:        cfg.RecordTimeout,
+			ReserveTimeout:       cfg.ReserveTimeout,
+			KeyCacheTTL:          cfg.KeyCacheTTL,
+			MaxStale:             cfg.KeyMaxStale,
+			KeyFailuresPerMinute: cfg.KeyFailures,
+			OnOutcome:            func(o middleware.Outcome) { s.metrics.observe(o) }, // the metrics are made after
+			Route:                s.route,
+			PassThrough:          []string{"/v1/models", "/v1/models/*"},
+		},
+		AdminToken: cfg.AdminToken,
 	})
-	if err != nil {
-		return fmt.Errorf("worker: %w", err)
+	switch {
+	case errors.Is(err, balance.ErrConfig), errors.Is(err, middleware.ErrConfig):
+		// The parts check their own settings (ESCROW_HOLD_TTL, ESCROW_PIN_TTL, …).
+		return fmt.Errorf("%w: %w", ErrConfig, err)
+	case err != nil:
+		return err
 	}
-	// The recorder wakes this process's worker itself, and its batches send no NOTIFY, which
-	// would wake every worker listening on the database (every proxy's) for the same events.
-	rc.Wake = s.worker.Wake
-	if s.recorder, err = accounting.NewRecorder(s.ledger, &rc); err != nil {
-		return fmt.Errorf("recorder: %w", err)
-	}
-	s.ops = accounting.NewOps(s.worker)
-	return s.openWebhooks()
+	s.esc = esc
+	s.store, s.journal, s.recorder, s.worker = esc.Store(), esc.Journal(), esc.Recorder(), esc.Worker()
+	s.ops, s.webhooks = esc.Ops(), esc.Webhooks()
+	return nil
 }
 
 // openUpstream builds the route table: the routes file; or one catch-all OpenAI route to
@@ -326,15 +332,8 @@ func (s *Server) Start(ctx context.Context) error {
 	// The background parts outlive ctx, all alike: Stop ends them, after the HTTP server has
 	// drained, so the requests still in flight when ctx ends (a SIGTERM) record their usage,
 	// and the worker's last pass settles it.
-	run := context.WithoutCancel(ctx)
-	if err := s.recorder.Start(run); err != nil {
-		return fmt.Errorf("recorder: %w", err)
-	}
-	if err := s.worker.Start(run); err != nil {
-		return fmt.Errorf("worker: %w", err)
-	}
-	if err := s.webhooks.Start(run); err != nil {
-		return fmt.Errorf("webhooks: %w", err)
+	if err := s.esc.Start(ctx); err != nil {
+		return err
 	}
 	ln, err := net.Listen("tcp", s.cfg.Addr)
 	if err != nil {
@@ -381,24 +380,10 @@ func (s *Server) Stop(ctx context.Context) error {
 	if s.pprof != nil {
 		_ = s.pprof.Close()
 	}
-	if s.recorder != nil {
-		if err := s.recorder.Stop(ctx); err != nil {
-			errs = append(errs, fmt.Errorf("recorder: %w", err))
-		}
-	}
-	if s.journal != nil {
-		if n := s.journal.Len(); n > 0 {
-			s.log.Warn("stopping with usage in the local journal; the next start replays it", "events", n)
-		}
-	}
-	if s.worker != nil {
-		if err := s.worker.Stop(ctx); err != nil {
-			errs = append(errs, fmt.Errorf("worker: %w", err))
-		}
-	}
-	if s.webhooks != nil {
-		if err := s.webhooks.Stop(ctx); err != nil {
-			errs = append(errs, fmt.Errorf("webhooks: %w", err))
+	if s.esc != nil {
+		// The recorder's last batch, the worker's last pass, the webhooks: in that order.
+		if err := s.esc.Stop(ctx); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	s.close()
@@ -410,9 +395,6 @@ func (s *Server) close() {
 	s.once.Do(func() {
 		if s.fake != nil {
 			_ = s.fake.Close()
-		}
-		if s.journal != nil {
-			_ = s.journal.Close()
 		}
 		if s.ledger != nil {
 			s.ledger.Close()

@@ -40,7 +40,8 @@ var layers = map[string][]string{
 	"accounting":            {"balance", "migrations", "internal/startstop"},
 	"middleware":            {"accounting", "balance"},
 	"admin":                 {"accounting"},
-	"server":                {"accounting", "admin", "balance", "middleware", "migrations", "webhook"},
+	".":                     {"accounting", "admin", "balance", "middleware", "migrations", "webhook"}, // the root package escrow: New
+	"server":                {".", "accounting", "admin", "balance", "middleware", "migrations", "webhook"},
 	"cmd/escrow":            {"server"},
 	"examples/proxy":        {"server", "internal/fakeupstream"},
 	"bench":                 {"server", "internal/fakeupstream", "internal/testutil"},
@@ -54,6 +55,14 @@ var layers = map[string][]string{
 }
 
 const module = "github.com/llmescrow/escrow"
+
+// relPath is an import path of the module relative to it ("." for the root package escrow).
+func relPath(p string) (string, bool) {
+	if p == module {
+		return ".", true
+	}
+	return strings.CutPrefix(p, module+"/")
+}
 
 // layerViolations lists every import of imports (package → its module-internal imports, paths
 // relative to the module) that the layers do not allow.
@@ -105,13 +114,13 @@ func TestLayering(t *testing.T) {
 	imports := map[string][]string{}
 	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
 		f := strings.Fields(line)
-		pkg, ok := strings.CutPrefix(f[0], module+"/")
+		pkg, ok := relPath(f[0])
 		if !ok {
-			continue // the module root has no package
+			continue
 		}
 		imports[pkg] = nil
 		for _, d := range f[1:] {
-			if rel, ok := strings.CutPrefix(d, module+"/"); ok {
+			if rel, ok := relPath(d); ok {
 				imports[pkg] = append(imports[pkg], rel)
 			}
 		}
