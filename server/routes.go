@@ -40,6 +40,7 @@ func (s *Server) buildEcho() error {
 		MaxRequestBytes:      s.cfg.MaxBodyBytes,
 		DefaultHold:          s.cfg.DefaultHold,
 		RecordTimeout:        s.cfg.RecordTimeout,
+		HangupTimeout:        s.cfg.ReadOn,
 		ReserveTimeout:       s.cfg.ReserveTimeout,
 		KeyCacheTTL:          s.cfg.KeyCacheTTL,
 		MaxStale:             s.cfg.KeyMaxStale,
