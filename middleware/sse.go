@@ -402,6 +402,7 @@ var (
 	fieldData  = []byte("data")
 	fieldEvent = []byte("event")
 	doneData   = []byte("[DONE]")
+	errorKey   = []byte(`"error"`)
 )
 
 // dispatch reads an event kept whole: [DONE] starts the held-back end; JSON data is read for
@@ -500,7 +501,7 @@ func (f *sseFilter) dispatchJSON(ev, data, name []byte, nData int) {
 			f.countOut(textLen(d.Get("text")) + textLen(d.Get("partial_json")) + textLen(d.Get("thinking")))
 		}
 	default:
-		if e := gjson.GetBytes(data, "error"); e.Exists() && e.Type != gjson.Null {
+		if bytes.Contains(data, errorKey) && upstreamErrorChunk(data) {
 			f.upstreamError = true // a chat/completions stream's error chunk
 		}
 		f.chatChunk(ev, data, nData)
@@ -542,6 +543,13 @@ func (f *sseFilter) countOut(n int64) {
 		f.outBytes += n
 		f.outChunks++
 	}
+}
+
+// upstreamErrorChunk reports whether a chat/completions chunk is the upstream's error
+// (`data: {"error":{…}}`): an "error" member that is not null.
+func upstreamErrorChunk(data []byte) bool {
+	e := gjson.GetBytes(data, "error")
+	return e.Exists() && e.Type != gjson.Null
 }
 
 // replaceData rebuilds an event with its single data line's value replaced.
