@@ -70,12 +70,13 @@ type captureWriter struct {
 
 	gone     atomic.Bool
 	boundHit atomic.Bool
+	mu       sync.Mutex
+	timer    *time.Timer
+	stopped  bool
+
 	// headerAfterBound: the final header was written after the read-on bound ended (the
 	// handler's answer to the cut, not the upstream's).
 	headerAfterBound bool
-	mu               sync.Mutex
-	timer            *time.Timer
-	stopped          bool
 }
 
 var _ http.Flusher = (*captureWriter)(nil)
