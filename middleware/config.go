@@ -196,9 +196,13 @@ type Config struct {
 	RetryAfter time.Duration
 	// RecordTimeout bounds recording a usage event. Default 15s.
 	RecordTimeout time.Duration
-	// HangupTimeout and HangupBytes bound how long and how much the handler may go on after the
-	// client hung up (its writes are swallowed so the real usage still arrives). Default 2m and
-	// 64 MiB; past them the upstream call is cancelled and usage estimated.
+	// HangupTimeout and HangupBytes are the read-on bound: how long and how much the handler may
+	// go on after the client hung up (its writes are swallowed so the real usage still arrives).
+	// Default 2m and 64 MiB (the proxy's ESCROW_READ_ON sets HangupTimeout). Past them the
+	// upstream call is cancelled and the request charged an estimate, also when the upstream had
+	// not answered yet (it got the request: the provider bills it): a request whose hold is its
+	// bound is charged its hold, any other its input bound (the body's bytes at the highest input
+	// price) plus the output streamed, never more than the hold (estimate.go).
 	HangupTimeout time.Duration
 	HangupBytes   int64
 	// ReleaseRetryFor bounds the background release after a reserve whose outcome is unknown.

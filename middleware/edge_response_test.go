@@ -441,8 +441,9 @@ func TestBigChatChunksBilled(t *testing.T) {
 func len64(s string) int64 { return int64(len(strings.Fields(s))) }
 
 // TestCutLargeJSONEstimates: a streamed JSON body cut by the upstream after 2 MiB is estimated
-// (the transport failed after the first byte): the input at least, plus the text that passed,
-// counted generously — and the client sees a broken response, not a success.
+// (the transport failed after the first byte): for a request whose hold is not a bound, the
+// input bound (the body's bytes) plus the text that passed, counted generously, never more than
+// the hold — and the client sees a broken response, not a success.
 func TestCutLargeJSONEstimates(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOpt{})
@@ -455,7 +456,7 @@ func TestCutLargeJSONEstimates(t *testing.T) {
 			_ = conn.Close()
 		}
 	})
-	req := jsonBody(testModel, "")
+	req := jsonBody(testModel, `"x_unpriced":1`) // not plain text: its hold is not a bound
 	resp := e.post(context.Background(), EndpointChat, e.key, req)
 	got, err := io.ReadAll(resp.Body)
 	resp.Body.Close()
@@ -467,8 +468,10 @@ func TestCutLargeJSONEstimates(t *testing.T) {
 		t.Fatalf("outcome %+v", o)
 	}
 	ev := e.assertRecorded(o.HoldID, o.HoldAmount)
-	if min := int64(len(text)) / 4; !ev.Estimated || ev.Usage.Prompt != int64(len(req)+3)/4 || ev.Usage.Completion < min || ev.Cost != cost(t, ev.Usage) {
-		t.Fatalf("estimate %+v, want ≥ %d output tokens", ev, min)
+	bound, err := testPrices.Bound(int64(len(req)), ev.Usage.Completion)
+	must(t, err)
+	if least := int64(len(text)) / 4; !ev.Estimated || ev.Usage.Prompt != int64(len(req)) || ev.Usage.Completion < least || ev.Cost != min(bound, o.HoldAmount) {
+		t.Fatalf("estimate %+v (hold %d), want ≥ %d output tokens", ev, o.HoldAmount, least)
 	}
 }
 

@@ -41,6 +41,7 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 	req.Header.Del(HeaderIncludeCost) // escrow's own
 	req.Header.Set("Accept-Encoding", "identity")
 	setBody(req, body)
+	req.Body = &sentBody{ReadCloser: req.Body, sent: &cl.sent}
 
 	clientCtx := req.Context()
 	upCtx, upCancel := context.WithCancelCause(context.WithoutCancel(clientCtx))
@@ -110,7 +111,11 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	m := cl.m
 	defer func() { m.report(o) }()
 	o.Status = cw.status
-	if !cw.wroteHeader || cw.status < 200 || cw.status > 299 {
+	if cl.unanswered(cw) {
+		// The client hung up and the upstream had not answered when the read-on bound ended:
+		// the call was cut, but the upstream got it (estimated below); the client saw nothing.
+		o.Status = 0
+	} else if !cw.wroteHeader || cw.status < 200 || cw.status > 299 {
 		// The upstream failed before any response byte (or answered with an error): no charge.
 		cl.releaseHold()
 		o.Kind = OutcomeReleased
@@ -179,29 +184,22 @@ func (cl *call) readUsage(cw *captureWriter, nextErr error, panicked any, cause 
 // charge is what the request is charged: its usage priced; for a response cut off, an estimate
 // of its usage; for a 2xx whose usage cannot be read, or that cannot be priced, the hold.
 func (cl *call) charge(cw *captureWriter, usage accounting.Usage, estimated, truncated bool) (accounting.Usage, int64, bool) {
-	var cost int64 // set here only for a hold charge (≥ 1); else priced from usage below
 	switch {
 	case truncated:
-		// Cut off after the first byte: the input at least, and what was streamed, counted
-		// generously.
-		usage = accounting.Usage{Prompt: (int64(cl.req.Size) + 3) / 4, Completion: cw.outputEstimate()}
-		if a, ok := cw.sse.partialUsage(); ok && cw.mode == modeSSE {
-			// A Messages stream's message_start gave the exact input counts.
-			usage = a.usage()
-			usage.Completion = max(usage.Completion, cw.outputEstimate())
-		}
+		// Ended without readable usage after the upstream was called (a hang-up past the
+		// read-on bound, a cut, an error event): the one estimate rule (estimate.go).
+		usage, cost := cl.estimate(cw)
+		return usage, cost, true
 	case estimated:
 		// A 2xx whose usage cannot be read: charged what the org agreed to risk, the hold
 		// (a fail-open request has none on the balance, but the amount it would have held).
-		usage, cost = accounting.Usage{}, max(cl.agreed, 1)
+		return accounting.Usage{}, max(cl.agreed, 1), true
 	}
-	if cost == 0 {
-		var err error
-		if cost, err = cl.model.Cost(usage); err != nil {
-			// Absurd token counts: charge what was held (and log it) rather than nothing.
-			cl.m.cfg.Logger.Error("escrow: usage could not be priced", "hold_id", cl.holdID, "usage", usage, "err", err)
-			cost, estimated = max(cl.agreed, 1), true
-		}
+	cost, err := cl.model.Cost(usage)
+	if err != nil {
+		// Absurd token counts: charge what was held (and log it) rather than nothing.
+		cl.m.cfg.Logger.Error("escrow: usage could not be priced", "hold_id", cl.holdID, "usage", usage, "err", err)
+		return usage, max(cl.agreed, 1), true
 	}
 	return usage, cost, estimated
 }

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -167,6 +168,7 @@ type call struct {
 	limitKey string
 	reserved balance.Reservation // what Reserve answered (zero for fail-open: no hold)
 	start    time.Time
+	sent     atomic.Bool // the handler read the request body: the upstream got the request (sentBody)
 }
 
 func (m *middleware) refuse(c echo.Context, o Outcome, e *Error) error {

@@ -396,9 +396,11 @@ func TestHangupBoundEstimates(t *testing.T) {
 	if o.Kind != OutcomeEstimated || !errors.Is(o.Err, errHangupBound) {
 		t.Fatalf("outcome %+v", o)
 	}
+	// A plain-text body without an output cap is bounded by the model's max output tokens (its
+	// hold is that bound): charged the hold, which stands for the body's bytes in and the max out.
 	ev := e.assertRecorded(id, o.HoldAmount)
 	size := int64(len(jsonBody(testModel, `"stream":true`)))
-	if !ev.Estimated || ev.Usage.Prompt != (size+3)/4 || ev.Usage.Completion != 1 || ev.Cost != cost(t, ev.Usage) {
+	if !ev.Estimated || ev.Usage.Prompt != size || ev.Usage.Completion != 1000 || ev.Cost != o.HoldAmount || ev.Cost != cost(t, ev.Usage) {
 		t.Fatalf("estimate %+v", ev)
 	}
 }

@@ -33,8 +33,9 @@ type sseFilter struct {
 	anthropic bool
 	anth      anthUsage
 	anthDelta bool // a message_delta with usage was read
-	// upstreamError: an Anthropic "error" event came (e.g. overloaded_error mid-stream): the
-	// upstream failed after the first byte, so the usage is estimated, not the hold charged.
+	// upstreamError: the upstream ended the stream with an error after the first byte (an
+	// Anthropic or Responses "error" event, a chat/completions chunk with "error", a
+	// response.failed without usage): the usage is estimated (estimate.go), not read.
 	upstreamError bool
 	maxEvent      int
 	emit          func([]byte)
@@ -242,8 +243,12 @@ func (f *sseFilter) takeUsage(sc *usageScanner, kind string, typed bool) (termin
 	case kind == "response.completed" || kind == "response.incomplete" || kind == "response.failed":
 		if u, ok := sc.responseUsage(); ok {
 			f.setUsage(u)
+		} else if kind == "response.failed" {
+			f.upstreamError = true // failed without a usage: estimated like any error after output
 		}
 		return true
+	case kind == "error":
+		f.upstreamError = true // a Responses error event (or an event named error)
 	case typed && strings.HasPrefix(kind, "response."):
 	default:
 		if u, ok := sc.usage(); ok {
@@ -397,6 +402,7 @@ var (
 	fieldData  = []byte("data")
 	fieldEvent = []byte("event")
 	doneData   = []byte("[DONE]")
+	errorKey   = []byte(`"error"`)
 )
 
 // dispatch reads an event kept whole: [DONE] starts the held-back end; JSON data is read for
@@ -495,6 +501,9 @@ func (f *sseFilter) dispatchJSON(ev, data, name []byte, nData int) {
 			f.countOut(textLen(d.Get("text")) + textLen(d.Get("partial_json")) + textLen(d.Get("thinking")))
 		}
 	default:
+		if bytes.Contains(data, errorKey) && upstreamErrorChunk(data) {
+			f.upstreamError = true // a chat/completions stream's error chunk
+		}
 		f.chatChunk(ev, data, nData)
 		return
 	}
@@ -534,6 +543,13 @@ func (f *sseFilter) countOut(n int64) {
 		f.outBytes += n
 		f.outChunks++
 	}
+}
+
+// upstreamErrorChunk reports whether a chat/completions chunk is the upstream's error
+// (`data: {"error":{…}}`): an "error" member that is not null.
+func upstreamErrorChunk(data []byte) bool {
+	e := gjson.GetBytes(data, "error")
+	return e.Exists() && e.Type != gjson.Null
 }
 
 // replaceData rebuilds an event with its single data line's value replaced.

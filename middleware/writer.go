@@ -73,6 +73,10 @@ type captureWriter struct {
 	mu       sync.Mutex
 	timer    *time.Timer
 	stopped  bool
+
+	// headerAfterBound: the final header was written after the read-on bound ended (the
+	// handler's answer to the cut, not the upstream's).
+	headerAfterBound bool
 }
 
 var _ http.Flusher = (*captureWriter)(nil)
@@ -97,6 +101,7 @@ func (cw *captureWriter) WriteHeader(code int) {
 	}
 	cw.wroteHeader = true
 	cw.status = code
+	cw.headerAfterBound = cw.boundHit.Load()
 	h := cw.w.Header()
 	cw.headers(h)
 	if code < 200 || code > 299 {

@@ -324,8 +324,10 @@ func TestAnthropicClientHangsUp(t *testing.T) {
 }
 
 // TestAnthropicStreamError: a stream the upstream ends with an error event after message_start
-// (overloaded_error mid-stream) is billed as a stream cut short — message_start's exact input
-// counts plus the streamed output counted generously, marked estimated — not the hold.
+// (overloaded_error mid-stream) is billed by the one rule for responses that end without
+// readable usage, marked estimated: a bounded request (plain text with max_tokens: its hold is
+// its bound) is charged its hold; an unbounded one message_start's exact input counts plus the
+// streamed output counted generously — not its hold.
 func TestAnthropicStreamError(t *testing.T) {
 	t.Parallel()
 	eachAnthropicMode(t, func(t *testing.T, p anthProxy) {
@@ -336,15 +338,30 @@ func TestAnthropicStreamError(t *testing.T) {
 		if st != 200 || !strings.Contains(string(b), "event: error") || strings.Contains(string(b), "message_stop") {
 			t.Fatalf("stream %d:\n%s", st, b)
 		}
-		// Input 5 plain + 3 written + 4 read (message_start); output: "tok1" and " tok2" streamed,
-		// 9 bytes counted generously as ⌈9/4⌉ = 3 tokens.
-		want, _ := claudePrices.Cost(accounting.Usage{Prompt: 12, CacheWrite: 3, Cached: 4, Completion: 3})
-		if bal := p.settled("err"); bal.LedgerBalance != 10_000_000-want {
-			t.Fatalf("balance %+v, want %d charged", bal, want)
-		}
 		r, err := p.app.ledger.Request(context.Background(), h.Get("x-request-id"))
-		if err != nil || !r.Estimated || r.Cost != want || r.Usage.CacheWrite != 3 || r.Usage.Cached != 4 {
-			t.Fatalf("request %+v %v", r, err)
+		if err != nil || !r.Estimated || r.Cost != r.HoldAmount || r.HoldAmount <= 0 {
+			t.Fatalf("bounded: request %+v %v, want estimated at its hold", r, err)
+		}
+		hold := r.HoldAmount
+		if bal := p.settled("err"); bal.LedgerBalance != 10_000_000-hold {
+			t.Fatalf("balance %+v, want the hold %d charged", bal, hold)
+		}
+
+		// A field escrow does not price makes the request unbounded. Input 5 plain + 3 written
+		// + 4 read (message_start); output: "tok1" and " tok2" streamed, 9 bytes counted
+		// generously as ⌈9/4⌉ = 3 tokens.
+		body = strings.Replace(body, `"stream":true`, `"stream":true,"x_unpriced":1`, 1)
+		st, h, b = p.messages("/v1/messages", key, body)
+		if st != 200 || !strings.Contains(string(b), "event: error") {
+			t.Fatalf("stream %d:\n%s", st, b)
+		}
+		want, _ := claudePrices.Cost(accounting.Usage{Prompt: 12, CacheWrite: 3, Cached: 4, Completion: 3})
+		if bal := p.settled("err"); bal.LedgerBalance != 10_000_000-hold-want {
+			t.Fatalf("balance %+v, want %d more charged", bal, want)
+		}
+		r, err = p.app.ledger.Request(context.Background(), h.Get("x-request-id"))
+		if err != nil || !r.Estimated || r.Cost != want || r.Cost >= r.HoldAmount || r.Usage.CacheWrite != 3 || r.Usage.Cached != 4 {
+			t.Fatalf("unbounded: request %+v %v", r, err)
 		}
 	})
 }

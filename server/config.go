@@ -59,6 +59,11 @@ type Config struct {
 	KeyMaxStale     time.Duration
 	KeyFailures     int
 
+	// ReadOn bounds how long the upstream is read on after the client hung up, for the real
+	// usage; past it the upstream call is cut and the request charged an estimate (README "What
+	// a hang-up and an upstream error cost").
+	ReadOn time.Duration
+
 	// Webhook deliveries (package webhook).
 	WebhookTimeout     time.Duration
 	WebhookMaxAttempts int
@@ -123,6 +128,7 @@ func (c *Config) settings() []setting {
 		{"ESCROW_WEBHOOK_TIMEOUT", "webhook-timeout", "10s", "bound on one webhook delivery attempt (connect, send, answer)", dur(&c.WebhookTimeout)},
 		{"ESCROW_WEBHOOK_MAX_ATTEMPTS", "webhook-max-attempts", "12", "attempts after which a webhook delivery is marked failed (retries back off from 5s, doubling, up to 1h, with jitter)", intp(&c.WebhookMaxAttempts)},
 		{"ESCROW_RECORD_TIMEOUT", "record-timeout", "15s", "bound on recording a request's usage; past it the event is voided and the client gets 503, unless it was stored (then the request completes)", dur(&c.RecordTimeout)},
+		{"ESCROW_READ_ON", "read-on", "2m", "after a client hangs up, how long the upstream is read on for the real usage; past it the call is cut and the request charged an estimate (a bounded request its hold, any other its input bound plus what was streamed)", dur(&c.ReadOn)},
 		{"ESCROW_RESERVE_TIMEOUT", "reserve-timeout", "1s", "bound on a request's reserve call to Redis; past it the client gets 503 and the hold, if it was taken unseen, is released", dur(&c.ReserveTimeout)},
 		{"ESCROW_KEY_CACHE_TTL", "key-cache-ttl", "5s", "how long an API key look-up is trusted; a revoked key stops within it, also while Postgres is down (revocations go through Redis)", dur(&c.KeyCacheTTL)},
 		{"ESCROW_KEY_MAX_STALE", "key-max-stale", "10m", "while Postgres is down, a known key keeps working for this long after its last look-up (unless revoked)", dur(&c.KeyMaxStale)},

@@ -243,6 +243,7 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			MaxRequestBytes:      cfg.MaxBodyBytes,
 			DefaultHold:          cfg.DefaultHold,
 			RecordTimeout:        cfg.RecordTimeout,
+			HangupTimeout:        cfg.ReadOn,
 			ReserveTimeout:       cfg.ReserveTimeout,
 			KeyCacheTTL:          cfg.KeyCacheTTL,
 			MaxStale:             cfg.KeyMaxStale,
