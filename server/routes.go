@@ -181,15 +181,27 @@ func (s *Server) journalGate(next echo.HandlerFunc) echo.HandlerFunc {
 // per part (and the journal's fill): the errors, which carry addresses and database users, go
 // to the log.
 func (s *Server) ready(c echo.Context) error {
-	ctx, cancel := context.WithTimeout(c.Request().Context(), 2*time.Second)
-	defer cancel()
+	// The two checks run side by side, each within its own bound: a Redis that refuses
+	// connections spends its whole bound on dial retries, and must not leave the ledger's check
+	// an expired context (which reported a healthy ledger down).
+	check := func(f func(context.Context) error) <-chan error {
+		ch := make(chan error, 1)
+		go func() {
+			ctx, cancel := context.WithTimeout(c.Request().Context(), 2*time.Second)
+			defer cancel()
+			ch <- f(ctx)
+		}()
+		return ch
+	}
+	redisErr := check(func(ctx context.Context) error { return s.rdb.Ping(ctx).Err() })
+	ledgerErr := check(func(ctx context.Context) error { _, err := s.ledger.Epoch(ctx); return err })
 	checks := map[string]string{"redis": "ok", "ledger": "ok"}
 	status := http.StatusOK
-	if err := s.rdb.Ping(ctx).Err(); err != nil {
+	if err := <-redisErr; err != nil {
 		s.log.Warn("readiness: redis unreachable", "err", err)
 		checks["redis"], status = "down", http.StatusServiceUnavailable
 	}
-	if _, err := s.ledger.Epoch(ctx); err != nil {
+	if err := <-ledgerErr; err != nil {
 		s.log.Warn("readiness: ledger unreachable", "err", err)
 		checks["ledger"], status = "down", http.StatusServiceUnavailable
 		if s.journal != nil {
