@@ -161,10 +161,10 @@ func (p *Postgres) ListEntries(ctx context.Context, org string, q EntryQuery) (P
 		for rows.Next() {
 			var e EntryInfo
 			var hold, ref, evID, key, model *string
-			var pt, ct, cpt, rt, cwt, cost, holdAmt *int64
+			var pt, ct, cpt, rt, cwt, cw1h, cost, holdAmt *int64
 			var est *bool
 			if err := rows.Scan(&e.Org, &e.Seq, &e.Delta, &e.Kind, &hold, &ref, &e.CreatedAt,
-				&evID, &key, &model, &pt, &ct, &cpt, &rt, &cost, &holdAmt, &est, &cwt); err != nil {
+				&evID, &key, &model, &pt, &ct, &cpt, &rt, &cost, &holdAmt, &est, &cwt, &cw1h); err != nil {
 				return err
 			}
 			e.CreatedAt = e.CreatedAt.UTC()
@@ -172,7 +172,7 @@ func (p *Postgres) ListEntries(ctx context.Context, org string, q EntryQuery) (P
 			if evID != nil {
 				e.Request = &EntryRequest{
 					ID: *evID, KeyID: deref(key), Model: deref(model),
-					Usage: Usage{Prompt: *pt, Cached: *ct, Completion: *cpt, Reasoning: *rt, CacheWrite: *cwt},
+					Usage: Usage{Prompt: *pt, Cached: *ct, Completion: *cpt, Reasoning: *rt, CacheWrite: *cwt, CacheWrite1h: *cw1h},
 					Cost:  *cost, HoldAmount: *holdAmt, Estimated: *est,
 				}
 			}
@@ -192,7 +192,7 @@ func (p *Postgres) ListEntries(ctx context.Context, org string, q EntryQuery) (P
 const sqlListEntries = `
 SELECT e.org_id, e.seq, e.delta, e.kind, e.hold_id::text, e.ref, e.created_at,
        u.id::text, u.key_id, u.model, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
-       u.reasoning_tokens, u.cost, u.hold_amount, u.estimated, u.cache_write_tokens
+       u.reasoning_tokens, u.cost, u.hold_amount, u.estimated, u.cache_write_tokens, u.cache_write_1h_tokens
 FROM ledger_entries e
 LEFT JOIN usage_events u ON e.kind = 'charge' AND u.id = e.hold_id
 WHERE e.org_id = $1::text AND e.seq < $2::bigint
@@ -307,10 +307,11 @@ func (p *Postgres) Request(ctx context.Context, id string) (RequestInfo, error) 
 	var reserved *time.Time
 	err = p.pool.QueryRow(ctx, `
 SELECT id::text, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens,
-       reasoning_tokens, cost, hold_amount, estimated, status, seq, created_at, project, reserved_at, cache_write_tokens
+       reasoning_tokens, cost, hold_amount, estimated, status, seq, created_at, project, reserved_at, cache_write_tokens,
+       cache_write_1h_tokens
 FROM usage_events WHERE id = $1`, u).Scan(&r.ID, &r.Org, &key, &r.Model, &endpoint,
 		&r.Usage.Prompt, &r.Usage.Cached, &r.Usage.Completion, &r.Usage.Reasoning, &r.Cost, &r.HoldAmount,
-		&r.Estimated, &r.Status, &seq, &r.CreatedAt, &project, &reserved, &r.Usage.CacheWrite)
+		&r.Estimated, &r.Status, &seq, &r.CreatedAt, &project, &reserved, &r.Usage.CacheWrite, &r.Usage.CacheWrite1h)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return RequestInfo{}, fmt.Errorf("%w: %q", ErrUnknownRequest, id)
 	}
