@@ -142,6 +142,16 @@ func (p Prices) MaxInputFor(cacheWrites bool) int64 {
 	return max(d.Input, d.CachedInput, d.CacheWriteInput, d.CacheWrite1hInput)
 }
 
+// WithoutCacheWrites is the prices of a request whose usage can carry no cache writes (every
+// endpoint but Anthropic's Messages): the cache-write prices are set to the input price, so
+// that MaxInput, Bound and a Model's CostBound are MaxInputFor(false)'s. The request's cost is
+// the same: it has no cache writes to price.
+func (p Prices) WithoutCacheWrites() Prices {
+	p = p.WithDefaults()
+	p.CacheWriteInput, p.CacheWrite1hInput = p.Input, p.Input
+	return p
+}
+
 // Bound is the most a request can cost given at most inputTokens in and outputTokens out
 // (every input token at the highest input price, MaxInput), rounded up like Cost.
 func (p Prices) Bound(inputTokens, outputTokens int64) (int64, error) {
