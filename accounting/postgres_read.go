@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -405,4 +406,42 @@ func orgExists(ctx context.Context, tx pgx.Tx, org string) error {
 		return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 	}
 	return nil
+}
+
+// maxSpendSince bounds the instants one Spend call sums from.
+const maxSpendSince = 16
+
+// Spend reads the account, the key and the sums of the org's charges in one statement (one
+// snapshot): an index-only scan of the org's charges (ledger_entries_org_reserved).
+func (p *Postgres) Spend(ctx context.Context, org, keyID string, since []time.Time) (Spend, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return Spend{}, err
+	}
+	if len(since) > maxSpendSince {
+		return Spend{}, fmt.Errorf("%w: at most %d instants", ErrInvalidQuery, maxSpendSince)
+	}
+	var sums strings.Builder
+	args := []any{org, keyID}
+	for _, t := range since {
+		args = append(args, t)
+		fmt.Fprintf(&sums, `, coalesce(sum(-delta) FILTER (WHERE key_id = $2 AND coalesce(reserved_at, created_at) >= $%d), 0)`, len(args))
+	}
+	s := Spend{Key: KeySpend{ID: keyID, Since: make([]int64, len(since))}}
+	dst := []any{&s.Balance, &s.Key.Name, &s.Key.Project, &s.Charged, &s.Key.Charged}
+	for i := range s.Key.Since {
+		dst = append(dst, &s.Key.Since[i])
+	}
+	err := p.pool.QueryRow(ctx, `
+SELECT a.balance, coalesce(k.name, ''), coalesce(k.project_id, ''), c.*
+FROM accounts a
+LEFT JOIN api_keys k ON k.id = $2 AND k.org_id = a.org_id
+CROSS JOIN LATERAL (
+	SELECT coalesce(sum(-delta), 0), coalesce(sum(-delta) FILTER (WHERE key_id = $2), 0)`+sums.String()+`
+	FROM ledger_entries WHERE org_id = $1 AND kind = 'charge'
+) c
+WHERE a.org_id = $1`, args...).Scan(dst...)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Spend{}, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	return s, wrapPg("spend", err)
 }
