@@ -38,7 +38,7 @@ func normalizeEvent(ev UsageEvent) (UsageEvent, error) {
 		return ev, fmt.Errorf("%w: event %s has no model", ErrInvalidUsage, ev.ID)
 	}
 	u := ev.Usage
-	if u.Prompt < 0 || u.Cached < 0 || u.Completion < 0 || u.Reasoning < 0 || u.CacheWrite < 0 {
+	if u.Prompt < 0 || u.Cached < 0 || u.Completion < 0 || u.Reasoning < 0 || u.CacheWrite < 0 || u.CacheWrite1h < 0 {
 		return ev, fmt.Errorf("%w: event %s: negative token count", ErrInvalidUsage, ev.ID)
 	}
 	if ev.Cost < 0 || ev.Cost > balance.MaxAmount || ev.HoldAmount < 0 || ev.HoldAmount > balance.MaxAmount {
@@ -61,7 +61,7 @@ func validateModel(m Model) error {
 	if m.Name == "" {
 		return fmt.Errorf("%w: empty model name", ErrInvalidAmount)
 	}
-	for _, v := range []int64{m.Input, m.CachedInput, m.Output, m.CacheWriteInput, m.MaxCost, m.DefaultHold} {
+	for _, v := range []int64{m.Input, m.CachedInput, m.Output, m.CacheWriteInput, m.CacheWrite1hInput, m.MaxCost, m.DefaultHold} {
 		if v < 0 || v > balance.MaxAmount {
 			return fmt.Errorf("%w: model %q: price or amount %d outside [0, %d]", ErrInvalidAmount, m.Name, v, balance.MaxAmount)
 		}

@@ -45,24 +45,33 @@ var (
 	ErrConfig = errors.New("accounting: invalid config")
 )
 
-// Model is a priced model.
+// Model is a priced model. The highest price any input token of a request to it could be billed
+// at is its Prices' MaxInput (MaxInputFor(false) when the request cannot write the cache).
 type Model struct {
 	Name            string `json:"model"`
-	Prices                 // micro-units per 1M tokens
+	Prices                 // micro-units per 1M tokens; 0 cache prices default (Prices.WithDefaults)
 	MaxInputTokens  int64  `json:"max_input_tokens"`  // context window; 0 = unknown
 	MaxOutputTokens int64  `json:"max_output_tokens"` // 0 = unknown
 	MaxCost         int64  `json:"max_cost"`          // learned max cost of one request (micro-units)
 	DefaultHold     int64  `json:"default_hold"`      // hold when nothing better is known; > 0
 }
 
-// CostBound is the most one request can cost: MaxInputTokens × input price + MaxOutputTokens ×
-// output price. ok is false when either token limit is unknown.
+// CostBound is the most one request can cost: MaxInputTokens × the highest input price
+// (Prices.MaxInput) + MaxOutputTokens × output price. ok is false when either token limit is
+// unknown.
 func (m Model) CostBound() (bound int64, ok bool, err error) {
 	if m.MaxInputTokens <= 0 || m.MaxOutputTokens <= 0 {
 		return 0, false, nil
 	}
 	b, err := m.Bound(m.MaxInputTokens, m.MaxOutputTokens)
 	return b, err == nil, err
+}
+
+// Effective is the model with its prices' defaults filled in (Prices.WithDefaults): what the
+// admin API shows, and what requests are priced with.
+func (m Model) Effective() Model {
+	m.Prices = m.Prices.WithDefaults()
+	return m
 }
 
 // UsageEvent is what one served request consumed. Its ID is the request's hold id (a UUIDv7

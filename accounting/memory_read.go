@@ -366,3 +366,37 @@ func (r *UsageRow) add(cost int64, u Usage) {
 	r.Completion += u.Completion
 	r.Reasoning += u.Reasoning
 }
+
+// Spend sums the org's charges, and its key's, under the lock.
+func (m *Memory) Spend(ctx context.Context, org, keyID string, since []time.Time) (Spend, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return Spend{}, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	a := m.accounts[org]
+	if a == nil {
+		return Spend{}, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	s := Spend{Balance: a.balance, Key: KeySpend{ID: keyID, Since: make([]int64, len(since))}}
+	if k := m.keys[keyID]; keyID != "" && k != nil && k.key.Org == org {
+		s.Key.Name, s.Key.Project = m.console.keyNames[keyID], k.project
+	}
+	for _, e := range a.entries {
+		if e.Kind != KindCharge {
+			continue
+		}
+		s.Charged -= e.Delta
+		at, ok := a.attr[e.Seq]
+		if keyID == "" || !ok || at.key != keyID {
+			continue
+		}
+		s.Key.Charged -= e.Delta
+		for i, t := range since {
+			if !at.at.Before(t) {
+				s.Key.Since[i] -= e.Delta
+			}
+		}
+	}
+	return s, nil
+}

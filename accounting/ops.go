@@ -130,9 +130,13 @@ func (o *Ops) PutModel(ctx context.Context, m Model) error {
 	return nil
 }
 
-// Models lists every model.
+// Models lists every model, each with its prices' defaults filled in (Model.Effective).
 func (o *Ops) Models(ctx context.Context) ([]Model, error) {
-	return o.ledger.Models(ctx)
+	ms, err := o.ledger.Models(ctx)
+	for i := range ms {
+		ms[i] = ms[i].Effective()
+	}
+	return ms, err
 }
 
 // SyncEpoch reads the ledger's epoch and hands it to the store (at start: a ledger that does

@@ -25,9 +25,11 @@ type ImportReport struct {
 }
 
 // ImportPrices applies a parsed price table to the ledger: each row's prices (input, cached
-// input, output, and the cache-write price when the table gives one) and the token limits it
-// gives replace the model's; a new model is created
-// with them. Everything else of an existing model stays: its default hold and its learned max
+// input, output, and the cache-write prices when the table gives them) and the token limits it
+// gives replace the model's; a new model is created with them (a cache-write price the table
+// does not give is then 0: its default, Prices.WithDefaults). A model whose prices and limits
+// would bill the same (Model.Effective) is unchanged. The report shows models with their
+// defaults filled in. Everything else of an existing model stays: its default hold and its learned max
 // cost, in the ledger and in Redis (an import never lowers or resets what requests taught the
 // store; the ledger's copy is raised back to Redis' value should a request have raised it
 // while the import wrote). With dryRun, nothing is written and the report says what would be.
@@ -56,6 +58,9 @@ func (o *Ops) ImportPrices(ctx context.Context, t PriceTable, dryRun bool) (Impo
 			// The table gives no cache-write price: the model keeps its own (0 for a new one).
 			m.CacheWriteInput = old.CacheWriteInput
 		}
+		if row.CacheWrite1h == nil && !isNew {
+			m.CacheWrite1hInput = old.CacheWrite1hInput
+		}
 		if row.MaxInputTokens != nil {
 			m.MaxInputTokens = *row.MaxInputTokens
 		}
@@ -63,13 +68,13 @@ func (o *Ops) ImportPrices(ctx context.Context, t PriceTable, dryRun bool) (Impo
 			m.MaxOutputTokens = *row.MaxOutputTokens
 		}
 		switch {
-		case !isNew && m == old:
+		case !isNew && m.Effective() == old.Effective():
 			r.Unchanged = append(r.Unchanged, row.Model)
 			continue
 		case isNew:
-			r.New = append(r.New, m)
+			r.New = append(r.New, m.Effective())
 		default:
-			r.Changed = append(r.Changed, PriceChange{Old: old, New: m})
+			r.Changed = append(r.Changed, PriceChange{Old: old.Effective(), New: m.Effective()})
 		}
 		if dryRun {
 			continue

@@ -134,22 +134,26 @@ func (o *Ops) Request(ctx context.Context, id string) (RequestInfo, error) {
 	return o.ledger.Request(ctx, id)
 }
 
-// Model returns one model.
+// Model returns one model, its prices' defaults filled in (Model.Effective): the prices its
+// requests are billed at.
 func (o *Ops) Model(ctx context.Context, name string) (Model, error) {
-	return o.ledger.Model(ctx, name)
+	m, err := o.ledger.Model(ctx, name)
+	return m.Effective(), err
 }
 
 // ModelPatch changes some fields of a model; nil fields keep their value. Prices are in
 // micro-units per 1,000,000 tokens.
 type ModelPatch struct {
 	Input, CachedInput, Output      *int64
-	CacheWriteInput                 *int64 // Anthropic's prompt-cache writes
+	CacheWriteInput                 *int64 // Anthropic's prompt-cache writes (5-minute cache)
+	CacheWrite1hInput               *int64 // Anthropic's 1-hour prompt-cache writes
 	MaxInputTokens, MaxOutputTokens *int64
 	MaxCost, DefaultHold            *int64
 }
 
 // PatchModel applies p to the model (creating it from zero values when it does not exist) and
-// saves it like PutModel. It returns the model as saved.
+// saves it like PutModel. A price never given stays 0 and so keeps following the input price
+// (Prices.WithDefaults). It returns the model as saved, its defaults filled in (Model.Effective).
 func (o *Ops) PatchModel(ctx context.Context, name string, p ModelPatch) (Model, error) {
 	m, err := o.ledger.Model(ctx, name)
 	if errors.Is(err, ErrUnknownModel) {
@@ -163,6 +167,7 @@ func (o *Ops) PatchModel(ctx context.Context, name string, p ModelPatch) (Model,
 		src *int64
 	}{
 		{&m.Input, p.Input}, {&m.CachedInput, p.CachedInput}, {&m.Output, p.Output}, {&m.CacheWriteInput, p.CacheWriteInput},
+		{&m.CacheWrite1hInput, p.CacheWrite1hInput},
 		{&m.MaxInputTokens, p.MaxInputTokens}, {&m.MaxOutputTokens, p.MaxOutputTokens},
 		{&m.MaxCost, p.MaxCost}, {&m.DefaultHold, p.DefaultHold},
 	} {
@@ -170,7 +175,7 @@ func (o *Ops) PatchModel(ctx context.Context, name string, p ModelPatch) (Model,
 			*f.dst = *f.src
 		}
 	}
-	return m, o.PutModel(ctx, m)
+	return m.Effective(), o.PutModel(ctx, m)
 }
 
 // DeleteModel deletes a model no request has used (ErrModelInUse) and forgets its learned max

@@ -1070,11 +1070,13 @@ func (p *Postgres) RecordUsageQuiet(ctx context.Context, events []UsageEvent) er
 const (
 	sqlRecordUsage = `
 INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
-	completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens, choices)
-SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt, ch
+	completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens, choices,
+	cache_write_1h_tokens)
+SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt, ch, cw1h
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
-	$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[], $17::bigint[])
-	AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt, ch)
+	$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[], $17::bigint[],
+	$18::bigint[])
+	AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt, ch, cw1h)
 ON CONFLICT (id) DO NOTHING`
 	sqlRecordNotify = `WITH ins AS (` + sqlRecordUsage + `
 RETURNING org_id
@@ -1091,7 +1093,7 @@ func (p *Postgres) recordUsage(ctx context.Context, events []UsageEvent, sql str
 	var (
 		ids, orgs, models, keys, endpoints = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 		prompt, cached, completion         = make([]int64, n), make([]int64, n), make([]int64, n)
-		cacheWrite                         = make([]int64, n)
+		cacheWrite, cacheWrite1h           = make([]int64, n), make([]int64, n)
 		reasoning, costs, holds            = make([]int64, n), make([]int64, n), make([]int64, n)
 		estimated                          = make([]bool, n)
 		created                            = make([]time.Time, n)
@@ -1106,14 +1108,14 @@ func (p *Postgres) recordUsage(ctx context.Context, events []UsageEvent, sql str
 		}
 		ids[i], orgs[i], models[i], keys[i], endpoints[i] = ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint
 		prompt[i], cached[i], completion[i], reasoning[i] = ev.Usage.Prompt, ev.Usage.Cached, ev.Usage.Completion, ev.Usage.Reasoning
-		cacheWrite[i] = ev.Usage.CacheWrite
+		cacheWrite[i], cacheWrite1h[i] = ev.Usage.CacheWrite, ev.Usage.CacheWrite1h
 		costs[i], holds[i], estimated[i], created[i] = ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt
 		projects[i], choices[i] = ev.Project, max(ev.Choices, 1)
 		if !ev.ReservedAt.IsZero() {
 			reserved[i] = &ev.ReservedAt
 		}
 	}
-	_, err := p.pool.Exec(ctx, sql, ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite, choices)
+	_, err := p.pool.Exec(ctx, sql, ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite, choices, cacheWrite1h)
 	if err != nil && notSent(err) {
 		return fmt.Errorf("%w: %w", ErrNotRecorded, wrapPg("record usage", err))
 	}
@@ -1140,12 +1142,12 @@ func (p *Postgres) VoidUsage(ctx context.Context, ev UsageEvent) error {
 	err = p.pool.QueryRow(ctx, `
 WITH ins AS (
 	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
-		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, status, created_at, cache_write_tokens)
-	VALUES ($1::uuid, $2, $3, NULLIF($4, ''), NULLIF($5, ''), $6, $7, $8, $9, $10, $11, $12, 'voided', $13, $14)
+		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, status, created_at, cache_write_tokens, cache_write_1h_tokens)
+	VALUES ($1::uuid, $2, $3, NULLIF($4, ''), NULLIF($5, ''), $6, $7, $8, $9, $10, $11, $12, 'voided', $13, $14, $15)
 	ON CONFLICT (id) DO NOTHING RETURNING 1
 )
 SELECT EXISTS (SELECT 1 FROM ins)`, ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint, ev.Usage.Prompt, ev.Usage.Cached,
-		ev.Usage.Completion, ev.Usage.Reasoning, ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt, ev.Usage.CacheWrite).Scan(&inserted)
+		ev.Usage.Completion, ev.Usage.Reasoning, ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt, ev.Usage.CacheWrite, ev.Usage.CacheWrite1h).Scan(&inserted)
 	if err != nil {
 		return wrapPg("void usage", err)
 	}
@@ -1345,22 +1347,24 @@ func (p *Postgres) PutModel(ctx context.Context, m Model) error {
 	}
 	_, err := p.pool.Exec(ctx, `
 INSERT INTO models (model, input_price, cached_input_price, output_price, max_input_tokens,
-	max_output_tokens, max_cost, default_hold, cache_write_input_price)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+	max_output_tokens, max_cost, default_hold, cache_write_input_price, cache_write_1h_input_price)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
 ON CONFLICT (model) DO UPDATE SET input_price = EXCLUDED.input_price,
 	cached_input_price = EXCLUDED.cached_input_price, output_price = EXCLUDED.output_price,
-	cache_write_input_price = EXCLUDED.cache_write_input_price,
+	cache_write_input_price = EXCLUDED.cache_write_input_price, cache_write_1h_input_price = EXCLUDED.cache_write_1h_input_price,
 	max_input_tokens = EXCLUDED.max_input_tokens, max_output_tokens = EXCLUDED.max_output_tokens,
 	max_cost = EXCLUDED.max_cost, default_hold = EXCLUDED.default_hold, updated_at = now()`,
-		m.Name, m.Input, m.CachedInput, m.Output, m.MaxInputTokens, m.MaxOutputTokens, m.MaxCost, m.DefaultHold, m.CacheWriteInput)
+		m.Name, m.Input, m.CachedInput, m.Output, m.MaxInputTokens, m.MaxOutputTokens, m.MaxCost, m.DefaultHold, m.CacheWriteInput,
+		m.CacheWrite1hInput)
 	return wrapPg("put model", err)
 }
 
-const sqlModelColumns = `model, input_price, cached_input_price, output_price, max_input_tokens, max_output_tokens, max_cost, default_hold, cache_write_input_price`
+const sqlModelColumns = `model, input_price, cached_input_price, output_price, max_input_tokens, max_output_tokens, max_cost, default_hold, cache_write_input_price,
+	cache_write_1h_input_price`
 
 func scanModel(r pgx.CollectableRow) (Model, error) {
 	var m Model
-	err := r.Scan(&m.Name, &m.Input, &m.CachedInput, &m.Output, &m.MaxInputTokens, &m.MaxOutputTokens, &m.MaxCost, &m.DefaultHold, &m.CacheWriteInput)
+	err := r.Scan(&m.Name, &m.Input, &m.CachedInput, &m.Output, &m.MaxInputTokens, &m.MaxOutputTokens, &m.MaxCost, &m.DefaultHold, &m.CacheWriteInput, &m.CacheWrite1hInput)
 	return m, err
 }
 

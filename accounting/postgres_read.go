@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -161,10 +162,10 @@ func (p *Postgres) ListEntries(ctx context.Context, org string, q EntryQuery) (P
 		for rows.Next() {
 			var e EntryInfo
 			var hold, ref, evID, key, model *string
-			var pt, ct, cpt, rt, cwt, cost, holdAmt *int64
+			var pt, ct, cpt, rt, cwt, cw1h, cost, holdAmt *int64
 			var est *bool
 			if err := rows.Scan(&e.Org, &e.Seq, &e.Delta, &e.Kind, &hold, &ref, &e.CreatedAt,
-				&evID, &key, &model, &pt, &ct, &cpt, &rt, &cost, &holdAmt, &est, &cwt); err != nil {
+				&evID, &key, &model, &pt, &ct, &cpt, &rt, &cost, &holdAmt, &est, &cwt, &cw1h); err != nil {
 				return err
 			}
 			e.CreatedAt = e.CreatedAt.UTC()
@@ -172,7 +173,7 @@ func (p *Postgres) ListEntries(ctx context.Context, org string, q EntryQuery) (P
 			if evID != nil {
 				e.Request = &EntryRequest{
 					ID: *evID, KeyID: deref(key), Model: deref(model),
-					Usage: Usage{Prompt: *pt, Cached: *ct, Completion: *cpt, Reasoning: *rt, CacheWrite: *cwt},
+					Usage: Usage{Prompt: *pt, Cached: *ct, Completion: *cpt, Reasoning: *rt, CacheWrite: *cwt, CacheWrite1h: *cw1h},
 					Cost:  *cost, HoldAmount: *holdAmt, Estimated: *est,
 				}
 			}
@@ -192,7 +193,7 @@ func (p *Postgres) ListEntries(ctx context.Context, org string, q EntryQuery) (P
 const sqlListEntries = `
 SELECT e.org_id, e.seq, e.delta, e.kind, e.hold_id::text, e.ref, e.created_at,
        u.id::text, u.key_id, u.model, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
-       u.reasoning_tokens, u.cost, u.hold_amount, u.estimated, u.cache_write_tokens
+       u.reasoning_tokens, u.cost, u.hold_amount, u.estimated, u.cache_write_tokens, u.cache_write_1h_tokens
 FROM ledger_entries e
 LEFT JOIN usage_events u ON e.kind = 'charge' AND u.id = e.hold_id
 WHERE e.org_id = $1::text AND e.seq < $2::bigint
@@ -307,10 +308,11 @@ func (p *Postgres) Request(ctx context.Context, id string) (RequestInfo, error) 
 	var reserved *time.Time
 	err = p.pool.QueryRow(ctx, `
 SELECT id::text, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens,
-       reasoning_tokens, cost, hold_amount, estimated, status, seq, created_at, project, reserved_at, cache_write_tokens
+       reasoning_tokens, cost, hold_amount, estimated, status, seq, created_at, project, reserved_at, cache_write_tokens,
+       cache_write_1h_tokens
 FROM usage_events WHERE id = $1`, u).Scan(&r.ID, &r.Org, &key, &r.Model, &endpoint,
 		&r.Usage.Prompt, &r.Usage.Cached, &r.Usage.Completion, &r.Usage.Reasoning, &r.Cost, &r.HoldAmount,
-		&r.Estimated, &r.Status, &seq, &r.CreatedAt, &project, &reserved, &r.Usage.CacheWrite)
+		&r.Estimated, &r.Status, &seq, &r.CreatedAt, &project, &reserved, &r.Usage.CacheWrite, &r.Usage.CacheWrite1h)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return RequestInfo{}, fmt.Errorf("%w: %q", ErrUnknownRequest, id)
 	}
@@ -404,4 +406,42 @@ func orgExists(ctx context.Context, tx pgx.Tx, org string) error {
 		return fmt.Errorf("%w: %q", ErrUnknownOrg, org)
 	}
 	return nil
+}
+
+// maxSpendSince bounds the instants one Spend call sums from.
+const maxSpendSince = 16
+
+// Spend reads the account, the key and the sums of the org's charges in one statement (one
+// snapshot): an index-only scan of the org's charges (ledger_entries_org_reserved).
+func (p *Postgres) Spend(ctx context.Context, org, keyID string, since []time.Time) (Spend, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return Spend{}, err
+	}
+	if len(since) > maxSpendSince {
+		return Spend{}, fmt.Errorf("%w: at most %d instants", ErrInvalidQuery, maxSpendSince)
+	}
+	var sums strings.Builder
+	args := []any{org, keyID}
+	for _, t := range since {
+		args = append(args, t)
+		fmt.Fprintf(&sums, `, coalesce(sum(-delta) FILTER (WHERE key_id = $2 AND coalesce(reserved_at, created_at) >= $%d), 0)`, len(args))
+	}
+	s := Spend{Key: KeySpend{ID: keyID, Since: make([]int64, len(since))}}
+	dst := []any{&s.Balance, &s.Key.Name, &s.Key.Project, &s.Charged, &s.Key.Charged}
+	for i := range s.Key.Since {
+		dst = append(dst, &s.Key.Since[i])
+	}
+	err := p.pool.QueryRow(ctx, `
+SELECT a.balance, coalesce(k.name, ''), coalesce(k.project_id, ''), c.*
+FROM accounts a
+LEFT JOIN api_keys k ON k.id = $2 AND k.org_id = a.org_id
+CROSS JOIN LATERAL (
+	SELECT coalesce(sum(-delta), 0), coalesce(sum(-delta) FILTER (WHERE key_id = $2), 0)`+sums.String()+`
+	FROM ledger_entries WHERE org_id = $1 AND kind = 'charge'
+) c
+WHERE a.org_id = $1`, args...).Scan(dst...)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Spend{}, fmt.Errorf("%w: %q", ErrUnknownOrg, org)
+	}
+	return s, wrapPg("spend", err)
 }

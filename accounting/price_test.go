@@ -181,3 +181,84 @@ func TestBoundUsesHighestInputPrice(t *testing.T) {
 		t.Fatalf("CostBound = %d %v %v", cb, ok, err)
 	}
 }
+
+// TestCostMissingPricesDefault: a model priced with only its input and output prices bills
+// cached tokens and cache writes at the input price and 1-hour cache writes at
+// CacheWrite1hMultiplier × the input price — never at 0 — and the bound covers them.
+func TestCostMissingPricesDefault(t *testing.T) {
+	t.Parallel()
+	p := Prices{Input: 3_000_000, Output: 15_000_000}
+	cases := []struct {
+		name string
+		u    Usage
+		want int64
+	}{
+		{"cached at the input price", Usage{Prompt: 1000, Cached: 900}, 3000},
+		{"5-minute writes at the input price", Usage{Prompt: 1000, CacheWrite: 1000}, 3000},
+		{"1-hour writes at 2× the input price", Usage{Prompt: 1000, CacheWrite: 1000, CacheWrite1h: 1000}, 6000},
+		// 100·3 + 400·3 (5m) + 300·6 (1h) + 200·3 (read) + 10·15 = 300+1200+1800+600+150
+		{"a mix", Usage{Prompt: 1000, CacheWrite: 700, CacheWrite1h: 300, Cached: 200, Completion: 10}, 4050},
+		// CacheWrite1h above CacheWrite counts as written (never under-charged).
+		{"1-hour writes above the writes", Usage{Prompt: 1000, CacheWrite: 100, CacheWrite1h: 400}, 600*3 + 400*6},
+		{"1-hour writes above the prompt", Usage{Prompt: 10, CacheWrite1h: 40}, 60},
+	}
+	for _, c := range cases {
+		if got, err := p.Cost(c.u); err != nil || got != c.want {
+			t.Errorf("%s: Cost(%+v) = %d, %v; want %d", c.name, c.u, got, err, c.want)
+		}
+	}
+	if d := p.WithDefaults(); d != (Prices{Input: 3_000_000, CachedInput: 3_000_000, Output: 15_000_000, CacheWriteInput: 3_000_000, CacheWrite1hInput: 6_000_000}) {
+		t.Errorf("WithDefaults = %+v", d)
+	}
+	// Given prices are kept; a free model stays free.
+	given := Prices{Input: 3, CachedInput: 1, Output: 4, CacheWriteInput: 5, CacheWrite1hInput: 7}
+	if given.WithDefaults() != given || (Prices{Output: 4}).WithDefaults() != (Prices{Output: 4}) {
+		t.Errorf("WithDefaults changed given prices: %+v", given.WithDefaults())
+	}
+	if m := p.MaxInput(); m != 6_000_000 {
+		t.Errorf("MaxInput = %d, want the 1-hour default 6,000,000", m)
+	}
+	if m := p.MaxInputFor(false); m != 3_000_000 {
+		t.Errorf("MaxInputFor(false) = %d, want 3,000,000", m)
+	}
+	if m := (Prices{Input: 1, CachedInput: 9, CacheWriteInput: 20, CacheWrite1hInput: 30}).MaxInputFor(false); m != 9 {
+		t.Errorf("MaxInputFor(false) = %d, want the cached price 9", m)
+	}
+	if _, err := p.Cost(Usage{Prompt: 1, CacheWrite1h: -1}); !errors.Is(err, ErrInvalidUsage) {
+		t.Errorf("negative 1-hour writes: want ErrInvalidUsage, got %v", err)
+	}
+	if _, err := (Prices{CacheWrite1hInput: -1}).Cost(Usage{}); !errors.Is(err, ErrInvalidUsage) {
+		t.Errorf("negative 1-hour price: want ErrInvalidUsage, got %v", err)
+	}
+	if d := (Prices{Input: math.MaxInt64}).WithDefaults(); d.CacheWrite1hInput != math.MaxInt64 {
+		t.Errorf("1-hour default of a huge input price: %d", d.CacheWrite1hInput)
+	}
+}
+
+// TestCost1hMatchesBigInt checks 5-minute and 1-hour cache writes against math/big, and that no
+// mix of token classes costs more than the bound.
+func TestCost1hMatchesBigInt(t *testing.T) {
+	t.Parallel()
+	r := rand.New(rand.NewPCG(5, 6))
+	for i := 0; i < 20000; i++ {
+		p := Prices{Input: 1 + r.Int64N(1<<30), CachedInput: 1 + r.Int64N(1<<30), Output: r.Int64N(1 << 30),
+			CacheWriteInput: 1 + r.Int64N(1<<30), CacheWrite1hInput: 1 + r.Int64N(1<<30)}
+		in, w5, w1, read, out := r.Int64N(1<<28), r.Int64N(1<<28), r.Int64N(1<<28), r.Int64N(1<<28), r.Int64N(1<<28)
+		u := Usage{Prompt: in + w5 + w1 + read, Cached: read, CacheWrite: w5 + w1, CacheWrite1h: w1, Completion: out}
+		num := new(big.Int)
+		for _, x := range [][2]int64{{in, p.Input}, {read, p.CachedInput}, {w5, p.CacheWriteInput}, {w1, p.CacheWrite1hInput}, {out, p.Output}} {
+			num.Add(num, new(big.Int).Mul(big.NewInt(x[0]), big.NewInt(x[1])))
+		}
+		q, m := new(big.Int).QuoRem(num, big.NewInt(TokensPerPriceUnit), new(big.Int))
+		if m.Sign() > 0 {
+			q.Add(q, big.NewInt(1))
+		}
+		got, err := p.Cost(u)
+		if err != nil || got != q.Int64() {
+			t.Fatalf("%+v %+v: got %d %v, want %s", p, u, got, err, q)
+		}
+		if b, err := p.Bound(u.Prompt, u.Completion); err != nil || b < got {
+			t.Fatalf("%+v %+v: bound %d %v below the cost %d", p, u, b, err, got)
+		}
+	}
+}

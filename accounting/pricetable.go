@@ -22,9 +22,11 @@ var ErrInvalidPriceTable = errors.New("accounting: invalid price table")
 type PriceRow struct {
 	Model  string `json:"model"`
 	Prices        // CachedInput is Input when the table gives no cache-read price
-	// CacheWrite is the cache-write price (Prices.CacheWriteInput) when the table gives one;
-	// nil: the import keeps the model's current cache-write price (0 for a new model).
+	// CacheWrite is the cache-write price (Prices.CacheWriteInput) when the table gives one,
+	// CacheWrite1h the 1-hour one (Prices.CacheWrite1hInput); nil: the import keeps the
+	// model's current price (0 for a new model: its default, Prices.WithDefaults).
 	CacheWrite      *int64   `json:"cache_write_input_price,omitempty"`
+	CacheWrite1h    *int64   `json:"cache_write_1h_input_price,omitempty"`
 	MaxInputTokens  *int64   `json:"max_input_tokens,omitempty"`
 	MaxOutputTokens *int64   `json:"max_output_tokens,omitempty"`
 	Provider        string   `json:"provider,omitempty"`
@@ -57,7 +59,8 @@ var importModes = []string{"chat", "completion", "responses", "embedding"}
 //
 // LiteLLM's prices are currency units per token (input_cost_per_token,
 // output_cost_per_token, cache_read_input_token_cost, cache_creation_input_token_cost: the
-// cache-write price, Prices.CacheWriteInput), read
+// cache-write price, Prices.CacheWriteInput; cache_creation_input_token_cost_above_1hr: the
+// 1-hour one, Prices.CacheWrite1hInput), read
 // exactly from their decimal text (1.5e-07 per token is 150,000 micro-units per 1M tokens,
 // assuming the table's currency, USD, is the deployment's: 1 USD = 1,000,000 micro-units) and
 // rounded up when not whole, so an import never under-charges. Entries whose mode is not chat,
@@ -156,11 +159,16 @@ func liteLLMRow(name string, raw json.RawMessage, providers []string) (PriceRow,
 	if _, why = price("cached_input_price", "cache_read_input_token_cost", &row.CachedInput); why != "" {
 		return row, why
 	}
-	var cw int64
+	var cw, cw1h int64
 	if given, why = price("cache_write_input_price", "cache_creation_input_token_cost", &cw); why != "" {
 		return row, why
 	} else if given {
 		row.CacheWriteInput, row.CacheWrite = cw, &cw
+	}
+	if given, why = price("cache_write_1h_input_price", "cache_creation_input_token_cost_above_1hr", &cw1h); why != "" {
+		return row, why
+	} else if given {
+		row.CacheWrite1hInput, row.CacheWrite1h = cw1h, &cw1h
 	}
 	for _, f := range []struct {
 		key string
@@ -180,11 +188,12 @@ func liteLLMRow(name string, raw json.RawMessage, providers []string) (PriceRow,
 }
 
 // CSVHeader is the header of a CSV price table.
-const CSVHeader = "model,input_per_1m,output_per_1m,cached_input_per_1m,max_input_tokens,max_output_tokens,cache_write_input_per_1m"
+const CSVHeader = "model,input_per_1m,output_per_1m,cached_input_per_1m,max_input_tokens,max_output_tokens,cache_write_input_per_1m,cache_write_1h_input_per_1m"
 
 // ParsePriceCSV reads a CSV price table: model, input_per_1m, output_per_1m and optionally
 // cached_input_per_1m, max_input_tokens, max_output_tokens, cache_write_input_per_1m (Anthropic's
-// prompt-cache writes; empty: the model's current one is kept), prices in currency units per 1M
+// prompt-cache writes; empty: the model's current one is kept), cache_write_1h_input_per_1m (its
+// 1-hour cache writes; the same), prices in currency units per 1M
 // tokens as decimals ("0.15" is 150,000 micro-units), rounded up to whole micro-units like
 // LiteLLM's. A first row starting with "model" is the header; blank cells are "not given" (an
 // empty cached price is the input price); lines starting with # are comments. A row that
@@ -234,8 +243,8 @@ func csvRow(rec []string) (PriceRow, string) {
 	switch {
 	case row.Model == "" || len(row.Model) > 200:
 		return row, "model name empty or longer than 200 bytes"
-	case len(rec) < 3 || len(rec) > 7:
-		return row, "want 3 to 7 columns: " + CSVHeader
+	case len(rec) < 3 || len(rec) > 8:
+		return row, "want 3 to 8 columns: " + CSVHeader
 	}
 	price := func(field string, i int, dst *int64) (bool, string) {
 		if cell(i) == "" {
@@ -268,11 +277,16 @@ func csvRow(rec []string) (PriceRow, string) {
 	if _, why := price("cached_input_price", 3, &row.CachedInput); why != "" {
 		return row, why
 	}
-	var cw int64
+	var cw, cw1h int64
 	if given, why := price("cache_write_input_price", 6, &cw); why != "" {
 		return row, why
 	} else if given {
 		row.CacheWriteInput, row.CacheWrite = cw, &cw
+	}
+	if given, why := price("cache_write_1h_input_price", 7, &cw1h); why != "" {
+		return row, why
+	} else if given {
+		row.CacheWrite1hInput, row.CacheWrite1h = cw1h, &cw1h
 	}
 	for _, f := range []struct {
 		name string

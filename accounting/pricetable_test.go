@@ -42,8 +42,10 @@ func TestParseLiteLLM(t *testing.T) {
 		// cache_read_input_token_cost 5.46875e-07, input 2.1875e-06, output 1.75e-05.
 		"amazon.nova-2-pro-preview-20251202-v1:0": {Prices: accounting.Prices{Input: 2_187_500, CachedInput: 546_875, Output: 17_500_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
 		"jp.amazon.nova-2-lite-v1:0":              {Prices: accounting.Prices{Input: 330_000, CachedInput: 82_500, Output: 2_750_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
-		// cache_creation_input_token_cost 6.875e-06: the cache-write price, 6,875,000.
-		"eu.anthropic.claude-opus-4-6-v1": {Prices: accounting.Prices{Input: 5_500_000, CachedInput: 550_000, Output: 27_500_000, CacheWriteInput: 6_875_000}, CacheWrite: i64p(6_875_000), MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(128_000)},
+		// cache_creation_input_token_cost 6.875e-06: the cache-write price, 6,875,000;
+		// cache_creation_input_token_cost_above_1hr 1.1e-05: the 1-hour one.
+		"eu.anthropic.claude-opus-4-6-v1": {Prices: accounting.Prices{Input: 5_500_000, CachedInput: 550_000, Output: 27_500_000, CacheWriteInput: 6_875_000, CacheWrite1hInput: 11_000_000},
+			CacheWrite: i64p(6_875_000), CacheWrite1h: i64p(11_000_000), MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(128_000)},
 		"anthropic.claude-mythos-preview": {MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(128_000)},
 	} {
 		got, ok := rows[name]
@@ -51,7 +53,7 @@ func TestParseLiteLLM(t *testing.T) {
 			t.Errorf("%s: not imported", name)
 			continue
 		}
-		if got.Prices != want.Prices || !eqp(got.CacheWrite, want.CacheWrite) || !eqp(got.MaxInputTokens, want.MaxInputTokens) ||
+		if got.Prices != want.Prices || !eqp(got.CacheWrite, want.CacheWrite) || !eqp(got.CacheWrite1h, want.CacheWrite1h) || !eqp(got.MaxInputTokens, want.MaxInputTokens) ||
 			!eqp(got.MaxOutputTokens, want.MaxOutputTokens) || got.Mode != "chat" || len(got.RoundedUp) != 0 {
 			t.Errorf("%s: %+v, want %+v", name, got, want)
 		}
@@ -200,7 +202,8 @@ func TestImportPrices(t *testing.T) {
 	wantNew := old
 	wantNew.Prices = accounting.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000}
 	wantNew.MaxOutputTokens = 16384
-	if ch.Old != old || ch.New != wantNew {
+	// The report shows the prices each model is billed at: its defaults filled in.
+	if ch.Old != old.Effective() || ch.New != wantNew.Effective() {
 		t.Fatalf("change %+v, want %+v → %+v", ch, old, wantNew)
 	}
 	if m, _ := ledger.Model(ctx, "gpt-4o-mini"); m != old {
@@ -280,5 +283,59 @@ func TestImportCacheWrite(t *testing.T) {
 	r, err = ops.ImportPrices(ctx, csv, true)
 	if err != nil || len(r.Changed) != 1 || r.Changed[0].Old.CacheWriteInput != 1_250_000 || r.Changed[0].New.CacheWriteInput != 1_500_000 {
 		t.Fatalf("CSV with a cache-write price: %+v %v", r, err)
+	}
+}
+
+// TestImportCacheWrite1h: a table's 1-hour cache-write price (LiteLLM's
+// cache_creation_input_token_cost_above_1hr, the CSV's eighth column) is stored as
+// Prices.CacheWrite1hInput; a table without one keeps the model's (0 for a new model: billed at
+// 2× the input price), and a model whose table prices bill the same is unchanged.
+func TestImportCacheWrite1h(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := testutil.Redis(t)
+	ledger := accounting.NewMemory()
+	store, err := balance.New(ctx, env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ops := accounting.NewOps(newWorker(t, ledger, store, nil))
+	tab, err := accounting.ParsePriceTable([]byte(`{"claude-x":{"mode":"chat","input_cost_per_token":1e-06,"output_cost_per_token":5e-06,
+		"cache_read_input_token_cost":1e-07,"cache_creation_input_token_cost":1.25e-06,"cache_creation_input_token_cost_above_1hr":2.000001e-06},
+		"plain":{"mode":"chat","input_cost_per_token":2e-06,"output_cost_per_token":8e-06}}`), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ops.ImportPrices(ctx, tab, false); err != nil {
+		t.Fatal(err)
+	}
+	m, err := ledger.Model(ctx, "claude-x")
+	if err != nil || m.CacheWrite1hInput != 2_000_001 {
+		t.Fatalf("imported: %+v %v", m, err)
+	}
+	p, err := ledger.Model(ctx, "plain")
+	if err != nil || p.Prices != (accounting.Prices{Input: 2_000_000, CachedInput: 2_000_000, Output: 8_000_000}) ||
+		p.WithDefaults().CacheWrite1hInput != 4_000_000 || p.WithDefaults().CacheWriteInput != 2_000_000 {
+		t.Fatalf("imported without cache-write prices: %+v %v", p, err)
+	}
+	csv, err := accounting.ParsePriceTable([]byte(accounting.CSVHeader+"\nclaude-x,1,5,0.1,,,1.25\nplain,2,8,,,,,4\n"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// claude-x keeps its 1-hour price (column empty); plain's 4 is its default already.
+	r, err := ops.ImportPrices(ctx, csv, true)
+	if err != nil || len(r.Unchanged) != 2 {
+		t.Fatalf("CSV: %+v %v", r, err)
+	}
+	csv, err = accounting.ParsePriceTable([]byte("claude-x,1,5,0.1,,,1.25,3\n"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err = ops.ImportPrices(ctx, csv, true)
+	if err != nil || len(r.Changed) != 1 || r.Changed[0].Old.CacheWrite1hInput != 2_000_001 || r.Changed[0].New.CacheWrite1hInput != 3_000_000 {
+		t.Fatalf("CSV with a 1-hour price: %+v %v", r, err)
+	}
+	if bad, _ := accounting.ParsePriceTable([]byte("x,1,5,0.1,,,1.25,3,9\n"), nil); len(bad.Skipped) != 1 {
+		t.Fatalf("9 columns: %+v", bad)
 	}
 }

@@ -61,6 +61,12 @@ type Console interface {
 	TopSpenders(ctx context.Context, q TopQuery) ([]UsageRow, error)
 	// Request returns one request's usage by its id (ErrUnknownRequest).
 	Request(ctx context.Context, id string) (RequestInfo, error)
+	// Spend reads, in one snapshot, the org's ledger balance and the sum of its charges, and
+	// the name, project and charges of one of its keys: all of them, and those attributed (by
+	// reserve time, as limits count them) at or after each of since (ErrUnknownOrg; an
+	// unknown key id reads as a key with no name and no charges). It reads every charge of
+	// the org: a customer's view, not a hot path.
+	Spend(ctx context.Context, org, keyID string, since []time.Time) (Spend, error)
 
 	// DeleteModel deletes a model no usage event names (ErrUnknownModel, ErrModelInUse).
 	DeleteModel(ctx context.Context, name string) error
@@ -175,6 +181,25 @@ type UsageRow struct {
 	Cached     int64  `json:"cached_tokens"`
 	Completion int64  `json:"completion_tokens"`
 	Reasoning  int64  `json:"reasoning_tokens"`
+}
+
+// Spend is an org's money as its ledger has it (Console.Spend): Balance is the ledger balance,
+// Charged the sum of its charges (micro-units ≥ 0), so Balance + Charged is every credit and
+// adjustment it got. Key is one of its keys.
+type Spend struct {
+	Balance int64    `json:"ledger_balance"`
+	Charged int64    `json:"charged"`
+	Key     KeySpend `json:"key"`
+}
+
+// KeySpend is one key's charges: all of them, and Since[i] those attributed at or after the
+// i-th instant asked for.
+type KeySpend struct {
+	ID      string  `json:"id"`
+	Name    string  `json:"name"`
+	Project string  `json:"project"` // "" for none
+	Charged int64   `json:"charged"`
+	Since   []int64 `json:"since"`
 }
 
 // Request statuses.

@@ -349,7 +349,7 @@ func (a *API) putModel(c echo.Context) error {
 		return err
 	}
 	m.Name = c.Param("model")
-	if m.Input < 0 || m.CachedInput < 0 || m.Output < 0 || m.CacheWriteInput < 0 || m.MaxCost < 0 || m.DefaultHold < 0 ||
+	if m.Input < 0 || m.CachedInput < 0 || m.Output < 0 || m.CacheWriteInput < 0 || m.CacheWrite1hInput < 0 || m.MaxCost < 0 || m.DefaultHold < 0 ||
 		m.MaxInputTokens < 0 || m.MaxOutputTokens < 0 {
 		return invalid(c, "prices, limits and holds must be ≥ 0")
 	}
@@ -362,7 +362,7 @@ func (a *API) putModel(c echo.Context) error {
 		}
 		return a.fail(c, err)
 	}
-	return writeJSON(c, http.StatusOK, m)
+	return writeJSON(c, http.StatusOK, m.Effective())
 }
 
 func (a *API) models(c echo.Context) error {
@@ -370,9 +370,9 @@ func (a *API) models(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return writeList(c, ms, "", []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold", "cache_write_input_price"},
+	return writeList(c, ms, "", []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold", "cache_write_input_price", "cache_write_1h_input_price"},
 		func(m accounting.Model) []string {
-			return []string{m.Name, i64(m.Input), i64(m.CachedInput), i64(m.Output), i64(m.MaxInputTokens), i64(m.MaxOutputTokens), i64(m.MaxCost), i64(m.DefaultHold), i64(m.CacheWriteInput)}
+			return []string{m.Name, i64(m.Input), i64(m.CachedInput), i64(m.Output), i64(m.MaxInputTokens), i64(m.MaxOutputTokens), i64(m.MaxCost), i64(m.DefaultHold), i64(m.CacheWriteInput), i64(m.CacheWrite1hInput)}
 		})
 }
 

@@ -301,31 +301,36 @@ func (a *API) deleteModel(c echo.Context) error {
 }
 
 // patchModel changes the fields given. Prices come in micro-units per 1M tokens as integers
-// (input_price, cached_input_price, output_price, cache_write_input_price, as PUT takes them) or
-// in currency units per 1M tokens as decimals, strings or numbers (input_per_1m,
-// cached_input_per_1m, output_per_1m, cache_write_input_per_1m:
-// "0.15" is 150000 micro-units), read from their text so no float ever touches a price.
+// (input_price, cached_input_price, output_price, cache_write_input_price,
+// cache_write_1h_input_price, as PUT takes them) or in currency units per 1M tokens as decimals,
+// strings or numbers (input_per_1m, cached_input_per_1m, output_per_1m, cache_write_input_per_1m,
+// cache_write_1h_input_per_1m: "0.15" is 150000 micro-units), read from their text so no float
+// ever touches a price. A cached or cache-write price never given (or given as 0) is billed at
+// its default (accounting.Prices.WithDefaults), which the answer shows.
 func (a *API) patchModel(c echo.Context) error {
 	var req struct {
-		Input            *int64          `json:"input_price"`
-		CachedInput      *int64          `json:"cached_input_price"`
-		Output           *int64          `json:"output_price"`
-		InputPer1M       json.RawMessage `json:"input_per_1m"`
-		CachedInputPer1M json.RawMessage `json:"cached_input_per_1m"`
-		OutputPer1M      json.RawMessage `json:"output_per_1m"`
-		CacheWrite       *int64          `json:"cache_write_input_price"`
-		CacheWritePer1M  json.RawMessage `json:"cache_write_input_per_1m"`
-		MaxInputTokens   *int64          `json:"max_input_tokens"`
-		MaxOutputTokens  *int64          `json:"max_output_tokens"`
-		MaxCost          *int64          `json:"max_cost"`
-		DefaultHold      *int64          `json:"default_hold"`
+		Input             *int64          `json:"input_price"`
+		CachedInput       *int64          `json:"cached_input_price"`
+		Output            *int64          `json:"output_price"`
+		InputPer1M        json.RawMessage `json:"input_per_1m"`
+		CachedInputPer1M  json.RawMessage `json:"cached_input_per_1m"`
+		OutputPer1M       json.RawMessage `json:"output_per_1m"`
+		CacheWrite        *int64          `json:"cache_write_input_price"`
+		CacheWritePer1M   json.RawMessage `json:"cache_write_input_per_1m"`
+		CacheWrite1h      *int64          `json:"cache_write_1h_input_price"`
+		CacheWrite1hPer1M json.RawMessage `json:"cache_write_1h_input_per_1m"`
+		MaxInputTokens    *int64          `json:"max_input_tokens"`
+		MaxOutputTokens   *int64          `json:"max_output_tokens"`
+		MaxCost           *int64          `json:"max_cost"`
+		DefaultHold       *int64          `json:"default_hold"`
 	}
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
 	}
 	p := accounting.ModelPatch{
 		Input: req.Input, CachedInput: req.CachedInput, Output: req.Output, CacheWriteInput: req.CacheWrite,
-		MaxInputTokens: req.MaxInputTokens, MaxOutputTokens: req.MaxOutputTokens, MaxCost: req.MaxCost, DefaultHold: req.DefaultHold,
+		CacheWrite1hInput: req.CacheWrite1h,
+		MaxInputTokens:    req.MaxInputTokens, MaxOutputTokens: req.MaxOutputTokens, MaxCost: req.MaxCost, DefaultHold: req.DefaultHold,
 	}
 	for _, d := range []struct {
 		name string
@@ -337,6 +342,7 @@ func (a *API) patchModel(c echo.Context) error {
 		{"cached_input_per_1m", req.CachedInputPer1M, req.CachedInput, &p.CachedInput},
 		{"output_per_1m", req.OutputPer1M, req.Output, &p.Output},
 		{"cache_write_input_per_1m", req.CacheWritePer1M, req.CacheWrite, &p.CacheWriteInput},
+		{"cache_write_1h_input_per_1m", req.CacheWrite1hPer1M, req.CacheWrite1h, &p.CacheWrite1hInput},
 	} {
 		if d.raw == nil {
 			continue
@@ -351,8 +357,8 @@ func (a *API) patchModel(c echo.Context) error {
 		*d.dst = &v
 	}
 	for name, v := range map[string]*int64{"input_price": p.Input, "cached_input_price": p.CachedInput, "output_price": p.Output,
-		"cache_write_input_price": p.CacheWriteInput,
-		"max_input_tokens":        p.MaxInputTokens, "max_output_tokens": p.MaxOutputTokens, "max_cost": p.MaxCost, "default_hold": p.DefaultHold} {
+		"cache_write_input_price": p.CacheWriteInput, "cache_write_1h_input_price": p.CacheWrite1hInput,
+		"max_input_tokens": p.MaxInputTokens, "max_output_tokens": p.MaxOutputTokens, "max_cost": p.MaxCost, "default_hold": p.DefaultHold} {
 		if v != nil && (*v < 0 || *v > balance.MaxAmount) {
 			return invalid(c, fmt.Sprintf("%s must be from 0 to 10^14", name))
 		}

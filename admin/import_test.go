@@ -26,7 +26,12 @@ func TestImportRoute(t *testing.T) {
 	c.ok("POST", "/models/import?dry_run=1", big, 200, &dry)
 	cacheWrite := 0
 	for _, m := range dry.New {
-		if m.CacheWriteInput > 0 {
+		// The report shows defaults filled in: a cache-write price the table left out is the
+		// input price, the 1-hour one 2× it.
+		if m.CacheWrite1hInput != 2*m.Input {
+			t.Fatalf("%s: 1-hour cache-write price %d, input %d", m.Name, m.CacheWrite1hInput, m.Input)
+		}
+		if m.CacheWriteInput != m.Input {
 			cacheWrite++
 		}
 	}

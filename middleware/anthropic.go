@@ -185,15 +185,16 @@ func msgStandard(option, s string) bool {
 	return s == "auto" || s == "standard_only" // service_tier
 }
 
-// msgCache checks a cache_control object: only the 5-minute cache is priced
-// (Prices.CacheWriteInput); another ttl is a feature the price table cannot price.
+// msgCache checks a cache_control object: the 5-minute cache (Prices.CacheWriteInput) and the
+// 1-hour cache (Prices.CacheWrite1hInput, read from usage.cache_creation) are priced; another
+// ttl is a feature the price table cannot price.
 func (p *reqParser) msgCache(v, path string) {
 	if rawKind(v) != '{' {
 		return
 	}
 	p.members(v, msgCacheFields, allPlain, loc{field: path, i: -1}, func(i int, val string) {
 		if msgCacheFields.names[i] == "ttl" && rawKind(val) != 'n' {
-			if ttl := rawString(val); ttl != "5m" {
+			if ttl := rawString(val); ttl != "5m" && ttl != "1h" {
 				p.r.addFeature("cache_ttl:" + ttl)
 			}
 		}
@@ -277,8 +278,8 @@ func (p *reqParser) msgBlock(raw string, l loc) {
 
 // msgBetaFeatures adds the anthropic-beta flags that change the price without showing in the
 // body: the 1M-token context window (context-1m-…) bills long prompts at a premium rate. The
-// betas that enable priced features in the body (server tools, the 1-hour cache, MCP) are
-// caught by those features.
+// betas that enable features in the body (server tools, MCP) are caught by those features; the
+// 1-hour cache (extended-cache-ttl-…) is priced from the usage.
 func msgBetaFeatures(h http.Header, r *Request) {
 	for _, v := range h.Values("Anthropic-Beta") {
 		for _, b := range strings.Split(v, ",") {
@@ -290,32 +291,48 @@ func msgBetaFeatures(h http.Header, r *Request) {
 }
 
 // anthUsage is Anthropic's usage as read so far, each count with whether it was present.
+// write5m and write1h are cache_creation's ephemeral_5m_input_tokens and
+// ephemeral_1h_input_tokens: the cache writes (write) by lifetime.
 type anthUsage struct {
-	in, write, read, out                 int64
-	haveIn, haveWrite, haveRead, haveOut bool
+	in, write, read, out, write5m, write1h                         int64
+	haveIn, haveWrite, haveRead, haveOut, haveWrite5m, haveWrite1h bool
 }
 
-// anthUsageNames are the members anthropicUsageOf reads, in anthUsage's order.
-var anthUsageNames = [...]string{"input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens", "output_tokens"}
+// anthUsageNames are the members anthropicUsageOf reads, in anthUsage's order; cache_creation is
+// an object of anthCacheNames.
+var (
+	anthUsageNames = [...]string{"input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens", "output_tokens", "cache_creation"}
+	anthCacheNames = [...]string{"ephemeral_5m_input_tokens", "ephemeral_1h_input_tokens"}
+)
 
 // anthropicUsageOf reads an Anthropic usage object (input_tokens — the uncached input only —
-// cache_creation_input_tokens, cache_read_input_tokens, output_tokens), matching member names
-// as a client's decoder does (case folded, the last of duplicates wins). ok is false unless u
-// is an object whose present counts are all valid.
+// cache_creation_input_tokens, cache_read_input_tokens, output_tokens, and cache_creation's
+// ephemeral_5m_input_tokens and ephemeral_1h_input_tokens), matching member names as a
+// client's decoder does (case folded, the last of duplicates wins). ok is false unless u is an
+// object whose present counts are all valid (and cache_creation, when present, an object).
 func anthropicUsageOf(u gjson.Result) (a anthUsage, ok bool) {
 	if !u.IsObject() {
 		return a, false
 	}
 	var f [len(anthUsageNames)]gjson.Result
 	lastMembers(u, anthUsageNames[:], f[:])
-	for k, c := range [...]struct {
+	var cf [len(anthCacheNames)]gjson.Result
+	if cc := f[len(f)-1]; present(cc) {
+		if !cc.IsObject() {
+			return anthUsage{}, false
+		}
+		lastMembers(cc, anthCacheNames[:], cf[:])
+	}
+	for _, c := range [...]struct {
+		v    gjson.Result
 		n    *int64
 		have *bool
-	}{{&a.in, &a.haveIn}, {&a.write, &a.haveWrite}, {&a.read, &a.haveRead}, {&a.out, &a.haveOut}} {
-		if !present(f[k]) {
+	}{{f[0], &a.in, &a.haveIn}, {f[1], &a.write, &a.haveWrite}, {f[2], &a.read, &a.haveRead}, {f[3], &a.out, &a.haveOut},
+		{cf[0], &a.write5m, &a.haveWrite5m}, {cf[1], &a.write1h, &a.haveWrite1h}} {
+		if !present(c.v) {
 			continue
 		}
-		n, ok := tokenCount(f[k])
+		n, ok := tokenCount(c.v)
 		if !ok {
 			return anthUsage{}, false
 		}
@@ -339,12 +356,21 @@ func (a *anthUsage) merge(b anthUsage) {
 	if b.haveOut {
 		a.out, a.haveOut = b.out, true
 	}
+	if b.haveWrite5m {
+		a.write5m, a.haveWrite5m = b.write5m, true
+	}
+	if b.haveWrite1h {
+		a.write1h, a.haveWrite1h = b.write1h, true
+	}
 }
 
 // usage maps Anthropic's counts onto accounting.Usage (see its comment): Prompt is every input
-// token, cached and written ones included.
+// token, cached and written ones included; CacheWrite is every cache write (the 5-minute and
+// the 1-hour ones: cache_creation_input_tokens, or the sum of cache_creation's counts when that
+// is more, so that no written token is billed as less), CacheWrite1h the 1-hour ones.
 func (a anthUsage) usage() accounting.Usage {
-	return accounting.Usage{Prompt: a.in + a.write + a.read, Cached: a.read, CacheWrite: a.write, Completion: a.out}
+	write := max(a.write, a.write5m+a.write1h)
+	return accounting.Usage{Prompt: a.in + write + a.read, Cached: a.read, CacheWrite: write, CacheWrite1h: a.write1h, Completion: a.out}
 }
 
 // complete reports whether the counts bill a whole request: the input and the output.

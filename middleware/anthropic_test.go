@@ -36,10 +36,13 @@ func TestParseMessages(t *testing.T) {
 		{"mcp servers", `{"model":"m","max_tokens":1,"mcp_servers":[{"type":"url","url":"https://x","name":"x"}],"messages":[]}`, false, 1, false, []string{"mcp_servers"}},
 		{"no mcp servers", `{"model":"m","max_tokens":1,"mcp_servers":[],"messages":[]}`, false, 1, false, nil},
 		{"container", `{"model":"m","max_tokens":1,"container":"c1","messages":[]}`, false, 1, false, []string{"container"}},
+		// The 1-hour cache is priced (Prices.CacheWrite1hInput); another lifetime is not.
 		{"1h cache", `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"x","cache_control":{"type":"ephemeral","ttl":"1h"}}]}]}]}`,
-			true, 1, false, []string{"cache_ttl:1h"}},
+			true, 1, false, nil},
 		{"1h cache on a tool", `{"model":"m","max_tokens":1,"tools":[{"name":"f","input_schema":{},"cache_control":{"type":"ephemeral","ttl":"1h"}}],"messages":[]}`,
-			false, 1, false, []string{"cache_ttl:1h"}},
+			false, 1, false, nil},
+		{"24h cache", `{"model":"m","max_tokens":1,"system":[{"type":"text","text":"x","cache_control":{"type":"ephemeral","ttl":"24h"}}],"messages":[]}`,
+			true, 1, false, []string{"cache_ttl:24h"}},
 		{"priority speed geo", `{"model":"m","max_tokens":1,"speed":"fast","inference_geo":"us","service_tier":"auto","messages":[]}`,
 			false, 1, false, []string{"speed:fast", "inference_geo:us"}},
 		{"unknown field", `{"model":"m","max_tokens":1,"future":{"x":1},"messages":[]}`, false, 1, false, nil},
@@ -215,8 +218,30 @@ func TestUsageFromAnthropicBody(t *testing.T) {
 			t.Fatalf("step %d: %+v %v, want %+v", step, u, ok, want)
 		}
 	}
+	// cache_creation splits the writes by lifetime: the 1-hour ones are priced apart, and its
+	// counts are never billed as less than they add up to.
+	for _, c := range []struct {
+		usage string
+		want  accounting.Usage
+	}{
+		{`{"input_tokens":7,"cache_creation_input_tokens":20,"cache_read_input_tokens":300,"output_tokens":9,` +
+			`"cache_creation":{"ephemeral_5m_input_tokens":5,"ephemeral_1h_input_tokens":15}}`,
+			accounting.Usage{Prompt: 327, Cached: 300, CacheWrite: 20, CacheWrite1h: 15, Completion: 9}},
+		{`{"input_tokens":7,"cache_creation_input_tokens":20,"output_tokens":9,"Cache_Creation":{"ephemeral_1h_input_tokens":30}}`,
+			accounting.Usage{Prompt: 37, CacheWrite: 30, CacheWrite1h: 30, Completion: 9}},
+		{`{"input_tokens":7,"output_tokens":9,"cache_creation":null}`, accounting.Usage{Prompt: 7, Completion: 9}},
+	} {
+		s := usageScanner{anthropic: true}
+		s.Write([]byte(`{"usage":` + c.usage + `}`))
+		s.finish()
+		if u, ok := s.usage(); !ok || u != c.want {
+			t.Errorf("%s: %+v %v, want %+v", c.usage, u, ok, c.want)
+		}
+	}
 	for _, bad := range []string{`{"usage":{"input_tokens":7}}`, `{"usage":{"input_tokens":7,"output_tokens":-1}}`, `{"usage":{"output_tokens":7}}`,
-		`{"usage":{"input_tokens":7,"output_tokens":1,"cache_read_input_tokens":"3"}}`} {
+		`{"usage":{"input_tokens":7,"output_tokens":1,"cache_read_input_tokens":"3"}}`,
+		`{"usage":{"input_tokens":7,"output_tokens":1,"cache_creation":{"ephemeral_1h_input_tokens":-1}}}`,
+		`{"usage":{"input_tokens":7,"output_tokens":1,"cache_creation":5}}`} {
 		s := usageScanner{anthropic: true}
 		s.Write([]byte(bad))
 		s.finish()
@@ -227,21 +252,34 @@ func TestUsageFromAnthropicBody(t *testing.T) {
 }
 
 // TestMessagesHold: a plain Messages request is held at its hard bound — body bytes at the
-// highest input price (here the cache-write one) plus max_tokens at the output price — and a
+// highest input price (here the 1-hour cache-write one) plus max_tokens at the output price — and a
 // request whose input the bytes do not bound (an image) keeps the learned max.
 func TestMessagesHold(t *testing.T) {
 	t.Parallel()
-	m := accounting.Model{Name: "claude-x", Prices: accounting.Prices{Input: 3_000_000, CacheWriteInput: 3_750_000, CachedInput: 300_000, Output: 15_000_000},
-		MaxInputTokens: 200_000, MaxOutputTokens: 8192}
+	m := accounting.Model{Name: "claude-x", Prices: accounting.Prices{Input: 3_000_000, CacheWriteInput: 3_750_000, CachedInput: 300_000, Output: 15_000_000,
+		CacheWrite1hInput: 6_000_000}, MaxInputTokens: 200_000, MaxOutputTokens: 8192}
 	body := `{"model":"claude-x","max_tokens":100,"messages":[{"role":"user","content":[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}]}]}`
 	r, e := parseMessages([]byte(body))
 	if e != nil {
 		t.Fatal(e)
 	}
 	hold, err := HoldAmount(context.Background(), HoldInput{Request: r, Model: m, LearnedMax: 500_000, Fallback: 1})
-	want := (int64(len(body))*3_750_000 + 100*15_000_000 + 999_999) / 1_000_000
+	want := (int64(len(body))*6_000_000 + 100*15_000_000 + 999_999) / 1_000_000
 	if err != nil || hold != want {
 		t.Fatalf("hold %d %v, want %d", hold, err, want)
+	}
+	// Priced with input and output only: a 1-hour cache write costs 2× the input price
+	// (Prices.WithDefaults), and the bound covers it; the same body on chat/completions cannot
+	// write the cache and is bounded at the input price.
+	plain := accounting.Model{Name: "claude-x", Prices: accounting.Prices{Input: 3_000_000, Output: 15_000_000}, MaxOutputTokens: 8192}
+	hold, err = HoldAmount(context.Background(), HoldInput{Request: r, Model: plain, Fallback: 1})
+	if want := (int64(len(body))*6_000_000 + 100*15_000_000 + 999_999) / 1_000_000; err != nil || hold != want {
+		t.Fatalf("hold without cache prices %d %v, want %d", hold, err, want)
+	}
+	chat := Request{Endpoint: EndpointChat, PlainText: true, OutputCap: 100, Size: len(body), N: 1}
+	hold, err = HoldAmount(context.Background(), HoldInput{Request: chat, Model: plain, Fallback: 1})
+	if want := (int64(len(body))*3_000_000 + 100*15_000_000 + 999_999) / 1_000_000; err != nil || hold != want {
+		t.Fatalf("chat hold %d %v, want %d", hold, err, want)
 	}
 	img := `{"model":"claude-x","max_tokens":100,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://x/y.png"}}]}]}`
 	r, _ = parseMessages([]byte(img))

@@ -21,8 +21,9 @@ type HoldInput struct {
 //
 //   - the model's learned max cost (the store's, else Model.MaxCost), capped at the model's
 //     bound (max input × input price + max output × output price), × n (or best_of);
-//   - lowered to the request's hard upper bound — body bytes × input price + output cap × output
-//     price, × n — only when the request is plain text (Request.PlainText) and has an output cap
+//   - lowered to the request's hard upper bound — body bytes × the highest input price the
+//     request could be billed at (cache-write prices only on Anthropic's Messages) + output
+//     cap × output price, × n — only when the request is plain text (Request.PlainText) and has an output cap
 //     (embeddings have no output: their bound is the input alone);
 //   - with no learned max: that bound if there is one, else the same bound with the model's max
 //     output tokens, else Model.DefaultHold × n, else the fallback × n.
@@ -34,6 +35,11 @@ type HoldInput struct {
 // when Fallback > 0, and never above balance.MaxAmount.
 func HoldAmount(_ context.Context, in HoldInput) (int64, error) {
 	m, r := in.Model, in.Request
+	if r.Endpoint != EndpointMessages {
+		// Only Anthropic's usage carries cache writes: no other request is billed at their
+		// prices (the 1-hour one defaults to 2× the input price), so none bounds its input.
+		m.Prices = m.WithoutCacheWrites()
+	}
 	n := max(r.N, 1)
 	learned := in.LearnedMax
 	if learned <= 0 {

@@ -246,6 +246,7 @@ func (m *middleware) identify(c echo.Context, o *Outcome) (Identity, *Error) {
 		o.Err = err
 		return id, errInvalid("", "The organization id of this API key is not valid: "+err.Error())
 	}
+	c.Set(identityKey, id) // IdentityOf
 	return id, nil
 }
 

@@ -235,7 +235,7 @@ func TestAnthropicRefusals(t *testing.T) {
 			{`{"model":"claude-t","max_tokens":1,"messages":[{"role":"user","content":[{"type":"text","text":"x","cache_control":{"type":"ephemeral","ttl":"5m","tt\u006c":"1h"}}]}]}`, nil},
 			{`{"model":"claude-t","max_tokens":1,"tools":[{"type":"web_search_20250305","name":"web_search","max_uses":5}],"messages":[]}`, nil},
 			{`{"model":"claude-t","max_tokens":1,"mcp_servers":[{"type":"url","url":"https://mcp.example","name":"x"}],"messages":[]}`, nil},
-			{`{"model":"claude-t","max_tokens":1,"system":[{"type":"text","text":"x","cache_control":{"type":"ephemeral","ttl":"1h"}}],"messages":[]}`, nil},
+			{`{"model":"claude-t","max_tokens":1,"system":[{"type":"text","text":"x","cache_control":{"type":"ephemeral","ttl":"24h"}}],"messages":[]}`, nil},
 			{`{"model":"claude-t","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}`, []string{"anthropic-beta", "context-1m-2025-08-07"}},
 			{`{"model":"claude-t","max_tokens":9000,"messages":[{"role":"user","content":"hi"}]}`, nil}, // above max_output_tokens
 		}

@@ -38,6 +38,7 @@ func (s *Server) buildEcho() error {
 		// Authenticated by the middleware (PassThrough), unbilled, answered here.
 		e.GET("/v1/models", s.listModels, mw)
 		e.GET("/v1/models/*", s.getModel, mw)
+		s.mountView(e, mw)
 	}
 	s.echo = e
 	return nil
@@ -62,7 +63,7 @@ func (s *Server) httpError(err error, c echo.Context) {
 	if code >= 500 {
 		typ = middleware.TypeServer
 	}
-	_ = middleware.WriteError(c, &middleware.Error{Status: code, Type: typ, Code: statusCode(code), Message: msg})
+	_ = s.writeRefusal(c, &middleware.Error{Status: code, Type: typ, Code: statusCode(code), Message: msg})
 }
 
 // statusCode is the error code of an HTTP status: its text in snake_case ("Not Found" →

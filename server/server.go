@@ -250,7 +250,8 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			KeyFailuresPerMinute: cfg.KeyFailures,
 			OnOutcome:            func(o middleware.Outcome) { s.metrics.observe(o) }, // the metrics are made after
 			Route:                s.route,
-			PassThrough:          []string{"/v1/models", "/v1/models/*"},
+			PassThrough:          append([]string{"/v1/models", "/v1/models/*"}, viewPaths()...),
+			ErrorHandler:         s.writeRefusal,
 		},
 		AdminToken: cfg.AdminToken,
 	})

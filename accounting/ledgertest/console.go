@@ -24,6 +24,7 @@ var consoleTests = []struct {
 	{"ConsoleRequest", testConsoleRequest},
 	{"ConsoleDeleteModel", testConsoleDeleteModel},
 	{"ConsoleAudit", testConsoleAudit},
+	{"ConsoleSpend", testConsoleSpend},
 }
 
 // pages follows a list's cursors to its end and returns every row.
@@ -414,4 +415,71 @@ func testConsoleAudit(t *testing.T, l accounting.Ledger) {
 			t.Fatalf("audit row %d: %+v (newest first)", i, r)
 		}
 	}
+}
+
+// testConsoleSpend: Spend sums the org's charges (not its pending usage, credits or
+// adjustments) and one key's, all time and since each instant by reserve time, with the ledger
+// balance of the same snapshot (Balance + Charged = every credit and adjustment) and the key's
+// name and project; another org's key or an unknown one reads as nothing.
+func testConsoleSpend(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "sp"))
+	noErr(t, l.CreateOrg(c, "sp-other"))
+	k, _ := must2(l.CreateKey(c, "sp"))
+	k2, _ := must2(l.CreateKey(c, "sp"))
+	other, _ := must2(l.CreateKey(c, "sp-other"))
+	noErr(t, l.SetKeyName(c, k.ID, "prod"))
+	_, err := l.CreateProject(c, "sp", "staging")
+	noErr(t, err)
+	_, err = l.SetKeyProject(c, k.ID, "staging")
+	noErr(t, err)
+	must2(l.Credit(c, "sp", 10_000, "pay-sp"))
+	must2(l.Adjust(c, "sp", -500, "adj-sp"))
+	// k: 7 at t0 − 1h, 11 at t0, 13 at t0 + 1h; k2: 17; no key: 19.
+	for i, x := range []struct {
+		key  string
+		at   time.Time
+		cost int64
+	}{{k.ID, t0.Add(-time.Hour), 7}, {k.ID, t0, 11}, {k.ID, t0.Add(time.Hour), 13}, {k2.ID, t0, 17}, {"", t0, 19}} {
+		ev := event("sp", x.cost, 400+i)
+		ev.KeyID, ev.ReservedAt = x.key, x.at
+		noErr(t, l.RecordUsage(c, []accounting.UsageEvent{ev}))
+	}
+	for {
+		n, err := l.AccountPending(c, 1000)
+		noErr(t, err)
+		if n == 0 {
+			break
+		}
+	}
+	pending := event("sp", 1000, 500) // recorded, not accounted: not a charge yet
+	pending.KeyID = k.ID
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{pending}))
+	s := must(l.Spend(c, "sp", k.ID, []time.Time{t0, t0.Add(time.Minute), t0.Add(-2 * time.Hour)}))
+	want := accounting.Spend{Balance: 10_000 - 500 - 67, Charged: 67,
+		Key: accounting.KeySpend{ID: k.ID, Name: "prod", Project: "staging", Charged: 31, Since: []int64{24, 13, 31}}}
+	if !spendEqual(s, want) {
+		t.Fatalf("Spend = %+v, want %+v", s, want)
+	}
+	if s.Balance+s.Charged != 10_000-500 {
+		t.Fatalf("balance + charged = %d, want the credits and adjustments", s.Balance+s.Charged)
+	}
+	if s := must(l.Spend(c, "sp", k2.ID, nil)); s.Key.Charged != 17 || s.Key.Name != "" || s.Key.Project != "" || len(s.Key.Since) != 0 {
+		t.Fatalf("second key: %+v", s)
+	}
+	for _, id := range []string{other.ID, "key_nope", ""} {
+		if s := must(l.Spend(c, "sp", id, []time.Time{t0})); s.Charged != 67 || s.Key.Charged != 0 || s.Key.Name != "" || s.Key.Since[0] != 0 {
+			t.Fatalf("key %q: %+v", id, s)
+		}
+	}
+	if s := must(l.Spend(c, "sp-other", other.ID, nil)); s.Charged != 0 || s.Balance != 0 {
+		t.Fatalf("other org: %+v", s)
+	}
+	_, err = l.Spend(c, "nobody", "", nil)
+	wantErr(t, err, accounting.ErrUnknownOrg, "spend of an unknown org")
+}
+
+func spendEqual(a, b accounting.Spend) bool {
+	return a.Balance == b.Balance && a.Charged == b.Charged && a.Key.ID == b.Key.ID && a.Key.Name == b.Key.Name &&
+		a.Key.Project == b.Key.Project && a.Key.Charged == b.Key.Charged && slices.Equal(a.Key.Since, b.Key.Since)
 }

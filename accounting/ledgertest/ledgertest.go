@@ -879,10 +879,16 @@ func testModels(t *testing.T, l accounting.Ledger) {
 	_, err := l.Model(c, "m")
 	wantErr(t, err, accounting.ErrUnknownModel, "missing model")
 	wantErr(t, l.RaiseMaxCost(c, "m", 5), accounting.ErrUnknownModel, "RaiseMaxCost of a missing model")
-	m := accounting.Model{Name: "m", Prices: accounting.Prices{Input: 2_500_000, CachedInput: 1_250_000, Output: 10_000_000, CacheWriteInput: 3_125_000},
+	m := accounting.Model{Name: "m", Prices: accounting.Prices{Input: 2_500_000, CachedInput: 1_250_000, Output: 10_000_000, CacheWriteInput: 3_125_000,
+		CacheWrite1hInput: 5_000_001},
 		MaxInputTokens: 128_000, MaxOutputTokens: 16_384, MaxCost: 100, DefaultHold: 50_000}
 	noErr(t, l.PutModel(c, m))
 	noErr(t, l.PutModel(c, accounting.Model{Name: "a", DefaultHold: 1}))
+	// A price left out is stored as 0 (Prices.WithDefaults prices it), not replaced.
+	noErr(t, l.PutModel(c, accounting.Model{Name: "b", Prices: accounting.Prices{Input: 7, Output: 9}}))
+	if got := must(l.Model(c, "b")); got.Prices != (accounting.Prices{Input: 7, Output: 9}) {
+		t.Fatalf("Model b = %+v", got)
+	}
 	if got := must(l.Model(c, "m")); got != m {
 		t.Fatalf("Model = %+v, want %+v", got, m)
 	}
@@ -893,12 +899,13 @@ func testModels(t *testing.T, l accounting.Ledger) {
 	}
 	wantErr(t, l.RaiseMaxCost(c, "m", -1), accounting.ErrInvalidAmount, "negative max cost")
 	ms := must(l.Models(c))
-	if len(ms) != 2 || ms[0].Name != "a" || ms[1].Name != "m" || ms[1].MaxCost != 300 {
+	if len(ms) != 3 || ms[0].Name != "a" || ms[2].Name != "m" || ms[2].MaxCost != 300 || ms[2].CacheWrite1hInput != 5_000_001 {
 		t.Fatalf("Models = %+v", ms)
 	}
 	// PutModel replaces (an admin may lower the learned max).
 	m.MaxCost = 10
 	m.Output = 1
+	m.CacheWrite1hInput = 0
 	noErr(t, l.PutModel(c, m))
 	if got := must(l.Model(c, "m")); got != m {
 		t.Fatalf("after replace: %+v", got)
@@ -906,6 +913,8 @@ func testModels(t *testing.T, l accounting.Ledger) {
 	wantErr(t, l.PutModel(c, accounting.Model{Name: "bad", Prices: accounting.Prices{Input: -1}}), accounting.ErrInvalidAmount, "negative price")
 	wantErr(t, l.PutModel(c, accounting.Model{Name: "bad", Prices: accounting.Prices{CacheWriteInput: -1}}), accounting.ErrInvalidAmount, "negative cache-write price")
 	wantErr(t, l.PutModel(c, accounting.Model{Name: "bad", Prices: accounting.Prices{CacheWriteInput: balance.MaxAmount + 1}}), accounting.ErrInvalidAmount, "huge cache-write price")
+	wantErr(t, l.PutModel(c, accounting.Model{Name: "bad", Prices: accounting.Prices{CacheWrite1hInput: -1}}), accounting.ErrInvalidAmount, "negative 1-hour cache-write price")
+	wantErr(t, l.PutModel(c, accounting.Model{Name: "bad", Prices: accounting.Prices{CacheWrite1hInput: balance.MaxAmount + 1}}), accounting.ErrInvalidAmount, "huge 1-hour cache-write price")
 	wantErr(t, l.PutModel(c, accounting.Model{Name: ""}), accounting.ErrInvalidAmount, "empty name")
 }
 
@@ -937,12 +946,13 @@ func testKeys(t *testing.T, l accounting.Ledger) {
 }
 
 // testCacheWrite: a usage event's cache-write tokens (Anthropic's cache_creation_input_tokens)
-// are stored with it and read back unchanged, pending, accounted and voided.
+// and its 1-hour ones (cache_creation.ephemeral_1h_input_tokens) are stored with it and read back
+// unchanged, pending, accounted and voided.
 func testCacheWrite(t *testing.T, l accounting.Ledger) {
 	c := ctx(t)
 	noErr(t, l.CreateOrg(c, "cw"))
 	ev := event("cw", 10_050, 0)
-	ev.Usage = accounting.Usage{Prompt: 7100, Cached: 5000, CacheWrite: 2000, Completion: 50}
+	ev.Usage = accounting.Usage{Prompt: 7100, Cached: 5000, CacheWrite: 2000, CacheWrite1h: 1500, Completion: 50}
 	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{ev}))
 	if r := must(l.Request(c, ev.ID)); r.Usage != ev.Usage || r.Status != accounting.RequestPending {
 		t.Fatalf("pending request %+v, want usage %+v", r, ev.Usage)
@@ -958,7 +968,7 @@ func testCacheWrite(t *testing.T, l accounting.Ledger) {
 		t.Fatalf("entries %+v, want one charge with usage %+v", page.Data, ev.Usage)
 	}
 	void := event("cw", 7, 1)
-	void.Usage.CacheWrite = 33
+	void.Usage.CacheWrite, void.Usage.CacheWrite1h = 33, 11
 	noErr(t, l.VoidUsage(c, void))
 	if r := must(l.Request(c, void.ID)); r.Usage != void.Usage || r.Status != accounting.RequestVoided {
 		t.Fatalf("voided request %+v, want usage %+v", r, void.Usage)

@@ -454,9 +454,11 @@ func cmdUsage(args []string) error {
 }
 
 // cmdModels: escrow models | show M | set M [--input D] [--cached-input D] [--output D]
-// [--cache-write-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] |
+// [--cache-write-input D] [--cache-write-1h-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] |
 // import FILE [--dry-run] [--provider P] | delete M. Prices are decimals in currency units per 1M
-// tokens ("0.15"), sent as text and converted exactly by the API; an import sends the file
+// tokens ("0.15"), sent as text and converted exactly by the API (a cached or cache-write price
+// never set is billed at its default, which show prints: the input price, 2× it for 1-hour cache
+// writes); an import sends the file
 // (LiteLLM's JSON or a CSV) as it is (importModels).
 func cmdModels(args []string) error {
 	fs, o := newFlags("models")
@@ -467,7 +469,8 @@ func cmdModels(args []string) error {
 	if err != nil {
 		return err
 	}
-	cols := []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold", "cache_write_input_price"}
+	cols := []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold", "cache_write_input_price",
+		"cache_write_1h_input_price"}
 	switch {
 	case len(pos) == 0:
 		return c.firstPage(o, "/models", cols)
@@ -484,7 +487,7 @@ func cmdModels(args []string) error {
 	case len(pos) == 2 && pos[0] == "delete":
 		return c.do(http.MethodDelete, "/models/"+url.PathEscape(pos[1]), nil, "deleted "+pos[1])
 	default:
-		return usageErr("usage: escrow models | show MODEL | set MODEL [--input D] [--cached-input D] [--output D] [--cache-write-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | import FILE [--dry-run] [--provider P,…] | delete MODEL  [--json|--csv]")
+		return usageErr("usage: escrow models | show MODEL | set MODEL [--input D] [--cached-input D] [--output D] [--cache-write-input D] [--cache-write-1h-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | import FILE [--dry-run] [--provider P,…] | delete MODEL  [--json|--csv]")
 	}
 }
 
@@ -492,18 +495,19 @@ func cmdModels(args []string) error {
 // PATCH body of model from the given ones (a usage error when none is given or one is not a
 // whole number).
 func modelFlags(fs *flag.FlagSet) func(model string) (map[string]any, error) {
-	var prices [4]string
+	var prices [5]string
 	fs.StringVar(&prices[0], "input", "", "input price per 1M tokens (decimal, currency units)")
-	fs.StringVar(&prices[1], "cached-input", "", "cached input price per 1M tokens")
+	fs.StringVar(&prices[1], "cached-input", "", "cached input price per 1M tokens (default: the input price)")
 	fs.StringVar(&prices[2], "output", "", "output price per 1M tokens")
-	fs.StringVar(&prices[3], "cache-write-input", "", "prompt-cache write price per 1M tokens (Anthropic)")
+	fs.StringVar(&prices[3], "cache-write-input", "", "prompt-cache write price per 1M tokens, 5-minute cache (Anthropic; default: the input price)")
+	fs.StringVar(&prices[4], "cache-write-1h-input", "", "prompt-cache write price per 1M tokens, 1-hour cache (Anthropic; default: 2× the input price)")
 	var ints [3]string
 	fs.StringVar(&ints[0], "max-input-tokens", "", "context window")
 	fs.StringVar(&ints[1], "max-output-tokens", "", "largest output")
 	fs.StringVar(&ints[2], "default-hold", "", "hold (micro-units) when nothing better is known")
 	return func(model string) (map[string]any, error) {
 		body := map[string]any{}
-		for i, k := range []string{"input_per_1m", "cached_input_per_1m", "output_per_1m", "cache_write_input_per_1m"} {
+		for i, k := range []string{"input_per_1m", "cached_input_per_1m", "output_per_1m", "cache_write_input_per_1m", "cache_write_1h_input_per_1m"} {
 			if prices[i] != "" {
 				body[k] = prices[i]
 			}
@@ -678,9 +682,24 @@ type importReport struct {
 	RoundedUp []string                            `json:"rounded_up"`
 }
 
+// defaultPrice reports whether field f of an imported model (as the import report shows it,
+// defaults filled in) is a cache-write price at its default.
+func defaultPrice(m map[string]any, f string) bool {
+	in, _ := m["input_price"].(float64)
+	v, ok := m[f].(float64)
+	switch f {
+	case "cache_write_input_price":
+		return ok && v == in
+	case "cache_write_1h_input_price":
+		return ok && v == 2*in // accounting.CacheWrite1hMultiplier (the CLI imports server only)
+	}
+	return false
+}
+
 // importModels sends a price table to POST /models/import and prints the diff: each new model
 // with its prices, each changed field as old → new, the count of unchanged models, and the
-// skipped entries counted by reason.
+// skipped entries counted by reason. A cache-write price at its default (the input price, 2× it
+// for 1-hour writes: accounting.Prices.WithDefaults) is left out of the lines.
 func importModels(c *client, o output, file string, dryRun bool, provider string) error {
 	b, err := os.ReadFile(file)
 	if err != nil {
@@ -703,7 +722,8 @@ func importModels(c *client, o output, file string, dryRun bool, provider string
 	if err := json.Unmarshal(raw, &r); err != nil {
 		return fmt.Errorf("escrow models import: unexpected answer: %w", err)
 	}
-	fields := []string{"input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "cache_write_input_price"}
+	fields := []string{"input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "cache_write_input_price",
+		"cache_write_1h_input_price"}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	if r.DryRun {
 		fmt.Fprintln(tw, "dry run: nothing written")
@@ -711,8 +731,8 @@ func importModels(c *client, o output, file string, dryRun bool, provider string
 	for _, m := range r.New {
 		var parts []string
 		for _, f := range fields {
-			if f == "cache_write_input_price" && cell(m[f]) == "0" {
-				continue // a model without prompt-cache writes
+			if defaultPrice(m, f) {
+				continue // a cache-write price the table left out: its default
 			}
 			parts = append(parts, f+" "+cell(m[f]))
 		}
@@ -721,7 +741,7 @@ func importModels(c *client, o output, file string, dryRun bool, provider string
 	for _, ch := range r.Changed {
 		var parts []string
 		for _, f := range fields {
-			if a, b := cell(ch.Old[f]), cell(ch.New[f]); a != b {
+			if a, b := cell(ch.Old[f]), cell(ch.New[f]); a != b && !(defaultPrice(ch.Old, f) && defaultPrice(ch.New, f)) {
 				parts = append(parts, f+" "+a+" → "+b)
 			}
 		}

@@ -12,8 +12,10 @@ import (
 //
 //   - input tokens = the words of the system prompt (a string or text blocks) and of every
 //     message (string content, or the "text" of every block), as for chat; markers are looked
-//     for in the last user message. [cache_write:N] makes N of them cache writes
-//     (cache_creation_input_tokens) and [cached:N] N of the rest cache reads
+//     for in the last user message. [cache_write:N] makes N of them 5-minute cache writes and
+//     [cache_write_1h:N] N of the rest 1-hour cache writes (cache_creation_input_tokens counts
+//     both; usage.cache_creation splits them into ephemeral_5m_input_tokens and
+//     ephemeral_1h_input_tokens, as Anthropic does), and [cached:N] N of the rest cache reads
 //     (cache_read_input_tokens); usage.input_tokens is what remains, as Anthropic counts it
 //     (the uncached input only).
 //   - output tokens = max_tokens (required: a 400 in Anthropic's shape without it), capped at
@@ -28,10 +30,17 @@ import (
 
 // AnthropicUsage is the usage object of a Messages reply.
 type AnthropicUsage struct {
-	InputTokens              int `json:"input_tokens"`
-	CacheCreationInputTokens int `json:"cache_creation_input_tokens"`
-	CacheReadInputTokens     int `json:"cache_read_input_tokens"`
-	OutputTokens             int `json:"output_tokens"`
+	InputTokens              int                    `json:"input_tokens"`
+	CacheCreationInputTokens int                    `json:"cache_creation_input_tokens"`
+	CacheReadInputTokens     int                    `json:"cache_read_input_tokens"`
+	OutputTokens             int                    `json:"output_tokens"`
+	CacheCreation            AnthropicCacheCreation `json:"cache_creation"`
+}
+
+// AnthropicCacheCreation splits a reply's cache writes by the cache's lifetime.
+type AnthropicCacheCreation struct {
+	Ephemeral5mInputTokens int `json:"ephemeral_5m_input_tokens"`
+	Ephemeral1hInputTokens int `json:"ephemeral_1h_input_tokens"`
 }
 
 type anthropicBlock struct {
@@ -52,8 +61,9 @@ type AnthropicMessage struct {
 }
 
 var (
-	cacheWriteMarker = regexp.MustCompile(`\[cache_write:(\d+)\]`)
-	errorAfterMarker = regexp.MustCompile(`\[error_after:(\d+)\]`)
+	cacheWriteMarker   = regexp.MustCompile(`\[cache_write:(\d+)\]`)
+	cacheWrite1hMarker = regexp.MustCompile(`\[cache_write_1h:(\d+)\]`)
+	errorAfterMarker   = regexp.MustCompile(`\[error_after:(\d+)\]`)
 )
 
 // writeAnthropicError writes Anthropic's error shape.
@@ -95,14 +105,19 @@ func (s *Server) messages(w http.ResponseWriter, r *http.Request, req *apiReques
 		writeAnthropicError(w, http.StatusInternalServerError, "api_error", "Internal server error")
 		return
 	}
-	written := 0
+	written, written1h := 0, 0
 	if m := cacheWriteMarker.FindStringSubmatch(last); m != nil {
 		v, _ := strconv.Atoi(m[1])
 		written = min(v, p.promptTokens)
 	}
-	read := min(p.cachedTokens, p.promptTokens-written)
-	u := AnthropicUsage{InputTokens: p.promptTokens - written - read, CacheCreationInputTokens: written,
-		CacheReadInputTokens: read, OutputTokens: p.completionTokens}
+	if m := cacheWrite1hMarker.FindStringSubmatch(last); m != nil {
+		v, _ := strconv.Atoi(m[1])
+		written1h = min(v, p.promptTokens-written)
+	}
+	read := min(p.cachedTokens, p.promptTokens-written-written1h)
+	u := AnthropicUsage{InputTokens: p.promptTokens - written - written1h - read, CacheCreationInputTokens: written + written1h,
+		CacheReadInputTokens: read, OutputTokens: p.completionTokens,
+		CacheCreation: AnthropicCacheCreation{Ephemeral5mInputTokens: written, Ephemeral1hInputTokens: written1h}}
 	out := outputWords(p.completionTokens)
 	stop := "end_turn"
 	if p.capped {

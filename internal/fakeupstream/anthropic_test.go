@@ -36,7 +36,8 @@ func TestAnthropicMessages(t *testing.T) {
 		t.Fatalf("%d %v", res.StatusCode, err)
 	}
 	// 3 + 8 words = 11 input tokens: 2 written, 4 read, 5 plain.
-	if want := (AnthropicUsage{InputTokens: 5, CacheCreationInputTokens: 2, CacheReadInputTokens: 4, OutputTokens: 3}); m.Usage != want ||
+	if want := (AnthropicUsage{InputTokens: 5, CacheCreationInputTokens: 2, CacheReadInputTokens: 4, OutputTokens: 3,
+		CacheCreation: AnthropicCacheCreation{Ephemeral5mInputTokens: 2}}); m.Usage != want ||
 		m.Content[0].Text != "tok1 tok2 tok3" || m.StopReason != "max_tokens" {
 		t.Fatalf("reply %+v", m)
 	}
@@ -48,7 +49,8 @@ func TestAnthropicMessages(t *testing.T) {
 	raw, _ := io.ReadAll(res.Body)
 	stream := string(raw)
 	for _, want := range []string{
-		`"usage":{"input_tokens":5,"cache_creation_input_tokens":2,"cache_read_input_tokens":4,"output_tokens":1}`,
+		`"usage":{"input_tokens":5,"cache_creation_input_tokens":2,"cache_read_input_tokens":4,"output_tokens":1,` +
+			`"cache_creation":{"ephemeral_5m_input_tokens":2,"ephemeral_1h_input_tokens":0}}`,
 		"event: message_delta\ndata: {\"delta\":{\"stop_reason\":\"max_tokens\",\"stop_sequence\":null},\"type\":\"message_delta\",\"usage\":{\"output_tokens\":3}}",
 		"event: message_stop\n",
 	} {
@@ -84,5 +86,23 @@ func TestAnthropicMessagesErrors(t *testing.T) {
 	raw, _ = io.ReadAll(res.Body)
 	if res.StatusCode != 200 || strings.TrimSpace(string(raw)) != `{"input_tokens":5}` {
 		t.Fatalf("count_tokens: %d %s", res.StatusCode, raw)
+	}
+}
+
+// TestAnthropicCache1h: [cache_write_1h:N] makes N input tokens 1-hour cache writes, counted in
+// cache_creation_input_tokens and split out in cache_creation.
+func TestAnthropicCache1h(t *testing.T) {
+	t.Parallel()
+	s := New(Options{APIKey: "k"})
+	body := `{"model":"claude-x","max_tokens":3,"system":"be brief please","messages":[{"role":"user","content":"one two three four five [cache_write:2] [cache_write_1h:3] [cached:4]"}]}`
+	res := postAnthropic(t, s, "/v1/messages", body)
+	var m AnthropicMessage
+	if err := json.NewDecoder(res.Body).Decode(&m); err != nil || res.StatusCode != 200 {
+		t.Fatalf("%d %v", res.StatusCode, err)
+	}
+	// 3 + 8 words = 11 input tokens: 2 written for 5 minutes, 3 for an hour, 4 read, 2 plain.
+	if want := (AnthropicUsage{InputTokens: 2, CacheCreationInputTokens: 5, CacheReadInputTokens: 4, OutputTokens: 3,
+		CacheCreation: AnthropicCacheCreation{Ephemeral5mInputTokens: 2, Ephemeral1hInputTokens: 3}}); m.Usage != want {
+		t.Fatalf("usage %+v, want %+v", m.Usage, want)
 	}
 }
