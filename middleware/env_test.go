@@ -119,6 +119,16 @@ func newEnv(t *testing.T, o envOpt) *testEnv {
 		e.redis = testutil.Redis(t)
 	}
 	client := e.redis.Client
+	if o.mini {
+		// miniredis runs every script in Go, one after another: a burst of 2,000 reserves
+		// queues for the client's 20 connections far longer than the default pool (4 s) and read
+		// (3 s) timeouts under the race detector on a loaded machine, and each timed-out call is a
+		// 503. The request path's own deadlines (ReserveTimeout) still bound each call.
+		c := redis.NewClient(&redis.Options{Addr: e.redis.Mini.Addr(), PoolTimeout: 2 * time.Minute, ReadTimeout: time.Minute,
+			ContextTimeoutEnabled: true})
+		t.Cleanup(func() { _ = c.Close() })
+		client = c
+	}
 	if o.withFault {
 		addr := strings.TrimPrefix(e.redis.URL, "redis://")
 		if opt, err := redis.ParseURL(e.redis.URL); err == nil {
@@ -134,7 +144,10 @@ func newEnv(t *testing.T, o envOpt) *testEnv {
 		t.Cleanup(func() { _ = c.Close() })
 		client = c
 	}
-	bcfg := balance.Config{Ledger: e.ledger, Prefix: e.redis.Prefix, Logger: quiet}
+	// An embedded Redis has no round trips to save, and a coalesced pipeline of a hundred scripts
+	// run one after another could outlast a call's deadline, failing its whole batch: no
+	// coalescing, as the server does for its embedded Redis.
+	bcfg := balance.Config{Ledger: e.ledger, Prefix: e.redis.Prefix, Logger: quiet, NoCoalesce: o.mini}
 	if o.storeCfg != nil {
 		o.storeCfg(&bcfg)
 	}
