@@ -79,7 +79,11 @@ func newTestApp(t *testing.T, real bool, extra []Option, tweak ...func(*Config))
 		if err := mini.StartAddr("127.0.0.1:0"); err != nil {
 			t.Fatal(err)
 		}
-		rdb := redis.NewClient(&redis.Options{Addr: mini.Addr()})
+		// miniredis runs every script in Go, one after another: a burst queues for the client's
+		// 20 connections far longer than the default pool (4 s) and read (3 s) timeouts under the
+		// race detector on a loaded machine. The request path's own deadlines still bound each call.
+		rdb := redis.NewClient(&redis.Options{Addr: mini.Addr(), PoolTimeout: 2 * time.Minute, ReadTimeout: time.Minute,
+			ContextTimeoutEnabled: true})
 		t.Cleanup(func() { _ = rdb.Close(); mini.Close() }) // after the server's Stop (cleanups run last-in first-out)
 		opts = append(opts, WithEmbeddedRedis(rdb))
 	}
