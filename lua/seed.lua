@@ -77,7 +77,7 @@ end
 
 -- attributed: the current-window counters of every limit in a hold's scope (the org's, its
 -- project's, its key's) whose window contains its reserve time rt (ms), as a field list.
-local function attributed(k, p, rt)
+local function attributed(v_key, v_project, rt)
   local fs = {}
   local function one(v_id, w)
     local ws = window_bounds(w, rt)
@@ -86,8 +86,8 @@ local function attributed(k, p, rt)
     end
   end
   each_limit(spec['o'], one)
-  if p ~= '' then each_limit(spec['p:' .. p], one) end
-  if k ~= '' then each_limit(spec['k:' .. k], one) end
+  if v_project ~= '' then each_limit(spec['p:' .. v_project], one) end
+  if v_key ~= '' then each_limit(spec['k:' .. v_key], one) end
   return table.concat(fs, ',')
 end
 

@@ -191,7 +191,7 @@ func (rp *replayer) holdAmount(r int) (int64, bool) {
 		return 0, false
 	}
 	// a hold record is its amount (or, with finish/limits, a record that starts with it)
-	n, err := strconv.ParseInt(strings.SplitN(v, ":", 2)[0], 10, 64)
+	n, err := strconv.ParseInt(strings.SplitN(v, "|", 2)[0], 10, 64) // "<amount>" or "<amount>|…" (lua/lib/limits.lua)
 	if err != nil {
 		rp.t.Fatalf("hold record %q: %v", v, err)
 	}
