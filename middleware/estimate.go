@@ -65,7 +65,11 @@ func (cl *call) estimate(cw *captureWriter) (accounting.Usage, int64) {
 	}
 	out := cw.outputEstimate()
 	usage := accounting.Usage{Prompt: int64(cl.req.Size), Completion: out}
-	cost, err := cl.model.Bound(usage.Prompt, usage.Completion)
+	m := cl.model
+	if cl.req.Endpoint != EndpointMessages {
+		m.Prices = m.WithoutCacheWrites() // as the hold: only Anthropic's usage carries cache writes
+	}
+	cost, err := m.Bound(usage.Prompt, usage.Completion)
 	if a, ok := cw.sse.partialUsage(); ok && cw.mode == modeSSE {
 		// A Messages stream's message_start gave the exact input counts.
 		usage = a.usage()

@@ -95,6 +95,11 @@ func times(a, n int64) int64 {
 // zero (a free model: no bound worth holding) or does not fit; b is balance.MaxAmount when it
 // does not fit.
 func requestBound(m accounting.Model, r Request, out int64) (b int64, ok bool) {
+	if r.Endpoint != EndpointMessages {
+		// As in HoldAmount: only Anthropic's usage carries cache writes, so no other request's
+		// input is bounded at their prices (every caller of the bound prices it alike).
+		m.Prices = m.WithoutCacheWrites()
+	}
 	b, err := m.Bound(int64(r.Size), out)
 	if err != nil {
 		return balance.MaxAmount, false
