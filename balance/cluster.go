@@ -117,6 +117,7 @@ func (s *Store) reloadScripts(ctx context.Context, key string, sent time.Time) e
 	t.loads[addr] = l
 	t.mu.Unlock()
 	t.scriptRounds.Add(1)
+	s.log.Warn("balance: scripts missing on a server (restart or failover?); loading them again", "node", addr)
 	go func() {
 		// The round outlives the caller that started it: others wait for it too.
 		lctx, cancel := context.WithTimeout(context.Background(), scriptLoadTimeout)
@@ -125,8 +126,6 @@ func (s *Store) reloadScripts(ctx context.Context, key string, sent time.Time) e
 		if err != nil {
 			s.noteErr(err)
 			err = fmt.Errorf("balance: loading scripts on %s: %w", addr, err)
-		} else {
-			s.log.Info("balance: scripts loaded again", "node", addr)
 		}
 		t.mu.Lock()
 		l.err, l.doneAt = err, time.Now()

@@ -62,7 +62,6 @@ func (s *Store) run(ctx context.Context, name string, keys []string, args ...any
 		s.noteErr(err)
 		return cmd
 	}
-	s.log.Warn("balance: scripts missing on the server (restart or failover?); loading them again", "script", name)
 	if err := s.reloadScripts(ctx, keys[0], sent); err != nil {
 		s.log.Warn("balance: reloading scripts", "err", err)
 	}
@@ -98,7 +97,6 @@ func (s *Store) pipelined(ctx context.Context, name string, keys [][]string, arg
 	if len(again) == 0 {
 		return cmds
 	}
-	s.log.Warn("balance: scripts missing on the server (restart or failover?); loading them again", "script", name, "calls", len(again))
 	// One wait per node (calls on one node share its round).
 	var wg sync.WaitGroup
 	seen := map[string]bool{}
