@@ -158,7 +158,8 @@ func (s *Store) warn(msg string) {
 	}
 }
 
-// checkServer checks one server: version ≥ 6.0, maxmemory-policy noeviction, AOF.
+// checkServer checks one server: version ≥ 6.0, maxmemory-policy noeviction, AOF, and on a
+// Cluster cluster-require-full-coverage (a warning when yes).
 func (s *Store) checkServer(ctx context.Context, c redis.Cmdable) error {
 	info, err := c.Info(ctx, "server").Result()
 	if err != nil {
@@ -199,6 +200,17 @@ func (s *Store) checkServer(ctx context.Context, c redis.Cmdable) error {
 		return fmt.Errorf("balance: CONFIG GET appendonly: %w", err)
 	case aof != "yes":
 		s.warn("balance: AOF persistence is off: a Redis restart loses holds and tombstones (the ledger reseeds balances)")
+	}
+
+	if s.topo.cc != nil {
+		full, err := configGet(ctx, c, "cluster-require-full-coverage")
+		switch {
+		case isUnknownCommand(err):
+		case err != nil:
+			return fmt.Errorf("balance: CONFIG GET cluster-require-full-coverage: %w", err)
+		case full == "yes":
+			s.warn("balance: cluster-require-full-coverage is yes: while a failed master's replica is not yet promoted, every master refuses every org (CLUSTERDOWN), not only the failed master's; set it to no")
+		}
 	}
 	return nil
 }
