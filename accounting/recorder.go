@@ -110,7 +110,7 @@ type Recorder struct {
 	queue  chan *recordReq
 
 	finished, finishErrs, finishSkipped atomic.Int64
-	finishing                           sync.WaitGroup // finish calls in flight (Stop waits for them)
+	finishing                           sync.WaitGroup // finish calls in flight (Stop waits for them once the flushers are done)
 	finishShards                        sync.Map       // shard → chan struct{}: its finish calls in flight (finishSlots)
 }
 
@@ -236,12 +236,24 @@ func (r *Recorder) Start(ctx context.Context) error {
 }
 
 // Stop stops accepting events, writes every event already queued and waits for the flushers
-// (or for ctx, whichever ends first). With a journal it then tries one last replay; what the
-// journal still holds stays on disk for the next run. Stop before Start does nothing.
+// and their finish calls (or for ctx, whichever ends first). With a journal it then tries one
+// last replay; what the journal still holds stays on disk for the next run. Stop before Start
+// does nothing.
 func (r *Recorder) Stop(ctx context.Context) error {
 	first, err := r.run.Stop(ctx)
-	if err != nil || !first {
+	if err != nil {
 		return err
+	}
+	// The flushers have returned: no finish call starts any more.
+	finished := make(chan struct{})
+	go func() { r.finishing.Wait(); close(finished) }()
+	select {
+	case <-finished:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	if !first {
+		return nil
 	}
 	if r.fb != nil {
 		return r.fb.stop(ctx)
@@ -304,7 +316,6 @@ func (r *Recorder) flusher() {
 	for {
 		first, ok := <-r.queue
 		if !ok {
-			r.finishing.Wait()
 			return
 		}
 		batch = append(batch[:0], first)
@@ -348,7 +359,6 @@ func (r *Recorder) flusher() {
 		r.commit(batch)
 		clear(batch)
 		if !open {
-			r.finishing.Wait()
 			return
 		}
 	}

@@ -26,9 +26,6 @@ type topology struct {
 
 	mu    sync.Mutex
 	loads map[string]*scriptLoad // node address ("" for one server) → its last script load
-	// reloads counts the slot-map reloads asked for; scriptRounds the SCRIPT LOAD rounds sent
-	// after a NOSCRIPT (tests read them).
-	reloads, scriptRounds atomic.Int64
 }
 
 // scriptLoad is one round of SCRIPT LOADs on one node: in progress until done is closed.
@@ -61,7 +58,6 @@ func (s *Store) noteErr(err error) {
 	if now-last < int64(ClusterReloadInterval) || !t.lastReload.CompareAndSwap(last, now) {
 		return
 	}
-	t.reloads.Add(1)
 	t.cc.ReloadState(context.Background()) // asynchronous
 }
 
@@ -116,7 +112,6 @@ func (s *Store) reloadScripts(ctx context.Context, key string, sent time.Time) e
 	l = &scriptLoad{done: make(chan struct{})}
 	t.loads[addr] = l
 	t.mu.Unlock()
-	t.scriptRounds.Add(1)
 	s.log.Warn("balance: scripts missing on a server (restart or failover?); loading them again", "node", addr)
 	go func() {
 		// The round outlives the caller that started it: others wait for it too.
