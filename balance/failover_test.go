@@ -175,3 +175,77 @@ func TestModelMaxRefreshHangs(t *testing.T) {
 	}
 	h.once.Do(func() { close(h.release) })
 }
+
+// TestCoalescePerMaster (issue 22 item 10): on a Cluster, reserves are coalesced per master, so
+// the round trips stuck on a master that hangs (here: SIGSTOP) never take the pipeline slots of
+// reserves for orgs on the other masters; and the recorder's finish shards (FinishShard) name
+// each org's master.
+func TestCoalescePerMaster(t *testing.T) {
+	t.Parallel()
+	cl := testutil.StartRedisCluster(t)
+	ctx := context.Background()
+	c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), ReadTimeout: time.Minute, WriteTimeout: time.Minute})
+	t.Cleanup(func() { _ = c.Close() })
+	l := balancetest.NewFakeLedger(1)
+	prefix := testutil.RandomName("t")
+	// One pipeline slot per coalescer: a single stuck call takes it.
+	s, err := balance.New(ctx, c, &balance.Config{Ledger: l, Prefix: prefix, MaxPipelines: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hung := cl.Nodes[0]
+	var onHung, elsewhere []string
+	for i := 0; len(onHung) < 3 || len(elsewhere) < 3; i++ {
+		org := fmt.Sprintf("o%d", i)
+		if cl.NodeFor(balance.KeysOf(prefix, org).Acct) == hung {
+			onHung = append(onHung, org)
+		} else {
+			elsewhere = append(elsewhere, org)
+		}
+	}
+	for _, org := range append(append([]string(nil), onHung...), elsewhere...) {
+		l.Add(org, 1_000_000, "")
+		if err := s.Warm(ctx, org); err != nil {
+			t.Fatal(err)
+		}
+		if got, want := s.FinishShard(org), cl.NodeFor(balance.KeysOf(prefix, org).Holds).Addr(); got != want {
+			t.Fatalf("FinishShard(%s) = %q, want its master %q", org, got, want)
+		}
+	}
+
+	hung.Pause()
+	var resume sync.Once
+	t.Cleanup(func() { resume.Do(hung.Resume) })
+	node, err := c.MasterForKey(ctx, balance.KeysOf(prefix, onHung[0]).Acct)
+	if err != nil {
+		t.Fatal(err)
+	}
+	busy := func() uint32 { st := node.PoolStats(); return st.TotalConns - st.IdleConns }
+	before := busy()
+	var wg sync.WaitGroup
+	for i, org := range onHung {
+		wg.Go(func() {
+			// Served once the master is back (the test resumes it), or refused: either way not
+			// before this test's healthy reserves are done.
+			_, _ = s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: fmt.Sprintf("stuck%d", i), Amount: 10})
+		})
+	}
+	// A reserve is on its way to the hung master (its connection taken).
+	deadline := time.Now().Add(10 * time.Second)
+	for busy() <= before {
+		if time.Now().After(deadline) {
+			t.Fatal("no call reached the hung master")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	for i, org := range elsewhere {
+		rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		_, err := s.Reserve(rctx, balance.ReserveRequest{Org: org, HoldID: fmt.Sprintf("ok%d", i), Amount: 10})
+		cancel()
+		if err != nil {
+			t.Fatalf("reserve for %s (another master) while one master hangs: %v", org, err)
+		}
+	}
+	resume.Do(hung.Resume)
+	wg.Wait()
+}
