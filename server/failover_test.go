@@ -94,14 +94,14 @@ func TestClusterFailover(t *testing.T) {
 	pg := testutil.Postgres(t)
 	p := startTestProxy(t, false, func(c *Config) {
 		c.RedisURL, c.DatabaseURL, c.Prefix = strings.Join(urls, ","), pg.URL, prefix
-		// Keys and the model are looked up once (warm-up), and a reserve may take 3 s (not 1 s):
+		// Keys and the model are looked up once (warm-up), and a reserve may take 5 s (not 1 s):
 		// this test is about the failover, and a Postgres look-up or a Redis round trip slowed
 		// down by a loaded machine (the whole suite runs in parallel on 2 cores) must not pass
 		// for its effect. What once held up the healthy masters' orgs has tests of its own that
 		// need no clock: TestCoalescePerMaster, TestRecorderFinishStallsNoOne,
 		// TestModelMaxRefreshHangs (balance, accounting).
 		c.KeyCacheTTL = 10 * time.Minute
-		c.ReserveTimeout = 3 * time.Second
+		c.ReserveTimeout = 5 * time.Second
 	})
 	keys := map[string]string{}
 	for i, org := range orgs {
