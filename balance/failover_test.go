@@ -182,7 +182,9 @@ func TestModelMaxRefreshHangs(t *testing.T) {
 // each org's master.
 func TestCoalescePerMaster(t *testing.T) {
 	t.Parallel()
-	cl := testutil.StartRedisCluster(t)
+	// A node timeout far beyond the test: the paused master is never marked failed (with full
+	// coverage required, the other masters would then refuse every key).
+	cl := testutil.StartRedisCluster(t, testutil.ClusterServer(testutil.RedisArgs("--cluster-node-timeout", "600000")))
 	ctx := context.Background()
 	c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), ReadTimeout: time.Minute, WriteTimeout: time.Minute})
 	t.Cleanup(func() { _ = c.Close() })
