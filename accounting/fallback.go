@@ -33,7 +33,8 @@ type RecorderStats struct {
 	PinErrors       int64 // pin or unpin calls that failed (they are retried)
 	JournalFull     int64 // batches refused because the journal was full
 	Finished        int64 // holds finished right after their usage was durable
-	FinishErrors    int64 // finish calls (one per batch) that failed; their holds wait for the settle
+	FinishErrors    int64 // finish calls (one per batch and shard) that failed; their holds wait for the settle
+	FinishSkipped   int64 // holds not finished because their shard had too many finish calls in flight (a slow or dead Redis node); they wait for the settle
 }
 
 // pinState is one hold whose usage is in the journal (or was just replayed and waits to be

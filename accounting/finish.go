@@ -27,25 +27,87 @@ type Receipt struct {
 	HaveBalance bool
 }
 
-// finish finishes the holds of a batch that is now durable, in one pipelined call. It is best
-// effort: a finish that fails changes nothing (the worker's settle gives the hold back all the
-// same, and the hold is counted in flight until then), so its error is only counted and logged.
-// It returns one Receipt per event (nil without a Finisher or with nothing to finish).
-func (r *Recorder) finish(events []UsageEvent) []Receipt {
+// FinishSharder is a Finisher whose holds live on several servers (*balance.Store on a Redis
+// Cluster): FinishShard names the server of an org's holds ("" when unknown or when there is
+// one). The recorder finishes each server's holds of a batch in a call of its own, and answers
+// each caller as soon as its own server has answered, so that a dead or slow server holds up
+// only the requests whose holds it has.
+type FinishSharder interface {
+	FinishShard(org string) string
+}
+
+// maxFinishing is how many finish calls may be in flight on one shard. A batch whose finish
+// finds them all busy (the server is slow or dead: each call waits up to FinishTimeout) is not
+// finished: its callers are answered at once and its holds wait for the settle.
+const maxFinishing = 4
+
+// answer tells the callers of a batch that is now durable (in the ledger or the journal),
+// after finishing their holds (with a Finisher). The finish is best effort: one that fails or is
+// skipped changes nothing (the worker's settle gives the hold back all the same, and the hold
+// is counted in flight until then), so its error is only counted and logged. It never holds up
+// the flusher: each shard's finish call runs on its own goroutine (waited for by Stop), and
+// answers its callers when it returns.
+func (r *Recorder) answer(batch []*recordReq) {
 	fin := r.cfg.Finisher
 	if fin == nil {
-		return nil
-	}
-	fs := make([]balance.Finish, 0, len(events))
-	at := make([]int, 0, len(events)) // at[j]: the event of fs[j]
-	for i, ev := range events {
-		if ev.HoldAmount > 0 { // fail-open requests have no hold
-			fs = append(fs, balance.Finish{Org: ev.Org, HoldID: ev.ID, Cost: ev.Cost})
-			at = append(at, i)
+		for _, req := range batch {
+			req.done <- recordDone{}
 		}
+		return
 	}
-	if len(fs) == 0 {
-		return nil
+	sharder, _ := fin.(FinishSharder)
+	var shards []string
+	groups := map[string][]*recordReq{}
+	for _, req := range batch {
+		if req.ev.HoldAmount <= 0 { // fail-open requests have no hold
+			req.done <- recordDone{}
+			continue
+		}
+		sh := ""
+		if sharder != nil {
+			sh = sharder.FinishShard(req.ev.Org)
+		}
+		if _, ok := groups[sh]; !ok {
+			shards = append(shards, sh)
+		}
+		groups[sh] = append(groups[sh], req)
+	}
+	for _, sh := range shards {
+		reqs := groups[sh]
+		slots := r.finishSlots(sh)
+		select {
+		case slots <- struct{}{}:
+		default:
+			r.finishSkipped.Add(int64(len(reqs)))
+			for _, req := range reqs {
+				req.done <- recordDone{}
+			}
+			continue
+		}
+		r.finishing.Add(1)
+		go func() {
+			defer r.finishing.Done()
+			defer func() { <-slots }()
+			r.finish(fin, reqs)
+		}()
+	}
+}
+
+// finishSlots is the semaphore of one shard's finish calls.
+func (r *Recorder) finishSlots(shard string) chan struct{} {
+	if v, ok := r.finishShards.Load(shard); ok {
+		return v.(chan struct{})
+	}
+	v, _ := r.finishShards.LoadOrStore(shard, make(chan struct{}, maxFinishing))
+	return v.(chan struct{})
+}
+
+// finish finishes the holds of reqs (durable events, each with a hold) in one pipelined call
+// and answers each caller with its Receipt.
+func (r *Recorder) finish(fin Finisher, reqs []*recordReq) {
+	fs := make([]balance.Finish, len(reqs))
+	for i, req := range reqs {
+		fs[i] = balance.Finish{Org: req.ev.Org, HoldID: req.ev.ID, Cost: req.ev.Cost}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.FinishTimeout)
 	defer cancel()
@@ -54,19 +116,18 @@ func (r *Recorder) finish(events []UsageEvent) []Receipt {
 		r.finishErrs.Add(1)
 		r.cfg.Logger.Warn("escrow: finishing holds failed; they are given back when the worker settles them", "holds", len(fs), "err", err)
 	}
-	out := make([]Receipt, len(events))
 	n := 0
-	for j, f := range res {
-		if j >= len(at) {
-			break
+	for i, req := range reqs {
+		var d recordDone
+		if i < len(res) {
+			if res[i].Done {
+				n++
+			}
+			if res[i].HaveBalance {
+				d.receipt = Receipt{Balance: res[i].Balance, HaveBalance: true}
+			}
 		}
-		if f.Done {
-			n++
-		}
-		if f.HaveBalance {
-			out[at[j]] = Receipt{Balance: f.Balance, HaveBalance: true}
-		}
+		req.done <- d
 	}
 	r.finished.Add(int64(n))
-	return out
 }

@@ -64,13 +64,17 @@ type RecorderConfig struct {
 	// the requests that hold one can still be journaled. Default 0.1.
 	JournalReserve float64
 	// Finisher, when set, finishes the holds of every batch right after it is durable (in the
-	// ledger or the journal), in one pipelined call per batch, before the batch's Record calls
-	// return: the unused part of each hold is available again at once, and the hold no longer
-	// counts against the per-org cap on requests in flight. Best effort: a failed finish changes
-	// nothing (the settle does the same later). *balance.Store implements it. Default nil: holds
-	// stay whole and in flight until the worker settles them.
+	// ledger or the journal), in one pipelined call per batch (per shard of a FinishSharder:
+	// per master of a Redis Cluster), before the batch's Record calls return: the unused part of
+	// each hold is available again at once, and the hold no longer counts against the per-org
+	// cap on requests in flight. Best effort: a failed finish changes nothing (the settle does
+	// the same later). The finish never holds up the next batch, and a shard that does not
+	// answer holds up only the callers whose holds it has (at most FinishTimeout; with
+	// maxFinishing calls stuck on it, its holds are left to the settle).
+	// *balance.Store implements it. Default nil: holds stay whole and in flight until the worker
+	// settles them.
 	Finisher Finisher
-	// FinishTimeout bounds one batch's finish call. Default 1s.
+	// FinishTimeout bounds one finish call. Default 1s.
 	FinishTimeout time.Duration
 	// Wake, when set, is called once per batch right after the batch is in the ledger, and after
 	// each journal replay that stored events: it wakes the worker of this process for an
@@ -105,7 +109,9 @@ type Recorder struct {
 	closed bool         // the queue is closed
 	queue  chan *recordReq
 
-	finished, finishErrs atomic.Int64
+	finished, finishErrs, finishSkipped atomic.Int64
+	finishing                           sync.WaitGroup // finish calls in flight (Stop waits for them once the flushers are done)
+	finishShards                        sync.Map       // shard → chan struct{}: its finish calls in flight (finishSlots)
 }
 
 type recordReq struct {
@@ -191,7 +197,7 @@ func (r *Recorder) Journaling() bool { return r.fb != nil && r.fb.j.Len() > 0 }
 
 // Stats returns the recorder's running totals and its journal's state.
 func (r *Recorder) Stats() RecorderStats {
-	st := RecorderStats{Finished: r.finished.Load(), FinishErrors: r.finishErrs.Load()}
+	st := RecorderStats{Finished: r.finished.Load(), FinishErrors: r.finishErrs.Load(), FinishSkipped: r.finishSkipped.Load()}
 	f := r.fb
 	if f == nil {
 		return st
@@ -230,12 +236,24 @@ func (r *Recorder) Start(ctx context.Context) error {
 }
 
 // Stop stops accepting events, writes every event already queued and waits for the flushers
-// (or for ctx, whichever ends first). With a journal it then tries one last replay; what the
-// journal still holds stays on disk for the next run. Stop before Start does nothing.
+// and their finish calls (or for ctx, whichever ends first). With a journal it then tries one
+// last replay; what the journal still holds stays on disk for the next run. Stop before Start
+// does nothing.
 func (r *Recorder) Stop(ctx context.Context) error {
 	first, err := r.run.Stop(ctx)
-	if err != nil || !first {
+	if err != nil {
 		return err
+	}
+	// The flushers have returned: no finish call starts any more.
+	finished := make(chan struct{})
+	go func() { r.finishing.Wait(); close(finished) }()
+	select {
+	case <-finished:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	if !first {
+		return nil
 	}
 	if r.fb != nil {
 		return r.fb.stop(ctx)
@@ -367,18 +385,15 @@ func (r *Recorder) commit(batch []*recordReq) {
 			acancel()
 		}
 	}
-	var receipts []Receipt
 	if err == nil {
-		// Before the callers hear back: a client that saw its request end must not meet its
-		// hold in the in-flight count on its next request.
-		receipts = r.finish(events)
+		// Finished before the callers hear back: a client that saw its request end must not
+		// meet its hold in the in-flight count on its next request. The flusher goes on with
+		// the next batch meanwhile.
+		r.answer(batch)
+		return
 	}
-	for i, req := range batch {
-		d := recordDone{err: err}
-		if i < len(receipts) {
-			d.receipt = receipts[i]
-		}
-		req.done <- d
+	for _, req := range batch {
+		req.done <- recordDone{err: err}
 	}
 }
 

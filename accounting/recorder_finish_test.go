@@ -3,6 +3,7 @@ package accounting_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -265,5 +266,102 @@ func TestRecorderFinishJournaled(t *testing.T) {
 	st, _ = store.State(ctx, "acme")
 	if want := int64(1000 - 3*n); acct.Balance != want || st.Balance != want || st.Holds != 0 {
 		t.Fatalf("after the drain: ledger %d, hot %+v; want %d and no holds", acct.Balance, st, want)
+	}
+}
+
+// stuckFinisher names one shard per org and never answers for one of them (a Redis node that
+// died) until released; the others' holds it finishes at once.
+type stuckFinisher struct {
+	stuck   string
+	release chan struct{}
+	calls   atomic.Int64 // calls that met the stuck org
+}
+
+func (f *stuckFinisher) FinishShard(org string) string { return "node-of-" + org }
+
+func (f *stuckFinisher) FinishEach(_ context.Context, fs []balance.Finish) ([]balance.Finished, error) {
+	for _, x := range fs {
+		if x.Org == f.stuck {
+			f.calls.Add(1)
+			<-f.release
+			return nil, errors.New("redis node down")
+		}
+	}
+	out := make([]balance.Finished, len(fs))
+	for i := range out {
+		out[i] = balance.Finished{Done: true, Balance: 7, HaveBalance: true}
+	}
+	return out, nil
+}
+
+// TestRecorderFinishStallsNoOne (issue 22 item 10): a finish that hangs (its Redis node died;
+// FinishTimeout is a minute here) holds up only the callers whose holds are on that node: the
+// next batches are written and other orgs' callers are answered, finished, while it hangs, in
+// batches of their own or in the hanging one's; once maxFinishing calls hang on the node, its
+// next holds are left to the settle (answered at once, FinishSkipped) instead of piling up.
+func TestRecorderFinishStallsNoOne(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	fin := &stuckFinisher{stuck: "dead", release: make(chan struct{})}
+	r := startRecorder(t, accounting.NewMemory(), accounting.RecorderConfig{Finisher: fin, FinishTimeout: time.Minute,
+		FlushInterval: 50 * time.Millisecond, Logger: quiet})
+	ev := func(org string) accounting.UsageEvent {
+		return accounting.UsageEvent{ID: newID(), Org: org, Model: "m", Cost: 1, HoldAmount: 5}
+	}
+	var stuck sync.WaitGroup
+	var once sync.Once
+	release := func() { once.Do(func() { close(fin.release) }) }
+	t.Cleanup(release) // before the recorder's Stop, which waits for the finishes
+	// startStuck records one event of the dead node's org, which hangs in its finish;
+	// hanging(n) waits for the n-th such finish call.
+	startStuck := func() {
+		stuck.Go(func() {
+			if err := r.Record(ctx, ev("dead")); err != nil {
+				t.Errorf("record on the dead node: %v (a failed finish fails no Record)", err)
+			}
+		})
+	}
+	hanging := func(n int64) {
+		t.Helper()
+		waitFor(t, fmt.Sprintf("finish call %d on the dead node", n), 5*time.Second, func() bool { return fin.calls.Load() == n })
+	}
+	// healthy records one event of a healthy org: it must be answered, finished, while the dead
+	// node's finish hangs.
+	healthy := func(what string) {
+		t.Helper()
+		rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		rc, err := r.RecordReceipt(rctx, ev("alive"))
+		if err != nil || !rc.HaveBalance || rc.Balance != 7 {
+			t.Fatalf("%s: %+v %v while a finish on another node hangs", what, rc, err)
+		}
+	}
+	startStuck()
+	hanging(1)
+	healthy("a later batch")
+
+	// Both in one batch (the flush interval gathers them), or not: the healthy one is answered.
+	startStuck()
+	healthy("alongside a hanging one")
+	hanging(2)
+
+	// Up to maxFinishing (4) calls hang on the dead node; the next batch's holds there are
+	// not finished, and its caller is answered at once.
+	startStuck()
+	hanging(3)
+	startStuck()
+	hanging(4)
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	rc, err := r.RecordReceipt(rctx, ev("dead"))
+	cancel()
+	if err != nil || rc.HaveBalance || r.Stats().FinishSkipped != 1 || fin.calls.Load() != 4 {
+		t.Fatalf("fifth record on the dead node: %+v %v, stats %+v, %d calls", rc, err, r.Stats(), fin.calls.Load())
+	}
+	healthy("with the dead node's slots full")
+
+	release()
+	stuck.Wait()
+	if st := r.Stats(); st.FinishErrors != 4 || st.Finished != 3 {
+		t.Fatalf("stats %+v: want 4 failed finishes, 3 holds finished", st)
 	}
 }

@@ -79,7 +79,8 @@ type Config struct {
 	// MaxBatch, with coalescing: the most reserves in one pipeline. Default 128.
 	MaxBatch int
 	// MaxPipelines, with coalescing: the most reserve round trips (lone calls or pipelines) in
-	// flight at once; keep it below the client's pool size. Default 4.
+	// flight at once, per master on a Cluster; keep it below the client's pool size (per node).
+	// Default 4.
 	MaxPipelines int
 	// ClockOffset shifts the clock the scripts use for limit windows (never expiries): for tests
 	// only, so window rollovers are tested without a sleep. Default 0.

@@ -40,6 +40,21 @@ func (s *Store) Finish(ctx context.Context, org, holdID string, cost int64) (boo
 	return n == 1, err
 }
 
+// FinishShard names the Redis node that has org's holds: on a Cluster, the address of the
+// master that the client's slot map names for them; "" for one server (or when the slot map
+// cannot be read). The recorder (accounting.FinishSharder) finishes each node's holds apart, so
+// that a dead master holds up only its own orgs' requests.
+func (s *Store) FinishShard(org string) string {
+	if s.topo.cc == nil {
+		return ""
+	}
+	addr, _, err := s.nodeOf(context.Background(), s.keys(org).Holds)
+	if err != nil {
+		return ""
+	}
+	return addr
+}
+
 // FinishBatch is FinishEach counting the holds this call finished.
 func (s *Store) FinishBatch(ctx context.Context, fs []Finish) (int, error) {
 	res, err := s.FinishEach(ctx, fs)

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -48,33 +49,38 @@ func newScripts() map[string]*script {
 	return m
 }
 
-// run calls a script with EVALSHA. On NOSCRIPT (a restarted or failed-over server) it loads
-// every script again on every master and retries; if the script is still missing on the node
-// that owns the keys, it falls back to EVAL, which loads it there.
+// run calls a script with EVALSHA. On NOSCRIPT (a restarted or failed-over server) the scripts
+// are loaded again on the node that owns the keys — one round per node, however many calls
+// meet NOSCRIPT at once (reloadScripts) — and the call is retried; if the script is still
+// missing there, it falls back to EVAL, which loads it. Every error is noted (noteErr): a
+// connection error reloads a Cluster's slot map.
 func (s *Store) run(ctx context.Context, name string, keys []string, args ...any) *redis.Cmd {
 	sc := s.scripts[name]
+	sent := time.Now()
 	cmd := s.c.EvalSha(ctx, sc.sha, keys, args...)
-	if !isNoScript(cmd.Err()) {
+	if err := cmd.Err(); !isNoScript(err) {
+		s.noteErr(err)
 		return cmd
 	}
-	s.log.Warn("balance: scripts missing on the server (restart or failover?); loading them again", "script", name)
-	if err := s.loadScripts(ctx); err != nil {
+	if err := s.reloadScripts(ctx, keys[0], sent); err != nil {
 		s.log.Warn("balance: reloading scripts", "err", err)
 	}
 	cmd = s.c.EvalSha(ctx, sc.sha, keys, args...)
 	if isNoScript(cmd.Err()) {
 		cmd = s.c.Eval(ctx, sc.src, keys, args...)
 	}
+	s.noteErr(cmd.Err())
 	return cmd
 }
 
 // pipelined calls one script once per (keys[i], args[i]) in one pipeline: one round trip (one
 // per master on a Cluster). Calls that meet NOSCRIPT ran nothing: the scripts are loaded again
-// and those calls alone are sent again (EVAL where the script is still missing). The pipeline
-// outlives no caller: ctx bounds it.
+// on their nodes (reloadScripts) and those calls alone are sent again (EVAL where the script is
+// still missing). The pipeline outlives no caller: ctx bounds it.
 func (s *Store) pipelined(ctx context.Context, name string, keys [][]string, args [][]any) []*redis.Cmd {
 	sc := s.scripts[name]
 	cmds := make([]*redis.Cmd, len(keys))
+	sent := time.Now()
 	pipe := s.c.Pipeline()
 	for i := range keys {
 		cmds[i] = pipe.EvalSha(ctx, sc.sha, keys[i], args[i]...)
@@ -82,17 +88,31 @@ func (s *Store) pipelined(ctx context.Context, name string, keys [][]string, arg
 	_, _ = pipe.Exec(ctx)
 	var again []int
 	for i, cmd := range cmds {
-		if isNoScript(cmd.Err()) {
+		if err := cmd.Err(); isNoScript(err) {
 			again = append(again, i)
+		} else if err != nil {
+			s.noteErr(err)
 		}
 	}
 	if len(again) == 0 {
 		return cmds
 	}
-	s.log.Warn("balance: scripts missing on the server (restart or failover?); loading them again", "script", name, "calls", len(again))
-	if err := s.loadScripts(ctx); err != nil {
-		s.log.Warn("balance: reloading scripts", "err", err)
+	// One wait per node (calls on one node share its round).
+	var wg sync.WaitGroup
+	seen := map[string]bool{}
+	for _, i := range again {
+		addr, _, err := s.nodeOf(ctx, keys[i][0])
+		if err != nil || seen[addr] {
+			continue
+		}
+		seen[addr] = true
+		wg.Go(func() {
+			if err := s.reloadScripts(ctx, keys[i][0], sent); err != nil {
+				s.log.Warn("balance: reloading scripts", "err", err)
+			}
+		})
 	}
+	wg.Wait()
 	pipe = s.c.Pipeline()
 	for _, i := range again {
 		cmds[i] = pipe.EvalSha(ctx, sc.sha, keys[i], args[i]...)
@@ -103,6 +123,7 @@ func (s *Store) pipelined(ctx context.Context, name string, keys [][]string, arg
 			// Still missing where the keys live: EVAL loads it there.
 			cmds[i] = s.c.Eval(ctx, sc.src, keys[i], args[i]...)
 		}
+		s.noteErr(cmds[i].Err())
 	}
 	return cmds
 }
@@ -113,26 +134,19 @@ func isNoScript(err error) bool {
 
 // eachMaster runs fn on every master of a Cluster, or on the one server otherwise.
 func (s *Store) eachMaster(ctx context.Context, fn func(context.Context, redis.Cmdable) error) error {
+	var err error
 	if cc, ok := s.c.(*redis.ClusterClient); ok {
-		return cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return fn(ctx, c) })
+		err = cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return fn(ctx, c) })
+	} else {
+		err = fn(ctx, s.c)
 	}
-	return fn(ctx, s.c)
+	s.noteErr(err)
+	return err
 }
 
-// loadScripts loads every script on every master (SCRIPT LOAD).
+// loadScripts loads every script on every master (SCRIPT LOAD, one pipeline per master).
 func (s *Store) loadScripts(ctx context.Context) error {
-	return s.eachMaster(ctx, func(ctx context.Context, c redis.Cmdable) error {
-		for name, sc := range s.scripts {
-			sha, err := c.ScriptLoad(ctx, sc.src).Result()
-			if err != nil {
-				return fmt.Errorf("balance: loading script %s: %w", name, err)
-			}
-			if sha != sc.sha {
-				return fmt.Errorf("balance: script %s: server sha %s, expected %s", name, sha, sc.sha)
-			}
-		}
-		return nil
-	})
+	return s.eachMaster(ctx, func(ctx context.Context, c redis.Cmdable) error { return s.loadScriptsOn(ctx, c) })
 }
 
 // warn adds a start-up warning once (checkServer runs on every master at once in a Cluster).
@@ -144,7 +158,8 @@ func (s *Store) warn(msg string) {
 	}
 }
 
-// checkServer checks one server: version ≥ 6.0, maxmemory-policy noeviction, AOF.
+// checkServer checks one server: version ≥ 6.0, maxmemory-policy noeviction, AOF, and on a
+// Cluster cluster-require-full-coverage (a warning when yes).
 func (s *Store) checkServer(ctx context.Context, c redis.Cmdable) error {
 	info, err := c.Info(ctx, "server").Result()
 	if err != nil {
@@ -185,6 +200,17 @@ func (s *Store) checkServer(ctx context.Context, c redis.Cmdable) error {
 		return fmt.Errorf("balance: CONFIG GET appendonly: %w", err)
 	case aof != "yes":
 		s.warn("balance: AOF persistence is off: a Redis restart loses holds and tombstones (the ledger reseeds balances)")
+	}
+
+	if s.topo.cc != nil {
+		full, err := configGet(ctx, c, "cluster-require-full-coverage")
+		switch {
+		case isUnknownCommand(err):
+		case err != nil:
+			return fmt.Errorf("balance: CONFIG GET cluster-require-full-coverage: %w", err)
+		case full == "yes":
+			s.warn("balance: cluster-require-full-coverage is yes: while a failed master's replica is not yet promoted, every master refuses every org (CLUSTERDOWN), not only the failed master's; set it to no")
+		}
 	}
 	return nil
 }

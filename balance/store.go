@@ -28,7 +28,9 @@ type Store struct {
 	holdTTLArg, capArgArg, tombTTLArg, pinFloorArg any
 
 	scripts  map[string]*script
-	co       *coalescer // nil with Config.NoCoalesce
+	topo     *topology
+	co       *coalescer // nil with Config.NoCoalesce; on a Cluster, for keys of no known node
+	coNodes  sync.Map   // on a Cluster with coalescing: master address → its *coalescer
 	epoch    atomic.Pointer[cachedEpoch]
 	warming  singleflight.Group
 	warnMu   sync.Mutex
@@ -84,6 +86,7 @@ func New(ctx context.Context, c redis.UniversalClient, conf *Config) (*Store, er
 		settleDL: ms(cfg.SettleDeadline),
 		clockArg: ms(cfg.ClockOffset),
 		scripts:  newScripts(),
+		topo:     newTopology(c),
 		held:     make(map[string]uint64),
 	}
 	s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg = s.holdTTL, s.capArg, s.tombTTL, s.pinFloor
@@ -137,6 +140,7 @@ func (s *Store) PinRenewal() time.Duration { return s.cfg.PinTTL / 4 }
 func (s *Store) Now(ctx context.Context) (time.Time, error) {
 	t, err := s.c.Time(ctx).Result()
 	if err != nil {
+		s.noteErr(err)
 		return time.Now().Add(s.cfg.ClockOffset), fmt.Errorf("balance: redis TIME: %w: %w", ErrRedis, err)
 	}
 	return t.Add(s.cfg.ClockOffset), nil
@@ -202,6 +206,7 @@ func (s *Store) RevokeKey(ctx context.Context, keyID string) error {
 		return err
 	}
 	if err := s.c.Set(ctx, s.revokedKey(keyID), "1", RevocationTTL).Err(); err != nil {
+		s.noteErr(err)
 		return fmt.Errorf("balance: revoke key: %w: %w", ErrRedis, err)
 	}
 	return nil
@@ -214,6 +219,7 @@ func (s *Store) KeyRevoked(ctx context.Context, keyID string) (bool, error) {
 	}
 	n, err := s.c.Exists(ctx, s.revokedKey(keyID)).Result()
 	if err != nil {
+		s.noteErr(err)
 		return false, fmt.Errorf("balance: key revoked: %w: %w", ErrRedis, err)
 	}
 	return n == 1, nil
@@ -337,7 +343,7 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 		var res []any
 		var err error
 		if s.co != nil {
-			res, err = s.co.reserve(ctx, keys, args)
+			res, err = s.coalescerFor(ctx, keys[0]).reserve(ctx, keys, args)
 		} else {
 			res, err = s.run(ctx, scReserve, keys, args...).Slice()
 		}
@@ -375,6 +381,24 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 			return Reservation{}, fmt.Errorf("balance: reserve: unexpected reply %v", res)
 		}
 	}
+}
+
+// coalescerFor returns the coalescer of the master that serves key: one per master on a
+// Cluster, so that the round trips stuck on a dead master (each until the client gives up)
+// never hold the pipeline slots of reserves for the others.
+func (s *Store) coalescerFor(ctx context.Context, key string) *coalescer {
+	if s.topo.cc == nil {
+		return s.co
+	}
+	addr, _, err := s.nodeOf(ctx, key)
+	if err != nil {
+		return s.co
+	}
+	if co, ok := s.coNodes.Load(addr); ok {
+		return co.(*coalescer)
+	}
+	co, _ := s.coNodes.LoadOrStore(addr, newCoalescer(s, s.cfg))
+	return co.(*coalescer)
 }
 
 // msTime reads a script's ms timestamp string.
@@ -640,6 +664,7 @@ func (s *Store) CatchUp(ctx context.Context, org string) error {
 	for range 10_000 {
 		v, err := s.c.HMGet(ctx, s.keys(org).Acct, "wm").Result()
 		if err != nil {
+			s.noteErr(err)
 			return fmt.Errorf("balance: catch-up: %w: %w", ErrRedis, err)
 		}
 		if v[0] == nil {
@@ -673,6 +698,7 @@ func (s *Store) Invalidate(ctx context.Context, org string) error {
 	}
 	k := s.keys(org)
 	if err := s.c.Del(ctx, k.Acct, k.Lim, k.U).Err(); err != nil {
+		s.noteErr(err)
 		return fmt.Errorf("balance: invalidate: %w", err)
 	}
 	return nil
@@ -807,35 +833,73 @@ func checkModel(m string) error {
 	return nil
 }
 
+// The learned max's refresh: how long a caller that has a value (expired) waits for the
+// refresh before it uses that value, and how long the shared refresh may take.
+const (
+	modelMaxWait        = 100 * time.Millisecond
+	modelMaxLoadTimeout = 2 * time.Second
+)
+
 // ModelMax returns the model's learned max cost (0 if none), served from an in-process cache
-// for ModelMaxCacheTTL.
+// for ModelMaxCacheTTL. An expired value is refreshed by one GET shared by every caller; a
+// caller waits for it at most modelMaxWait (then, or when the GET fails, it is served the
+// expired value), so that a model whose key lives on a dead or slow node stalls no request:
+// a failed refresh keeps the old value for another ModelMaxCacheTTL. Only the first read of a
+// model waits for Redis (within ctx).
 func (s *Store) ModelMax(ctx context.Context, model string) (int64, error) {
 	if err := checkModel(model); err != nil {
 		return 0, err
 	}
+	var old *cachedMax
 	if v, ok := s.maxCache.Load(model); ok {
-		if c := v.(*cachedMax); time.Since(c.at) < s.cfg.ModelMaxCacheTTL {
-			return c.v, nil
+		old = v.(*cachedMax)
+		if time.Since(old.at) < s.cfg.ModelMaxCacheTTL {
+			return old.v, nil
 		}
 	}
 	// One GET per model at a time: the callers that find the entry expired together share it
 	// (without this, every request in flight at the moment of expiry sent its own GET).
-	v, err, _ := s.maxLoad.Do(model, func() (any, error) {
+	ch := s.maxLoad.DoChan(model, func() (any, error) {
 		// Not bound to one caller's cancellation: the others wait for the same answer.
-		n, err := s.c.Get(context.WithoutCancel(ctx), s.modelKey(model)).Int64()
+		gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), modelMaxLoadTimeout)
+		defer cancel()
+		n, err := s.c.Get(gctx, s.modelKey(model)).Int64()
 		if errors.Is(err, redis.Nil) {
 			n, err = 0, nil
 		}
 		if err != nil {
+			s.noteErr(err)
+			if old != nil { // keep serving it, unless a newer value came meanwhile
+				s.maxCache.CompareAndSwap(model, old, &cachedMax{v: old.v, at: time.Now()})
+			}
 			return int64(0), err
 		}
 		s.maxCache.Store(model, &cachedMax{v: n, at: time.Now()})
 		return n, nil
 	})
-	if err != nil {
-		return 0, fmt.Errorf("balance: model max: %w", err)
+	var wait <-chan time.Time
+	if old != nil {
+		t := time.NewTimer(modelMaxWait)
+		defer t.Stop()
+		wait = t.C
 	}
-	return v.(int64), nil
+	select {
+	case r := <-ch:
+		if r.Err == nil {
+			return r.Val.(int64), nil
+		}
+		if old != nil {
+			return old.v, nil
+		}
+		return 0, fmt.Errorf("balance: model max: %w", r.Err)
+	case <-wait:
+		return old.v, nil
+	case <-ctx.Done():
+		if old != nil {
+			return old.v, nil
+		}
+		return 0, fmt.Errorf("balance: model max: %w", ctx.Err())
+	}
 }
 
 // RaiseModelMax raises the model's learned max cost to cost, capped at ceiling (> 0); it never
@@ -875,6 +939,7 @@ func (s *Store) SetModelMax(ctx context.Context, model string, v int64) error {
 		err = s.c.Set(ctx, s.modelKey(model), v, 0).Err()
 	}
 	if err != nil {
+		s.noteErr(err)
 		return fmt.Errorf("balance: set model max: %w", err)
 	}
 	s.maxCache.Store(model, &cachedMax{v: v, at: time.Now()})

@@ -117,6 +117,7 @@ func (m *metrics) journalMetrics(a *Server) {
 	counter("escrow_journal_pin_errors_total", "Pin or unpin calls that failed (retried).", func(s accounting.RecorderStats) int64 { return s.PinErrors })
 	counter("escrow_holds_finished_total", "Holds finished right after their usage was recorded (unused part given back, out of the in-flight count).", func(s accounting.RecorderStats) int64 { return s.Finished })
 	counter("escrow_finish_errors_total", "Record batches whose holds could not be finished (they wait for the settle instead).", func(s accounting.RecorderStats) int64 { return s.FinishErrors })
+	counter("escrow_finish_skipped_total", "Holds not finished because their Redis node had too many finish calls in flight (slow or dead); they wait for the settle.", func(s accounting.RecorderStats) int64 { return s.FinishSkipped })
 	counter("escrow_journal_full_total", "Batches refused because the local journal was full (those requests failed).", func(s accounting.RecorderStats) int64 { return s.JournalFull })
 	m.journalRefused = prometheus.NewCounter(prometheus.CounterOpts{Name: "escrow_journal_refused_total",
 		Help: "Requests refused with 503 because the local journal was nearly full."})

@@ -120,3 +120,49 @@ func TestRedisClusterNodeRestartRejoins(t *testing.T) {
 		t.Fatalf("write after node restart: %v", err)
 	}
 }
+
+// TestRedisClusterReplicaFailover: with replicas and AOF, a killed master's replica is promoted
+// and, once the client has reloaded the slot map, serves the keys the master had.
+func TestRedisClusterReplicaFailover(t *testing.T) {
+	t.Parallel()
+	start := time.Now()
+	rc := StartRedisCluster(t, ClusterReplicas(1), ClusterServer(RedisAppendOnly(true)))
+	t.Logf("3+3 cluster ready in %v", time.Since(start))
+	if len(rc.Replicas) != 3 || len(rc.Replicas[0]) != 1 {
+		t.Fatalf("replicas: %v", rc.Replicas)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Second)
+	defer cancel()
+	c := rc.Client()
+	key := "esc:{kept}:acct"
+	if err := c.Set(ctx, key, "1", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	// The write reached the replica before the kill (WAIT: acknowledged by one replica).
+	m := rc.NodeFor(key)
+	if n, err := m.Client().Do(ctx, "WAIT", 1, 5000).Int(); err != nil || n != 1 {
+		t.Fatalf("WAIT: %d %v", n, err)
+	}
+	r := rc.ReplicaFor(key)
+	kill := time.Now()
+	m.Kill()
+	at, err := rc.WaitMaster(ctx, r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("replica promoted %v after the kill", at.Sub(kill))
+	for {
+		c.ReloadState(ctx)
+		v, err := c.Get(ctx, key).Result()
+		if err == nil {
+			if v != "1" {
+				t.Fatalf("after failover: %q", v)
+			}
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("key never served after the failover: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}

@@ -145,6 +145,22 @@ func (s *RedisServer) Stop() { s.signal(syscall.SIGTERM, 10*time.Second) }
 // when the server is not running.
 func (s *RedisServer) Kill() { s.signal(syscall.SIGKILL, 0) }
 
+// Pause stops the server's process (SIGSTOP) without ending it, like a hung or partitioned
+// node: its connections stay open and every call on them waits, until Resume (SIGCONT). It
+// does nothing when the server is not running.
+func (s *RedisServer) Pause() { s.sendSignal(syscall.SIGSTOP) }
+
+// Resume continues a paused server (SIGCONT).
+func (s *RedisServer) Resume() { s.sendSignal(syscall.SIGCONT) }
+
+func (s *RedisServer) sendSignal(sig syscall.Signal) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.runningLocked() {
+		_ = syscall.Kill(-s.cmd.Process.Pid, sig)
+	}
+}
+
 // Restart is Stop followed by Start.
 func (s *RedisServer) Restart() {
 	s.tb.Helper()
