@@ -2,6 +2,7 @@ package accounting
 
 import (
 	"context"
+	"sync"
 
 	"github.com/llmescrow/escrow/balance"
 )
@@ -36,17 +37,31 @@ type FinishSharder interface {
 	FinishShard(org string) string
 }
 
-// maxFinishing is how many finish calls may be in flight on one shard. A batch whose finish
-// finds them all busy (the server is slow or dead: each call waits up to FinishTimeout) is not
-// finished: its callers are answered at once and its holds wait for the settle.
-const maxFinishing = 4
+// maxFinishing is how many finish calls may be in flight on one shard, and maxFinishPending
+// how many holds may wait for one of them. Holds that find every call busy (the server is slow,
+// or a burst outran it) wait together and go in the next call as one batch: a hold that is not
+// finished stays in the in-flight count until the worker settles it, and a busy but healthy
+// server must not turn into false 429s at the per-org cap (issue 12). Holds that find the queue
+// full too (the server is dead: each call waits up to FinishTimeout) are not finished: their
+// callers are answered at once and their holds wait for the settle.
+const (
+	maxFinishing     = 4
+	maxFinishPending = 4096
+)
+
+// finishShard is the finish state of one shard: its calls in flight and the holds waiting.
+type finishShard struct {
+	mu      sync.Mutex
+	busy    int
+	pending []*recordReq
+}
 
 // answer tells the callers of a batch that is now durable (in the ledger or the journal),
 // after finishing their holds (with a Finisher). The finish is best effort: one that fails or is
 // skipped changes nothing (the worker's settle gives the hold back all the same, and the hold
 // is counted in flight until then), so its error is only counted and logged. It never holds up
-// the flusher: each shard's finish call runs on its own goroutine (waited for by Stop), and
-// answers its callers when it returns.
+// the flusher: each shard's finish calls run on goroutines of their own (waited for by Stop),
+// and answer their callers when they return.
 func (r *Recorder) answer(batch []*recordReq) {
 	fin := r.cfg.Finisher
 	if fin == nil {
@@ -74,32 +89,50 @@ func (r *Recorder) answer(batch []*recordReq) {
 	}
 	for _, sh := range shards {
 		reqs := groups[sh]
-		slots := r.finishSlots(sh)
-		select {
-		case slots <- struct{}{}:
+		s := r.finishShard(sh)
+		s.mu.Lock()
+		switch {
+		case s.busy < maxFinishing:
+			s.busy++
+			s.mu.Unlock()
+			r.finishing.Add(1)
+			go r.finishOn(fin, s, reqs)
+		case len(s.pending)+len(reqs) <= maxFinishPending:
+			s.pending = append(s.pending, reqs...)
+			s.mu.Unlock()
 		default:
+			s.mu.Unlock()
 			r.finishSkipped.Add(int64(len(reqs)))
 			for _, req := range reqs {
 				req.done <- recordDone{}
 			}
-			continue
 		}
-		r.finishing.Add(1)
-		go func() {
-			defer r.finishing.Done()
-			defer func() { <-slots }()
-			r.finish(fin, reqs)
-		}()
 	}
 }
 
-// finishSlots is the semaphore of one shard's finish calls.
-func (r *Recorder) finishSlots(shard string) chan struct{} {
-	if v, ok := r.finishShards.Load(shard); ok {
-		return v.(chan struct{})
+// finishOn finishes reqs on shard s, then the holds that queued meanwhile, until none wait.
+func (r *Recorder) finishOn(fin Finisher, s *finishShard, reqs []*recordReq) {
+	defer r.finishing.Done()
+	for {
+		r.finish(fin, reqs)
+		s.mu.Lock()
+		if len(s.pending) == 0 {
+			s.busy--
+			s.mu.Unlock()
+			return
+		}
+		reqs, s.pending = s.pending, nil
+		s.mu.Unlock()
 	}
-	v, _ := r.finishShards.LoadOrStore(shard, make(chan struct{}, maxFinishing))
-	return v.(chan struct{})
+}
+
+// finishShard is the finish state of one shard.
+func (r *Recorder) finishShard(shard string) *finishShard {
+	if v, ok := r.finishShards.Load(shard); ok {
+		return v.(*finishShard)
+	}
+	v, _ := r.finishShards.LoadOrStore(shard, &finishShard{})
+	return v.(*finishShard)
 }
 
 // finish finishes the holds of reqs (durable events, each with a hold) in one pipelined call

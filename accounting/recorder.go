@@ -111,7 +111,7 @@ type Recorder struct {
 
 	finished, finishErrs, finishSkipped atomic.Int64
 	finishing                           sync.WaitGroup // finish calls in flight (Stop waits for them once the flushers are done)
-	finishShards                        sync.Map       // shard → chan struct{}: its finish calls in flight (finishSlots)
+	finishShards                        sync.Map       // shard → *finishShard: its finish calls in flight and the holds waiting
 }
 
 type recordReq struct {

@@ -269,6 +269,25 @@ func TestRecorderFinishJournaled(t *testing.T) {
 	}
 }
 
+// countingLedger counts the events of org it stored.
+type countingLedger struct {
+	*accounting.Memory
+	org string
+	n   atomic.Int64
+}
+
+func (c *countingLedger) RecordUsage(ctx context.Context, evs []accounting.UsageEvent) error {
+	err := c.Memory.RecordUsage(ctx, evs)
+	if err == nil {
+		for _, ev := range evs {
+			if ev.Org == c.org {
+				c.n.Add(1)
+			}
+		}
+	}
+	return err
+}
+
 // stuckFinisher names one shard per org and never answers for one of them (a Redis node that
 // died) until released; the others' holds it finishes at once.
 type stuckFinisher struct {
@@ -298,13 +317,19 @@ func (f *stuckFinisher) FinishEach(_ context.Context, fs []balance.Finish) ([]ba
 // FinishTimeout is a minute here) holds up only the callers whose holds are on that node: the
 // next batches are written and other orgs' callers are answered, finished, while it hangs, in
 // batches of their own or in the hanging one's; once maxFinishing calls hang on the node, its
-// next holds are left to the settle (answered at once, FinishSkipped) instead of piling up.
+// next holds wait in one batch, and past maxFinishPending they are left to the settle (answered
+// at once, FinishSkipped) instead of piling up.
 func TestRecorderFinishStallsNoOne(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	fin := &stuckFinisher{stuck: "dead", release: make(chan struct{})}
-	r := startRecorder(t, accounting.NewMemory(), accounting.RecorderConfig{Finisher: fin, FinishTimeout: time.Minute,
+	l := &countingLedger{Memory: accounting.NewMemory(), org: "dead"}
+	r := startRecorder(t, l, accounting.RecorderConfig{Finisher: fin, FinishTimeout: time.Minute,
 		FlushInterval: 50 * time.Millisecond, Logger: quiet})
+	// recorded is how many of the dead node's events are durable (their callers wait for the finish).
+	recorded := func(n int) func() bool {
+		return func() bool { return l.n.Load() >= int64(n) }
+	}
 	ev := func(org string) accounting.UsageEvent {
 		return accounting.UsageEvent{ID: newID(), Org: org, Model: "m", Cost: 1, HoldAmount: 5}
 	}
@@ -345,23 +370,39 @@ func TestRecorderFinishStallsNoOne(t *testing.T) {
 	healthy("alongside a hanging one")
 	hanging(2)
 
-	// Up to maxFinishing (4) calls hang on the dead node; the next batch's holds there are
-	// not finished, and its caller is answered at once.
+	// Up to maxFinishing (4) calls hang on the dead node. The holds that come next there wait
+	// for one of them, all in one batch (a busy node is not skipped: an unfinished hold counts in
+	// flight until the settle, a false 429 at the cap); healthy orgs are still answered.
 	startStuck()
 	hanging(3)
 	startStuck()
 	hanging(4)
+	const queued = 50
+	for range queued {
+		startStuck()
+	}
+	healthy("with the dead node's slots full")
+	waitFor(t, "the queued holds", 5*time.Second, recorded(4+queued))
+	if st := r.Stats(); st.FinishSkipped != 0 || fin.calls.Load() != 4 {
+		t.Fatalf("stats %+v, %d calls: the queued holds must wait, not be skipped or sent", st, fin.calls.Load())
+	}
+	// Once maxFinishPending holds wait, the next ones are not finished: answered at once.
+	for range 4096 - queued {
+		startStuck()
+	}
+	waitFor(t, "a full queue", 20*time.Second, recorded(4+4096))
 	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	rc, err := r.RecordReceipt(rctx, ev("dead"))
 	cancel()
 	if err != nil || rc.HaveBalance || r.Stats().FinishSkipped != 1 || fin.calls.Load() != 4 {
-		t.Fatalf("fifth record on the dead node: %+v %v, stats %+v, %d calls", rc, err, r.Stats(), fin.calls.Load())
+		t.Fatalf("record past the queue on the dead node: %+v %v, stats %+v, %d calls", rc, err, r.Stats(), fin.calls.Load())
 	}
-	healthy("with the dead node's slots full")
+	healthy("with the dead node's queue full")
 
 	release()
 	stuck.Wait()
-	if st := r.Stats(); st.FinishErrors != 4 || st.Finished != 3 {
-		t.Fatalf("stats %+v: want 4 failed finishes, 3 holds finished", st)
+	// The first of the four to fail takes the queue as one call (it fails too: the node is dead).
+	if st := r.Stats(); st.FinishErrors != 5 || st.Finished != 4 || fin.calls.Load() != 5 {
+		t.Fatalf("stats %+v, %d calls: want 5 failed finishes (the queue in one), 4 holds finished", st, fin.calls.Load())
 	}
 }

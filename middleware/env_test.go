@@ -189,6 +189,12 @@ func newEnv(t *testing.T, o envOpt) *testEnv {
 
 	cfg := Config{Store: e.store, Ledger: e.ledger, Recorder: e.rec, PassThrough: []string{"/v1/models"},
 		Logger: quiet, OnOutcome: func(o Outcome) { e.outcomes <- o }}
+	if !o.withFault {
+		// A test that is not about a slow Redis or ledger must not get a 503 because a loaded
+		// parallel run (race detector, two cores) starved one call past the 1 s default: the
+		// tests of those deadlines set them, or run behind the fault proxy.
+		cfg.ReserveTimeout, cfg.LookupTimeout = 20*time.Second, 20*time.Second
+	}
 	if o.cfg != nil {
 		o.cfg(&cfg)
 	}
