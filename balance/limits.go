@@ -146,6 +146,10 @@ type LimitError struct {
 	Used     int64     // the window's counter when the hold was refused
 	Amount   int64     // the hold asked for
 	ResetsAt time.Time // the next window's start; zero for Lifetime
+	// Room is the largest hold the balance and every limit in scope would have taken (≤ 0:
+	// none). Held is the sum of the unfinished holds counted in this limit's window: they leave
+	// it (but for their cost) when they finish.
+	Room, Held int64
 }
 
 func (e *LimitError) Error() string {

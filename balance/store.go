@@ -369,7 +369,11 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 		case "TOO_MANY":
 			return Reservation{}, ErrTooManyHolds
 		case "INSUFFICIENT":
-			return Reservation{}, &InsufficientError{Balance: toInt(res[1]), Amount: r.Amount}
+			e := &InsufficientError{Balance: toInt(res[1]), Amount: r.Amount}
+			if len(res) > 2 {
+				e.Held = toInt(res[2])
+			}
+			return Reservation{}, e
 		case "COLD":
 			if s.cfg.Ledger == nil || attempt >= maxColdRetries {
 				return Reservation{}, ErrCold
@@ -428,6 +432,9 @@ func limitError(res []any, amount int64) *LimitError {
 	}
 	if e.Limit.Window != Lifetime {
 		e.ResetsAt = msTime(str(7))
+	}
+	if len(res) > 9 {
+		e.Room, e.Held = toInt(res[8]), toInt(res[9])
 	}
 	return e
 }

@@ -156,6 +156,10 @@ var (
 type InsufficientError struct {
 	Balance int64 // available balance when the hold was refused
 	Amount  int64 // the hold asked for
+	// Held is the sum of the org's unfinished holds when the hold was refused: money held by
+	// requests in flight, whose unused part comes back when they finish (a refusal with
+	// Balance + Held ≥ Amount is "held", not "gone"). At most a little over 10^15.
+	Held int64
 }
 
 func (e *InsufficientError) Error() string {

@@ -23,8 +23,12 @@
 -- Replies: {'OK', new balance, reserve ms, project} | {'COLD'}
 --          | {'DUP', balance, original reserve ms, project now}
 --          | {'GONE'} | {'FROZEN', scope, scope id} | {'TOO_MANY', count}
---          | {'LIMIT', id, scope, scope id, window, cap, used, resets ms ('0': never)}
---          | {'INSUFFICIENT', balance}
+--          | {'LIMIT', id, scope, scope id, window, cap, used, resets ms ('0': never), room, held}
+--          | {'INSUFFICIENT', balance, held}
+-- A refusal tells what could be had ("Holds that fit"): room is the largest amount every limit in
+-- scope and the balance would take now (may be ≤ 0), held the amounts of the org's unfinished
+-- holds (for LIMIT: of those added to the refusing counter), which come back when they finish.
+-- Both are integer replies that decide nothing here: no money moves on a refusal.
 -- Money moves only with HINCRBY on the argument string: no computed amount is formatted.
 local amount = tonumber(ARGV[3])
 if not amount or amount <= 0 or string.find(ARGV[3], '^%d+$') == nil then
@@ -94,19 +98,38 @@ each_limit(lim[3], add('org', ''))
 if v_project then each_limit(pspec, add('project', v_project)) end
 each_limit(lim[6], add('key', ARGV[8]))
 
+-- held_on: the sum of the unfinished holds' amounts (those added to counter v_field only, when
+-- given), stopped past 10^15 (exact in a double; any amount needed is at most 10^14).
+local function held_on(v_field)
+  local h = 0
+  local all = redis.call('HGETALL', KEYS[2])
+  for i = 2, #all, 2 do
+    local a, _, fin, v_fs = hold_parse(all[i])
+    if fin ~= '1' and (v_field == nil or string.find(',' .. v_fs .. ',', ',' .. v_field .. ',', 1, true)) then
+      h = h + (tonumber(a) or 0)
+      if h > 1e15 then return h end
+    end
+  end
+  return h
+end
+
 local used = {}
 if #fields > 0 then
   used = redis.call('HMGET', KEYS[6], unpack(fields))
   for i = 1, #fields do
     local s = specs[i]
     if (tonumber(used[i]) or 0) + amount > tonumber(s[5]) then
-      return {'LIMIT', s[1], s[2], s[3], s[4], s[5], used[i] or '0', ms_string(s[6])}
+      local room = tonumber(acct[1])
+      for j = 1, #fields do
+        room = math.min(room, tonumber(specs[j][5]) - (tonumber(used[j]) or 0))
+      end
+      return {'LIMIT', s[1], s[2], s[3], s[4], s[5], used[i] or '0', ms_string(s[6]), room, held_on(fields[i])}
     end
   end
 end
 
 if tonumber(acct[1]) < amount then
-  return {'INSUFFICIENT', acct[1]}
+  return {'INSUFFICIENT', acct[1], held_on(nil)}
 end
 
 local bal = redis.call('HINCRBY', KEYS[1], 'bal', '-' .. ARGV[3])

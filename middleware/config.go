@@ -208,6 +208,20 @@ type Config struct {
 	// ReleaseRetryFor bounds the background release after a reserve whose outcome is unknown.
 	// Default 10m.
 	ReleaseRetryFor time.Duration
+
+	// NoFit turns fit off (DESIGN "Holds that fit"): a request whose bound does not fit the
+	// balance or a limit's room is refused instead of being served with a lower output cap. A
+	// request asks for the refusal itself with "X-Escrow-Fit: off".
+	NoFit bool
+	// FitMinOutputTokens is the smallest output cap fit serves; below it the request is
+	// refused (with the numbers). A request whose own cap is lower is never fitted below it.
+	// Default 256.
+	FitMinOutputTokens int64
+	// FitFields names, per endpoint path, the cap field fit adds to a body that has none: the
+	// one its upstream reads. Defaults: max_completion_tokens for chat completions (an upstream
+	// that knows only max_tokens wants "max_tokens" here), max_output_tokens for Responses,
+	// max_tokens for legacy completions and Messages.
+	FitFields map[string]string
 }
 
 // DefaultConfig holds the defaults (Store and Ledger must still be set).
@@ -230,6 +244,7 @@ var DefaultConfig = Config{
 	HangupTimeout:        2 * time.Minute,
 	HangupBytes:          64 << 20,
 	ReleaseRetryFor:      10 * time.Minute,
+	FitMinOutputTokens:   256,
 }
 
 // New returns the middleware; it panics on a bad Config (use ToMiddleware to get the error).
@@ -299,6 +314,7 @@ func (cfg Config) withDefaults() (Config, error) {
 	cfg.ReserveTimeout = cmp.Or(cfg.ReserveTimeout, d.ReserveTimeout)
 	cfg.RetryAfter = cmp.Or(cfg.RetryAfter, d.RetryAfter)
 	cfg.RecordTimeout = cmp.Or(cfg.RecordTimeout, d.RecordTimeout)
+	cfg.FitMinOutputTokens = cmp.Or(cfg.FitMinOutputTokens, d.FitMinOutputTokens)
 	cfg.HangupTimeout = cmp.Or(cfg.HangupTimeout, d.HangupTimeout)
 	cfg.HangupBytes = cmp.Or(cfg.HangupBytes, d.HangupBytes)
 	cfg.ReleaseRetryFor = cmp.Or(cfg.ReleaseRetryFor, d.ReleaseRetryFor)
@@ -308,7 +324,7 @@ func (cfg Config) withDefaults() (Config, error) {
 	case cfg.MaxRequestBytes < 0, cfg.MaxResponseBytes < 0, cfg.KeyCacheSize < 0, cfg.NegativeCacheSize < 0, cfg.HangupBytes < 0:
 		return cfg, fmt.Errorf("%w: sizes must be > 0", ErrConfig)
 	case cfg.KeyCacheTTL < 0, cfg.MaxStale < 0, cfg.LookupTimeout < 0, cfg.ReserveTimeout < 0, cfg.RetryAfter < 0,
-		cfg.RecordTimeout < 0, cfg.HangupTimeout < 0, cfg.ReleaseRetryFor < 0:
+		cfg.RecordTimeout < 0, cfg.HangupTimeout < 0, cfg.ReleaseRetryFor < 0, cfg.FitMinOutputTokens < 0:
 		return cfg, fmt.Errorf("%w: durations must be > 0", ErrConfig)
 	case cfg.MaxStale > balance.RevocationTTL:
 		// A stale key older than the revocation mark could outlive its revocation.

@@ -181,12 +181,20 @@ func TestNMultipliesTheHold(t *testing.T) {
 		}
 		return e
 	}
+	// A body escrow cannot bound (a predicted output is not on the plain-text list) holds the
+	// learned max; a plain one its bound, with the model's max output when it states no cap.
+	const unbounded = `"prediction":{"type":"content","content":"x"}`
 	t.Run("rich org: the hold covers 16 choices", func(t *testing.T) {
 		t.Parallel()
 		e := setup(t)
-		o := e.served(EndpointChat, e.key, jsonBody(testModel, `"n":16`))
+		o := e.served(EndpointChat, e.key, jsonBody(testModel, `"n":16,`+unbounded))
 		if want := 16 * learned; o.HoldAmount != want {
 			t.Fatalf("hold %d, want 16 × learned = %d", o.HoldAmount, want)
+		}
+		body := jsonBody(testModel, `"n":16`)
+		o = e.served(EndpointChat, e.key, body)
+		if want := int64(16 * (len(body) + 2*out)); o.HoldAmount != want {
+			t.Fatalf("plain: hold %d, want 16 × the bound with the max output = %d", o.HoldAmount, want)
 		}
 		if want := int64(12 + 16*2*out); o.Cost != want {
 			t.Fatalf("cost %d, want %d", o.Cost, want)
@@ -194,14 +202,14 @@ func TestNMultipliesTheHold(t *testing.T) {
 		if _, err := e.ledger.AccountPending(context.Background(), 100); err != nil {
 			t.Fatal(err)
 		}
-		if a := e.account(); a.Balance != testCredit-o.Cost {
-			t.Fatalf("ledger balance %d, want %d", a.Balance, testCredit-o.Cost)
+		if a := e.account(); a.Balance != testCredit-2*o.Cost {
+			t.Fatalf("ledger balance %d, want %d", a.Balance, testCredit-2*o.Cost)
 		}
 	})
 	t.Run("best_of above n", func(t *testing.T) {
 		t.Parallel()
 		e := setup(t)
-		o := e.served(EndpointCompletions, e.key, `{"model":"gpt-test","prompt":"say hi","n":2,"best_of":4}`)
+		o := e.served(EndpointCompletions, e.key, `{"model":"gpt-test","prompt":"say hi","n":2,"best_of":4,`+unbounded+`}`)
 		if want := 4 * learned; o.HoldAmount != want {
 			t.Fatalf("hold %d, want 4 × learned = %d", o.HoldAmount, want)
 		}
@@ -220,7 +228,7 @@ func TestNMultipliesTheHold(t *testing.T) {
 		e := setup(t)
 		credit := 30_000 // > learned (2,012), < 16 choices (32,192)
 		org, key := e.poorKey(int64(credit))
-		resp := e.post(context.Background(), EndpointChat, key, jsonBody(testModel, `"n":16`))
+		resp := e.post(context.Background(), EndpointChat, key, jsonBody(testModel, `"n":16,`+unbounded))
 		body, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
 		if resp.StatusCode != http.StatusTooManyRequests {
@@ -237,7 +245,7 @@ func TestNMultipliesTheHold(t *testing.T) {
 			t.Fatal("refused request reached the upstream")
 		}
 		// One choice fits: the refusal is the n.
-		o := e.served(EndpointChat, key, jsonBody(testModel, `"n":1`))
+		o := e.served(EndpointChat, key, jsonBody(testModel, `"n":1,`+unbounded))
 		if o.HoldAmount != learned {
 			t.Fatalf("one choice held %d, want %d", o.HoldAmount, learned)
 		}
@@ -259,8 +267,9 @@ func TestLearnedMaxIsPerChoice(t *testing.T) {
 	e.drainWorker() // the worker learns the max from the usage event, which carries n
 	waitFor(t, func() bool { m, err := e.store.ModelMax(ctx, testModel); return err == nil && m == want },
 		"learned max = ⌈cost/4⌉ = "+itoa(want))
-	// The next n:4 request holds 4 × the learned max, which covers its cost.
-	o2 := e.served(EndpointChat, e.key, jsonBody(testModel, `"n":4`))
+	// The next n:4 request that escrow cannot bound (a predicted output) holds 4 × the learned
+	// max, which covers its cost.
+	o2 := e.served(EndpointChat, e.key, jsonBody(testModel, `"n":4,"prediction":{"type":"content","content":"x"}`))
 	if o2.HoldAmount != 4*want || o2.Cost > o2.HoldAmount {
 		t.Fatalf("second hold %d (cost %d), want %d", o2.HoldAmount, o2.Cost, 4*want)
 	}

@@ -40,7 +40,10 @@ var chatUsage = accounting.Usage{Prompt: 12, Cached: 2, Completion: 5, Reasoning
 
 // spyRecorder records into the ledger and remembers the events.
 type spyRecorder struct {
-	l    *accounting.Memory
+	l *accounting.Memory
+	// fin, when set, finishes each recorded event's hold, as the proxy's *accounting.Recorder
+	// does with the store as its Finisher: a request that ended is no longer in flight.
+	fin  accounting.Finisher
 	mu   sync.Mutex
 	evs  []accounting.UsageEvent
 	fail error
@@ -62,9 +65,16 @@ func (s *spyRecorder) Record(ctx context.Context, ev accounting.UsageEvent) erro
 	return nil
 }
 
-// RecordReceipt is Record, with no balance known.
+// RecordReceipt is Record, then (with fin) the finish of the event's hold, best effort as the
+// recorder's; no balance is claimed.
 func (s *spyRecorder) RecordReceipt(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error) {
-	return accounting.Receipt{}, s.Record(ctx, ev)
+	if err := s.Record(ctx, ev); err != nil {
+		return accounting.Receipt{}, err
+	}
+	if s.fin != nil && ev.HoldAmount > 0 {
+		_, _ = s.fin.FinishEach(ctx, []balance.Finish{{Org: ev.Org, HoldID: ev.ID, Cost: ev.Cost}})
+	}
+	return accounting.Receipt{}, nil
 }
 
 // Void voids the event in the ledger, as *accounting.Recorder does: a failed Record whose event
@@ -107,6 +117,7 @@ type envOpt struct {
 	storeCfg  func(*balance.Config)
 	withFault bool
 	mini      bool // miniredis even when a real Redis is configured
+	finish    bool // the recorder finishes each recorded hold (spyRecorder.fin)
 }
 
 func newEnv(t *testing.T, o envOpt) *testEnv {
@@ -157,6 +168,9 @@ func newEnv(t *testing.T, o envOpt) *testEnv {
 	}
 	e.store = st
 	e.rec = &spyRecorder{l: e.ledger}
+	if o.finish {
+		e.rec.fin = st
+	}
 	e.org = testutil.RandomName("org")
 	must(t, e.ledger.CreateOrg(ctx, e.org))
 	if _, _, err := e.ledger.Credit(ctx, e.org, testCredit, "pay-"+e.org); err != nil {

@@ -34,25 +34,12 @@ import (
 // Keep it the same rule as HoldAmount's bound: a request that HoldAmount holds at its bound is
 // bounded here.
 func holdIsBound(m accounting.Model, r Request, hold int64) (bound int64, usage accounting.Usage, ok bool) {
-	if !r.PlainText {
-		return 0, usage, false
-	}
-	out := int64(0)
-	if r.Endpoint != EndpointEmbeddings {
-		out = r.OutputCap
-		if out <= 0 {
-			out = m.MaxOutputTokens
-		}
-		if out <= 0 {
-			return 0, usage, false
-		}
-	}
-	b, ok := requestBound(m, r, out)
+	b, out, ok := Bound(m, r)
 	if !ok || b > hold {
 		return 0, usage, false
 	}
-	n := max(r.N, 1) // requestBound fitted b × n, so these fit too
-	return b, accounting.Usage{Prompt: int64(r.Size) * n, Completion: out * n}, true
+	n := max(r.N, 1) // requestBound fitted b × n × prompts, so these fit too
+	return b, accounting.Usage{Prompt: int64(r.Size) * n, Completion: out * max(r.Prompts, 1) * n}, true
 }
 
 // estimate is what a request whose response ended without readable usage is charged (see the

@@ -136,7 +136,7 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt,
 		Model: cl.req.Model, Endpoint: cl.req.Endpoint,
 		Usage: usage, Cost: cost, HoldAmount: cl.holdAmount, Estimated: estimated, CreatedAt: time.Now(),
-		Choices: cl.req.N, // the worker learns the model's max cost of one choice from it
+		Choices: times(max(cl.req.N, 1), max(cl.req.Prompts, 1)), // the worker learns the model's max cost of one choice (of one prompt) from it
 	}
 	o.Usage, o.Cost, o.Err = usage, cost, why
 	rctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)

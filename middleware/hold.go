@@ -17,67 +17,76 @@ type HoldInput struct {
 	Fallback   int64 // Config.DefaultHold
 }
 
-// HoldAmount is the default hold rule (DESIGN "The flow", step 1):
+// HoldAmount is the default hold rule (DESIGN "The flow", step 1, and "Holds that fit"):
 //
-//   - the model's learned max cost (the store's, else Model.MaxCost), capped at the model's
-//     bound (max input × input price + max output × output price), × n (or best_of);
-//   - lowered to the request's hard upper bound — body bytes × the highest input price the
-//     request could be billed at (cache-write prices only on Anthropic's Messages) + output
-//     cap × output price, × n — only when the request is plain text (Request.PlainText) and has an output cap
-//     (embeddings have no output: their bound is the input alone);
-//   - with no learned max: that bound if there is one, else the same bound with the model's max
-//     output tokens, else Model.DefaultHold × n, else the fallback × n.
+//   - a request that has a bound holds its bound (Bound): body bytes × the highest input price
+//     the request could be billed at (cache-write prices only on Anthropic's Messages) + output
+//     cap × output price, × n (or best_of) × the prompts of a prompt array. It has one when it
+//     is plain text (Request.PlainText) and its output cap is known: the one it sent, else the
+//     model's max output tokens (embeddings have no output: their bound is the input alone);
+//   - any other request holds the model's learned max cost of one choice (the store's, else
+//     Model.MaxCost), capped at the model's bound (max input × highest input price + max output
+//     × output price), × n × prompts;
+//   - with neither: the model's bound × n × prompts, else Model.DefaultHold × n × prompts, else
+//     the fallback × n × prompts.
 //
-// Every choice of n is generated and billed in full, so every amount stands for one choice and
-// is multiplied by n; the learned max is learned per choice (the accounting worker learns
-// ⌈cost / n⌉ from the usage event's Choices). Tokens never outnumber bytes, so the bytes of the
-// body bound its input tokens. The result is never ≤ 0
-// when Fallback > 0, and never above balance.MaxAmount.
+// A learned max never sizes a request that has a bound, in either direction: it is a guess
+// from past requests, and a request that states its own bound may cost up to it. Every choice
+// (and every prompt) is generated and billed in full, so every amount stands for one and is
+// multiplied; the learned max is learned per choice (the accounting worker learns ⌈cost / n⌉
+// from the usage event's Choices). Tokens never outnumber bytes, so the bytes of the body bound
+// its input tokens. The result is never ≤ 0 when Fallback > 0, and never above
+// balance.MaxAmount.
 func HoldAmount(_ context.Context, in HoldInput) (int64, error) {
 	m, r := in.Model, in.Request
+	if b, _, ok := Bound(m, r); ok || b == balance.MaxAmount {
+		return b, nil // a bound past the money range holds all of it
+	}
 	if r.Endpoint != EndpointMessages {
 		// Only Anthropic's usage carries cache writes: no other request is billed at their
 		// prices (the 1-hour one defaults to 2× the input price), so none bounds its input.
 		m.Prices = m.WithoutCacheWrites()
 	}
-	n := max(r.N, 1)
+	n := times(max(r.N, 1), max(r.Prompts, 1))
 	learned := in.LearnedMax
 	if learned <= 0 {
 		learned = m.MaxCost
 	}
-	if ceiling, ok, err := m.CostBound(); err == nil && ok && ceiling > 0 {
+	ceiling, haveCeiling, err := m.CostBound()
+	haveCeiling = err == nil && haveCeiling && ceiling > 0
+	if haveCeiling && learned > 0 {
 		learned = min(learned, ceiling)
 	}
-	bound, haveBound := int64(0), false
-	if r.PlainText {
-		switch {
-		case r.Endpoint == EndpointEmbeddings:
-			bound, haveBound = requestBound(m, r, 0)
-		case r.OutputCap > 0:
-			bound, haveBound = requestBound(m, r, r.OutputCap)
-		}
-	}
-	if learned > 0 {
-		learned = times(learned, n)
-		if haveBound && bound < learned {
-			return bound, nil
-		}
-		return learned, nil
-	}
-	if haveBound {
-		return bound, nil
-	}
-	if m.MaxOutputTokens > 0 {
-		if b, ok := requestBound(m, r, m.MaxOutputTokens); ok {
-			return b, nil
-		} else if b == balance.MaxAmount {
-			return b, nil
-		}
-	}
-	if m.DefaultHold > 0 {
+	switch {
+	case learned > 0:
+		return times(learned, n), nil
+	case haveCeiling:
+		return times(ceiling, n), nil
+	case m.DefaultHold > 0:
 		return times(m.DefaultHold, n), nil
 	}
 	return times(in.Fallback, n), nil
+}
+
+// Bound is the request's bound — the most it can cost whatever the upstream does, known from the
+// request itself — and the output cap it assumes (0 for embeddings); ok is false when the
+// request has none (not plain text, no output cap known, a free model, or a bound beyond
+// balance.MaxAmount). HoldAmount holds it; fit lowers the cap until it fits (BoundAt).
+func Bound(m accounting.Model, r Request) (b, outputCap int64, ok bool) {
+	if !r.PlainText {
+		return 0, 0, false
+	}
+	if r.Endpoint != EndpointEmbeddings {
+		outputCap = r.OutputCap
+		if outputCap <= 0 {
+			outputCap = m.MaxOutputTokens
+		}
+		if outputCap <= 0 {
+			return 0, 0, false
+		}
+	}
+	b, ok = requestBound(m, r, outputCap)
+	return b, outputCap, ok // b is balance.MaxAmount when the bound is beyond it
 }
 
 // times is a × n clamped to balance.MaxAmount (a, n > 0).
@@ -91,14 +100,21 @@ func times(a, n int64) int64 {
 	return min(a*n, balance.MaxAmount)
 }
 
-// requestBound is (size × input price + out × output price) × n. ok is false when the bound is
-// zero (a free model: no bound worth holding) or does not fit; b is balance.MaxAmount when it
-// does not fit.
+// requestBound is (size × input price + out × prompts × output price) × n: the input is the
+// whole body's (its bytes bound every prompt's tokens together), the output cap applies to
+// every prompt of a prompt array. ok is false when the bound is zero (a free model: no bound
+// worth holding) or does not fit; b is balance.MaxAmount when it does not fit.
 func requestBound(m accounting.Model, r Request, out int64) (b int64, ok bool) {
 	if r.Endpoint != EndpointMessages {
 		// As in HoldAmount: only Anthropic's usage carries cache writes, so no other request's
 		// input is bounded at their prices (every caller of the bound prices it alike).
 		m.Prices = m.WithoutCacheWrites()
+	}
+	if p := max(r.Prompts, 1); p > 1 {
+		if out > balance.MaxAmount/p {
+			return balance.MaxAmount, false
+		}
+		out *= p
 	}
 	b, err := m.Bound(int64(r.Size), out)
 	if err != nil {

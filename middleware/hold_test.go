@@ -20,14 +20,21 @@ func TestHoldAmount(t *testing.T) {
 		learned int64
 		want    int64
 	}{
-		{"learned, no cap", Request{Endpoint: EndpointChat, Size: 100, N: 1, PlainText: true}, m, 5000, 5000},
+		{"plain, no cap: the bound with the model's max output, not the learned max", Request{Endpoint: EndpointChat, Size: 100, N: 1, PlainText: true}, m, 5000, 2100},
 		{"learned lowered to the bound", plain, m, 5000, 200},
-		{"bound above learned", plain, m, 150, 150},
+		{"a learned max below the bound does not lower it", plain, m, 150, 200},
 		{"bound × n", func() Request { r := plain; r.N = 3; return r }(), m, 5000, 600},
 		{"not plain: learned", func() Request { r := plain; r.PlainText = false; return r }(), m, 5000, 5000},
-		{"model max cost when store has none", plain, func() accounting.Model { x := m; x.MaxCost = 180; return x }(), 0, 180},
+		{"model max cost when store has none", func() Request { r := plain; r.PlainText = false; return r }(), func() accounting.Model { x := m; x.MaxCost = 180; return x }(), 0, 180},
 		{"no learned: the request bound", plain, m, 0, 200},
-		{"no learned, no cap: bound with max output", Request{Endpoint: EndpointChat, Size: 100, N: 1}, m, 0, 2100},
+		{"no learned, no cap: bound with max output", Request{Endpoint: EndpointChat, Size: 100, N: 1, PlainText: true}, m, 0, 2100},
+		{"not plain, no learned: the model's bound", Request{Endpoint: EndpointChat, Size: 100, N: 1},
+			func() accounting.Model { x := m; x.MaxInputTokens = 300; return x }(), 0, 2300},
+		{"not plain, no learned, model bound unknown: fallback", Request{Endpoint: EndpointChat, Size: 100, N: 1}, m, 0, 999},
+		// Every prompt of a prompt array is completed: the output bound (and any learned max) × prompts.
+		{"prompt array: output × prompts", Request{Endpoint: EndpointCompletions, Size: 100, N: 1, Prompts: 3, PlainText: true, OutputCap: 50}, m, 5000, 100 + 3*2*50},
+		{"prompt array × n", Request{Endpoint: EndpointCompletions, Size: 100, N: 2, Prompts: 3, PlainText: true, OutputCap: 50}, m, 5000, 2 * (100 + 3*2*50)},
+		{"prompt array, not plain: learned × prompts × n", Request{Endpoint: EndpointCompletions, Size: 100, N: 2, Prompts: 3, OutputCap: 50}, m, 5000, 6 * 5000},
 		{"no learned, no limits: model default", Request{Endpoint: EndpointChat, Size: 100, N: 1},
 			func() accounting.Model { x := m; x.MaxOutputTokens = 0; x.DefaultHold = 77; return x }(), 0, 77},
 		{"nothing known: fallback", Request{Endpoint: EndpointChat, Size: 100, N: 1},
@@ -40,12 +47,12 @@ func TestHoldAmount(t *testing.T) {
 		{"learned × n clamps", func() Request { r := plain; r.N = 1 << 40; r.PlainText = false; return r }(), m, 5000, balance.MaxAmount},
 		{"learned capped at the model's bound, then × n", func() Request { r := plain; r.N = 4; r.PlainText = false; return r }(),
 			func() accounting.Model { x := m; x.MaxInputTokens = 100; return x }(), 1_000_000, 4 * 2100},
-		{"no learned, no cap: bound with max output × n", Request{Endpoint: EndpointChat, Size: 100, N: 3}, m, 0, 3 * 2100},
+		{"no learned, no cap: bound with max output × n", Request{Endpoint: EndpointChat, Size: 100, N: 3, PlainText: true}, m, 0, 3 * 2100},
 		{"no learned, no limits: model default × n", Request{Endpoint: EndpointChat, Size: 100, N: 5},
 			func() accounting.Model { x := m; x.MaxOutputTokens = 0; x.DefaultHold = 77; return x }(), 0, 385},
 		{"nothing known: fallback × n", Request{Endpoint: EndpointChat, Size: 100, N: 2},
 			func() accounting.Model { x := m; x.MaxOutputTokens = 0; return x }(), 0, 1998},
-		{"overflow clamps", Request{Endpoint: EndpointChat, Size: 100, N: 1},
+		{"overflow clamps", Request{Endpoint: EndpointChat, Size: 100, N: 1, PlainText: true},
 			accounting.Model{Prices: accounting.Prices{Input: balance.MaxAmount, Output: balance.MaxAmount}, MaxOutputTokens: 1 << 40}, 0, balance.MaxAmount},
 	}
 	for _, tt := range tests {

@@ -139,6 +139,9 @@ func TestLimitKeyDailyRefused(t *testing.T) {
 	t.Parallel()
 	eachRedis(t, func(t *testing.T, mini bool) {
 		e := newLimitEnv(t, mini, true, 20, balance.Limits{Version: 1}, map[string]int64{"lim_day": 49_970})
+		// The first request's hold is finished when its usage is recorded, as the proxy's
+		// recorder does: it no longer holds room (or the refusal would be budget_held).
+		e.rec.fin = e.store
 		e.ll.set(t, e.store, e.org, func(l *balance.Limits) {
 			l.Limits = []balance.Limit{{ID: "lim_day", Scope: balance.Scope{Kind: balance.ScopeKey, ID: e.keyID}, Window: balance.Day, Cap: 50_000}}
 		})
@@ -146,8 +149,8 @@ func TestLimitKeyDailyRefused(t *testing.T) {
 			t.Fatalf("first request (49,970 + 20 ≤ 50,000): %d %s", st, body)
 		}
 		first := e.outcome()
-		if c := e.counters()["lim_day"]; c != 49_990 {
-			t.Fatalf("counter after the first hold: %d, want 49990", c)
+		if c := e.counters()["lim_day"]; c != 49_991 {
+			t.Fatalf("counter after the first hold, finished at its cost (21): %d, want 49991", c)
 		}
 		before := e.state()
 
@@ -155,9 +158,9 @@ func TestLimitKeyDailyRefused(t *testing.T) {
 		if st != http.StatusTooManyRequests {
 			t.Fatalf("status %d %s", st, body)
 		}
-		want := `{"error":{"message":"Key ` + e.keyID + ` daily limit of 50000 reached: 49990 used, 20 needed; resets 2030-06-16T00:00:00Z.",` +
+		want := `{"error":{"message":"Key ` + e.keyID + ` daily limit of 50000 reached: 49991 used, 20 needed; resets 2030-06-16T00:00:00Z.",` +
 			`"type":"insufficient_quota","param":null,"code":"budget_exceeded",` +
-			`"limit":{"id":"lim_day","scope":"key","scope_id":"` + e.keyID + `","window":"day","cap":50000,"used":49990,"resets_at":"2030-06-16T00:00:00Z"}}}`
+			`"limit":{"id":"lim_day","scope":"key","scope_id":"` + e.keyID + `","window":"day","cap":50000,"used":49991,"resets_at":"2030-06-16T00:00:00Z"}}}`
 		if body != want {
 			t.Fatalf("body\n%s\nwant\n%s", body, want)
 		}
@@ -174,10 +177,10 @@ func TestLimitKeyDailyRefused(t *testing.T) {
 		}
 		// Nothing debited: the hot balance, the counter, the ledger and the upstream are as the
 		// first request left them.
-		if after := e.state(); after.Balance != before.Balance || after.Held != 20 || after.Holds != 1 {
+		if after := e.state(); after.Balance != before.Balance || after.Held != 21 || after.Holds != 1 {
 			t.Fatalf("hot balance %+v, before %+v", after, before)
 		}
-		if c := e.counters()["lim_day"]; c != 49_990 {
+		if c := e.counters()["lim_day"]; c != 49_991 {
 			t.Fatalf("counter after the refusal: %d", c)
 		}
 		if evs := e.rec.events(); len(evs) != 1 || evs[0].ID != first.HoldID {
@@ -446,6 +449,7 @@ func TestLimitUnnameableKeyID(t *testing.T) {
 			c.OrgFunc = func(echo.Context) (Identity, error) { return Identity{Org: org, KeyID: "team:alice"}, nil }
 		})
 		org = e.org
+		e.rec.fin = e.store // finished as the proxy does: ended requests hold no room
 		if err := balance.ValidateReserveKey("team:alice"); err == nil {
 			t.Fatal("the test's key id is nameable")
 		}
@@ -465,7 +469,7 @@ func TestLimitUnnameableKeyID(t *testing.T) {
 				t.Fatalf("event %+v", ev)
 			}
 		}
-		// The org's cap still holds: 2×20 used, 20 more would be 60 > 50.
+		// The org's cap still holds: 2×21 used (the holds finished at their cost), 20 more would be 62 > 50.
 		st, _, body := e.send()
 		if st != http.StatusTooManyRequests || !strings.Contains(body, `"code":"budget_exceeded"`) {
 			t.Fatalf("third request: %d %s", st, body)
@@ -479,8 +483,9 @@ func TestLimitUnnameableKeyID(t *testing.T) {
 
 // TestLimitBurst: 2,000 concurrent requests of one key with a daily cap for exactly N of them
 // (hold = cost = 21, the fake upstream's fixed usage) and a balance for far more, all in flight
-// together: exactly N get 200 (and reach the upstream) and the rest 429 budget_exceeded; the
-// ledger charges exactly N × 21.
+// together: exactly N get 200 (and reach the upstream) and the rest 429 budget_held (the cap's
+// room is held by the N in flight: retryable, with Retry-After); the ledger charges exactly
+// N × 21.
 //
 // Not parallel with the package's other tests: 4,000 requests at once on two cores would push
 // their reserves past the 1 s reserve timeout (this test raises its own).
@@ -543,7 +548,9 @@ func TestLimitBurst(t *testing.T) {
 				switch {
 				case resp.StatusCode == 200:
 					ok.Add(1)
-				case resp.StatusCode == 429 && strings.Contains(string(b), `"code":"budget_exceeded"`):
+				case resp.StatusCode == 429 && strings.Contains(string(b), `"code":"budget_held"`) && resp.Header.Get("Retry-After") != "":
+					// Refused while the n served were in flight, holding the whole cap: their
+					// holds are room that may come back, so the refusal is retryable.
 					refused.Add(1)
 				default:
 					firstOther.CompareAndSwap(nil, strconv.Itoa(resp.StatusCode)+" "+string(b))
@@ -559,7 +566,7 @@ func TestLimitBurst(t *testing.T) {
 		close(open)
 		wg.Wait()
 		if ok.Load() != n || refused.Load() != total-n || other.Load() != 0 || arrived.Load() != n {
-			t.Fatalf("%d ok, %d budget_exceeded, %d other (first: %v), %d upstream calls; want %d and %d",
+			t.Fatalf("%d ok, %d budget_held, %d other (first: %v), %d upstream calls; want %d and %d",
 				ok.Load(), refused.Load(), other.Load(), firstOther.Load(), arrived.Load(), n, total-n)
 		}
 		if c := e.counters()["d"]; c != n*unit {

@@ -50,6 +50,7 @@ type Outcome struct {
 	Cost       int64
 	Usage      accounting.Usage
 	FailOpen   bool          // passed without a hold because Redis could not answer
+	FitCap     int64         // the output cap fit lowered the request's to (0: not fitted)
 	Err        error         // what went wrong, if anything
 	Duration   time.Duration // from the request's arrival to its outcome
 
@@ -167,6 +168,7 @@ type call struct {
 	// cannot name the identity's key id).
 	limitKey string
 	reserved balance.Reservation // what Reserve answered (zero for fail-open: no hold)
+	fitCap   int64               // the output cap fit lowered the request's to (0: not fitted)
 	start    time.Time
 	sent     atomic.Bool // the handler read the request body: the upstream got the request (sentBody)
 }
@@ -226,9 +228,15 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	if e != nil {
 		return m.refuse(c, o, e)
 	}
-	cl, e := m.reserveHold(req.Context(), id, r, model, start, &o)
+	fitOff := req.Header.Get(HeaderFit) == "off"
+	req.Header.Del(HeaderFit)
+	cl, e := m.reserveHold(req.Context(), id, r, model, fitOff, start, &o)
 	if e != nil {
 		return m.refuse(c, o, e)
+	}
+	if cl.fitCap > 0 {
+		body = m.setCap(body, r.Endpoint, cl.fitCap)
+		c.Response().Header().Set(HeaderOutputCap, strconv.FormatInt(cl.fitCap, 10))
 	}
 	return cl.proxy(c, next, body, o)
 }
@@ -344,7 +352,10 @@ func (m *middleware) priceModel(ctx context.Context, body []byte, r Request) (ac
 
 // reserveHold sizes the hold (Config.HoldFunc), makes the request's id and reserves the hold;
 // with FailOpen, Redis trouble lets the call go on without one.
-func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, model accounting.Model, start time.Time, o *Outcome) (*call, *Error) {
+//
+// A request whose hold is its bound and does not fit is fitted (fit.go) unless fitOff: its
+// output cap is lowered until the bound fits, and call.fitCap says so.
+func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, model accounting.Model, fitOff bool, start time.Time, o *Outcome) (*call, *Error) {
 	learned, err := m.cfg.Store.ModelMax(ctx, model.Name)
 	if err != nil {
 		learned = 0 // the reserve will meet the same trouble; Model.MaxCost stands in
@@ -362,12 +373,32 @@ func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, mo
 		limitKey: m.limitKey(id), start: start}
 	o.HoldID, o.HoldAmount = cl.holdID, amount
 
-	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)
-	res, err := m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: id.Org, HoldID: cl.holdID, Amount: amount, KeyID: cl.limitKey})
-	cancel()
+	plan := m.planFit(fitOff, model, r, amount)
+	res, err := m.reserve(ctx, cl, amount)
+	for try := 1; err != nil && plan.on && try < maxFitTries; try++ {
+		room, ok := roomOf(err)
+		if !ok {
+			break
+		}
+		c, b, ok := fitCap(model, r, plan.minCap, plan.cap, room)
+		if !ok {
+			break
+		}
+		if res, err = m.reserve(ctx, cl, b); err == nil {
+			cl.holdAmount, cl.agreed, o.HoldAmount = b, b, b
+			cl.req.OutputCap = c
+			if c < plan.cap {
+				cl.fitCap, o.FitCap = c, c
+			}
+		}
+	}
 	if err == nil {
 		cl.reserved = res
 		return cl, nil
+	}
+	if e := m.quotaRefusal(err, model, r, plan, amount); e != nil {
+		o.Err = err
+		return nil, e
 	}
 	e, unknown := m.reserveError(err, amount)
 	if unknown {
@@ -382,6 +413,13 @@ func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, mo
 	o.HoldAmount, o.FailOpen = 0, true
 	m.cfg.Logger.Warn("escrow: fail-open: request passes without a hold", "hold_id", cl.holdID, "org", id.Org, "err", err)
 	return cl, nil
+}
+
+// reserve reserves the call's hold of amount, under ReserveTimeout.
+func (m *middleware) reserve(ctx context.Context, cl *call, amount int64) (balance.Reservation, error) {
+	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)
+	defer cancel()
+	return m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: cl.id.Org, HoldID: cl.holdID, Amount: amount, KeyID: cl.limitKey})
 }
 
 // limitKey is the key id to reserve under: the identity's, unless the limits layer cannot name

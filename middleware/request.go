@@ -39,7 +39,10 @@ type Request struct {
 	IncludeUsage bool  // stream_options.include_usage is true
 	OutputCap    int64 // the largest of max_tokens, max_completion_tokens, max_output_tokens; 0 = none
 	N            int64 // the largest of n and best_of; 1 when absent
-	Background   bool  // Responses "background": true (bills later: refused)
+	// Prompts is how many prompts a legacy completion's prompt array holds (each is completed
+	// on its own, n times): 1 for one prompt (a string or one array of token ids).
+	Prompts    int64
+	Background bool // Responses "background": true (bills later: refused)
 	// PlainText: every top-level field is on the allow-list of plain-text fields and every
 	// message/input part is text. Only then may the hold drop to the request's hard bound.
 	PlainText bool
@@ -173,7 +176,32 @@ func (p *reqParser) top(name string, kind byte, v string) {
 		if !p.content(name, v) {
 			r.PlainText = false
 		}
+		if name == "prompt" && r.Endpoint == EndpointCompletions {
+			r.Prompts = promptCount(v)
+		}
 	}
+}
+
+// promptCount is the number of prompts of a legacy completion's prompt: the elements of an
+// array of strings or of token-id arrays, 1 for a string or one array of token ids. Anything
+// else in the array is counted too (the upstream refuses it or completes it: never fewer).
+func promptCount(v string) int64 {
+	if rawKind(v) != '[' {
+		return 1
+	}
+	var n int64
+	tokens := true
+	forEachRaw(v, func(_, e string) bool {
+		n++
+		if rawKind(e) != '0' {
+			tokens = false
+		}
+		return true
+	})
+	if tokens || n == 0 {
+		return 1
+	}
+	return n
 }
 
 func (p *reqParser) streamOptions(v string) {
@@ -491,15 +519,22 @@ func skipValue(s string, i int) int {
 // spelled exactly (parseRequest checked both), with that member's value replaced by the JSON
 // string v; nothing else changes. Without such a member, body is returned as it is.
 func setTopString(body []byte, key, v string) []byte {
+	enc, _ := json.Marshal(v) // a string always encodes
+	out, _ := setTopRaw(body, key, enc)
+	return out
+}
+
+// setTopRaw is setTopString with v already JSON; found reports whether body had the member.
+func setTopRaw(body []byte, key string, v []byte) (out []byte, found bool) {
 	raw := bstr(body)
 	i := skipWS(raw, 0)
 	if i >= len(raw) || raw[i] != '{' {
-		return body
+		return body, false
 	}
 	for i++; ; {
 		i = skipWS(raw, i)
 		if i >= len(raw) || raw[i] == '}' {
-			return body
+			return body, false
 		}
 		if raw[i] == ',' {
 			i++
@@ -514,13 +549,31 @@ func setTopString(body []byte, key, v string) []byte {
 		i = skipWS(raw, i)
 		vend := skipValue(raw, i)
 		if k == key {
-			enc, _ := json.Marshal(v) // a string always encodes
-			out := make([]byte, 0, len(body)-(vend-i)+len(enc))
-			out = append(append(append(out, body[:i]...), enc...), body[vend:]...)
-			return out
+			out := make([]byte, 0, len(body)-(vend-i)+len(v))
+			out = append(append(append(out, body[:i]...), v...), body[vend:]...)
+			return out, true
 		}
 		i = vend
 	}
+}
+
+// addTopRaw returns a copy of body, a JSON object without a member key, with "key": v added
+// as its first member.
+func addTopRaw(body []byte, key string, v []byte) []byte {
+	raw := bstr(body)
+	i := skipWS(raw, 0)
+	if i >= len(raw) || raw[i] != '{' {
+		return body
+	}
+	k, _ := json.Marshal(key)
+	sep := ","
+	if j := skipWS(raw, i+1); j < len(raw) && raw[j] == '}' {
+		sep = ""
+	}
+	out := make([]byte, 0, len(body)+len(k)+len(v)+2)
+	out = append(out, body[:i+1]...)
+	out = append(append(append(append(out, k...), ':'), v...), sep...)
+	return append(out, body[i+1:]...)
 }
 
 // injectIncludeUsage returns a copy of body with stream_options.include_usage = true, touching

@@ -191,11 +191,13 @@ func (p *testProxy) balance(org string) balanceView {
 	return b
 }
 
-// setup creates a model priced at 1 micro-unit per output token (input free), an org with
-// the given balance, and a key.
+// setup creates a model priced at 1 micro-unit per output token (input free) with maxCost
+// output tokens at most, an org with the given balance, and a key. A plain request without a
+// cap then holds its bound, maxCost (the model's max output at 1 each), as an unboundable one
+// holds the learned max, maxCost too.
 func (p *testProxy) setup(org string, funds, maxCost int64) string {
 	p.admin("PUT", "/models/m", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
-		"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": maxCost, "default_hold": maxCost}, http.StatusOK, nil)
+		"max_input_tokens": 100_000, "max_output_tokens": maxCost, "max_cost": maxCost, "default_hold": maxCost}, http.StatusOK, nil)
 	p.admin("POST", "/orgs", map[string]string{"id": org}, http.StatusCreated, nil)
 	if funds > 0 {
 		p.admin("POST", "/orgs/"+org+"/credits", map[string]any{"amount": funds, "reference": "init-" + org}, http.StatusCreated, nil)
@@ -269,7 +271,8 @@ func TestFlowA(t *testing.T) {
 }
 
 // TestFlowB: balance 200, max cost 65, real cost 20, 10 concurrent requests → exactly 3 pass and
-// 7 get 429 insufficient_quota; final balance 140.
+// 7 get 429 balance_held (the 3 in flight hold what they need: retryable); final balance 140,
+// and once it is there, a request is served again (the money was held, not gone).
 func TestFlowB(t *testing.T) {
 	t.Parallel()
 	eachMode(t, func(t *testing.T, p *testProxy) {
@@ -300,11 +303,13 @@ func TestFlowB(t *testing.T) {
 				var e struct {
 					Error struct{ Type, Code string }
 				}
-				if err := json.Unmarshal(r.body, &e); err != nil || e.Error.Code != "insufficient_quota" || e.Error.Type != "insufficient_quota" {
+				// Refused while the 3 served are in flight, whose holds would cover it: held,
+				// not gone — retryable (DESIGN "Held is not gone").
+				if err := json.Unmarshal(r.body, &e); err != nil || e.Error.Code != "balance_held" || e.Error.Type != "rate_limit_exceeded" {
 					t.Fatalf("429 body: %s", r.body)
 				}
-				if r.hdr.Get("x-should-retry") != "false" {
-					t.Fatalf("429 without x-should-retry: false")
+				if r.hdr.Get("x-should-retry") == "false" || r.hdr.Get("Retry-After") == "" {
+					t.Fatalf("429 balance_held not retryable: %v", r.hdr)
 				}
 			default:
 				t.Fatalf("unexpected status %d: %s", r.status, r.body)
@@ -315,6 +320,9 @@ func TestFlowB(t *testing.T) {
 		}
 		if b := p.settled("acme"); b.Available != 140 || b.LedgerBalance != 140 {
 			t.Fatalf("final: %+v, want 140", b)
+		}
+		if s, _, b := p.do("POST", "/v1/chat/completions", key, chat("hi")); s != http.StatusOK {
+			t.Fatalf("the retry after the settle: %d %s", s, b)
 		}
 	})
 }

@@ -38,8 +38,8 @@ func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // TestLimitBurstProxy: through the proxy (real Redis + Postgres, the embedded parts, and a
 // Redis Cluster + Postgres), 2,000 concurrent requests of one key with a daily cap (made with
 // the admin API) for exactly 37 of them (hold = cost = 20, the fake upstream's 20 output tokens
-// at 1 µ each) and a balance of 1,000,000: exactly 37 get 200 and 1,963 get 429
-// budget_exceeded, only 37 reach the upstream, and after the settle the ledger and the hot
+// at 1 µ each) and a balance of 1,000,000: exactly 37 get 200 and 1,963 get 429 budget_held
+// (the cap's room is held by the 37 in flight: retryable), only 37 reach the upstream, and after the settle the ledger and the hot
 // balance are down by exactly 37 × 20, which is what the limit reports used.
 //
 // Not parallel with the package's other tests: 6,000 requests at once on two cores would push
@@ -53,7 +53,7 @@ func TestLimitBurstProxy(t *testing.T) {
 		}, func(c *Config) { c.MaxInFlight = 2 * int(total); c.ReserveTimeout = time.Minute })
 		org := "acme"
 		p.admin("PUT", "/models/m", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
-			"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": unit, "default_hold": unit}, http.StatusOK, nil)
+			"max_input_tokens": 100_000, "max_output_tokens": unit, "max_cost": unit, "default_hold": unit}, http.StatusOK, nil)
 		p.admin("POST", "/orgs", map[string]string{"id": org}, http.StatusCreated, nil)
 		var k struct{ ID, Key string }
 		p.admin("POST", "/orgs/"+org+"/keys", nil, http.StatusCreated, &k)
@@ -96,8 +96,9 @@ func TestLimitBurstProxy(t *testing.T) {
 				switch {
 				case resp.StatusCode == http.StatusOK:
 					ok.Add(1)
-				case resp.StatusCode == http.StatusTooManyRequests && strings.Contains(string(b), `"code":"budget_exceeded"`) &&
-					resp.Header.Get("x-should-retry") == "false" && resp.Header.Get("x-escrow-limit-reset") != "":
+				case resp.StatusCode == http.StatusTooManyRequests && strings.Contains(string(b), `"code":"budget_held"`) &&
+					resp.Header.Get("x-should-retry") != "false" && resp.Header.Get("Retry-After") != "" && resp.Header.Get("x-escrow-limit-reset") != "":
+					// The 37 in flight hold the cap's room: retryable (DESIGN "Held is not gone").
 					refused.Add(1)
 				default:
 					firstOther.CompareAndSwap(nil, strconv.Itoa(resp.StatusCode)+" "+string(b))
@@ -114,7 +115,7 @@ func TestLimitBurstProxy(t *testing.T) {
 		close(g.open)
 		wg.Wait()
 		if ok.Load() != n || refused.Load() != total-n || other.Load() != 0 || g.arrived.Load() != n {
-			t.Fatalf("%d ok, %d budget_exceeded, %d other (first: %v), %d upstream calls; want %d, %d, 0, %d",
+			t.Fatalf("%d ok, %d budget_held, %d other (first: %v), %d upstream calls; want %d, %d, 0, %d",
 				ok.Load(), refused.Load(), other.Load(), firstOther.Load(), g.arrived.Load(), n, total-n, n)
 		}
 		b := p.settled(org)
@@ -138,7 +139,7 @@ func TestLimitBurstProxy(t *testing.T) {
 		}
 		// The refusals are counted under their code.
 		_, _, m := p.do("GET", "/metrics", "", nil)
-		if want := `escrow_requests_total{outcome="budget_exceeded"} ` + strconv.FormatInt(total-n, 10); !strings.Contains(string(m), want) {
+		if want := `escrow_requests_total{outcome="budget_held"} ` + strconv.FormatInt(total-n, 10); !strings.Contains(string(m), want) {
 			t.Fatalf("metrics lack %q", want)
 		}
 	}
@@ -178,7 +179,7 @@ func TestLimitRepliesProxy(t *testing.T) {
 	eachMode(t, func(t *testing.T, p *testProxy) {
 		const unit = 20
 		p.admin("PUT", "/models/m", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
-			"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": unit, "default_hold": unit}, http.StatusOK, nil)
+			"max_input_tokens": 100_000, "max_output_tokens": unit, "max_cost": unit, "default_hold": unit}, http.StatusOK, nil)
 		p.admin("POST", "/orgs", map[string]string{"id": "acme"}, http.StatusCreated, nil)
 		p.admin("POST", "/orgs/acme/credits", map[string]any{"amount": 10_000, "reference": "init-acme"}, http.StatusCreated, nil)
 		var k struct{ ID, Key string }
@@ -259,7 +260,7 @@ func TestLimitCountsHoldsInFlightProxy(t *testing.T) {
 	g := &gate{h: fakeupstream.New(fakeupstream.Options{}), open: make(chan struct{})}
 	p := startTestProxyWith(t, true, []Option{WithUpstream(g, "sk-fake-upstream")})
 	p.admin("PUT", "/models/m", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
-		"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": unit, "default_hold": unit}, http.StatusOK, nil)
+		"max_input_tokens": 100_000, "max_output_tokens": unit, "max_cost": unit, "default_hold": unit}, http.StatusOK, nil)
 	p.admin("POST", "/orgs", map[string]string{"id": "acme"}, http.StatusCreated, nil)
 	p.admin("POST", "/orgs/acme/credits", map[string]any{"amount": 100_000, "reference": "init-acme"}, http.StatusCreated, nil)
 	var k struct{ ID, Key string }

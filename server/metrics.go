@@ -15,6 +15,7 @@ import (
 type metrics struct {
 	reg      *prometheus.Registry
 	requests *prometheus.CounterVec   // by outcome
+	fitted   prometheus.Counter       // requests served with a fitted output cap
 	holds    prometheus.Histogram     // hold amounts
 	costs    prometheus.Histogram     // real costs
 	errors   *prometheus.CounterVec   // Redis / ledger errors seen by the middleware
@@ -33,6 +34,10 @@ func newMetrics(a *Server) *metrics {
 		Name: "escrow_requests_total",
 		Help: "Requests by outcome: recorded, estimated, released, insufficient_quota (429), rate_limited (429), unavailable (503), rejected (4xx), fail_open.",
 	}, []string{"outcome"})
+	m.fitted = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "escrow_requests_fitted_total",
+		Help: "Requests whose bound did not fit the balance or a limit, served with a lower output cap (x-escrow-output-cap).",
+	})
 	m.holds = prometheus.NewHistogram(prometheus.HistogramOpts{
 		Name: "escrow_hold_amount_microunits", Help: "Hold amounts taken.",
 		Buckets: prometheus.ExponentialBuckets(100, 4, 12),
@@ -57,7 +62,7 @@ func newMetrics(a *Server) *metrics {
 	m.tokens = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "escrow_tokens_total", Help: "Tokens charged, by model and kind (prompt, cached, completion).",
 	}, []string{"model", "kind"})
-	m.reg.MustRegister(m.requests, m.holds, m.costs, m.errors, m.latency, m.spend, m.tokens)
+	m.reg.MustRegister(m.requests, m.fitted, m.holds, m.costs, m.errors, m.latency, m.spend, m.tokens)
 
 	w := a.worker
 	counter := func(name, help string, f func() int64) {
@@ -143,6 +148,9 @@ func (m *metrics) observe(o middleware.Outcome) {
 	}
 	if o.HoldAmount > 0 {
 		m.holds.Observe(float64(o.HoldAmount))
+	}
+	if o.FitCap > 0 {
+		m.fitted.Inc()
 	}
 	if o.Kind == middleware.OutcomeRecorded || o.Kind == middleware.OutcomeEstimated {
 		m.costs.Observe(float64(o.Cost))

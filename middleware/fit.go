@@ -1,0 +1,198 @@
+package middleware
+
+import (
+	"errors"
+	"net/http"
+	"strconv"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+)
+
+// Fit (DESIGN "Holds that fit"): a request whose bound does not fit the org's balance or the
+// room of a limit in scope is not refused while a shorter answer fits. Its output cap is lowered
+// to the largest C whose bound fits, C is written into the body, the hold is that bound, and the
+// client is told in the HeaderOutputCap header. The upstream enforces C, so the cost still
+// cannot pass the hold: fit trades output length, never exactness.
+const (
+	// HeaderOutputCap is the response header that carries a fitted output cap.
+	HeaderOutputCap = "X-Escrow-Output-Cap"
+	// HeaderFit on a request: "off" asks for the refusal instead of a shorter answer.
+	HeaderFit = "X-Escrow-Fit"
+
+	// CodeBalanceHeld: 429 rate_limit_exceeded, retryable — the balance does not cover the
+	// request now, but would with the holds of the org's requests in flight given back.
+	CodeBalanceHeld = "balance_held"
+	// CodeBudgetHeld: the same for a spending limit whose room is held by requests in flight.
+	CodeBudgetHeld = "budget_held"
+)
+
+// maxFitTries bounds the reserves of one request: the first (its bound), then fitted ones, each
+// sized from the room the previous refusal reported (requests of the same org may take it
+// meanwhile).
+const maxFitTries = 3
+
+// defaultFitFields is the cap field fit adds to a body that has none, per endpoint (the field
+// that endpoint's upstream reads; Config.FitFields changes it per route).
+var defaultFitFields = map[string]string{
+	EndpointChat:        "max_completion_tokens",
+	EndpointCompletions: "max_tokens",
+	EndpointResponses:   "max_output_tokens",
+	EndpointMessages:    "max_tokens",
+}
+
+// capFields are the cap fields an endpoint's upstreams read; fit writes C into each one the
+// body has.
+var capFields = map[string][]string{
+	EndpointChat:        {"max_completion_tokens", "max_tokens"},
+	EndpointCompletions: {"max_tokens"},
+	EndpointResponses:   {"max_output_tokens"},
+	EndpointMessages:    {"max_tokens"},
+}
+
+// fitPlan is what fitting a request needs: its bound and the cap the bound assumes, and the
+// smallest cap worth serving.
+type fitPlan struct {
+	on      bool // the request may be fitted
+	bounded bool // its hold is its bound, with an output cap: fit could lower it (on or off)
+	bound   int64
+	cap     int64 // the output cap of bound
+	minCap  int64 // caps below this are refused
+}
+
+// planFit reports whether the request may be fitted: fit is on (Config.NoFit, the request's
+// HeaderFit), the request has a bound with an output (embeddings have none to shorten) and its
+// hold is that bound (a HoldFunc may hold something else).
+func (m *middleware) planFit(off bool, model accounting.Model, r Request, hold int64) fitPlan {
+	var p fitPlan
+	p.bound, p.cap, p.on = Bound(model, r)
+	p.minCap = min(m.cfg.FitMinOutputTokens, p.cap)
+	p.bounded = p.on && p.cap > 0 && p.bound == hold && r.Endpoint != EndpointEmbeddings
+	p.on = p.bounded && !m.cfg.NoFit && !off
+	return p
+}
+
+// fitCap is the largest output cap C ≤ max whose bound is at most room, and that bound; ok is
+// false when no cap of at least min fits. The bound grows with C, so C is found by bisection.
+func fitCap(model accounting.Model, r Request, minCap, maxCap, room int64) (c, bound int64, ok bool) {
+	if room <= 0 || minCap > maxCap {
+		return 0, 0, false
+	}
+	fits := func(c int64) (int64, bool) {
+		b, ok := requestBound(model, r, c)
+		return b, ok && b <= room
+	}
+	if _, ok := fits(max(minCap, 1)); !ok {
+		return 0, 0, false
+	}
+	lo, hi := max(minCap, 1), maxCap // fits(lo); find the largest
+	for lo < hi {
+		mid := lo + (hi-lo+1)/2
+		if _, ok := fits(mid); ok {
+			lo = mid
+		} else {
+			hi = mid - 1
+		}
+	}
+	b, _ := fits(lo)
+	return lo, b, true
+}
+
+// roomOf is the largest hold a refused reserve says would have been taken now, and whether the
+// refusal is one that fit may answer (the balance or a spending limit).
+func roomOf(err error) (int64, bool) {
+	var ins *balance.InsufficientError
+	var lim *balance.LimitError
+	switch {
+	case errors.As(err, &lim):
+		return lim.Room, true
+	case errors.As(err, &ins):
+		return ins.Balance, true
+	}
+	return 0, false
+}
+
+// setCap writes the fitted cap into body: into each cap field the body has (parseRequest checked
+// they are unique and spelled exactly), else into the endpoint's fit field, added.
+func (m *middleware) setCap(body []byte, endpoint string, c int64) []byte {
+	v := []byte(strconv.FormatInt(c, 10))
+	found := false
+	for _, f := range capFields[endpoint] {
+		var ok bool
+		if body, ok = setTopRaw(body, f, v); ok {
+			found = true
+		}
+	}
+	if found {
+		return body
+	}
+	f := defaultFitFields[endpoint]
+	if x, ok := m.cfg.FitFields[endpoint]; ok && x != "" {
+		f = x
+	}
+	return addTopRaw(body, f, v)
+}
+
+// heldRefusal turns a refusal that in-flight holds explain into the retryable 429 of "Held is
+// not gone": the balance (or a limit's room) plus what the org's unfinished holds keep would
+// cover needed. nil when the money (or the room) is really gone.
+func (m *middleware) heldRefusal(err error, needed int64) *Error {
+	var ins *balance.InsufficientError
+	var lim *balance.LimitError
+	switch {
+	case errors.As(err, &lim):
+		if lim.Held > 0 && lim.Used-lim.Held+needed <= lim.Limit.Cap {
+			e := limitRefusal(lim)
+			e.Type, e.Code, e.NoRetry, e.RetryAfter = TypeRateLimit, CodeBudgetHeld, false, m.cfg.RetryAfter
+			e.Message += " Requests of yours in flight hold part of it: retry when they finish."
+			return e
+		}
+	case errors.As(err, &ins):
+		if ins.Held > 0 && ins.Balance+ins.Held >= needed {
+			return &Error{Status: http.StatusTooManyRequests, Type: TypeRateLimit, Code: CodeBalanceHeld, RetryAfter: m.cfg.RetryAfter,
+				Message: "Your balance is held by your requests in flight: " + strconv.FormatInt(ins.Balance, 10) +
+					" available now, " + strconv.FormatInt(needed, 10) + " needed. Retry when they finish."}
+		}
+	}
+	return nil
+}
+
+// quotaRefusal is the refusal of a request whose hold neither fits nor can be fitted, with the
+// numbers: what it needs at least (its smallest fitted bound, or its hold when it cannot be
+// fitted), what is available, which limit binds, and the largest output cap that would fit.
+// Money held by the org's requests in flight makes it the retryable heldRefusal. nil for errors
+// that are not about the balance or a limit (reserveError maps those).
+func (m *middleware) quotaRefusal(err error, model accounting.Model, r Request, plan fitPlan, hold int64) *Error {
+	room, ok := roomOf(err)
+	if !ok {
+		return nil
+	}
+	needed := hold
+	if plan.on {
+		if b, ok := requestBound(model, r, plan.minCap); ok {
+			needed = b
+		}
+	}
+	if e := m.heldRefusal(err, needed); e != nil {
+		return e
+	}
+	hint := ""
+	if plan.bounded {
+		if c, _, ok := fitCap(model, r, 1, plan.cap, room); ok {
+			hint = " An output cap (max_tokens) of at most " + strconv.FormatInt(c, 10) + " would fit."
+		} else {
+			hint = " No output cap fits."
+		}
+	}
+	var lim *balance.LimitError
+	if errors.As(err, &lim) {
+		l := *lim
+		l.Amount = needed
+		e := limitRefusal(&l)
+		e.Message += hint
+		return e
+	}
+	return &Error{Status: http.StatusTooManyRequests, Type: TypeInsufficientQuota, Code: CodeInsufficientQuota, NoRetry: true,
+		Message: "You exceeded your current quota: your balance does not cover this request (it needs at least " +
+			strconv.FormatInt(needed, 10) + ", " + strconv.FormatInt(max(room, 0), 10) + " is available)." + hint + " Add credit and retry."}
+}
