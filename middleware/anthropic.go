@@ -48,6 +48,9 @@ func (e *Error) forAnthropic() *Error {
 	if a.Code == CodeInsufficientQuota && a.Status == http.StatusTooManyRequests {
 		a.Status, a.NoRetry = http.StatusPaymentRequired, true
 		a.Message = "Your credit balance is too low for this request. Add credit and retry."
+		if rest, ok := strings.CutPrefix(e.Message, quotaPrefix); ok {
+			a.Message = "Your credit balance is too low for this request" + rest // with the numbers
+		}
 	}
 	switch s := a.Status; {
 	case s == http.StatusUnauthorized:

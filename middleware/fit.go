@@ -157,6 +157,9 @@ func (m *middleware) heldRefusal(err error, needed int64) *Error {
 	return nil
 }
 
+// quotaPrefix starts the insufficient_quota message with numbers (forAnthropic rewords it).
+const quotaPrefix = "You exceeded your current quota: your balance does not cover this request"
+
 // quotaRefusal is the refusal of a request whose hold neither fits nor can be fitted, with the
 // numbers: what it needs at least (its smallest fitted bound, or its hold when it cannot be
 // fitted), what is available, which limit binds, and the largest output cap that would fit.
@@ -193,6 +196,6 @@ func (m *middleware) quotaRefusal(err error, model accounting.Model, r Request, 
 		return e
 	}
 	return &Error{Status: http.StatusTooManyRequests, Type: TypeInsufficientQuota, Code: CodeInsufficientQuota, NoRetry: true,
-		Message: "You exceeded your current quota: your balance does not cover this request (it needs at least " +
+		Message: quotaPrefix + " (it needs at least " +
 			strconv.FormatInt(needed, 10) + ", " + strconv.FormatInt(max(room, 0), 10) + " is available)." + hint + " Add credit and retry."}
 }
