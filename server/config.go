@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -63,6 +64,13 @@ type Config struct {
 	// usage; past it the upstream call is cut and the request charged an estimate (README "What
 	// a hang-up and an upstream error cost").
 	ReadOn time.Duration
+
+	// Fit (README "What a request holds"): a request whose bound does not fit is served with a
+	// lower output cap, at least FitMinOutput tokens; FitChatField is the cap field added to a
+	// chat completion that has none.
+	Fit          bool
+	FitMinOutput int64
+	FitChatField string
 
 	// Webhook deliveries (package webhook).
 	WebhookTimeout     time.Duration
@@ -129,6 +137,9 @@ func (c *Config) settings() []setting {
 		{"ESCROW_WEBHOOK_MAX_ATTEMPTS", "webhook-max-attempts", "12", "attempts after which a webhook delivery is marked failed (retries back off from 5s, doubling, up to 1h, with jitter)", intp(&c.WebhookMaxAttempts)},
 		{"ESCROW_RECORD_TIMEOUT", "record-timeout", "15s", "bound on recording a request's usage; past it the event is voided and the client gets 503, unless it was stored (then the request completes)", dur(&c.RecordTimeout)},
 		{"ESCROW_READ_ON", "read-on", "2m", "after a client hangs up, how long the upstream is read on for the real usage; past it the call is cut and the request charged an estimate (a bounded request its hold, any other its input bound plus what was streamed)", dur(&c.ReadOn)},
+		{"ESCROW_FIT", "fit", "on", "on: a request whose bound (its output cap, or the model's max output, at the output price) does not fit the balance or a limit's room is served with the largest output cap that fits (x-escrow-output-cap); off: it is refused", onOff(&c.Fit)},
+		{"ESCROW_FIT_MIN_OUTPUT", "fit-min-output", "256", "the smallest output cap fit serves; below it the request is refused with the numbers", integer(&c.FitMinOutput, 1)},
+		{"ESCROW_FIT_CHAT_FIELD", "fit-chat-field", "max_completion_tokens", "the cap field fit adds to a chat completion that has none: max_completion_tokens, or max_tokens for an upstream that knows only that", oneOf(&c.FitChatField, "max_completion_tokens", "max_tokens")},
 		{"ESCROW_RESERVE_TIMEOUT", "reserve-timeout", "1s", "bound on a request's reserve call to Redis; past it the client gets 503 and the hold, if it was taken unseen, is released", dur(&c.ReserveTimeout)},
 		{"ESCROW_KEY_CACHE_TTL", "key-cache-ttl", "5s", "how long an API key look-up is trusted; a revoked key stops within it, also while Postgres is down (revocations go through Redis)", dur(&c.KeyCacheTTL)},
 		{"ESCROW_KEY_MAX_STALE", "key-max-stale", "10m", "while Postgres is down, a known key keeps working for this long after its last look-up (unless revoked)", dur(&c.KeyMaxStale)},
@@ -164,6 +175,25 @@ func dur(p *time.Duration) func(string) error {
 		d, err := time.ParseDuration(v)
 		return d, err == nil && d > 0
 	})
+}
+
+// onOff reads on/off (or a boolean).
+func onOff(p *bool) func(string) error {
+	return parsed(p, "on or off", func(v string) (bool, bool) {
+		switch strings.ToLower(v) {
+		case "on":
+			return true, true
+		case "off":
+			return false, true
+		}
+		b, err := strconv.ParseBool(v)
+		return b, err == nil
+	})
+}
+
+// oneOf reads one of the values given.
+func oneOf(p *string, values ...string) func(string) error {
+	return parsed(p, strings.Join(values, " or "), func(v string) (string, bool) { return v, slices.Contains(values, v) })
 }
 
 func boolean(p *bool) func(string) error {
