@@ -36,7 +36,9 @@ func TestFitThroughTheProxy(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var refusal struct{ Error struct{ Message, Code string } }
+			var refusal struct {
+				Error struct{ Message, Code string }
+			}
 			_ = json.NewDecoder(resp.Body).Decode(&refusal)
 			resp.Body.Close()
 			bound := int64(len(body))*2 + 32_768*8
