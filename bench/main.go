@@ -183,13 +183,31 @@ func (p *proxyProc) provision(prefix string, n int) ([]string, error) {
 	}, nil); err != nil {
 		return nil, err
 	}
+	return p.orgs(prefix, n, 1e13)
+}
+
+// provisionFit creates orgs whose balance (300,000) is far below the bound of fitBody (a model
+// with 1,000,000 output tokens at 0.6 each: ≈ 600,000) and far above its cost (≈ 12): every
+// request is fitted (its output cap lowered to what fits, ≈ 500,000 tokens), for tens of
+// thousands of requests per org.
+func (p *proxyProc) provisionFit(prefix string, n int) ([]string, error) {
+	if err := p.adminCall("PUT", "/models/bench-fit", map[string]any{
+		"input_price": 150_000, "output_price": 600_000, "max_input_tokens": 128_000, "max_output_tokens": 1_000_000,
+	}, nil); err != nil {
+		return nil, err
+	}
+	return p.orgs(prefix, n, 300_000)
+}
+
+// orgs creates n orgs with funds each and returns a key of each.
+func (p *proxyProc) orgs(prefix string, n int, funds int64) ([]string, error) {
 	keys := make([]string, 0, n)
 	for i := 0; i < n; i++ {
 		org := fmt.Sprintf("%s-%03d", prefix, i)
 		if err := p.adminCall("POST", "/orgs", map[string]string{"id": org}, nil); err != nil {
 			return nil, err
 		}
-		if err := p.adminCall("POST", "/orgs/"+org+"/credits", map[string]any{"amount": int64(1e13), "reference": org + "-funds"}, nil); err != nil {
+		if err := p.adminCall("POST", "/orgs/"+org+"/credits", map[string]any{"amount": funds, "reference": org + "-funds"}, nil); err != nil {
 			return nil, err
 		}
 		var k struct{ Key string }
@@ -204,6 +222,9 @@ func (p *proxyProc) provision(prefix string, n int) ([]string, error) {
 var (
 	plainBody  = []byte(`{"model":"bench-model","max_tokens":16,"messages":[{"role":"user","content":"say hello to the benchmark"}]}`)
 	streamBody = []byte(`{"model":"bench-model","max_tokens":16,"stream":true,"messages":[{"role":"user","content":"say hello to the benchmark"}]}`)
+	// fitBody states no cap: its bound is the model's max output, which the fit orgs cannot cover;
+	// its answer stops at 16 words, as plainBody's, well before the fitted cap.
+	fitBody = []byte(`{"model":"bench-fit","messages":[{"role":"user","content":"say hello to the benchmark [stop:16]"}]}`)
 )
 
 func num(v float64) string {

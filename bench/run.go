@@ -69,8 +69,8 @@ type rig struct {
 
 	proxyURL, limURL, coURL, baseURL string
 
-	base, esc, co            *proxyProc
-	keys, hot, coKeys, coHot []string
+	base, esc, co                     *proxyProc
+	keys, hot, coKeys, coHot, fitKeys []string
 }
 
 // close runs the clean-ups in reverse order.
@@ -171,6 +171,9 @@ func (r *rig) startProxies(ctx context.Context) error {
 			return fmt.Errorf("provision: %w", err)
 		}
 	}
+	if r.fitKeys, err = r.esc.provisionFit("fit", r.o.orgs); err != nil {
+		return fmt.Errorf("provision: %w", err)
+	}
 	return nil
 }
 
@@ -198,8 +201,8 @@ const chatPath = "/v1/chat/completions"
 
 // scenarios are the closed-loop runs, in rounds and in turns, after a warm-up each.
 type scenarios struct {
-	bPlain, ePlain, cPlain, eHot, cHot, bStream, eStream loadResult
-	orgs                                                 int
+	bPlain, ePlain, cPlain, eHot, cHot, bStream, eStream, eFit loadResult
+	orgs                                                       int
 }
 
 func (r *rig) scenarios(ctx context.Context) (*scenarios, error) {
@@ -222,6 +225,7 @@ func (r *rig) scenarios(ctx context.Context) (*scenarios, error) {
 		{r.co, "escrow, coalesce off, json, 1 hot org", r.coHot, plainBody, &res.cHot},
 		{r.base, "baseline stream", []string{"sk-none"}, streamBody, &res.bStream},
 		{r.esc, "escrow stream, " + many, r.keys, streamBody, &res.eStream},
+		{r.esc, "escrow json fitted, " + many, r.fitKeys, fitBody, &res.eFit},
 	}
 	spec := func(sc scenario, d time.Duration) loadSpec {
 		return loadSpec{Name: sc.name, URL: sc.p.base + chatPath, Keys: sc.keys, Body: sc.body, Concurrency: o.concurrency, Duration: d}
@@ -320,13 +324,14 @@ func printTable(lim *limits, s *scenarios, lags []lagRun) {
 	lr("co off", s.cHot, &s.bPlain, "/ baseline json")
 	lr("baseline", s.bStream, nil, "")
 	lr("escrow", s.eStream, &s.bStream, "/ baseline stream")
+	lr("fit", s.eFit, &s.bPlain, "/ baseline json")
 	for _, l := range lags {
 		lr("lag", l.r, nil, "")
 		row("lag", fmt.Sprintf("  settle lag (%d entries)", l.n), 0, l.p50, l.p99, nil, 0, "recorded → in Redis")
 		fmt.Fprintf(w, "lag\t  backlog at the end of the run\t\t%.0f events\t%.0f entries\t\t\t\t\t\t\t\t%s to drain\t\n", l.pending, l.unsettled, l.drain.Round(time.Millisecond))
 	}
 	w.Flush()
-	all := []loadResult{s.bPlain, s.bStream, s.ePlain, s.eStream, s.eHot, s.cPlain, s.cHot}
+	all := []loadResult{s.bPlain, s.bStream, s.ePlain, s.eStream, s.eHot, s.cPlain, s.cHot, s.eFit}
 	for _, l := range lags {
 		all = append(all, l.r)
 	}
@@ -336,5 +341,7 @@ func printTable(lim *limits, s *scenarios, lags []lagRun) {
 		}
 	}
 	fmt.Printf("redis commands per request (escrow json, %d orgs): %.2f (%s)\n", s.orgs, s.ePlain.RedisPerReq, s.ePlain.RedisCmds)
+	fmt.Printf("redis commands per request (escrow json fitted, %d orgs: every request refused, then fitted): %.2f (%s); proxy CPU per request %s vs %s unfitted\n",
+		s.orgs, s.eFit.RedisPerReq, s.eFit.RedisCmds, s.eFit.cpuPerReq(s.eFit.ProxyCPU), s.ePlain.cpuPerReq(s.ePlain.ProxyCPU))
 	fmt.Printf("p50 of the limit rows: one caller at a time. CPU per request: the proxy process (with its built-in fake upstream) and this load generator from /proc/<pid>/stat; Redis from INFO cpu and Postgres from its processes in /proc (both shared servers: other clients' work counts too); machine busy from /proc/stat (every process).\n")
 }

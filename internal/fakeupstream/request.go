@@ -76,6 +76,7 @@ type plan struct {
 var (
 	cachedMarker    = regexp.MustCompile(`\[cached:(\d+)\]`)
 	reasoningMarker = regexp.MustCompile(`\[reasoning:(\d+)\]`)
+	stopMarker      = regexp.MustCompile(`\[stop:(\d+)\]`)
 	encodingMarker  = regexp.MustCompile(`\[encoding:([A-Za-z0-9_-]+)\]`)
 )
 
@@ -96,6 +97,11 @@ func (s *Server) newPlan(words int, markerText string, outCap *int64, n *int64) 
 		p.capped = true
 	}
 	p.completionTokens = min(p.completionTokens, s.opts.MaxOutputTokens)
+	if m := stopMarker.FindStringSubmatch(markerText); m != nil {
+		if v, _ := strconv.Atoi(m[1]); v < p.completionTokens {
+			p.completionTokens, p.capped = v, false // a natural stop before the cap
+		}
+	}
 	if n != nil && *n > 1 {
 		p.choices = int(*n)
 	}

@@ -30,6 +30,8 @@
 //	               context ends
 //	[cached:N]     N of the prompt tokens are cached (at most all of them)
 //	[reasoning:N]  N of the completion tokens are reasoning tokens (at most all of them)
+//	[stop:N]       the reply stops after N words when its cap allows more (finish_reason
+//	               "stop"), as a model that is done before its cap
 //	[incomplete]   responses only: status "incomplete" (reason max_output_tokens), and a
 //	               stream ends with response.incomplete instead of response.completed
 //	[encoding:X]   the reply (JSON or stream) is compressed with X — gzip, deflate (zlib) or br —
