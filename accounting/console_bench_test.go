@@ -43,7 +43,7 @@ func BenchmarkConsoleLarge(b *testing.B) {
 		 FROM (SELECT org_id, sum(delta) b, max(seq) n FROM ledger_entries GROUP BY org_id) s WHERE s.org_id = a.org_id`,
 		// What autosummarize and autovacuum do in a running ledger: the BRIN ranges of the rows
 		// just filled are summarized.
-		`SELECT brin_summarize_new_values('usage_events_created_brin')`,
+		`SELECT brin_summarize_new_values('usage_events_at_brin')`,
 		`ANALYZE accounts, api_keys, usage_events, ledger_entries`, // this schema's tables only
 	} {
 		var err error

@@ -189,7 +189,7 @@ func (m *Memory) ListEntries(ctx context.Context, org string, q EntryQuery) (Pag
 	}
 	for seq := top; seq >= 1; seq-- {
 		e := a.entries[seq-1]
-		if (q.Kind != "" && e.Kind != q.Kind) || !inRange(e.CreatedAt, q.From, q.To) {
+		if (q.Kind != "" && e.Kind != q.Kind) || !inRange(m.entryTime(e), q.From, q.To) {
 			continue
 		}
 		if len(p.Data) == limit {
@@ -219,7 +219,7 @@ func (m *Memory) TopSpenders(ctx context.Context, q TopQuery) ([]UsageRow, error
 		r := UsageRow{Group: org}
 		for _, e := range a.entries {
 			ev := m.events[e.HoldID]
-			if e.Kind != KindCharge || ev == nil || !inRange(ev.ev.CreatedAt, q.From, q.To) {
+			if e.Kind != KindCharge || ev == nil || !inRange(attrTime(ev.ev.ReservedAt, ev.ev.CreatedAt), q.From, q.To) {
 				continue
 			}
 			r.add(-e.Delta, ev.ev.Usage)
@@ -254,13 +254,14 @@ func (m *Memory) UsageReport(ctx context.Context, org string, q UsageQuery) ([]U
 	rows := map[string]*UsageRow{}
 	for _, e := range a.entries {
 		ev := m.events[e.HoldID]
-		if e.Kind != KindCharge || ev == nil || !inRange(ev.ev.CreatedAt, q.From, q.To) {
+		at := attrTime(ev0(ev).ReservedAt, ev0(ev).CreatedAt)
+		if e.Kind != KindCharge || ev == nil || !inRange(at, q.From, q.To) {
 			continue
 		}
 		var g string
 		switch q.GroupBy {
 		case GroupByDay:
-			g = dayOf(ev.ev.CreatedAt)
+			g = dayOf(at)
 		case GroupByModel:
 			g = ev.ev.Model
 		case GroupByKey:
@@ -399,4 +400,22 @@ func (m *Memory) Spend(ctx context.Context, org, keyID string, since []time.Time
 		}
 	}
 	return s, nil
+}
+
+// entryTime is the time ranges read an entry at: a charge's request's reserve time (its record
+// time for a fail-open request), as limits count it; any other entry's creation. The caller holds
+// m.mu.
+func (m *Memory) entryTime(e LedgerEntry) time.Time {
+	if ev := m.events[e.HoldID]; e.Kind == KindCharge && ev != nil {
+		return attrTime(ev.ev.ReservedAt, ev.ev.CreatedAt)
+	}
+	return e.CreatedAt
+}
+
+// ev0 is the event of e, or a zero event for none.
+func ev0(e *memEvent) UsageEvent {
+	if e == nil {
+		return UsageEvent{}
+	}
+	return e.ev
 }

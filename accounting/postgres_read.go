@@ -198,8 +198,8 @@ FROM ledger_entries e
 LEFT JOIN usage_events u ON e.kind = 'charge' AND u.id = e.hold_id
 WHERE e.org_id = $1::text AND e.seq < $2::bigint
   AND ($3::text = '' OR e.kind = $3::text)
-  AND ($4::timestamptz IS NULL OR e.created_at >= $4)
-  AND ($5::timestamptz IS NULL OR e.created_at < $5)
+  AND ($4::timestamptz IS NULL OR coalesce(e.reserved_at, e.created_at) >= $4)
+  AND ($5::timestamptz IS NULL OR coalesce(e.reserved_at, e.created_at) < $5)
 ORDER BY e.seq DESC LIMIT $6::int`
 
 func deref[T any](p *T) T {
@@ -211,7 +211,8 @@ func deref[T any](p *T) T {
 }
 
 // UsageReport sums the org's accounted usage events per group (index
-// usage_events_org_accounted). Each accounted event has exactly one charge entry with its cost,
+// usage_events_org_accounted), each at its request's reserve time (the record time for a
+// fail-open request), as limits count it. Each accounted event has exactly one charge entry with its cost,
 // so the rows add up to the org's charges.
 func (p *Postgres) UsageReport(ctx context.Context, org string, q UsageQuery) ([]UsageRow, error) {
 	if err := balance.ValidateOrg(org); err != nil {
@@ -221,7 +222,7 @@ func (p *Postgres) UsageReport(ctx context.Context, org string, q UsageQuery) ([
 		return nil, err
 	}
 	group := map[string]string{
-		GroupByDay:   `to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD')`,
+		GroupByDay:   `to_char(coalesce(reserved_at, created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')`,
 		GroupByModel: `model`,
 		GroupByKey:   `coalesce(key_id, '')`,
 	}[q.GroupBy]
@@ -236,7 +237,8 @@ SELECT g, count(*), sum(cost)::bigint, sum(prompt_tokens)::bigint, sum(cached_to
 FROM (SELECT `+group+` AS g, cost, prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens
       FROM usage_events
       WHERE org_id = $1 AND status = 'accounted'
-        AND ($2::timestamptz IS NULL OR created_at >= $2) AND ($3::timestamptz IS NULL OR created_at < $3)) x
+        AND ($2::timestamptz IS NULL OR coalesce(reserved_at, created_at) >= $2)
+        AND ($3::timestamptz IS NULL OR coalesce(reserved_at, created_at) < $3)) x
 GROUP BY g ORDER BY g COLLATE "C"`, org, tsArg(q.From), tsArg(q.To))
 		var err error
 		out, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (UsageRow, error) {
@@ -255,23 +257,23 @@ GROUP BY g ORDER BY g COLLATE "C"`, org, tsArg(q.From), tsArg(q.To))
 	return out, wrapPg("usage report", err)
 }
 
-// TopSpenders sums the accounted usage events in the range per org and keeps the largest. It
-// reads every accounted event of the range (the BRIN index on created_at skips the blocks
+// TopSpenders sums the accounted usage events reserved in the range per org and keeps the
+// largest. It reads every accounted event of the range (the BRIN index on the reserve time skips the blocks
 // outside it; no index orders orgs by spend): a report query, not a hot one.
 func (p *Postgres) TopSpenders(ctx context.Context, q TopQuery) ([]UsageRow, error) {
 	if err := q.Check(); err != nil {
 		return nil, err
 	}
 	// The bounds are written into the statement only when given, so the planner sees the range
-	// and uses usage_events_created_brin (an "x IS NULL OR" form would hide it in a generic plan).
+	// and uses usage_events_at_brin (an "x IS NULL OR" form would hide it in a generic plan).
 	where, args := "status = 'accounted'", []any{q.Limit}
 	if !q.From.IsZero() {
 		args = append(args, q.From)
-		where += fmt.Sprintf(" AND created_at >= $%d", len(args))
+		where += fmt.Sprintf(" AND coalesce(reserved_at, created_at) >= $%d", len(args))
 	}
 	if !q.To.IsZero() {
 		args = append(args, q.To)
-		where += fmt.Sprintf(" AND created_at < $%d", len(args))
+		where += fmt.Sprintf(" AND coalesce(reserved_at, created_at) < $%d", len(args))
 	}
 	rows, _ := p.pool.Query(ctx, sqlTopSpenders(where), args...)
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (UsageRow, error) {

@@ -42,9 +42,9 @@ ANALYZE accounts, api_keys, usage_events, ledger_entries`) // this schema's tabl
 		"list orgs":    `SELECT org_id, name, balance FROM accounts WHERE org_id > 'o5' ORDER BY org_id LIMIT 101`,
 		"list keys":    `SELECT id, name, created_at, revoked_at FROM api_keys WHERE org_id = 'o7' AND (created_at, id) > (now() - interval '1 day', 'key_1') ORDER BY created_at, id LIMIT 101`,
 		"list entries": `EXECUTE list_entries('o7', 50, '', NULL, NULL, 101)`,
-		"usage report": `SELECT model, count(*), sum(cost) FROM usage_events WHERE org_id = 'o7' AND status = 'accounted' AND created_at >= now() - interval '3 days' AND created_at < now() GROUP BY model`,
+		"usage report": `SELECT model, count(*), sum(cost) FROM usage_events WHERE org_id = 'o7' AND status = 'accounted' AND coalesce(reserved_at, created_at) >= now() - interval '3 days' AND coalesce(reserved_at, created_at) < now() GROUP BY model`,
 		"request":      `SELECT id, org_id, cost, status FROM usage_events WHERE id = '0192f0c4-0000-7000-8000-000000000001'`,
-		"top spenders": strings.ReplaceAll(accounting.SQLTopSpenders(`status = 'accounted' AND created_at >= now() - interval '3 hours' AND created_at < now()`), "$1", "10"),
+		"top spenders": strings.ReplaceAll(accounting.SQLTopSpenders(`status = 'accounted' AND coalesce(reserved_at, created_at) >= now() - interval '3 hours' AND coalesce(reserved_at, created_at) < now()`), "$1", "10"),
 	} {
 		p := explain(ctx, t, conn, name, q)
 		for _, table := range []string{"usage_events", "ledger_entries", "api_keys", "accounts"} {

@@ -116,7 +116,10 @@ type KeyInfo struct {
 type EntryQuery struct {
 	ListQuery
 	Kind     EntryKind // "" for every kind
-	From, To time.Time // entry time in [From, To); a zero bound is open
+	// From, To: entry time in [From, To); a zero bound is open. A charge's time is its
+	// request's reserve time (its record time for a fail-open request), as limits and usage
+	// reports count it; any other entry's is its creation.
+	From, To time.Time
 }
 
 // EntryInfo is one ledger entry; a charge carries the request it bills.
@@ -145,7 +148,7 @@ const (
 
 // UsageQuery selects and groups an org's usage by the time each request was recorded.
 type UsageQuery struct {
-	From, To time.Time // [From, To); a zero bound is open
+	From, To time.Time // [From, To) of the requests' reserve times (see EntryQuery); a zero bound is open
 	GroupBy  string    // GroupByDay (UTC, "2006-01-02"), GroupByModel or GroupByKey ("" for no key)
 }
 

@@ -25,6 +25,60 @@ var consoleTests = []struct {
 	{"ConsoleDeleteModel", testConsoleDeleteModel},
 	{"ConsoleAudit", testConsoleAudit},
 	{"ConsoleSpend", testConsoleSpend},
+	{"ConsoleReserveTime", testConsoleReserveTime},
+}
+
+// testConsoleReserveTime (issue 26): every view reads a request at its reserve time, as limits
+// do — the usage report, the entries' range, the top spenders — so one hour adds up the same in
+// each. A request reserved at 03:59:59.999 and recorded at 04:00:01 belongs to 03:00; a
+// fail-open one (no reserve time) to its record time. Before: the report read the record time
+// and the entries their accounting time.
+func testConsoleReserveTime(t *testing.T, l accounting.Ledger) {
+	c := ctx(t)
+	const org = "rt-org"
+	noErr(t, l.CreateOrg(c, org))
+	must2(l.Credit(c, org, 1_000_000, "pay-"+org))
+	h3 := time.Date(2026, 1, 2, 3, 0, 0, 0, time.UTC)
+	late := event(org, 700, 0)
+	late.ReservedAt, late.CreatedAt = h3.Add(time.Hour-time.Millisecond), h3.Add(time.Hour+time.Second)
+	failOpen := event(org, 50, 1)
+	failOpen.CreatedAt = h3.Add(30 * time.Minute)
+	next := event(org, 9, 2)
+	next.ReservedAt, next.CreatedAt = h3.Add(time.Hour), h3.Add(time.Hour+2*time.Second)
+	noErr(t, l.RecordUsage(c, []accounting.UsageEvent{late, failOpen, next}))
+	for {
+		n, err := l.AccountPending(c, 1000)
+		noErr(t, err)
+		if n == 0 {
+			break
+		}
+	}
+	for _, w := range []struct {
+		from          time.Time
+		requests, sum int64
+	}{{h3, 2, 750}, {h3.Add(time.Hour), 1, 9}} {
+		to := w.from.Add(time.Hour)
+		rows := must(l.UsageReport(c, org, accounting.UsageQuery{From: w.from, To: to, GroupBy: accounting.GroupByModel}))
+		if len(rows) != 1 || rows[0].Requests != w.requests || rows[0].Cost != w.sum {
+			t.Fatalf("usage report of %s: %+v, want %d requests costing %d", w.from, rows, w.requests, w.sum)
+		}
+		es := must(l.ListEntries(c, org, accounting.EntryQuery{Kind: accounting.KindCharge, From: w.from, To: to}))
+		var sum int64
+		for _, e := range es.Data {
+			sum -= e.Delta
+		}
+		if int64(len(es.Data)) != w.requests || sum != w.sum {
+			t.Fatalf("charges of %s: %+v, want %d costing %d", w.from, es.Data, w.requests, w.sum)
+		}
+		top := must(l.TopSpenders(c, accounting.TopQuery{From: w.from, To: to}))
+		if len(top) != 1 || top[0].Group != org || top[0].Requests != w.requests || top[0].Cost != w.sum {
+			t.Fatalf("top spenders of %s: %+v", w.from, top)
+		}
+	}
+	days := must(l.UsageReport(c, org, accounting.UsageQuery{GroupBy: accounting.GroupByDay}))
+	if len(days) != 1 || days[0].Group != "2026-01-02" || days[0].Requests != 3 {
+		t.Fatalf("by day: %+v", days)
+	}
 }
 
 // pages follows a list's cursors to its end and returns every row.
@@ -248,9 +302,10 @@ func testConsoleEntries(t *testing.T, l accounting.Ledger) {
 	wantErr(t, err, accounting.ErrInvalidQuery, "an unknown kind")
 	_, err = l.ListEntries(c, "nobody", accounting.EntryQuery{})
 	wantErr(t, err, accounting.ErrUnknownOrg, "entries of an unknown org")
-	// A time range after every entry is empty; one that covers them all is whole.
+	// A time range after every entry is empty; one that covers them all is whole (the charges
+	// are read at their requests' times, from t0; the credit and the adjust at their creation).
 	future := must(l.ListEntries(c, "e-org", accounting.EntryQuery{From: time.Now().Add(time.Hour)}))
-	all := must(l.ListEntries(c, "e-org", accounting.EntryQuery{From: time.Now().Add(-time.Hour), To: time.Now().Add(time.Hour)}))
+	all := must(l.ListEntries(c, "e-org", accounting.EntryQuery{From: t0.Add(-time.Hour), To: time.Now().Add(time.Hour)}))
 	if len(future.Data) != 0 || len(all.Data) != 8 {
 		t.Fatalf("time filters: %d entries in the future, %d in the last hour", len(future.Data), len(all.Data))
 	}
