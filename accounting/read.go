@@ -115,7 +115,7 @@ type KeyInfo struct {
 // EntryQuery filters an org's ledger entries.
 type EntryQuery struct {
 	ListQuery
-	Kind     EntryKind // "" for every kind
+	Kind EntryKind // "" for every kind
 	// From, To: entry time in [From, To); a zero bound is open. A charge's time is its
 	// request's reserve time (its record time for a fail-open request), as limits and usage
 	// reports count it; any other entry's is its creation.
