@@ -114,7 +114,7 @@ func TestRedisServerThroughFaultProxy(t *testing.T) {
 	s := StartRedisServer(t)
 	p := StartFaultProxy(t, s.Addr())
 	c := redis.NewClient(&redis.Options{
-		Addr: p.Addr(), ReadTimeout: 200 * time.Millisecond, PoolSize: 1,
+		Addr: p.Addr(), ReadTimeout: time.Second, PoolSize: 1,
 		MinRetryBackoff: time.Millisecond, MaxRetryBackoff: 5 * time.Millisecond,
 	})
 	defer c.Close()
@@ -124,8 +124,10 @@ func TestRedisServerThroughFaultProxy(t *testing.T) {
 	}
 	p.DropRepliesIf(1, RequestContains("incrby"))
 	n, err := c.IncrBy(ctx, "n", 5).Result()
-	if err != nil || n != 10 {
-		t.Fatalf("INCRBY with its first reply dropped: %d, %v (want 10: applied twice)", n, err)
+	// Applied twice (or more, if a loaded machine also timed out a re-send): the hazard a
+	// re-sent script must be safe against.
+	if err != nil || n < 10 || n%5 != 0 {
+		t.Fatalf("INCRBY with its first reply dropped: %d, %v (want ≥ 10: applied at least twice)", n, err)
 	}
 }
 
