@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -293,6 +294,9 @@ func killGroup(cmd *exec.Cmd) {
 // 6379 and 5432 (the shared servers). With busOffset > 0 the port+busOffset must be free too
 // and ≤ 65535 (Redis Cluster's bus port).
 func freeLoopbackPort(busOffset int) (int, error) {
+	if busOffset > 0 {
+		return nextClusterPort(busOffset)
+	}
 	for i := 0; i < 50; i++ {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
@@ -315,6 +319,45 @@ func freeLoopbackPort(busOffset int) (int, error) {
 		return port, nil
 	}
 	return 0, errors.New("find a free port: no luck after 50 tries")
+}
+
+// Cluster nodes take their ports from [clusterPortLo, clusterPortHi), their bus ports busOffset
+// above, all below Linux's ephemeral range (32768 and up), one after another and never twice in
+// a process: the peers of a node a test killed keep gossiping to its ports, and a new node of
+// another test on a reused port would be pulled into that cluster (seen as "config epoch already
+// non-zero" or "the node must be empty" at CLUSTER REPLICATE). Each process starts at its own
+// place in the range, so parallel test binaries walk apart.
+const clusterPortLo, clusterPortHi = 12000, 22000
+
+var clusterPorts struct {
+	sync.Mutex
+	next int
+}
+
+func nextClusterPort(busOffset int) (int, error) {
+	clusterPorts.Lock()
+	defer clusterPorts.Unlock()
+	if clusterPorts.next == 0 {
+		clusterPorts.next = clusterPortLo + (os.Getpid()*211)%(clusterPortHi-clusterPortLo)
+	}
+	free := func(port int) bool {
+		ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if err != nil {
+			return false
+		}
+		_ = ln.Close()
+		return true
+	}
+	for range clusterPortHi - clusterPortLo {
+		port := clusterPorts.next
+		if clusterPorts.next++; clusterPorts.next >= clusterPortHi {
+			clusterPorts.next = clusterPortLo
+		}
+		if port+busOffset <= 65535 && free(port) && free(port+busOffset) {
+			return port, nil
+		}
+	}
+	return 0, errors.New("find a free cluster port: none left in the range")
 }
 
 func fileSize(path string) int64 {
