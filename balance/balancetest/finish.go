@@ -398,7 +398,9 @@ func exerciseFinishedPinUnpin(t *testing.T, env Env) {
 // ledger has no unsettled usage for it, never while pinned.
 func exerciseFinishedReapRules(t *testing.T, env Env) {
 	t.Parallel()
-	x := fixture(t, env, balance.Config{HoldTTL: 200 * time.Millisecond, SettleDeadline: 300 * time.Millisecond, PinTTL: time.Hour, ReapGrace: 50 * time.Millisecond}, 1000, true)
+	// Expiries of seconds: the early reap must run before them even on a loaded machine (with
+	// 200 ms, a slow setup let it reap the holds it must not yet).
+	x := fixture(t, env, balance.Config{HoldTTL: 1600 * time.Millisecond, SettleDeadline: 2400 * time.Millisecond, PinTTL: time.Hour, ReapGrace: 50 * time.Millisecond}, 1000, true)
 	for _, id := range []string{"usage", "pinned", "phantom", "dead"} {
 		x.mustReserve(id, 100)
 		x.finish(id, 40)
@@ -543,7 +545,7 @@ func (x *h) reapNothingYet() {
 	if n, err := x.s.Reap(x.ctx, x.org); n != 0 || err != nil {
 		x.t.Fatalf("early reap: %d %v", n, err)
 	}
-	time.Sleep(450 * time.Millisecond)
+	time.Sleep(2500 * time.Millisecond) // past SettleDeadline and the grace
 	x.l.SetErr(errors.New("ledger down"))
 	if n, err := x.s.Reap(x.ctx, x.org); n != 0 || err == nil {
 		x.t.Fatalf("reap with the ledger down: %d %v, want 0 and an error", n, err)
@@ -558,7 +560,7 @@ func (x *h) reapUsageAndPinned() {
 	if _, err := x.s.Unpin(x.ctx, x.org, "pinned"); err != nil {
 		x.t.Fatal(err)
 	}
-	time.Sleep(450 * time.Millisecond)
+	time.Sleep(2500 * time.Millisecond) // past SettleDeadline and the grace
 	n, err := x.s.Reap(x.ctx, x.org)
 	eq(x.t, "reaped", n, 2)
 	eq(x.t, "err", err, nil)

@@ -72,7 +72,7 @@ func exerciseReleaseRacesReaper(t *testing.T, env Env) {
 
 func exerciseReapRules(t *testing.T, env Env) {
 	t.Parallel()
-	x := fixture(t, env, balance.Config{HoldTTL: 300 * time.Millisecond, PinTTL: time.Hour, ReapGrace: 50 * time.Millisecond}, 1000, true)
+	x := fixture(t, env, balance.Config{HoldTTL: 1600 * time.Millisecond, PinTTL: time.Hour, ReapGrace: 50 * time.Millisecond}, 1000, true) // seconds: see FinishedReapRules
 	x.mustReserve("usage", 100)   // usage recorded, not settled: never reaped
 	x.mustReserve("pinned", 100)  // journaled: pinned
 	x.mustReserve("phantom", 100) // a late re-send whose usage is settled: released
