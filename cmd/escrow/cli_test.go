@@ -520,3 +520,23 @@ func TestCLILimits(t *testing.T) {
 		t.Errorf("a window that does not exist: %v", err)
 	}
 }
+
+// TestCLICSVFormulaCells (issue 22 item 5): --csv quotes the cells a spreadsheet would run as
+// formulas and leaves numbers as they are.
+func TestCLICSVFormulaCells(t *testing.T) {
+	var out bytes.Buffer
+	stdout = &out
+	defer func() { stdout = nil }()
+	rows := []map[string]any{{"reference": "=HYPERLINK(\"http://evil.example\")", "delta": float64(-5)}, {"reference": "@SUM(1)", "delta": float64(3)}}
+	if err := (output{csv: true}).print(nil, []string{"reference", "delta"}, rows); err != nil {
+		t.Fatal(err)
+	}
+	got, err := csv.NewReader(&out).ReadAll()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := [][]string{{"reference", "delta"}, {`'=HYPERLINK("http://evil.example")`, "-5"}, {"'@SUM(1)", "3"}}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("CSV %q, want %q", got, want)
+	}
+}
