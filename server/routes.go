@@ -20,6 +20,9 @@ func (s *Server) buildEcho() error {
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true
 	e.HTTPErrorHandler = s.httpError
+	if s.cfg.TrustedProxies != "" {
+		e.IPExtractor = trustedXFF(s.cfg.TrustedProxies)
+	}
 	e.GET("/healthz", func(c echo.Context) error { return c.JSON(http.StatusOK, map[string]string{"status": "ok"}) })
 	e.GET("/readyz", s.ready)
 	e.GET("/metrics", echo.WrapHandler(s.metrics.handler()))
@@ -42,6 +45,19 @@ func (s *Server) buildEcho() error {
 	}
 	s.echo = e
 	return nil
+}
+
+// trustedXFF is the client's address as the trusted proxies (ESCROW_TRUSTED_PROXIES, already
+// validated) report it in X-Forwarded-For: the nearest address of the chain that is not one of
+// them. Echo's default trust of loopback, link-local and private peers is turned off: only the
+// configured ranges are trusted.
+func trustedXFF(cidrs string) echo.IPExtractor {
+	nets, _ := parseCIDRs(cidrs)
+	opts := []echo.TrustOption{echo.TrustLoopback(false), echo.TrustLinkLocal(false), echo.TrustPrivateNet(false)}
+	for _, n := range nets {
+		opts = append(opts, echo.TrustIPRange(n))
+	}
+	return echo.ExtractIPFromXFFHeader(opts...)
 }
 
 // httpError answers Echo's own errors (unknown route, wrong method, …) in OpenAI's shape, with
