@@ -71,6 +71,9 @@ type Config struct {
 	// Webhook deliveries (package webhook).
 	WebhookTimeout     time.Duration
 	WebhookMaxAttempts int
+	// WebhookAllowPrivate lets webhook endpoints be on private, loopback and link-local
+	// addresses.
+	WebhookAllowPrivate bool
 
 	// The client-facing HTTP server's timeouts (see newHTTPServer).
 	ReadHeaderTimeout time.Duration
@@ -130,6 +133,7 @@ func (c *Config) settings() []setting {
 		{"ESCROW_BENCH_BASELINE", "bench-baseline", "false", "benchmarks only: proxy without the middleware (requests pass unbilled)", boolean(&c.BenchBaseline)},
 		{"ESCROW_COALESCE", "coalesce", "true", "send reserves that arrive while others are in flight as one Redis pipeline (false: each reserve its own round trip; never with the embedded Redis)", boolean(&c.Coalesce)},
 		{"ESCROW_WEBHOOK_TIMEOUT", "webhook-timeout", "10s", "bound on one webhook delivery attempt (connect, send, answer)", dur(&c.WebhookTimeout)},
+		{"ESCROW_WEBHOOK_ALLOW_PRIVATE", "webhook-allow-private", "false", "let webhook endpoints be on loopback, link-local (169.254.169.254), private and other non-public addresses; off: refused when created and, after DNS resolution, at every attempt", boolean(&c.WebhookAllowPrivate)},
 		{"ESCROW_WEBHOOK_MAX_ATTEMPTS", "webhook-max-attempts", "12", "attempts after which a webhook delivery is marked failed (retries back off from 5s, doubling, up to 1h, with jitter)", intp(&c.WebhookMaxAttempts)},
 		{"ESCROW_RECORD_TIMEOUT", "record-timeout", "15s", "bound on recording a request's usage; past it the event is voided and the client gets 503, unless it was stored (then the request completes)", dur(&c.RecordTimeout)},
 		{"ESCROW_READ_ON", "read-on", "2m", "after a client hangs up, how long the upstream is read on for the real usage; past it the call is cut and the request charged an estimate (a bounded request its hold, any other its input bound plus what was streamed)", dur(&c.ReadOn)},

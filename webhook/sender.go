@@ -52,8 +52,13 @@ type Config struct {
 	PollInterval time.Duration
 	// Concurrency is how many attempts run at once. Default 8.
 	Concurrency int
+	// AllowPrivate lets endpoints be on loopback, link-local, private and other non-public
+	// addresses (ESCROW_WEBHOOK_ALLOW_PRIVATE). Default false: such endpoints are refused when
+	// created (CheckURL) and, after name resolution, at each attempt (a failed attempt).
+	AllowPrivate bool
 	// Client sends the requests. Default: an http.Client that follows no redirect (a 3xx is a
-	// failed attempt).
+	// failed attempt), uses no proxy, and dials only public addresses unless AllowPrivate. A
+	// Client given here replaces that dial-time check.
 	Client *http.Client
 	// Logger defaults to slog.Default(). Secrets and URLs are never logged.
 	Logger *slog.Logger
@@ -72,7 +77,7 @@ func (c *Config) withDefaults() (Config, error) {
 	z.PollInterval = cmp.Or(z.PollInterval, DefaultPollInterval)
 	z.Concurrency = cmp.Or(z.Concurrency, DefaultConcurrency)
 	if z.Client == nil {
-		z.Client = &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+		z.Client = defaultClient(z.AllowPrivate)
 	}
 	if z.Logger == nil {
 		z.Logger = slog.Default()
@@ -249,6 +254,11 @@ func (s *Sender) attempt(ctx context.Context, d accounting.Delivery) {
 func (s *Sender) send(ctx context.Context, d accounting.Delivery) accounting.Outcome {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
+	// Endpoints stored before the policy (or written to the ledger directly) are checked too;
+	// their addresses after resolution, by the client's dialer.
+	if err := CheckURL(d.URL, true); err != nil {
+		return accounting.Outcome{Error: err.Error()}
+	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, d.URL, bytes.NewReader(d.Body))
 	if err != nil {
 		return accounting.Outcome{Error: "bad request: " + errText(err)}

@@ -81,6 +81,7 @@ func startCLIProxy(t *testing.T) (*cli, string) {
 	cfg.Addr, cfg.AdminToken, cfg.DemoBalance = "127.0.0.1:0", "adm-cli-test", 0
 	cfg.RedisURL, cfg.DatabaseURL, cfg.Prefix = rd.URL, pg.URL, rd.Prefix
 	cfg.SweepInterval = 100 * time.Millisecond
+	cfg.WebhookAllowPrivate = true // the receivers are httptest servers on loopback
 	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	ctx := context.Background()
 	srv, err := server.New(ctx, cfg, server.WithUpstream(fakeupstream.New(fakeupstream.Options{}), "sk-fake"))
