@@ -296,7 +296,9 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 		return nil, Request{}, e
 	}
 	if path == EndpointMessages {
-		msgBetaFeatures(req.Header, &r)
+		if e := msgBetas(req.Header, &r); e != nil {
+			return nil, Request{}, e
+		}
 	}
 	o.Model = r.Model
 	if r.Background {
