@@ -146,7 +146,9 @@ type Config struct {
 	// Allow lists the features the price table cannot price that may pass anyway: "audio",
 	// "image_output", "service_tier:<tier>" (e.g. "service_tier:priority"), "tool:<type>" (e.g.
 	// "tool:web_search"); on /v1/messages also "tool:<server tool type>", "mcp_servers",
-	// "container", "cache_ttl:1h", "speed:<speed>", "inference_geo:<geo>", "beta:context-1m-…".
+	// "container", "cache_ttl:1h", "speed:<speed>", "inference_geo:<geo>", "beta:<name>" (an
+	// anthropic-beta outside the built-in list of betas that do not change billing, e.g.
+	// "beta:context-1m-2025-08-07").
 	// Default: none (such requests get a 400).
 	Allow []string
 	// DefaultModel, when set, prices models the Ledger does not know (its Name is ignored).
