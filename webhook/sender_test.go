@@ -449,7 +449,7 @@ type flakyStore struct {
 	claimedAt                 []time.Time           // for each: when its claim was called
 }
 
-func (f *flakyStore) ClaimDeliveries(ctx context.Context, limit int, lease time.Duration) ([]accounting.Delivery, error) {
+func (f *flakyStore) ClaimDeliveries(ctx context.Context, limit int, lease time.Duration, per accounting.EndpointLimit) ([]accounting.Delivery, error) {
 	f.mu.Lock()
 	down := f.claimDown
 	f.mu.Unlock()
@@ -457,7 +457,7 @@ func (f *flakyStore) ClaimDeliveries(ctx context.Context, limit int, lease time.
 		return nil, fmt.Errorf("claim: %w", accounting.ErrLedgerUnavailable)
 	}
 	at := time.Now()
-	ds, err := f.Webhooks.ClaimDeliveries(ctx, limit, lease)
+	ds, err := f.Webhooks.ClaimDeliveries(ctx, limit, lease, per)
 	f.mu.Lock()
 	f.claimed = append(f.claimed, ds...)
 	for range ds {
