@@ -302,12 +302,14 @@ var msgSafeBetas = map[string]bool{
 	"computer-use-2025-01-24":                true,
 }
 
-// msgBetas reads the anthropic-beta headers as the Messages API does (comma-separated names,
-// spaces and quotes around each trimmed) and the body's anthropic_beta list (parseMessages),
-// and makes each beta outside msgSafeBetas a feature of r. A name that is not plain — letters,
-// digits, '.', '_' and '-' — is refused: a ';' or a space inside one is a list another reader
-// could split differently. The header is then rewritten as the names read (lower case, one
-// comma-separated value), so the upstream gets exactly the betas checked here.
+// msgBetas reads the anthropic-beta headers of a priced request (on any path: a gateway behind
+// an OpenAI-style route may pass them on to Anthropic) as the Messages API does:
+// comma-separated names, spaces and quotes around each trimmed. Each beta outside msgSafeBetas
+// becomes a feature of r (the body's anthropic_beta list is read alike, by parseMessages). A
+// name that is not plain — letters, digits, '.', '_' and '-' — is refused: a ';' or a space
+// inside one is a list another reader could split differently. The header is then rewritten as
+// the names read (lower case, one comma-separated value), so the upstream gets exactly the
+// betas checked here.
 func msgBetas(h http.Header, r *Request) *Error {
 	var betas []string
 	for _, v := range h.Values("Anthropic-Beta") {

@@ -295,10 +295,10 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 	if e != nil {
 		return nil, Request{}, e
 	}
-	if path == EndpointMessages {
-		if e := msgBetas(req.Header, &r); e != nil {
-			return nil, Request{}, e
-		}
+	// On every priced path: a gateway behind an OpenAI-style route may pass the header on to
+	// Anthropic too.
+	if e := msgBetas(req.Header, &r); e != nil {
+		return nil, Request{}, e
 	}
 	o.Model = r.Model
 	if r.Background {

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -52,6 +53,20 @@ func TestAnthropicBetasAndQuery(t *testing.T) {
 	}
 	if n := p.fake.Requests(); n != 0 {
 		t.Fatalf("the upstream got %d of the refused requests", n)
+	}
+	// The header on an OpenAI-style path (a gateway there may pass it on to Anthropic).
+	req, _ := http.NewRequest(http.MethodPost, p.base+"/v1/chat/completions",
+		strings.NewReader(`{"model":"claude-t","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`))
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("anthropic-beta", "context-1m-2025-08-07")
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chatBody, _ := io.ReadAll(res.Body)
+	res.Body.Close()
+	if res.StatusCode != http.StatusBadRequest || !strings.Contains(string(chatBody), "context-1m-2025-08-07") {
+		t.Errorf("anthropic-beta on /v1/chat/completions: %d %s, want a 400 naming the beta", res.StatusCode, chatBody)
 	}
 
 	st, _, b := p.messages("/v1/messages?beta=true&foo=bar&api-version=1", key, withBetas(`["prompt-caching-2024-07-31"]`),
