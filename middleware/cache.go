@@ -176,16 +176,7 @@ func newFailureLimiter(limit, size int, window time.Duration) *failureLimiter {
 	return &failureLimiter{limit: limit, size: size, window: window, m: make(map[string]failureWindow), gates: make(map[string]*ipGate)}
 }
 
-// allow reports whether ip is within its limit, and if not, when it will be again.
-func (f *failureLimiter) allow(ip string) (ok bool, retryIn time.Duration) {
-	if f.limit <= 0 {
-		return true, 0
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.allowLocked(ip, time.Now())
-}
-
+// allowLocked reports whether ip is within its limit, and if not, when it will be again.
 func (f *failureLimiter) allowLocked(ip string, now time.Time) (bool, time.Duration) {
 	w, found := f.m[ip]
 	if !found || now.Sub(w.start) >= f.window || w.n < f.limit {
