@@ -335,6 +335,9 @@ func (c *Config) check() error {
 			return fmt.Errorf("%s: %w", h.env, err)
 		}
 	}
+	if _, err := parseCIDRs(c.TrustedProxies); err != nil {
+		return fmt.Errorf("ESCROW_TRUSTED_PROXIES: %w", err)
+	}
 	if c.RoutesFile != "" && c.UpstreamURL != "" {
 		return errors.New("set ESCROW_ROUTES_FILE or UPSTREAM_URL, not both (a route with \"prefix\": \"\" serves every other model)")
 	}

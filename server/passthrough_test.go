@@ -1,6 +1,7 @@
 package server
 
 import (
+	"errors"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -108,5 +109,35 @@ func TestUpstreamQuery(t *testing.T) {
 		if got := upstreamQuery(c.base, u); got != c.want {
 			t.Errorf("upstreamQuery(%q, %q) = %q, want %q", c.base, c.in, got, c.want)
 		}
+	}
+}
+
+// TestEdgeSettings: ESCROW_TRUSTED_PROXIES takes CIDRs and addresses and refuses anything else;
+// ESCROW_WEBHOOK_ALLOW_PRIVATE is off by default.
+func TestEdgeSettings(t *testing.T) {
+	t.Parallel()
+	load := func(env map[string]string) (*Config, error) {
+		return LoadConfig("t", nil, func(k string) string { return env[k] }, io.Discard)
+	}
+	for _, bad := range []string{"10.0.0.0/33", "proxy.internal", "10.0.0.0/8;192.0.2.1", "*"} {
+		if _, err := load(map[string]string{"ESCROW_TRUSTED_PROXIES": bad}); !errors.Is(err, ErrConfig) {
+			t.Errorf("ESCROW_TRUSTED_PROXIES=%q: %v, want a configuration error", bad, err)
+		}
+	}
+	c, err := load(map[string]string{"ESCROW_TRUSTED_PROXIES": "10.0.0.0/8, 192.0.2.7,2001:db8::/32", "ESCROW_WEBHOOK_ALLOW_PRIVATE": "1"})
+	if err != nil || !c.WebhookAllowPrivate {
+		t.Fatalf("%+v, %v", c, err)
+	}
+	nets, err := parseCIDRs(c.TrustedProxies)
+	if err != nil || len(nets) != 3 || nets[1].String() != "192.0.2.7/32" {
+		t.Fatalf("%v, %v", nets, err)
+	}
+	if d := DefaultConfig(); d.TrustedProxies != "" || d.WebhookAllowPrivate {
+		t.Fatalf("defaults: trusted proxies %q, private webhooks %v", d.TrustedProxies, d.WebhookAllowPrivate)
+	}
+	c = DefaultConfig()
+	c.TrustedProxies = "not a range"
+	if err := c.validate(); !errors.Is(err, ErrConfig) {
+		t.Fatalf("a Config built by hand with a bad range: %v", err)
 	}
 }
