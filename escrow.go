@@ -240,7 +240,9 @@ func (x *Escrow) Middleware() echo.MiddlewareFunc { return x.middleware }
 // MountAdmin adds the admin API's routes to g (escrow's proxy mounts it at /admin/v1). It
 // fails without Config.AdminToken: an admin API open to anyone is never mounted.
 func (x *Escrow) MountAdmin(g *echo.Group) error {
-	api, err := admin.New(x.ops, &admin.Config{Token: x.adminToken, Logger: x.log})
+	allowPrivate := x.webhooks.Config().AllowPrivate
+	api, err := admin.New(x.ops, &admin.Config{Token: x.adminToken, Logger: x.log,
+		CheckWebhookURL: func(u string) error { return webhook.CheckURL(u, allowPrivate) }})
 	if err != nil {
 		return err
 	}

@@ -218,9 +218,9 @@ func (m *Memory) LowBalanceThreshold(ctx context.Context, org string) (*int64, e
 	return m.hooks.threshold(org), nil
 }
 
-// ClaimDeliveries claims due deliveries, oldest due first; a claim is not due again before its
-// lease ends.
-func (m *Memory) ClaimDeliveries(ctx context.Context, limit int, lease time.Duration) ([]Delivery, error) {
+// ClaimDeliveries claims due deliveries, oldest due first, within per's bound for each
+// endpoint; a claim is not due again before its lease ends.
+func (m *Memory) ClaimDeliveries(ctx context.Context, limit int, lease time.Duration, per EndpointLimit) ([]Delivery, error) {
 	if limit <= 0 {
 		limit = defaultLimit
 	}
@@ -235,7 +235,15 @@ func (m *Memory) ClaimDeliveries(ctx context.Context, limit int, lease time.Dura
 	}
 	slices.SortStableFunc(due, func(a, b *memDelivery) int { return cmp.Or(a.next.Compare(b.next), cmp.Compare(a.d.ID, b.d.ID)) })
 	var out []Delivery
-	for _, d := range due[:min(limit, len(due))] {
+	taken := map[string]int{}
+	for _, d := range due {
+		if len(out) == limit {
+			break
+		}
+		if room := per.room(d.d.WebhookID); room >= 0 && taken[d.d.WebhookID] >= room {
+			continue
+		}
+		taken[d.d.WebhookID]++
 		d.d.Attempts++
 		d.next = now.Add(lease).UTC().Truncate(time.Microsecond)
 		c := d.view()

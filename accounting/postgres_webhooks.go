@@ -188,16 +188,33 @@ func (p *Postgres) LowBalanceThreshold(ctx context.Context, org string) (*int64,
 }
 
 // ClaimDeliveries claims due deliveries with FOR UPDATE SKIP LOCKED: workers in other
-// processes skip the rows being claimed, and a claimed row is not due again before its lease
-// ends (its next_attempt_at moves there).
-func (p *Postgres) ClaimDeliveries(ctx context.Context, limit int, lease time.Duration) ([]Delivery, error) {
+// processes skip the rows being claimed here. With a bound per endpoint, the due deliveries
+// are ranked within their endpoint and only those within its room are claimed (a row another
+// worker holds still counts against the room: a claim may take fewer, never more).
+func (p *Postgres) ClaimDeliveries(ctx context.Context, limit int, lease time.Duration, per EndpointLimit) ([]Delivery, error) {
 	if limit <= 0 {
 		limit = defaultLimit
 	}
-	rows, _ := p.pool.Query(ctx, `
-WITH due AS (
+	due := `
 	SELECT id FROM webhook_deliveries WHERE status = 'pending' AND next_attempt_at <= now()
-	ORDER BY next_attempt_at, id LIMIT $1 FOR UPDATE SKIP LOCKED
+	ORDER BY next_attempt_at, id LIMIT $1 FOR UPDATE SKIP LOCKED`
+	args := []any{limit, lease.Microseconds()}
+	if per.Max > 0 {
+		ids, busy := make([]string, 0, len(per.Busy)), make([]int32, 0, len(per.Busy))
+		for id, n := range per.Busy {
+			ids, busy = append(ids, id), append(busy, int32(n))
+		}
+		due = `
+	SELECT w.id FROM webhook_deliveries w
+	JOIN (SELECT id, endpoint_id, row_number() OVER (PARTITION BY endpoint_id ORDER BY next_attempt_at, id) AS n
+		FROM webhook_deliveries WHERE status = 'pending' AND next_attempt_at <= now()) r ON r.id = w.id
+	LEFT JOIN unnest($4::text[], $5::int[]) AS b(endpoint_id, n) ON b.endpoint_id = r.endpoint_id
+	WHERE w.status = 'pending' AND w.next_attempt_at <= now() AND r.n <= $3 - COALESCE(b.n, 0)
+	ORDER BY w.next_attempt_at, w.id LIMIT $1 FOR UPDATE OF w SKIP LOCKED`
+		args = append(args, per.Max, ids, busy)
+	}
+	rows, _ := p.pool.Query(ctx, `
+WITH due AS (`+due+`
 ), d AS (
 	UPDATE webhook_deliveries w SET attempts = w.attempts + 1,
 		next_attempt_at = now() + $2::bigint * interval '1 microsecond'
@@ -206,7 +223,7 @@ WITH due AS (
 )
 SELECT `+sqlDeliveryColumns+`, w.url, w.secret, e.body
 FROM d JOIN webhook_events e ON e.id = d.event_id JOIN webhook_endpoints w ON w.id = d.endpoint_id
-ORDER BY d.next_attempt_at, d.id`, limit, lease.Microseconds())
+ORDER BY d.next_attempt_at, d.id`, args...)
 	ds, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Delivery, error) {
 		var url, secret, body string
 		d, err := scanDelivery(r, &url, &secret, &body)

@@ -91,6 +91,22 @@ type Delivery struct {
 	Body   []byte `json:"-"` // claims only: the event's JSON, the same bytes on every attempt
 }
 
+// EndpointLimit bounds how many deliveries of one endpoint a claim takes: Max, less what Busy
+// counts for the endpoint (by webhook id: the caller's attempts to it still running), so one
+// slow endpoint cannot take every slot of a sender. The zero value bounds nothing.
+type EndpointLimit struct {
+	Max  int
+	Busy map[string]int
+}
+
+// room is how many deliveries of endpoint id a claim may take; -1 for no bound.
+func (l EndpointLimit) room(id string) int {
+	if l.Max <= 0 {
+		return -1
+	}
+	return max(0, l.Max-l.Busy[id])
+}
+
 // Outcome is what an attempt came to.
 type Outcome struct {
 	Status     DeliveryStatus // DeliveryDelivered, DeliveryPending (retry after RetryAfter) or DeliveryFailed
@@ -117,11 +133,11 @@ type Webhooks interface {
 	// LowBalanceThreshold returns the org's threshold, nil for none (ErrUnknownOrg).
 	LowBalanceThreshold(ctx context.Context, org string) (*int64, error)
 
-	// ClaimDeliveries claims up to limit due pending deliveries, oldest due first: each one's
-	// attempt count goes up by one and it is not due again before lease has passed, so two
-	// workers (in any process) never hold the same attempt. The claims carry the URL, the secret
-	// and the body.
-	ClaimDeliveries(ctx context.Context, limit int, lease time.Duration) ([]Delivery, error)
+	// ClaimDeliveries claims up to limit due pending deliveries, oldest due first, and of one
+	// endpoint no more than per allows: each one's attempt count goes up by one and it is not
+	// due again before lease has passed, so two workers (in any process) never hold the same
+	// attempt. The claims carry the URL, the secret and the body.
+	ClaimDeliveries(ctx context.Context, limit int, lease time.Duration, per EndpointLimit) ([]Delivery, error)
 	// FinishDelivery records the outcome of attempt number attempt of delivery id; when the
 	// delivery was claimed again since (its lease ran out) or deleted, nothing is written and
 	// the error is ErrDeliveryChanged.

@@ -36,13 +36,17 @@ type Config struct {
 	Token string
 	// Logger receives unexpected errors. Default slog.Default().
 	Logger *slog.Logger
+	// CheckWebhookURL, when set, checks a webhook endpoint's URL before it is created; its error
+	// is the 400's message (escrow.New sets the webhook package's address policy).
+	CheckWebhookURL func(rawURL string) error
 }
 
 // API serves the admin routes over one accounting.Ops.
 type API struct {
-	ops   *accounting.Ops
-	token []byte
-	log   *slog.Logger
+	ops          *accounting.Ops
+	token        []byte
+	log          *slog.Logger
+	checkWebhook func(string) error
 }
 
 // New returns the admin API over ops.
@@ -57,7 +61,7 @@ func New(ops *accounting.Ops, cfg *Config) (*API, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	return &API{ops: ops, token: []byte(cfg.Token), log: log.With("component", "escrow.admin")}, nil
+	return &API{ops: ops, token: []byte(cfg.Token), log: log.With("component", "escrow.admin"), checkWebhook: cfg.CheckWebhookURL}, nil
 }
 
 // Register adds the routes, behind the token check, to g (escrow's proxy mounts it at

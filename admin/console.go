@@ -17,6 +17,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/internal/csvcell"
 )
 
 // answer writes v with 200, or the refusal err maps to.
@@ -59,7 +60,8 @@ func wantsCSV(c echo.Context) bool {
 }
 
 // writeList answers one page: {"data":[…],"next":"cursor"|null} in JSON, or a CSV table with a
-// header row (the next cursor, if any, in the X-Escrow-Next header).
+// header row (the next cursor, if any, in the X-Escrow-Next header), its cells made safe for
+// spreadsheets (csvcell.Safe).
 func writeList[T any](c echo.Context, data []T, next string, header []string, row func(T) []string) error {
 	if data == nil {
 		data = []T{}
@@ -72,7 +74,7 @@ func writeList[T any](c echo.Context, data []T, next string, header []string, ro
 		w := csv.NewWriter(&buf)
 		_ = w.Write(header)
 		for _, d := range data {
-			_ = w.Write(row(d))
+			_ = w.Write(csvcell.Row(row(d)))
 		}
 		w.Flush()
 		return c.Blob(http.StatusOK, "text/csv; charset=utf-8", buf.Bytes())

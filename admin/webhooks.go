@@ -3,6 +3,7 @@ package admin
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
@@ -19,6 +20,11 @@ func (a *API) createWebhook(c echo.Context) error {
 	}
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
+	}
+	if a.checkWebhook != nil {
+		if err := a.checkWebhook(req.URL); err != nil {
+			return a.fail(c, fmt.Errorf("%w: %w", accounting.ErrInvalidWebhook, err))
+		}
 	}
 	w, secret, err := a.ops.CreateWebhook(c.Request().Context(), req.URL, req.Events)
 	if err != nil {

@@ -1,6 +1,7 @@
 package middleware
 
 import (
+	"fmt"
 	"net/http"
 	"slices"
 	"strings"
@@ -91,6 +92,7 @@ var (
 	// body's bytes (tools bring Anthropic's tool-use system prompt with them).
 	msgTopOther = []string{
 		"tools", "tool_choice", "mcp_servers", "container", "context_management", "inference_geo", "speed",
+		"anthropic_beta",
 	}
 	msgTopFields     = newFieldSet(append(slices.Clip(msgTopPlain), msgTopOther...)...)
 	msgTopPlainMask  = msgTopFields.mask(msgTopPlain...)
@@ -165,6 +167,8 @@ func (p *reqParser) msgTop(name string, kind byte, v string) {
 		}
 	case "cache_control":
 		p.msgCache(v, name)
+	case "anthropic_beta":
+		p.msgBodyBetas(v)
 	case "system":
 		if kind == '[' {
 			p.msgBlocks(v, name)
@@ -279,18 +283,100 @@ func (p *reqParser) msgBlock(raw string, l loc) {
 	}
 }
 
-// msgBetaFeatures adds the anthropic-beta flags that change the price without showing in the
-// body: the 1M-token context window (context-1m-…) bills long prompts at a premium rate. The
-// betas that enable features in the body (server tools, MCP) are caught by those features; the
-// 1-hour cache (extended-cache-ttl-…) is priced from the usage.
-func msgBetaFeatures(h http.Header, r *Request) {
+// msgSafeBetas are the anthropic-beta flags that pass as they are: none changes what a token
+// costs or adds a fee, and what they enable in the body (tools, documents, cache lifetimes,
+// longer outputs within max_tokens) is checked there. Any other beta is a feature, refused
+// unless Config.Allow names "beta:<name>": context-1m-… (long prompts billed at a premium rate),
+// the betas of server tools, MCP, skills and files, and every beta not known here yet.
+var msgSafeBetas = map[string]bool{
+	"messages-2023-12-15":                    true,
+	"tools-2024-04-04":                       true,
+	"tools-2024-05-16":                       true,
+	"prompt-caching-2024-07-31":              true,
+	"extended-cache-ttl-2025-04-11":          true,
+	"max-tokens-3-5-sonnet-2024-07-15":       true,
+	"output-128k-2025-02-19":                 true,
+	"token-efficient-tools-2025-02-19":       true,
+	"fine-grained-tool-streaming-2025-05-14": true,
+	"interleaved-thinking-2025-05-14":        true,
+	"pdfs-2024-09-25":                        true,
+	"token-counting-2024-11-01":              true,
+	"computer-use-2024-10-22":                true,
+	"computer-use-2025-01-24":                true,
+}
+
+// msgBetas reads the anthropic-beta headers of a priced request (on any path: a gateway behind
+// an OpenAI-style route may pass them on to Anthropic) as the Messages API does:
+// comma-separated names, spaces and quotes around each trimmed. Each beta outside msgSafeBetas
+// becomes a feature of r (the body's anthropic_beta list is read alike, by parseMessages). A
+// name that is not plain — letters, digits, '.', '_' and '-' — is refused: a ';' or a space
+// inside one is a list another reader could split differently. The header is then rewritten as
+// the names read (lower case, one comma-separated value), so the upstream gets exactly the
+// betas checked here.
+func msgBetas(h http.Header, r *Request) *Error {
+	var betas []string
 	for _, v := range h.Values("Anthropic-Beta") {
-		for _, b := range strings.Split(v, ",") {
-			if b = strings.TrimSpace(b); strings.HasPrefix(strings.ToLower(b), "context-1m") {
-				r.addFeature("beta:" + b)
-			}
+		bs, e := splitBetas(v, "anthropic-beta")
+		if e != nil {
+			return e
+		}
+		betas = append(betas, bs...)
+	}
+	if len(betas) == 0 {
+		h.Del("Anthropic-Beta")
+		return nil
+	}
+	for _, b := range betas {
+		if !msgSafeBetas[b] {
+			r.addFeature("beta:" + b)
 		}
 	}
+	h.Set("Anthropic-Beta", strings.Join(slices.Compact(betas), ","))
+	return nil
+}
+
+// splitBetas splits a list of betas (a header value, or one member of anthropic_beta) into
+// their names, lower-cased; param names the list in a refusal.
+func splitBetas(v, param string) ([]string, *Error) {
+	var out []string
+	for _, b := range strings.Split(v, ",") {
+		b = strings.ToLower(strings.Trim(b, " \t\"'"))
+		if b == "" {
+			continue
+		}
+		for i := 0; i < len(b); i++ {
+			if c := b[i]; !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
+				return nil, errInvalid(param, fmt.Sprintf("%s: %q is not a beta name (names are separated by commas only)", param, b))
+			}
+		}
+		out = append(out, b)
+	}
+	return out, nil
+}
+
+// msgBodyBetas reads the body's anthropic_beta (a list of betas, as some platforms take them)
+// the same way as the header: each beta outside msgSafeBetas is a feature.
+func (p *reqParser) msgBodyBetas(v string) {
+	if !p.nullOr("anthropic_beta", v, shapeArray) {
+		return
+	}
+	forEachRaw(v, func(_, b string) bool {
+		if rawKind(b) != '"' {
+			p.mustBe("anthropic_beta[]", shapeString)
+			return false
+		}
+		bs, e := splitBetas(rawString(b), "anthropic_beta")
+		if e != nil {
+			p.fail = e
+			return false
+		}
+		for _, name := range bs {
+			if !msgSafeBetas[name] {
+				p.r.addFeature("beta:" + name)
+			}
+		}
+		return true
+	})
 }
 
 // anthUsage is Anthropic's usage as read so far, each count with whether it was present.

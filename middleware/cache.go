@@ -144,15 +144,20 @@ func makeRoom[E any](m map[string]E, size int, old func(E) bool) {
 	}
 }
 
-// failureLimiter counts failed key look-ups per client IP in fixed one-minute windows, so that
-// a client trying random keys costs at most limit ledger look-ups a minute; keys already cached
-// are not affected. It keeps at most size IPs (a flood of addresses forgets the oldest windows).
+// failureLimiter counts unknown keys per client IP in fixed one-minute windows. It never keeps
+// a key that exists from being served: a key that is not cached is always looked up, so the
+// customers behind an address some client filled with random keys (a proxy, a NAT) keep working.
+// Past the limit, the address's unknown keys get 429 instead of 401, and its look-ups go to the
+// ledger one at a time (gate): a client trying random keys holds at most one ledger connection,
+// whatever rate it sends at. It keeps at most size IPs (a flood of addresses forgets the oldest
+// windows).
 type failureLimiter struct {
 	limit, size int
 	window      time.Duration
 
-	mu sync.Mutex
-	m  map[string]failureWindow
+	mu    sync.Mutex
+	m     map[string]failureWindow
+	gates map[string]*ipGate // addresses past the limit with look-ups waiting or running
 }
 
 type failureWindow struct {
@@ -160,32 +165,36 @@ type failureWindow struct {
 	n     int
 }
 
+// ipGate lets one look-up of an address run at a time; users counts those holding or waiting
+// for it, so that the last one removes it.
+type ipGate struct {
+	slot  chan struct{}
+	users int
+}
+
 func newFailureLimiter(limit, size int, window time.Duration) *failureLimiter {
-	return &failureLimiter{limit: limit, size: size, window: window, m: make(map[string]failureWindow)}
+	return &failureLimiter{limit: limit, size: size, window: window, m: make(map[string]failureWindow), gates: make(map[string]*ipGate)}
 }
 
-// allow reports whether ip may cause another ledger look-up, and if not, when it may again.
-func (f *failureLimiter) allow(ip string) (ok bool, retryIn time.Duration) {
-	if f.limit <= 0 {
-		return true, 0
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
+// allowLocked reports whether ip is within its limit, and if not, when it will be again.
+func (f *failureLimiter) allowLocked(ip string, now time.Time) (bool, time.Duration) {
 	w, found := f.m[ip]
-	if !found || time.Since(w.start) >= f.window || w.n < f.limit {
+	if !found || now.Sub(w.start) >= f.window || w.n < f.limit {
 		return true, 0
 	}
-	return false, f.window - time.Since(w.start)
+	return false, f.window - now.Sub(w.start)
 }
 
-// fail counts one failed look-up of ip.
-func (f *failureLimiter) fail(ip string) {
+// fail counts one unknown key from ip and reports whether it was past the limit (then the
+// client gets a 429, to retry in retryIn).
+func (f *failureLimiter) fail(ip string) (over bool, retryIn time.Duration) {
 	if f.limit <= 0 {
-		return
+		return false, 0
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	now := time.Now()
+	ok, retryIn := f.allowLocked(ip, now)
 	w, found := f.m[ip]
 	if !found || now.Sub(w.start) >= f.window {
 		if !found && len(f.m) >= f.size {
@@ -205,6 +214,38 @@ func (f *failureLimiter) fail(ip string) {
 	}
 	w.n++
 	f.m[ip] = w
+	return !ok, retryIn
+}
+
+// gate waits until ip may start a ledger look-up: at once while ip is within its limit, else
+// when no other look-up of ip runs. The caller calls release when its look-up is over.
+func (f *failureLimiter) gate(ctx context.Context, ip string) (release func(), err error) {
+	f.mu.Lock()
+	if ok, _ := f.allowLocked(ip, time.Now()); ok || f.limit <= 0 {
+		f.mu.Unlock()
+		return func() {}, nil
+	}
+	g := f.gates[ip]
+	if g == nil {
+		g = &ipGate{slot: make(chan struct{}, 1)}
+		f.gates[ip] = g
+	}
+	g.users++
+	f.mu.Unlock()
+	leave := func() {
+		f.mu.Lock()
+		if g.users--; g.users == 0 {
+			delete(f.gates, ip)
+		}
+		f.mu.Unlock()
+	}
+	select {
+	case g.slot <- struct{}{}:
+		return func() { <-g.slot; leave() }, nil
+	case <-ctx.Done():
+		leave()
+		return nil, ctx.Err()
+	}
 }
 
 // clientIP is the address failed look-ups are counted against: echo's IPExtractor when one is

@@ -146,7 +146,9 @@ type Config struct {
 	// Allow lists the features the price table cannot price that may pass anyway: "audio",
 	// "image_output", "service_tier:<tier>" (e.g. "service_tier:priority"), "tool:<type>" (e.g.
 	// "tool:web_search"); on /v1/messages also "tool:<server tool type>", "mcp_servers",
-	// "container", "cache_ttl:1h", "speed:<speed>", "inference_geo:<geo>", "beta:context-1m-…".
+	// "container", "cache_ttl:1h", "speed:<speed>", "inference_geo:<geo>", "beta:<name>" (an
+	// anthropic-beta outside the built-in list of betas that do not change billing, e.g.
+	// "beta:context-1m-2025-08-07").
 	// Default: none (such requests get a 400).
 	Allow []string
 	// DefaultModel, when set, prices models the Ledger does not know (its Name is ignored).
@@ -180,13 +182,14 @@ type Config struct {
 	// kept apart from the others: a flood of random keys churns only these and never evicts a
 	// valid key. Default 1,000.
 	NegativeCacheSize int
-	// KeyFailuresPerMinute is how many failed key look-ups (keys the ledger does not know) one
-	// client IP may cause per minute; past it, keys that are not cached get a 429
-	// rate_limit_exceeded without a ledger look-up until the minute ends, so a client trying
-	// random keys costs a few ledger queries, not one per key. The client IP is the one echo's
-	// IPExtractor gives when it is set (configure it behind a trusted proxy), else the
-	// connection's remote address (X-Forwarded-For is not trusted by default). Default 20;
-	// negative turns the limit off.
+	// KeyFailuresPerMinute is how many unknown keys (keys the ledger does not know) one client IP
+	// may present per minute before they are answered 429 rate_limit_exceeded (with
+	// Retry-After) instead of 401 until the minute ends. A key that exists is never refused for
+	// it: keys that are not cached are always looked up, those of an address past the limit one
+	// at a time, so a client trying random keys holds at most one ledger connection. The client
+	// IP is the one echo's IPExtractor gives when it is set (configure it behind a trusted
+	// proxy: the server's ESCROW_TRUSTED_PROXIES), else the connection's remote address
+	// (X-Forwarded-For is not trusted by default). Default 20; negative turns the limit off.
 	KeyFailuresPerMinute int
 	// LookupTimeout bounds one ledger look-up. Default 2s.
 	LookupTimeout time.Duration

@@ -34,6 +34,9 @@ type faultLedger struct {
 	voidDown     atomic.Bool    // VoidUsage fails as if Postgres were unreachable
 	lookups      atomic.Int64   // LookupKey calls that reached the ledger
 	keysDown     atomic.Bool    // LookupKey fails as if Postgres were unreachable
+	lookupDelay  atomic.Int64   // ns: each LookupKey waits this long first
+	lookupsNow   atomic.Int64   // LookupKey calls running
+	lookupsMax   atomic.Int64   // the most LookupKey calls that ran at once
 	committed    chan struct{}  // gets a value after each stalled RecordUsage committed
 	commitErrs   chan error     // the stalled commits' errors
 	stalls       sync.WaitGroup // stalled RecordUsage calls not yet returned
@@ -90,6 +93,13 @@ func (f *faultLedger) VoidUsage(ctx context.Context, ev accounting.UsageEvent) e
 
 func (f *faultLedger) LookupKey(ctx context.Context, secret string) (accounting.APIKey, error) {
 	f.lookups.Add(1)
+	n := f.lookupsNow.Add(1)
+	defer f.lookupsNow.Add(-1)
+	for m := f.lookupsMax.Load(); n > m && !f.lookupsMax.CompareAndSwap(m, n); m = f.lookupsMax.Load() {
+	}
+	if d := time.Duration(f.lookupDelay.Load()); d > 0 {
+		time.Sleep(d)
+	}
 	if f.keysDown.Load() {
 		return accounting.APIKey{}, errFaultDown
 	}
@@ -473,9 +483,11 @@ func TestKeyFloodKeepsValidKeys(t *testing.T) {
 	})
 }
 
-// TestKeyFailuresLimitedPerIP: 200 random keys from one address cost at most
-// KeyFailuresPerMinute ledger look-ups; the rest get 429 with Retry-After, and a key already
-// cached keeps working from that address.
+// TestKeyFailuresLimitedPerIP: past KeyFailuresPerMinute unknown keys from one address, the
+// rest get 429 with Retry-After; a key already cached keeps working from that address, and
+// (issue 22 item 3) so does a key the middleware never saw: unknown keys of one client do not
+// lock out the others behind the same address. The limited address's look-ups go to the
+// ledger one at a time.
 func TestKeyFailuresLimitedPerIP(t *testing.T) {
 	t.Parallel()
 	eachLedger(t, func(t *testing.T, pg bool) {
@@ -487,31 +499,32 @@ func TestKeyFailuresLimitedPerIP(t *testing.T) {
 			t.Fatalf("status %d: %s", status, body)
 		}
 		charged := e.outcome().Cost
-		before := e.ledger.lookups.Load()
-		var unauthorized, limited int
-		for i := range 200 {
+		random := func(i int) (int, string) {
 			req, _ := http.NewRequest(http.MethodPost, e.srv.URL+EndpointChat, strings.NewReader(jsonBody(testModel, "")))
 			req.Header.Set("Authorization", fmt.Sprintf("Bearer %srandom%040d", accounting.KeyPrefix, i))
 			req.Header.Set("X-Forwarded-For", fmt.Sprintf("10.0.%d.%d", i/250, i%250)) // not trusted: no way around the limit
 			resp, err := http.DefaultClient.Do(req)
-			must(t, err)
+			if err != nil {
+				return 0, err.Error()
+			}
+			defer resp.Body.Close()
 			_, _ = io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			switch resp.StatusCode {
-			case http.StatusUnauthorized:
+			return resp.StatusCode, resp.Header.Get("Retry-After")
+		}
+		var unauthorized, limited int
+		for i := range 200 {
+			switch st, retry := random(i); {
+			case st == http.StatusUnauthorized:
 				unauthorized++
-			case http.StatusTooManyRequests:
+			case st == http.StatusTooManyRequests && retry != "":
 				limited++
-				if resp.Header.Get("Retry-After") == "" {
-					t.Fatal("429 without Retry-After")
-				}
 			default:
-				t.Fatalf("random key: status %d", resp.StatusCode)
+				t.Fatalf("random key: status %d (Retry-After %q)", st, retry)
 			}
 			e.outcome()
 		}
-		if got := e.ledger.lookups.Load() - before; got > limit || unauthorized != limit || limited != 200-limit {
-			t.Fatalf("%d ledger look-ups, %d × 401, %d × 429; want at most %d look-ups", got, unauthorized, limited, limit)
+		if unauthorized != limit || limited != 200-limit {
+			t.Fatalf("%d × 401, %d × 429; want %d and %d", unauthorized, limited, limit, 200-limit)
 		}
 		status, body, err = e.do(e.key, jsonBody(testModel, "")) // cached: not affected
 		must(t, err)
@@ -519,7 +532,41 @@ func TestKeyFailuresLimitedPerIP(t *testing.T) {
 			t.Fatalf("cached key from a limited address: status %d: %s", status, body)
 		}
 		charged += e.outcome().Cost
-		e.settle(charged, 2)
+		_, fresh, err := e.ledger.CreateKey(context.Background(), e.org) // never seen: not cached
+		must(t, err)
+		status, body, err = e.do(fresh, jsonBody(testModel, ""))
+		must(t, err)
+		if status != 200 {
+			t.Fatalf("a fresh valid key from a limited address: status %d: %s", status, body)
+		}
+		charged += e.outcome().Cost
+
+		// A burst of random keys from the limited address: one look-up at a time.
+		e.ledger.lookupDelay.Store(int64(2 * time.Millisecond))
+		e.ledger.lookupsMax.Store(0)
+		var wg sync.WaitGroup
+		statuses := make(chan int, 30)
+		for i := range 30 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				st, _ := random(1000 + i)
+				statuses <- st
+			}()
+		}
+		wg.Wait()
+		close(statuses)
+		for st := range statuses {
+			e.outcome()
+			if st != http.StatusTooManyRequests {
+				t.Errorf("random key in the burst: status %d, want 429", st)
+			}
+		}
+		if got := e.ledger.lookupsMax.Load(); got != 1 {
+			t.Errorf("%d look-ups of the limited address ran at once, want 1", got)
+		}
+		e.ledger.lookupDelay.Store(0)
+		e.settle(charged, 3)
 	})
 }
 

@@ -123,16 +123,19 @@ func (m *middleware) bearerOrg(c echo.Context) (Identity, error) {
 	}
 	ip := clientIP(c)
 	k, err := m.keys.get(c.Request().Context(), key, func(ctx context.Context, secret string) (accounting.APIKey, error) {
-		if ok, retryIn := m.failures.allow(ip); !ok {
-			return accounting.APIKey{}, &Error{Status: http.StatusTooManyRequests, Type: TypeRateLimit, Code: CodeRateLimit,
+		release, err := m.failures.gate(ctx, ip)
+		if err != nil {
+			return accounting.APIKey{}, fmt.Errorf("middleware: waiting to look up a key: %w", err)
+		}
+		defer release()
+		return m.cfg.Ledger.LookupKey(ctx, secret)
+	})
+	if errors.Is(err, accounting.ErrUnknownKey) {
+		if over, retryIn := m.failures.fail(ip); over {
+			return Identity{}, &Error{Status: http.StatusTooManyRequests, Type: TypeRateLimit, Code: CodeRateLimit,
 				RetryAfter: retryIn, Message: "Too many requests with unknown API keys from your address. Retry later."}
 		}
-		k, err := m.cfg.Ledger.LookupKey(ctx, secret)
-		if errors.Is(err, accounting.ErrUnknownKey) {
-			m.failures.fail(ip)
-		}
-		return k, err
-	})
+	}
 	if err != nil {
 		return Identity{}, err
 	}
@@ -300,8 +303,10 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 	if e != nil {
 		return nil, Request{}, e
 	}
-	if path == EndpointMessages {
-		msgBetaFeatures(req.Header, &r)
+	// On every priced path: a gateway behind an OpenAI-style route may pass the header on to
+	// Anthropic too.
+	if e := msgBetas(req.Header, &r); e != nil {
+		return nil, Request{}, e
 	}
 	o.Model = r.Model
 	if r.Background {

@@ -1,6 +1,7 @@
 // Drives the escrow proxy with the official Anthropic TypeScript SDK (@anthropic-ai/sdk) and
-// prints, as one JSON line, what the SDK reported: the usage of a Messages request as JSON and
-// as a stream (cache writes and reads included), and how an insufficient balance surfaced
+// prints, as one JSON line, what the SDK reported: the usage of a Messages request as JSON, as
+// a stream (cache writes and reads included) and through the beta client (with betas), and how
+// an insufficient balance surfaced
 // (status, error class, HTTP attempts made: 1 means no retry). server/sdk_test.go runs it and
 // checks the ledger against these numbers.
 //
@@ -43,6 +44,8 @@ const stream = client.messages.stream(params);
 let text = '';
 stream.on('text', (t) => { text += t; });
 const final = await stream.finalMessage();
+// The beta client: POST /v1/messages?beta=true with the betas in anthropic-beta.
+const betaMsg = await client.beta.messages.create({ ...params, betas: ['prompt-caching-2024-07-31', 'interleaved-thinking-2025-05-14'] });
 
 const poor = new Anthropic({ baseURL, apiKey: poorKey, maxRetries: 3, fetch: countingFetch });
 let refused = null;
@@ -62,5 +65,6 @@ try {
 console.log(JSON.stringify({
   json: { id: msg.id, usage: usageOf(msg.usage), text: msg.content.map((b) => b.text).join('') },
   stream: { id: final.id, usage: usageOf(final.usage), text },
+  beta: { id: betaMsg.id, usage: usageOf(betaMsg.usage), text: betaMsg.content.map((b) => b.text).join('') },
   refused,
 }));

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"slices"
 	"strconv"
 	"strings"
@@ -59,6 +60,9 @@ type Config struct {
 	KeyCacheTTL     time.Duration
 	KeyMaxStale     time.Duration
 	KeyFailures     int
+	// TrustedProxies are the proxies (CIDRs, comma-separated) whose X-Forwarded-For is read for
+	// the client's address; empty: the connection's address is the client's.
+	TrustedProxies string
 
 	// ReadOn bounds how long the upstream is read on after the client hung up, for the real
 	// usage; past it the upstream call is cut and the request charged an estimate (README "What
@@ -75,6 +79,9 @@ type Config struct {
 	// Webhook deliveries (package webhook).
 	WebhookTimeout     time.Duration
 	WebhookMaxAttempts int
+	// WebhookAllowPrivate lets webhook endpoints be on private, loopback and link-local
+	// addresses.
+	WebhookAllowPrivate bool
 
 	// The client-facing HTTP server's timeouts (see newHTTPServer).
 	ReadHeaderTimeout time.Duration
@@ -134,6 +141,7 @@ func (c *Config) settings() []setting {
 		{"ESCROW_BENCH_BASELINE", "bench-baseline", "false", "benchmarks only: proxy without the middleware (requests pass unbilled)", boolean(&c.BenchBaseline)},
 		{"ESCROW_COALESCE", "coalesce", "true", "send reserves that arrive while others are in flight as one Redis pipeline (false: each reserve its own round trip; never with the embedded Redis)", boolean(&c.Coalesce)},
 		{"ESCROW_WEBHOOK_TIMEOUT", "webhook-timeout", "10s", "bound on one webhook delivery attempt (connect, send, answer)", dur(&c.WebhookTimeout)},
+		{"ESCROW_WEBHOOK_ALLOW_PRIVATE", "webhook-allow-private", "false", "let webhook endpoints be on loopback, link-local (169.254.169.254), private and other non-public addresses; off: refused when created and, after DNS resolution, at every attempt", boolean(&c.WebhookAllowPrivate)},
 		{"ESCROW_WEBHOOK_MAX_ATTEMPTS", "webhook-max-attempts", "12", "attempts after which a webhook delivery is marked failed (retries back off from 5s, doubling, up to 1h, with jitter)", intp(&c.WebhookMaxAttempts)},
 		{"ESCROW_RECORD_TIMEOUT", "record-timeout", "15s", "bound on recording a request's usage; past it the event is voided and the client gets 503, unless it was stored (then the request completes)", dur(&c.RecordTimeout)},
 		{"ESCROW_READ_ON", "read-on", "2m", "after a client hangs up, how long the upstream is read on for the real usage; past it the call is cut and the request charged an estimate (a bounded request its hold, any other its input bound plus what was streamed)", dur(&c.ReadOn)},
@@ -143,7 +151,8 @@ func (c *Config) settings() []setting {
 		{"ESCROW_RESERVE_TIMEOUT", "reserve-timeout", "1s", "bound on a request's reserve call to Redis; past it the client gets 503 and the hold, if it was taken unseen, is released", dur(&c.ReserveTimeout)},
 		{"ESCROW_KEY_CACHE_TTL", "key-cache-ttl", "5s", "how long an API key look-up is trusted; a revoked key stops within it, also while Postgres is down (revocations go through Redis)", dur(&c.KeyCacheTTL)},
 		{"ESCROW_KEY_MAX_STALE", "key-max-stale", "10m", "while Postgres is down, a known key keeps working for this long after its last look-up (unless revoked)", dur(&c.KeyMaxStale)},
-		{"ESCROW_KEY_FAILURES_PER_MINUTE", "key-failures-per-minute", "20", "failed API key look-ups one client IP may cause per minute (429 beyond it)", intp(&c.KeyFailures)},
+		{"ESCROW_KEY_FAILURES_PER_MINUTE", "key-failures-per-minute", "20", "unknown API keys one client IP may present per minute (429 beyond it; a key that exists is always served)", intp(&c.KeyFailures)},
+		{"ESCROW_TRUSTED_PROXIES", "trusted-proxies", "", "comma-separated CIDRs (or addresses) of the load balancers and proxies in front of escrow: X-Forwarded-For is read for the client's address only when the connection comes from one of them; empty: the connection's address is the client's", cidrList(&c.TrustedProxies)},
 		{"ESCROW_PPROF_ADDR", "pprof-addr", "", "profiling only: serve net/http/pprof on this address (keep it on loopback); empty: off", str(&c.PprofAddr)},
 		{"ESCROW_READ_HEADER_TIMEOUT", "read-header-timeout", "10s", "how long a client may take to send a request's headers", dur(&c.ReadHeaderTimeout)},
 		{"ESCROW_READ_TIMEOUT", "read-timeout", "60s", "how long a client may take to send a whole request, body included (a slow or missing body is cut off)", dur(&c.ReadTimeout)},
@@ -215,6 +224,45 @@ func intp(p *int) func(string) error {
 		n, err := strconv.Atoi(v)
 		return n, err == nil && n >= 1
 	})
+}
+
+func cidrList(p *string) func(string) error {
+	return func(v string) error {
+		if _, err := parseCIDRs(v); err != nil {
+			return err
+		}
+		*p = v
+		return nil
+	}
+}
+
+// parseCIDRs reads a comma-separated list of CIDRs; a bare address is a range of one.
+func parseCIDRs(v string) ([]*net.IPNet, error) {
+	var out []*net.IPNet
+	for _, f := range strings.Split(v, ",") {
+		f = strings.TrimSpace(f)
+		if f == "" {
+			continue
+		}
+		if !strings.Contains(f, "/") {
+			ip := net.ParseIP(f)
+			if ip == nil {
+				return nil, fmt.Errorf("want CIDRs such as 10.0.0.0/8 or addresses, got %q", f)
+			}
+			bits := 128
+			if ip.To4() != nil {
+				ip, bits = ip.To4(), 32
+			}
+			out = append(out, &net.IPNet{IP: ip, Mask: net.CIDRMask(bits, bits)})
+			continue
+		}
+		_, n, err := net.ParseCIDR(f)
+		if err != nil {
+			return nil, fmt.Errorf("want CIDRs such as 10.0.0.0/8 or addresses, got %q", f)
+		}
+		out = append(out, n)
+	}
+	return out, nil
 }
 
 func headerList(p *string, never []string) func(string) error {
@@ -316,6 +364,9 @@ func (c *Config) check() error {
 		if _, err := parseHeaderList(h.v, h.never); err != nil {
 			return fmt.Errorf("%s: %w", h.env, err)
 		}
+	}
+	if _, err := parseCIDRs(c.TrustedProxies); err != nil {
+		return fmt.Errorf("ESCROW_TRUSTED_PROXIES: %w", err)
 	}
 	if c.RoutesFile != "" && c.UpstreamURL != "" {
 		return errors.New("set ESCROW_ROUTES_FILE or UPSTREAM_URL, not both (a route with \"prefix\": \"\" serves every other model)")

@@ -248,3 +248,57 @@ func TestEdgeRevokedKeyLedgerDown(t *testing.T) {
 		t.Fatalf("after settle: %+v, want the four served requests charged", b)
 	}
 }
+
+// TestEdgeTrustedProxies (issue 22 item 3): behind a trusted proxy (ESCROW_TRUSTED_PROXIES),
+// unknown keys are counted per client as X-Forwarded-For names it, so one client trying random
+// keys does not lock out the others behind the same proxy; a key that exists is served even
+// from the limited client; and X-Forwarded-For from a peer that is not trusted (loopback here,
+// which Echo would trust by default) is ignored.
+func TestEdgeTrustedProxies(t *testing.T) {
+	t.Parallel()
+	from := func(p *testProxy, xff, key string) int {
+		t.Helper()
+		req, _ := http.NewRequest(http.MethodPost, p.base+"/v1/chat/completions", strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hello"}]}`))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Authorization", "Bearer "+key)
+		req.Header.Set("X-Forwarded-For", xff)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	random := func(i int) string { return fmt.Sprintf("sk-esc-random%040d", i) }
+
+	p := startTestProxy(t, true, func(c *Config) { c.TrustedProxies = "127.0.0.1/32, ::1" })
+	p.setup("acme", 1000, 65)
+	for i := range 20 { // ESCROW_KEY_FAILURES_PER_MINUTE defaults to 20
+		if st := from(p, "198.51.100.9, 203.0.113.7", random(i)); st != http.StatusUnauthorized {
+			t.Fatalf("random key %d: %d, want 401", i, st)
+		}
+	}
+	if st := from(p, "203.0.113.7", random(20)); st != http.StatusTooManyRequests {
+		t.Fatalf("21st random key of 203.0.113.7: %d, want 429", st)
+	}
+	if st := from(p, "203.0.113.8", random(21)); st != http.StatusUnauthorized {
+		t.Fatalf("random key of another client behind the proxy: %d, want 401", st)
+	}
+	_, fresh := p.newKey("acme")
+	if st := from(p, "203.0.113.7", fresh); st != http.StatusOK {
+		t.Fatalf("a fresh valid key of the limited client: %d, want 200", st)
+	}
+	if b := p.settled("acme"); b.LedgerBalance != 1000-20 {
+		t.Fatalf("after settle: %+v", b)
+	}
+
+	untrusted := startTestProxy(t, true, func(c *Config) { c.TrustedProxies = "192.0.2.1/32" })
+	for i := range 20 {
+		if st := from(untrusted, fmt.Sprintf("203.0.113.%d", i), random(i)); st != http.StatusUnauthorized {
+			t.Fatalf("random key %d: %d, want 401", i, st)
+		}
+	}
+	if st := from(untrusted, "203.0.113.99", random(20)); st != http.StatusTooManyRequests {
+		t.Fatalf("X-Forwarded-For of an untrusted peer was believed: %d, want 429", st)
+	}
+}

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httputil"
+	"net/url"
+	"slices"
 	"strings"
 	"time"
 
@@ -20,6 +22,9 @@ func (s *Server) buildEcho() error {
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true
 	e.HTTPErrorHandler = s.httpError
+	if s.cfg.TrustedProxies != "" {
+		e.IPExtractor = trustedXFF(s.cfg.TrustedProxies)
+	}
 	e.GET("/healthz", func(c echo.Context) error { return c.JSON(http.StatusOK, map[string]string{"status": "ok"}) })
 	e.GET("/readyz", s.ready)
 	e.GET("/metrics", echo.WrapHandler(s.metrics.handler()))
@@ -42,6 +47,19 @@ func (s *Server) buildEcho() error {
 	}
 	s.echo = e
 	return nil
+}
+
+// trustedXFF is the client's address as the trusted proxies (ESCROW_TRUSTED_PROXIES, already
+// validated) report it in X-Forwarded-For: the nearest address of the chain that is not one of
+// them. Echo's default trust of loopback, link-local and private peers is turned off: only the
+// configured ranges are trusted.
+func trustedXFF(cidrs string) echo.IPExtractor {
+	nets, _ := parseCIDRs(cidrs)
+	opts := []echo.TrustOption{echo.TrustLoopback(false), echo.TrustLinkLocal(false), echo.TrustPrivateNet(false)}
+	for _, n := range nets {
+		opts = append(opts, echo.TrustIPRange(n))
+	}
+	return echo.ExtractIPFromXFFHeader(opts...)
 }
 
 // httpError answers Echo's own errors (unknown route, wrong method, …) in OpenAI's shape, with
@@ -129,6 +147,7 @@ func (s *Server) reverseProxy() http.Handler {
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			up := pr.In.Context().Value(upstreamCtxKey{}).(*upstream)
 			pr.SetURL(up.base)
+			pr.Out.URL.RawQuery = upstreamQuery(up.base.RawQuery, pr.In.URL)
 			pr.Out.Host = up.base.Host
 			reqHeaders.filter(pr.Out.Header)
 			up.setKey(pr.Out.Header)
@@ -160,6 +179,41 @@ func (s *Server) reverseProxy() http.Handler {
 		},
 	}
 	return rp
+}
+
+// queryAllowed are the client's query parameters the upstream gets, by path, with the values
+// each may have: the Anthropic SDKs' beta=true on the Messages API. Every other parameter is
+// dropped: the upstream is paid for with the operator's key, and a parameter escrow does not
+// read could change what a call does or costs. Parameters an upstream needs (Azure's
+// api-version) belong in its configured URL, whose query is always kept.
+var queryAllowed = map[string]map[string][]string{
+	middleware.EndpointMessages:    {"beta": {"true", "false"}},
+	middleware.EndpointCountTokens: {"beta": {"true", "false"}},
+}
+
+// upstreamQuery is the query of an upstream request: the upstream URL's own (base), then the
+// client's parameters that queryAllowed lets through for its path.
+func upstreamQuery(base string, in *url.URL) string {
+	allowed := queryAllowed[in.Path]
+	if len(allowed) == 0 || in.RawQuery == "" {
+		return base
+	}
+	kept := url.Values{}
+	for name, vs := range in.Query() {
+		for _, v := range vs {
+			if slices.Contains(allowed[name], v) {
+				kept.Add(name, v)
+			}
+		}
+	}
+	q := kept.Encode()
+	switch {
+	case q == "":
+		return base
+	case base == "":
+		return q
+	}
+	return base + "&" + q
 }
 
 // journalGate refuses new requests (503 before any hold is taken) while the local journal is

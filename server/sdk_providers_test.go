@@ -61,10 +61,11 @@ func TestSDKsOneProxy(t *testing.T) {
 		total += cost
 	}
 
-	// The Anthropic SDK: JSON and a stream with cache writes and reads, and a refusal.
+	// The Anthropic SDK: JSON, a stream and the beta client, with cache writes and reads, and a
+	// refusal.
 	out := runSDKScript(ctx, t, node, "anthropic.mjs", p.base, key, poor, "claude-t")
 	var res struct {
-		JSON, Stream struct {
+		JSON, Stream, Beta struct {
 			Usage anthUsage `json:"usage"`
 		}
 		Refused *struct {
@@ -76,11 +77,11 @@ func TestSDKsOneProxy(t *testing.T) {
 	if err := json.Unmarshal(bytes.TrimSpace(out), &res); err != nil {
 		t.Fatalf("node output %s: %v", out, err)
 	}
-	if res.JSON.Usage.CacheWrite == 0 || res.Stream.Usage != res.JSON.Usage || res.Refused == nil || res.Refused.Status != 402 ||
+	if res.JSON.Usage.CacheWrite == 0 || res.Stream.Usage != res.JSON.Usage || res.Beta.Usage != res.JSON.Usage || res.Refused == nil || res.Refused.Status != 402 ||
 		res.Refused.Type != "billing_error" || res.Refused.Attempts != 1 {
 		t.Fatalf("the Anthropic SDK reported %+v", res)
 	}
-	for _, u := range []anthUsage{res.JSON.Usage, res.Stream.Usage} {
+	for _, u := range []anthUsage{res.JSON.Usage, res.Stream.Usage, res.Beta.Usage} {
 		cost, err := claudePrices.Cost(u.usage())
 		if err != nil {
 			t.Fatal(err)
@@ -94,7 +95,7 @@ func TestSDKsOneProxy(t *testing.T) {
 	if b := p.settled("sdks-poor"); b.LedgerBalance != 5 || b.Held != 0 {
 		t.Fatalf("poor org: %+v", b)
 	}
-	if n, m := len(p.openai.Seen()), len(p.anthropic.Seen()); n != 2 || m != 2 {
-		t.Fatalf("upstream requests: OpenAI %d, Anthropic %d; want 2 and 2", n, m)
+	if n, m := len(p.openai.Seen()), len(p.anthropic.Seen()); n != 2 || m != 3 {
+		t.Fatalf("upstream requests: OpenAI %d, Anthropic %d; want 2 and 3", n, m)
 	}
 }

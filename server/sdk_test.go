@@ -54,8 +54,9 @@ func runSDKScript(ctx context.Context, t *testing.T, node, script, base, key, po
 }
 
 // TestAnthropicSDK drives the proxy with the official @anthropic-ai/sdk (sdktest/anthropic.mjs):
-// a Messages request as JSON and as a stream, with prompt-cache writes and reads, are billed to
-// the micro-unit what the SDK reported, and an insufficient balance surfaces as the SDK's
+// a Messages request as JSON, as a stream and through the beta client (its betas reach the
+// upstream), with prompt-cache writes and reads, are billed to the micro-unit
+// what the SDK reported, and an insufficient balance surfaces as the SDK's
 // PaymentRequiredError after one HTTP attempt (no retries, although the client allows 3).
 func TestAnthropicSDK(t *testing.T) {
 	t.Parallel()
@@ -68,7 +69,7 @@ func TestAnthropicSDK(t *testing.T) {
 		defer cancel()
 		out := runSDKScript(ctx, t, node, "anthropic.mjs", p.base, key, poor, "claude-t")
 		var res struct {
-			JSON, Stream struct {
+			JSON, Stream, Beta struct {
 				ID    string    `json:"id"`
 				Usage anthUsage `json:"usage"`
 				Text  string    `json:"text"`
@@ -87,11 +88,19 @@ func TestAnthropicSDK(t *testing.T) {
 		}
 		// 3 system words + 8 user words: 4 written, 3 read, 4 plain; 9 output words.
 		want := anthUsage{Input: 4, CacheWrite: 4, CacheRead: 3, Output: 9}
-		if res.JSON.Usage != want || res.Stream.Usage != want || res.JSON.Text == "" || res.Stream.Text != res.JSON.Text {
+		if res.JSON.Usage != want || res.Stream.Usage != want || res.Beta.Usage != want || res.JSON.Text == "" ||
+			res.Stream.Text != res.JSON.Text || res.Beta.Text != res.JSON.Text {
 			t.Fatalf("the SDK reported %+v", res)
 		}
+		// The beta client's call reached the upstream with its betas, and its beta=true when the
+		// SDK sends one (older versions did; this one does not): the poor client's request never
+		// reached it.
+		if seen, _ := p.fake.LastRequest(); (seen.Query != "" && seen.Query != "beta=true") ||
+			seen.Header.Get("Anthropic-Beta") != "prompt-caching-2024-07-31,interleaved-thinking-2025-05-14" {
+			t.Fatalf("the beta call upstream: query %q, anthropic-beta %q", seen.Query, seen.Header.Get("Anthropic-Beta"))
+		}
 		var total int64
-		for _, u := range []anthUsage{res.JSON.Usage, res.Stream.Usage} {
+		for _, u := range []anthUsage{res.JSON.Usage, res.Stream.Usage, res.Beta.Usage} {
 			c, err := claudePrices.Cost(u.usage())
 			if err != nil {
 				t.Fatal(err)

@@ -237,7 +237,7 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 		Recorder:   accounting.RecorderConfig{ReplayInterval: cfg.ReplayInterval},
 		JournalDir: cfg.JournalDir,
 		Journal:    accounting.JournalConfig{MaxBytes: cfg.JournalMaxBytes},
-		Webhooks:   webhook.Config{Timeout: cfg.WebhookTimeout, MaxAttempts: cfg.WebhookMaxAttempts},
+		Webhooks:   webhook.Config{Timeout: cfg.WebhookTimeout, MaxAttempts: cfg.WebhookMaxAttempts, AllowPrivate: cfg.WebhookAllowPrivate},
 		Middleware: middleware.Config{
 			FailOpen:             cfg.FailOpen,
 			MaxRequestBytes:      cfg.MaxBodyBytes,

@@ -24,7 +24,7 @@ func TestWebhooksThroughTheProxy(t *testing.T) {
 	bothModes(t, func(t *testing.T, real bool) {
 		recv := newSignedReceiver(t)
 
-		p := startTestProxy(t, real)
+		p := startTestProxy(t, real, allowPrivateWebhooks) // the receiver is an httptest server on loopback
 		hookID := recv.subscribe(p, "balance.low", "credit.received", "key.revoked")
 		key := p.setup("acme", 1_000, 65) // credits 1000
 		p.admin("PATCH", "/orgs/acme", map[string]any{"low_balance_threshold": 970}, http.StatusOK, nil)
@@ -98,7 +98,7 @@ func TestLimitWebhooksThroughTheProxy(t *testing.T) {
 	bothModes(t, func(t *testing.T, real bool) {
 		recv := newSignedReceiver(t)
 
-		p := startTestProxy(t, real)
+		p := startTestProxy(t, real, allowPrivateWebhooks) // the receiver is an httptest server on loopback
 		recv.subscribe(p, "limit.crossed")
 		p.setup("acme", 10_000, 20) // hold = cost = 20 per request
 		var k struct{ ID, Key string }
@@ -202,4 +202,40 @@ func (r *signedReceiver) wait(n int) []map[string]any {
 		time.Sleep(20 * time.Millisecond)
 	}
 	return r.events()
+}
+
+// allowPrivateWebhooks lets webhooks reach the tests' receivers on loopback.
+func allowPrivateWebhooks(c *Config) { c.WebhookAllowPrivate = true }
+
+// TestWebhookAddressPolicy (issue 22 item 4): the admin API refuses webhook endpoints on
+// loopback, unspecified, link-local (cloud metadata) and private addresses, and URLs with
+// credentials, naming the reason; ESCROW_WEBHOOK_ALLOW_PRIVATE lets the private ones in, never
+// the credentials.
+func TestWebhookAddressPolicy(t *testing.T) {
+	t.Parallel()
+	private := []string{"http://127.0.0.1:9/h", "http://[::1]:9/h", "http://0.0.0.0:9/h", "http://169.254.169.254/latest/meta-data/",
+		"http://localhost:6379", "http://10.1.2.3/h", "http://192.168.0.10/h", "http://172.20.0.1/h", "http://[fd12::1]/h"}
+	creds := "https://user:pass@hooks.example.com/h"
+	create := func(p *testProxy, u string) (int, string) {
+		st, _, b := p.do("POST", "/admin/v1/webhooks", testAdmin, map[string]any{"url": u, "events": []string{"credit.received"}})
+		return st, string(b)
+	}
+	p := startTestProxy(t, true)
+	for _, u := range append(private, creds) {
+		if st, b := create(p, u); st != http.StatusBadRequest || !strings.Contains(b, "not allowed") {
+			t.Errorf("%s: %d %s, want 400 naming the refusal", u, st, b)
+		}
+	}
+	if st, b := create(p, "https://hooks.example.com/h"); st != http.StatusCreated {
+		t.Errorf("a public endpoint: %d %s", st, b)
+	}
+	allowed := startTestProxy(t, true, allowPrivateWebhooks)
+	for _, u := range private {
+		if st, b := create(allowed, u); st != http.StatusCreated {
+			t.Errorf("%s with private addresses allowed: %d %s", u, st, b)
+		}
+	}
+	if st, b := create(allowed, creds); st != http.StatusBadRequest {
+		t.Errorf("%s with private addresses allowed: %d %s, want 400", creds, st, b)
+	}
 }

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"net/http"
 	"net/url"
@@ -52,8 +53,17 @@ type Config struct {
 	PollInterval time.Duration
 	// Concurrency is how many attempts run at once. Default 8.
 	Concurrency int
+	// PerEndpoint is how many of those may go to one endpoint at once, so that an endpoint
+	// that answers slowly (or never, until Timeout) leaves the other slots to the others.
+	// Default max(1, Concurrency/4).
+	PerEndpoint int
+	// AllowPrivate lets endpoints be on loopback, link-local, private and other non-public
+	// addresses (ESCROW_WEBHOOK_ALLOW_PRIVATE). Default false: such endpoints are refused when
+	// created (CheckURL) and, after name resolution, at each attempt (a failed attempt).
+	AllowPrivate bool
 	// Client sends the requests. Default: an http.Client that follows no redirect (a 3xx is a
-	// failed attempt).
+	// failed attempt), uses no proxy, and dials only public addresses unless AllowPrivate. A
+	// Client given here replaces that dial-time check.
 	Client *http.Client
 	// Logger defaults to slog.Default(). Secrets and URLs are never logged.
 	Logger *slog.Logger
@@ -71,15 +81,16 @@ func (c *Config) withDefaults() (Config, error) {
 	z.Lease = cmp.Or(z.Lease, z.Timeout+LeaseMargin)
 	z.PollInterval = cmp.Or(z.PollInterval, DefaultPollInterval)
 	z.Concurrency = cmp.Or(z.Concurrency, DefaultConcurrency)
+	z.PerEndpoint = cmp.Or(z.PerEndpoint, max(1, z.Concurrency/4))
 	if z.Client == nil {
-		z.Client = &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+		z.Client = defaultClient(z.AllowPrivate)
 	}
 	if z.Logger == nil {
 		z.Logger = slog.Default()
 	}
 	switch {
-	case z.Timeout < 0 || z.MaxAttempts < 1 || z.BackoffMin < 0 || z.BackoffMax < z.BackoffMin || z.PollInterval < 0 || z.Concurrency < 1:
-		return z, fmt.Errorf("%w: negative durations, MaxAttempts or Concurrency < 1, or BackoffMax < BackoffMin", ErrConfig)
+	case z.Timeout < 0 || z.MaxAttempts < 1 || z.BackoffMin < 0 || z.BackoffMax < z.BackoffMin || z.PollInterval < 0 || z.Concurrency < 1 || z.PerEndpoint < 1:
+		return z, fmt.Errorf("%w: negative durations, MaxAttempts, Concurrency or PerEndpoint < 1, or BackoffMax < BackoffMin", ErrConfig)
 	case z.Lease <= z.Timeout:
 		return z, fmt.Errorf("%w: Lease (%v) must exceed Timeout (%v), or two senders could send one attempt at once", ErrConfig, z.Lease, z.Timeout)
 	}
@@ -106,6 +117,9 @@ type Sender struct {
 
 	attempts, delivered, retries, failed, claimErrors atomic.Int64
 
+	busyMu sync.Mutex
+	busy   map[string]int // attempts running, by endpoint (webhook id)
+
 	runMu  sync.Mutex
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -122,7 +136,8 @@ func NewSender(store accounting.Webhooks, cfg *Config) (*Sender, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Sender{store: store, cfg: c, log: c.Logger.With("component", "escrow.webhook"), wake: make(chan struct{}, 1)}, nil
+	return &Sender{store: store, cfg: c, log: c.Logger.With("component", "escrow.webhook"), wake: make(chan struct{}, 1),
+		busy: map[string]int{}}, nil
 }
 
 // Config returns the sender's configuration, defaults applied.
@@ -186,7 +201,7 @@ func (s *Sender) loop(ctx context.Context) {
 	failing := false // the outbox could not be read: logged once until it can again
 	for {
 		if free := cap(slots) - len(slots); free > 0 {
-			ds, err := s.store.ClaimDeliveries(ctx, free, s.cfg.Lease)
+			ds, err := s.store.ClaimDeliveries(ctx, free, s.cfg.Lease, accounting.EndpointLimit{Max: s.cfg.PerEndpoint, Busy: s.busyNow()})
 			switch {
 			case err != nil && ctx.Err() == nil:
 				s.claimErrors.Add(1)
@@ -201,9 +216,11 @@ func (s *Sender) loop(ctx context.Context) {
 			for _, d := range ds {
 				slots <- struct{}{}
 				s.sends.Add(1)
+				s.setBusy(d.WebhookID, +1)
 				go func() {
 					defer s.sends.Done()
 					s.attempt(sendCtx, d)
+					s.setBusy(d.WebhookID, -1)
 					<-slots
 					s.Poke()
 				}()
@@ -215,6 +232,21 @@ func (s *Sender) loop(ctx context.Context) {
 		case <-tick.C:
 		case <-s.wake:
 		}
+	}
+}
+
+// busyNow is a copy of the attempts running by endpoint, for a claim.
+func (s *Sender) busyNow() map[string]int {
+	s.busyMu.Lock()
+	defer s.busyMu.Unlock()
+	return maps.Clone(s.busy)
+}
+
+func (s *Sender) setBusy(endpoint string, delta int) {
+	s.busyMu.Lock()
+	defer s.busyMu.Unlock()
+	if s.busy[endpoint] += delta; s.busy[endpoint] <= 0 {
+		delete(s.busy, endpoint)
 	}
 }
 
@@ -249,6 +281,11 @@ func (s *Sender) attempt(ctx context.Context, d accounting.Delivery) {
 func (s *Sender) send(ctx context.Context, d accounting.Delivery) accounting.Outcome {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
+	// Endpoints stored before the policy (or written to the ledger directly) are checked too;
+	// their addresses after resolution, by the client's dialer.
+	if err := CheckURL(d.URL, true); err != nil {
+		return accounting.Outcome{Error: err.Error()}
+	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, d.URL, bytes.NewReader(d.Body))
 	if err != nil {
 		return accounting.Outcome{Error: "bad request: " + errText(err)}

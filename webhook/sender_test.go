@@ -136,6 +136,7 @@ func fastConfig() *webhook.Config {
 	return &webhook.Config{
 		Timeout: 300 * time.Millisecond, Lease: 5 * time.Second, MaxAttempts: 5,
 		BackoffMin: 20 * time.Millisecond, BackoffMax: 80 * time.Millisecond, PollInterval: 10 * time.Millisecond,
+		AllowPrivate: true, // the receivers are httptest servers on loopback
 	}
 }
 
@@ -448,7 +449,7 @@ type flakyStore struct {
 	claimedAt                 []time.Time           // for each: when its claim was called
 }
 
-func (f *flakyStore) ClaimDeliveries(ctx context.Context, limit int, lease time.Duration) ([]accounting.Delivery, error) {
+func (f *flakyStore) ClaimDeliveries(ctx context.Context, limit int, lease time.Duration, per accounting.EndpointLimit) ([]accounting.Delivery, error) {
 	f.mu.Lock()
 	down := f.claimDown
 	f.mu.Unlock()
@@ -456,7 +457,7 @@ func (f *flakyStore) ClaimDeliveries(ctx context.Context, limit int, lease time.
 		return nil, fmt.Errorf("claim: %w", accounting.ErrLedgerUnavailable)
 	}
 	at := time.Now()
-	ds, err := f.Webhooks.ClaimDeliveries(ctx, limit, lease)
+	ds, err := f.Webhooks.ClaimDeliveries(ctx, limit, lease, per)
 	f.mu.Lock()
 	f.claimed = append(f.claimed, ds...)
 	for range ds {

@@ -25,6 +25,7 @@ var webhookTests = []struct {
 	{"WebhookDeliveryLifecycle", testWebhookDeliveryLifecycle},
 	{"WebhookDeliveryLeaseExpires", testWebhookLease},
 	{"WebhookClaimConcurrent", testWebhookClaimConcurrent},
+	{"WebhookClaimPerEndpoint", testWebhookClaimPerEndpoint},
 }
 
 func hooks(t *testing.T, l accounting.Ledger) accounting.Webhooks {
@@ -113,7 +114,7 @@ type sentEvent struct {
 // claimAll claims every due delivery (long lease) and decodes their bodies by webhook.
 func claimAll(t *testing.T, h accounting.Webhooks) map[string][]sentEvent {
 	t.Helper()
-	ds := must(h.ClaimDeliveries(ctx(t), 1000, time.Hour))
+	ds := must(h.ClaimDeliveries(ctx(t), 1000, time.Hour, accounting.EndpointLimit{}))
 	out := map[string][]sentEvent{}
 	for _, d := range ds {
 		var e sentEvent
@@ -273,15 +274,15 @@ func testWebhookDeliveryLifecycle(t *testing.T, l accounting.Ledger) {
 			t.Fatalf("delivery %d: %+v", i, d)
 		}
 	}
-	claims := must(h.ClaimDeliveries(c, 2, time.Hour))
+	claims := must(h.ClaimDeliveries(c, 2, time.Hour, accounting.EndpointLimit{}))
 	if len(claims) != 2 || claims[0].ID != ds[4].ID || claims[1].ID != ds[3].ID || claims[0].Attempts != 1 || claims[0].Secret != secret || claims[0].URL != w.URL {
 		t.Fatalf("first claims (oldest first) %+v", claims)
 	}
-	rest := must(h.ClaimDeliveries(c, 10, time.Hour))
+	rest := must(h.ClaimDeliveries(c, 10, time.Hour, accounting.EndpointLimit{}))
 	if len(rest) != 3 {
 		t.Fatalf("second claim got %d, want the 3 others", len(rest))
 	}
-	if again := must(h.ClaimDeliveries(c, 10, time.Hour)); len(again) != 0 {
+	if again := must(h.ClaimDeliveries(c, 10, time.Hour, accounting.EndpointLimit{})); len(again) != 0 {
 		t.Fatalf("claimed deliveries claimed again within their lease: %+v", again)
 	}
 	d0, d1, d2 := claims[0], claims[1], rest[0]
@@ -291,7 +292,7 @@ func testWebhookDeliveryLifecycle(t *testing.T, l accounting.Ledger) {
 	wantErr(t, h.FinishDelivery(c, d0.ID, 1, accounting.Outcome{Status: accounting.DeliveryFailed}), accounting.ErrDeliveryChanged, "finish twice")
 	noErr(t, h.FinishDelivery(c, d1.ID, 1, accounting.Outcome{Status: accounting.DeliveryPending, RetryAfter: 0, HTTPStatus: 500, Error: "HTTP 500"}))
 	noErr(t, h.FinishDelivery(c, d2.ID, 1, accounting.Outcome{Status: accounting.DeliveryFailed, Error: strings.Repeat("x", 2000)}))
-	retry := must(h.ClaimDeliveries(c, 10, time.Hour))
+	retry := must(h.ClaimDeliveries(c, 10, time.Hour, accounting.EndpointLimit{}))
 	if len(retry) != 1 || retry[0].ID != d1.ID || retry[0].Attempts != 2 || string(retry[0].Body) != string(d1.Body) || retry[0].EventID != d1.EventID {
 		t.Fatalf("retry claim %+v; want delivery %d again, attempt 2, the same body", retry, d1.ID)
 	}
@@ -321,7 +322,7 @@ func testWebhookLease(t *testing.T, l accounting.Ledger) {
 	_, _, err := h.CreateWebhook(c, "https://example.com/w", []accounting.EventType{accounting.EventCreditReceived})
 	noErr(t, err)
 	must2(l.Credit(c, "o", 1, "p"))
-	first := must(h.ClaimDeliveries(c, 10, 50*time.Millisecond))
+	first := must(h.ClaimDeliveries(c, 10, 50*time.Millisecond, accounting.EndpointLimit{}))
 	if len(first) != 1 {
 		t.Fatalf("claimed %d", len(first))
 	}
@@ -330,7 +331,7 @@ func testWebhookLease(t *testing.T, l accounting.Ledger) {
 	deadline := time.Now().Add(10 * time.Second)
 	for len(second) == 0 && time.Now().Before(deadline) {
 		time.Sleep(20 * time.Millisecond)
-		second = must(h.ClaimDeliveries(c, 10, time.Hour))
+		second = must(h.ClaimDeliveries(c, 10, time.Hour, accounting.EndpointLimit{}))
 	}
 	if len(second) != 1 || second[0].ID != first[0].ID || second[0].Attempts != 2 || second[0].EventID != first[0].EventID {
 		t.Fatalf("after the lease: %+v", second)
@@ -360,7 +361,7 @@ func testWebhookClaimConcurrent(t *testing.T, l accounting.Ledger) {
 		go func() {
 			defer wg.Done()
 			for {
-				ds, err := h.ClaimDeliveries(c, 7, time.Hour)
+				ds, err := h.ClaimDeliveries(c, 7, time.Hour, accounting.EndpointLimit{})
 				mu.Lock()
 				if err != nil {
 					errs = append(errs, err)
@@ -386,5 +387,48 @@ func testWebhookClaimConcurrent(t *testing.T, l accounting.Ledger) {
 		if n != 1 {
 			t.Fatalf("delivery %d claimed %d times within its lease", id, n)
 		}
+	}
+}
+
+// testWebhookClaimPerEndpoint: a claim takes no more of one endpoint's deliveries than its
+// EndpointLimit leaves (Max less the endpoint's busy attempts), oldest due first, and fills the
+// rest of its limit from the other endpoints.
+func testWebhookClaimPerEndpoint(t *testing.T, l accounting.Ledger) {
+	c, h := ctx(t), hooks(t, l)
+	noErr(t, l.CreateOrg(c, "o"))
+	slow, _, err := h.CreateWebhook(c, "https://slow.example.com/w", []accounting.EventType{accounting.EventCreditReceived})
+	noErr(t, err)
+	fast, _, err := h.CreateWebhook(c, "https://fast.example.com/w", []accounting.EventType{accounting.EventCreditReceived})
+	noErr(t, err)
+	for i := range 6 {
+		must2(l.Credit(c, "o", 1, "p"+strings.Repeat("x", i)))
+	}
+	count := func(ds []accounting.Delivery) map[string]int {
+		n := map[string]int{}
+		for _, d := range ds {
+			n[d.WebhookID]++
+		}
+		return n
+	}
+	first := must(h.ClaimDeliveries(c, 8, time.Hour, accounting.EndpointLimit{Max: 2, Busy: map[string]int{slow.ID: 1}}))
+	if n := count(first); n[slow.ID] != 1 || n[fast.ID] != 2 || len(first) != 3 {
+		t.Fatalf("first claim %v (slow %s, fast %s); want 1 of slow (1 busy of 2) and 2 of fast", n, slow.ID, fast.ID)
+	}
+	all := deliveriesOf(t, h, slow.ID) // newest first
+	for _, d := range first {
+		if d.WebhookID == slow.ID && d.ID != all[len(all)-1].ID {
+			t.Fatalf("claimed slow delivery %d, not the oldest due %d", d.ID, all[len(all)-1].ID)
+		}
+	}
+	full := must(h.ClaimDeliveries(c, 8, time.Hour, accounting.EndpointLimit{Max: 2, Busy: map[string]int{slow.ID: 2, fast.ID: 5}}))
+	if len(full) != 0 {
+		t.Fatalf("claimed %v with both endpoints full", count(full))
+	}
+	rest := must(h.ClaimDeliveries(c, 3, time.Hour, accounting.EndpointLimit{}))
+	if len(rest) != 3 {
+		t.Fatalf("an unbounded claim of 3 got %d", len(rest))
+	}
+	if left := must(h.ClaimDeliveries(c, 100, time.Hour, accounting.EndpointLimit{Max: 100})); len(left) != 12-6 {
+		t.Fatalf("the last claim got %d, want the %d left", len(left), 12-6)
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/llmescrow/escrow/internal/csvcell"
 	"github.com/llmescrow/escrow/server"
 )
 
@@ -258,7 +259,7 @@ func (o output) print(v any, cols []string, rows []map[string]any) error {
 		w := csv.NewWriter(stdout)
 		_ = w.Write(cols)
 		for _, r := range rows {
-			_ = w.Write(cells(cols, r))
+			_ = w.Write(csvcell.Row(cells(cols, r)))
 		}
 		w.Flush()
 		return w.Error()

@@ -81,6 +81,7 @@ func startCLIProxy(t *testing.T) (*cli, string) {
 	cfg.Addr, cfg.AdminToken, cfg.DemoBalance = "127.0.0.1:0", "adm-cli-test", 0
 	cfg.RedisURL, cfg.DatabaseURL, cfg.Prefix = rd.URL, pg.URL, rd.Prefix
 	cfg.SweepInterval = 100 * time.Millisecond
+	cfg.WebhookAllowPrivate = true // the receivers are httptest servers on loopback
 	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	ctx := context.Background()
 	srv, err := server.New(ctx, cfg, server.WithUpstream(fakeupstream.New(fakeupstream.Options{}), "sk-fake"))
@@ -518,5 +519,25 @@ func TestCLILimits(t *testing.T) {
 	}
 	if _, err := c.run("limits", "create", "acme", "--window", "fortnight", "--cap", "5"); !errors.As(err, &ee) || ee.code != exitRefused {
 		t.Errorf("a window that does not exist: %v", err)
+	}
+}
+
+// TestCLICSVFormulaCells (issue 22 item 5): --csv quotes the cells a spreadsheet would run as
+// formulas and leaves numbers as they are.
+func TestCLICSVFormulaCells(t *testing.T) {
+	var out bytes.Buffer
+	stdout = &out
+	defer func() { stdout = nil }()
+	rows := []map[string]any{{"reference": "=HYPERLINK(\"http://evil.example\")", "delta": float64(-5)}, {"reference": "@SUM(1)", "delta": float64(3)}}
+	if err := (output{csv: true}).print(nil, []string{"reference", "delta"}, rows); err != nil {
+		t.Fatal(err)
+	}
+	got, err := csv.NewReader(&out).ReadAll()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := [][]string{{"reference", "delta"}, {`'=HYPERLINK("http://evil.example")`, "-5"}, {"'@SUM(1)", "3"}}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("CSV %q, want %q", got, want)
 	}
 }

@@ -39,10 +39,10 @@ var layers = map[string][]string{
 	"balance":               {"lua"},
 	"accounting":            {"balance", "migrations", "internal/startstop"},
 	"middleware":            {"accounting", "balance"},
-	"admin":                 {"accounting"},
+	"admin":                 {"accounting", "internal/csvcell"},
 	".":                     {"accounting", "admin", "balance", "middleware", "migrations", "webhook"}, // the root package escrow: New
 	"server":                {".", "accounting", "admin", "balance", "middleware", "migrations", "webhook"},
-	"cmd/escrow":            {"server"},
+	"cmd/escrow":            {"server", "internal/csvcell"},
 	"examples/proxy":        {"server", "internal/fakeupstream"},
 	"bench":                 {"server", "internal/fakeupstream", "internal/testutil"},
 	"balance/balancetest":   {"balance", "internal/testutil"},
@@ -52,6 +52,7 @@ var layers = map[string][]string{
 	"internal/testutil":     nil,
 	"internal/startstop":    nil, // the one Start/Stop base of the worker, the recorder and the journal fallback
 	"internal/modelcheck":   nil, // tests only: the SPIN model check and its replay
+	"internal/csvcell":      nil, // CSV cells a spreadsheet will not run as formulas
 }
 
 const module = "github.com/llmescrow/escrow"

@@ -99,6 +99,7 @@ type Options struct {
 type Request struct {
 	Method        string
 	Path          string
+	Query         string      // the raw query string as received
 	Authorization string      // the Authorization header as received
 	Header        http.Header // every header as received (a copy)
 	Model         string      // the body's "model", "" when absent or unparsable
@@ -166,7 +167,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		parseErr = json.Unmarshal(body, &req)
 	}
 	seen := Request{
-		Method: r.Method, Path: r.URL.Path, Authorization: r.Header.Get("Authorization"), Header: r.Header.Clone(),
+		Method: r.Method, Path: r.URL.Path, Query: r.URL.RawQuery, Authorization: r.Header.Get("Authorization"), Header: r.Header.Clone(),
 		Model: req.Model, Stream: req.Stream, Body: body, Time: time.Now(),
 		IncludeUsage: req.StreamOptions != nil && req.StreamOptions.IncludeUsage,
 	}
