@@ -180,7 +180,9 @@ func newLedgerEnv(t *testing.T, pg bool, cfg func(*Config)) *ledgerEnv {
 	e.key, e.keyID = secret, k.ID
 	must(t, e.ledger.PutModel(ctx, accounting.Model{Name: testModel, Prices: testPrices, MaxInputTokens: 100_000, MaxOutputTokens: 1000, DefaultHold: 5000}))
 
-	c := Config{Store: e.store, Ledger: e.ledger, Recorder: e.rec, Logger: quiet, RecordTimeout: 150 * time.Millisecond,
+	// A record that is not about a stall must not time out on a loaded machine (a void, a
+	// connection cut); the tests of a stall set stallRecordTimeout.
+	c := Config{Store: e.store, Ledger: e.ledger, Recorder: e.rec, Logger: quiet, RecordTimeout: 5 * time.Second,
 		OnOutcome: func(o Outcome) { e.outcomes <- o }}
 	if cfg != nil {
 		cfg(&c)
@@ -292,13 +294,17 @@ func TestFailOpenColdOrgLedgerDown(t *testing.T) {
 
 // --- item 6: told it failed → never charged; saw it succeed → always charged ---
 
+// stallRecordTimeout is the record timeout of the tests of a ledger that stalls past it (800 or
+// 600 ms).
+func stallRecordTimeout(c *Config) { c.RecordTimeout = 150 * time.Millisecond }
+
 // TestRecordStallThenCommit: the ledger stalls past RecordTimeout and then commits the event
 // anyway. The void lands first, so the client gets an error and the late commit charges
 // nothing.
 func TestRecordStallThenCommit(t *testing.T) {
 	t.Parallel()
 	eachLedger(t, func(t *testing.T, pg bool) {
-		e := newLedgerEnv(t, pg, nil)
+		e := newLedgerEnv(t, pg, stallRecordTimeout)
 		for _, stream := range []bool{false, true} {
 			e.ledger.stallBefore.Store(int64(800 * time.Millisecond))
 			extra := ""
@@ -333,7 +339,7 @@ func TestRecordStallThenCommit(t *testing.T) {
 func TestRecordCommitThenStall(t *testing.T) {
 	t.Parallel()
 	eachLedger(t, func(t *testing.T, pg bool) {
-		e := newLedgerEnv(t, pg, nil)
+		e := newLedgerEnv(t, pg, stallRecordTimeout)
 		var charged int64
 		for i, stream := range []bool{false, true} {
 			e.ledger.stallAfter.Store(int64(800 * time.Millisecond))
@@ -366,7 +372,7 @@ func TestRecordCommitThenStall(t *testing.T) {
 func TestRecordUnknownCutsConnection(t *testing.T) {
 	t.Parallel()
 	eachLedger(t, func(t *testing.T, pg bool) {
-		e := newLedgerEnv(t, pg, func(c *Config) { c.ReleaseRetryFor = time.Minute })
+		e := newLedgerEnv(t, pg, func(c *Config) { c.ReleaseRetryFor = time.Minute; stallRecordTimeout(c) })
 		e.ledger.stallBefore.Store(int64(600 * time.Millisecond))
 		e.ledger.voidDown.Store(true)
 		status, body, err := e.do(e.key, jsonBody(testModel, ""))
