@@ -394,11 +394,8 @@ func TestAnthropicSDK(t *testing.T) {
 			}
 			Refused      *refusal `json:"refused"`
 			RefusedLarge *refusal `json:"refusedLarge"`
-			Fit          *struct {
-				JSON   sdkFitted `json:"json"`
-				Stream sdkFitted `json:"stream"`
-			} `json:"fit"`
-			Held *sdkHeld `json:"held"`
+			Fit          *sdkFits `json:"fit"`
+			Held         *sdkHeld `json:"held"`
 		}
 		if err := json.Unmarshal(bytes.TrimSpace(out), &res); err != nil {
 			t.Fatalf("node output %s: %v", out, err)
@@ -428,44 +425,7 @@ func TestAnthropicSDK(t *testing.T) {
 			t.Fatalf("message id %q", res.JSON.ID)
 		}
 
-		// Fit: the cap the SDK read is the largest whose bound fits 50,000, the upstream got it,
-		// the ledger held that bound and charged the usage the SDK reported, within it.
-		if res.Fit == nil {
-			t.Fatal("the script reported no fit")
-		}
-		for _, c := range []struct {
-			org  string
-			f    sdkFitted
-			name string
-		}{{"sdk-small", res.Fit.JSON, "JSON"}, {"sdk-small-stream", res.Fit.Stream, "stream"}} {
-			wantCap, wantHold := fitCapOf(t, claudePrices, c.f.BodyBytes, 8192, smallFunds)
-			var u anthUsage
-			_ = json.Unmarshal(c.f.Usage, &u)
-			if c.f.Status != 200 || c.f.Attempts != 1 || c.f.OutputCap != strconv.FormatInt(wantCap, 10) || wantCap < 256 || wantCap >= 8192 ||
-				u.Output != wantCap || c.f.Words != wantCap || c.f.StopReason != "max_tokens" {
-				t.Fatalf("fitted %s: %+v (usage %+v), want the output cap %d", c.name, c.f, u, wantCap)
-			}
-			cost := claudeCost(t, u)
-			ch := p.charges(c.org)
-			b := p.settled(c.org)
-			if len(ch) != 1 || ch[0].Request.HoldAmount != wantHold || ch[0].Request.Cost != cost || cost > wantHold ||
-				b.LedgerBalance != smallFunds-cost || b.LedgerBalance < 0 {
-				t.Fatalf("fitted %s: charges %+v, balance %+v; want the hold %d, the cost %d", c.name, ch, b, wantHold, cost)
-			}
-			t.Logf("fitted %s: %d body bytes, max_tokens 8192 → %d, held %d of %d, cost %d", c.name, c.f.BodyBytes, wantCap, wantHold, smallFunds, cost)
-		}
-		var caps []int64
-		for _, r := range g.fake.Seen() {
-			var body struct {
-				MaxTokens int64 `json:"max_tokens"`
-			}
-			if json.Unmarshal(r.Body, &body) == nil && strings.Contains(string(r.Body), "fit me in") {
-				caps = append(caps, body.MaxTokens)
-			}
-		}
-		if want := []int64{parseCap(res.Fit.JSON.OutputCap), parseCap(res.Fit.Stream.OutputCap)}; !slices.Equal(caps, want) {
-			t.Fatalf("the upstream got max_tokens %v, want %v", caps, want)
-		}
+		checkAnthropicFit(t, p.testProxy, g.fake, res.Fit, smallFunds)
 
 		// Held is not gone.
 		checkHeld(t, res.Held, "rate_limit_error", "")
@@ -495,6 +455,56 @@ func TestAnthropicSDK(t *testing.T) {
 			t.Fatalf("held org: charges %+v, balance %+v; want holds %d and %d, balance %d", ch, b, heldHold, gatedHold, heldFunds-gatedCost-heldCost)
 		}
 	})
+}
+
+// sdkFits is what a script reports of its fitted requests.
+type sdkFits struct {
+	JSON   sdkFitted `json:"json"`
+	Stream sdkFitted `json:"stream"`
+}
+
+// checkAnthropicFit checks what anthropic.mjs reports of its fitted requests (max_tokens 8192
+// with the keys of orgs sdk-small and sdk-small-stream, funds each, claude-t at claudePrices):
+// the cap the SDK read is the largest whose bound fits funds, the upstream (fake) got it, and the
+// ledger held that bound and charged the usage the SDK reported, within it.
+func checkAnthropicFit(t *testing.T, p *testProxy, fake *fakeupstream.Server, fit *sdkFits, funds int64) {
+	t.Helper()
+	if fit == nil {
+		t.Fatal("the script reported no fit")
+	}
+	for _, c := range []struct {
+		org  string
+		f    sdkFitted
+		name string
+	}{{"sdk-small", fit.JSON, "JSON"}, {"sdk-small-stream", fit.Stream, "stream"}} {
+		wantCap, wantHold := fitCapOf(t, claudePrices, c.f.BodyBytes, 8192, funds)
+		var u anthUsage
+		_ = json.Unmarshal(c.f.Usage, &u)
+		if c.f.Status != 200 || c.f.Attempts != 1 || c.f.OutputCap != strconv.FormatInt(wantCap, 10) || wantCap < 256 || wantCap >= 8192 ||
+			u.Output != wantCap || c.f.Words != wantCap || c.f.StopReason != "max_tokens" {
+			t.Fatalf("fitted %s: %+v (usage %+v), want the output cap %d", c.name, c.f, u, wantCap)
+		}
+		cost := claudeCost(t, u)
+		ch := p.charges(c.org)
+		b := p.settled(c.org)
+		if len(ch) != 1 || ch[0].Request.HoldAmount != wantHold || ch[0].Request.Cost != cost || cost > wantHold ||
+			b.LedgerBalance != funds-cost || b.LedgerBalance < 0 {
+			t.Fatalf("fitted %s: charges %+v, balance %+v; want the hold %d, the cost %d", c.name, ch, b, wantHold, cost)
+		}
+		t.Logf("fitted %s: %d body bytes, max_tokens 8192 → %d, held %d of %d, cost %d", c.name, c.f.BodyBytes, wantCap, wantHold, funds, cost)
+	}
+	var caps []int64
+	for _, r := range fake.Seen() {
+		var body struct {
+			MaxTokens int64 `json:"max_tokens"`
+		}
+		if json.Unmarshal(r.Body, &body) == nil && strings.Contains(string(r.Body), "fit me in") {
+			caps = append(caps, body.MaxTokens)
+		}
+	}
+	if want := []int64{parseCap(fit.JSON.OutputCap), parseCap(fit.Stream.OutputCap)}; !slices.Equal(caps, want) {
+		t.Fatalf("the upstream got max_tokens %v, want %v", caps, want)
+	}
 }
 
 // claudeCost is the cost of an Anthropic usage at claudePrices.
@@ -589,11 +599,8 @@ func TestOpenAINodeSDK(t *testing.T) {
 			Models          []string `json:"models"`
 			Refused         *refusal `json:"refused"`
 			RefusedUncapped *refusal `json:"refusedUncapped"`
-			Fit             *struct {
-				JSON   sdkFitted `json:"json"`
-				Stream sdkFitted `json:"stream"`
-			} `json:"fit"`
-			Held *sdkHeld `json:"held"`
+			Fit             *sdkFits `json:"fit"`
+			Held            *sdkHeld `json:"held"`
 		}
 		if err := json.Unmarshal(bytes.TrimSpace(out), &res); err != nil {
 			t.Fatalf("node output %s: %v", out, err)
