@@ -8,7 +8,8 @@
 // the bound of a request with max_tokens 8192), it also sends such a request, as JSON (the first
 // key) and as a stream (the second), and reports what the SDK saw of the fit: the status, the
 // x-escrow-output-cap header, the body bytes it sent (the bound is priced on them), the usage and
-// the stop reason; and the poor key sends the same request (fit cannot help a balance below the
+// the stop reason. The first key also sends it with x-escrow-fit: off (the refusal, with the
+// numbers, not retried), and the poor key sends it too (fit cannot help a balance below the
 // smallest fitted bound: billing_error, no retry).
 //
 // With ESCROW_HELD_KEY (a key whose org's balance is held by a request in flight, so that a
@@ -70,12 +71,13 @@ let text = '';
 stream.on('text', (t) => { text += t; });
 const final = await stream.finalMessage();
 
-// refusal sends a request with the poor key (retries allowed) and reports how it failed.
-const refusal = async (p) => {
+// refusal sends a request (with request options opts) with apiKey, retries allowed, and reports
+// how it failed.
+const refusal = async (apiKey, p, opts) => {
   const c = counting();
-  const poor = new Anthropic({ baseURL, apiKey: poorKey, maxRetries: 3, fetch: c.fetch });
+  const cl = new Anthropic({ baseURL, apiKey, maxRetries: 3, fetch: c.fetch });
   try {
-    await poor.messages.create(p);
+    await cl.messages.create(p, opts);
     return { status: 200, attempts: c.attempts };
   } catch (err) {
     return {
@@ -86,18 +88,22 @@ const refusal = async (p) => {
       type: err.error?.error?.type ?? null,
       message: err.error?.error?.message ?? err.message,
       attempts: c.attempts,
+      bodyBytes: c.bodyBytes[0],
     };
   }
 };
-const refused = await refusal(params);
+const refused = await refusal(poorKey, params);
 
 // Fit: max_tokens above what the balance covers is served with a lower cap, as JSON
 // (ESCROW_SMALL_KEY) and as a stream (ESCROW_SMALL_STREAM_KEY, another org: the upstream bills
 // every token the cap allows, so one fitted answer spends a small balance).
 let fit = null;
 let refusedLarge = null;
+let fitOff = null;
 if (smallKey && smallStreamKey) {
   const large = { model, max_tokens: 8192, messages: [{ role: 'user', content: 'fit me in' }] };
+  // Asked for the refusal instead (x-escrow-fit: off): billing_error with the numbers.
+  fitOff = await refusal(smallKey, large, { headers: { 'x-escrow-fit': 'off' } });
   const cj = counting();
   const small = new Anthropic({ baseURL, apiKey: smallKey, maxRetries: 0, fetch: cj.fetch });
   const { data, response } = await small.messages.create(large).withResponse();
@@ -127,7 +133,7 @@ if (smallKey && smallStreamKey) {
       words: words(streamed),
     },
   };
-  refusedLarge = await refusal(large);
+  refusedLarge = await refusal(poorKey, large);
 }
 
 // Held is not gone: a 429 for money held by the org's requests in flight is retried after
@@ -182,5 +188,6 @@ console.log(JSON.stringify({
   refused,
   fit,
   refusedLarge,
+  fitOff,
   held,
 }));

@@ -7,10 +7,11 @@
 // With ESCROW_FIT_MODEL, ESCROW_SMALL_KEY and ESCROW_SMALL_STREAM_KEY (keys of two orgs whose
 // balances do not cover the bound of an uncapped request to that model), it also sends that
 // model a chat completion without max_tokens, as JSON (the first key) and as a stream (the
-// second), and reports what the SDK saw of the fit: the status, the
-// x-escrow-output-cap header, the body bytes it sent (the bound is priced on them), the usage and
-// the finish reason; and the poor key sends it the same uncapped request (fit cannot help a
-// balance below the smallest fitted bound: insufficient_quota, no retry).
+// second), and reports what the SDK saw of the fit: the status, the x-escrow-output-cap header,
+// the body bytes it sent (the bound is priced on them), the usage and the finish reason. The
+// first key also sends it with x-escrow-fit: off (the refusal, with the numbers, not retried),
+// and the poor key sends it too (fit cannot help a balance below the smallest fitted bound:
+// insufficient_quota, no retry).
 //
 // With ESCROW_HELD_KEY (a key whose org's balance is held by a request in flight, so that the
 // chat completion is refused balance_held), the SDK sends that chat completion with retries
@@ -65,12 +66,13 @@ for await (const chunk of stream) {
 const models = [];
 for await (const m of client.models.list()) models.push(m.id);
 
-// refusal sends a request with the poor key (retries allowed) and reports how it failed.
-const refusal = async (p) => {
+// refusal sends a request (with request options opts) with apiKey, retries allowed, and reports
+// how it failed.
+const refusal = async (apiKey, p, opts) => {
   const c = counting();
-  const poor = new OpenAI({ baseURL, apiKey: poorKey, maxRetries: 3, fetch: c.fetch });
+  const cl = new OpenAI({ baseURL, apiKey, maxRetries: 3, fetch: c.fetch });
   try {
-    await poor.chat.completions.create(p);
+    await cl.chat.completions.create(p, opts);
     return { status: 200, attempts: c.attempts };
   } catch (err) {
     return {
@@ -81,18 +83,22 @@ const refusal = async (p) => {
       type: err.type ?? null,
       message: err.error?.message ?? err.message,
       attempts: c.attempts,
+      bodyBytes: c.bodyBytes[0],
     };
   }
 };
-const refused = await refusal(params);
+const refused = await refusal(poorKey, params);
 
 // Fit: an uncapped chat completion on a balance below its bound is served with a lower cap, as
 // JSON (ESCROW_SMALL_KEY) and as a stream (ESCROW_SMALL_STREAM_KEY, another org: the upstream
 // bills every token the cap allows, so one fitted answer spends a small balance).
 let fit = null;
 let refusedUncapped = null;
+let fitOff = null;
 if (fitModel && smallKey && smallStreamKey) {
   const uncapped = { model: fitModel, messages: [{ role: 'user', content: 'hi' }] };
+  // Asked for the refusal instead (x-escrow-fit: off): insufficient_quota with the numbers.
+  fitOff = await refusal(smallKey, uncapped, { headers: { 'x-escrow-fit': 'off' } });
   const cj = counting();
   const small = new OpenAI({ baseURL, apiKey: smallKey, maxRetries: 0, fetch: cj.fetch });
   const { data, response } = await small.chat.completions.create(uncapped).withResponse();
@@ -127,7 +133,7 @@ if (fitModel && smallKey && smallStreamKey) {
       words: words(streamed),
     },
   };
-  refusedUncapped = await refusal(uncapped);
+  refusedUncapped = await refusal(poorKey, uncapped);
 }
 
 // Held is not gone: balance_held is retried after Retry-After and then served.
@@ -181,5 +187,6 @@ console.log(JSON.stringify({
   refused,
   fit,
   refusedUncapped,
+  fitOff,
   held,
 }));

@@ -77,12 +77,9 @@ func TestSDKsOneProxy(t *testing.T) {
 			Type     string `json:"type"`
 			Attempts int    `json:"attempts"`
 		}
-		RefusedLarge *struct {
-			Status   int    `json:"status"`
-			Type     string `json:"type"`
-			Attempts int    `json:"attempts"`
-		} `json:"refusedLarge"`
-		Fit *sdkFits `json:"fit"`
+		RefusedLarge *sdkRefusal `json:"refusedLarge"`
+		Fit          *sdkFits    `json:"fit"`
+		FitOff       *sdkRefusal `json:"fitOff"`
 	}
 	if err := json.Unmarshal(bytes.TrimSpace(out), &res); err != nil {
 		t.Fatalf("node output %s: %v", out, err)
@@ -92,7 +89,7 @@ func TestSDKsOneProxy(t *testing.T) {
 		res.RefusedLarge.Status != 402 || res.RefusedLarge.Type != "billing_error" || res.RefusedLarge.Attempts != 1 {
 		t.Fatalf("the Anthropic SDK reported %+v", res)
 	}
-	checkAnthropicFit(t, p.testProxy, p.anthropic, res.Fit, smallFunds)
+	checkAnthropicFit(t, p.testProxy, p.anthropic, res.Fit, res.FitOff, smallFunds)
 	for _, u := range []anthUsage{res.JSON.Usage, res.Stream.Usage} {
 		cost, err := claudePrices.Cost(u.usage())
 		if err != nil {

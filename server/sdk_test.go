@@ -311,6 +311,21 @@ type sdkHeld struct {
 	Usage     json.RawMessage `json:"usage"`
 }
 
+// sdkRefusal is what a script reports of a request the SDK got an error for (the fields of
+// either SDK's error).
+type sdkRefusal struct {
+	Status            int    `json:"status"`
+	Class             string `json:"class"`
+	IsRateLimit       bool   `json:"isRateLimit"`       // openai
+	IsAPIError        bool   `json:"isAPIError"`        // @anthropic-ai/sdk
+	IsPaymentRequired bool   `json:"isPaymentRequired"` // @anthropic-ai/sdk
+	Code              string `json:"code"`              // openai
+	Type              string `json:"type"`
+	Message           string `json:"message"`
+	Attempts          int    `json:"attempts"`
+	BodyBytes         int64  `json:"bodyBytes"`
+}
+
 // checkHeld checks what the SDK saw of "held is not gone": a first attempt refused as held
 // (429, Retry-After a positive number of seconds, no x-should-retry: false), then one retry,
 // served whole (no fitted cap). typ is the refusal's error type; code its OpenAI code ("" for
@@ -377,25 +392,17 @@ func TestAnthropicSDK(t *testing.T) {
 			"ESCROW_POOR_KEY=" + poor, "ESCROW_MODEL=claude-t", "ESCROW_SMALL_KEY=" + small,
 			"ESCROW_SMALL_STREAM_KEY=" + smallStream, "ESCROW_HELD_KEY=" + held},
 			g.letRetry(t, p.testProxy, "sdk-held", heldFunds-gatedHold, inflight, &first))
-		type refusal struct {
-			Status            int    `json:"status"`
-			Class             string `json:"class"`
-			IsAPIError        bool   `json:"isAPIError"`
-			IsPaymentRequired bool   `json:"isPaymentRequired"`
-			Type              string `json:"type"`
-			Message           string `json:"message"`
-			Attempts          int    `json:"attempts"`
-		}
 		var res struct {
 			JSON, Stream struct {
 				ID    string    `json:"id"`
 				Usage anthUsage `json:"usage"`
 				Text  string    `json:"text"`
 			}
-			Refused      *refusal `json:"refused"`
-			RefusedLarge *refusal `json:"refusedLarge"`
-			Fit          *sdkFits `json:"fit"`
-			Held         *sdkHeld `json:"held"`
+			Refused      *sdkRefusal `json:"refused"`
+			RefusedLarge *sdkRefusal `json:"refusedLarge"`
+			Fit          *sdkFits    `json:"fit"`
+			FitOff       *sdkRefusal `json:"fitOff"`
+			Held         *sdkHeld    `json:"held"`
 		}
 		if err := json.Unmarshal(bytes.TrimSpace(out), &res); err != nil {
 			t.Fatalf("node output %s: %v", out, err)
@@ -412,7 +419,7 @@ func TestAnthropicSDK(t *testing.T) {
 		if b := p.settled("sdk"); b.LedgerBalance != funds-total || b.Available != funds-total {
 			t.Fatalf("ledger %+v, want %d (the usage the SDK reported, %d)", b, funds-total, total)
 		}
-		for _, r := range []*refusal{res.Refused, res.RefusedLarge} {
+		for _, r := range []*sdkRefusal{res.Refused, res.RefusedLarge} {
 			if r == nil || r.Status != 402 || r.Class != "PaymentRequiredError" || !r.IsPaymentRequired || !r.IsAPIError ||
 				r.Type != "billing_error" || r.Attempts != 1 || !strings.Contains(r.Message, ", 5 is available") {
 				t.Fatalf("insufficient balance as the SDK saw it: %+v", r)
@@ -425,7 +432,7 @@ func TestAnthropicSDK(t *testing.T) {
 			t.Fatalf("message id %q", res.JSON.ID)
 		}
 
-		checkAnthropicFit(t, p.testProxy, g.fake, res.Fit, smallFunds)
+		checkAnthropicFit(t, p.testProxy, g.fake, res.Fit, res.FitOff, smallFunds)
 
 		// Held is not gone.
 		checkHeld(t, res.Held, "rate_limit_error", "")
@@ -465,12 +472,23 @@ type sdkFits struct {
 
 // checkAnthropicFit checks what anthropic.mjs reports of its fitted requests (max_tokens 8192
 // with the keys of orgs sdk-small and sdk-small-stream, funds each, claude-t at claudePrices):
-// the cap the SDK read is the largest whose bound fits funds, the upstream (fake) got it, and the
-// ledger held that bound and charged the usage the SDK reported, within it.
-func checkAnthropicFit(t *testing.T, p *testProxy, fake *fakeupstream.Server, fit *sdkFits, funds int64) {
+// asked for the refusal (x-escrow-fit: off), the SDK got 402 billing_error with the numbers and
+// did not retry; fitted, the cap the SDK read is the largest whose bound fits funds, the upstream
+// (fake) got it, and the ledger held that bound and charged the usage the SDK reported, within it.
+func checkAnthropicFit(t *testing.T, p *testProxy, fake *fakeupstream.Server, fit *sdkFits, off *sdkRefusal, funds int64) {
 	t.Helper()
-	if fit == nil {
+	if fit == nil || off == nil {
 		t.Fatal("the script reported no fit")
+	}
+	bound, err := claudePrices.Bound(off.BodyBytes, 8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fits, _ := fitCapOf(t, claudePrices, off.BodyBytes, 8192, funds)
+	if off.Status != 402 || !off.IsPaymentRequired || off.Type != "billing_error" || off.Attempts != 1 ||
+		!strings.Contains(off.Message, "needs at least "+strconv.FormatInt(bound, 10)+", "+strconv.FormatInt(funds, 10)+" is available") ||
+		!strings.Contains(off.Message, "at most "+strconv.FormatInt(fits, 10)+" would fit") {
+		t.Fatalf("x-escrow-fit: off as the SDK saw it: %+v, want 402 billing_error needing %d, %d fitting", off, bound, fits)
 	}
 	for _, c := range []struct {
 		org  string
@@ -577,15 +595,6 @@ func TestOpenAINodeSDK(t *testing.T) {
 			Prompt     int64 `json:"prompt_tokens"`
 			Completion int64 `json:"completion_tokens"`
 		}
-		type refusal struct {
-			Status      int    `json:"status"`
-			Class       string `json:"class"`
-			IsRateLimit bool   `json:"isRateLimit"`
-			Code        string `json:"code"`
-			Type        string `json:"type"`
-			Message     string `json:"message"`
-			Attempts    int    `json:"attempts"`
-		}
 		var res struct {
 			JSON struct {
 				ID    string `json:"id"`
@@ -596,11 +605,12 @@ func TestOpenAINodeSDK(t *testing.T) {
 				Usage *usage `json:"usage"`
 				Text  string `json:"text"`
 			} `json:"stream"`
-			Models          []string `json:"models"`
-			Refused         *refusal `json:"refused"`
-			RefusedUncapped *refusal `json:"refusedUncapped"`
-			Fit             *sdkFits `json:"fit"`
-			Held            *sdkHeld `json:"held"`
+			Models          []string    `json:"models"`
+			Refused         *sdkRefusal `json:"refused"`
+			RefusedUncapped *sdkRefusal `json:"refusedUncapped"`
+			Fit             *sdkFits    `json:"fit"`
+			FitOff          *sdkRefusal `json:"fitOff"`
+			Held            *sdkHeld    `json:"held"`
 		}
 		if err := json.Unmarshal(bytes.TrimSpace(out), &res); err != nil {
 			t.Fatalf("node output %s: %v", out, err)
@@ -611,7 +621,7 @@ func TestOpenAINodeSDK(t *testing.T) {
 		if !slices.Contains(res.Models, "m") {
 			t.Errorf("models listed: %v, want m", res.Models)
 		}
-		for _, r := range []*refusal{res.Refused, res.RefusedUncapped} {
+		for _, r := range []*sdkRefusal{res.Refused, res.RefusedUncapped} {
 			if r == nil || r.Status != 429 || !r.IsRateLimit || r.Code != "insufficient_quota" || r.Attempts != 1 ||
 				!strings.Contains(r.Message, ", 5 is available") {
 				t.Errorf("insufficient balance through the SDK: %+v, want 429 RateLimitError insufficient_quota after 1 attempt", r)
@@ -631,6 +641,12 @@ func TestOpenAINodeSDK(t *testing.T) {
 			t.Fatal("the script reported no fit")
 		}
 		noCacheWrites := bigPrices.WithoutCacheWrites() // chat usage has no cache writes to price
+		// Asked for the refusal (x-escrow-fit: off): the numbers, not retried.
+		if off := res.FitOff; off == nil || off.Status != 429 || !off.IsRateLimit || off.Code != "insufficient_quota" || off.Attempts != 1 ||
+			!strings.Contains(off.Message, "needs at least "+strconv.FormatInt(2*off.BodyBytes+8*32_768, 10)+", 200000 is available") ||
+			!strings.Contains(off.Message, "at most "+strconv.FormatInt((smallFunds-2*off.BodyBytes)/8, 10)+" would fit") {
+			t.Fatalf("x-escrow-fit: off through the SDK: %+v", off)
+		}
 		for _, c := range []struct {
 			org  string
 			f    sdkFitted
