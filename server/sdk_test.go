@@ -174,9 +174,9 @@ func (g *sdkGate) send(t *testing.T, url, body string, hdr ...string) <-chan gat
 // letRetry is the onRetry of runSDK for "held is not gone": the first time the SDK is about to
 // retry, the org's balance must still be held by the gated request alone (the refused attempt
 // took nothing: available == availWhileHeld); the gated request is then released, its answer
-// (200, stored in *first) and the end of its hold awaited, and only then may the SDK go on. So
+// (200, stored in *gated) and the end of its hold awaited, and only then may the SDK go on. So
 // the first attempt meets the hold and the retry does not, whatever the timing.
-func (g *sdkGate) letRetry(t *testing.T, p *testProxy, org string, availWhileHeld int64, inflight <-chan gatedResult, first *gatedResult) func() {
+func (g *sdkGate) letRetry(t *testing.T, p *testProxy, org string, availWhileHeld int64, inflight <-chan gatedResult, gated *gatedResult) func() {
 	var once sync.Once
 	return func() {
 		once.Do(func() {
@@ -185,12 +185,12 @@ func (g *sdkGate) letRetry(t *testing.T, p *testProxy, org string, availWhileHel
 			}
 			g.open()
 			select {
-			case *first = <-inflight:
+			case *gated = <-inflight:
 			case <-time.After(30 * time.Second):
 				t.Fatal("the gated request never finished")
 			}
-			if first.err != nil || first.status != http.StatusOK {
-				t.Fatalf("the gated request: %d %s %v", first.status, first.body, first.err)
+			if gated.err != nil || gated.status != http.StatusOK {
+				t.Fatalf("the gated request: %d %s %v", gated.status, gated.body, gated.err)
 			}
 			deadline := time.Now().Add(20 * time.Second)
 			for p.balance(org).Holds != 0 {
@@ -358,7 +358,8 @@ func checkHeld(t *testing.T, h *sdkHeld, typ, code string) {
 //
 // Fit (issue 23): max_tokens 8192 on a balance of 50,000 is served, as JSON and as a stream, with
 // the largest cap that fits, which the SDK reads in x-escrow-output-cap; the ledger holds exactly
-// the fitted bound and charges what the upstream billed, within it.
+// the fitted bound and charges what the upstream billed, within it. Sent with x-escrow-fit: off,
+// the same request is refused (402, with the numbers) and not retried.
 //
 // Held is not gone (issue 23): while the org's balance is held by a request in flight (gated at
 // the upstream), a small request is refused 429 rate_limit_error; the SDK retries it after
@@ -384,14 +385,14 @@ func TestAnthropicSDK(t *testing.T) {
 		heldFunds := gatedHold + 100
 		held := p.priceOrg("sdk-held", heldFunds)
 		inflight := g.send(t, p.base+"/v1/messages", gated, "x-api-key", held, "anthropic-version", "2023-06-01")
-		var first gatedResult
+		var gatedRes gatedResult
 
 		ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 		defer cancel()
 		out := runSDK(ctx, t, node, "anthropic.mjs", []string{"ESCROW_BASE_URL=" + p.base, "ESCROW_KEY=" + key,
 			"ESCROW_POOR_KEY=" + poor, "ESCROW_MODEL=claude-t", "ESCROW_SMALL_KEY=" + small,
 			"ESCROW_SMALL_STREAM_KEY=" + smallStream, "ESCROW_HELD_KEY=" + held},
-			g.letRetry(t, p.testProxy, "sdk-held", heldFunds-gatedHold, inflight, &first))
+			g.letRetry(t, p.testProxy, "sdk-held", heldFunds-gatedHold, inflight, &gatedRes))
 		var res struct {
 			JSON, Stream struct {
 				ID    string    `json:"id"`
@@ -436,8 +437,8 @@ func TestAnthropicSDK(t *testing.T) {
 
 		// Held is not gone.
 		checkHeld(t, res.Held, "rate_limit_error", "")
-		var firstMsg struct{ Usage anthUsage }
-		if err := json.Unmarshal(first.body, &firstMsg); err != nil {
+		var gatedMsg struct{ Usage anthUsage }
+		if err := json.Unmarshal(gatedRes.body, &gatedMsg); err != nil {
 			t.Fatal(err)
 		}
 		var hu anthUsage
@@ -450,7 +451,7 @@ func TestAnthropicSDK(t *testing.T) {
 			t.Fatalf("the held request's bound %d: want it above the %d left while the gated request holds %d, within the org's %d",
 				heldHold, heldFunds-gatedHold, gatedHold, heldFunds)
 		}
-		gatedCost, heldCost := claudeCost(t, firstMsg.Usage), claudeCost(t, hu)
+		gatedCost, heldCost := claudeCost(t, gatedMsg.Usage), claudeCost(t, hu)
 		ch := p.charges("sdk-held")
 		b := p.settled("sdk-held")
 		holds := []int64{}
@@ -559,6 +560,8 @@ var bigPrices = accounting.Prices{Input: 2_000_000, Output: 8_000_000}
 // 32,768 output tokens, on a balance of 0.20 — is served, as JSON and as a stream, with the
 // largest cap that fits, which the SDK reads in x-escrow-output-cap; the upstream gets it as
 // max_completion_tokens and bills every token of it; the ledger holds exactly the fitted bound.
+// Sent with x-escrow-fit: off, the same request is refused (insufficient_quota, with the
+// numbers) and not retried.
 //
 // Held is not gone (issue 23): while the org's balance is held by a request in flight (gated at
 // the upstream), a small request is refused 429 rate_limit_exceeded balance_held; the SDK
@@ -583,14 +586,14 @@ func TestOpenAINodeSDK(t *testing.T) {
 		held := p.setup("sdk-held", heldFunds, 65)
 		inflight := g.send(t, p.base+"/v1/chat/completions",
 			`{"model":"m","messages":[{"role":"user","content":"hold the balance `+gateMarker+`"}]}`, "Authorization", "Bearer "+held)
-		var first gatedResult
+		var gatedRes gatedResult
 
 		ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 		defer cancel()
 		out := runSDK(ctx, t, node, "openai.mjs", []string{"ESCROW_BASE_URL=" + p.base, "ESCROW_KEY=" + key,
 			"ESCROW_POOR_KEY=" + poor, "ESCROW_MODEL=m", "ESCROW_FIT_MODEL=big", "ESCROW_SMALL_KEY=" + small,
 			"ESCROW_SMALL_STREAM_KEY=" + smallStream, "ESCROW_HELD_KEY=" + held},
-			g.letRetry(t, p, "sdk-held", heldFunds-gatedHold, inflight, &first))
+			g.letRetry(t, p, "sdk-held", heldFunds-gatedHold, inflight, &gatedRes))
 		type usage struct {
 			Prompt     int64 `json:"prompt_tokens"`
 			Completion int64 `json:"completion_tokens"`
