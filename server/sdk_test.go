@@ -247,7 +247,8 @@ type sdkCharge struct {
 	} `json:"request"`
 }
 
-// charges are the org's charge entries.
+// charges are the org's charge entries (call settled first: a usage event becomes an entry
+// asynchronously).
 func (p *testProxy) charges(org string) []sdkCharge {
 	p.t.Helper()
 	var out struct{ Data []sdkCharge }
@@ -452,8 +453,8 @@ func TestAnthropicSDK(t *testing.T) {
 				heldHold, heldFunds-gatedHold, gatedHold, heldFunds)
 		}
 		gatedCost, heldCost := claudeCost(t, gatedMsg.Usage), claudeCost(t, hu)
+		b := p.settled("sdk-held") // every charge is in the ledger
 		ch := p.charges("sdk-held")
-		b := p.settled("sdk-held")
 		holds := []int64{}
 		for _, c := range ch {
 			holds = append(holds, c.Request.HoldAmount)
@@ -504,8 +505,8 @@ func checkAnthropicFit(t *testing.T, p *testProxy, fake *fakeupstream.Server, fi
 			t.Fatalf("fitted %s: %+v (usage %+v), want the output cap %d", c.name, c.f, u, wantCap)
 		}
 		cost := claudeCost(t, u)
+		b := p.settled(c.org) // every charge is in the ledger
 		ch := p.charges(c.org)
-		b := p.settled(c.org)
 		if len(ch) != 1 || ch[0].Request.HoldAmount != wantHold || ch[0].Request.Cost != cost || cost > wantHold ||
 			b.LedgerBalance != funds-cost || b.LedgerBalance < 0 {
 			t.Fatalf("fitted %s: charges %+v, balance %+v; want the hold %d, the cost %d", c.name, ch, b, wantHold, cost)
@@ -666,8 +667,8 @@ func TestOpenAINodeSDK(t *testing.T) {
 				t.Fatalf("fitted %s: %+v (usage %+v), want the output cap %d", c.name, c.f, u, wantCap)
 			}
 			cost := 2*u.Prompt + 8*u.Completion
+			b := p.settled(c.org) // every charge is in the ledger
 			ch := p.charges(c.org)
-			b := p.settled(c.org)
 			if len(ch) != 1 || ch[0].Request.HoldAmount != wantHold || ch[0].Request.Cost != cost || cost > wantHold ||
 				b.LedgerBalance != smallFunds-cost || b.LedgerBalance < 0 {
 				t.Fatalf("fitted %s: charges %+v, balance %+v; want the hold %d, the cost %d", c.name, ch, b, wantHold, cost)
@@ -692,8 +693,8 @@ func TestOpenAINodeSDK(t *testing.T) {
 		checkHeld(t, res.Held, "rate_limit_exceeded", "balance_held")
 		var hu usage
 		_ = json.Unmarshal(res.Held.Usage, &hu)
+		hb := p.settled("sdk-held") // every charge is in the ledger
 		ch := p.charges("sdk-held")
-		hb := p.settled("sdk-held")
 		var holds, costs []int64
 		for _, c := range ch {
 			holds, costs = append(holds, c.Request.HoldAmount), append(costs, c.Request.Cost)
