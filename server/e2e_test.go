@@ -121,15 +121,15 @@ func eachMode(t *testing.T, fn func(t *testing.T, p *testProxy)) {
 }
 
 // startClusterProxy starts the proxy on the cluster (REDIS_URL with one URL per master) and a
-// fresh Postgres schema.
-func startClusterProxy(t *testing.T, cl *testutil.RedisCluster) *testProxy {
+// fresh Postgres schema, with extra options applied after its own (startTestProxyWith).
+func startClusterProxy(t *testing.T, cl *testutil.RedisCluster, extra ...Option) *testProxy {
 	t.Helper()
 	urls := make([]string, 0, 3)
 	for _, a := range cl.Addrs() {
 		urls = append(urls, "redis://"+a)
 	}
 	pg := testutil.Postgres(t)
-	return startTestProxy(t, false, func(c *Config) {
+	return startTestProxyWith(t, false, extra, func(c *Config) {
 		c.RedisURL, c.DatabaseURL, c.Prefix = strings.Join(urls, ","), pg.URL, testutil.RandomName("c")
 	})
 }
