@@ -334,7 +334,7 @@ inline FINISH(r) {
   :: hp[r] && !hfin[r] ->
      tA = RCOST(r);
      if :: acct -> bal = bal + hamt[r] - tA; UADD(hwin[r], tA - hamt[r]) :: else fi;
-     hamt[r] = RCOST(r); hfin[r] = 1
+     hamt[r] = tA; hfin[r] = 1
   :: else
   fi
 #else
@@ -342,7 +342,7 @@ inline FINISH(r) {
   :: hp[r] && !hfin[r] ->
      tA = RCOST(r);
      if :: acct -> bal = bal + hamt[r] - tA; UADD(hwin[r], tA - hamt[r]) :: else fi;
-     hamt[r] = RCOST(r); hfin[r] = 1
+     hamt[r] = tA; hfin[r] = 1
   :: !hp[r] ->                                   /* no existence check: writes the record anyway */
      if :: acct -> bal = bal - RCOST(r) :: else fi;
      hp[r] = 1; hamt[r] = RCOST(r); hfin[r] = 1; hpin[r] = 0; hwin[r] = NOWIN
