@@ -35,8 +35,18 @@ var (
 // step that bal + Σ holds == B(wm) for every warm org, that no hold id is also tombstoned, and
 // the counter invariant of DESIGN.md "Limits" for every current window; and at quiescence that
 // Redis agrees with the ledger to the micro-unit (balances and window counters), that every
-// served request is billed exactly once, and that debt stays within the debt rule. A failure
-// prints the seed; replay it with -sim.seed.
+// served request is billed exactly once, and that debt stays within the debt rule.
+//
+// Holds that fit (DESIGN.md): most requests are bounded — their cost never passes their hold —
+// and a bounded request refused INSUFFICIENT or LIMIT with a room ≥ 1 is usually fitted, as the
+// middleware does: the same hold id reserved again at once with the room the refusal reported
+// (or less: the bound at a lower output cap), and then costs at most that fitted hold (the
+// upstream enforces the fitted cap). The fitted reserve must be granted (nothing ran since the
+// refusal, so the room is there) as an ordinary hold of exactly that amount, every invariant
+// above holds with fitted holds in the mix, and a bounded request's hold ≥ its cost is checked
+// where its usage is recorded and on every ledger charge the checks read.
+//
+// A failure prints the seed; replay it with -sim.seed.
 func TestSimulation(t *testing.T) {
 	t.Parallel()
 	steps := *simSteps
@@ -93,11 +103,16 @@ type simulator struct {
 	limitsLag    map[string]bool // a pre-loss snapshot was seeded: the hot limits may lag until a push
 	counts       map[string]int
 	finSent      []balance.Finish // finish calls sent, re-sent (or first sent) later at random
+	boundHold    map[string]int64 // hold id of a bounded request → the hold the script wrote for it
 }
 
 type simReq struct {
 	org, id string
-	amount  int64
+	amount  int64 // the hold: the fitted amount for a fitted request
+	// bounded: the hold is the request's bound, so it cannot cost more (DESIGN.md "Holds that
+	// fit"); else it is held at a learned max and may cost more (the debt rule)
+	bounded bool
+	bound   int64 // the request's bound: its first reserve's amount (above amount when fitted)
 	// attribution, as the reserve returned it
 	key, project string
 	at           time.Time
@@ -110,6 +125,7 @@ func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger
 		orgs: []string{"a", "b", "c"}, cache: map[string]*simOrg{}, keys: map[string][]string{},
 		inflight: map[string]simReq{}, limitsLag: map[string]bool{}, costOf: map[string]int64{}, holdAtRecord: map[string]int64{},
 		servedOrg: map[string]string{}, credits: map[string]int64{}, counts: map[string]int{},
+		boundHold: map[string]int64{},
 	}
 	// The limit clock starts in the last hours of a month, so rollovers of every window come soon.
 	start := time.Date(2031, 1, 31, 20, 0, 0, 0, time.UTC).Add(time.Duration(s.rnd.Int64N(int64(4 * time.Hour))))
@@ -136,6 +152,9 @@ func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger
 	}
 	s.quiesce()
 	t.Logf("seed %d: %d steps, ops %v", seed, steps, s.counts)
+	if steps >= 1000 && (s.counts["fitted"] == 0 || s.counts["fitted-recorded"] == 0) {
+		t.Errorf("seed %d: no fitted hold was granted and recorded: the run did not exercise fit", seed)
+	}
 }
 
 // newStore makes the store (and its worker and Ops) with the limit clock at offset; a window
@@ -205,10 +224,17 @@ func (s *simulator) step() {
 		id := uuid.Must(uuid.NewV7()).String()
 		amt := s.rnd.Int64N(60) + 1
 		key := s.keys[o][s.rnd.IntN(len(s.keys[o]))]
+		bounded, bound := s.rnd.Float64() < 0.7, amt
 		res, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key})
+		if err != nil && bounded {
+			amt, res, err = s.fit(o, id, key, err)
+		}
 		switch {
 		case err == nil:
-			s.inflight[id] = simReq{org: o, id: id, amount: amt, key: key, project: res.Project, at: res.ReservedAt}
+			s.inflight[id] = simReq{org: o, id: id, amount: amt, bounded: bounded, bound: bound, key: key, project: res.Project, at: res.ReservedAt}
+			if bounded {
+				s.boundHold[id] = amt
+			}
 			if s.rnd.Float64() < 0.05 { // the Redis client re-sends the same call
 				r, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key})
 				if err != nil || !r.Duplicate || !r.ReservedAt.Equal(res.ReservedAt) {
@@ -260,7 +286,7 @@ func (s *simulator) step() {
 			s.must(err)
 		} else {
 			s.counts["record"]++
-			s.record(r, s.realCost(r.amount))
+			s.record(r, s.drawCost(r))
 		}
 	case op < 0.47 && len(s.ended) > 0: // a late client retry of a request that already ended
 		s.counts["late-retry"]++
@@ -370,6 +396,55 @@ func (s *simulator) step() {
 		steps := []time.Duration{10 * time.Minute, time.Hour, 5 * time.Hour, 24 * time.Hour, 3 * 24 * time.Hour}
 		s.newStore(s.offset + steps[s.rnd.IntN(len(steps))])
 	}
+}
+
+// fit is the middleware's answer to a refusal of a bounded request (middleware/fit.go): when
+// the reserve was refused INSUFFICIENT or LIMIT and the refusal's room is at least the fit
+// minimum (1 here), the same hold id is reserved again — at once — with the room, or with less
+// (the bound at the largest output cap that fits is at most the room), at most maxFit more
+// times; 15% of requests ask for the refusal instead (x-escrow-fit: off). It returns the
+// amount held and the last reserve's answer. Nothing runs between a refusal and its fitted
+// reserve here, so a fitted reserve within the reported room must be granted, as an ordinary
+// hold of exactly that amount.
+func (s *simulator) fit(o, id, key string, err error) (int64, balance.Reservation, error) {
+	const maxFit = 2 // the middleware's 3 tries: the bound, then two fits
+	if s.rnd.Float64() < 0.15 {
+		return 0, balance.Reservation{}, err
+	}
+	for range maxFit {
+		var ins *balance.InsufficientError
+		var lim *balance.LimitError
+		var room int64
+		kind := ""
+		switch {
+		case errors.As(err, &lim):
+			room, kind = lim.Room, "fit-limit"
+		case errors.As(err, &ins):
+			room, kind = ins.Balance, "fit-insufficient"
+		default:
+			return 0, balance.Reservation{}, err
+		}
+		if room < 1 {
+			s.counts["fit-no-room"]++
+			return 0, balance.Reservation{}, err
+		}
+		amt := room
+		if s.rnd.Float64() < 0.3 {
+			amt = s.rnd.Int64N(room) + 1
+		}
+		s.counts[kind]++
+		res, ferr := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key})
+		if ferr != nil {
+			// The refusal said this much would be taken now, and nothing ran since.
+			s.t.Fatalf("seed %d: org %s: fitted reserve of %d (room %d after %v) refused: %v", s.seed, o, amt, room, err, ferr)
+		}
+		if got, ok := s.holds(o)[id]; !ok || got != amt || res.Duplicate {
+			s.t.Fatalf("seed %d: org %s: fitted reserve of %d wrote hold %d (present %v, duplicate %v)", s.seed, o, amt, got, ok, res.Duplicate)
+		}
+		s.counts["fitted"]++
+		return amt, res, nil
+	}
+	return 0, balance.Reservation{}, err
 }
 
 func (s *simulator) changeLimits(o string) {
@@ -515,6 +590,16 @@ func (s *simulator) checkCounters(step int, o string, wm int64) {
 	}
 }
 
+// drawCost draws what request r really costs: a bounded one at most its hold (the upstream
+// enforces the output cap of its bound, the fitted cap for a fitted hold), an unbounded one
+// now and then more (realCost).
+func (s *simulator) drawCost(r simReq) int64 {
+	if r.bounded {
+		return s.rnd.Int64N(r.amount + 1)
+	}
+	return s.realCost(r.amount)
+}
+
 func (s *simulator) realCost(hold int64) int64 {
 	if s.rnd.Float64() < 0.9 {
 		return s.rnd.Int64N(hold + 1)
@@ -523,6 +608,13 @@ func (s *simulator) realCost(hold int64) int64 {
 }
 
 func (s *simulator) record(r simReq, cost int64) {
+	// A bounded request's hold ≥ its cost, where its usage is recorded (the model's assertion).
+	if h, ok := s.boundHold[r.id]; ok && cost > h {
+		s.t.Fatalf("seed %d: org %s: bounded request %s recorded at cost %d, above its hold %d", s.seed, r.org, r.id, cost, h)
+	}
+	if r.bounded && r.amount < r.bound {
+		s.counts["fitted-recorded"]++
+	}
 	s.holdAtRecord[r.id] = s.holds(r.org)[r.id]
 	s.costOf[r.id] = cost
 	s.servedOrg[r.id] = r.org
@@ -565,6 +657,7 @@ func (s *simulator) b(org string, k int64) int64 {
 	if k > last {
 		more, _, err := s.ledger.EntriesAfter(s.ctx, org, last, 1_000_000)
 		s.must(err)
+		s.checkBounded(org, more)
 		c.entries = append(c.entries, more...)
 	}
 	var sum int64
@@ -575,6 +668,16 @@ func (s *simulator) b(org string, k int64) int64 {
 		sum += e.Delta
 	}
 	return sum
+}
+
+// checkBounded checks ledger charges: a bounded request is never charged more than the hold
+// the script wrote for it (its fitted hold, when it was fitted).
+func (s *simulator) checkBounded(org string, entries []balance.Entry) {
+	for _, e := range entries {
+		if h, ok := s.boundHold[e.HoldID]; ok && e.Delta < 0 && -e.Delta > h {
+			s.t.Fatalf("seed %d: org %s: bounded request %s charged %d (entry %d), above its hold %d", s.seed, org, e.HoldID, -e.Delta, e.Seq, h)
+		}
+	}
 }
 
 func (s *simulator) check(step int) {
@@ -672,7 +775,7 @@ func (s *simulator) quiesce() {
 	t := s.t
 	for _, id := range slices.Sorted(maps.Keys(s.inflight)) {
 		r := s.inflight[id]
-		s.record(r, s.realCost(r.amount))
+		s.record(r, s.drawCost(r))
 	}
 	s.must(s.worker.Drain(s.ctx))
 	for _, o := range s.orgs {
@@ -700,6 +803,7 @@ func (s *simulator) quiesce() {
 		// Billed exactly once; every served request billed; debt within the rule.
 		entries, _, err := s.ledger.EntriesAfter(s.ctx, o, 0, 1_000_000)
 		s.must(err)
+		s.checkBounded(o, entries)
 		billed := map[string]int{}
 		var debt, sum int64
 		for _, e := range entries {

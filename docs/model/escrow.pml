@@ -6,7 +6,8 @@
  * The world: one org, one ledger (restorable once, which raises its epoch generation), one Redis
  * (which may lose all its data once), two proxies with their own cached epochs, three requests
  * (r0 and r2 on proxy 0, r1 on proxy 1), a Redis client that may re-send r0's reserve late, one worker in proxy 0 that may crash between settling and marking, one reaper, an admin
- * credit, an invalidation, and one limit window that rolls over once.
+ * credit, an invalidation, and one limit window that rolls over once. r1 and r2 are bounded (they
+ * never cost more than their hold); r1 may be fitted (DESIGN.md "Holds that fit").
  *
  * Every d_step is one atomic step of the real system: the body of one Lua script, or one ledger
  * transaction. Steps that involve choices (which entries a worker read) use atomic. Every step that
@@ -45,6 +46,28 @@
 #endif
 #define AMT(r)  ((r) == 0 -> A0 : ((r) == 1 -> A1 : A2))
 #define COST(r) ((r) == 0 -> C0 : ((r) == 1 -> C1 : C2))
+
+/* DESIGN "Holds that fit": a bounded request holds its bound, and the upstream enforces the output
+ * cap of that bound, so it can never cost more than its hold — r1 and r2 (C1 ≤ A1, C2 ≤ A2). r0 is
+ * the unbounded one (held at a learned max): it may cost more (the debt rule).
+ * A bounded request whose reserve is refused INSUFFICIENT or LIMIT with a room ≥ FITMIN is fitted
+ * (middleware/fit.go): the same hold id is reserved again with the room — the bound at a lower
+ * output cap, which is written into the body — and the fitted hold is an ordinary hold. Only r1
+ * may be fitted (-DFULL: every bounded request), to keep the state space small. ramt[r] is the
+ * amount of r's latest reserve (AMT(r) until a fit), RCOST(r) what r really costs: the upstream
+ * enforces the fitted cap, so a fitted request costs at most its fitted hold. */
+#define BOUNDED(r) ((r) != 0)
+#ifdef FULL
+#define FITS(r) BOUNDED(r)
+#else
+#define FITS(r) ((r) == 1)
+#endif
+#define FITMIN 1  /* the bound at the model's minimum output cap */
+#ifndef M_FITCAP
+#define RCOST(r) ((BOUNDED(r) && COST(r) > ramt[r]) -> ramt[r] : COST(r))
+#else
+#define RCOST(r) (COST(r))   /* the fitted cap is not written into the body: the original bound's cost */
+#endif
 
 /* replies */
 #define S_OK      1
@@ -89,6 +112,9 @@ bool jr[NR];          /* usage waiting in a proxy's local journal */
 /* ---- proxies ---- */
 byte pe[2];           /* each proxy's cached ledger epoch */
 
+/* ---- the middleware ---- */
+byte ramt[NR];        /* the amount of each request's latest reserve: AMT(r), or its fitted amount */
+
 /* ---- ghost state: what the properties speak about, never read by a rule ---- */
 bool oact[NR];        /* the owner is alive and extending its hold, so it never expires */
 bool alive[NR];       /* the request is still being served (its owner waits on its reserve call) */
@@ -112,6 +138,7 @@ bool resting;         /* init is checking the world at rest: nothing else moves 
 /* scratch for CHECK and the d_steps (hidden: not part of the state) */
 hidden byte ti, tj, ts;
 hidden short tB, tH, tU, tA, tx;
+hidden short troom;   /* the room a refused reserve reports (reserve.lua's INSUFFICIENT / LIMIT replies) */
 
 #define IDX(g, s) ((g)*MAXE + (s) - 1)
 
@@ -182,7 +209,7 @@ inline ACCOUNT_ALL() {
   :: ti < NR ->
      if
      :: ev[ti] == 1 ->
-        lsq[lep]++; ed[IDX(lep, lsq[lep])] = -COST(ti); eh[IDX(lep, lsq[lep])] = ti + 1;
+        lsq[lep]++; ed[IDX(lep, lsq[lep])] = -RCOST(ti); eh[IDX(lep, lsq[lep])] = ti + 1;
         ew[IDX(lep, lsq[lep])] = evw[ti]; ev[ti] = 2; evseq[ti] = lsq[lep]
      :: else
      fi;
@@ -194,9 +221,11 @@ inline ACCOUNT_ALL() {
 /* ledger: usage recorded for r but not settled yet (UnsettledUsage) */
 #define UNSETTLED(r) (ev[r] == 1 || (ev[r] == 2 && evseq[r] > settled))
 
-/* Lua reserve.lua: the order of checks is amount, COLD, DUPLICATE, GONE, TOO_MANY, LIMIT, INSUFFICIENT */
+/* Lua reserve.lua: the order of checks is amount, COLD, DUPLICATE, GONE, TOO_MANY, LIMIT, INSUFFICIENT.
+ * The amount is ramt[r]; a LIMIT or INSUFFICIENT refusal reports the room (troom): the largest
+ * amount the balance and the limit would take now (INSUFFICIENT: bal; LIMIT: min(bal, CAPL − U)) */
 inline RESERVE(r, e, st) {
-  st = 0;
+  st = 0; troom = 0;
   if :: !acct || aep != (e) -> st = S_COLD :: else fi;
 #ifndef M_DUP
   if :: st == 0 && hp[r] -> st = S_DUP :: else fi;
@@ -214,13 +243,17 @@ inline RESERVE(r, e, st) {
      if :: tx >= CAP -> st = S_TOOMANY :: else fi
   :: else
   fi;
-  if :: st == 0 && (uex[clock] -> U[clock] : 0) + AMT(r) > CAPL -> st = S_LIMIT :: else fi;
-  if :: st == 0 && bal < AMT(r) -> st = S_INSUFF :: else fi;
+  if
+  :: st == 0 && (uex[clock] -> U[clock] : 0) + ramt[r] > CAPL ->
+     st = S_LIMIT; troom = CAPL - (uex[clock] -> U[clock] : 0); if :: bal < troom -> troom = bal :: else fi
+  :: else
+  fi;
+  if :: st == 0 && bal < ramt[r] -> st = S_INSUFF; troom = bal :: else fi;
   if
   :: st == 0 ->
-     st = S_OK; bal = bal - AMT(r);
-     hp[r] = 1; hamt[r] = AMT(r); hfin[r] = 0; hpin[r] = 0; hwin[r] = clock;
-     UADD(clock, AMT(r))
+     st = S_OK; bal = bal - ramt[r];
+     hp[r] = 1; hamt[r] = ramt[r]; hfin[r] = 0; hpin[r] = 0; hwin[r] = clock;
+     UADD(clock, ramt[r])
   :: else
   fi
 }
@@ -285,7 +318,7 @@ inline RELEASE(r) {
      HOLDCLR(r)
   :: else ->
 #ifdef M_GATE
-     if :: acct -> bal = bal + AMT(r) :: else fi   /* gives back whether or not it deleted the hold */
+     if :: acct -> bal = bal + ramt[r] :: else fi   /* gives back whether or not it deleted the hold */
 #else
      skip
 #endif
@@ -293,23 +326,26 @@ inline RELEASE(r) {
   gone[r] = 1; hend[r] = 1
 }
 
-/* Lua finish: only an existing, unfinished hold; bal += hold - cost, the hold becomes cost */
+/* Lua finish: only an existing, unfinished hold; bal += hold - cost, the hold becomes cost
+ * (tA: the cost, computed before UADD, whose argument cannot hold a conditional expression) */
 inline FINISH(r) {
 #ifndef M_FIN
   if
   :: hp[r] && !hfin[r] ->
-     if :: acct -> bal = bal + hamt[r] - COST(r); UADD(hwin[r], COST(r) - hamt[r]) :: else fi;
-     hamt[r] = COST(r); hfin[r] = 1
+     tA = RCOST(r);
+     if :: acct -> bal = bal + hamt[r] - tA; UADD(hwin[r], tA - hamt[r]) :: else fi;
+     hamt[r] = tA; hfin[r] = 1
   :: else
   fi
 #else
   if
   :: hp[r] && !hfin[r] ->
-     if :: acct -> bal = bal + hamt[r] - COST(r); UADD(hwin[r], COST(r) - hamt[r]) :: else fi;
-     hamt[r] = COST(r); hfin[r] = 1
+     tA = RCOST(r);
+     if :: acct -> bal = bal + hamt[r] - tA; UADD(hwin[r], tA - hamt[r]) :: else fi;
+     hamt[r] = tA; hfin[r] = 1
   :: !hp[r] ->                                   /* no existence check: writes the record anyway */
-     if :: acct -> bal = bal - COST(r) :: else fi;
-     hp[r] = 1; hamt[r] = COST(r); hfin[r] = 1; hpin[r] = 0; hwin[r] = NOWIN
+     if :: acct -> bal = bal - RCOST(r) :: else fi;
+     hp[r] = 1; hamt[r] = RCOST(r); hfin[r] = 1; hpin[r] = 0; hwin[r] = NOWIN
   :: else
   fi
 #endif
@@ -421,7 +457,7 @@ inline KRESET() {
 }
 
 proctype Req(byte r; byte p) {
-  byte st, tries;
+  byte st, tries, fit;
   byte kg, kW, kc, kt, scold, sn, sgap;
   short kb, k0, k1;
 again: skip;
@@ -429,7 +465,8 @@ again: skip;
   :: d_step {
        RESERVE(r, pe[p], st); if :: r == 0 -> sep[r] = pe[p]; sent[r] = 1 :: else fi;
        if :: st == S_OK -> oact[r] = 1; rwin[r] = clock :: st == S_DUP -> oact[r] = 1 :: else fi;
-       printf("STEP %d reserve r=%d ep=%d -> %d\n", r, r, pe[p], st);
+       if :: FITS(r) && (st == S_INSUFF || st == S_LIMIT) && troom >= FITMIN -> fit = troom :: else fi;
+       printf("STEP %d reserve r=%d ep=%d amt=%d -> %d\n", r, r, pe[p], ramt[r], st);
        CHECK()
      }
   :: LOSTCALL(r) ->
@@ -444,18 +481,24 @@ again: skip;
      :: d_step { oact[r] = 0; alive[r] = 0; printf("STEP %d owner-dies r=%d\n", r, r) }; goto done
      fi
   :: st == S_LOST -> goto fail
+  :: fit > 0 ->                                         /* fit: the same id again, with the room */
+     d_step { ramt[r] = fit; fit = 0; tries = 0; printf("STEP %d fit r=%d amt=%d\n", r, r, ramt[r]) }; goto again
+  :: fit > 0 -> goto done                               /* x-escrow-fit: off (or NoFit): the refusal */
   :: else -> goto done                                  /* refused: nothing held */
   fi;
 success: skip;
   if
   :: d_step {
        served[r] = 1; hrec[r] = (hp[r] -> hamt[r] : 0); LRECORD(r);
-       printf("STEP %d record r=%d\n", r, r); CHECK()
+       printf("STEP %d record r=%d cost=%d amt=%d bounded=%d\n", r, r, RCOST(r), ramt[r], BOUNDED(r));
+       assert(!BOUNDED(r) || RCOST(r) <= ramt[r]);    /* a bounded request's hold ≥ its cost */
+       CHECK()
      }
   :: JOURNAL(r) ->
      d_step {
        served[r] = 1; hrec[r] = (hp[r] -> hamt[r] : 0); jr[r] = 1;
-       printf("STEP %d journal r=%d\n", r, r)
+       printf("STEP %d journal r=%d cost=%d amt=%d bounded=%d\n", r, r, RCOST(r), ramt[r], BOUNDED(r));
+       assert(!BOUNDED(r) || RCOST(r) <= ramt[r])     /* a bounded request's hold ≥ its cost */
      };
      d_step {
 #ifndef M_PIN
@@ -465,9 +508,9 @@ success: skip;
      }
   fi;
   if
-  :: d_step { FINISH(r); oact[r] = 0; alive[r] = 0; printf("STEP %d finish r=%d\n", r, r); CHECK() };
+  :: d_step { FINISH(r); oact[r] = 0; alive[r] = 0; printf("STEP %d finish r=%d cost=%d\n", r, r, RCOST(r)); CHECK() };
      if
-     :: LATEFINISH(r) -> d_step { FINISH(r); printf("STEP %d finish r=%d\n", r, r); CHECK() }  /* re-sent, late */
+     :: LATEFINISH(r) -> d_step { FINISH(r); printf("STEP %d finish r=%d cost=%d\n", r, r, RCOST(r)); CHECK() }  /* re-sent, late */
      :: skip
      fi
   :: DIEFINISH(r) -> d_step { oact[r] = 0; alive[r] = 0; printf("STEP %d owner-dies r=%d\n", r, r) }
@@ -489,7 +532,7 @@ fail: skip;
   :: skip
   fi;
 done: skip;
-  d_step { ndone++; st = 0; tries = 0; alive[r] = 0; oact[r] = 0 }
+  d_step { ndone++; st = 0; tries = 0; fit = 0; alive[r] = 0; oact[r] = 0 }
 }
 
 /* the Redis client re-sends r's reserve, with the same arguments, at any later time (or never) */
@@ -497,7 +540,7 @@ proctype Resend(byte r) {
   byte st;
   sent[r];
   if
-  :: d_step { RESERVE(r, sep[r], st); if :: st == S_OK -> oact[r] = alive[r]; rwin[r] = clock :: else fi; printf("STEP %d resend r=%d ep=%d -> %d\n", 5, r, sep[r], st); CHECK() }
+  :: d_step { RESERVE(r, sep[r], st); if :: st == S_OK -> oact[r] = alive[r]; rwin[r] = clock :: else fi; printf("STEP %d resend r=%d ep=%d amt=%d -> %d\n", 5, r, sep[r], ramt[r], st); CHECK() }
   :: skip
   fi;
   d_step { ndone++; st = 0 }
@@ -614,7 +657,7 @@ end_c:
        !resting && !didflush -> didflush = 1;
        ti = 0;
        do
-       :: ti < NR -> if :: jr[ti] -> jla = jla + COST(ti) :: else fi;
+       :: ti < NR -> if :: jr[ti] -> jla = jla + RCOST(ti) :: else fi;
           HOLDCLR(ti); gone[ti] = 0; tlost[ti] = 1; ti++
        :: else -> break
        od;
@@ -654,7 +697,9 @@ init {
     lsq[0] = 1; ed[0] = B0; eh[0] = 0; ew[0] = NOWIN; settled = 1;
     acct = 1; bal = B0; wm = 1; aep = 0; acctmax = 0; applied = 3;
     alive[0] = 1; alive[1] = 1; alive[2] = 1;
-    uex[0] = 1; U[0] = 0; hwin[0] = NOWIN; hwin[1] = NOWIN; hwin[2] = NOWIN
+    uex[0] = 1; U[0] = 0; hwin[0] = NOWIN; hwin[1] = NOWIN; hwin[2] = NOWIN;
+    ramt[0] = A0; ramt[1] = A1; ramt[2] = A2;
+    assert(C1 <= A1 && C2 <= A2)          /* a world's bounded requests cost at most their bound */
   };
   atomic {
     run Req(0, 0); run Req(1, 1);
@@ -716,11 +761,11 @@ init {
        assert(!served[ti] || lost[ti] || cnt == 1);
        if
        :: cnt == 1 ->
-          spend = (COST(ti) > hrec[ti] -> COST(ti) - hrec[ti] : 0);
+          spend = (RCOST(ti) > hrec[ti] -> RCOST(ti) - hrec[ti] : 0);
           allowed = allowed + spend;
           if
-          :: rwin[ti] == 0 -> sp0 = sp0 + COST(ti); allow0 = allow0 + spend
-          :: else -> sp1 = sp1 + COST(ti); allow1 = allow1 + spend
+          :: rwin[ti] == 0 -> sp0 = sp0 + RCOST(ti); allow0 = allow0 + spend
+          :: else -> sp1 = sp1 + RCOST(ti); allow1 = allow1 + spend
           fi
        :: else
        fi;

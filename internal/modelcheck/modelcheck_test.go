@@ -29,10 +29,12 @@ type world struct {
 	defines []string
 }
 
+// debtAmount: r1 costs its hold (see M_PEND); a fitted r1 then costs its fitted hold, less than
+// its bound allowed (see M_FITCAP).
 var (
 	noFaults   = []string{"NO_FLUSH", "NO_RESTORE", "NO_INVALIDATE", "NO_CREDIT", "NO_TICK"}
 	twoReqs    = []string{"NO_R2"}
-	debtAmount = []string{"A0=1", "C0=2", "A1=2", "C1=2", "A2=1", "C2=1"} // see M_PEND
+	debtAmount = []string{"A0=1", "C0=2", "A1=2", "C1=2", "A2=1", "C2=1"}
 )
 
 // only returns the -D switches of a two-request world with just the given faults.
@@ -78,6 +80,10 @@ var mutations = []mutation{
 	{"M_FIN", "finish's existence check: finish acts only on an existing, unfinished hold", only("NO_TICK")},
 	{"M_EPOCH", "epoch generation order: no script replaces a higher generation with a lower one", only("NO_RESTORE", "NO_INVALIDATE")},
 	{"M_WIN", "window attribution: a cost is charged to the window of its hold's reserve time", only("NO_TICK")},
+	// r1 fitted to 1 of its bound 2, and costing what the bound allowed: every other property
+	// holds (the debt rule allows a cost beyond the hold), only "a bounded request's hold ≥ its
+	// cost" catches it
+	{"M_FITCAP", "fit writes the fitted output cap into the body: a fitted request costs at most its fitted hold", append(only(), debtAmount...)},
 }
 
 // The C flags of every pan: safety only; hash-compact state storage (-DHC4: 4 bytes per state
