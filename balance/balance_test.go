@@ -334,7 +334,7 @@ func TestOneHashTagPerCall(t *testing.T) {
 	must(err)
 	_, err = s.State(ctx, org)
 	must(err)
-	_, err = s.RaiseModelMax(ctx, "gpt-{x}", 5, 10)
+	_, err = s.RaiseModelMax(ctx, "gpt-{x}", 5, 0, 10)
 	must(err)
 	_, err = s.PushLimits(ctx, org, 1)
 	must(err)

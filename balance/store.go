@@ -840,7 +840,8 @@ const (
 	modelMaxLoadTimeout = 2 * time.Second
 )
 
-// ModelMax returns the model's learned max cost (0 if none), served from an in-process cache
+// ModelMax returns the model's learned max cost (0 if none: the key is missing, e.g. lost with
+// Redis, and the caller's ledger max cost stands in), served from an in-process cache
 // for ModelMaxCacheTTL. An expired value is refreshed by one GET shared by every caller; a
 // caller waits for it at most modelMaxWait (then, or when the GET fails, it is served the
 // expired value), so that a model whose key lives on a dead or slow node stalls no request:
@@ -902,17 +903,19 @@ func (s *Store) ModelMax(ctx context.Context, model string) (int64, error) {
 	}
 }
 
-// RaiseModelMax raises the model's learned max cost to cost, capped at ceiling (> 0); it never
-// lowers it. It returns the max now stored.
-func (s *Store) RaiseModelMax(ctx context.Context, model string, cost, ceiling int64) (int64, error) {
+// RaiseModelMax raises the model's learned max cost to cost, capped at ceiling (> 0), and to
+// at least floor (≥ 0): the ledger's max cost for the model, so that a key lost with Redis is
+// never rebuilt below what the ledger learned (the floor is not capped: the ledger's value
+// stands). It never lowers the stored max. It returns the max now stored.
+func (s *Store) RaiseModelMax(ctx context.Context, model string, cost, floor, ceiling int64) (int64, error) {
 	if err := checkModel(model); err != nil {
 		return 0, err
 	}
-	if cost <= 0 || cost > MaxAmount || ceiling <= 0 || ceiling > MaxAmount {
-		return 0, fmt.Errorf("%w: cost %d ceiling %d", ErrInvalidAmount, cost, ceiling)
+	if cost <= 0 || cost > MaxAmount || ceiling <= 0 || ceiling > MaxAmount || floor < 0 || floor > MaxAmount {
+		return 0, fmt.Errorf("%w: cost %d floor %d ceiling %d", ErrInvalidAmount, cost, floor, ceiling)
 	}
 	v, err := s.run(ctx, scRaiseMax, []string{s.modelKey(model)},
-		strconv.FormatInt(cost, 10), strconv.FormatInt(ceiling, 10)).Text()
+		strconv.FormatInt(cost, 10), strconv.FormatInt(ceiling, 10), strconv.FormatInt(floor, 10)).Text()
 	if err != nil {
 		return 0, fmt.Errorf("balance: raise model max: %w", err)
 	}
