@@ -338,6 +338,11 @@ func TestOneHashTagPerCall(t *testing.T) {
 	must(err)
 	_, err = s.PushLimits(ctx, org, 1)
 	must(err)
+	done, err := s.UseModel(ctx, "gpt-{x}")
+	must(err)
+	done()
+	_, err = s.ModelInFlight(ctx, "gpt-{x}")
+	must(err)
 
 	shas := map[string]bool{}
 	for _, args := range hook.calls {

@@ -3,6 +3,7 @@ package balancetest
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -113,6 +114,63 @@ func exerciseLearnedMaxSurvivesRedisLoss(t *testing.T, env Env) {
 	if _, err := x.s.RaiseModelMax(x.ctx, m, 10, -1, 10); !errors.Is(err, balance.ErrInvalidAmount) {
 		t.Fatalf("floor -1: %v", err)
 	}
+}
+
+// exerciseModelVersions: a model's version changes with every TouchModel and shows on another
+// store at once past its cache TTL; a delete under way shows until the next TouchModel; a
+// request of the model in flight on one store shows on every store.
+func exerciseModelVersions(t *testing.T, env Env) {
+	t.Parallel()
+	x := fixture(t, env, balance.Config{ModelMaxCacheTTL: time.Hour}, 0, false)
+	other, err := balance.New(x.ctx, x.env.Client, &balance.Config{Prefix: x.env.Prefix, ModelMaxCacheTTL: time.Nanosecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := randomID("model-")
+	st, err := other.ModelState(x.ctx, m)
+	eq(t, "err", err, nil)
+	eq(t, "version before any change", st.Version, "")
+	eq(t, "deleting", st.Deleting, false)
+	if err := x.s.SetModelMax(x.ctx, m, 30); err != nil {
+		t.Fatal(err)
+	}
+	var seen []string
+	for i, step := range []func() error{
+		func() error { return x.s.TouchModel(x.ctx, m) },
+		func() error { return x.s.MarkModelDeleting(x.ctx, m) },
+		func() error { return x.s.TouchModel(x.ctx, m) },
+	} {
+		if err := step(); err != nil {
+			t.Fatal(err)
+		}
+		for _, s := range []*balance.Store{x.s, other} { // the writer's own cache is dropped
+			st, err := s.ModelState(x.ctx, m)
+			eq(t, "err", err, nil)
+			eq(t, fmt.Sprintf("step %d: max", i), st.Max, 30)
+			eq(t, fmt.Sprintf("step %d: deleting", i), st.Deleting, i == 1)
+			if st.Version == "" || slices.Contains(seen, st.Version) {
+				t.Fatalf("step %d: version %q after %q", i, st.Version, seen)
+			}
+		}
+		st, _ := other.ModelState(x.ctx, m)
+		seen = append(seen, st.Version)
+	}
+	if w := x.s.ModelChangeWait(); w <= time.Hour {
+		t.Fatalf("ModelChangeWait %v not beyond the cache TTL", w)
+	}
+
+	busy, err := other.ModelInFlight(x.ctx, m)
+	eq(t, "in flight before any request", busy, false)
+	eq(t, "err", err, nil)
+	done, err := x.s.UseModel(x.ctx, m)
+	eq(t, "err", err, nil)
+	busy, err = other.ModelInFlight(x.ctx, m)
+	eq(t, "in flight, seen by another store", busy, true)
+	eq(t, "err", err, nil)
+	done()
+	done() // once only
+	busy, _ = other.ModelInFlight(x.ctx, randomID("model-"))
+	eq(t, "another model", busy, false)
 }
 
 func exerciseScanOrgs(t *testing.T, env Env) {

@@ -177,6 +177,7 @@ func Run(t *testing.T, env Env) {
 	t.Run("State", func(t *testing.T) { exerciseState(t, env) })
 	t.Run("ModelMax", func(t *testing.T) { exerciseModelMax(t, env) })
 	t.Run("LearnedMaxSurvivesRedisLoss", func(t *testing.T) { exerciseLearnedMaxSurvivesRedisLoss(t, env) })
+	t.Run("ModelVersions", func(t *testing.T) { exerciseModelVersions(t, env) })
 	t.Run("ScanOrgs", func(t *testing.T) { exerciseScanOrgs(t, env) })
 	t.Run("ExactNear1e14", func(t *testing.T) { exerciseExactNear1e14(t, env) })
 	runFinish(t, env)
