@@ -118,14 +118,37 @@ func (o *Ops) RevokeKey(ctx context.Context, id string) error {
 }
 
 // PutModel creates or replaces a model in the ledger, then sets the store's learned max cost to
-// the model's MaxCost (so an admin can lower it). When only the Redis part failed, the model is
-// saved and the error wraps ErrHotBalance.
+// the model's MaxCost (so an admin can lower it) and gives the model a new version in Redis
+// (balance.Store.TouchModel). A model that existed is changed for every hold taken after
+// PutModel returns, on every process: it waits until none can still price a hold from what it
+// cached (balance.Store.WaitModelChange, about a second). When only the Redis part failed, the
+// model is saved and the error wraps ErrHotBalance (the change then reaches the processes within
+// their model cache's TTL).
 func (o *Ops) PutModel(ctx context.Context, m Model) error {
+	_, err := o.ledger.Model(ctx, m.Name)
+	existed := err == nil
 	if err := o.ledger.PutModel(ctx, m); err != nil {
 		return err
 	}
 	if err := o.store.SetModelMax(ctx, m.Name, m.MaxCost); err != nil {
 		return fmt.Errorf("%w: learned max of %q: %w", ErrHotBalance, m.Name, err)
+	}
+	return o.modelChanged(ctx, existed, m.Name)
+}
+
+// modelChanged gives the models a new version in Redis and, when existed (some process may hold
+// their old prices), waits until no process can take a hold priced under the old version.
+func (o *Ops) modelChanged(ctx context.Context, existed bool, names ...string) error {
+	for _, name := range names {
+		if err := o.store.TouchModel(ctx, name); err != nil {
+			return fmt.Errorf("%w: version of model %q: %w", ErrHotBalance, name, err)
+		}
+	}
+	if !existed {
+		return nil
+	}
+	if err := o.store.WaitModelChange(ctx); err != nil {
+		return fmt.Errorf("%w: %w", ErrHotBalance, err)
 	}
 	return nil
 }

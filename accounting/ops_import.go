@@ -40,6 +40,7 @@ func (o *Ops) ImportPrices(ctx context.Context, t PriceTable, dryRun bool) (Impo
 	if r.Skipped == nil {
 		r.Skipped = []SkippedPrice{}
 	}
+	changed := false
 	for _, row := range t.Rows {
 		for _, f := range row.RoundedUp {
 			r.RoundedUp = append(r.RoundedUp, row.Model+": "+f)
@@ -82,6 +83,14 @@ func (o *Ops) ImportPrices(ctx context.Context, t PriceTable, dryRun bool) (Impo
 		if err := o.importModel(ctx, m); err != nil {
 			return r, err
 		}
+		// A new version for each model written; one wait at the end for all that changed.
+		if err := o.modelChanged(ctx, false, m.Name); err != nil {
+			return r, err
+		}
+		changed = changed || !isNew
+	}
+	if changed {
+		return r, o.modelChanged(ctx, true)
 	}
 	return r, nil
 }

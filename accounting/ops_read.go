@@ -178,14 +178,61 @@ func (o *Ops) PatchModel(ctx context.Context, name string, p ModelPatch) (Model,
 	return m.Effective(), o.PutModel(ctx, m)
 }
 
-// DeleteModel deletes a model no request has used (ErrModelInUse) and forgets its learned max
-// in Redis (best effort: a model without a price refuses requests before any hold).
+// DeleteModel deletes a model no request has used (ErrModelInUse) and none has in flight on any
+// process (ErrModelInFlight: balance.Store.ModelInFlight, whose marks outlive a process's last
+// request of the model by a few seconds), and forgets its learned max in Redis. Once it returns
+// no process takes a new hold for the model: the model is deleted in the ledger, marked as
+// being deleted in Redis (balance.Store.MarkModelDeleting), and after the wait of a model change
+// checked again for requests in flight (one priced just before the delete); when one is, or
+// Redis cannot tell (ErrHotBalance), the model is put back as it was and the delete refused.
 func (o *Ops) DeleteModel(ctx context.Context, name string) error {
+	if err := o.modelIdle(ctx, name); err != nil {
+		return err
+	}
+	old, err := o.ledger.Model(ctx, name)
+	if err != nil {
+		return err
+	}
 	if err := o.ledger.DeleteModel(ctx, name); err != nil {
+		return err
+	}
+	err = o.store.MarkModelDeleting(ctx, name)
+	if err != nil {
+		err = fmt.Errorf("%w: model %q not marked deleted: %w", ErrHotBalance, name, err)
+	}
+	if err == nil {
+		if err = o.store.WaitModelChange(ctx); err != nil {
+			err = fmt.Errorf("%w: %w", ErrHotBalance, err)
+		}
+	}
+	if err == nil {
+		err = o.modelIdle(ctx, name)
+	}
+	if err != nil {
+		bg := context.WithoutCancel(ctx)
+		if perr := o.ledger.PutModel(bg, old); perr != nil {
+			return errors.Join(err, fmt.Errorf("accounting: model %q deleted all the same, not put back: %w", name, perr))
+		}
+		if terr := o.store.TouchModel(bg, name); terr != nil {
+			// Requests for it are refused until the model is changed (PUT) again.
+			return errors.Join(err, fmt.Errorf("%w: model %q put back but still marked deleted in redis: %w", ErrHotBalance, name, terr))
+		}
 		return err
 	}
 	if err := o.store.SetModelMax(ctx, name, 0); err != nil {
 		return fmt.Errorf("%w: learned max of %q: %w", ErrHotBalance, name, err)
+	}
+	return nil
+}
+
+// modelIdle refuses (ErrModelInFlight) a model with requests in flight on some process.
+func (o *Ops) modelIdle(ctx context.Context, name string) error {
+	busy, err := o.store.ModelInFlight(ctx, name)
+	switch {
+	case err != nil:
+		return fmt.Errorf("%w: requests in flight of model %q unknown: %w", ErrHotBalance, name, err)
+	case busy:
+		return fmt.Errorf("%w: %q", ErrModelInFlight, name)
 	}
 	return nil
 }

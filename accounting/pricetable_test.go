@@ -183,7 +183,7 @@ func TestImportPrices(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A request taught Redis a higher max than the ledger knows.
-	if _, err := store.RaiseModelMax(ctx, "gpt-4o-mini", 8_000, 1_000_000); err != nil {
+	if _, err := store.RaiseModelMax(ctx, "gpt-4o-mini", 8_000, 0, 1_000_000); err != nil {
 		t.Fatal(err)
 	}
 	tab, err := accounting.ParsePriceTable([]byte("model,input_per_1m,output_per_1m,cached_input_per_1m,max_input_tokens,max_output_tokens\n"+

@@ -24,6 +24,8 @@ var (
 	ErrInvalidQuery   = errors.New("accounting: invalid query")
 	ErrUnknownRequest = errors.New("accounting: unknown request")
 	ErrModelInUse     = errors.New("accounting: model has usage")
+	// ErrModelInFlight: a model with requests in flight (on any process) is not deleted.
+	ErrModelInFlight = errors.New("accounting: model has requests in flight")
 )
 
 // MaxNameLen is the longest display name of an org or a key, in bytes.

@@ -405,8 +405,10 @@ func (w *Worker) raiseMax(ctx context.Context, costs map[string]int64) {
 		if c <= 0 {
 			continue
 		}
-		if c > hot {
-			if _, err := w.store.RaiseModelMax(ctx, model, c, ceiling); err != nil {
+		if c > hot || hot < m.MaxCost {
+			// The ledger's max cost is the floor: a key lost with Redis (hot reads 0) is rebuilt
+			// at what the ledger learned, never at this pass's cost alone.
+			if _, err := w.store.RaiseModelMax(ctx, model, c, m.MaxCost, ceiling); err != nil {
 				w.log.Warn("learned max cost not raised in redis", "model", model, "cost", c, "err", err)
 				continue
 			}

@@ -203,6 +203,7 @@ var refusals = []refusal{
 	{accounting.ErrUnknownModel, http.StatusNotFound, "model_not_found", "no such model"},
 	{accounting.ErrUnknownRequest, http.StatusNotFound, "request_not_found", "no request with this id in the ledger"},
 	{accounting.ErrModelInUse, http.StatusConflict, "model_in_use", "the model has recorded usage and cannot be deleted"},
+	{accounting.ErrModelInFlight, http.StatusConflict, "model_in_flight", "the model has requests in flight; retry once they are over"},
 	{accounting.ErrUnknownProject, http.StatusNotFound, "project_not_found", "no such project in this org"},
 	{accounting.ErrUnknownLimit, http.StatusNotFound, "limit_not_found", "no such limit in this org"},
 	{accounting.ErrProjectExists, http.StatusConflict, "project_exists", "the project already exists"},

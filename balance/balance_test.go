@@ -334,9 +334,14 @@ func TestOneHashTagPerCall(t *testing.T) {
 	must(err)
 	_, err = s.State(ctx, org)
 	must(err)
-	_, err = s.RaiseModelMax(ctx, "gpt-{x}", 5, 10)
+	_, err = s.RaiseModelMax(ctx, "gpt-{x}", 5, 0, 10)
 	must(err)
 	_, err = s.PushLimits(ctx, org, 1)
+	must(err)
+	done, err := s.UseModel(ctx, "gpt-{x}")
+	must(err)
+	done()
+	_, err = s.ModelInFlight(ctx, "gpt-{x}")
 	must(err)
 
 	shas := map[string]bool{}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -252,8 +253,17 @@ type getCounter struct {
 }
 
 func (h *getCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+// ProcessPipelineHook counts a pipeline with GETs (ModelState reads the learned max and the
+// model's version in one) as one.
 func (h *getCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if slices.ContainsFunc(cmds, func(c redis.Cmder) bool { return c.Name() == "get" }) {
+			h.gets.Add(1)
+			time.Sleep(h.delay)
+		}
+		return next(ctx, cmds)
+	}
 }
 func (h *getCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {

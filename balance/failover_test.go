@@ -3,6 +3,7 @@ package balance_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -110,8 +111,21 @@ type hangingGets struct {
 }
 
 func (h *hangingGets) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+// ProcessPipelineHook hangs a pipeline with GETs (ModelState reads the learned max and the
+// model's version in one) like a GET.
 func (h *hangingGets) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if slices.ContainsFunc(cmds, func(c redis.Cmder) bool { return c.Name() == "get" }) {
+			select {
+			case <-h.on:
+				<-h.release
+				return context.DeadlineExceeded
+			default:
+			}
+		}
+		return next(ctx, cmds)
+	}
 }
 func (h *hangingGets) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {

@@ -100,5 +100,11 @@ func (s *Store) kindPattern(kind func(OrgKeys) string) (pattern string, orgOf fu
 // modelKey is the model's learned max cost: its own key, outside any org's slot.
 func (s *Store) modelKey(model string) string { return s.prefix + ":model:" + model + ":max" }
 
+// modelVerKey is the version of the model's last change (TouchModel), beside its learned max.
+func (s *Store) modelVerKey(model string) string { return s.prefix + ":model:" + model + ":ver" }
+
+// modelUseKey holds the marks of the processes with requests of the model in flight (UseModel).
+func (s *Store) modelUseKey(model string) string { return s.prefix + ":model:" + model + ":use" }
+
 // revokedKey is RevokeKey's mark of an API key.
 func (s *Store) revokedKey(keyID string) string { return s.prefix + ":key:" + keyID + ":revoked" }

@@ -30,6 +30,7 @@ const (
 	scState    = "state"
 	scRaiseMax = "raise_model_max"
 	scPushLim  = "push_limits"
+	scModelUse = "model_use"
 )
 
 type script struct {
@@ -42,6 +43,7 @@ func newScripts() map[string]*script {
 		scReserve: lua.Reserve, scSettle: lua.Settle, scRelease: lua.Release, scReap: lua.Reap, scFinish: lua.Finish,
 		scExpired: lua.Expired, scExtend: lua.Extend, scUnpin: lua.Unpin,
 		scSeed: lua.Seed, scState: lua.State, scRaiseMax: lua.RaiseModelMax, scPushLim: lua.PushLimits,
+		scModelUse: lua.ModelUse,
 	} {
 		h := sha1.Sum([]byte(src))
 		m[name] = &script{src: src, sha: hex.EncodeToString(h[:])}

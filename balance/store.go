@@ -43,6 +43,7 @@ type Store struct {
 	maxLoad  singleflight.Group
 
 	keep keepAlives // KeepAlive's queue and goroutine
+	uses modelUses  // UseModel's counts and marks
 }
 
 type cachedEpoch struct {
@@ -51,8 +52,11 @@ type cachedEpoch struct {
 	arg any    // s as a script argument, boxed once
 }
 
+// cachedMax is what the store last read of a model (ModelState): served until at+TTL (at is
+// pushed on when a refresh fails, so that a dead node is not asked on every request); st.Read
+// says how old the state itself is.
 type cachedMax struct {
-	v  int64
+	st ModelState
 	at time.Time
 }
 
@@ -847,42 +851,47 @@ const (
 	modelMaxLoadTimeout = 2 * time.Second
 )
 
-// ModelMax returns the model's learned max cost (0 if none), served from an in-process cache
-// for ModelMaxCacheTTL. An expired value is refreshed by one GET shared by every caller; a
-// caller waits for it at most modelMaxWait (then, or when the GET fails, it is served the
-// expired value), so that a model whose key lives on a dead or slow node stalls no request:
-// a failed refresh keeps the old value for another ModelMaxCacheTTL. Only the first read of a
-// model waits for Redis (within ctx).
+// ModelMax returns the model's learned max cost (0 if none: the key is missing, e.g. lost with
+// Redis, and the caller's ledger max cost stands in): ModelState's Max.
 func (s *Store) ModelMax(ctx context.Context, model string) (int64, error) {
+	st, err := s.ModelState(ctx, model)
+	return st.Max, err
+}
+
+// ModelState returns what Redis says of the model — its learned max cost and the version of its
+// last change (TouchModel) — served from an in-process cache for ModelMaxCacheTTL. Both are
+// read in one round trip (a pipeline). An expired value is refreshed by one read shared by
+// every caller; a caller waits for it at most modelMaxWait (then, or when the read fails, it is
+// served the expired value, whose Read tells its age), so that a model whose keys live on a
+// dead or slow node stalls no request: a failed refresh keeps the old value for another
+// ModelMaxCacheTTL. Only the first read of a model waits for Redis (within ctx).
+func (s *Store) ModelState(ctx context.Context, model string) (ModelState, error) {
 	if err := checkModel(model); err != nil {
-		return 0, err
+		return ModelState{}, err
 	}
 	var old *cachedMax
 	if v, ok := s.maxCache.Load(model); ok {
 		old = v.(*cachedMax)
 		if time.Since(old.at) < s.cfg.ModelMaxCacheTTL {
-			return old.v, nil
+			return old.st, nil
 		}
 	}
-	// One GET per model at a time: the callers that find the entry expired together share it
-	// (without this, every request in flight at the moment of expiry sent its own GET).
+	// One read per model at a time: the callers that find the entry expired together share it
+	// (without this, every request in flight at the moment of expiry sent its own).
 	ch := s.maxLoad.DoChan(model, func() (any, error) {
 		// Not bound to one caller's cancellation: the others wait for the same answer.
 		gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), modelMaxLoadTimeout)
 		defer cancel()
-		n, err := s.c.Get(gctx, s.modelKey(model)).Int64()
-		if errors.Is(err, redis.Nil) {
-			n, err = 0, nil
-		}
+		st, err := s.readModelState(gctx, model)
 		if err != nil {
 			s.noteErr(err)
 			if old != nil { // keep serving it, unless a newer value came meanwhile
-				s.maxCache.CompareAndSwap(model, old, &cachedMax{v: old.v, at: time.Now()})
+				s.maxCache.CompareAndSwap(model, old, &cachedMax{st: old.st, at: time.Now()})
 			}
-			return int64(0), err
+			return ModelState{}, err
 		}
-		s.maxCache.Store(model, &cachedMax{v: n, at: time.Now()})
-		return n, nil
+		s.maxCache.Store(model, &cachedMax{st: st, at: st.Read})
+		return st, nil
 	})
 	var wait <-chan time.Time
 	if old != nil {
@@ -893,33 +902,77 @@ func (s *Store) ModelMax(ctx context.Context, model string) (int64, error) {
 	select {
 	case r := <-ch:
 		if r.Err == nil {
-			return r.Val.(int64), nil
+			return r.Val.(ModelState), nil
 		}
 		if old != nil {
-			return old.v, nil
+			return old.st, nil
 		}
-		return 0, fmt.Errorf("balance: model max: %w", r.Err)
+		return ModelState{}, fmt.Errorf("balance: model state: %w", r.Err)
 	case <-wait:
-		return old.v, nil
+		return old.st, nil
 	case <-ctx.Done():
 		if old != nil {
-			return old.v, nil
+			return old.st, nil
 		}
-		return 0, fmt.Errorf("balance: model max: %w", ctx.Err())
+		return ModelState{}, fmt.Errorf("balance: model state: %w", ctx.Err())
 	}
 }
 
-// RaiseModelMax raises the model's learned max cost to cost, capped at ceiling (> 0); it never
-// lowers it. It returns the max now stored.
-func (s *Store) RaiseModelMax(ctx context.Context, model string, cost, ceiling int64) (int64, error) {
+// readModelState reads the model's learned max and version in one round trip.
+func (s *Store) readModelState(ctx context.Context, model string) (ModelState, error) {
+	st := ModelState{Read: time.Now()}
+	var maxCmd, verCmd *redis.StringCmd
+	_, err := s.c.Pipelined(ctx, func(p redis.Pipeliner) error {
+		maxCmd = p.Get(ctx, s.modelKey(model))
+		verCmd = p.Get(ctx, s.modelVerKey(model))
+		return nil
+	})
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return st, err
+	}
+	n, err := maxCmd.Int64()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return st, err
+	}
+	ver, err := verCmd.Result()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return st, err
+	}
+	st.Max = n
+	st.Version, st.Deleting = strings.CutPrefix(ver, deletingMark)
+	return st, nil
+}
+
+// setCachedMax puts a learned max the store wrote into the cached state of the model, if it has
+// one (its version and age stay: only a read tells them).
+func (s *Store) setCachedMax(model string, v int64) {
+	for {
+		cur, ok := s.maxCache.Load(model)
+		if !ok {
+			return
+		}
+		old := cur.(*cachedMax)
+		st := old.st
+		st.Max = v
+		if s.maxCache.CompareAndSwap(model, old, &cachedMax{st: st, at: old.at}) {
+			return
+		}
+	}
+}
+
+// RaiseModelMax raises the model's learned max cost to cost, capped at ceiling (> 0), and to
+// at least floor (≥ 0): the ledger's max cost for the model, so that a key lost with Redis is
+// never rebuilt below what the ledger learned (the floor is not capped: the ledger's value
+// stands). It never lowers the stored max. It returns the max now stored.
+func (s *Store) RaiseModelMax(ctx context.Context, model string, cost, floor, ceiling int64) (int64, error) {
 	if err := checkModel(model); err != nil {
 		return 0, err
 	}
-	if cost <= 0 || cost > MaxAmount || ceiling <= 0 || ceiling > MaxAmount {
-		return 0, fmt.Errorf("%w: cost %d ceiling %d", ErrInvalidAmount, cost, ceiling)
+	if cost <= 0 || cost > MaxAmount || ceiling <= 0 || ceiling > MaxAmount || floor < 0 || floor > MaxAmount {
+		return 0, fmt.Errorf("%w: cost %d floor %d ceiling %d", ErrInvalidAmount, cost, floor, ceiling)
 	}
 	v, err := s.run(ctx, scRaiseMax, []string{s.modelKey(model)},
-		strconv.FormatInt(cost, 10), strconv.FormatInt(ceiling, 10)).Text()
+		strconv.FormatInt(cost, 10), strconv.FormatInt(ceiling, 10), strconv.FormatInt(floor, 10)).Text()
 	if err != nil {
 		return 0, fmt.Errorf("balance: raise model max: %w", err)
 	}
@@ -927,7 +980,7 @@ func (s *Store) RaiseModelMax(ctx context.Context, model string, cost, ceiling i
 	if err != nil {
 		return 0, fmt.Errorf("balance: raise model max: %w", err)
 	}
-	s.maxCache.Store(model, &cachedMax{v: n, at: time.Now()})
+	s.setCachedMax(model, n)
 	return n, nil
 }
 
@@ -949,6 +1002,6 @@ func (s *Store) SetModelMax(ctx context.Context, model string, v int64) error {
 		s.noteErr(err)
 		return fmt.Errorf("balance: set model max: %w", err)
 	}
-	s.maxCache.Store(model, &cachedMax{v: v, at: time.Now()})
+	s.setCachedMax(model, v)
 	return nil
 }

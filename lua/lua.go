@@ -60,4 +60,6 @@ var (
 	State string
 	//go:embed raise_model_max.lua
 	RaiseModelMax string
+	//go:embed model_use.lua
+	ModelUse string
 )

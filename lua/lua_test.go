@@ -99,6 +99,7 @@ func TestSourcesExposed(t *testing.T) {
 		"reap.lua": lua.Reap, "expired.lua": lua.Expired, "extend.lua": lua.Extend,
 		"unpin.lua": lua.Unpin, "seed.lua": lua.Seed, "push_limits.lua": lua.PushLimits,
 		"state.lua": lua.State, "raise_model_max.lua": lua.RaiseModelMax,
+		"model_use.lua": lua.ModelUse,
 	} {
 		want := all[name]
 		if withLib[name] {

@@ -176,7 +176,7 @@ func TestNMultipliesTheHold(t *testing.T) {
 	setup := func(t *testing.T) *testEnv {
 		e := newEnv(t, envOpt{})
 		e.setUpstream(perChoiceUpstream(12, out))
-		if _, err := e.store.RaiseModelMax(context.Background(), testModel, learned, 1<<40); err != nil {
+		if _, err := e.store.RaiseModelMax(context.Background(), testModel, learned, 0, 1<<40); err != nil {
 			t.Fatal(err)
 		}
 		return e
@@ -310,7 +310,7 @@ func TestResponsesInputsKeepTheLearnedMax(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t, envOpt{})
-			if _, err := e.store.RaiseModelMax(context.Background(), testModel, learned, 1<<40); err != nil {
+			if _, err := e.store.RaiseModelMax(context.Background(), testModel, learned, 0, 1<<40); err != nil {
 				t.Fatal(err)
 			}
 			if tt.plain {

@@ -328,7 +328,7 @@ func TestBoundBeatsALowLearnedMax(t *testing.T) {
 	t.Parallel()
 	eachRedis(t, func(t *testing.T, mini bool) {
 		e, _ := fitEnv(t, mini, nil)
-		if _, err := e.store.RaiseModelMax(context.Background(), testModel, 13, 1<<40); err != nil {
+		if _, err := e.store.RaiseModelMax(context.Background(), testModel, 13, 0, 1<<40); err != nil {
 			t.Fatal(err)
 		}
 		body := jsonBody(testModel, `"max_tokens":1000`)

@@ -71,20 +71,39 @@ func FuzzSSE(f *testing.F) {
 	f.Add([]byte(chatStreamInjected), uint8(3), true)
 	f.Add([]byte("event: response.completed\r\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":1,\"output_tokens\":2}}}\r\n\r\n"), uint8(1), false)
 	f.Add([]byte("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1}}\n\ndata: [DONE]"), uint8(0), true)
+	// Lone CRs, CRs and LFs mixed, a CRLF cut between two writes.
+	f.Add([]byte(loneCR(chatStreamInjected)), uint8(5), true)
+	f.Add([]byte("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\r\rdata: [DONE]\r\r"), uint8(0), true)
+	f.Add([]byte("event: response.completed\rdata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":1,\"output_tokens\":2}}}\r\r"), uint8(2), false)
+	f.Add([]byte("data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}],\"usage\":null}\r\n\rdata: {\"choices\":[],\"usage\":{\"prompt_tokens\":1}}\n\r\ndata: [DONE]\r\n\r\n"), uint8(1), true)
+	f.Add([]byte("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9}}\r\n\r\ndata: [DONE]\r\n\r\n"), uint8(2), true)
 	f.Fuzz(func(t *testing.T, stream []byte, step uint8, inject bool) {
-		var out bytes.Buffer
-		flt := &sseFilter{inject: inject, maxEvent: 256, emit: func(b []byte) { out.Write(b) }}
-		s := int(step)
-		if s == 0 {
-			s = len(stream) + 1
+		run := func(stream []byte) (*sseFilter, []byte) {
+			var out bytes.Buffer
+			flt := &sseFilter{inject: inject, maxEvent: 256, emit: func(b []byte) { out.Write(b) }}
+			s := int(step)
+			if s == 0 {
+				s = len(stream) + 1
+			}
+			for b := stream; len(b) > 0; {
+				n := min(s, len(b))
+				flt.Write(b[:n])
+				b = b[n:]
+			}
+			flt.finish()
+			out.Write(flt.release())
+			return flt, out.Bytes()
 		}
-		for b := stream; len(b) > 0; {
-			n := min(s, len(b))
-			flt.Write(b[:n])
-			b = b[n:]
+		flt, got := run(stream)
+		out := bytes.NewBuffer(got)
+		if !bytes.Contains(stream, []byte{'\r'}) {
+			// The same stream with every line end a lone CR reads the same.
+			cr, crOut := run(bytes.ReplaceAll(stream, []byte{'\n'}, []byte{'\r'}))
+			if cr.haveUsage != flt.haveUsage || cr.usage != flt.usage || cr.terminal != flt.terminal || cr.upstreamError != flt.upstreamError ||
+				!bytes.Equal(bytes.ReplaceAll(crOut, []byte{'\r'}, []byte{'\n'}), got) {
+				t.Fatalf("lone CRs read otherwise: usage %+v %v, want %+v %v; out %q, want %q", cr.usage, cr.haveUsage, flt.usage, flt.haveUsage, crOut, got)
+			}
 		}
-		flt.finish()
-		out.Write(flt.release())
 		if !inject && !bytes.Equal(out.Bytes(), stream) {
 			t.Fatalf("stream changed without injection:\n%q\n%q", stream, out.Bytes())
 		}

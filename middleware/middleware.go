@@ -227,7 +227,7 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	if e != nil {
 		return m.refuse(c, o, e)
 	}
-	model, e := m.priceModel(req.Context(), body, r)
+	model, stamp, e := m.priceModel(req.Context(), body, r)
 	if e != nil {
 		return m.refuse(c, o, e)
 	}
@@ -236,6 +236,20 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	cl, e := m.reserveHold(req.Context(), id, r, model, fitOff, start, &o)
 	if e != nil {
 		return m.refuse(c, o, e)
+	}
+	if !cl.failOpen {
+		defer m.useModel(req.Context(), r.Model)()
+	}
+	if !cl.failOpen && m.modelChanged(req.Context(), r.Model, stamp) {
+		// The hold came late after a stale read of the model, which has changed since: priced
+		// again under the model as it is now.
+		m.giveBack(id.Org, cl.holdID)
+		if model, _, e = m.priceModel(req.Context(), body, r); e != nil {
+			return m.refuse(c, o, e)
+		}
+		if cl, e = m.reserveHold(req.Context(), id, r, model, fitOff, start, &o); e != nil {
+			return m.refuse(c, o, e)
+		}
 	}
 	if cl.fitCap > 0 {
 		body = m.setCap(body, r.Endpoint, cl.fitCap)
@@ -336,23 +350,24 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 
 // priceModel finds the prices of the request's model (or the DefaultModel's) and checks the
 // request's output cap against the model's.
-func (m *middleware) priceModel(ctx context.Context, body []byte, r Request) (accounting.Model, *Error) {
-	model, err := m.models.get(ctx, r.Model, m.cfg.Ledger.Model)
+// The stamp is the model's state in Redis the prices were read under (modelChanged).
+func (m *middleware) priceModel(ctx context.Context, body []byte, r Request) (accounting.Model, modelStamp, *Error) {
+	model, stamp, err := m.lookupModel(ctx, r.Model)
 	switch {
 	case errors.Is(err, accounting.ErrUnknownModel) && m.cfg.DefaultModel != nil:
 		model = *m.cfg.DefaultModel
 		model.Name = r.Model
 	case errors.Is(err, accounting.ErrUnknownModel):
-		return model, &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Param: "model", Code: CodeModelNotFound,
+		return model, stamp, &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Param: "model", Code: CodeModelNotFound,
 			Message: "The model '" + r.Model + "' does not exist or you do not have access to it."}
 	case err != nil:
-		return model, errUnavailable("The billing service is unavailable; please retry.", m.cfg.RetryAfter)
+		return model, stamp, errUnavailable("The billing service is unavailable; please retry.", m.cfg.RetryAfter)
 	}
 	if r.OutputCap > 0 && model.MaxOutputTokens > 0 && r.OutputCap > model.MaxOutputTokens {
-		return model, errInvalid(capParam(body), "The output token limit "+strconv.FormatInt(r.OutputCap, 10)+
+		return model, stamp, errInvalid(capParam(body), "The output token limit "+strconv.FormatInt(r.OutputCap, 10)+
 			" is above the model's maximum of "+strconv.FormatInt(model.MaxOutputTokens, 10)+".")
 	}
-	return model, nil
+	return model, stamp, nil
 }
 
 // reserveHold sizes the hold (Config.HoldFunc), makes the request's id and reserves the hold;

@@ -23,7 +23,9 @@ import (
 //     from an event too long to keep whole: it passes as it comes);
 //   - counts the streamed output text, for estimates when no usage arrives.
 //
-// Lines end with "\n" or "\r\n" (a lone "\r" is not a line end here).
+// Lines end with "\r\n", "\n" or a lone "\r", as the SSE format allows (lineEnd); a "\r" that
+// ends a write is taken as a line end at once, and an "\n" that starts the next write joins it
+// (crEnd), so that a stream of lone CRs passes event by event.
 type sseFilter struct {
 	inject    bool
 	responses bool // a Responses API stream (errors are written as its error events)
@@ -46,6 +48,10 @@ type sseFilter struct {
 	small     usageScanner // reads each event kept whole
 	inBig     bool         // the current event is too long: passing it on as it comes
 	open      bool         // the client has bytes of an event whose end it has not got
+	// crEnd: the last write ended in a "\r", taken as a line end; an "\n" first in the next
+	// write belongs to it. dropped: the last event kept whole was left out (the usage chunk the
+	// client did not ask for), and so is such an "\n".
+	crEnd, dropped bool
 
 	holding bool
 	held    []byte
@@ -68,7 +74,6 @@ type bigEvent struct {
 	kind      lineKind
 	skipSpace bool // the value's first byte is the optional space after the colon
 	lineLen   int
-	lineFirst byte
 	name      []byte
 	nameLong  bool
 	dataLines int
@@ -86,16 +91,22 @@ const (
 )
 
 func (f *sseFilter) Write(p []byte) {
+	if f.crEnd && len(p) > 0 {
+		f.crEnd = false
+		if p[0] == '\n' {
+			f.joinLF()
+			p = p[1:]
+		}
+	}
+	var ls lineSplitter
 	for len(p) > 0 {
-		var seg []byte
-		i := bytes.IndexByte(p, '\n')
-		if i < 0 {
-			seg, p = p, nil
-		} else {
-			seg, p = p[:i+1], p[i+1:]
+		seg, n := ls.next(p)
+		p = p[len(seg):]
+		if n > 0 && len(p) == 0 && seg[len(seg)-1] == '\r' {
+			f.crEnd = true // an "\n" may come first in the next write
 		}
 		if f.inBig {
-			f.bigSegment(seg)
+			f.bigSegment(seg, n)
 			continue
 		}
 		f.cur = append(f.cur, seg...)
@@ -103,17 +114,92 @@ func (f *sseFilter) Write(p []byte) {
 			f.startBig()
 			continue
 		}
-		if i < 0 {
+		if n == 0 {
 			continue
 		}
-		line := f.cur[f.lineStart:]
-		if len(line) == 1 || (len(line) == 2 && line[0] == '\r') {
+		if len(f.cur)-f.lineStart == n { // a blank line: the event ends
 			f.dispatch(f.cur)
 			f.cur, f.lineStart = f.cur[:0], 0
 		} else {
 			f.lineStart = len(f.cur)
 		}
 	}
+}
+
+// joinLF takes an "\n" that follows a "\r" ending the previous write: the two are one line
+// end, so the "\n" goes where that "\r" went — the current event, the big event's tail, or
+// after the event it ended (nowhere when that event was left out).
+func (f *sseFilter) joinLF() {
+	lf := []byte{'\n'}
+	switch {
+	case f.inBig:
+		f.bigTail(lf)
+	case len(f.cur) > 0:
+		f.cur = append(f.cur, '\n')
+		f.lineStart = len(f.cur)
+	case !f.dropped:
+		f.send(lf)
+	}
+}
+
+// lineSplitter cuts a write into segments that each end with a line end, but the last, which
+// may end without one. It remembers where the next "\r" is, so that a write with no "\r" is
+// searched for one once, not once per line.
+type lineSplitter struct {
+	cr    int // offset of the next "\r" in the rest, relative to base; -1: none
+	base  int // bytes consumed so far
+	known bool
+}
+
+// next returns p's first segment and the length of its line end (0: none, 1 or 2 for "\r\n").
+func (ls *lineSplitter) next(p []byte) (seg []byte, n int) {
+	if !ls.known || (ls.cr >= 0 && ls.cr < ls.base) {
+		ls.known, ls.cr = true, bytes.IndexByte(p, '\r')
+		if ls.cr >= 0 {
+			ls.cr += ls.base
+		}
+	}
+	i := bytes.IndexByte(p, '\n')
+	if ls.cr >= 0 && (i < 0 || ls.cr-ls.base < i) {
+		i = ls.cr - ls.base
+	}
+	switch {
+	case i < 0:
+		seg, n = p, 0
+	case p[i] == '\r' && i+1 < len(p) && p[i+1] == '\n':
+		seg, n = p[:i+2], 2
+	default:
+		seg, n = p[:i+1], 1
+	}
+	ls.base += len(seg)
+	return seg, n
+}
+
+// lineEnd finds the first line end of b: its offset and length (1, or 2 for "\r\n"); i < 0
+// when b has none. A "\r" at the very end of b is a line end of 1.
+func lineEnd(b []byte) (i, n int) {
+	i = bytes.IndexAny(b, "\r\n")
+	switch {
+	case i < 0:
+		return -1, 0
+	case b[i] == '\r' && i+1 < len(b) && b[i+1] == '\n':
+		return i, 2
+	}
+	return i, 1
+}
+
+// endsWithBlankLine reports whether b ends with an empty line: its last line end comes right
+// after another line end ("\n\n", "\r\r", "\r\n\r\n", "\n\r", …).
+func endsWithBlankLine(b []byte) bool {
+	switch {
+	case bytes.HasSuffix(b, []byte("\r\n")):
+		b = b[:len(b)-2]
+	case bytes.HasSuffix(b, []byte("\n")), bytes.HasSuffix(b, []byte("\r")):
+		b = b[:len(b)-1]
+	default:
+		return false
+	}
+	return len(b) > 0 && (b[len(b)-1] == '\n' || b[len(b)-1] == '\r')
 }
 
 // startBig turns the current event into a big one: what was kept of it is read line by line
@@ -130,31 +216,22 @@ func (f *sseFilter) startBig() {
 	f.inBig, f.open = true, true
 	kept := f.cur
 	f.cur, f.lineStart = f.cur[:0], 0
+	var ls lineSplitter
 	for len(kept) > 0 && f.inBig {
-		i := bytes.IndexByte(kept, '\n')
-		seg := kept
-		if i >= 0 {
-			seg = kept[:i+1]
-		}
+		seg, n := ls.next(kept)
 		kept = kept[len(seg):]
-		f.bigSegment(seg)
+		f.bigSegment(seg, n)
 	}
 }
 
 // bigSegment reads and passes on seg, a part of a line of the big event that ends with its
-// line end or is cut by the write.
-func (f *sseFilter) bigSegment(seg []byte) {
+// line end (n bytes of it; 0: cut by the write).
+func (f *sseFilter) bigSegment(seg []byte, n int) {
 	b := f.big
-	ends := seg[len(seg)-1] == '\n'
-	content := seg
-	if ends {
-		content = seg[:len(seg)-1]
-	}
-	if b.lineLen == 0 && len(content) > 0 {
-		b.lineFirst = content[0]
-	}
+	ends := n > 0
+	content := seg[:len(seg)-n]
 	b.lineLen += len(content)
-	if ends && (b.lineLen == 0 || (b.lineLen == 1 && b.lineFirst == '\r')) {
+	if ends && b.lineLen == 0 {
 		f.bigTail(seg)
 		f.endBig()
 		return
@@ -191,7 +268,7 @@ func (f *sseFilter) bigSegment(seg []byte) {
 				}
 			}
 			if b.kind == lineData {
-				b.scan.Write(content) // a line's "\r" is JSON whitespace
+				b.scan.Write(content)
 				b.dataBytes += int64(len(content))
 			} else if !b.nameLong {
 				if len(b.name)+len(content) > 64 {
@@ -298,10 +375,10 @@ func (f *sseFilter) bigTail(seg []byte) {
 // Responses event starts the held-back end, and its end passes on otherwise.
 func (f *sseFilter) endBig() {
 	b := f.big
-	f.inBig = false
+	f.inBig, f.dropped = false, false
 	b.scan.finish()
 	if b.dataLines > 0 {
-		kind, typed := eventKind(&b.scan, bytes.TrimSuffix(b.name, []byte{'\r'}))
+		kind, typed := eventKind(&b.scan, b.name)
 		if f.takeUsage(&b.scan, kind, typed) {
 			f.terminal, f.holding = true, true
 		}
@@ -354,7 +431,7 @@ func (f *sseFilter) costPlace() (before, after bool) {
 	if len(f.held) == 0 {
 		return false, false
 	}
-	return f.heldAt, bytes.HasSuffix(f.held, []byte("\n\n")) || bytes.HasSuffix(f.held, []byte("\n\r\n"))
+	return f.heldAt, endsWithBlankLine(f.held)
 }
 
 // release returns the held-back bytes (the end of the stream) and stops holding.
@@ -374,15 +451,11 @@ func (f *sseFilter) partialUsage() (anthUsage, bool) {
 
 // nextLine splits ev at the first line end: the line without its end, and the rest.
 func nextLine(ev []byte) (line, rest []byte) {
-	i := bytes.IndexByte(ev, '\n')
+	i, n := lineEnd(ev)
 	if i < 0 {
 		return ev, nil
 	}
-	line, rest = ev[:i], ev[i+1:]
-	if n := len(line); n > 0 && line[n-1] == '\r' {
-		line = line[:n-1]
-	}
-	return line, rest
+	return ev[:i], ev[i+n:]
 }
 
 // sseField splits an SSE line into field and value (one leading space of the value dropped).
@@ -408,6 +481,7 @@ var (
 // dispatch reads an event kept whole: [DONE] starts the held-back end; JSON data is read for
 // its usage and its output text (dispatchJSON).
 func (f *sseFilter) dispatch(ev []byte) {
+	f.dropped = false
 	data, name, nData := eventData(ev)
 	switch {
 	case nData == 0:
@@ -528,6 +602,7 @@ func (f *sseFilter) chatChunk(ev, data []byte, nData int) {
 	u := gjson.GetBytes(data, "usage")
 	if f.inject && u.Exists() && nData == 1 {
 		if u.Type != gjson.Null && choices.IsArray() && !choices.Get("0").Exists() {
+			f.dropped = true
 			return // the usage-only chunk the client did not ask for
 		}
 		if stripped, err := sjson.DeleteBytes(data, "usage"); err == nil {
@@ -556,10 +631,9 @@ func upstreamErrorChunk(data []byte) bool {
 func replaceData(ev, data []byte) []byte {
 	out := make([]byte, 0, len(ev)+len(data))
 	for rest := ev; len(rest) > 0; {
-		i := bytes.IndexByte(rest, '\n')
 		full := rest
-		if i >= 0 {
-			full, rest = rest[:i+1], rest[i+1:]
+		if i, n := lineEnd(rest); i >= 0 {
+			full, rest = rest[:i+n], rest[i+n:]
 		} else {
 			rest = nil
 		}

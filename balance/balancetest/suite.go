@@ -176,6 +176,8 @@ func Run(t *testing.T, env Env) {
 	t.Run("InvalidateKeepsHolds", func(t *testing.T) { exerciseInvalidateKeepsHolds(t, env) })
 	t.Run("State", func(t *testing.T) { exerciseState(t, env) })
 	t.Run("ModelMax", func(t *testing.T) { exerciseModelMax(t, env) })
+	t.Run("LearnedMaxSurvivesRedisLoss", func(t *testing.T) { exerciseLearnedMaxSurvivesRedisLoss(t, env) })
+	t.Run("ModelVersions", func(t *testing.T) { exerciseModelVersions(t, env) })
 	t.Run("ScanOrgs", func(t *testing.T) { exerciseScanOrgs(t, env) })
 	t.Run("ExactNear1e14", func(t *testing.T) { exerciseExactNear1e14(t, env) })
 	runFinish(t, env)
@@ -203,7 +205,7 @@ func exactNear1e14(t *testing.T, env Env) {
 	exactFinishAtBound(x, top)
 	exactDebtAtBound(x, top)
 	exactReseedAtBound(x, top)
-	v, err := x.s.RaiseModelMax(x.ctx, randomID("m"), top, top)
+	v, err := x.s.RaiseModelMax(x.ctx, randomID("m"), top, top, top)
 	eq(t, "model max", v, top)
 	eq(t, "err", err, nil)
 }
