@@ -149,18 +149,22 @@ func (r *Recorder) finish(fin Finisher, reqs []*recordReq) {
 		r.finishErrs.Add(1)
 		r.cfg.Logger.Warn("escrow: finishing holds failed; they are given back when the worker settles them", "holds", len(fs), "err", err)
 	}
+	// Counted before the callers are answered: a caller that reads Stats once its Record
+	// returned sees its hold counted.
+	ds := make([]recordDone, len(reqs))
 	n := 0
-	for i, req := range reqs {
-		var d recordDone
+	for i := range reqs {
 		if i < len(res) {
 			if res[i].Done {
 				n++
 			}
 			if res[i].HaveBalance {
-				d.receipt = Receipt{Balance: res[i].Balance, HaveBalance: true}
+				ds[i].receipt = Receipt{Balance: res[i].Balance, HaveBalance: true}
 			}
 		}
-		req.done <- d
 	}
 	r.finished.Add(int64(n))
+	for i, req := range reqs {
+		req.done <- ds[i]
+	}
 }

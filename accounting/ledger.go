@@ -249,7 +249,8 @@ type Listener interface {
 
 // ModelStore holds the priced models.
 type ModelStore interface {
-	// PutModel creates or replaces a model's prices and limits.
+	// PutModel creates or replaces a model's prices and limits; the max cost it stores is never
+	// below the one already stored (what the ledger learned).
 	PutModel(ctx context.Context, m Model) error
 	// Model returns a model (ErrUnknownModel).
 	Model(ctx context.Context, name string) (Model, error)

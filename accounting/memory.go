@@ -602,13 +602,16 @@ func (m *Memory) notify(orgs ...string) {
 	}
 }
 
-// PutModel creates or replaces a model.
+// PutModel creates or replaces a model; its max cost never goes below the one stored.
 func (m *Memory) PutModel(ctx context.Context, model Model) error {
 	if err := validateModel(model); err != nil {
 		return err
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if old, ok := m.models[model.Name]; ok {
+		model.MaxCost = max(model.MaxCost, old.MaxCost) // never below what the ledger learned
+	}
 	m.models[model.Name] = model
 	return nil
 }

@@ -130,8 +130,16 @@ func (o *Ops) PutModel(ctx context.Context, m Model) error {
 	if err := o.ledger.PutModel(ctx, m); err != nil {
 		return err
 	}
-	if err := o.store.SetModelMax(ctx, m.Name, m.MaxCost); err != nil {
-		return fmt.Errorf("%w: learned max of %q: %w", ErrHotBalance, m.Name, err)
+	// The ledger keeps the larger of the max cost given and the one it learned; Redis is raised
+	// to it, never lowered (a price change does not forget what requests have cost).
+	stored, err := o.ledger.Model(ctx, m.Name)
+	if err != nil {
+		return err
+	}
+	if stored.MaxCost > 0 {
+		if _, err := o.store.RaiseModelMax(ctx, m.Name, stored.MaxCost, stored.MaxCost, stored.MaxCost); err != nil {
+			return fmt.Errorf("%w: learned max of %q: %w", ErrHotBalance, m.Name, err)
+		}
 	}
 	return o.modelChanged(ctx, existed, m.Name)
 }

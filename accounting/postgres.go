@@ -1340,7 +1340,8 @@ func contextOf(done <-chan struct{}) context.Context {
 	return ctx
 }
 
-// PutModel creates or replaces a model.
+// PutModel creates or replaces a model; its max cost never goes below the one stored (what the
+// ledger learned).
 func (p *Postgres) PutModel(ctx context.Context, m Model) error {
 	if err := validateModel(m); err != nil {
 		return err
@@ -1353,7 +1354,7 @@ ON CONFLICT (model) DO UPDATE SET input_price = EXCLUDED.input_price,
 	cached_input_price = EXCLUDED.cached_input_price, output_price = EXCLUDED.output_price,
 	cache_write_input_price = EXCLUDED.cache_write_input_price, cache_write_1h_input_price = EXCLUDED.cache_write_1h_input_price,
 	max_input_tokens = EXCLUDED.max_input_tokens, max_output_tokens = EXCLUDED.max_output_tokens,
-	max_cost = EXCLUDED.max_cost, default_hold = EXCLUDED.default_hold, updated_at = now()`,
+	max_cost = GREATEST(models.max_cost, EXCLUDED.max_cost), default_hold = EXCLUDED.default_hold, updated_at = now()`,
 		m.Name, m.Input, m.CachedInput, m.Output, m.MaxInputTokens, m.MaxOutputTokens, m.MaxCost, m.DefaultHold, m.CacheWriteInput,
 		m.CacheWrite1hInput)
 	return wrapPg("put model", err)

@@ -902,13 +902,22 @@ func testModels(t *testing.T, l accounting.Ledger) {
 	if len(ms) != 3 || ms[0].Name != "a" || ms[2].Name != "m" || ms[2].MaxCost != 300 || ms[2].CacheWrite1hInput != 5_000_001 {
 		t.Fatalf("Models = %+v", ms)
 	}
-	// PutModel replaces (an admin may lower the learned max).
+	// PutModel replaces the prices and limits, but never lowers the max cost below what the
+	// ledger learned (issue 23: a repricing reset it to 0, and holds of requests escrow cannot
+	// bound fell to the next cheap request's cost); a larger one given is kept.
 	m.MaxCost = 10
 	m.Output = 1
 	m.CacheWrite1hInput = 0
 	noErr(t, l.PutModel(c, m))
-	if got := must(l.Model(c, "m")); got != m {
-		t.Fatalf("after replace: %+v", got)
+	want := m
+	want.MaxCost = 300
+	if got := must(l.Model(c, "m")); got != want {
+		t.Fatalf("after replace: %+v, want %+v", got, want)
+	}
+	m.MaxCost = 400
+	noErr(t, l.PutModel(c, m))
+	if got := must(l.Model(c, "m")); got.MaxCost != 400 {
+		t.Fatalf("after a replace with a larger max cost: %+v", got)
 	}
 	wantErr(t, l.PutModel(c, accounting.Model{Name: "bad", Prices: accounting.Prices{Input: -1}}), accounting.ErrInvalidAmount, "negative price")
 	wantErr(t, l.PutModel(c, accounting.Model{Name: "bad", Prices: accounting.Prices{CacheWriteInput: -1}}), accounting.ErrInvalidAmount, "negative cache-write price")
