@@ -147,8 +147,9 @@ type LimitError struct {
 	Amount   int64     // the hold asked for
 	ResetsAt time.Time // the next window's start; zero for Lifetime
 	// Room is the largest hold the balance and every limit in scope would have taken (≤ 0:
-	// none). Held is the sum of the unfinished holds counted in this limit's window: they leave
-	// it (but for their cost) when they finish.
+	// none). Held is the sum of the unfinished holds counted in this limit's window (they leave
+	// it, but for their cost, when they finish), counted only until Used − Held + Amount ≤ Cap,
+	// as InsufficientError.Held.
 	Room, Held int64
 }
 

@@ -156,9 +156,10 @@ var (
 type InsufficientError struct {
 	Balance int64 // available balance when the hold was refused
 	Amount  int64 // the hold asked for
-	// Held is the sum of the org's unfinished holds when the hold was refused: money held by
-	// requests in flight, whose unused part comes back when they finish (a refusal with
-	// Balance + Held ≥ Amount is "held", not "gone"). At most a little over 10^15.
+	// Held is the sum of the org's unfinished holds when the hold was refused — money held by
+	// requests in flight, whose unused part comes back when they finish — counted only until it
+	// covers what the hold is missing: Balance + Held ≥ Amount exactly when the holds would
+	// cover it (the refusal is "held", not "gone"); below that, Held is their whole sum.
 	Held int64
 }
 

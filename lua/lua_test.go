@@ -16,12 +16,12 @@ var redis60 = map[string]bool{
 	"HGET": true, "HMGET": true, "HSET": true, "HDEL": true, "HEXISTS": true, "HINCRBY": true,
 	"HVALS": true, "HLEN": true, "HGETALL": true,
 	"ZADD": true, "ZREM": true, "ZSCORE": true, "ZCOUNT": true, "ZCARD": true,
-	"ZRANGEBYSCORE": true, "ZREMRANGEBYSCORE": true,
+	"ZRANGE": true, "ZRANGEBYSCORE": true, "ZREMRANGEBYSCORE": true, // ZRANGE by index only (BYSCORE, REV, LIMIT are 6.2)
 }
 
 // banned words that must not appear as arguments either (options added after 6.0).
 // (matched in a call's arguments, after its command)
-var bannedArgs = regexp.MustCompile(`,\s*['"](GT|LT|GETDEL|GETEX|PXAT|EXAT|KEEPTTL|GET)['"]\s*[,)]`)
+var bannedArgs = regexp.MustCompile(`,\s*['"](GT|LT|GETDEL|GETEX|PXAT|EXAT|KEEPTTL|GET|BYSCORE|BYLEX|REV)['"]\s*[,)]`)
 
 var callRe = regexp.MustCompile(`redis\.p?call\(\s*(['"]?)([A-Za-z_.\[\]0-9]*)(['"]?)`)
 

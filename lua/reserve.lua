@@ -27,7 +27,8 @@
 --          | {'INSUFFICIENT', balance, held}
 -- A refusal tells what could be had ("Holds that fit"): room is the largest amount every limit in
 -- scope and the balance would take now (may be ≤ 0), held the amounts of the org's unfinished
--- holds (for LIMIT: of those added to the refusing counter), which come back when they finish.
+-- holds (for LIMIT: of those added to the refusing counter), which come back when they finish,
+-- summed only until they cover what the hold is missing (held ≥ missing, or their whole sum).
 -- Both are integer replies that decide nothing here: no money moves on a refusal.
 -- Money moves only with HINCRBY on the argument string: no computed amount is formatted.
 local amount = tonumber(ARGV[3])
@@ -99,18 +100,28 @@ if v_project then each_limit(pspec, add('project', v_project)) end
 each_limit(lim[6], add('key', ARGV[8]))
 
 -- held_on: the sum of the unfinished holds' amounts (those added to counter v_field only, when
--- given), stopped past 10^15 (exact in a double; any amount needed is at most 10^14).
-local function held_on(v_field)
-  local h = 0
-  local all = redis.call('HGETALL', KEYS[2])
-  for i = 2, #all, 2 do
-    local a, _, fin, v_fs = hold_parse(all[i])
-    if fin ~= '1' and (v_field == nil or string.find(',' .. v_fs .. ',', ',' .. v_field .. ',', 1, true)) then
-      h = h + (tonumber(a) or 0)
-      if h > 1e15 then return h end
+-- given), counted until it covers short, what the refused hold is missing: the caller only asks
+-- whether the holds in flight would cover it, so a refusal storm on an org with many holds reads
+-- few records each (exact below short; any amount is at most 10^14, exact in a double). The
+-- unfinished holds are read from hexp, never the whole holds hash.
+local function held_on(v_field, short)
+  local h, from = 0, 0
+  while true do
+    -- hexp holds the unfinished holds (finish moves a hold out of it), 64 at a time
+    local ids = redis.call('ZRANGE', KEYS[3], from, from + 63)
+    if #ids == 0 then return h end
+    local recs = redis.call('HMGET', KEYS[2], unpack(ids))
+    for i = 1, #ids do
+      if recs[i] then
+        local a, _, fin, v_fs = hold_parse(recs[i])
+        if fin ~= '1' and (v_field == nil or string.find(',' .. v_fs .. ',', ',' .. v_field .. ',', 1, true)) then
+          h = h + (tonumber(a) or 0)
+          if h >= short then return h end
+        end
+      end
     end
+    from = from + 64
   end
-  return h
 end
 
 local used = {}
@@ -123,13 +134,14 @@ if #fields > 0 then
       for j = 1, #fields do
         room = math.min(room, tonumber(specs[j][5]) - (tonumber(used[j]) or 0))
       end
-      return {'LIMIT', s[1], s[2], s[3], s[4], s[5], used[i] or '0', ms_string(s[6]), room, held_on(fields[i])}
+      local short = (tonumber(used[i]) or 0) + amount - tonumber(s[5])
+      return {'LIMIT', s[1], s[2], s[3], s[4], s[5], used[i] or '0', ms_string(s[6]), room, held_on(fields[i], short)}
     end
   end
 end
 
 if tonumber(acct[1]) < amount then
-  return {'INSUFFICIENT', acct[1], held_on(nil)}
+  return {'INSUFFICIENT', acct[1], held_on(nil, amount - tonumber(acct[1]))}
 end
 
 local bal = redis.call('HINCRBY', KEYS[1], 'bal', '-' .. ARGV[3])

@@ -92,6 +92,40 @@ func runFinish(t *testing.T, env Env) {
 	t.Run("ScanOrgsFindsFinished", func(t *testing.T) { exerciseScanOrgsFindsFinished(t, env) })
 	t.Run("FinishValidation", func(t *testing.T) { exerciseFinishValidation(t, env) })
 	t.Run("FinishBatchManyOrgs", func(t *testing.T) { exerciseFinishBatchManyOrgs(t, env) })
+	t.Run("RefusalTellsHeld", func(t *testing.T) { exerciseRefusalTellsHeld(t, env) })
+}
+
+// A refusal for the balance tells what it was and what the org's unfinished holds keep (DESIGN
+// "Held is not gone"): counted until they cover what is missing, else all of them; a finished
+// hold keeps nothing that will come back.
+func exerciseRefusalTellsHeld(t *testing.T, env Env) {
+	t.Parallel()
+	x := fixture(t, env, balance.Config{}, 1000, true)
+	x.mustReserve("a", 400)
+	x.mustReserve("b", 300)
+	refusal := func(amount int64) *balance.InsufficientError {
+		x.t.Helper()
+		_, err := x.reserve("c", amount)
+		var ins *balance.InsufficientError
+		if !errors.As(err, &ins) {
+			x.t.Fatalf("reserve %d: %v, want *InsufficientError", amount, err)
+		}
+		return ins
+	}
+	// 300 available; 500 needed: the holds cover the 200 missing (the scan may stop there).
+	if e := refusal(500); e.Balance != 300 || e.Held < 200 || e.Held > 700 || e.Amount != 500 {
+		t.Fatalf("refusal of 500: %+v", e)
+	}
+	// 1,001 needed: 701 missing, more than all 700 held: the whole sum.
+	if e := refusal(1001); e.Balance != 300 || e.Held != 700 {
+		t.Fatalf("refusal of 1001: %+v, want held 700", e)
+	}
+	// a finishes at its whole hold: only b's 300 may come back.
+	x.finish("a", 400)
+	if e := refusal(1001); e.Balance != 300 || e.Held != 300 {
+		t.Fatalf("refusal of 1001 after a finished: %+v, want held 300", e)
+	}
+	x.invariant()
 }
 
 // bal += hold − cost; the hold becomes cost and is marked finished; bal + Σ holds unchanged;
