@@ -186,9 +186,10 @@ func (o *Ops) PatchModel(ctx context.Context, name string, p ModelPatch) (Model,
 // checked again for requests in flight (one priced just before the delete); when one is, or
 // Redis cannot tell (ErrHotBalance), the model is put back as it was and the delete refused.
 func (o *Ops) DeleteModel(ctx context.Context, name string) error {
-	if err := o.modelIdle(ctx, name); err != nil {
-		return err
-	}
+	// The ledger answers first: a model any request used is never deleted (ErrModelInUse), and
+	// that answer must not wait for the in-flight marks of its last requests to end (they
+	// outlive them by seconds). A model with requests in flight but none recorded yet is deleted,
+	// then found busy below and put back.
 	old, err := o.ledger.Model(ctx, name)
 	if err != nil {
 		return err
