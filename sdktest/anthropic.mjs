@@ -23,7 +23,7 @@
 // cover a request), ESCROW_MODEL; optional ESCROW_SMALL_KEY, ESCROW_SMALL_STREAM_KEY,
 // ESCROW_HELD_KEY.
 import Anthropic from '@anthropic-ai/sdk';
-import readline from 'node:readline';
+import { heldFetcher } from './held.mjs';
 
 const {
   ESCROW_BASE_URL: baseURL, ESCROW_KEY: key, ESCROW_POOR_KEY: poorKey, ESCROW_MODEL: model,
@@ -143,46 +143,12 @@ if (smallKey && smallStreamKey) {
 // Retry-After and then served.
 let held = null;
 if (heldKey) {
-  let lines = null;
-  const h = { attempts: 0, first: null, firstAt: 0, waitedMs: null };
-  const heldFetch = async (url, init) => {
-    h.attempts++;
-    if (h.attempts > 1) {
-      h.waitedMs ??= Date.now() - h.firstAt; // the SDK's pause before its first retry
-      console.log(JSON.stringify({ event: 'retry', attempt: h.attempts }));
-      lines ??= readline.createInterface({ input: process.stdin })[Symbol.asyncIterator]();
-      const { done } = await lines.next();
-      if (done) throw new Error('standard input closed before the test let the retry go');
-    }
-    const res = await fetch(url, init);
-    if (h.attempts === 1) {
-      h.firstAt = Date.now();
-      const body = await res.clone().json().catch(() => null);
-      h.first = {
-        status: res.status,
-        bodyBytes: typeof init?.body === 'string' ? Buffer.byteLength(init.body) : null,
-        retryAfter: res.headers.get('retry-after'),
-        shouldRetry: res.headers.get('x-should-retry'),
-        type: body?.error?.type ?? null,
-        message: body?.error?.message ?? null,
-      };
-    }
-    return res;
-  };
-  const c = new Anthropic({ baseURL, apiKey: heldKey, maxRetries: 2, fetch: heldFetch });
+  const hf = heldFetcher();
+  const c = new Anthropic({ baseURL, apiKey: heldKey, maxRetries: 2, fetch: hf.fetch });
   const { data, response } = await c.messages.create({
     model, max_tokens: 9, messages: [{ role: 'user', content: 'held then served' }],
   }).withResponse();
-  lines?.return?.();
-  process.stdin.destroy();
-  held = {
-    status: response.status,
-    attempts: h.attempts,
-    first: h.first,
-    waitedMs: h.waitedMs,
-    outputCap: response.headers.get('x-escrow-output-cap'),
-    usage: usageOf(data.usage),
-  };
+  held = hf.done(response, usageOf(data.usage));
 }
 
 console.log(JSON.stringify({

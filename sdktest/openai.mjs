@@ -23,7 +23,7 @@
 // cover a request), ESCROW_MODEL; optional ESCROW_FIT_MODEL, ESCROW_SMALL_KEY,
 // ESCROW_SMALL_STREAM_KEY, ESCROW_HELD_KEY.
 import OpenAI from 'openai';
-import readline from 'node:readline';
+import { heldFetcher } from './held.mjs';
 
 const {
   ESCROW_BASE_URL: base, ESCROW_KEY: key, ESCROW_POOR_KEY: poorKey, ESCROW_MODEL: model,
@@ -139,45 +139,10 @@ if (fitModel && smallKey && smallStreamKey) {
 // Held is not gone: balance_held is retried after Retry-After and then served.
 let held = null;
 if (heldKey) {
-  let lines = null;
-  const h = { attempts: 0, first: null, firstAt: 0, waitedMs: null };
-  const heldFetch = async (url, init) => {
-    h.attempts++;
-    if (h.attempts > 1) {
-      h.waitedMs ??= Date.now() - h.firstAt; // the SDK's pause before its first retry
-      console.log(JSON.stringify({ event: 'retry', attempt: h.attempts }));
-      lines ??= readline.createInterface({ input: process.stdin })[Symbol.asyncIterator]();
-      const { done } = await lines.next();
-      if (done) throw new Error('standard input closed before the test let the retry go');
-    }
-    const res = await fetch(url, init);
-    if (h.attempts === 1) {
-      h.firstAt = Date.now();
-      const body = await res.clone().json().catch(() => null);
-      h.first = {
-        status: res.status,
-        bodyBytes: typeof init?.body === 'string' ? Buffer.byteLength(init.body) : null,
-        retryAfter: res.headers.get('retry-after'),
-        shouldRetry: res.headers.get('x-should-retry'),
-        type: body?.error?.type ?? null,
-        code: body?.error?.code ?? null,
-        message: body?.error?.message ?? null,
-      };
-    }
-    return res;
-  };
-  const c = new OpenAI({ baseURL, apiKey: heldKey, maxRetries: 2, fetch: heldFetch });
+  const hf = heldFetcher();
+  const c = new OpenAI({ baseURL, apiKey: heldKey, maxRetries: 2, fetch: hf.fetch });
   const { data, response } = await c.chat.completions.create(params).withResponse();
-  lines?.return?.();
-  process.stdin.destroy();
-  held = {
-    status: response.status,
-    attempts: h.attempts,
-    first: h.first,
-    waitedMs: h.waitedMs,
-    outputCap: response.headers.get('x-escrow-output-cap'),
-    usage: usageOf(data.usage),
-  };
+  held = hf.done(response, usageOf(data.usage));
 }
 
 console.log(JSON.stringify({
