@@ -23,7 +23,7 @@
 // cover a request), ESCROW_MODEL; optional ESCROW_SMALL_KEY, ESCROW_SMALL_STREAM_KEY,
 // ESCROW_HELD_KEY.
 import Anthropic from '@anthropic-ai/sdk';
-import { heldFetcher } from './held.mjs';
+import { counting, heldFetcher } from './fetch.mjs';
 
 const {
   ESCROW_BASE_URL: baseURL, ESCROW_KEY: key, ESCROW_POOR_KEY: poorKey, ESCROW_MODEL: model,
@@ -33,18 +33,6 @@ if (!baseURL || !key || !poorKey || !model) {
   console.error('ESCROW_BASE_URL, ESCROW_KEY, ESCROW_POOR_KEY and ESCROW_MODEL are required');
   process.exit(2);
 }
-
-// counting returns a fetch that counts the HTTP attempts made through it and the byte length
-// of each request body sent.
-const counting = () => {
-  const c = { attempts: 0, bodyBytes: [] };
-  c.fetch = (url, init) => {
-    c.attempts++;
-    c.bodyBytes.push(typeof init?.body === 'string' ? Buffer.byteLength(init.body) : null);
-    return fetch(url, init);
-  };
-  return c;
-};
 
 const params = {
   model,

@@ -23,7 +23,7 @@
 // cover a request), ESCROW_MODEL; optional ESCROW_FIT_MODEL, ESCROW_SMALL_KEY,
 // ESCROW_SMALL_STREAM_KEY, ESCROW_HELD_KEY.
 import OpenAI from 'openai';
-import { heldFetcher } from './held.mjs';
+import { counting, heldFetcher } from './fetch.mjs';
 
 const {
   ESCROW_BASE_URL: base, ESCROW_KEY: key, ESCROW_POOR_KEY: poorKey, ESCROW_MODEL: model,
@@ -35,18 +35,6 @@ if (!base || !key || !poorKey || !model) {
   process.exit(2);
 }
 const baseURL = base + '/v1';
-
-// counting returns a fetch that counts the HTTP attempts made through it and the byte length
-// of each request body sent.
-const counting = () => {
-  const c = { attempts: 0, bodyBytes: [] };
-  c.fetch = (url, init) => {
-    c.attempts++;
-    c.bodyBytes.push(typeof init?.body === 'string' ? Buffer.byteLength(init.body) : null);
-    return fetch(url, init);
-  };
-  return c;
-};
 
 const params = { model, max_tokens: 12, messages: [{ role: 'user', content: 'hello from the openai node sdk' }] };
 const usageOf = (u) => ({ prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens });

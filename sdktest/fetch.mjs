@@ -1,10 +1,23 @@
-// The fetch both SDK scripts give a client whose first request is refused balance_held: it
+// The fetches the SDK scripts give their clients (written once for both).
+import readline from 'node:readline';
+
+// counting counts a client's HTTP attempts (1: the SDK did not retry) and the bytes of each
+// request body.
+export const counting = () => {
+  const c = { attempts: 0, bodyBytes: [] };
+  c.fetch = (url, init) => {
+    c.attempts++;
+    c.bodyBytes.push(typeof init?.body === 'string' ? Buffer.byteLength(init.body) : null);
+    return fetch(url, init);
+  };
+  return c;
+};
+
+// heldFetcher is the fetch of a client whose first request is refused balance_held: it
 // records the first answer, and before each retry prints {"event":"retry"} and waits for a line
 // on standard input (the Go test lets the retry go once the request in flight has finished), so
 // the retry's outcome does not depend on timing. The SDK's own pause before the retry (its
 // Retry-After) is measured for the log, never asserted.
-import readline from 'node:readline';
-
 export function heldFetcher() {
   let lines = null;
   const h = { attempts: 0, first: null, firstAt: 0, waitedMs: null };
