@@ -243,7 +243,7 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	if !cl.failOpen && m.modelChanged(req.Context(), r.Model, stamp) {
 		// The hold came late after a stale read of the model, which has changed since: priced
 		// again under the model as it is now.
-		m.giveBack(id.Org, cl.holdID)
+		m.release(id.Org, cl.holdID) // taken for nothing
 		if model, _, e = m.priceModel(req.Context(), body, r); e != nil {
 			return m.refuse(c, o, e)
 		}
@@ -465,19 +465,17 @@ func (m *middleware) limitKey(id Identity) string {
 // reserveError maps a failed reserve to a refusal. unknown is true when the reserve may have
 // committed (Redis trouble). A nil *Error means: pass without a hold (fail-open).
 func (m *middleware) reserveError(err error, amount int64) (e *Error, unknown bool) {
-	var ins *balance.InsufficientError
-	var lim *balance.LimitError
+	// *balance.LimitError and *balance.InsufficientError were answered by quotaRefusal, with
+	// their numbers; these are the bare sentinels a Holds may return.
 	var frozen *balance.FrozenError
 	switch {
-	case errors.As(err, &lim):
-		return limitRefusal(lim), false
 	case errors.As(err, &frozen):
 		return frozenRefusal(frozen.Scope), false
 	case errors.Is(err, balance.ErrLimit): // a Holds that names no limit
 		return limitRefusal(&balance.LimitError{}), false
 	case errors.Is(err, balance.ErrFrozen):
 		return frozenRefusal(balance.Scope{}), false
-	case errors.As(err, &ins), errors.Is(err, balance.ErrInsufficient):
+	case errors.Is(err, balance.ErrInsufficient):
 		return &Error{Status: http.StatusTooManyRequests, Type: TypeInsufficientQuota, Code: CodeInsufficientQuota, NoRetry: true,
 			Message: "You exceeded your current quota: your balance does not cover this request. Add credit and retry."}, false
 	case errors.Is(err, balance.ErrTooManyHolds):

@@ -72,17 +72,6 @@ func (m *middleware) modelChanged(ctx context.Context, name string, stamp modelS
 	return st.Version != stamp.st.Version || st.Deleting != stamp.st.Deleting
 }
 
-// giveBack releases a hold taken for nothing (the model changed under it), now or, when Redis
-// does not answer, in the background.
-func (m *middleware) giveBack(org, holdID string) {
-	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.ReserveTimeout)
-	_, err := m.cfg.Store.Release(ctx, org, holdID)
-	cancel()
-	if err != nil {
-		m.releaseLater(org, holdID, err)
-	}
-}
-
 // useModel counts the request as one of its model's in flight (modelVersions.UseModel) until
 // the returned func is called: once its hold is taken, and before modelChanged, so that a
 // delete that waited out the change sees it. Redis trouble is logged; the request goes on.

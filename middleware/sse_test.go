@@ -11,19 +11,7 @@ import (
 // runSSE feeds stream to a filter in writes of size step (0: one write) and returns what the
 // client saw before the release, the released tail, and the filter.
 func runSSE(stream string, inject bool, step int) (seen, tail string, f *sseFilter) {
-	var out bytes.Buffer
-	f = &sseFilter{inject: inject, maxEvent: 1 << 20, emit: func(b []byte) { out.Write(b) }}
-	b := []byte(stream)
-	if step <= 0 {
-		step = len(b)
-	}
-	for len(b) > 0 {
-		n := min(step, len(b))
-		f.Write(b[:n])
-		b = b[n:]
-	}
-	f.finish()
-	return out.String(), string(f.release()), f
+	return runSSEMax(stream, inject, step, 1<<20)
 }
 
 const chatStreamInjected = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}],\"usage\":null}\n\n" +
