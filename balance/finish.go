@@ -13,6 +13,9 @@ type Finish struct {
 	Org    string
 	HoldID string
 	Cost   int64 // micro-units, 0 ≤ Cost ≤ MaxAmount
+	// Tokens is the request's real input + output tokens (≥ 0): what its tokens limits count
+	// instead of its token hold.
+	Tokens int64
 }
 
 // finishChunk bounds the holds of one finish script call (a script blocks Redis while it runs).
@@ -98,18 +101,18 @@ func (s *Store) FinishEach(ctx context.Context, fs []Finish) ([]Finished, error)
 		if err := checkHold(f.HoldID); err != nil {
 			return nil, err
 		}
-		if f.Cost < 0 || f.Cost > MaxAmount {
-			return nil, fmt.Errorf("%w: cost %d of hold %s", ErrInvalidAmount, f.Cost, f.HoldID)
+		if f.Cost < 0 || f.Cost > MaxAmount || f.Tokens < 0 || f.Tokens > MaxAmount {
+			return nil, fmt.Errorf("%w: cost %d, tokens %d of hold %s", ErrInvalidAmount, f.Cost, f.Tokens, f.HoldID)
 		}
 		i, ok := index[f.Org]
-		if !ok || len(args[i]) >= 1+2*finishChunk {
+		if !ok || len(args[i]) >= 1+3*finishChunk {
 			i = len(keys)
 			index[f.Org] = i
 			keys = append(keys, s.keys(f.Org).finishKeys())
 			args = append(args, []any{s.settleDL})
 			pos = append(pos, nil)
 		}
-		args[i] = append(args[i], f.HoldID, strconv.FormatInt(f.Cost, 10))
+		args[i] = append(args[i], f.HoldID, strconv.FormatInt(f.Cost, 10), strconv.FormatInt(f.Tokens, 10))
 		pos[i] = append(pos[i], n)
 	}
 	var cmds []*redis.Cmd

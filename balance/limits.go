@@ -39,6 +39,7 @@ type Window string
 // Windows.
 const (
 	Lifetime Window = "lifetime" // one window, never reset
+	Minute   Window = "minute"
 	Hour     Window = "hour"
 	Day      Window = "day"
 	Week     Window = "week"  // starting Monday 00:00
@@ -53,6 +54,9 @@ func (w Window) Bounds(t time.Time) (start, next time.Time) {
 	t = t.UTC()
 	y, m, d := t.Date()
 	switch w {
+	case Minute:
+		start = t.Truncate(time.Minute)
+		return start, start.Add(time.Minute)
 	case Hour:
 		start = t.Truncate(time.Hour)
 		return start, start.Add(time.Hour)
@@ -82,19 +86,77 @@ func (w Window) StartMS(t time.Time) int64 {
 
 func (w Window) valid() bool {
 	switch w {
-	case Lifetime, Hour, Day, Week, Month:
+	case Lifetime, Minute, Hour, Day, Week, Month:
 		return true
 	}
 	return false
 }
 
-// Limit caps what the requests in Scope may spend in each Window. IDs are never reused; scope and
-// window never change (a change is a new limit).
+// Unit is what a limit counts.
+type Unit string
+
+// Units.
+const (
+	Money    Unit = ""         // micro-units of cost (the default)
+	Requests Unit = "requests" // 1 per request served (held at reserve, given back if it fails)
+	Tokens   Unit = "tokens"   // input + output tokens (held at the request's token bound)
+)
+
+// Valid reports whether u is one of the units ("money" is not: Money is "").
+func (u Unit) Valid() bool { return u == Money || u == Requests || u == Tokens }
+
+// String is "money" for Money.
+func (u Unit) String() string {
+	if u == Money {
+		return "money"
+	}
+	return string(u)
+}
+
+// Count is what one charge of cost (micro-units) and tokens counts in u: the cost, 1 request,
+// or the tokens. The scripts apply the same rule to holds and settled entries; a ledger that
+// groups spend by window uses it.
+func (u Unit) Count(cost, tokens int64) int64 {
+	switch u {
+	case Requests:
+		return 1
+	case Tokens:
+		return tokens
+	}
+	return cost
+}
+
+// code is the unit's letter in lim's specs and hold records ("" for money: specs keep their
+// three-part form).
+func (u Unit) code() string {
+	switch u {
+	case Requests:
+		return "r"
+	case Tokens:
+		return "t"
+	}
+	return ""
+}
+
+func unitOf(code string) Unit {
+	switch code {
+	case "r":
+		return Requests
+	case "t":
+		return Tokens
+	}
+	return Money
+}
+
+// Limit caps what the requests in Scope may spend (or how many requests or tokens they may use,
+// by Unit) in each Window. IDs are never reused; scope, window and unit never change (a change
+// is a new limit).
 type Limit struct {
 	ID     string
 	Scope  Scope
 	Window Window
-	Cap    int64 // micro-units, 0 < Cap ≤ MaxAmount
+	Cap    int64 // in Unit (micro-units for Money), 0 < Cap ≤ MaxAmount
+	Unit   Unit
 }
 
 // Limits is an org's limits, freezes and key → project map at one version of the ledger.
@@ -105,8 +167,9 @@ type Limits struct {
 	Projects map[string]string // key id → project id (a key is in at most one project)
 }
 
-// WindowUsed is the ledger's spend in one limit's window: Σ cost of the entries (seq ≤ the
-// snapshot's) attributed to it, grouped by their stored reserve time.
+// WindowUsed is the ledger's spend in one limit's window: Σ over the entries (seq ≤ the
+// snapshot's) attributed to it, grouped by their stored reserve time, of the limit's unit (the
+// cost, 1 per charge, or the charge's tokens).
 type WindowUsed struct {
 	LimitID string
 	Start   int64 // window start, ms since the Unix epoch (0 for Lifetime)
@@ -143,19 +206,23 @@ var (
 // LimitError is returned by Reserve when a limit in scope refuses the hold: nothing was written.
 type LimitError struct {
 	Limit    Limit
-	Used     int64     // the window's counter when the hold was refused
-	Amount   int64     // the hold asked for
+	Used     int64     // the window's counter when the hold was refused (in Limit.Unit)
+	Amount   int64     // the hold asked for (in Limit.Unit: micro-units, 1 request, its tokens)
 	ResetsAt time.Time // the next window's start; zero for Lifetime
 	// Room is the largest hold the balance and every limit in scope would have taken (≤ 0:
 	// none). Held is the sum of the unfinished holds counted in this limit's window (they leave
 	// it, but for their cost, when they finish), counted only until Used − Held + Amount ≤ Cap,
-	// as InsufficientError.Held.
+	// as InsufficientError.Held (0 for a requests or tokens limit).
 	Room, Held int64
+	// TokenRoom is the largest token hold every tokens limit in scope would have taken (≤ 0:
+	// none), valid when HaveTokenRoom (some tokens limit is in scope).
+	TokenRoom     int64
+	HaveTokenRoom bool
 }
 
 func (e *LimitError) Error() string {
-	return fmt.Sprintf("balance: limit %s (%s, %s) reached: %d used of %d, %d needed",
-		e.Limit.ID, e.Limit.Scope, e.Limit.Window, e.Used, e.Limit.Cap, e.Amount)
+	return fmt.Sprintf("balance: limit %s (%s, %s, %s) reached: %d used of %d, %d needed",
+		e.Limit.ID, e.Limit.Scope, e.Limit.Window, e.Limit.Unit, e.Used, e.Limit.Cap, e.Amount)
 }
 
 // Is makes errors.Is(err, ErrLimit) true.
@@ -237,6 +304,8 @@ func (l Limits) limFields() ([]any, error) {
 			return nil, fmt.Errorf("%w: limit id %q (empty, malformed or repeated)", ErrInvalidLimits, x.ID)
 		case !x.Window.valid():
 			return nil, fmt.Errorf("%w: limit %s: window %q", ErrInvalidLimits, x.ID, x.Window)
+		case !x.Unit.Valid():
+			return nil, fmt.Errorf("%w: limit %s: unit %q", ErrInvalidLimits, x.ID, x.Unit)
 		case x.Cap <= 0 || x.Cap > MaxAmount:
 			return nil, fmt.Errorf("%w: limit %s: cap %d", ErrInvalidLimits, x.ID, x.Cap)
 		}
@@ -248,7 +317,11 @@ func (l Limits) limFields() ([]any, error) {
 		if _, ok := specs[f]; !ok {
 			order = append(order, f)
 		}
-		specs[f] = append(specs[f], x.ID+","+string(x.Window)+","+strconv.FormatInt(x.Cap, 10))
+		spec := x.ID + "," + string(x.Window) + "," + strconv.FormatInt(x.Cap, 10)
+		if c := x.Unit.code(); c != "" {
+			spec += "," + c
+		}
+		specs[f] = append(specs[f], spec)
 	}
 	out := make([]any, 0, 2*(len(order)+len(l.Frozen)+len(l.Projects)))
 	for _, f := range order {

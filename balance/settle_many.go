@@ -107,14 +107,15 @@ func checkSettle(org string, entries []Entry) error {
 
 // settleArgs are the settle script's arguments for one chunk of entries.
 func (s *Store) settleArgs(ep string, chunk []Entry) []any {
-	args := make([]any, 0, 3+6*len(chunk))
+	args := make([]any, 0, 3+7*len(chunk))
 	args = append(args, ep, s.tombTTL, s.clockArg)
 	for _, e := range chunk {
 		rt := ""
 		if !e.ReservedAt.IsZero() {
 			rt = strconv.FormatInt(e.ReservedAt.UnixMilli(), 10)
 		}
-		args = append(args, strconv.FormatInt(e.Seq, 10), strconv.FormatInt(e.Delta, 10), e.HoldID, e.KeyID, e.Project, rt)
+		args = append(args, strconv.FormatInt(e.Seq, 10), strconv.FormatInt(e.Delta, 10), e.HoldID, e.KeyID, e.Project, rt,
+			strconv.FormatInt(max(e.Tokens, 0), 10))
 	}
 	return args
 }

@@ -302,6 +302,17 @@ type ReserveRequest struct {
 	// KeyID is the API key the request came with ("" for none). The limits and freezes of the
 	// key, of its project (as the hot state's key → project map says) and of the org apply.
 	KeyID string
+	// Tokens is the request's token bound (input bound + output cap, × choices × prompts; ≥ 0):
+	// what a tokens limit in scope holds. A requests limit holds 1.
+	Tokens int64
+}
+
+// RateInfo is the requests or the tokens limit in a request's scope with the least left after
+// its hold (the x-ratelimit-* headers); zero Cap: none in scope.
+type RateInfo struct {
+	Cap       int64
+	Remaining int64     // Cap − the window's counter after the hold (may be < 0 past an overshoot)
+	ResetsAt  time.Time // the next window's start; zero for Lifetime
 }
 
 // Reservation is a granted hold.
@@ -316,6 +327,9 @@ type Reservation struct {
 	// ("" for none; for a duplicate, the map's answer now). Store it with the usage event:
 	// the cost counts against that project's limits (Entry.Project).
 	Project string
+	// RequestRate and TokenRate: the requests and the tokens limit in scope with the least
+	// left after this hold (zero for a duplicate).
+	RequestRate, TokenRate RateInfo
 }
 
 // maxColdRetries bounds Reserve's warm-and-retry loop.
@@ -334,16 +348,17 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	if err := checkHold(r.HoldID); err != nil {
 		return Reservation{}, err
 	}
-	if r.Amount <= 0 || r.Amount > MaxAmount {
-		return Reservation{}, fmt.Errorf("%w: hold of %d", ErrInvalidAmount, r.Amount)
+	if r.Amount <= 0 || r.Amount > MaxAmount || r.Tokens < 0 || r.Tokens > MaxAmount {
+		return Reservation{}, fmt.Errorf("%w: hold of %d (tokens %d)", ErrInvalidAmount, r.Amount, r.Tokens)
 	}
 	if err := checkRequestKey(r.KeyID); err != nil {
 		return Reservation{}, err
 	}
 	keys := s.keys(r.Org).ReserveKeys()
 	amount := strconv.FormatInt(r.Amount, 10)
+	tokens := strconv.FormatInt(r.Tokens, 10)
 	for attempt := 0; ; attempt++ {
-		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, r.KeyID, s.clockArg}
+		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, r.KeyID, s.clockArg, tokens}
 		var res []any
 		var err error
 		if s.co != nil {
@@ -358,7 +373,8 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 		switch status {
 		case "OK":
 			s.markHeld(r.Org)
-			return Reservation{Balance: toInt(res[1]), ReservedAt: msTime(res[2]), Project: str(res, 3)}, nil
+			return Reservation{Balance: toInt(res[1]), ReservedAt: msTime(res[2]), Project: str(res, 3),
+				RequestRate: rateInfo(res, 4), TokenRate: rateInfo(res, 7)}, nil
 		case "DUP":
 			s.markHeld(r.Org)
 			return Reservation{Balance: toInt(res[1]), Duplicate: true, ReservedAt: msTime(res[2]), Project: str(res, 3)}, nil
@@ -369,7 +385,7 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 			id, _ := res[2].(string)
 			return Reservation{}, &FrozenError{Scope: Scope{Kind: ScopeKind(sc), ID: id}}
 		case "LIMIT":
-			return Reservation{}, limitError(res, r.Amount)
+			return Reservation{}, limitError(res, r.Amount, r.Tokens)
 		case "TOO_MANY":
 			return Reservation{}, ErrTooManyHolds
 		case "INSUFFICIENT":
@@ -421,15 +437,22 @@ func str(res []any, i int) string {
 	return s
 }
 
-// limitError reads {'LIMIT', id, scope, scope id, window, cap, used, resets ms}.
-func limitError(res []any, amount int64) *LimitError {
-	str := func(i int) string {
-		if i < len(res) {
-			v, _ := res[i].(string)
-			return v
-		}
-		return ""
+// rateInfo reads the cap, left and resets ms at res[i:i+3] of an OK reply ('' cap: none).
+func rateInfo(res []any, i int) RateInfo {
+	if str(res, i) == "" {
+		return RateInfo{}
 	}
+	r := RateInfo{Cap: toInt(str(res, i)), Remaining: toInt(str(res, i+1))}
+	if ms := toInt(str(res, i+2)); ms != 0 {
+		r.ResetsAt = time.UnixMilli(ms).UTC()
+	}
+	return r
+}
+
+// limitError reads {'LIMIT', id, scope, scope id, window, cap, used, resets ms, room, held,
+// unit, token room}.
+func limitError(res []any, amount, tokens int64) *LimitError {
+	str := func(i int) string { return str(res, i) }
 	e := &LimitError{
 		Limit: Limit{ID: str(1), Scope: Scope{Kind: ScopeKind(str(2)), ID: str(3)}, Window: Window(str(4)), Cap: toInt(str(5))},
 		Used:  toInt(str(6)), Amount: amount,
@@ -439,6 +462,18 @@ func limitError(res []any, amount int64) *LimitError {
 	}
 	if len(res) > 9 {
 		e.Room, e.Held = toInt(res[8]), toInt(res[9])
+	}
+	if len(res) > 11 {
+		e.Limit.Unit = unitOf(str(10))
+		if tr, ok := res[11].(int64); ok {
+			e.TokenRoom, e.HaveTokenRoom = tr, true
+		}
+	}
+	switch e.Limit.Unit {
+	case Requests:
+		e.Amount = 1
+	case Tokens:
+		e.Amount = tokens
 	}
 	return e
 }

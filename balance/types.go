@@ -67,6 +67,9 @@ type Entry struct {
 	KeyID      string
 	Project    string
 	ReservedAt time.Time
+	// Tokens is the charge's input + output tokens: what it counts against tokens limits (a
+	// charge with a reserve time counts 1 against requests limits).
+	Tokens int64
 }
 
 // Ledger is what the hot balance needs from the ledger (implemented by package accounting).

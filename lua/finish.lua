@@ -5,25 +5,28 @@
 --   hexp  zset  unfinished hold id -> expiry ms (the in-flight count of reserve's cap)
 --   hfin  zset  finished hold id -> expiry ms (still reapable through the ledger check)
 -- ARGV[1] settle deadline, ms: a finished hold's expiry becomes max(current, now + this)
--- ARGV[2..] pairs: hold id, cost (integer string >= 0, the request's real cost)
+-- ARGV[2..] triples: hold id, cost (integer string >= 0, the request's real cost), tokens (its
+--   real input + output tokens, integer string >= 0)
 --
--- Per pair, only on an existing, unfinished hold (a re-sent finish changes nothing):
---   bal += hold - cost and U += cost - hold on the counters the record names (only while acct
---   exists), hold := cost (the record keeps its reserve time and counters, marked finished),
+-- Per triple, only on an existing, unfinished hold (a re-sent finish changes nothing):
+--   bal += hold - cost and U += cost - hold on the money counters the record names, U += tokens
+--   - token hold on its tokens counters (only while acct exists; a requests counter keeps its 1),
+--   hold := cost, token hold := tokens (the record keeps its reserve time and counters, marked
+--   finished),
 --   hexp -> hfin.
 -- bal + sum(holds) is unchanged, so the invariant holds; settle later gives the hold (now the
 -- cost) back and applies the entry's delta as for any hold. A zero cost leaves a zero hold, so
 -- that settle still tombstones its id. Money moves only with HINCRBY on the stored and argument
 -- strings ('-0' is not an integer to Redis, hence the zero checks).
--- Reply: two items per pair: 1 if this call finished the hold (else 0), then the org's available
+-- Reply: two items per triple: 1 if this call finished the hold (else 0), then the org's available
 -- balance right after it as the stored string (read with HGET, never computed here) when it is
 -- known to reflect the request's cost: acct exists and the hold was finished (by this call or an
 -- earlier one) or is already settled (gone from holds, its id tombstoned: the worker may settle a
 -- durable event before its finish runs); else nil (no acct; a hold missing for another reason,
 -- e.g. lost with Redis data, whose charge may still be to come).
-for i = 3, #ARGV, 2 do
-  if string.find(ARGV[i], '^%d+$') == nil then
-    return redis.error_reply('ERR escrow finish: cost must be a non-negative integer')
+for i = 3, #ARGV, 3 do
+  if string.find(ARGV[i], '^%d+$') == nil or string.find(ARGV[i + 1] or '', '^%d+$') == nil then
+    return redis.error_reply('ERR escrow finish: cost and tokens must be non-negative integers')
   end
 end
 local t = redis.call('TIME')
@@ -32,11 +35,11 @@ local due = now + tonumber(ARGV[1])
 local warm = redis.call('EXISTS', KEYS[1]) == 1
 
 local out = {}
-for i = 2, #ARGV - 1, 2 do
+for i = 2, #ARGV - 2, 3 do
   local id = ARGV[i]
   local rec = redis.call('HGET', KEYS[2], id)
   if rec and not redis.call('ZSCORE', KEYS[4], id) then
-    local a, rt, _, fs, hk, hp = hold_parse(rec)
+    local a, rt, _, fs, hk, hp, us, tk = hold_parse(rec)
     if warm then
       if a ~= '0' then
         redis.call('HINCRBY', KEYS[1], 'bal', a)
@@ -44,10 +47,11 @@ for i = 2, #ARGV - 1, 2 do
       if ARGV[i + 1] ~= '0' then
         redis.call('HINCRBY', KEYS[1], 'bal', '-' .. ARGV[i + 1])
       end
-      move_hold(KEYS[5], fs, neg(a))
-      if ARGV[i + 1] ~= '0' then move_hold(KEYS[5], fs, ARGV[i + 1]) end
+      move_hold(KEYS[5], fs, us, neg(a), nil, neg(tk))
+      local c, n = ARGV[i + 1], ARGV[i + 2]
+      move_hold(KEYS[5], fs, us, c ~= '0' and c or nil, nil, n ~= '0' and n or nil)
     end
-    redis.call('HSET', KEYS[2], id, hold_record(ARGV[i + 1], rt, '1', fs, hk, hp))
+    redis.call('HSET', KEYS[2], id, hold_record(ARGV[i + 1], rt, '1', fs, hk, hp, us, ARGV[i + 2]))
     local exp = redis.call('ZSCORE', KEYS[3], id)
     redis.call('ZREM', KEYS[3], id)
     if exp and tonumber(exp) > due then

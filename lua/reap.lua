@@ -24,11 +24,11 @@ for i = 3, #ARGV do
   if exp and tonumber(exp) < limit then
     local rec = redis.call('HGET', KEYS[2], id)
     if rec then
-      local a, _, _, fs = hold_parse(rec)
+      local a, _, _, fs, _, _, us, tk = hold_parse(rec)
       redis.call('HDEL', KEYS[2], id)
       if warm then
         redis.call('HINCRBY', KEYS[1], 'bal', a)
-        move_hold(KEYS[6], fs, neg(a))
+        hold_out(KEYS[6], a, fs, us, tk)
       end
       released = released + 1
     end

@@ -9,7 +9,7 @@
 -- deletes the hold gives its amount back, so a release racing a reaper or a
 -- settle returns the money once. With no acct the hold is only deleted (the next seed does not
 -- subtract it). The id goes into gone either way, so a late re-sent reserve meets GONE.
--- Counters: U -= hold on the counters the record names, only while acct exists (without acct
+-- Counters: U -= what the hold holds there (its amount, 1 request, its tokens) on the counters the record names, only while acct exists (without acct
 -- there is no u to keep: it went with acct).
 -- Reply: 1 if this call deleted the hold, else 0.
 local t = redis.call('TIME')
@@ -18,11 +18,11 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local released = 0
 local rec = redis.call('HGET', KEYS[2], ARGV[1])
 if rec then
-  local a, _, _, fs = hold_parse(rec)
+  local a, _, _, fs, _, _, us, tk = hold_parse(rec)
   redis.call('HDEL', KEYS[2], ARGV[1])
   if redis.call('EXISTS', KEYS[1]) == 1 then
     redis.call('HINCRBY', KEYS[1], 'bal', a)
-    move_hold(KEYS[6], fs, neg(a))
+    hold_out(KEYS[6], a, fs, us, tk)
   end
   released = 1
 end

@@ -17,24 +17,37 @@
 -- ARGV[7] pin floor, ms: a hold whose expiry is later than now + this is pinned
 -- ARGV[8] API key id ('' for none): its limits, its project's (lim's m:<key>) and the org's apply
 -- ARGV[9] limit clock offset, ms (tests only; '0')
+-- ARGV[10] token hold: the request's token bound (integer string >= 0; absent: '0'), what a
+--   tokens limit holds; a requests limit holds 1, a money limit the amount
 --
 -- Checks, in this order: amount, COLD (no acct, another epoch, lim missing or older than the
 -- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, LIMIT, INSUFFICIENT.
--- Replies: {'OK', new balance, reserve ms, project} | {'COLD'}
+-- Replies: {'OK', new balance, reserve ms, project, rq cap, rq left, rq resets ms, tk cap,
+--            tk left, tk resets ms} (the requests and the tokens limit in scope with the least
+--            left after this hold, '' when none: the x-ratelimit-* headers) | {'COLD'}
 --          | {'DUP', balance, original reserve ms, project now}
 --          | {'GONE'} | {'FROZEN', scope, scope id} | {'TOO_MANY', count}
---          | {'LIMIT', id, scope, scope id, window, cap, used, resets ms ('0': never), room, held}
+--          | {'LIMIT', id, scope, scope id, window, cap, used, resets ms ('0': never), room, held,
+--             unit, token room ('' when no tokens limit is in scope)}
 --          | {'INSUFFICIENT', balance, held}
--- A refusal tells what could be had ("Holds that fit"): room is the largest amount every limit in
--- scope and the balance would take now (may be ≤ 0), held the amounts of the org's unfinished
--- holds (for LIMIT: of those added to the refusing counter), which come back when they finish,
--- summed only until they cover what the hold is missing (held ≥ missing, or their whole sum).
+-- A refusal tells what could be had ("Holds that fit"): room is the largest amount every money
+-- limit in scope and the balance would take now (may be ≤ 0), token room the largest token hold
+-- every tokens limit in scope would take, held the amounts of the org's unfinished holds (for
+-- LIMIT of money: of those added to the refusing counter; 0 for requests and tokens), which come
+-- back when they finish, summed only until they cover what the hold is missing (held ≥ missing,
+-- or their whole sum).
 -- Both are integer replies that decide nothing here: no money moves on a refusal.
 -- Money moves only with HINCRBY on the argument string: no computed amount is formatted.
 local amount = tonumber(ARGV[3])
 if not amount or amount <= 0 or string.find(ARGV[3], '^%d+$') == nil then
   return redis.error_reply('ERR escrow reserve: amount must be a positive integer')
 end
+local tok = ARGV[10] or '0'
+if tok == '' then tok = '0' end
+if string.find(tok, '^%d+$') == nil then
+  return redis.error_reply('ERR escrow reserve: token hold must be a non-negative integer')
+end
+local per_unit = {m = ARGV[3], r = '1', t = tok} -- what the hold adds to a counter of each unit
 
 local acct = redis.call('HMGET', KEYS[1], 'bal', 'epoch', 'lv')
 if not acct[1] or acct[2] ~= ARGV[1] then
@@ -85,13 +98,14 @@ end
 -- Limits in scope: the org's, the key's project's, the key's; each in the window of the
 -- reserve time.
 local rtime = now + (tonumber(ARGV[9]) or 0)
-local fields, specs = {}, {}
+local fields, specs, units = {}, {}, {}
 local function add(scope, sid)
-  return function(v_id, w, cap)
+  return function(v_id, w, cap, u)
     local ws, we = window_bounds(w, rtime)
-    if ws then
+    if ws and per_unit[u] then
       fields[#fields + 1] = v_id .. ':' .. ms_string(ws)
-      specs[#specs + 1] = {v_id, scope, sid, w, cap, we, ws}
+      specs[#specs + 1] = {v_id, scope, sid, w, cap, we, ws, u}
+      units[#units + 1] = u
     end
   end
 end
@@ -129,13 +143,22 @@ if #fields > 0 then
   used = redis.call('HMGET', KEYS[6], unpack(fields))
   for i = 1, #fields do
     local s = specs[i]
-    if (tonumber(used[i]) or 0) + amount > tonumber(s[5]) then
-      local room = tonumber(acct[1])
+    local need = tonumber(per_unit[s[8]])
+    if (tonumber(used[i]) or 0) + need > tonumber(s[5]) then
+      local room, troom = tonumber(acct[1]), nil
       for j = 1, #fields do
-        room = math.min(room, tonumber(specs[j][5]) - (tonumber(used[j]) or 0))
+        local left = tonumber(specs[j][5]) - (tonumber(used[j]) or 0)
+        if units[j] == 'm' then
+          room = math.min(room, left)
+        elseif units[j] == 't' then
+          troom = math.min(troom or left, left)
+        end
       end
-      local short = (tonumber(used[i]) or 0) + amount - tonumber(s[5])
-      return {'LIMIT', s[1], s[2], s[3], s[4], s[5], used[i] or '0', ms_string(s[6]), room, held_on(fields[i], short)}
+      local held = 0
+      if s[8] == 'm' then
+        held = held_on(fields[i], (tonumber(used[i]) or 0) + need - tonumber(s[5]))
+      end
+      return {'LIMIT', s[1], s[2], s[3], s[4], s[5], used[i] or '0', ms_string(s[6]), room, held, s[8], troom or ''}
     end
   end
 end
@@ -146,10 +169,19 @@ end
 
 local bal = redis.call('HINCRBY', KEYS[1], 'bal', '-' .. ARGV[3])
 local rts = ms_string(rtime)
+-- The requests and the tokens limit with the least left, for the x-ratelimit-* headers.
+local least = {r = {'', '', ''}, t = {'', '', ''}}
 if #fields > 0 then
   for i = 1, #fields do
-    redis.call('HINCRBY', KEYS[6], fields[i], ARGV[3])
     local s = specs[i]
+    local after = redis.call('HINCRBY', KEYS[6], fields[i], per_unit[s[8]])
+    local l = least[s[8]]
+    if l then
+      local left = tonumber(s[5]) - after
+      if l[2] == '' or left < tonumber(l[2]) then
+        least[s[8]] = {s[5], string.format('%d', left), ms_string(s[6])}
+      end
+    end
     if not used[i] and s[4] ~= 'lifetime' then
       -- The first hold of a window: the window before it is past, and past windows are not
       -- kept in Redis (reports on them come from the ledger), so its counter goes.
@@ -158,6 +190,6 @@ if #fields > 0 then
     end
   end
 end
-redis.call('HSET', KEYS[2], ARGV[2], hold_record(ARGV[3], rts, '0', table.concat(fields, ','), ARGV[8], v_project or ''))
+redis.call('HSET', KEYS[2], ARGV[2], hold_record(ARGV[3], rts, '0', table.concat(fields, ','), ARGV[8], v_project or '', table.concat(units), tok))
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[2])
-return {'OK', bal, rts, v_project or ''}
+return {'OK', bal, rts, v_project or '', least.r[1], least.r[2], least.r[3], least.t[1], least.t[2], least.t[3]}

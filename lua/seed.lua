@@ -8,15 +8,17 @@
 -- ARGV[5] limits version (integer string)
 -- ARGV[6] n: the number of lim field/value pairs that follow (see lib/limits for the fields)
 -- ARGV[7 .. 6+2n] lim fields and values
--- then pairs: counter field '<limit id>:<window start ms>', the ledger's sum of the costs of
---   entries with seq <= W attributed to it (for windows starting at or after the seeder's T0's)
+-- then pairs: counter field '<limit id>:<window start ms>', the ledger's sum over the entries
+--   with seq <= W attributed to it of the limit's unit (cost, 1 request, tokens), for windows
+--   starting at or after the seeder's T0's
 --
 -- acct with this epoch and a lim as new as acct records, or acct with a higher generation:
 -- no-op (reply 0). A snapshot whose limits version is below the floor push-limits left for
 -- the same epoch is stale (the limits changed after it was read): nothing is written (reply -1;
 -- the seeder reads a new snapshot). Otherwise acct, lim and u are written together (reply 1): bal = base -
 -- sum(holds), wm = W, epoch, lv; lim as given; for every limit, the counter of its current
--- window = the snapshot's group for it (0 if none) + the live holds whose record names it. A
+-- window = the snapshot's group for it (0 if none) + what the live holds whose record names it
+-- hold there (amount, 1 request, tokens). A
 -- hold whose record carries its attribution (key, project, reserve time) is first made to name
 -- every current counter of its scope whose window contains its reserve time, so that a limit
 -- created or changed while holds are in flight counts them (its record is rewritten to say so).
@@ -60,7 +62,6 @@ end
 
 -- The current window's counter of every limit.
 local clock = limit_clock(ARGV[4])
-local current = {}
 for i = 7, 6 + 2 * n, 2 do
   local f = ARGV[i]
   if f == 'o' or string.sub(f, 1, 2) == 'p:' or string.sub(f, 1, 2) == 'k:' then
@@ -68,7 +69,6 @@ for i = 7, 6 + 2 * n, 2 do
       local ws = window_bounds(w, clock)
       if ws then
         local field = v_id .. ':' .. ms_string(ws)
-        current[field] = true
         redis.call('HSET', KEYS[4], field, groups[field] or '0')
       end
     end)
@@ -76,43 +76,40 @@ for i = 7, 6 + 2 * n, 2 do
 end
 
 -- attributed: the current-window counters of every limit in a hold's scope (the org's, its
--- project's, its key's) whose window contains its reserve time rt (ms), as a field list.
+-- project's, its key's) whose window contains its reserve time rt (ms), as a field list, and
+-- their units.
 local function attributed(v_key, v_project, rt)
-  local fs = {}
-  local function one(v_id, w)
+  local fs, us = {}, {}
+  local function one(v_id, w, _, u)
     local ws = window_bounds(w, rt)
     if ws and ws == window_bounds(w, clock) then
       fs[#fs + 1] = v_id .. ':' .. ms_string(ws)
+      us[#us + 1] = u
     end
   end
   each_limit(spec['o'], one)
   if v_project ~= '' then each_limit(spec['p:' .. v_project], one) end
   if v_key ~= '' then each_limit(spec['k:' .. v_key], one) end
-  return table.concat(fs, ',')
+  return table.concat(fs, ','), table.concat(us)
 end
 
 local holds = redis.call('HGETALL', KEYS[2])
 for j = 1, #holds, 2 do
-  local v, rt, fin, fs, hk, hp = hold_parse(holds[j + 1])
+  local v, rt, fin, fs, hk, hp, us, tk = hold_parse(holds[j + 1])
   if hk ~= nil and tonumber(rt) then
     -- A hold with its attribution counts against every limit in its scope now, also one
     -- created after it was reserved; its record names them from now on, so that its settle,
     -- finish or release moves them.
-    local afs = attributed(hk, hp, tonumber(rt))
-    if afs ~= fs then
-      redis.call('HSET', KEYS[2], holds[j], hold_record(v, rt, fin, afs, hk, hp))
-      fs = afs
+    local afs, aus = attributed(hk, hp, tonumber(rt))
+    if afs ~= fs or aus ~= us then
+      redis.call('HSET', KEYS[2], holds[j], hold_record(v, rt, fin, afs, hk, hp, aus, tk))
+      fs, us = afs, aus
     end
   end
   if v ~= '0' then
     redis.call('HINCRBY', KEYS[1], 'bal', '-' .. v)
-    if fs ~= '' then
-      for f in string.gmatch(fs, '[^,]+') do
-        if current[f] then
-          redis.call('HINCRBY', KEYS[4], f, v)
-        end
-      end
-    end
   end
+  -- u holds only the current windows' counters (written above), so only they move.
+  move_hold(KEYS[4], fs, us, v ~= '0' and v or nil, '1', tk ~= '0' and tk or nil)
 end
 return 1

@@ -5,8 +5,9 @@
 -- ARGV[1] epoch "<gen>:<id>" read from the ledger with the entries
 -- ARGV[2] tombstone TTL, ms
 -- ARGV[3] limit clock offset, ms (tests only; '0')
--- ARGV[4..] sextuples: seq, delta (signed integer string), hold id ('' for none), and the
---   entry's attribution: API key id, project ('' for none), reserve time ms ('': none)
+-- ARGV[4..] septuples: seq, delta (signed integer string), hold id ('' for none), and the
+--   entry's attribution: API key id, project ('' for none), reserve time ms ('': none), tokens
+--   (input + output, integer string >= 0)
 --
 -- Per entry (wm = watermark):
 --   seq <= wm    ALREADY: it is in bal already; only its hold, if one is left, comes back
@@ -16,9 +17,10 @@
 -- generation, or the same generation with another id) drops acct; an older one changes nothing.
 -- Every hold id of a settled entry goes into gone. A finished hold (in hfin, holding the cost)
 -- comes back like any other.
--- Counters (u): a hold that is dropped leaves the counters its record names (U -= hold); an
--- APPLIED entry with a reserve time adds its cost (-delta) to the counters of every limit of lim
--- in its scope (the org's, its project's, its key's) in the window of its reserve time. A
+-- Counters (u): a hold that is dropped leaves the counters its record names (U -= what it holds
+-- there); an APPLIED entry with a reserve time adds its cost (-delta), 1 request or its tokens to
+-- the counters of every limit of lim (money, requests, tokens) in its scope (the org's, its
+-- project's, its key's) in the window of its reserve time. A
 -- missing field is created only for a current window; a past window's is skipped. A newer
 -- epoch's drop takes lim and u with acct (they exist or vanish together).
 --
@@ -56,13 +58,16 @@ local function spec_of(field)
   return sp or nil
 end
 
--- attribute: add cost v (an integer string) to the counters of the entry's limits.
-local function attribute(v_key, v_project, rt, v)
+-- attribute: add the entry's cost v, 1 request and its tokens tk (integer strings; nil: 0) to
+-- the counters of the entry's limits.
+local function attribute(v_key, v_project, rt, v, tk)
   local t0 = tonumber(rt)
-  if not t0 or v == nil then return end
-  local function one(v_id, w)
+  if not t0 then return end
+  local by = {m = v, r = '1', t = tk}
+  local function one(v_id, w, _, u)
     local ws = window_bounds(w, t0)
-    if not ws then return end
+    local v = by[u]
+    if not ws or v == nil then return end
     local f = v_id .. ':' .. ms_string(ws)
     if redis.call('HEXISTS', KEYS[7], f) == 1 or ws == window_bounds(w, clock) then
       redis.call('HINCRBY', KEYS[7], f, v)
@@ -76,12 +81,12 @@ end
 local function drop(id)
   local rec = redis.call('HGET', KEYS[2], id)
   if rec then
-    local a, _, _, fs = hold_parse(rec)
+    local a, _, _, fs, _, _, us, tk = hold_parse(rec)
     redis.call('HDEL', KEYS[2], id)
     if a ~= '0' then
       redis.call('HINCRBY', KEYS[1], 'bal', a)
     end
-    move_hold(KEYS[7], fs, neg(a))
+    hold_out(KEYS[7], a, fs, us, tk)
   end
   redis.call('ZREM', KEYS[3], id)
   redis.call('ZREM', KEYS[5], id)
@@ -90,7 +95,7 @@ local function drop(id)
 end
 
 local i = 4
-while i + 5 <= #ARGV do
+while i + 6 <= #ARGV do
   local seq = tonumber(ARGV[i])
   local id = ARGV[i + 2]
   if seq <= wm then
@@ -101,7 +106,9 @@ while i + 5 <= #ARGV do
     if ARGV[i + 1] ~= '0' then
       redis.call('HINCRBY', KEYS[1], 'bal', ARGV[i + 1])
     end
-    attribute(ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], neg(ARGV[i + 1]))
+    local tk = ARGV[i + 6]
+    if tk == '0' or tk == '' then tk = nil end
+    attribute(ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], neg(ARGV[i + 1]), tk)
     redis.call('HSET', KEYS[1], 'wm', ARGV[i])
     wmstr = ARGV[i]
     wm = seq
@@ -110,7 +117,7 @@ while i + 5 <= #ARGV do
     out[#out + 1] = 3
     break
   end
-  i = i + 6
+  i = i + 7
 end
 
 if tomb then

@@ -155,9 +155,14 @@ func (l *FakeLedger) Limits(org string) balance.Limits {
 
 // AddUsage appends a charge of cost for hold id, attributed to key, project and reservedAt.
 func (l *FakeLedger) AddUsage(org string, cost int64, holdID, key, project string, reservedAt time.Time) balance.Entry {
+	return l.AddUsageTokens(org, cost, 0, holdID, key, project, reservedAt)
+}
+
+// AddUsageTokens is AddUsage of a charge that used tokens (input + output).
+func (l *FakeLedger) AddUsageTokens(org string, cost, tokens int64, holdID, key, project string, reservedAt time.Time) balance.Entry {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	e := balance.Entry{Seq: int64(len(l.orgs[org])) + 1, Delta: -cost, HoldID: holdID, KeyID: key, Project: project, ReservedAt: reservedAt}
+	e := balance.Entry{Seq: int64(len(l.orgs[org])) + 1, Delta: -cost, HoldID: holdID, KeyID: key, Project: project, ReservedAt: reservedAt, Tokens: tokens}
 	l.orgs[org] = append(l.orgs[org], e)
 	return e
 }
@@ -176,8 +181,8 @@ func inScope(lim balance.Limit, e balance.Entry) bool {
 	return true
 }
 
-// Used is the model of a counter: Σ cost of org's entries with seq ≤ upTo attributed to limit
-// id in the window starting at start (ms).
+// Used is the model of a counter: Σ over org's entries with seq ≤ upTo attributed to limit id
+// in the window starting at start (ms) of what each counts in the limit's unit.
 func (l *FakeLedger) Used(org, id string, start, upTo int64) int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -188,7 +193,7 @@ func (l *FakeLedger) Used(org, id string, start, upTo int64) int64 {
 		}
 		for _, e := range l.orgs[org] {
 			if e.Seq <= upTo && inScope(lim, e) && lim.Window.StartMS(e.ReservedAt) == start {
-				n -= e.Delta
+				n += lim.Unit.Count(-e.Delta, e.Tokens)
 			}
 		}
 	}
@@ -211,7 +216,7 @@ func (l *FakeLedger) SnapshotSince(ctx context.Context, org string, since time.T
 		for _, e := range l.orgs[org][:snap.Seq] {
 			if inScope(lim, e) {
 				if st := lim.Window.StartMS(e.ReservedAt); st >= from {
-					sums[st] -= e.Delta
+					sums[st] += lim.Unit.Count(-e.Delta, e.Tokens)
 				}
 			}
 		}

@@ -139,13 +139,25 @@ func (x *h) counters() {
 	if err != nil {
 		x.t.Fatal(err)
 	}
-	held := map[string]int64{}
+	held := map[string]int64{} // what the live holds hold on each counter, in its unit
 	for _, rec := range holds {
 		parts := strings.Split(rec, "|")
 		a, _ := strconv.ParseInt(parts[0], 10, 64)
+		units, tokens := "", int64(0)
+		if len(parts) >= 8 {
+			units = parts[6]
+			tokens, _ = strconv.ParseInt(parts[7], 10, 64)
+		}
 		if len(parts) >= 4 && parts[3] != "" {
-			for _, f := range strings.Split(parts[3], ",") {
-				held[f] += a
+			for i, f := range strings.Split(parts[3], ",") {
+				switch {
+				case i < len(units) && units[i] == 'r':
+					held[f]++
+				case i < len(units) && units[i] == 't':
+					held[f] += tokens
+				default:
+					held[f] += a
+				}
 			}
 		}
 	}
@@ -197,6 +209,12 @@ func runLimits(t *testing.T, env Env) {
 	t.Run("LimitsValidation", func(t *testing.T) { exerciseLimitsValidation(t, env) })
 	t.Run("Burst2000KeyCap", func(t *testing.T) { exerciseBurst2000KeyCap(t, env) })
 	t.Run("NewLimitCountsHoldsInFlight", func(t *testing.T) { exerciseNewLimitCountsHoldsInFlight(t, env) })
+	t.Run("RequestsLimit", func(t *testing.T) { exerciseRequestsLimit(t, env) })
+	t.Run("TokensLimit", func(t *testing.T) { exerciseTokensLimit(t, env) })
+	t.Run("UnitsAllOrNothing", func(t *testing.T) { exerciseUnitsAllOrNothing(t, env) })
+	t.Run("UnitsSeedRebuild", func(t *testing.T) { exerciseUnitsSeedRebuild(t, env) })
+	t.Run("NewUnitLimitCountsHoldsInFlight", func(t *testing.T) { exerciseNewUnitLimitCountsHoldsInFlight(t, env) })
+	t.Run("Burst2000RequestsPerMinute", func(t *testing.T) { exerciseBurst2000RequestsPerMinute(t, env) })
 }
 
 // "A new or changed limit counts the live holds its scope and window cover": limits created
@@ -721,7 +739,7 @@ func exerciseLowerCapBelowUsed(t *testing.T, env Env) {
 	eq(t, "used over the cap", x.u()[field("k", balance.Month.StartMS(x.redisNow()))], 750)
 }
 
-// Window boundaries are computed by the script from TIME: hour, day, week (Monday), calendar
+// Window boundaries are computed by the script from TIME: minute, hour, day, week (Monday), calendar
 // month, UTC; month ends, year ends, leap years and the 100/400 rules, checked against Go's
 // calendar (Window.Bounds) through the counter fields and the reset times reserve reports.
 func exerciseCalendar(t *testing.T, env Env) {
@@ -746,7 +764,7 @@ func exerciseCalendar(t *testing.T, env Env) {
 	for range 20 {
 		instants = append(instants, time.UnixMilli(-2_208_988_800_000+rnd.Int64N(300*365*86_400_000)).UTC())
 	}
-	windows := []balance.Window{balance.Hour, balance.Day, balance.Week, balance.Month, balance.Lifetime}
+	windows := []balance.Window{balance.Minute, balance.Hour, balance.Day, balance.Week, balance.Month, balance.Lifetime}
 	var lims []balance.Limit
 	for _, w := range windows {
 		lims = append(lims, keyLimit("l-"+string(w), "k-"+string(w), w, 10))
@@ -799,6 +817,7 @@ func exerciseLimitsValidation(t *testing.T, env Env) {
 		{Limits: []balance.Limit{orgLimit("a", balance.Day, balance.MaxAmount+1)}},
 		{Limits: []balance.Limit{orgLimit("a", balance.Day, 1), orgLimit("a", balance.Hour, 1)}},
 		{Limits: []balance.Limit{keyLimit("a", "", balance.Day, 1)}},
+		{Limits: []balance.Limit{{ID: "a", Scope: balance.Scope{Kind: balance.ScopeOrg}, Window: balance.Minute, Cap: 1, Unit: "bytes"}}},
 		{Frozen: []balance.Scope{{Kind: "team", ID: "x"}}},
 		{Projects: map[string]string{"k,1": "p"}},
 	} {

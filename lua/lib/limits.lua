@@ -2,16 +2,20 @@
 -- finish, seed); package lua puts it in front of each of them, so one rule lives in one place.
 --
 -- Hold records (esc:{org}:holds, id -> record):
---   '<amount>|<reserve ms>|<fin>|<f1,f2,..>|<key>|<project>'
---       a hold added to counters f1.. of esc:{org}:u (none: empty), fin '1' once finished, and
---       its attribution: the API key ('' for none) and the key's project at reserve time ('' for
---       none), so that a limit created while it is in flight counts it (seed.lua);
+--   '<amount>|<reserve ms>|<fin>|<f1,f2,..>|<key>|<project>|<units>|<tokens>'
+--       a hold added to counters f1.. of esc:{org}:u (none: empty), fin '1' once finished, its
+--       attribution: the API key ('' for none) and the key's project at reserve time ('' for
+--       none), so that a limit created while it is in flight counts it (seed.lua); units: one
+--       character per counter of f1.., the unit of its limit ('m' money: the counter holds
+--       <amount>; 'r' requests: 1; 't' tokens: <tokens>), and tokens the hold's token bound
+--       (the real count once finished). Without the last two (records of money limits only,
+--       and those written before units were kept) every counter is money and tokens are 0;
 --   '<amount>|<reserve ms>|<fin>|<f1,f2,..>'  the same without attribution (written before it
 --       was kept; such a hold counts only against the counters it names);
 --   '<amount>'  a hold added to no counter, without attribution (idem).
 -- Counter fields: '<limit id>:<window start ms>'. lim fields: 'v' version; 'o', 'p:<project>',
--- 'k:<key>' the limits of that scope as 'id,window,cap;...'; 'm:<key>' the key's project;
--- 'fo', 'fp:<project>', 'fk:<key>' = '1' when frozen.
+-- 'k:<key>' the limits of that scope as 'id,window,cap[,unit];...' (unit r or t; none: money);
+-- 'm:<key>' the key's project; 'fo', 'fp:<project>', 'fk:<key>' = '1' when frozen.
 --
 -- Calendar maths: Redis Lua has no os.date, so window starts are computed here from a ms
 -- timestamp, in UTC (days <-> civil dates after H. Hinnant's algorithms, valid for any year, the
@@ -46,6 +50,10 @@ end
 -- (0, 0 for lifetime: one window, never reset); nil for an unknown window.
 local function window_bounds(w, t)
   if w == 'lifetime' then return 0, 0 end
+  if w == 'minute' then
+    local s = t - t % 60000
+    return s, s + 60000
+  end
   if w == 'hour' then
     local s = t - t % 3600000
     return s, s + 3600000
@@ -81,19 +89,28 @@ local function limit_clock(offset)
 end
 
 -- hold_parse: amount, reserve ms ('' if unknown), finished flag, counter fields ('' if none),
--- then the attribution: key and project (both nil when the record has none).
+-- then the attribution: key and project (both nil when the record has none), then the counters'
+-- units ('' : all money) and the token hold ('0' when the record has none).
 local function hold_parse(rec)
-  local a, t, f, fs, k, p = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
-  if a then return a, t, f, fs, k, p end
+  local a, t, f, fs, k, p, us, tk = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  if a then return a, t, f, fs, k, p, us, tk end
+  a, t, f, fs, k, p = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  if a then return a, t, f, fs, k, p, '', '0' end
   a, t, f, fs = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
-  if not a then return rec, '', '0', '' end
-  return a, t, f, fs
+  if not a then return rec, '', '0', '', nil, nil, '', '0' end
+  return a, t, f, fs, nil, nil, '', '0'
 end
 
 -- hold_record: the record of a hold (see above); k nil: without attribution (the plain
--- amount when it also names no counter).
-local function hold_record(a, t, fin, fs, k, p)
-  if k ~= nil then return table.concat({a, t, fin, fs, k, p or ''}, '|') end
+-- amount when it also names no counter). Units and tokens are written only when some counter
+-- is not money or the hold has tokens (us: '' or all 'm', tk '0' or nil: left out).
+local function hold_record(a, t, fin, fs, k, p, us, tk)
+  if k ~= nil then
+    if (us == nil or string.find(us, '[^m]') == nil) and (tk == nil or tk == '0') then
+      return table.concat({a, t, fin, fs, k, p or ''}, '|')
+    end
+    return table.concat({a, t, fin, fs, k, p or '', us or '', tk or '0'}, '|')
+  end
   if fs == '' then return a end
   return table.concat({a, t, fin, fs}, '|')
 end
@@ -106,23 +123,40 @@ local function neg(v)
   return '-' .. v
 end
 
--- move_hold: HINCRBY by v (an integer string; nil: nothing) every field of fs that exists. A
--- hold's missing field is a past window's (seed writes current windows, reserve creates them):
--- past windows are not kept exact, so it is skipped, never re-created.
-local function move_hold(ukey, fs, v)
-  if v == nil or fs == '' then return end
+-- move_hold: HINCRBY every field of fs that exists by its unit's increment (us: one unit
+-- character per field, 'm' when missing): vm for money, vr for requests, vt for tokens (integer
+-- strings; nil: that unit does not move). A hold's missing field is a past window's (seed writes
+-- current windows, reserve creates them): past windows are not kept exact, so it is skipped,
+-- never re-created.
+local function move_hold(ukey, fs, us, vm, vr, vt)
+  if fs == '' then return end
+  local i = 0
   for f in string.gmatch(fs, '[^,]+') do
-    if redis.call('HEXISTS', ukey, f) == 1 then
+    i = i + 1
+    local u = string.sub(us, i, i)
+    local v = vm
+    if u == 'r' then v = vr elseif u == 't' then v = vt end
+    if v ~= nil and redis.call('HEXISTS', ukey, f) == 1 then
       redis.call('HINCRBY', ukey, f, v)
     end
   end
 end
 
--- each_limit: calls fn(id, window, cap) for every limit of a spec string ('id,window,cap;...').
+-- hold_out: a hold leaves the counters it names: U -= what it holds there (its amount, 1
+-- request, its tokens).
+local function hold_out(ukey, a, fs, us, tk)
+  move_hold(ukey, fs, us, neg(a), '-1', neg(tk))
+end
+
+-- each_limit: calls fn(id, window, cap, unit) for every limit of a spec string
+-- ('id,window,cap[,unit];...'); unit 'm' (money), 'r' (requests) or 't' (tokens).
 local function each_limit(spec, fn)
   if not spec then return end
-  for id, w, cap in string.gmatch(spec, '([^,;]+),([^,;]+),([^,;]+)') do
-    fn(id, w, cap)
+  for item in string.gmatch(spec, '[^;]+') do
+    local id, w, cap, u = string.match(item, '^([^,]+),([^,]+),([^,]+),?([^,]*)$')
+    if id then
+      fn(id, w, cap, u == '' and 'm' or u)
+    end
   end
 end
 
