@@ -437,7 +437,7 @@ func str(res []any, i int) string {
 	return s
 }
 
-// rateInfo reads the cap, left and resets ms at res[i:i+3] of an OK reply ('' cap: none).
+// rateInfo reads the cap, left and resets ms at res[i:i+3] of an OK reply (” cap: none).
 func rateInfo(res []any, i int) RateInfo {
 	if str(res, i) == "" {
 		return RateInfo{}

@@ -289,7 +289,7 @@ func exerciseNewUnitLimitCountsHoldsInFlight(t *testing.T, env Env) {
 func exerciseBurst2000RequestsPerMinute(t *testing.T, env Env) {
 	t.Parallel()
 	const requests, n = 2000, 61
-	env.Client = roomyClient(t, env.Client) // env is this function's copy
+	env.Client = roomyClient(t, env.Client)           // env is this function's copy
 	at := time.Date(2031, 3, 4, 5, 6, 0, 0, time.UTC) // a minute's first instant
 	x := limited(t, env, atMinute(t, env, at), 1_000_000_000, balance.Limits{Limits: []balance.Limit{
 		unitLimit("rpm", keyScope("k1"), balance.Minute, n, balance.Requests),
