@@ -288,7 +288,7 @@ func (a *API) createOrg(c echo.Context) error {
 	if err := a.ops.CreateNamedOrg(c.Request().Context(), req.ID, req.Name); err != nil {
 		return a.fail(c, err)
 	}
-	return writeJSON(c, http.StatusCreated, map[string]string{"id": req.ID, "name": req.Name})
+	return writeJSON(c, http.StatusCreated, Named{ID: req.ID, Name: req.Name})
 }
 
 type moneyRequest struct {
@@ -338,7 +338,7 @@ func (a *API) createKey(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return writeJSON(c, http.StatusCreated, map[string]string{"id": k.ID, "org": k.Org, "name": k.Name, "key": secret})
+	return writeJSON(c, http.StatusCreated, NewKey{ID: k.ID, Key: secret, Name: k.Name, Org: k.Org})
 }
 
 func (a *API) revokeKey(c echo.Context) error {
@@ -388,7 +388,7 @@ func (a *API) epoch(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return writeJSON(c, http.StatusOK, map[string]any{"generation": e.Gen, "id": e.ID})
+	return writeJSON(c, http.StatusOK, Epoch{Generation: e.Gen, ID: e.ID})
 }
 
 func (a *API) raiseEpoch(c echo.Context) error {
@@ -396,5 +396,5 @@ func (a *API) raiseEpoch(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return writeJSON(c, http.StatusOK, map[string]any{"generation": e.Gen, "id": e.ID})
+	return writeJSON(c, http.StatusOK, Epoch{Generation: e.Gen, ID: e.ID})
 }

@@ -83,10 +83,7 @@ func writeList[T any](c echo.Context, data []T, next string, header []string, ro
 	if next != "" {
 		n = &next
 	}
-	return writeJSON(c, http.StatusOK, struct {
-		Data []T     `json:"data"`
-		Next *string `json:"next"`
-	}{data, n})
+	return writeJSON(c, http.StatusOK, Page[T]{Data: data, Next: n})
 }
 
 func i64(v int64) string { return strconv.FormatInt(v, 10) }
@@ -215,7 +212,7 @@ func (a *API) patchKey(c echo.Context) error {
 	if err := a.ops.SetKeyName(c.Request().Context(), c.Param("id"), *req.Name); err != nil {
 		return a.fail(c, err)
 	}
-	return writeJSON(c, http.StatusOK, map[string]string{"id": c.Param("id"), "name": *req.Name})
+	return writeJSON(c, http.StatusOK, Named{ID: c.Param("id"), Name: *req.Name})
 }
 
 func (a *API) listEntries(c echo.Context) error {
@@ -278,19 +275,12 @@ func (a *API) topSpenders(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	// A usage row named by its org: the outer Group, always empty and so omitted, hides the
-	// row's own "group" from the JSON.
-	type spender struct {
-		Org   string `json:"org"`
-		Group string `json:"group,omitempty"`
-		accounting.UsageRow
-	}
-	out := make([]spender, len(rows))
+	out := make([]Spender, len(rows))
 	for i, r := range rows {
-		out[i] = spender{Org: r.Group, UsageRow: r}
+		out[i] = Spender{Org: r.Group, UsageRow: r}
 	}
 	return writeList(c, out, "", []string{"org", "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens"},
-		func(r spender) []string {
+		func(r Spender) []string {
 			return []string{r.Org, i64(r.Requests), i64(r.Cost), i64(r.Prompt), i64(r.Cached), i64(r.Completion), i64(r.Reasoning)}
 		})
 }

@@ -63,17 +63,9 @@ func (a *API) setKeyProject(c echo.Context) error {
 	return a.limitAnswer(c, http.StatusOK, map[string]any{"id": c.Param("id"), "project": req.Project}, err)
 }
 
-// limitJSON is a limit as the routes answer it.
-type limitJSON struct {
-	ID      string `json:"id"`
-	Scope   string `json:"scope"`
-	ScopeID string `json:"scope_id,omitempty"`
-	Window  string `json:"window"`
-	Cap     int64  `json:"cap"`
-}
-
-func toJSON(l balance.Limit) limitJSON {
-	return limitJSON{ID: l.ID, Scope: string(l.Scope.Kind), ScopeID: l.Scope.ID, Window: string(l.Window), Cap: l.Cap}
+// toJSON is l as the routes answer it.
+func toJSON(l balance.Limit) Limit {
+	return Limit{ID: l.ID, Scope: string(l.Scope.Kind), ScopeID: l.Scope.ID, Window: string(l.Window), Cap: l.Cap}
 }
 
 func (a *API) createLimit(c echo.Context) error {

@@ -30,10 +30,7 @@ func (a *API) createWebhook(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return writeJSON(c, http.StatusCreated, struct {
-		accounting.Webhook
-		Secret string `json:"secret"`
-	}{w, secret})
+	return writeJSON(c, http.StatusCreated, NewWebhook{Webhook: w, Secret: secret})
 }
 
 func (a *API) listWebhooks(c echo.Context) error {

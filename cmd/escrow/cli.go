@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"encoding/csv"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -17,7 +16,8 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/llmescrow/escrow/internal/csvcell"
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/admin"
 	"github.com/llmescrow/escrow/server"
 )
 
@@ -92,17 +92,18 @@ type apiError struct {
 	} `json:"error"`
 }
 
-// call sends body (JSON, or nothing when nil) and decodes a 2xx answer into out (when not nil);
-// a non-2xx answer is an exitError with the API's code and message.
-func (c *client) call(method, path string, body, out any) error {
-	raw, _, err := c.raw(method, path, body, "")
-	if err != nil || out == nil || len(raw) == 0 {
-		return err
+// fetch sends body (JSON, or nothing when nil) and decodes a 2xx answer into a T; raw is the
+// answer as it came (what --json prints). A non-2xx answer is an exitError with the API's code
+// and message.
+func fetch[T any](c *client, method, path string, body any) (v T, raw json.RawMessage, err error) {
+	raw, _, err = c.raw(method, path, body, "")
+	if err != nil || len(raw) == 0 {
+		return v, raw, err
 	}
-	if err := json.Unmarshal(raw, out); err != nil {
-		return fmt.Errorf("%s %s: unexpected answer: %w", method, path, err)
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return v, raw, fmt.Errorf("%s %s: unexpected answer: %w", method, path, err)
 	}
-	return nil
+	return v, raw, nil
 }
 
 func (c *client) raw(method, path string, body any, accept string) ([]byte, http.Header, error) {
@@ -151,35 +152,45 @@ func (c *client) raw(method, path string, body any, accept string) ([]byte, http
 	return raw, resp.Header, nil
 }
 
-// page is a list answer.
-type page struct {
-	Data []map[string]any `json:"data"`
-	Next *string          `json:"next"`
-}
-
-// all follows a list's cursors to its end, with a progress line from the second page on.
-func (c *client) all(path string, query url.Values) ([]map[string]any, error) {
-	var out []map[string]any
+// all follows a list's cursors to its end, with a progress line from the second page on; it
+// returns the rows as they came (what --json prints) and decoded.
+func all[T any](c *client, path string, query url.Values) ([]json.RawMessage, []T, error) {
+	var raws []json.RawMessage
 	for pages := 1; ; pages++ {
-		var p page
-		if err := c.call(http.MethodGet, path+"?"+query.Encode(), nil, &p); err != nil {
+		p, _, err := fetch[admin.Page[json.RawMessage]](c, http.MethodGet, path+"?"+query.Encode(), nil)
+		if err != nil {
 			if pages > 1 && progress != nil {
 				fmt.Fprintln(progress)
 			}
-			return nil, err
+			return nil, nil, err
 		}
-		out = append(out, p.Data...)
+		raws = append(raws, p.Data...)
 		if p.Next == nil {
 			if pages > 1 && progress != nil {
-				fmt.Fprintf(progress, "\r\x1b[Kescrow: %d rows in %d pages\n", len(out), pages)
+				fmt.Fprintf(progress, "\r\x1b[Kescrow: %d rows in %d pages\n", len(raws), pages)
 			}
-			return out, nil
+			rows, err := decodeAll[T](raws)
+			if err != nil {
+				return nil, nil, fmt.Errorf("GET %s: unexpected answer: %w", path, err)
+			}
+			return raws, rows, nil
 		}
 		if progress != nil {
-			fmt.Fprintf(progress, "\r\x1b[Kescrow: %d rows fetched, page %d …", len(out), pages+1)
+			fmt.Fprintf(progress, "\r\x1b[Kescrow: %d rows fetched, page %d …", len(raws), pages+1)
 		}
 		query.Set("cursor", *p.Next)
 	}
+}
+
+// decodeAll decodes each of raws into a T.
+func decodeAll[T any](raws []json.RawMessage) ([]T, error) {
+	out := make([]T, len(raws))
+	for i, r := range raws {
+		if err := json.Unmarshal(r, &out[i]); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
 }
 
 // start parses a subcommand's flags, checks that it got want positional arguments, and makes
@@ -240,62 +251,6 @@ func parse(fs *flag.FlagSet, args []string) ([]string, error) {
 	}
 }
 
-// output prints v as JSON (--json) or rows as a table (or CSV with --csv).
-type output struct{ json, csv bool }
-
-func (o *output) flags(fs *flag.FlagSet) {
-	fs.BoolVar(&o.json, "json", false, "print the API's JSON")
-	fs.BoolVar(&o.csv, "csv", false, "print CSV")
-}
-
-func (o output) print(v any, cols []string, rows []map[string]any) error {
-	if o.json {
-		enc := json.NewEncoder(stdout)
-		enc.SetEscapeHTML(false)
-		enc.SetIndent("", "  ")
-		return enc.Encode(v)
-	}
-	if o.csv {
-		w := csv.NewWriter(stdout)
-		_ = w.Write(cols)
-		for _, r := range rows {
-			_ = w.Write(csvcell.Row(cells(cols, r)))
-		}
-		w.Flush()
-		return w.Error()
-	}
-	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, strings.ToUpper(strings.Join(cols, "\t")))
-	for _, r := range rows {
-		fmt.Fprintln(tw, strings.Join(cells(cols, r), "\t"))
-	}
-	return tw.Flush()
-}
-
-func cells(cols []string, r map[string]any) []string {
-	out := make([]string, len(cols))
-	for i, c := range cols {
-		out[i] = cell(r[c])
-	}
-	return out
-}
-
-func cell(v any) string {
-	switch x := v.(type) {
-	case nil:
-		return ""
-	case string:
-		return x
-	case float64: // JSON numbers of the API are integers within ±10^14: exact in a float64
-		return strconv.FormatFloat(x, 'f', -1, 64)
-	default:
-		b, _ := json.Marshal(x)
-		return string(b)
-	}
-}
-
-func one(v map[string]any) []map[string]any { return []map[string]any{v} }
-
 // newFlags is a subcommand's flag set with the output flags (--json, --csv) on it.
 func newFlags(name string) (*flag.FlagSet, *output) {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
@@ -304,40 +259,40 @@ func newFlags(name string) (*flag.FlagSet, *output) {
 	return fs, o
 }
 
-// show sends one call and prints its answer, one object, with cols.
-func (c *client) show(o *output, method, path string, body any, cols []string) error {
-	var res map[string]any
-	if err := c.call(method, path, body, &res); err != nil {
-		return err
-	}
-	return o.print(res, cols, one(res))
-}
-
-// list fetches a whole list (every page) and prints it with cols.
-func (c *client) list(o *output, path string, query url.Values, cols []string) error {
-	rows, err := c.all(path, query)
+// show sends one call and prints its answer, one T, with t.
+func show[T any](c *client, o *output, method, path string, body any, t table[T]) error {
+	v, raw, err := fetch[T](c, method, path, body)
 	if err != nil {
 		return err
 	}
-	return o.print(rows, cols, rows)
+	return t.print(o, raw, []T{v})
+}
+
+// list fetches a whole list (every page) and prints it with t.
+func list[T any](c *client, o *output, path string, query url.Values, t table[T]) error {
+	raws, rows, err := all[T](c, path, query)
+	if err != nil {
+		return err
+	}
+	return t.print(o, raws, rows)
 }
 
 // do sends one call whose answer says nothing worth printing, then prints said.
 func (c *client) do(method, path string, body any, said string) error {
-	if err := c.call(method, path, body, nil); err != nil {
+	if _, _, err := c.raw(method, path, body, ""); err != nil {
 		return err
 	}
 	fmt.Fprintln(stdout, said)
 	return nil
 }
 
-// firstPage fetches one page of a list (the API answers it whole) and prints it with cols.
-func (c *client) firstPage(o *output, path string, cols []string) error {
-	var p page
-	if err := c.call(http.MethodGet, path, nil, &p); err != nil {
+// firstPage fetches one page of a list (the API answers it whole) and prints it with t.
+func firstPage[T any](c *client, o *output, path string, t table[T]) error {
+	p, raw, err := fetch[admin.Page[T]](c, http.MethodGet, path, nil)
+	if err != nil {
 		return err
 	}
-	return o.print(p, cols, p.Data)
+	return t.print(o, raw, p.Data)
 }
 
 // cmdOrgs: escrow orgs [list] | create ID [--name N] | show ID | rename ID NAME | threshold ID N|none
@@ -349,20 +304,19 @@ func cmdOrgs(args []string) error {
 	if err != nil {
 		return err
 	}
-	cols := []string{"id", "name", "ledger_balance", "available", "held", "created_at"}
 	sub := "list"
 	if len(pos) > 0 {
 		sub, pos = pos[0], pos[1:]
 	}
 	switch {
 	case sub == "list" && len(pos) == 0:
-		return c.list(o, "/orgs", url.Values{"limit": {pageLimit}}, cols)
+		return list(c, o, "/orgs", url.Values{"limit": {pageLimit}}, orgTable)
 	case sub == "create" && len(pos) == 1:
-		return c.show(o, http.MethodPost, "/orgs", map[string]string{"id": pos[0], "name": *name}, []string{"id", "name"})
+		return show(c, o, http.MethodPost, "/orgs", map[string]string{"id": pos[0], "name": *name}, namedTable)
 	case sub == "show" && len(pos) == 1:
-		return c.show(o, http.MethodGet, "/orgs/"+url.PathEscape(pos[0]), nil, cols)
+		return show(c, o, http.MethodGet, "/orgs/"+url.PathEscape(pos[0]), nil, orgTable)
 	case sub == "rename" && len(pos) == 2:
-		return c.show(o, http.MethodPatch, "/orgs/"+url.PathEscape(pos[0]), map[string]string{"name": pos[1]}, cols)
+		return show(c, o, http.MethodPatch, "/orgs/"+url.PathEscape(pos[0]), map[string]string{"name": pos[1]}, orgTable)
 	case sub == "threshold" && len(pos) == 2:
 		var v any // "none" clears it
 		if pos[1] != "none" {
@@ -372,7 +326,7 @@ func cmdOrgs(args []string) error {
 			}
 			v = n
 		}
-		return c.show(o, http.MethodPatch, "/orgs/"+url.PathEscape(pos[0]), map[string]any{"low_balance_threshold": v}, []string{"id", "low_balance_threshold"})
+		return show(c, o, http.MethodPatch, "/orgs/"+url.PathEscape(pos[0]), map[string]any{"low_balance_threshold": v}, thresholdTable)
 	default:
 		return usageErr("usage: escrow orgs [list] | create ID [--name NAME] | show ID | rename ID NAME | threshold ID MICRO_UNITS|none  [--json|--csv]")
 	}
@@ -397,8 +351,7 @@ func cmdCredit(args []string) error {
 	if err != nil {
 		return err
 	}
-	return c.show(o, http.MethodPost, "/orgs/"+url.PathEscape(pos[0])+"/credits", map[string]any{"amount": amount, "reference": *ref},
-		[]string{"org", "seq", "delta", "reference", "created_at"})
+	return show(c, o, http.MethodPost, "/orgs/"+url.PathEscape(pos[0])+"/credits", map[string]any{"amount": amount, "reference": *ref}, creditTable)
 }
 
 // cmdKeys: escrow keys ORG | create ORG [--name N] | rename ID NAME | revoke ID.
@@ -411,12 +364,11 @@ func cmdKeys(args []string) error {
 	}
 	switch {
 	case len(pos) == 1:
-		return c.list(o, "/orgs/"+url.PathEscape(pos[0])+"/keys", url.Values{"limit": {pageLimit}},
-			[]string{"id", "name", "project", "created_at", "last_used_at", "revoked_at"})
+		return list(c, o, "/orgs/"+url.PathEscape(pos[0])+"/keys", url.Values{"limit": {pageLimit}}, keyTable)
 	case len(pos) == 2 && pos[0] == "create":
-		return c.show(o, http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/keys", map[string]string{"name": *name}, []string{"id", "name", "key"})
+		return show(c, o, http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/keys", map[string]string{"name": *name}, newKeyTable)
 	case len(pos) == 3 && pos[0] == "rename":
-		return c.show(o, http.MethodPatch, "/keys/"+url.PathEscape(pos[1]), map[string]string{"name": pos[2]}, []string{"id", "name"})
+		return show(c, o, http.MethodPatch, "/keys/"+url.PathEscape(pos[1]), map[string]string{"name": pos[2]}, namedTable)
 	case len(pos) == 2 && pos[0] == "revoke":
 		return c.do(http.MethodDelete, "/keys/"+url.PathEscape(pos[1]), nil, "revoked "+pos[1])
 	default:
@@ -444,14 +396,30 @@ func cmdUsage(args []string) error {
 		_, err = stdout.Write(raw)
 		return err
 	}
-	var p page
-	if err := c.call(http.MethodGet, path, nil, &p); err != nil {
+	p, raw, err := fetch[admin.Page[accounting.UsageRow]](c, http.MethodGet, path, nil)
+	if err != nil {
 		return err
 	}
-	for _, r := range p.Data {
-		r[*by] = r["group"]
+	var v any = raw
+	if o.json {
+		if v, err = groupNamed(raw, *by, p.Data); err != nil {
+			return err
+		}
 	}
-	return o.print(p, []string{*by, "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens"}, p.Data)
+	return usageTable(*by).print(o, v, p.Data)
+}
+
+// groupNamed is the usage page raw (of rows) with each row's group also under the grouping's
+// name ("day": "2024-05-01"), as the table names its first column: what usage --json prints.
+func groupNamed(raw json.RawMessage, by string, rows []accounting.UsageRow) (admin.Page[json.RawMessage], error) {
+	var p admin.Page[json.RawMessage]
+	err := json.Unmarshal(raw, &p)
+	for i := range p.Data {
+		if err == nil {
+			p.Data[i], err = withFields(p.Data[i], map[string]string{by: rows[i].Group})
+		}
+	}
+	return p, err
 }
 
 // cmdModels: escrow models | show M | set M [--input D] [--cached-input D] [--output D]
@@ -470,19 +438,17 @@ func cmdModels(args []string) error {
 	if err != nil {
 		return err
 	}
-	cols := []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold", "cache_write_input_price",
-		"cache_write_1h_input_price"}
 	switch {
 	case len(pos) == 0:
-		return c.firstPage(o, "/models", cols)
+		return firstPage(c, o, "/models", modelTable)
 	case len(pos) == 2 && pos[0] == "show":
-		return c.show(o, http.MethodGet, "/models/"+url.PathEscape(pos[1]), nil, cols)
+		return show(c, o, http.MethodGet, "/models/"+url.PathEscape(pos[1]), nil, modelTable)
 	case len(pos) == 2 && pos[0] == "set":
 		body, err := setBody(pos[1])
 		if err != nil {
 			return err
 		}
-		return c.show(o, http.MethodPatch, "/models/"+url.PathEscape(pos[1]), body, cols)
+		return show(c, o, http.MethodPatch, "/models/"+url.PathEscape(pos[1]), body, modelTable)
 	case len(pos) == 2 && pos[0] == "import":
 		return importModels(c, *o, pos[1], *dryRun, *provider)
 	case len(pos) == 2 && pos[0] == "delete":
@@ -536,8 +502,7 @@ func cmdRequest(args []string) error {
 	if err != nil {
 		return err
 	}
-	return c.show(o, http.MethodGet, "/requests/"+url.PathEscape(pos[0]), nil,
-		[]string{"id", "org", "key_id", "model", "status", "cost", "hold_amount", "estimated", "usage", "created_at"})
+	return show(c, o, http.MethodGet, "/requests/"+url.PathEscape(pos[0]), nil, requestTable)
 }
 
 // cmdEntries: escrow entries ORG [--kind K] [--from T] [--to T] — the org's ledger, newest first.
@@ -552,16 +517,38 @@ func cmdEntries(args []string) error {
 	q := url.Values{"limit": {pageLimit}}
 	setGiven(q, map[string]string{"kind": *kind})
 	inRange(q)
-	rows, err := c.all("/orgs/"+url.PathEscape(pos[0])+"/entries", q)
+	raws, rows, err := all[accounting.EntryInfo](c, "/orgs/"+url.PathEscape(pos[0])+"/entries", q)
 	if err != nil {
 		return err
 	}
-	for _, r := range rows { // a charge's request, flattened for the table and CSV
-		if req, ok := r["request"].(map[string]any); ok {
-			r["request_id"], r["model"], r["cost"], r["hold_amount"] = req["id"], req["model"], req["cost"], req["hold_amount"]
+	if o.json {
+		if err := flattenRequests(raws, rows); err != nil {
+			return err
 		}
 	}
-	return o.print(rows, []string{"seq", "kind", "delta", "reference", "request_id", "model", "cost", "hold_amount", "created_at"}, rows)
+	return entryTable.print(o, raws, rows)
+}
+
+// flatRequest is a charge's request as entries flattens it into the entry, as in the table.
+type flatRequest struct {
+	RequestID  string `json:"request_id"`
+	Model      string `json:"model"`
+	Cost       int64  `json:"cost"`
+	HoldAmount int64  `json:"hold_amount"`
+}
+
+// flattenRequests adds to each entry of raws (decoded: rows) that is a charge its request's
+// fields (flatRequest): what entries --json prints.
+func flattenRequests(raws []json.RawMessage, rows []accounting.EntryInfo) error {
+	for i, e := range rows {
+		if r := e.Request; r != nil {
+			var err error
+			if raws[i], err = withFields(raws[i], flatRequest{r.ID, r.Model, r.Cost, r.HoldAmount}); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // cmdAudit: escrow audit — every admin write, newest first.
@@ -571,7 +558,7 @@ func cmdAudit(args []string) error {
 	if err != nil {
 		return err
 	}
-	return c.list(o, "/audit", url.Values{"limit": {pageLimit}}, []string{"id", "at", "actor", "action", "target", "status"})
+	return list(c, o, "/audit", url.Values{"limit": {pageLimit}}, auditTable)
 }
 
 // cmdReconcile: escrow reconcile ORG — the org's hot balance against the ledger; a drift is
@@ -582,8 +569,7 @@ func cmdReconcile(args []string) error {
 	if err != nil {
 		return err
 	}
-	return c.show(o, http.MethodPost, "/orgs/"+url.PathEscape(pos[0])+"/reconcile", nil,
-		[]string{"org", "warm", "hot", "expected", "drift", "repaired", "caught_up"})
+	return show(c, o, http.MethodPost, "/orgs/"+url.PathEscape(pos[0])+"/reconcile", nil, driftTable)
 }
 
 // cmdEpoch: escrow epoch [raise] — the ledger's epoch; raise starts a new one, after restoring
@@ -606,7 +592,7 @@ func cmdEpoch(args []string) error {
 	if err != nil {
 		return err
 	}
-	return c.show(o, method, "/ledger/epoch", nil, []string{"generation", "id"})
+	return show(c, o, method, "/ledger/epoch", nil, epochTable)
 }
 
 // cmdMigrate: escrow migrate [--database-url URL] — applies the ledger's migrations, then exits;
@@ -646,7 +632,7 @@ func cmdTop(args []string) error {
 	}
 	q := url.Values{"limit": {*limit}}
 	inRange(q)
-	return c.firstPage(o, "/usage/top?"+q.Encode(), []string{"org", "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens"})
+	return firstPage(c, o, "/usage/top?"+q.Encode(), topTable)
 }
 
 // cmdWebhooks: escrow webhooks | create URL --events E1,E2 | delete ID | deliveries ID.
@@ -657,42 +643,32 @@ func cmdWebhooks(args []string) error {
 	if err != nil {
 		return err
 	}
-	cols := []string{"id", "url", "events", "created_at"}
 	switch {
 	case len(pos) == 0:
-		return c.list(o, "/webhooks", url.Values{"limit": {pageLimit}}, cols)
+		return list(c, o, "/webhooks", url.Values{"limit": {pageLimit}}, webhookTable)
 	case len(pos) == 2 && pos[0] == "create" && *events != "":
-		return c.show(o, http.MethodPost, "/webhooks", map[string]any{"url": pos[1], "events": strings.Split(*events, ",")}, append(cols, "secret"))
+		return show(c, o, http.MethodPost, "/webhooks", map[string]any{"url": pos[1], "events": strings.Split(*events, ",")}, newWebhookTable)
 	case len(pos) == 2 && pos[0] == "delete":
 		return c.do(http.MethodDelete, "/webhooks/"+url.PathEscape(pos[1]), nil, "deleted "+pos[1])
 	case len(pos) == 2 && pos[0] == "deliveries":
-		return c.list(o, "/webhooks/"+url.PathEscape(pos[1])+"/deliveries", url.Values{"limit": {pageLimit}},
-			[]string{"id", "event_type", "org", "status", "attempts", "last_status", "last_error", "next_attempt_at", "created_at"})
+		return list(c, o, "/webhooks/"+url.PathEscape(pos[1])+"/deliveries", url.Values{"limit": {pageLimit}}, deliveryTable)
 	default:
 		return usageErr("usage: escrow webhooks | create URL --events TYPE[,TYPE…] | delete ID | deliveries ID  [--json|--csv]")
 	}
 }
 
-// importReport is the admin API's answer to an import (accounting.ImportReport).
-type importReport struct {
-	DryRun    bool                                `json:"dry_run"`
-	New       []map[string]any                    `json:"new"`
-	Changed   []struct{ Old, New map[string]any } `json:"changed"`
-	Unchanged []string                            `json:"unchanged"`
-	Skipped   []struct{ Model, Reason string }    `json:"skipped"`
-	RoundedUp []string                            `json:"rounded_up"`
-}
+// importFields are the columns of an imported model that an import's lines show.
+var importFields = modelTable.only("input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens",
+	"cache_write_input_price", "cache_write_1h_input_price")
 
-// defaultPrice reports whether field f of an imported model (as the import report shows it,
+// defaultPrice reports whether column f of an imported model (as the import report shows it,
 // defaults filled in) is a cache-write price at its default.
-func defaultPrice(m map[string]any, f string) bool {
-	in, _ := m["input_price"].(float64)
-	v, ok := m[f].(float64)
+func defaultPrice(m accounting.Model, f string) bool {
 	switch f {
 	case "cache_write_input_price":
-		return ok && v == in
+		return m.CacheWriteInput == m.Input
 	case "cache_write_1h_input_price":
-		return ok && v == 2*in // accounting.CacheWrite1hMultiplier (the CLI imports server only)
+		return m.CacheWrite1hInput == accounting.CacheWrite1hMultiplier*m.Input
 	}
 	return false
 }
@@ -700,7 +676,8 @@ func defaultPrice(m map[string]any, f string) bool {
 // importModels sends a price table to POST /models/import and prints the diff: each new model
 // with its prices, each changed field as old → new, the count of unchanged models, and the
 // skipped entries counted by reason. A cache-write price at its default (the input price, 2× it
-// for 1-hour writes: accounting.Prices.WithDefaults) is left out of the lines.
+// for 1-hour writes: accounting.Prices.WithDefaults) is left out of the lines. --json prints
+// the API's answer as it came.
 func importModels(c *client, o output, file string, dryRun bool, provider string) error {
 	b, err := os.ReadFile(file)
 	if err != nil {
@@ -719,44 +696,70 @@ func importModels(c *client, o output, file string, dryRun bool, provider string
 		_, err := stdout.Write(raw)
 		return err
 	}
-	var r importReport
+	var r accounting.ImportReport
 	if err := json.Unmarshal(raw, &r); err != nil {
 		return fmt.Errorf("escrow models import: unexpected answer: %w", err)
 	}
-	fields := []string{"input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "cache_write_input_price",
-		"cache_write_1h_input_price"}
+	if err := printChanges(r); err != nil {
+		return err
+	}
+	printSkipped(r.Skipped)
+	verb := "imported"
+	if r.DryRun {
+		verb = "would import"
+	}
+	fmt.Fprintf(stdout, "%s: %d new, %d changed, %d unchanged, %d skipped\n", verb, len(r.New), len(r.Changed), len(r.Unchanged), len(r.Skipped))
+	return nil
+}
+
+// printChanges prints an import's lines: new models, changed ones, prices rounded up.
+func printChanges(r accounting.ImportReport) error {
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	if r.DryRun {
 		fmt.Fprintln(tw, "dry run: nothing written")
 	}
 	for _, m := range r.New {
-		var parts []string
-		for _, f := range fields {
-			if defaultPrice(m, f) {
-				continue // a cache-write price the table left out: its default
-			}
-			parts = append(parts, f+" "+cell(m[f]))
-		}
-		fmt.Fprintf(tw, "new\t%s\t%s\n", cell(m["model"]), strings.Join(parts, ", "))
+		fmt.Fprintf(tw, "new\t%s\t%s\n", m.Name, strings.Join(newPrices(m), ", "))
 	}
 	for _, ch := range r.Changed {
-		var parts []string
-		for _, f := range fields {
-			if a, b := cell(ch.Old[f]), cell(ch.New[f]); a != b && !(defaultPrice(ch.Old, f) && defaultPrice(ch.New, f)) {
-				parts = append(parts, f+" "+a+" → "+b)
-			}
-		}
-		fmt.Fprintf(tw, "changed\t%s\t%s\n", cell(ch.New["model"]), strings.Join(parts, ", "))
+		fmt.Fprintf(tw, "changed\t%s\t%s\n", ch.New.Name, strings.Join(priceChanges(ch), ", "))
 	}
 	for _, ru := range r.RoundedUp {
 		fmt.Fprintf(tw, "rounded up\t%s\t(not a whole micro-unit per 1M tokens)\n", ru)
 	}
-	if err := tw.Flush(); err != nil {
-		return err
+	return tw.Flush()
+}
+
+// newPrices are a new model's fields as "name value", without a cache-write price the table
+// left out (its default).
+func newPrices(m accounting.Model) []string {
+	var parts []string
+	for _, f := range importFields {
+		if !defaultPrice(m, f.name) {
+			parts = append(parts, f.name+" "+f.cell(m))
+		}
 	}
+	return parts
+}
+
+// priceChanges are a changed model's fields as "name old → new", without a cache-write price
+// at its default before and after.
+func priceChanges(ch accounting.PriceChange) []string {
+	var parts []string
+	for _, f := range importFields {
+		if a, b := f.cell(ch.Old), f.cell(ch.New); a != b && !(defaultPrice(ch.Old, f.name) && defaultPrice(ch.New, f.name)) {
+			parts = append(parts, f.name+" "+a+" → "+b)
+		}
+	}
+	return parts
+}
+
+// printSkipped prints the skipped entries of an import counted by reason, in the order the
+// reasons first appear.
+func printSkipped(skipped []accounting.SkippedPrice) {
 	reasons := map[string]int{}
 	var order []string
-	for _, s := range r.Skipped {
+	for _, s := range skipped {
 		if reasons[s.Reason] == 0 {
 			order = append(order, s.Reason)
 		}
@@ -765,12 +768,6 @@ func importModels(c *client, o output, file string, dryRun bool, provider string
 	for _, why := range order {
 		fmt.Fprintf(stdout, "skipped %d: %s\n", reasons[why], why)
 	}
-	verb := "imported"
-	if r.DryRun {
-		verb = "would import"
-	}
-	fmt.Fprintf(stdout, "%s: %d new, %d changed, %d unchanged, %d skipped\n", verb, len(r.New), len(r.Changed), len(r.Unchanged), len(r.Skipped))
-	return nil
 }
 
 // cmdLimits: escrow limits ORG | create ORG --window W --cap N [--key ID | --project P] |
@@ -790,10 +787,9 @@ func cmdLimits(args []string) error {
 	if err != nil {
 		return err
 	}
-	created := []string{"id", "scope", "scope_id", "window", "cap"}
 	switch {
 	case len(pos) == 1:
-		return c.list(o, "/orgs/"+url.PathEscape(pos[0])+"/limits", url.Values{}, []string{"id", "scope", "scope_id", "window", "cap", "used", "held", "resets_at"})
+		return list(c, o, "/orgs/"+url.PathEscape(pos[0])+"/limits", url.Values{}, limitViewTable)
 	case len(pos) == 2 && pos[0] == "create":
 		n, err := strconv.ParseInt(*capArg, 10, 64)
 		if err != nil || *window == "" || (*key != "" && *project != "") {
@@ -806,13 +802,13 @@ func cmdLimits(args []string) error {
 		case *project != "":
 			body["scope"], body["scope_id"] = "project", *project
 		}
-		return c.show(o, http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/limits", body, created)
+		return show(c, o, http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/limits", body, limitTable)
 	case len(pos) == 4 && pos[0] == "set-cap":
 		n, err := strconv.ParseInt(pos[3], 10, 64)
 		if err != nil {
 			return usageErr("the cap must be a whole number of micro-units, not %q", pos[3])
 		}
-		return c.show(o, http.MethodPatch, "/orgs/"+url.PathEscape(pos[1])+"/limits/"+url.PathEscape(pos[2]), map[string]any{"cap": n}, created)
+		return show(c, o, http.MethodPatch, "/orgs/"+url.PathEscape(pos[1])+"/limits/"+url.PathEscape(pos[2]), map[string]any{"cap": n}, limitTable)
 	case len(pos) == 3 && pos[0] == "delete":
 		return c.do(http.MethodDelete, "/orgs/"+url.PathEscape(pos[1])+"/limits/"+url.PathEscape(pos[2]), nil, "deleted "+pos[2])
 	default:

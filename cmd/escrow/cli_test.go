@@ -528,7 +528,7 @@ func TestCLICSVFormulaCells(t *testing.T) {
 	var out bytes.Buffer
 	stdout = &out
 	defer func() { stdout = nil }()
-	rows := []map[string]any{{"reference": "=HYPERLINK(\"http://evil.example\")", "delta": float64(-5)}, {"reference": "@SUM(1)", "delta": float64(3)}}
+	rows := [][]string{{"=HYPERLINK(\"http://evil.example\")", i64(-5)}, {"@SUM(1)", i64(3)}}
 	if err := (output{csv: true}).print(nil, []string{"reference", "delta"}, rows); err != nil {
 		t.Fatal(err)
 	}

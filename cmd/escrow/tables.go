@@ -1,0 +1,183 @@
+package main
+
+import (
+	"strconv"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/admin"
+)
+
+// The tables of the admin API's answers, each decoded into the API's own type (accounting's,
+// or admin's where the answer is not an accounting type as it is). The column names are the
+// JSON fields.
+
+var orgTable = table[accounting.OrgView]{
+	{"id", func(o accounting.OrgView) string { return o.ID }},
+	{"name", func(o accounting.OrgView) string { return o.Name }},
+	{"ledger_balance", func(o accounting.OrgView) string { return i64(o.Balance) }},
+	{"available", func(o accounting.OrgView) string { return optI64(o.Available) }},
+	{"held", func(o accounting.OrgView) string { return i64(o.Held) }},
+	{"created_at", func(o accounting.OrgView) string { return ts(o.CreatedAt) }},
+}
+
+// thresholdTable is an org's low-balance threshold.
+var thresholdTable = append(orgTable.only("id"),
+	column[accounting.OrgView]{"low_balance_threshold", func(o accounting.OrgView) string { return optI64(o.LowBalanceThreshold) }})
+
+var namedTable = table[admin.Named]{
+	{"id", func(n admin.Named) string { return n.ID }},
+	{"name", func(n admin.Named) string { return n.Name }},
+}
+
+var newKeyTable = table[admin.NewKey]{
+	{"id", func(k admin.NewKey) string { return k.ID }},
+	{"name", func(k admin.NewKey) string { return k.Name }},
+	{"key", func(k admin.NewKey) string { return k.Key }},
+}
+
+var keyTable = table[accounting.KeyInfo]{
+	{"id", func(k accounting.KeyInfo) string { return k.ID }},
+	{"name", func(k accounting.KeyInfo) string { return k.Name }},
+	{"project", func(k accounting.KeyInfo) string { return k.Project }},
+	{"created_at", func(k accounting.KeyInfo) string { return ts(k.CreatedAt) }},
+	{"last_used_at", func(k accounting.KeyInfo) string { return optTS(k.LastUsedAt) }},
+	{"revoked_at", func(k accounting.KeyInfo) string { return optTS(k.RevokedAt) }},
+}
+
+// creditTable is a ledger entry as a credit's answer shows it.
+var creditTable = table[accounting.LedgerEntry]{
+	{"org", func(e accounting.LedgerEntry) string { return e.Org }},
+	{"seq", func(e accounting.LedgerEntry) string { return i64(e.Seq) }},
+	{"delta", func(e accounting.LedgerEntry) string { return i64(e.Delta) }},
+	{"reference", func(e accounting.LedgerEntry) string { return e.Ref }},
+	{"created_at", func(e accounting.LedgerEntry) string { return ts(e.CreatedAt) }},
+}
+
+// requestCell is a cell of an entry's request (a charge's), empty for an entry without one.
+func requestCell(cell func(accounting.EntryRequest) string) func(accounting.EntryInfo) string {
+	return func(e accounting.EntryInfo) string {
+		if e.Request == nil {
+			return ""
+		}
+		return cell(*e.Request)
+	}
+}
+
+var entryTable = table[accounting.EntryInfo]{
+	{"seq", func(e accounting.EntryInfo) string { return i64(e.Seq) }},
+	{"kind", func(e accounting.EntryInfo) string { return string(e.Kind) }},
+	{"delta", func(e accounting.EntryInfo) string { return i64(e.Delta) }},
+	{"reference", func(e accounting.EntryInfo) string { return e.Ref }},
+	{"request_id", requestCell(func(r accounting.EntryRequest) string { return r.ID })},
+	{"model", requestCell(func(r accounting.EntryRequest) string { return r.Model })},
+	{"cost", requestCell(func(r accounting.EntryRequest) string { return i64(r.Cost) })},
+	{"hold_amount", requestCell(func(r accounting.EntryRequest) string { return i64(r.HoldAmount) })},
+	{"created_at", func(e accounting.EntryInfo) string { return ts(e.CreatedAt) }},
+}
+
+// usageCounts are a usage row's columns after its group.
+var usageCounts = table[accounting.UsageRow]{
+	{"requests", func(r accounting.UsageRow) string { return i64(r.Requests) }},
+	{"cost", func(r accounting.UsageRow) string { return i64(r.Cost) }},
+	{"prompt_tokens", func(r accounting.UsageRow) string { return i64(r.Prompt) }},
+	{"cached_tokens", func(r accounting.UsageRow) string { return i64(r.Cached) }},
+	{"completion_tokens", func(r accounting.UsageRow) string { return i64(r.Completion) }},
+}
+
+// usageTable is a usage report grouped by by (day, model or key): the group, then the counts.
+func usageTable(by string) table[accounting.UsageRow] {
+	group := table[accounting.UsageRow]{{by, func(r accounting.UsageRow) string { return r.Group }}}
+	return append(group, usageCounts...)
+}
+
+var topTable = append(table[admin.Spender]{{"org", func(s admin.Spender) string { return s.Org }}},
+	via(usageCounts, func(s admin.Spender) accounting.UsageRow { return s.UsageRow })...)
+
+var modelTable = table[accounting.Model]{
+	{"model", func(m accounting.Model) string { return m.Name }},
+	{"input_price", func(m accounting.Model) string { return i64(m.Input) }},
+	{"cached_input_price", func(m accounting.Model) string { return i64(m.CachedInput) }},
+	{"output_price", func(m accounting.Model) string { return i64(m.Output) }},
+	{"max_input_tokens", func(m accounting.Model) string { return i64(m.MaxInputTokens) }},
+	{"max_output_tokens", func(m accounting.Model) string { return i64(m.MaxOutputTokens) }},
+	{"max_cost", func(m accounting.Model) string { return i64(m.MaxCost) }},
+	{"default_hold", func(m accounting.Model) string { return i64(m.DefaultHold) }},
+	{"cache_write_input_price", func(m accounting.Model) string { return i64(m.CacheWriteInput) }},
+	{"cache_write_1h_input_price", func(m accounting.Model) string { return i64(m.CacheWrite1hInput) }},
+}
+
+var requestTable = table[accounting.RequestInfo]{
+	{"id", func(r accounting.RequestInfo) string { return r.ID }},
+	{"org", func(r accounting.RequestInfo) string { return r.Org }},
+	{"key_id", func(r accounting.RequestInfo) string { return r.KeyID }},
+	{"model", func(r accounting.RequestInfo) string { return r.Model }},
+	{"status", func(r accounting.RequestInfo) string { return r.Status }},
+	{"cost", func(r accounting.RequestInfo) string { return i64(r.Cost) }},
+	{"hold_amount", func(r accounting.RequestInfo) string { return i64(r.HoldAmount) }},
+	{"estimated", func(r accounting.RequestInfo) string { return strconv.FormatBool(r.Estimated) }},
+	{"usage", func(r accounting.RequestInfo) string { return jsonCell(r.Usage) }},
+	{"created_at", func(r accounting.RequestInfo) string { return ts(r.CreatedAt) }},
+}
+
+var auditTable = table[accounting.AuditRecord]{
+	{"id", func(r accounting.AuditRecord) string { return i64(r.ID) }},
+	{"at", func(r accounting.AuditRecord) string { return ts(r.At) }},
+	{"actor", func(r accounting.AuditRecord) string { return r.Actor }},
+	{"action", func(r accounting.AuditRecord) string { return r.Action }},
+	{"target", func(r accounting.AuditRecord) string { return r.Target }},
+	{"status", func(r accounting.AuditRecord) string { return strconv.Itoa(r.Status) }},
+}
+
+var driftTable = table[accounting.Drift]{
+	{"org", func(d accounting.Drift) string { return d.Org }},
+	{"warm", func(d accounting.Drift) string { return strconv.FormatBool(d.Warm) }},
+	{"hot", func(d accounting.Drift) string { return i64(d.Hot) }},
+	{"expected", func(d accounting.Drift) string { return i64(d.Expected) }},
+	{"drift", func(d accounting.Drift) string { return i64(d.Drift) }},
+	{"repaired", func(d accounting.Drift) string { return strconv.FormatBool(d.Repaired) }},
+	{"caught_up", func(d accounting.Drift) string { return strconv.FormatBool(d.CaughtUp) }},
+}
+
+var epochTable = table[admin.Epoch]{
+	{"generation", func(e admin.Epoch) string { return i64(e.Generation) }},
+	{"id", func(e admin.Epoch) string { return e.ID }},
+}
+
+var webhookTable = table[accounting.Webhook]{
+	{"id", func(w accounting.Webhook) string { return w.ID }},
+	{"url", func(w accounting.Webhook) string { return w.URL }},
+	{"events", func(w accounting.Webhook) string { return jsonCell(w.Events) }},
+	{"created_at", func(w accounting.Webhook) string { return ts(w.CreatedAt) }},
+}
+
+var newWebhookTable = append(via(webhookTable, func(w admin.NewWebhook) accounting.Webhook { return w.Webhook }),
+	column[admin.NewWebhook]{"secret", func(w admin.NewWebhook) string { return w.Secret }})
+
+var deliveryTable = table[accounting.Delivery]{
+	{"id", func(d accounting.Delivery) string { return i64(d.ID) }},
+	{"event_type", func(d accounting.Delivery) string { return string(d.EventType) }},
+	{"org", func(d accounting.Delivery) string { return d.Org }},
+	{"status", func(d accounting.Delivery) string { return string(d.Status) }},
+	{"attempts", func(d accounting.Delivery) string { return strconv.Itoa(d.Attempts) }},
+	{"last_status", func(d accounting.Delivery) string { return strconv.Itoa(d.LastStatus) }},
+	{"last_error", func(d accounting.Delivery) string { return d.LastError }},
+	{"next_attempt_at", func(d accounting.Delivery) string { return optTS(d.NextAttemptAt) }},
+	{"created_at", func(d accounting.Delivery) string { return ts(d.CreatedAt) }},
+}
+
+// limitTable is a limit as it is created or changed; limitViewTable adds its window's state.
+var limitTable = table[admin.Limit]{
+	{"id", func(l admin.Limit) string { return l.ID }},
+	{"scope", func(l admin.Limit) string { return l.Scope }},
+	{"scope_id", func(l admin.Limit) string { return l.ScopeID }},
+	{"window", func(l admin.Limit) string { return l.Window }},
+	{"cap", func(l admin.Limit) string { return i64(l.Cap) }},
+}
+
+var limitViewTable = append(via(limitTable, func(l accounting.LimitView) admin.Limit {
+	return admin.Limit{ID: l.ID, Scope: string(l.Scope), ScopeID: l.ScopeID, Window: string(l.Window), Cap: l.Cap}
+}), table[accounting.LimitView]{
+	{"used", func(l accounting.LimitView) string { return i64(l.Used) }},
+	{"held", func(l accounting.LimitView) string { return i64(l.Held) }},
+	{"resets_at", func(l accounting.LimitView) string { return optTS(l.ResetsAt) }},
+}...)
