@@ -63,6 +63,8 @@ type Error struct {
 	// Limit is the limit a 429 budget_exceeded names: written as "limit" in the error object,
 	// and its reset time as the x-escrow-limit-reset header. nil: none.
 	Limit *LimitInfo
+	// Header holds more headers to send with the error (a rate limit's x-ratelimit-*).
+	Header http.Header
 }
 
 // LimitInfo is the limit that refused a request, as the error body has it:
@@ -71,14 +73,15 @@ type Error struct {
 //	         "used":49990,"resets_at":"2026-12-02T00:00:00Z"}
 //
 // scope is org, project or key; scope_id is the project or key id (null for the org); window
-// is lifetime, hour, day, week or month; cap and used are micro-units (used: the window's spend
-// and holds when the request came); resets_at is the next window's start, RFC 3339 UTC (null
-// for lifetime).
+// is lifetime, minute, hour, day, week or month; unit is money, requests or tokens; cap and used
+// are in the unit (micro-units for money; used: the window's spend and holds when the request
+// came); resets_at is the next window's start, RFC 3339 UTC (null for lifetime).
 type LimitInfo struct {
 	ID       string  `json:"id"`
 	Scope    string  `json:"scope"`
 	ScopeID  *string `json:"scope_id"`
 	Window   string  `json:"window"`
+	Unit     string  `json:"unit"`
 	Cap      int64   `json:"cap"`
 	Used     int64   `json:"used"`
 	ResetsAt *string `json:"resets_at"`
@@ -134,6 +137,9 @@ func (e *Error) setHeaders(h http.Header) {
 	if e.Limit != nil && e.Limit.ResetsAt != nil {
 		h.Set(HeaderLimitReset, *e.Limit.ResetsAt)
 	}
+	for k, v := range e.Header {
+		h[k] = v
+	}
 }
 
 // WriteError is the default Config.ErrorHandler: it writes e as OpenAI's JSON error body.
@@ -181,7 +187,7 @@ func limitRefusal(le *balance.LimitError) *Error {
 	if l.ID == "" {
 		return e
 	}
-	info := &LimitInfo{ID: l.ID, Scope: string(l.Scope.Kind), Window: string(l.Window), Cap: l.Cap, Used: le.Used}
+	info := &LimitInfo{ID: l.ID, Scope: string(l.Scope.Kind), Window: string(l.Window), Unit: l.Unit.String(), Cap: l.Cap, Used: le.Used}
 	var who string
 	switch l.Scope.Kind {
 	case balance.ScopeOrg:
@@ -205,6 +211,8 @@ func limitRefusal(le *balance.LimitError) *Error {
 
 func windowAdjective(w balance.Window) string {
 	switch w {
+	case balance.Minute:
+		return "per-minute"
 	case balance.Hour:
 		return "hourly"
 	case balance.Day:

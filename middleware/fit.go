@@ -72,15 +72,24 @@ func (m *middleware) planFit(off bool, model accounting.Model, r Request, hold i
 	return p
 }
 
-// fitCap is the largest output cap C ≤ max whose bound is at most room, and that bound; ok is
-// false when no cap of at least min fits. The bound grows with C, so C is found by bisection.
-func fitCap(model accounting.Model, r Request, minCap, maxCap, room int64) (c, bound int64, ok bool) {
-	if room <= 0 || minCap > maxCap {
+// room is what a refused reserve says would have been taken now: money (the balance and every
+// money limit in scope) and, when a tokens limit is in scope, tokens.
+type room struct {
+	money      int64
+	tokens     int64
+	haveTokens bool
+}
+
+// fitCap is the largest output cap C ≤ max whose bound is at most the money room (and whose
+// token bound at most the tokens room), and that bound; ok is false when no cap of at least min
+// fits. Both bounds grow with C, so C is found by bisection.
+func fitCap(model accounting.Model, r Request, minCap, maxCap int64, rm room) (c, bound int64, ok bool) {
+	if rm.money <= 0 || minCap > maxCap || (rm.haveTokens && rm.tokens <= 0) {
 		return 0, 0, false
 	}
 	fits := func(c int64) (int64, bool) {
 		b, ok := requestBound(model, r, c)
-		return b, ok && b <= room
+		return b, ok && b <= rm.money && (!rm.haveTokens || tokenBound(r, c) <= rm.tokens)
 	}
 	if _, ok := fits(max(minCap, 1)); !ok {
 		return 0, 0, false
@@ -100,16 +109,17 @@ func fitCap(model accounting.Model, r Request, minCap, maxCap, room int64) (c, b
 
 // roomOf is the largest hold a refused reserve says would have been taken now, and whether the
 // refusal is one that fit may answer (the balance or a spending limit).
-func roomOf(err error) (int64, bool) {
+func roomOf(err error) (room, bool) {
 	var ins *balance.InsufficientError
 	var lim *balance.LimitError
 	switch {
 	case errors.As(err, &lim):
-		return lim.Room, true
+		// A requests limit counts 1 whatever the request's size: no shorter answer fits it.
+		return room{money: lim.Room, tokens: lim.TokenRoom, haveTokens: lim.HaveTokenRoom}, lim.Limit.Unit != balance.Requests
 	case errors.As(err, &ins):
-		return ins.Balance, true
+		return room{money: ins.Balance}, true
 	}
-	return 0, false
+	return room{}, false
 }
 
 // setCap writes the fitted cap into body: into each cap field the body has (parseRequest checked
@@ -166,7 +176,7 @@ const quotaPrefix = "You exceeded your current quota: your balance does not cove
 // Money held by the org's requests in flight makes it the retryable heldRefusal. nil for errors
 // that are not about the balance or a limit (reserveError maps those).
 func (m *middleware) quotaRefusal(err error, model accounting.Model, r Request, plan fitPlan, hold int64) *Error {
-	room, ok := roomOf(err)
+	rm, ok := roomOf(err)
 	if !ok {
 		return nil
 	}
@@ -181,7 +191,7 @@ func (m *middleware) quotaRefusal(err error, model accounting.Model, r Request, 
 	}
 	hint := ""
 	if plan.bounded {
-		if c, _, ok := fitCap(model, r, 1, plan.cap, room); ok {
+		if c, _, ok := fitCap(model, r, 1, plan.cap, rm); ok {
 			hint = " An output cap (max_tokens) of at most " + strconv.FormatInt(c, 10) + " would fit."
 		} else {
 			hint = " No output cap fits."
@@ -197,5 +207,5 @@ func (m *middleware) quotaRefusal(err error, model accounting.Model, r Request, 
 	}
 	return &Error{Status: http.StatusTooManyRequests, Type: TypeInsufficientQuota, Code: CodeInsufficientQuota, NoRetry: true,
 		Message: quotaPrefix + " (it needs at least " +
-			strconv.FormatInt(needed, 10) + ", " + strconv.FormatInt(max(room, 0), 10) + " is available)." + hint + " Add credit and retry."}
+			strconv.FormatInt(needed, 10) + ", " + strconv.FormatInt(max(rm.money, 0), 10) + " is available)." + hint + " Add credit and retry."}
 }

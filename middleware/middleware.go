@@ -255,6 +255,7 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 		body = m.setCap(body, r.Endpoint, cl.fitCap)
 		c.Response().Header().Set(HeaderOutputCap, strconv.FormatInt(cl.fitCap, 10))
 	}
+	setRateHeaders(c.Response().Header(), cl.reserved, time.Now())
 	return cl.proxy(c, next, body, o)
 }
 
@@ -394,7 +395,7 @@ func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, mo
 	o.HoldID, o.HoldAmount = cl.holdID, amount
 
 	plan := m.planFit(fitOff, model, r, amount)
-	res, err := m.reserve(ctx, cl, amount)
+	res, err := m.reserve(ctx, cl, amount, tokenBound(r, tokenCap(model, r)))
 	for try := 1; err != nil && plan.on && try < maxFitTries; try++ {
 		room, ok := roomOf(err)
 		if !ok {
@@ -404,7 +405,7 @@ func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, mo
 		if !ok {
 			break
 		}
-		if res, err = m.reserve(ctx, cl, b); err == nil {
+		if res, err = m.reserve(ctx, cl, b, tokenBound(r, c)); err == nil {
 			cl.holdAmount, cl.agreed, o.HoldAmount = b, b, b
 			cl.req.OutputCap = c
 			if c < plan.cap {
@@ -415,6 +416,10 @@ func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, mo
 	if err == nil {
 		cl.reserved = res
 		return cl, nil
+	}
+	if e := rateRefusal(err, time.Now()); e != nil {
+		o.Err = err
+		return nil, e
 	}
 	if e := m.quotaRefusal(err, model, r, plan, amount); e != nil {
 		o.Err = err
@@ -435,11 +440,12 @@ func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, mo
 	return cl, nil
 }
 
-// reserve reserves the call's hold of amount, under ReserveTimeout.
-func (m *middleware) reserve(ctx context.Context, cl *call, amount int64) (balance.Reservation, error) {
+// reserve reserves the call's hold of amount (and tokens, its token bound, on tokens limits),
+// under ReserveTimeout.
+func (m *middleware) reserve(ctx context.Context, cl *call, amount, tokens int64) (balance.Reservation, error) {
 	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)
 	defer cancel()
-	return m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: cl.id.Org, HoldID: cl.holdID, Amount: amount, KeyID: cl.limitKey})
+	return m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: cl.id.Org, HoldID: cl.holdID, Amount: amount, KeyID: cl.limitKey, Tokens: tokens})
 }
 
 // limitKey is the key id to reserve under: the identity's, unless the limits layer cannot name
