@@ -20,6 +20,9 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/admin"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 	"github.com/llmescrow/escrow/middleware"
 	"github.com/llmescrow/escrow/migrations"
 	"github.com/llmescrow/escrow/webhook"
@@ -32,7 +35,7 @@ var ErrConfig = errors.New("escrow: invalid config")
 type Config struct {
 	// Ledger, when set, is the ledger New uses instead of one on the pool given to New (the pool
 	// is then ignored). New does not close a ledger it was given.
-	Ledger accounting.Ledger
+	Ledger ledger.Ledger
 	// SkipMigrations leaves the database as it is; by default New applies the migrations the
 	// pool's database lacks (in order, under an advisory lock) before anything else.
 	SkipMigrations bool
@@ -63,7 +66,7 @@ type Config struct {
 // Escrow is every part, wired. Make it with New, then Start it; Stop drains it.
 type Escrow struct {
 	log        *slog.Logger
-	ledger     accounting.Ledger
+	ledger     ledger.Ledger
 	ownLedger  bool
 	store      *balance.Store
 	journal    *accounting.Journal
@@ -125,14 +128,14 @@ func (x *Escrow) openLedger(ctx context.Context, pool *pgxpool.Pool, c Config) e
 	case c.Ledger != nil:
 		x.ledger = c.Ledger
 	case pool == nil:
-		x.ledger, x.ownLedger = accounting.NewMemory(), true
+		x.ledger, x.ownLedger = memledger.New(), true
 	default:
 		if !c.SkipMigrations {
 			if _, err := migrations.Up(ctx, pool); err != nil {
 				return fmt.Errorf("ledger: %w", err)
 			}
 		}
-		l, err := accounting.NewPostgres(pool, &accounting.PostgresConfig{SkipMigrations: true, Logger: x.log})
+		l, err := pgledger.New(pool, &pgledger.Config{SkipMigrations: true, Logger: x.log})
 		if err != nil {
 			return fmt.Errorf("ledger: %w", err)
 		}
@@ -169,9 +172,9 @@ func (x *Escrow) openAccounting(c Config) error {
 		return fmt.Errorf("recorder: %w", err)
 	}
 	x.ops = accounting.NewOps(x.worker)
-	h, ok := x.ledger.(accounting.Webhooks)
+	h, ok := x.ledger.(ledger.Webhooks)
 	if !ok {
-		return fmt.Errorf("webhooks: %w", accounting.ErrNoWebhooks)
+		return fmt.Errorf("webhooks: %w", ledger.ErrNoWebhooks)
 	}
 	whc := c.Webhooks
 	whc.Logger = cmpLogger(whc.Logger, x.log)
@@ -258,7 +261,7 @@ func (x *Escrow) Ops() *accounting.Ops { return x.ops }
 func (x *Escrow) Store() *balance.Store { return x.store }
 
 // Ledger is the ledger.
-func (x *Escrow) Ledger() accounting.Ledger { return x.ledger }
+func (x *Escrow) Ledger() ledger.Ledger { return x.ledger }
 
 // Recorder is the usage recorder (its Stats, and Degraded while usage goes to the journal).
 func (x *Escrow) Recorder() *accounting.Recorder { return x.recorder }

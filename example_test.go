@@ -12,8 +12,9 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/llmescrow/escrow"
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // escrow.New in front of an OpenAI-compatible handler: a funded org with a daily limit on its
@@ -45,7 +46,7 @@ func Example() {
 	})
 
 	ops := esc.Ops() // what the admin API serves, as Go calls
-	_ = ops.PutModel(ctx, accounting.Model{Name: "gpt-test", Prices: accounting.Prices{Input: 1_000_000, CachedInput: 1_000_000, Output: 2_000_000},
+	_ = ops.PutModel(ctx, ledger.Model{Name: "gpt-test", Prices: pricing.Prices{Input: 1_000_000, CachedInput: 1_000_000, Output: 2_000_000},
 		MaxInputTokens: 10_000, MaxOutputTokens: 1000})
 	_ = ops.CreateOrg(ctx, "acme")
 	_, _, _ = ops.Credit(ctx, "acme", 1_000_000, "payment-1") // in the hot balance when it returns

@@ -9,13 +9,16 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 )
 
 // TestConfigRefusesOutOfRange: a field no default can mend is refused with ErrConfig instead of
 // being corrected in silence; a nil config is the defaults.
 func TestConfigRefusesOutOfRange(t *testing.T) {
 	t.Parallel()
-	mem := accounting.NewMemory()
+	mem := memledger.New()
 	if _, err := accounting.NewRecorder(mem, nil); err != nil {
 		t.Fatalf("NewRecorder(nil config): %v", err)
 	}
@@ -28,11 +31,11 @@ func TestConfigRefusesOutOfRange(t *testing.T) {
 		"JournalReserve": {JournalReserve: 1.5},
 		"NegReserve":     {JournalReserve: -0.1},
 	} {
-		if _, err := accounting.NewRecorder(mem, &cfg); !errors.Is(err, accounting.ErrConfig) {
+		if _, err := accounting.NewRecorder(mem, &cfg); !errors.Is(err, ledger.ErrConfig) {
 			t.Errorf("NewRecorder %s: %v; want ErrConfig", name, err)
 		}
 	}
-	if _, err := accounting.NewRecorder(nil, nil); !errors.Is(err, accounting.ErrConfig) {
+	if _, err := accounting.NewRecorder(nil, nil); !errors.Is(err, ledger.ErrConfig) {
 		t.Errorf("NewRecorder(nil ledger): %v; want ErrConfig", err)
 	}
 
@@ -45,15 +48,15 @@ func TestConfigRefusesOutOfRange(t *testing.T) {
 		"SweepInterval":     {SweepInterval: -time.Second},
 		"AccountBatch":      {AccountBatch: -5},
 	} {
-		if _, err := accounting.NewWorker(mem, store, &cfg); !errors.Is(err, accounting.ErrConfig) {
+		if _, err := accounting.NewWorker(mem, store, &cfg); !errors.Is(err, ledger.ErrConfig) {
 			t.Errorf("NewWorker %s: %v; want ErrConfig", name, err)
 		}
 	}
-	if _, err := accounting.NewWorker(mem, nil, nil); !errors.Is(err, accounting.ErrConfig) {
+	if _, err := accounting.NewWorker(mem, nil, nil); !errors.Is(err, ledger.ErrConfig) {
 		t.Errorf("NewWorker(nil store): %v; want ErrConfig", err)
 	}
 
-	if _, err := accounting.OpenJournal(t.TempDir(), &accounting.JournalConfig{MaxBytes: -1}); !errors.Is(err, accounting.ErrConfig) {
+	if _, err := accounting.OpenJournal(t.TempDir(), &accounting.JournalConfig{MaxBytes: -1}); !errors.Is(err, ledger.ErrConfig) {
 		t.Errorf("OpenJournal(-1): %v; want ErrConfig", err)
 	}
 	j, err := accounting.OpenJournal(t.TempDir(), nil)
@@ -64,7 +67,7 @@ func TestConfigRefusesOutOfRange(t *testing.T) {
 	if j.Max() != 64<<20 {
 		t.Errorf("default journal cap %d; want 64 MiB", j.Max())
 	}
-	if _, err := accounting.OpenPostgres(context.Background(), "postgres://unused", &accounting.PostgresConfig{ReconnectDelay: -time.Second}); !errors.Is(err, accounting.ErrConfig) {
+	if _, err := pgledger.Open(context.Background(), "postgres://unused", &pgledger.Config{ReconnectDelay: -time.Second}); !errors.Is(err, ledger.ErrConfig) {
 		t.Errorf("OpenPostgres(negative ReconnectDelay): %v; want ErrConfig", err)
 	}
 }

@@ -8,6 +8,9 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 )
 
 // TestRestoreReusesSequences is the directed epoch test: the ledger is restored from a backup
@@ -20,7 +23,7 @@ func TestRestoreReusesSequences(t *testing.T) {
 	ctx := context.Background()
 	env := testutil.RealRedis(t)
 	pg := testutil.Postgres(t)
-	l, err := accounting.OpenPostgres(ctx, pg.URL, nil)
+	l, err := pgledger.Open(ctx, pg.URL, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,7 +42,7 @@ func TestRestoreReusesSequences(t *testing.T) {
 		if _, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: id, Amount: 50}); err != nil {
 			t.Fatal(err)
 		}
-		if err := l.RecordUsage(ctx, []accounting.UsageEvent{{ID: id, Org: "acme", Model: "m", Cost: c, HoldAmount: 50, CreatedAt: time.Now()}}); err != nil {
+		if err := l.RecordUsage(ctx, []ledger.UsageEvent{{ID: id, Org: "acme", Model: "m", Cost: c, HoldAmount: 50, CreatedAt: time.Now()}}); err != nil {
 			t.Fatal(err)
 		}
 		if err := w.Drain(ctx); err != nil {
@@ -74,7 +77,7 @@ func TestRestoreReusesSequences(t *testing.T) {
 	if _, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: id, Amount: 50}); err != nil {
 		t.Fatal(err)
 	}
-	if err := l.RecordUsage(ctx, []accounting.UsageEvent{{ID: id, Org: "acme", Model: "m", Cost: 7, HoldAmount: 50, CreatedAt: time.Now()}}); err != nil {
+	if err := l.RecordUsage(ctx, []ledger.UsageEvent{{ID: id, Org: "acme", Model: "m", Cost: 7, HoldAmount: 50, CreatedAt: time.Now()}}); err != nil {
 		t.Fatal(err)
 	}
 	if err := w.Drain(ctx); err != nil { // seq 4 of the new timeline
@@ -105,7 +108,7 @@ func TestMemoryRaiseEpoch(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := testutil.MiniRedis(t)
-	l := accounting.NewMemory()
+	l := memledger.New()
 	store := newStore(t, env, l, balance.Config{})
 	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
 	if err := l.CreateOrg(ctx, "acme"); err != nil {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/internal/startstop"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // Pinner pins and unpins holds (*balance.Store implements it). Pin pushes a hold's expiry far out
@@ -53,7 +54,7 @@ type pinState struct {
 // then unpins the holds.
 type fallback struct {
 	j      *Journal
-	ledger UsageStore
+	ledger ledger.UsageStore
 	pin    Pinner
 	log    *slog.Logger
 	// woken is RecorderConfig.Wake (nil: none), called after a replay that stored events. The
@@ -84,7 +85,7 @@ type fallback struct {
 // pinRetryMax bounds the wait between two tries of a pin or unpin that failed.
 const pinRetryMax = 5 * time.Second
 
-func newFallback(l UsageStore, cfg RecorderConfig) *fallback {
+func newFallback(l ledger.UsageStore, cfg RecorderConfig) *fallback {
 	return &fallback{
 		j: cfg.Journal, ledger: l, pin: cfg.Pinner, log: cfg.Logger, woken: cfg.Wake,
 		replayEvery: cfg.ReplayInterval, pinEvery: cfg.PinInterval, unpinDelay: cfg.UnpinDelay,
@@ -137,7 +138,7 @@ func (f *fallback) ledgerDown() bool { return f.down.Load() }
 func (f *fallback) nearFull() bool { return f.j.NearFull(f.nearFree) }
 
 // append writes events to the journal and schedules their holds' pins.
-func (f *fallback) append(ctx context.Context, events []UsageEvent, cause error) error {
+func (f *fallback) append(ctx context.Context, events []ledger.UsageEvent, cause error) error {
 	if err := f.j.Append(ctx, events); err != nil {
 		if errors.Is(err, ErrJournalFull) {
 			f.full.Add(1)
@@ -153,7 +154,7 @@ func (f *fallback) append(ctx context.Context, events []UsageEvent, cause error)
 	return nil
 }
 
-func (f *fallback) track(events []UsageEvent) {
+func (f *fallback) track(events []ledger.UsageEvent) {
 	now := time.Now()
 	f.mu.Lock()
 	for _, ev := range events {
@@ -204,7 +205,7 @@ func (f *fallback) pinLoop(ctx context.Context) {
 // replay hands the journal to the ledger; on success its holds get their normal expiry back.
 func (f *fallback) replay(ctx context.Context) {
 	var ids []string
-	n, err := f.j.Replay(ctx, f.batch, func(ctx context.Context, events []UsageEvent) error {
+	n, err := f.j.Replay(ctx, f.batch, func(ctx context.Context, events []ledger.UsageEvent) error {
 		rctx, cancel := context.WithTimeout(ctx, f.timeout)
 		defer cancel()
 		if err := f.ledger.RecordUsage(rctx, events); err != nil {
@@ -217,10 +218,10 @@ func (f *fallback) replay(ctx context.Context) {
 	})
 	if err != nil {
 		f.replayErrs.Add(1)
-		if Unavailable(err) {
+		if ledger.Unavailable(err) {
 			f.down.Store(true)
 		}
-		if !Unavailable(err) {
+		if !ledger.Unavailable(err) {
 			f.log.Error("escrow: journal replay failed", "replayed", n, "err", err)
 		}
 		return

@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/llmescrow/escrow/ledger"
 	"hash/crc32"
 	"io"
 	"os"
@@ -65,7 +66,7 @@ func (c *JournalConfig) withDefaults() JournalConfig {
 // validate refuses a negative size cap.
 func (c *JournalConfig) validate() error {
 	if c.MaxBytes < 0 {
-		return fmt.Errorf("%w: journal MaxBytes %d must be ≥ 0", ErrConfig, c.MaxBytes)
+		return fmt.Errorf("%w: journal MaxBytes %d must be ≥ 0", ledger.ErrConfig, c.MaxBytes)
 	}
 	return nil
 }
@@ -116,7 +117,7 @@ func OpenJournal(dir string, cfg *JournalConfig) (*Journal, error) {
 
 // readRecords reads every whole, valid record from the start of f and returns the offset where
 // they end.
-func readRecords(f *os.File) ([]UsageEvent, int64, error) {
+func readRecords(f *os.File) ([]ledger.UsageEvent, int64, error) {
 	if _, err := f.Seek(0, io.SeekStart); err != nil {
 		return nil, 0, err
 	}
@@ -124,7 +125,7 @@ func readRecords(f *os.File) ([]UsageEvent, int64, error) {
 	if err != nil {
 		return nil, 0, fmt.Errorf("accounting: read journal: %w", err)
 	}
-	var events []UsageEvent
+	var events []ledger.UsageEvent
 	off := 0
 	for len(data)-off >= recordHeader {
 		n := int(binary.BigEndian.Uint32(data[off:]))
@@ -136,7 +137,7 @@ func readRecords(f *os.File) ([]UsageEvent, int64, error) {
 		if crc32.Checksum(payload, castagnoli) != sum {
 			break // torn or corrupt: nothing after it can be trusted
 		}
-		var ev UsageEvent
+		var ev ledger.UsageEvent
 		if err := json.Unmarshal(payload, &ev); err != nil {
 			break
 		}
@@ -148,7 +149,7 @@ func readRecords(f *os.File) ([]UsageEvent, int64, error) {
 
 // Append writes events and fsyncs before it returns: when it returns nil they survive a crash.
 // It refuses (ErrJournalFull) events that would take the file past its cap, writing none.
-func (j *Journal) Append(ctx context.Context, events []UsageEvent) error {
+func (j *Journal) Append(ctx context.Context, events []ledger.UsageEvent) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -188,7 +189,7 @@ func (j *Journal) Append(ctx context.Context, events []UsageEvent) error {
 }
 
 // Events returns the events in the journal.
-func (j *Journal) Events() ([]UsageEvent, error) {
+func (j *Journal) Events() ([]ledger.UsageEvent, error) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	if j.f == nil {
@@ -207,7 +208,7 @@ func (j *Journal) Events() ([]UsageEvent, error) {
 // the journal atomically, so a crash at any point leaves either the old file or the new one).
 // Only one Replay runs at a time. Replaying twice is safe when record is idempotent by event
 // id, as the ledgers are. It returns how many events it replayed.
-func (j *Journal) Replay(ctx context.Context, batch int, record func(context.Context, []UsageEvent) error) (int, error) {
+func (j *Journal) Replay(ctx context.Context, batch int, record func(context.Context, []ledger.UsageEvent) error) (int, error) {
 	j.replayMu.Lock()
 	defer j.replayMu.Unlock()
 
@@ -225,7 +226,7 @@ func (j *Journal) Replay(ctx context.Context, batch int, record func(context.Con
 }
 
 // snapshot reads every record in the journal and the offset where they end.
-func (j *Journal) snapshot() ([]UsageEvent, int64, error) {
+func (j *Journal) snapshot() ([]ledger.UsageEvent, int64, error) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	if j.f == nil {

@@ -3,6 +3,9 @@ package accounting
 import (
 	"context"
 	"errors"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/pricing"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -10,11 +13,11 @@ import (
 	"time"
 )
 
-func journalEvents(n int, org string) []UsageEvent {
-	evs := make([]UsageEvent, n)
+func journalEvents(n int, org string) []ledger.UsageEvent {
+	evs := make([]ledger.UsageEvent, n)
 	for i := range evs {
-		evs[i] = UsageEvent{ID: "0190f0e0-0000-7000-8000-" + pad12(i), Org: org, Model: "m", Cost: int64(10 + i),
-			HoldAmount: 50, Usage: Usage{Prompt: 3, Completion: int64(i)}, CreatedAt: time.Unix(1700000000, 0).UTC()}
+		evs[i] = ledger.UsageEvent{ID: "0190f0e0-0000-7000-8000-" + pad12(i), Org: org, Model: "m", Cost: int64(10 + i),
+			HoldAmount: 50, Usage: pricing.Usage{Prompt: 3, Completion: int64(i)}, CreatedAt: time.Unix(1700000000, 0).UTC()}
 	}
 	return evs
 }
@@ -128,7 +131,7 @@ func TestJournalCap(t *testing.T) {
 	evs := journalEvents(10, "acme")
 	n := 0
 	for _, ev := range evs {
-		if err := j.Append(context.Background(), []UsageEvent{ev}); err != nil {
+		if err := j.Append(context.Background(), []ledger.UsageEvent{ev}); err != nil {
 			if !errors.Is(err, ErrJournalFull) {
 				t.Fatal(err)
 			}
@@ -149,7 +152,7 @@ func TestJournalCap(t *testing.T) {
 func TestJournalReplayTwice(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	l := NewMemory()
+	l := memledger.New()
 	if err := l.CreateOrg(ctx, "acme"); err != nil {
 		t.Fatal(err)
 	}
@@ -167,7 +170,7 @@ func TestJournalReplayTwice(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A failing ledger leaves everything in place.
-	if _, err := j.Replay(ctx, 3, func(context.Context, []UsageEvent) error { return ErrLedgerUnavailable }); err == nil || j.Len() != 7 {
+	if _, err := j.Replay(ctx, 3, func(context.Context, []ledger.UsageEvent) error { return ledger.ErrLedgerUnavailable }); err == nil || j.Len() != 7 {
 		t.Fatalf("failed replay: err %v, %d left", err, j.Len())
 	}
 	if n, err := j.Replay(ctx, 3, l.RecordUsage); err != nil || n != 7 || j.Len() != 0 {
@@ -215,8 +218,8 @@ func TestJournalAppendDuringReplay(t *testing.T) {
 	if err := j.Append(ctx, first); err != nil {
 		t.Fatal(err)
 	}
-	var got []UsageEvent
-	n, err := j.Replay(ctx, 2, func(ctx context.Context, evs []UsageEvent) error {
+	var got []ledger.UsageEvent
+	n, err := j.Replay(ctx, 2, func(ctx context.Context, evs []ledger.UsageEvent) error {
 		if len(got) == 0 { // appends do not wait for the ledger call
 			if err := j.Append(ctx, second); err != nil {
 				return err
@@ -246,7 +249,7 @@ func TestJournalAppendDuringReplay(t *testing.T) {
 	if err != nil || len(evs) != 4 || evs[0].Org != "b" || evs[2].Org != "b" || evs[3].Org != "c" {
 		t.Fatalf("after reopen: %d events (%v)", len(evs), err)
 	}
-	if n, err := j.Replay(ctx, 10, func(context.Context, []UsageEvent) error { return nil }); n != 4 || err != nil || j.Len() != 0 || j.Size() != 0 {
+	if n, err := j.Replay(ctx, 10, func(context.Context, []ledger.UsageEvent) error { return nil }); n != 4 || err != nil || j.Len() != 0 || j.Size() != 0 {
 		t.Fatalf("second replay: %d %v, left %d (%d bytes)", n, err, j.Len(), j.Size())
 	}
 }

@@ -10,6 +10,8 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
 )
 
 // limitRig is an org with a large balance, one key, a worker and Ops over a real balance.Store
@@ -19,7 +21,7 @@ type limitRig struct {
 	t     *testing.T
 	ctx   context.Context
 	env   *testutil.RedisEnv
-	l     accounting.Ledger
+	l     ledger.Ledger
 	store *balance.Store
 	w     *accounting.Worker
 	ops   *accounting.Ops
@@ -29,7 +31,7 @@ type limitRig struct {
 
 const rigOrg = "acme"
 
-func newLimitRig(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) *limitRig {
+func newLimitRig(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) *limitRig {
 	t.Helper()
 	noon := time.Date(2030, 6, 14, 12, 0, 0, 0, time.UTC) // a Friday
 	store := newStore(t, env, l, balance.Config{ClockOffset: time.Until(noon)})
@@ -63,9 +65,9 @@ func (r *limitRig) serve(amount, cost int64) {
 	if err != nil {
 		r.t.Fatalf("reserve %d: %v", amount, err)
 	}
-	ev := accounting.UsageEvent{ID: id, Org: rigOrg, KeyID: r.key, Project: res.Project, ReservedAt: res.ReservedAt,
+	ev := ledger.UsageEvent{ID: id, Org: rigOrg, KeyID: r.key, Project: res.Project, ReservedAt: res.ReservedAt,
 		Model: "m", Cost: cost, HoldAmount: amount}
-	if err := r.l.RecordUsage(r.ctx, []accounting.UsageEvent{ev}); err != nil {
+	if err := r.l.RecordUsage(r.ctx, []ledger.UsageEvent{ev}); err != nil {
 		r.t.Fatal(err)
 	}
 	r.settle()
@@ -114,7 +116,7 @@ func wantLimit(t *testing.T, err error, id string, used int64) *balance.LimitErr
 // money, and after the hot state is lost a reseed rebuilds the counters from the ledger exactly.
 func TestLimitsEndToEnd(t *testing.T) {
 	t.Parallel()
-	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) {
 		r := newLimitRig(t, env, l)
 		ctx := r.ctx
 		day, err := r.ops.CreateLimit(ctx, rigOrg, balance.Scope{Kind: balance.ScopeKey, ID: r.key}, balance.Day, 300)
@@ -141,8 +143,8 @@ func TestLimitsEndToEnd(t *testing.T) {
 		}
 		// Their real costs (80 each) replace the holds in the counter.
 		for _, id := range held {
-			ev := accounting.UsageEvent{ID: id, Org: rigOrg, KeyID: r.key, ReservedAt: r.noon, Model: "m", Cost: 80, HoldAmount: 100}
-			if err := l.RecordUsage(ctx, []accounting.UsageEvent{ev}); err != nil {
+			ev := ledger.UsageEvent{ID: id, Org: rigOrg, KeyID: r.key, ReservedAt: r.noon, Model: "m", Cost: 80, HoldAmount: 100}
+			if err := l.RecordUsage(ctx, []ledger.UsageEvent{ev}); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -256,7 +258,7 @@ func TestLimitsEndToEnd(t *testing.T) {
 // older than the ledger's) is pushed by the reconciler.
 func TestReconcilePushesLimits(t *testing.T) {
 	t.Parallel()
-	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) {
 		r := newLimitRig(t, env, l)
 		if _, _, err := r.reserve(10); err != nil { // warm, limits version 0
 			t.Fatal(err)
@@ -287,7 +289,7 @@ func TestReconcilePushesLimits(t *testing.T) {
 // ledger; the new day starts empty, and its first hold drops the past day's counter.
 func TestLimitsReservedBeforeMidnight(t *testing.T) {
 	t.Parallel()
-	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) {
 		r := newLimitRig(t, env, l)
 		ctx := r.ctx
 		day, err := r.ops.CreateLimit(ctx, rigOrg, balance.Scope{Kind: balance.ScopeKey, ID: r.key}, balance.Day, 100)
@@ -308,9 +310,9 @@ func TestLimitsReservedBeforeMidnight(t *testing.T) {
 		}
 		// Recorded, accounted and settled after midnight (a store whose clock is past it).
 		after := newStore(t, env, l, balance.Config{ClockOffset: time.Until(midnight.Add(30 * time.Second))})
-		ev := accounting.UsageEvent{ID: id, Org: rigOrg, KeyID: r.key, Project: res.Project, ReservedAt: res.ReservedAt,
+		ev := ledger.UsageEvent{ID: id, Org: rigOrg, KeyID: r.key, Project: res.Project, ReservedAt: res.ReservedAt,
 			Model: "m", Cost: 70, HoldAmount: 100, CreatedAt: midnight.Add(20 * time.Second)}
-		if err := l.RecordUsage(ctx, []accounting.UsageEvent{ev}); err != nil {
+		if err := l.RecordUsage(ctx, []ledger.UsageEvent{ev}); err != nil {
 			t.Fatal(err)
 		}
 		w := newWorker(t, l, after, &accounting.WorkerConfig{Logger: quiet})
@@ -362,7 +364,7 @@ func TestLimitsReservedBeforeMidnight(t *testing.T) {
 func TestListLimitsRedisDown(t *testing.T) {
 	t.Parallel()
 	env := testutil.MiniRedis(t)
-	r := newLimitRig(t, env, accounting.NewMemory())
+	r := newLimitRig(t, env, memledger.New())
 	lim, err := r.ops.CreateLimit(r.ctx, rigOrg, balance.Scope{Kind: balance.ScopeOrg}, balance.Lifetime, 1_000)
 	if err != nil {
 		t.Fatal(err)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // ErrHotBalance marks an operation whose ledger part is durable but whose hot-balance (Redis)
@@ -17,7 +18,7 @@ var ErrHotBalance = errors.New("accounting: hot balance not updated")
 // the order: a credit or an adjustment is settled into Redis before it returns, a model's max
 // cost reaches the store's learned max, a new epoch is seen by the store at once.
 type Ops struct {
-	ledger Ledger
+	ledger ledger.Ledger
 	store  *balance.Store
 	worker *Worker
 }
@@ -35,7 +36,7 @@ func (o *Ops) CreateOrg(ctx context.Context, org string) error {
 
 // Credit records a recharge (idempotent by ref) and returns once it is in the hot balance. When
 // only the hot-balance part failed, the entry is valid and the error wraps ErrHotBalance.
-func (o *Ops) Credit(ctx context.Context, org string, amount int64, ref string) (LedgerEntry, bool, error) {
+func (o *Ops) Credit(ctx context.Context, org string, amount int64, ref string) (ledger.LedgerEntry, bool, error) {
 	e, created, err := o.worker.Credit(ctx, org, amount, ref)
 	if err != nil && e.Seq != 0 {
 		return e, created, fmt.Errorf("%w: %w", ErrHotBalance, err)
@@ -46,7 +47,7 @@ func (o *Ops) Credit(ctx context.Context, org string, amount int64, ref string) 
 // Adjust records a signed admin correction (idempotent by ref) and settles it into the hot
 // balance like Credit; when only that part failed, the worker is told and the error wraps
 // ErrHotBalance.
-func (o *Ops) Adjust(ctx context.Context, org string, delta int64, ref string) (LedgerEntry, bool, error) {
+func (o *Ops) Adjust(ctx context.Context, org string, delta int64, ref string) (ledger.LedgerEntry, bool, error) {
 	e, created, err := o.ledger.Adjust(ctx, org, delta, ref)
 	if err != nil {
 		return e, created, err
@@ -98,7 +99,7 @@ func (o *Ops) Reconcile(ctx context.Context, org string) (Drift, error) {
 }
 
 // CreateKey makes a new API key for org; the secret is returned once.
-func (o *Ops) CreateKey(ctx context.Context, org string) (APIKey, string, error) {
+func (o *Ops) CreateKey(ctx context.Context, org string) (ledger.APIKey, string, error) {
 	return o.ledger.CreateKey(ctx, org)
 }
 
@@ -124,7 +125,7 @@ func (o *Ops) RevokeKey(ctx context.Context, id string) error {
 // cached (balance.Store.WaitModelChange, about a second). When only the Redis part failed, the
 // model is saved and the error wraps ErrHotBalance (the change then reaches the processes within
 // their model cache's TTL).
-func (o *Ops) PutModel(ctx context.Context, m Model) error {
+func (o *Ops) PutModel(ctx context.Context, m ledger.Model) error {
 	_, err := o.ledger.Model(ctx, m.Name)
 	existed := err == nil
 	if err := o.ledger.PutModel(ctx, m); err != nil {
@@ -162,7 +163,7 @@ func (o *Ops) modelChanged(ctx context.Context, existed bool, names ...string) e
 }
 
 // Models lists every model, each with its prices' defaults filled in (Model.Effective).
-func (o *Ops) Models(ctx context.Context) ([]Model, error) {
+func (o *Ops) Models(ctx context.Context) ([]ledger.Model, error) {
 	ms, err := o.ledger.Models(ctx)
 	for i := range ms {
 		ms[i] = ms[i].Effective()

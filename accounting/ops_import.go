@@ -4,21 +4,23 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // PriceChange is a model whose prices or token limits an import changes.
 type PriceChange struct {
-	Old Model `json:"old"`
-	New Model `json:"new"`
+	Old ledger.Model `json:"old"`
+	New ledger.Model `json:"new"`
 }
 
 // ImportReport says what an import of a price table did (or, in a dry run, would do).
 type ImportReport struct {
-	DryRun    bool           `json:"dry_run"`
-	New       []Model        `json:"new"`
-	Changed   []PriceChange  `json:"changed"`
-	Unchanged []string       `json:"unchanged"`
-	Skipped   []SkippedPrice `json:"skipped"`
+	DryRun    bool                   `json:"dry_run"`
+	New       []ledger.Model         `json:"new"`
+	Changed   []PriceChange          `json:"changed"`
+	Unchanged []string               `json:"unchanged"`
+	Skipped   []pricing.SkippedPrice `json:"skipped"`
 	// RoundedUp lists "model: field" for every price that was not a whole number of
 	// micro-units per 1M tokens and was rounded up.
 	RoundedUp []string `json:"rounded_up"`
@@ -34,11 +36,11 @@ type ImportReport struct {
 // store; the ledger's copy is raised back to Redis' value should a request have raised it
 // while the import wrote). With dryRun, nothing is written and the report says what would be.
 // An error stops the import: the report then lists what was written before it.
-func (o *Ops) ImportPrices(ctx context.Context, t PriceTable, dryRun bool) (ImportReport, error) {
-	r := ImportReport{DryRun: dryRun, New: []Model{}, Changed: []PriceChange{}, Unchanged: []string{}, Skipped: t.Skipped,
+func (o *Ops) ImportPrices(ctx context.Context, t pricing.PriceTable, dryRun bool) (ImportReport, error) {
+	r := ImportReport{DryRun: dryRun, New: []ledger.Model{}, Changed: []PriceChange{}, Unchanged: []string{}, Skipped: t.Skipped,
 		RoundedUp: []string{}}
 	if r.Skipped == nil {
-		r.Skipped = []SkippedPrice{}
+		r.Skipped = []pricing.SkippedPrice{}
 	}
 	changed := false
 	for _, row := range t.Rows {
@@ -46,13 +48,13 @@ func (o *Ops) ImportPrices(ctx context.Context, t PriceTable, dryRun bool) (Impo
 			r.RoundedUp = append(r.RoundedUp, row.Model+": "+f)
 		}
 		old, err := o.ledger.Model(ctx, row.Model)
-		isNew := errors.Is(err, ErrUnknownModel)
+		isNew := errors.Is(err, ledger.ErrUnknownModel)
 		if err != nil && !isNew {
 			return r, err
 		}
 		m := old
 		if isNew {
-			m = Model{Name: row.Model}
+			m = ledger.Model{Name: row.Model}
 		}
 		m.Prices = row.Prices
 		if row.CacheWrite == nil && !isNew {
@@ -97,7 +99,7 @@ func (o *Ops) ImportPrices(ctx context.Context, t PriceTable, dryRun bool) (Impo
 
 // importModel writes m without touching the learned max in Redis, then raises the ledger's max
 // cost to Redis' (a request may have raised both between the read and the write).
-func (o *Ops) importModel(ctx context.Context, m Model) error {
+func (o *Ops) importModel(ctx context.Context, m ledger.Model) error {
 	if err := o.ledger.PutModel(ctx, m); err != nil {
 		return fmt.Errorf("import %q: %w", m.Name, err)
 	}

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // The operator's limit operations: each writes the ledger, then pushes the new limits version
@@ -15,7 +16,7 @@ import (
 
 // push sends a durable change to the hot balance. The store learns the ledger's epoch first:
 // the push's floor (which refuses seeds of snapshots older than the change) is kept per epoch.
-func (o *Ops) push(ctx context.Context, c LimitChange) error {
+func (o *Ops) push(ctx context.Context, c ledger.LimitChange) error {
 	if _, err := o.SyncEpoch(ctx); err != nil {
 		return fmt.Errorf("%w: limits of %s (version %d) not pushed: %w", ErrHotBalance, c.Org, c.Version, err)
 	}

@@ -6,20 +6,21 @@ import (
 	"fmt"
 
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // OrgView is an org with its hot balance: Available is what its next request meets (nil when
 // the org is cold in Redis: it is seeded on its next request), Held what its requests in flight
 // hold.
 type OrgView struct {
-	OrgInfo
+	ledger.OrgInfo
 	Available *int64 `json:"available"`
 	Held      int64  `json:"held"`
 	// LowBalanceThreshold is the org's low-balance webhook threshold (set in Org, not in lists).
 	LowBalanceThreshold *int64 `json:"low_balance_threshold,omitempty"`
 }
 
-func (o *Ops) view(ctx context.Context, info OrgInfo) (OrgView, error) {
+func (o *Ops) view(ctx context.Context, info ledger.OrgInfo) (OrgView, error) {
 	v := OrgView{OrgInfo: info}
 	st, err := o.store.State(ctx, info.ID)
 	if errors.Is(err, balance.ErrInvalidOrg) {
@@ -38,16 +39,16 @@ func (o *Ops) view(ctx context.Context, info OrgInfo) (OrgView, error) {
 
 // ListOrgs lists orgs by id with their hot balances (one Redis read per org; a cold org is not
 // seeded by being listed).
-func (o *Ops) ListOrgs(ctx context.Context, q ListQuery) (Page[OrgView], error) {
+func (o *Ops) ListOrgs(ctx context.Context, q ledger.ListQuery) (ledger.Page[OrgView], error) {
 	p, err := o.ledger.ListOrgs(ctx, q)
 	if err != nil {
-		return Page[OrgView]{}, err
+		return ledger.Page[OrgView]{}, err
 	}
-	out := Page[OrgView]{Next: p.Next, Data: make([]OrgView, 0, len(p.Data))}
+	out := ledger.Page[OrgView]{Next: p.Next, Data: make([]OrgView, 0, len(p.Data))}
 	for _, info := range p.Data {
 		v, err := o.view(ctx, info)
 		if err != nil {
-			return Page[OrgView]{}, err
+			return ledger.Page[OrgView]{}, err
 		}
 		out.Data = append(out.Data, v)
 	}
@@ -70,7 +71,7 @@ func (o *Ops) Org(ctx context.Context, org string) (OrgView, error) {
 
 // CreateNamedOrg creates an org with a display name ("" for none).
 func (o *Ops) CreateNamedOrg(ctx context.Context, org, name string) error {
-	if err := checkName(name); err != nil {
+	if err := ledger.CheckName(name); err != nil {
 		return err
 	}
 	if err := o.ledger.CreateOrg(ctx, org); err != nil {
@@ -88,20 +89,20 @@ func (o *Ops) SetOrgName(ctx context.Context, org, name string) error {
 }
 
 // CreateNamedKey makes a new API key for org with a display name; the secret is returned once.
-func (o *Ops) CreateNamedKey(ctx context.Context, org, name string) (KeyInfo, string, error) {
-	if err := checkName(name); err != nil {
-		return KeyInfo{}, "", err
+func (o *Ops) CreateNamedKey(ctx context.Context, org, name string) (ledger.KeyInfo, string, error) {
+	if err := ledger.CheckName(name); err != nil {
+		return ledger.KeyInfo{}, "", err
 	}
 	k, secret, err := o.ledger.CreateKey(ctx, org)
 	if err != nil {
-		return KeyInfo{}, "", err
+		return ledger.KeyInfo{}, "", err
 	}
 	if name != "" {
 		if err := o.ledger.SetKeyName(ctx, k.ID, name); err != nil {
-			return KeyInfo{}, "", fmt.Errorf("key %s made, name not set: %w", k.ID, err)
+			return ledger.KeyInfo{}, "", fmt.Errorf("key %s made, name not set: %w", k.ID, err)
 		}
 	}
-	return KeyInfo{ID: k.ID, Org: k.Org, Name: name}, secret, nil
+	return ledger.KeyInfo{ID: k.ID, Org: k.Org, Name: name}, secret, nil
 }
 
 // SetKeyName renames a key.
@@ -110,33 +111,33 @@ func (o *Ops) SetKeyName(ctx context.Context, id, name string) error {
 }
 
 // ListKeys lists an org's keys.
-func (o *Ops) ListKeys(ctx context.Context, org string, q ListQuery) (Page[KeyInfo], error) {
+func (o *Ops) ListKeys(ctx context.Context, org string, q ledger.ListQuery) (ledger.Page[ledger.KeyInfo], error) {
 	return o.ledger.ListKeys(ctx, org, q)
 }
 
 // ListEntries lists an org's ledger entries, newest first.
-func (o *Ops) ListEntries(ctx context.Context, org string, q EntryQuery) (Page[EntryInfo], error) {
+func (o *Ops) ListEntries(ctx context.Context, org string, q ledger.EntryQuery) (ledger.Page[ledger.EntryInfo], error) {
 	return o.ledger.ListEntries(ctx, org, q)
 }
 
 // UsageReport sums an org's accounted usage per group.
-func (o *Ops) UsageReport(ctx context.Context, org string, q UsageQuery) ([]UsageRow, error) {
+func (o *Ops) UsageReport(ctx context.Context, org string, q ledger.UsageQuery) ([]ledger.UsageRow, error) {
 	return o.ledger.UsageReport(ctx, org, q)
 }
 
 // TopSpenders lists the orgs that spent the most in a time range (see Console.TopSpenders).
-func (o *Ops) TopSpenders(ctx context.Context, q TopQuery) ([]UsageRow, error) {
+func (o *Ops) TopSpenders(ctx context.Context, q ledger.TopQuery) ([]ledger.UsageRow, error) {
 	return o.ledger.TopSpenders(ctx, q)
 }
 
 // Request returns one request's usage by its id.
-func (o *Ops) Request(ctx context.Context, id string) (RequestInfo, error) {
+func (o *Ops) Request(ctx context.Context, id string) (ledger.RequestInfo, error) {
 	return o.ledger.Request(ctx, id)
 }
 
 // Model returns one model, its prices' defaults filled in (Model.Effective): the prices its
 // requests are billed at.
-func (o *Ops) Model(ctx context.Context, name string) (Model, error) {
+func (o *Ops) Model(ctx context.Context, name string) (ledger.Model, error) {
 	m, err := o.ledger.Model(ctx, name)
 	return m.Effective(), err
 }
@@ -154,13 +155,13 @@ type ModelPatch struct {
 // PatchModel applies p to the model (creating it from zero values when it does not exist) and
 // saves it like PutModel. A price never given stays 0 and so keeps following the input price
 // (Prices.WithDefaults). It returns the model as saved, its defaults filled in (Model.Effective).
-func (o *Ops) PatchModel(ctx context.Context, name string, p ModelPatch) (Model, error) {
+func (o *Ops) PatchModel(ctx context.Context, name string, p ModelPatch) (ledger.Model, error) {
 	m, err := o.ledger.Model(ctx, name)
-	if errors.Is(err, ErrUnknownModel) {
-		m, err = Model{Name: name}, nil
+	if errors.Is(err, ledger.ErrUnknownModel) {
+		m, err = ledger.Model{Name: name}, nil
 	}
 	if err != nil {
-		return Model{}, err
+		return ledger.Model{}, err
 	}
 	for _, f := range []struct {
 		dst *int64
@@ -233,17 +234,17 @@ func (o *Ops) modelIdle(ctx context.Context, name string) error {
 	case err != nil:
 		return fmt.Errorf("%w: requests in flight of model %q unknown: %w", ErrHotBalance, name, err)
 	case busy:
-		return fmt.Errorf("%w: %q", ErrModelInFlight, name)
+		return fmt.Errorf("%w: %q", ledger.ErrModelInFlight, name)
 	}
 	return nil
 }
 
 // RecordAudit appends an admin write to the audit trail.
-func (o *Ops) RecordAudit(ctx context.Context, r AuditRecord) (AuditRecord, error) {
+func (o *Ops) RecordAudit(ctx context.Context, r ledger.AuditRecord) (ledger.AuditRecord, error) {
 	return o.ledger.RecordAudit(ctx, r)
 }
 
 // AuditLog lists the audit trail, newest first.
-func (o *Ops) AuditLog(ctx context.Context, q ListQuery) (Page[AuditRecord], error) {
+func (o *Ops) AuditLog(ctx context.Context, q ledger.ListQuery) (ledger.Page[ledger.AuditRecord], error) {
 	return o.ledger.AuditLog(ctx, q)
 }

@@ -16,6 +16,8 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 	"github.com/llmescrow/escrow/migrations"
 )
 
@@ -51,7 +53,7 @@ func (c *tripCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Tr
 }
 
 func (c *tripCounter) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryEndData) {
-	if ctx.Value(sqlKey{}) != accounting.SQLUnsettledOf {
+	if ctx.Value(sqlKey{}) != pgledger.SQLUnsettledOf {
 		return
 	}
 	c.mu.Lock()
@@ -160,7 +162,7 @@ func countPasses(t *testing.T, norgs, perPass, passes int) passCounts {
 	var sum passCounts
 	const warm = 3
 	for p := range warm + passes {
-		evs := make([]accounting.UsageEvent, perPass)
+		evs := make([]ledger.UsageEvent, perPass)
 		charged := map[string]bool{}
 		for i := range evs {
 			o := orgs[(p*perPass+i)%norgs]
@@ -168,7 +170,7 @@ func countPasses(t *testing.T, norgs, perPass, passes int) passCounts {
 				o = orgs[rnd.IntN(norgs)]
 			}
 			charged[o] = true
-			evs[i] = accounting.UsageEvent{ID: newID(), Org: o, Model: "m", Cost: int64(1 + i%50), HoldAmount: 100, CreatedAt: time.Now()}
+			evs[i] = ledger.UsageEvent{ID: newID(), Org: o, Model: "m", Cost: int64(1 + i%50), HoldAmount: 100, CreatedAt: time.Now()}
 		}
 		if err := l.RecordUsage(ctx, evs); err != nil {
 			t.Fatal(err)
@@ -193,7 +195,7 @@ func countPasses(t *testing.T, norgs, perPass, passes int) passCounts {
 		sum.readRows += float64(rows)
 		sum.last = sum.last[:0]
 		for _, s := range stmts {
-			if s == accounting.SQLUnsettledOf {
+			if s == pgledger.SQLUnsettledOf {
 				sum.unsettledReads++
 			}
 			sum.last = append(sum.last, "  "+firstLine(s))
@@ -209,7 +211,7 @@ func countPasses(t *testing.T, norgs, perPass, passes int) passCounts {
 
 // countedWorker returns a Postgres ledger whose pool c traces, a worker over it and a store on
 // real Redis whose client c counts, and norgs orgs with a credit, settled and warm.
-func countedWorker(t *testing.T, c *tripCounter, norgs int) (*accounting.Postgres, *accounting.Worker, []string) {
+func countedWorker(t *testing.T, c *tripCounter, norgs int) (*pgledger.Ledger, *accounting.Worker, []string) {
 	ctx := context.Background()
 	env := testutil.Postgres(t)
 	if _, err := migrations.Up(ctx, env.Pool); err != nil {
@@ -225,7 +227,7 @@ func countedWorker(t *testing.T, c *tripCounter, norgs int) (*accounting.Postgre
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
-	l, err := accounting.NewPostgres(pool, nil)
+	l, err := pgledger.New(pool, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -233,7 +235,7 @@ func countedWorker(t *testing.T, c *tripCounter, norgs int) (*accounting.Postgre
 	renv.Client.AddHook(c)
 	store := newStore(t, renv, l, balance.Config{ModelMaxCacheTTL: time.Hour})
 	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
-	if err := l.PutModel(ctx, accounting.Model{Name: "m", MaxCost: 1000, DefaultHold: 100}); err != nil {
+	if err := l.PutModel(ctx, ledger.Model{Name: "m", MaxCost: 1000, DefaultHold: 100}); err != nil {
 		t.Fatal(err)
 	}
 	orgs := make([]string, norgs)

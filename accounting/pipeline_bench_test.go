@@ -8,6 +8,7 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 )
 
 // BenchmarkPipeline measures the whole accounting pipeline on real Redis and Postgres: usage
@@ -21,7 +22,7 @@ func BenchmarkPipeline(b *testing.B) {
 			ctx := context.Background()
 			env := testutil.RealRedis(b)
 			pg := testutil.Postgres(b)
-			l, err := accounting.OpenPostgres(ctx, pg.URL, nil)
+			l, err := pgledger.Open(ctx, pg.URL, nil)
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -7,16 +7,18 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/accounting"
-	"github.com/llmescrow/escrow/accounting/ledgertest"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/ledgertest"
+	"github.com/llmescrow/escrow/pricing"
 )
 
-func benchEvents(n, orgs int) []accounting.UsageEvent {
-	evs := make([]accounting.UsageEvent, n)
+func benchEvents(n, orgs int) []ledger.UsageEvent {
+	evs := make([]ledger.UsageEvent, n)
 	now := time.Now()
 	for i := range evs {
-		evs[i] = accounting.UsageEvent{
+		evs[i] = ledger.UsageEvent{
 			ID: ledgertest.NewEventID(), Org: fmt.Sprintf("org%d", i%orgs), KeyID: "key_1", Model: "gpt-test",
-			Endpoint: "/v1/chat/completions", Usage: accounting.Usage{Prompt: 900, Cached: 100, Completion: 300},
+			Endpoint: "/v1/chat/completions", Usage: pricing.Usage{Prompt: 900, Cached: 100, Completion: 300},
 			Cost: 1234, HoldAmount: 5000, CreatedAt: now,
 		}
 	}

@@ -9,6 +9,9 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 func i64p(v int64) *int64 { return &v }
@@ -21,30 +24,30 @@ func TestParseLiteLLM(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tab, err := accounting.ParsePriceTable(b, nil)
+	tab, err := pricing.ParsePriceTable(b, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(tab.Rows) != 16 || len(tab.Skipped) != 19 {
 		t.Fatalf("%d rows, %d skipped; want 16 and 19: %+v", len(tab.Rows), len(tab.Skipped), tab.Skipped)
 	}
-	rows := map[string]accounting.PriceRow{}
+	rows := map[string]pricing.PriceRow{}
 	for i, r := range tab.Rows {
 		rows[r.Model] = r
 		if i > 0 && tab.Rows[i-1].Model >= r.Model {
 			t.Fatalf("rows not sorted: %s before %s", tab.Rows[i-1].Model, r.Model)
 		}
 	}
-	for name, want := range map[string]accounting.PriceRow{
+	for name, want := range map[string]pricing.PriceRow{
 		// 1.25e-05 per token = 12.5 per 1M tokens; no cache-read price: the input price.
-		"ai21.j2-mid-v1":        {Prices: accounting.Prices{Input: 12_500_000, CachedInput: 12_500_000, Output: 12_500_000}, MaxInputTokens: i64p(8191), MaxOutputTokens: i64p(8191)},
-		"amazon.nova-lite-v1:0": {Prices: accounting.Prices{Input: 60_000, CachedInput: 60_000, Output: 240_000}, MaxInputTokens: i64p(300_000), MaxOutputTokens: i64p(10_000)},
+		"ai21.j2-mid-v1":        {Prices: pricing.Prices{Input: 12_500_000, CachedInput: 12_500_000, Output: 12_500_000}, MaxInputTokens: i64p(8191), MaxOutputTokens: i64p(8191)},
+		"amazon.nova-lite-v1:0": {Prices: pricing.Prices{Input: 60_000, CachedInput: 60_000, Output: 240_000}, MaxInputTokens: i64p(300_000), MaxOutputTokens: i64p(10_000)},
 		// cache_read_input_token_cost 5.46875e-07, input 2.1875e-06, output 1.75e-05.
-		"amazon.nova-2-pro-preview-20251202-v1:0": {Prices: accounting.Prices{Input: 2_187_500, CachedInput: 546_875, Output: 17_500_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
-		"jp.amazon.nova-2-lite-v1:0":              {Prices: accounting.Prices{Input: 330_000, CachedInput: 82_500, Output: 2_750_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
+		"amazon.nova-2-pro-preview-20251202-v1:0": {Prices: pricing.Prices{Input: 2_187_500, CachedInput: 546_875, Output: 17_500_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
+		"jp.amazon.nova-2-lite-v1:0":              {Prices: pricing.Prices{Input: 330_000, CachedInput: 82_500, Output: 2_750_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
 		// cache_creation_input_token_cost 6.875e-06: the cache-write price, 6,875,000;
 		// cache_creation_input_token_cost_above_1hr 1.1e-05: the 1-hour one.
-		"eu.anthropic.claude-opus-4-6-v1": {Prices: accounting.Prices{Input: 5_500_000, CachedInput: 550_000, Output: 27_500_000, CacheWriteInput: 6_875_000, CacheWrite1hInput: 11_000_000},
+		"eu.anthropic.claude-opus-4-6-v1": {Prices: pricing.Prices{Input: 5_500_000, CachedInput: 550_000, Output: 27_500_000, CacheWriteInput: 6_875_000, CacheWrite1hInput: 11_000_000},
 			CacheWrite: i64p(6_875_000), CacheWrite1h: i64p(11_000_000), MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(128_000)},
 		"anthropic.claude-mythos-preview": {MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(128_000)},
 	} {
@@ -70,7 +73,7 @@ func TestParseLiteLLM(t *testing.T) {
 	}
 
 	// A provider filter keeps that provider's entries.
-	tab, err = accounting.ParsePriceTable(b, []string{"bedrock"})
+	tab, err = pricing.ParsePriceTable(b, []string{"bedrock"})
 	if err != nil || len(tab.Rows) != 6 {
 		t.Fatalf("bedrock only: %d rows %v", len(tab.Rows), err)
 	}
@@ -82,7 +85,7 @@ func eqp(a, b *int64) bool { return (a == nil && b == nil) || (a != nil && b != 
 // and a missing output price is 0 only for embeddings.
 func TestParseLiteLLMEdges(t *testing.T) {
 	t.Parallel()
-	tab, err := accounting.ParsePriceTable([]byte(`{
+	tab, err := pricing.ParsePriceTable([]byte(`{
 		"frac": {"mode": "chat", "input_cost_per_token": 1.0000001e-06, "output_cost_per_token": 3.333333333333e-07},
 		"emb": {"mode": "embedding", "input_cost_per_token": 2e-08},
 		"resp": {"mode": "responses", "input_cost_per_token": 1.5e-07, "output_cost_per_token": 6e-07, "max_output_tokens": 16384},
@@ -116,7 +119,7 @@ func TestParseLiteLLMEdges(t *testing.T) {
 		t.Fatalf("resp: %+v", resp)
 	}
 	for _, bad := range []string{`{`, `{"a":1} x`, `{"a":1}{}`} {
-		if _, err := accounting.ParsePriceTable([]byte(bad), nil); err == nil {
+		if _, err := pricing.ParsePriceTable([]byte(bad), nil); err == nil {
 			t.Errorf("%s: accepted", bad)
 		}
 	}
@@ -125,7 +128,7 @@ func TestParseLiteLLMEdges(t *testing.T) {
 // TestParsePriceCSV: the simple CSV format, prices per 1M tokens in currency units.
 func TestParsePriceCSV(t *testing.T) {
 	t.Parallel()
-	tab, err := accounting.ParsePriceTable([]byte("\ufeff"+accounting.CSVHeader+`
+	tab, err := pricing.ParsePriceTable([]byte("\ufeff"+pricing.CSVHeader+`
 # a comment
 gpt-4o-mini, 0.15, 0.6, 0.075, 128000, 16384
 "name,with,commas",2.5,10,,,
@@ -140,10 +143,10 @@ short,1
 	if len(tab.Rows) != 3 || len(tab.Skipped) != 3 {
 		t.Fatalf("%+v", tab)
 	}
-	want := []accounting.PriceRow{
-		{Model: "gpt-4o-mini", Prices: accounting.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000}, MaxInputTokens: i64p(128_000), MaxOutputTokens: i64p(16_384)},
-		{Model: "name,with,commas", Prices: accounting.Prices{Input: 2_500_000, CachedInput: 2_500_000, Output: 10_000_000}},
-		{Model: "tiny", Prices: accounting.Prices{Input: 1, CachedInput: 1, Output: 2}, RoundedUp: []string{"input_price", "output_price"}},
+	want := []pricing.PriceRow{
+		{Model: "gpt-4o-mini", Prices: pricing.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000}, MaxInputTokens: i64p(128_000), MaxOutputTokens: i64p(16_384)},
+		{Model: "name,with,commas", Prices: pricing.Prices{Input: 2_500_000, CachedInput: 2_500_000, Output: 10_000_000}},
+		{Model: "tiny", Prices: pricing.Prices{Input: 1, CachedInput: 1, Output: 2}, RoundedUp: []string{"input_price", "output_price"}},
 	}
 	for i, w := range want {
 		g := tab.Rows[i]
@@ -155,7 +158,7 @@ short,1
 	if tab.Skipped[0].Reason != "listed twice" {
 		t.Errorf("skipped: %+v", tab.Skipped)
 	}
-	if _, err := accounting.ParsePriceTable([]byte("a,1,1\n"), []string{"openai"}); err == nil {
+	if _, err := pricing.ParsePriceTable([]byte("a,1,1\n"), []string{"openai"}); err == nil {
 		t.Error("a provider filter on a CSV: accepted")
 	}
 }
@@ -167,18 +170,18 @@ func TestImportPrices(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := testutil.Redis(t)
-	ledger := accounting.NewMemory()
-	store, err := balance.New(ctx, env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
+	l := memledger.New()
+	store, err := balance.New(ctx, env.Client, &balance.Config{Ledger: l, Prefix: env.Prefix, AllowEviction: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	ops := accounting.NewOps(newWorker(t, ledger, store, nil))
-	old := accounting.Model{Name: "gpt-4o-mini", Prices: accounting.Prices{Input: 100_000, CachedInput: 50_000, Output: 400_000},
+	ops := accounting.NewOps(newWorker(t, l, store, nil))
+	old := ledger.Model{Name: "gpt-4o-mini", Prices: pricing.Prices{Input: 100_000, CachedInput: 50_000, Output: 400_000},
 		MaxInputTokens: 128_000, MaxOutputTokens: 4096, MaxCost: 7_000, DefaultHold: 9_000}
 	if err := ops.PutModel(ctx, old); err != nil {
 		t.Fatal(err)
 	}
-	same := accounting.Model{Name: "same", Prices: accounting.Prices{Input: 1_000_000, CachedInput: 1_000_000, Output: 2_000_000}, MaxCost: 5}
+	same := ledger.Model{Name: "same", Prices: pricing.Prices{Input: 1_000_000, CachedInput: 1_000_000, Output: 2_000_000}, MaxCost: 5}
 	if err := ops.PutModel(ctx, same); err != nil {
 		t.Fatal(err)
 	}
@@ -186,7 +189,7 @@ func TestImportPrices(t *testing.T) {
 	if _, err := store.RaiseModelMax(ctx, "gpt-4o-mini", 8_000, 0, 1_000_000); err != nil {
 		t.Fatal(err)
 	}
-	tab, err := accounting.ParsePriceTable([]byte("model,input_per_1m,output_per_1m,cached_input_per_1m,max_input_tokens,max_output_tokens\n"+
+	tab, err := pricing.ParsePriceTable([]byte("model,input_per_1m,output_per_1m,cached_input_per_1m,max_input_tokens,max_output_tokens\n"+
 		"gpt-4o-mini,0.15,0.6,0.075,,16384\nsame,1,2\nnew-model,3,15,0.3,200000,8192\nbad,x,1\n"), nil)
 	if err != nil {
 		t.Fatal(err)
@@ -200,16 +203,16 @@ func TestImportPrices(t *testing.T) {
 	}
 	ch := dry.Changed[0]
 	wantNew := old
-	wantNew.Prices = accounting.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000}
+	wantNew.Prices = pricing.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000}
 	wantNew.MaxOutputTokens = 16384
 	// The report shows the prices each model is billed at: its defaults filled in.
 	if ch.Old != old.Effective() || ch.New != wantNew.Effective() {
 		t.Fatalf("change %+v, want %+v → %+v", ch, old, wantNew)
 	}
-	if m, _ := ledger.Model(ctx, "gpt-4o-mini"); m != old {
+	if m, _ := l.Model(ctx, "gpt-4o-mini"); m != old {
 		t.Fatalf("the dry run wrote: %+v", m)
 	}
-	if _, err := ledger.Model(ctx, "new-model"); err == nil {
+	if _, err := l.Model(ctx, "new-model"); err == nil {
 		t.Fatal("the dry run created a model")
 	}
 
@@ -217,19 +220,19 @@ func TestImportPrices(t *testing.T) {
 	if err != nil || r.DryRun || len(r.New) != 1 || len(r.Changed) != 1 || len(r.Unchanged) != 1 {
 		t.Fatalf("import: %+v %v", r, err)
 	}
-	m, err := ledger.Model(ctx, "gpt-4o-mini")
+	m, err := l.Model(ctx, "gpt-4o-mini")
 	wantNew.MaxCost = 8_000 // raised back to what Redis learned
 	if err != nil || m != wantNew {
 		t.Fatalf("imported %+v %v, want %+v", m, err, wantNew)
 	}
-	store2, err := balance.New(ctx, env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true}) // no cache
+	store2, err := balance.New(ctx, env.Client, &balance.Config{Ledger: l, Prefix: env.Prefix, AllowEviction: true}) // no cache
 	if err != nil {
 		t.Fatal(err)
 	}
 	if v, err := store2.ModelMax(ctx, "gpt-4o-mini"); err != nil || v != 8_000 {
 		t.Fatalf("learned max in Redis: %d %v, want 8000 kept", v, err)
 	}
-	if m, err := ledger.Model(ctx, "new-model"); err != nil || m.Input != 3_000_000 || m.CachedInput != 300_000 || m.Output != 15_000_000 ||
+	if m, err := l.Model(ctx, "new-model"); err != nil || m.Input != 3_000_000 || m.CachedInput != 300_000 || m.Output != 15_000_000 ||
 		m.MaxInputTokens != 200_000 || m.MaxOutputTokens != 8192 || m.MaxCost != 0 {
 		t.Fatalf("new model %+v %v", m, err)
 	}
@@ -246,13 +249,13 @@ func TestImportCacheWrite(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := testutil.Redis(t)
-	ledger := accounting.NewMemory()
+	ledger := memledger.New()
 	store, err := balance.New(ctx, env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	ops := accounting.NewOps(newWorker(t, ledger, store, nil))
-	tab, err := accounting.ParsePriceTable([]byte(`{"claude-x":{"mode":"chat","input_cost_per_token":1e-06,"output_cost_per_token":5e-06,
+	tab, err := pricing.ParsePriceTable([]byte(`{"claude-x":{"mode":"chat","input_cost_per_token":1e-06,"output_cost_per_token":5e-06,
 		"cache_read_input_token_cost":1e-07,"cache_creation_input_token_cost":1.25e-06}}`), nil)
 	if err != nil {
 		t.Fatal(err)
@@ -265,18 +268,18 @@ func TestImportCacheWrite(t *testing.T) {
 		t.Fatal(err)
 	}
 	m, err := ledger.Model(ctx, "claude-x")
-	if err != nil || m.Prices != (accounting.Prices{Input: 1_000_000, CachedInput: 100_000, Output: 5_000_000, CacheWriteInput: 1_250_000}) {
+	if err != nil || m.Prices != (pricing.Prices{Input: 1_000_000, CachedInput: 100_000, Output: 5_000_000, CacheWriteInput: 1_250_000}) {
 		t.Fatalf("imported: %+v %v", m, err)
 	}
 	// A CSV without the column keeps it; with it, changes it (the diff shows old → new).
-	csv, err := accounting.ParsePriceTable([]byte("claude-x,1,5,0.1\n"), nil)
+	csv, err := pricing.ParsePriceTable([]byte("claude-x,1,5,0.1\n"), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if r, err := ops.ImportPrices(ctx, csv, false); err != nil || len(r.Unchanged) != 1 {
 		t.Fatalf("CSV without a cache-write price: %+v %v", r, err)
 	}
-	csv, err = accounting.ParsePriceTable([]byte(accounting.CSVHeader+"\nclaude-x,1,5,0.1,,,1.5\n"), nil)
+	csv, err = pricing.ParsePriceTable([]byte(pricing.CSVHeader+"\nclaude-x,1,5,0.1,,,1.5\n"), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -294,13 +297,13 @@ func TestImportCacheWrite1h(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := testutil.Redis(t)
-	ledger := accounting.NewMemory()
+	ledger := memledger.New()
 	store, err := balance.New(ctx, env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	ops := accounting.NewOps(newWorker(t, ledger, store, nil))
-	tab, err := accounting.ParsePriceTable([]byte(`{"claude-x":{"mode":"chat","input_cost_per_token":1e-06,"output_cost_per_token":5e-06,
+	tab, err := pricing.ParsePriceTable([]byte(`{"claude-x":{"mode":"chat","input_cost_per_token":1e-06,"output_cost_per_token":5e-06,
 		"cache_read_input_token_cost":1e-07,"cache_creation_input_token_cost":1.25e-06,"cache_creation_input_token_cost_above_1hr":2.000001e-06},
 		"plain":{"mode":"chat","input_cost_per_token":2e-06,"output_cost_per_token":8e-06}}`), nil)
 	if err != nil {
@@ -314,11 +317,11 @@ func TestImportCacheWrite1h(t *testing.T) {
 		t.Fatalf("imported: %+v %v", m, err)
 	}
 	p, err := ledger.Model(ctx, "plain")
-	if err != nil || p.Prices != (accounting.Prices{Input: 2_000_000, CachedInput: 2_000_000, Output: 8_000_000}) ||
+	if err != nil || p.Prices != (pricing.Prices{Input: 2_000_000, CachedInput: 2_000_000, Output: 8_000_000}) ||
 		p.WithDefaults().CacheWrite1hInput != 4_000_000 || p.WithDefaults().CacheWriteInput != 2_000_000 {
 		t.Fatalf("imported without cache-write prices: %+v %v", p, err)
 	}
-	csv, err := accounting.ParsePriceTable([]byte(accounting.CSVHeader+"\nclaude-x,1,5,0.1,,,1.25\nplain,2,8,,,,,4\n"), nil)
+	csv, err := pricing.ParsePriceTable([]byte(pricing.CSVHeader+"\nclaude-x,1,5,0.1,,,1.25\nplain,2,8,,,,,4\n"), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -327,7 +330,7 @@ func TestImportCacheWrite1h(t *testing.T) {
 	if err != nil || len(r.Unchanged) != 2 {
 		t.Fatalf("CSV: %+v %v", r, err)
 	}
-	csv, err = accounting.ParsePriceTable([]byte("claude-x,1,5,0.1,,,1.25,3\n"), nil)
+	csv, err = pricing.ParsePriceTable([]byte("claude-x,1,5,0.1,,,1.25,3\n"), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -335,7 +338,7 @@ func TestImportCacheWrite1h(t *testing.T) {
 	if err != nil || len(r.Changed) != 1 || r.Changed[0].Old.CacheWrite1hInput != 2_000_001 || r.Changed[0].New.CacheWrite1hInput != 3_000_000 {
 		t.Fatalf("CSV with a 1-hour price: %+v %v", r, err)
 	}
-	if bad, _ := accounting.ParsePriceTable([]byte("x,1,5,0.1,,,1.25,3,9\n"), nil); len(bad.Skipped) != 1 {
+	if bad, _ := pricing.ParsePriceTable([]byte("x,1,5,0.1,,,1.25,3,9\n"), nil); len(bad.Skipped) != 1 {
 		t.Fatalf("9 columns: %+v", bad)
 	}
 }

@@ -13,23 +13,26 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 )
 
 // countingStore counts the recorder's writes by kind, each write slowed by delay so that
 // concurrent events pile up into batches.
 type countingStore struct {
-	accounting.QuietUsageStore
+	ledger.QuietUsageStore
 	delay         time.Duration
 	loud, quietly atomic.Int64
 }
 
-func (c *countingStore) RecordUsage(ctx context.Context, events []accounting.UsageEvent) error {
+func (c *countingStore) RecordUsage(ctx context.Context, events []ledger.UsageEvent) error {
 	c.loud.Add(1)
 	time.Sleep(c.delay)
 	return c.QuietUsageStore.RecordUsage(ctx, events)
 }
 
-func (c *countingStore) RecordUsageQuiet(ctx context.Context, events []accounting.UsageEvent) error {
+func (c *countingStore) RecordUsageQuiet(ctx context.Context, events []ledger.UsageEvent) error {
 	c.quietly.Add(1)
 	time.Sleep(c.delay)
 	return c.QuietUsageStore.RecordUsageQuiet(ctx, events)
@@ -40,7 +43,7 @@ func (c *countingStore) RecordUsageQuiet(ctx context.Context, events []accountin
 // worker hears no NOTIFY of it and its sweep is an hour away.
 func TestRecorderWakesWorker(t *testing.T) {
 	t.Parallel()
-	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) {
 		ctx := context.Background()
 		store := newStore(t, env, l, balance.Config{})
 		w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet, SweepInterval: time.Hour})
@@ -52,7 +55,7 @@ func TestRecorderWakesWorker(t *testing.T) {
 		}
 		t.Cleanup(func() { _ = w.Stop(context.Background()) })
 		var wakes atomic.Int64
-		cs := &countingStore{QuietUsageStore: l.(accounting.QuietUsageStore), delay: 20 * time.Millisecond}
+		cs := &countingStore{QuietUsageStore: l.(ledger.QuietUsageStore), delay: 20 * time.Millisecond}
 		r, err := accounting.NewRecorder(cs, &accounting.RecorderConfig{Logger: quiet, Wake: func() {
 			wakes.Add(1)
 			w.Wake()
@@ -87,7 +90,7 @@ func TestRecorderWakesWorker(t *testing.T) {
 func TestRecorderWakeReplay(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	l := newDownLedger(accounting.NewMemory())
+	l := newDownLedger(memledger.New())
 	j, err := accounting.OpenJournal(t.TempDir(), &accounting.JournalConfig{MaxBytes: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
@@ -162,8 +165,8 @@ func TestPostgresDropsOwnPassNotify(t *testing.T) {
 	env := testutil.Postgres(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	open := func() *accounting.Postgres {
-		l, err := accounting.OpenPostgres(ctx, env.URL, &accounting.PostgresConfig{Logger: quiet})
+	open := func() *pgledger.Ledger {
+		l, err := pgledger.Open(ctx, env.URL, &pgledger.Config{Logger: quiet})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -186,8 +189,8 @@ func TestPostgresDropsOwnPassNotify(t *testing.T) {
 		}
 	}
 	quietUsage := func(org string) {
-		ev := accounting.UsageEvent{ID: newID(), Org: org, Model: "m", Cost: 1}
-		if err := l1.RecordUsageQuiet(ctx, []accounting.UsageEvent{ev}); err != nil {
+		ev := ledger.UsageEvent{ID: newID(), Org: org, Model: "m", Cost: 1}
+		if err := l1.RecordUsageQuiet(ctx, []ledger.UsageEvent{ev}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -199,7 +202,7 @@ func TestPostgresDropsOwnPassNotify(t *testing.T) {
 	if _, err := l1.Snapshot(ctx, "seed"); err != nil { // accounts the pending usage: the seed's charge
 		t.Fatal(err)
 	}
-	if err := l1.RecordUsage(ctx, []accounting.UsageEvent{{ID: newID(), Org: "seed", Model: "m", Cost: 1}}); err != nil {
+	if err := l1.RecordUsage(ctx, []ledger.UsageEvent{{ID: newID(), Org: "seed", Model: "m", Cost: 1}}); err != nil {
 		t.Fatal(err)
 	}
 	credit(ctx, t, l1, "done")
@@ -215,7 +218,7 @@ func TestPostgresDropsOwnPassNotify(t *testing.T) {
 		t.Fatalf("the other ledger heard %q before the credit, want pass,seed,seed", got)
 	}
 	// A ledger on a pool of the caller's (no tag) still hears its own passes.
-	l3, err := accounting.NewPostgres(env.Pool, nil)
+	l3, err := pgledger.New(env.Pool, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -223,7 +226,7 @@ func TestPostgresDropsOwnPassNotify(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := l3.RecordUsageQuiet(ctx, []accounting.UsageEvent{{ID: newID(), Org: "pass", Model: "m", Cost: 1}}); err != nil {
+	if err := l3.RecordUsageQuiet(ctx, []ledger.UsageEvent{{ID: newID(), Org: "pass", Model: "m", Cost: 1}}); err != nil {
 		t.Fatal(err)
 	}
 	// The pass also accounts the (loud) usage of "seed" that no pass has taken yet.
@@ -238,7 +241,7 @@ func TestPostgresDropsOwnPassNotify(t *testing.T) {
 }
 
 // credit credits org 1 with a new reference.
-func credit(ctx context.Context, t *testing.T, l accounting.Ledger, org string) {
+func credit(ctx context.Context, t *testing.T, l ledger.Ledger, org string) {
 	t.Helper()
 	if _, _, err := l.Credit(ctx, org, 1, newID()); err != nil {
 		t.Fatal(err)

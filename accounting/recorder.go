@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/internal/startstop"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // ErrRecorderClosed is returned by Record when the recorder is not running (before Start, after
@@ -99,7 +100,7 @@ type RecorderConfig struct {
 // ledger answers again; Degraded tells the caller to stop taking new holds when the journal
 // nears its cap.
 type Recorder struct {
-	ledger UsageStore
+	ledger ledger.UsageStore
 	cfg    RecorderConfig
 	fb     *fallback // nil without a journal
 
@@ -115,7 +116,7 @@ type Recorder struct {
 }
 
 type recordReq struct {
-	ev   UsageEvent
+	ev   ledger.UsageEvent
 	done chan recordDone
 }
 
@@ -161,21 +162,21 @@ func (c *RecorderConfig) withDefaults() RecorderConfig {
 func (c *RecorderConfig) validate() error {
 	switch {
 	case c.MaxBatch < 0 || c.Flushers < 0 || c.QueueSize < 0:
-		return fmt.Errorf("%w: recorder MaxBatch, Flushers and QueueSize must be ≥ 0", ErrConfig)
+		return fmt.Errorf("%w: recorder MaxBatch, Flushers and QueueSize must be ≥ 0", ledger.ErrConfig)
 	case c.FlushInterval < 0 || c.Timeout < 0 || c.PinInterval < 0 || c.ReplayInterval < 0 ||
 		c.UnpinDelay < 0 || c.FinishTimeout < 0:
-		return fmt.Errorf("%w: recorder durations must be ≥ 0", ErrConfig)
+		return fmt.Errorf("%w: recorder durations must be ≥ 0", ledger.ErrConfig)
 	case c.JournalReserve <= 0 || c.JournalReserve >= 1:
-		return fmt.Errorf("%w: recorder JournalReserve %v is outside (0, 1)", ErrConfig, c.JournalReserve)
+		return fmt.Errorf("%w: recorder JournalReserve %v is outside (0, 1)", ledger.ErrConfig, c.JournalReserve)
 	}
 	return nil
 }
 
 // NewRecorder returns a recorder writing to l; cfg may be nil for the defaults. A config field
 // out of range is refused with an error wrapping ErrConfig. Call Start before Record.
-func NewRecorder(l UsageStore, cfg *RecorderConfig) (*Recorder, error) {
+func NewRecorder(l ledger.UsageStore, cfg *RecorderConfig) (*Recorder, error) {
 	if l == nil {
-		return nil, fmt.Errorf("%w: recorder needs a ledger", ErrConfig)
+		return nil, fmt.Errorf("%w: recorder needs a ledger", ledger.ErrConfig)
 	}
 	c := cfg.withDefaults()
 	if err := c.validate(); err != nil {
@@ -277,15 +278,15 @@ func (r *Recorder) close() {
 // Invalid events are refused at once (ErrInvalidUsage, ErrInvalidAmount, balance.ErrInvalidOrg)
 // and never spoil the batch of others. When ctx ends first, Record returns ctx.Err() but the
 // event may still be written.
-func (r *Recorder) Record(ctx context.Context, ev UsageEvent) error {
+func (r *Recorder) Record(ctx context.Context, ev ledger.UsageEvent) error {
 	_, err := r.RecordReceipt(ctx, ev)
 	return err
 }
 
 // RecordReceipt is Record, also answering the org's available balance right after the event's
 // hold was finished (see Receipt), as the batch's finish call read it: no extra round trip.
-func (r *Recorder) RecordReceipt(ctx context.Context, ev UsageEvent) (Receipt, error) {
-	ev, err := normalizeEvent(ev)
+func (r *Recorder) RecordReceipt(ctx context.Context, ev ledger.UsageEvent) (Receipt, error) {
+	ev, err := ledger.NormalizeEvent(ev)
 	if err != nil {
 		return Receipt{}, err
 	}
@@ -366,7 +367,7 @@ func (r *Recorder) flusher() {
 
 // commit writes one batch and answers each of its callers.
 func (r *Recorder) commit(batch []*recordReq) {
-	events := make([]UsageEvent, len(batch))
+	events := make([]ledger.UsageEvent, len(batch))
 	for i, req := range batch {
 		events[i] = req.ev
 	}
@@ -376,10 +377,10 @@ func (r *Recorder) commit(batch []*recordReq) {
 	if r.fb != nil && r.fb.ledgerDown() {
 		// The ledger was down a moment ago and no replay has succeeded since: keep appending
 		// (the replay loop finds out when the ledger is back) instead of waiting for it.
-		err = r.fb.append(ctx, events, ErrLedgerUnavailable)
+		err = r.fb.append(ctx, events, ledger.ErrLedgerUnavailable)
 	} else {
 		err = r.record(ctx, events)
-		if err != nil && r.fb != nil && errors.Is(err, ErrLedgerUnavailable) {
+		if err != nil && r.fb != nil && errors.Is(err, ledger.ErrLedgerUnavailable) {
 			actx, acancel := context.WithTimeout(context.Background(), r.cfg.Timeout)
 			err = r.fb.append(actx, events, err)
 			acancel()
@@ -400,17 +401,17 @@ func (r *Recorder) commit(batch []*recordReq) {
 // record writes a batch to the ledger: with a Wake, quietly when the ledger can, and then wakes
 // the worker, also after an error that leaves the outcome unknown (the events may be stored; a
 // pass that finds nothing costs little). A batch surely not stored wakes nothing.
-func (r *Recorder) record(ctx context.Context, events []UsageEvent) error {
+func (r *Recorder) record(ctx context.Context, events []ledger.UsageEvent) error {
 	if r.cfg.Wake == nil {
 		return r.ledger.RecordUsage(ctx, events)
 	}
 	var err error
-	if q, ok := r.ledger.(QuietUsageStore); ok {
+	if q, ok := r.ledger.(ledger.QuietUsageStore); ok {
 		err = q.RecordUsageQuiet(ctx, events)
 	} else {
 		err = r.ledger.RecordUsage(ctx, events)
 	}
-	if !errors.Is(err, ErrNotRecorded) {
+	if !errors.Is(err, ledger.ErrNotRecorded) {
 		r.cfg.Wake()
 	}
 	return err
@@ -422,8 +423,8 @@ func (r *Recorder) record(ctx context.Context, events []UsageEvent) error {
 // against any write of the same event still in flight. nil: voided, so a later write of the
 // event (a queued batch, a journal replay) is a no-op. ErrUsageRecorded: the event was stored
 // first and is charged. Any other error: still unknown; Void may be retried.
-func (r *Recorder) Void(ctx context.Context, ev UsageEvent) error {
-	ev, err := normalizeEvent(ev)
+func (r *Recorder) Void(ctx context.Context, ev ledger.UsageEvent) error {
+	ev, err := ledger.NormalizeEvent(ev)
 	if err != nil {
 		return err
 	}

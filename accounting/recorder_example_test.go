@@ -5,12 +5,15 @@ import (
 	"fmt"
 
 	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 func ExampleRecorder() {
 	ctx := context.Background()
-	ledger := accounting.NewMemory()
-	rec, err := accounting.NewRecorder(ledger, nil) // nil config: the defaults (batches of ≤ 500)
+	l := memledger.New()
+	rec, err := accounting.NewRecorder(l, nil) // nil config: the defaults (batches of ≤ 500)
 	if err != nil {
 		panic(err)
 	}
@@ -18,12 +21,12 @@ func ExampleRecorder() {
 	defer rec.Stop(ctx) // writes whatever is still queued
 
 	// Called by each request before its response's final bytes: returns once the event is durable.
-	err = rec.Record(ctx, accounting.UsageEvent{
+	err = rec.Record(ctx, ledger.UsageEvent{
 		ID: "0192f0c4-6c1e-7cde-8000-000000000001", Org: "acme", Model: "gpt-4o",
-		Usage: accounting.Usage{Prompt: 10, Completion: 5}, Cost: 42, HoldAmount: 100,
+		Usage: pricing.Usage{Prompt: 10, Completion: 5}, Cost: 42, HoldAmount: 100,
 	})
 	fmt.Println("recorded:", err == nil)
-	n, _ := ledger.AccountPending(ctx, 10)
+	n, _ := l.AccountPending(ctx, 10)
 	fmt.Println("accounted:", n)
 	// Output:
 	// recorded: true

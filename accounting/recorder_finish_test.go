@@ -12,6 +12,8 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
 )
 
 // countingFinisher counts FinishEach calls and can fail them.
@@ -38,7 +40,7 @@ func TestRecorderFinishReturnsUnusedHold(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := testutil.Redis(t)
-	mem := accounting.NewMemory()
+	mem := memledger.New()
 	store := newStore(t, env, mem, balance.Config{MaxInFlight: 3})
 	w := newWorker(t, mem, store, &accounting.WorkerConfig{Logger: quiet})
 	evs := journalSetup(t, store, w, mem, "acme", 3) // three holds of 10: the cap is full
@@ -47,7 +49,7 @@ func TestRecorderFinishReturnsUnusedHold(t *testing.T) {
 		t.Fatalf("4th reserve: %v, want ErrTooManyHolds", err)
 	}
 	r := startRecorder(t, mem, accounting.RecorderConfig{Finisher: store, Logger: quiet})
-	failOpen := accounting.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 2} // no hold
+	failOpen := ledger.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 2} // no hold
 	recordEach(t, r, append(evs, failOpen))
 
 	st, err := store.State(ctx, "acme")
@@ -91,12 +93,12 @@ func TestRecorderReceipt(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := testutil.Redis(t)
-	mem := accounting.NewMemory()
+	mem := memledger.New()
 	store := newStore(t, env, mem, balance.Config{})
 	w := newWorker(t, mem, store, &accounting.WorkerConfig{Logger: quiet})
 	evs := journalSetup(t, store, w, mem, "acme", 20) // 20 holds of 10, cost 3 each
 	fin := &countingFinisher{next: store}
-	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error {
+	h := &hookLedger{Ledger: mem, before: func([]ledger.UsageEvent) error {
 		time.Sleep(5 * time.Millisecond) // callers pile up: batches of several events
 		return nil
 	}}
@@ -134,7 +136,7 @@ func TestRecorderReceipt(t *testing.T) {
 		t.Fatalf("re-recorded: %+v %v, store %d", rc, err, st.Balance)
 	}
 	// Fail-open: no hold, no balance.
-	if rc, err := r.RecordReceipt(ctx, accounting.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 2}); err != nil || rc.HaveBalance {
+	if rc, err := r.RecordReceipt(ctx, ledger.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 2}); err != nil || rc.HaveBalance {
 		t.Fatalf("fail-open: %+v %v", rc, err)
 	}
 	// A failed finish: recorded, no balance.
@@ -143,7 +145,7 @@ func TestRecorderReceipt(t *testing.T) {
 		t.Fatal(err)
 	}
 	fin.fail.Store(true)
-	if rc, err := r.RecordReceipt(ctx, accounting.UsageEvent{ID: id, Org: "acme", Model: "m", Cost: 4, HoldAmount: 10}); err != nil || rc.HaveBalance {
+	if rc, err := r.RecordReceipt(ctx, ledger.UsageEvent{ID: id, Org: "acme", Model: "m", Cost: 4, HoldAmount: 10}); err != nil || rc.HaveBalance {
 		t.Fatalf("failed finish: %+v %v", rc, err)
 	}
 	fin.fail.Store(false)
@@ -155,12 +157,12 @@ func TestRecorderReceipt(t *testing.T) {
 	if err := store.Invalidate(ctx, "acme"); err != nil {
 		t.Fatal(err)
 	}
-	if rc, err := r.RecordReceipt(ctx, accounting.UsageEvent{ID: id, Org: "acme", Model: "m", Cost: 4, HoldAmount: 10}); err != nil || rc.HaveBalance {
+	if rc, err := r.RecordReceipt(ctx, ledger.UsageEvent{ID: id, Org: "acme", Model: "m", Cost: 4, HoldAmount: 10}); err != nil || rc.HaveBalance {
 		t.Fatalf("cold org: %+v %v", rc, err)
 	}
 	// No Finisher: nothing known.
 	r2 := startRecorder(t, mem, accounting.RecorderConfig{Logger: quiet})
-	if rc, err := r2.RecordReceipt(ctx, accounting.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 1, HoldAmount: 5}); err != nil || rc.HaveBalance {
+	if rc, err := r2.RecordReceipt(ctx, ledger.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 1, HoldAmount: 5}); err != nil || rc.HaveBalance {
 		t.Fatalf("no finisher: %+v %v", rc, err)
 	}
 }
@@ -170,11 +172,11 @@ func TestRecorderReceipt(t *testing.T) {
 func TestRecorderFinishOnePerBatch(t *testing.T) {
 	t.Parallel()
 	env := testutil.Redis(t)
-	mem := accounting.NewMemory()
+	mem := memledger.New()
 	store := newStore(t, env, mem, balance.Config{MaxInFlight: 1000})
 	w := newWorker(t, mem, store, &accounting.WorkerConfig{Logger: quiet})
 	evs := journalSetup(t, store, w, mem, "acme", 90)
-	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error {
+	h := &hookLedger{Ledger: mem, before: func([]ledger.UsageEvent) error {
 		time.Sleep(5 * time.Millisecond) // callers pile up behind each batch
 		return nil
 	}}
@@ -196,7 +198,7 @@ func TestRecorderFinishBestEffort(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := testutil.Redis(t)
-	mem := accounting.NewMemory()
+	mem := memledger.New()
 	store := newStore(t, env, mem, balance.Config{})
 	w := newWorker(t, mem, store, &accounting.WorkerConfig{Logger: quiet})
 	evs := journalSetup(t, store, w, mem, "acme", 5)
@@ -227,7 +229,7 @@ func TestRecorderFinishJournaled(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := testutil.Redis(t)
-	mem := accounting.NewMemory()
+	mem := memledger.New()
 	l := newDownLedger(mem)
 	store := newStore(t, env, l, balance.Config{HoldTTL: 50 * time.Millisecond, SettleDeadline: 50 * time.Millisecond, PinTTL: time.Hour, ReapGrace: time.Millisecond})
 	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
@@ -271,13 +273,13 @@ func TestRecorderFinishJournaled(t *testing.T) {
 
 // countingLedger counts the events of org it stored.
 type countingLedger struct {
-	*accounting.Memory
+	*memledger.Ledger
 	org string
 	n   atomic.Int64
 }
 
-func (c *countingLedger) RecordUsage(ctx context.Context, evs []accounting.UsageEvent) error {
-	err := c.Memory.RecordUsage(ctx, evs)
+func (c *countingLedger) RecordUsage(ctx context.Context, evs []ledger.UsageEvent) error {
+	err := c.Ledger.RecordUsage(ctx, evs)
 	if err == nil {
 		for _, ev := range evs {
 			if ev.Org == c.org {
@@ -323,15 +325,15 @@ func TestRecorderFinishStallsNoOne(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	fin := &stuckFinisher{stuck: "dead", release: make(chan struct{})}
-	l := &countingLedger{Memory: accounting.NewMemory(), org: "dead"}
+	l := &countingLedger{Ledger: memledger.New(), org: "dead"}
 	r := startRecorder(t, l, accounting.RecorderConfig{Finisher: fin, FinishTimeout: time.Minute,
 		FlushInterval: 50 * time.Millisecond, Logger: quiet})
 	// recorded is how many of the dead node's events are durable (their callers wait for the finish).
 	recorded := func(n int) func() bool {
 		return func() bool { return l.n.Load() >= int64(n) }
 	}
-	ev := func(org string) accounting.UsageEvent {
-		return accounting.UsageEvent{ID: newID(), Org: org, Model: "m", Cost: 1, HoldAmount: 5}
+	ev := func(org string) ledger.UsageEvent {
+		return ledger.UsageEvent{ID: newID(), Org: org, Model: "m", Cost: 1, HoldAmount: 5}
 	}
 	var stuck sync.WaitGroup
 	var once sync.Once

@@ -12,31 +12,34 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 )
 
 // downLedger is a ledger that can be switched off: every call that would reach the database
 // fails with ErrLedgerUnavailable, like Postgres stopped. It counts how often each usage event
 // reached the ledger while it was up.
 type downLedger struct {
-	accounting.Ledger
+	ledger.Ledger
 	down atomic.Bool
 
 	mu     sync.Mutex
 	stored map[string]int // event id → RecordUsage calls that carried it and succeeded
 }
 
-func newDownLedger(l accounting.Ledger) *downLedger {
+func newDownLedger(l ledger.Ledger) *downLedger {
 	return &downLedger{Ledger: l, stored: map[string]int{}}
 }
 
 func (d *downLedger) err() error {
 	if d.down.Load() {
-		return fmt.Errorf("injected outage: %w", accounting.ErrLedgerUnavailable)
+		return fmt.Errorf("injected outage: %w", ledger.ErrLedgerUnavailable)
 	}
 	return nil
 }
 
-func (d *downLedger) RecordUsage(ctx context.Context, events []accounting.UsageEvent) error {
+func (d *downLedger) RecordUsage(ctx context.Context, events []ledger.UsageEvent) error {
 	if err := d.err(); err != nil {
 		return err
 	}
@@ -90,7 +93,7 @@ func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
 }
 
 // journalSetup makes a funded org with n holds of 10 taken, and their usage events (cost 3).
-func journalSetup(t *testing.T, store *balance.Store, w *accounting.Worker, l accounting.Ledger, org string, n int) []accounting.UsageEvent {
+func journalSetup(t *testing.T, store *balance.Store, w *accounting.Worker, l ledger.Ledger, org string, n int) []ledger.UsageEvent {
 	t.Helper()
 	ctx := context.Background()
 	if err := l.CreateOrg(ctx, org); err != nil {
@@ -99,9 +102,9 @@ func journalSetup(t *testing.T, store *balance.Store, w *accounting.Worker, l ac
 	if _, _, err := w.Credit(ctx, org, 1000, "init-"+org); err != nil {
 		t.Fatal(err)
 	}
-	evs := make([]accounting.UsageEvent, n)
+	evs := make([]ledger.UsageEvent, n)
 	for i := range evs {
-		evs[i] = accounting.UsageEvent{ID: newID(), Org: org, Model: "m", Cost: 3, HoldAmount: 10}
+		evs[i] = ledger.UsageEvent{ID: newID(), Org: org, Model: "m", Cost: 3, HoldAmount: 10}
 		if _, err := store.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: evs[i].ID, Amount: 10}); err != nil {
 			t.Fatal(err)
 		}
@@ -109,7 +112,7 @@ func journalSetup(t *testing.T, store *balance.Store, w *accounting.Worker, l ac
 	return evs
 }
 
-func recordEach(t *testing.T, r *accounting.Recorder, evs []accounting.UsageEvent) {
+func recordEach(t *testing.T, r *accounting.Recorder, evs []ledger.UsageEvent) {
 	t.Helper()
 	var wg sync.WaitGroup
 	errs := make([]error, len(evs))
@@ -131,7 +134,7 @@ func TestRecorderJournalOutage(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := testutil.Redis(t)
-	mem := accounting.NewMemory()
+	mem := memledger.New()
 	l := newDownLedger(mem)
 	store := newStore(t, env, l, balance.Config{HoldTTL: 50 * time.Millisecond, PinTTL: time.Hour, ReapGrace: time.Millisecond})
 	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
@@ -216,7 +219,7 @@ func TestRecorderJournalSurvivesRestart(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := testutil.Redis(t)
-	l := newDownLedger(accounting.NewMemory())
+	l := newDownLedger(memledger.New())
 	store := newStore(t, env, l, balance.Config{})
 	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
 	const n = 10
@@ -267,16 +270,16 @@ func TestRecorderJournalSurvivesRestart(t *testing.T) {
 // does not fit fails Record (the caller must not serve the request unbilled).
 func TestRecorderJournalFull(t *testing.T) {
 	t.Parallel()
-	l := newDownLedger(accounting.NewMemory())
+	l := newDownLedger(memledger.New())
 	l.down.Store(true)
-	ev := accounting.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 3}
+	ev := ledger.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 3}
 	size := func() int64 {
 		j, err := accounting.OpenJournal(t.TempDir(), &accounting.JournalConfig{MaxBytes: 1 << 20})
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer j.Close()
-		if err := j.Append(context.Background(), []accounting.UsageEvent{ev}); err != nil {
+		if err := j.Append(context.Background(), []ledger.UsageEvent{ev}); err != nil {
 			t.Fatal(err)
 		}
 		return j.Size()
@@ -290,7 +293,7 @@ func TestRecorderJournalFull(t *testing.T) {
 	var err2 error
 	recorded := 0
 	for i := 0; i < 20; i++ {
-		ev := accounting.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 3}
+		ev := ledger.UsageEvent{ID: newID(), Org: "acme", Model: "m", Cost: 3}
 		if err2 = r.Record(context.Background(), ev); err2 != nil {
 			break
 		}
@@ -299,7 +302,7 @@ func TestRecorderJournalFull(t *testing.T) {
 			t.Fatalf("degraded after %d of 10 events", recorded)
 		}
 	}
-	if !errors.Is(err2, accounting.ErrJournalFull) || !errors.Is(err2, accounting.ErrLedgerUnavailable) {
+	if !errors.Is(err2, accounting.ErrJournalFull) || !errors.Is(err2, ledger.ErrLedgerUnavailable) {
 		t.Fatalf("record into a full journal: %v", err2)
 	}
 	if !r.Degraded() || recorded < 8 || recorded > 10 {
@@ -317,7 +320,7 @@ func TestRecorderJournalPostgresOutage(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	srv := testutil.StartPostgresServer(t)
-	pg, err := accounting.OpenPostgres(ctx, srv.URL(), nil)
+	pg, err := pgledger.Open(ctx, srv.URL(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,19 +9,22 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/accounting"
-	"github.com/llmescrow/escrow/accounting/ledgertest"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/ledgertest"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // hookLedger counts and optionally slows down or fails RecordUsage calls.
 type hookLedger struct {
-	accounting.Ledger
+	ledger.Ledger
 	calls    atomic.Int64
 	maxBatch atomic.Int64
-	before   func(events []accounting.UsageEvent) error
+	before   func(events []ledger.UsageEvent) error
 }
 
-func (h *hookLedger) RecordUsage(ctx context.Context, events []accounting.UsageEvent) error {
+func (h *hookLedger) RecordUsage(ctx context.Context, events []ledger.UsageEvent) error {
 	h.calls.Add(1)
 	for {
 		m := h.maxBatch.Load()
@@ -37,11 +40,11 @@ func (h *hookLedger) RecordUsage(ctx context.Context, events []accounting.UsageE
 	return h.Ledger.RecordUsage(ctx, events)
 }
 
-func usage(org string) accounting.UsageEvent {
-	return accounting.UsageEvent{ID: ledgertest.NewEventID(), Org: org, Model: "m", Cost: 3, HoldAmount: 10}
+func usage(org string) ledger.UsageEvent {
+	return ledger.UsageEvent{ID: ledgertest.NewEventID(), Org: org, Model: "m", Cost: 3, HoldAmount: 10}
 }
 
-func startRecorder(t *testing.T, l accounting.Ledger, cfg accounting.RecorderConfig) *accounting.Recorder {
+func startRecorder(t *testing.T, l ledger.Ledger, cfg accounting.RecorderConfig) *accounting.Recorder {
 	t.Helper()
 	r := newRecorder(t, l, cfg)
 	r.Start(context.Background())
@@ -50,7 +53,7 @@ func startRecorder(t *testing.T, l accounting.Ledger, cfg accounting.RecorderCon
 }
 
 // newRecorder is accounting.NewRecorder, failing the test on a config error.
-func newRecorder(t testing.TB, l accounting.Ledger, cfg accounting.RecorderConfig) *accounting.Recorder {
+func newRecorder(t testing.TB, l ledger.Ledger, cfg accounting.RecorderConfig) *accounting.Recorder {
 	t.Helper()
 	r, err := accounting.NewRecorder(l, &cfg)
 	if err != nil {
@@ -59,9 +62,9 @@ func newRecorder(t testing.TB, l accounting.Ledger, cfg accounting.RecorderConfi
 	return r
 }
 
-func recordAll(t *testing.T, r *accounting.Recorder, n int, org string) ([]accounting.UsageEvent, []error) {
+func recordAll(t *testing.T, r *accounting.Recorder, n int, org string) ([]ledger.UsageEvent, []error) {
 	t.Helper()
-	evs := make([]accounting.UsageEvent, n)
+	evs := make([]ledger.UsageEvent, n)
 	errs := make([]error, n)
 	var wg sync.WaitGroup
 	for i := range n {
@@ -74,8 +77,8 @@ func recordAll(t *testing.T, r *accounting.Recorder, n int, org string) ([]accou
 
 func TestRecorderGroupCommits(t *testing.T) {
 	t.Parallel()
-	mem := accounting.NewMemory()
-	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error {
+	mem := memledger.New()
+	h := &hookLedger{Ledger: mem, before: func([]ledger.UsageEvent) error {
 		time.Sleep(10 * time.Millisecond) // a slow ledger: callers pile up behind each batch
 		return nil
 	}}
@@ -102,8 +105,8 @@ func TestRecorderGroupCommits(t *testing.T) {
 func TestRecorderReturnsOnlyWhenDurable(t *testing.T) {
 	t.Parallel()
 	release := make(chan struct{})
-	mem := accounting.NewMemory()
-	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error { <-release; return nil }}
+	mem := memledger.New()
+	h := &hookLedger{Ledger: mem, before: func([]ledger.UsageEvent) error { <-release; return nil }}
 	r := startRecorder(t, h, accounting.RecorderConfig{})
 	done := make(chan error, 1)
 	go func() { done <- r.Record(context.Background(), usage("o")) }()
@@ -124,7 +127,7 @@ func TestRecorderReturnsOnlyWhenDurable(t *testing.T) {
 func TestRecorderBatchErrorReachesEveryCaller(t *testing.T) {
 	t.Parallel()
 	boom := errors.New("disk on fire")
-	h := &hookLedger{Ledger: accounting.NewMemory(), before: func([]accounting.UsageEvent) error {
+	h := &hookLedger{Ledger: memledger.New(), before: func([]ledger.UsageEvent) error {
 		time.Sleep(5 * time.Millisecond)
 		return boom
 	}}
@@ -139,7 +142,7 @@ func TestRecorderBatchErrorReachesEveryCaller(t *testing.T) {
 
 func TestRecorderRejectsInvalidEventAlone(t *testing.T) {
 	t.Parallel()
-	mem := accounting.NewMemory()
+	mem := memledger.New()
 	r := startRecorder(t, mem, accounting.RecorderConfig{})
 	bad := usage("bad{org}")
 	if err := r.Record(context.Background(), bad); !errors.Is(err, balance.ErrInvalidOrg) {
@@ -147,7 +150,7 @@ func TestRecorderRejectsInvalidEventAlone(t *testing.T) {
 	}
 	bad = usage("o")
 	bad.ID = "not-a-uuid"
-	if err := r.Record(context.Background(), bad); !errors.Is(err, accounting.ErrInvalidUsage) {
+	if err := r.Record(context.Background(), bad); !errors.Is(err, pricing.ErrInvalidUsage) {
 		t.Fatalf("invalid id: %v", err)
 	}
 	if err := r.Record(context.Background(), usage("o")); err != nil {
@@ -157,8 +160,8 @@ func TestRecorderRejectsInvalidEventAlone(t *testing.T) {
 
 func TestRecorderStopFlushes(t *testing.T) {
 	t.Parallel()
-	mem := accounting.NewMemory()
-	h := &hookLedger{Ledger: mem, before: func([]accounting.UsageEvent) error {
+	mem := memledger.New()
+	h := &hookLedger{Ledger: mem, before: func([]ledger.UsageEvent) error {
 		time.Sleep(20 * time.Millisecond)
 		return nil
 	}}
@@ -198,7 +201,7 @@ func TestRecorderStopFlushes(t *testing.T) {
 
 func TestRecorderStopsWithStartContext(t *testing.T) {
 	t.Parallel()
-	r := newRecorder(t, accounting.NewMemory(), accounting.RecorderConfig{})
+	r := newRecorder(t, memledger.New(), accounting.RecorderConfig{})
 	ctx, cancel := context.WithCancel(context.Background())
 	r.Start(ctx)
 	if err := r.Record(context.Background(), usage("o")); err != nil {
@@ -219,7 +222,7 @@ func TestRecorderStopsWithStartContext(t *testing.T) {
 
 func TestRecorderFlushInterval(t *testing.T) {
 	t.Parallel()
-	h := &hookLedger{Ledger: accounting.NewMemory()}
+	h := &hookLedger{Ledger: memledger.New()}
 	r := startRecorder(t, h, accounting.RecorderConfig{FlushInterval: 50 * time.Millisecond, Flushers: 1})
 	// Ten callers arriving within the interval share one batch.
 	_, errs := recordAll(t, r, 10, "o")

@@ -19,6 +19,9 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 )
 
 var (
@@ -63,7 +66,7 @@ func TestSimulation(t *testing.T) {
 	t.Run("miniredis+memory", func(t *testing.T) {
 		t.Parallel()
 		env := testutil.MiniRedis(t)
-		runSim(t, seed, steps, env, accounting.NewMemory())
+		runSim(t, seed, steps, env, memledger.New())
 	})
 	t.Run("redis+postgres", func(t *testing.T) {
 		t.Parallel()
@@ -82,7 +85,7 @@ type simulator struct {
 	rnd    *rand.Rand
 	seed   uint64
 	env    *testutil.RedisEnv
-	ledger accounting.Ledger
+	ledger ledger.Ledger
 	store  *balance.Store
 	worker *accounting.Worker
 	ops    *accounting.Ops
@@ -118,7 +121,7 @@ type simReq struct {
 	at           time.Time
 }
 
-func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger accounting.Ledger) {
+func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger ledger.Ledger) {
 	ctx := context.Background()
 	s := &simulator{
 		t: t, ctx: ctx, rnd: rand.New(rand.NewPCG(seed, 7)), seed: seed, env: env, ledger: ledger,
@@ -620,11 +623,11 @@ func (s *simulator) record(r simReq, cost int64) {
 	s.servedOrg[r.id] = r.org
 	// Recorded "now" on the limit clock, so a fail-open request (no reserve time) counts at
 	// its record time in the windows the scripts see.
-	ev := accounting.UsageEvent{ID: r.id, Org: r.org, KeyID: r.key, Project: r.project, ReservedAt: r.at,
+	ev := ledger.UsageEvent{ID: r.id, Org: r.org, KeyID: r.key, Project: r.project, ReservedAt: r.at,
 		Model: "m", Cost: cost, HoldAmount: r.amount, CreatedAt: time.Now().Add(s.offset)}
-	s.must(s.ledger.RecordUsage(s.ctx, []accounting.UsageEvent{ev}))
+	s.must(s.ledger.RecordUsage(s.ctx, []ledger.UsageEvent{ev}))
 	if s.rnd.Float64() < 0.05 { // recorded twice (a retried record): charged once
-		s.must(s.ledger.RecordUsage(s.ctx, []accounting.UsageEvent{ev}))
+		s.must(s.ledger.RecordUsage(s.ctx, []ledger.UsageEvent{ev}))
 	}
 	if r.amount == 0 {
 		return // fail-open: no hold to finish
@@ -754,7 +757,7 @@ func (s *simulator) account() {
 
 // sameAsRead checks that what the pass handed over is, field for field, what reading the orgs'
 // unsettled entries back finds (nothing else runs in between).
-func (s *simulator) sameAsRead(r accounting.AccountResult) {
+func (s *simulator) sameAsRead(r ledger.AccountResult) {
 	if len(r.Settle) == 0 {
 		return
 	}
@@ -850,10 +853,10 @@ func (s *simulator) quiesce() {
 	}
 }
 
-func openTestPostgres(t *testing.T) accounting.Ledger {
+func openTestPostgres(t *testing.T) ledger.Ledger {
 	t.Helper()
 	env := testutil.Postgres(t)
-	l, err := accounting.OpenPostgres(context.Background(), env.URL, nil)
+	l, err := pgledger.Open(context.Background(), env.URL, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/startstop"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // WorkerConfig configures a Worker. The zero value of every field means its documented default;
@@ -91,9 +92,9 @@ func (c *WorkerConfig) withDefaults() WorkerConfig {
 func (c *WorkerConfig) validate() error {
 	switch {
 	case c.AccountBatch < 0 || c.SettleBatch < 0 || c.SettleConcurrency < 0:
-		return fmt.Errorf("%w: worker AccountBatch, SettleBatch and SettleConcurrency must be ≥ 0", ErrConfig)
+		return fmt.Errorf("%w: worker AccountBatch, SettleBatch and SettleConcurrency must be ≥ 0", ledger.ErrConfig)
 	case c.SweepInterval < 0 || c.ReapInterval < 0 || c.ScanInterval < 0 || c.ReconcileInterval < 0 || c.OrgTimeout < 0 || c.PassInterval < 0:
-		return fmt.Errorf("%w: worker intervals and OrgTimeout must be ≥ 0", ErrConfig)
+		return fmt.Errorf("%w: worker intervals and OrgTimeout must be ≥ 0", ledger.ErrConfig)
 	}
 	return nil
 }
@@ -117,7 +118,7 @@ type WorkerStats struct {
 // accounting takes a per-org advisory lock, and settling is safe to repeat and to interleave
 // because the settle script refuses entries out of order.
 type Worker struct {
-	ledger Ledger
+	ledger ledger.Ledger
 	store  *balance.Store
 	cfg    WorkerConfig
 	log    *slog.Logger
@@ -137,18 +138,18 @@ type Worker struct {
 
 }
 
-// NewWorker returns a worker over ledger and store; cfg may be nil for the defaults. A config
+// NewWorker returns a worker over l and store; cfg may be nil for the defaults. A config
 // field out of range is refused with an error wrapping ErrConfig.
-func NewWorker(ledger Ledger, store *balance.Store, cfg *WorkerConfig) (*Worker, error) {
-	if ledger == nil || store == nil {
-		return nil, fmt.Errorf("%w: worker needs a ledger and a store", ErrConfig)
+func NewWorker(l ledger.Ledger, store *balance.Store, cfg *WorkerConfig) (*Worker, error) {
+	if l == nil || store == nil {
+		return nil, fmt.Errorf("%w: worker needs a ledger and a store", ledger.ErrConfig)
 	}
 	c := cfg.withDefaults()
 	if err := c.validate(); err != nil {
 		return nil, err
 	}
 	return &Worker{
-		ledger: ledger,
+		ledger: l,
 		store:  store,
 		cfg:    c,
 		log:    c.Logger.With("component", "escrow.worker"),
@@ -332,7 +333,7 @@ func (w *Worker) takeDirty() []string {
 // that cannot tell its own: NewPostgres): that org stays dirty for the next pass, which reads
 // it back (cheaply: it is settled by then) unless it hands the org over again, which covers the
 // write.
-func (w *Worker) toRead(r AccountResult, before, after, behind []string) []string {
+func (w *Worker) toRead(r ledger.AccountResult, before, after, behind []string) []string {
 	read := make([]string, 0, len(before)+len(r.Orgs)+len(after)+len(behind))
 	var carry []string
 	for _, o := range append(before, r.Orgs...) {
@@ -361,13 +362,13 @@ func (w *Worker) AccountAll(ctx context.Context) (int, error) {
 	return r.Accounted, err
 }
 
-func (w *Worker) account(ctx context.Context) (AccountResult, error) {
-	var total AccountResult
+func (w *Worker) account(ctx context.Context) (ledger.AccountResult, error) {
+	var total ledger.AccountResult
 	var err error
 	for {
-		var r AccountResult
+		var r ledger.AccountResult
 		r, err = w.ledger.AccountPass(ctx, w.cfg.AccountBatch)
-		total.merge(r)
+		total.Merge(r)
 		w.stats.accounted.Add(int64(r.Accounted))
 		if r.Accounted > 0 {
 			w.stats.lastBatch.Store(int64(r.Accounted))
@@ -699,7 +700,7 @@ func (w *Worker) settleEach(ctx context.Context, orgs []string, retry bool) erro
 // hot balance, so a blocked org passes on its very next request. If Redis cannot be reached the
 // credit is durable all the same and the worker applies it later: the returned error then wraps
 // the Redis error while the entry is valid.
-func (w *Worker) Credit(ctx context.Context, org string, amount int64, ref string) (LedgerEntry, bool, error) {
+func (w *Worker) Credit(ctx context.Context, org string, amount int64, ref string) (ledger.LedgerEntry, bool, error) {
 	e, created, err := w.ledger.Credit(ctx, org, amount, ref)
 	if err != nil {
 		return e, created, err
@@ -834,7 +835,7 @@ func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 // pushed.
 func (w *Worker) pushOlderLimits(ctx context.Context, org string, epoch balance.Epoch) (bool, error) {
 	ls, err := w.ledger.Limits(ctx, org)
-	if errors.Is(err, ErrUnknownOrg) {
+	if errors.Is(err, ledger.ErrUnknownOrg) {
 		return false, nil
 	}
 	if err != nil {
@@ -974,4 +975,15 @@ func (h *lagHistogram) snapshot() SettleLag {
 	l.Count = h.count.Load()
 	l.Sum = time.Duration(h.sum.Load())
 	return l
+}
+
+// learnedMaxCap is the most a model's learned max may be raised to: the model's bound (max
+// input × input price + max output × output price), or MaxAmount when its token limits are
+// unknown.
+func learnedMaxCap(m ledger.Model) int64 {
+	ceiling, ok, err := m.CostBound()
+	if err != nil || !ok {
+		return balance.MaxAmount
+	}
+	return ceiling
 }

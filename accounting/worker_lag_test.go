@@ -8,6 +8,8 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 )
 
 // TestSettleLag: every usage entry the worker settles is counted in its settle-lag histogram,
@@ -15,7 +17,7 @@ import (
 // bucket); a credit counts from its own entry time.
 func TestSettleLag(t *testing.T) {
 	t.Parallel()
-	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) {
 		ctx := context.Background()
 		store := newStore(t, env, l, balance.Config{})
 		w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
@@ -30,7 +32,7 @@ func TestSettleLag(t *testing.T) {
 			t.Fatalf("after one credit: %+v", got)
 		}
 		old := time.Now().Add(-3 * time.Second)
-		var evs []accounting.UsageEvent
+		var evs []ledger.UsageEvent
 		for i := range 5 {
 			at := time.Now()
 			if i == 0 {
@@ -40,7 +42,7 @@ func TestSettleLag(t *testing.T) {
 			if _, err := store.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: 100}); err != nil {
 				t.Fatal(err)
 			}
-			evs = append(evs, accounting.UsageEvent{ID: id, Org: org, Model: "m", Cost: 10, HoldAmount: 100, CreatedAt: at})
+			evs = append(evs, ledger.UsageEvent{ID: id, Org: org, Model: "m", Cost: 10, HoldAmount: 100, CreatedAt: at})
 		}
 		if err := l.RecordUsage(ctx, evs); err != nil {
 			t.Fatal(err)
@@ -64,8 +66,8 @@ func TestSettleLag(t *testing.T) {
 	})
 }
 
-func isPostgres(l accounting.Ledger) bool {
-	_, ok := l.(*accounting.Postgres)
+func isPostgres(l ledger.Ledger) bool {
+	_, ok := l.(*pgledger.Ledger)
 	return ok
 }
 

@@ -11,13 +11,14 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // watchedLedger records which orgs the worker reads unsettled entries of, counts the orgs
 // AccountPass hands over, and runs during (after the inner call, before returning) each
 // AccountPass, as a notification that arrives while the pass runs.
 type watchedLedger struct {
-	accounting.Ledger
+	ledger.Ledger
 	mu     sync.Mutex
 	read   [][]string // the orgs of each UnsettledEntriesOf call, sorted
 	handed atomic.Int64
@@ -31,7 +32,7 @@ func (l *watchedLedger) UnsettledEntriesOf(ctx context.Context, orgs []string, l
 	return l.Ledger.UnsettledEntriesOf(ctx, orgs, limit)
 }
 
-func (l *watchedLedger) AccountPass(ctx context.Context, limit int) (accounting.AccountResult, error) {
+func (l *watchedLedger) AccountPass(ctx context.Context, limit int) (ledger.AccountResult, error) {
 	r, err := l.Ledger.AccountPass(ctx, limit)
 	l.handed.Add(int64(len(r.Settle)))
 	l.mu.Lock()
@@ -54,7 +55,7 @@ func (l *watchedLedger) reads() [][]string {
 
 // checkSettled fails unless each org's hot balance equals its ledger balance with no hold left
 // and every entry is applied and marked settled.
-func checkSettled(t *testing.T, store *balance.Store, l accounting.Ledger, orgs ...string) {
+func checkSettled(t *testing.T, store *balance.Store, l ledger.Ledger, orgs ...string) {
 	t.Helper()
 	ctx := context.Background()
 	for _, o := range orgs {
@@ -79,10 +80,10 @@ func checkSettled(t *testing.T, store *balance.Store, l accounting.Ledger, orgs 
 // the next pass.
 func TestPassSettlesHandedOver(t *testing.T) {
 	t.Parallel()
-	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, inner accounting.Ledger) {
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, inner ledger.Ledger) {
 		ctx := context.Background()
 		l, store, w := cleanAndBehind(t, env, inner)
-		var evs []accounting.UsageEvent
+		var evs []ledger.UsageEvent
 		for i, o := range []string{"clean", "behind", "clean", "fresh", "clean", "behind"} {
 			id := newID()
 			if o != "fresh" { // fresh: no account, no hot balance (a fail-open request)
@@ -90,7 +91,7 @@ func TestPassSettlesHandedOver(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			evs = append(evs, accounting.UsageEvent{ID: id, Org: o, Model: "m", Cost: int64(10 + i), HoldAmount: 100, CreatedAt: time.Now()})
+			evs = append(evs, ledger.UsageEvent{ID: id, Org: o, Model: "m", Cost: int64(10 + i), HoldAmount: 100, CreatedAt: time.Now()})
 		}
 		if err := l.RecordUsage(ctx, evs); err != nil {
 			t.Fatal(err)
@@ -115,7 +116,7 @@ func TestPassSettlesHandedOver(t *testing.T) {
 
 		// A notification heard during the pass, on an org it hands over: not read now, read
 		// (finding nothing) by the next pass.
-		if err := l.RecordUsage(ctx, []accounting.UsageEvent{{ID: newID(), Org: "clean", Model: "m", Cost: 7, CreatedAt: time.Now()}}); err != nil {
+		if err := l.RecordUsage(ctx, []ledger.UsageEvent{{ID: newID(), Org: "clean", Model: "m", Cost: 7, CreatedAt: time.Now()}}); err != nil {
 			t.Fatal(err)
 		}
 		l.during = func() { w.Notify("clean") }
@@ -139,7 +140,7 @@ func TestPassSettlesHandedOver(t *testing.T) {
 // cleanAndBehind returns a watched ledger over inner, a store and a worker, and two warm orgs
 // with a credit of 1000 each: "clean", settled and marked, and "behind", in the hot balance (by
 // a seed) but not marked settled in the ledger.
-func cleanAndBehind(t *testing.T, env *testutil.RedisEnv, inner accounting.Ledger) (*watchedLedger, *balance.Store, *accounting.Worker) {
+func cleanAndBehind(t *testing.T, env *testutil.RedisEnv, inner ledger.Ledger) (*watchedLedger, *balance.Store, *accounting.Worker) {
 	ctx := context.Background()
 	l := &watchedLedger{Ledger: inner}
 	store := newStore(t, env, inner, balance.Config{})
@@ -172,7 +173,7 @@ func cleanAndBehind(t *testing.T, env *testutil.RedisEnv, inner accounting.Ledge
 // both hand entries over, both may settle the same org, and every charge is applied once.
 func TestTwoWorkersPass(t *testing.T) {
 	t.Parallel()
-	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, inner accounting.Ledger) {
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, inner ledger.Ledger) {
 		ctx := context.Background()
 		orgs := []string{"o1", "o2", "o3"}
 		const start = 1_000_000
@@ -209,7 +210,7 @@ func TestTwoWorkersPass(t *testing.T) {
 				t.Fatal(err)
 			}
 			c := int64(i%37 + 1)
-			if err := inner.RecordUsage(ctx, []accounting.UsageEvent{{ID: id, Org: o, Model: "m", Cost: c, HoldAmount: 50, CreatedAt: time.Now()}}); err != nil {
+			if err := inner.RecordUsage(ctx, []ledger.UsageEvent{{ID: id, Org: o, Model: "m", Cost: c, HoldAmount: 50, CreatedAt: time.Now()}}); err != nil {
 				t.Fatal(err)
 			}
 			cost.Add(c)

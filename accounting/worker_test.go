@@ -15,15 +15,19 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
+	"github.com/llmescrow/escrow/migrations"
 )
 
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 
 // eachBackend runs fn on miniredis + the memory ledger and on real Redis + real Postgres.
-func eachBackend(t *testing.T, fn func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger)) {
+func eachBackend(t *testing.T, fn func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger)) {
 	t.Run("memory", func(t *testing.T) {
 		t.Parallel()
-		fn(t, testutil.MiniRedis(t), accounting.NewMemory())
+		fn(t, testutil.MiniRedis(t), memledger.New())
 	})
 	t.Run("postgres", func(t *testing.T) {
 		t.Parallel()
@@ -31,7 +35,7 @@ func eachBackend(t *testing.T, fn func(t *testing.T, env *testutil.RedisEnv, l a
 	})
 }
 
-func newStore(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger, cfg balance.Config) *balance.Store {
+func newStore(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger, cfg balance.Config) *balance.Store {
 	t.Helper()
 	cfg.Ledger, cfg.Prefix, cfg.Logger = l, env.Prefix, quiet
 	s, err := balance.New(context.Background(), env.Client, &cfg)
@@ -42,7 +46,7 @@ func newStore(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger, cfg bal
 }
 
 // newWorker is accounting.NewWorker, failing the test on a config error.
-func newWorker(t testing.TB, l accounting.Ledger, store *balance.Store, cfg *accounting.WorkerConfig) *accounting.Worker {
+func newWorker(t testing.TB, l ledger.Ledger, store *balance.Store, cfg *accounting.WorkerConfig) *accounting.Worker {
 	t.Helper()
 	w, err := accounting.NewWorker(l, store, cfg)
 	if err != nil {
@@ -53,11 +57,26 @@ func newWorker(t testing.TB, l accounting.Ledger, store *balance.Store, cfg *acc
 
 func newID() string { return uuid.Must(uuid.NewV7()).String() }
 
+// newPostgres returns a Postgres ledger in a fresh schema.
+func newPostgres(t testing.TB) (*pgledger.Ledger, *testutil.PostgresEnv) {
+	t.Helper()
+	env := testutil.Postgres(t)
+	if _, err := migrations.Up(context.Background(), env.Pool); err != nil {
+		t.Fatal(err)
+	}
+	l, err := pgledger.New(env.Pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(l.Close)
+	return l, env
+}
+
 // TestCreditUnblocks: an org at 0 is refused, a credit lands, and the very next reserve passes
 // (no TTL, no cold path).
 func TestCreditUnblocks(t *testing.T) {
 	t.Parallel()
-	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) {
 		ctx := context.Background()
 		store := newStore(t, env, l, balance.Config{})
 		w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
@@ -89,7 +108,7 @@ func TestCreditUnblocks(t *testing.T) {
 		if st, _ := store.State(ctx, "acme"); st.Balance != 150 {
 			t.Fatalf("balance after repeated credit: %d, want 150", st.Balance)
 		}
-		if _, _, err := w.Credit(ctx, "acme", 999, "pay_1"); !errors.Is(err, accounting.ErrReferenceConflict) {
+		if _, _, err := w.Credit(ctx, "acme", 999, "pay_1"); !errors.Is(err, ledger.ErrReferenceConflict) {
 			t.Fatalf("same reference, other amount: %v", err)
 		}
 	})
@@ -99,7 +118,7 @@ func TestCreditUnblocks(t *testing.T) {
 // record usage; every charge is applied exactly once and the hot balance ends equal to the ledger.
 func TestThreeWorkers(t *testing.T) {
 	t.Parallel()
-	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) {
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		orgs := []string{"o1", "o2", "o3", "o4"}
@@ -138,7 +157,7 @@ func TestThreeWorkers(t *testing.T) {
 						return
 					}
 					cost := int64((g*41+i*7)%500 + 1)
-					if err := l.RecordUsage(ctx, []accounting.UsageEvent{{ID: id, Org: o, Model: "m", Cost: cost, HoldAmount: 500, CreatedAt: time.Now()}}); err != nil {
+					if err := l.RecordUsage(ctx, []ledger.UsageEvent{{ID: id, Org: o, Model: "m", Cost: cost, HoldAmount: 500, CreatedAt: time.Now()}}); err != nil {
 						t.Error(err)
 						return
 					}
@@ -181,7 +200,7 @@ func TestThreeWorkers(t *testing.T) {
 // drops the hot balance, and the reseed agrees with the ledger.
 func TestReconcileRepairsDrift(t *testing.T) {
 	t.Parallel()
-	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) {
 		ctx := context.Background()
 		store := newStore(t, env, l, balance.Config{})
 		w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
@@ -218,7 +237,7 @@ func TestReconcileRepairsDrift(t *testing.T) {
 // TestWorkerStopFlushes: usage recorded before Stop is accounted and settled when Stop returns.
 func TestWorkerStopFlushes(t *testing.T) {
 	t.Parallel()
-	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) {
 		ctx := context.Background()
 		store := newStore(t, env, l, balance.Config{})
 		w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet, SweepInterval: time.Hour})
@@ -231,13 +250,13 @@ func TestWorkerStopFlushes(t *testing.T) {
 		if err := w.Start(ctx); err != nil {
 			t.Fatal(err)
 		}
-		var evs []accounting.UsageEvent
+		var evs []ledger.UsageEvent
 		for i := 0; i < 25; i++ {
 			id := newID()
 			if _, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: id, Amount: 100}); err != nil {
 				t.Fatal(err)
 			}
-			evs = append(evs, accounting.UsageEvent{ID: id, Org: "acme", Model: "m", Cost: int64(i), HoldAmount: 100, CreatedAt: time.Now()})
+			evs = append(evs, ledger.UsageEvent{ID: id, Org: "acme", Model: "m", Cost: int64(i), HoldAmount: 100, CreatedAt: time.Now()})
 		}
 		if err := l.RecordUsage(ctx, evs); err != nil {
 			t.Fatal(err)
@@ -260,7 +279,7 @@ var _ = fmt.Sprint
 // holds), finds a hand-made drift and repairs it.
 func TestReconcileLoopVisitsIdleOrgs(t *testing.T) {
 	t.Parallel()
-	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l accounting.Ledger) {
+	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) {
 		ctx := context.Background()
 		store := newStore(t, env, l, balance.Config{})
 		w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet, ReconcileInterval: 30 * time.Millisecond})

@@ -22,6 +22,8 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // MaxBodyBytes bounds an admin request's body.
@@ -193,28 +195,28 @@ type refusal struct {
 // refusals are the errors with an answer of their own, checked in order (the webhook ones
 // first); any other error is a 500.
 var refusals = []refusal{
-	{accounting.ErrUnknownWebhook, http.StatusNotFound, "webhook_not_found", "no such webhook"},
-	{accounting.ErrInvalidWebhook, http.StatusBadRequest, "invalid_value", ""},
-	{accounting.ErrNoWebhooks, http.StatusNotImplemented, "webhooks_unsupported", ""},
-	{accounting.ErrUnknownOrg, http.StatusNotFound, "org_not_found", "no such org"},
-	{accounting.ErrOrgExists, http.StatusConflict, "org_exists", "the org already exists"},
-	{accounting.ErrReferenceConflict, http.StatusConflict, "reference_conflict", "this reference was already used for another credit"},
-	{accounting.ErrUnknownKey, http.StatusNotFound, "key_not_found", "no such key"},
-	{accounting.ErrUnknownModel, http.StatusNotFound, "model_not_found", "no such model"},
-	{accounting.ErrUnknownRequest, http.StatusNotFound, "request_not_found", "no request with this id in the ledger"},
-	{accounting.ErrModelInUse, http.StatusConflict, "model_in_use", "the model has recorded usage and cannot be deleted"},
-	{accounting.ErrModelInFlight, http.StatusConflict, "model_in_flight", "the model has requests in flight; retry once they are over"},
-	{accounting.ErrUnknownProject, http.StatusNotFound, "project_not_found", "no such project in this org"},
-	{accounting.ErrUnknownLimit, http.StatusNotFound, "limit_not_found", "no such limit in this org"},
-	{accounting.ErrProjectExists, http.StatusConflict, "project_exists", "the project already exists"},
-	{accounting.ErrInvalidLimit, http.StatusBadRequest, "invalid_value", ""},
+	{ledger.ErrUnknownWebhook, http.StatusNotFound, "webhook_not_found", "no such webhook"},
+	{ledger.ErrInvalidWebhook, http.StatusBadRequest, "invalid_value", ""},
+	{ledger.ErrNoWebhooks, http.StatusNotImplemented, "webhooks_unsupported", ""},
+	{ledger.ErrUnknownOrg, http.StatusNotFound, "org_not_found", "no such org"},
+	{ledger.ErrOrgExists, http.StatusConflict, "org_exists", "the org already exists"},
+	{ledger.ErrReferenceConflict, http.StatusConflict, "reference_conflict", "this reference was already used for another credit"},
+	{ledger.ErrUnknownKey, http.StatusNotFound, "key_not_found", "no such key"},
+	{ledger.ErrUnknownModel, http.StatusNotFound, "model_not_found", "no such model"},
+	{ledger.ErrUnknownRequest, http.StatusNotFound, "request_not_found", "no request with this id in the ledger"},
+	{ledger.ErrModelInUse, http.StatusConflict, "model_in_use", "the model has recorded usage and cannot be deleted"},
+	{ledger.ErrModelInFlight, http.StatusConflict, "model_in_flight", "the model has requests in flight; retry once they are over"},
+	{ledger.ErrUnknownProject, http.StatusNotFound, "project_not_found", "no such project in this org"},
+	{ledger.ErrUnknownLimit, http.StatusNotFound, "limit_not_found", "no such limit in this org"},
+	{ledger.ErrProjectExists, http.StatusConflict, "project_exists", "the project already exists"},
+	{ledger.ErrInvalidLimit, http.StatusBadRequest, "invalid_value", ""},
 	{balance.ErrInvalidOrg, http.StatusBadRequest, "invalid_org", ""},
-	{accounting.ErrInvalidCursor, http.StatusBadRequest, "invalid_cursor", ""},
-	{accounting.ErrInvalidQuery, http.StatusBadRequest, "invalid_value", ""},
-	{accounting.ErrInvalidAmount, http.StatusBadRequest, "invalid_value", ""},
+	{ledger.ErrInvalidCursor, http.StatusBadRequest, "invalid_cursor", ""},
+	{ledger.ErrInvalidQuery, http.StatusBadRequest, "invalid_value", ""},
+	{ledger.ErrInvalidAmount, http.StatusBadRequest, "invalid_value", ""},
 	{balance.ErrInvalidAmount, http.StatusBadRequest, "invalid_value", ""},
-	{accounting.ErrCostOverflow, http.StatusBadRequest, "invalid_value", ""},
-	{accounting.ErrLedgerUnavailable, http.StatusServiceUnavailable, "ledger_unavailable", "the ledger is unavailable"},
+	{pricing.ErrCostOverflow, http.StatusBadRequest, "invalid_value", ""},
+	{ledger.ErrLedgerUnavailable, http.StatusServiceUnavailable, "ledger_unavailable", "the ledger is unavailable"},
 	{accounting.ErrHotBalance, http.StatusServiceUnavailable, "redis_unavailable", "the hot balance is unavailable"},
 }
 
@@ -310,7 +312,7 @@ func (a *API) adjust(c echo.Context) error {
 // reference with write; a durable entry whose hot-balance update failed is answered too
 // (entryStatus).
 func (a *API) entry(c echo.Context, valid func(int64) bool, need string,
-	write func(ctx context.Context, org string, amount int64, ref string) (accounting.LedgerEntry, bool, error)) error {
+	write func(ctx context.Context, org string, amount int64, ref string) (ledger.LedgerEntry, bool, error)) error {
 	var req moneyRequest
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
@@ -349,7 +351,7 @@ func (a *API) revokeKey(c echo.Context) error {
 }
 
 func (a *API) putModel(c echo.Context) error {
-	var m accounting.Model
+	var m ledger.Model
 	if err := bind(c, &m); err != nil || c.Response().Committed {
 		return err
 	}
@@ -376,7 +378,7 @@ func (a *API) models(c echo.Context) error {
 		return a.fail(c, err)
 	}
 	return writeList(c, ms, "", []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold", "cache_write_input_price", "cache_write_1h_input_price"},
-		func(m accounting.Model) []string {
+		func(m ledger.Model) []string {
 			return []string{m.Name, i64(m.Input), i64(m.CachedInput), i64(m.Output), i64(m.MaxInputTokens), i64(m.MaxOutputTokens), i64(m.MaxCost), i64(m.DefaultHold), i64(m.CacheWriteInput), i64(m.CacheWrite1hInput)}
 		})
 }

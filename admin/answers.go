@@ -1,6 +1,6 @@
 package admin
 
-import "github.com/llmescrow/escrow/accounting"
+import "github.com/llmescrow/escrow/ledger"
 
 // The answers of the routes that are not an accounting type as it is, named so that the handler
 // and a client (the escrow CLI) share one definition of their JSON.
@@ -38,18 +38,18 @@ type Epoch struct {
 type Spender struct {
 	Org   string `json:"org"`
 	Group string `json:"group,omitempty"`
-	accounting.UsageRow
+	ledger.UsageRow
 }
 
 // NewWebhook is the answer to POST /webhooks: the endpoint created, with its signing secret
 // (shown this once, never again).
 type NewWebhook struct {
-	accounting.Webhook
+	ledger.Webhook
 	Secret string `json:"secret"`
 }
 
 // Limit is a limit as POST /orgs/:org/limits and PATCH /orgs/:org/limits/:id answer it (the
-// list answers accounting.LimitView, with its window's state).
+// list answers ledger.LimitView, with its window's state).
 type Limit struct {
 	ID      string `json:"id"`
 	Scope   string `json:"scope"`

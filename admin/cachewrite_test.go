@@ -4,7 +4,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // TestModelCacheWritePrice: the prompt-cache write price (Anthropic) is set by PUT in
@@ -13,7 +14,7 @@ import (
 func TestModelCacheWritePrice(t *testing.T) {
 	t.Parallel()
 	c := newConsole(t)
-	var m accounting.Model
+	var m ledger.Model
 	c.ok("PUT", "/models/claude-x", `{"input_price":3000000,"cached_input_price":300000,"cache_write_input_price":3750000,"output_price":15000000}`, 200, &m)
 	if m.CacheWriteInput != 3_750_000 || m.Input != 3_000_000 {
 		t.Fatalf("PUT: %+v", m)
@@ -53,9 +54,9 @@ func TestModelCacheWritePrice(t *testing.T) {
 func TestModelMissingPricesDefault(t *testing.T) {
 	t.Parallel()
 	c := newConsole(t)
-	var m accounting.Model
+	var m ledger.Model
 	c.ok("PUT", "/models/plain", `{"input_price":2000000,"output_price":8000000}`, 200, &m)
-	want := accounting.Prices{Input: 2_000_000, CachedInput: 2_000_000, Output: 8_000_000, CacheWriteInput: 2_000_000, CacheWrite1hInput: 4_000_000}
+	want := pricing.Prices{Input: 2_000_000, CachedInput: 2_000_000, Output: 8_000_000, CacheWriteInput: 2_000_000, CacheWrite1hInput: 4_000_000}
 	if m.Prices != want {
 		t.Fatalf("PUT answered %+v, want %+v", m.Prices, want)
 	}
@@ -64,11 +65,11 @@ func TestModelMissingPricesDefault(t *testing.T) {
 		t.Fatalf("GET %+v, want %+v", m.Prices, want)
 	}
 	c.ok("PATCH", "/models/plain", `{"input_per_1m":"3"}`, 200, &m)
-	want = accounting.Prices{Input: 3_000_000, CachedInput: 3_000_000, Output: 8_000_000, CacheWriteInput: 3_000_000, CacheWrite1hInput: 6_000_000}
+	want = pricing.Prices{Input: 3_000_000, CachedInput: 3_000_000, Output: 8_000_000, CacheWriteInput: 3_000_000, CacheWrite1hInput: 6_000_000}
 	if m.Prices != want {
 		t.Fatalf("after a PATCH of the input price: %+v, want %+v", m.Prices, want)
 	}
-	var list struct{ Data []accounting.Model }
+	var list struct{ Data []ledger.Model }
 	c.ok("GET", "/models", "", 200, &list)
 	if len(list.Data) != 1 || list.Data[0].Prices != want {
 		t.Fatalf("list: %+v", list.Data)

@@ -18,6 +18,8 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/csvcell"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // answer writes v with 200, or the refusal err maps to.
@@ -96,12 +98,12 @@ func ts(t time.Time) string {
 }
 
 // listQuery reads ?cursor= and ?limit=.
-func listQuery(c echo.Context) (accounting.ListQuery, error) {
-	q := accounting.ListQuery{Cursor: c.QueryParam("cursor")}
+func listQuery(c echo.Context) (ledger.ListQuery, error) {
+	q := ledger.ListQuery{Cursor: c.QueryParam("cursor")}
 	if s := c.QueryParam("limit"); s != "" {
 		n, err := strconv.Atoi(s)
-		if err != nil || n < 1 || n > accounting.MaxPageSize {
-			return q, fmt.Errorf("limit must be an integer from 1 to %d", accounting.MaxPageSize)
+		if err != nil || n < 1 || n > ledger.MaxPageSize {
+			return q, fmt.Errorf("limit must be an integer from 1 to %d", ledger.MaxPageSize)
 		}
 		q.Limit = n
 	}
@@ -192,7 +194,7 @@ func (a *API) listKeys(c echo.Context) error {
 		return a.fail(c, err)
 	}
 	return writeList(c, p.Data, p.Next, []string{"id", "org", "name", "created_at", "revoked_at"},
-		func(k accounting.KeyInfo) []string {
+		func(k ledger.KeyInfo) []string {
 			rev := ""
 			if k.RevokedAt != nil {
 				rev = ts(*k.RevokedAt)
@@ -220,7 +222,7 @@ func (a *API) listEntries(c echo.Context) error {
 	if err != nil {
 		return invalid(c, err.Error())
 	}
-	q := accounting.EntryQuery{ListQuery: lq, Kind: accounting.EntryKind(c.QueryParam("kind"))}
+	q := ledger.EntryQuery{ListQuery: lq, Kind: ledger.EntryKind(c.QueryParam("kind"))}
 	if q.From, q.To, err = timeRange(c); err != nil {
 		return invalid(c, err.Error())
 	}
@@ -231,7 +233,7 @@ func (a *API) listEntries(c echo.Context) error {
 	return writeList(c, p.Data, p.Next,
 		[]string{"seq", "kind", "delta", "reference", "created_at", "request_id", "key_id", "model",
 			"prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost", "hold_amount", "estimated"},
-		func(e accounting.EntryInfo) []string {
+		func(e ledger.EntryInfo) []string {
 			row := []string{i64(e.Seq), string(e.Kind), i64(e.Delta), e.Ref, ts(e.CreatedAt)}
 			if r := e.Request; r != nil {
 				return append(row, r.ID, r.KeyID, r.Model, i64(r.Usage.Prompt), i64(r.Usage.Cached), i64(r.Usage.Completion),
@@ -242,9 +244,9 @@ func (a *API) listEntries(c echo.Context) error {
 }
 
 func (a *API) usage(c echo.Context) error {
-	q := accounting.UsageQuery{GroupBy: c.QueryParam("group_by")}
+	q := ledger.UsageQuery{GroupBy: c.QueryParam("group_by")}
 	if q.GroupBy == "" {
-		q.GroupBy = accounting.GroupByDay
+		q.GroupBy = ledger.GroupByDay
 	}
 	var err error
 	if q.From, q.To, err = timeRange(c); err != nil {
@@ -255,14 +257,14 @@ func (a *API) usage(c echo.Context) error {
 		return a.fail(c, err)
 	}
 	return writeList(c, rows, "", []string{q.GroupBy, "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens"},
-		func(r accounting.UsageRow) []string {
+		func(r ledger.UsageRow) []string {
 			return []string{r.Group, i64(r.Requests), i64(r.Cost), i64(r.Prompt), i64(r.Cached), i64(r.Completion), i64(r.Reasoning)}
 		})
 }
 
 // topSpenders: GET /usage/top?from=&to=&limit= — the orgs that spent the most, by cost.
 func (a *API) topSpenders(c echo.Context) error {
-	var q accounting.TopQuery
+	var q ledger.TopQuery
 	lq, err := listQuery(c)
 	if err == nil {
 		q.Limit = lq.Limit
@@ -371,7 +373,7 @@ func DecimalMicros(raw json.RawMessage) (int64, error) {
 		}
 		s = strings.TrimSpace(s)
 	}
-	v, _, err := accounting.DecimalMicros(s, 6, false)
+	v, _, err := pricing.DecimalMicros(s, 6, false)
 	if err != nil {
 		return 0, errors.New(message(err))
 	}
@@ -388,7 +390,7 @@ func (a *API) auditLog(c echo.Context) error {
 		return a.fail(c, err)
 	}
 	return writeList(c, p.Data, p.Next, []string{"id", "at", "actor", "action", "target", "status", "detail"},
-		func(r accounting.AuditRecord) []string {
+		func(r ledger.AuditRecord) []string {
 			return []string{i64(r.ID), ts(r.At), r.Actor, r.Action, r.Target, strconv.Itoa(r.Status), r.Detail}
 		})
 }
@@ -443,7 +445,7 @@ func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
 			detail = detail[:4096]
 		}
 		// Recorded even when the client has gone: the write may have happened.
-		if _, aerr := a.ops.RecordAudit(context.WithoutCancel(r.Context()), accounting.AuditRecord{
+		if _, aerr := a.ops.RecordAudit(context.WithoutCancel(r.Context()), ledger.AuditRecord{
 			Actor: actor, Action: r.Method + " " + c.Path(), Target: target, Status: status, Detail: detail,
 		}); aerr != nil {
 			a.log.Error("admin audit record failed", "action", r.Method+" "+c.Path(), "err", aerr)

@@ -13,16 +13,19 @@ import (
 	"github.com/labstack/echo/v4"
 
 	"github.com/llmescrow/escrow/accounting"
-	"github.com/llmescrow/escrow/accounting/ledgertest"
 	"github.com/llmescrow/escrow/admin"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/ledgertest"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 type console struct {
 	t      *testing.T
 	e      *echo.Echo
-	ledger *accounting.Memory
+	ledger *memledger.Ledger
 }
 
 func newConsole(t *testing.T) *console {
@@ -33,10 +36,10 @@ func newConsole(t *testing.T) *console {
 
 // mountAdmin mounts the admin API (token "tok") at prefix on a new Echo, over the memory ledger
 // and a hot balance on the test Redis.
-func mountAdmin(t *testing.T, prefix string) (*echo.Echo, *accounting.Memory, *balance.Store) {
+func mountAdmin(t *testing.T, prefix string) (*echo.Echo, *memledger.Ledger, *balance.Store) {
 	t.Helper()
 	env := testutil.Redis(t)
-	ledger := accounting.NewMemory()
+	ledger := memledger.New()
 	store, err := balance.New(context.Background(), env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, AllowEviction: true})
 	if err != nil {
 		t.Fatal(err)
@@ -103,12 +106,12 @@ func TestConsoleAPI(t *testing.T) {
 	var key1, key2 map[string]string
 	c.ok("POST", "/orgs/acme/keys", `{"name":"prod"}`, 201, &key1)
 	c.ok("POST", "/orgs/acme/keys", "", 201, &key2)
-	if key1["name"] != "prod" || !strings.HasPrefix(key1["key"], accounting.KeyPrefix) {
+	if key1["name"] != "prod" || !strings.HasPrefix(key1["key"], ledger.KeyPrefix) {
 		t.Fatalf("key: %v", key1)
 	}
 	c.ok("PATCH", "/keys/"+key2["id"], `{"name":"staging"}`, 200, nil)
 
-	var m accounting.Model
+	var m ledger.Model
 	c.ok("PATCH", "/models/gpt-x", `{"input_per_1m":"0.15","cached_input_per_1m":0.075,"output_per_1m":"0.6","default_hold":5000}`, 200, &m)
 	if m.Input != 150000 || m.CachedInput != 75000 || m.Output != 600000 || m.DefaultHold != 5000 {
 		t.Fatalf("decimal prices: %+v", m)
@@ -134,10 +137,10 @@ func TestConsoleAPI(t *testing.T) {
 	c.ok("POST", "/orgs/acme/credits", `{"amount":1000000,"reference":"pay-1"}`, 201, nil)
 	var ids []string
 	for i, cost := range []int64{100, 200, 300} {
-		ev := accounting.UsageEvent{ID: ledgertest.NewEventID(), Org: "acme", KeyID: key1["id"], Model: "gpt-x",
-			Usage: accounting.Usage{Prompt: 10, Completion: int64(i)}, Cost: cost, HoldAmount: 5000}
+		ev := ledger.UsageEvent{ID: ledgertest.NewEventID(), Org: "acme", KeyID: key1["id"], Model: "gpt-x",
+			Usage: pricing.Usage{Prompt: 10, Completion: int64(i)}, Cost: cost, HoldAmount: 5000}
 		ids = append(ids, ev.ID)
-		if err := c.ledger.RecordUsage(ctx, []accounting.UsageEvent{ev}); err != nil {
+		if err := c.ledger.RecordUsage(ctx, []ledger.UsageEvent{ev}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -165,19 +168,19 @@ func TestConsoleAPI(t *testing.T) {
 		!strings.Contains(rec.Body.String(), "acme,Acme <Corp>,999400,1000000,0,") {
 		t.Fatalf("orgs as CSV: %d %q", rec.Code, rec.Body)
 	}
-	var keys list[accounting.KeyInfo]
+	var keys list[ledger.KeyInfo]
 	c.ok("GET", "/orgs/acme/keys", "", 200, &keys)
 	if len(keys.Data) != 2 || keys.Data[0].Name != "prod" || keys.Data[1].Name != "staging" {
 		t.Fatalf("keys: %+v", keys)
 	}
-	var entries list[accounting.EntryInfo]
+	var entries list[ledger.EntryInfo]
 	c.ok("GET", "/orgs/acme/entries?kind=charge", "", 200, &entries)
 	if len(entries.Data) != 3 || entries.Data[0].Request == nil || entries.Data[0].Request.ID != ids[2] || entries.Data[0].Request.Cost != 300 {
 		t.Fatalf("charges: %+v", entries)
 	}
-	var usage list[accounting.UsageRow]
+	var usage list[ledger.UsageRow]
 	c.ok("GET", "/orgs/acme/usage?group_by=model", "", 200, &usage)
-	if len(usage.Data) != 1 || usage.Data[0] != (accounting.UsageRow{Group: "gpt-x", Requests: 3, Cost: 600, Prompt: 30, Completion: 3}) {
+	if len(usage.Data) != 1 || usage.Data[0] != (ledger.UsageRow{Group: "gpt-x", Requests: 3, Cost: 600, Prompt: 30, Completion: 3}) {
 		t.Fatalf("usage by model: %+v", usage)
 	}
 	rec = c.do("GET", "/orgs/acme/usage?group_by=key&format=csv", "")
@@ -193,9 +196,9 @@ func TestConsoleAPI(t *testing.T) {
 	if rec := c.do("GET", "/usage/top?format=csv&from=2000-01-01", ""); !strings.Contains(rec.Body.String(), "org,requests,cost,") || !strings.Contains(rec.Body.String(), "\nacme,3,600,30,0,3,0") {
 		t.Fatalf("top spenders as CSV: %q", rec.Body)
 	}
-	var req accounting.RequestInfo
+	var req ledger.RequestInfo
 	c.ok("GET", "/requests/"+ids[1], "", 200, &req)
-	if req.Cost != 200 || req.Status != accounting.RequestAccounted || req.HoldAmount != 5000 || req.KeyID != key1["id"] {
+	if req.Cost != 200 || req.Status != ledger.RequestAccounted || req.HoldAmount != 5000 || req.KeyID != key1["id"] {
 		t.Fatalf("request: %+v", req)
 	}
 
@@ -234,7 +237,7 @@ func TestConsoleAPI(t *testing.T) {
 	c.ok("DELETE", "/models/unused", "", 204, nil)
 
 	// The audit trail: every write, newest first, with who and what.
-	var audit list[accounting.AuditRecord]
+	var audit list[ledger.AuditRecord]
 	c.ok("GET", "/audit?limit=1000", "", 200, &audit)
 	if len(audit.Data) < 10 {
 		t.Fatalf("audit: %d records", len(audit.Data))

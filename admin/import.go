@@ -11,7 +11,7 @@ import (
 
 	"github.com/labstack/echo/v4"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // MaxImportBytes bounds a price table's size (LiteLLM's whole file is under 2 MiB).
@@ -46,7 +46,7 @@ func (a *API) importModels(c echo.Context) error {
 	case err != nil:
 		return invalid(c, "could not read the request body")
 	}
-	t, err := accounting.ParsePriceTable(body, providers)
+	t, err := pricing.ParsePriceTable(body, providers)
 	if err != nil {
 		return invalid(c, message(err))
 	}

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // TestImportRoute: POST /models/import takes LiteLLM's file (larger than MaxBodyBytes is fine)
@@ -38,7 +39,7 @@ func TestImportRoute(t *testing.T) {
 	if !dry.DryRun || len(dry.New) != 16 || len(dry.Skipped) != 19 || cacheWrite != 2 {
 		t.Fatalf("dry run: %d new, %d skipped, %d with a cache-write price: %+v", len(dry.New), len(dry.Skipped), cacheWrite, dry)
 	}
-	var models list[accounting.Model]
+	var models list[ledger.Model]
 	c.ok("GET", "/models", "", 200, &models)
 	if len(models.Data) != 0 {
 		t.Fatalf("the dry run wrote %d models", len(models.Data))
@@ -49,7 +50,7 @@ func TestImportRoute(t *testing.T) {
 	if r.DryRun || len(r.New) != 10 {
 		t.Fatalf("import: %+v", r)
 	}
-	var m accounting.Model
+	var m ledger.Model
 	c.ok("GET", "/models/amazon.nova-2-lite-v1:0", "", 200, &m)
 	if m.Input != 300_000 || m.CachedInput != 75_000 || m.Output != 2_500_000 || m.MaxOutputTokens != 64_000 {
 		t.Fatalf("imported model: %+v", m)
@@ -76,7 +77,7 @@ func TestImportRoute(t *testing.T) {
 		}
 	}
 
-	var audit list[accounting.AuditRecord]
+	var audit list[ledger.AuditRecord]
 	c.ok("GET", "/audit", "", 200, &audit)
 	var details []string
 	for _, a := range audit.Data {

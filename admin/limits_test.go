@@ -16,13 +16,16 @@ import (
 	"github.com/llmescrow/escrow/admin"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 )
 
 type limitsRig struct {
 	t      *testing.T
 	e      *echo.Echo
 	store  *balance.Store
-	ledger accounting.Ledger
+	ledger ledger.Ledger
 }
 
 // eachLedger runs fn over the memory ledger with miniredis and over Postgres with real Redis.
@@ -32,12 +35,12 @@ func eachLedger(t *testing.T, fn func(t *testing.T, r *limitsRig)) {
 			t.Parallel()
 			ctx := context.Background()
 			var env *testutil.RedisEnv
-			var ledger accounting.Ledger
+			var ledger ledger.Ledger
 			if name == "memory" {
-				env, ledger = testutil.MiniRedis(t), accounting.NewMemory()
+				env, ledger = testutil.MiniRedis(t), memledger.New()
 			} else {
 				pg := testutil.Postgres(t)
-				l, err := accounting.OpenPostgres(ctx, pg.URL, nil)
+				l, err := pgledger.Open(ctx, pg.URL, nil)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -242,7 +245,7 @@ func TestLimitRoutes(t *testing.T) {
 
 		// Every write is in the audit trail, a limit's under its org.
 		var audit struct {
-			Data []accounting.AuditRecord `json:"data"`
+			Data []ledger.AuditRecord `json:"data"`
 		}
 		r.call("GET", "/audit?limit=1000", "", 200, &audit)
 		found := map[string]bool{}

@@ -10,20 +10,20 @@ import (
 
 	"github.com/labstack/echo/v4"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 func (a *API) createWebhook(c echo.Context) error {
 	var req struct {
-		URL    string                 `json:"url"`
-		Events []accounting.EventType `json:"events"`
+		URL    string             `json:"url"`
+		Events []ledger.EventType `json:"events"`
 	}
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
 	}
 	if a.checkWebhook != nil {
 		if err := a.checkWebhook(req.URL); err != nil {
-			return a.fail(c, fmt.Errorf("%w: %w", accounting.ErrInvalidWebhook, err))
+			return a.fail(c, fmt.Errorf("%w: %w", ledger.ErrInvalidWebhook, err))
 		}
 	}
 	w, secret, err := a.ops.CreateWebhook(c.Request().Context(), req.URL, req.Events)
@@ -38,7 +38,7 @@ func (a *API) listWebhooks(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return writeList(c, ws, "", []string{"id", "url", "events", "created_at"}, func(w accounting.Webhook) []string {
+	return writeList(c, ws, "", []string{"id", "url", "events", "created_at"}, func(w ledger.Webhook) []string {
 		evs := make([]string, len(w.Events))
 		for i, e := range w.Events {
 			evs[i] = string(e)
@@ -65,7 +65,7 @@ func (a *API) listDeliveries(c echo.Context) error {
 	}
 	return writeList(c, p.Data, p.Next,
 		[]string{"id", "webhook_id", "event_id", "event_type", "org", "status", "attempts", "last_status", "last_error", "next_attempt_at", "delivered_at", "created_at"},
-		func(d accounting.Delivery) []string {
+		func(d ledger.Delivery) []string {
 			next, done := "", ""
 			if d.NextAttemptAt != nil {
 				next = ts(*d.NextAttemptAt)

@@ -6,8 +6,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/admin"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // TestWebhookRoutes: create (secret once), list (no secret), the org's low-balance threshold by
@@ -22,7 +22,7 @@ func TestWebhookRoutes(t *testing.T) {
 		Secret string   `json:"secret"`
 	}
 	c.ok(http.MethodPost, "/webhooks", `{"url":"https://example.com/h","events":["key.revoked","balance.low","credit.received"]}`, http.StatusCreated, &w)
-	if !strings.HasPrefix(w.Secret, accounting.SecretPrefix) || w.ID == "" || w.URL != "https://example.com/h" || len(w.Events) != 3 {
+	if !strings.HasPrefix(w.Secret, ledger.SecretPrefix) || w.ID == "" || w.URL != "https://example.com/h" || len(w.Events) != 3 {
 		t.Fatalf("created %+v", w)
 	}
 	rec := c.do(http.MethodGet, "/webhooks", "")
@@ -79,10 +79,10 @@ func TestWebhookRoutes(t *testing.T) {
 	var key struct{ ID string }
 	c.ok(http.MethodPost, "/orgs/acme/keys", "", http.StatusCreated, &key)
 	c.ok(http.MethodDelete, "/keys/"+key.ID, "", http.StatusNoContent, nil)
-	var all []accounting.Delivery
+	var all []ledger.Delivery
 	path := "/webhooks/" + w.ID + "/deliveries?limit=2"
 	for pages := 0; ; pages++ {
-		var p list[accounting.Delivery]
+		var p list[ledger.Delivery]
 		c.ok(http.MethodGet, path, "", http.StatusOK, &p)
 		all = append(all, p.Data...)
 		if p.Next == nil {
@@ -95,7 +95,7 @@ func TestWebhookRoutes(t *testing.T) {
 	}
 	var types []string
 	for _, d := range all {
-		if d.Status != accounting.DeliveryPending || d.Attempts != 0 || d.NextAttemptAt == nil || d.Org != "acme" {
+		if d.Status != ledger.DeliveryPending || d.Attempts != 0 || d.NextAttemptAt == nil || d.Org != "acme" {
 			t.Fatalf("delivery %+v", d)
 		}
 		types = append(types, string(d.EventType))

@@ -17,8 +17,11 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 	"github.com/llmescrow/escrow/lua"
 	"github.com/llmescrow/escrow/migrations"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // limits are the machine's own ceilings, measured in the same run as the proxies.
@@ -304,7 +307,7 @@ func pgLimits(ctx context.Context, o options, lim *limits, dbURL string, rdb *re
 }
 
 // openBenchLedger applies the migrations and opens the ledger at dbURL.
-func openBenchLedger(ctx context.Context, dbURL string) (*accounting.Postgres, error) {
+func openBenchLedger(ctx context.Context, dbURL string) (*pgledger.Ledger, error) {
 	pool, err := pgxpool.New(ctx, dbURL)
 	if err != nil {
 		return nil, err
@@ -314,20 +317,20 @@ func openBenchLedger(ctx context.Context, dbURL string) (*accounting.Postgres, e
 	if err != nil {
 		return nil, err
 	}
-	return accounting.OpenPostgres(ctx, dbURL, nil)
+	return pgledger.Open(ctx, dbURL, nil)
 }
 
 // pgBench writes usage events of 100 orgs into one ledger, each run for d.
 type pgBench struct {
-	pg *accounting.Postgres
+	pg *pgledger.Ledger
 	d  time.Duration
 	n  atomic.Int64 // events made so far: the next one's org
 }
 
 // event is a new usage event, of the next org in turn.
-func (b *pgBench) event() accounting.UsageEvent {
-	return accounting.UsageEvent{ID: uuid.Must(uuid.NewV7()).String(), Org: fmt.Sprintf("pg-%03d", b.n.Add(1)%100), KeyID: "k",
-		Model: "bench-model", Endpoint: "/v1/chat/completions", Usage: accounting.Usage{Prompt: 20, Completion: 16}, Cost: 13,
+func (b *pgBench) event() ledger.UsageEvent {
+	return ledger.UsageEvent{ID: uuid.Must(uuid.NewV7()).String(), Org: fmt.Sprintf("pg-%03d", b.n.Add(1)%100), KeyID: "k",
+		Model: "bench-model", Endpoint: "/v1/chat/completions", Usage: pricing.Usage{Prompt: 20, Completion: 16}, Cost: 13,
 		HoldAmount: 10_000, CreatedAt: time.Now()}
 }
 
@@ -335,7 +338,7 @@ func (b *pgBench) event() accounting.UsageEvent {
 func (b *pgBench) rowRates(ctx context.Context, lim *limits) error {
 	fmt.Fprintf(os.Stderr, "\r  limit: postgres 1 row/tx   ")
 	cnt, el, err := closedLoop(16, b.d, func() error {
-		return b.pg.RecordUsage(ctx, []accounting.UsageEvent{b.event()})
+		return b.pg.RecordUsage(ctx, []ledger.UsageEvent{b.event()})
 	})
 	if err != nil {
 		return err
@@ -343,7 +346,7 @@ func (b *pgBench) rowRates(ctx context.Context, lim *limits) error {
 	lim.pgSingle = float64(cnt) / el.Seconds()
 	fmt.Fprintf(os.Stderr, "\r  limit: postgres 100 rows/tx ")
 	cnt, el, err = closedLoop(4, b.d, func() error {
-		evs := make([]accounting.UsageEvent, 100)
+		evs := make([]ledger.UsageEvent, 100)
 		for i := range evs {
 			evs[i] = b.event()
 		}

@@ -6,7 +6,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/tidwall/gjson"
 )
 
@@ -457,9 +457,9 @@ func (a *anthUsage) merge(b anthUsage) {
 // token, cached and written ones included; CacheWrite is every cache write (the 5-minute and
 // the 1-hour ones: cache_creation_input_tokens, or the sum of cache_creation's counts when that
 // is more, so that no written token is billed as less), CacheWrite1h the 1-hour ones.
-func (a anthUsage) usage() accounting.Usage {
+func (a anthUsage) usage() pricing.Usage {
 	write := max(a.write, a.write5m+a.write1h)
-	return accounting.Usage{Prompt: a.in + write + a.read, Cached: a.read, CacheWrite: write, CacheWrite1h: a.write1h, Completion: a.out}
+	return pricing.Usage{Prompt: a.in + write + a.read, Cached: a.read, CacheWrite: write, CacheWrite1h: a.write1h, Completion: a.out}
 }
 
 // complete reports whether the counts bill a whole request: the input and the output.

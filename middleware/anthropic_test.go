@@ -12,7 +12,8 @@ import (
 
 	"github.com/labstack/echo/v4"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 func TestParseMessages(t *testing.T) {
@@ -160,7 +161,7 @@ func runAnthSSE(stream string, step, maxEvent int) (seen, tail string, f *sseFil
 // message_stop is held back; the stream passes unchanged.
 func TestSSEAnthropic(t *testing.T) {
 	t.Parallel()
-	want := accounting.Usage{Prompt: 4312, Cached: 4000, CacheWrite: 300, Completion: 42}
+	want := pricing.Usage{Prompt: 4312, Cached: 4000, CacheWrite: 300, Completion: 42}
 	for _, maxEvent := range []int{1 << 20, 64} {
 		for _, step := range []int{len(anthStream), 1, 3, 17} {
 			seen, tail, f := runAnthSSE(anthStream, step, maxEvent)
@@ -184,7 +185,7 @@ func TestSSEAnthropic(t *testing.T) {
 		`"usage":{"input_tokens":13,"cache_read_input_tokens":4001,"output_tokens":40}}`+"\n\n"+
 			`event: message_delta`+"\n"+`data: {"type":"message_delta","usage":{"output_tokens":43}`, 1)
 	_, _, f := runAnthSSE(s, 5, 1<<20)
-	if u := (accounting.Usage{Prompt: 13 + 300 + 4001, Cached: 4001, CacheWrite: 300, Completion: 43}); !f.haveUsage || f.usage != u {
+	if u := (pricing.Usage{Prompt: 13 + 300 + 4001, Cached: 4001, CacheWrite: 300, Completion: 43}); !f.haveUsage || f.usage != u {
 		t.Fatalf("merged usage %+v %v, want %+v", f.usage, f.haveUsage, u)
 	}
 	// Without a message_delta the usage is not complete (message_start's output is 1): none.
@@ -214,7 +215,7 @@ func TestUsageFromAnthropicBody(t *testing.T) {
 		}
 		s.finish()
 		u, ok := s.usage()
-		if want := (accounting.Usage{Prompt: 327, Cached: 300, CacheWrite: 20, Completion: 9}); !ok || u != want {
+		if want := (pricing.Usage{Prompt: 327, Cached: 300, CacheWrite: 20, Completion: 9}); !ok || u != want {
 			t.Fatalf("step %d: %+v %v, want %+v", step, u, ok, want)
 		}
 	}
@@ -222,14 +223,14 @@ func TestUsageFromAnthropicBody(t *testing.T) {
 	// counts are never billed as less than they add up to.
 	for _, c := range []struct {
 		usage string
-		want  accounting.Usage
+		want  pricing.Usage
 	}{
 		{`{"input_tokens":7,"cache_creation_input_tokens":20,"cache_read_input_tokens":300,"output_tokens":9,` +
 			`"cache_creation":{"ephemeral_5m_input_tokens":5,"ephemeral_1h_input_tokens":15}}`,
-			accounting.Usage{Prompt: 327, Cached: 300, CacheWrite: 20, CacheWrite1h: 15, Completion: 9}},
+			pricing.Usage{Prompt: 327, Cached: 300, CacheWrite: 20, CacheWrite1h: 15, Completion: 9}},
 		{`{"input_tokens":7,"cache_creation_input_tokens":20,"output_tokens":9,"Cache_Creation":{"ephemeral_1h_input_tokens":30}}`,
-			accounting.Usage{Prompt: 37, CacheWrite: 30, CacheWrite1h: 30, Completion: 9}},
-		{`{"input_tokens":7,"output_tokens":9,"cache_creation":null}`, accounting.Usage{Prompt: 7, Completion: 9}},
+			pricing.Usage{Prompt: 37, CacheWrite: 30, CacheWrite1h: 30, Completion: 9}},
+		{`{"input_tokens":7,"output_tokens":9,"cache_creation":null}`, pricing.Usage{Prompt: 7, Completion: 9}},
 	} {
 		s := usageScanner{anthropic: true}
 		s.Write([]byte(`{"usage":` + c.usage + `}`))
@@ -256,7 +257,7 @@ func TestUsageFromAnthropicBody(t *testing.T) {
 // request whose input the bytes do not bound (an image) keeps the learned max.
 func TestMessagesHold(t *testing.T) {
 	t.Parallel()
-	m := accounting.Model{Name: "claude-x", Prices: accounting.Prices{Input: 3_000_000, CacheWriteInput: 3_750_000, CachedInput: 300_000, Output: 15_000_000,
+	m := ledger.Model{Name: "claude-x", Prices: pricing.Prices{Input: 3_000_000, CacheWriteInput: 3_750_000, CachedInput: 300_000, Output: 15_000_000,
 		CacheWrite1hInput: 6_000_000}, MaxInputTokens: 200_000, MaxOutputTokens: 8192}
 	body := `{"model":"claude-x","max_tokens":100,"messages":[{"role":"user","content":[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}]}]}`
 	r, e := parseMessages([]byte(body))
@@ -271,7 +272,7 @@ func TestMessagesHold(t *testing.T) {
 	// Priced with input and output only: a 1-hour cache write costs 2× the input price
 	// (Prices.WithDefaults), and the bound covers it; the same body on chat/completions cannot
 	// write the cache and is bounded at the input price.
-	plain := accounting.Model{Name: "claude-x", Prices: accounting.Prices{Input: 3_000_000, Output: 15_000_000}, MaxOutputTokens: 8192}
+	plain := ledger.Model{Name: "claude-x", Prices: pricing.Prices{Input: 3_000_000, Output: 15_000_000}, MaxOutputTokens: 8192}
 	hold, err = HoldAmount(context.Background(), HoldInput{Request: r, Model: plain, Fallback: 1})
 	if want := (int64(len(body))*6_000_000 + 100*15_000_000 + 999_999) / 1_000_000; err != nil || hold != want {
 		t.Fatalf("hold without cache prices %d %v, want %d", hold, err, want)

@@ -14,6 +14,8 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
 )
 
 // memHolds is a Holds without Redis: it isolates the middleware's own cost.
@@ -32,10 +34,10 @@ func (memHolds) KeyRevoked(context.Context, string) (bool, error) { return false
 // nopRecorder records nothing and cannot void.
 type nopRecorder struct{}
 
-func (nopRecorder) RecordReceipt(context.Context, accounting.UsageEvent) (accounting.Receipt, error) {
+func (nopRecorder) RecordReceipt(context.Context, ledger.UsageEvent) (accounting.Receipt, error) {
 	return accounting.Receipt{}, nil
 }
-func (nopRecorder) Void(context.Context, accounting.UsageEvent) error { return errors.ErrUnsupported }
+func (nopRecorder) Void(context.Context, ledger.UsageEvent) error { return errors.ErrUnsupported }
 
 const benchResponse = `{"id":"chatcmpl-1","object":"chat.completion","model":"gpt-test","choices":[{"index":0,"message":{"role":"assistant","content":"Hello there"},"finish_reason":"stop"}],"usage":` + chatUsageJSON + `}`
 
@@ -70,16 +72,16 @@ func BenchmarkMiddleware(b *testing.B) {
 			b.ReportMetric(ns/base, "x_handler")
 		}
 	}
-	ledger := accounting.NewMemory()
+	l := memledger.New()
 	ctx := context.Background()
 	org := "benchorg"
-	must2(b, ledger.CreateOrg(ctx, org))
-	if _, _, err := ledger.Credit(ctx, org, balance.MaxAmount/2, "bench"); err != nil {
+	must2(b, l.CreateOrg(ctx, org))
+	if _, _, err := l.Credit(ctx, org, balance.MaxAmount/2, "bench"); err != nil {
 		b.Fatal(err)
 	}
-	_, key, err := ledger.CreateKey(ctx, org)
+	_, key, err := l.CreateKey(ctx, org)
 	must2(b, err)
-	must2(b, ledger.PutModel(ctx, accounting.Model{Name: testModel, Prices: testPrices, MaxOutputTokens: 1000, DefaultHold: 5000}))
+	must2(b, l.PutModel(ctx, ledger.Model{Name: testModel, Prices: testPrices, MaxOutputTokens: 1000, DefaultHold: 5000}))
 
 	b.Run("handler_alone", func(b *testing.B) {
 		e := echo.New()
@@ -88,16 +90,16 @@ func BenchmarkMiddleware(b *testing.B) {
 	})
 	b.Run("middleware_memory_holds", func(b *testing.B) {
 		e := echo.New()
-		e.Use(New(Config{Store: memHolds{}, Ledger: ledger, Recorder: nopRecorder{}, Logger: quiet}))
+		e.Use(New(Config{Store: memHolds{}, Ledger: l, Recorder: nopRecorder{}, Logger: quiet}))
 		e.POST(EndpointChat, trivialHandler)
 		run(b, e, key, false)
 	})
 	b.Run("middleware_redis_store", func(b *testing.B) {
 		env := testutil.Redis(b)
-		st, err := balance.New(ctx, env.Client, &balance.Config{Ledger: ledger, Prefix: env.Prefix, MaxInFlight: 1 << 30, HoldTTL: time.Minute, Logger: quiet})
+		st, err := balance.New(ctx, env.Client, &balance.Config{Ledger: l, Prefix: env.Prefix, MaxInFlight: 1 << 30, HoldTTL: time.Minute, Logger: quiet})
 		must2(b, err)
 		e := echo.New()
-		e.Use(New(Config{Store: st, Ledger: ledger, Recorder: nopRecorder{}, Logger: quiet}))
+		e.Use(New(Config{Store: st, Ledger: l, Recorder: nopRecorder{}, Logger: quiet}))
 		e.POST(EndpointChat, trivialHandler)
 		run(b, e, key, false)
 	})

@@ -29,6 +29,7 @@ import (
 	"github.com/labstack/echo/v4"
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // Holds is what the middleware needs from the hot balance (*balance.Store implements it).
@@ -55,11 +56,11 @@ type Holds interface {
 // keys and model prices, read through a short in-process cache, and, when Config.Recorder is
 // nil, usage recording, one event per call.
 type Directory interface {
-	LookupKey(ctx context.Context, secret string) (accounting.APIKey, error)
-	Model(ctx context.Context, name string) (accounting.Model, error)
+	LookupKey(ctx context.Context, secret string) (ledger.APIKey, error)
+	Model(ctx context.Context, name string) (ledger.Model, error)
 	// RecordUsage and VoidUsage stand in for a Recorder (see Config.Recorder).
-	RecordUsage(ctx context.Context, events []accounting.UsageEvent) error
-	VoidUsage(ctx context.Context, ev accounting.UsageEvent) error
+	RecordUsage(ctx context.Context, events []ledger.UsageEvent) error
+	VoidUsage(ctx context.Context, ev ledger.UsageEvent) error
 }
 
 // Recorder records usage events durably (*accounting.Recorder implements it).
@@ -67,18 +68,18 @@ type Recorder interface {
 	// RecordReceipt stores ev durably before it returns. The Receipt carries the org's
 	// available balance right after the event's hold was finished when the Recorder can tell
 	// (HaveBalance; *accounting.Recorder with a Finisher can), for HeaderBalance.
-	RecordReceipt(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error)
+	RecordReceipt(ctx context.Context, ev ledger.UsageEvent) (accounting.Receipt, error)
 	// Void makes sure ev is never stored, after a RecordReceipt that failed or timed out: nil
 	// when it is voided (a late write of it is then a no-op), accounting.ErrUsageRecorded when
 	// it was stored first, errors.ErrUnsupported when this Recorder cannot void; any other
 	// error leaves it unknown (Void is retried).
-	Void(ctx context.Context, ev accounting.UsageEvent) error
+	Void(ctx context.Context, ev ledger.UsageEvent) error
 }
 
 // escrow's own types are what Config asks for.
 var (
 	_ Holds     = (*balance.Store)(nil)
-	_ Directory = accounting.Ledger(nil)
+	_ Directory = ledger.Ledger(nil)
 	_ Recorder  = (*accounting.Recorder)(nil)
 )
 
@@ -153,7 +154,7 @@ type Config struct {
 	Allow []string
 	// DefaultModel, when set, prices models the Ledger does not know (its Name is ignored).
 	// Default: nil (unknown models get a 404 model_not_found).
-	DefaultModel *accounting.Model
+	DefaultModel *ledger.Model
 	// DefaultHold is the hold when nothing better is known (micro-units, > 0). Default 1_000_000.
 	DefaultHold int64
 	// FailOpen lets requests through without a hold when Redis is down or slow; their usage is
@@ -274,11 +275,11 @@ var ErrConfig = errors.New("middleware: invalid config")
 // ledgerRecorder is the default Recorder: the Ledger's own RecordUsage and VoidUsage.
 type ledgerRecorder struct{ l Directory }
 
-func (r ledgerRecorder) RecordReceipt(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error) {
-	return accounting.Receipt{}, r.l.RecordUsage(ctx, []accounting.UsageEvent{ev})
+func (r ledgerRecorder) RecordReceipt(ctx context.Context, ev ledger.UsageEvent) (accounting.Receipt, error) {
+	return accounting.Receipt{}, r.l.RecordUsage(ctx, []ledger.UsageEvent{ev})
 }
 
-func (r ledgerRecorder) Void(ctx context.Context, ev accounting.UsageEvent) error {
+func (r ledgerRecorder) Void(ctx context.Context, ev ledger.UsageEvent) error {
 	return r.l.VoidUsage(ctx, ev)
 }
 

@@ -12,13 +12,14 @@ import (
 	"time"
 
 	"github.com/labstack/echo/v4"
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
 )
 
 func TestConfigValidation(t *testing.T) {
 	t.Parallel()
-	l := accounting.NewMemory()
+	l := memledger.New()
 	for _, c := range []Config{
 		{Ledger: l},
 		{Store: memHolds{}},
@@ -57,25 +58,25 @@ func (s *scriptedHolds) Release(context.Context, string, string) (bool, error) {
 }
 
 type flakyDirectory struct {
-	*accounting.Memory
+	*memledger.Ledger
 	down atomic.Bool
 }
 
-func (f *flakyDirectory) LookupKey(ctx context.Context, s string) (accounting.APIKey, error) {
+func (f *flakyDirectory) LookupKey(ctx context.Context, s string) (ledger.APIKey, error) {
 	if f.down.Load() {
-		return accounting.APIKey{}, accounting.ErrLedgerUnavailable
+		return ledger.APIKey{}, ledger.ErrLedgerUnavailable
 	}
-	return f.Memory.LookupKey(ctx, s)
+	return f.Ledger.LookupKey(ctx, s)
 }
 
 func TestReserveAnswers(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	l := accounting.NewMemory()
+	l := memledger.New()
 	must(t, l.CreateOrg(ctx, "o1"))
 	_, key, _ := l.CreateKey(ctx, "o1")
-	must(t, l.PutModel(ctx, accounting.Model{Name: testModel, Prices: testPrices, MaxOutputTokens: 100}))
-	dir := &flakyDirectory{Memory: l}
+	must(t, l.PutModel(ctx, ledger.Model{Name: testModel, Prices: testPrices, MaxOutputTokens: 100}))
+	dir := &flakyDirectory{Ledger: l}
 	tests := []struct {
 		name     string
 		h        *scriptedHolds

@@ -6,6 +6,7 @@ import (
 	"strconv"
 
 	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // The cost of each request, told to its client.
@@ -46,7 +47,7 @@ const (
 )
 
 // record records ev, with the balance after it when the Recorder can tell.
-func (m *middleware) record(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error) {
+func (m *middleware) record(ctx context.Context, ev ledger.UsageEvent) (accounting.Receipt, error) {
 	return m.cfg.Recorder.RecordReceipt(ctx, ev)
 }
 

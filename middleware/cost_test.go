@@ -13,6 +13,8 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
 )
 
 // costEnv is the middleware harness with an *accounting.Recorder that finishes holds (as the
@@ -21,7 +23,7 @@ import (
 func costEnv(t *testing.T, tweak func(*Config)) *testEnv {
 	t.Helper()
 	return newEnv(t, envOpt{cfg: func(c *Config) {
-		rec, err := accounting.NewRecorder(c.Ledger.(*accounting.Memory), &accounting.RecorderConfig{Logger: quiet, Finisher: c.Store.(*balance.Store)})
+		rec, err := accounting.NewRecorder(c.Ledger.(*memledger.Ledger), &accounting.RecorderConfig{Logger: quiet, Finisher: c.Store.(*balance.Store)})
 		must(t, err)
 		rec.Start(context.Background())
 		t.Cleanup(func() { _ = rec.Stop(context.Background()) })
@@ -52,7 +54,7 @@ func (e *testEnv) send(path, body string, hdr map[string]string) (*http.Response
 }
 
 // charged is the cost the ledger holds for the request.
-func (e *testEnv) charged(id string) accounting.RequestInfo {
+func (e *testEnv) charged(id string) ledger.RequestInfo {
 	e.t.Helper()
 	ri, err := e.ledger.Request(context.Background(), id)
 	must(e.t, err)
@@ -299,7 +301,7 @@ func TestCostNotOnFailures(t *testing.T) {
 func TestCostFailOpen(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOpt{withFault: true, cfg: func(c *Config) {
-		rec, err := accounting.NewRecorder(c.Ledger.(*accounting.Memory), &accounting.RecorderConfig{Logger: quiet, Finisher: c.Store.(*balance.Store)})
+		rec, err := accounting.NewRecorder(c.Ledger.(*memledger.Ledger), &accounting.RecorderConfig{Logger: quiet, Finisher: c.Store.(*balance.Store)})
 		must(t, err)
 		rec.Start(context.Background())
 		t.Cleanup(func() { _ = rec.Stop(context.Background()) })

@@ -21,13 +21,16 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 	"github.com/llmescrow/escrow/migrations"
 )
 
 // faultLedger wraps a ledger with the faults these tests need. Writes and voids go to the
 // wrapped ledger unchanged unless a fault is set.
 type faultLedger struct {
-	accounting.Ledger
+	ledger.Ledger
 	snapshotDown atomic.Bool    // Snapshot fails as if Postgres were unreachable
 	stallBefore  atomic.Int64   // ns: RecordUsage waits this long, then commits (whatever its context says)
 	stallAfter   atomic.Int64   // ns: RecordUsage commits, then waits this long before answering
@@ -42,11 +45,11 @@ type faultLedger struct {
 	stalls       sync.WaitGroup // stalled RecordUsage calls not yet returned
 }
 
-func newFaultLedger(l accounting.Ledger) *faultLedger {
+func newFaultLedger(l ledger.Ledger) *faultLedger {
 	return &faultLedger{Ledger: l, committed: make(chan struct{}, 16), commitErrs: make(chan error, 16)}
 }
 
-var errFaultDown = fmt.Errorf("%w: fault injected", accounting.ErrLedgerUnavailable)
+var errFaultDown = fmt.Errorf("%w: fault injected", ledger.ErrLedgerUnavailable)
 
 func (f *faultLedger) Snapshot(ctx context.Context, org string) (balance.Snapshot, error) {
 	if f.snapshotDown.Load() {
@@ -63,7 +66,7 @@ func (f *faultLedger) SnapshotSince(ctx context.Context, org string, since time.
 	return f.Ledger.SnapshotSince(ctx, org, since)
 }
 
-func (f *faultLedger) RecordUsage(ctx context.Context, evs []accounting.UsageEvent) error {
+func (f *faultLedger) RecordUsage(ctx context.Context, evs []ledger.UsageEvent) error {
 	if d := time.Duration(f.stallBefore.Load()); d > 0 {
 		f.stalls.Add(1)
 		defer f.stalls.Done()
@@ -84,14 +87,14 @@ func (f *faultLedger) RecordUsage(ctx context.Context, evs []accounting.UsageEve
 	return err
 }
 
-func (f *faultLedger) VoidUsage(ctx context.Context, ev accounting.UsageEvent) error {
+func (f *faultLedger) VoidUsage(ctx context.Context, ev ledger.UsageEvent) error {
 	if f.voidDown.Load() {
 		return errFaultDown
 	}
 	return f.Ledger.VoidUsage(ctx, ev)
 }
 
-func (f *faultLedger) LookupKey(ctx context.Context, secret string) (accounting.APIKey, error) {
+func (f *faultLedger) LookupKey(ctx context.Context, secret string) (ledger.APIKey, error) {
 	f.lookups.Add(1)
 	n := f.lookupsNow.Add(1)
 	defer f.lookupsNow.Add(-1)
@@ -101,7 +104,7 @@ func (f *faultLedger) LookupKey(ctx context.Context, secret string) (accounting.
 		time.Sleep(d)
 	}
 	if f.keysDown.Load() {
-		return accounting.APIKey{}, errFaultDown
+		return ledger.APIKey{}, errFaultDown
 	}
 	return f.Ledger.LookupKey(ctx, secret)
 }
@@ -145,7 +148,7 @@ func eachLedger(t *testing.T, fn func(t *testing.T, pg bool)) {
 func newLedgerEnv(t *testing.T, pg bool, cfg func(*Config)) *ledgerEnv {
 	t.Helper()
 	ctx := context.Background()
-	var base accounting.Ledger
+	var base ledger.Ledger
 	var redisEnv *testutil.RedisEnv
 	if pg {
 		redisEnv = testutil.RealRedis(t)
@@ -153,12 +156,12 @@ func newLedgerEnv(t *testing.T, pg bool, cfg func(*Config)) *ledgerEnv {
 		if _, err := migrations.Up(ctx, env.Pool); err != nil {
 			t.Fatal(err)
 		}
-		pgl, err := accounting.NewPostgres(env.Pool, nil)
+		pgl, err := pgledger.New(env.Pool, nil)
 		must(t, err)
 		base = pgl
 	} else {
 		redisEnv = testutil.Redis(t)
-		base = accounting.NewMemory()
+		base = memledger.New()
 	}
 	t.Cleanup(base.Close)
 	e := &ledgerEnv{t: t, ledger: newFaultLedger(base), outcomes: make(chan Outcome, 100)}
@@ -178,7 +181,7 @@ func newLedgerEnv(t *testing.T, pg bool, cfg func(*Config)) *ledgerEnv {
 	k, secret, err := e.ledger.CreateKey(ctx, e.org)
 	must(t, err)
 	e.key, e.keyID = secret, k.ID
-	must(t, e.ledger.PutModel(ctx, accounting.Model{Name: testModel, Prices: testPrices, MaxInputTokens: 100_000, MaxOutputTokens: 1000, DefaultHold: 5000}))
+	must(t, e.ledger.PutModel(ctx, ledger.Model{Name: testModel, Prices: testPrices, MaxInputTokens: 100_000, MaxOutputTokens: 1000, DefaultHold: 5000}))
 
 	// A record that is not about a stall must not time out on a loaded machine (a void, a
 	// connection cut); the tests of a stall set stallRecordTimeout.
@@ -469,7 +472,7 @@ func TestKeyFloodKeepsValidKeys(t *testing.T) {
 		}
 		charged := e.outcome().Cost
 		for i := range 50 {
-			status, _, err := e.do(fmt.Sprintf("%sflood%040d", accounting.KeyPrefix, i), jsonBody(testModel, ""))
+			status, _, err := e.do(fmt.Sprintf("%sflood%040d", ledger.KeyPrefix, i), jsonBody(testModel, ""))
 			must(t, err)
 			if status != http.StatusUnauthorized {
 				t.Fatalf("random key %d: status %d", i, status)
@@ -507,7 +510,7 @@ func TestKeyFailuresLimitedPerIP(t *testing.T) {
 		charged := e.outcome().Cost
 		random := func(i int) (int, string) {
 			req, _ := http.NewRequest(http.MethodPost, e.srv.URL+EndpointChat, strings.NewReader(jsonBody(testModel, "")))
-			req.Header.Set("Authorization", fmt.Sprintf("Bearer %srandom%040d", accounting.KeyPrefix, i))
+			req.Header.Set("Authorization", fmt.Sprintf("Bearer %srandom%040d", ledger.KeyPrefix, i))
 			req.Header.Set("X-Forwarded-For", fmt.Sprintf("10.0.%d.%d", i/250, i%250)) // not trusted: no way around the limit
 			resp, err := http.DefaultClient.Do(req)
 			if err != nil {

@@ -16,6 +16,8 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/tidwall/gjson"
 )
 
@@ -26,7 +28,7 @@ import (
 
 // bigModel is priced like gpt-4o-mini (0.15 and 0.60 per million tokens, in micro-units) and
 // allows 16,384 output tokens: the 8.7 MB n:64 reply costs 629,146 and more.
-var bigModel = accounting.Model{Name: "gpt-4o-mini", Prices: accounting.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000},
+var bigModel = ledger.Model{Name: "gpt-4o-mini", Prices: pricing.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000},
 	MaxInputTokens: 128_000, MaxOutputTokens: 16_384, DefaultHold: 5000}
 
 // newFakeEnv is an env whose upstream is the fake OpenAI of internal/fakeupstream.
@@ -50,14 +52,14 @@ type gatedRecorder struct {
 	open    chan struct{}
 }
 
-func (g *gatedRecorder) RecordReceipt(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error) {
+func (g *gatedRecorder) RecordReceipt(ctx context.Context, ev ledger.UsageEvent) (accounting.Receipt, error) {
 	close(g.entered)
 	<-g.open
 	_, err := g.next.RecordReceipt(ctx, ev)
 	return accounting.Receipt{}, err
 }
 
-func (g *gatedRecorder) Void(context.Context, accounting.UsageEvent) error {
+func (g *gatedRecorder) Void(context.Context, ledger.UsageEvent) error {
 	return errors.ErrUnsupported
 }
 
@@ -70,7 +72,7 @@ func gate(g **gatedRecorder) func(*Config) {
 
 // billedExactly checks the request's event: its usage is want (what the client saw), priced
 // with the model, not estimated, and in the ledger with the hold still on.
-func (e *testEnv) billedExactly(id string, m accounting.Model, want accounting.Usage) accounting.UsageEvent {
+func (e *testEnv) billedExactly(id string, m ledger.Model, want pricing.Usage) ledger.UsageEvent {
 	e.t.Helper()
 	o := e.outcome()
 	if o.Kind != OutcomeRecorded || o.HoldID != id {
@@ -86,7 +88,7 @@ func (e *testEnv) billedExactly(id string, m accounting.Model, want accounting.U
 }
 
 // visibleUsage is the usage a client reads from a JSON body (encoding/json, as a Go client).
-func visibleUsage(t *testing.T, body []byte) accounting.Usage {
+func visibleUsage(t *testing.T, body []byte) pricing.Usage {
 	t.Helper()
 	raw, ok := clientUsageRaw(body)
 	if !ok {
@@ -176,9 +178,9 @@ func waitStill(n *atomic.Int64) int64 {
 }
 
 // sseUsage reads a chat/completions stream as a client: the usage chunk's usage, if any.
-func sseChatUsage(t *testing.T, stream []byte) (accounting.Usage, bool) {
+func sseChatUsage(t *testing.T, stream []byte) (pricing.Usage, bool) {
 	t.Helper()
-	var u accounting.Usage
+	var u pricing.Usage
 	found := false
 	readEvents(t, bytes.NewReader(stream), func(ev string) bool {
 		for _, line := range strings.Split(ev, "\n") {
@@ -197,9 +199,9 @@ func sseChatUsage(t *testing.T, stream []byte) (accounting.Usage, bool) {
 
 // sseResponsesUsage is the usage of a Responses stream's response.completed event, as a client
 // reads it.
-func sseResponsesUsage(t *testing.T, stream []byte) accounting.Usage {
+func sseResponsesUsage(t *testing.T, stream []byte) pricing.Usage {
 	t.Helper()
-	var u accounting.Usage
+	var u pricing.Usage
 	found := false
 	readEvents(t, bytes.NewReader(stream), func(ev string) bool {
 		for _, line := range strings.Split(ev, "\n") {
@@ -241,7 +243,7 @@ func TestCompressedRepliesBilledExactly(t *testing.T) {
 				if resp.StatusCode != 200 || resp.Header.Get("Content-Encoding") != "" {
 					t.Fatalf("status %d, Content-Encoding %q: %.200s", resp.StatusCode, resp.Header.Get("Content-Encoding"), got)
 				}
-				var want accounting.Usage
+				var want pricing.Usage
 				switch tc.name {
 				case "json", "responses json":
 					want = visibleUsage(t, got)
@@ -255,14 +257,14 @@ func TestCompressedRepliesBilledExactly(t *testing.T) {
 					if strings.Contains(string(got), "usage") || !strings.HasSuffix(string(got), "data: [DONE]\n\n") {
 						t.Fatalf("injected usage not hidden from the client:\n%.500s", got)
 					}
-					want = accounting.Usage{Prompt: 5, Cached: 2, Completion: 40, Reasoning: 3} // the fake's rule: words, markers, cap
+					want = pricing.Usage{Prompt: 5, Cached: 2, Completion: 40, Reasoning: 3} // the fake's rule: words, markers, cap
 				case "responses sse":
 					want = sseResponsesUsage(t, got)
 				}
 				if want.Completion == 0 || want.Cached == 0 {
 					t.Fatalf("the fake's usage %+v lacks the markers' counts", want)
 				}
-				e.billedExactly(id, accounting.Model{Name: testModel, Prices: testPrices}, want)
+				e.billedExactly(id, ledger.Model{Name: testModel, Prices: testPrices}, want)
 				e.settleAll()
 			})
 		}
@@ -432,8 +434,8 @@ func TestBigChatChunksBilled(t *testing.T) {
 		if _, ok := sseChatUsage(t, got); ok {
 			t.Fatal("the injected usage chunk reached the client")
 		}
-		e.billedExactly(resp.Header.Get("x-request-id"), accounting.Model{Name: testModel, Prices: testPrices},
-			accounting.Usage{Prompt: len64(marker + "count to ten"), Completion: 50})
+		e.billedExactly(resp.Header.Get("x-request-id"), ledger.Model{Name: testModel, Prices: testPrices},
+			pricing.Usage{Prompt: len64(marker + "count to ten"), Completion: 50})
 		e.settleAll()
 	}
 }

@@ -21,6 +21,9 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/redis/go-redis/v9"
 	"github.com/tidwall/gjson"
 )
@@ -31,32 +34,32 @@ const (
 	upstreamKey = "sk-upstream-secret"
 )
 
-var testPrices = accounting.Prices{Input: 1_000_000, CachedInput: 500_000, Output: 2_000_000}
+var testPrices = pricing.Prices{Input: 1_000_000, CachedInput: 500_000, Output: 2_000_000}
 
 // chatUsage is what the fake upstream reports for chat requests.
 const chatUsageJSON = `{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,"prompt_tokens_details":{"cached_tokens":2},"completion_tokens_details":{"reasoning_tokens":1}}`
 
-var chatUsage = accounting.Usage{Prompt: 12, Cached: 2, Completion: 5, Reasoning: 1}
+var chatUsage = pricing.Usage{Prompt: 12, Cached: 2, Completion: 5, Reasoning: 1}
 
 // spyRecorder records into the ledger and remembers the events.
 type spyRecorder struct {
-	l *accounting.Memory
+	l *memledger.Ledger
 	// fin, when set, finishes each recorded event's hold, as the proxy's *accounting.Recorder
 	// does with the store as its Finisher: a request that ended is no longer in flight.
 	fin  accounting.Finisher
 	mu   sync.Mutex
-	evs  []accounting.UsageEvent
+	evs  []ledger.UsageEvent
 	fail error
 }
 
-func (s *spyRecorder) Record(ctx context.Context, ev accounting.UsageEvent) error {
+func (s *spyRecorder) Record(ctx context.Context, ev ledger.UsageEvent) error {
 	s.mu.Lock()
 	fail := s.fail
 	s.mu.Unlock()
 	if fail != nil {
 		return fail
 	}
-	if err := s.l.RecordUsage(ctx, []accounting.UsageEvent{ev}); err != nil {
+	if err := s.l.RecordUsage(ctx, []ledger.UsageEvent{ev}); err != nil {
 		return err
 	}
 	s.mu.Lock()
@@ -67,7 +70,7 @@ func (s *spyRecorder) Record(ctx context.Context, ev accounting.UsageEvent) erro
 
 // RecordReceipt is Record, then (with fin) the finish of the event's hold, best effort as the
 // recorder's; no balance is claimed.
-func (s *spyRecorder) RecordReceipt(ctx context.Context, ev accounting.UsageEvent) (accounting.Receipt, error) {
+func (s *spyRecorder) RecordReceipt(ctx context.Context, ev ledger.UsageEvent) (accounting.Receipt, error) {
 	if err := s.Record(ctx, ev); err != nil {
 		return accounting.Receipt{}, err
 	}
@@ -79,14 +82,14 @@ func (s *spyRecorder) RecordReceipt(ctx context.Context, ev accounting.UsageEven
 
 // Void voids the event in the ledger, as *accounting.Recorder does: a failed Record whose event
 // is voided is certainly not charged, so the client may be told it failed.
-func (s *spyRecorder) Void(ctx context.Context, ev accounting.UsageEvent) error {
+func (s *spyRecorder) Void(ctx context.Context, ev ledger.UsageEvent) error {
 	return s.l.VoidUsage(ctx, ev)
 }
 
-func (s *spyRecorder) events() []accounting.UsageEvent {
+func (s *spyRecorder) events() []ledger.UsageEvent {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return append([]accounting.UsageEvent(nil), s.evs...)
+	return append([]ledger.UsageEvent(nil), s.evs...)
 }
 
 // upstreamReq is what the fake upstream received.
@@ -100,7 +103,7 @@ type testEnv struct {
 	redis    *testutil.RedisEnv
 	fault    *testutil.FaultProxy // in front of Redis when withFault
 	store    *balance.Store
-	ledger   *accounting.Memory
+	ledger   *memledger.Ledger
 	rec      *spyRecorder
 	org, key string
 	srv      *httptest.Server
@@ -123,7 +126,7 @@ type envOpt struct {
 func newEnv(t *testing.T, o envOpt) *testEnv {
 	t.Helper()
 	ctx := context.Background()
-	e := &testEnv{t: t, ledger: accounting.NewMemory(), outcomes: make(chan Outcome, 100)}
+	e := &testEnv{t: t, ledger: memledger.New(), outcomes: make(chan Outcome, 100)}
 	if o.mini {
 		e.redis = testutil.MiniRedis(t)
 	} else {
@@ -178,8 +181,8 @@ func newEnv(t *testing.T, o envOpt) *testEnv {
 	}
 	_, e.key, err = e.ledger.CreateKey(ctx, e.org)
 	must(t, err)
-	must(t, e.ledger.PutModel(ctx, accounting.Model{Name: testModel, Prices: testPrices, MaxInputTokens: 100_000, MaxOutputTokens: 1000, DefaultHold: 5000}))
-	must(t, e.ledger.PutModel(ctx, accounting.Model{Name: "text-embedding-test", Prices: accounting.Prices{Input: 1_000_000}, MaxInputTokens: 8000, DefaultHold: 100}))
+	must(t, e.ledger.PutModel(ctx, ledger.Model{Name: testModel, Prices: testPrices, MaxInputTokens: 100_000, MaxOutputTokens: 1000, DefaultHold: 5000}))
+	must(t, e.ledger.PutModel(ctx, ledger.Model{Name: "text-embedding-test", Prices: pricing.Prices{Input: 1_000_000}, MaxInputTokens: 8000, DefaultHold: 100}))
 
 	e.upstream = fakeOpenAI
 	e.up = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -272,7 +275,7 @@ func (e *testEnv) state() balance.State {
 	return st
 }
 
-func (e *testEnv) account() accounting.Account {
+func (e *testEnv) account() ledger.Account {
 	e.t.Helper()
 	a, err := e.ledger.Account(context.Background(), e.org)
 	must(e.t, err)
@@ -303,12 +306,12 @@ func (e *testEnv) assertNothingDebited() {
 
 // assertHoldKept checks that the request's hold is still on (the worker settles it) and its
 // usage event is in the ledger.
-func (e *testEnv) assertRecorded(id string, hold int64) accounting.UsageEvent {
+func (e *testEnv) assertRecorded(id string, hold int64) ledger.UsageEvent {
 	e.t.Helper()
 	if !e.usageRecorded(id) {
 		e.t.Fatalf("no usage for %s in the ledger", id)
 	}
-	var ev accounting.UsageEvent
+	var ev ledger.UsageEvent
 	for _, x := range e.rec.events() {
 		if x.ID == id {
 			ev = x
@@ -323,7 +326,7 @@ func (e *testEnv) assertRecorded(id string, hold int64) accounting.UsageEvent {
 	return ev
 }
 
-func cost(t *testing.T, u accounting.Usage) int64 {
+func cost(t *testing.T, u pricing.Usage) int64 {
 	c, err := testPrices.Cost(u)
 	must(t, err)
 	return c
@@ -395,7 +398,7 @@ var responsesEvents = []string{
 	"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_1\",\"status\":\"completed\",\"usage\":{\"input_tokens\":20,\"input_tokens_details\":{\"cached_tokens\":10},\"output_tokens\":30,\"output_tokens_details\":{\"reasoning_tokens\":12},\"total_tokens\":50}}}\n\n",
 }
 
-var responsesUsage = accounting.Usage{Prompt: 20, Cached: 10, Completion: 30, Reasoning: 12}
+var responsesUsage = pricing.Usage{Prompt: 20, Cached: 10, Completion: 30, Reasoning: 12}
 
 func chatChunks(includeUsage bool) []string {
 	u := ""

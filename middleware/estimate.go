@@ -4,7 +4,8 @@ import (
 	"io"
 	"sync/atomic"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // The one rule for every response that ends without readable usage (DESIGN "The flow", step
@@ -33,25 +34,25 @@ import (
 //
 // Keep it the same rule as HoldAmount's bound: a request that HoldAmount holds at its bound is
 // bounded here.
-func holdIsBound(m accounting.Model, r Request, hold int64) (bound int64, usage accounting.Usage, ok bool) {
+func holdIsBound(m ledger.Model, r Request, hold int64) (bound int64, usage pricing.Usage, ok bool) {
 	b, out, ok := Bound(m, r)
 	if !ok || b > hold {
 		return 0, usage, false
 	}
 	n := max(r.N, 1) // requestBound fitted b × n × prompts, so these fit too
-	return b, accounting.Usage{Prompt: int64(r.Size) * n, Completion: out * max(r.Prompts, 1) * n}, true
+	return b, pricing.Usage{Prompt: int64(r.Size) * n, Completion: out * max(r.Prompts, 1) * n}, true
 }
 
 // estimate is what a request whose response ended without readable usage is charged (see the
 // rule above), and the usage that charge stands for. cw is what passed of the response (its
 // mode is modeNone or modePass when no 2xx came before the read-on bound ended).
-func (cl *call) estimate(cw *captureWriter) (accounting.Usage, int64) {
+func (cl *call) estimate(cw *captureWriter) (pricing.Usage, int64) {
 	hold := max(cl.agreed, 1) // a fail-open request: the amount it would have held
 	if b, u, ok := holdIsBound(cl.model, cl.req, hold); ok {
 		return u, b
 	}
 	out := cw.outputEstimate()
-	usage := accounting.Usage{Prompt: int64(cl.req.Size), Completion: out}
+	usage := pricing.Usage{Prompt: int64(cl.req.Size), Completion: out}
 	m := cl.model
 	if cl.req.Endpoint != EndpointMessages {
 		m.Prices = m.WithoutCacheWrites() // as the hold: only Anthropic's usage carries cache writes

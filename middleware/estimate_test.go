@@ -9,7 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // The one rule for a response that ends without readable usage (DESIGN "The flow", step 3): a
@@ -73,7 +74,7 @@ func estimateBound(t *testing.T, c estimateCase, body string, out, hold int64) i
 	var b int64
 	var err error
 	if c.input > 0 {
-		b, err = testPrices.Cost(accounting.Usage{Prompt: c.input, Completion: out})
+		b, err = testPrices.Cost(pricing.Usage{Prompt: c.input, Completion: out})
 	} else if c.path == EndpointMessages {
 		b, err = testPrices.Bound(int64(len(body)), out)
 	} else {
@@ -85,7 +86,7 @@ func estimateBound(t *testing.T, c estimateCase, body string, out, hold int64) i
 
 // checkEstimate checks that the request was charged want, marked estimated, with its hold kept
 // for the worker to settle.
-func (e *testEnv) checkEstimate(o Outcome, want int64) accounting.UsageEvent {
+func (e *testEnv) checkEstimate(o Outcome, want int64) ledger.UsageEvent {
 	e.t.Helper()
 	if o.Kind != OutcomeEstimated || o.Cost != want {
 		e.t.Fatalf("outcome %+v: want estimated at %d", o, want)
@@ -244,7 +245,7 @@ func TestInputBoundIsBodyBytes(t *testing.T) {
 	// hold: charged the hold, no more.
 	body = strings.Replace(body, "gpt-test", "gpt-learned", 1)
 	e2 := newEnv(t, envOpt{cfg: func(cfg *Config) { cfg.HangupTimeout = readOn }})
-	must(t, e2.ledger.PutModel(context.Background(), accounting.Model{Name: "gpt-learned", Prices: testPrices,
+	must(t, e2.ledger.PutModel(context.Background(), ledger.Model{Name: "gpt-learned", Prices: testPrices,
 		MaxInputTokens: 100_000, MaxOutputTokens: 1000, MaxCost: 5000}))
 	e2.setUpstream(func(w http.ResponseWriter, r *http.Request, _ []byte) {
 		w.Header().Set("Content-Type", "text/event-stream")

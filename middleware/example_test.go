@@ -10,9 +10,11 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/labstack/echo/v4"
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
 	"github.com/llmescrow/escrow/middleware"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -25,19 +27,19 @@ func Example() {
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	defer rdb.Close()
 
-	ledger := accounting.NewMemory()
-	_ = ledger.CreateOrg(ctx, "acme")
-	_, _, _ = ledger.Credit(ctx, "acme", 1_000_000, "payment-1")
-	_, secret, _ := ledger.CreateKey(ctx, "acme")
-	_ = ledger.PutModel(ctx, accounting.Model{Name: "gpt-test", Prices: accounting.Prices{Input: 1_000_000, Output: 2_000_000}, MaxOutputTokens: 1000, DefaultHold: 5000})
-	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: ledger})
+	l := memledger.New()
+	_ = l.CreateOrg(ctx, "acme")
+	_, _, _ = l.Credit(ctx, "acme", 1_000_000, "payment-1")
+	_, secret, _ := l.CreateKey(ctx, "acme")
+	_ = l.PutModel(ctx, ledger.Model{Name: "gpt-test", Prices: pricing.Prices{Input: 1_000_000, Output: 2_000_000}, MaxOutputTokens: 1000, DefaultHold: 5000})
+	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: l})
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
 
 	e := echo.New()
-	e.Use(middleware.New(middleware.Config{Store: store, Ledger: ledger}))
+	e.Use(middleware.New(middleware.Config{Store: store, Ledger: l}))
 	e.POST("/v1/chat/completions", func(c echo.Context) error { // stands in for the upstream
 		return c.JSONBlob(http.StatusOK, []byte(`{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":10,"completion_tokens":5}}`))
 	})
@@ -51,7 +53,7 @@ func Example() {
 	fmt.Println(rec.Code, len(body) > 0)
 
 	id := rec.Header().Get("x-request-id")
-	recorded, _ := ledger.UnsettledUsage(ctx, "acme", []string{id})
+	recorded, _ := l.UnsettledUsage(ctx, "acme", []string{id})
 	fmt.Println("usage recorded:", recorded[id])
 
 	// No key: an OpenAI-shaped 401.

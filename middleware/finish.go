@@ -9,6 +9,8 @@ import (
 	"github.com/labstack/echo/v4"
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 var (
@@ -128,7 +130,7 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	cw.end()
 	usage, estimated, truncated, why := cl.readUsage(cw, nextErr, panicked, cause)
 	usage, cost, estimated := cl.charge(cw, usage, estimated, truncated)
-	ev := accounting.UsageEvent{
+	ev := ledger.UsageEvent{
 		// The limit attribution is what the reserve answered (a fail-open request has no reserve
 		// time: it is attributed to its record time). A key id the limits layer cannot name is
 		// kept for reports; the ledger leaves it out of the entry's attribution, as the reserve
@@ -159,7 +161,7 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 // readUsage is the usage the 2xx response reported. When it has none, estimated is true and
 // why says what went wrong; truncated tells whether the response was cut off after its first
 // byte (only part of it was read) rather than complete without a usage.
-func (cl *call) readUsage(cw *captureWriter, nextErr error, panicked any, cause error) (u accounting.Usage, estimated, truncated bool, why error) {
+func (cl *call) readUsage(cw *captureWriter, nextErr error, panicked any, cause error) (u pricing.Usage, estimated, truncated bool, why error) {
 	usage, ok := cw.usage()
 	switch {
 	case ok:
@@ -183,7 +185,7 @@ func (cl *call) readUsage(cw *captureWriter, nextErr error, panicked any, cause 
 
 // charge is what the request is charged: its usage priced; for a response cut off, an estimate
 // of its usage; for a 2xx whose usage cannot be read, or that cannot be priced, the hold.
-func (cl *call) charge(cw *captureWriter, usage accounting.Usage, estimated, truncated bool) (accounting.Usage, int64, bool) {
+func (cl *call) charge(cw *captureWriter, usage pricing.Usage, estimated, truncated bool) (pricing.Usage, int64, bool) {
 	switch {
 	case truncated:
 		// Ended without readable usage after the upstream was called (a hang-up past the
@@ -193,7 +195,7 @@ func (cl *call) charge(cw *captureWriter, usage accounting.Usage, estimated, tru
 	case estimated:
 		// A 2xx whose usage cannot be read: charged what the org agreed to risk, the hold
 		// (a fail-open request has none on the balance, but the amount it would have held).
-		return accounting.Usage{}, max(cl.agreed, 1), true
+		return pricing.Usage{}, max(cl.agreed, 1), true
 	}
 	cost, err := cl.model.Cost(usage)
 	if err != nil {
@@ -207,7 +209,7 @@ func (cl *call) charge(cw *captureWriter, usage accounting.Usage, estimated, tru
 // recordFailed answers a request whose record failed. done is false when the event was stored
 // after all (the request completes as recorded); else abort tells whether the connection must
 // be cut (the outcome is unknown) rather than answered with an error.
-func (cl *call) recordFailed(cw *captureWriter, ev accounting.UsageEvent, err error, o *Outcome) (done, abort bool) {
+func (cl *call) recordFailed(cw *captureWriter, ev ledger.UsageEvent, err error, o *Outcome) (done, abort bool) {
 	m := cl.m
 	switch m.recordOutcome(ev, err) {
 	case recordStored:
@@ -251,11 +253,11 @@ const (
 // before anything is queued are final; anything else (a timeout while queued or being written,
 // a ledger error whose commit may have landed) is settled by voiding the id in the ledger, at
 // most RecordTimeout more.
-func (m *middleware) recordOutcome(ev accounting.UsageEvent, err error) recordResult {
+func (m *middleware) recordOutcome(ev ledger.UsageEvent, err error) recordResult {
 	switch {
-	case errors.Is(err, accounting.ErrInvalidUsage), errors.Is(err, accounting.ErrInvalidAmount),
+	case errors.Is(err, pricing.ErrInvalidUsage), errors.Is(err, ledger.ErrInvalidAmount),
 		errors.Is(err, balance.ErrInvalidOrg), errors.Is(err, accounting.ErrRecorderClosed),
-		errors.Is(err, accounting.ErrNotRecorded):
+		errors.Is(err, ledger.ErrNotRecorded):
 		return recordNotStored
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
@@ -267,9 +269,9 @@ func voidResult(err error) recordResult {
 	switch {
 	case err == nil:
 		return recordNotStored
-	case errors.Is(err, accounting.ErrUsageRecorded):
+	case errors.Is(err, ledger.ErrUsageRecorded):
 		return recordStored
-	case errors.Is(err, accounting.ErrInvalidUsage), errors.Is(err, accounting.ErrInvalidAmount), errors.Is(err, balance.ErrInvalidOrg):
+	case errors.Is(err, pricing.ErrInvalidUsage), errors.Is(err, ledger.ErrInvalidAmount), errors.Is(err, balance.ErrInvalidOrg):
 		return recordNotStored // the ledger could never store it either
 	}
 	return recordUnknown // errors.ErrUnsupported (a Recorder that cannot void) included
@@ -278,7 +280,7 @@ func voidResult(err error) recordResult {
 // voidLater retries voiding ev in the background (until ReleaseRetryFor has passed) after a
 // connection was cut with the outcome unknown: a successful void gives the hold back; an event
 // found stored keeps it, for the settle that will come.
-func (m *middleware) voidLater(cl *call, ev accounting.UsageEvent) {
+func (m *middleware) voidLater(cl *call, ev ledger.UsageEvent) {
 	m.retryLater(func(int) (bool, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
 		err := m.cfg.Recorder.Void(ctx, ev)

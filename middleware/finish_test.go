@@ -11,6 +11,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger/memledger"
 )
 
 // finishEnv is the middleware harness with a per-org cap of capN, an *accounting.Recorder that
@@ -28,7 +29,7 @@ func finishEnv(t *testing.T, capN int, finisher bool) (*testEnv, *accounting.Rec
 				rc.Finisher = c.Store.(*balance.Store)
 			}
 			var err error
-			rec, err = accounting.NewRecorder(c.Ledger.(*accounting.Memory), &rc)
+			rec, err = accounting.NewRecorder(c.Ledger.(*memledger.Ledger), &rc)
 			must(t, err)
 			rec.Start(context.Background())
 			t.Cleanup(func() { _ = rec.Stop(context.Background()) })

@@ -5,8 +5,8 @@ import (
 	"net/http"
 	"strconv"
 
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // Fit (DESIGN "Holds that fit"): a request whose bound does not fit the org's balance or the
@@ -63,7 +63,7 @@ type fitPlan struct {
 // planFit reports whether the request may be fitted: fit is on (Config.NoFit, the request's
 // HeaderFit), the request has a bound with an output (embeddings have none to shorten) and its
 // hold is that bound (a HoldFunc may hold something else).
-func (m *middleware) planFit(off bool, model accounting.Model, r Request, hold int64) fitPlan {
+func (m *middleware) planFit(off bool, model ledger.Model, r Request, hold int64) fitPlan {
 	var p fitPlan
 	p.bound, p.cap, p.on = Bound(model, r)
 	p.minCap = min(m.cfg.FitMinOutputTokens, p.cap)
@@ -83,7 +83,7 @@ type room struct {
 // fitCap is the largest output cap C ≤ max whose bound is at most the money room (and whose
 // token bound at most the tokens room), and that bound; ok is false when no cap of at least min
 // fits. Both bounds grow with C, so C is found by bisection.
-func fitCap(model accounting.Model, r Request, minCap, maxCap int64, rm room) (c, bound int64, ok bool) {
+func fitCap(model ledger.Model, r Request, minCap, maxCap int64, rm room) (c, bound int64, ok bool) {
 	if rm.money <= 0 || minCap > maxCap || (rm.haveTokens && rm.tokens <= 0) {
 		return 0, 0, false
 	}
@@ -175,7 +175,7 @@ const quotaPrefix = "You exceeded your current quota: your balance does not cove
 // fitted), what is available, which limit binds, and the largest output cap that would fit.
 // Money held by the org's requests in flight makes it the retryable heldRefusal. nil for errors
 // that are not about the balance or a limit (reserveError maps those).
-func (m *middleware) quotaRefusal(err error, model accounting.Model, r Request, plan fitPlan, hold int64) *Error {
+func (m *middleware) quotaRefusal(err error, model ledger.Model, r Request, plan fitPlan, hold int64) *Error {
 	rm, ok := roomOf(err)
 	if !ok {
 		return nil

@@ -11,7 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/tidwall/gjson"
 )
 
@@ -122,7 +123,7 @@ func (e *testEnv) postH(path, key, body string, hdr map[string]string) (int, htt
 }
 
 // accountOf accounts every pending event in the memory ledger and returns org's account.
-func (e *testEnv) accountOf(org string) accounting.Account {
+func (e *testEnv) accountOf(org string) ledger.Account {
 	e.t.Helper()
 	if _, err := e.ledger.AccountPending(context.Background(), 1_000_000); err != nil {
 		e.t.Fatal(err)
@@ -252,8 +253,8 @@ func TestFitAnthropic(t *testing.T) {
 			t.Run("stream="+strconv.FormatBool(stream), func(t *testing.T) {
 				t.Parallel()
 				e, up := fitEnv(t, mini, nil)
-				must(t, e.ledger.PutModel(context.Background(), accounting.Model{Name: "claude-test",
-					Prices:         accounting.Prices{Input: 1_000_000, CachedInput: 1_000_000, CacheWriteInput: 1_000_000, CacheWrite1hInput: 1_000_000, Output: 2_000_000},
+				must(t, e.ledger.PutModel(context.Background(), ledger.Model{Name: "claude-test",
+					Prices:         pricing.Prices{Input: 1_000_000, CachedInput: 1_000_000, CacheWriteInput: 1_000_000, CacheWrite1hInput: 1_000_000, Output: 2_000_000},
 					MaxInputTokens: 100_000, MaxOutputTokens: 1000}))
 				body := `{"model":"claude-test","max_tokens":1000,"messages":[{"role":"user","content":"Say hello"}]` +
 					map[bool]string{true: `,"stream":true`}[stream] + `}`

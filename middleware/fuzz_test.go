@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/tidwall/gjson"
 )
 
@@ -133,7 +133,7 @@ func FuzzUsage(f *testing.F) {
 	f.Fuzz(func(t *testing.T, body []byte) {
 		u, ok := usageFromBody(body)
 		if !ok {
-			if u != (accounting.Usage{}) {
+			if u != (pricing.Usage{}) {
 				t.Fatalf("usage %+v without ok", u)
 			}
 		} else if u.Prompt < 0 || u.Completion < 0 || u.Cached < 0 || u.Reasoning < 0 || u.Prompt > maxTokens {
@@ -145,7 +145,7 @@ func FuzzUsage(f *testing.F) {
 		// The usage billed is the usage a client's decoder reads (encoding/json: case-folded
 		// names, the last duplicate wins).
 		raw, found := clientUsageRaw(body)
-		want, wantOK := accounting.Usage{}, false
+		want, wantOK := pricing.Usage{}, false
 		if found {
 			want, wantOK = usageOf(gjson.ParseBytes(raw))
 		}

@@ -3,14 +3,14 @@ package middleware
 import (
 	"context"
 
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // HoldInput is what the hold amount is chosen from.
 type HoldInput struct {
 	Request Request
-	Model   accounting.Model // prices and limits in force now (the request is priced with them)
+	Model   ledger.Model // prices and limits in force now (the request is priced with them)
 	// LearnedMax is the store's learned max cost of one choice of the model (a request with
 	// n = 1); 0 = none yet. The hold multiplies it by the request's n (or best_of).
 	LearnedMax int64
@@ -72,7 +72,7 @@ func HoldAmount(_ context.Context, in HoldInput) (int64, error) {
 // request itself — and the output cap it assumes (0 for embeddings); ok is false when the
 // request has none (not plain text, no output cap known, a free model, or a bound beyond
 // balance.MaxAmount). HoldAmount holds it; fit lowers the cap until it fits (BoundAt).
-func Bound(m accounting.Model, r Request) (b, outputCap int64, ok bool) {
+func Bound(m ledger.Model, r Request) (b, outputCap int64, ok bool) {
 	if !r.PlainText {
 		return 0, 0, false
 	}
@@ -104,7 +104,7 @@ func times(a, n int64) int64 {
 // whole body's (its bytes bound every prompt's tokens together), the output cap applies to
 // every prompt of a prompt array. ok is false when the bound is zero (a free model: no bound
 // worth holding) or does not fit; b is balance.MaxAmount when it does not fit.
-func requestBound(m accounting.Model, r Request, out int64) (b int64, ok bool) {
+func requestBound(m ledger.Model, r Request, out int64) (b int64, ok bool) {
 	if r.Endpoint != EndpointMessages {
 		// As in HoldAmount: only Anthropic's usage carries cache writes, so no other request's
 		// input is bounded at their prices (every caller of the bound prices it alike).

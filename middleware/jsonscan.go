@@ -4,7 +4,7 @@ import (
 	"bytes"
 	"unicode/utf8"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/tidwall/gjson"
 )
 
@@ -577,14 +577,14 @@ func (s *usageScanner) complete() bool { return !s.failed && s.state == sDone }
 
 // usage is the top-level usage read (the last one when there were several). A document cut
 // short still yields the usage read before the cut; one with a syntax error yields none.
-func (s *usageScanner) usage() (accounting.Usage, bool) {
+func (s *usageScanner) usage() (pricing.Usage, bool) {
 	if s.failed || !s.haveUsage {
-		return accounting.Usage{}, false
+		return pricing.Usage{}, false
 	}
 	if s.anthropic {
 		a, ok := anthropicUsageOf(gjson.ParseBytes(s.usageRaw))
 		if !ok || !a.complete() {
-			return accounting.Usage{}, false
+			return pricing.Usage{}, false
 		}
 		return a.usage(), true
 	}
@@ -609,9 +609,9 @@ func (s *usageScanner) anthMessageUsage() (anthUsage, bool) {
 }
 
 // responseUsage is the last "response"."usage" read (Responses API stream events).
-func (s *usageScanner) responseUsage() (accounting.Usage, bool) {
+func (s *usageScanner) responseUsage() (pricing.Usage, bool) {
 	if s.failed || !s.haveResp {
-		return accounting.Usage{}, false
+		return pricing.Usage{}, false
 	}
 	return usageOf(gjson.ParseBytes(s.respRaw))
 }

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/tidwall/gjson"
 )
 
@@ -31,10 +31,10 @@ func scanSplit(body []byte, step int) *usageScanner {
 
 func TestUsageScanner(t *testing.T) {
 	t.Parallel()
-	u := func(p, c int64) accounting.Usage { return accounting.Usage{Prompt: p, Completion: c} }
+	u := func(p, c int64) pricing.Usage { return pricing.Usage{Prompt: p, Completion: c} }
 	tests := []struct {
 		name, body string
-		want       accounting.Usage
+		want       pricing.Usage
 		ok         bool
 	}{
 		{"plain", `{"id":"x","usage":{"prompt_tokens":3,"completion_tokens":4}}`, u(3, 4), true},
@@ -44,16 +44,16 @@ func TestUsageScanner(t *testing.T) {
 		{"long s folds to s", `{"u` + "\u017f" + `age":{"prompt_tokens":3}}`, u(3, 0), true},
 		{"escaped long s", `{"u\u017fage":{"prompt_tokens":3}}`, u(3, 0), true},
 		{"last duplicate wins", `{"usage":{"prompt_tokens":1},"Usage":{"prompt_tokens":9,"completion_tokens":2}}`, u(9, 2), true},
-		{"last null wins", `{"usage":{"prompt_tokens":1},"usage":null}`, accounting.Usage{}, false},
+		{"last null wins", `{"usage":{"prompt_tokens":1},"usage":null}`, pricing.Usage{}, false},
 		{"inner names folded", `{"usage":{"Prompt_Tokens":5,"COMPLETION_TOKENS":6}}`, u(5, 6), true},
-		{"nested usage ignored", `{"choices":[{"message":{"content":"x","usage":{"prompt_tokens":99}}}],"data":{"usage":{"prompt_tokens":98}}}`, accounting.Usage{}, false},
+		{"nested usage ignored", `{"choices":[{"message":{"content":"x","usage":{"prompt_tokens":99}}}],"data":{"usage":{"prompt_tokens":98}}}`, pricing.Usage{}, false},
 		{"nested before top", `{"choices":[{"usage":{"prompt_tokens":99}}],"usage":{"prompt_tokens":2,"completion_tokens":1}}`, u(2, 1), true},
 		{"usage in a string", `{"content":"\"usage\":{\"prompt_tokens\":99}","usage":{"prompt_tokens":2}}`, u(2, 0), true},
-		{"top-level array", `[{"usage":{"prompt_tokens":2}}]`, accounting.Usage{}, false},
-		{"syntax error after usage", `{"usage":{"prompt_tokens":2},"x":tru}`, accounting.Usage{}, false},
-		{"trailing garbage", `{"usage":{"prompt_tokens":2}} {}`, accounting.Usage{}, false},
-		{"bad escape", `{"a":"\q","usage":{"prompt_tokens":2}}`, accounting.Usage{}, false},
-		{"bad number", `{"a":01,"usage":{"prompt_tokens":2}}`, accounting.Usage{}, false},
+		{"top-level array", `[{"usage":{"prompt_tokens":2}}]`, pricing.Usage{}, false},
+		{"syntax error after usage", `{"usage":{"prompt_tokens":2},"x":tru}`, pricing.Usage{}, false},
+		{"trailing garbage", `{"usage":{"prompt_tokens":2}} {}`, pricing.Usage{}, false},
+		{"bad escape", `{"a":"\q","usage":{"prompt_tokens":2}}`, pricing.Usage{}, false},
+		{"bad number", `{"a":01,"usage":{"prompt_tokens":2}}`, pricing.Usage{}, false},
 		{"numbers", `{"a":[-0.5e+10,0,12.25,1E3,-7],"usage":{"prompt_tokens":2}}`, u(2, 0), true},
 		{"whitespace", " \r\n\t{ \"usage\" : { \"prompt_tokens\" : 2 } } \n", u(2, 0), true},
 		{"cut short keeps what was read", `{"usage":{"prompt_tokens":2},"choices":[{"mess`, u(2, 0), true},
@@ -69,7 +69,7 @@ func TestUsageScanner(t *testing.T) {
 		// Wherever encoding/json reads the document, the scanner agrees with it.
 		if json.Valid([]byte(tt.body)) {
 			raw, found := clientUsageRaw([]byte(tt.body))
-			want, wantOK := accounting.Usage{}, false
+			want, wantOK := pricing.Usage{}, false
 			if found {
 				want, wantOK = usageOf(gjson.ParseBytes(raw))
 			}
@@ -136,7 +136,7 @@ func bigChatResponse(size int) []byte {
 func TestUsageScannerBigBodyAnySplit(t *testing.T) {
 	t.Parallel()
 	body := bigChatResponse(1 << 20)
-	want := accounting.Usage{Prompt: 17, Completion: 1048576}
+	want := pricing.Usage{Prompt: 17, Completion: 1048576}
 	for _, step := range []int{0, 1, 13, 4096, 32 << 10} {
 		s := scanSplit(body, step)
 		if got, ok := s.usage(); !ok || got != want || !s.complete() {
@@ -182,7 +182,7 @@ func FuzzUsageScanner(f *testing.F) {
 				t.Fatalf("valid JSON not read to its end: %q", body)
 			}
 			raw, found := clientUsageRaw(body)
-			want, wantOK := accounting.Usage{}, false
+			want, wantOK := pricing.Usage{}, false
 			if found {
 				want, wantOK = usageOf(gjson.ParseBytes(raw))
 			}

@@ -15,23 +15,23 @@ import (
 	"time"
 
 	"github.com/labstack/echo/v4"
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger/memledger"
 )
 
 // limitLedger is the memory ledger plus limits (a balance.LimitLedger), set by the test: the
 // ledgers keep no limits yet. SnapshotSince returns the limits, and for each limit in used the
 // ledger's spend of its window that contains since.
 type limitLedger struct {
-	*accounting.Memory
+	*memledger.Ledger
 	mu     sync.Mutex
 	limits balance.Limits
 	used   map[string]int64 // limit id → the spend of its current window when seeded
 }
 
 func (l *limitLedger) SnapshotSince(ctx context.Context, org string, since time.Time) (balance.Snapshot, error) {
-	snap, err := l.Memory.Snapshot(ctx, org)
+	snap, err := l.Ledger.Snapshot(ctx, org)
 	if err != nil {
 		return snap, err
 	}
@@ -81,7 +81,7 @@ func newLimitEnv(t *testing.T, mini, shifted bool, hold int64, limits balance.Li
 	ll := &limitLedger{limits: limits, used: used}
 	e := newEnv(t, envOpt{mini: mini,
 		storeCfg: func(c *balance.Config) {
-			ll.Memory = c.Ledger.(*accounting.Memory)
+			ll.Ledger = c.Ledger.(*memledger.Ledger)
 			c.Ledger = ll
 			c.MaxInFlight = 4000
 			if shifted {

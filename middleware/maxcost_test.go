@@ -8,6 +8,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // drainWorker runs an accounting worker's pass over what was recorded so far: it accounts the
@@ -77,7 +78,7 @@ func TestLearnedMaxSurvivesRedisLoss(t *testing.T) {
 			if cheap >= ledgerMax {
 				t.Fatalf("the cheap request costs %d, not below %d", cheap, ledgerMax)
 			}
-			must(t, e.ledger.PutModel(ctx, accounting.Model{Name: testModel, Prices: testPrices, MaxInputTokens: 100_000,
+			must(t, e.ledger.PutModel(ctx, ledger.Model{Name: testModel, Prices: testPrices, MaxInputTokens: 100_000,
 				MaxOutputTokens: 1000, DefaultHold: 5000, MaxCost: ledgerMax}))
 			must(t, e.store.SetModelMax(ctx, testModel, ledgerMax)) // what the admin call does
 			must(t, e.store.SetModelMax(ctx, testModel, 0))         // lost with Redis

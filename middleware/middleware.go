@@ -16,8 +16,9 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/labstack/echo/v4"
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // OutcomeKind says how a request ended for billing.
@@ -48,7 +49,7 @@ type Outcome struct {
 	Code       string // the error code of a refusal
 	HoldAmount int64
 	Cost       int64
-	Usage      accounting.Usage
+	Usage      pricing.Usage
 	FailOpen   bool          // passed without a hold because Redis could not answer
 	FitCap     int64         // the output cap fit lowered the request's to (0: not fitted)
 	Err        error         // what went wrong, if anything
@@ -59,9 +60,9 @@ type Outcome struct {
 
 type middleware struct {
 	cfg      Config
-	keys     *ttlCache[accounting.APIKey]
+	keys     *ttlCache[ledger.APIKey]
 	failures *failureLimiter // failed key look-ups per client IP
-	models   *ttlCache[accounting.Model]
+	models   *ttlCache[ledger.Model]
 	pass     map[string]bool
 	passDirs []string // PassThrough prefixes ("/v1/models/" for "/v1/models/*")
 	allow    map[string]bool
@@ -84,12 +85,12 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	for _, f := range cfg.Allow {
 		m.allow[f] = true
 	}
-	m.keys = newTTLCache[accounting.APIKey](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.NegativeCacheSize, cfg.LookupTimeout,
-		func(err error) bool { return errors.Is(err, accounting.ErrUnknownKey) })
+	m.keys = newTTLCache[ledger.APIKey](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.NegativeCacheSize, cfg.LookupTimeout,
+		func(err error) bool { return errors.Is(err, ledger.ErrUnknownKey) })
 	m.keys.stale = m.keyNotRevoked
 	m.failures = newFailureLimiter(cfg.KeyFailuresPerMinute, cfg.KeyCacheSize, time.Minute)
-	m.models = newTTLCache[accounting.Model](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.NegativeCacheSize, cfg.LookupTimeout,
-		func(err error) bool { return errors.Is(err, accounting.ErrUnknownModel) })
+	m.models = newTTLCache[ledger.Model](cfg.KeyCacheTTL, cfg.MaxStale, cfg.KeyCacheSize, cfg.NegativeCacheSize, cfg.LookupTimeout,
+		func(err error) bool { return errors.Is(err, ledger.ErrUnknownModel) })
 	if m.cfg.OrgFunc == nil {
 		m.cfg.OrgFunc = m.bearerOrg
 	}
@@ -122,15 +123,15 @@ func (m *middleware) bearerOrg(c echo.Context) (Identity, error) {
 			Message: "You didn't provide an API key. Provide it in the Authorization header (Authorization: Bearer YOUR_KEY) or in x-api-key."}
 	}
 	ip := clientIP(c)
-	k, err := m.keys.get(c.Request().Context(), key, func(ctx context.Context, secret string) (accounting.APIKey, error) {
+	k, err := m.keys.get(c.Request().Context(), key, func(ctx context.Context, secret string) (ledger.APIKey, error) {
 		release, err := m.failures.gate(ctx, ip)
 		if err != nil {
-			return accounting.APIKey{}, fmt.Errorf("middleware: waiting to look up a key: %w", err)
+			return ledger.APIKey{}, fmt.Errorf("middleware: waiting to look up a key: %w", err)
 		}
 		defer release()
 		return m.cfg.Ledger.LookupKey(ctx, secret)
 	})
-	if errors.Is(err, accounting.ErrUnknownKey) {
+	if errors.Is(err, ledger.ErrUnknownKey) {
 		if over, retryIn := m.failures.fail(ip); over {
 			return Identity{}, &Error{Status: http.StatusTooManyRequests, Type: TypeRateLimit, Code: CodeRateLimit,
 				RetryAfter: retryIn, Message: "Too many requests with unknown API keys from your address. Retry later."}
@@ -144,7 +145,7 @@ func (m *middleware) bearerOrg(c echo.Context) (Identity, error) {
 
 // keyNotRevoked lets a stale cached key answer only once the Store confirms it was not revoked
 // meanwhile (Config.MaxStale).
-func (m *middleware) keyNotRevoked(ctx context.Context, k accounting.APIKey) error {
+func (m *middleware) keyNotRevoked(ctx context.Context, k ledger.APIKey) error {
 	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)
 	defer cancel()
 	revoked, err := m.cfg.Store.KeyRevoked(rctx, k.ID)
@@ -152,7 +153,7 @@ func (m *middleware) keyNotRevoked(ctx context.Context, k accounting.APIKey) err
 	case err != nil:
 		return fmt.Errorf("middleware: key revocation unknown: %w", err)
 	case revoked:
-		return fmt.Errorf("%w: revoked (pushed through redis)", accounting.ErrUnknownKey)
+		return fmt.Errorf("%w: revoked (pushed through redis)", ledger.ErrUnknownKey)
 	}
 	return nil
 }
@@ -163,7 +164,7 @@ type call struct {
 	id         Identity
 	holdID     string
 	req        Request
-	model      accounting.Model
+	model      ledger.Model
 	holdAmount int64
 	agreed     int64 // the hold amount computed for the request, kept when fail-open takes no hold
 	failOpen   bool
@@ -352,13 +353,13 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 // priceModel finds the prices of the request's model (or the DefaultModel's) and checks the
 // request's output cap against the model's.
 // The stamp is the model's state in Redis the prices were read under (modelChanged).
-func (m *middleware) priceModel(ctx context.Context, body []byte, r Request) (accounting.Model, modelStamp, *Error) {
+func (m *middleware) priceModel(ctx context.Context, body []byte, r Request) (ledger.Model, modelStamp, *Error) {
 	model, stamp, err := m.lookupModel(ctx, r.Model)
 	switch {
-	case errors.Is(err, accounting.ErrUnknownModel) && m.cfg.DefaultModel != nil:
+	case errors.Is(err, ledger.ErrUnknownModel) && m.cfg.DefaultModel != nil:
 		model = *m.cfg.DefaultModel
 		model.Name = r.Model
-	case errors.Is(err, accounting.ErrUnknownModel):
+	case errors.Is(err, ledger.ErrUnknownModel):
 		return model, stamp, &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Param: "model", Code: CodeModelNotFound,
 			Message: "The model '" + r.Model + "' does not exist or you do not have access to it."}
 	case err != nil:
@@ -376,7 +377,7 @@ func (m *middleware) priceModel(ctx context.Context, body []byte, r Request) (ac
 //
 // A request whose hold is its bound and does not fit is fitted (fit.go) unless fitOff: its
 // output cap is lowered until the bound fits, and call.fitCap says so.
-func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, model accounting.Model, fitOff bool, start time.Time, o *Outcome) (*call, *Error) {
+func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, model ledger.Model, fitOff bool, start time.Time, o *Outcome) (*call, *Error) {
 	learned, err := m.cfg.Store.ModelMax(ctx, model.Name)
 	if err != nil {
 		learned = 0 // the reserve will meet the same trouble; Model.MaxCost stands in
@@ -591,7 +592,7 @@ func (m *middleware) identityError(err error) *Error {
 	switch {
 	case errors.As(err, &e):
 		return e
-	case errors.Is(err, accounting.ErrUnknownKey):
+	case errors.Is(err, ledger.ErrUnknownKey):
 		return &Error{Status: http.StatusUnauthorized, Type: TypeInvalidRequest, Code: CodeInvalidAPIKey,
 			Message: "Incorrect API key provided."}
 	}

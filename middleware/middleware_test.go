@@ -11,8 +11,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/tidwall/gjson"
 )
 
@@ -177,7 +177,7 @@ func TestEmbeddingsAndResponsesJSON(t *testing.T) {
 	_, _ = io.Copy(io.Discard, resp.Body)
 	resp.Body.Close()
 	o := e.outcome()
-	if resp.StatusCode != 200 || o.Kind != OutcomeRecorded || o.Usage != (accounting.Usage{Prompt: 8}) {
+	if resp.StatusCode != 200 || o.Kind != OutcomeRecorded || o.Usage != (pricing.Usage{Prompt: 8}) {
 		t.Fatalf("embeddings: %d %+v", resp.StatusCode, o)
 	}
 	// An embeddings hold is the body's bound: bytes × input price.
@@ -452,7 +452,7 @@ func TestNoUsageChargesHold(t *testing.T) {
 		t.Fatalf("status %d outcome %+v: want the hold charged", resp.StatusCode, o)
 	}
 	// The estimate this replaces would have been far below the hold.
-	if est := cost(t, accounting.Usage{Prompt: int64(len(body)+3) / 4, Completion: 2}); est >= o.HoldAmount {
+	if est := cost(t, pricing.Usage{Prompt: int64(len(body)+3) / 4, Completion: 2}); est >= o.HoldAmount {
 		t.Fatalf("test is vacuous: estimate %d ≥ hold %d", est, o.HoldAmount)
 	}
 	if ev := e.assertRecorded(resp.Header.Get("x-request-id"), o.HoldAmount); !ev.Estimated || ev.Cost != o.HoldAmount {

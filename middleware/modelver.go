@@ -5,8 +5,8 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // modelVersions is what a Holds that versions model changes offers (*balance.Store): the
@@ -32,7 +32,7 @@ type modelStamp struct {
 // model's version in Redis, so that a new version is a cache miss on every process. A model
 // being deleted is unknown. When Redis cannot say, the cache answers as it would without
 // versions (the reserve meets the same trouble).
-func (m *middleware) lookupModel(ctx context.Context, name string) (accounting.Model, modelStamp, error) {
+func (m *middleware) lookupModel(ctx context.Context, name string) (ledger.Model, modelStamp, error) {
 	mv, ok := m.cfg.Store.(modelVersions)
 	if !ok {
 		model, err := m.models.get(ctx, name, m.cfg.Ledger.Model)
@@ -45,11 +45,11 @@ func (m *middleware) lookupModel(ctx context.Context, name string) (accounting.M
 	}
 	stamp := modelStamp{st: st, ok: true}
 	if st.Deleting {
-		return accounting.Model{}, stamp, fmt.Errorf("%w: %q is being deleted", accounting.ErrUnknownModel, name)
+		return ledger.Model{}, stamp, fmt.Errorf("%w: %q is being deleted", ledger.ErrUnknownModel, name)
 	}
 	// The version is read before the ledger: a model read under version v is at least as new
 	// as v's change.
-	model, err := m.models.get(ctx, name+"\x00"+st.Version, func(ctx context.Context, _ string) (accounting.Model, error) {
+	model, err := m.models.get(ctx, name+"\x00"+st.Version, func(ctx context.Context, _ string) (ledger.Model, error) {
 		return m.cfg.Ledger.Model(ctx, name)
 	})
 	return model, stamp, err

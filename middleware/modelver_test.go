@@ -7,8 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // lateReserve is a store whose first reserve waits until the test lets it go on.
@@ -56,7 +56,7 @@ func TestModelChangeDuringLateReserve(t *testing.T) {
 	<-late.started
 	newPrices := testPrices
 	newPrices.Output *= 10
-	must(t, e.ledger.PutModel(ctx, accounting.Model{Name: testModel, Prices: newPrices, MaxInputTokens: 100_000, MaxOutputTokens: 1000, DefaultHold: 5000}))
+	must(t, e.ledger.PutModel(ctx, ledger.Model{Name: testModel, Prices: newPrices, MaxInputTokens: 100_000, MaxOutputTokens: 1000, DefaultHold: 5000}))
 	must(t, e.store.TouchModel(ctx, testModel))
 	must(t, e.store.WaitModelChange(ctx))
 	close(late.proceed)

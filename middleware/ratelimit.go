@@ -8,8 +8,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // Requests and tokens limits (DESIGN "Limits", third wave): a request holds 1 on every requests
@@ -33,7 +33,7 @@ func tokenBound(r Request, out int64) int64 {
 
 // tokenCap is the output cap a request's token bound assumes: the request's own, else the
 // model's max output tokens (0: none known; embeddings have no output).
-func tokenCap(model accounting.Model, r Request) int64 {
+func tokenCap(model ledger.Model, r Request) int64 {
 	if r.Endpoint == EndpointEmbeddings {
 		return 0
 	}

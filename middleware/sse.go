@@ -4,7 +4,7 @@ import (
 	"bytes"
 	"strings"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/tidwall/gjson"
 	"github.com/tidwall/sjson"
 )
@@ -57,7 +57,7 @@ type sseFilter struct {
 	held    []byte
 	heldAt  bool // the held bytes start with a whole event ([DONE] or a terminal event kept whole)
 
-	usage     accounting.Usage
+	usage     pricing.Usage
 	haveUsage bool
 	terminal  bool // [DONE] or a terminal Responses event was seen
 	bigEvents int  // events too long to keep whole
@@ -441,7 +441,7 @@ func (f *sseFilter) release() []byte {
 	return b
 }
 
-func (f *sseFilter) setUsage(u accounting.Usage) { f.usage, f.haveUsage = u, true }
+func (f *sseFilter) setUsage(u pricing.Usage) { f.usage, f.haveUsage = u, true }
 
 // partialUsage is what a Messages stream said of its usage before it ended without a complete
 // one: message_start's input counts (and output so far). ok is false without them.

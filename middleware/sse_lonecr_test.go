@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // loneCR turns a stream's line ends into lone carriage returns (valid SSE).
@@ -184,7 +184,7 @@ func TestSSELineEndsAlike(t *testing.T) {
 		inject bool
 	}{{"chat", chatStreamInjected, true}, {"chat kept", chatStreamInjected, false}, {"responses", responses, false}} {
 		for _, maxEvent := range []int{1 << 20, 64} {
-			var want accounting.Usage
+			var want pricing.Usage
 			var wantSeen, wantTail string
 			for k, ends := range []func(string) string{
 				func(s string) string { return s },

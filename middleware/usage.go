@@ -4,7 +4,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/tidwall/gjson"
 )
 
@@ -19,21 +19,21 @@ const maxTokens = 1_000_000_000_000
 //
 // Member names are matched as a client's decoder matches them (case folded, escapes decoded,
 // the last of duplicates wins), so the counts billed are the counts the client reads.
-func usageOf(u gjson.Result) (accounting.Usage, bool) {
+func usageOf(u gjson.Result) (pricing.Usage, bool) {
 	if !u.IsObject() {
-		return accounting.Usage{}, false
+		return pricing.Usage{}, false
 	}
 	var f [len(usageNames)]gjson.Result
 	lastMembers(u, usageNames[:], f[:])
 	var c counts
-	out := accounting.Usage{
+	out := pricing.Usage{
 		Prompt:     c.required(either(f[0], f[1])),
 		Completion: c.optional(either(f[2], f[3])),
 		Cached:     c.optional(either(member(f[4], "cached_tokens"), member(f[5], "cached_tokens"))),
 		Reasoning:  c.optional(either(member(f[6], "reasoning_tokens"), member(f[7], "reasoning_tokens"))),
 	}
 	if c.bad {
-		return accounting.Usage{}, false
+		return pricing.Usage{}, false
 	}
 	return out, true
 }
@@ -114,12 +114,12 @@ func tokenCount(v gjson.Result) (int64, bool) {
 
 // usageFromBody reads the top-level usage of a whole JSON response body, with the same
 // scanner that reads bodies as they stream.
-func usageFromBody(body []byte) (accounting.Usage, bool) {
+func usageFromBody(body []byte) (pricing.Usage, bool) {
 	var s usageScanner
 	s.Write(body)
 	s.finish()
 	if !s.complete() {
-		return accounting.Usage{}, false
+		return pricing.Usage{}, false
 	}
 	return s.usage()
 }

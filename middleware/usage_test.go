@@ -3,32 +3,32 @@ package middleware
 import (
 	"testing"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 func TestUsageFromBody(t *testing.T) {
 	t.Parallel()
 	tests := []struct {
 		name, body string
-		want       accounting.Usage
+		want       pricing.Usage
 		ok         bool
 	}{
 		{"chat", `{"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":5,"total_tokens":15,"prompt_tokens_details":{"cached_tokens":3},"completion_tokens_details":{"reasoning_tokens":2}}}`,
-			accounting.Usage{Prompt: 10, Cached: 3, Completion: 5, Reasoning: 2}, true},
+			pricing.Usage{Prompt: 10, Cached: 3, Completion: 5, Reasoning: 2}, true},
 		{"responses", `{"output":[],"usage":{"input_tokens":8,"input_tokens_details":{"cached_tokens":1},"output_tokens":4,"output_tokens_details":{"reasoning_tokens":1},"total_tokens":12}}`,
-			accounting.Usage{Prompt: 8, Cached: 1, Completion: 4, Reasoning: 1}, true},
-		{"embeddings", `{"data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}`, accounting.Usage{Prompt: 8}, true},
-		{"null details", `{"usage":{"prompt_tokens":1,"completion_tokens":2,"prompt_tokens_details":null}}`, accounting.Usage{Prompt: 1, Completion: 2}, true},
-		{"no usage", `{"choices":[]}`, accounting.Usage{}, false},
-		{"usage null", `{"usage":null}`, accounting.Usage{}, false},
-		{"no input count", `{"usage":{"completion_tokens":2}}`, accounting.Usage{}, false},
-		{"negative", `{"usage":{"prompt_tokens":-1}}`, accounting.Usage{}, false},
-		{"fraction", `{"usage":{"prompt_tokens":1,"completion_tokens":2.5}}`, accounting.Usage{}, false},
-		{"string", `{"usage":{"prompt_tokens":"1"}}`, accounting.Usage{}, false},
-		{"bad cached", `{"usage":{"prompt_tokens":1,"prompt_tokens_details":{"cached_tokens":"x"}}}`, accounting.Usage{}, false},
-		{"absurd", `{"usage":{"prompt_tokens":1000000000000000}}`, accounting.Usage{}, false},
-		{"nested only", `{"x":{"usage":{"prompt_tokens":1}}}`, accounting.Usage{}, false},
-		{"broken json", `{"usage":{"prompt_tokens":1}`, accounting.Usage{}, false},
+			pricing.Usage{Prompt: 8, Cached: 1, Completion: 4, Reasoning: 1}, true},
+		{"embeddings", `{"data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}`, pricing.Usage{Prompt: 8}, true},
+		{"null details", `{"usage":{"prompt_tokens":1,"completion_tokens":2,"prompt_tokens_details":null}}`, pricing.Usage{Prompt: 1, Completion: 2}, true},
+		{"no usage", `{"choices":[]}`, pricing.Usage{}, false},
+		{"usage null", `{"usage":null}`, pricing.Usage{}, false},
+		{"no input count", `{"usage":{"completion_tokens":2}}`, pricing.Usage{}, false},
+		{"negative", `{"usage":{"prompt_tokens":-1}}`, pricing.Usage{}, false},
+		{"fraction", `{"usage":{"prompt_tokens":1,"completion_tokens":2.5}}`, pricing.Usage{}, false},
+		{"string", `{"usage":{"prompt_tokens":"1"}}`, pricing.Usage{}, false},
+		{"bad cached", `{"usage":{"prompt_tokens":1,"prompt_tokens_details":{"cached_tokens":"x"}}}`, pricing.Usage{}, false},
+		{"absurd", `{"usage":{"prompt_tokens":1000000000000000}}`, pricing.Usage{}, false},
+		{"nested only", `{"x":{"usage":{"prompt_tokens":1}}}`, pricing.Usage{}, false},
+		{"broken json", `{"usage":{"prompt_tokens":1}`, pricing.Usage{}, false},
 	}
 	for _, tt := range tests {
 		got, ok := usageFromBody([]byte(tt.body))

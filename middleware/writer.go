@@ -14,7 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 type writerMode int
@@ -290,14 +290,14 @@ func (cw *captureWriter) end() {
 }
 
 // usage is the usage the response carried, if any.
-func (cw *captureWriter) usage() (accounting.Usage, bool) {
+func (cw *captureWriter) usage() (pricing.Usage, bool) {
 	switch cw.mode {
 	case modeJSON:
 		return cw.scan.usage()
 	case modeSSE:
 		return cw.sse.usage, cw.sse.haveUsage
 	}
-	return accounting.Usage{}, false
+	return pricing.Usage{}, false
 }
 
 // readable reports whether the body could be read at all: false for a coding escrow cannot

@@ -11,8 +11,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 const anthUpstreamKey = "sk-ant-upstream-secret"
@@ -42,7 +42,7 @@ func eachAnthropicMode(t *testing.T, fn func(t *testing.T, p anthProxy)) {
 
 // claudePrices: per 1M tokens 3.000001 input, 3.750001 cache write, 0.300001 cache read,
 // 15.000001 output (micro-units), so that every count moves the exact cost.
-var claudePrices = accounting.Prices{Input: 3_000_001, CacheWriteInput: 3_750_001, CachedInput: 300_001, Output: 15_000_001}
+var claudePrices = pricing.Prices{Input: 3_000_001, CacheWriteInput: 3_750_001, CachedInput: 300_001, Output: 15_000_001}
 
 // setupClaude prices "claude-t" and makes an org with funds and a key.
 func (p anthProxy) setupClaude(org string, funds int64) string {
@@ -106,8 +106,8 @@ type anthUsage struct {
 	Output     int64 `json:"output_tokens"`
 }
 
-func (u anthUsage) usage() accounting.Usage {
-	return accounting.Usage{Prompt: u.Input + u.CacheWrite + u.CacheRead, Cached: u.CacheRead, CacheWrite: u.CacheWrite, Completion: u.Output}
+func (u anthUsage) usage() pricing.Usage {
+	return pricing.Usage{Prompt: u.Input + u.CacheWrite + u.CacheRead, Cached: u.CacheRead, CacheWrite: u.CacheWrite, Completion: u.Output}
 }
 
 // cachedBody: 2 system words + 10 user words (markers included) = 12 input tokens, of which
@@ -355,7 +355,7 @@ func TestAnthropicStreamError(t *testing.T) {
 		if st != 200 || !strings.Contains(string(b), "event: error") {
 			t.Fatalf("stream %d:\n%s", st, b)
 		}
-		want, _ := claudePrices.Cost(accounting.Usage{Prompt: 12, CacheWrite: 3, Cached: 4, Completion: 3})
+		want, _ := claudePrices.Cost(pricing.Usage{Prompt: 12, CacheWrite: 3, Cached: 4, Completion: 3})
 		if bal := p.settled("err"); bal.LedgerBalance != 10_000_000-hold-want {
 			t.Fatalf("balance %+v, want %d more charged", bal, want)
 		}

@@ -8,21 +8,21 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/tidwall/gjson"
 )
 
 // edgeModel is priced like gpt-4o-mini (micro-units per million tokens) with 16,384 output
 // tokens allowed.
-var edgePrices = accounting.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000}
+var edgePrices = pricing.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000}
 
 // clientUsage is the usage a client reads from a JSON body or an event stream (the last usage
 // object of a chat chunk, or response.completed's response.usage).
-func clientUsage(t *testing.T, body []byte) (accounting.Usage, bool) {
+func clientUsage(t *testing.T, body []byte) (pricing.Usage, bool) {
 	t.Helper()
-	read := func(u gjson.Result) (accounting.Usage, bool) {
+	read := func(u gjson.Result) (pricing.Usage, bool) {
 		if !u.IsObject() {
-			return accounting.Usage{}, false
+			return pricing.Usage{}, false
 		}
 		first := func(a, b string) int64 {
 			if v := u.Get(a); v.Exists() {
@@ -30,7 +30,7 @@ func clientUsage(t *testing.T, body []byte) (accounting.Usage, bool) {
 			}
 			return u.Get(b).Int()
 		}
-		return accounting.Usage{
+		return pricing.Usage{
 			Prompt: first("prompt_tokens", "input_tokens"), Completion: first("completion_tokens", "output_tokens"),
 			Cached:    first("prompt_tokens_details.cached_tokens", "input_tokens_details.cached_tokens"),
 			Reasoning: first("completion_tokens_details.reasoning_tokens", "output_tokens_details.reasoning_tokens"),
@@ -39,7 +39,7 @@ func clientUsage(t *testing.T, body []byte) (accounting.Usage, bool) {
 	if gjson.ValidBytes(body) {
 		return read(gjson.GetBytes(body, "usage"))
 	}
-	var u accounting.Usage
+	var u pricing.Usage
 	found := false
 	sc := bufio.NewScanner(bytes.NewReader(body))
 	sc.Buffer(nil, 64<<20)

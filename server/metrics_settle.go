@@ -12,6 +12,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 )
 
 // settleMetrics exports how far behind settling is: the settle-lag histogram of this process's
@@ -23,7 +24,7 @@ func (m *metrics) settleMetrics(a *Server) {
 	a.rdb.AddHook(commandCounter{single: cmds.MustCurryWith(prometheus.Labels{"pipelined": "false"}), piped: cmds.MustCurryWith(prometheus.Labels{"pipelined": "true"})})
 	m.reg.MustRegister(settleLagCollector{w: a.worker, desc: prometheus.NewDesc("escrow_settle_lag_seconds",
 		"Settle lag of the entries this process's worker settled: usage recorded (the usage event's created_at) → applied to the Redis balance.", nil, nil)})
-	if pg, ok := a.ledger.(*accounting.Postgres); ok {
+	if pg, ok := a.ledger.(*pgledger.Ledger); ok {
 		m.reg.MustRegister(backlogCollector{pg: pg,
 			pending:   prometheus.NewDesc("escrow_worker_pending_events", "Usage events recorded and not yet accounted (-1: the ledger did not answer).", nil, nil),
 			unsettled: prometheus.NewDesc("escrow_worker_unsettled_entries", "Ledger entries not yet applied to the hot balance (-1: the ledger did not answer).", nil, nil),
@@ -33,7 +34,7 @@ func (m *metrics) settleMetrics(a *Server) {
 
 // backlogCollector reads the ledger's backlog once per scrape.
 type backlogCollector struct {
-	pg                 *accounting.Postgres
+	pg                 *pgledger.Ledger
 	pending, unsettled *prometheus.Desc
 }
 
@@ -44,7 +45,7 @@ func (c backlogCollector) Collect(ch chan<- prometheus.Metric) {
 	defer cancel()
 	b, err := c.pg.Backlog(ctx)
 	if err != nil {
-		b = accounting.Backlog{PendingEvents: -1, UnsettledEntries: -1}
+		b = pgledger.Backlog{PendingEvents: -1, UnsettledEntries: -1}
 	}
 	ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(b.PendingEvents))
 	ch <- prometheus.MustNewConstMetric(c.unsettled, prometheus.GaugeValue, float64(b.UnsettledEntries))

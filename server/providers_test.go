@@ -11,8 +11,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 const (
@@ -48,7 +48,7 @@ func startProvidersProxy(t *testing.T, real bool) providersProxy {
 	return providersProxy{anthProxy{p, an}, oa, an}
 }
 
-var gptPrices = accounting.Prices{Input: 1_500_001, CachedInput: 750_001, Output: 6_000_001}
+var gptPrices = pricing.Prices{Input: 1_500_001, CachedInput: 750_001, Output: 6_000_001}
 
 // readAnthStream reads a Messages stream to its end: the usage of message_start with the last
 // message_delta's output count.
@@ -127,7 +127,7 @@ func TestProvidersOneProxy(t *testing.T) {
 			var total int64
 			var ids []string
 			costs := map[string]int64{}
-			bill := func(id string, prices accounting.Prices, u accounting.Usage) {
+			bill := func(id string, prices pricing.Prices, u pricing.Usage) {
 				t.Helper()
 				c, err := prices.Cost(u)
 				if err != nil || id == "" {
@@ -137,8 +137,8 @@ func TestProvidersOneProxy(t *testing.T) {
 				ids = append(ids, id)
 				costs[id] = c
 			}
-			chatUsage := func(u fakeupstream.ChatUsage) accounting.Usage {
-				return accounting.Usage{Prompt: int64(u.PromptTokens), Cached: int64(u.PromptTokensDetails.CachedTokens), Completion: int64(u.CompletionTokens)}
+			chatUsage := func(u fakeupstream.ChatUsage) pricing.Usage {
+				return pricing.Usage{Prompt: int64(u.PromptTokens), Cached: int64(u.PromptTokensDetails.CachedTokens), Completion: int64(u.CompletionTokens)}
 			}
 
 			for i := range 3 {

@@ -9,7 +9,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // redacted replaces a secret in a log line.
@@ -52,14 +52,14 @@ func redact(s string) string {
 	if dsnPassword.MatchString(s) {
 		s = dsnPassword.ReplaceAllString(s, "${1}"+redacted)
 	}
-	if strings.Contains(s, accounting.SecretPrefix) {
-		s = webhookSecret.ReplaceAllString(s, accounting.SecretPrefix+redacted)
+	if strings.Contains(s, ledger.SecretPrefix) {
+		s = webhookSecret.ReplaceAllString(s, ledger.SecretPrefix+redacted)
 	}
 	return s
 }
 
 // webhookSecret is a webhook signing secret (accounting.SecretPrefix and its base64url).
-var webhookSecret = regexp.MustCompile(regexp.QuoteMeta(accounting.SecretPrefix) + `[A-Za-z0-9_-]+`)
+var webhookSecret = regexp.MustCompile(regexp.QuoteMeta(ledger.SecretPrefix) + `[A-Za-z0-9_-]+`)
 
 // dsnPassword is the password of a key=value connection string.
 var dsnPassword = regexp.MustCompile(`(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&'"]+)`)

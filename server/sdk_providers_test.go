@@ -10,7 +10,7 @@ import (
 
 	"github.com/openai/openai-go/v3"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // TestSDKsOneProxy: the official openai-go client and @anthropic-ai/sdk (sdktest/anthropic.mjs)
@@ -41,15 +41,15 @@ func TestSDKsOneProxy(t *testing.T) {
 	if err != nil || chat.Usage.PromptTokens != 4 || chat.Usage.PromptTokensDetails.CachedTokens != 1 {
 		t.Fatalf("chat: %+v %v", chat.Usage, err)
 	}
-	usages := []accounting.Usage{{Prompt: chat.Usage.PromptTokens, Cached: chat.Usage.PromptTokensDetails.CachedTokens, Completion: chat.Usage.CompletionTokens}}
+	usages := []pricing.Usage{{Prompt: chat.Usage.PromptTokens, Cached: chat.Usage.PromptTokensDetails.CachedTokens, Completion: chat.Usage.CompletionTokens}}
 	stream := c.Chat.Completions.NewStreaming(ctx, openai.ChatCompletionNewParams{
 		Model: "gpt-t", Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("stream to me")},
 		StreamOptions: openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)},
 	})
-	var su *accounting.Usage
+	var su *pricing.Usage
 	for stream.Next() {
 		if ch := stream.Current(); ch.JSON.Usage.Valid() {
-			su = &accounting.Usage{Prompt: ch.Usage.PromptTokens, Cached: ch.Usage.PromptTokensDetails.CachedTokens, Completion: ch.Usage.CompletionTokens}
+			su = &pricing.Usage{Prompt: ch.Usage.PromptTokens, Cached: ch.Usage.PromptTokensDetails.CachedTokens, Completion: ch.Usage.CompletionTokens}
 		}
 	}
 	if err := stream.Err(); err != nil || su == nil || su.Prompt != 3 {

@@ -18,9 +18,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // needNodeSDK returns the path of node with the sdktest packages installed. Without them the
@@ -240,10 +240,10 @@ func eachSDKAnthropicMode(t *testing.T, fn func(t *testing.T, p anthProxy, g *sd
 type sdkCharge struct {
 	Delta   int64 `json:"delta"`
 	Request struct {
-		Model      string           `json:"model"`
-		Usage      accounting.Usage `json:"usage"`
-		Cost       int64            `json:"cost"`
-		HoldAmount int64            `json:"hold_amount"`
+		Model      string        `json:"model"`
+		Usage      pricing.Usage `json:"usage"`
+		Cost       int64         `json:"cost"`
+		HoldAmount int64         `json:"hold_amount"`
 	} `json:"request"`
 }
 
@@ -259,7 +259,7 @@ func (p *testProxy) charges(org string) []sdkCharge {
 // fitCapOf is the largest output cap c ≤ maxCap whose bound (README "What a request holds":
 // bodyBytes at the highest input price + c × output price, rounded up) is at most room, and that
 // bound; 0, 0 when not even a cap of 1 fits.
-func fitCapOf(t *testing.T, prices accounting.Prices, bodyBytes, maxCap, room int64) (c, bound int64) {
+func fitCapOf(t *testing.T, prices pricing.Prices, bodyBytes, maxCap, room int64) (c, bound int64) {
 	t.Helper()
 	boundAt := func(c int64) int64 {
 		b, err := prices.Bound(bodyBytes, c)
@@ -563,7 +563,7 @@ func parseCap(s string) int64 {
 
 // bigPrices is README's "What a request holds" model: 2 per input and 8 per output token
 // (micro-units), 32,768 output tokens.
-var bigPrices = accounting.Prices{Input: 2_000_000, Output: 8_000_000}
+var bigPrices = pricing.Prices{Input: 2_000_000, Output: 8_000_000}
 
 // TestOpenAINodeSDK drives the proxy with the official openai npm package (sdktest/openai.mjs):
 // a chat completion as JSON and as a stream are billed to the micro-unit what the SDK reported,

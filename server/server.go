@@ -33,6 +33,9 @@ import (
 	"github.com/llmescrow/escrow"
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 	"github.com/llmescrow/escrow/middleware"
 	"github.com/llmescrow/escrow/webhook"
 )
@@ -89,7 +92,7 @@ type Server struct {
 
 	rdb      redis.UniversalClient
 	ownRedis bool // rdb was dialed from Config.RedisURL: Stop closes it
-	ledger   accounting.Ledger
+	ledger   ledger.Ledger
 	store    *balance.Store
 	journal  *accounting.Journal // local usage journal for ledger outages; nil without ESCROW_JOURNAL_DIR
 	recorder *accounting.Recorder
@@ -185,7 +188,7 @@ func (s *Server) openLedger(ctx context.Context, embeddedRedis bool) error {
 			// disagree after the first restart.
 			return fmt.Errorf("%w: the in-memory ledger only pairs with an embedded Redis: set DATABASE_URL", ErrConfig)
 		}
-		s.ledger = accounting.NewMemory()
+		s.ledger = memledger.New()
 		s.log.Info("using the in-memory ledger: for the demo only")
 		return nil
 	}
@@ -195,7 +198,7 @@ func (s *Server) openLedger(ctx context.Context, embeddedRedis bool) error {
 		}
 	}
 	// Migrations ran above (or were turned off with ESCROW_MIGRATE=false): never here.
-	l, err := accounting.OpenPostgres(ctx, s.cfg.DatabaseURL, &accounting.PostgresConfig{SkipMigrations: true, Logger: s.log})
+	l, err := pgledger.Open(ctx, s.cfg.DatabaseURL, &pgledger.Config{SkipMigrations: true, Logger: s.log})
 	if err != nil {
 		return fmt.Errorf("ledger: %w", err)
 	}

@@ -19,8 +19,9 @@ import (
 	"github.com/openai/openai-go/v3"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 func ptr(s string) *string { return &s }
@@ -196,7 +197,7 @@ func TestTwoUpstreams(t *testing.T) {
 	p.admin("POST", "/orgs/acme/keys", nil, http.StatusCreated, &k)
 
 	want := int64(10_000_000)
-	prices := map[string]accounting.Prices{
+	prices := map[string]pricing.Prices{
 		"model-a": {Input: 1_500_000, CachedInput: 750_000, Output: 3_000_000},
 		"b-cheap": {Input: 333_333, Output: 1_000_001},
 		"alias":   {Input: 7_000_000, CachedInput: 7_000_000, Output: 21_000_000},
@@ -220,7 +221,7 @@ func TestTwoUpstreams(t *testing.T) {
 				t.Error(err)
 				return
 			}
-			c, err := prices[model].Cost(accounting.Usage{Prompt: int64(r.Usage.PromptTokens), Cached: int64(r.Usage.PromptTokensDetails.CachedTokens),
+			c, err := prices[model].Cost(pricing.Usage{Prompt: int64(r.Usage.PromptTokens), Cached: int64(r.Usage.PromptTokensDetails.CachedTokens),
 				Completion: int64(r.Usage.CompletionTokens)})
 			if err != nil || r.Usage.PromptTokens != 4+i || r.Usage.CompletionTokens != 7+i || r.Usage.PromptTokensDetails.CachedTokens != 2 {
 				t.Errorf("%s: usage %+v %v", model, r.Usage, err)
@@ -434,7 +435,7 @@ func TestWithRoutes(t *testing.T) {
 	t.Cleanup(func() { _ = s.Stop(context.Background()) })
 	ops := s.Ops()
 	for _, m := range []string{"m", "claude-x"} {
-		if err := ops.PutModel(ctx, accounting.Model{Name: m, Prices: accounting.Prices{Output: 1_000_000}, DefaultHold: 100}); err != nil {
+		if err := ops.PutModel(ctx, ledger.Model{Name: m, Prices: pricing.Prices{Output: 1_000_000}, DefaultHold: 100}); err != nil {
 			t.Fatal(err)
 		}
 	}

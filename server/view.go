@@ -12,6 +12,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/middleware"
 )
 
@@ -85,7 +86,7 @@ func (s *Server) customerView(c echo.Context) (v accounting.CustomerView, ok boo
 	if err == nil {
 		return v, true, nil
 	}
-	if errors.Is(err, accounting.ErrUnknownOrg) { // an identity whose org has no account yet: nothing
+	if errors.Is(err, ledger.ErrUnknownOrg) { // an identity whose org has no account yet: nothing
 		return accounting.CustomerView{Org: id.Org, Key: accounting.KeyView{ID: id.KeyID, Limits: []accounting.LimitView{}}}, true, nil
 	}
 	s.log.Warn("customer view", "org", id.Org, "err", err)

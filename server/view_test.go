@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // Issue 23, item 5: the customer's own view, over HTTP with the key the proxy takes.
@@ -34,7 +34,7 @@ func micros(t *testing.T, v any) int64 {
 	if !ok {
 		t.Fatalf("%v (%T) is not a number", v, v)
 	}
-	m, exact, err := accounting.DecimalMicros(string(n), 6, false)
+	m, exact, err := pricing.DecimalMicros(string(n), 6, false)
 	if err != nil || !exact {
 		t.Fatalf("%s: %d %v %v", n, m, exact, err)
 	}

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/webhook"
 )
 
@@ -54,13 +54,13 @@ func TestCheckURL(t *testing.T) {
 // and the attempt fails with the reason. With AllowPrivate the same receiver gets its event.
 func TestDeliveryRefusesPrivateAddresses(t *testing.T) {
 	t.Parallel()
-	ledgers(t, func(t *testing.T, l accounting.Ledger) {
+	ledgers(t, func(t *testing.T, l ledger.Ledger) {
 		r := newReceiver(t, func(int) int { return http.StatusOK })
 		port := r.URL[strings.LastIndex(r.URL, ":")+1:]
-		h := l.(accounting.Webhooks)
+		h := l.(ledger.Webhooks)
 		var ids []string
 		for _, u := range []string{r.URL + "/ip", "http://localhost:" + port + "/name", "http://user:pass@127.0.0.1:" + port + "/creds"} {
-			w, _, err := h.CreateWebhook(context.Background(), u, []accounting.EventType{accounting.EventCreditReceived})
+			w, _, err := h.CreateWebhook(context.Background(), u, []ledger.EventType{ledger.EventCreditReceived})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -78,7 +78,7 @@ func TestDeliveryRefusesPrivateAddresses(t *testing.T) {
 		for _, id := range ids {
 			waitFor(t, "the delivery to fail", 10*time.Second, func() bool {
 				ds := deliveries(t, l, id)
-				return len(ds) == 1 && ds[0].Status == accounting.DeliveryFailed
+				return len(ds) == 1 && ds[0].Status == ledger.DeliveryFailed
 			})
 			if d := deliveries(t, l, id)[0]; !strings.Contains(d.LastError, "not allowed") {
 				t.Errorf("delivery %+v: want an address refusal as its last error", d)
@@ -92,7 +92,7 @@ func TestDeliveryRefusesPrivateAddresses(t *testing.T) {
 		if err := refusing.Stop(context.Background()); err != nil {
 			t.Fatal(err)
 		}
-		w, _, err := h.CreateWebhook(context.Background(), "http://localhost:"+port+"/allowed", []accounting.EventType{accounting.EventCreditReceived})
+		w, _, err := h.CreateWebhook(context.Background(), "http://localhost:"+port+"/allowed", []ledger.EventType{ledger.EventCreditReceived})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -102,7 +102,7 @@ func TestDeliveryRefusesPrivateAddresses(t *testing.T) {
 		startSender(t, l, fastConfig())
 		waitFor(t, "the allowed delivery", 10*time.Second, func() bool {
 			ds := deliveries(t, l, w.ID)
-			return len(ds) == 1 && ds[0].Status == accounting.DeliveryDelivered
+			return len(ds) == 1 && ds[0].Status == ledger.DeliveryDelivered
 		})
 	})
 }

@@ -17,7 +17,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // Defaults of Config.
@@ -110,7 +110,7 @@ type Stats struct {
 // Sender delivers the outbox's events. Several senders (in one process or many, on one ledger)
 // may run at once: a claim is exclusive for its lease.
 type Sender struct {
-	store accounting.Webhooks
+	store ledger.Webhooks
 	cfg   Config
 	log   *slog.Logger
 	wake  chan struct{}
@@ -128,7 +128,7 @@ type Sender struct {
 
 // NewSender returns a sender over store (a ledger that implements accounting.Webhooks); cfg may
 // be nil for the defaults.
-func NewSender(store accounting.Webhooks, cfg *Config) (*Sender, error) {
+func NewSender(store ledger.Webhooks, cfg *Config) (*Sender, error) {
 	if store == nil {
 		return nil, errors.New("webhook: nil store")
 	}
@@ -201,7 +201,7 @@ func (s *Sender) loop(ctx context.Context) {
 	failing := false // the outbox could not be read: logged once until it can again
 	for {
 		if free := cap(slots) - len(slots); free > 0 {
-			ds, err := s.store.ClaimDeliveries(ctx, free, s.cfg.Lease, accounting.EndpointLimit{Max: s.cfg.PerEndpoint, Busy: s.busyNow()})
+			ds, err := s.store.ClaimDeliveries(ctx, free, s.cfg.Lease, ledger.EndpointLimit{Max: s.cfg.PerEndpoint, Busy: s.busyNow()})
 			switch {
 			case err != nil && ctx.Err() == nil:
 				s.claimErrors.Add(1)
@@ -251,19 +251,19 @@ func (s *Sender) setBusy(endpoint string, delta int) {
 }
 
 // attempt sends one claimed delivery and records the outcome.
-func (s *Sender) attempt(ctx context.Context, d accounting.Delivery) {
+func (s *Sender) attempt(ctx context.Context, d ledger.Delivery) {
 	s.attempts.Add(1)
 	o := s.send(ctx, d)
 	switch {
-	case o.Status == accounting.DeliveryDelivered:
+	case o.Status == ledger.DeliveryDelivered:
 		s.delivered.Add(1)
 	case d.Attempts >= s.cfg.MaxAttempts:
-		o.Status = accounting.DeliveryFailed
+		o.Status = ledger.DeliveryFailed
 		s.failed.Add(1)
 		s.log.Warn("webhook: delivery failed for good", "delivery", d.ID, "webhook", d.WebhookID, "event", d.EventID,
 			"type", d.EventType, "attempts", d.Attempts, "err", o.Error)
 	default:
-		o.Status, o.RetryAfter = accounting.DeliveryPending, s.Backoff(d.Attempts)
+		o.Status, o.RetryAfter = ledger.DeliveryPending, s.Backoff(d.Attempts)
 		s.retries.Add(1)
 		s.log.Debug("webhook: attempt failed; retrying", "delivery", d.ID, "webhook", d.WebhookID, "attempt", d.Attempts,
 			"retry_after", o.RetryAfter, "err", o.Error)
@@ -278,17 +278,17 @@ func (s *Sender) attempt(ctx context.Context, d accounting.Delivery) {
 }
 
 // send POSTs the body, signed now, within Timeout.
-func (s *Sender) send(ctx context.Context, d accounting.Delivery) accounting.Outcome {
+func (s *Sender) send(ctx context.Context, d ledger.Delivery) ledger.Outcome {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
 	// Endpoints stored before the policy (or written to the ledger directly) are checked too;
 	// their addresses after resolution, by the client's dialer.
 	if err := CheckURL(d.URL, true); err != nil {
-		return accounting.Outcome{Error: err.Error()}
+		return ledger.Outcome{Error: err.Error()}
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, d.URL, bytes.NewReader(d.Body))
 	if err != nil {
-		return accounting.Outcome{Error: "bad request: " + errText(err)}
+		return ledger.Outcome{Error: "bad request: " + errText(err)}
 	}
 	h := req.Header
 	h.Set("Content-Type", "application/json")
@@ -300,16 +300,16 @@ func (s *Sender) send(ctx context.Context, d accounting.Delivery) accounting.Out
 	resp, err := s.cfg.Client.Do(req)
 	if err != nil {
 		if errors.Is(err, context.DeadlineExceeded) {
-			return accounting.Outcome{Error: fmt.Sprintf("no answer within %v", s.cfg.Timeout)}
+			return ledger.Outcome{Error: fmt.Sprintf("no answer within %v", s.cfg.Timeout)}
 		}
-		return accounting.Outcome{Error: errText(err)}
+		return ledger.Outcome{Error: errText(err)}
 	}
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 	_ = resp.Body.Close()
 	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
-		return accounting.Outcome{Status: accounting.DeliveryDelivered, HTTPStatus: resp.StatusCode}
+		return ledger.Outcome{Status: ledger.DeliveryDelivered, HTTPStatus: resp.StatusCode}
 	}
-	return accounting.Outcome{HTTPStatus: resp.StatusCode, Error: "HTTP " + strconv.Itoa(resp.StatusCode)}
+	return ledger.Outcome{HTTPStatus: resp.StatusCode, Error: "HTTP " + strconv.Itoa(resp.StatusCode)}
 }
 
 // errText is err without the URL (which may carry a token): the inner error of a *url.Error.

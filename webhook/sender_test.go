@@ -20,17 +20,19 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/ledger/pgledger"
 	"github.com/llmescrow/escrow/migrations"
 	"github.com/llmescrow/escrow/webhook"
 )
 
 // ledgers runs fn on the memory ledger and on a real Postgres ledger.
-func ledgers(t *testing.T, fn func(t *testing.T, l accounting.Ledger)) {
+func ledgers(t *testing.T, fn func(t *testing.T, l ledger.Ledger)) {
 	t.Run("Memory", func(t *testing.T) {
 		t.Parallel()
-		l := accounting.NewMemory()
+		l := memledger.New()
 		t.Cleanup(l.Close)
 		fn(t, l)
 	})
@@ -46,9 +48,9 @@ func ledgers(t *testing.T, fn func(t *testing.T, l accounting.Ledger)) {
 }
 
 // mustPostgres is a Postgres ledger on pool (migrated), closed with the test.
-func mustPostgres(t *testing.T, pool *pgxpool.Pool) *accounting.Postgres {
+func mustPostgres(t *testing.T, pool *pgxpool.Pool) *pgledger.Ledger {
 	t.Helper()
-	l, err := accounting.NewPostgres(pool, nil)
+	l, err := pgledger.New(pool, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,9 +142,9 @@ func fastConfig() *webhook.Config {
 	}
 }
 
-func startSender(t *testing.T, l accounting.Ledger, cfg *webhook.Config) *webhook.Sender {
+func startSender(t *testing.T, l ledger.Ledger, cfg *webhook.Config) *webhook.Sender {
 	t.Helper()
-	s, err := webhook.NewSender(l.(accounting.Webhooks), cfg)
+	s, err := webhook.NewSender(l.(ledger.Webhooks), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -170,9 +172,9 @@ func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
 	}
 }
 
-func deliveries(t *testing.T, l accounting.Ledger, id string) []accounting.Delivery {
+func deliveries(t *testing.T, l ledger.Ledger, id string) []ledger.Delivery {
 	t.Helper()
-	p, err := l.(accounting.Webhooks).ListDeliveries(context.Background(), id, accounting.ListQuery{Limit: 1000})
+	p, err := l.(ledger.Webhooks).ListDeliveries(context.Background(), id, ledger.ListQuery{Limit: 1000})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -181,10 +183,10 @@ func deliveries(t *testing.T, l accounting.Ledger, id string) []accounting.Deliv
 
 // makeEvents triggers one event of each type: a credit, a charge that crosses the org's
 // low-balance threshold (through the accounting of usage, as the worker does), a revoked key.
-func makeEvents(t *testing.T, l accounting.Ledger, org string) (keyID string) {
+func makeEvents(t *testing.T, l ledger.Ledger, org string) (keyID string) {
 	t.Helper()
 	ctx := context.Background()
-	h := l.(accounting.Webhooks)
+	h := l.(ledger.Webhooks)
 	if err := l.CreateOrg(ctx, org); err != nil {
 		t.Fatal(err)
 	}
@@ -195,8 +197,8 @@ func makeEvents(t *testing.T, l accounting.Ledger, org string) (keyID string) {
 	if _, _, err := l.Credit(ctx, org, 1_500, "pay-"+org); err != nil {
 		t.Fatal(err)
 	}
-	ev := accounting.UsageEvent{ID: uuid.Must(uuid.NewV7()).String(), Org: org, Model: "m", Cost: 700, HoldAmount: 900}
-	if err := l.RecordUsage(ctx, []accounting.UsageEvent{ev}); err != nil {
+	ev := ledger.UsageEvent{ID: uuid.Must(uuid.NewV7()).String(), Org: org, Model: "m", Cost: 700, HoldAmount: 900}
+	if err := l.RecordUsage(ctx, []ledger.UsageEvent{ev}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := l.AccountPending(ctx, 100); err != nil {
@@ -216,7 +218,7 @@ func makeEvents(t *testing.T, l accounting.Ledger, org string) (keyID string) {
 // hangs past the timeout, then recovers: at least once, signed, with one event id on every try.
 func TestDeliveryFailsHangsRecovers(t *testing.T) {
 	t.Parallel()
-	ledgers(t, func(t *testing.T, l accounting.Ledger) {
+	ledgers(t, func(t *testing.T, l ledger.Ledger) {
 		r := newReceiver(t, func(n int) int {
 			switch n {
 			case 1:
@@ -227,7 +229,7 @@ func TestDeliveryFailsHangsRecovers(t *testing.T) {
 				return http.StatusNoContent
 			}
 		})
-		w, secret, err := l.(accounting.Webhooks).CreateWebhook(context.Background(), r.URL+"/hook", accounting.EventTypes)
+		w, secret, err := l.(ledger.Webhooks).CreateWebhook(context.Background(), r.URL+"/hook", ledger.EventTypes)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -237,17 +239,17 @@ func TestDeliveryFailsHangsRecovers(t *testing.T) {
 		cfg := fastConfig()
 		cfg.BackoffMin, cfg.BackoffMax = time.Second, 2*time.Second
 		s := startSender(t, l, cfg)
-		afterHang := map[string]accounting.Delivery{} // by event id: the record after the hung try, before the retry
+		afterHang := map[string]ledger.Delivery{} // by event id: the record after the hung try, before the retry
 		waitFor(t, "three deliveries delivered", 30*time.Second, func() bool {
 			ds := deliveries(t, l, w.ID)
 			for _, d := range ds {
 				// The last record seen with two attempts: while the second try runs its record
 				// still has the first try's outcome; after it, the hung try's, until the retry.
-				if d.Status == accounting.DeliveryPending && d.Attempts == 2 && d.NextAttemptAt != nil {
+				if d.Status == ledger.DeliveryPending && d.Attempts == 2 && d.NextAttemptAt != nil {
 					afterHang[d.EventID] = d
 				}
 			}
-			return len(ds) == 3 && !slices.ContainsFunc(ds, func(d accounting.Delivery) bool { return d.Status != accounting.DeliveryDelivered })
+			return len(ds) == 3 && !slices.ContainsFunc(ds, func(d ledger.Delivery) bool { return d.Status != ledger.DeliveryDelivered })
 		})
 		for _, d := range deliveries(t, l, w.ID) {
 			if d.Attempts != 3 || d.LastStatus != http.StatusNoContent || d.DeliveredAt == nil || d.NextAttemptAt != nil {
@@ -314,9 +316,9 @@ func TestDeliveryFailsHangsRecovers(t *testing.T) {
 // further request is sent.
 func TestDeliveryGivesUp(t *testing.T) {
 	t.Parallel()
-	ledgers(t, func(t *testing.T, l accounting.Ledger) {
+	ledgers(t, func(t *testing.T, l ledger.Ledger) {
 		r := newReceiver(t, func(int) int { return http.StatusBadGateway })
-		w, _, err := l.(accounting.Webhooks).CreateWebhook(context.Background(), r.URL, []accounting.EventType{accounting.EventCreditReceived})
+		w, _, err := l.(ledger.Webhooks).CreateWebhook(context.Background(), r.URL, []ledger.EventType{ledger.EventCreditReceived})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -331,7 +333,7 @@ func TestDeliveryGivesUp(t *testing.T) {
 		s := startSender(t, l, cfg)
 		waitFor(t, "the delivery to fail", 10*time.Second, func() bool {
 			ds := deliveries(t, l, w.ID)
-			return len(ds) == 1 && ds[0].Status == accounting.DeliveryFailed
+			return len(ds) == 1 && ds[0].Status == ledger.DeliveryFailed
 		})
 		d := deliveries(t, l, w.ID)[0]
 		if d.Attempts != 3 || d.LastError != "HTTP 502" || d.LastStatus != 502 || d.NextAttemptAt != nil || d.DeliveredAt != nil {
@@ -362,7 +364,7 @@ func TestTwoSendersOneLedger(t *testing.T) {
 		}
 		return http.StatusOK
 	})
-	w, _, err := l.CreateWebhook(context.Background(), r.URL, []accounting.EventType{accounting.EventCreditReceived})
+	w, _, err := l.CreateWebhook(context.Background(), r.URL, []ledger.EventType{ledger.EventCreditReceived})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -382,7 +384,7 @@ func TestTwoSendersOneLedger(t *testing.T) {
 	waitFor(t, "every event delivered", 20*time.Second, func() bool {
 		n := 0
 		for _, d := range deliveries(t, l, w.ID) {
-			if d.Status == accounting.DeliveryDelivered {
+			if d.Status == ledger.DeliveryDelivered {
 				n++
 			}
 		}
@@ -403,11 +405,11 @@ func TestTwoSendersOneLedger(t *testing.T) {
 
 func TestNewSenderRefusesLeaseBelowTimeout(t *testing.T) {
 	t.Parallel()
-	_, err := webhook.NewSender(accounting.NewMemory(), &webhook.Config{Timeout: time.Minute, Lease: time.Second})
+	_, err := webhook.NewSender(memledger.New(), &webhook.Config{Timeout: time.Minute, Lease: time.Second})
 	if err == nil {
 		t.Fatal("a lease shorter than the timeout was accepted")
 	}
-	s, err := webhook.NewSender(accounting.NewMemory(), nil)
+	s, err := webhook.NewSender(memledger.New(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -419,7 +421,7 @@ func TestNewSenderRefusesLeaseBelowTimeout(t *testing.T) {
 
 func TestBackoffGrowsWithJitter(t *testing.T) {
 	t.Parallel()
-	s, err := webhook.NewSender(accounting.NewMemory(), &webhook.Config{BackoffMin: time.Second, BackoffMax: 10 * time.Second})
+	s, err := webhook.NewSender(memledger.New(), &webhook.Config{BackoffMin: time.Second, BackoffMax: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -441,20 +443,20 @@ func TestBackoffGrowsWithJitter(t *testing.T) {
 // flakyStore is a ledger's webhook side whose outbox reads and outcome writes fail on demand,
 // as in a ledger outage.
 type flakyStore struct {
-	accounting.Webhooks
+	ledger.Webhooks
 	mu                        sync.Mutex
 	claimDown                 bool
 	finishFailures, finishTry int
-	claimed                   []accounting.Delivery // every delivery claimed, as the claim returned it
-	claimedAt                 []time.Time           // for each: when its claim was called
+	claimed                   []ledger.Delivery // every delivery claimed, as the claim returned it
+	claimedAt                 []time.Time       // for each: when its claim was called
 }
 
-func (f *flakyStore) ClaimDeliveries(ctx context.Context, limit int, lease time.Duration, per accounting.EndpointLimit) ([]accounting.Delivery, error) {
+func (f *flakyStore) ClaimDeliveries(ctx context.Context, limit int, lease time.Duration, per ledger.EndpointLimit) ([]ledger.Delivery, error) {
 	f.mu.Lock()
 	down := f.claimDown
 	f.mu.Unlock()
 	if down {
-		return nil, fmt.Errorf("claim: %w", accounting.ErrLedgerUnavailable)
+		return nil, fmt.Errorf("claim: %w", ledger.ErrLedgerUnavailable)
 	}
 	at := time.Now()
 	ds, err := f.Webhooks.ClaimDeliveries(ctx, limit, lease, per)
@@ -467,13 +469,13 @@ func (f *flakyStore) ClaimDeliveries(ctx context.Context, limit int, lease time.
 	return ds, err
 }
 
-func (f *flakyStore) FinishDelivery(ctx context.Context, id int64, attempt int, o accounting.Outcome) error {
+func (f *flakyStore) FinishDelivery(ctx context.Context, id int64, attempt int, o ledger.Outcome) error {
 	f.mu.Lock()
 	f.finishTry++
 	fail := f.finishTry <= f.finishFailures
 	f.mu.Unlock()
 	if fail {
-		return fmt.Errorf("finish: %w", accounting.ErrLedgerUnavailable)
+		return fmt.Errorf("finish: %w", ledger.ErrLedgerUnavailable)
 	}
 	return f.Webhooks.FinishDelivery(ctx, id, attempt, o)
 }
@@ -483,10 +485,10 @@ func (f *flakyStore) FinishDelivery(ctx context.Context, id int64, attempt int, 
 // lease, with the same event id — at least once, never lost.
 func TestDeliveryRidesOutLedgerOutage(t *testing.T) {
 	t.Parallel()
-	ledgers(t, func(t *testing.T, l accounting.Ledger) {
+	ledgers(t, func(t *testing.T, l ledger.Ledger) {
 		r := newReceiver(t, func(int) int { return http.StatusOK })
-		store := &flakyStore{Webhooks: l.(accounting.Webhooks), claimDown: true, finishFailures: 1}
-		w, secret, err := store.CreateWebhook(context.Background(), r.URL, []accounting.EventType{accounting.EventCreditReceived})
+		store := &flakyStore{Webhooks: l.(ledger.Webhooks), claimDown: true, finishFailures: 1}
+		w, secret, err := store.CreateWebhook(context.Background(), r.URL, []ledger.EventType{ledger.EventCreditReceived})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -515,7 +517,7 @@ func TestDeliveryRidesOutLedgerOutage(t *testing.T) {
 		store.mu.Unlock()
 		waitFor(t, "the delivery", 10*time.Second, func() bool {
 			ds := deliveries(t, l, w.ID)
-			return len(ds) == 1 && ds[0].Status == accounting.DeliveryDelivered
+			return len(ds) == 1 && ds[0].Status == ledger.DeliveryDelivered
 		})
 		got := r.requests()
 		if len(got) != 2 || got[0].eventID != got[1].eventID || got[0].attempt != 1 || got[1].attempt != 2 || string(got[0].body) != string(got[1].body) {

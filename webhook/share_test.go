@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // TestSlowEndpointKeepsItsShare (issue 22 item 9): an endpoint that does not answer holds at
@@ -17,7 +17,7 @@ import (
 // are all delivered while it hangs.
 func TestSlowEndpointKeepsItsShare(t *testing.T) {
 	t.Parallel()
-	ledgers(t, func(t *testing.T, l accounting.Ledger) {
+	ledgers(t, func(t *testing.T, l ledger.Ledger) {
 		release := make(chan struct{})
 		var mu sync.Mutex
 		var running, most int
@@ -38,8 +38,8 @@ func TestSlowEndpointKeepsItsShare(t *testing.T) {
 		}))
 		t.Cleanup(slow.Close)
 		fast := newReceiver(t, func(int) int { return http.StatusOK })
-		h := l.(accounting.Webhooks)
-		events := []accounting.EventType{accounting.EventCreditReceived}
+		h := l.(ledger.Webhooks)
+		events := []ledger.EventType{ledger.EventCreditReceived}
 		if _, _, err := h.CreateWebhook(context.Background(), slow.URL, events); err != nil {
 			t.Fatal(err)
 		}
@@ -63,7 +63,7 @@ func TestSlowEndpointKeepsItsShare(t *testing.T) {
 		waitFor(t, "every event delivered to the healthy endpoint", 20*time.Second, func() bool {
 			ds := deliveries(t, l, fw.ID)
 			for _, d := range ds {
-				if d.Status != accounting.DeliveryDelivered {
+				if d.Status != ledger.DeliveryDelivered {
 					return false
 				}
 			}

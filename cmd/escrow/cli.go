@@ -18,6 +18,8 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/admin"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 	"github.com/llmescrow/escrow/server"
 )
 
@@ -396,7 +398,7 @@ func cmdUsage(args []string) error {
 		_, err = stdout.Write(raw)
 		return err
 	}
-	p, raw, err := fetch[admin.Page[accounting.UsageRow]](c, http.MethodGet, path, nil)
+	p, raw, err := fetch[admin.Page[ledger.UsageRow]](c, http.MethodGet, path, nil)
 	if err != nil {
 		return err
 	}
@@ -411,7 +413,7 @@ func cmdUsage(args []string) error {
 
 // groupNamed is the usage page raw (of rows) with each row's group also under the grouping's
 // name ("day": "2024-05-01"), as the table names its first column: what usage --json prints.
-func groupNamed(raw json.RawMessage, by string, rows []accounting.UsageRow) (admin.Page[json.RawMessage], error) {
+func groupNamed(raw json.RawMessage, by string, rows []ledger.UsageRow) (admin.Page[json.RawMessage], error) {
 	var p admin.Page[json.RawMessage]
 	err := json.Unmarshal(raw, &p)
 	for i := range p.Data {
@@ -517,7 +519,7 @@ func cmdEntries(args []string) error {
 	q := url.Values{"limit": {pageLimit}}
 	setGiven(q, map[string]string{"kind": *kind})
 	inRange(q)
-	raws, rows, err := all[accounting.EntryInfo](c, "/orgs/"+url.PathEscape(pos[0])+"/entries", q)
+	raws, rows, err := all[ledger.EntryInfo](c, "/orgs/"+url.PathEscape(pos[0])+"/entries", q)
 	if err != nil {
 		return err
 	}
@@ -539,7 +541,7 @@ type flatRequest struct {
 
 // flattenRequests adds to each entry of raws (decoded: rows) that is a charge its request's
 // fields (flatRequest): what entries --json prints.
-func flattenRequests(raws []json.RawMessage, rows []accounting.EntryInfo) error {
+func flattenRequests(raws []json.RawMessage, rows []ledger.EntryInfo) error {
 	for i, e := range rows {
 		if r := e.Request; r != nil {
 			var err error
@@ -663,12 +665,12 @@ var importFields = modelTable.only("input_price", "cached_input_price", "output_
 
 // defaultPrice reports whether column f of an imported model (as the import report shows it,
 // defaults filled in) is a cache-write price at its default.
-func defaultPrice(m accounting.Model, f string) bool {
+func defaultPrice(m ledger.Model, f string) bool {
 	switch f {
 	case "cache_write_input_price":
 		return m.CacheWriteInput == m.Input
 	case "cache_write_1h_input_price":
-		return m.CacheWrite1hInput == accounting.CacheWrite1hMultiplier*m.Input
+		return m.CacheWrite1hInput == pricing.CacheWrite1hMultiplier*m.Input
 	}
 	return false
 }
@@ -676,7 +678,7 @@ func defaultPrice(m accounting.Model, f string) bool {
 // importModels sends a price table to POST /models/import and prints the diff: each new model
 // with its prices, each changed field as old → new, the count of unchanged models, and the
 // skipped entries counted by reason. A cache-write price at its default (the input price, 2× it
-// for 1-hour writes: accounting.Prices.WithDefaults) is left out of the lines. --json prints
+// for 1-hour writes: pricing.Prices.WithDefaults) is left out of the lines. --json prints
 // the API's answer as it came.
 func importModels(c *client, o output, file string, dryRun bool, provider string) error {
 	b, err := os.ReadFile(file)
@@ -732,7 +734,7 @@ func printChanges(r accounting.ImportReport) error {
 
 // newPrices are a new model's fields as "name value", without a cache-write price the table
 // left out (its default).
-func newPrices(m accounting.Model) []string {
+func newPrices(m ledger.Model) []string {
 	var parts []string
 	for _, f := range importFields {
 		if !defaultPrice(m, f.name) {
@@ -756,7 +758,7 @@ func priceChanges(ch accounting.PriceChange) []string {
 
 // printSkipped prints the skipped entries of an import counted by reason, in the order the
 // reasons first appear.
-func printSkipped(skipped []accounting.SkippedPrice) {
+func printSkipped(skipped []pricing.SkippedPrice) {
 	reasons := map[string]int{}
 	var order []string
 	for _, s := range skipped {

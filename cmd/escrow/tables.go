@@ -5,6 +5,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/admin"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // The tables of the admin API's answers, each decoded into the API's own type (accounting's,
@@ -35,27 +36,27 @@ var newKeyTable = table[admin.NewKey]{
 	{"key", func(k admin.NewKey) string { return k.Key }},
 }
 
-var keyTable = table[accounting.KeyInfo]{
-	{"id", func(k accounting.KeyInfo) string { return k.ID }},
-	{"name", func(k accounting.KeyInfo) string { return k.Name }},
-	{"project", func(k accounting.KeyInfo) string { return k.Project }},
-	{"created_at", func(k accounting.KeyInfo) string { return ts(k.CreatedAt) }},
-	{"last_used_at", func(k accounting.KeyInfo) string { return optTS(k.LastUsedAt) }},
-	{"revoked_at", func(k accounting.KeyInfo) string { return optTS(k.RevokedAt) }},
+var keyTable = table[ledger.KeyInfo]{
+	{"id", func(k ledger.KeyInfo) string { return k.ID }},
+	{"name", func(k ledger.KeyInfo) string { return k.Name }},
+	{"project", func(k ledger.KeyInfo) string { return k.Project }},
+	{"created_at", func(k ledger.KeyInfo) string { return ts(k.CreatedAt) }},
+	{"last_used_at", func(k ledger.KeyInfo) string { return optTS(k.LastUsedAt) }},
+	{"revoked_at", func(k ledger.KeyInfo) string { return optTS(k.RevokedAt) }},
 }
 
 // creditTable is a ledger entry as a credit's answer shows it.
-var creditTable = table[accounting.LedgerEntry]{
-	{"org", func(e accounting.LedgerEntry) string { return e.Org }},
-	{"seq", func(e accounting.LedgerEntry) string { return i64(e.Seq) }},
-	{"delta", func(e accounting.LedgerEntry) string { return i64(e.Delta) }},
-	{"reference", func(e accounting.LedgerEntry) string { return e.Ref }},
-	{"created_at", func(e accounting.LedgerEntry) string { return ts(e.CreatedAt) }},
+var creditTable = table[ledger.LedgerEntry]{
+	{"org", func(e ledger.LedgerEntry) string { return e.Org }},
+	{"seq", func(e ledger.LedgerEntry) string { return i64(e.Seq) }},
+	{"delta", func(e ledger.LedgerEntry) string { return i64(e.Delta) }},
+	{"reference", func(e ledger.LedgerEntry) string { return e.Ref }},
+	{"created_at", func(e ledger.LedgerEntry) string { return ts(e.CreatedAt) }},
 }
 
 // requestCell is a cell of an entry's request (a charge's), empty for an entry without one.
-func requestCell(cell func(accounting.EntryRequest) string) func(accounting.EntryInfo) string {
-	return func(e accounting.EntryInfo) string {
+func requestCell(cell func(ledger.EntryRequest) string) func(ledger.EntryInfo) string {
+	return func(e ledger.EntryInfo) string {
 		if e.Request == nil {
 			return ""
 		}
@@ -63,69 +64,69 @@ func requestCell(cell func(accounting.EntryRequest) string) func(accounting.Entr
 	}
 }
 
-var entryTable = table[accounting.EntryInfo]{
-	{"seq", func(e accounting.EntryInfo) string { return i64(e.Seq) }},
-	{"kind", func(e accounting.EntryInfo) string { return string(e.Kind) }},
-	{"delta", func(e accounting.EntryInfo) string { return i64(e.Delta) }},
-	{"reference", func(e accounting.EntryInfo) string { return e.Ref }},
-	{"request_id", requestCell(func(r accounting.EntryRequest) string { return r.ID })},
-	{"model", requestCell(func(r accounting.EntryRequest) string { return r.Model })},
-	{"cost", requestCell(func(r accounting.EntryRequest) string { return i64(r.Cost) })},
-	{"hold_amount", requestCell(func(r accounting.EntryRequest) string { return i64(r.HoldAmount) })},
-	{"created_at", func(e accounting.EntryInfo) string { return ts(e.CreatedAt) }},
+var entryTable = table[ledger.EntryInfo]{
+	{"seq", func(e ledger.EntryInfo) string { return i64(e.Seq) }},
+	{"kind", func(e ledger.EntryInfo) string { return string(e.Kind) }},
+	{"delta", func(e ledger.EntryInfo) string { return i64(e.Delta) }},
+	{"reference", func(e ledger.EntryInfo) string { return e.Ref }},
+	{"request_id", requestCell(func(r ledger.EntryRequest) string { return r.ID })},
+	{"model", requestCell(func(r ledger.EntryRequest) string { return r.Model })},
+	{"cost", requestCell(func(r ledger.EntryRequest) string { return i64(r.Cost) })},
+	{"hold_amount", requestCell(func(r ledger.EntryRequest) string { return i64(r.HoldAmount) })},
+	{"created_at", func(e ledger.EntryInfo) string { return ts(e.CreatedAt) }},
 }
 
 // usageCounts are a usage row's columns after its group.
-var usageCounts = table[accounting.UsageRow]{
-	{"requests", func(r accounting.UsageRow) string { return i64(r.Requests) }},
-	{"cost", func(r accounting.UsageRow) string { return i64(r.Cost) }},
-	{"prompt_tokens", func(r accounting.UsageRow) string { return i64(r.Prompt) }},
-	{"cached_tokens", func(r accounting.UsageRow) string { return i64(r.Cached) }},
-	{"completion_tokens", func(r accounting.UsageRow) string { return i64(r.Completion) }},
+var usageCounts = table[ledger.UsageRow]{
+	{"requests", func(r ledger.UsageRow) string { return i64(r.Requests) }},
+	{"cost", func(r ledger.UsageRow) string { return i64(r.Cost) }},
+	{"prompt_tokens", func(r ledger.UsageRow) string { return i64(r.Prompt) }},
+	{"cached_tokens", func(r ledger.UsageRow) string { return i64(r.Cached) }},
+	{"completion_tokens", func(r ledger.UsageRow) string { return i64(r.Completion) }},
 }
 
 // usageTable is a usage report grouped by by (day, model or key): the group, then the counts.
-func usageTable(by string) table[accounting.UsageRow] {
-	group := table[accounting.UsageRow]{{by, func(r accounting.UsageRow) string { return r.Group }}}
+func usageTable(by string) table[ledger.UsageRow] {
+	group := table[ledger.UsageRow]{{by, func(r ledger.UsageRow) string { return r.Group }}}
 	return append(group, usageCounts...)
 }
 
 var topTable = append(table[admin.Spender]{{"org", func(s admin.Spender) string { return s.Org }}},
-	via(usageCounts, func(s admin.Spender) accounting.UsageRow { return s.UsageRow })...)
+	via(usageCounts, func(s admin.Spender) ledger.UsageRow { return s.UsageRow })...)
 
-var modelTable = table[accounting.Model]{
-	{"model", func(m accounting.Model) string { return m.Name }},
-	{"input_price", func(m accounting.Model) string { return i64(m.Input) }},
-	{"cached_input_price", func(m accounting.Model) string { return i64(m.CachedInput) }},
-	{"output_price", func(m accounting.Model) string { return i64(m.Output) }},
-	{"max_input_tokens", func(m accounting.Model) string { return i64(m.MaxInputTokens) }},
-	{"max_output_tokens", func(m accounting.Model) string { return i64(m.MaxOutputTokens) }},
-	{"max_cost", func(m accounting.Model) string { return i64(m.MaxCost) }},
-	{"default_hold", func(m accounting.Model) string { return i64(m.DefaultHold) }},
-	{"cache_write_input_price", func(m accounting.Model) string { return i64(m.CacheWriteInput) }},
-	{"cache_write_1h_input_price", func(m accounting.Model) string { return i64(m.CacheWrite1hInput) }},
+var modelTable = table[ledger.Model]{
+	{"model", func(m ledger.Model) string { return m.Name }},
+	{"input_price", func(m ledger.Model) string { return i64(m.Input) }},
+	{"cached_input_price", func(m ledger.Model) string { return i64(m.CachedInput) }},
+	{"output_price", func(m ledger.Model) string { return i64(m.Output) }},
+	{"max_input_tokens", func(m ledger.Model) string { return i64(m.MaxInputTokens) }},
+	{"max_output_tokens", func(m ledger.Model) string { return i64(m.MaxOutputTokens) }},
+	{"max_cost", func(m ledger.Model) string { return i64(m.MaxCost) }},
+	{"default_hold", func(m ledger.Model) string { return i64(m.DefaultHold) }},
+	{"cache_write_input_price", func(m ledger.Model) string { return i64(m.CacheWriteInput) }},
+	{"cache_write_1h_input_price", func(m ledger.Model) string { return i64(m.CacheWrite1hInput) }},
 }
 
-var requestTable = table[accounting.RequestInfo]{
-	{"id", func(r accounting.RequestInfo) string { return r.ID }},
-	{"org", func(r accounting.RequestInfo) string { return r.Org }},
-	{"key_id", func(r accounting.RequestInfo) string { return r.KeyID }},
-	{"model", func(r accounting.RequestInfo) string { return r.Model }},
-	{"status", func(r accounting.RequestInfo) string { return r.Status }},
-	{"cost", func(r accounting.RequestInfo) string { return i64(r.Cost) }},
-	{"hold_amount", func(r accounting.RequestInfo) string { return i64(r.HoldAmount) }},
-	{"estimated", func(r accounting.RequestInfo) string { return strconv.FormatBool(r.Estimated) }},
-	{"usage", func(r accounting.RequestInfo) string { return jsonCell(r.Usage) }},
-	{"created_at", func(r accounting.RequestInfo) string { return ts(r.CreatedAt) }},
+var requestTable = table[ledger.RequestInfo]{
+	{"id", func(r ledger.RequestInfo) string { return r.ID }},
+	{"org", func(r ledger.RequestInfo) string { return r.Org }},
+	{"key_id", func(r ledger.RequestInfo) string { return r.KeyID }},
+	{"model", func(r ledger.RequestInfo) string { return r.Model }},
+	{"status", func(r ledger.RequestInfo) string { return r.Status }},
+	{"cost", func(r ledger.RequestInfo) string { return i64(r.Cost) }},
+	{"hold_amount", func(r ledger.RequestInfo) string { return i64(r.HoldAmount) }},
+	{"estimated", func(r ledger.RequestInfo) string { return strconv.FormatBool(r.Estimated) }},
+	{"usage", func(r ledger.RequestInfo) string { return jsonCell(r.Usage) }},
+	{"created_at", func(r ledger.RequestInfo) string { return ts(r.CreatedAt) }},
 }
 
-var auditTable = table[accounting.AuditRecord]{
-	{"id", func(r accounting.AuditRecord) string { return i64(r.ID) }},
-	{"at", func(r accounting.AuditRecord) string { return ts(r.At) }},
-	{"actor", func(r accounting.AuditRecord) string { return r.Actor }},
-	{"action", func(r accounting.AuditRecord) string { return r.Action }},
-	{"target", func(r accounting.AuditRecord) string { return r.Target }},
-	{"status", func(r accounting.AuditRecord) string { return strconv.Itoa(r.Status) }},
+var auditTable = table[ledger.AuditRecord]{
+	{"id", func(r ledger.AuditRecord) string { return i64(r.ID) }},
+	{"at", func(r ledger.AuditRecord) string { return ts(r.At) }},
+	{"actor", func(r ledger.AuditRecord) string { return r.Actor }},
+	{"action", func(r ledger.AuditRecord) string { return r.Action }},
+	{"target", func(r ledger.AuditRecord) string { return r.Target }},
+	{"status", func(r ledger.AuditRecord) string { return strconv.Itoa(r.Status) }},
 }
 
 var driftTable = table[accounting.Drift]{
@@ -143,26 +144,26 @@ var epochTable = table[admin.Epoch]{
 	{"id", func(e admin.Epoch) string { return e.ID }},
 }
 
-var webhookTable = table[accounting.Webhook]{
-	{"id", func(w accounting.Webhook) string { return w.ID }},
-	{"url", func(w accounting.Webhook) string { return w.URL }},
-	{"events", func(w accounting.Webhook) string { return jsonCell(w.Events) }},
-	{"created_at", func(w accounting.Webhook) string { return ts(w.CreatedAt) }},
+var webhookTable = table[ledger.Webhook]{
+	{"id", func(w ledger.Webhook) string { return w.ID }},
+	{"url", func(w ledger.Webhook) string { return w.URL }},
+	{"events", func(w ledger.Webhook) string { return jsonCell(w.Events) }},
+	{"created_at", func(w ledger.Webhook) string { return ts(w.CreatedAt) }},
 }
 
-var newWebhookTable = append(via(webhookTable, func(w admin.NewWebhook) accounting.Webhook { return w.Webhook }),
+var newWebhookTable = append(via(webhookTable, func(w admin.NewWebhook) ledger.Webhook { return w.Webhook }),
 	column[admin.NewWebhook]{"secret", func(w admin.NewWebhook) string { return w.Secret }})
 
-var deliveryTable = table[accounting.Delivery]{
-	{"id", func(d accounting.Delivery) string { return i64(d.ID) }},
-	{"event_type", func(d accounting.Delivery) string { return string(d.EventType) }},
-	{"org", func(d accounting.Delivery) string { return d.Org }},
-	{"status", func(d accounting.Delivery) string { return string(d.Status) }},
-	{"attempts", func(d accounting.Delivery) string { return strconv.Itoa(d.Attempts) }},
-	{"last_status", func(d accounting.Delivery) string { return strconv.Itoa(d.LastStatus) }},
-	{"last_error", func(d accounting.Delivery) string { return d.LastError }},
-	{"next_attempt_at", func(d accounting.Delivery) string { return optTS(d.NextAttemptAt) }},
-	{"created_at", func(d accounting.Delivery) string { return ts(d.CreatedAt) }},
+var deliveryTable = table[ledger.Delivery]{
+	{"id", func(d ledger.Delivery) string { return i64(d.ID) }},
+	{"event_type", func(d ledger.Delivery) string { return string(d.EventType) }},
+	{"org", func(d ledger.Delivery) string { return d.Org }},
+	{"status", func(d ledger.Delivery) string { return string(d.Status) }},
+	{"attempts", func(d ledger.Delivery) string { return strconv.Itoa(d.Attempts) }},
+	{"last_status", func(d ledger.Delivery) string { return strconv.Itoa(d.LastStatus) }},
+	{"last_error", func(d ledger.Delivery) string { return d.LastError }},
+	{"next_attempt_at", func(d ledger.Delivery) string { return optTS(d.NextAttemptAt) }},
+	{"created_at", func(d ledger.Delivery) string { return ts(d.CreatedAt) }},
 }
 
 // limitTable is a limit as it is created or changed; limitViewTable adds its window's state.

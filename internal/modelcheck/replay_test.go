@@ -17,6 +17,8 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
 )
 
 const (
@@ -54,7 +56,7 @@ type finisher interface {
 }
 
 // switchLedger lets the reaper's store follow a restore (a new ledger object).
-type switchLedger struct{ cur *accounting.Memory }
+type switchLedger struct{ cur *memledger.Ledger }
 
 func (s *switchLedger) Snapshot(ctx context.Context, o string) (balance.Snapshot, error) {
 	return s.cur.Snapshot(ctx, o)
@@ -149,7 +151,7 @@ func newReplayer(t *testing.T, w worldOf) *replayer {
 	}
 	env.Mini.SetTime(rp.now)
 	rp.costOf = w.cost
-	mem := accounting.NewMemory()
+	mem := memledger.New()
 	rp.ledger = &switchLedger{cur: mem}
 	rp.must(mem.CreateOrg(ctx, org))
 	_, _, err := mem.Credit(ctx, org, rp.b0, "b0")
@@ -206,9 +208,9 @@ func (rp *replayer) holdAmount(r int) (int64, bool) {
 	return n, true
 }
 
-func (rp *replayer) event(r int) accounting.UsageEvent {
+func (rp *replayer) event(r int) ledger.UsageEvent {
 	h, _ := rp.holdAmount(r)
-	return accounting.UsageEvent{
+	return ledger.UsageEvent{
 		ID: holdID(r), Org: org, Model: "m", Cost: rp.costOf[r], HoldAmount: h,
 		// the model accounts pending usage in request order; so does the ledger, by creation time
 		CreatedAt: rp.now.Add(time.Duration(r) * time.Millisecond),
@@ -219,7 +221,7 @@ func (rp *replayer) record(r int) {
 	if rp.lost[r] {
 		return // the model's restore lost it for good
 	}
-	rp.must(rp.ledger.cur.RecordUsage(rp.ctx, []accounting.UsageEvent{rp.event(r)}))
+	rp.must(rp.ledger.cur.RecordUsage(rp.ctx, []ledger.UsageEvent{rp.event(r)}))
 	rp.recorded[r] = true
 }
 
@@ -430,7 +432,7 @@ func (rp *replayer) restore(dropped bool) {
 		}
 		entries = entries[:len(entries)-1]
 	}
-	mem := accounting.NewMemory()
+	mem := memledger.New()
 	rp.must(mem.CreateOrg(ctx, org))
 	inLedger := map[string]bool{}
 	for _, e := range entries {
@@ -466,7 +468,7 @@ func (rp *replayer) restore(dropped bool) {
 }
 
 // wasAccounted: the old ledger had an entry for o (then dropped with the restore).
-func (rp *replayer) wasAccounted(kept []balance.Entry, o int, old *accounting.Memory) bool {
+func (rp *replayer) wasAccounted(kept []balance.Entry, o int, old *memledger.Ledger) bool {
 	all, _, err := old.EntriesAfter(rp.ctx, org, 0, 100)
 	rp.must(err)
 	for _, e := range all {

@@ -1,0 +1,231 @@
+package ledger
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+// Limits, projects and freezes (DESIGN.md "Limits"): the ledger keeps them as rows, raises the
+// org's limits version with every change, and hands them to the hot balance with each snapshot
+// (balance.LimitLedger), together with the spend of the current windows.
+
+// Sentinel errors of limits. Test for them with errors.Is.
+var (
+	ErrUnknownProject = errors.New("accounting: unknown project")
+	ErrProjectExists  = errors.New("accounting: project already exists")
+	ErrUnknownLimit   = errors.New("accounting: unknown limit")
+	// ErrInvalidLimit: a malformed scope, window, cap or project id, or too many limits.
+	ErrInvalidLimit = errors.New("accounting: invalid limit")
+)
+
+// MaxLimits is the most limits an org may have at once.
+const MaxLimits = 64
+
+// LimitChange is where a change of limits landed: the org and its new limits version (push it
+// to the hot balance with balance.Store.PushLimits).
+type LimitChange struct {
+	Org     string
+	Version int64
+}
+
+// LimitStore is the ledger's part of limits. Every write raises the org's limits version in
+// the same transaction and returns it. Unknown orgs, projects, keys and limits are
+// ErrUnknownOrg, ErrUnknownProject, ErrUnknownKey and ErrUnknownLimit.
+type LimitStore interface {
+	// CreateProject creates an (empty) project of org (ErrProjectExists).
+	CreateProject(ctx context.Context, org, project string) (LimitChange, error)
+	// SetKeyProject puts the key in project of its own org, or in none when project is "".
+	SetKeyProject(ctx context.Context, keyID, project string) (LimitChange, error)
+	// CreateLimit adds a limit; its id is never reused, even after it is deleted. A project or
+	// key scope names a project or key of org.
+	CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, cap int64) (balance.Limit, LimitChange, error)
+	// SetLimitCap changes a limit's cap (lowering it below what is used refuses new holds and
+	// never moves money).
+	SetLimitCap(ctx context.Context, org, id string, cap int64) (balance.Limit, LimitChange, error)
+	// DeleteLimit deletes a limit.
+	DeleteLimit(ctx context.Context, org, id string) (LimitChange, error)
+	// SetFrozen freezes (or unfreezes) the org, one of its projects or one of its keys. For a
+	// key, org may be "" (the key's org is used); otherwise it must be the key's org.
+	SetFrozen(ctx context.Context, org string, scope balance.Scope, frozen bool) (LimitChange, error)
+	// Limits returns the org's limits (by id), freezes and key → project map (revoked keys left
+	// out), with their version.
+	Limits(ctx context.Context, org string) (balance.Limits, error)
+	// LimitUsage is the spend of the org's limits' windows starting at or after the window
+	// (of each limit) that contains since: Σ cost of the charge entries with seq ≤ maxSeq
+	// (maxSeq < 0: all) attributed to each (limit, window start), by each entry's reserve time.
+	// It writes nothing (SnapshotSince is the seed's read).
+	LimitUsage(ctx context.Context, org string, since time.Time, maxSeq int64) ([]balance.WindowUsed, error)
+	// SnapshotSince is Snapshot plus, in the same transaction, the org's Limits and the spend
+	// of their windows from since's on up to the snapshot's seq (balance.LimitLedger).
+	SnapshotSince(ctx context.Context, org string, since time.Time) (balance.Snapshot, error)
+}
+
+// checkLimit checks a new limit's scope, window and cap.
+func CheckLimit(scope balance.Scope, w balance.Window, cap int64) error {
+	if err := scope.Validate(); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidLimit, err)
+	}
+	if !w.Valid() {
+		return fmt.Errorf("%w: window %q (lifetime, hour, day, week or month)", ErrInvalidLimit, w)
+	}
+	return CheckCap(cap)
+}
+
+func CheckCap(cap int64) error {
+	if cap <= 0 || cap > balance.MaxAmount {
+		return fmt.Errorf("%w: cap %d (1 to 10^14 micro-units)", ErrInvalidLimit, cap)
+	}
+	return nil
+}
+
+func CheckProjectID(project string) error {
+	if err := (balance.Scope{Kind: balance.ScopeProject, ID: project}).Validate(); err != nil {
+		return fmt.Errorf("%w: project id: %w", ErrInvalidLimit, err)
+	}
+	return nil
+}
+
+// parseLimitID reads a limit id: the decimal form of a positive integer.
+func ParseLimitID(id string) (int64, bool) {
+	n, err := strconv.ParseInt(id, 10, 64)
+	return n, err == nil && n > 0 && strconv.FormatInt(n, 10) == id
+}
+
+// attrID is an entry's key or project id as the hot balance takes it: an id that no lim field
+// can hold (a key id from a custom Identify with a ':' in it) is left out, so it can never make
+// a settle refuse the entry (no limit can name it anyway).
+func AttrID(kind balance.ScopeKind, id string) string {
+	if id == "" || (balance.Scope{Kind: kind, ID: id}).Validate() != nil {
+		return ""
+	}
+	return id
+}
+
+// attrTime is the time a charge counts at: its reserve time (whole milliseconds), or its record
+// time when it has none (fail-open).
+func AttrTime(reserved, recorded time.Time) time.Time {
+	if reserved.IsZero() {
+		return recorded.UTC()
+	}
+	return reserved.UTC()
+}
+
+// hourMS is the grain of the seed's grouped sum: every window boundary (hour, day, Monday,
+// month, all in UTC) is a whole hour, so the spend of an hour bucket lies in one window of
+// each limit, and balance.Window.StartMS of the bucket's start is that window.
+const hourMS = int64(time.Hour / time.Millisecond)
+
+// spendRow is the spend of one (key, project, hour bucket) of an org's charges; Hour < 0 is a
+// bucket for the entries older than every non-lifetime window (only lifetime limits count it).
+type SpendRow struct {
+	Key, Project string
+	Hour         int64 // floor(ms / hourMS)
+	Cost         int64
+}
+
+// limitSpan is what the grouped sum needs of an org's limits: for each limit the start (ms) of
+// the window that contains since, and the earliest such start of the non-lifetime limits
+// (older entries matter only to lifetime limits) — from balance.Window, the one rule.
+type limitSpan struct {
+	limits   []balance.Limit
+	from     map[string]int64 // limit id → first window start counted
+	Earliest int64            // the earliest non-lifetime start (ms); math.MaxInt64 with none
+	Lifetime bool             // some limit is lifetime: every entry matters
+	Keys     []string         // the key ids and project ids in the limits' scopes
+	Projects []string
+	Org      bool // some limit is of the org scope: every charge is attributed
+}
+
+func NewLimitSpan(ls []balance.Limit, since time.Time) limitSpan {
+	s := limitSpan{limits: ls, from: make(map[string]int64, len(ls)), Earliest: 1<<63 - 1}
+	for _, l := range ls {
+		start := l.Window.StartMS(since)
+		s.from[l.ID] = start
+		if l.Window == balance.Lifetime {
+			s.Lifetime = true
+		} else {
+			s.Earliest = min(s.Earliest, start)
+		}
+		switch l.Scope.Kind {
+		case balance.ScopeOrg:
+			s.Org = true
+		case balance.ScopeProject:
+			s.Projects = append(s.Projects, l.Scope.ID)
+		case balance.ScopeKey:
+			s.Keys = append(s.Keys, l.Scope.ID)
+		}
+	}
+	return s
+}
+
+// used sums the rows into each limit's windows from its first counted one on. Rows come in any
+// order; the answer is in limit order, then window start.
+func (s limitSpan) Used(rows []SpendRow) []balance.WindowUsed {
+	type k struct {
+		id    string
+		start int64
+	}
+	sums := map[k]int64{}
+	var order []k
+	for _, r := range rows {
+		for _, l := range s.limits {
+			switch l.Scope.Kind {
+			case balance.ScopeProject:
+				if r.Project != l.Scope.ID {
+					continue
+				}
+			case balance.ScopeKey:
+				if r.Key != l.Scope.ID {
+					continue
+				}
+			}
+			var start int64
+			if l.Window != balance.Lifetime {
+				if r.Hour < 0 {
+					continue
+				}
+				start = l.Window.StartMS(time.UnixMilli(r.Hour * hourMS))
+			}
+			if start < s.from[l.ID] {
+				continue
+			}
+			key := k{l.ID, start}
+			if _, ok := sums[key]; !ok {
+				order = append(order, key)
+			}
+			sums[key] += r.Cost
+		}
+	}
+	out := make([]balance.WindowUsed, 0, len(order))
+	for _, l := range s.limits {
+		var mine []balance.WindowUsed
+		for _, key := range order {
+			if key.id == l.ID {
+				mine = append(mine, balance.WindowUsed{LimitID: key.id, Start: key.start, Used: sums[key]})
+			}
+		}
+		sortUsed(mine)
+		out = append(out, mine...)
+	}
+	return out
+}
+
+func sortUsed(u []balance.WindowUsed) {
+	slices.SortFunc(u, func(a, b balance.WindowUsed) int { return cmp.Compare(a.Start, b.Start) })
+}
+
+// bucket is the hour bucket of t for the grouped sum (-1: older than every non-lifetime window).
+func (s limitSpan) Bucket(t time.Time) int64 {
+	ms := t.UnixMilli()
+	if ms < s.Earliest {
+		return -1
+	}
+	return ms / hourMS
+}

@@ -1,0 +1,13 @@
+package pgledger
+
+// The worker's batched statements, for the plan test.
+const (
+	SQLLockAccounts = sqlLockAccounts
+	SQLClaim        = sqlClaim
+	SQLWriteCharges = sqlWriteCharges
+	SQLChargeLimits = sqlChargeLimits
+	SQLMarkSettled  = sqlMarkSettledMany
+)
+
+// SQLLowBalance is the balance.low outbox statement, for the plan test.
+var SQLLowBalance = sqlOutboxLowBalance

@@ -1,0 +1,405 @@
+package pgledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
+)
+
+var _ balance.LimitLedger = (*Ledger)(nil)
+
+// limitTx runs change in a transaction that first raises the org's limits version (which locks
+// its account row: limit changes of one org are serialized with each other and with
+// snapshots); an error of change rolls the version back with it.
+func (p *Ledger) limitTx(ctx context.Context, op, org string, change func(tx pgx.Tx) error) (ledger.LimitChange, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return ledger.LimitChange{}, err
+	}
+	c := ledger.LimitChange{Org: org}
+	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		err := tx.QueryRow(ctx, `UPDATE accounts SET limits_version = limits_version + 1 WHERE org_id = $1 RETURNING limits_version`, org).Scan(&c.Version)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
+		}
+		if err != nil {
+			return err
+		}
+		return change(tx)
+	})
+	if err != nil {
+		if isSentinel(err) {
+			return ledger.LimitChange{}, err
+		}
+		return ledger.LimitChange{}, wrapPg(op, err)
+	}
+	return c, nil
+}
+
+// isSentinel: an error made by this package (already saying what is wrong), not by Postgres.
+func isSentinel(err error) bool {
+	for _, s := range []error{ledger.ErrUnknownOrg, ledger.ErrUnknownKey, ledger.ErrUnknownProject, ledger.ErrUnknownLimit, ledger.ErrProjectExists, ledger.ErrInvalidLimit} {
+		if errors.Is(err, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// keyOrg returns the org of key id (ErrUnknownKey).
+func (p *Ledger) keyOrg(ctx context.Context, id string) (string, error) {
+	var org string
+	err := p.pool.QueryRow(ctx, `SELECT org_id FROM api_keys WHERE id = $1`, id).Scan(&org)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", fmt.Errorf("%w: %q", ledger.ErrUnknownKey, id)
+	}
+	return org, wrapPg("key", err)
+}
+
+// CreateProject creates a project of org.
+func (p *Ledger) CreateProject(ctx context.Context, org, project string) (ledger.LimitChange, error) {
+	if err := ledger.CheckProjectID(project); err != nil {
+		return ledger.LimitChange{}, err
+	}
+	return p.limitTx(ctx, "create project", org, func(tx pgx.Tx) error {
+		tag, err := tx.Exec(ctx, `INSERT INTO projects (org_id, id) VALUES ($1, $2) ON CONFLICT DO NOTHING`, org, project)
+		if err == nil && tag.RowsAffected() == 0 {
+			return fmt.Errorf("%w: %q", ledger.ErrProjectExists, project)
+		}
+		return err
+	})
+}
+
+// SetKeyProject puts the key in a project of its org ("" for none).
+func (p *Ledger) SetKeyProject(ctx context.Context, keyID, project string) (ledger.LimitChange, error) {
+	org, err := p.keyOrg(ctx, keyID)
+	if err != nil {
+		return ledger.LimitChange{}, err
+	}
+	return p.limitTx(ctx, "set key project", org, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, `UPDATE api_keys SET project_id = NULLIF($2, '') WHERE id = $1`, keyID, project)
+		var pe *pgconn.PgError
+		if errors.As(err, &pe) && pe.Code == "23503" { // foreign_key_violation: no such project
+			return fmt.Errorf("%w: %q", ledger.ErrUnknownProject, project)
+		}
+		return err
+	})
+}
+
+// checkScopeTx checks that the scope's project or key is the org's.
+func checkScopeTx(ctx context.Context, tx pgx.Tx, org string, s balance.Scope) error {
+	var q string
+	var miss error
+	switch s.Kind {
+	case balance.ScopeProject:
+		q, miss = `SELECT EXISTS (SELECT 1 FROM projects WHERE org_id = $1 AND id = $2)`, ledger.ErrUnknownProject
+	case balance.ScopeKey:
+		q, miss = `SELECT EXISTS (SELECT 1 FROM api_keys WHERE org_id = $1 AND id = $2)`, ledger.ErrUnknownKey
+	default:
+		return nil
+	}
+	var ok bool
+	if err := tx.QueryRow(ctx, q, org, s.ID).Scan(&ok); err != nil {
+		return err
+	}
+	if !ok {
+		return fmt.Errorf("%w: %q", miss, s.ID)
+	}
+	return nil
+}
+
+// CreateLimit adds a limit; its id comes from an identity and is never reused.
+func (p *Ledger) CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, cap int64) (balance.Limit, ledger.LimitChange, error) {
+	if err := ledger.CheckLimit(scope, w, cap); err != nil {
+		return balance.Limit{}, ledger.LimitChange{}, err
+	}
+	l := balance.Limit{Scope: scope, Window: w, Cap: cap}
+	c, err := p.limitTx(ctx, "create limit", org, func(tx pgx.Tx) error {
+		if err := checkScopeTx(ctx, tx, org, scope); err != nil {
+			return err
+		}
+		var n int
+		if err := tx.QueryRow(ctx, `SELECT count(*) FROM limits WHERE org_id = $1 AND deleted_at IS NULL`, org).Scan(&n); err != nil {
+			return err
+		}
+		if n >= ledger.MaxLimits {
+			return fmt.Errorf("%w: an org has at most %d limits", ledger.ErrInvalidLimit, ledger.MaxLimits)
+		}
+		return tx.QueryRow(ctx, `INSERT INTO limits (org_id, scope, scope_id, period, cap) VALUES ($1, $2, $3, $4, $5) RETURNING id::text`,
+			org, string(scope.Kind), scope.ID, string(w), cap).Scan(&l.ID)
+	})
+	if err != nil {
+		return balance.Limit{}, ledger.LimitChange{}, err
+	}
+	return l, c, nil
+}
+
+// SetLimitCap changes a live limit's cap.
+func (p *Ledger) SetLimitCap(ctx context.Context, org, id string, cap int64) (balance.Limit, ledger.LimitChange, error) {
+	if err := ledger.CheckCap(cap); err != nil {
+		return balance.Limit{}, ledger.LimitChange{}, err
+	}
+	n, ok := ledger.ParseLimitID(id)
+	if !ok {
+		return balance.Limit{}, ledger.LimitChange{}, fmt.Errorf("%w: %q", ledger.ErrUnknownLimit, id)
+	}
+	var l balance.Limit
+	c, err := p.limitTx(ctx, "set limit cap", org, func(tx pgx.Tx) error {
+		rows, _ := tx.Query(ctx, `UPDATE limits SET cap = $3, changed_at = now() WHERE org_id = $1 AND id = $2 AND deleted_at IS NULL
+RETURNING `+sqlLimitColumns, org, n, cap)
+		var err error
+		l, err = pgx.CollectExactlyOneRow(rows, scanLimit)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return fmt.Errorf("%w: %q", ledger.ErrUnknownLimit, id)
+		}
+		return err
+	})
+	if err != nil {
+		return balance.Limit{}, ledger.LimitChange{}, err
+	}
+	return l, c, nil
+}
+
+// DeleteLimit marks a live limit deleted (its row stays; its id is never used again).
+func (p *Ledger) DeleteLimit(ctx context.Context, org, id string) (ledger.LimitChange, error) {
+	n, ok := ledger.ParseLimitID(id)
+	if !ok {
+		return ledger.LimitChange{}, fmt.Errorf("%w: %q", ledger.ErrUnknownLimit, id)
+	}
+	return p.limitTx(ctx, "delete limit", org, func(tx pgx.Tx) error {
+		tag, err := tx.Exec(ctx, `UPDATE limits SET deleted_at = now(), changed_at = now() WHERE org_id = $1 AND id = $2 AND deleted_at IS NULL`, org, n)
+		if err == nil && tag.RowsAffected() == 0 {
+			return fmt.Errorf("%w: %q", ledger.ErrUnknownLimit, id)
+		}
+		return err
+	})
+}
+
+// SetFrozen freezes or unfreezes the org, a project or a key.
+func (p *Ledger) SetFrozen(ctx context.Context, org string, s balance.Scope, frozen bool) (ledger.LimitChange, error) {
+	if err := s.Validate(); err != nil {
+		return ledger.LimitChange{}, fmt.Errorf("%w: %w", ledger.ErrInvalidLimit, err)
+	}
+	if s.Kind == balance.ScopeKey {
+		keyOrg, err := p.keyOrg(ctx, s.ID)
+		if err != nil {
+			return ledger.LimitChange{}, err
+		}
+		if org != "" && org != keyOrg {
+			return ledger.LimitChange{}, fmt.Errorf("%w: %q", ledger.ErrUnknownKey, s.ID)
+		}
+		org = keyOrg
+	}
+	return p.limitTx(ctx, "freeze", org, func(tx pgx.Tx) error {
+		var tag pgconn.CommandTag
+		var err error
+		switch s.Kind {
+		case balance.ScopeOrg:
+			_, err = tx.Exec(ctx, `UPDATE accounts SET frozen = $2 WHERE org_id = $1`, org, frozen)
+			return err
+		case balance.ScopeProject:
+			tag, err = tx.Exec(ctx, `UPDATE projects SET frozen = $3 WHERE org_id = $1 AND id = $2`, org, s.ID, frozen)
+			if err == nil && tag.RowsAffected() == 0 {
+				return fmt.Errorf("%w: %q", ledger.ErrUnknownProject, s.ID)
+			}
+		default:
+			_, err = tx.Exec(ctx, `UPDATE api_keys SET frozen = $3 WHERE org_id = $1 AND id = $2`, org, s.ID, frozen)
+		}
+		return err
+	})
+}
+
+const sqlLimitColumns = `id::text, scope, scope_id, period, cap`
+
+func scanLimit(r pgx.CollectableRow) (balance.Limit, error) {
+	var l balance.Limit
+	var kind, w string
+	err := r.Scan(&l.ID, &kind, &l.Scope.ID, &w, &l.Cap)
+	l.Scope.Kind, l.Window = balance.ScopeKind(kind), balance.Window(w)
+	return l, err
+}
+
+// queueLimits queues the reads of an org's limits, freezes and key → project map (scanLimits
+// reads their answers).
+func queueLimits(b *pgx.Batch, org string) {
+	b.Queue(`SELECT limits_version, frozen FROM accounts WHERE org_id = $1`, org)
+	b.Queue(`SELECT `+sqlLimitColumns+` FROM limits WHERE org_id = $1 AND deleted_at IS NULL ORDER BY id`, org)
+	b.Queue(`SELECT id FROM projects WHERE org_id = $1 AND frozen ORDER BY id`, org)
+	b.Queue(`SELECT id, coalesce(project_id, ''), frozen FROM api_keys
+WHERE org_id = $1 AND revoked_at IS NULL AND (project_id IS NOT NULL OR frozen) ORDER BY id`, org)
+}
+
+// scanLimits reads queueLimits' answers; found is false for an org without an account.
+func scanLimits(br pgx.BatchResults) (ls balance.Limits, found bool, err error) {
+	var frozen bool
+	err = br.QueryRow().Scan(&ls.Version, &frozen)
+	found = err == nil
+	if errors.Is(err, pgx.ErrNoRows) {
+		err = nil
+	}
+	if err != nil {
+		return ls, found, err
+	}
+	if frozen {
+		ls.Frozen = append(ls.Frozen, balance.Scope{Kind: balance.ScopeOrg})
+	}
+	rows, _ := br.Query()
+	if ls.Limits, err = pgx.CollectRows(rows, scanLimit); err != nil {
+		return ls, found, err
+	}
+	rows, _ = br.Query()
+	projects, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return ls, found, err
+	}
+	for _, p := range projects {
+		ls.Frozen = append(ls.Frozen, balance.Scope{Kind: balance.ScopeProject, ID: p})
+	}
+	rows, _ = br.Query()
+	var id, project string
+	_, err = pgx.ForEachRow(rows, []any{&id, &project, &frozen}, func() error {
+		if frozen {
+			ls.Frozen = append(ls.Frozen, balance.Scope{Kind: balance.ScopeKey, ID: id})
+		}
+		if project != "" {
+			if ls.Projects == nil {
+				ls.Projects = map[string]string{}
+			}
+			ls.Projects[id] = project
+		}
+		return nil
+	})
+	return ls, found, err
+}
+
+// Limits returns the org's limits, freezes and key → project map, read in one snapshot.
+func (p *Ledger) Limits(ctx context.Context, org string) (balance.Limits, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return balance.Limits{}, err
+	}
+	var ls balance.Limits
+	var found bool
+	err := pgx.BeginTxFunc(ctx, p.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		b := &pgx.Batch{}
+		queueLimits(b, org)
+		br := tx.SendBatch(ctx, b)
+		var err error
+		ls, found, err = scanLimits(br)
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+		return err
+	})
+	if err != nil {
+		return balance.Limits{}, wrapPg("limits", err)
+	}
+	if !found {
+		return balance.Limits{}, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
+	}
+	return ls, nil
+}
+
+// LimitUsage is the spend of the org's limits' windows from since's on (a read-only snapshot).
+func (p *Ledger) LimitUsage(ctx context.Context, org string, since time.Time, maxSeq int64) ([]balance.WindowUsed, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return nil, err
+	}
+	var used []balance.WindowUsed
+	var found bool
+	err := pgx.BeginTxFunc(ctx, p.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		b := &pgx.Batch{}
+		queueLimits(b, org)
+		br := tx.SendBatch(ctx, b)
+		ls, ok, err := scanLimits(br)
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil || !ok {
+			return err
+		}
+		found = true
+		if maxSeq < 0 {
+			maxSeq = 1<<63 - 1
+		}
+		used, err = limitUsage(ctx, tx, org, ls.Limits, since, maxSeq)
+		return err
+	})
+	if err != nil {
+		return nil, wrapPg("limit usage", err)
+	}
+	if !found {
+		return nil, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
+	}
+	return used, nil
+}
+
+// sqlSpend groups an org's ($1) charges with seq ≤ $2 whose time (reserve time, else the
+// entry's own) is at or after $4 by (key, project, hour bucket), the bucket being -1 before $3
+// (see spendRow); $5: every charge counts (an org limit), else only those of keys $6 and
+// projects $7. The times are whole milliseconds or microseconds, so floor(ms) / hourMS is the
+// bucket Go computes with UnixMilli.
+const sqlSpend = `
+SELECT coalesce(key_id, ''), coalesce(project, ''),
+       CASE WHEN t >= $3 THEN floor(extract(epoch FROM t) * 1000)::bigint / 3600000 ELSE -1 END AS h,
+       sum(-delta)::bigint
+FROM (
+	SELECT key_id, project, delta, coalesce(reserved_at, created_at) AS t FROM ledger_entries
+	WHERE org_id = $1 AND kind = 'charge' AND coalesce(reserved_at, created_at) >= $4 AND seq <= $2
+	  AND ($5 OR key_id = ANY($6::text[]) OR project = ANY($7::text[]))
+) e
+GROUP BY 1, 2, 3`
+
+// limitUsage sums the org's charges with seq ≤ maxSeq into the limits' windows from since's on,
+// in the caller's transaction.
+func limitUsage(ctx context.Context, tx pgx.Tx, org string, limits []balance.Limit, since time.Time, maxSeq int64) ([]balance.WindowUsed, error) {
+	if len(limits) == 0 {
+		return nil, nil
+	}
+	span := ledger.NewLimitSpan(limits, since)
+	far := time.Date(9999, 1, 1, 0, 0, 0, 0, time.UTC)
+	earliest := far
+	if span.Earliest < far.UnixMilli() {
+		earliest = time.UnixMilli(span.Earliest).UTC()
+	}
+	lower := earliest
+	if span.Lifetime {
+		lower = time.Unix(0, 0).UTC()
+	}
+	rows, _ := tx.Query(ctx, sqlSpend, org, maxSeq, earliest, lower, span.Org, nonNil(span.Keys), nonNil(span.Projects))
+	var sr []ledger.SpendRow
+	var r ledger.SpendRow
+	_, err := pgx.ForEachRow(rows, []any{&r.Key, &r.Project, &r.Hour, &r.Cost}, func() error {
+		sr = append(sr, r)
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return span.Used(sr), nil
+}
+
+func nonNil(s []string) []string {
+	if s == nil {
+		return []string{}
+	}
+	return s
+}
+
+// attribute fills a balance.Entry's attribution from a ledger row (nil: none).
+func attribute(e *balance.Entry, key, project *string, at *time.Time) {
+	if key != nil {
+		e.KeyID = ledger.AttrID(balance.ScopeKey, *key)
+	}
+	if project != nil {
+		e.Project = ledger.AttrID(balance.ScopeProject, *project)
+	}
+	if at != nil {
+		e.ReservedAt = at.UTC()
+	}
+}
