@@ -140,8 +140,7 @@ func (r *Recorder) finishShard(shard string) *finishShard {
 func (r *Recorder) finish(fin Finisher, reqs []*recordReq) {
 	fs := make([]balance.Finish, len(reqs))
 	for i, req := range reqs {
-		// Tokens limits count input + output (completion counts reasoning).
-		fs[i] = balance.Finish{Org: req.ev.Org, HoldID: req.ev.ID, Cost: req.ev.Cost, Tokens: req.ev.Usage.Prompt + req.ev.Usage.Completion}
+		fs[i] = balance.Finish{Org: req.ev.Org, HoldID: req.ev.ID, Cost: req.ev.Cost, Tokens: req.ev.Usage.Tokens()}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.FinishTimeout)
 	defer cancel()

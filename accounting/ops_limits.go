@@ -50,9 +50,16 @@ func (o *Ops) SetKeyProject(ctx context.Context, keyID, project string) error {
 	return o.push(ctx, c)
 }
 
-// CreateLimit adds a limit (scope × window × cap) and returns it with its id.
+// CreateLimit adds a money limit (scope × window × cap in micro-units) and returns it with its
+// id (AddLimit for requests and tokens limits).
 func (o *Ops) CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, cap int64) (balance.Limit, error) {
-	l, c, err := o.ledger.CreateLimit(ctx, org, scope, w, cap)
+	return o.AddLimit(ctx, org, balance.Limit{Scope: scope, Window: w, Cap: cap})
+}
+
+// AddLimit adds the limit l describes (its Scope, Window, Unit and Cap; its ID is given by the
+// ledger) and returns it with its id, once pushed to the hot balance.
+func (o *Ops) AddLimit(ctx context.Context, org string, l balance.Limit) (balance.Limit, error) {
+	l, c, err := o.ledger.CreateLimit(ctx, org, l.Scope, l.Window, l.Unit, l.Cap)
 	if err != nil {
 		return l, err
 	}
@@ -103,6 +110,7 @@ type LimitView struct {
 	Scope   balance.ScopeKind `json:"scope"`
 	ScopeID string            `json:"scope_id,omitempty"` // the project or key; absent for the org
 	Window  balance.Window    `json:"window"`
+	Unit    string            `json:"unit"` // money, requests or tokens: what Cap, Used and Held count
 	Cap     int64             `json:"cap"`
 	// Used is the current window's counter: the cost of the charges attributed to it plus what
 	// its requests in flight hold (from the hot balance when the org is warm, else the
@@ -152,7 +160,7 @@ func (o *Ops) ListLimits(ctx context.Context, org string) ([]LimitView, error) {
 		ledgerUsed[balance.Counter{LimitID: u.LimitID, Start: u.Start}] = u.Used
 	}
 	for _, l := range ls.Limits {
-		v := LimitView{ID: l.ID, Scope: l.Scope.Kind, ScopeID: l.Scope.ID, Window: l.Window, Cap: l.Cap}
+		v := LimitView{ID: l.ID, Scope: l.Scope.Kind, ScopeID: l.Scope.ID, Window: l.Window, Unit: l.Unit.String(), Cap: l.Cap}
 		k := balance.Counter{LimitID: l.ID, Start: l.Window.StartMS(now)}
 		v.Used = ledgerUsed[k]
 		if u, ok := hot[k]; ok && warm {

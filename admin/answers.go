@@ -55,5 +55,6 @@ type Limit struct {
 	Scope   string `json:"scope"`
 	ScopeID string `json:"scope_id,omitempty"`
 	Window  string `json:"window"`
+	Unit    string `json:"unit"` // money, requests or tokens
 	Cap     int64  `json:"cap"`
 }

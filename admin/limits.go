@@ -8,6 +8,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 )
 
 // Limits, projects and freezes (DESIGN.md "Limits"): each route is one call to accounting.Ops,
@@ -65,7 +66,7 @@ func (a *API) setKeyProject(c echo.Context) error {
 
 // toJSON is l as the routes answer it.
 func toJSON(l balance.Limit) Limit {
-	return Limit{ID: l.ID, Scope: string(l.Scope.Kind), ScopeID: l.Scope.ID, Window: string(l.Window), Cap: l.Cap}
+	return Limit{ID: l.ID, Scope: string(l.Scope.Kind), ScopeID: l.Scope.ID, Window: string(l.Window), Unit: l.Unit.String(), Cap: l.Cap}
 }
 
 func (a *API) createLimit(c echo.Context) error {
@@ -73,12 +74,14 @@ func (a *API) createLimit(c echo.Context) error {
 		Scope   string  `json:"scope"`
 		ScopeID *string `json:"scope_id"`
 		Window  string  `json:"window"`
+		Unit    string  `json:"unit"`
 		Cap     *int64  `json:"cap"`
 	}
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
 	}
 	s := balance.Scope{Kind: balance.ScopeKind(req.Scope)}
+	unit, unitOK := ledger.ParseUnit(req.Unit)
 	switch {
 	case req.Scope != "org" && req.Scope != "project" && req.Scope != "key":
 		return invalid(c, `scope must be "org", "project" or "key"`)
@@ -87,14 +90,16 @@ func (a *API) createLimit(c echo.Context) error {
 	case req.Scope != "org" && (req.ScopeID == nil || *req.ScopeID == ""):
 		return invalid(c, "scope_id (the project or key id) is required")
 	case req.Cap == nil:
-		return invalid(c, "cap (micro-units, > 0) is required")
+		return invalid(c, "cap (> 0: micro-units, requests or tokens, by unit) is required")
 	case !balance.Window(req.Window).Valid():
-		return invalid(c, `window must be "lifetime", "hour", "day", "week" or "month"`)
+		return invalid(c, `window must be "lifetime", "minute", "hour", "day", "week" or "month"`)
+	case !unitOK:
+		return invalid(c, `unit must be "money" (the default), "requests" or "tokens"`)
 	}
 	if req.ScopeID != nil && req.Scope != "org" {
 		s.ID = *req.ScopeID
 	}
-	l, err := a.ops.CreateLimit(c.Request().Context(), c.Param("org"), s, balance.Window(req.Window), *req.Cap)
+	l, err := a.ops.AddLimit(c.Request().Context(), c.Param("org"), balance.Limit{Scope: s, Window: balance.Window(req.Window), Unit: unit, Cap: *req.Cap})
 	return a.limitAnswer(c, http.StatusCreated, toJSON(l), err)
 }
 
@@ -103,13 +108,13 @@ func (a *API) listLimits(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return writeList(c, ls, "", []string{"id", "scope", "scope_id", "window", "cap", "used", "held", "resets_at"},
+	return writeList(c, ls, "", []string{"id", "scope", "scope_id", "window", "unit", "cap", "used", "held", "resets_at"},
 		func(l accounting.LimitView) []string {
 			reset := ""
 			if l.ResetsAt != nil {
 				reset = ts(*l.ResetsAt)
 			}
-			return []string{l.ID, string(l.Scope), l.ScopeID, string(l.Window), i64(l.Cap), i64(l.Used), i64(l.Held), reset}
+			return []string{l.ID, string(l.Scope), l.ScopeID, string(l.Window), l.Unit, i64(l.Cap), i64(l.Used), i64(l.Held), reset}
 		})
 }
 

@@ -29,6 +29,7 @@ type ChargeAttr struct {
 	Key, Project string
 	At           time.Time // attrTime: the reserve time, else the record time
 	Cost         int64
+	Tokens       int64 // input + output
 }
 
 // attributedTo reports whether a charge of key and project counts against limit l.
@@ -69,7 +70,8 @@ func WindowIncs(limits []balance.Limit, charges []ChargeAttr, now time.Time) []W
 		cur, _ := windowBounds(l.Window, now)
 		first := len(out)
 		for _, c := range charges {
-			if c.Cost == 0 || !AttributedTo(l, c.Key, c.Project) {
+			n := l.Unit.Count(c.Cost, c.Tokens)
+			if n == 0 || !AttributedTo(l, c.Key, c.Project) {
 				continue
 			}
 			start, next := windowBounds(l.Window, c.At)
@@ -83,7 +85,7 @@ func WindowIncs(limits []balance.Limit, charges []ChargeAttr, now time.Time) []W
 			if i == len(out) {
 				out = append(out, WindowInc{Limit: l, Start: start, Next: next, Current: cur})
 			}
-			out[i].Inc += c.Cost
+			out[i].Inc += n
 		}
 		mine := out[first:]
 		for i := 1; i < len(mine); i++ { // few windows per batch: insertion sort
@@ -114,7 +116,8 @@ type limitCrossedData struct {
 	LimitID     string  `json:"limit_id"`
 	Scope       string  `json:"scope"`
 	ScopeID     string  `json:"scope_id"`     // "" for the org scope
-	Window      string  `json:"window"`       // lifetime, hour, day, week or month
+	Window      string  `json:"window"`       // lifetime, minute, hour, day, week or month
+	Unit        string  `json:"unit"`         // money, requests or tokens
 	WindowStart *string `json:"window_start"` // RFC 3339, UTC; null for lifetime
 	Cap         int64   `json:"cap"`          // the cap when the batch was accounted
 	Used        int64   `json:"used"`         // the window's ledger spend after the batch
@@ -123,7 +126,7 @@ type limitCrossedData struct {
 
 func NewLimitCrossedData(w WindowInc, used, pct int64) limitCrossedData {
 	d := limitCrossedData{LimitID: w.Limit.ID, Scope: string(w.Limit.Scope.Kind), ScopeID: w.Limit.Scope.ID,
-		Window: string(w.Limit.Window), Cap: w.Limit.Cap, Used: used, Threshold: pct}
+		Window: string(w.Limit.Window), Unit: w.Limit.Unit.String(), Cap: w.Limit.Cap, Used: used, Threshold: pct}
 	if w.Limit.Window != balance.Lifetime {
 		s := w.Start.UTC().Format(time.RFC3339)
 		d.WindowStart = &s

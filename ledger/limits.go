@@ -43,9 +43,9 @@ type LimitStore interface {
 	CreateProject(ctx context.Context, org, project string) (LimitChange, error)
 	// SetKeyProject puts the key in project of its own org, or in none when project is "".
 	SetKeyProject(ctx context.Context, keyID, project string) (LimitChange, error)
-	// CreateLimit adds a limit; its id is never reused, even after it is deleted. A project or
-	// key scope names a project or key of org.
-	CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, cap int64) (balance.Limit, LimitChange, error)
+	// CreateLimit adds a limit counting unit u; its id is never reused, even after it is
+	// deleted. A project or key scope names a project or key of org.
+	CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, u balance.Unit, cap int64) (balance.Limit, LimitChange, error)
 	// SetLimitCap changes a limit's cap (lowering it below what is used refuses new holds and
 	// never moves money).
 	SetLimitCap(ctx context.Context, org, id string, cap int64) (balance.Limit, LimitChange, error)
@@ -58,8 +58,9 @@ type LimitStore interface {
 	// out), with their version.
 	Limits(ctx context.Context, org string) (balance.Limits, error)
 	// LimitUsage is the spend of the org's limits' windows starting at or after the window
-	// (of each limit) that contains since: Σ cost of the charge entries with seq ≤ maxSeq
-	// (maxSeq < 0: all) attributed to each (limit, window start), by each entry's reserve time.
+	// (of each limit) that contains since: Σ over the charge entries with seq ≤ maxSeq
+	// (maxSeq < 0: all) attributed to each (limit, window start), by each entry's reserve time,
+	// of what each counts in the limit's unit (balance.Unit.Count: cost, 1, tokens).
 	// It writes nothing (SnapshotSince is the seed's read).
 	LimitUsage(ctx context.Context, org string, since time.Time, maxSeq int64) ([]balance.WindowUsed, error)
 	// SnapshotSince is Snapshot plus, in the same transaction, the org's Limits and the spend
@@ -67,22 +68,40 @@ type LimitStore interface {
 	SnapshotSince(ctx context.Context, org string, since time.Time) (balance.Snapshot, error)
 }
 
-// checkLimit checks a new limit's scope, window and cap.
-func CheckLimit(scope balance.Scope, w balance.Window, cap int64) error {
+// CheckLimit checks a new limit's scope, window, unit and cap.
+func CheckLimit(scope balance.Scope, w balance.Window, u balance.Unit, cap int64) error {
 	if err := scope.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidLimit, err)
 	}
 	if !w.Valid() {
-		return fmt.Errorf("%w: window %q (lifetime, hour, day, week or month)", ErrInvalidLimit, w)
+		return fmt.Errorf("%w: window %q (lifetime, minute, hour, day, week or month)", ErrInvalidLimit, w)
+	}
+	if !u.Valid() {
+		return fmt.Errorf("%w: unit %q (money, requests or tokens)", ErrInvalidLimit, u)
 	}
 	return CheckCap(cap)
 }
 
+// CheckCap checks a limit's cap: 1 to 10^14 (micro-units, requests or tokens).
 func CheckCap(cap int64) error {
 	if cap <= 0 || cap > balance.MaxAmount {
-		return fmt.Errorf("%w: cap %d (1 to 10^14 micro-units)", ErrInvalidLimit, cap)
+		return fmt.Errorf("%w: cap %d (1 to 10^14)", ErrInvalidLimit, cap)
 	}
 	return nil
+}
+
+// ParseUnit reads a unit as the admin API and the limits table spell it: "money" (or ""),
+// "requests", "tokens"; ok is false for anything else.
+func ParseUnit(s string) (balance.Unit, bool) {
+	switch s {
+	case "", "money":
+		return balance.Money, true
+	case "requests":
+		return balance.Requests, true
+	case "tokens":
+		return balance.Tokens, true
+	}
+	return "", false
 }
 
 func CheckProjectID(project string) error {
@@ -117,17 +136,24 @@ func AttrTime(reserved, recorded time.Time) time.Time {
 	return reserved.UTC()
 }
 
-// hourMS is the grain of the seed's grouped sum: every window boundary (hour, day, Monday,
-// month, all in UTC) is a whole hour, so the spend of an hour bucket lies in one window of
-// each limit, and balance.Window.StartMS of the bucket's start is that window.
-const hourMS = int64(time.Hour / time.Millisecond)
+// The grain of the seed's grouped sum: every window boundary (minute, hour, day, Monday, month,
+// all in UTC) is a whole minute, and every one but the minute's a whole hour, so the spend of a
+// bucket lies in one window of each limit, and balance.Window.StartMS of the bucket's start is
+// that window. Buckets are hours, and minutes from the earliest counted minute window on.
+const (
+	hourMS   = int64(time.Hour / time.Millisecond)
+	minuteMS = int64(time.Minute / time.Millisecond)
+)
 
-// spendRow is the spend of one (key, project, hour bucket) of an org's charges; Hour < 0 is a
-// bucket for the entries older than every non-lifetime window (only lifetime limits count it).
+// SpendRow is the spend of one (key, project, bucket) of an org's charges: their cost, their
+// count and their tokens. Start < 0 is a bucket for the entries older than every non-lifetime
+// window (only lifetime limits count it).
 type SpendRow struct {
 	Key, Project string
-	Hour         int64 // floor(ms / hourMS)
+	Start        int64 // the bucket's start, ms (LimitSpan.Bucket)
 	Cost         int64
+	Requests     int64
+	Tokens       int64
 }
 
 // limitSpan is what the grouped sum needs of an org's limits: for each limit the start (ms) of
@@ -137,17 +163,23 @@ type limitSpan struct {
 	limits   []balance.Limit
 	from     map[string]int64 // limit id → first window start counted
 	Earliest int64            // the earliest non-lifetime start (ms); math.MaxInt64 with none
-	Lifetime bool             // some limit is lifetime: every entry matters
+	// MinuteFrom is the earliest minute limit's counted start (ms): charges from it on are
+	// bucketed by minute; math.MaxInt64 with none.
+	MinuteFrom int64
+	Lifetime   bool // some limit is lifetime: every entry matters
 	Keys     []string         // the key ids and project ids in the limits' scopes
 	Projects []string
 	Org      bool // some limit is of the org scope: every charge is attributed
 }
 
 func NewLimitSpan(ls []balance.Limit, since time.Time) limitSpan {
-	s := limitSpan{limits: ls, from: make(map[string]int64, len(ls)), Earliest: 1<<63 - 1}
+	s := limitSpan{limits: ls, from: make(map[string]int64, len(ls)), Earliest: 1<<63 - 1, MinuteFrom: 1<<63 - 1}
 	for _, l := range ls {
 		start := l.Window.StartMS(since)
 		s.from[l.ID] = start
+		if l.Window == balance.Minute {
+			s.MinuteFrom = min(s.MinuteFrom, start)
+		}
 		if l.Window == balance.Lifetime {
 			s.Lifetime = true
 		} else {
@@ -188,10 +220,10 @@ func (s limitSpan) Used(rows []SpendRow) []balance.WindowUsed {
 			}
 			var start int64
 			if l.Window != balance.Lifetime {
-				if r.Hour < 0 {
+				if r.Start < 0 {
 					continue
 				}
-				start = l.Window.StartMS(time.UnixMilli(r.Hour * hourMS))
+				start = l.Window.StartMS(time.UnixMilli(r.Start))
 			}
 			if start < s.from[l.ID] {
 				continue
@@ -200,7 +232,14 @@ func (s limitSpan) Used(rows []SpendRow) []balance.WindowUsed {
 			if _, ok := sums[key]; !ok {
 				order = append(order, key)
 			}
-			sums[key] += r.Cost
+			switch l.Unit {
+			case balance.Requests:
+				sums[key] += r.Requests
+			case balance.Tokens:
+				sums[key] += r.Tokens
+			default:
+				sums[key] += r.Cost
+			}
 		}
 	}
 	out := make([]balance.WindowUsed, 0, len(order))
@@ -221,11 +260,15 @@ func sortUsed(u []balance.WindowUsed) {
 	slices.SortFunc(u, func(a, b balance.WindowUsed) int { return cmp.Compare(a.Start, b.Start) })
 }
 
-// bucket is the hour bucket of t for the grouped sum (-1: older than every non-lifetime window).
+// Bucket is the start (ms) of t's bucket for the grouped sum: its minute from MinuteFrom on,
+// else its hour; -1: older than every non-lifetime window.
 func (s limitSpan) Bucket(t time.Time) int64 {
 	ms := t.UnixMilli()
-	if ms < s.Earliest {
+	switch {
+	case ms < s.Earliest:
 		return -1
+	case ms >= s.MinuteFrom:
+		return ms - ms%minuteMS
 	}
-	return ms / hourMS
+	return ms - ms%hourMS
 }

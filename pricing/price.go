@@ -84,6 +84,10 @@ type Usage struct {
 	CacheWrite1h int64 `json:"cache_write_1h_tokens,omitempty"`
 }
 
+// Tokens is what a tokens limit counts of the usage: input + output tokens (Prompt counts the
+// cached and cache-written ones, Completion the reasoning ones).
+func (u Usage) Tokens() int64 { return u.Prompt + u.Completion }
+
 // Cost prices usage with the prices' defaults applied (WithDefaults):
 //
 //	cost = ceil(((Prompt − Cached − CacheWrite)·Input + Cached·CachedInput +

@@ -776,15 +776,16 @@ func printSkipped(skipped []pricing.SkippedPrice) {
 // set-cap ORG LIMIT_ID N | delete ORG LIMIT_ID.
 func cmdLimits(args []string) error {
 	fs, o := newFlags("limits")
-	window := fs.String("window", "", "lifetime, hour, day, week or month (create)")
-	capArg := fs.String("cap", "", "the cap in micro-units (create)")
+	window := fs.String("window", "", "lifetime, minute, hour, day, week or month (create)")
+	unit := fs.String("unit", "money", "money, requests or tokens: what the cap counts (create)")
+	capArg := fs.String("cap", "", "the cap: micro-units, requests or tokens, by --unit (create)")
 	key := fs.String("key", "", "a key's limit: the key id (create)")
 	project := fs.String("project", "", "a project's limit: the project id (create)")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return err
 	}
-	usage := usageErr("usage: escrow limits ORG | create ORG --window W --cap N [--key ID|--project P] | set-cap ORG LIMIT_ID N | delete ORG LIMIT_ID  [--json|--csv]")
+	usage := usageErr("usage: escrow limits ORG | create ORG --window W [--unit money|requests|tokens] --cap N [--key ID|--project P] | set-cap ORG LIMIT_ID N | delete ORG LIMIT_ID  [--json|--csv]")
 	c, err := newClient()
 	if err != nil {
 		return err
@@ -797,7 +798,7 @@ func cmdLimits(args []string) error {
 		if err != nil || *window == "" || (*key != "" && *project != "") {
 			return usage
 		}
-		body := map[string]any{"scope": "org", "window": *window, "cap": n}
+		body := map[string]any{"scope": "org", "window": *window, "unit": *unit, "cap": n}
 		switch {
 		case *key != "":
 			body["scope"], body["scope_id"] = "key", *key

@@ -172,11 +172,12 @@ var limitTable = table[admin.Limit]{
 	{"scope", func(l admin.Limit) string { return l.Scope }},
 	{"scope_id", func(l admin.Limit) string { return l.ScopeID }},
 	{"window", func(l admin.Limit) string { return l.Window }},
+	{"unit", func(l admin.Limit) string { return l.Unit }},
 	{"cap", func(l admin.Limit) string { return i64(l.Cap) }},
 }
 
 var limitViewTable = append(via(limitTable, func(l accounting.LimitView) admin.Limit {
-	return admin.Limit{ID: l.ID, Scope: string(l.Scope), ScopeID: l.ScopeID, Window: string(l.Window), Cap: l.Cap}
+	return admin.Limit{ID: l.ID, Scope: string(l.Scope), ScopeID: l.ScopeID, Window: string(l.Window), Unit: l.Unit, Cap: l.Cap}
 }), table[accounting.LimitView]{
 	{"used", func(l accounting.LimitView) string { return i64(l.Used) }},
 	{"held", func(l accounting.LimitView) string { return i64(l.Held) }},

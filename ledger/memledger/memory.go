@@ -50,6 +50,7 @@ type memAccount struct {
 type entryAttr struct {
 	key, project string
 	at           time.Time // reserve time, else the usage's record time
+	tokens       int64     // the usage's input + output tokens
 }
 
 type memEvent struct {
@@ -249,6 +250,7 @@ func (a *memAccount) entriesFrom(after int64, limit int) []balance.Entry {
 		be := balance.Entry{Seq: e.Seq, Delta: e.Delta, HoldID: e.HoldID}
 		if at, ok := a.attr[e.Seq]; ok {
 			be.KeyID, be.Project, be.ReservedAt = ledger.AttrID(balance.ScopeKey, at.key), ledger.AttrID(balance.ScopeProject, at.project), at.at
+			be.Tokens = at.tokens
 		}
 		out = append(out, be)
 	}
@@ -479,7 +481,7 @@ func (m *Ledger) accountOrgLocked(org string, limit int, r *ledger.AccountResult
 		e.seq = int64(len(a.entries)) + 1
 		a.entries = append(a.entries, ledger.LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: ledger.KindCharge, HoldID: e.ev.ID, CreatedAt: now})
 		at := ledger.AttrTime(e.ev.ReservedAt, e.ev.CreatedAt)
-		a.attr[e.seq] = entryAttr{key: e.ev.KeyID, project: e.ev.Project, at: at}
+		a.attr[e.seq] = entryAttr{key: e.ev.KeyID, project: e.ev.Project, at: at, tokens: e.ev.Usage.Tokens()}
 		if r != nil {
 			r.Learn(e.ev.Model, e.ev.Cost, e.ev.Choices, e.ev.Estimated)
 		}
@@ -487,7 +489,7 @@ func (m *Ledger) accountOrgLocked(org string, limit int, r *ledger.AccountResult
 			k.used = at
 		}
 		if len(a.lims.limits) > 0 {
-			charges = append(charges, ledger.ChargeAttr{Key: e.ev.KeyID, Project: e.ev.Project, At: at, Cost: e.ev.Cost})
+			charges = append(charges, ledger.ChargeAttr{Key: e.ev.KeyID, Project: e.ev.Project, At: at, Cost: e.ev.Cost, Tokens: e.ev.Usage.Tokens()})
 		}
 	}
 	a.balance -= sum

@@ -81,8 +81,8 @@ func (m *Ledger) SetKeyProject(ctx context.Context, keyID, project string) (ledg
 }
 
 // CreateLimit adds a limit with a new id.
-func (m *Ledger) CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, cap int64) (balance.Limit, ledger.LimitChange, error) {
-	if err := ledger.CheckLimit(scope, w, cap); err != nil {
+func (m *Ledger) CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, u balance.Unit, cap int64) (balance.Limit, ledger.LimitChange, error) {
+	if err := ledger.CheckLimit(scope, w, u, cap); err != nil {
 		return balance.Limit{}, ledger.LimitChange{}, err
 	}
 	m.mu.Lock()
@@ -98,7 +98,7 @@ func (m *Ledger) CreateLimit(ctx context.Context, org string, scope balance.Scop
 		return balance.Limit{}, ledger.LimitChange{}, fmt.Errorf("%w: an org has at most %d limits", ledger.ErrInvalidLimit, ledger.MaxLimits)
 	}
 	m.lastLimit++
-	l := balance.Limit{ID: strconv.FormatInt(m.lastLimit, 10), Scope: scope, Window: w, Cap: cap}
+	l := balance.Limit{ID: strconv.FormatInt(m.lastLimit, 10), Scope: scope, Window: w, Cap: cap, Unit: u}
 	a.lims.limits = append(a.lims.limits, l)
 	return l, changed(org, a), nil
 }
@@ -266,19 +266,25 @@ func (a *memAccount) usedLocked(limits []balance.Limit, since time.Time, maxSeq 
 	}
 	type k struct {
 		key, project string
-		hour         int64
+		start        int64
 	}
-	sums := map[k]int64{}
+	sums := map[k]*ledger.SpendRow{}
 	for _, e := range a.entries[:min(maxSeq, int64(len(a.entries)))] {
 		at, ok := a.attr[e.Seq]
 		if e.Kind != ledger.KindCharge || !ok {
 			continue
 		}
-		sums[k{at.key, at.project, span.Bucket(at.at)}] += -e.Delta
+		g := k{at.key, at.project, span.Bucket(at.at)}
+		r := sums[g]
+		if r == nil {
+			r = &ledger.SpendRow{Key: g.key, Project: g.project, Start: g.start}
+			sums[g] = r
+		}
+		r.Cost, r.Requests, r.Tokens = r.Cost-e.Delta, r.Requests+1, r.Tokens+at.tokens
 	}
 	rows := make([]ledger.SpendRow, 0, len(sums))
-	for g, cost := range sums {
-		rows = append(rows, ledger.SpendRow{Key: g.key, Project: g.project, Hour: g.hour, Cost: cost})
+	for _, r := range sums {
+		rows = append(rows, *r)
 	}
 	return span.Used(rows)
 }
@@ -321,7 +327,7 @@ func (a *memAccount) spentLocked(w ledger.WindowInc, maxSeq int64) int64 {
 	for _, e := range a.entries[:min(maxSeq, int64(len(a.entries)))] {
 		at, ok := a.attr[e.Seq]
 		if e.Kind == ledger.KindCharge && ok && ledger.AttributedTo(w.Limit, at.key, at.project) && !at.at.Before(w.Start) && at.at.Before(w.Next) {
-			sum += -e.Delta
+			sum += w.Limit.Unit.Count(-e.Delta, at.tokens)
 		}
 	}
 	return sum

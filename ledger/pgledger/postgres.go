@@ -191,10 +191,11 @@ WITH acc AS (
 	UPDATE usage_events u SET status = 'accounted', seq = x.seq
 	FROM unnest($4::text[], $5::bigint[]) AS x(id, seq)
 	WHERE u.id = x.id::uuid AND u.id = ANY ($4::text[]::uuid[])
-	RETURNING u.org_id, x.seq, u.cost, u.id, u.key_id, u.project, coalesce(u.reserved_at, u.created_at) AS at
+	RETURNING u.org_id, x.seq, u.cost, u.id, u.key_id, u.project, coalesce(u.reserved_at, u.created_at) AS at,
+		u.prompt_tokens + u.completion_tokens AS tokens
 ), ins AS (
-	INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id, key_id, project, reserved_at)
-	SELECT org_id, seq, -cost, 'charge', id, key_id, project, at FROM ev
+	INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id, key_id, project, reserved_at, tokens)
+	SELECT org_id, seq, -cost, 'charge', id, key_id, project, at, tokens FROM ev
 )
 UPDATE api_keys k SET last_used_at = GREATEST(k.last_used_at, x.t)
 FROM (SELECT key_id, max(at) AS t FROM ev WHERE key_id IS NOT NULL GROUP BY key_id) x
@@ -207,7 +208,7 @@ WHERE k.id = x.key_id AND k.id = ANY ($6::text[])`
 FROM unnest($1::text[]) AS o`
 	sqlClaimOrder = ` ORDER BY created_at, id`
 	// sqlClaimAttr: a claimed event's attribution (chargeAttr), after its cost.
-	sqlClaimAttr = `coalesce(key_id, ''), coalesce(project, ''), coalesce(reserved_at, created_at)`
+	sqlClaimAttr = `coalesce(key_id, ''), coalesce(project, ''), coalesce(reserved_at, created_at), prompt_tokens + completion_tokens`
 )
 
 // maxClaim bounds the events one AccountPending call accounts (a cost sum stays in int64).
@@ -411,7 +412,7 @@ func scanClaim(rows pgx.Rows) (ids []string, costs []int64, attrs []ledger.Charg
 	for rows.Next() {
 		var id string
 		var a ledger.ChargeAttr
-		if err := rows.Scan(&id, &a.Cost, &a.Key, &a.Project, &a.At); err != nil {
+		if err := rows.Scan(&id, &a.Cost, &a.Key, &a.Project, &a.At, &a.Tokens); err != nil {
 			return nil, nil, nil, err
 		}
 		ids = append(ids, id)
@@ -614,7 +615,7 @@ const sqlClaim = `
 SELECT c.org_id, c.id::text, c.cost, ` + sqlClaimAttr + `, c.model, c.estimated, c.choices, c.created_at
 FROM unnest($1::text[], $2::int[]) WITH ORDINALITY AS o(org, n, ord)
 CROSS JOIN LATERAL (
-	SELECT org_id, id, cost, created_at, key_id, project, reserved_at, model, estimated, choices FROM usage_events
+	SELECT org_id, id, cost, created_at, key_id, project, reserved_at, prompt_tokens, completion_tokens, model, estimated, choices FROM usage_events
 	WHERE org_id = o.org AND status = 'pending'` + sqlClaimOrder + ` LIMIT o.n FOR UPDATE SKIP LOCKED
 ) c ORDER BY o.ord, c.created_at, c.id`
 
@@ -675,6 +676,7 @@ func handOver(cs []orgCharges) map[string][]balance.Entry {
 			a := c.attrs[i]
 			es[i] = balance.Entry{Seq: c.base + int64(i) + 1, Delta: -c.costs[i], HoldID: id, Recorded: c.recorded[i]}
 			attribute(&es[i], &a.Key, &a.Project, &a.At)
+			es[i].Tokens = a.Tokens
 		}
 		if out == nil {
 			out = map[string][]balance.Entry{}
@@ -758,7 +760,7 @@ func claimEvents(ctx context.Context, conn *pgx.Conn, accts map[string]*orgCharg
 	var estimated bool
 	var choices int64
 	var recorded time.Time
-	_, err := pgx.ForEachRow(rows, []any{&org, &id, &a.Cost, &a.Key, &a.Project, &a.At, &model, &estimated, &choices, &recorded}, func() error {
+	_, err := pgx.ForEachRow(rows, []any{&org, &id, &a.Cost, &a.Key, &a.Project, &a.At, &a.Tokens, &model, &estimated, &choices, &recorded}, func() error {
 		c := accts[org]
 		c.ids = append(c.ids, id)
 		c.costs = append(c.costs, a.Cost)
@@ -804,9 +806,9 @@ func (p *Ledger) UnsettledEntries(ctx context.Context, org string, limit int) ([
 	// Like entries, plus each entry's Recorded time: a charge's usage event's created_at (the
 	// settle-lag clock starts when the usage was recorded, not when it was accounted).
 	rows, err := p.pool.Query(ctx, `
-SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.at
+SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.at, e.tokens
 FROM ledger_meta m LEFT JOIN LATERAL (
-	SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded, l.key_id, l.project,
+	SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded, l.key_id, l.project, l.tokens,
 		CASE WHEN l.kind = 'charge' THEN coalesce(l.reserved_at, l.created_at) END AS at
 	FROM ledger_entries l LEFT JOIN usage_events u ON u.id = l.hold_id AND l.kind = 'charge'
 	WHERE l.org_id = $1 AND l.seq > (SELECT settled_seq FROM accounts WHERE org_id = $1)
@@ -822,13 +824,14 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 		var seq, delta *int64
 		var hold, key, project *string
 		var rec, at *time.Time
-		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &rec, &key, &project, &at); err != nil {
+		var tokens *int64
+		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &rec, &key, &project, &at, &tokens); err != nil {
 			return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
 		}
 		if seq == nil {
 			continue
 		}
-		out = append(out, unsettledEntry(*seq, *delta, hold, rec, key, project, at))
+		out = append(out, unsettledEntry(*seq, *delta, hold, rec, key, project, at, tokens))
 	}
 	if err := rows.Err(); err != nil {
 		return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
@@ -839,10 +842,10 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 // SQLUnsettledOf reads, for each org of $1, up to $2 entries past its settled_seq (with each
 // charge's usage record time, the settle-lag clock), and the epoch, in one statement.
 const SQLUnsettledOf = `
-SELECT m.epoch_gen, m.epoch_id, e.org_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.at
+SELECT m.epoch_gen, m.epoch_id, e.org_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.at, e.tokens
 FROM ledger_meta m LEFT JOIN LATERAL (
 	SELECT a.org_id, l.* FROM accounts a CROSS JOIN LATERAL (
-		SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded, l.key_id, l.project,
+		SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded, l.key_id, l.project, l.tokens,
 			CASE WHEN l.kind = 'charge' THEN coalesce(l.reserved_at, l.created_at) END AS at
 		FROM ledger_entries l LEFT JOIN usage_events u ON u.id = l.hold_id AND l.kind = 'charge'
 		WHERE l.org_id = a.org_id AND l.seq > a.settled_seq
@@ -853,8 +856,11 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 
 // unsettledEntry builds an entry of an unsettled-entries read from its nullable columns (the
 // read's LEFT JOINs leave them NULL where a column does not apply).
-func unsettledEntry(seq, delta int64, hold *string, rec *time.Time, key, project *string, at *time.Time) balance.Entry {
+func unsettledEntry(seq, delta int64, hold *string, rec *time.Time, key, project *string, at *time.Time, tokens *int64) balance.Entry {
 	e := balance.Entry{Seq: seq, Delta: delta}
+	if tokens != nil {
+		e.Tokens = *tokens
+	}
 	if hold != nil {
 		e.HoldID = *hold
 	}
@@ -880,13 +886,13 @@ func (p *Ledger) UnsettledEntriesOf(ctx context.Context, orgs []string, limit in
 	out := make(map[string][]balance.Entry, len(orgs))
 	var ep balance.Epoch
 	var org, hold, key, project *string
-	var seq, delta *int64
+	var seq, delta, tokens *int64
 	var rec, at *time.Time
-	_, err := pgx.ForEachRow(rows, []any{&ep.Gen, &ep.ID, &org, &seq, &delta, &hold, &rec, &key, &project, &at}, func() error {
+	_, err := pgx.ForEachRow(rows, []any{&ep.Gen, &ep.ID, &org, &seq, &delta, &hold, &rec, &key, &project, &at, &tokens}, func() error {
 		if seq == nil {
 			return nil
 		}
-		out[*org] = append(out[*org], unsettledEntry(*seq, *delta, hold, rec, key, project, at))
+		out[*org] = append(out[*org], unsettledEntry(*seq, *delta, hold, rec, key, project, at, tokens))
 		return nil
 	})
 	if err != nil {
@@ -902,9 +908,9 @@ func (p *Ledger) entries(ctx context.Context, op, after string, org string, limi
 		limit = ledger.DefaultLimit
 	}
 	rows, err := p.pool.Query(ctx, `
-SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.key_id, e.project, e.at
+SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.key_id, e.project, e.at, e.tokens
 FROM ledger_meta m LEFT JOIN LATERAL (
-	SELECT seq, delta, hold_id, key_id, project,
+	SELECT seq, delta, hold_id, key_id, project, tokens,
 		CASE WHEN kind = 'charge' THEN coalesce(reserved_at, created_at) END AS at
 	FROM ledger_entries
 	WHERE org_id = $1 AND seq > `+after+` ORDER BY seq LIMIT $2
@@ -919,13 +925,17 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 		var seq, delta *int64
 		var hold, key, project *string
 		var at *time.Time
-		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &key, &project, &at); err != nil {
+		var tokens *int64
+		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &key, &project, &at, &tokens); err != nil {
 			return nil, balance.Epoch{}, wrapPg(op, err)
 		}
 		if seq == nil {
 			continue
 		}
 		e := balance.Entry{Seq: *seq, Delta: *delta}
+		if tokens != nil {
+			e.Tokens = *tokens
+		}
 		if hold != nil {
 			e.HoldID = *hold
 		}

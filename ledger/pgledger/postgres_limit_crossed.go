@@ -25,10 +25,10 @@ WHERE org_id = ANY($1::text[]) AND deleted_at IS NULL ORDER BY org_id, id`
 func scanChargeLimits(rows pgx.Rows) (map[string][]balance.Limit, time.Time, error) {
 	out := map[string][]balance.Limit{}
 	var now time.Time
-	var org, kind, w string
+	var org, kind, w, u string
 	var l balance.Limit
-	_, err := pgx.ForEachRow(rows, []any{&org, &l.ID, &kind, &l.Scope.ID, &w, &l.Cap, &now}, func() error {
-		l.Scope.Kind, l.Window = balance.ScopeKind(kind), balance.Window(w)
+	_, err := pgx.ForEachRow(rows, []any{&org, &l.ID, &kind, &l.Scope.ID, &w, &l.Cap, &u, &now}, func() error {
+		l.Scope.Kind, l.Window, l.Unit = balance.ScopeKind(kind), balance.Window(w), unitOf(u)
 		out[org] = append(out[org], l)
 		return nil
 	})
@@ -48,7 +48,8 @@ WITH x AS (
 )
 INSERT INTO limit_windows (limit_id, window_start, used)
 SELECT x.id, x.start, coalesce((
-	SELECT sum(-e.delta) FROM ledger_entries e
+	SELECT CASE l.unit WHEN 'requests' THEN count(*) WHEN 'tokens' THEN sum(e.tokens) ELSE sum(-e.delta) END
+	FROM ledger_entries e
 	WHERE e.org_id = l.org_id AND e.kind = 'charge' AND e.seq <= x.base
 	  AND coalesce(e.reserved_at, e.created_at) >= x.start AND coalesce(e.reserved_at, e.created_at) < x.stop
 	  AND (l.scope = 'org' OR (l.scope = 'project' AND e.project = l.scope_id) OR (l.scope = 'key' AND e.key_id = l.scope_id))
@@ -69,7 +70,7 @@ WITH x AS (
 	RETURNING w.limit_id, w.window_start, w.used - x.inc AS before, w.used AS after
 ), ` + sqlOutbox(ledger.EventLimitCrossed, `
 	SELECT l.org_id AS org, jsonb_build_object('limit_id', l.id::text, 'scope', l.scope, 'scope_id', l.scope_id,
-		'window', l.period, 'window_start', CASE WHEN l.period <> 'lifetime'
+		'window', l.period, 'unit', l.unit, 'window_start', CASE WHEN l.period <> 'lifetime'
 			THEN to_char(up.window_start AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"') END,
 		'cap', l.cap, 'used', up.after, 'threshold', t.pct) AS data
 	FROM up JOIN limits l ON l.id = up.limit_id AND l.deleted_at IS NULL

@@ -115,11 +115,11 @@ func checkScopeTx(ctx context.Context, tx pgx.Tx, org string, s balance.Scope) e
 }
 
 // CreateLimit adds a limit; its id comes from an identity and is never reused.
-func (p *Ledger) CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, cap int64) (balance.Limit, ledger.LimitChange, error) {
-	if err := ledger.CheckLimit(scope, w, cap); err != nil {
+func (p *Ledger) CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, u balance.Unit, cap int64) (balance.Limit, ledger.LimitChange, error) {
+	if err := ledger.CheckLimit(scope, w, u, cap); err != nil {
 		return balance.Limit{}, ledger.LimitChange{}, err
 	}
-	l := balance.Limit{Scope: scope, Window: w, Cap: cap}
+	l := balance.Limit{Scope: scope, Window: w, Cap: cap, Unit: u}
 	c, err := p.limitTx(ctx, "create limit", org, func(tx pgx.Tx) error {
 		if err := checkScopeTx(ctx, tx, org, scope); err != nil {
 			return err
@@ -131,8 +131,8 @@ func (p *Ledger) CreateLimit(ctx context.Context, org string, scope balance.Scop
 		if n >= ledger.MaxLimits {
 			return fmt.Errorf("%w: an org has at most %d limits", ledger.ErrInvalidLimit, ledger.MaxLimits)
 		}
-		return tx.QueryRow(ctx, `INSERT INTO limits (org_id, scope, scope_id, period, cap) VALUES ($1, $2, $3, $4, $5) RETURNING id::text`,
-			org, string(scope.Kind), scope.ID, string(w), cap).Scan(&l.ID)
+		return tx.QueryRow(ctx, `INSERT INTO limits (org_id, scope, scope_id, period, cap, unit) VALUES ($1, $2, $3, $4, $5, $6) RETURNING id::text`,
+			org, string(scope.Kind), scope.ID, string(w), cap, u.String()).Scan(&l.ID)
 	})
 	if err != nil {
 		return balance.Limit{}, ledger.LimitChange{}, err
@@ -215,14 +215,20 @@ func (p *Ledger) SetFrozen(ctx context.Context, org string, s balance.Scope, fro
 	})
 }
 
-const sqlLimitColumns = `id::text, scope, scope_id, period, cap`
+const sqlLimitColumns = `id::text, scope, scope_id, period, cap, unit`
 
 func scanLimit(r pgx.CollectableRow) (balance.Limit, error) {
 	var l balance.Limit
-	var kind, w string
-	err := r.Scan(&l.ID, &kind, &l.Scope.ID, &w, &l.Cap)
-	l.Scope.Kind, l.Window = balance.ScopeKind(kind), balance.Window(w)
+	var kind, w, u string
+	err := r.Scan(&l.ID, &kind, &l.Scope.ID, &w, &l.Cap, &u)
+	l.Scope.Kind, l.Window, l.Unit = balance.ScopeKind(kind), balance.Window(w), unitOf(u)
 	return l, err
+}
+
+// unitOf reads the limits table's unit ("money", "requests", "tokens").
+func unitOf(s string) balance.Unit {
+	u, _ := ledger.ParseUnit(s)
+	return u
 }
 
 // queueLimits queues the reads of an org's limits, freezes and key → project map (scanLimits
@@ -340,16 +346,18 @@ func (p *Ledger) LimitUsage(ctx context.Context, org string, since time.Time, ma
 }
 
 // sqlSpend groups an org's ($1) charges with seq ≤ $2 whose time (reserve time, else the
-// entry's own) is at or after $4 by (key, project, hour bucket), the bucket being -1 before $3
-// (see spendRow); $5: every charge counts (an org limit), else only those of keys $6 and
-// projects $7. The times are whole milliseconds or microseconds, so floor(ms) / hourMS is the
-// bucket Go computes with UnixMilli.
+// entry's own) is at or after $4 by (key, project, bucket): their cost, count and tokens. The
+// bucket is -1 before $3, the minute from $8 on, else the hour (ledger.LimitSpan.Bucket); $5:
+// every charge counts (an org limit), else only those of keys $6 and projects $7. The times are
+// whole milliseconds or microseconds, so floor(ms) is the UnixMilli Go buckets.
 const sqlSpend = `
 SELECT coalesce(key_id, ''), coalesce(project, ''),
-       CASE WHEN t >= $3 THEN floor(extract(epoch FROM t) * 1000)::bigint / 3600000 ELSE -1 END AS h,
-       sum(-delta)::bigint
+       CASE WHEN t < $3 THEN -1
+            WHEN t >= $8 THEN floor(extract(epoch FROM t) * 1000)::bigint / 60000 * 60000
+            ELSE floor(extract(epoch FROM t) * 1000)::bigint / 3600000 * 3600000 END AS b,
+       sum(-delta)::bigint, count(*), sum(tokens)::bigint
 FROM (
-	SELECT key_id, project, delta, coalesce(reserved_at, created_at) AS t FROM ledger_entries
+	SELECT key_id, project, delta, tokens, coalesce(reserved_at, created_at) AS t FROM ledger_entries
 	WHERE org_id = $1 AND kind = 'charge' AND coalesce(reserved_at, created_at) >= $4 AND seq <= $2
 	  AND ($5 OR key_id = ANY($6::text[]) OR project = ANY($7::text[]))
 ) e
@@ -371,10 +379,14 @@ func limitUsage(ctx context.Context, tx pgx.Tx, org string, limits []balance.Lim
 	if span.Lifetime {
 		lower = time.Unix(0, 0).UTC()
 	}
-	rows, _ := tx.Query(ctx, sqlSpend, org, maxSeq, earliest, lower, span.Org, nonNil(span.Keys), nonNil(span.Projects))
+	minutes := far
+	if span.MinuteFrom < far.UnixMilli() {
+		minutes = time.UnixMilli(span.MinuteFrom).UTC()
+	}
+	rows, _ := tx.Query(ctx, sqlSpend, org, maxSeq, earliest, lower, span.Org, nonNil(span.Keys), nonNil(span.Projects), minutes)
 	var sr []ledger.SpendRow
 	var r ledger.SpendRow
-	_, err := pgx.ForEachRow(rows, []any{&r.Key, &r.Project, &r.Hour, &r.Cost}, func() error {
+	_, err := pgx.ForEachRow(rows, []any{&r.Key, &r.Project, &r.Start, &r.Cost, &r.Requests, &r.Tokens}, func() error {
 		sr = append(sr, r)
 		return nil
 	})
