@@ -115,18 +115,18 @@ func CrossedUp(before, after, cap int64) []int64 {
 type limitCrossedData struct {
 	LimitID     string  `json:"limit_id"`
 	Scope       string  `json:"scope"`
-	ScopeID     string  `json:"scope_id"`     // "" for the org scope
-	Window      string  `json:"window"`       // lifetime, minute, hour, day, week or month
-	Unit        string  `json:"unit"`         // money, requests or tokens
-	WindowStart *string `json:"window_start"` // RFC 3339, UTC; null for lifetime
-	Cap         int64   `json:"cap"`          // the cap when the batch was accounted
-	Used        int64   `json:"used"`         // the window's ledger spend after the batch
-	Threshold   int64   `json:"threshold"`    // 80 or 100 (percent of the cap)
+	ScopeID     string  `json:"scope_id"`       // "" for the org scope
+	Window      string  `json:"window"`         // lifetime, minute, hour, day, week or month
+	Unit        string  `json:"unit,omitempty"` // requests or tokens; absent for money
+	WindowStart *string `json:"window_start"`   // RFC 3339, UTC; null for lifetime
+	Cap         int64   `json:"cap"`            // the cap when the batch was accounted
+	Used        int64   `json:"used"`           // the window's ledger spend after the batch
+	Threshold   int64   `json:"threshold"`      // 80 or 100 (percent of the cap)
 }
 
 func NewLimitCrossedData(w WindowInc, used, pct int64) limitCrossedData {
 	d := limitCrossedData{LimitID: w.Limit.ID, Scope: string(w.Limit.Scope.Kind), ScopeID: w.Limit.Scope.ID,
-		Window: string(w.Limit.Window), Unit: w.Limit.Unit.String(), Cap: w.Limit.Cap, Used: used, Threshold: pct}
+		Window: string(w.Limit.Window), Unit: string(w.Limit.Unit), Cap: w.Limit.Cap, Used: used, Threshold: pct}
 	if w.Limit.Window != balance.Lifetime {
 		s := w.Start.UTC().Format(time.RFC3339)
 		d.WindowStart = &s

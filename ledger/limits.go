@@ -166,10 +166,10 @@ type limitSpan struct {
 	// MinuteFrom is the earliest minute limit's counted start (ms): charges from it on are
 	// bucketed by minute; math.MaxInt64 with none.
 	MinuteFrom int64
-	Lifetime   bool // some limit is lifetime: every entry matters
-	Keys     []string         // the key ids and project ids in the limits' scopes
-	Projects []string
-	Org      bool // some limit is of the org scope: every charge is attributed
+	Lifetime   bool     // some limit is lifetime: every entry matters
+	Keys       []string // the key ids and project ids in the limits' scopes
+	Projects   []string
+	Org        bool // some limit is of the org scope: every charge is attributed
 }
 
 func NewLimitSpan(ls []balance.Limit, since time.Time) limitSpan {

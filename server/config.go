@@ -97,6 +97,10 @@ type Config struct {
 
 	// Logger receives the server's logs; nil: one built from LogLevel and LogFormat, on stderr.
 	Logger *slog.Logger
+
+	// limitClock shifts the clock of the limit windows (balance.Config.ClockOffset): tests
+	// only, to run a per-minute burst inside one minute.
+	limitClock time.Duration
 }
 
 type setting struct {

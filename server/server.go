@@ -227,7 +227,8 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			// An embedded Redis has no round trips to save, and its scripts run one after
 			// another in Go: a pipeline of a hundred could outlast the client's read timeout,
 			// failing its whole batch at once (a 2,000-way burst under the race detector did).
-			NoCoalesce: !cfg.Coalesce || embedded,
+			NoCoalesce:  !cfg.Coalesce || embedded,
+			ClockOffset: cfg.limitClock,
 		},
 		Worker: accounting.WorkerConfig{
 			SweepInterval:     cfg.SweepInterval,

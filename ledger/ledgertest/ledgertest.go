@@ -360,9 +360,10 @@ func testRecordIdempotent(t *testing.T, l ledger.Ledger) {
 		t.Fatalf("AccountPending after re-record = %d, want 0", n)
 	}
 	es := checkLedger(t, l, "o")
-	// A charge carries its key and, with no reserve time (fail-open), its record time.
-	want := []balance.Entry{{Seq: 1, Delta: -42, HoldID: ev.ID, KeyID: "key_1", ReservedAt: ev.CreatedAt},
-		{Seq: 2, Delta: -8, HoldID: ev2.ID, KeyID: "key_1", ReservedAt: ev2.CreatedAt}}
+	// A charge carries its key, its input + output tokens (what tokens limits count) and, with
+	// no reserve time (fail-open), its record time.
+	want := []balance.Entry{{Seq: 1, Delta: -42, HoldID: ev.ID, KeyID: "key_1", ReservedAt: ev.CreatedAt, Tokens: ev.Usage.Tokens()},
+		{Seq: 2, Delta: -8, HoldID: ev2.ID, KeyID: "key_1", ReservedAt: ev2.CreatedAt, Tokens: ev2.Usage.Tokens()}}
 	if !slices.Equal(es, want) {
 		t.Fatalf("entries %v, want %v", es, want)
 	}
@@ -405,7 +406,7 @@ func testVoidUsage(t *testing.T, l ledger.Ledger) {
 	}
 	wantErr(t, l.VoidUsage(c, recorded), ledger.ErrUsageRecorded, "VoidUsage of an accounted event")
 	es := checkLedger(t, l, "o")
-	if want := []balance.Entry{{Seq: 1, Delta: -7, HoldID: recorded.ID, KeyID: "key_1", ReservedAt: recorded.CreatedAt}}; !slices.Equal(es, want) {
+	if want := []balance.Entry{{Seq: 1, Delta: -7, HoldID: recorded.ID, KeyID: "key_1", ReservedAt: recorded.CreatedAt, Tokens: recorded.Usage.Tokens()}}; !slices.Equal(es, want) {
 		t.Fatalf("entries %v, want %v", es, want)
 	}
 	// A snapshot accounts nothing for it either, and no sweep is owed for it.

@@ -23,6 +23,7 @@ var limitsTests = []struct {
 	{"LimitsChargeAttribution", testLimitsAttribution},
 	{"LimitsSnapshotSinceWindows", testSnapshotSince},
 	{"LimitsSnapshotSinceAccountsPending", testSnapshotSincePending},
+	{"LimitsSnapshotSinceUnits", testSnapshotSinceUnits},
 	{"LimitsUsageUpToSeq", testLimitUsageSeq},
 }
 
@@ -357,6 +358,54 @@ func testLimitsAttribution(t *testing.T, l ledger.Ledger) {
 func entryEqual(a, b balance.Entry) bool {
 	return a.Seq == b.Seq && a.Delta == b.Delta && a.HoldID == b.HoldID && a.KeyID == b.KeyID && a.Project == b.Project &&
 		a.ReservedAt.Equal(b.ReservedAt) && a.Recorded.Equal(b.Recorded)
+}
+
+// testSnapshotSinceUnits (DESIGN "Limits", third wave): a requests limit counts 1 per charge, a
+// tokens limit its input + output tokens, a money limit its cost, each in its window from since's
+// on; a minute window counts only the charges reserved in it (the seed's buckets are minutes
+// from the earliest minute window on, hours before), the others every charge of theirs.
+func testSnapshotSinceUnits(t *testing.T, l ledger.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "o"))
+	k := newKey(t, l, "o")
+	must2(l.Credit(c, "o", 1_000_000, "pay-units"))
+	ks := scope(balance.ScopeKey, k.ID)
+	rpm := mustUnitLimit(t, l, ks, balance.Minute, balance.Requests, 10)
+	tph := mustUnitLimit(t, l, ks, balance.Hour, balance.Tokens, 10_000)
+	money := mustUnitLimit(t, l, ks, balance.Hour, balance.Money, 10_000)
+	if rpm.Unit != balance.Requests || limitsOf(t, l, "o").Limits[0].Unit != balance.Requests || limitsOf(t, l, "o").Limits[1].Unit != balance.Tokens {
+		t.Fatalf("units not kept: %+v, %+v", rpm, limitsOf(t, l, "o").Limits)
+	}
+	since := time.Date(2026, 5, 5, 10, 30, 20, 0, time.UTC)
+	minute := since.Truncate(time.Minute)
+	charge(t, l, "o", k.ID, "", 5, minute.Add(time.Second), time.Time{})      // this minute
+	charge(t, l, "o", k.ID, "", 7, minute.Add(59*time.Second), time.Time{})   // this minute, its last second
+	charge(t, l, "o", k.ID, "", 11, minute.Add(-time.Second), time.Time{})    // the minute before: the hour's only
+	charge(t, l, "o", k.ID, "", 13, minute.Add(time.Minute), time.Time{})     // the next minute
+	charge(t, l, "o", k.ID, "", 17, minute.Add(-31*time.Minute), time.Time{}) // the hour before
+	perCharge := event("o", 0, 0).Usage.Tokens()
+	ms := func(t time.Time) int64 { return t.UnixMilli() }
+	hour := since.Truncate(time.Hour)
+	want := []balance.WindowUsed{
+		{LimitID: rpm.ID, Start: ms(minute), Used: 2},
+		{LimitID: rpm.ID, Start: ms(minute.Add(time.Minute)), Used: 1},
+		{LimitID: tph.ID, Start: ms(hour), Used: 4 * perCharge},
+		{LimitID: money.ID, Start: ms(hour), Used: 5 + 7 + 11 + 13},
+	}
+	snap := must(l.SnapshotSince(c, "o", since))
+	if got := snap.Limits.Used; !slices.Equal(got, want) {
+		t.Fatalf("Used = %+v,\nwant %+v", got, want)
+	}
+	if got := must(l.LimitUsage(c, "o", since, -1)); !slices.Equal(got, want) {
+		t.Fatalf("LimitUsage = %+v,\nwant %+v", got, want)
+	}
+}
+
+func mustUnitLimit(t *testing.T, l ledger.Ledger, s balance.Scope, w balance.Window, u balance.Unit, cap int64) balance.Limit {
+	t.Helper()
+	lim, _, err := l.CreateLimit(ctx(t), "o", s, w, u, cap)
+	noErr(t, err)
+	return lim
 }
 
 // testSnapshotSince: the spend of each limit's windows from since's on, grouped by reserve time

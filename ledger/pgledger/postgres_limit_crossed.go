@@ -70,9 +70,10 @@ WITH x AS (
 	RETURNING w.limit_id, w.window_start, w.used - x.inc AS before, w.used AS after
 ), ` + sqlOutbox(ledger.EventLimitCrossed, `
 	SELECT l.org_id AS org, jsonb_build_object('limit_id', l.id::text, 'scope', l.scope, 'scope_id', l.scope_id,
-		'window', l.period, 'unit', l.unit, 'window_start', CASE WHEN l.period <> 'lifetime'
+		'window', l.period, 'window_start', CASE WHEN l.period <> 'lifetime'
 			THEN to_char(up.window_start AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"') END,
-		'cap', l.cap, 'used', up.after, 'threshold', t.pct) AS data
+		'cap', l.cap, 'used', up.after, 'threshold', t.pct)
+		|| CASE WHEN l.unit <> 'money' THEN jsonb_build_object('unit', l.unit) ELSE '{}'::jsonb END AS data
 	FROM up JOIN limits l ON l.id = up.limit_id AND l.deleted_at IS NULL
 	CROSS JOIN unnest($4::bigint[]) AS t(pct)
 	WHERE up.before < (l.cap * t.pct + 99) / 100 AND up.after >= (l.cap * t.pct + 99) / 100
