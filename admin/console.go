@@ -30,7 +30,8 @@ func (a *API) answer(c echo.Context, v any, err error) error {
 	return writeJSON(c, http.StatusOK, v)
 }
 
-// read is the handler of a route that is one read of accounting.Ops: get of the route's param.
+// read is the handler of a route that is one read (of accounting.Ops or of the ledger's
+// Console): get of the route's param.
 func read[T any](a *API, param string, get func(context.Context, string) (T, error)) echo.HandlerFunc {
 	return func(c echo.Context) error {
 		v, err := get(c.Request().Context(), c.Param(param))
@@ -180,7 +181,7 @@ func (a *API) patchOrg(c echo.Context) error {
 		}
 	}
 	if req.Name != nil {
-		if err := a.ops.SetOrgName(ctx, c.Param("org"), *req.Name); err != nil {
+		if err := a.console.SetOrgName(ctx, c.Param("org"), *req.Name); err != nil {
 			return a.fail(c, err)
 		}
 	}
@@ -192,7 +193,7 @@ func (a *API) listKeys(c echo.Context) error {
 	if err != nil {
 		return invalid(c, err.Error())
 	}
-	p, err := a.ops.ListKeys(c.Request().Context(), c.Param("org"), q)
+	p, err := a.console.ListKeys(c.Request().Context(), c.Param("org"), q)
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -214,7 +215,7 @@ func (a *API) patchKey(c echo.Context) error {
 	if req.Name == nil {
 		return invalid(c, "name is required")
 	}
-	if err := a.ops.SetKeyName(c.Request().Context(), c.Param("id"), *req.Name); err != nil {
+	if err := a.console.SetKeyName(c.Request().Context(), c.Param("id"), *req.Name); err != nil {
 		return a.fail(c, err)
 	}
 	return writeJSON(c, http.StatusOK, map[string]string{"id": c.Param("id"), "name": *req.Name})
@@ -229,7 +230,7 @@ func (a *API) listEntries(c echo.Context) error {
 	if q.From, q.To, err = timeRange(c); err != nil {
 		return invalid(c, err.Error())
 	}
-	p, err := a.ops.ListEntries(c.Request().Context(), c.Param("org"), q)
+	p, err := a.console.ListEntries(c.Request().Context(), c.Param("org"), q)
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -255,7 +256,7 @@ func (a *API) usage(c echo.Context) error {
 	if q.From, q.To, err = timeRange(c); err != nil {
 		return invalid(c, err.Error())
 	}
-	rows, err := a.ops.UsageReport(c.Request().Context(), c.Param("org"), q)
+	rows, err := a.console.UsageReport(c.Request().Context(), c.Param("org"), q)
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -276,7 +277,7 @@ func (a *API) topSpenders(c echo.Context) error {
 	if err != nil {
 		return invalid(c, err.Error())
 	}
-	rows, err := a.ops.TopSpenders(c.Request().Context(), q)
+	rows, err := a.console.TopSpenders(c.Request().Context(), q)
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -395,7 +396,7 @@ func (a *API) auditLog(c echo.Context) error {
 	if err != nil {
 		return invalid(c, err.Error())
 	}
-	p, err := a.ops.AuditLog(c.Request().Context(), q)
+	p, err := a.console.AuditLog(c.Request().Context(), q)
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -455,7 +456,7 @@ func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
 			detail = detail[:4096]
 		}
 		// Recorded even when the client has gone: the write may have happened.
-		if _, aerr := a.ops.RecordAudit(context.WithoutCancel(r.Context()), ledger.AuditRecord{
+		if _, aerr := a.console.RecordAudit(context.WithoutCancel(r.Context()), ledger.AuditRecord{
 			Actor: actor, Action: r.Method + " " + c.Path(), Target: target, Status: status, Detail: detail,
 		}); aerr != nil {
 			a.log.Error("admin audit record failed", "action", r.Method+" "+c.Path(), "err", aerr)
