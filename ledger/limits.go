@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strconv"
 	"time"
 
 	"github.com/llmescrow/escrow/balance"
@@ -67,7 +66,7 @@ type LimitStore interface {
 	SnapshotSince(ctx context.Context, org string, since time.Time) (balance.Snapshot, error)
 }
 
-// checkLimit checks a new limit's scope, window and cap.
+// CheckLimit checks a new limit's scope, window and cap.
 func CheckLimit(scope balance.Scope, w balance.Window, cap int64) error {
 	if err := scope.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidLimit, err)
@@ -92,13 +91,7 @@ func CheckProjectID(project string) error {
 	return nil
 }
 
-// parseLimitID reads a limit id: the decimal form of a positive integer.
-func ParseLimitID(id string) (int64, bool) {
-	n, err := strconv.ParseInt(id, 10, 64)
-	return n, err == nil && n > 0 && strconv.FormatInt(n, 10) == id
-}
-
-// attrID is an entry's key or project id as the hot balance takes it: an id that no lim field
+// AttrID is an entry's key or project id as the hot balance takes it: an id that no lim field
 // can hold (a key id from a custom Identify with a ':' in it) is left out, so it can never make
 // a settle refuse the entry (no limit can name it anyway).
 func AttrID(kind balance.ScopeKind, id string) string {
@@ -108,21 +101,12 @@ func AttrID(kind balance.ScopeKind, id string) string {
 	return id
 }
 
-// attrTime is the time a charge counts at: its reserve time (whole milliseconds), or its record
-// time when it has none (fail-open).
-func AttrTime(reserved, recorded time.Time) time.Time {
-	if reserved.IsZero() {
-		return recorded.UTC()
-	}
-	return reserved.UTC()
-}
-
 // hourMS is the grain of the seed's grouped sum: every window boundary (hour, day, Monday,
 // month, all in UTC) is a whole hour, so the spend of an hour bucket lies in one window of
 // each limit, and balance.Window.StartMS of the bucket's start is that window.
 const hourMS = int64(time.Hour / time.Millisecond)
 
-// spendRow is the spend of one (key, project, hour bucket) of an org's charges; Hour < 0 is a
+// SpendRow is the spend of one (key, project, hour bucket) of an org's charges; Hour < 0 is a
 // bucket for the entries older than every non-lifetime window (only lifetime limits count it).
 type SpendRow struct {
 	Key, Project string
@@ -165,7 +149,7 @@ func NewLimitSpan(ls []balance.Limit, since time.Time) limitSpan {
 	return s
 }
 
-// used sums the rows into each limit's windows from its first counted one on. Rows come in any
+// Used sums the rows into each limit's windows from its first counted one on. Rows come in any
 // order; the answer is in limit order, then window start.
 func (s limitSpan) Used(rows []SpendRow) []balance.WindowUsed {
 	type k struct {
@@ -221,7 +205,7 @@ func sortUsed(u []balance.WindowUsed) {
 	slices.SortFunc(u, func(a, b balance.WindowUsed) int { return cmp.Compare(a.Start, b.Start) })
 }
 
-// bucket is the hour bucket of t for the grouped sum (-1: older than every non-lifetime window).
+// Bucket is the hour bucket of t for the grouped sum (-1: older than every non-lifetime window).
 func (s limitSpan) Bucket(t time.Time) int64 {
 	ms := t.UnixMilli()
 	if ms < s.Earliest {

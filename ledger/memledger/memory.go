@@ -478,7 +478,7 @@ func (m *Ledger) accountOrgLocked(org string, limit int, r *ledger.AccountResult
 	for _, e := range q[:limit] {
 		e.seq = int64(len(a.entries)) + 1
 		a.entries = append(a.entries, ledger.LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: ledger.KindCharge, HoldID: e.ev.ID, CreatedAt: now})
-		at := ledger.AttrTime(e.ev.ReservedAt, e.ev.CreatedAt)
+		at := attrTime(e.ev.ReservedAt, e.ev.CreatedAt)
 		a.attr[e.seq] = entryAttr{key: e.ev.KeyID, project: e.ev.Project, at: at}
 		if r != nil {
 			r.Learn(e.ev.Model, e.ev.Cost, e.ev.Choices, e.ev.Estimated)
