@@ -311,7 +311,7 @@ func (a *API) deleteModel(c echo.Context) error {
 // strings or numbers (input_per_1m, cached_input_per_1m, output_per_1m, cache_write_input_per_1m,
 // cache_write_1h_input_per_1m: "0.15" is 150000 micro-units), read from their text so no float
 // ever touches a price. A cached or cache-write price never given (or given as 0) is billed at
-// its default (accounting.Prices.WithDefaults), which the answer shows.
+// its default (pricing.Prices.WithDefaults), which the answer shows.
 func (a *API) patchModel(c echo.Context) error {
 	var req struct {
 		Input             *int64          `json:"input_price"`
@@ -375,7 +375,7 @@ func (a *API) patchModel(c echo.Context) error {
 // DecimalMicros converts a JSON number or string holding a non-negative decimal (currency units)
 // to micro-units exactly: "0.15" → 150000. A value that is not a whole number of micro-units, a
 // sign or a value above 10^14 micro-units is an error saying so; the text is parsed digit by
-// digit, never through a float (accounting.DecimalMicros, the one rule for decimal prices).
+// digit, never through a float (pricing.DecimalMicros, the one rule for decimal prices).
 func DecimalMicros(raw json.RawMessage) (int64, error) {
 	s := strings.TrimSpace(string(raw))
 	if strings.HasPrefix(s, `"`) {

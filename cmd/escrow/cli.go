@@ -692,7 +692,7 @@ func defaultPrice(m map[string]any, f string) bool {
 	case "cache_write_input_price":
 		return ok && v == in
 	case "cache_write_1h_input_price":
-		return ok && v == 2*in // accounting.CacheWrite1hMultiplier (the CLI imports server only)
+		return ok && v == 2*in // pricing.CacheWrite1hMultiplier (the CLI imports server only)
 	}
 	return false
 }
@@ -700,7 +700,7 @@ func defaultPrice(m map[string]any, f string) bool {
 // importModels sends a price table to POST /models/import and prints the diff: each new model
 // with its prices, each changed field as old → new, the count of unchanged models, and the
 // skipped entries counted by reason. A cache-write price at its default (the input price, 2× it
-// for 1-hour writes: accounting.Prices.WithDefaults) is left out of the lines.
+// for 1-hour writes: pricing.Prices.WithDefaults) is left out of the lines.
 func importModels(c *client, o output, file string, dryRun bool, provider string) error {
 	b, err := os.ReadFile(file)
 	if err != nil {

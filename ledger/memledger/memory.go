@@ -15,10 +15,10 @@ import (
 	"github.com/llmescrow/escrow/ledger"
 )
 
-// Memory is the in-memory ledger: the embedded default for a single process with an embedded
-// Redis. It implements Ledger exactly like Postgres does (the same conformance suite runs on
-// both) but forgets everything when the process ends, so each Memory has a new random epoch: a
-// hot balance written against an earlier Memory never matches it.
+// Ledger is the in-memory ledger: the embedded default for a single process with an embedded
+// Redis. It implements ledger.Ledger exactly like the Postgres ledger (pgledger) does (the same
+// conformance suite runs on both) but forgets everything when the process ends, so each one has
+// a new random epoch: a hot balance written against an earlier memory ledger never matches it.
 type Ledger struct {
 	mu       sync.Mutex
 	epoch    balance.Epoch
@@ -84,7 +84,7 @@ var (
 	_ ledger.QuietUsageStore = (*Ledger)(nil)
 )
 
-// NewMemory returns an empty in-memory ledger with a new random epoch (generation 1).
+// New returns an empty in-memory ledger with a new random epoch (generation 1).
 func New() *Ledger {
 	return &Ledger{
 		epoch:    balance.Epoch{Gen: 1, ID: ledger.RandomHex(16)},
