@@ -62,7 +62,7 @@ bench: services
 BENCH_CONSOLE_ROWS ?= 10000000
 bench-console: services
 	ESCROW_TEST_DATABASE_URL='$(DATABASE_URL)' ESCROW_BENCH_CONSOLE_ROWS=$(BENCH_CONSOLE_ROWS) \
-	  $(GO) test ./accounting -run '^$$' -bench BenchmarkConsoleLarge -benchtime 50x -timeout 60m -v
+	  $(GO) test ./ledger/pgledger -run '^$$' -bench BenchmarkConsoleLarge -benchtime 50x -timeout 60m -v
 
 ## run: the example proxy (embedded defaults when REDIS_URL/DATABASE_URL are unset in the environment).
 run:

@@ -48,9 +48,9 @@ func Example() {
 	ops := esc.Ops() // what the admin API serves, as Go calls
 	_ = ops.PutModel(ctx, ledger.Model{Name: "gpt-test", Prices: pricing.Prices{Input: 1_000_000, CachedInput: 1_000_000, Output: 2_000_000},
 		MaxInputTokens: 10_000, MaxOutputTokens: 1000})
-	_ = ops.CreateOrg(ctx, "acme")
+	_ = esc.Ledger().CreateOrg(ctx, "acme")                   // org and key: one ledger call each, no hot-balance step
 	_, _, _ = ops.Credit(ctx, "acme", 1_000_000, "payment-1") // in the hot balance when it returns
-	k, secret, _ := ops.CreateKey(ctx, "acme")
+	k, secret, _ := esc.Ledger().CreateKey(ctx, "acme")
 	_, _ = ops.CreateLimit(ctx, "acme", balance.Scope{Kind: balance.ScopeKey, ID: k.ID}, balance.Day, 500_000)
 
 	req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions",

@@ -29,10 +29,11 @@ func NewOps(w *Worker) *Ops {
 	return &Ops{ledger: w.ledger, store: w.store, worker: w}
 }
 
-// CreateOrg creates an account with balance 0 (ErrOrgExists when it exists).
-func (o *Ops) CreateOrg(ctx context.Context, org string) error {
-	return o.ledger.CreateOrg(ctx, org)
-}
+// Ledger is the ledger the operations run over. What needs nothing of the hot balance is asked
+// of it directly, through its roles: creating an org or a key without a name (Accounts,
+// KeyStore), the console's lists, names, reports and audit trail (Console), webhook endpoints
+// and thresholds (Webhooks, when the ledger has that role).
+func (o *Ops) Ledger() ledger.Ledger { return o.ledger }
 
 // Credit records a recharge (idempotent by ref) and returns once it is in the hot balance. When
 // only the hot-balance part failed, the entry is valid and the error wraps ErrHotBalance.
@@ -96,11 +97,6 @@ func (o *Ops) Balance(ctx context.Context, org string) (Balance, error) {
 // Reconcile compares the org's hot balance with the ledger and repairs a drift.
 func (o *Ops) Reconcile(ctx context.Context, org string) (Drift, error) {
 	return o.worker.Reconcile(ctx, org)
-}
-
-// CreateKey makes a new API key for org; the secret is returned once.
-func (o *Ops) CreateKey(ctx context.Context, org string) (ledger.APIKey, string, error) {
-	return o.ledger.CreateKey(ctx, org)
 }
 
 // RevokeKey revokes a key by id (ErrUnknownKey) in the ledger, then pushes the revocation to

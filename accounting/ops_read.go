@@ -83,11 +83,6 @@ func (o *Ops) CreateNamedOrg(ctx context.Context, org, name string) error {
 	return o.ledger.SetOrgName(ctx, org, name)
 }
 
-// SetOrgName renames an org.
-func (o *Ops) SetOrgName(ctx context.Context, org, name string) error {
-	return o.ledger.SetOrgName(ctx, org, name)
-}
-
 // CreateNamedKey makes a new API key for org with a display name; the secret is returned once.
 func (o *Ops) CreateNamedKey(ctx context.Context, org, name string) (ledger.KeyInfo, string, error) {
 	if err := ledger.CheckName(name); err != nil {
@@ -103,36 +98,6 @@ func (o *Ops) CreateNamedKey(ctx context.Context, org, name string) (ledger.KeyI
 		}
 	}
 	return ledger.KeyInfo{ID: k.ID, Org: k.Org, Name: name}, secret, nil
-}
-
-// SetKeyName renames a key.
-func (o *Ops) SetKeyName(ctx context.Context, id, name string) error {
-	return o.ledger.SetKeyName(ctx, id, name)
-}
-
-// ListKeys lists an org's keys.
-func (o *Ops) ListKeys(ctx context.Context, org string, q ledger.ListQuery) (ledger.Page[ledger.KeyInfo], error) {
-	return o.ledger.ListKeys(ctx, org, q)
-}
-
-// ListEntries lists an org's ledger entries, newest first.
-func (o *Ops) ListEntries(ctx context.Context, org string, q ledger.EntryQuery) (ledger.Page[ledger.EntryInfo], error) {
-	return o.ledger.ListEntries(ctx, org, q)
-}
-
-// UsageReport sums an org's accounted usage per group.
-func (o *Ops) UsageReport(ctx context.Context, org string, q ledger.UsageQuery) ([]ledger.UsageRow, error) {
-	return o.ledger.UsageReport(ctx, org, q)
-}
-
-// TopSpenders lists the orgs that spent the most in a time range (see Console.TopSpenders).
-func (o *Ops) TopSpenders(ctx context.Context, q ledger.TopQuery) ([]ledger.UsageRow, error) {
-	return o.ledger.TopSpenders(ctx, q)
-}
-
-// Request returns one request's usage by its id.
-func (o *Ops) Request(ctx context.Context, id string) (ledger.RequestInfo, error) {
-	return o.ledger.Request(ctx, id)
 }
 
 // Model returns one model, its prices' defaults filled in (Model.Effective): the prices its
@@ -239,12 +204,11 @@ func (o *Ops) modelIdle(ctx context.Context, name string) error {
 	return nil
 }
 
-// RecordAudit appends an admin write to the audit trail.
-func (o *Ops) RecordAudit(ctx context.Context, r ledger.AuditRecord) (ledger.AuditRecord, error) {
-	return o.ledger.RecordAudit(ctx, r)
-}
-
-// AuditLog lists the audit trail, newest first.
-func (o *Ops) AuditLog(ctx context.Context, q ledger.ListQuery) (ledger.Page[ledger.AuditRecord], error) {
-	return o.ledger.AuditLog(ctx, q)
+// lowBalanceThreshold is the org's threshold, nil for none or without webhooks.
+func (o *Ops) lowBalanceThreshold(ctx context.Context, org string) (*int64, error) {
+	h, ok := o.ledger.(ledger.Webhooks)
+	if !ok {
+		return nil, nil
+	}
+	return h.LowBalanceThreshold(ctx, org)
 }

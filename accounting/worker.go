@@ -330,7 +330,7 @@ func (w *Worker) takeDirty() []string {
 // and the sweep's, except the orgs r hands over. A mark taken before the account pass is
 // covered by the hand-over. A mark taken after it, or a sweep (read after it), on a handed-over
 // org may be a write that landed after the pass's lock (or the pass's own NOTIFY, from a ledger
-// that cannot tell its own: NewPostgres): that org stays dirty for the next pass, which reads
+// that cannot tell its own: pgledger.New): that org stays dirty for the next pass, which reads
 // it back (cheaply: it is settled by then) unless it hands the org over again, which covers the
 // write.
 func (w *Worker) toRead(r ledger.AccountResult, before, after, behind []string) []string {

@@ -43,9 +43,13 @@ type Config struct {
 	CheckWebhookURL func(rawURL string) error
 }
 
-// API serves the admin routes over one accounting.Ops.
+// API serves the admin routes over one accounting.Ops, for the operations that have a
+// hot-balance step or a rule, and over roles of its ledger (Ops.Ledger) for those that are one
+// ledger call.
 type API struct {
 	ops          *accounting.Ops
+	console      ledger.Console  // lists, names, reports, requests, the audit trail
+	hooks        ledger.Webhooks // nil when the ledger has no webhook side (ledger.ErrNoWebhooks)
 	token        []byte
 	log          *slog.Logger
 	checkWebhook func(string) error
@@ -63,7 +67,9 @@ func New(ops *accounting.Ops, cfg *Config) (*API, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	return &API{ops: ops, token: []byte(cfg.Token), log: log.With("component", "escrow.admin"), checkWebhook: cfg.CheckWebhookURL}, nil
+	hooks, _ := ops.Ledger().(ledger.Webhooks)
+	return &API{ops: ops, console: ops.Ledger(), hooks: hooks, token: []byte(cfg.Token), log: log.With("component", "escrow.admin"),
+		checkWebhook: cfg.CheckWebhookURL}, nil
 }
 
 // Register adds the routes, behind the token check, to g (escrow's proxy mounts it at
@@ -87,7 +93,7 @@ func (a *API) Register(g *echo.Group) {
 	add(http.MethodPatch, "/keys/:id", a.patchKey)
 	add(http.MethodDelete, "/keys/:id", a.revokeKey)
 	add(http.MethodGet, "/usage/top", a.topSpenders)
-	add(http.MethodGet, "/requests/:id", read(a, "id", a.ops.Request))
+	add(http.MethodGet, "/requests/:id", read(a, "id", a.console.Request))
 	add(http.MethodGet, "/models", a.models)
 	add(http.MethodPost, "/models/import", a.importModels)
 	add(http.MethodGet, "/models/:model", read(a, "model", a.ops.Model))

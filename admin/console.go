@@ -30,7 +30,8 @@ func (a *API) answer(c echo.Context, v any, err error) error {
 	return writeJSON(c, http.StatusOK, v)
 }
 
-// read is the handler of a route that is one read of accounting.Ops: get of the route's param.
+// read is the handler of a route that is one read (of accounting.Ops or of the ledger's
+// Console): get of the route's param.
 func read[T any](a *API, param string, get func(context.Context, string) (T, error)) echo.HandlerFunc {
 	return func(c echo.Context) error {
 		v, err := get(c.Request().Context(), c.Param(param))
@@ -177,7 +178,7 @@ func (a *API) patchOrg(c echo.Context) error {
 		}
 	}
 	if req.Name != nil {
-		if err := a.ops.SetOrgName(ctx, c.Param("org"), *req.Name); err != nil {
+		if err := a.console.SetOrgName(ctx, c.Param("org"), *req.Name); err != nil {
 			return a.fail(c, err)
 		}
 	}
@@ -189,7 +190,7 @@ func (a *API) listKeys(c echo.Context) error {
 	if err != nil {
 		return invalid(c, err.Error())
 	}
-	p, err := a.ops.ListKeys(c.Request().Context(), c.Param("org"), q)
+	p, err := a.console.ListKeys(c.Request().Context(), c.Param("org"), q)
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -211,7 +212,7 @@ func (a *API) patchKey(c echo.Context) error {
 	if req.Name == nil {
 		return invalid(c, "name is required")
 	}
-	if err := a.ops.SetKeyName(c.Request().Context(), c.Param("id"), *req.Name); err != nil {
+	if err := a.console.SetKeyName(c.Request().Context(), c.Param("id"), *req.Name); err != nil {
 		return a.fail(c, err)
 	}
 	return writeJSON(c, http.StatusOK, Named{ID: c.Param("id"), Name: *req.Name})
@@ -226,7 +227,7 @@ func (a *API) listEntries(c echo.Context) error {
 	if q.From, q.To, err = timeRange(c); err != nil {
 		return invalid(c, err.Error())
 	}
-	p, err := a.ops.ListEntries(c.Request().Context(), c.Param("org"), q)
+	p, err := a.console.ListEntries(c.Request().Context(), c.Param("org"), q)
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -252,7 +253,7 @@ func (a *API) usage(c echo.Context) error {
 	if q.From, q.To, err = timeRange(c); err != nil {
 		return invalid(c, err.Error())
 	}
-	rows, err := a.ops.UsageReport(c.Request().Context(), c.Param("org"), q)
+	rows, err := a.console.UsageReport(c.Request().Context(), c.Param("org"), q)
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -273,7 +274,7 @@ func (a *API) topSpenders(c echo.Context) error {
 	if err != nil {
 		return invalid(c, err.Error())
 	}
-	rows, err := a.ops.TopSpenders(c.Request().Context(), q)
+	rows, err := a.console.TopSpenders(c.Request().Context(), q)
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -300,7 +301,7 @@ func (a *API) deleteModel(c echo.Context) error {
 // strings or numbers (input_per_1m, cached_input_per_1m, output_per_1m, cache_write_input_per_1m,
 // cache_write_1h_input_per_1m: "0.15" is 150000 micro-units), read from their text so no float
 // ever touches a price. A cached or cache-write price never given (or given as 0) is billed at
-// its default (accounting.Prices.WithDefaults), which the answer shows.
+// its default (pricing.Prices.WithDefaults), which the answer shows.
 func (a *API) patchModel(c echo.Context) error {
 	var req struct {
 		Input             *int64          `json:"input_price"`
@@ -364,7 +365,7 @@ func (a *API) patchModel(c echo.Context) error {
 // DecimalMicros converts a JSON number or string holding a non-negative decimal (currency units)
 // to micro-units exactly: "0.15" → 150000. A value that is not a whole number of micro-units, a
 // sign or a value above 10^14 micro-units is an error saying so; the text is parsed digit by
-// digit, never through a float (accounting.DecimalMicros, the one rule for decimal prices).
+// digit, never through a float (pricing.DecimalMicros, the one rule for decimal prices).
 func DecimalMicros(raw json.RawMessage) (int64, error) {
 	s := strings.TrimSpace(string(raw))
 	if strings.HasPrefix(s, `"`) {
@@ -385,7 +386,7 @@ func (a *API) auditLog(c echo.Context) error {
 	if err != nil {
 		return invalid(c, err.Error())
 	}
-	p, err := a.ops.AuditLog(c.Request().Context(), q)
+	p, err := a.console.AuditLog(c.Request().Context(), q)
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -445,7 +446,7 @@ func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
 			detail = detail[:4096]
 		}
 		// Recorded even when the client has gone: the write may have happened.
-		if _, aerr := a.ops.RecordAudit(context.WithoutCancel(r.Context()), ledger.AuditRecord{
+		if _, aerr := a.console.RecordAudit(context.WithoutCancel(r.Context()), ledger.AuditRecord{
 			Actor: actor, Action: r.Method + " " + c.Path(), Target: target, Status: status, Detail: detail,
 		}); aerr != nil {
 			a.log.Error("admin audit record failed", "action", r.Method+" "+c.Path(), "err", aerr)

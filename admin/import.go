@@ -22,7 +22,7 @@ const MaxImportBytes = 32 << 20
 const auditDetail = "escrow.audit.detail"
 
 // importModels imports a price table (the body: LiteLLM's model_prices_and_context_window.json
-// or a CSV, see accounting.ParsePriceTable) through accounting.Ops.ImportPrices. ?dry_run=1
+// or a CSV, see pricing.ParsePriceTable) through accounting.Ops.ImportPrices. ?dry_run=1
 // writes nothing and answers what would change; ?provider=a,b keeps only those
 // litellm_provider values. The answer is the accounting.ImportReport; the audit trail records
 // its counts.

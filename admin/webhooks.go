@@ -13,6 +13,15 @@ import (
 	"github.com/llmescrow/escrow/ledger"
 )
 
+// webhooks is the ledger's webhook side: ledger.ErrNoWebhooks for a ledger without one (both of
+// escrow's ledgers have it).
+func (a *API) webhooks() (ledger.Webhooks, error) {
+	if a.hooks == nil {
+		return nil, ledger.ErrNoWebhooks
+	}
+	return a.hooks, nil
+}
+
 func (a *API) createWebhook(c echo.Context) error {
 	var req struct {
 		URL    string             `json:"url"`
@@ -26,7 +35,11 @@ func (a *API) createWebhook(c echo.Context) error {
 			return a.fail(c, fmt.Errorf("%w: %w", ledger.ErrInvalidWebhook, err))
 		}
 	}
-	w, secret, err := a.ops.CreateWebhook(c.Request().Context(), req.URL, req.Events)
+	h, err := a.webhooks()
+	if err != nil {
+		return a.fail(c, err)
+	}
+	w, secret, err := h.CreateWebhook(c.Request().Context(), req.URL, req.Events)
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -34,7 +47,11 @@ func (a *API) createWebhook(c echo.Context) error {
 }
 
 func (a *API) listWebhooks(c echo.Context) error {
-	ws, err := a.ops.ListWebhooks(c.Request().Context())
+	h, err := a.webhooks()
+	if err != nil {
+		return a.fail(c, err)
+	}
+	ws, err := h.ListWebhooks(c.Request().Context())
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -48,7 +65,11 @@ func (a *API) listWebhooks(c echo.Context) error {
 }
 
 func (a *API) deleteWebhook(c echo.Context) error {
-	if err := a.ops.DeleteWebhook(c.Request().Context(), c.Param("id")); err != nil {
+	h, err := a.webhooks()
+	if err != nil {
+		return a.fail(c, err)
+	}
+	if err := h.DeleteWebhook(c.Request().Context(), c.Param("id")); err != nil {
 		return a.fail(c, err)
 	}
 	return c.NoContent(http.StatusNoContent)
@@ -59,7 +80,11 @@ func (a *API) listDeliveries(c echo.Context) error {
 	if err != nil {
 		return invalid(c, err.Error())
 	}
-	p, err := a.ops.ListDeliveries(c.Request().Context(), c.Param("id"), q)
+	h, err := a.webhooks()
+	if err != nil {
+		return a.fail(c, err)
+	}
+	p, err := h.ListDeliveries(c.Request().Context(), c.Param("id"), q)
 	if err != nil {
 		return a.fail(c, err)
 	}
@@ -89,7 +114,11 @@ func (a *API) setThreshold(c echo.Context, raw json.RawMessage) error {
 		}
 		t = &v
 	}
-	if err := a.ops.SetLowBalanceThreshold(c.Request().Context(), c.Param("org"), t); err != nil {
+	h, err := a.webhooks()
+	if err != nil {
+		return a.fail(c, err)
+	}
+	if err := h.SetLowBalanceThreshold(c.Request().Context(), c.Param("org"), t); err != nil {
 		return a.fail(c, err)
 	}
 	return nil

@@ -23,7 +23,7 @@ func ExampleStore_Reserve() {
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	defer rdb.Close()
 
-	ledger := balancetest.NewFakeLedger(1) // accounting.OpenPostgres / NewMemory in real use
+	ledger := balancetest.NewFakeLedger(1) // pgledger.Open / memledger.New in real use
 	ledger.Add("acme", 5_000_000, "")      // a 5.00 credit, in micro-units
 
 	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: ledger})

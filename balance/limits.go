@@ -102,8 +102,8 @@ const (
 	Tokens   Unit = "tokens"   // input + output tokens (held at the request's token bound)
 )
 
-// Valid reports whether u is one of the units ("money" is not: Money is "").
-func (u Unit) Valid() bool { return u == Money || u == Requests || u == Tokens }
+// valid reports whether u is one of the units ("money" is not: Money is "").
+func (u Unit) valid() bool { return u == Money || u == Requests || u == Tokens }
 
 // String is "money" for Money.
 func (u Unit) String() string {
@@ -304,7 +304,7 @@ func (l Limits) limFields() ([]any, error) {
 			return nil, fmt.Errorf("%w: limit id %q (empty, malformed or repeated)", ErrInvalidLimits, x.ID)
 		case !x.Window.valid():
 			return nil, fmt.Errorf("%w: limit %s: window %q", ErrInvalidLimits, x.ID, x.Window)
-		case !x.Unit.Valid():
+		case !x.Unit.valid():
 			return nil, fmt.Errorf("%w: limit %s: unit %q", ErrInvalidLimits, x.ID, x.Unit)
 		case x.Cap <= 0 || x.Cap > MaxAmount:
 			return nil, fmt.Errorf("%w: limit %s: cap %d", ErrInvalidLimits, x.ID, x.Cap)

@@ -21,10 +21,10 @@ const KeyPrefix = "sk-esc-"
 
 const (
 	DefaultLimit       = 1000 // a batch's size when the caller asks for none (limit ≤ 0)
-	SubscriptionBuffer = 1024 // orgs a memory subscription holds before it drops notes
+	SubscriptionBuffer = 1024 // orgs a ledger's subscription holds before it drops notes
 )
 
-// normalizeEvent checks a usage event and returns it with its ID in canonical UUID form and a
+// NormalizeEvent checks a usage event and returns it with its ID in canonical UUID form and a
 // CreatedAt (now when unset).
 func NormalizeEvent(ev UsageEvent) (UsageEvent, error) {
 	id, err := uuid.Parse(ev.ID)
@@ -56,7 +56,7 @@ func NormalizeEvent(ev UsageEvent) (UsageEvent, error) {
 	return ev, nil
 }
 
-// validateModel refuses a model with no name, a price or amount outside [0, balance.MaxAmount]
+// ValidateModel refuses a model with no name, a price or amount outside [0, balance.MaxAmount]
 // or a negative token limit.
 func ValidateModel(m Model) error {
 	if m.Name == "" {
@@ -73,7 +73,7 @@ func ValidateModel(m Model) error {
 	return nil
 }
 
-// randomHex is n random bytes, hex-encoded.
+// RandomHex is n random bytes, hex-encoded.
 func RandomHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b)
@@ -82,7 +82,7 @@ func RandomHex(n int) string {
 
 func NewKeyID() string { return "key_" + RandomHex(12) }
 
-// newSecret is a new API key secret: KeyPrefix and 32 random bytes.
+// NewSecret is a new API key secret: KeyPrefix and 32 random bytes.
 func NewSecret() string {
 	b := make([]byte, 32)
 	_, _ = rand.Read(b)

@@ -41,7 +41,7 @@ var (
 	// ErrNotRecorded: RecordUsage failed before anything reached the ledger (no connection
 	// could be made, or the write was never sent), so the events are certainly not stored.
 	ErrNotRecorded = errors.New("accounting: usage not recorded")
-	// ErrConfig: a constructor (NewRecorder, NewWorker, OpenPostgres, NewPostgres, OpenJournal)
+	// ErrConfig: a constructor (accounting.NewRecorder, NewWorker, OpenJournal; pgledger.Open, New)
 	// was given a config field out of range; nothing was started.
 	ErrConfig = errors.New("accounting: invalid config")
 )
@@ -243,7 +243,7 @@ type Listener interface {
 	// Subscribe delivers the org of every transaction that writes entries or usage events (NOTIFY
 	// for Postgres), best effort: a sweep covers what it misses. The channel closes with ctx.
 	// Usage stored with RecordUsageQuiet is not delivered; a ledger may also leave out its own
-	// account passes (Memory does, Postgres when OpenPostgres made it), whose caller settles
+	// account passes (memledger does, pgledger when pgledger.Open made it), whose caller settles
 	// their orgs from the AccountResult.
 	Subscribe(ctx context.Context) (<-chan string, error)
 }

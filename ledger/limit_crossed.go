@@ -24,7 +24,7 @@ var LimitThresholds = []int64{80, 100}
 // lifetimeEnd stands for the end of a lifetime limit's one window.
 var lifetimeEnd = time.Date(9999, 12, 31, 0, 0, 0, 0, time.UTC)
 
-// chargeAttr is what the window spend needs of one charge.
+// ChargeAttr is what the window spend needs of one charge.
 type ChargeAttr struct {
 	Key, Project string
 	At           time.Time // attrTime: the reserve time, else the record time
@@ -32,7 +32,7 @@ type ChargeAttr struct {
 	Tokens       int64 // input + output
 }
 
-// attributedTo reports whether a charge of key and project counts against limit l.
+// AttributedTo reports whether a charge of key and project counts against limit l.
 func AttributedTo(l balance.Limit, key, project string) bool {
 	switch l.Scope.Kind {
 	case balance.ScopeOrg:
@@ -45,7 +45,7 @@ func AttributedTo(l balance.Limit, key, project string) bool {
 	return false
 }
 
-// windowInc is what a batch of charges adds to one window of one limit.
+// WindowInc is what a batch of charges adds to one window of one limit.
 type WindowInc struct {
 	Limit       balance.Limit
 	Start, Next time.Time // the window (lifetime: the Unix epoch to lifetimeEnd)
@@ -61,7 +61,7 @@ func windowBounds(w balance.Window, t time.Time) (start, next time.Time) {
 	return w.Bounds(t)
 }
 
-// windowIncs sums a batch's charges into the windows of limits they are attributed to, leaving
+// WindowIncs sums a batch's charges into the windows of limits they are attributed to, leaving
 // out the windows before each limit's current one at now; zero sums are left out. The answer is
 // in limit order, then window start.
 func WindowIncs(limits []balance.Limit, charges []ChargeAttr, now time.Time) []WindowInc {
@@ -100,7 +100,7 @@ func WindowIncs(limits []balance.Limit, charges []ChargeAttr, now time.Time) []W
 // thresholdOf is the least spend at or above pct % of cap (exact: cap ≤ 10^14).
 func thresholdOf(cap, pct int64) int64 { return (cap*pct + 99) / 100 }
 
-// crossedUp lists the limitThresholds a window's spend crosses going from before to after.
+// CrossedUp lists the limitThresholds a window's spend crosses going from before to after.
 func CrossedUp(before, after, cap int64) []int64 {
 	var out []int64
 	for _, pct := range LimitThresholds {

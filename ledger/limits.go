@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strconv"
 	"time"
 
 	"github.com/llmescrow/escrow/balance"
@@ -76,7 +75,7 @@ func CheckLimit(scope balance.Scope, w balance.Window, u balance.Unit, cap int64
 	if !w.Valid() {
 		return fmt.Errorf("%w: window %q (lifetime, minute, hour, day, week or month)", ErrInvalidLimit, w)
 	}
-	if !u.Valid() {
+	if u != balance.Money && u != balance.Requests && u != balance.Tokens {
 		return fmt.Errorf("%w: unit %q (money, requests or tokens)", ErrInvalidLimit, u)
 	}
 	return CheckCap(cap)
@@ -111,13 +110,7 @@ func CheckProjectID(project string) error {
 	return nil
 }
 
-// parseLimitID reads a limit id: the decimal form of a positive integer.
-func ParseLimitID(id string) (int64, bool) {
-	n, err := strconv.ParseInt(id, 10, 64)
-	return n, err == nil && n > 0 && strconv.FormatInt(n, 10) == id
-}
-
-// attrID is an entry's key or project id as the hot balance takes it: an id that no lim field
+// AttrID is an entry's key or project id as the hot balance takes it: an id that no lim field
 // can hold (a key id from a custom Identify with a ':' in it) is left out, so it can never make
 // a settle refuse the entry (no limit can name it anyway).
 func AttrID(kind balance.ScopeKind, id string) string {
@@ -125,15 +118,6 @@ func AttrID(kind balance.ScopeKind, id string) string {
 		return ""
 	}
 	return id
-}
-
-// attrTime is the time a charge counts at: its reserve time (whole milliseconds), or its record
-// time when it has none (fail-open).
-func AttrTime(reserved, recorded time.Time) time.Time {
-	if reserved.IsZero() {
-		return recorded.UTC()
-	}
-	return reserved.UTC()
 }
 
 // The grain of the seed's grouped sum: every window boundary (minute, hour, day, Monday, month,
@@ -197,7 +181,7 @@ func NewLimitSpan(ls []balance.Limit, since time.Time) limitSpan {
 	return s
 }
 
-// used sums the rows into each limit's windows from its first counted one on. Rows come in any
+// Used sums the rows into each limit's windows from its first counted one on. Rows come in any
 // order; the answer is in limit order, then window start.
 func (s limitSpan) Used(rows []SpendRow) []balance.WindowUsed {
 	type k struct {

@@ -20,7 +20,7 @@ type AccountResult struct {
 	Epoch balance.Epoch
 }
 
-// learn folds one accounted event into MaxCost.
+// Learn folds one accounted event into MaxCost.
 func (r *AccountResult) Learn(model string, cost, choices int64, estimated bool) {
 	if estimated || cost <= 0 {
 		return
@@ -34,7 +34,7 @@ func (r *AccountResult) Learn(model string, cost, choices int64, estimated bool)
 	}
 }
 
-// merge adds a later pass's result to r. An org that o charged again keeps only o's entries in
+// Merge adds a later pass's result to r. An org that o charged again keeps only o's entries in
 // Settle: when o has them, its earlier ones were settled before o (by another worker); when it
 // has none, the org is behind and is read back whole.
 func (r *AccountResult) Merge(o AccountResult) {

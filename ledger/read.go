@@ -268,7 +268,7 @@ func CheckName(name string) error {
 	return nil
 }
 
-// pageOf makes a page from rows read with one more than limit: the extra row only tells that
+// PageOf makes a page from rows read with one more than limit: the extra row only tells that
 // a next page exists, and the cursor names the last row kept.
 func PageOf[T any](rows []T, limit int, cursor func(T) string) Page[T] {
 	if len(rows) <= limit {
@@ -318,12 +318,8 @@ func KeyCursor(created time.Time, id string) string {
 }
 func EntryCursor(seq int64) string { return makeCursor("entry", strconv.FormatInt(seq, 10)) }
 func AuditCursor(id int64) string  { return makeCursor("audit", strconv.FormatInt(id, 10)) }
-func DayOf(t time.Time) string     { return t.UTC().Format("2006-01-02") }
-func InRange(t, from, to time.Time) bool {
-	return (from.IsZero() || !t.Before(from)) && (to.IsZero() || t.Before(to))
-}
 
-// parseOrgCursor returns the org id an org cursor names ("" for no cursor: from the start).
+// ParseOrgCursor returns the org id an org cursor names ("" for no cursor: from the start).
 func ParseOrgCursor(c string) (string, error) {
 	if c == "" {
 		return "", nil
@@ -335,7 +331,7 @@ func ParseOrgCursor(c string) (string, error) {
 	return f[0], nil
 }
 
-// parseKeyCursor returns the (created, id) a key cursor names.
+// ParseKeyCursor returns the (created, id) a key cursor names.
 func ParseKeyCursor(c string) (time.Time, string, error) {
 	f, err := readCursor(c, "key", 2)
 	if err != nil {

@@ -99,7 +99,7 @@ type EndpointLimit struct {
 	Busy map[string]int
 }
 
-// room is how many deliveries of endpoint id a claim may take; -1 for no bound.
+// Room is how many deliveries of endpoint id a claim may take; -1 for no bound.
 func (l EndpointLimit) Room(id string) int {
 	if l.Max <= 0 {
 		return -1
@@ -144,7 +144,7 @@ type Webhooks interface {
 	FinishDelivery(ctx context.Context, id int64, attempt int, o Outcome) error
 }
 
-// checkWebhook validates a new endpoint and returns its event types sorted, without duplicates.
+// CheckWebhook validates a new endpoint and returns its event types sorted, without duplicates.
 func CheckWebhook(rawURL string, events []EventType) ([]EventType, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || len(rawURL) > 2048 {
@@ -166,7 +166,7 @@ func CheckWebhook(rawURL string, events []EventType) ([]EventType, error) {
 	return out, nil
 }
 
-// deliveryPage reads ListDeliveries' query: the deliveries to list are those with an id below
+// DeliveryPage reads ListDeliveries' query: the deliveries to list are those with an id below
 // before (all of them without a cursor), at most limit of them.
 func DeliveryPage(q ListQuery) (before int64, limit int, err error) {
 	before = int64(1<<63 - 1)
@@ -178,7 +178,7 @@ func DeliveryPage(q ListQuery) (before int64, limit int, err error) {
 	return before, PageLimit(q.Limit), nil
 }
 
-// checkThreshold checks SetLowBalanceThreshold's arguments: a valid org id, and a threshold
+// CheckThreshold checks SetLowBalanceThreshold's arguments: a valid org id, and a threshold
 // (when set) within ±balance.MaxAmount.
 func CheckThreshold(org string, t *int64) error {
 	if err := balance.ValidateOrg(org); err != nil {
@@ -217,29 +217,8 @@ const SecretPrefix = "whsec_"
 
 func NewWebhookID() string { return "wh_" + RandomHex(12) }
 
-// newWebhookSecret is SecretPrefix and 32 random bytes in hex (no character a receiver's
+// NewWebhookSecret is SecretPrefix and 32 random bytes in hex (no character a receiver's
 // configuration could mangle).
 func NewWebhookSecret() string { return SecretPrefix + RandomHex(32) }
-
-// crossedBelow reports whether a balance change from before to after crosses threshold
-// downwards.
-func CrossedBelow(before, after int64, threshold *int64) bool {
-	return threshold != nil && before >= *threshold && after < *threshold
-}
-
-// eventBody is the JSON every endpoint receives for one event (Postgres builds the same object
-// with jsonb_build_object).
-type EventBody struct {
-	ID        string    `json:"id"`
-	Type      EventType `json:"type"`
-	Org       string    `json:"org"`
-	CreatedAt string    `json:"created_at"`
-	Data      any       `json:"data"`
-}
-
-// timeText formats t like the Postgres bodies (UTC, microseconds).
-func TimeText(t time.Time) string {
-	return t.UTC().Truncate(time.Microsecond).Format("2006-01-02T15:04:05.000000Z")
-}
 
 func DeliveryCursor(d Delivery) string { return makeCursor("delivery", strconv.FormatInt(d.ID, 10)) }

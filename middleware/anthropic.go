@@ -453,7 +453,7 @@ func (a *anthUsage) merge(b anthUsage) {
 	}
 }
 
-// usage maps Anthropic's counts onto accounting.Usage (see its comment): Prompt is every input
+// usage maps Anthropic's counts onto pricing.Usage (see its comment): Prompt is every input
 // token, cached and written ones included; CacheWrite is every cache write (the 5-minute and
 // the 1-hour ones: cache_creation_input_tokens, or the sum of cache_creation's counts when that
 // is more, so that no written token is billed as less), CacheWrite1h the 1-hour ones.

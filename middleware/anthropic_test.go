@@ -201,7 +201,7 @@ func TestSSEAnthropic(t *testing.T) {
 }
 
 // TestUsageFromAnthropicBody: a Messages JSON body's top-level usage, mapped onto
-// accounting.Usage (Prompt = every input token); usage without output_tokens is none.
+// pricing.Usage (Prompt = every input token); usage without output_tokens is none.
 func TestUsageFromAnthropicBody(t *testing.T) {
 	t.Parallel()
 	body := `{"id":"msg_1","type":"message","content":[{"type":"text","text":"usage"}],"message":{"usage":{"input_tokens":1}},` +

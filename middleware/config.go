@@ -52,7 +52,7 @@ type Holds interface {
 	KeyRevoked(ctx context.Context, keyID string) (bool, error)
 }
 
-// Directory is what the middleware needs from the ledger (accounting.Ledger implements it): API
+// Directory is what the middleware needs from the ledger (ledger.Ledger implements it): API
 // keys and model prices, read through a short in-process cache, and, when Config.Recorder is
 // nil, usage recording, one event per call.
 type Directory interface {
@@ -70,7 +70,7 @@ type Recorder interface {
 	// (HaveBalance; *accounting.Recorder with a Finisher can), for HeaderBalance.
 	RecordReceipt(ctx context.Context, ev ledger.UsageEvent) (accounting.Receipt, error)
 	// Void makes sure ev is never stored, after a RecordReceipt that failed or timed out: nil
-	// when it is voided (a late write of it is then a no-op), accounting.ErrUsageRecorded when
+	// when it is voided (a late write of it is then a no-op), ledger.ErrUsageRecorded when
 	// it was stored first, errors.ErrUnsupported when this Recorder cannot void; any other
 	// error leaves it unknown (Void is retried).
 	Void(ctx context.Context, ev ledger.UsageEvent) error
@@ -115,7 +115,7 @@ type Config struct {
 	// OrgFunc identifies the org. Default: the key of "Authorization: Bearer <key>" (or, with no
 	// Authorization header, of "x-api-key: <key>", as Anthropic's SDKs send it) looked up in
 	// the Ledger (cached for KeyCacheTTL). Returning an *Error refuses with it; an error that is
-	// accounting.ErrUnknownKey refuses with 401 invalid_api_key; any other error with 503.
+	// ledger.ErrUnknownKey refuses with 401 invalid_api_key; any other error with 503.
 	// Identity.KeyID names the key for its limits, freezes and usage events: it must pass
 	// balance.ValidateReserveKey (the ledgers' "key_…" ids do); a key id that does not is
 	// reserved without a key id (only the org's limits and freeze apply; its usage events keep

@@ -9,7 +9,7 @@ import (
 
 // Issue 23, item 2: prices that cannot give tokens away. A model priced with only its input and
 // output prices bills cached tokens and cache writes at the input price and 1-hour cache writes
-// at 2× it (accounting.Prices.WithDefaults) — before, at 0 — and a 1-hour cache write is billed
+// at 2× it (pricing.Prices.WithDefaults) — before, at 0 — and a 1-hour cache write is billed
 // at the 1-hour price. Each number is the ledger's charge for one request through the whole
 // proxy, on real Redis + Postgres and on the embedded parts.
 

@@ -58,7 +58,7 @@ func redact(s string) string {
 	return s
 }
 
-// webhookSecret is a webhook signing secret (accounting.SecretPrefix and its base64url).
+// webhookSecret is a webhook signing secret (ledger.SecretPrefix and its base64url).
 var webhookSecret = regexp.MustCompile(regexp.QuoteMeta(ledger.SecretPrefix) + `[A-Za-z0-9_-]+`)
 
 // dsnPassword is the password of a key=value connection string.

@@ -439,13 +439,13 @@ func TestWithRoutes(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if err := ops.CreateOrg(ctx, "acme"); err != nil {
+	if err := ops.Ledger().CreateOrg(ctx, "acme"); err != nil {
 		t.Fatal(err)
 	}
 	if _, _, err := ops.Credit(ctx, "acme", 1000, "init"); err != nil {
 		t.Fatal(err)
 	}
-	_, key, err := ops.CreateKey(ctx, "acme")
+	_, key, err := ops.Ledger().CreateKey(ctx, "acme")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -126,7 +126,7 @@ type Sender struct {
 	sends  sync.WaitGroup
 }
 
-// NewSender returns a sender over store (a ledger that implements accounting.Webhooks); cfg may
+// NewSender returns a sender over store (a ledger that implements ledger.Webhooks); cfg may
 // be nil for the defaults.
 func NewSender(store ledger.Webhooks, cfg *Config) (*Sender, error) {
 	if store == nil {

@@ -1,5 +1,5 @@
 // Package webhook delivers escrow's webhook events: a Sender claims due deliveries from the
-// ledger's outbox (accounting.Webhooks), POSTs each one's JSON body, signed, to its endpoint, and
+// ledger's outbox (ledger.Webhooks), POSTs each one's JSON body, signed, to its endpoint, and
 // records the outcome, retrying with exponential backoff and jitter up to a bound on attempts.
 // Delivery is at least once: a receiver deduplicates by the event id header.
 //

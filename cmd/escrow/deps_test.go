@@ -1,7 +1,11 @@
 package main
 
 import (
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -37,17 +41,21 @@ var layers = map[string][]string{
 	"lua":                   nil,
 	"migrations":            nil,
 	"balance":               {"lua"},
-	"accounting":            {"balance", "migrations", "internal/startstop"},
+	"pricing":               {"balance"},                                 // prices, costs, price tables
+	"ledger":                {"balance", "pricing"},                      // domain types, role interfaces, SQL-free shared logic
+	"ledger/memledger":      {"ledger"},                                  // the in-memory store
+	"ledger/pgledger":       {"ledger", "migrations"},                    // the Postgres store
+	"ledger/ledgertest":     {"ledger", "internal/testutil"},             // the conformance suite both stores run
+	"accounting":            {"ledger", "balance", "internal/startstop"}, // recorder, worker, journal, Ops: never a store
 	"middleware":            {"accounting", "balance"},
 	"admin":                 {"accounting", "internal/csvcell"},
-	".":                     {"accounting", "admin", "balance", "middleware", "migrations", "webhook"}, // the root package escrow: New
-	"server":                {".", "accounting", "admin", "balance", "middleware", "migrations", "webhook"},
+	".":                     {"accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"}, // the root package escrow: New
+	"server":                {".", "accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"},
 	"cmd/escrow":            {"server", "internal/csvcell"},
 	"examples/proxy":        {"server", "internal/fakeupstream"},
 	"bench":                 {"server", "internal/fakeupstream", "internal/testutil"},
 	"balance/balancetest":   {"balance", "internal/testutil"},
-	"accounting/ledgertest": {"accounting", "internal/testutil"},
-	"webhook":               {"accounting"},
+	"webhook":               {"ledger"},
 	"internal/fakeupstream": nil,
 	"internal/testutil":     nil,
 	"internal/startstop":    nil, // the one Start/Stop base of the worker, the recorder and the journal fallback
@@ -133,7 +141,112 @@ func TestLayering(t *testing.T) {
 		t.Errorf("imports against the layering (DESIGN.md, Layout):\n  %s", strings.Join(bad, "\n  "))
 	}
 	// The checker itself finds a wrong arrow.
-	if bad := layerViolations(map[string][]string{"admin": {"middleware"}, "balance": {"accounting"}, "newpkg": nil}); len(bad) != 3 {
+	if bad := layerViolations(map[string][]string{"admin": {"middleware"}, "balance": {"accounting"}, "newpkg": nil,
+		"ledger/pgledger": {"accounting"}, "accounting": {"ledger/memledger"}}); len(bad) != 5 {
 		t.Errorf("the checker missed a violation: %v", bad)
+	}
+}
+
+// maxExported is the most names a library package of the module may export (DESIGN.md, Layout):
+// past it, a package holds more than one role and is split by role.
+const maxExported = 150
+
+// exportedNames counts the exported names of a package's files: top-level types, funcs, vars and
+// consts, and the methods of its exported types.
+func exportedNames(files []*ast.File) int {
+	n := 0
+	for _, f := range files {
+		for _, decl := range f.Decls {
+			switch d := decl.(type) {
+			case *ast.FuncDecl:
+				if !d.Name.IsExported() {
+					continue
+				}
+				if d.Recv != nil && len(d.Recv.List) > 0 {
+					t := d.Recv.List[0].Type
+					if s, ok := t.(*ast.StarExpr); ok {
+						t = s.X
+					}
+					if g, ok := t.(*ast.IndexExpr); ok {
+						t = g.X
+					}
+					if g, ok := t.(*ast.IndexListExpr); ok {
+						t = g.X
+					}
+					if id, ok := t.(*ast.Ident); ok && !id.IsExported() {
+						continue
+					}
+				}
+				n++
+			case *ast.GenDecl:
+				for _, sp := range d.Specs {
+					switch s := sp.(type) {
+					case *ast.TypeSpec:
+						if s.Name.IsExported() {
+							n++
+						}
+					case *ast.ValueSpec:
+						for _, name := range s.Names {
+							if name.IsExported() {
+								n++
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+	return n
+}
+
+// TestExportedNames: no library package of the module (outside internal/, bench and commands)
+// exports more than maxExported names.
+func TestExportedNames(t *testing.T) {
+	t.Parallel()
+	out, err := exec.Command("go", "list", "-f", `{{.ImportPath}} {{.Name}} {{.Dir}}{{range .GoFiles}} {{.}}{{end}}`, module+"/...").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go list: %v\n%s", err, out)
+	}
+	counted := 0
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		f := strings.Fields(line)
+		rel, ok := relPath(f[0])
+		if !ok || f[1] == "main" || rel == "bench" || rel == "internal" || strings.HasPrefix(rel, "internal/") {
+			continue
+		}
+		fset := token.NewFileSet()
+		var files []*ast.File
+		for _, name := range f[3:] {
+			file, err := parser.ParseFile(fset, filepath.Join(f[2], name), nil, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			files = append(files, file)
+		}
+		counted++
+		if n := exportedNames(files); n > maxExported {
+			t.Errorf("%s exports %d names, more than %d: split it by role (DESIGN.md, Layout)", rel, n, maxExported)
+		}
+	}
+	if counted < 10 {
+		t.Fatalf("go list gave %d library packages, implausibly few:\n%s", counted, out)
+	}
+	// The counter itself counts what the limit is about.
+	src := `package p
+type T struct{}
+type u struct{}
+func (T) A() {}
+func (*T) B() {}
+func (u) C() {}
+func D() {}
+func e() {}
+var V, w = 1, 2
+const K = 1`
+	file, err := parser.ParseFile(token.NewFileSet(), "p.go", src, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := exportedNames([]*ast.File{file}); n != 6 {
+		t.Errorf("exportedNames counted %d names in the sample, want 6 (T, A, B, D, V, K)", n)
 	}
 }

@@ -27,14 +27,15 @@ var demoModels = []ledger.Model{
 }
 
 // seedDemo creates the demo models, the demo org with its balance, and an API key, through the
-// same operations the admin API uses; it returns the key.
+// same operations the admin API uses (the org and the key straight from its ledger); it returns
+// the key.
 func seedDemo(ctx context.Context, ops *accounting.Ops, funds int64) (string, error) {
 	for _, m := range demoModels {
 		if err := ops.PutModel(ctx, m); err != nil {
 			return "", err
 		}
 	}
-	if err := ops.CreateOrg(ctx, "demo"); err != nil && !errors.Is(err, ledger.ErrOrgExists) {
+	if err := ops.Ledger().CreateOrg(ctx, "demo"); err != nil && !errors.Is(err, ledger.ErrOrgExists) {
 		return "", err
 	}
 	if funds > 0 {
@@ -42,7 +43,7 @@ func seedDemo(ctx context.Context, ops *accounting.Ops, funds int64) (string, er
 			return "", err
 		}
 	}
-	_, secret, err := ops.CreateKey(ctx, "demo")
+	_, secret, err := ops.Ledger().CreateKey(ctx, "demo")
 	return secret, err
 }
 

@@ -11,7 +11,7 @@ import (
 	"github.com/llmescrow/escrow/pricing"
 )
 
-// consoleTests cover accounting.Console: lists, names, reports, one request, model deletion and
+// consoleTests cover ledger.Console: lists, names, reports, one request, model deletion and
 // the audit trail.
 var consoleTests = []struct {
 	name string

@@ -1,5 +1,6 @@
-// Package ledgertest is the conformance suite every accounting.Ledger passes: the memory ledger
-// and the Postgres ledger run the same tests, so either can stand in for the other.
+// Package ledgertest is the conformance suite every ledger.Ledger passes, the spec both stores
+// answer to: the memory ledger (memledger) and the Postgres ledger (pgledger) run the same tests,
+// so either can stand in for the other.
 package ledgertest
 
 import (

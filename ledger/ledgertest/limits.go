@@ -9,7 +9,7 @@ import (
 	"github.com/llmescrow/escrow/ledger"
 )
 
-// limitsTests cover accounting.LimitStore and balance.LimitLedger (DESIGN.md "Limits"): limits,
+// limitsTests cover ledger.LimitStore and balance.LimitLedger (DESIGN.md "Limits"): limits,
 // projects and freezes as ledger rows with a version, and the seed's spend per window.
 var limitsTests = []struct {
 	name string

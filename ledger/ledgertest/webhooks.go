@@ -12,7 +12,7 @@ import (
 	"github.com/llmescrow/escrow/ledger"
 )
 
-// webhookTests run on every ledger: each must implement accounting.Webhooks (a ledger that
+// webhookTests run on every ledger: each must implement ledger.Webhooks (a ledger that
 // does not fails them, never skips them).
 var webhookTests = []struct {
 	name string

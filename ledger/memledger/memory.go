@@ -15,10 +15,10 @@ import (
 	"github.com/llmescrow/escrow/ledger"
 )
 
-// Memory is the in-memory ledger: the embedded default for a single process with an embedded
-// Redis. It implements Ledger exactly like Postgres does (the same conformance suite runs on
-// both) but forgets everything when the process ends, so each Memory has a new random epoch: a
-// hot balance written against an earlier Memory never matches it.
+// Ledger is the in-memory ledger: the embedded default for a single process with an embedded
+// Redis. It implements ledger.Ledger exactly like the Postgres ledger (pgledger) does (the same
+// conformance suite runs on both) but forgets everything when the process ends, so each one has
+// a new random epoch: a hot balance written against an earlier memory ledger never matches it.
 type Ledger struct {
 	mu       sync.Mutex
 	epoch    balance.Epoch
@@ -85,7 +85,7 @@ var (
 	_ ledger.QuietUsageStore = (*Ledger)(nil)
 )
 
-// NewMemory returns an empty in-memory ledger with a new random epoch (generation 1).
+// New returns an empty in-memory ledger with a new random epoch (generation 1).
 func New() *Ledger {
 	return &Ledger{
 		epoch:    balance.Epoch{Gen: 1, ID: ledger.RandomHex(16)},
@@ -480,7 +480,7 @@ func (m *Ledger) accountOrgLocked(org string, limit int, r *ledger.AccountResult
 	for _, e := range q[:limit] {
 		e.seq = int64(len(a.entries)) + 1
 		a.entries = append(a.entries, ledger.LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: ledger.KindCharge, HoldID: e.ev.ID, CreatedAt: now})
-		at := ledger.AttrTime(e.ev.ReservedAt, e.ev.CreatedAt)
+		at := attrTime(e.ev.ReservedAt, e.ev.CreatedAt)
 		a.attr[e.seq] = entryAttr{key: e.ev.KeyID, project: e.ev.Project, at: at, tokens: e.ev.Usage.Tokens()}
 		if r != nil {
 			r.Learn(e.ev.Model, e.ev.Cost, e.ev.Choices, e.ev.Estimated)

@@ -191,7 +191,7 @@ func (m *Ledger) ListEntries(ctx context.Context, org string, q ledger.EntryQuer
 	}
 	for seq := top; seq >= 1; seq-- {
 		e := a.entries[seq-1]
-		if (q.Kind != "" && e.Kind != q.Kind) || !ledger.InRange(m.entryTime(e), q.From, q.To) {
+		if (q.Kind != "" && e.Kind != q.Kind) || !inRange(m.entryTime(e), q.From, q.To) {
 			continue
 		}
 		if len(p.Data) == limit {
@@ -221,7 +221,7 @@ func (m *Ledger) TopSpenders(ctx context.Context, q ledger.TopQuery) ([]ledger.U
 		r := ledger.UsageRow{Group: org}
 		for _, e := range a.entries {
 			ev := m.events[e.HoldID]
-			if e.Kind != ledger.KindCharge || ev == nil || !ledger.InRange(ledger.AttrTime(ev.ev.ReservedAt, ev.ev.CreatedAt), q.From, q.To) {
+			if e.Kind != ledger.KindCharge || ev == nil || !inRange(attrTime(ev.ev.ReservedAt, ev.ev.CreatedAt), q.From, q.To) {
 				continue
 			}
 			addUsage(&r, -e.Delta, ev.ev.Usage)
@@ -256,14 +256,14 @@ func (m *Ledger) UsageReport(ctx context.Context, org string, q ledger.UsageQuer
 	rows := map[string]*ledger.UsageRow{}
 	for _, e := range a.entries {
 		ev := m.events[e.HoldID]
-		at := ledger.AttrTime(ev0(ev).ReservedAt, ev0(ev).CreatedAt)
-		if e.Kind != ledger.KindCharge || ev == nil || !ledger.InRange(at, q.From, q.To) {
+		at := attrTime(ev0(ev).ReservedAt, ev0(ev).CreatedAt)
+		if e.Kind != ledger.KindCharge || ev == nil || !inRange(at, q.From, q.To) {
 			continue
 		}
 		var g string
 		switch q.GroupBy {
 		case ledger.GroupByDay:
-			g = ledger.DayOf(at)
+			g = dayOf(at)
 		case ledger.GroupByModel:
 			g = ev.ev.Model
 		case ledger.GroupByKey:
@@ -409,7 +409,7 @@ func (m *Ledger) Spend(ctx context.Context, org, keyID string, since []time.Time
 // m.mu.
 func (m *Ledger) entryTime(e ledger.LedgerEntry) time.Time {
 	if ev := m.events[e.HoldID]; e.Kind == ledger.KindCharge && ev != nil {
-		return ledger.AttrTime(ev.ev.ReservedAt, ev.ev.CreatedAt)
+		return attrTime(ev.ev.ReservedAt, ev.ev.CreatedAt)
 	}
 	return e.CreatedAt
 }
@@ -421,3 +421,18 @@ func ev0(e *memEvent) ledger.UsageEvent {
 	}
 	return e.ev
 }
+
+// attrTime is the time a charge counts at: its reserve time (whole milliseconds), or its record
+// time when it has none (fail-open).
+func attrTime(reserved, recorded time.Time) time.Time {
+	if reserved.IsZero() {
+		return recorded.UTC()
+	}
+	return reserved.UTC()
+}
+
+func inRange(t, from, to time.Time) bool {
+	return (from.IsZero() || !t.Before(from)) && (to.IsZero() || t.Before(to))
+}
+
+func dayOf(t time.Time) string { return t.UTC().Format("2006-01-02") }

@@ -63,7 +63,7 @@ func (h *memHooks) emit(typ ledger.EventType, org string, data any) {
 	h.init()
 	now := time.Now().UTC().Truncate(time.Microsecond)
 	id := uuid.Must(uuid.NewV7()).String()
-	body, err := json.Marshal(ledger.EventBody{ID: id, Type: typ, Org: org, CreatedAt: ledger.TimeText(now), Data: data})
+	body, err := json.Marshal(eventBody{ID: id, Type: typ, Org: org, CreatedAt: timeText(now), Data: data})
 	if err != nil {
 		panic(fmt.Sprintf("accounting: webhook body: %v", err)) // data is always one of the types below
 	}
@@ -96,7 +96,7 @@ type (
 // balanceChanged emits balance.low when the org's balance went from before to after across its
 // threshold. Call with m.mu held.
 func (h *memHooks) balanceChanged(org string, before, after int64) {
-	if t := h.threshold(org); ledger.CrossedBelow(before, after, t) {
+	if t := h.threshold(org); crossedBelow(before, after, t) {
 		h.emit(ledger.EventBalanceLow, org, lowBalanceData{Balance: after, Threshold: *t})
 	}
 }
@@ -281,4 +281,25 @@ func (m *Ledger) FinishDelivery(ctx context.Context, id int64, attempt int, o le
 		d.d.DeliveredAt = &now
 	}
 	return nil
+}
+
+// crossedBelow reports whether a balance change from before to after crosses threshold
+// downwards.
+func crossedBelow(before, after int64, threshold *int64) bool {
+	return threshold != nil && before >= *threshold && after < *threshold
+}
+
+// timeText formats t like the Postgres bodies (UTC, microseconds).
+func timeText(t time.Time) string {
+	return t.UTC().Truncate(time.Microsecond).Format("2006-01-02T15:04:05.000000Z")
+}
+
+// eventBody is the JSON every endpoint receives for one event (Postgres builds the same object
+// with jsonb_build_object).
+type eventBody struct {
+	ID        string           `json:"id"`
+	Type      ledger.EventType `json:"type"`
+	Org       string           `json:"org"`
+	CreatedAt string           `json:"created_at"`
+	Data      any              `json:"data"`
 }

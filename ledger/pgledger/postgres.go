@@ -21,11 +21,11 @@ import (
 	"github.com/llmescrow/escrow/migrations"
 )
 
-// PostgresConfig configures the Postgres ledger. The zero value is ready to use.
+// Config configures the Postgres ledger. The zero value is ready to use.
 type Config struct {
-	// SkipMigrations stops OpenPostgres from applying the embedded migrations (package
+	// SkipMigrations stops Open from applying the embedded migrations (package
 	// migrations) before it returns. Default false: they are applied, under an advisory lock,
-	// so several processes may start at once. NewPostgres never migrates.
+	// so several processes may start at once. New never migrates.
 	SkipMigrations bool
 	// Logger receives the subscription's reconnect warnings. Default slog.Default().
 	Logger *slog.Logger
@@ -34,7 +34,7 @@ type Config struct {
 	ReconnectDelay time.Duration
 }
 
-// Postgres is the ledger in PostgreSQL (the pool's current schema; see package migrations for
+// Ledger is the ledger in PostgreSQL (the pool's current schema; see package migrations for
 // the tables). Every query goes to the primary the pool points at.
 //
 // Locking. The writers of one org's ledger are serialized by the account row: every entry's
@@ -50,7 +50,7 @@ type Config struct {
 //
 // Notifications go to the channel "escrow_" + the first 16 hex digits of md5(current_schema()),
 // so ledgers in different schemas of one database do not hear each other. Their payload is the
-// org, followed, for an account pass of a ledger made by OpenPostgres, by a space and that
+// org, followed, for an account pass of a ledger made by Open, by a space and that
 // ledger's tag (see Subscribe).
 type Ledger struct {
 	pool   *pgxpool.Pool
@@ -68,7 +68,7 @@ var (
 	_ ledger.QuietUsageStore = (*Ledger)(nil)
 )
 
-// defaultReconnectDelay is PostgresConfig.ReconnectDelay's default.
+// defaultReconnectDelay is Config.ReconnectDelay's default.
 const defaultReconnectDelay = 250 * time.Millisecond
 
 // withDefaults returns the config with every zero field set to its default; c may be nil.
@@ -90,7 +90,7 @@ func (c *Config) validate() error {
 	return nil
 }
 
-// OpenPostgres connects to url (a pgx connection string; its search_path selects the schema)
+// Open connects to url (a pgx connection string; its search_path selects the schema)
 // and, unless cfg says otherwise, applies the migrations; cfg may be nil for the defaults. The
 // ledger owns the pool: Close closes it.
 func Open(ctx context.Context, url string, cfg *Config) (*Ledger, error) {
@@ -135,7 +135,7 @@ func tagConn(tag string) func(context.Context, *pgx.Conn) error {
 	}
 }
 
-// NewPostgres returns a ledger on pool, whose schema must be migrated (migrations.Up); cfg may
+// New returns a ledger on pool, whose schema must be migrated (migrations.Up); cfg may
 // be nil for the defaults. The caller keeps the pool: Close does not close it. Its connections
 // carry no notification tag, so this ledger's Subscribe also delivers its own account passes'
 // notifications (see Subscribe).
@@ -154,7 +154,7 @@ func newPostgres(pool *pgxpool.Pool, c Config) *Ledger {
 	return &Ledger{pool: pool, cfg: c, log: c.Logger, closed: make(chan struct{})}
 }
 
-// Close stops the subscriptions and, when OpenPostgres made the pool, closes it.
+// Close stops the subscriptions and, when Open made the pool, closes it.
 func (p *Ledger) Close() {
 	select {
 	case <-p.closed:
@@ -1259,7 +1259,7 @@ LIMIT $1`, limit)
 // loses notifications (the channel holds 1024) rather than slowing Postgres.
 //
 // The notifications of this ledger's own account passes are left out (when it was made by
-// OpenPostgres, which tags its connections): the caller of AccountPass has their orgs in the
+// Open, which tags its connections): the caller of AccountPass has their orgs in the
 // AccountResult and settles them itself, so hearing them again would only make its next pass
 // read entries it has just settled. Other ledgers (other processes) hear them, as they hear
 // every credit, adjust, seed and usage notification.

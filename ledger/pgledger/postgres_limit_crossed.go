@@ -90,7 +90,7 @@ func queueLimitWindows(b *pgx.Batch, cs []orgCharges, now time.Time) {
 			continue
 		}
 		for _, w := range ledger.WindowIncs(c.limits, c.attrs, now) {
-			id, _ := ledger.ParseLimitID(w.Limit.ID)
+			id, _ := parseLimitID(w.Limit.ID)
 			ids, bases, incs = append(ids, id), append(bases, c.base), append(incs, w.Inc)
 			starts, stops, curs = append(starts, w.Start), append(stops, w.Next), append(curs, w.Current)
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -145,7 +146,7 @@ func (p *Ledger) SetLimitCap(ctx context.Context, org, id string, cap int64) (ba
 	if err := ledger.CheckCap(cap); err != nil {
 		return balance.Limit{}, ledger.LimitChange{}, err
 	}
-	n, ok := ledger.ParseLimitID(id)
+	n, ok := parseLimitID(id)
 	if !ok {
 		return balance.Limit{}, ledger.LimitChange{}, fmt.Errorf("%w: %q", ledger.ErrUnknownLimit, id)
 	}
@@ -168,7 +169,7 @@ RETURNING `+sqlLimitColumns, org, n, cap)
 
 // DeleteLimit marks a live limit deleted (its row stays; its id is never used again).
 func (p *Ledger) DeleteLimit(ctx context.Context, org, id string) (ledger.LimitChange, error) {
-	n, ok := ledger.ParseLimitID(id)
+	n, ok := parseLimitID(id)
 	if !ok {
 		return ledger.LimitChange{}, fmt.Errorf("%w: %q", ledger.ErrUnknownLimit, id)
 	}
@@ -414,4 +415,10 @@ func attribute(e *balance.Entry, key, project *string, at *time.Time) {
 	if at != nil {
 		e.ReservedAt = at.UTC()
 	}
+}
+
+// parseLimitID reads a limit id: the decimal form of a positive integer.
+func parseLimitID(id string) (int64, bool) {
+	n, err := strconv.ParseInt(id, 10, 64)
+	return n, err == nil && n > 0 && strconv.FormatInt(n, 10) == id
 }

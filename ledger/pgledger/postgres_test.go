@@ -76,7 +76,7 @@ func TestPostgresUnavailable(t *testing.T) {
 	defer cancel()
 	_, err := pgledger.Open(ctx, "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=2", nil)
 	if !errors.Is(err, ledger.ErrLedgerUnavailable) {
-		t.Fatalf("OpenPostgres on a closed port: %v; want ErrLedgerUnavailable", err)
+		t.Fatalf("Open on a closed port: %v; want ErrLedgerUnavailable", err)
 	}
 	pool, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=2")
 	if err != nil {
