@@ -841,6 +841,8 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 
 // SQLUnsettledOf reads, for each org of $1, up to $2 entries past its settled_seq (with each
 // charge's usage record time, the settle-lag clock), and the epoch, in one statement.
+// It is exported for tracers (a pgx QueryTracer that counts a settle pass's reads matches it;
+// accounting's pass-count test does).
 const SQLUnsettledOf = `
 SELECT m.epoch_gen, m.epoch_id, e.org_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.at, e.tokens
 FROM ledger_meta m LEFT JOIN LATERAL (
