@@ -110,7 +110,7 @@ type LimitView struct {
 	Scope   balance.ScopeKind `json:"scope"`
 	ScopeID string            `json:"scope_id,omitempty"` // the project or key; absent for the org
 	Window  balance.Window    `json:"window"`
-	Unit    string            `json:"unit"` // money, requests or tokens: what Cap, Used and Held count
+	Unit    string            `json:"unit,omitempty"` // requests or tokens (absent: money): what Cap, Used and Held count
 	Cap     int64             `json:"cap"`
 	// Used is the current window's counter: the cost of the charges attributed to it plus what
 	// its requests in flight hold (from the hot balance when the org is warm, else the
@@ -160,7 +160,7 @@ func (o *Ops) ListLimits(ctx context.Context, org string) ([]LimitView, error) {
 		ledgerUsed[balance.Counter{LimitID: u.LimitID, Start: u.Start}] = u.Used
 	}
 	for _, l := range ls.Limits {
-		v := LimitView{ID: l.ID, Scope: l.Scope.Kind, ScopeID: l.Scope.ID, Window: l.Window, Unit: l.Unit.String(), Cap: l.Cap}
+		v := LimitView{ID: l.ID, Scope: l.Scope.Kind, ScopeID: l.Scope.ID, Window: l.Window, Unit: string(l.Unit), Cap: l.Cap}
 		k := balance.Counter{LimitID: l.ID, Start: l.Window.StartMS(now)}
 		v.Used = ledgerUsed[k]
 		if u, ok := hot[k]; ok && warm {

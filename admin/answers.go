@@ -55,6 +55,6 @@ type Limit struct {
 	Scope   string `json:"scope"`
 	ScopeID string `json:"scope_id,omitempty"`
 	Window  string `json:"window"`
-	Unit    string `json:"unit"` // money, requests or tokens
+	Unit    string `json:"unit,omitempty"` // requests or tokens; absent for money
 	Cap     int64  `json:"cap"`
 }

@@ -66,7 +66,7 @@ func (a *API) setKeyProject(c echo.Context) error {
 
 // toJSON is l as the routes answer it.
 func toJSON(l balance.Limit) Limit {
-	return Limit{ID: l.ID, Scope: string(l.Scope.Kind), ScopeID: l.Scope.ID, Window: string(l.Window), Unit: l.Unit.String(), Cap: l.Cap}
+	return Limit{ID: l.ID, Scope: string(l.Scope.Kind), ScopeID: l.Scope.ID, Window: string(l.Window), Unit: string(l.Unit), Cap: l.Cap}
 }
 
 func (a *API) createLimit(c echo.Context) error {
@@ -108,13 +108,13 @@ func (a *API) listLimits(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return writeList(c, ls, "", []string{"id", "scope", "scope_id", "window", "unit", "cap", "used", "held", "resets_at"},
+	return writeList(c, ls, "", []string{"id", "scope", "scope_id", "window", "cap", "used", "held", "resets_at"},
 		func(l accounting.LimitView) []string {
 			reset := ""
 			if l.ResetsAt != nil {
 				reset = ts(*l.ResetsAt)
 			}
-			return []string{l.ID, string(l.Scope), l.ScopeID, string(l.Window), l.Unit, i64(l.Cap), i64(l.Used), i64(l.Held), reset}
+			return []string{l.ID, string(l.Scope), l.ScopeID, string(l.Window), i64(l.Cap), i64(l.Used), i64(l.Held), reset}
 		})
 }
 

@@ -81,7 +81,7 @@ type LimitInfo struct {
 	Scope    string  `json:"scope"`
 	ScopeID  *string `json:"scope_id"`
 	Window   string  `json:"window"`
-	Unit     string  `json:"unit"`
+	Unit     string  `json:"unit,omitempty"` // requests or tokens; absent for money
 	Cap      int64   `json:"cap"`
 	Used     int64   `json:"used"`
 	ResetsAt *string `json:"resets_at"`
@@ -187,7 +187,7 @@ func limitRefusal(le *balance.LimitError) *Error {
 	if l.ID == "" {
 		return e
 	}
-	info := &LimitInfo{ID: l.ID, Scope: string(l.Scope.Kind), Window: string(l.Window), Unit: l.Unit.String(), Cap: l.Cap, Used: le.Used}
+	info := &LimitInfo{ID: l.ID, Scope: string(l.Scope.Kind), Window: string(l.Window), Unit: string(l.Unit), Cap: l.Cap, Used: le.Used}
 	var who string
 	switch l.Scope.Kind {
 	case balance.ScopeOrg:

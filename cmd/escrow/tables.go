@@ -5,6 +5,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/admin"
+	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
 )
 
@@ -172,7 +173,7 @@ var limitTable = table[admin.Limit]{
 	{"scope", func(l admin.Limit) string { return l.Scope }},
 	{"scope_id", func(l admin.Limit) string { return l.ScopeID }},
 	{"window", func(l admin.Limit) string { return l.Window }},
-	{"unit", func(l admin.Limit) string { return l.Unit }},
+	{"unit", func(l admin.Limit) string { return balance.Unit(l.Unit).String() }},
 	{"cap", func(l admin.Limit) string { return i64(l.Cap) }},
 }
 
