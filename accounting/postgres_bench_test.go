@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/internal/testutil"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/ledger/ledgertest"
 	"github.com/llmescrow/escrow/pricing"
@@ -34,7 +35,7 @@ func reportRate(b *testing.B, events int) {
 func BenchmarkRecordUsageBatch(b *testing.B) {
 	for _, size := range []int{1, 10, 100, 500} {
 		b.Run(fmt.Sprintf("size=%d", size), func(b *testing.B) {
-			l, _ := newPostgres(b)
+			l, _ := testutil.PostgresLedger(b)
 			ctx := context.Background()
 			evs := benchEvents(b.N*size, 100)
 			b.ResetTimer()
@@ -53,7 +54,7 @@ func BenchmarkRecordUsageBatch(b *testing.B) {
 func BenchmarkRecorder(b *testing.B) {
 	for _, flushers := range []int{1, 2, 4} {
 		b.Run(fmt.Sprintf("flushers=%d", flushers), func(b *testing.B) {
-			l, _ := newPostgres(b)
+			l, _ := testutil.PostgresLedger(b)
 			r := newRecorder(b, l, accounting.RecorderConfig{Flushers: flushers})
 			r.Start(context.Background())
 			defer r.Stop(context.Background())
@@ -86,7 +87,7 @@ func BenchmarkRecorder(b *testing.B) {
 func BenchmarkAccountPending(b *testing.B) {
 	for _, orgs := range []int{10, 100, 1000} {
 		b.Run(fmt.Sprintf("orgs=%d", orgs), func(b *testing.B) {
-			l, _ := newPostgres(b)
+			l, _ := testutil.PostgresLedger(b)
 			ctx := context.Background()
 			evs := benchEvents(b.N, orgs)
 			for i := 0; i < len(evs); i += 500 {

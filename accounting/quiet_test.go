@@ -120,7 +120,7 @@ func TestRecorderWakeReplay(t *testing.T) {
 // Wake notifies the usage's org; with Wake the insert sends nothing, while a credit still does.
 func TestRecordUsageQuietSendsNoNotify(t *testing.T) {
 	t.Parallel()
-	l, env := newPostgres(t)
+	l, env := testutil.PostgresLedger(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	conn := listenRaw(ctx, t, env)

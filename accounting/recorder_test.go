@@ -10,6 +10,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/internal/testutil"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/ledger/ledgertest"
 	"github.com/llmescrow/escrow/ledger/memledger"
@@ -238,7 +239,7 @@ func TestRecorderFlushInterval(t *testing.T) {
 
 func TestRecorderPostgres(t *testing.T) {
 	t.Parallel()
-	l, env := newPostgres(t)
+	l, env := testutil.PostgresLedger(t)
 	r := startRecorder(t, l, accounting.RecorderConfig{})
 	evs, errs := recordAll(t, r, 500, "o")
 	for _, err := range errs {

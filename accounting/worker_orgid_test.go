@@ -17,7 +17,7 @@ import (
 // 10: "settle pass failed" 252 times), and the other orgs settle normally.
 func TestWorkerSkipsOrgIDsBeforeTheRule(t *testing.T) {
 	t.Parallel()
-	l, env := newPostgres(t)
+	l, env := testutil.PostgresLedger(t)
 	ctx := context.Background()
 	for _, org := range []string{"ÄÖ", "team/a"} { // as an older version wrote them
 		if _, err := env.Pool.Exec(ctx, `INSERT INTO accounts (org_id, balance, ledger_seq) VALUES ($1, 5, 1)`, org); err != nil {

@@ -17,8 +17,6 @@ import (
 	"github.com/llmescrow/escrow/internal/testutil"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/ledger/memledger"
-	"github.com/llmescrow/escrow/ledger/pgledger"
-	"github.com/llmescrow/escrow/migrations"
 )
 
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -56,21 +54,6 @@ func newWorker(t testing.TB, l ledger.Ledger, store *balance.Store, cfg *account
 }
 
 func newID() string { return uuid.Must(uuid.NewV7()).String() }
-
-// newPostgres returns a Postgres ledger in a fresh schema.
-func newPostgres(t testing.TB) (*pgledger.Ledger, *testutil.PostgresEnv) {
-	t.Helper()
-	env := testutil.Postgres(t)
-	if _, err := migrations.Up(context.Background(), env.Pool); err != nil {
-		t.Fatal(err)
-	}
-	l, err := pgledger.New(env.Pool, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(l.Close)
-	return l, env
-}
 
 // TestCreditUnblocks: an org at 0 is refused, a credit lands, and the very next reserve passes
 // (no TTL, no cold path).

@@ -57,10 +57,10 @@ var layers = map[string][]string{
 	"balance/balancetest":   {"balance", "internal/testutil"},
 	"webhook":               {"ledger"},
 	"internal/fakeupstream": nil,
-	"internal/testutil":     nil,
-	"internal/startstop":    nil, // the one Start/Stop base of the worker, the recorder and the journal fallback
-	"internal/modelcheck":   nil, // tests only: the SPIN model check and its replay
-	"internal/csvcell":      nil, // CSV cells a spreadsheet will not run as formulas
+	"internal/testutil":     {"ledger/pgledger", "migrations"}, // PostgresLedger: a migrated Postgres ledger per test
+	"internal/startstop":    nil,                               // the one Start/Stop base of the worker, the recorder and the journal fallback
+	"internal/modelcheck":   nil,                               // tests only: the SPIN model check and its replay
+	"internal/csvcell":      nil,                               // CSV cells a spreadsheet will not run as formulas
 }
 
 const module = "github.com/llmescrow/escrow"

@@ -8,6 +8,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/llmescrow/escrow/ledger/pgledger"
+	"github.com/llmescrow/escrow/migrations"
 )
 
 // PostgresEnv is a fresh, empty schema in the configured Postgres, dropped when the test ends.
@@ -69,4 +72,20 @@ func WithSearchPath(dsn, schema string) string {
 	q.Set("search_path", schema)
 	u.RawQuery = q.Encode()
 	return u.String()
+}
+
+// PostgresLedger is a Postgres ledger on its own fresh schema (Postgres), migrated, closed
+// when the test ends.
+func PostgresLedger(tb testing.TB) (*pgledger.Ledger, *PostgresEnv) {
+	tb.Helper()
+	env := Postgres(tb)
+	if _, err := migrations.Up(context.Background(), env.Pool); err != nil {
+		tb.Fatal(err)
+	}
+	l, err := pgledger.New(env.Pool, nil)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(l.Close)
+	return l, env
 }

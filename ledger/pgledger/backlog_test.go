@@ -4,6 +4,7 @@ import (
 	"context"
 	"testing"
 
+	"github.com/llmescrow/escrow/internal/testutil"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/ledger/ledgertest"
 	"github.com/llmescrow/escrow/ledger/pgledger"
@@ -13,7 +14,7 @@ import (
 // unsettled until marked settled.
 func TestPostgresBacklog(t *testing.T) {
 	t.Parallel()
-	l, _ := newPostgres(t)
+	l, _ := testutil.PostgresLedger(t)
 	ctx := context.Background()
 	check := func(when string, want pgledger.Backlog) {
 		t.Helper()

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/llmescrow/escrow/internal/testutil"
 	"github.com/llmescrow/escrow/ledger"
 )
 
@@ -22,7 +23,7 @@ func BenchmarkConsoleLarge(b *testing.B) {
 		b.Skip("set ESCROW_BENCH_CONSOLE_ROWS (make bench-console)")
 	}
 	const orgs = 1000
-	l, env := newPostgres(b)
+	l, env := testutil.PostgresLedger(b)
 	ctx := context.Background()
 	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	began := time.Now()

@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/llmescrow/escrow/internal/testutil"
 	"github.com/llmescrow/escrow/ledger/pgledger"
 )
 
@@ -15,7 +16,7 @@ import (
 // planner prefers them, as TestPostgresQueryPlans does for the worker's queries.
 func TestPostgresConsolePlans(t *testing.T) {
 	t.Parallel()
-	_, env := newPostgres(t)
+	_, env := testutil.PostgresLedger(t)
 	ctx := context.Background()
 	_, err := env.Pool.Exec(ctx, `
 INSERT INTO accounts (org_id, ledger_seq, settled_seq) SELECT 'o' || g, 100, 100 FROM generate_series(1, 20000) g;

@@ -14,28 +14,12 @@ import (
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/ledger/ledgertest"
 	"github.com/llmescrow/escrow/ledger/pgledger"
-	"github.com/llmescrow/escrow/migrations"
 )
-
-// newPostgres returns a Postgres ledger in a fresh schema.
-func newPostgres(t testing.TB) (*pgledger.Ledger, *testutil.PostgresEnv) {
-	t.Helper()
-	env := testutil.Postgres(t)
-	if _, err := migrations.Up(context.Background(), env.Pool); err != nil {
-		t.Fatal(err)
-	}
-	l, err := pgledger.New(env.Pool, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(l.Close)
-	return l, env
-}
 
 func TestPostgresLedger(t *testing.T) {
 	t.Parallel()
 	ledgertest.Run(t, func(t *testing.T) ledger.Ledger {
-		l, _ := newPostgres(t)
+		l, _ := testutil.PostgresLedger(t)
 		return l
 	})
 }
@@ -63,7 +47,7 @@ func TestOpenPostgresMigrates(t *testing.T) {
 		t.Fatalf("epochs %v and %v", e1, e2)
 	}
 	// Another schema is another ledger with its own random epoch.
-	l3, _ := newPostgres(t)
+	l3, _ := testutil.PostgresLedger(t)
 	if e3, _ := l3.Epoch(ctx); e3 == e1 {
 		t.Fatalf("two schemas share epoch %v", e1)
 	}
@@ -95,7 +79,7 @@ func TestPostgresUnavailable(t *testing.T) {
 		t.Fatalf("RecordUsage: %v; want ErrLedgerUnavailable and ErrNotRecorded (no connection: certainly not stored)", err)
 	}
 	// A query error is not unavailability.
-	good, _ := newPostgres(t)
+	good, _ := testutil.PostgresLedger(t)
 	if _, err := good.Pool().Exec(ctx, "SELECT 1/0"); ledger.Unavailable(err) {
 		t.Fatalf("division by zero counted as unavailable: %v", err)
 	}
@@ -106,7 +90,7 @@ func TestPostgresUnavailable(t *testing.T) {
 // planner prefers them.
 func TestPostgresQueryPlans(t *testing.T) {
 	t.Parallel()
-	l, env := newPostgres(t)
+	l, env := testutil.PostgresLedger(t)
 	ctx := context.Background()
 	_, err := env.Pool.Exec(ctx, `
 INSERT INTO accounts (org_id, ledger_seq, settled_seq) SELECT 'o' || g, 100, 100 FROM generate_series(1, 200) g;
@@ -160,7 +144,7 @@ ANALYZE accounts, ledger_entries, usage_events`) // this schema's tables only: a
 // at the next analyze) changes what is tested.
 func TestPostgresWritePlansWithoutStats(t *testing.T) {
 	t.Parallel()
-	_, env := newPostgres(t)
+	_, env := testutil.PostgresLedger(t)
 	ctx := context.Background()
 	conn, err := env.Pool.Acquire(ctx)
 	if err != nil {
@@ -230,7 +214,7 @@ INSERT INTO usage_events (id, org_id, model, cost) SELECT gen_random_uuid(), 'o1
 // itself and delivers later notifications.
 func TestPostgresSubscribeReconnects(t *testing.T) {
 	t.Parallel()
-	l, env := newPostgres(t)
+	l, env := testutil.PostgresLedger(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if err := l.CreateOrg(ctx, "o"); err != nil {

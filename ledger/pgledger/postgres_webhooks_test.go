@@ -9,6 +9,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/internal/testutil"
 	"github.com/llmescrow/escrow/ledger"
 )
 
@@ -18,7 +19,7 @@ import (
 func TestPostgresOutboxSameTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	l, env := newPostgres(t)
+	l, env := testutil.PostgresLedger(t)
 	if err := l.CreateOrg(ctx, "o"); err != nil {
 		t.Fatal(err)
 	}
@@ -89,7 +90,7 @@ func TestPostgresOutboxSameTransaction(t *testing.T) {
 func TestPostgresLimitCrossedSameTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	l, env := newPostgres(t)
+	l, env := testutil.PostgresLedger(t)
 	for _, org := range []string{"o", "bare"} {
 		if err := l.CreateOrg(ctx, org); err != nil {
 			t.Fatal(err)
