@@ -9,8 +9,9 @@
 -- deletes the hold gives its amount back, so a release racing a reaper or a
 -- settle returns the money once. With no acct the hold is only deleted (the next seed does not
 -- subtract it). The id goes into gone either way, so a late re-sent reserve meets GONE.
--- Counters: U -= what the hold holds there (its amount, 1 request, its tokens) on the counters the record names, only while acct exists (without acct
--- there is no u to keep: it went with acct).
+-- Counters: U -= what the hold holds there (its amount, 1 request, its tokens) on the counters
+-- the record names, only while acct exists (without acct there is no u to keep: it went with
+-- acct).
 -- Reply: 1 if this call deleted the hold, else 0.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

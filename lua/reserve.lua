@@ -98,14 +98,13 @@ end
 -- Limits in scope: the org's, the key's project's, the key's; each in the window of the
 -- reserve time.
 local rtime = now + (tonumber(ARGV[9]) or 0)
-local fields, specs, units = {}, {}, {}
+local fields, specs = {}, {}
 local function add(scope, sid)
   return function(v_id, w, cap, u)
     local ws, we = window_bounds(w, rtime)
     if ws and per_unit[u] then
       fields[#fields + 1] = v_id .. ':' .. ms_string(ws)
       specs[#specs + 1] = {v_id, scope, sid, w, cap, we, ws, u}
-      units[#units + 1] = u
     end
   end
 end
@@ -148,9 +147,9 @@ if #fields > 0 then
       local room, troom = tonumber(acct[1]), nil
       for j = 1, #fields do
         local left = tonumber(specs[j][5]) - (tonumber(used[j]) or 0)
-        if units[j] == 'm' then
+        if specs[j][8] == 'm' then
           room = math.min(room, left)
-        elseif units[j] == 't' then
+        elseif specs[j][8] == 't' then
           troom = math.min(troom or left, left)
         end
       end
@@ -171,9 +170,11 @@ local bal = redis.call('HINCRBY', KEYS[1], 'bal', '-' .. ARGV[3])
 local rts = ms_string(rtime)
 -- The requests and the tokens limit with the least left, for the x-ratelimit-* headers.
 local least = {r = {'', '', ''}, t = {'', '', ''}}
+local units = {} -- the record's unit letter per counter field
 if #fields > 0 then
   for i = 1, #fields do
     local s = specs[i]
+    units[i] = s[8]
     local after = redis.call('HINCRBY', KEYS[6], fields[i], per_unit[s[8]])
     local l = least[s[8]]
     if l then

@@ -90,7 +90,11 @@ local function attributed(v_key, v_project, rt)
   each_limit(spec['o'], one)
   if v_project ~= '' then each_limit(spec['p:' .. v_project], one) end
   if v_key ~= '' then each_limit(spec['k:' .. v_key], one) end
-  return table.concat(fs, ','), table.concat(us)
+  local units = table.concat(us)
+  if string.find(units, '[^m]') == nil then
+    units = '' -- all money: the record's form without units (hold_record writes none)
+  end
+  return table.concat(fs, ','), units
 end
 
 local holds = redis.call('HGETALL', KEYS[2])
