@@ -188,14 +188,9 @@ func limitRefusal(le *balance.LimitError) *Error {
 		return e
 	}
 	info := &LimitInfo{ID: l.ID, Scope: string(l.Scope.Kind), Window: string(l.Window), Unit: string(l.Unit), Cap: l.Cap, Used: le.Used}
-	var who string
-	switch l.Scope.Kind {
-	case balance.ScopeOrg:
-		who = "organization"
-	default:
+	if l.Scope.Kind != balance.ScopeOrg {
 		id := l.Scope.ID
 		info.ScopeID = &id
-		who = string(l.Scope.Kind) + " " + id
 	}
 	reset := "it does not reset"
 	if !le.ResetsAt.IsZero() {
@@ -204,9 +199,18 @@ func limitRefusal(le *balance.LimitError) *Error {
 		reset = "resets " + r
 	}
 	e.Limit = info
-	e.Message = fmt.Sprintf("%s %s limit of %d reached: %d used, %d needed; %s.", who, windowAdjective(l.Window), l.Cap, le.Used, le.Amount, reset)
-	e.Message = strings.ToUpper(e.Message[:1]) + e.Message[1:]
+	e.Message = fmt.Sprintf("%s %s limit of %d reached: %d used, %d needed; %s.", scopeName(l.Scope), windowAdjective(l.Window), l.Cap, le.Used, le.Amount, reset)
 	return e
+}
+
+// scopeName names a limit's scope at the start of a refusal: "Organization", "Key <id>",
+// "Project <id>".
+func scopeName(s balance.Scope) string {
+	if s.Kind == balance.ScopeOrg {
+		return "Organization"
+	}
+	k := string(s.Kind)
+	return strings.ToUpper(k[:1]) + k[1:] + " " + s.ID
 }
 
 func windowAdjective(w balance.Window) string {

@@ -76,17 +76,24 @@ func Bound(m ledger.Model, r Request) (b, outputCap int64, ok bool) {
 	if !r.PlainText {
 		return 0, 0, false
 	}
-	if r.Endpoint != EndpointEmbeddings {
-		outputCap = r.OutputCap
-		if outputCap <= 0 {
-			outputCap = m.MaxOutputTokens
-		}
-		if outputCap <= 0 {
-			return 0, 0, false
-		}
+	outputCap = outputCapOf(m, r)
+	if outputCap <= 0 && r.Endpoint != EndpointEmbeddings {
+		return 0, 0, false
 	}
 	b, ok = requestBound(m, r, outputCap)
 	return b, outputCap, ok // b is balance.MaxAmount when the bound is beyond it
+}
+
+// outputCapOf is the output cap a request's bounds assume: the request's own, else the model's
+// max output tokens (0: none known; embeddings have no output).
+func outputCapOf(m ledger.Model, r Request) int64 {
+	if r.Endpoint == EndpointEmbeddings {
+		return 0
+	}
+	if r.OutputCap > 0 {
+		return r.OutputCap
+	}
+	return m.MaxOutputTokens
 }
 
 // times is a × n clamped to balance.MaxAmount (a, n > 0).

@@ -396,7 +396,7 @@ func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, mo
 	o.HoldID, o.HoldAmount = cl.holdID, amount
 
 	plan := m.planFit(fitOff, model, r, amount)
-	res, err := m.reserve(ctx, cl, amount, tokenBound(r, tokenCap(model, r)))
+	res, err := m.reserve(ctx, cl, amount, tokenBound(r, outputCapOf(model, r)))
 	for try := 1; err != nil && plan.on && try < maxFitTries; try++ {
 		room, ok := roomOf(err)
 		if !ok {

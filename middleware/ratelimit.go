@@ -5,11 +5,9 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/llmescrow/escrow/balance"
-	"github.com/llmescrow/escrow/ledger"
 )
 
 // Requests and tokens limits (DESIGN "Limits", third wave): a request holds 1 on every requests
@@ -31,18 +29,6 @@ func tokenBound(r Request, out int64) int64 {
 	return times(in+out, max(r.N, 1))
 }
 
-// tokenCap is the output cap a request's token bound assumes: the request's own, else the
-// model's max output tokens (0: none known; embeddings have no output).
-func tokenCap(model ledger.Model, r Request) int64 {
-	if r.Endpoint == EndpointEmbeddings {
-		return 0
-	}
-	if r.OutputCap > 0 {
-		return r.OutputCap
-	}
-	return model.MaxOutputTokens
-}
-
 // rateRefusal is the 429 of a hold refused by a requests or a tokens limit (nil for any other
 // error): type and code rate_limit_exceeded, Retry-After (and retry-after-ms) to the window's
 // end, OpenAI's x-ratelimit-* headers of that unit, and the limit in the body. A lifetime limit
@@ -60,16 +46,16 @@ func rateRefusal(err error, now time.Time) *Error {
 	e.Header.Set("x-ratelimit-remaining-"+unit, strconv.FormatInt(max(le.Limit.Cap-le.Used, 0), 10))
 	if le.ResetsAt.IsZero() {
 		e.NoRetry = true
-		e.Message = fmt.Sprintf("Rate limit reached: %s lifetime limit of %d %s used up (%d used, %d requested); it does not reset.",
-			scopeWords(le.Limit.Scope), le.Limit.Cap, unit, le.Used, le.Amount)
+		e.Message = fmt.Sprintf("%s lifetime rate limit of %d %s used up: %d used, %d requested; it does not reset.",
+			scopeName(le.Limit.Scope), le.Limit.Cap, unit, le.Used, le.Amount)
 		return e
 	}
 	wait := max(le.ResetsAt.Sub(now), time.Millisecond)
 	e.RetryAfter = wait
 	e.Header.Set("retry-after-ms", strconv.FormatInt(int64((wait+time.Millisecond-1)/time.Millisecond), 10))
 	e.Header.Set("x-ratelimit-reset-"+unit, resetString(wait))
-	e.Message = fmt.Sprintf("Rate limit reached for %s on %s per %s: limit %d, used %d, requested %d. Please try again in %s.",
-		scopeWords(le.Limit.Scope), unit, le.Limit.Window, le.Limit.Cap, le.Used, le.Amount, resetString(wait))
+	e.Message = fmt.Sprintf("%s rate limit of %d %s per %s reached: %d used, %d requested. Please try again in %s.",
+		scopeName(le.Limit.Scope), le.Limit.Cap, unit, le.Limit.Window, le.Used, le.Amount, resetString(wait))
 	return e
 }
 
@@ -95,11 +81,4 @@ func setRateHeaders(h http.Header, res balance.Reservation, now time.Time) {
 // duration rounded up to the millisecond.
 func resetString(d time.Duration) string {
 	return ((d + time.Millisecond - 1) / time.Millisecond * time.Millisecond).String()
-}
-
-func scopeWords(s balance.Scope) string {
-	if s.Kind == balance.ScopeOrg {
-		return "your organization"
-	}
-	return strings.ReplaceAll(string(s.Kind), "_", " ") + " " + s.ID
 }
