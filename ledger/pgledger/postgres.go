@@ -831,7 +831,7 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 		if seq == nil {
 			continue
 		}
-		out = append(out, unsettledEntry(*seq, *delta, hold, rec, key, project, at, tokens))
+		out = append(out, entryOf(*seq, *delta, hold, rec, key, project, at, tokens))
 	}
 	if err := rows.Err(); err != nil {
 		return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
@@ -856,9 +856,10 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 	WHERE a.org_id = ANY($1::text[]) AND a.settled_seq < a.ledger_seq
 ) e ON true ORDER BY e.org_id, e.seq`
 
-// unsettledEntry builds an entry of an unsettled-entries read from its nullable columns (the
-// read's LEFT JOINs leave them NULL where a column does not apply).
-func unsettledEntry(seq, delta int64, hold *string, rec *time.Time, key, project *string, at *time.Time, tokens *int64) balance.Entry {
+// entryOf builds the entry of an entries read from its nullable columns (the read's LEFT
+// JOINs leave them NULL where a column does not apply; rec is nil where the read has no
+// record time).
+func entryOf(seq, delta int64, hold *string, rec *time.Time, key, project *string, at *time.Time, tokens *int64) balance.Entry {
 	e := balance.Entry{Seq: seq, Delta: delta}
 	if tokens != nil {
 		e.Tokens = *tokens
@@ -894,7 +895,7 @@ func (p *Ledger) UnsettledEntriesOf(ctx context.Context, orgs []string, limit in
 		if seq == nil {
 			return nil
 		}
-		out[*org] = append(out[*org], unsettledEntry(*seq, *delta, hold, rec, key, project, at, tokens))
+		out[*org] = append(out[*org], entryOf(*seq, *delta, hold, rec, key, project, at, tokens))
 		return nil
 	})
 	if err != nil {
@@ -934,15 +935,7 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 		if seq == nil {
 			continue
 		}
-		e := balance.Entry{Seq: *seq, Delta: *delta}
-		if tokens != nil {
-			e.Tokens = *tokens
-		}
-		if hold != nil {
-			e.HoldID = *hold
-		}
-		attribute(&e, key, project, at)
-		out = append(out, e)
+		out = append(out, entryOf(*seq, *delta, hold, nil, key, project, at, tokens))
 	}
 	if err := rows.Err(); err != nil {
 		return nil, balance.Epoch{}, wrapPg(op, err)
