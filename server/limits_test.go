@@ -35,6 +35,40 @@ func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	g.h.ServeHTTP(w, r)
 }
 
+// fire sends total copies of a chat request (body, key) to the proxy at once: every request is
+// made first, then all are released together. reply gets each answer (err: the call failed) on
+// its request's goroutine; wait waits for every reply.
+func (p *testProxy) fire(key, body string, total int64, reply func(status int, h http.Header, b []byte, err error)) (wait func()) {
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: int(total)}}
+	var ready, wg sync.WaitGroup
+	ready.Add(1)
+	for range total {
+		wg.Go(func() {
+			req, err := http.NewRequest(http.MethodPost, p.base+"/v1/chat/completions", strings.NewReader(body))
+			if err != nil {
+				reply(0, nil, nil, err)
+				return
+			}
+			req.Header.Set("Authorization", "Bearer "+key)
+			req.Header.Set("Content-Type", "application/json")
+			ready.Wait()
+			resp, err := client.Do(req)
+			if err != nil {
+				reply(0, nil, nil, err)
+				return
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			reply(resp.StatusCode, resp.Header, b, nil)
+		})
+	}
+	ready.Done()
+	return func() {
+		wg.Wait()
+		client.CloseIdleConnections()
+	}
+}
+
 // TestLimitBurstProxy: through the proxy (real Redis + Postgres, the embedded parts, and a
 // Redis Cluster + Postgres), 2,000 concurrent requests of one key with a daily cap (made with
 // the admin API) for exactly 37 of them (hold = cost = 20, the fake upstream's 20 output tokens
@@ -68,52 +102,32 @@ func TestLimitBurstProxy(t *testing.T) {
 		if st, _, b := p.do("GET", "/v1/models", k.Key, nil); st != http.StatusOK {
 			t.Fatalf("GET /v1/models: %d %s", st, b)
 		}
-		client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: int(total)}}
-		defer client.CloseIdleConnections()
 		var ok, refused, other atomic.Int64
 		var firstOther atomic.Value
-		var ready, wg sync.WaitGroup
-		ready.Add(1)
 		body := `{"model":"m","messages":[{"role":"user","content":"hello"}]}`
-		for range total {
-			wg.Go(func() {
-				req, err := http.NewRequest(http.MethodPost, p.base+"/v1/chat/completions", strings.NewReader(body))
-				if err != nil {
-					other.Add(1)
-					return
-				}
-				req.Header.Set("Authorization", "Bearer "+k.Key)
-				req.Header.Set("Content-Type", "application/json")
-				ready.Wait()
-				resp, err := client.Do(req)
-				if err != nil {
-					firstOther.CompareAndSwap(nil, err.Error())
-					other.Add(1)
-					return
-				}
-				b, _ := io.ReadAll(resp.Body)
-				resp.Body.Close()
-				switch {
-				case resp.StatusCode == http.StatusOK:
-					ok.Add(1)
-				case resp.StatusCode == http.StatusTooManyRequests && strings.Contains(string(b), `"code":"budget_held"`) &&
-					resp.Header.Get("x-should-retry") != "false" && resp.Header.Get("Retry-After") != "" && resp.Header.Get("x-escrow-limit-reset") != "":
-					// The 37 in flight hold the cap's room: retryable (DESIGN "Held is not gone").
-					refused.Add(1)
-				default:
-					firstOther.CompareAndSwap(nil, strconv.Itoa(resp.StatusCode)+" "+string(b))
-					other.Add(1)
-				}
-			})
-		}
-		ready.Done()
+		wait := p.fire(k.Key, body, total, func(status int, h http.Header, b []byte, err error) {
+			switch {
+			case err != nil:
+				firstOther.CompareAndSwap(nil, err.Error())
+				other.Add(1)
+			case status == http.StatusOK:
+				ok.Add(1)
+			case status == http.StatusTooManyRequests && strings.Contains(string(b), `"code":"budget_held"`) &&
+				h.Get("x-should-retry") != "false" && h.Get("Retry-After") != "" && h.Get("x-escrow-limit-reset") != "":
+				// The 37 in flight hold the cap's room: retryable (DESIGN "Held is not gone").
+				refused.Add(1)
+			default:
+				firstOther.CompareAndSwap(nil, strconv.Itoa(status)+" "+string(b))
+				other.Add(1)
+			}
+		})
 		// Open the gate once every request is decided: held at the upstream or answered.
 		deadline := time.Now().Add(2 * time.Minute)
 		for g.arrived.Load()+refused.Load()+other.Load() < total && time.Now().Before(deadline) {
 			time.Sleep(5 * time.Millisecond)
 		}
 		close(g.open)
-		wg.Wait()
+		wait()
 		if ok.Load() != n || refused.Load() != total-n || other.Load() != 0 || g.arrived.Load() != n {
 			t.Fatalf("%d ok, %d budget_held, %d other (first: %v), %d upstream calls; want %d, %d, 0, %d",
 				ok.Load(), refused.Load(), other.Load(), firstOther.Load(), g.arrived.Load(), n, total-n, n)

@@ -1,7 +1,6 @@
 package server
 
 import (
-	"io"
 	"net/http"
 	"strconv"
 	"strings"
@@ -56,46 +55,28 @@ func TestRequestsPerMinuteProxy(t *testing.T) {
 		if lim.Unit != "requests" || lim.Window != "minute" {
 			t.Fatalf("created %+v", lim)
 		}
-		client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: int(total)}}
-		defer client.CloseIdleConnections()
 		var ok, refused, other atomic.Int64
 		var firstOther atomic.Value
-		var ready, wg sync.WaitGroup
-		ready.Add(1)
 		body := `{"model":"m","messages":[{"role":"user","content":"hello"}]}`
-		for range total {
-			wg.Go(func() {
-				req, _ := http.NewRequest(http.MethodPost, p.base+"/v1/chat/completions", strings.NewReader(body))
-				req.Header.Set("Authorization", "Bearer "+k.Key)
-				req.Header.Set("Content-Type", "application/json")
-				ready.Wait()
-				resp, err := client.Do(req)
-				if err != nil {
-					firstOther.CompareAndSwap(nil, err.Error())
-					other.Add(1)
-					return
-				}
-				b, _ := io.ReadAll(resp.Body)
-				resp.Body.Close()
-				h := resp.Header
-				switch {
-				case resp.StatusCode == http.StatusOK && h.Get("x-ratelimit-limit-requests") == strconv.Itoa(n) &&
-					h.Get("x-ratelimit-remaining-requests") != "" && h.Get("x-ratelimit-reset-requests") != "":
-					ok.Add(1)
-				case resp.StatusCode == http.StatusTooManyRequests && strings.Contains(string(b), `"code":"rate_limit_exceeded"`) &&
-					strings.Contains(string(b), `"type":"rate_limit_exceeded"`) && strings.Contains(string(b), `"unit":"requests"`) &&
-					h.Get("x-should-retry") != "false" && h.Get("Retry-After") != "" && h.Get("retry-after-ms") != "" &&
-					h.Get("x-ratelimit-limit-requests") == strconv.Itoa(n) && h.Get("x-ratelimit-remaining-requests") == "0" &&
-					h.Get("x-ratelimit-reset-requests") != "":
-					refused.Add(1)
-				default:
-					firstOther.CompareAndSwap(nil, strconv.Itoa(resp.StatusCode)+" "+string(b)+" "+headerLine(h))
-					other.Add(1)
-				}
-			})
-		}
-		ready.Done()
-		wg.Wait()
+		p.fire(k.Key, body, total, func(status int, h http.Header, b []byte, err error) {
+			switch {
+			case err != nil:
+				firstOther.CompareAndSwap(nil, err.Error())
+				other.Add(1)
+			case status == http.StatusOK && h.Get("x-ratelimit-limit-requests") == strconv.Itoa(n) &&
+				h.Get("x-ratelimit-remaining-requests") != "" && h.Get("x-ratelimit-reset-requests") != "":
+				ok.Add(1)
+			case status == http.StatusTooManyRequests && strings.Contains(string(b), `"code":"rate_limit_exceeded"`) &&
+				strings.Contains(string(b), `"type":"rate_limit_exceeded"`) && strings.Contains(string(b), `"unit":"requests"`) &&
+				h.Get("x-should-retry") != "false" && h.Get("Retry-After") != "" && h.Get("retry-after-ms") != "" &&
+				h.Get("x-ratelimit-limit-requests") == strconv.Itoa(n) && h.Get("x-ratelimit-remaining-requests") == "0" &&
+				h.Get("x-ratelimit-reset-requests") != "":
+				refused.Add(1)
+			default:
+				firstOther.CompareAndSwap(nil, strconv.Itoa(status)+" "+string(b)+" "+headerLine(h))
+				other.Add(1)
+			}
+		})()
 		if ok.Load() != n || refused.Load() != total-n || other.Load() != 0 {
 			t.Fatalf("%d ok, %d rate_limit_exceeded, %d other (first: %v); want %d, %d, 0",
 				ok.Load(), refused.Load(), other.Load(), firstOther.Load(), n, total-n)

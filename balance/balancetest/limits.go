@@ -265,6 +265,31 @@ func exerciseNewLimitCountsHoldsInFlight(t *testing.T, env Env) {
 	x.counters()
 }
 
+// burst runs requests reserves at once (ids burst-0000 …), released together by a gate, and
+// counts those granted and those refused as refusedBy says; any other error fails the test.
+func (x *h) burst(requests int, reserve func(id string) (balance.Reservation, error), refusedBy func(error) bool) (granted, refused int64) {
+	var wg sync.WaitGroup
+	var ok, no atomic.Int64
+	gate := make(chan struct{})
+	for i := range requests {
+		wg.Go(func() {
+			<-gate
+			_, err := reserve(fmt.Sprintf("burst-%04d", i))
+			switch {
+			case err == nil:
+				ok.Add(1)
+			case refusedBy(err):
+				no.Add(1)
+			default:
+				x.t.Errorf("reserve: %v", err)
+			}
+		})
+	}
+	close(gate)
+	wg.Wait()
+	return ok.Load(), no.Load()
+}
+
 // roomyClient is a client of c's server(s) with a large pool and long timeouts.
 func roomyClient(t *testing.T, c redis.UniversalClient) redis.UniversalClient {
 	t.Helper()
@@ -842,27 +867,10 @@ func exerciseBurst2000KeyCap(t *testing.T, env Env) {
 	x := limited(t, env, balance.Config{MaxInFlight: 5000}, 1_000_000_000, balance.Limits{Limits: []balance.Limit{
 		keyLimit("daily", "k1", balance.Day, n*hold), orgLimit("o", balance.Month, 1_000_000_000),
 	}})
-	var wg sync.WaitGroup
-	var granted, refused atomic.Int64
-	gate := make(chan struct{})
-	for i := range requests {
-		wg.Go(func() {
-			<-gate
-			_, err := x.reserveKey(x.s, fmt.Sprintf("burst-%04d", i), "k1", hold)
-			switch {
-			case err == nil:
-				granted.Add(1)
-			case errors.Is(err, balance.ErrLimit):
-				refused.Add(1)
-			default:
-				t.Errorf("reserve: %v", err)
-			}
-		})
-	}
-	close(gate)
-	wg.Wait()
-	eq(t, "granted", granted.Load(), n)
-	eq(t, "refused by the cap", refused.Load(), requests-n)
+	granted, refused := x.burst(requests, func(id string) (balance.Reservation, error) { return x.reserveKey(x.s, id, "k1", hold) },
+		func(err error) bool { return errors.Is(err, balance.ErrLimit) })
+	eq(t, "granted", granted, n)
+	eq(t, "refused by the cap", refused, requests-n)
 	eq(t, "counter", x.u()[field("daily", balance.Day.StartMS(x.redisNow()))], n*hold)
 	eq(t, "balance", x.state().Balance, 1_000_000_000-n*hold)
 	x.counters()

@@ -3,9 +3,6 @@ package balancetest
 import (
 	"context"
 	"errors"
-	"fmt"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -295,28 +292,13 @@ func exerciseBurst2000RequestsPerMinute(t *testing.T, env Env) {
 		unitLimit("rpm", keyScope("k1"), balance.Minute, n, balance.Requests),
 	}})
 	s := x.s
-	var wg sync.WaitGroup
-	var granted, refused atomic.Int64
-	gate := make(chan struct{})
-	for i := range requests {
-		wg.Go(func() {
-			<-gate
-			_, err := x.reserveTok(s, fmt.Sprintf("burst-%04d", i), "k1", 1_000, 0)
+	granted, refused := x.burst(requests, func(id string) (balance.Reservation, error) { return x.reserveTok(s, id, "k1", 1_000, 0) },
+		func(err error) bool {
 			var le *balance.LimitError
-			switch {
-			case err == nil:
-				granted.Add(1)
-			case errors.As(err, &le) && le.Limit.Unit == balance.Requests:
-				refused.Add(1)
-			default:
-				t.Errorf("reserve: %v", err)
-			}
+			return errors.As(err, &le) && le.Limit.Unit == balance.Requests
 		})
-	}
-	close(gate)
-	wg.Wait()
-	eq(t, "granted", granted.Load(), n)
-	eq(t, "refused by the requests limit", refused.Load(), requests-n)
+	eq(t, "granted", granted, n)
+	eq(t, "refused by the requests limit", refused, requests-n)
 	c, err := s.Counters(x.ctx, x.org)
 	if err != nil {
 		t.Fatal(err)
