@@ -437,7 +437,7 @@ func str(res []any, i int) string {
 	return s
 }
 
-// rateInfo reads the cap, left and resets ms at res[i:i+3] of an OK reply (” cap: none).
+// rateInfo reads the cap, left and resets ms at res[i:i+3] of an OK reply (an empty cap: none).
 func rateInfo(res []any, i int) RateInfo {
 	if str(res, i) == "" {
 		return RateInfo{}
@@ -452,29 +452,23 @@ func rateInfo(res []any, i int) RateInfo {
 // limitError reads {'LIMIT', id, scope, scope id, window, cap, used, resets ms, room, held,
 // unit, token room}.
 func limitError(res []any, amount, tokens int64) *LimitError {
-	str := func(i int) string { return str(res, i) }
 	e := &LimitError{
-		Limit: Limit{ID: str(1), Scope: Scope{Kind: ScopeKind(str(2)), ID: str(3)}, Window: Window(str(4)), Cap: toInt(str(5))},
-		Used:  toInt(str(6)), Amount: amount,
+		Limit: Limit{ID: str(res, 1), Scope: Scope{Kind: ScopeKind(str(res, 2)), ID: str(res, 3)}, Window: Window(str(res, 4)), Cap: toInt(str(res, 5))},
+		Used:  toInt(str(res, 6)), Amount: amount,
 	}
 	if e.Limit.Window != Lifetime {
-		e.ResetsAt = msTime(str(7))
+		e.ResetsAt = msTime(str(res, 7))
 	}
 	if len(res) > 9 {
 		e.Room, e.Held = toInt(res[8]), toInt(res[9])
 	}
 	if len(res) > 11 {
-		e.Limit.Unit = unitOf(str(10))
+		e.Limit.Unit = unitOf(str(res, 10))
 		if tr, ok := res[11].(int64); ok {
 			e.TokenRoom, e.HaveTokenRoom = tr, true
 		}
 	}
-	switch e.Limit.Unit {
-	case Requests:
-		e.Amount = 1
-	case Tokens:
-		e.Amount = tokens
-	}
+	e.Amount = e.Limit.Unit.Count(amount, tokens) // what the hold asked of this limit
 	return e
 }
 
