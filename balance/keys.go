@@ -90,7 +90,7 @@ func (s *Store) kindPattern(kind func(OrgKeys) string) (pattern string, orgOf fu
 			return "", false
 		}
 		org, ok := strings.CutSuffix(rest, tail)
-		if !ok || !ValidOrg(org) {
+		if !ok || !validOrg(org) {
 			return "", false
 		}
 		return org, true

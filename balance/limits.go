@@ -18,9 +18,13 @@ const (
 	ScopeOrg     ScopeKind = "org"     // every request of the org
 	ScopeProject ScopeKind = "project" // the requests of the keys in one project
 	ScopeKey     ScopeKind = "key"     // the requests of one API key
+	// ScopeEndUser: the requests of one end user (the OpenAI user field, Anthropic
+	// metadata.user_id, or a configured header). Without an ID, a limit of this scope applies to
+	// each end user apart (one counter per end user and window); with an ID, to that end user.
+	ScopeEndUser ScopeKind = "end_user"
 )
 
-// Scope is an org (ID ""), one of its projects or one of its keys.
+// Scope is an org (ID ""), one of its projects or keys, or end users (ID "": each apart).
 type Scope struct {
 	Kind ScopeKind
 	ID   string
@@ -173,6 +177,9 @@ type Limits struct {
 type WindowUsed struct {
 	LimitID string
 	Start   int64 // window start, ms since the Unix epoch (0 for Lifetime)
+	// EndUser: for a limit of scope end_user without an ID (each end user apart), the end user
+	// this spend is of; "" for every other limit.
+	EndUser string
 	Used    int64
 }
 
@@ -284,6 +291,10 @@ func checkScope(s Scope) error {
 		if !validLimitID(s.ID) {
 			return fmt.Errorf("%w: %s id %q", ErrInvalidLimits, s.Kind, s.ID)
 		}
+	case ScopeEndUser:
+		if s.ID != "" && (!validLimitID(s.ID) || strings.ContainsAny(s.ID, "{}")) {
+			return fmt.Errorf("%w: end user %q (1 to 128 printable ASCII bytes without space or { } , ; : |)", ErrInvalidLimits, s.ID)
+		}
 	default:
 		return fmt.Errorf("%w: scope %q", ErrInvalidLimits, s.Kind)
 	}
@@ -331,6 +342,9 @@ func (l Limits) limFields() ([]any, error) {
 		if err := checkScope(s); err != nil {
 			return nil, fmt.Errorf("freeze: %w", err)
 		}
+		if s.Kind == ScopeEndUser {
+			return nil, fmt.Errorf("%w: freeze of an end user (freezes are of the org, a project or a key)", ErrInvalidLimits)
+		}
 		out = append(out, scopeField("f", s), "1")
 	}
 	keys := make([]string, 0, len(l.Projects))
@@ -348,9 +362,15 @@ func (l Limits) limFields() ([]any, error) {
 	return out, nil
 }
 
-// scopeField is lim's field of a scope: o, p:<project>, k:<key>, after prefix (f for freezes).
+// scopeField is lim's field of a scope: o, p:<project>, k:<key>, e (each end user apart),
+// e:<end user>, after prefix (f for freezes).
 func scopeField(prefix string, s Scope) string {
 	switch s.Kind {
+	case ScopeEndUser:
+		if s.ID == "" {
+			return prefix + "e"
+		}
+		return prefix + "e:" + s.ID
 	case ScopeProject:
 		return prefix + "p:" + s.ID
 	case ScopeKey:
@@ -386,7 +406,8 @@ func (s *Store) PushLimits(ctx context.Context, org string, version int64) (push
 // Counter is one window counter of the hot state.
 type Counter struct {
 	LimitID string
-	Start   int64 // window start, ms since the Unix epoch (0 for Lifetime)
+	Start   int64  // window start, ms since the Unix epoch (0 for Lifetime)
+	EndUser string // the end user of a per-end-user counter (a limit of scope end_user without an ID)
 }
 
 // Counters reads the org's window counters (u): the current windows' and any past ones still
@@ -403,12 +424,13 @@ func (s *Store) Counters(ctx context.Context, org string) (map[Counter]int64, er
 	out := make(map[Counter]int64, len(m))
 	for f, v := range m {
 		id, start, ok := strings.Cut(f, ":")
+		start, eu, _ := strings.Cut(start, ":") // '<id>:<start>:<end user>': a per-end-user counter
 		ms, err1 := strconv.ParseInt(start, 10, 64)
 		n, err2 := strconv.ParseInt(v, 10, 64)
 		if !ok || err1 != nil || err2 != nil {
 			return nil, fmt.Errorf("balance: counters: malformed field %q = %q", f, v)
 		}
-		out[Counter{LimitID: id, Start: ms}] = n
+		out[Counter{LimitID: id, Start: ms, EndUser: eu}] = n
 	}
 	return out, nil
 }

@@ -250,14 +250,14 @@ const orgIDRule = "an org id is 1 to 128 characters from A-Z, a-z, 0-9, '.', '_'
 // normalization can make two ids look alike). The error wraps ErrInvalidOrg and says what is
 // allowed.
 func ValidateOrg(org string) error {
-	if !ValidOrg(org) {
+	if !validOrg(org) {
 		return fmt.Errorf("%w %q: %s", ErrInvalidOrg, org, orgIDRule)
 	}
 	return nil
 }
 
-// ValidOrg reports whether org passes ValidateOrg.
-func ValidOrg(org string) bool {
+// validOrg reports whether org passes ValidateOrg.
+func validOrg(org string) bool {
 	if org == "" || len(org) > MaxOrgLen {
 		return false
 	}
@@ -305,6 +305,10 @@ type ReserveRequest struct {
 	// Tokens is the request's token bound (input bound + output cap, × choices × prompts; ≥ 0):
 	// what a tokens limit in scope holds. A requests limit holds 1.
 	Tokens int64
+	// EndUser is the request's end user ("" for none: no end-user limit counts it): the limits
+	// of scope end_user apply to it, each end user apart (a limit without an id) or this one (a
+	// limit with its id). It follows the key id rule (Scope{Kind: ScopeEndUser, ID: id}.Validate).
+	EndUser string
 }
 
 // RateInfo is the requests or the tokens limit in a request's scope with the least left after

@@ -67,6 +67,9 @@ type Entry struct {
 	KeyID      string
 	Project    string
 	ReservedAt time.Time
+	// EndUser is the charge's end user ("" for none): its cost counts against the end-user
+	// limits that apply to it (each end user apart, or this one).
+	EndUser string
 	// Tokens is the charge's input + output tokens: what it counts against tokens limits (a
 	// charge with a reserve time counts 1 against requests limits).
 	Tokens int64

@@ -85,8 +85,11 @@ type UsageEvent struct {
 	// cost counts against the limits of the org, of Project and of KeyID in the windows that
 	// contain ReservedAt (the Redis clock at reserve). Zero values: none (fail-open requests are
 	// attributed to their record time).
-	Project    string        `json:"project,omitempty"`
-	ReservedAt time.Time     `json:"reserved_at,omitzero"`
+	Project    string    `json:"project,omitempty"`
+	ReservedAt time.Time `json:"reserved_at,omitzero"`
+	// EndUser is the request's end user ("" for none), attribution like KeyID and Project: it
+	// counts against the end-user limits and is a usage report's group_by=end_user.
+	EndUser    string        `json:"end_user,omitempty"`
 	Model      string        `json:"model"`
 	Endpoint   string        `json:"endpoint,omitempty"`
 	Usage      pricing.Usage `json:"usage"`
