@@ -97,8 +97,9 @@ func checkSettle(org string, entries []Entry) error {
 			return fmt.Errorf("%w: delta %d outside ±MaxAmount", ErrInvalidEntry, e.Delta)
 		case e.HoldID != "" && !validHoldID(e.HoldID):
 			return fmt.Errorf("%w: hold id %q", ErrInvalidEntry, e.HoldID)
-		case (e.KeyID != "" && !validLimitID(e.KeyID)) || (e.Project != "" && !validLimitID(e.Project)):
-			return fmt.Errorf("%w: key %q project %q", ErrInvalidEntry, e.KeyID, e.Project)
+		case (e.KeyID != "" && !validLimitID(e.KeyID)) || (e.Project != "" && !validLimitID(e.Project)) ||
+			(e.EndUser != "" && checkScope(Scope{Kind: ScopeEndUser, ID: e.EndUser}) != nil):
+			return fmt.Errorf("%w: key %q project %q end user %q", ErrInvalidEntry, e.KeyID, e.Project, e.EndUser)
 		}
 		prev = e.Seq
 	}
@@ -107,7 +108,7 @@ func checkSettle(org string, entries []Entry) error {
 
 // settleArgs are the settle script's arguments for one chunk of entries.
 func (s *Store) settleArgs(ep string, chunk []Entry) []any {
-	args := make([]any, 0, 3+7*len(chunk))
+	args := make([]any, 0, 3+8*len(chunk))
 	args = append(args, ep, s.tombTTL, s.clockArg)
 	for _, e := range chunk {
 		rt := ""
@@ -115,7 +116,7 @@ func (s *Store) settleArgs(ep string, chunk []Entry) []any {
 			rt = strconv.FormatInt(e.ReservedAt.UnixMilli(), 10)
 		}
 		args = append(args, strconv.FormatInt(e.Seq, 10), strconv.FormatInt(e.Delta, 10), e.HoldID, e.KeyID, e.Project, rt,
-			strconv.FormatInt(max(e.Tokens, 0), 10))
+			strconv.FormatInt(max(e.Tokens, 0), 10), e.EndUser)
 	}
 	return args
 }

@@ -358,11 +358,16 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	if err := checkRequestKey(r.KeyID); err != nil {
 		return Reservation{}, err
 	}
+	if r.EndUser != "" {
+		if err := checkScope(Scope{Kind: ScopeEndUser, ID: r.EndUser}); err != nil {
+			return Reservation{}, err
+		}
+	}
 	keys := s.keys(r.Org).ReserveKeys()
 	amount := strconv.FormatInt(r.Amount, 10)
 	tokens := strconv.FormatInt(r.Tokens, 10)
 	for attempt := 0; ; attempt++ {
-		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, r.KeyID, s.clockArg, tokens}
+		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, r.KeyID, s.clockArg, tokens, r.EndUser}
 		var res []any
 		var err error
 		if s.co != nil {
@@ -621,11 +626,18 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 		if !validLimitID(u.LimitID) || u.Used < -MaxAmount || u.Used > MaxAmount || u.Start <= -1e14 || u.Start >= 1e14 {
 			return false, fmt.Errorf("%w: window spend %+v", ErrInvalidLimits, u)
 		}
-		args = append(args, u.LimitID+":"+strconv.FormatInt(u.Start, 10), strconv.FormatInt(u.Used, 10))
+		f := u.LimitID + ":" + strconv.FormatInt(u.Start, 10)
+		if u.EndUser != "" {
+			if err := checkScope(Scope{Kind: ScopeEndUser, ID: u.EndUser}); err != nil {
+				return false, fmt.Errorf("window spend %+v: %w", u, err)
+			}
+			f += ":" + u.EndUser
+		}
+		args = append(args, f, strconv.FormatInt(u.Used, 10))
 	}
 	s.ObserveEpoch(snap.Epoch)
 	k := s.keys(org)
-	n, err := s.run(ctx, scSeed, []string{k.Acct, k.Holds, k.Lim, k.U, k.LimV}, args...).Int64()
+	n, err := s.run(ctx, scSeed, []string{k.Acct, k.Holds, k.Lim, k.U, k.LimV, k.UE}, args...).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: seed: %w: %w", ErrRedis, err)
 	}
@@ -741,7 +753,7 @@ func (s *Store) Invalidate(ctx context.Context, org string) error {
 		return err
 	}
 	k := s.keys(org)
-	if err := s.c.Del(ctx, k.Acct, k.Lim, k.U).Err(); err != nil {
+	if err := s.c.Del(ctx, k.Acct, k.Lim, k.U, k.UE).Err(); err != nil {
 		s.noteErr(err)
 		return fmt.Errorf("balance: invalidate: %w", err)
 	}

@@ -39,7 +39,7 @@ for i = 2, #ARGV - 2, 3 do
   local id = ARGV[i]
   local rec = redis.call('HGET', KEYS[2], id)
   if rec and not redis.call('ZSCORE', KEYS[4], id) then
-    local a, rt, _, fs, hk, hp, us, tk = hold_parse(rec)
+    local a, rt, _, fs, hk, hp, us, tk, heu = hold_parse(rec)
     if warm then
       if a ~= '0' then
         redis.call('HINCRBY', KEYS[1], 'bal', a)
@@ -51,7 +51,7 @@ for i = 2, #ARGV - 2, 3 do
       local c, n = ARGV[i + 1], ARGV[i + 2]
       move_hold(KEYS[5], fs, us, c ~= '0' and c or nil, nil, n ~= '0' and n or nil)
     end
-    redis.call('HSET', KEYS[2], id, hold_record(ARGV[i + 1], rt, '1', fs, hk, hp, us, ARGV[i + 2]))
+    redis.call('HSET', KEYS[2], id, hold_record(ARGV[i + 1], rt, '1', fs, hk, hp, us, ARGV[i + 2], heu))
     local exp = redis.call('ZSCORE', KEYS[3], id)
     redis.call('ZREM', KEYS[3], id)
     if exp and tonumber(exp) > due then

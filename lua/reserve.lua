@@ -6,7 +6,8 @@
 -- KEYS[3] hexp   zset  hold id -> expiry, ms on the Redis clock
 -- KEYS[4] gone   zset  tombstones: ended hold id -> ms
 -- KEYS[5] lim    hash  limits, freezes, key -> project, version v
--- KEYS[6] u      hash  '<limit id>:<window start ms>' -> used
+-- KEYS[6] u      hash  '<limit id>:<window start ms>[:<end user>]' -> used
+-- KEYS[7] ue     zset  per-end-user counter field -> its window's end (see lib/limits)
 --
 -- ARGV[1] epoch "<gen>:<id>" the caller's cached ledger epoch
 -- ARGV[2] hold id
@@ -19,6 +20,8 @@
 -- ARGV[9] limit clock offset, ms (tests only; '0')
 -- ARGV[10] token hold: the request's token bound (integer string >= 0; absent: '0'), what a
 --   tokens limit holds; a requests limit holds 1, a money limit the amount
+-- ARGV[11] end user ('' or absent for none): the limits of each end user apart (lim's e) count
+--   it in its own counters, and those of this end user (e:<end user>) apply
 --
 -- Checks, in this order: amount, COLD (no acct, another epoch, lim missing or older than the
 -- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, LIMIT, INSUFFICIENT.
@@ -28,7 +31,8 @@
 --          | {'DUP', balance, original reserve ms, project now}
 --          | {'GONE'} | {'FROZEN', scope, scope id} | {'TOO_MANY', count}
 --          | {'LIMIT', id, scope, scope id, window, cap, used, resets ms ('0': never), room, held,
---             unit, token room ('' when no tokens limit is in scope)}
+--             unit, token room ('' when no tokens limit is in scope)} (scope id '' for a
+--             limit of each end user apart: it is the request's end user's counter that is full)
 --          | {'INSUFFICIENT', balance, held}
 -- A refusal tells what could be had ("Holds that fit"): room is the largest amount every money
 -- limit in scope and the balance would take now (may be ≤ 0), token room the largest token hold
@@ -53,7 +57,8 @@ local acct = redis.call('HMGET', KEYS[1], 'bal', 'epoch', 'lv')
 if not acct[1] or acct[2] ~= ARGV[1] then
   return {'COLD'}
 end
-local lim = redis.call('HMGET', KEYS[5], 'v', 'fo', 'o', 'm:' .. ARGV[8], 'fk:' .. ARGV[8], 'k:' .. ARGV[8])
+local v_eu = ARGV[11] or ''
+local lim = redis.call('HMGET', KEYS[5], 'v', 'fo', 'o', 'm:' .. ARGV[8], 'fk:' .. ARGV[8], 'k:' .. ARGV[8], 'e', 'e:' .. v_eu)
 if not lim[1] or tonumber(lim[1]) < (tonumber(acct[3]) or 0) then
   return {'COLD'}
 end
@@ -95,22 +100,23 @@ if inflight >= tonumber(ARGV[5]) then
   return {'TOO_MANY', inflight}
 end
 
--- Limits in scope: the org's, the key's project's, the key's; each in the window of the
--- reserve time.
+-- Limits in scope: the org's, the key's project's, the key's, the end user's (each end user
+-- apart: its own counter); each in the window of the reserve time.
 local rtime = now + (tonumber(ARGV[9]) or 0)
 local fields, specs = {}, {}
 local function add(scope, sid)
-  return function(v_id, w, cap, u)
+  return function(v_id, w, cap, u, own)
     local ws, we = window_bounds(w, rtime)
     if ws and per_unit[u] then
-      fields[#fields + 1] = v_id .. ':' .. ms_string(ws)
-      specs[#specs + 1] = {v_id, scope, sid, w, cap, we, ws, u}
+      fields[#fields + 1] = counter_field(v_id, ws, own, v_eu)
+      specs[#specs + 1] = {v_id, scope, own and '' or sid, w, cap, we, ws, u, own}
     end
   end
 end
 each_limit(lim[3], add('org', ''))
 if v_project then each_limit(pspec, add('project', v_project)) end
 each_limit(lim[6], add('key', ARGV[8]))
+each_end_user_limit(v_eu, lim[7], lim[8], add('end_user', v_eu))
 
 -- held_on: the sum of the unfinished holds' amounts (those added to counter v_field only, when
 -- given), counted until it covers short, what the refused hold is missing: the caller only asks
@@ -187,10 +193,14 @@ if #fields > 0 then
       -- The first hold of a window: the window before it is past, and past windows are not
       -- kept in Redis (reports on them come from the ledger), so its counter goes.
       local prev = window_bounds(s[4], s[7] - 1)
-      redis.call('HDEL', KEYS[6], s[1] .. ':' .. ms_string(prev))
+      redis.call('HDEL', KEYS[6], counter_field(s[1], prev, s[9], v_eu))
+      if s[9] then index_end_user(KEYS[7], fields[i], s[6]) end
     end
   end
 end
-redis.call('HSET', KEYS[2], ARGV[2], hold_record(ARGV[3], rts, '0', table.concat(fields, ','), ARGV[8], v_project or '', table.concat(units), tok))
+if lim[7] then
+  trim_ended(KEYS[6], KEYS[7], rtime)
+end
+redis.call('HSET', KEYS[2], ARGV[2], hold_record(ARGV[3], rts, '0', table.concat(fields, ','), ARGV[8], v_project or '', table.concat(units), tok, v_eu))
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[2])
 return {'OK', bal, rts, v_project or '', least.r[1], least.r[2], least.r[3], least.t[1], least.t[2], least.t[3]}

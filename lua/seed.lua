@@ -1,6 +1,7 @@
 -- seed: rebuild a cold org's hot balance, limits and window counters from a ledger snapshot.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] lim, KEYS[4] u, KEYS[5] limv   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] lim, KEYS[4] u, KEYS[5] limv, KEYS[6] ue
+--   (one {org} hash tag)
 -- ARGV[1] epoch "<gen>:<id>" of the snapshot
 -- ARGV[2] base: the ledger balance after every entry up to W (integer string)
 -- ARGV[3] W: the snapshot's ledger sequence
@@ -8,17 +9,19 @@
 -- ARGV[5] limits version (integer string)
 -- ARGV[6] n: the number of lim field/value pairs that follow (see lib/limits for the fields)
 -- ARGV[7 .. 6+2n] lim fields and values
--- then pairs: counter field '<limit id>:<window start ms>', the ledger's sum over the entries
---   with seq <= W attributed to it of the limit's unit (cost, 1 request, tokens), for windows
+-- then pairs: counter field '<limit id>:<window start ms>' ('...:<end user>' for a limit of each
+--   end user apart: one pair per end user with spend), the ledger's sum over the entries with
+--   seq <= W attributed to it of the limit's unit (cost, 1 request, tokens), for windows
 --   starting at or after the seeder's T0's
 --
 -- acct with this epoch and a lim as new as acct records, or acct with a higher generation:
 -- no-op (reply 0). A snapshot whose limits version is below the floor push-limits left for
 -- the same epoch is stale (the limits changed after it was read): nothing is written (reply -1;
--- the seeder reads a new snapshot). Otherwise acct, lim and u are written together (reply 1): bal = base -
--- sum(holds), wm = W, epoch, lv; lim as given; for every limit, the counter of its current
--- window = the snapshot's group for it (0 if none) + what the live holds whose record names it
--- hold there (amount, 1 request, tokens). A
+-- the seeder reads a new snapshot). Otherwise acct, lim, u and ue are written together (reply
+-- 1): bal = base - sum(holds), wm = W, epoch, lv; lim as given; for every limit, the counter of
+-- its current window = the snapshot's group for it (0 if none) + what the live holds whose
+-- record names it hold there (amount, 1 request, tokens); for a limit of each end user apart,
+-- the counter of every end user with a group of the current window or a live hold in it. A
 -- hold whose record carries its attribution (key, project, reserve time) is first made to name
 -- every current counter of its scope whose window contains its reserve time, so that a limit
 -- created or changed while holds are in flight counts them (its record is rewritten to say so).
@@ -44,7 +47,7 @@ if fl then
     return -1
   end
 end
-redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
+redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[6])
 redis.call('HSET', KEYS[1], 'bal', ARGV[2], 'wm', ARGV[3], 'epoch', ARGV[1], 'lv', ARGV[5])
 
 local n = tonumber(ARGV[6])
@@ -60,11 +63,12 @@ for i = 7 + 2 * n, #ARGV - 1, 2 do
   groups[ARGV[i]] = ARGV[i + 1]
 end
 
--- The current window's counter of every limit.
+-- The current window's counter of every limit (of each end user apart: of every end user the
+-- snapshot has spend of in it).
 local clock = limit_clock(ARGV[4])
 for i = 7, 6 + 2 * n, 2 do
   local f = ARGV[i]
-  if f == 'o' or string.sub(f, 1, 2) == 'p:' or string.sub(f, 1, 2) == 'k:' then
+  if f == 'o' or string.sub(f, 1, 2) == 'p:' or string.sub(f, 1, 2) == 'k:' or string.sub(f, 1, 2) == 'e:' then
     each_limit(ARGV[i + 1], function(v_id, w)
       local ws = window_bounds(w, clock)
       if ws then
@@ -72,24 +76,43 @@ for i = 7, 6 + 2 * n, 2 do
         redis.call('HSET', KEYS[4], field, groups[field] or '0')
       end
     end)
+  elseif f == 'e' then
+    each_limit(ARGV[i + 1], function(v_id, w)
+      local ws, we = window_bounds(w, clock)
+      if ws then
+        local head = v_id .. ':' .. ms_string(ws) .. ':'
+        for field, used in pairs(groups) do
+          if string.sub(field, 1, #head) == head then
+            redis.call('HSET', KEYS[4], field, used)
+            index_end_user(KEYS[6], field, we)
+          end
+        end
+      end
+    end)
   end
 end
 
 -- attributed: the current-window counters of every limit in a hold's scope (the org's, its
--- project's, its key's) whose window contains its reserve time rt (ms), as a field list, and
--- their units.
-local function attributed(v_key, v_project, rt)
+-- project's, its key's, its end user's) whose window contains its reserve time rt (ms), as a
+-- field list, and their units. A per-end-user counter a hold names is created (at 0) if the
+-- snapshot had no spend in it.
+local function attributed(v_key, v_project, v_eu, rt)
   local fs, us = {}, {}
-  local function one(v_id, w, _, u)
-    local ws = window_bounds(w, rt)
+  local function one(v_id, w, _, u, own)
+    local ws, we = window_bounds(w, rt)
     if ws and ws == window_bounds(w, clock) then
-      fs[#fs + 1] = v_id .. ':' .. ms_string(ws)
+      local field = counter_field(v_id, ws, own, v_eu)
+      if own and redis.call('HSETNX', KEYS[4], field, '0') == 1 then
+        index_end_user(KEYS[6], field, we)
+      end
+      fs[#fs + 1] = field
       us[#us + 1] = u
     end
   end
   each_limit(spec['o'], one)
   if v_project ~= '' then each_limit(spec['p:' .. v_project], one) end
   if v_key ~= '' then each_limit(spec['k:' .. v_key], one) end
+  each_end_user_limit(v_eu, spec['e'], spec['e:' .. v_eu], one)
   local units = table.concat(us)
   if string.find(units, '[^m]') == nil then
     units = '' -- all money: the record's form without units (hold_record writes none)
@@ -99,14 +122,14 @@ end
 
 local holds = redis.call('HGETALL', KEYS[2])
 for j = 1, #holds, 2 do
-  local v, rt, fin, fs, hk, hp, us, tk = hold_parse(holds[j + 1])
+  local v, rt, fin, fs, hk, hp, us, tk, heu = hold_parse(holds[j + 1])
   if hk ~= nil and tonumber(rt) then
     -- A hold with its attribution counts against every limit in its scope now, also one
     -- created after it was reserved; its record names them from now on, so that its settle,
     -- finish or release moves them.
-    local afs, aus = attributed(hk, hp, tonumber(rt))
+    local afs, aus = attributed(hk, hp, heu, tonumber(rt))
     if afs ~= fs or aus ~= us then
-      redis.call('HSET', KEYS[2], holds[j], hold_record(v, rt, fin, afs, hk, hp, aus, tk))
+      redis.call('HSET', KEYS[2], holds[j], hold_record(v, rt, fin, afs, hk, hp, aus, tk, heu))
       fs, us = afs, aus
     end
   end

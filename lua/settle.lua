@@ -1,13 +1,13 @@
 -- settle: apply a batch of one org's ledger entries, in sequence order, to the hot balance.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin, KEYS[6] lim, KEYS[7] u
---   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin, KEYS[6] lim, KEYS[7] u,
+--   KEYS[8] ue (one {org} hash tag)
 -- ARGV[1] epoch "<gen>:<id>" read from the ledger with the entries
 -- ARGV[2] tombstone TTL, ms
 -- ARGV[3] limit clock offset, ms (tests only; '0')
--- ARGV[4..] septuples: seq, delta (signed integer string), hold id ('' for none), and the
+-- ARGV[4..] octuples: seq, delta (signed integer string), hold id ('' for none), and the
 --   entry's attribution: API key id, project ('' for none), reserve time ms ('': none), tokens
---   (input + output, integer string >= 0)
+--   (input + output, integer string >= 0), end user ('' for none)
 --
 -- Per entry (wm = watermark):
 --   seq <= wm    ALREADY: it is in bal already; only its hold, if one is left, comes back
@@ -20,9 +20,9 @@
 -- Counters (u): a hold that is dropped leaves the counters its record names (U -= what it holds
 -- there); an APPLIED entry with a reserve time adds its cost (-delta), 1 request or its tokens to
 -- the counters of every limit of lim (money, requests, tokens) in its scope (the org's, its
--- project's, its key's) in the window of its reserve time. A
+-- project's, its key's, its end user's) in the window of its reserve time. A
 -- missing field is created only for a current window; a past window's is skipped. A newer
--- epoch's drop takes lim and u with acct (they exist or vanish together).
+-- epoch's drop takes lim, u and ue with acct (they exist or vanish together).
 --
 -- Reply: {'COLD'} | {'OK', wm, code, code, ...} with code 1 applied, 2 already, 3 gap (last).
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'wm')
@@ -33,7 +33,7 @@ if cur[1] ~= ARGV[1] then
   local cg = tonumber(string.match(cur[1], '^(%d+):')) or -1
   local ag = tonumber(string.match(ARGV[1], '^(%d+):')) or -1
   if ag >= cg then
-    redis.call('DEL', KEYS[1], KEYS[6], KEYS[7])
+    redis.call('DEL', KEYS[1], KEYS[6], KEYS[7], KEYS[8])
   end
   return {'COLD'}
 end
@@ -60,22 +60,26 @@ end
 
 -- attribute: add the entry's cost v, 1 request and its tokens tk (integer strings; nil: 0) to
 -- the counters of the entry's limits.
-local function attribute(v_key, v_project, rt, v, tk)
+local function attribute(v_key, v_project, v_eu, rt, v, tk)
   local t0 = tonumber(rt)
   if not t0 then return end
   local by = {m = v, r = '1', t = tk}
-  local function one(v_id, w, _, u)
-    local ws = window_bounds(w, t0)
+  local function one(v_id, w, _, u, own)
+    local ws, we = window_bounds(w, t0)
     local v = by[u]
     if not ws or v == nil then return end
-    local f = v_id .. ':' .. ms_string(ws)
-    if redis.call('HEXISTS', KEYS[7], f) == 1 or ws == window_bounds(w, clock) then
+    local f = counter_field(v_id, ws, own, v_eu)
+    if redis.call('HEXISTS', KEYS[7], f) == 1 then
       redis.call('HINCRBY', KEYS[7], f, v)
+    elseif ws == window_bounds(w, clock) then
+      redis.call('HINCRBY', KEYS[7], f, v)
+      if own then index_end_user(KEYS[8], f, we) end
     end
   end
   each_limit(spec_of('o'), one)
   if v_project ~= '' then each_limit(spec_of('p:' .. v_project), one) end
   if v_key ~= '' then each_limit(spec_of('k:' .. v_key), one) end
+  if v_eu ~= '' then each_end_user_limit(v_eu, spec_of('e'), spec_of('e:' .. v_eu), one) end
 end
 
 local function drop(id)
@@ -95,7 +99,7 @@ local function drop(id)
 end
 
 local i = 4
-while i + 6 <= #ARGV do
+while i + 7 <= #ARGV do
   local seq = tonumber(ARGV[i])
   local id = ARGV[i + 2]
   if seq <= wm then
@@ -108,7 +112,7 @@ while i + 6 <= #ARGV do
     end
     local tk = ARGV[i + 6]
     if tk == '0' or tk == '' then tk = nil end
-    attribute(ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], neg(ARGV[i + 1]), tk)
+    attribute(ARGV[i + 3], ARGV[i + 4], ARGV[i + 7], ARGV[i + 5], neg(ARGV[i + 1]), tk)
     redis.call('HSET', KEYS[1], 'wm', ARGV[i])
     wmstr = ARGV[i]
     wm = seq
@@ -117,7 +121,7 @@ while i + 6 <= #ARGV do
     out[#out + 1] = 3
     break
   end
-  i = i + 7
+  i = i + 8
 end
 
 if tomb then

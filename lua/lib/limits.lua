@@ -2,20 +2,27 @@
 -- finish, seed); package lua puts it in front of each of them, so one rule lives in one place.
 --
 -- Hold records (esc:{org}:holds, id -> record):
---   '<amount>|<reserve ms>|<fin>|<f1,f2,..>|<key>|<project>|<units>|<tokens>'
+--   '<amount>|<reserve ms>|<fin>|<f1,f2,..>|<key>|<project>|<units>|<tokens>|<end user>'
 --       a hold added to counters f1.. of esc:{org}:u (none: empty), fin '1' once finished, its
 --       attribution: the API key ('' for none) and the key's project at reserve time ('' for
 --       none), so that a limit created while it is in flight counts it (seed.lua); units: one
 --       character per counter of f1.., the unit of its limit ('m' money: the counter holds
 --       <amount>; 'r' requests: 1; 't' tokens: <tokens>), and tokens the hold's token bound
---       (the real count once finished). Without the last two (records of money limits only,
---       and those written before units were kept) every counter is money and tokens are 0;
+--       (the real count once finished), then the request's end user. The end user is written
+--       only when there is one; units and tokens only then or when some counter is not money
+--       or the hold has tokens: without them every counter is money and tokens are 0;
 --   '<amount>|<reserve ms>|<fin>|<f1,f2,..>'  the same without attribution (written before it
 --       was kept; such a hold counts only against the counters it names);
 --   '<amount>'  a hold added to no counter, without attribution (idem).
--- Counter fields: '<limit id>:<window start ms>'. lim fields: 'v' version; 'o', 'p:<project>',
--- 'k:<key>' the limits of that scope as 'id,window,cap[,unit];...' (unit r or t; none: money);
--- 'm:<key>' the key's project; 'fo', 'fp:<project>', 'fk:<key>' = '1' when frozen.
+-- Counter fields: '<limit id>:<window start ms>', and '<limit id>:<window start ms>:<end user>'
+-- for a limit that applies to each end user apart. lim fields: 'v' version; 'o', 'p:<project>',
+-- 'k:<key>', 'e:<end user>' the limits of that scope, and 'e' those of each end user apart, as
+-- 'id,window,cap[,unit];...' (unit r or t; none: money); 'm:<key>' the key's project; 'fo',
+-- 'fp:<project>', 'fk:<key>' = '1' when frozen.
+-- Per-end-user counters of windows that end (all but lifetime) are indexed in esc:{org}:ue
+-- (zset: field -> its window's end, ms on the limit clock) so that the writes that follow trim
+-- them once their window has ended (trim_ended): only current windows are kept, however many
+-- end users come and go. ue exists or vanishes with acct, lim and u.
 --
 -- Calendar maths: Redis Lua has no os.date, so window starts are computed here from a ms
 -- timestamp, in UTC (days <-> civil dates after H. Hinnant's algorithms, valid for any year, the
@@ -90,22 +97,29 @@ end
 
 -- hold_parse: amount, reserve ms ('' if unknown), finished flag, counter fields ('' if none),
 -- then the attribution: key and project (both nil when the record has none), then the counters'
--- units ('' : all money) and the token hold ('0' when the record has none).
+-- units ('' : all money), the token hold ('0' when the record has none) and the end user ('':
+-- none).
 local function hold_parse(rec)
-  local a, t, f, fs, k, p, us, tk = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
-  if a then return a, t, f, fs, k, p, us, tk end
+  local a, t, f, fs, k, p, us, tk, eu = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  if a then return a, t, f, fs, k, p, us, tk, eu end
+  a, t, f, fs, k, p, us, tk = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  if a then return a, t, f, fs, k, p, us, tk, '' end
   a, t, f, fs, k, p = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
-  if a then return a, t, f, fs, k, p, '', '0' end
+  if a then return a, t, f, fs, k, p, '', '0', '' end
   a, t, f, fs = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
-  if not a then return rec, '', '0', '', nil, nil, '', '0' end
-  return a, t, f, fs, nil, nil, '', '0'
+  if not a then return rec, '', '0', '', nil, nil, '', '0', '' end
+  return a, t, f, fs, nil, nil, '', '0', ''
 end
 
 -- hold_record: the record of a hold (see above); k nil: without attribution (the plain
 -- amount when it also names no counter). Units and tokens are written only when some counter
--- is not money or the hold has tokens (us: '' or all 'm', tk '0' or nil: left out).
-local function hold_record(a, t, fin, fs, k, p, us, tk)
+-- is not money, the hold has tokens (us: '' or all 'm', tk '0' or nil: left out) or an end
+-- user follows (eu: nil or '' for none).
+local function hold_record(a, t, fin, fs, k, p, us, tk, eu)
   if k ~= nil then
+    if eu ~= nil and eu ~= '' then
+      return table.concat({a, t, fin, fs, k, p or '', us or '', tk or '0', eu}, '|')
+    end
     if (us == nil or string.find(us, '[^m]') == nil) and (tk == nil or tk == '0') then
       return table.concat({a, t, fin, fs, k, p or ''}, '|')
     end
@@ -161,3 +175,38 @@ local function each_limit(spec, fn)
 end
 
 -- ------------------------------------------------------------------------------------------
+
+-- each_end_user_limit: each_limit over the limits that apply to end user eu ('' : none): those
+-- of each end user apart (lim's 'e', spec e; fn's fifth argument true: the counter is eu's own)
+-- and those of eu alone ('e:<eu>', spec one).
+local function each_end_user_limit(eu, e, one, fn)
+  if eu == '' then return end
+  each_limit(e, function(v_id, w, cap, u) fn(v_id, w, cap, u, true) end)
+  each_limit(one, function(v_id, w, cap, u) fn(v_id, w, cap, u, false) end)
+end
+
+-- counter_field: the counter of limit v_id's window starting at ws (ms); for a limit of each end
+-- user apart (own), end user eu's.
+local function counter_field(v_id, ws, own, v_eu)
+  if own then return v_id .. ':' .. ms_string(ws) .. ':' .. v_eu end
+  return v_id .. ':' .. ms_string(ws)
+end
+
+-- index_end_user: a per-end-user counter field was created in u: index it in ue by its window's
+-- end (we, ms; 0 for lifetime: never ends, never indexed) for trim_ended.
+local function index_end_user(uekey, field, we)
+  if we and we > 0 then
+    redis.call('ZADD', uekey, we, field)
+  end
+end
+
+-- trim_ended: delete up to 64 per-end-user counters whose window ended at or before clock (ms,
+-- the limit clock): past windows are not kept in Redis, and a write that creates such counters
+-- calls this, so the work of trimming is spread over the writes that cause it.
+local function trim_ended(ukey, uekey, clock)
+  local ended = redis.call('ZRANGEBYSCORE', uekey, '-inf', clock, 'LIMIT', 0, 64)
+  if #ended > 0 then
+    redis.call('HDEL', ukey, unpack(ended))
+    redis.call('ZREM', uekey, unpack(ended))
+  end
+end
