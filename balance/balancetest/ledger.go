@@ -160,9 +160,15 @@ func (l *FakeLedger) AddUsage(org string, cost int64, holdID, key, project strin
 
 // AddUsageTokens is AddUsage of a charge that used tokens (input + output).
 func (l *FakeLedger) AddUsageTokens(org string, cost, tokens int64, holdID, key, project string, reservedAt time.Time) balance.Entry {
+	return l.AddCharge(org, balance.Entry{Delta: -cost, HoldID: holdID, KeyID: key, Project: project, ReservedAt: reservedAt, Tokens: tokens})
+}
+
+// AddCharge appends e (its attribution as given: key, project, end user, reserve time, tokens)
+// with the org's next sequence number, and returns it.
+func (l *FakeLedger) AddCharge(org string, e balance.Entry) balance.Entry {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	e := balance.Entry{Seq: int64(len(l.orgs[org])) + 1, Delta: -cost, HoldID: holdID, KeyID: key, Project: project, ReservedAt: reservedAt, Tokens: tokens}
+	e.Seq = int64(len(l.orgs[org])) + 1
 	l.orgs[org] = append(l.orgs[org], e)
 	return e
 }
@@ -177,13 +183,26 @@ func inScope(lim balance.Limit, e balance.Entry) bool {
 		return e.Project == lim.Scope.ID
 	case balance.ScopeKey:
 		return e.KeyID == lim.Scope.ID
+	case balance.ScopeEndUser:
+		return e.EndUser != "" && (lim.Scope.ID == "" || e.EndUser == lim.Scope.ID)
 	}
 	return true
+}
+
+// eachEndUser reports whether lim applies to each end user apart (one counter per end user).
+func eachEndUser(lim balance.Limit) bool {
+	return lim.Scope.Kind == balance.ScopeEndUser && lim.Scope.ID == ""
 }
 
 // Used is the model of a counter: Σ over org's entries with seq ≤ upTo attributed to limit id
 // in the window starting at start (ms) of what each counts in the limit's unit.
 func (l *FakeLedger) Used(org, id string, start, upTo int64) int64 {
+	return l.UsedBy(org, id, start, "", upTo)
+}
+
+// UsedBy is Used of one end user's counter of a limit of each end user apart (endUser "" for
+// every other limit).
+func (l *FakeLedger) UsedBy(org, id string, start int64, endUser string, upTo int64) int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	var n int64
@@ -192,7 +211,8 @@ func (l *FakeLedger) Used(org, id string, start, upTo int64) int64 {
 			continue
 		}
 		for _, e := range l.orgs[org] {
-			if e.Seq <= upTo && inScope(lim, e) && lim.Window.StartMS(e.ReservedAt) == start {
+			if e.Seq <= upTo && inScope(lim, e) && lim.Window.StartMS(e.ReservedAt) == start &&
+				(!eachEndUser(lim) || e.EndUser == endUser) {
 				n += lim.Unit.Count(-e.Delta, e.Tokens)
 			}
 		}
@@ -212,16 +232,24 @@ func (l *FakeLedger) SnapshotSince(ctx context.Context, org string, since time.T
 	ls := &balance.LimitSnapshot{Limits: l.limits[org]}
 	for _, lim := range ls.Limits.Limits {
 		from := lim.Window.StartMS(since)
-		sums := map[int64]int64{}
+		type window struct {
+			start   int64
+			endUser string
+		}
+		sums := map[window]int64{}
 		for _, e := range l.orgs[org][:snap.Seq] {
 			if inScope(lim, e) {
 				if st := lim.Window.StartMS(e.ReservedAt); st >= from {
-					sums[st] += lim.Unit.Count(-e.Delta, e.Tokens)
+					w := window{start: st}
+					if eachEndUser(lim) {
+						w.endUser = e.EndUser
+					}
+					sums[w] += lim.Unit.Count(-e.Delta, e.Tokens)
 				}
 			}
 		}
-		for st, n := range sums {
-			ls.Used = append(ls.Used, balance.WindowUsed{LimitID: lim.ID, Start: st, Used: n})
+		for w, n := range sums {
+			ls.Used = append(ls.Used, balance.WindowUsed{LimitID: lim.ID, Start: w.start, EndUser: w.endUser, Used: n})
 		}
 	}
 	snap.Limits = ls

@@ -114,7 +114,11 @@ func (x *h) u() map[string]int64 {
 	}
 	out := map[string]int64{}
 	for c, n := range m {
-		out[field(c.LimitID, c.Start)] = n
+		f := field(c.LimitID, c.Start)
+		if c.EndUser != "" {
+			f += ":" + c.EndUser
+		}
+		out[f] = n
 	}
 	return out
 }
@@ -127,8 +131,8 @@ func (x *h) counters() {
 	x.invariant()
 	st := x.state()
 	if !st.Exists {
-		if n, err := x.env.Client.Exists(x.ctx, x.keys().Lim, x.keys().U).Result(); err != nil || n != 0 {
-			x.t.Fatalf("acct gone but lim/u left: %d %v", n, err)
+		if n, err := x.env.Client.Exists(x.ctx, x.keys().Lim, x.keys().U, x.keys().UE).Result(); err != nil || n != 0 {
+			x.t.Fatalf("acct gone but lim/u/ue left: %d %v", n, err)
 		}
 		return
 	}
@@ -166,8 +170,36 @@ func (x *h) counters() {
 		x.t.Fatal(err)
 	}
 	u := x.u()
+	ue, err := x.env.Client.ZRangeWithScores(x.ctx, x.keys().UE, 0, -1).Result()
+	if err != nil {
+		x.t.Fatal(err)
+	}
+	indexed := map[string]int64{}
+	for _, z := range ue {
+		indexed[z.Member.(string)] = int64(z.Score)
+	}
 	for _, lim := range x.l.Limits(x.org).Limits {
 		start := lim.Window.StartMS(now)
+		if eachEndUser(lim) {
+			// One counter per end user: each one of the current window holds its end user's
+			// entries and holds, and is indexed by its window's end for trimming.
+			head := field(lim.ID, start) + ":"
+			_, end := lim.Window.Bounds(now)
+			for f, got := range u {
+				eu, ok := strings.CutPrefix(f, head)
+				if !ok {
+					continue
+				}
+				if want := x.l.UsedBy(x.org, lim.ID, start, eu, st.Watermark) + held[f]; got != want {
+					x.t.Fatalf("counter invariant broken for %s: U = %d, ledger %d + holds %d",
+						f, got, x.l.UsedBy(x.org, lim.ID, start, eu, st.Watermark), held[f])
+				}
+				if lim.Window != balance.Lifetime && indexed[f] != end.UnixMilli() {
+					x.t.Fatalf("per-end-user counter %s not indexed by its window's end %d in ue: %d", f, end.UnixMilli(), indexed[f])
+				}
+			}
+			continue
+		}
 		f := field(lim.ID, start)
 		got, ok := u[f]
 		if !ok {
@@ -213,6 +245,12 @@ func runLimits(t *testing.T, env Env) {
 	t.Run("TokensLimit", func(t *testing.T) { exerciseTokensLimit(t, env) })
 	t.Run("UnitsAllOrNothing", func(t *testing.T) { exerciseUnitsAllOrNothing(t, env) })
 	t.Run("UnitsSeedRebuild", func(t *testing.T) { exerciseUnitsSeedRebuild(t, env) })
+	t.Run("EndUsersEachApart", func(t *testing.T) { exerciseEndUsersEachApart(t, env) })
+	t.Run("EndUserOverrideTighterHolds", func(t *testing.T) { exerciseEndUserOverride(t, env) })
+	t.Run("EndUserMovesAndSeed", func(t *testing.T) { exerciseEndUserMovesAndSeed(t, env) })
+	t.Run("NewEndUserLimitCountsHoldsInFlight", func(t *testing.T) { exerciseNewEndUserLimitCountsHolds(t, env) })
+	t.Run("EndUserCountersTrimmed", func(t *testing.T) { exerciseEndUserCountersTrimmed(t, env) })
+	t.Run("EndUserInvalid", func(t *testing.T) { exerciseEndUserInvalid(t, env) })
 	t.Run("NewUnitLimitCountsHoldsInFlight", func(t *testing.T) { exerciseNewUnitLimitCountsHoldsInFlight(t, env) })
 	t.Run("Burst2000RequestsPerMinute", func(t *testing.T) { exerciseBurst2000RequestsPerMinute(t, env) })
 }

@@ -1,0 +1,274 @@
+package balancetest
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/balance"
+)
+
+// eachEndUserScope is the scope of a limit that applies to each end user apart.
+var eachEndUserScope = balance.Scope{Kind: balance.ScopeEndUser}
+
+func endUserScope(id string) balance.Scope { return balance.Scope{Kind: balance.ScopeEndUser, ID: id} }
+
+// reserveEU reserves amount and a token bound for key and end user eu through s.
+func (x *h) reserveEU(s *balance.Store, id, key, eu string, amount, tokens int64) (balance.Reservation, error) {
+	return s.Reserve(x.ctx, balance.ReserveRequest{Org: x.org, HoldID: id, Amount: amount, KeyID: key, Tokens: tokens, EndUser: eu})
+}
+
+func (x *h) mustReserveEU(s *balance.Store, id, key, eu string, amount, tokens int64) balance.Reservation {
+	x.t.Helper()
+	r, err := x.reserveEU(s, id, key, eu, amount, tokens)
+	if err != nil {
+		x.t.Fatalf("reserve %s (end user %q) %d: %v", id, eu, amount, err)
+	}
+	x.counters()
+	return r
+}
+
+// refusedBy reserves and wants a refusal by limit id, with nothing written.
+func (x *h) refusedBy(limitID, id, key, eu string, amount, tokens int64) *balance.LimitError {
+	x.t.Helper()
+	before, u := x.state(), x.u()
+	_, err := x.reserveEU(x.s, id, key, eu, amount, tokens)
+	var le *balance.LimitError
+	if !errors.As(err, &le) || le.Limit.ID != limitID {
+		x.t.Fatalf("reserve %s (end user %q): %v, want a refusal by limit %s", id, eu, err, limitID)
+	}
+	eq(x.t, "refused: balance untouched", x.state().Balance, before.Balance)
+	eq(x.t, "refused: counters untouched", fmt.Sprint(x.u()), fmt.Sprint(u))
+	return le
+}
+
+// settleEU records hold id's usage (cost, tokens) attributed to key and end user eu at its
+// reserve time, and settles it.
+func (x *h) settleEU(id, key, eu string, cost, tokens int64, at time.Time) balance.SettleStatus {
+	x.t.Helper()
+	e := x.l.AddCharge(x.org, balance.Entry{Delta: -cost, HoldID: id, KeyID: key, EndUser: eu, ReservedAt: at, Tokens: tokens})
+	st, err := x.s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), []balance.Entry{e})
+	if err != nil {
+		x.t.Fatalf("settle %s: %v", id, err)
+	}
+	x.counters()
+	return st[0]
+}
+
+// "Without an id the limit applies to each end user apart": one definition, one counter per end
+// user and window. One end user at its cap is refused (a *LimitError naming the limit, scope
+// end_user without id), another is not; a request with no end user is counted by no end-user
+// limit.
+func exerciseEndUsersEachApart(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{
+		unitLimit("eu-rpd", eachEndUserScope, balance.Day, 2, balance.Requests),
+		{ID: "eu-money", Scope: eachEndUserScope, Window: balance.Day, Cap: 5_000},
+	}})
+	day := balance.Day.StartMS(x.redisNow())
+	x.mustReserveEU(x.s, "a1", "k1", "alice", 1_000, 0)
+	x.mustReserveEU(x.s, "a2", "k1", "alice", 1_000, 0)
+	le := x.refusedBy("eu-rpd", "a3", "k1", "alice", 1_000, 0)
+	eq(t, "refusal scope", le.Limit.Scope, eachEndUserScope)
+	eq(t, "refusal unit", le.Limit.Unit, balance.Requests)
+	eq(t, "refusal used (alice's)", le.Used, 2)
+	x.mustReserveEU(x.s, "b1", "k1", "bob@example.com", 4_000, 0)
+	x.refusedBy("eu-money", "b2", "k1", "bob@example.com", 1_001, 0)
+	for i := range 3 {
+		x.mustReserveEU(x.s, fmt.Sprintf("n%d", i), "k1", "", 1_000, 0) // no end user: not counted
+	}
+	u := x.u()
+	eq(t, "alice's requests", u[field("eu-rpd", day)+":alice"], 2)
+	eq(t, "alice's money", u[field("eu-money", day)+":alice"], 2_000)
+	eq(t, "bob's requests", u[field("eu-rpd", day)+":bob@example.com"], 1)
+	eq(t, "bob's money", u[field("eu-money", day)+":bob@example.com"], 4_000)
+	eq(t, "counters: two limits × two end users, none for no end user", len(u), 4)
+}
+
+// "With an id, to that one": a limit of one end user applies beside the limit of each end user
+// apart, and the tighter of the two holds, whichever it is.
+func exerciseEndUserOverride(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{
+		{ID: "each", Scope: eachEndUserScope, Window: balance.Day, Cap: 10_000},
+		{ID: "vip", Scope: endUserScope("vip"), Window: balance.Day, Cap: 3_000},
+		{ID: "free", Scope: endUserScope("free"), Window: balance.Day, Cap: 50_000},
+	}})
+	day := balance.Day.StartMS(x.redisNow())
+	x.mustReserveEU(x.s, "v1", "", "vip", 2_000, 0)
+	le := x.refusedBy("vip", "v2", "", "vip", 2_000, 0) // the override is the tighter
+	eq(t, "override scope", le.Limit.Scope, endUserScope("vip"))
+	for i := range 5 {
+		x.mustReserveEU(x.s, fmt.Sprintf("f%d", i), "", "free", 2_000, 0)
+	}
+	x.refusedBy("each", "f5", "", "free", 1, 0) // the limit of each is the tighter
+	x.mustReserveEU(x.s, "o1", "", "other", 9_000, 0)
+	u := x.u()
+	eq(t, "vip's own counter", u[field("vip", day)], 2_000)
+	eq(t, "vip's counter of each", u[field("each", day)+":vip"], 2_000)
+	eq(t, "free's own counter", u[field("free", day)], 10_000)
+	eq(t, "free's counter of each", u[field("each", day)+":free"], 10_000)
+	eq(t, "other's counter of each", u[field("each", day)+":other"], 9_000)
+}
+
+// "The counter invariant, the seed's rebuild and the overshoot rule hold per unit", per end
+// user: settle moves the hold out of its end user's counters and the entry's cost, 1 and tokens
+// in; finish and release move them; after the hot state is dropped the seed rebuilds each end
+// user's counters from the ledger's entries of the window plus the live holds.
+func exerciseEndUserMovesAndSeed(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{
+		{ID: "money", Scope: eachEndUserScope, Window: balance.Day, Cap: 100_000},
+		unitLimit("req", eachEndUserScope, balance.Day, 100, balance.Requests),
+		unitLimit("tok", eachEndUserScope, balance.Day, 100_000, balance.Tokens),
+		{ID: "alice", Scope: endUserScope("alice"), Window: balance.Week, Cap: 100_000},
+	}})
+	at := func(id, eu string) int64 { return x.u()[field(id, balance.Day.StartMS(x.redisNow()))+":"+eu] }
+	ra := x.mustReserveEU(x.s, "a", "k1", "alice", 1_000, 300)
+	x.mustReserveEU(x.s, "b", "k1", "bob", 2_000, 500)
+	x.mustReserveEU(x.s, "c", "k1", "bob", 3_000, 700)
+	x.mustReserveEU(x.s, "d", "k1", "carol", 4_000, 900)
+	eq(t, "settle a", x.settleEU("a", "k1", "alice", 800, 250, ra.ReservedAt), balance.Applied)
+	eq(t, "alice's money", at("money", "alice"), 800)
+	eq(t, "alice's tokens", at("tok", "alice"), 250)
+	eq(t, "alice's own limit", x.u()[field("alice", balance.Week.StartMS(x.redisNow()))], 800)
+	if n, err := x.s.FinishBatch(x.ctx, []balance.Finish{{Org: x.org, HoldID: "b", Cost: 1_500, Tokens: 410}}); n != 1 || err != nil {
+		t.Fatalf("finish b: %d %v", n, err)
+	}
+	eq(t, "bob's money after b's finish", at("money", "bob"), 1_500+3_000)
+	x.counters()
+	x.l.AddCharge(x.org, balance.Entry{Delta: -99, HoldID: "old", EndUser: "alice", ReservedAt: ra.ReservedAt.Add(-48 * time.Hour), Tokens: 7})
+	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	if err := x.s.Warm(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "alice's money rebuilt", at("money", "alice"), 800)
+	eq(t, "alice's requests rebuilt", at("req", "alice"), 1)
+	eq(t, "bob's money rebuilt", at("money", "bob"), 1_500+3_000)
+	eq(t, "bob's tokens rebuilt", at("tok", "bob"), 410+700)
+	eq(t, "carol's requests rebuilt (a live hold, no entry)", at("req", "carol"), 1)
+	x.counters()
+	if ok, err := x.s.Release(x.ctx, x.org, "c"); !ok || err != nil {
+		t.Fatalf("release c: %v %v", ok, err)
+	}
+	eq(t, "bob's requests after the release", at("req", "bob"), 1)
+	eq(t, "bob's tokens after the release", at("tok", "bob"), 410)
+	x.counters()
+}
+
+// "A new or changed limit counts the live holds its scope and window cover", for end users: a
+// limit of each end user apart created while holds are in flight counts each end user's holds
+// in that end user's counter (none for the holds without an end user).
+func exerciseNewEndUserLimitCountsHolds(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{})
+	x.mustReserveEU(x.s, "a1", "k1", "alice", 1_000, 0)
+	x.mustReserveEU(x.s, "a2", "k2", "alice", 1_000, 0)
+	x.mustReserveEU(x.s, "b1", "k1", "bob", 1_000, 0)
+	x.mustReserveEU(x.s, "n1", "k1", "", 1_000, 0)
+	lim := x.l.Limits(x.org)
+	lim.Limits = []balance.Limit{
+		unitLimit("rph", eachEndUserScope, balance.Hour, 2, balance.Requests),
+		{ID: "bob", Scope: endUserScope("bob"), Window: balance.Hour, Cap: 1_500},
+	}
+	v := x.l.SetLimits(x.org, lim)
+	if pushed, err := x.s.PushLimits(x.ctx, x.org, v); err != nil || !pushed {
+		t.Fatalf("push: %v %v", pushed, err)
+	}
+	if err := x.s.Warm(x.ctx, x.org); err != nil {
+		t.Fatal(err)
+	}
+	hour := balance.Hour.StartMS(x.redisNow())
+	u := x.u()
+	eq(t, "alice's holds counted", u[field("rph", hour)+":alice"], 2)
+	eq(t, "bob's hold counted", u[field("rph", hour)+":bob"], 1)
+	eq(t, "bob's own limit counts his hold", u[field("bob", hour)], 1_000)
+	eq(t, "counters (none for the hold without an end user)", len(u), 3)
+	x.counters()
+	x.refusedBy("rph", "a3", "k1", "alice", 1_000, 0)
+	x.refusedBy("bob", "b2", "k1", "bob", 1_000, 0)
+	x.mustReserveEU(x.s, "b3", "k1", "bob", 500, 0)
+}
+
+// "Current windows only in Redis": per-end-user counters are indexed by their window's end, and
+// the reserves after the window ends trim them (at most 64 a call), so end users that never come
+// back leave nothing behind.
+func exerciseEndUserCountersTrimmed(t *testing.T, env Env) {
+	t.Parallel()
+	const users = 100
+	at := time.Date(2031, 5, 6, 7, 8, 0, 0, time.UTC) // a minute's first instant
+	x := limited(t, env, atMinute(t, env, at), 1_000_000_000, balance.Limits{Limits: []balance.Limit{
+		unitLimit("rpm", eachEndUserScope, balance.Minute, 5, balance.Requests),
+		unitLimit("rpl", endUserScope("u0"), balance.Lifetime, 1_000, balance.Requests),
+	}})
+	for i := range users {
+		r, err := x.reserveEU(x.s, fmt.Sprintf("h%d", i), "", fmt.Sprintf("u%d", i), 1_000, 0)
+		if err != nil {
+			t.Fatalf("reserve %d: %v", i, err)
+		}
+		if !r.ReservedAt.Before(at.Add(time.Minute)) {
+			t.Fatalf("reserve %d at %v: the burst left its minute", i, r.ReservedAt)
+		}
+	}
+	x.counters()
+	ue := func() int64 {
+		n, err := x.env.Client.ZCard(x.ctx, x.keys().UE).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	eq(t, "counters in the first minute", len(x.u()), users+1)
+	eq(t, "indexed (lifetime is not)", ue(), users)
+	next := x.withClock(at.Add(time.Minute))
+	if _, err := x.reserveEU(next, "n1", "", "new1", 1_000, 0); err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "after one reserve in the next minute: 64 trimmed", len(x.u()), users-64+1+1)
+	if _, err := x.reserveEU(next, "n2", "", "new2", 1_000, 0); err != nil {
+		t.Fatal(err)
+	}
+	u := x.u()
+	eq(t, "after two: only the current minute's and the lifetime counter", len(u), 3)
+	eq(t, "index: the current minute's", ue(), 2)
+	nm := balance.Minute.StartMS(at.Add(time.Minute))
+	eq(t, "new1", u[field("rpm", nm)+":new1"], 1)
+	eq(t, "lifetime counter kept", u[field("rpl", 0)], 1)
+	// The holds of the past minute still end normally: their counters are gone, nothing is
+	// re-created.
+	for i := range users {
+		if ok, err := x.s.Release(x.ctx, x.org, fmt.Sprintf("h%d", i)); !ok || err != nil {
+			t.Fatalf("release %d: %v %v", i, ok, err)
+		}
+	}
+	eq(t, "lifetime counter after the releases", x.u()[field("rpl", 0)], 0)
+	eq(t, "no past counter re-created", len(x.u()), 3)
+}
+
+// An end user is validated like a key id: a bad one is refused before anything is written.
+func exerciseEndUserInvalid(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{
+		unitLimit("eu", eachEndUserScope, balance.Day, 2, balance.Requests),
+	}})
+	for _, eu := range []string{"a:b", "a b", "a|b", "a,b", "a;b", "{a}", "é", string(make([]byte, 129))} {
+		before := x.state()
+		if _, err := x.reserveEU(x.s, "h", "k1", eu, 1_000, 0); !errors.Is(err, balance.ErrInvalidLimits) {
+			t.Fatalf("end user %q: %v, want ErrInvalidLimits", eu, err)
+		}
+		eq(t, "nothing written", x.state(), before)
+	}
+	// Freezes are of the org, a project or a key: a ledger's end-user freeze is refused when the
+	// limits are seeded.
+	lim := x.l.Limits(x.org)
+	lim.Frozen = []balance.Scope{endUserScope("alice")}
+	if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+		t.Fatal(err)
+	}
+	if err := x.s.Warm(x.ctx, x.org); !errors.Is(err, balance.ErrInvalidLimits) {
+		t.Fatalf("warm with a freeze of an end user: %v, want ErrInvalidLimits", err)
+	}
+}
