@@ -167,6 +167,8 @@ func (p *reqParser) msgTop(name string, kind byte, v string) {
 		}
 	case "cache_control":
 		p.msgCache(v, name)
+	case "metadata":
+		p.msgMetadata(v)
 	case "anthropic_beta":
 		p.msgBodyBetas(v)
 	case "system":

@@ -226,6 +226,16 @@ type Config struct {
 	// that knows only max_tokens wants "max_tokens" here), max_output_tokens for Responses,
 	// max_tokens for legacy completions and Messages.
 	FitFields map[string]string
+
+	// EndUserHeader, when set, names the request header that carries the end user (limits of
+	// scope end_user; usage grouped by end user) in place of the body's OpenAI "user" field or
+	// Anthropic metadata.user_id: for a gateway in front of escrow that knows its users. An end
+	// user follows the key id rule (1 to 128 printable ASCII bytes without space or { } , ; : |);
+	// another is refused with 400 and nothing held.
+	EndUserHeader string
+	// RequireEndUser refuses (400, nothing held) a priced request that names no end user.
+	// Without it such a request is served and counted by no end-user limit.
+	RequireEndUser bool
 }
 
 // DefaultConfig holds the defaults (Store and Ledger must still be set).

@@ -188,7 +188,7 @@ func limitRefusal(le *balance.LimitError) *Error {
 		return e
 	}
 	info := &LimitInfo{ID: l.ID, Scope: string(l.Scope.Kind), Window: string(l.Window), Unit: string(l.Unit), Cap: l.Cap, Used: le.Used}
-	if l.Scope.Kind != balance.ScopeOrg {
+	if l.Scope.ID != "" { // none: the org, or each end user apart (the request's own counter)
 		id := l.Scope.ID
 		info.ScopeID = &id
 	}
@@ -206,8 +206,13 @@ func limitRefusal(le *balance.LimitError) *Error {
 // scopeName names a limit's scope at the start of a refusal: "Organization", "Key <id>",
 // "Project <id>".
 func scopeName(s balance.Scope) string {
-	if s.Kind == balance.ScopeOrg {
+	switch {
+	case s.Kind == balance.ScopeOrg:
 		return "Organization"
+	case s.Kind == balance.ScopeEndUser && s.ID == "":
+		return "End user's" // a limit of each end user apart: this request's end user's counter
+	case s.Kind == balance.ScopeEndUser:
+		return "End user " + s.ID
 	}
 	k := string(s.Kind)
 	return strings.ToUpper(k[:1]) + k[1:] + " " + s.ID

@@ -135,7 +135,7 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		// time: it is attributed to its record time). A key id the limits layer cannot name is
 		// kept for reports; the ledger leaves it out of the entry's attribution, as the reserve
 		// left it out of the hold's.
-		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt,
+		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt, EndUser: cl.req.EndUser,
 		Model: cl.req.Model, Endpoint: cl.req.Endpoint,
 		Usage: usage, Cost: cost, HoldAmount: cl.holdAmount, Estimated: estimated, CreatedAt: time.Now(),
 		Choices: times(max(cl.req.N, 1), max(cl.req.Prompts, 1)), // the worker learns the model's max cost of one choice (of one prompt) from it

@@ -324,6 +324,9 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 	if e := msgBetas(req.Header, &r); e != nil {
 		return nil, Request{}, e
 	}
+	if e := m.endUser(req.Header, &r); e != nil {
+		return nil, Request{}, e
+	}
 	o.Model = r.Model
 	if r.Background {
 		return nil, Request{}, errInvalid("background", "Background responses are billed after the request ends and are not supported here.")
@@ -348,6 +351,29 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 		}
 	}
 	return body, r, nil
+}
+
+// endUser settles the request's end user: the configured header's value (Config.EndUserHeader)
+// or the body's. It must follow the key id rule, since it names limit counters; with
+// Config.RequireEndUser it must be there.
+func (m *middleware) endUser(h http.Header, r *Request) *Error {
+	param := "user"
+	if r.Endpoint == EndpointMessages {
+		param = "metadata.user_id"
+	}
+	if m.cfg.EndUserHeader != "" {
+		r.EndUser, param = h.Get(m.cfg.EndUserHeader), m.cfg.EndUserHeader
+	}
+	if r.EndUser == "" {
+		if m.cfg.RequireEndUser {
+			return errMissing(param, "This API needs the end user of every request: set '"+param+"'.")
+		}
+		return nil
+	}
+	if err := (balance.Scope{Kind: balance.ScopeEndUser, ID: r.EndUser}).Validate(); err != nil {
+		return errInvalid(param, "'"+param+"' must be 1 to 128 printable ASCII characters without spaces or { } , ; : |.")
+	}
+	return nil
 }
 
 // priceModel finds the prices of the request's model (or the DefaultModel's) and checks the
@@ -446,7 +472,8 @@ func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, mo
 func (m *middleware) reserve(ctx context.Context, cl *call, amount, tokens int64) (balance.Reservation, error) {
 	rctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)
 	defer cancel()
-	return m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: cl.id.Org, HoldID: cl.holdID, Amount: amount, KeyID: cl.limitKey, Tokens: tokens})
+	return m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: cl.id.Org, HoldID: cl.holdID, Amount: amount, KeyID: cl.limitKey, Tokens: tokens,
+		EndUser: cl.req.EndUser})
 }
 
 // limitKey is the key id to reserve under: the identity's, unless the limits layer cannot name

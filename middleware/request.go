@@ -50,6 +50,9 @@ type Request struct {
 	// "service_tier:<tier>", "tool:<type>". Refused unless Config.Allow names them.
 	Features []string
 	Size     int // body length in bytes
+	// EndUser is the end user the body names: the OpenAI "user" field, Anthropic's
+	// metadata.user_id ("" for none). Config.EndUserHeader, when set, names it instead.
+	EndUser string
 }
 
 // topPlain are the top-level fields that carry only text (or numbers and switches that do not
@@ -81,6 +84,7 @@ var (
 	topFields        = newFieldSet(append(slices.Clip(topPlain), topOther...)...)
 	topPlainMask     = topFields.mask(topPlain...)
 	streamOptFields  = newFieldSet("include_usage", "include_obfuscation")
+	metadataFields   = newFieldSet("user_id")
 	toolFields       = newFieldSet("type", "function", "custom", "name", "description", "parameters", "strict", "format")
 	toolChoiceFields = newFieldSet("type", "function", "custom", "name", "mode", "tools")
 	// itemFields: a chat message or a Responses input item.
@@ -140,6 +144,8 @@ func (p *reqParser) top(name string, kind byte, v string) {
 	switch name {
 	case "stream_options":
 		p.streamOptions(v)
+	case "user":
+		p.endUser(name, v)
 	case "max_tokens", "max_completion_tokens", "max_output_tokens":
 		if kind != 'n' {
 			r.OutputCap = max(r.OutputCap, p.positive(name, v))
@@ -212,6 +218,25 @@ func (p *reqParser) streamOptions(v string) {
 		if streamOptFields.names[i] == "include_usage" {
 			p.r.IncludeUsage = p.boolean("stream_options.include_usage", v)
 		}
+	})
+}
+
+// endUser reads the end user a body names (path: "user", or Anthropic's "metadata.user_id"): a
+// string or null. The upstream reads the same member: fields.go refuses a second or a variant
+// spelling of it.
+func (p *reqParser) endUser(path, v string) {
+	if p.nullOr(path, v, shapeString) {
+		p.r.EndUser = strings.Clone(rawString(v))
+	}
+}
+
+// msgMetadata reads Anthropic's metadata object: its user_id is the end user.
+func (p *reqParser) msgMetadata(v string) {
+	if !p.nullOr("metadata", v, shapeObject) {
+		return
+	}
+	p.members(v, metadataFields, allPlain, loc{field: "metadata", i: -1}, func(i int, v string) {
+		p.endUser("metadata.user_id", v)
 	})
 }
 
