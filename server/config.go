@@ -76,6 +76,11 @@ type Config struct {
 	FitMinOutput int64
 	FitChatField string
 
+	// End users (limits of scope end_user, usage by end user): the header that names them in
+	// place of the body's user field (empty: the body), and whether every request must name one.
+	EndUserHeader  string
+	RequireEndUser bool
+
 	// Webhook deliveries (package webhook).
 	WebhookTimeout     time.Duration
 	WebhookMaxAttempts int
@@ -152,6 +157,8 @@ func (c *Config) settings() []setting {
 		{"ESCROW_FIT", "fit", "on", "on: a request whose bound (its output cap, or the model's max output, at the output price) does not fit the balance or a limit's room is served with the largest output cap that fits (x-escrow-output-cap); off: it is refused", onOff(&c.Fit)},
 		{"ESCROW_FIT_MIN_OUTPUT", "fit-min-output", "256", "the smallest output cap fit serves; below it the request is refused with the numbers", integer(&c.FitMinOutput, 1)},
 		{"ESCROW_FIT_CHAT_FIELD", "fit-chat-field", "max_completion_tokens", "the cap field fit adds to a chat completion that has none: max_completion_tokens, or max_tokens for an upstream that knows only that", oneOf(&c.FitChatField, "max_completion_tokens", "max_tokens")},
+		{"ESCROW_END_USER_HEADER", "end-user-header", "", "the request header that names the end user (limits of scope end_user, usage by end user), for a gateway in front of escrow that knows its users; empty: the body's OpenAI user field or Anthropic metadata.user_id", str(&c.EndUserHeader)},
+		{"ESCROW_REQUIRE_END_USER", "require-end-user", "false", "refuse (400, nothing held) a priced request that names no end user; false: it is served and counted by no end-user limit", boolean(&c.RequireEndUser)},
 		{"ESCROW_RESERVE_TIMEOUT", "reserve-timeout", "1s", "bound on a request's reserve call to Redis; past it the client gets 503 and the hold, if it was taken unseen, is released", dur(&c.ReserveTimeout)},
 		{"ESCROW_KEY_CACHE_TTL", "key-cache-ttl", "5s", "how long an API key look-up is trusted; a revoked key stops within it, also while Postgres is down (revocations go through Redis)", dur(&c.KeyCacheTTL)},
 		{"ESCROW_KEY_MAX_STALE", "key-max-stale", "10m", "while Postgres is down, a known key keeps working for this long after its last look-up (unless revoked)", dur(&c.KeyMaxStale)},

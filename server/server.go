@@ -251,6 +251,8 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			NoFit:                !cfg.Fit,
 			FitMinOutputTokens:   cfg.FitMinOutput,
 			FitFields:            map[string]string{middleware.EndpointChat: cfg.FitChatField},
+			EndUserHeader:        cfg.EndUserHeader,
+			RequireEndUser:       cfg.RequireEndUser,
 			ReserveTimeout:       cfg.ReserveTimeout,
 			KeyCacheTTL:          cfg.KeyCacheTTL,
 			MaxStale:             cfg.KeyMaxStale,
