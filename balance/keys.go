@@ -16,20 +16,19 @@ type OrgKeys struct {
 	Lim   string // hash: limits, freezes, key → project
 	U     string // hash: window counters
 	LimV  string // string: the limits floor "<epoch>|<version>" PushLimits raises
-	UE    string // zset: per-end-user counter field of u → its window's end (ms), for trimming
 }
 
 // orgKinds are the key kinds, in the order keysOf fills OrgKeys's fields.
-var orgKinds = [...]string{"acct", "holds", "hexp", "hfin", "gone", "lim", "u", "limv", "ue"}
+var orgKinds = [...]string{"acct", "holds", "hexp", "hfin", "gone", "lim", "u", "limv"}
 
 // KeysOf returns the names of org's keys under prefix (Config.Prefix; DefaultPrefix unless
 // set). It checks neither; the Store calls it only with a valid org.
 func KeysOf(prefix, org string) OrgKeys {
 	var k OrgKeys
-	dst := [len(orgKinds)]*string{&k.Acct, &k.Holds, &k.Hexp, &k.Hfin, &k.Gone, &k.Lim, &k.U, &k.LimV, &k.UE}
+	dst := [len(orgKinds)]*string{&k.Acct, &k.Holds, &k.Hexp, &k.Hfin, &k.Gone, &k.Lim, &k.U, &k.LimV}
 	// One allocation for all of them: each name is a substring of it.
 	var b strings.Builder
-	b.Grow(len(orgKinds)*(len(prefix)+len(org)+len(":{}:")) + len("acctholdshexphfingonelimulimvue"))
+	b.Grow(len(orgKinds)*(len(prefix)+len(org)+len(":{}:")) + len("acctholdshexphfingonelimulimv"))
 	var ends [len(orgKinds)]int
 	for i, kind := range orgKinds {
 		writeOrgKey(&b, prefix, org, kind)
@@ -54,14 +53,14 @@ func writeOrgKey(b *strings.Builder, prefix, org, kind string) {
 }
 
 // ReserveKeys are the KEYS of the reserve script (lua.Reserve), in its order: acct, holds,
-// hexp, gone, lim, u, ue.
+// hexp, gone, lim, u.
 func (k OrgKeys) ReserveKeys() []string {
-	return []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Lim, k.U, k.UE}
+	return []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Lim, k.U}
 }
 
-// settleKeys are the settle script's KEYS: acct, holds, hexp, gone, hfin, lim, u, ue.
+// settleKeys are the settle script's KEYS: acct, holds, hexp, gone, hfin, lim, u.
 func (k OrgKeys) settleKeys() []string {
-	return []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Hfin, k.Lim, k.U, k.UE}
+	return []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Hfin, k.Lim, k.U}
 }
 
 // releaseKeys are the release and reap scripts' KEYS: acct, holds, hexp, gone, hfin, u.

@@ -396,7 +396,7 @@ func (s *Store) PushLimits(ctx context.Context, org string, version int64) (push
 		return false, fmt.Errorf("%w: version %d", ErrInvalidLimits, version)
 	}
 	k := s.keys(org)
-	n, err := s.run(ctx, scPushLim, []string{k.Acct, k.Lim, k.U, k.LimV, k.UE}, strconv.FormatInt(version, 10), s.epochArg()).Int64()
+	n, err := s.run(ctx, scPushLim, []string{k.Acct, k.Lim, k.U, k.LimV}, strconv.FormatInt(version, 10), s.epochArg()).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: push limits: %w: %w", ErrRedis, err)
 	}

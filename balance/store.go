@@ -637,7 +637,7 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 	}
 	s.ObserveEpoch(snap.Epoch)
 	k := s.keys(org)
-	n, err := s.run(ctx, scSeed, []string{k.Acct, k.Holds, k.Lim, k.U, k.LimV, k.UE}, args...).Int64()
+	n, err := s.run(ctx, scSeed, []string{k.Acct, k.Holds, k.Lim, k.U, k.LimV}, args...).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: seed: %w: %w", ErrRedis, err)
 	}
@@ -753,7 +753,7 @@ func (s *Store) Invalidate(ctx context.Context, org string) error {
 		return err
 	}
 	k := s.keys(org)
-	if err := s.c.Del(ctx, k.Acct, k.Lim, k.U, k.UE).Err(); err != nil {
+	if err := s.c.Del(ctx, k.Acct, k.Lim, k.U).Err(); err != nil {
 		s.noteErr(err)
 		return fmt.Errorf("balance: invalidate: %w", err)
 	}

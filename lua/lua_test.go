@@ -13,7 +13,7 @@ import (
 // Redis 6.0. Commands added later (GETDEL, GETEX, ZADD GT/LT, ...) are deliberately absent.
 var redis60 = map[string]bool{
 	"TIME": true, "EXISTS": true, "DEL": true, "PEXPIRE": true, "GET": true, "SET": true,
-	"HGET": true, "HMGET": true, "HSET": true, "HSETNX": true, "HDEL": true, "HEXISTS": true, "HINCRBY": true,
+	"HGET": true, "HMGET": true, "HSET": true, "HSETNX": true, "HSCAN": true, "HDEL": true, "HEXISTS": true, "HINCRBY": true,
 	"HVALS": true, "HLEN": true, "HGETALL": true,
 	"ZADD": true, "ZREM": true, "ZSCORE": true, "ZCOUNT": true, "ZCARD": true,
 	"ZRANGE": true, "ZRANGEBYSCORE": true, "ZREMRANGEBYSCORE": true, // ZRANGE by index only (BYSCORE, REV, LIMIT are 6.2)

@@ -1,4 +1,4 @@
--- push-limits: the org's limits changed in the ledger (a new version): drop acct, lim, u and ue
+-- push-limits: the org's limits changed in the ledger (a new version): drop acct, lim and u
 -- together unless lim is already at that version or newer, so the next request reseeds the
 -- balance, the limits and the current windows' counters from one snapshot. Re-pushing (the
 -- reconciler) is safe: an older or equal version changes nothing.
@@ -8,7 +8,7 @@
 -- before the change and writes after this push cannot put the old limits (a freeze missing)
 -- back into Redis.
 --
--- KEYS[1] acct, KEYS[2] lim, KEYS[3] u, KEYS[4] limv (the floor: '<epoch>|<version>'), KEYS[5] ue
+-- KEYS[1] acct, KEYS[2] lim, KEYS[3] u, KEYS[4] limv (the floor: '<epoch>|<version>')
 --   (one {org} hash tag)
 -- ARGV[1] the ledger's limits version (integer string)
 -- ARGV[2] the ledger's epoch "<gen>:<id>"
@@ -29,5 +29,5 @@ end
 if redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3]) == 0 then
   return 0
 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[5])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 return 1

@@ -7,7 +7,6 @@
 -- KEYS[4] gone   zset  tombstones: ended hold id -> ms
 -- KEYS[5] lim    hash  limits, freezes, key -> project, version v
 -- KEYS[6] u      hash  '<limit id>:<window start ms>[:<end user>]' -> used
--- KEYS[7] ue     zset  per-end-user counter field -> its window's end (see lib/limits)
 --
 -- ARGV[1] epoch "<gen>:<id>" the caller's cached ledger epoch
 -- ARGV[2] hold id
@@ -194,12 +193,11 @@ if #fields > 0 then
       -- kept in Redis (reports on them come from the ledger), so its counter goes.
       local prev = window_bounds(s[4], s[7] - 1)
       redis.call('HDEL', KEYS[6], counter_field(s[1], prev, s[9], v_eu))
-      if s[9] then index_end_user(KEYS[7], fields[i], s[6]) end
     end
   end
 end
 if lim[7] then
-  trim_ended(KEYS[6], KEYS[7], rtime)
+  sweep_ended(KEYS[6], KEYS[1], lim[7], rtime)
 end
 redis.call('HSET', KEYS[2], ARGV[2], hold_record(ARGV[3], rts, '0', table.concat(fields, ','), ARGV[8], v_project or '', table.concat(units), tok, v_eu))
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[2])

@@ -1,7 +1,6 @@
 -- seed: rebuild a cold org's hot balance, limits and window counters from a ledger snapshot.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] lim, KEYS[4] u, KEYS[5] limv, KEYS[6] ue
---   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] lim, KEYS[4] u, KEYS[5] limv   (one {org} hash tag)
 -- ARGV[1] epoch "<gen>:<id>" of the snapshot
 -- ARGV[2] base: the ledger balance after every entry up to W (integer string)
 -- ARGV[3] W: the snapshot's ledger sequence
@@ -17,8 +16,7 @@
 -- acct with this epoch and a lim as new as acct records, or acct with a higher generation:
 -- no-op (reply 0). A snapshot whose limits version is below the floor push-limits left for
 -- the same epoch is stale (the limits changed after it was read): nothing is written (reply -1;
--- the seeder reads a new snapshot). Otherwise acct, lim, u and ue are written together (reply
--- 1): bal = base - sum(holds), wm = W, epoch, lv; lim as given; for every limit, the counter of
+-- the seeder reads a new snapshot). Otherwise acct, lim and u are written together (reply 1): bal = base - sum(holds), wm = W, epoch, lv; lim as given; for every limit, the counter of
 -- its current window = the snapshot's group for it (0 if none) + what the live holds whose
 -- record names it hold there (amount, 1 request, tokens); for a limit of each end user apart,
 -- the counter of every end user with a group of the current window or a live hold in it. A
@@ -47,7 +45,7 @@ if fl then
     return -1
   end
 end
-redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[6])
+redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
 redis.call('HSET', KEYS[1], 'bal', ARGV[2], 'wm', ARGV[3], 'epoch', ARGV[1], 'lv', ARGV[5])
 
 local n = tonumber(ARGV[6])
@@ -78,13 +76,12 @@ for i = 7, 6 + 2 * n, 2 do
     end)
   elseif f == 'e' then
     each_limit(ARGV[i + 1], function(v_id, w)
-      local ws, we = window_bounds(w, clock)
+      local ws = window_bounds(w, clock)
       if ws then
         local head = v_id .. ':' .. ms_string(ws) .. ':'
         for field, used in pairs(groups) do
           if string.sub(field, 1, #head) == head then
             redis.call('HSET', KEYS[4], field, used)
-            index_end_user(KEYS[6], field, we)
           end
         end
       end
@@ -99,11 +96,11 @@ end
 local function attributed(v_key, v_project, v_eu, rt)
   local fs, us = {}, {}
   local function one(v_id, w, _, u, own)
-    local ws, we = window_bounds(w, rt)
+    local ws = window_bounds(w, rt)
     if ws and ws == window_bounds(w, clock) then
       local field = counter_field(v_id, ws, own, v_eu)
-      if own and redis.call('HSETNX', KEYS[4], field, '0') == 1 then
-        index_end_user(KEYS[6], field, we)
+      if own then
+        redis.call('HSETNX', KEYS[4], field, '0')
       end
       fs[#fs + 1] = field
       us[#us + 1] = u

@@ -1,7 +1,7 @@
 -- settle: apply a batch of one org's ledger entries, in sequence order, to the hot balance.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin, KEYS[6] lim, KEYS[7] u,
---   KEYS[8] ue (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin, KEYS[6] lim, KEYS[7] u
+--   (one {org} hash tag)
 -- ARGV[1] epoch "<gen>:<id>" read from the ledger with the entries
 -- ARGV[2] tombstone TTL, ms
 -- ARGV[3] limit clock offset, ms (tests only; '0')
@@ -22,7 +22,7 @@
 -- the counters of every limit of lim (money, requests, tokens) in its scope (the org's, its
 -- project's, its key's, its end user's) in the window of its reserve time. A
 -- missing field is created only for a current window; a past window's is skipped. A newer
--- epoch's drop takes lim, u and ue with acct (they exist or vanish together).
+-- epoch's drop takes lim and u with acct (they exist or vanish together).
 --
 -- Reply: {'COLD'} | {'OK', wm, code, code, ...} with code 1 applied, 2 already, 3 gap (last).
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'wm')
@@ -33,7 +33,7 @@ if cur[1] ~= ARGV[1] then
   local cg = tonumber(string.match(cur[1], '^(%d+):')) or -1
   local ag = tonumber(string.match(ARGV[1], '^(%d+):')) or -1
   if ag >= cg then
-    redis.call('DEL', KEYS[1], KEYS[6], KEYS[7], KEYS[8])
+    redis.call('DEL', KEYS[1], KEYS[6], KEYS[7])
   end
   return {'COLD'}
 end
@@ -65,15 +65,12 @@ local function attribute(v_key, v_project, v_eu, rt, v, tk)
   if not t0 then return end
   local by = {m = v, r = '1', t = tk}
   local function one(v_id, w, _, u, own)
-    local ws, we = window_bounds(w, t0)
+    local ws = window_bounds(w, t0)
     local v = by[u]
     if not ws or v == nil then return end
     local f = counter_field(v_id, ws, own, v_eu)
-    if redis.call('HEXISTS', KEYS[7], f) == 1 then
+    if redis.call('HEXISTS', KEYS[7], f) == 1 or ws == window_bounds(w, clock) then
       redis.call('HINCRBY', KEYS[7], f, v)
-    elseif ws == window_bounds(w, clock) then
-      redis.call('HINCRBY', KEYS[7], f, v)
-      if own then index_end_user(KEYS[8], f, we) end
     end
   end
   each_limit(spec_of('o'), one)

@@ -131,8 +131,8 @@ func (x *h) counters() {
 	x.invariant()
 	st := x.state()
 	if !st.Exists {
-		if n, err := x.env.Client.Exists(x.ctx, x.keys().Lim, x.keys().U, x.keys().UE).Result(); err != nil || n != 0 {
-			x.t.Fatalf("acct gone but lim/u/ue left: %d %v", n, err)
+		if n, err := x.env.Client.Exists(x.ctx, x.keys().Lim, x.keys().U).Result(); err != nil || n != 0 {
+			x.t.Fatalf("acct gone but lim/u left: %d %v", n, err)
 		}
 		return
 	}
@@ -170,21 +170,12 @@ func (x *h) counters() {
 		x.t.Fatal(err)
 	}
 	u := x.u()
-	ue, err := x.env.Client.ZRangeWithScores(x.ctx, x.keys().UE, 0, -1).Result()
-	if err != nil {
-		x.t.Fatal(err)
-	}
-	indexed := map[string]int64{}
-	for _, z := range ue {
-		indexed[z.Member.(string)] = int64(z.Score)
-	}
 	for _, lim := range x.l.Limits(x.org).Limits {
 		start := lim.Window.StartMS(now)
 		if eachEndUser(lim) {
 			// One counter per end user: each one of the current window holds its end user's
-			// entries and holds, and is indexed by its window's end for trimming.
+			// entries and holds.
 			head := field(lim.ID, start) + ":"
-			_, end := lim.Window.Bounds(now)
 			for f, got := range u {
 				eu, ok := strings.CutPrefix(f, head)
 				if !ok {
@@ -193,9 +184,6 @@ func (x *h) counters() {
 				if want := x.l.UsedBy(x.org, lim.ID, start, eu, st.Watermark) + held[f]; got != want {
 					x.t.Fatalf("counter invariant broken for %s: U = %d, ledger %d + holds %d",
 						f, got, x.l.UsedBy(x.org, lim.ID, start, eu, st.Watermark), held[f])
-				}
-				if lim.Window != balance.Lifetime && indexed[f] != end.UnixMilli() {
-					x.t.Fatalf("per-end-user counter %s not indexed by its window's end %d in ue: %d", f, end.UnixMilli(), indexed[f])
 				}
 			}
 			continue

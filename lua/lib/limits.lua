@@ -19,10 +19,9 @@
 -- 'k:<key>', 'e:<end user>' the limits of that scope, and 'e' those of each end user apart, as
 -- 'id,window,cap[,unit];...' (unit r or t; none: money); 'm:<key>' the key's project; 'fo',
 -- 'fp:<project>', 'fk:<key>' = '1' when frozen.
--- Per-end-user counters of windows that end (all but lifetime) are indexed in esc:{org}:ue
--- (zset: field -> its window's end, ms on the limit clock) so that the writes that follow trim
--- them once their window has ended (trim_ended): only current windows are kept, however many
--- end users come and go. ue exists or vanishes with acct, lim and u.
+-- Per-end-user counters of ended windows are swept away by the reserves that follow
+-- (sweep_ended: a few fields of u a call, from a cursor kept in acct's 'tc'), so that only
+-- current windows stay, however many end users come and go.
 --
 -- Calendar maths: Redis Lua has no os.date, so window starts are computed here from a ms
 -- timestamp, in UTC (days <-> civil dates after H. Hinnant's algorithms, valid for any year, the
@@ -192,21 +191,26 @@ local function counter_field(v_id, ws, own, v_eu)
   return v_id .. ':' .. ms_string(ws)
 end
 
--- index_end_user: a per-end-user counter field was created in u: index it in ue by its window's
--- end (we, ms; 0 for lifetime: never ends, never indexed) for trim_ended.
-local function index_end_user(uekey, field, we)
-  if we and we > 0 then
-    redis.call('ZADD', uekey, we, field)
+-- sweep_ended: look at the next fields of u (HSCAN from the cursor in acct's 'tc', COUNT 16)
+-- and delete the per-end-user counters among them whose window ended at or before clock (ms,
+-- the limit clock) — past windows are not kept in Redis. e is lim's spec of the limits of each
+-- end user apart. Every reserve that may create such a counter calls it, so the sweep keeps pace
+-- with the end users that come: a full pass over M fields takes M/16 reserves, and no index is
+-- kept (it would cost more memory than the counters).
+local function sweep_ended(ukey, akey, e, clock)
+  local windows = {}
+  each_limit(e, function(v_id, w) windows[v_id] = w end)
+  local r = redis.call('HSCAN', ukey, redis.call('HGET', akey, 'tc') or '0', 'COUNT', 16)
+  local fs = r[2]
+  for i = 1, #fs, 2 do
+    local id, ws = string.match(fs[i], '^([^:]+):(%d+):')
+    local w = id and windows[id]
+    if w and w ~= 'lifetime' then
+      local _, we = window_bounds(w, tonumber(ws))
+      if we and we <= clock then
+        redis.call('HDEL', ukey, fs[i])
+      end
+    end
   end
-end
-
--- trim_ended: delete up to 64 per-end-user counters whose window ended at or before clock (ms,
--- the limit clock): past windows are not kept in Redis, and a write that creates such counters
--- calls this, so the work of trimming is spread over the writes that cause it.
-local function trim_ended(ukey, uekey, clock)
-  local ended = redis.call('ZRANGEBYSCORE', uekey, '-inf', clock, 'LIMIT', 0, 64)
-  if #ended > 0 then
-    redis.call('HDEL', ukey, unpack(ended))
-    redis.call('ZREM', uekey, unpack(ended))
-  end
+  redis.call('HSET', akey, 'tc', r[1])
 end
