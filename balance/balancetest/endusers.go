@@ -200,7 +200,7 @@ func exerciseNewEndUserLimitCountsHolds(t *testing.T, env Env) {
 // and of lifetime windows stay.
 func exerciseEndUserCountersTrimmed(t *testing.T, env Env) {
 	t.Parallel()
-	const users = 300 // past Redis's small-hash encoding, where HSCAN returns everything at once
+	const users = 300                                 // past Redis's small-hash encoding, where HSCAN returns everything at once
 	at := time.Date(2031, 5, 6, 7, 8, 0, 0, time.UTC) // a minute's first instant
 	x := limited(t, env, atMinute(t, env, at), 1_000_000_000, balance.Limits{Limits: []balance.Limit{
 		unitLimit("rpm", eachEndUserScope, balance.Minute, 5, balance.Requests),
