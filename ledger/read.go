@@ -320,6 +320,21 @@ func KeyCursor(created time.Time, id string) string {
 }
 func EntryCursor(seq int64) string { return makeCursor("entry", strconv.FormatInt(seq, 10)) }
 func AuditCursor(id int64) string  { return makeCursor("audit", strconv.FormatInt(id, 10)) }
+func EndUserCursor(endUser string) string {
+	return makeCursor("end_user", endUser)
+}
+
+// ParseEndUserCursor returns the end user an end-user cursor names ("" for no cursor).
+func ParseEndUserCursor(c string) (string, error) {
+	if c == "" {
+		return "", nil
+	}
+	f, err := readCursor(c, "end_user", 1)
+	if err != nil {
+		return "", err
+	}
+	return f[0], nil
+}
 
 // ParseOrgCursor returns the org id an org cursor names ("" for no cursor: from the start).
 func ParseOrgCursor(c string) (string, error) {
