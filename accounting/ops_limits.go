@@ -3,6 +3,9 @@ package accounting
 import (
 	"context"
 	"fmt"
+	"slices"
+	"sort"
+	"strings"
 	"time"
 
 	"github.com/llmescrow/escrow/balance"
@@ -108,7 +111,7 @@ func (o *Ops) setFrozen(ctx context.Context, org string, scope balance.Scope, fr
 type LimitView struct {
 	ID      string            `json:"id"`
 	Scope   balance.ScopeKind `json:"scope"`
-	ScopeID string            `json:"scope_id,omitempty"` // the project or key; absent for the org
+	ScopeID string            `json:"scope_id,omitempty"` // the project, key or end user; absent for the org and each end user apart
 	Window  balance.Window    `json:"window"`
 	Unit    string            `json:"unit,omitempty"` // requests or tokens (absent: money): what Cap, Used and Held count
 	Cap     int64             `json:"cap"`
@@ -120,60 +123,158 @@ type LimitView struct {
 	// Held is the part of Used held by requests in flight (0 when the org is cold).
 	Held     int64      `json:"held"`
 	ResetsAt *time.Time `json:"resets_at"` // the next window's start; null for lifetime
+	// EndUsers, for a limit of each end user apart (scope end_user without an id), is how many
+	// end users have a counter in its current window (LimitEndUsers lists them); Used and Held
+	// are then those of the end user who used the most, the nearest to the cap. Absent for
+	// every other limit.
+	EndUsers *int `json:"end_users,omitempty"`
+}
+
+// EndUserUsed is one end user's counter of a limit of each end user apart in its current window
+// (LimitView's Used and Held, for that end user).
+type EndUserUsed struct {
+	EndUser string `json:"end_user"`
+	Used    int64  `json:"used"`
+	Held    int64  `json:"held"`
+}
+
+// eachEndUser: l has one counter per end user (scope end_user without an id).
+func eachEndUser(l balance.Limit) bool {
+	return l.Scope.Kind == balance.ScopeEndUser && l.Scope.ID == ""
 }
 
 // ListLimits lists the org's limits (by id) with their current windows, on the Redis clock.
 // While Redis does not answer, the windows are those of this process's clock and the numbers
 // the ledger's (Held 0): a report, not an error.
 func (o *Ops) ListLimits(ctx context.Context, org string) ([]LimitView, error) {
-	ls, err := o.ledger.Limits(ctx, org)
+	st, err := o.limitState(ctx, org)
 	if err != nil {
 		return nil, err
 	}
-	out := make([]LimitView, 0, len(ls.Limits))
-	if len(ls.Limits) == 0 {
-		return out, nil
-	}
-	var hot map[balance.Counter]int64
-	var wm int64
-	warm := false
-	now, err := o.store.Now(ctx) // without Redis: this process's clock
-	if err == nil {
-		hot, wm, warm, err = o.hotCounters(ctx, org)
-	}
-	if err != nil {
-		if ctx.Err() != nil {
-			return nil, ctx.Err()
-		}
-		warm = false
-	}
-	maxSeq := int64(-1)
-	if warm {
-		maxSeq = wm
-	}
-	lu, err := o.ledger.LimitUsage(ctx, org, now, maxSeq)
-	if err != nil {
-		return nil, err
-	}
-	ledgerUsed := make(map[balance.Counter]int64, len(lu))
-	for _, u := range lu {
-		ledgerUsed[balance.Counter{LimitID: u.LimitID, Start: u.Start}] = u.Used
-	}
-	for _, l := range ls.Limits {
+	out := make([]LimitView, 0, len(st.limits))
+	for _, l := range st.limits {
 		v := LimitView{ID: l.ID, Scope: l.Scope.Kind, ScopeID: l.Scope.ID, Window: l.Window, Unit: string(l.Unit), Cap: l.Cap}
-		k := balance.Counter{LimitID: l.ID, Start: l.Window.StartMS(now)}
-		v.Used = ledgerUsed[k]
-		if u, ok := hot[k]; ok && warm {
-			// U = the charges up to wm + the live holds added to it.
-			v.Used, v.Held = u, u-ledgerUsed[k]
+		if eachEndUser(l) {
+			us := st.endUsers(l)
+			n := len(us)
+			v.EndUsers = &n
+			for _, u := range us {
+				if u.Used > v.Used {
+					v.Used, v.Held = u.Used, u.Held
+				}
+			}
+		} else {
+			v.Used, v.Held = st.used(balance.Counter{LimitID: l.ID, Start: l.Window.StartMS(st.now)})
 		}
 		if l.Window != balance.Lifetime {
-			_, next := l.Window.Bounds(now)
+			_, next := l.Window.Bounds(st.now)
 			v.ResetsAt = &next
 		}
 		out = append(out, v)
 	}
 	return out, nil
+}
+
+// LimitEndUsers lists, by end user id, the end users with a counter in the current window of
+// the org's limit id, a limit of each end user apart (ErrUnknownLimit; another limit is
+// ErrInvalidLimit), with what each used and holds, as ListLimits reads them. A page starts after
+// q.Cursor's end user.
+func (o *Ops) LimitEndUsers(ctx context.Context, org, id string, q ledger.ListQuery) (ledger.Page[EndUserUsed], error) {
+	after, err := ledger.ParseEndUserCursor(q.Cursor)
+	if err != nil {
+		return ledger.Page[EndUserUsed]{}, err
+	}
+	st, err := o.limitState(ctx, org)
+	if err != nil {
+		return ledger.Page[EndUserUsed]{}, err
+	}
+	i := slices.IndexFunc(st.limits, func(l balance.Limit) bool { return l.ID == id })
+	if i < 0 {
+		return ledger.Page[EndUserUsed]{}, fmt.Errorf("%w: %q", ledger.ErrUnknownLimit, id)
+	}
+	if !eachEndUser(st.limits[i]) {
+		return ledger.Page[EndUserUsed]{}, fmt.Errorf("%w: limit %s is not of each end user apart (scope end_user without an id)", ledger.ErrInvalidLimit, id)
+	}
+	us := st.endUsers(st.limits[i])
+	us = us[sort.Search(len(us), func(j int) bool { return us[j].EndUser > after }):]
+	limit := ledger.PageLimit(q.Limit)
+	return ledger.PageOf(us[:min(len(us), limit+1)], limit, func(u EndUserUsed) string { return ledger.EndUserCursor(u.EndUser) }), nil
+}
+
+// limitState is what a listing of the org's limits reads: the limits, the Redis clock (this
+// process's while Redis does not answer), the hot counters when the org is warm, and the
+// ledger's spend of the current windows (up to the counters' watermark when warm).
+type limitState struct {
+	limits []balance.Limit
+	now    time.Time
+	warm   bool
+	hot    map[balance.Counter]int64
+	ledger map[balance.Counter]int64
+}
+
+func (o *Ops) limitState(ctx context.Context, org string) (limitState, error) {
+	ls, err := o.ledger.Limits(ctx, org)
+	if err != nil || len(ls.Limits) == 0 {
+		return limitState{}, err
+	}
+	st := limitState{limits: ls.Limits}
+	var wm int64
+	st.now, err = o.store.Now(ctx) // without Redis: this process's clock
+	if err == nil {
+		st.hot, wm, st.warm, err = o.hotCounters(ctx, org)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return limitState{}, ctx.Err()
+		}
+		st.warm = false
+	}
+	maxSeq := int64(-1)
+	if st.warm {
+		maxSeq = wm
+	}
+	lu, err := o.ledger.LimitUsage(ctx, org, st.now, maxSeq)
+	if err != nil {
+		return limitState{}, err
+	}
+	st.ledger = make(map[balance.Counter]int64, len(lu))
+	for _, u := range lu {
+		st.ledger[balance.Counter{LimitID: u.LimitID, Start: u.Start, EndUser: u.EndUser}] = u.Used
+	}
+	return st, nil
+}
+
+// used is a counter's used and held: the hot counter when the org is warm (U = the charges up
+// to the watermark + the live holds added to it), else the ledger's spend.
+func (st limitState) used(k balance.Counter) (used, held int64) {
+	if u, ok := st.hot[k]; ok && st.warm {
+		return u, u - st.ledger[k]
+	}
+	return st.ledger[k], 0
+}
+
+// endUsers lists the end users with a counter in l's current window, in the ledger's spend or
+// the hot state, by end user id.
+func (st limitState) endUsers(l balance.Limit) []EndUserUsed {
+	start := l.Window.StartMS(st.now)
+	seen := map[string]bool{}
+	var out []EndUserUsed
+	add := func(cs map[balance.Counter]int64) {
+		for k := range cs {
+			if k.LimitID == l.ID && k.Start == start && k.EndUser != "" && !seen[k.EndUser] {
+				seen[k.EndUser] = true
+				u := EndUserUsed{EndUser: k.EndUser}
+				u.Used, u.Held = st.used(k)
+				out = append(out, u)
+			}
+		}
+	}
+	add(st.ledger)
+	if st.warm {
+		add(st.hot)
+	}
+	slices.SortFunc(out, func(a, b EndUserUsed) int { return strings.Compare(a.EndUser, b.EndUser) })
+	return out
 }
 
 // hotCounters reads the org's window counters and the watermark they go with: warm is false

@@ -115,6 +115,7 @@ func (a *API) Register(g *echo.Group) {
 	add(http.MethodPost, "/orgs/:org/limits", a.createLimit)
 	add(http.MethodPatch, "/orgs/:org/limits/:id", a.patchLimit)
 	add(http.MethodDelete, "/orgs/:org/limits/:id", a.deleteLimit)
+	add(http.MethodGet, "/orgs/:org/limits/:id/end_users", a.limitEndUsers)
 	for _, f := range []struct {
 		path   string
 		frozen bool

@@ -213,7 +213,7 @@ func TestConsoleAPI(t *testing.T) {
 		{"POST", "/orgs", `{"id":"a b"}`, 400, "invalid_org", "an org id is 1 to 128 characters"},
 		{"POST", "/orgs/acme/credits", `{"amount":-1,"reference":"x"}`, 400, "invalid_value", "amount (> 0"},
 		{"GET", "/orgs?cursor=zzz", "", 400, "invalid_cursor", "cursor"},
-		{"GET", "/orgs/acme/usage?group_by=week", "", 400, "invalid_value", "group_by must be day, model or key"},
+		{"GET", "/orgs/acme/usage?group_by=week", "", 400, "invalid_value", "group_by must be day, model, key or end_user"},
 		{"GET", "/orgs/acme/usage?from=yesterday", "", 400, "invalid_value", "from must be an RFC 3339 time"},
 		{"GET", "/usage/top?limit=0", "", 400, "invalid_value", "limit must be an integer from 1"},
 		{"GET", "/usage/top?from=2026-02-01&to=2026-01-01", "", 400, "invalid_value", "to must be after from"},

@@ -3,6 +3,7 @@ package admin
 import (
 	"errors"
 	"net/http"
+	"strconv"
 
 	"github.com/labstack/echo/v4"
 
@@ -83,11 +84,11 @@ func (a *API) createLimit(c echo.Context) error {
 	s := balance.Scope{Kind: balance.ScopeKind(req.Scope)}
 	unit, unitOK := ledger.ParseUnit(req.Unit)
 	switch {
-	case req.Scope != "org" && req.Scope != "project" && req.Scope != "key":
-		return invalid(c, `scope must be "org", "project" or "key"`)
+	case req.Scope != "org" && req.Scope != "project" && req.Scope != "key" && req.Scope != "end_user":
+		return invalid(c, `scope must be "org", "project", "key" or "end_user"`)
 	case req.Scope == "org" && req.ScopeID != nil && *req.ScopeID != "":
 		return invalid(c, "an org limit has no scope_id")
-	case req.Scope != "org" && (req.ScopeID == nil || *req.ScopeID == ""):
+	case (req.Scope == "project" || req.Scope == "key") && (req.ScopeID == nil || *req.ScopeID == ""):
 		return invalid(c, "scope_id (the project or key id) is required")
 	case req.Cap == nil:
 		return invalid(c, "cap (> 0: micro-units, requests or tokens, by unit) is required")
@@ -108,14 +109,32 @@ func (a *API) listLimits(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return writeList(c, ls, "", []string{"id", "scope", "scope_id", "window", "cap", "used", "held", "resets_at"},
+	return writeList(c, ls, "", []string{"id", "scope", "scope_id", "window", "cap", "used", "held", "resets_at", "end_users"},
 		func(l accounting.LimitView) []string {
-			reset := ""
+			reset, users := "", ""
 			if l.ResetsAt != nil {
 				reset = ts(*l.ResetsAt)
 			}
-			return []string{l.ID, string(l.Scope), l.ScopeID, string(l.Window), i64(l.Cap), i64(l.Used), i64(l.Held), reset}
+			if l.EndUsers != nil {
+				users = strconv.Itoa(*l.EndUsers)
+			}
+			return []string{l.ID, string(l.Scope), l.ScopeID, string(l.Window), i64(l.Cap), i64(l.Used), i64(l.Held), reset, users}
 		})
+}
+
+// limitEndUsers: GET /orgs/:org/limits/:id/end_users, the end users of a limit of each end user
+// apart with a counter in its current window, by id, paged.
+func (a *API) limitEndUsers(c echo.Context) error {
+	q, err := listQuery(c)
+	if err != nil {
+		return invalid(c, err.Error())
+	}
+	p, err := a.ops.LimitEndUsers(c.Request().Context(), c.Param("org"), c.Param("id"), q)
+	if err != nil {
+		return a.fail(c, err)
+	}
+	return writeList(c, p.Data, p.Next, []string{"end_user", "used", "held"},
+		func(u accounting.EndUserUsed) []string { return []string{u.EndUser, i64(u.Used), i64(u.Held)} })
 }
 
 func (a *API) patchLimit(c echo.Context) error {

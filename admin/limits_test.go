@@ -26,6 +26,7 @@ type limitsRig struct {
 	e      *echo.Echo
 	store  *balance.Store
 	ledger ledger.Ledger
+	redis  *testutil.RedisEnv
 }
 
 // eachLedger runs fn over the memory ledger with miniredis and over Postgres with real Redis.
@@ -63,7 +64,7 @@ func eachLedger(t *testing.T, fn func(t *testing.T, r *limitsRig)) {
 			}
 			e := echo.New()
 			api.Register(e.Group("/admin/v1"))
-			fn(t, &limitsRig{t: t, e: e, store: store, ledger: ledger})
+			fn(t, &limitsRig{t: t, e: e, store: store, ledger: ledger, redis: env})
 		})
 	}
 }

@@ -110,9 +110,9 @@ func CheckProjectID(project string) error {
 	return nil
 }
 
-// AttrID is an entry's key or project id as the hot balance takes it: an id that no lim field
-// can hold (a key id from a custom Identify with a ':' in it) is left out, so it can never make
-// a settle refuse the entry (no limit can name it anyway).
+// AttrID is an entry's key, project or end user id as the hot balance takes it: an id that no
+// lim field can hold (a key id from a custom Identify with a ':' in it) is left out, so it can
+// never make a settle refuse the entry (no limit can name it anyway).
 func AttrID(kind balance.ScopeKind, id string) string {
 	if id == "" || (balance.Scope{Kind: kind, ID: id}).Validate() != nil {
 		return ""
@@ -129,15 +129,16 @@ const (
 	minuteMS = int64(time.Minute / time.Millisecond)
 )
 
-// SpendRow is the spend of one (key, project, bucket) of an org's charges: their cost, their
-// count and their tokens. Start < 0 is a bucket for the entries older than every non-lifetime
-// window (only lifetime limits count it).
+// SpendRow is the spend of one (key, project, end user, bucket) of an org's charges: their
+// cost, their count and their tokens. Start < 0 is a bucket for the entries older than every
+// non-lifetime window (only lifetime limits count it). EndUser is "" unless some limit is of
+// scope end_user (limitSpan.EndUsers): without one the rows need not be split by end user.
 type SpendRow struct {
-	Key, Project string
-	Start        int64 // the bucket's start, ms (LimitSpan.Bucket)
-	Cost         int64
-	Requests     int64
-	Tokens       int64
+	Key, Project, EndUser string
+	Start                 int64 // the bucket's start, ms (LimitSpan.Bucket)
+	Cost                  int64
+	Requests              int64
+	Tokens                int64
 }
 
 // limitSpan is what the grouped sum needs of an org's limits: for each limit the start (ms) of
@@ -151,9 +152,13 @@ type limitSpan struct {
 	// bucketed by minute; math.MaxInt64 with none.
 	MinuteFrom int64
 	Lifetime   bool     // some limit is lifetime: every entry matters
-	Keys       []string // the key ids and project ids in the limits' scopes
+	Keys       []string // the key ids, project ids and end user ids in the limits' scopes
 	Projects   []string
+	EndUsers   []string
 	Org        bool // some limit is of the org scope: every charge is attributed
+	// EachEndUser: some limit is of scope end_user without an id, so every charge with an end
+	// user is attributed (to its end user's counter).
+	EachEndUser bool
 }
 
 func NewLimitSpan(ls []balance.Limit, since time.Time) limitSpan {
@@ -176,31 +181,36 @@ func NewLimitSpan(ls []balance.Limit, since time.Time) limitSpan {
 			s.Projects = append(s.Projects, l.Scope.ID)
 		case balance.ScopeKey:
 			s.Keys = append(s.Keys, l.Scope.ID)
+		case balance.ScopeEndUser:
+			if l.Scope.ID == "" {
+				s.EachEndUser = true
+			} else {
+				s.EndUsers = append(s.EndUsers, l.Scope.ID)
+			}
 		}
 	}
 	return s
 }
 
-// Used sums the rows into each limit's windows from its first counted one on. Rows come in any
-// order; the answer is in limit order, then window start.
+// ByEndUser reports whether the grouped sum must split its rows by end user.
+func (s limitSpan) ByEndUser() bool { return s.EachEndUser || len(s.EndUsers) > 0 }
+
+// Used sums the rows into each limit's windows from its first counted one on; a limit of each
+// end user apart has one window per end user (WindowUsed.EndUser). Rows come in any order; the
+// answer is in limit order, then window start, then end user.
 func (s limitSpan) Used(rows []SpendRow) []balance.WindowUsed {
 	type k struct {
-		id    string
-		start int64
+		id      string
+		start   int64
+		endUser string
 	}
 	sums := map[k]int64{}
 	var order []k
 	for _, r := range rows {
+		eu := AttrID(balance.ScopeEndUser, r.EndUser)
 		for _, l := range s.limits {
-			switch l.Scope.Kind {
-			case balance.ScopeProject:
-				if r.Project != l.Scope.ID {
-					continue
-				}
-			case balance.ScopeKey:
-				if r.Key != l.Scope.ID {
-					continue
-				}
+			if !AttributedTo(l, r.Key, r.Project, eu) {
+				continue
 			}
 			var start int64
 			if l.Window != balance.Lifetime {
@@ -212,7 +222,10 @@ func (s limitSpan) Used(rows []SpendRow) []balance.WindowUsed {
 			if start < s.from[l.ID] {
 				continue
 			}
-			key := k{l.ID, start}
+			key := k{l.ID, start, ""}
+			if eachEndUser(l) {
+				key.endUser = eu
+			}
 			if _, ok := sums[key]; !ok {
 				order = append(order, key)
 			}
@@ -231,7 +244,7 @@ func (s limitSpan) Used(rows []SpendRow) []balance.WindowUsed {
 		var mine []balance.WindowUsed
 		for _, key := range order {
 			if key.id == l.ID {
-				mine = append(mine, balance.WindowUsed{LimitID: key.id, Start: key.start, Used: sums[key]})
+				mine = append(mine, balance.WindowUsed{LimitID: key.id, Start: key.start, EndUser: key.endUser, Used: sums[key]})
 			}
 		}
 		sortUsed(mine)
@@ -241,7 +254,9 @@ func (s limitSpan) Used(rows []SpendRow) []balance.WindowUsed {
 }
 
 func sortUsed(u []balance.WindowUsed) {
-	slices.SortFunc(u, func(a, b balance.WindowUsed) int { return cmp.Compare(a.Start, b.Start) })
+	slices.SortFunc(u, func(a, b balance.WindowUsed) int {
+		return cmp.Or(cmp.Compare(a.Start, b.Start), cmp.Compare(a.EndUser, b.EndUser))
+	})
 }
 
 // Bucket is the start (ms) of t's bucket for the grouped sum: its minute from MinuteFrom on,

@@ -147,12 +147,14 @@ const (
 	GroupByDay   = "day"
 	GroupByModel = "model"
 	GroupByKey   = "key"
+	// GroupByEndUser groups by the request's end user ("" for none), as it was recorded.
+	GroupByEndUser = "end_user"
 )
 
 // UsageQuery selects and groups an org's usage by the time each request was recorded.
 type UsageQuery struct {
 	From, To time.Time // [From, To) of the requests' reserve times (see EntryQuery); a zero bound is open
-	GroupBy  string    // GroupByDay (UTC, "2006-01-02"), GroupByModel or GroupByKey ("" for no key)
+	GroupBy  string    // GroupByDay (UTC, "2006-01-02"), GroupByModel, GroupByKey or GroupByEndUser ("" for none)
 }
 
 // TopQuery asks for the orgs that spent the most in [From, To) (a zero bound is open).
@@ -236,9 +238,9 @@ type AuditRecord struct {
 // Check validates a query: a known grouping, To after From.
 func (q UsageQuery) Check() error {
 	switch q.GroupBy {
-	case GroupByDay, GroupByModel, GroupByKey:
+	case GroupByDay, GroupByModel, GroupByKey, GroupByEndUser:
 	default:
-		return fmt.Errorf("%w: group_by must be day, model or key, not %q", ErrInvalidQuery, q.GroupBy)
+		return fmt.Errorf("%w: group_by must be day, model, key or end_user, not %q", ErrInvalidQuery, q.GroupBy)
 	}
 	if !q.From.IsZero() && !q.To.IsZero() && !q.To.After(q.From) {
 		return fmt.Errorf("%w: to must be after from", ErrInvalidQuery)
@@ -318,6 +320,21 @@ func KeyCursor(created time.Time, id string) string {
 }
 func EntryCursor(seq int64) string { return makeCursor("entry", strconv.FormatInt(seq, 10)) }
 func AuditCursor(id int64) string  { return makeCursor("audit", strconv.FormatInt(id, 10)) }
+func EndUserCursor(endUser string) string {
+	return makeCursor("end_user", endUser)
+}
+
+// ParseEndUserCursor returns the end user an end-user cursor names ("" for no cursor).
+func ParseEndUserCursor(c string) (string, error) {
+	if c == "" {
+		return "", nil
+	}
+	f, err := readCursor(c, "end_user", 1)
+	if err != nil {
+		return "", err
+	}
+	return f[0], nil
+}
 
 // ParseOrgCursor returns the org id an org cursor names ("" for no cursor: from the start).
 func ParseOrgCursor(c string) (string, error) {

@@ -378,12 +378,12 @@ func cmdKeys(args []string) error {
 	}
 }
 
-// cmdUsage: escrow usage ORG [--by day|model|key] [--from T] [--to T] [--csv|--json].
+// cmdUsage: escrow usage ORG [--by day|model|key|end_user] [--from T] [--to T] [--csv|--json].
 func cmdUsage(args []string) error {
 	fs, o := newFlags("usage")
-	by := fs.String("by", "day", "group by day, model or key")
+	by := fs.String("by", "day", "group by day, model, key or end_user")
 	inRange := timeRange(fs)
-	pos, c, err := start(fs, args, 1, "usage: escrow usage ORG [--by day|model|key] [--from T] [--to T] [--json|--csv]")
+	pos, c, err := start(fs, args, 1, "usage: escrow usage ORG [--by day|model|key|end_user] [--from T] [--to T] [--json|--csv]")
 	if err != nil {
 		return err
 	}
@@ -781,11 +781,13 @@ func cmdLimits(args []string) error {
 	capArg := fs.String("cap", "", "the cap: micro-units, requests or tokens, by --unit (create)")
 	key := fs.String("key", "", "a key's limit: the key id (create)")
 	project := fs.String("project", "", "a project's limit: the project id (create)")
+	endUser := fs.String("end-user", "", "one end user's limit: the end user id (create)")
+	eachEndUser := fs.Bool("each-end-user", false, "a limit of each end user apart: one counter per end user (create)")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return err
 	}
-	usage := usageErr("usage: escrow limits ORG | create ORG --window W [--unit money|requests|tokens] --cap N [--key ID|--project P] | set-cap ORG LIMIT_ID N | delete ORG LIMIT_ID  [--json|--csv]")
+	usage := usageErr("usage: escrow limits ORG | create ORG --window W [--unit money|requests|tokens] --cap N [--key ID|--project P|--end-user ID|--each-end-user] | set-cap ORG LIMIT_ID N | delete ORG LIMIT_ID | end-users ORG LIMIT_ID  [--json|--csv]")
 	c, err := newClient()
 	if err != nil {
 		return err
@@ -795,7 +797,13 @@ func cmdLimits(args []string) error {
 		return list(c, o, "/orgs/"+url.PathEscape(pos[0])+"/limits", url.Values{}, limitViewTable)
 	case len(pos) == 2 && pos[0] == "create":
 		n, err := strconv.ParseInt(*capArg, 10, 64)
-		if err != nil || *window == "" || (*key != "" && *project != "") {
+		scopes := 0
+		for _, given := range []bool{*key != "", *project != "", *endUser != "", *eachEndUser} {
+			if given {
+				scopes++
+			}
+		}
+		if err != nil || *window == "" || scopes > 1 {
 			return usage
 		}
 		body := map[string]any{"scope": "org", "window": *window, "unit": *unit, "cap": n}
@@ -804,6 +812,10 @@ func cmdLimits(args []string) error {
 			body["scope"], body["scope_id"] = "key", *key
 		case *project != "":
 			body["scope"], body["scope_id"] = "project", *project
+		case *endUser != "":
+			body["scope"], body["scope_id"] = "end_user", *endUser
+		case *eachEndUser:
+			body["scope"] = "end_user"
 		}
 		return show(c, o, http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/limits", body, limitTable)
 	case len(pos) == 4 && pos[0] == "set-cap":
@@ -814,6 +826,8 @@ func cmdLimits(args []string) error {
 		return show(c, o, http.MethodPatch, "/orgs/"+url.PathEscape(pos[1])+"/limits/"+url.PathEscape(pos[2]), map[string]any{"cap": n}, limitTable)
 	case len(pos) == 3 && pos[0] == "delete":
 		return c.do(http.MethodDelete, "/orgs/"+url.PathEscape(pos[1])+"/limits/"+url.PathEscape(pos[2]), nil, "deleted "+pos[2])
+	case len(pos) == 3 && pos[0] == "end-users": // a limit of each end user apart: its end users now
+		return list(c, o, "/orgs/"+url.PathEscape(pos[1])+"/limits/"+url.PathEscape(pos[2])+"/end_users", url.Values{}, endUserTable)
 	default:
 		return usage
 	}

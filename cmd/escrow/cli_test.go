@@ -522,6 +522,67 @@ func TestCLILimits(t *testing.T) {
 	}
 }
 
+// TestCLIEndUsers (issue 26): limits of each end user apart (--each-end-user) and of one end
+// user (--end-user) are created through the CLI, the list shows the end-user count of the
+// former, `limits end-users` lists its end users (none yet: requests here carry no end user,
+// and an end-user limit never counts a request without one), a limit that is not of each end
+// user apart is refused there, and `usage --by end_user` groups the requests (no end user: "").
+func TestCLIEndUsers(t *testing.T) {
+	c, base := startCLIProxy(t)
+	c.ok("orgs", "create", "acme")
+	c.ok("models", "set", "gpt-4o-mini", "--input", "1", "--output", "1", "--max-input-tokens", "1000", "--max-output-tokens", "100", "--default-hold", "1000")
+	c.ok("credit", "acme", "10000000", "--ref", "pay-1")
+	var k struct{ ID, Key string }
+	c.json(&k, "keys", "create", "acme")
+	var each, one struct {
+		ID, Scope string
+		ScopeID   string `json:"scope_id"`
+	}
+	c.json(&each, "limits", "create", "acme", "--each-end-user", "--window", "day", "--unit", "requests", "--cap", "1")
+	c.json(&one, "limits", "create", "acme", "--end-user", "alice", "--window", "day", "--cap", "5")
+	if each.Scope != "end_user" || each.ScopeID != "" || one.Scope != "end_user" || one.ScopeID != "alice" {
+		t.Fatalf("created %+v and %+v", each, one)
+	}
+	for range 2 { // past the per-end-user cap of 1: requests without an end user are not counted
+		if st, code := chatStatus(t, base, k.Key); st != 200 {
+			t.Fatalf("a request without an end user: %d %s", st, code)
+		}
+	}
+	var ls []struct {
+		ID       string
+		EndUsers *int `json:"end_users"`
+	}
+	c.json(&ls, "limits", "acme")
+	if len(ls) != 2 || ls[0].ID != each.ID || ls[0].EndUsers == nil || *ls[0].EndUsers != 0 || ls[1].EndUsers != nil {
+		t.Fatalf("limits: %+v, want the end-user count of the first only (0)", ls)
+	}
+	if out := c.ok("limits", "end-users", "acme", each.ID, "--csv"); out != "end_user,used,held\n" {
+		t.Fatalf("end users: %q", out)
+	}
+	var ee *exitError
+	if _, err := c.run("limits", "end-users", "acme", one.ID); !errors.As(err, &ee) || ee.code != exitRefused {
+		t.Errorf("end users of a limit of one end user: %v", err)
+	}
+	if _, err := c.run("limits", "create", "acme", "--each-end-user", "--key", k.ID, "--window", "day", "--cap", "5"); !errors.As(err, &ee) || ee.code != exitUsage {
+		t.Errorf("a limit of both a key and each end user: %v", err)
+	}
+	var org struct {
+		LedgerSeq int64 `json:"ledger_seq"`
+	}
+	deadline := time.Now().Add(20 * time.Second) // the worker accounts both requests: 1 credit + 2 charges
+	for c.json(&org, "orgs", "show", "acme"); org.LedgerSeq < 3; c.json(&org, "orgs", "show", "acme") {
+		if time.Now().After(deadline) {
+			t.Fatalf("ledger has %d entries, want 3", org.LedgerSeq)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	var p struct{ Data []usageRow }
+	c.json(&p, "usage", "acme", "--by", "end_user")
+	if len(p.Data) != 1 || p.Data[0].Group != "" || p.Data[0].Requests != 2 {
+		t.Fatalf("usage by end user: %+v", p.Data)
+	}
+}
+
 // TestCLICSVFormulaCells (issue 22 item 5): --csv quotes the cells a spreadsheet would run as
 // formulas and leaves numbers as they are.
 func TestCLICSVFormulaCells(t *testing.T) {

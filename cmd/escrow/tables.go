@@ -86,7 +86,7 @@ var usageCounts = table[ledger.UsageRow]{
 	{"completion_tokens", func(r ledger.UsageRow) string { return i64(r.Completion) }},
 }
 
-// usageTable is a usage report grouped by by (day, model or key): the group, then the counts.
+// usageTable is a usage report grouped by by (day, model, key or end_user): the group, then the counts.
 func usageTable(by string) table[ledger.UsageRow] {
 	group := table[ledger.UsageRow]{{by, func(r ledger.UsageRow) string { return r.Group }}}
 	return append(group, usageCounts...)
@@ -183,4 +183,17 @@ var limitViewTable = append(via(limitTable, func(l accounting.LimitView) admin.L
 	{"used", func(l accounting.LimitView) string { return i64(l.Used) }},
 	{"held", func(l accounting.LimitView) string { return i64(l.Held) }},
 	{"resets_at", func(l accounting.LimitView) string { return optTS(l.ResetsAt) }},
+	{"end_users", func(l accounting.LimitView) string { // a limit of each end user apart only
+		if l.EndUsers == nil {
+			return ""
+		}
+		return strconv.Itoa(*l.EndUsers)
+	}},
 }...)
+
+// endUserTable is an end user of a limit of each end user apart, with its current window.
+var endUserTable = table[accounting.EndUserUsed]{
+	{"end_user", func(u accounting.EndUserUsed) string { return u.EndUser }},
+	{"used", func(u accounting.EndUserUsed) string { return i64(u.Used) }},
+	{"held", func(u accounting.EndUserUsed) string { return i64(u.Held) }},
+}

@@ -35,7 +35,7 @@ func laterDay() time.Time {
 
 // limitEvents claims every due delivery and returns the limit.crossed events each webhook got,
 // as briefs, in event order: by time, then (the events of one transaction may share their time)
-// by limit id, window start and threshold.
+// by limit id, window start, end user and threshold.
 func limitEvents(t *testing.T, h ledger.Webhooks) map[string][]string {
 	t.Helper()
 	num := func(e sentEvent, k string) int64 {
@@ -46,7 +46,8 @@ func limitEvents(t *testing.T, h ledger.Webhooks) map[string][]string {
 	for id, es := range claimAll(t, h) {
 		slices.SortStableFunc(es, func(a, b sentEvent) int {
 			return cmp.Or(a.CreatedAt.Compare(b.CreatedAt), cmp.Compare(num(a, "limit_id"), num(b, "limit_id")),
-				cmp.Compare(jsonText(a.Data["window_start"]), jsonText(b.Data["window_start"])), cmp.Compare(num(a, "threshold"), num(b, "threshold")))
+				cmp.Compare(jsonText(a.Data["window_start"]), jsonText(b.Data["window_start"])),
+				cmp.Compare(jsonText(a.Data["end_user"]), jsonText(b.Data["end_user"])), cmp.Compare(num(a, "threshold"), num(b, "threshold")))
 		})
 		for _, e := range es {
 			if e.Type == string(ledger.EventLimitCrossed) {

@@ -356,7 +356,7 @@ func testLimitsAttribution(t *testing.T, l ledger.Ledger) {
 }
 
 func entryEqual(a, b balance.Entry) bool {
-	return a.Seq == b.Seq && a.Delta == b.Delta && a.HoldID == b.HoldID && a.KeyID == b.KeyID && a.Project == b.Project &&
+	return a.Seq == b.Seq && a.Delta == b.Delta && a.HoldID == b.HoldID && a.KeyID == b.KeyID && a.Project == b.Project && a.EndUser == b.EndUser &&
 		a.ReservedAt.Equal(b.ReservedAt) && a.Recorded.Equal(b.Recorded)
 }
 

@@ -49,6 +49,7 @@ type memAccount struct {
 // entryAttr is what a charge entry carries for limits.
 type entryAttr struct {
 	key, project string
+	endUser      string
 	at           time.Time // reserve time, else the usage's record time
 	tokens       int64     // the usage's input + output tokens
 }
@@ -250,6 +251,7 @@ func (a *memAccount) entriesFrom(after int64, limit int) []balance.Entry {
 		be := balance.Entry{Seq: e.Seq, Delta: e.Delta, HoldID: e.HoldID}
 		if at, ok := a.attr[e.Seq]; ok {
 			be.KeyID, be.Project, be.ReservedAt = ledger.AttrID(balance.ScopeKey, at.key), ledger.AttrID(balance.ScopeProject, at.project), at.at
+			be.EndUser = ledger.AttrID(balance.ScopeEndUser, at.endUser)
 			be.Tokens = at.tokens
 		}
 		out = append(out, be)
@@ -481,7 +483,7 @@ func (m *Ledger) accountOrgLocked(org string, limit int, r *ledger.AccountResult
 		e.seq = int64(len(a.entries)) + 1
 		a.entries = append(a.entries, ledger.LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: ledger.KindCharge, HoldID: e.ev.ID, CreatedAt: now})
 		at := attrTime(e.ev.ReservedAt, e.ev.CreatedAt)
-		a.attr[e.seq] = entryAttr{key: e.ev.KeyID, project: e.ev.Project, at: at, tokens: e.ev.Usage.Tokens()}
+		a.attr[e.seq] = entryAttr{key: e.ev.KeyID, project: e.ev.Project, endUser: e.ev.EndUser, at: at, tokens: e.ev.Usage.Tokens()}
 		if r != nil {
 			r.Learn(e.ev.Model, e.ev.Cost, e.ev.Choices, e.ev.Estimated)
 		}
@@ -489,7 +491,7 @@ func (m *Ledger) accountOrgLocked(org string, limit int, r *ledger.AccountResult
 			k.used = at
 		}
 		if len(a.lims.limits) > 0 {
-			charges = append(charges, ledger.ChargeAttr{Key: e.ev.KeyID, Project: e.ev.Project, At: at, Cost: e.ev.Cost, Tokens: e.ev.Usage.Tokens()})
+			charges = append(charges, ledger.ChargeAttr{Key: e.ev.KeyID, Project: e.ev.Project, EndUser: e.ev.EndUser, At: at, Cost: e.ev.Cost, Tokens: e.ev.Usage.Tokens()})
 		}
 	}
 	a.balance -= sum

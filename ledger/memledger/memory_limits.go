@@ -265,8 +265,8 @@ func (a *memAccount) usedLocked(limits []balance.Limit, since time.Time, maxSeq 
 		return nil
 	}
 	type k struct {
-		key, project string
-		start        int64
+		key, project, endUser string
+		start                 int64
 	}
 	sums := map[k]*ledger.SpendRow{}
 	for _, e := range a.entries[:min(maxSeq, int64(len(a.entries)))] {
@@ -274,10 +274,13 @@ func (a *memAccount) usedLocked(limits []balance.Limit, since time.Time, maxSeq 
 		if e.Kind != ledger.KindCharge || !ok {
 			continue
 		}
-		g := k{at.key, at.project, span.Bucket(at.at)}
+		g := k{key: at.key, project: at.project, start: span.Bucket(at.at)}
+		if span.ByEndUser() {
+			g.endUser = at.endUser
+		}
 		r := sums[g]
 		if r == nil {
-			r = &ledger.SpendRow{Key: g.key, Project: g.project, Start: g.start}
+			r = &ledger.SpendRow{Key: g.key, Project: g.project, EndUser: g.endUser, Start: g.start}
 			sums[g] = r
 		}
 		r.Cost, r.Requests, r.Tokens = r.Cost-e.Delta, r.Requests+1, r.Tokens+at.tokens
@@ -289,10 +292,12 @@ func (a *memAccount) usedLocked(limits []balance.Limit, since time.Time, maxSeq 
 	return span.Used(rows)
 }
 
-// winKey is one window of one limit in memAccount.windows.
+// winKey is one window of one limit (of one end user, for a limit of each end user apart) in
+// memAccount.windows.
 type winKey struct {
-	limit string
-	start int64 // ms since the Unix epoch (0 for lifetime)
+	limit   string
+	start   int64 // ms since the Unix epoch (0 for lifetime)
+	endUser string
 }
 
 // chargeWindowsLocked moves the spend of the limits' windows by a batch of charges just
@@ -303,7 +308,7 @@ func (m *Ledger) chargeWindowsLocked(org string, a *memAccount, base int64, char
 		a.windows = map[winKey]int64{}
 	}
 	for _, w := range ledger.WindowIncs(a.lims.limits, charges, now) {
-		k := winKey{w.Limit.ID, w.Start.UnixMilli()}
+		k := winKey{w.Limit.ID, w.Start.UnixMilli(), w.EndUser}
 		before, ok := a.windows[k]
 		if !ok { // the window's first batch: its charges so far, then drop the limit's past windows
 			before = a.spentLocked(w, base)
@@ -321,12 +326,17 @@ func (m *Ledger) chargeWindowsLocked(org string, a *memAccount, base int64, char
 	}
 }
 
-// spentLocked sums the charges with seq ≤ maxSeq attributed to w's limit in w's window.
+// spentLocked sums the charges with seq ≤ maxSeq attributed to w's limit in w's window (of w's
+// end user, for a limit of each end user apart).
 func (a *memAccount) spentLocked(w ledger.WindowInc, maxSeq int64) int64 {
 	var sum int64
 	for _, e := range a.entries[:min(maxSeq, int64(len(a.entries)))] {
 		at, ok := a.attr[e.Seq]
-		if e.Kind == ledger.KindCharge && ok && ledger.AttributedTo(w.Limit, at.key, at.project) && !at.at.Before(w.Start) && at.at.Before(w.Next) {
+		eu := ledger.AttrID(balance.ScopeEndUser, at.endUser)
+		if w.EndUser != "" && eu != w.EndUser {
+			continue
+		}
+		if e.Kind == ledger.KindCharge && ok && ledger.AttributedTo(w.Limit, at.key, at.project, eu) && !at.at.Before(w.Start) && at.at.Before(w.Next) {
 			sum += w.Limit.Unit.Count(-e.Delta, at.tokens)
 		}
 	}

@@ -268,6 +268,8 @@ func (m *Ledger) UsageReport(ctx context.Context, org string, q ledger.UsageQuer
 			g = ev.ev.Model
 		case ledger.GroupByKey:
 			g = ev.ev.KeyID
+		case ledger.GroupByEndUser:
+			g = ev.ev.EndUser
 		}
 		r := rows[g]
 		if r == nil {

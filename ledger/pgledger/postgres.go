@@ -173,7 +173,7 @@ const (
 	sqlNotify  = `SELECT pg_notify(` + sqlChannel + `, $1)`
 	// Charges for several orgs at once: $1 orgs, $2 their cost sums, $3 their event counts;
 	// $4 event ids, $5 their seqs; $6 the keys of those events. Each entry copies its event's
-	// cost and attribution (key, project, reserve time or else record time) from the row the
+	// cost and attribution (key, project, end user, reserve time or else record time) from the row the
 	// update just marked; each key used in the batch gets its last use (one row update per key,
 	// not per request).
 	//
@@ -191,11 +191,11 @@ WITH acc AS (
 	UPDATE usage_events u SET status = 'accounted', seq = x.seq
 	FROM unnest($4::text[], $5::bigint[]) AS x(id, seq)
 	WHERE u.id = x.id::uuid AND u.id = ANY ($4::text[]::uuid[])
-	RETURNING u.org_id, x.seq, u.cost, u.id, u.key_id, u.project, coalesce(u.reserved_at, u.created_at) AS at,
+	RETURNING u.org_id, x.seq, u.cost, u.id, u.key_id, u.project, u.end_user, coalesce(u.reserved_at, u.created_at) AS at,
 		u.prompt_tokens + u.completion_tokens AS tokens
 ), ins AS (
-	INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id, key_id, project, reserved_at, tokens)
-	SELECT org_id, seq, -cost, 'charge', id, key_id, project, at, tokens FROM ev
+	INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id, key_id, project, end_user, reserved_at, tokens)
+	SELECT org_id, seq, -cost, 'charge', id, key_id, project, end_user, at, tokens FROM ev
 )
 UPDATE api_keys k SET last_used_at = GREATEST(k.last_used_at, x.t)
 FROM (SELECT key_id, max(at) AS t FROM ev WHERE key_id IS NOT NULL GROUP BY key_id) x
@@ -208,7 +208,7 @@ WHERE k.id = x.key_id AND k.id = ANY ($6::text[])`
 FROM unnest($1::text[]) AS o`
 	sqlClaimOrder = ` ORDER BY created_at, id`
 	// sqlClaimAttr: a claimed event's attribution (chargeAttr), after its cost.
-	sqlClaimAttr = `coalesce(key_id, ''), coalesce(project, ''), coalesce(reserved_at, created_at), prompt_tokens + completion_tokens`
+	sqlClaimAttr = `coalesce(key_id, ''), coalesce(project, ''), coalesce(end_user, ''), coalesce(reserved_at, created_at), prompt_tokens + completion_tokens`
 )
 
 // maxClaim bounds the events one AccountPending call accounts (a cost sum stays in int64).
@@ -412,7 +412,7 @@ func scanClaim(rows pgx.Rows) (ids []string, costs []int64, attrs []ledger.Charg
 	for rows.Next() {
 		var id string
 		var a ledger.ChargeAttr
-		if err := rows.Scan(&id, &a.Cost, &a.Key, &a.Project, &a.At, &a.Tokens); err != nil {
+		if err := rows.Scan(&id, &a.Cost, &a.Key, &a.Project, &a.EndUser, &a.At, &a.Tokens); err != nil {
 			return nil, nil, nil, err
 		}
 		ids = append(ids, id)
@@ -615,7 +615,7 @@ const sqlClaim = `
 SELECT c.org_id, c.id::text, c.cost, ` + sqlClaimAttr + `, c.model, c.estimated, c.choices, c.created_at
 FROM unnest($1::text[], $2::int[]) WITH ORDINALITY AS o(org, n, ord)
 CROSS JOIN LATERAL (
-	SELECT org_id, id, cost, created_at, key_id, project, reserved_at, prompt_tokens, completion_tokens, model, estimated, choices FROM usage_events
+	SELECT org_id, id, cost, created_at, key_id, project, end_user, reserved_at, prompt_tokens, completion_tokens, model, estimated, choices FROM usage_events
 	WHERE org_id = o.org AND status = 'pending'` + sqlClaimOrder + ` LIMIT o.n FOR UPDATE SKIP LOCKED
 ) c ORDER BY o.ord, c.created_at, c.id`
 
@@ -675,7 +675,7 @@ func handOver(cs []orgCharges) map[string][]balance.Entry {
 		for i, id := range c.ids {
 			a := c.attrs[i]
 			es[i] = balance.Entry{Seq: c.base + int64(i) + 1, Delta: -c.costs[i], HoldID: id, Recorded: c.recorded[i]}
-			attribute(&es[i], &a.Key, &a.Project, &a.At)
+			attribute(&es[i], &a.Key, &a.Project, &a.EndUser, &a.At)
 			es[i].Tokens = a.Tokens
 		}
 		if out == nil {
@@ -760,7 +760,7 @@ func claimEvents(ctx context.Context, conn *pgx.Conn, accts map[string]*orgCharg
 	var estimated bool
 	var choices int64
 	var recorded time.Time
-	_, err := pgx.ForEachRow(rows, []any{&org, &id, &a.Cost, &a.Key, &a.Project, &a.At, &a.Tokens, &model, &estimated, &choices, &recorded}, func() error {
+	_, err := pgx.ForEachRow(rows, []any{&org, &id, &a.Cost, &a.Key, &a.Project, &a.EndUser, &a.At, &a.Tokens, &model, &estimated, &choices, &recorded}, func() error {
 		c := accts[org]
 		c.ids = append(c.ids, id)
 		c.costs = append(c.costs, a.Cost)
@@ -806,9 +806,9 @@ func (p *Ledger) UnsettledEntries(ctx context.Context, org string, limit int) ([
 	// Like entries, plus each entry's Recorded time: a charge's usage event's created_at (the
 	// settle-lag clock starts when the usage was recorded, not when it was accounted).
 	rows, err := p.pool.Query(ctx, `
-SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.at, e.tokens
+SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.end_user, e.at, e.tokens
 FROM ledger_meta m LEFT JOIN LATERAL (
-	SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded, l.key_id, l.project, l.tokens,
+	SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded, l.key_id, l.project, l.end_user, l.tokens,
 		CASE WHEN l.kind = 'charge' THEN coalesce(l.reserved_at, l.created_at) END AS at
 	FROM ledger_entries l LEFT JOIN usage_events u ON u.id = l.hold_id AND l.kind = 'charge'
 	WHERE l.org_id = $1 AND l.seq > (SELECT settled_seq FROM accounts WHERE org_id = $1)
@@ -822,16 +822,17 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 	var ep balance.Epoch
 	for rows.Next() {
 		var seq, delta *int64
-		var hold, key, project *string
+		var hold *string
+		var ids entryAttr
 		var rec, at *time.Time
 		var tokens *int64
-		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &rec, &key, &project, &at, &tokens); err != nil {
+		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &rec, &ids.key, &ids.project, &ids.endUser, &at, &tokens); err != nil {
 			return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
 		}
 		if seq == nil {
 			continue
 		}
-		out = append(out, entryOf(*seq, *delta, hold, rec, key, project, at, tokens))
+		out = append(out, entryOf(*seq, *delta, hold, rec, ids, at, tokens))
 	}
 	if err := rows.Err(); err != nil {
 		return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
@@ -844,10 +845,10 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 // It is exported for tracers (a pgx QueryTracer that counts a settle pass's reads matches it;
 // accounting's pass-count test does).
 const SQLUnsettledOf = `
-SELECT m.epoch_gen, m.epoch_id, e.org_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.at, e.tokens
+SELECT m.epoch_gen, m.epoch_id, e.org_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.end_user, e.at, e.tokens
 FROM ledger_meta m LEFT JOIN LATERAL (
 	SELECT a.org_id, l.* FROM accounts a CROSS JOIN LATERAL (
-		SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded, l.key_id, l.project, l.tokens,
+		SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded, l.key_id, l.project, l.end_user, l.tokens,
 			CASE WHEN l.kind = 'charge' THEN coalesce(l.reserved_at, l.created_at) END AS at
 		FROM ledger_entries l LEFT JOIN usage_events u ON u.id = l.hold_id AND l.kind = 'charge'
 		WHERE l.org_id = a.org_id AND l.seq > a.settled_seq
@@ -859,7 +860,7 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 // entryOf builds the entry of an entries read from its nullable columns (the read's LEFT
 // JOINs leave them NULL where a column does not apply; rec is nil where the read has no
 // record time).
-func entryOf(seq, delta int64, hold *string, rec *time.Time, key, project *string, at *time.Time, tokens *int64) balance.Entry {
+func entryOf(seq, delta int64, hold *string, rec *time.Time, ids entryAttr, at *time.Time, tokens *int64) balance.Entry {
 	e := balance.Entry{Seq: seq, Delta: delta}
 	if tokens != nil {
 		e.Tokens = *tokens
@@ -870,7 +871,7 @@ func entryOf(seq, delta int64, hold *string, rec *time.Time, key, project *strin
 	if rec != nil {
 		e.Recorded = *rec
 	}
-	attribute(&e, key, project, at)
+	attribute(&e, ids.key, ids.project, ids.endUser, at)
 	return e
 }
 
@@ -888,14 +889,15 @@ func (p *Ledger) UnsettledEntriesOf(ctx context.Context, orgs []string, limit in
 	rows, _ := p.pool.Query(ctx, SQLUnsettledOf, orgs, limit)
 	out := make(map[string][]balance.Entry, len(orgs))
 	var ep balance.Epoch
-	var org, hold, key, project *string
+	var org, hold *string
+	var ids entryAttr
 	var seq, delta, tokens *int64
 	var rec, at *time.Time
-	_, err := pgx.ForEachRow(rows, []any{&ep.Gen, &ep.ID, &org, &seq, &delta, &hold, &rec, &key, &project, &at, &tokens}, func() error {
+	_, err := pgx.ForEachRow(rows, []any{&ep.Gen, &ep.ID, &org, &seq, &delta, &hold, &rec, &ids.key, &ids.project, &ids.endUser, &at, &tokens}, func() error {
 		if seq == nil {
 			return nil
 		}
-		out[*org] = append(out[*org], entryOf(*seq, *delta, hold, rec, key, project, at, tokens))
+		out[*org] = append(out[*org], entryOf(*seq, *delta, hold, rec, ids, at, tokens))
 		return nil
 	})
 	if err != nil {
@@ -911,9 +913,9 @@ func (p *Ledger) entries(ctx context.Context, op, after string, org string, limi
 		limit = ledger.DefaultLimit
 	}
 	rows, err := p.pool.Query(ctx, `
-SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.key_id, e.project, e.at, e.tokens
+SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.key_id, e.project, e.end_user, e.at, e.tokens
 FROM ledger_meta m LEFT JOIN LATERAL (
-	SELECT seq, delta, hold_id, key_id, project, tokens,
+	SELECT seq, delta, hold_id, key_id, project, end_user, tokens,
 		CASE WHEN kind = 'charge' THEN coalesce(reserved_at, created_at) END AS at
 	FROM ledger_entries
 	WHERE org_id = $1 AND seq > `+after+` ORDER BY seq LIMIT $2
@@ -926,16 +928,17 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 	var ep balance.Epoch
 	for rows.Next() {
 		var seq, delta *int64
-		var hold, key, project *string
+		var hold *string
+		var ids entryAttr
 		var at *time.Time
 		var tokens *int64
-		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &key, &project, &at, &tokens); err != nil {
+		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &ids.key, &ids.project, &ids.endUser, &at, &tokens); err != nil {
 			return nil, balance.Epoch{}, wrapPg(op, err)
 		}
 		if seq == nil {
 			continue
 		}
-		out = append(out, entryOf(*seq, *delta, hold, nil, key, project, at, tokens))
+		out = append(out, entryOf(*seq, *delta, hold, nil, ids, at, tokens))
 	}
 	if err := rows.Err(); err != nil {
 		return nil, balance.Epoch{}, wrapPg(op, err)
@@ -1075,12 +1078,13 @@ const (
 	sqlRecordUsage = `
 INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
 	completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens, choices,
-	cache_write_1h_tokens)
-SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt, ch, cw1h
+	cache_write_1h_tokens, end_user)
+SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt, ch, cw1h,
+	NULLIF(eu, '')
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
 	$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[], $17::bigint[],
-	$18::bigint[])
-	AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt, ch, cw1h)
+	$18::bigint[], $19::text[])
+	AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt, ch, cw1h, eu)
 ON CONFLICT (id) DO NOTHING`
 	sqlRecordNotify = `WITH ins AS (` + sqlRecordUsage + `
 RETURNING org_id
@@ -1101,7 +1105,7 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, sq
 		reasoning, costs, holds            = make([]int64, n), make([]int64, n), make([]int64, n)
 		estimated                          = make([]bool, n)
 		created                            = make([]time.Time, n)
-		projects                           = make([]string, n)
+		projects, endUsers                 = make([]string, n), make([]string, n)
 		reserved                           = make([]*time.Time, n)
 		choices                            = make([]int64, n)
 	)
@@ -1114,12 +1118,12 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, sq
 		prompt[i], cached[i], completion[i], reasoning[i] = ev.Usage.Prompt, ev.Usage.Cached, ev.Usage.Completion, ev.Usage.Reasoning
 		cacheWrite[i], cacheWrite1h[i] = ev.Usage.CacheWrite, ev.Usage.CacheWrite1h
 		costs[i], holds[i], estimated[i], created[i] = ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt
-		projects[i], choices[i] = ev.Project, max(ev.Choices, 1)
+		projects[i], endUsers[i], choices[i] = ev.Project, ev.EndUser, max(ev.Choices, 1)
 		if !ev.ReservedAt.IsZero() {
 			reserved[i] = &ev.ReservedAt
 		}
 	}
-	_, err := p.pool.Exec(ctx, sql, ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite, choices, cacheWrite1h)
+	_, err := p.pool.Exec(ctx, sql, ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite, choices, cacheWrite1h, endUsers)
 	if err != nil && notSent(err) {
 		return fmt.Errorf("%w: %w", ledger.ErrNotRecorded, wrapPg("record usage", err))
 	}

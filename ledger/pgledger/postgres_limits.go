@@ -347,22 +347,25 @@ func (p *Ledger) LimitUsage(ctx context.Context, org string, since time.Time, ma
 }
 
 // sqlSpend groups an org's ($1) charges with seq ≤ $2 whose time (reserve time, else the
-// entry's own) is at or after $4 by (key, project, bucket): their cost, count and tokens. The
-// bucket is -1 before $3, the minute from $8 on, else the hour (ledger.LimitSpan.Bucket); $5:
-// every charge counts (an org limit), else only those of keys $6 and projects $7. The times are
-// whole milliseconds or microseconds, so floor(ms) is the UnixMilli Go buckets.
+// entry's own) is at or after $4 by (key, project, end user, bucket): their cost, count and
+// tokens. The bucket is -1 before $3, the minute from $8 on, else the hour
+// (ledger.LimitSpan.Bucket); $5: every charge counts (an org limit), else only those of keys $6,
+// projects $7, end users $10, or with an end user at all when $11 (a limit of each end user
+// apart). Rows are split by end user only when $9 (some end-user limit): else they stay few.
+// The times are whole milliseconds or microseconds, so floor(ms) is the UnixMilli Go buckets.
 const sqlSpend = `
-SELECT coalesce(key_id, ''), coalesce(project, ''),
+SELECT coalesce(key_id, ''), coalesce(project, ''), CASE WHEN $9 THEN coalesce(end_user, '') ELSE '' END,
        CASE WHEN t < $3 THEN -1
             WHEN t >= $8 THEN floor(extract(epoch FROM t) * 1000)::bigint / 60000 * 60000
             ELSE floor(extract(epoch FROM t) * 1000)::bigint / 3600000 * 3600000 END AS b,
        sum(-delta)::bigint, count(*), sum(tokens)::bigint
 FROM (
-	SELECT key_id, project, delta, tokens, coalesce(reserved_at, created_at) AS t FROM ledger_entries
+	SELECT key_id, project, end_user, delta, tokens, coalesce(reserved_at, created_at) AS t FROM ledger_entries
 	WHERE org_id = $1 AND kind = 'charge' AND coalesce(reserved_at, created_at) >= $4 AND seq <= $2
-	  AND ($5 OR key_id = ANY($6::text[]) OR project = ANY($7::text[]))
+	  AND ($5 OR key_id = ANY($6::text[]) OR project = ANY($7::text[])
+	       OR end_user = ANY($10::text[]) OR ($11 AND end_user IS NOT NULL))
 ) e
-GROUP BY 1, 2, 3`
+GROUP BY 1, 2, 3, 4`
 
 // limitUsage sums the org's charges with seq ≤ maxSeq into the limits' windows from since's on,
 // in the caller's transaction.
@@ -384,10 +387,11 @@ func limitUsage(ctx context.Context, tx pgx.Tx, org string, limits []balance.Lim
 	if span.MinuteFrom < far.UnixMilli() {
 		minutes = time.UnixMilli(span.MinuteFrom).UTC()
 	}
-	rows, _ := tx.Query(ctx, sqlSpend, org, maxSeq, earliest, lower, span.Org, nonNil(span.Keys), nonNil(span.Projects), minutes)
+	rows, _ := tx.Query(ctx, sqlSpend, org, maxSeq, earliest, lower, span.Org, nonNil(span.Keys), nonNil(span.Projects), minutes,
+		span.ByEndUser(), nonNil(span.EndUsers), span.EachEndUser)
 	var sr []ledger.SpendRow
 	var r ledger.SpendRow
-	_, err := pgx.ForEachRow(rows, []any{&r.Key, &r.Project, &r.Start, &r.Cost, &r.Requests, &r.Tokens}, func() error {
+	_, err := pgx.ForEachRow(rows, []any{&r.Key, &r.Project, &r.EndUser, &r.Start, &r.Cost, &r.Requests, &r.Tokens}, func() error {
 		sr = append(sr, r)
 		return nil
 	})
@@ -404,13 +408,19 @@ func nonNil(s []string) []string {
 	return s
 }
 
+// entryAttr is an entry row's nullable attribution ids.
+type entryAttr struct{ key, project, endUser *string }
+
 // attribute fills a balance.Entry's attribution from a ledger row (nil: none).
-func attribute(e *balance.Entry, key, project *string, at *time.Time) {
+func attribute(e *balance.Entry, key, project, endUser *string, at *time.Time) {
 	if key != nil {
 		e.KeyID = ledger.AttrID(balance.ScopeKey, *key)
 	}
 	if project != nil {
 		e.Project = ledger.AttrID(balance.ScopeProject, *project)
+	}
+	if endUser != nil {
+		e.EndUser = ledger.AttrID(balance.ScopeEndUser, *endUser)
 	}
 	if at != nil {
 		e.ReservedAt = at.UTC()

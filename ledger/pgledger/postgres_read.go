@@ -224,9 +224,10 @@ func (p *Ledger) UsageReport(ctx context.Context, org string, q ledger.UsageQuer
 		return nil, err
 	}
 	group := map[string]string{
-		ledger.GroupByDay:   `to_char(coalesce(reserved_at, created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')`,
-		ledger.GroupByModel: `model`,
-		ledger.GroupByKey:   `coalesce(key_id, '')`,
+		ledger.GroupByDay:     `to_char(coalesce(reserved_at, created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')`,
+		ledger.GroupByModel:   `model`,
+		ledger.GroupByKey:     `coalesce(key_id, '')`,
+		ledger.GroupByEndUser: `coalesce(end_user, '')`,
 	}[q.GroupBy]
 	var out []ledger.UsageRow
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
@@ -307,23 +308,23 @@ func (p *Ledger) Request(ctx context.Context, id string) (ledger.RequestInfo, er
 		return ledger.RequestInfo{}, fmt.Errorf("%w: %q", ledger.ErrUnknownRequest, id)
 	}
 	var r ledger.RequestInfo
-	var key, endpoint, project *string
+	var key, endpoint, project, endUser *string
 	var seq *int64
 	var reserved *time.Time
 	err = p.pool.QueryRow(ctx, `
 SELECT id::text, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens,
        reasoning_tokens, cost, hold_amount, estimated, status, seq, created_at, project, reserved_at, cache_write_tokens,
-       cache_write_1h_tokens
+       cache_write_1h_tokens, end_user
 FROM usage_events WHERE id = $1`, u).Scan(&r.ID, &r.Org, &key, &r.Model, &endpoint,
 		&r.Usage.Prompt, &r.Usage.Cached, &r.Usage.Completion, &r.Usage.Reasoning, &r.Cost, &r.HoldAmount,
-		&r.Estimated, &r.Status, &seq, &r.CreatedAt, &project, &reserved, &r.Usage.CacheWrite, &r.Usage.CacheWrite1h)
+		&r.Estimated, &r.Status, &seq, &r.CreatedAt, &project, &reserved, &r.Usage.CacheWrite, &r.Usage.CacheWrite1h, &endUser)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return ledger.RequestInfo{}, fmt.Errorf("%w: %q", ledger.ErrUnknownRequest, id)
 	}
 	if err != nil {
 		return ledger.RequestInfo{}, wrapPg("request", err)
 	}
-	r.KeyID, r.Endpoint, r.Seq, r.Project = deref(key), deref(endpoint), deref(seq), deref(project)
+	r.KeyID, r.Endpoint, r.Seq, r.Project, r.EndUser = deref(key), deref(endpoint), deref(seq), deref(project), deref(endUser)
 	r.CreatedAt = r.CreatedAt.UTC()
 	if reserved != nil {
 		r.ReservedAt = reserved.UTC()
