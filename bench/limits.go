@@ -40,6 +40,11 @@ type limits struct {
 	pgBatch  float64 // usage-event rows/s, 100 rows per transaction
 	recorder float64 // usage events/s through Recorder (group commit), many callers
 	pipeline float64 // events/s recorded, accounted and settled into Redis (Recorder + Worker)
+	// The pipeline run's WAL per event, from pg_stat_wal (records) and pg_current_wal_lsn
+	// (bytes) read before and after it: the whole cluster's WAL, so other clients of a shared
+	// Postgres (and autovacuum) count too.
+	walRecords, walBytes float64
+	pipelineEvents       int64
 }
 
 const evalPipeDepth = 16
@@ -292,18 +297,27 @@ func pgLimits(ctx context.Context, o options, lim *limits, dbURL string, rdb *re
 		return err
 	}
 	rec.Start(ctx)
-	defer func() { _ = rec.Stop(ctx) }()
 	cnt, el, err := b.record(ctx, rec)
+	_ = rec.Stop(ctx)
 	if err != nil {
 		return err
 	}
 	lim.recorder = float64(cnt) / el.Seconds()
+	if err := b.accountAll(ctx); err != nil {
+		return err
+	}
 	fmt.Fprintf(os.Stderr, "\r  limit: record+account+settle ")
-	if lim.pipeline, err = b.pipelineRate(ctx, rec, rdb, prefix+"p"); err != nil {
+	if err := b.pipelineRate(ctx, dbURL, lim, rdb, prefix+"p"); err != nil {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "\r%-70s\r", "")
 	return nil
+}
+
+// walNow reads the cluster's WAL records written so far (pg_stat_wal) and its insert position.
+func walNow(ctx context.Context, pool *pgxpool.Pool) (records int64, lsn string, err error) {
+	err = pool.QueryRow(ctx, `SELECT wal_records, pg_current_wal_lsn()::text FROM pg_stat_wal`).Scan(&records, &lsn)
+	return records, lsn, err
 }
 
 // openBenchLedger applies the migrations and opens the ledger at dbURL.
@@ -375,37 +389,78 @@ func (b *pgBench) record(ctx context.Context, rec *accounting.Recorder) (int64, 
 	return closedLoop(256, b.d, func() error { return rec.Record(ctx, b.event()) })
 }
 
-// pipelineRate is the events/s recorded through rec and accounted and settled into Redis (under
-// prefix) by a worker, counted until the worker has settled them all (or for at most a minute).
-func (b *pgBench) pipelineRate(ctx context.Context, rec *accounting.Recorder, rdb *redis.Client, prefix string) (float64, error) {
+// pipelineRate measures the events/s recorded through a Recorder and accounted and settled into
+// Redis (under prefix) by a Worker, counted until the worker has settled them all (or for at
+// most a minute), on a ledger of its own (so that its connections end with the run and report
+// their WAL statistics), and the WAL written meanwhile per event.
+func (b *pgBench) pipelineRate(ctx context.Context, dbURL string, lim *limits, rdb *redis.Client, prefix string) error {
 	quiet := slog.New(slog.DiscardHandler)
-	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: b.pg, Prefix: prefix, Logger: quiet})
+	pg, err := pgledger.Open(ctx, dbURL, &pgledger.Config{SkipMigrations: true})
 	if err != nil {
-		return 0, err
+		return err
 	}
-	w, err := accounting.NewWorker(b.pg, store, &accounting.WorkerConfig{Logger: quiet})
+	defer pg.Close()
+	stat, err := pgxpool.New(ctx, dbURL)
 	if err != nil {
-		return 0, err
+		return err
+	}
+	defer stat.Close()
+	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: pg, Prefix: prefix, Logger: quiet})
+	if err != nil {
+		return err
+	}
+	w, err := accounting.NewWorker(pg, store, &accounting.WorkerConfig{Logger: quiet})
+	if err != nil {
+		return err
+	}
+	rec, err := accounting.NewRecorder(pg, &accounting.RecorderConfig{Wake: w.Wake})
+	if err != nil {
+		return err
 	}
 	// Settle what the earlier runs left first, so that the count below is only this run's.
 	if err := w.Drain(ctx); err != nil {
-		return 0, err
+		return err
 	}
 	if err := w.Start(ctx); err != nil {
-		return 0, err
+		return err
 	}
-	defer func() { _ = w.Stop(ctx) }()
+	rec.Start(ctx)
+	pb := &pgBench{pg: pg, d: b.d, n: atomic.Int64{}}
+	pb.n.Store(b.n.Load())
+	recs0, lsn0, err := walNow(ctx, stat)
+	if err != nil {
+		return err
+	}
 	before := w.Stats().Settled
 	start := time.Now()
-	cnt, _, err := b.record(ctx, rec)
+	cnt, _, err := pb.record(ctx, rec)
 	if err != nil {
-		return 0, err
+		return err
 	}
 	deadline := time.Now().Add(60 * time.Second)
 	for w.Stats().Settled-before < cnt && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
-	return float64(w.Stats().Settled-before) / time.Since(start).Seconds(), nil
+	settled := w.Stats().Settled - before
+	lim.pipeline = float64(settled) / time.Since(start).Seconds()
+	lim.pipelineEvents = settled
+	_ = rec.Stop(ctx)
+	_ = w.Stop(ctx)
+	pg.Close() // its backends exit and flush their WAL statistics
+	time.Sleep(300 * time.Millisecond)
+	recs1, lsn1, err := walNow(ctx, stat)
+	if err != nil {
+		return err
+	}
+	var bytes float64
+	if err := stat.QueryRow(ctx, `SELECT pg_wal_lsn_diff($1::pg_lsn, $2::pg_lsn)`, lsn1, lsn0).Scan(&bytes); err != nil {
+		return err
+	}
+	if settled > 0 {
+		lim.walRecords = float64(recs1-recs0) / float64(settled)
+		lim.walBytes = bytes / float64(settled)
+	}
+	return nil
 }
 
 // benchEpoch is the epoch of the Redis limit runs' ledger.

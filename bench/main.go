@@ -48,6 +48,8 @@ type options struct {
 	lagRate     float64
 	lagDuration time.Duration
 	limitRound  time.Duration
+	pgOnly      bool
+	pgRuns      int
 	rounds      int
 	redisURL    string
 	databaseURL string
@@ -73,6 +75,8 @@ func main() {
 	flag.StringVar(&o.databaseURL, "database-url", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "Postgres under test (the bench uses schemas of its own and drops them)")
 	flag.StringVar(&o.profileDir, "profile", "", "if set: also take 10 s CPU and allocation profiles of the escrow proxy at max throughput into this directory, and in the wrk side by side a CPU profile of each escrow round (wrk-<row>-<round>.pprof)")
 	flag.DurationVar(&o.wrkDuration, "wrk-duration", 6*time.Second, "measured time of each wrk scenario (split into -rounds rounds, in turns); 0: no wrk table")
+	flag.BoolVar(&o.pgOnly, "pg-only", false, "run only the Postgres limit rows (usage-event inserts, the Recorder, the accounting pipeline with its WAL records per event) and print them; -pg-runs N repeats them")
+	flag.IntVar(&o.pgRuns, "pg-runs", 1, "with -pg-only: how many times the Postgres rows are measured (each in a fresh schema)")
 	flag.BoolVar(&o.wrkOnly, "wrk-only", false, "run only the wrk side by side (the proxies, no limits, no Go load, no settle lag)")
 	flag.StringVar(&o.wrkRun, "wrk-run", "", "a regexp: run only the wrk rows whose name matches it (each keeps its middleware-off row), e.g. '100 orgs' or '-c1'")
 	flag.StringVar(&o.before, "before", "", "a checkout of an earlier escrow (e.g. a git worktree of main): its proxy is built too and measured in the same wrk rounds, as the 'before' rows")

@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+
 	"fmt"
+	"github.com/redis/go-redis/v9"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,6 +19,9 @@ func run(ctx context.Context, o options) error {
 	began := time.Now()
 	r := &rig{o: o}
 	defer r.close()
+	if o.pgOnly {
+		return r.pgOnly(ctx)
+	}
 	if err := r.build(ctx); err != nil {
 		return err
 	}
@@ -310,6 +315,7 @@ func printTable(lim *limits, s *scenarios, lags []lagRun) {
 	row("limit", "pg: usage events, 100 rows/tx (4 conns)", lim.pgBatch, "", "", nil, 0, "")
 	row("limit", "pg: Recorder group commit (256 callers)", lim.recorder, "", "", nil, 0, "")
 	row("limit", "accounting: record+account+settle", lim.pipeline, "", "", nil, 0, "")
+	row("limit", fmt.Sprintf("  WAL per event: %.2f records, %.0f bytes", lim.walRecords, lim.walBytes), 0, "", "", nil, 0, "pg_stat_wal, whole cluster")
 	lr := func(group string, r loadResult, base *loadResult, of string) {
 		rt := 0.0
 		if base != nil {
@@ -344,4 +350,34 @@ func printTable(lim *limits, s *scenarios, lags []lagRun) {
 	fmt.Printf("redis commands per request (escrow json fitted, %d orgs: every request refused, then fitted): %.2f (%s); proxy CPU per request %s vs %s unfitted\n",
 		s.orgs, s.eFit.RedisPerReq, s.eFit.RedisCmds, s.eFit.cpuPerReq(s.eFit.ProxyCPU), s.ePlain.cpuPerReq(s.ePlain.ProxyCPU))
 	fmt.Printf("p50 of the limit rows: one caller at a time. CPU per request: the proxy process (with its built-in fake upstream) and this load generator from /proc/<pid>/stat; Redis from INFO cpu and Postgres from its processes in /proc (both shared servers: other clients' work counts too); machine busy from /proc/stat (every process).\n")
+}
+
+// pgOnly is -pg-only: the Postgres limit rows alone, -pg-runs times, each in a schema of its
+// own, with the accounting pipeline's WAL per event.
+func (r *rig) pgOnly(ctx context.Context) error {
+	o := r.o
+	r.id = time.Now().UnixNano() % 1e9
+	r.prefix = fmt.Sprintf("escbench%d", r.id)
+	r.undo = append(r.undo, func() { cleanRedis(o.redisURL, r.prefix) })
+	opt, err := redis.ParseURL(o.redisURL)
+	if err != nil {
+		return err
+	}
+	rdb := redis.NewClient(opt)
+	defer rdb.Close()
+	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(w, "run\tpg 1 row/tx\tpg 100 rows/tx\tRecorder\tpipeline events/s\tevents\tWAL records/event\tWAL bytes/event\t")
+	for i := range max(o.pgRuns, 1) {
+		url, err := r.schema(ctx, fmt.Sprintf("_pg%d", i))
+		if err != nil {
+			return err
+		}
+		lim := &limits{}
+		if err := pgLimits(ctx, o, lim, url, rdb, fmt.Sprintf("%s%d", r.prefix, i)); err != nil {
+			return err
+		}
+		fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%d\t%.2f\t%.0f\t\n", i+1, num(lim.pgSingle), num(lim.pgBatch), num(lim.recorder),
+			num(lim.pipeline), lim.pipelineEvents, lim.walRecords, lim.walBytes)
+	}
+	return w.Flush()
 }
