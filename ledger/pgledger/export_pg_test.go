@@ -3,7 +3,9 @@ package pgledger
 // The worker's batched statements, for the plan test.
 const (
 	SQLLockAccounts = sqlLockAccounts
-	SQLClaim        = sqlClaim
+	SQLClaimPass    = sqlClaimPass
+	SQLClaimOrg     = sqlClaimOrg
+	SQLPendingRows  = sqlPendingRows
 	SQLWriteCharges = sqlWriteCharges
 	SQLChargeLimits = sqlChargeLimits
 	SQLMarkSettled  = sqlMarkSettledMany

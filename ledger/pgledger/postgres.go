@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -171,44 +172,38 @@ func (p *Ledger) Close() {
 const (
 	sqlChannel = `'escrow_' || left(md5(current_schema()), 16)`
 	sqlNotify  = `SELECT pg_notify(` + sqlChannel + `, $1)`
-	// Charges for several orgs at once: $1 orgs, $2 their cost sums, $3 their event counts;
-	// $4 event ids, $5 their seqs; $6 the keys of those events. Each entry copies its event's
-	// cost and attribution (key, project, end user, reserve time or else record time) from the row the
-	// update just marked; each key used in the batch gets its last use (one row update per key,
-	// not per request).
+	// Charges for several orgs at once: $1 orgs, $2 their cost sums, $3 their event counts; then
+	// one element per entry: $4 its org, $5 seq, $6 cost, $7 event id (the hold id), $8 key, $9
+	// project, $10 end user ('' for none), $11 time (the reserve time, else the record time),
+	// $12 tokens; $13 the keys used and $14 the latest time of each (its last use: one row update
+	// per key, not per request). Every account row is updated HOT (no index names a column it
+	// changes, migration 015), and the entries of every org of the pass are one INSERT.
 	//
 	// Each joined table is also filtered by "= ANY" of the array it is joined with: that
 	// condition is on the primary key, so the plan probes the index whatever the planner
-	// believes about the table's size. Without it, a plan cached while usage_events was small
-	// and not yet analyzed (a new deployment's first minute, every bench run) hash-joins a
-	// sequential scan of the whole table, on every pass, until autovacuum analyzes it.
+	// believes about the table's size. Without it, a plan cached while a table was small and not
+	// yet analyzed (a new deployment's first minute, every bench run) hash-joins a sequential
+	// scan of the whole table, on every pass, until autovacuum analyzes it.
 	sqlWriteCharges = `
 WITH acc AS (
 	UPDATE accounts a SET balance = a.balance - x.sum, ledger_seq = a.ledger_seq + x.n
 	FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS x(org, sum, n)
 	WHERE a.org_id = x.org AND a.org_id = ANY ($1::text[])
-), ev AS (
-	UPDATE usage_events u SET status = 'accounted', seq = x.seq
-	FROM unnest($4::text[], $5::bigint[]) AS x(id, seq)
-	WHERE u.id = x.id::uuid AND u.id = ANY ($4::text[]::uuid[])
-	RETURNING u.org_id, x.seq, u.cost, u.id, u.key_id, u.project, u.end_user, coalesce(u.reserved_at, u.created_at) AS at,
-		u.prompt_tokens + u.completion_tokens AS tokens
 ), ins AS (
 	INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id, key_id, project, end_user, reserved_at, tokens)
-	SELECT org_id, seq, -cost, 'charge', id, key_id, project, end_user, at, tokens FROM ev
+	SELECT org, seq, -cost, 'charge', id::uuid, NULLIF(k, ''), NULLIF(pr, ''), NULLIF(eu, ''), at, tokens
+	FROM unnest($4::text[], $5::bigint[], $6::bigint[], $7::text[], $8::text[], $9::text[], $10::text[], $11::timestamptz[], $12::bigint[])
+		AS x(org, seq, cost, id, k, pr, eu, at, tokens)
 )
 UPDATE api_keys k SET last_used_at = GREATEST(k.last_used_at, x.t)
-FROM (SELECT key_id, max(at) AS t FROM ev WHERE key_id IS NOT NULL GROUP BY key_id) x
-WHERE k.id = x.key_id AND k.id = ANY ($6::text[])`
+FROM unnest($13::text[], $14::timestamptz[]) AS x(key, t)
+WHERE k.id = x.key AND k.id = ANY ($13::text[])`
 	// sqlNotifyAll notifies each org of $1, adding the session's notification tag (a space, then
 	// escrow.notify_tag, when set: see tagConn) so that the ledger that sent it knows its own
 	// account pass. A seed's charges clear the tag for their transaction (readSnapshot): their
 	// entries still wait for a settle, which the seeding process's worker must hear about too.
 	sqlNotifyAll = `SELECT pg_notify(` + sqlChannel + `, o || coalesce(' ' || nullif(current_setting('escrow.notify_tag', true), ''), ''))
 FROM unnest($1::text[]) AS o`
-	sqlClaimOrder = ` ORDER BY created_at, id`
-	// sqlClaimAttr: a claimed event's attribution (chargeAttr), after its cost.
-	sqlClaimAttr = `coalesce(key_id, ''), coalesce(project, ''), coalesce(end_user, ''), coalesce(reserved_at, created_at), prompt_tokens + completion_tokens`
 )
 
 // maxClaim bounds the events one AccountPending call accounts (a cost sum stays in int64).
@@ -252,7 +247,7 @@ func (p *Ledger) Account(ctx context.Context, org string) (ledger.Account, error
 	a := ledger.Account{Org: org}
 	err := p.pool.QueryRow(ctx, `
 SELECT balance, ledger_seq, settled_seq,
-       (SELECT count(*) FROM usage_events WHERE org_id = $1 AND status = 'pending')
+       `+sqlPendingOf+`
 FROM accounts WHERE org_id = $1`, org).Scan(&a.Balance, &a.LedgerSeq, &a.SettledSeq, &a.Pending)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return ledger.Account{}, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
@@ -314,11 +309,10 @@ type snapRead struct {
 	found        bool  // the org has an account row
 	balance, seq int64 // the account's balance and ledger_seq (0 without a row)
 	epoch        balance.Epoch
-	// The org's pending usage events, claimed (FOR UPDATE, waiting for a worker's claim), with
-	// their limit attribution, the org's limits as the charges see them and the database clock.
-	ids    []string
-	costs  []int64
-	attrs  []ledger.ChargeAttr
+	// The queue rows that hold the org's pending usage events, claimed (FOR UPDATE, waiting for
+	// a worker's claim), with their events (the org's with their limit attribution), the org's
+	// limits as the charges see them and the database clock.
+	queued []queuedEvent
 	limits map[string][]balance.Limit
 	now    time.Time
 	ls     balance.Limits // the org's limits, read only withLimits
@@ -333,7 +327,7 @@ func readSnapshot(ctx context.Context, tx pgx.Tx, org string, withLimits bool) (
 	// The seed's charges notify without this ledger's tag (sqlNotifyAll): unlike an account pass,
 	// the seeding process does not settle them itself, so its own worker must hear them too.
 	b.Queue(`SELECT pg_advisory_xact_lock(hashtext(current_schema()), hashtext($1)), set_config('escrow.notify_tag', '', true)`, org)
-	b.Queue(`SELECT id::text, cost, `+sqlClaimAttr+` FROM usage_events WHERE org_id = $1 AND status = 'pending'`+sqlClaimOrder+` FOR UPDATE`, org)
+	b.Queue(sqlClaimOrg, []string{org}, []string{org})
 	b.Queue(`SELECT epoch_gen, epoch_id FROM ledger_meta`)
 	b.Queue(sqlChargeLimits, []string{org})
 	if withLimits {
@@ -359,7 +353,7 @@ func scanSnapshot(br pgx.BatchResults, withLimits bool) (rd snapRead, err error)
 		return rd, err
 	}
 	rows, _ := br.Query()
-	if rd.ids, rd.costs, rd.attrs, err = scanClaim(rows); err != nil {
+	if rd.queued, err = scanQueued(rows); err != nil {
 		return rd, err
 	}
 	if err := br.QueryRow().Scan(&rd.epoch.Gen, &rd.epoch.ID); err != nil {
@@ -381,8 +375,9 @@ func scanSnapshot(br pgx.BatchResults, withLimits bool) (rd snapRead, err error)
 // already recorded) and moves rd's balance and seq past the charges. An org with usage and no
 // account gets one (a served request is billed); with neither it is ErrUnknownOrg.
 func chargeAtSnapshot(ctx context.Context, tx pgx.Tx, org string, rd *snapRead) error {
+	picked, qw := take(rd.queued, func(o string) bool { return o == org }, 0)
 	if !rd.found {
-		if len(rd.ids) == 0 {
+		if len(picked) == 0 {
 			return fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO accounts (org_id) VALUES ($1) ON CONFLICT DO NOTHING`, org); err != nil {
@@ -392,34 +387,27 @@ func chargeAtSnapshot(ctx context.Context, tx pgx.Tx, org string, rd *snapRead) 
 			return err
 		}
 	}
-	if len(rd.ids) == 0 {
+	if len(picked) == 0 {
+		if !qw.empty() { // events whose rows are gone leave the queue
+			b := &pgx.Batch{}
+			qw.queue(b)
+			return tx.SendBatch(ctx, b).Close()
+		}
 		return nil
 	}
-	c := orgCharges{org: org, balance: rd.balance, base: rd.seq, ids: rd.ids, costs: rd.costs, attrs: rd.attrs, limits: rd.limits[org]}
+	c := orgCharges{org: org, balance: rd.balance, base: rd.seq, limits: rd.limits[org]}
+	for i := range picked {
+		picked[i].addTo(&c)
+	}
 	if err := c.check(); err != nil {
 		return err
 	}
-	if err := writeCharges(ctx, tx, []orgCharges{c}, rd.now); err != nil {
+	if err := writeCharges(ctx, tx, []orgCharges{c}, rd.now, qw); err != nil {
 		return err
 	}
 	rd.balance -= c.sum()
-	rd.seq += int64(len(rd.ids))
+	rd.seq += int64(len(c.ids))
 	return nil
-}
-
-func scanClaim(rows pgx.Rows) (ids []string, costs []int64, attrs []ledger.ChargeAttr, err error) {
-	defer rows.Close()
-	for rows.Next() {
-		var id string
-		var a ledger.ChargeAttr
-		if err := rows.Scan(&id, &a.Cost, &a.Key, &a.Project, &a.EndUser, &a.At, &a.Tokens); err != nil {
-			return nil, nil, nil, err
-		}
-		ids = append(ids, id)
-		costs = append(costs, a.Cost)
-		attrs = append(attrs, a)
-	}
-	return ids, costs, attrs, rows.Err()
 }
 
 // orgCharges are one org's claimed events, to become entries base+1 … base+n.
@@ -476,35 +464,50 @@ func (c *orgCharges) check() error {
 // accounted, notifies, writes the webhook events and moves the limits' windows (at now, the
 // transaction's time), in the caller's transaction (which holds the orgs' locks), in one round
 // trip.
-func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges, now time.Time) error {
+func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges, now time.Time, qw queueWrites) error {
 	b := &pgx.Batch{}
-	queueCharges(b, cs, now)
+	queueCharges(b, cs, now, qw)
 	return tx.SendBatch(ctx, b).Close()
 }
 
-// queueCharges queues writeCharges' statements on b; the balance.low check only for the orgs
-// whose charges may cross their threshold, the windows only for orgs with limits.
-func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time) {
-	var orgs, ids, keys, lowOrgs []string
-	var sums, counts, seqs, lowChanges []int64
+// queueCharges queues writeCharges' statements on b: the entries, the accounts and the keys' last
+// use in one statement, the queue rows' deletes and rewrites (qw), the NOTIFY, the balance.low
+// check only for the orgs whose charges may cross their threshold, the windows only for orgs
+// with limits.
+func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time, qw queueWrites) {
+	var orgs, lowOrgs []string
+	var sums, counts, lowChanges []int64
+	var eOrgs, eIDs, eKeys, eProjects, eEndUsers []string
+	var eSeqs, eCosts, eTokens []int64
+	var eAts []time.Time
+	lastUse := map[string]time.Time{}
 	for _, c := range cs {
 		orgs = append(orgs, c.org)
 		sum := c.sum()
 		sums = append(sums, sum)
 		counts = append(counts, int64(len(c.ids)))
 		for i, id := range c.ids {
-			ids = append(ids, id)
-			seqs = append(seqs, c.base+int64(i)+1)
-			if k := c.attrs[i].Key; k != "" {
-				keys = append(keys, k)
+			a := c.attrs[i]
+			eOrgs, eIDs, eSeqs, eCosts = append(eOrgs, c.org), append(eIDs, id), append(eSeqs, c.base+int64(i)+1), append(eCosts, c.costs[i])
+			eKeys, eProjects, eEndUsers = append(eKeys, a.Key), append(eProjects, a.Project), append(eEndUsers, a.EndUser)
+			eAts, eTokens = append(eAts, a.At), append(eTokens, a.Tokens)
+			if a.Key != "" {
+				if t, ok := lastUse[a.Key]; !ok || a.At.After(t) {
+					lastUse[a.Key] = a.At
+				}
 			}
 		}
 		if c.crossesLow() {
 			lowOrgs, lowChanges = append(lowOrgs, c.org), append(lowChanges, -sum)
 		}
 	}
-	slices.Sort(keys)
-	b.Queue(sqlWriteCharges, orgs, sums, counts, ids, seqs, slices.Compact(keys))
+	keys := slices.Sorted(maps.Keys(lastUse))
+	uses := make([]time.Time, len(keys))
+	for i, k := range keys {
+		uses[i] = lastUse[k]
+	}
+	b.Queue(sqlWriteCharges, orgs, sums, counts, eOrgs, eSeqs, eCosts, eIDs, eKeys, eProjects, eEndUsers, eAts, eTokens, keys, uses)
+	qw.queue(b)
 	b.Queue(sqlNotifyAll, orgs)
 	if len(lowOrgs) > 0 {
 		queueLowBalance(b, lowOrgs, lowChanges) // webhooks: in the same transaction
@@ -521,11 +524,13 @@ func (p *Ledger) AccountPending(ctx context.Context, limit int) (int, error) {
 
 // AccountPass turns up to limit (at most 10,000) pending usage events into charge entries,
 // oldest first. One transaction covers the batch: it locks the account rows of the orgs
-// involved with FOR UPDATE SKIP LOCKED and, after each row, the org's advisory lock with
-// pg_try_advisory_xact_lock (an org another worker or a snapshot holds is left for later, so
-// workers never wait for each other), claims those orgs' events FOR UPDATE SKIP LOCKED, and
-// writes, in one statement, the entries with each org's next sequence numbers, one update per
-// account and the events' status; then notifies each org. So every org's charges are written
+// of the oldest queue rows with FOR UPDATE SKIP LOCKED and, after each row, the org's advisory
+// lock with pg_try_advisory_xact_lock (an org another worker or a snapshot holds is left for
+// later, so workers never wait for each other), claims those queue rows FOR UPDATE SKIP LOCKED,
+// and writes, in one statement, the entries with each org's next sequence numbers and one
+// (HOT) update per account; then takes the charged events out of the queue (deleting the rows it
+// emptied, rewriting the ids left in the others: events of orgs it could not lock, past limit)
+// and notifies each org. So every org's charges are written
 // in one transaction that holds the org's locks, and a batch costs one commit however many
 // orgs it spans. An org with no account row gets one (a request that was served is billed).
 // The orgs whose settled_seq equalled their ledger_seq under the row lock get their new
@@ -537,7 +542,8 @@ func (p *Ledger) AccountPass(ctx context.Context, limit int) (ledger.AccountResu
 	if limit <= 0 {
 		limit = ledger.DefaultLimit
 	}
-	want, orgs, err := p.pendingOrgs(ctx, min(limit, maxClaim))
+	limit = min(limit, maxClaim)
+	rowIDs, orgs, err := p.pendingRows(ctx, limit)
 	if err != nil || len(orgs) == 0 {
 		return ledger.AccountResult{}, wrapPg("account pending", err)
 	}
@@ -548,7 +554,7 @@ func (p *Ledger) AccountPass(ctx context.Context, limit int) (ledger.AccountResu
 	// A connection released inside a transaction (an error below) is closed by the pool, which
 	// rolls the transaction back.
 	defer conn.Release()
-	r, orgErrs, err := accountTx(ctx, conn.Conn(), want, orgs)
+	r, orgErrs, err := accountTx(ctx, conn.Conn(), rowIDs, orgs, limit)
 	if err != nil {
 		if conn.Conn().PgConn().TxStatus() != 'I' {
 			_, _ = conn.Exec(ctx, "ROLLBACK")
@@ -561,23 +567,11 @@ func (p *Ledger) AccountPass(ctx context.Context, limit int) (ledger.AccountResu
 	return r, nil
 }
 
-// pendingOrgs finds the orgs of the oldest limit pending events, oldest first, and how many
-// events of each are among them.
-func (p *Ledger) pendingOrgs(ctx context.Context, limit int) (map[string]int, []string, error) {
-	rows, _ := p.pool.Query(ctx, `
-SELECT org_id, count(*)::int FROM (
-	SELECT org_id, created_at FROM usage_events WHERE status = 'pending' ORDER BY created_at LIMIT $1
-) p GROUP BY org_id ORDER BY min(created_at)`, limit)
-	want := map[string]int{}
-	var orgs []string
-	var org string
-	var n int
-	_, err := pgx.ForEachRow(rows, []any{&org, &n}, func() error {
-		want[org] = n
-		orgs = append(orgs, org)
-		return nil
-	})
-	return want, orgs, err
+// pendingRows finds the oldest queue rows that hold the next limit pending events, and their
+// orgs (in org order).
+func (p *Ledger) pendingRows(ctx context.Context, limit int) (rows []int64, orgs []string, err error) {
+	err = p.pool.QueryRow(ctx, sqlPendingRows, limit).Scan(&rows, &orgs)
+	return rows, orgs, err
 }
 
 // sqlLockAccounts locks the account rows of the orgs $1 that no one else holds, in org order,
@@ -609,19 +603,9 @@ SELECT org_id, balance, ledger_seq, settled_seq = ledger_seq, low_balance_thresh
 	pg_try_advisory_xact_lock(hashtext(current_schema()), hashtext(org_id)), m.epoch_gen, m.epoch_id
 FROM a CROSS JOIN ledger_meta m`
 
-// sqlClaim claims, for each org of $1 in turn, its $2 oldest pending events that no one else
-// holds, with what the entries, the learned max and the handed-over entries' Recorded need.
-const sqlClaim = `
-SELECT c.org_id, c.id::text, c.cost, ` + sqlClaimAttr + `, c.model, c.estimated, c.choices, c.created_at
-FROM unnest($1::text[], $2::int[]) WITH ORDINALITY AS o(org, n, ord)
-CROSS JOIN LATERAL (
-	SELECT org_id, id, cost, created_at, key_id, project, end_user, reserved_at, prompt_tokens, completion_tokens, model, estimated, choices FROM usage_events
-	WHERE org_id = o.org AND status = 'pending'` + sqlClaimOrder + ` LIMIT o.n FOR UPDATE SKIP LOCKED
-) c ORDER BY o.ord, c.created_at, c.id`
-
 // accountTx runs the account pass's transaction on conn (BEGIN is sent with the locks, COMMIT
 // with the writes). orgErrs are orgs left out (their charges would break the balance bound).
-func accountTx(ctx context.Context, conn *pgx.Conn, want map[string]int, orgs []string) (r ledger.AccountResult, orgErrs []error, err error) {
+func accountTx(ctx context.Context, conn *pgx.Conn, rowIDs []int64, orgs []string, limit int) (r ledger.AccountResult, orgErrs []error, err error) {
 	accts, got, epoch, err := lockOrgs(ctx, conn, orgs)
 	if err != nil || len(got) == 0 {
 		if err == nil {
@@ -629,7 +613,7 @@ func accountTx(ctx context.Context, conn *pgx.Conn, want map[string]int, orgs []
 		}
 		return r, nil, err
 	}
-	now, err := claimEvents(ctx, conn, accts, got, want, &r)
+	now, qw, err := claimEvents(ctx, conn, accts, got, rowIDs, limit, &r)
 	if err != nil {
 		return r, nil, err
 	}
@@ -641,6 +625,7 @@ func accountTx(ctx context.Context, conn *pgx.Conn, want map[string]int, orgs []
 		}
 		if err := c.check(); err != nil {
 			orgErrs = append(orgErrs, err)
+			qw.keep(c.org)
 			continue
 		}
 		cs = append(cs, *c)
@@ -649,7 +634,9 @@ func accountTx(ctx context.Context, conn *pgx.Conn, want map[string]int, orgs []
 	}
 	b := &pgx.Batch{}
 	if len(cs) > 0 {
-		queueCharges(b, cs, now)
+		queueCharges(b, cs, now, qw)
+	} else {
+		qw.queue(b)
 	}
 	b.Queue("COMMIT")
 	if err := conn.SendBatch(ctx, b).Close(); err != nil {
@@ -742,33 +729,28 @@ func lockOrgs(ctx context.Context, conn *pgx.Conn, orgs []string) (accts map[str
 	return accts, got, epoch, nil
 }
 
-// claimEvents claims the pending events of the locked orgs got (want[org] of each at most)
-// into accts and reads their live limits, in one round trip; it returns the transaction's
-// time (zero when no org has limits) and learns the events' costs of one choice into r.
-func claimEvents(ctx context.Context, conn *pgx.Conn, accts map[string]*orgCharges, got []string, want map[string]int, r *ledger.AccountResult) (time.Time, error) {
-	limits := make([]int32, len(got))
-	for i, o := range got {
-		limits[i] = int32(want[o])
-	}
+// claimEvents claims the queue rows rowIDs that no one else holds and reads the events in them
+// of the locked orgs got, up to limit of them, oldest first, into accts, and the orgs' live
+// limits, in one round trip; it returns the transaction's time (zero when no org has limits)
+// and what to write to the claimed queue rows, and learns the events' costs of one choice into
+// r.
+func claimEvents(ctx context.Context, conn *pgx.Conn, accts map[string]*orgCharges, got []string, rowIDs []int64, limit int, r *ledger.AccountResult) (time.Time, queueWrites, error) {
 	b := &pgx.Batch{}
-	b.Queue(sqlClaim, got, limits)
+	b.Queue(sqlClaimPass, rowIDs, got)
 	b.Queue(sqlChargeLimits, got)
 	br := conn.SendBatch(ctx, b)
 	rows, _ := br.Query()
-	var org, id, model string
-	var a ledger.ChargeAttr
-	var estimated bool
-	var choices int64
-	var recorded time.Time
-	_, err := pgx.ForEachRow(rows, []any{&org, &id, &a.Cost, &a.Key, &a.Project, &a.EndUser, &a.At, &a.Tokens, &model, &estimated, &choices, &recorded}, func() error {
-		c := accts[org]
-		c.ids = append(c.ids, id)
-		c.costs = append(c.costs, a.Cost)
-		c.attrs = append(c.attrs, a)
-		c.recorded = append(c.recorded, recorded)
-		r.Learn(model, a.Cost, choices, estimated)
-		return nil
-	})
+	qs, err := scanQueued(rows)
+	var qw queueWrites
+	if err == nil {
+		var picked []queuedEvent
+		picked, qw = take(qs, func(o string) bool { return accts[o] != nil }, limit)
+		for i := range picked {
+			q := &picked[i]
+			q.addTo(accts[q.org])
+			r.Learn(q.model, q.attr.Cost, q.choices, q.est)
+		}
+	}
 	var now time.Time
 	if err == nil {
 		var lims map[string][]balance.Limit
@@ -783,7 +765,7 @@ func claimEvents(ctx context.Context, conn *pgx.Conn, accts map[string]*orgCharg
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	return now, err
+	return now, qw, err
 }
 
 // EntriesAfter returns up to limit entries of org with Seq > after, in Seq order, and the epoch,
@@ -947,7 +929,8 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 }
 
 // UnsettledUsage reports, for each of holdIDs, whether the org has usage recorded for it that is
-// not settled yet: a pending event, or a charge entry past settled_seq.
+// not settled yet: a pending event (in the queue), or a charge entry past settled_seq. One
+// statement, so one snapshot: an event moves from the queue to its entry in one transaction.
 func (p *Ledger) UnsettledUsage(ctx context.Context, org string, holdIDs []string) (map[string]bool, error) {
 	if err := balance.ValidateOrg(org); err != nil {
 		return nil, err
@@ -969,9 +952,11 @@ func (p *Ledger) UnsettledUsage(ctx context.Context, org string, holdIDs []strin
 		return out, nil
 	}
 	rows, err := p.pool.Query(ctx, `
-SELECT u.id::text FROM usage_events u LEFT JOIN accounts a ON a.org_id = u.org_id
-WHERE u.id = ANY($2::text[]::uuid[]) AND u.org_id = $1
-  AND u.status <> 'voided' AND (u.status = 'pending' OR a.settled_seq IS NULL OR u.seq > a.settled_seq)`, org, ids)
+SELECT x.id::text FROM usage_pending p CROSS JOIN LATERAL unnest(p.ids, p.orgs) AS x(id, org)
+WHERE p.orgs && ARRAY[$1::text] AND x.org = $1 AND x.id = ANY ($2::text[]::uuid[])
+UNION
+SELECT l.hold_id::text FROM accounts a JOIN ledger_entries l ON l.org_id = a.org_id AND l.seq > a.settled_seq
+WHERE a.org_id = $1 AND l.kind = 'charge' AND l.hold_id = ANY ($2::text[]::uuid[])`, org, ids)
 	if err != nil {
 		return nil, wrapPg("unsettled usage", err)
 	}
@@ -1060,40 +1045,64 @@ SELECT $1, ledger_seq, $2, $3, NULLIF($4, '') FROM acc RETURNING seq, created_at
 	return ledger.LedgerEntry{}, false, fmt.Errorf("accounting: %s: reference %q kept changing", op, ref)
 }
 
-// RecordUsage stores the events with one multi-row INSERT … ON CONFLICT (id) DO NOTHING, which
-// also notifies the orgs of the new events, in one round trip.
+// RecordUsage stores the events and queues the ones it inserted (one usage_pending row), and
+// notifies the orgs of the new events, in one statement: one round trip. The events' ids make it
+// idempotent: the statement first inserts them plainly (no ON CONFLICT: each row costs a heap
+// and an index record and no speculative-insertion confirm); when one of them is already stored
+// (a retried batch, a journal replay, a voided tombstone) it fails whole, and the batch is sent
+// again with ON CONFLICT (id) DO NOTHING, which skips the stored ones.
 func (p *Ledger) RecordUsage(ctx context.Context, events []ledger.UsageEvent) error {
-	return p.recordUsage(ctx, events, sqlRecordNotify)
+	return p.recordUsage(ctx, events, true)
 }
 
-// RecordUsageQuiet is RecordUsage without the notification (QuietUsageStore): one INSERT that
-// wakes no listener of the database.
+// RecordUsageQuiet is RecordUsage without the notification (QuietUsageStore): it wakes no
+// listener of the database.
 func (p *Ledger) RecordUsageQuiet(ctx context.Context, events []ledger.UsageEvent) error {
-	return p.recordUsage(ctx, events, sqlRecordUsage)
+	return p.recordUsage(ctx, events, false)
 }
 
-// sqlRecordUsage inserts the events given as arrays, skipping the ids already stored;
-// sqlRecordNotify does the same and notifies the orgs of the rows it inserted.
-const (
-	sqlRecordUsage = `
-INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
-	completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens, choices,
-	cache_write_1h_tokens, end_user)
-SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt, ch, cw1h,
-	NULLIF(eu, '')
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
-	$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[], $17::bigint[],
-	$18::bigint[], $19::text[])
-	AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt, ch, cw1h, eu)
-ON CONFLICT (id) DO NOTHING`
-	sqlRecordNotify = `WITH ins AS (` + sqlRecordUsage + `
-RETURNING org_id
+// sqlRecord returns the statement that inserts the events given as arrays (skipping the ids
+// already stored when onConflict; else failing on them) and queues the inserted ones in one
+// usage_pending row, in their created_at order; with notify it also notifies their orgs.
+func sqlRecord(onConflict, notify bool) string {
+	q := `
+WITH ins AS (
+	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
+		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens, choices,
+		cache_write_1h_tokens, end_user)
+	SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt, ch, cw1h,
+		NULLIF(eu, '')
+	FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
+		$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[], $17::bigint[],
+		$18::bigint[], $19::text[])
+		AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt, ch, cw1h, eu)`
+	if onConflict {
+		q += `
+	ON CONFLICT (id) DO NOTHING`
+	}
+	q += `
+	RETURNING id, org_id, created_at
+)`
+	queue := `INSERT INTO usage_pending (n, ids, orgs)
+SELECT count(*), array_agg(id ORDER BY created_at, id), array_agg(org_id ORDER BY created_at, id) FROM ins HAVING count(*) > 0`
+	if !notify {
+		return q + `
+` + queue
+	}
+	return q + `, q AS (
+` + queue + `
 )
 SELECT pg_notify(` + sqlChannel + `, org_id) FROM (SELECT DISTINCT org_id FROM ins) d`
+}
+
+var (
+	sqlRecordQuiet, sqlRecordQuietOnConflict   = sqlRecord(false, false), sqlRecord(true, false)
+	sqlRecordNotify, sqlRecordNotifyOnConflict = sqlRecord(false, true), sqlRecord(true, true)
 )
 
-// recordUsage runs sql (sqlRecordUsage or sqlRecordNotify) over the events, in one round trip.
-func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, sql string) error {
+// recordUsage runs sqlRecord over the events, in one round trip (two when one of them is already
+// stored).
+func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, notify bool) error {
 	if len(events) == 0 {
 		return nil
 	}
@@ -1123,7 +1132,15 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, sq
 			reserved[i] = &ev.ReservedAt
 		}
 	}
-	_, err := p.pool.Exec(ctx, sql, ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite, choices, cacheWrite1h, endUsers)
+	args := []any{ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite, choices, cacheWrite1h, endUsers}
+	sql, again := sqlRecordQuiet, sqlRecordQuietOnConflict
+	if notify {
+		sql, again = sqlRecordNotify, sqlRecordNotifyOnConflict
+	}
+	_, err := p.pool.Exec(ctx, sql, args...)
+	if pe := (*pgconn.PgError)(nil); errors.As(err, &pe) && pe.Code == "23505" && pe.TableName == "usage_events" {
+		_, err = p.pool.Exec(ctx, again, args...)
+	}
 	if err != nil && notSent(err) {
 		return fmt.Errorf("%w: %w", ledger.ErrNotRecorded, wrapPg("record usage", err))
 	}
@@ -1234,8 +1251,9 @@ WITH x AS (
 )
 UPDATE accounts a SET settled_seq = GREATEST(a.settled_seq, x.seq) FROM x WHERE a.org_id = x.org_id`
 
-// OrgsToSettle lists up to limit orgs with settled_seq < ledger_seq or pending usage (both from
-// partial indexes that hold only such rows).
+// OrgsToSettle lists up to limit orgs with settled_seq < ledger_seq or pending usage (the
+// accounts table, one row per org, read whole: no index names a column the account pass
+// updates, so its updates are HOT; and the queue).
 func (p *Ledger) OrgsToSettle(ctx context.Context, limit int) ([]string, error) {
 	if limit <= 0 {
 		limit = ledger.DefaultLimit
@@ -1243,7 +1261,7 @@ func (p *Ledger) OrgsToSettle(ctx context.Context, limit int) ([]string, error) 
 	rows, err := p.pool.Query(ctx, `
 (SELECT org_id FROM accounts WHERE settled_seq < ledger_seq LIMIT $1)
 UNION
-(SELECT DISTINCT org_id FROM usage_events WHERE status = 'pending' LIMIT $1)
+(SELECT DISTINCT o FROM usage_pending, unnest(orgs) AS o LIMIT $1)
 LIMIT $1`, limit)
 	if err != nil {
 		return nil, wrapPg("orgs to settle", err)

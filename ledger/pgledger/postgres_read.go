@@ -212,10 +212,11 @@ func deref[T any](p *T) T {
 	return *p
 }
 
-// UsageReport sums the org's accounted usage events per group (index
-// usage_events_org_accounted), each at its request's reserve time (the record time for a
-// fail-open request), as limits count it. Each accounted event has exactly one charge entry with its cost,
-// so the rows add up to the org's charges.
+// UsageReport sums the org's accounted usage events per group, each at its request's reserve
+// time (the record time for a fail-open request), as limits count it. It reads the org's charge
+// entries of the range (index ledger_entries_org_reserved: a charge's reserved_at is its event's
+// time) and each one's event by its id: an event is accounted exactly when it has its charge
+// entry, with its cost, so the rows add up to the org's charges.
 func (p *Ledger) UsageReport(ctx context.Context, org string, q ledger.UsageQuery) ([]ledger.UsageRow, error) {
 	if err := balance.ValidateOrg(org); err != nil {
 		return nil, err
@@ -224,10 +225,10 @@ func (p *Ledger) UsageReport(ctx context.Context, org string, q ledger.UsageQuer
 		return nil, err
 	}
 	group := map[string]string{
-		ledger.GroupByDay:     `to_char(coalesce(reserved_at, created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')`,
-		ledger.GroupByModel:   `model`,
-		ledger.GroupByKey:     `coalesce(key_id, '')`,
-		ledger.GroupByEndUser: `coalesce(end_user, '')`,
+		ledger.GroupByDay:     `to_char(coalesce(u.reserved_at, u.created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')`,
+		ledger.GroupByModel:   `u.model`,
+		ledger.GroupByKey:     `coalesce(u.key_id, '')`,
+		ledger.GroupByEndUser: `coalesce(u.end_user, '')`,
 	}[q.GroupBy]
 	var out []ledger.UsageRow
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
@@ -237,11 +238,11 @@ func (p *Ledger) UsageReport(ctx context.Context, org string, q ledger.UsageQuer
 		rows, _ := tx.Query(ctx, `
 SELECT g, count(*), sum(cost)::bigint, sum(prompt_tokens)::bigint, sum(cached_tokens)::bigint,
        sum(completion_tokens)::bigint, sum(reasoning_tokens)::bigint
-FROM (SELECT `+group+` AS g, cost, prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens
-      FROM usage_events
-      WHERE org_id = $1 AND status = 'accounted'
-        AND ($2::timestamptz IS NULL OR coalesce(reserved_at, created_at) >= $2)
-        AND ($3::timestamptz IS NULL OR coalesce(reserved_at, created_at) < $3)) x
+FROM (SELECT `+group+` AS g, u.cost, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.reasoning_tokens
+      FROM ledger_entries e JOIN usage_events u ON u.id = e.hold_id
+      WHERE e.org_id = $1 AND e.kind = 'charge'
+        AND ($2::timestamptz IS NULL OR coalesce(e.reserved_at, e.created_at) >= $2)
+        AND ($3::timestamptz IS NULL OR coalesce(e.reserved_at, e.created_at) < $3)) x
 GROUP BY g ORDER BY g COLLATE "C"`, org, tsArg(q.From), tsArg(q.To))
 		var err error
 		out, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (ledger.UsageRow, error) {
@@ -269,7 +270,9 @@ func (p *Ledger) TopSpenders(ctx context.Context, q ledger.TopQuery) ([]ledger.U
 	}
 	// The bounds are written into the statement only when given, so the planner sees the range
 	// and uses usage_events_at_brin (an "x IS NULL OR" form would hide it in a generic plan).
-	where, args := "status = 'accounted'", []any{q.Limit}
+	// An event is accounted when it is neither voided nor in the queue of pending usage
+	// (migration 015; 'accounted' is the status of the events accounted before it).
+	where, args := "status IN ('accounted', 'recorded') AND id NOT IN (SELECT unnest(ids) FROM usage_pending)", []any{q.Limit}
 	if !q.From.IsZero() {
 		args = append(args, q.From)
 		where += fmt.Sprintf(" AND coalesce(reserved_at, created_at) >= $%d", len(args))
@@ -311,11 +314,21 @@ func (p *Ledger) Request(ctx context.Context, id string) (ledger.RequestInfo, er
 	var key, endpoint, project, endUser *string
 	var seq *int64
 	var reserved *time.Time
+	// A recorded event (migration 015) is pending while in the queue, else accounted by its
+	// charge entry, found by the org and the time it copies from the event
+	// (ledger_entries_org_reserved).
 	err = p.pool.QueryRow(ctx, `
 SELECT id::text, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens,
-       reasoning_tokens, cost, hold_amount, estimated, status, seq, created_at, project, reserved_at, cache_write_tokens,
-       cache_write_1h_tokens, end_user
-FROM usage_events WHERE id = $1`, u).Scan(&r.ID, &r.Org, &key, &r.Model, &endpoint,
+       reasoning_tokens, cost, hold_amount, estimated,
+       CASE WHEN status <> 'recorded' THEN status
+            WHEN e.seq IS NOT NULL THEN 'accounted' ELSE 'pending' END,
+       coalesce(u.seq, e.seq), created_at, project, reserved_at, cache_write_tokens, cache_write_1h_tokens, end_user
+FROM usage_events u LEFT JOIN LATERAL (
+	SELECT l.seq FROM ledger_entries l
+	WHERE u.status = 'recorded' AND l.org_id = u.org_id AND l.kind = 'charge'
+	  AND coalesce(l.reserved_at, l.created_at) = coalesce(u.reserved_at, u.created_at) AND l.hold_id = u.id
+) e ON true
+WHERE u.id = $1`, u).Scan(&r.ID, &r.Org, &key, &r.Model, &endpoint,
 		&r.Usage.Prompt, &r.Usage.Cached, &r.Usage.Completion, &r.Usage.Reasoning, &r.Cost, &r.HoldAmount,
 		&r.Estimated, &r.Status, &seq, &r.CreatedAt, &project, &reserved, &r.Usage.CacheWrite, &r.Usage.CacheWrite1h, &endUser)
 	if errors.Is(err, pgx.ErrNoRows) {

@@ -104,11 +104,9 @@ ANALYZE accounts, ledger_entries, usage_events`) // this schema's tables only: a
 	}
 	_ = l
 	for name, q := range map[string]string{
-		"pending discovery": `SELECT org_id, count(*) FROM (SELECT org_id, created_at FROM usage_events WHERE status = 'pending' ORDER BY created_at LIMIT 1000) p GROUP BY org_id`,
-		"claim":             `SELECT id, cost FROM usage_events WHERE org_id = 'o7' AND status = 'pending' ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED`,
-		"entries after":     `SELECT seq, delta, hold_id FROM ledger_entries WHERE org_id = 'o7' AND seq > 50 ORDER BY seq LIMIT 100`,
-		"orgs to settle":    `(SELECT org_id FROM accounts WHERE settled_seq < ledger_seq LIMIT 100) UNION (SELECT DISTINCT org_id FROM usage_events WHERE status = 'pending' LIMIT 100) LIMIT 100`,
-		"unsettled usage":   `SELECT u.id FROM usage_events u LEFT JOIN accounts a ON a.org_id = u.org_id WHERE u.id = ANY('{0192f0c4-0000-7000-8000-000000000001,0192f0c4-0000-7000-8000-000000000002}'::uuid[]) AND u.org_id = 'o7'`,
+		"entries after":   `SELECT seq, delta, hold_id FROM ledger_entries WHERE org_id = 'o7' AND seq > 50 ORDER BY seq LIMIT 100`,
+		"unsettled usage": `SELECT l.hold_id::text FROM accounts a JOIN ledger_entries l ON l.org_id = a.org_id AND l.seq > a.settled_seq WHERE a.org_id = 'o7' AND l.kind = 'charge' AND l.hold_id = ANY ('{0192f0c4-0000-7000-8000-000000000001,0192f0c4-0000-7000-8000-000000000002}'::uuid[])`,
+		"pending rows":    strings.ReplaceAll(pgledger.SQLPendingRows, "$1", "1000"),
 	} {
 		p := explain(ctx, t, env.Pool, name, q)
 		if strings.Contains(p, "Seq Scan on usage_events") || strings.Contains(p, "Seq Scan on ledger_entries") {
@@ -120,7 +118,8 @@ ANALYZE accounts, ledger_entries, usage_events`) // this schema's tables only: a
 	for name, q := range map[string]string{
 		"unsettled of": strings.NewReplacer("$1::text[]", orgs, "$2", "500").Replace(pgledger.SQLUnsettledOf),
 		"lock":         strings.NewReplacer("$1::text[]", orgs).Replace(pgledger.SQLLockAccounts),
-		"claim":        strings.NewReplacer("$1::text[]", orgs, "$2::int[]", `'{10,10,10}'::int[]`).Replace(pgledger.SQLClaim),
+		"claim":        strings.NewReplacer("$1::bigint[]", `'{1,2,3}'::bigint[]`, "$2::text[]", orgs).Replace(pgledger.SQLClaimPass),
+		"claim of org": strings.NewReplacer("$1::text[]", `'{o7}'::text[]`, "$2::text[]", `'{o7}'::text[]`).Replace(pgledger.SQLClaimOrg),
 		"limits":       strings.NewReplacer("$1::text[]", orgs).Replace(pgledger.SQLChargeLimits),
 	} {
 		tx, err := env.Pool.Begin(ctx) // the lock and the claim lock rows: roll them back
@@ -155,6 +154,7 @@ func TestPostgresWritePlansWithoutStats(t *testing.T) {
 		"write charges": pgledger.SQLWriteCharges,
 		"mark settled":  pgledger.SQLMarkSettled,
 		"low balance":   pgledger.SQLLowBalance,
+		"claim":         pgledger.SQLClaimPass,
 	}
 	// Generic plans, made now, on tables of a few rows with no statistics.
 	if _, err := conn.Exec(ctx, `
@@ -164,12 +164,14 @@ ALTER TABLE usage_events SET (autovacuum_enabled = off);
 INSERT INTO accounts (org_id) SELECT 'o' || g FROM generate_series(1, 3) g;
 INSERT INTO api_keys (id, hash, org_id) SELECT 'k' || g, sha256(('k' || g)::bytea), 'o1' FROM generate_series(1, 3) g;
 INSERT INTO usage_events (id, org_id, model, cost) SELECT gen_random_uuid(), 'o1', 'm', 1 FROM generate_series(1, 3);
+INSERT INTO usage_pending (n, ids, orgs) SELECT 3, array_agg(id), array_agg(org_id) FROM usage_events;
 SET plan_cache_mode = force_generic_plan`); err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Exec(ctx, "RESET plan_cache_mode") //nolint:errcheck // the connection goes back to a test pool
 	args := map[string]string{
-		"plan_write_charges": `('{o1}', '{1}', '{1}', '{0192f0c4-0000-7000-8000-000000000001}', '{1}', '{k1}')`,
+		"plan_write_charges": `('{o1}', '{1}', '{1}', '{o1}', '{1}', '{1}', '{0192f0c4-0000-7000-8000-000000000001}', '{k1}', '{""}', '{""}', '{2026-01-01}', '{0}', '{k1}', '{2026-01-01}')`,
+		"plan_claim":         `('{1}', '{o1}')`,
 		"plan_mark_settled":  `('{o1}', '{1}')`,
 		"plan_low_balance":   `('{o1}', '{1}')`,
 	}
@@ -187,7 +189,8 @@ SET plan_cache_mode = force_generic_plan`); err != nil {
 	if _, err := conn.Exec(ctx, `
 INSERT INTO accounts (org_id) SELECT 'p' || g FROM generate_series(1, 20000) g;
 INSERT INTO api_keys (id, hash, org_id) SELECT 'kk' || g, sha256(('kk' || g)::bytea), 'o1' FROM generate_series(1, 20000) g;
-INSERT INTO usage_events (id, org_id, model, cost) SELECT gen_random_uuid(), 'o1', 'm', 1 FROM generate_series(1, 20000)`); err != nil {
+INSERT INTO usage_events (id, org_id, model, cost) SELECT gen_random_uuid(), 'o1', 'm', 1 FROM generate_series(1, 20000);
+INSERT INTO usage_pending (n, ids, orgs) SELECT count(*), array_agg(id), array_agg(org_id) FROM usage_events GROUP BY hashtext(id::text) & 2047`); err != nil {
 		t.Fatal(err)
 	}
 	// Nothing analyzed these tables meanwhile (a database-wide ANALYZE from a test running
