@@ -3,6 +3,7 @@ package accounting_test
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -107,6 +108,38 @@ func BenchmarkAccountPending(b *testing.B) {
 				}
 				done += n
 			}
+			reportRate(b, b.N)
+		})
+	}
+}
+
+// BenchmarkRecordUsageConcurrent: 16 callers, each one RecordUsage of one event per op (as
+// without group commit, under concurrency), with and without the notification.
+func BenchmarkRecordUsageConcurrent(b *testing.B) {
+	for _, quiet := range []bool{false, true} {
+		b.Run(fmt.Sprintf("quiet=%v", quiet), func(b *testing.B) {
+			l, _ := testutil.PostgresLedger(b)
+			ctx := context.Background()
+			evs := benchEvents(b.N, 100)
+			var next atomic.Int64
+			b.SetParallelism(8) // 8 × GOMAXPROCS callers
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					i := next.Add(1) - 1
+					ev := evs[i : i+1]
+					var err error
+					if quiet {
+						err = l.RecordUsageQuiet(ctx, ev[:1])
+					} else {
+						err = l.RecordUsage(ctx, ev[:1])
+					}
+					if err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
 			reportRate(b, b.N)
 		})
 	}
