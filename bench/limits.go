@@ -456,6 +456,7 @@ func (b *pgBench) pipelineRate(ctx context.Context, dbURL string, lim *limits, r
 	if err := stat.QueryRow(ctx, `SELECT pg_wal_lsn_diff($1::pg_lsn, $2::pg_lsn)`, lsn1, lsn0).Scan(&bytes); err != nil {
 		return err
 	}
+	fmt.Fprintf(os.Stderr, "\r  pipeline WAL: %s – %s (pg_waldump --stats=record -s %s -e %s)\n", lsn0, lsn1, lsn0, lsn1)
 	if settled > 0 {
 		lim.walRecords = float64(recs1-recs0) / float64(settled)
 		lim.walBytes = bytes / float64(settled)

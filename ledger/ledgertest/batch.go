@@ -21,6 +21,75 @@ var batchTests = []struct {
 	{"AccountPassHandsOverEntries", testAccountPassSettle},
 	{"UnsettledEntriesOf", testUnsettledOf},
 	{"MarkSettledMany", testMarkSettledMany},
+	{"LargeBatches", testLargeBatches},
+}
+
+// testLargeBatches: batches of many events (a store may send them another way than small ones,
+// as the Postgres store sends them with COPY) are idempotent like small ones — a batch with
+// events already stored and a voided one records the others only — and many events accounted in
+// one pass keep every attribution, an end user with tabs, newlines and backslashes included.
+func testLargeBatches(t *testing.T, l ledger.Ledger) {
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "a"))
+	noErr(t, l.CreateOrg(c, "b"))
+	var first []ledger.UsageEvent
+	for i := range 40 {
+		ev := event([]string{"a", "b"}[i%2], int64(10+i), i)
+		ev.EndUser, ev.Project = fmt.Sprintf("user\t%d\n\\ \"x\"", i%3), ""
+		if i%5 == 0 {
+			ev.KeyID, ev.EndUser = "", ""
+		}
+		first = append(first, ev)
+	}
+	noErr(t, l.RecordUsage(c, first))
+	noErr(t, l.RecordUsage(c, first)) // again: nothing new
+	void := event("a", 999, 100)
+	noErr(t, l.VoidUsage(c, void))
+	second := append([]ledger.UsageEvent{void}, first[:5]...)
+	for i := range 34 {
+		second = append(second, event("b", int64(100+i), 200+i))
+	}
+	noErr(t, l.RecordUsage(c, second))
+	if a, b := account(t, l, "a"), account(t, l, "b"); a.Pending != 20 || b.Pending != 54 {
+		t.Fatalf("pending a %d b %d, want 20 and 54", a.Pending, b.Pending)
+	}
+	if n := must(l.AccountPending(c, 1000)); n != 74 {
+		t.Fatalf("AccountPending = %d, want 74", n)
+	}
+	if n := must(l.AccountPending(c, 1000)); n != 0 {
+		t.Fatalf("second AccountPending = %d, want 0", n)
+	}
+	byHold := map[string]balance.Entry{}
+	for _, org := range []string{"a", "b"} {
+		for _, e := range checkLedger(t, l, org) {
+			byHold[e.HoldID] = e
+		}
+	}
+	for _, ev := range append(slices.Clone(first), second[6:]...) {
+		e, ok := byHold[ev.ID]
+		if !ok || e.Delta != -ev.Cost {
+			t.Fatalf("event %s (cost %d): entry %+v", ev.ID, ev.Cost, e)
+		}
+		wantKey, wantUser := "", ""
+		if ev.KeyID != "" {
+			wantKey = ledger.AttrID(balance.ScopeKey, ev.KeyID)
+		}
+		if ev.EndUser != "" {
+			wantUser = ledger.AttrID(balance.ScopeEndUser, ev.EndUser)
+		}
+		if e.KeyID != wantKey || e.EndUser != wantUser || e.Tokens != ev.Usage.Prompt+ev.Usage.Completion {
+			t.Fatalf("event %s: entry %+v, want key %q end user %q", ev.ID, e, wantKey, wantUser)
+		}
+		if r := must(l.Request(c, ev.ID)); r.Status != ledger.RequestAccounted || r.Seq != e.Seq || r.EndUser != ev.EndUser {
+			t.Fatalf("request %s: %+v, want accounted at seq %d", ev.ID, r, e.Seq)
+		}
+	}
+	if _, ok := byHold[void.ID]; ok {
+		t.Fatal("the voided event was charged")
+	}
+	if r := must(l.Request(c, void.ID)); r.Status != ledger.RequestVoided {
+		t.Fatalf("voided request: %+v", r)
+	}
 }
 
 // testAccountPass: AccountPass reports the orgs it charged and, per model, the highest real

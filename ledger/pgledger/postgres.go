@@ -198,6 +198,17 @@ WITH acc AS (
 UPDATE api_keys k SET last_used_at = GREATEST(k.last_used_at, x.t)
 FROM unnest($13::text[], $14::timestamptz[]) AS x(key, t)
 WHERE k.id = x.key AND k.id = ANY ($13::text[])`
+	// sqlWriteAccounts is sqlWriteCharges without the entries, for a pass that sent them with COPY
+	// (copyEntries): $1 … $3 and the keys' $4 and $5.
+	sqlWriteAccounts = `
+WITH acc AS (
+	UPDATE accounts a SET balance = a.balance - x.sum, ledger_seq = a.ledger_seq + x.n
+	FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS x(org, sum, n)
+	WHERE a.org_id = x.org AND a.org_id = ANY ($1::text[])
+)
+UPDATE api_keys k SET last_used_at = GREATEST(k.last_used_at, x.t)
+FROM unnest($4::text[], $5::timestamptz[]) AS x(key, t)
+WHERE k.id = x.key AND k.id = ANY ($4::text[])`
 	// sqlNotifyAll notifies each org of $1, adding the session's notification tag (a space, then
 	// escrow.notify_tag, when set: see tagConn) so that the ledger that sent it knows its own
 	// account pass. A seed's charges clear the tag for their transaction (readSnapshot): their
@@ -208,6 +219,39 @@ FROM unnest($1::text[]) AS o`
 
 // maxClaim bounds the events one AccountPending call accounts (a cost sum stays in int64).
 const maxClaim = 10_000
+
+// minCopy is the fewest rows sent with COPY (a recorder batch's events, an account pass's
+// entries); fewer go in the INSERT … SELECT FROM unnest statement. COPY writes a page's worth of
+// new rows in one WAL record (a heap multi-insert) where INSERT writes one per row, but costs a
+// round trip more: only a batch this large pays for it.
+const minCopy = 32
+
+// copyEntries writes the charge entries of cs with COPY, in the caller's transaction.
+func copyEntries(ctx context.Context, conn *pgx.Conn, cs []orgCharges) error {
+	var rows [][]any
+	for _, c := range cs {
+		for i, id := range c.ids {
+			a := c.attrs[i]
+			hold, err := uuid.Parse(id)
+			if err != nil {
+				return err
+			}
+			rows = append(rows, []any{c.org, c.base + int64(i) + 1, -c.costs[i], "charge", hold, nullIfEmpty(a.Key), nullIfEmpty(a.Project),
+				nullIfEmpty(a.EndUser), a.At, a.Tokens})
+		}
+	}
+	_, err := conn.CopyFrom(ctx, pgx.Identifier{"ledger_entries"},
+		[]string{"org_id", "seq", "delta", "kind", "hold_id", "key_id", "project", "end_user", "reserved_at", "tokens"}, pgx.CopyFromRows(rows))
+	return err
+}
+
+// nullIfEmpty is nil for "" (SQL NULL), else s.
+func nullIfEmpty(s string) any {
+	if s == "" {
+		return nil
+	}
+	return s
+}
 
 // Epoch returns the ledger's epoch.
 func (p *Ledger) Epoch(ctx context.Context) (balance.Epoch, error) {
@@ -466,7 +510,7 @@ func (c *orgCharges) check() error {
 // trip.
 func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges, now time.Time, qw queueWrites) error {
 	b := &pgx.Batch{}
-	queueCharges(b, cs, now, qw)
+	queueCharges(b, cs, now, qw, false)
 	return tx.SendBatch(ctx, b).Close()
 }
 
@@ -474,7 +518,9 @@ func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges, now time.Time
 // use in one statement, the queue rows' deletes and rewrites (qw), the NOTIFY, the balance.low
 // check only for the orgs whose charges may cross their threshold, the windows only for orgs
 // with limits.
-func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time, qw queueWrites) {
+//
+// copied: the entries were sent with COPY (copyEntries) in the same transaction.
+func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time, qw queueWrites, copied bool) {
 	var orgs, lowOrgs []string
 	var sums, counts, lowChanges []int64
 	var eOrgs, eIDs, eKeys, eProjects, eEndUsers []string
@@ -506,7 +552,11 @@ func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time, qw queueWrites) 
 	for i, k := range keys {
 		uses[i] = lastUse[k]
 	}
-	b.Queue(sqlWriteCharges, orgs, sums, counts, eOrgs, eSeqs, eCosts, eIDs, eKeys, eProjects, eEndUsers, eAts, eTokens, keys, uses)
+	if copied {
+		b.Queue(sqlWriteAccounts, orgs, sums, counts, keys, uses)
+	} else {
+		b.Queue(sqlWriteCharges, orgs, sums, counts, eOrgs, eSeqs, eCosts, eIDs, eKeys, eProjects, eEndUsers, eAts, eTokens, keys, uses)
+	}
 	qw.queue(b)
 	b.Queue(sqlNotifyAll, orgs)
 	if len(lowOrgs) > 0 {
@@ -634,7 +684,13 @@ func accountTx(ctx context.Context, conn *pgx.Conn, rowIDs []int64, orgs []strin
 	}
 	b := &pgx.Batch{}
 	if len(cs) > 0 {
-		queueCharges(b, cs, now, qw)
+		copied := r.Accounted >= minCopy
+		if copied {
+			if err := copyEntries(ctx, conn, cs); err != nil {
+				return ledger.AccountResult{}, nil, err
+			}
+		}
+		queueCharges(b, cs, now, qw, copied)
 	} else {
 		qw.queue(b)
 	}
@@ -1137,7 +1193,12 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, no
 	if notify {
 		sql, again = sqlRecordNotify, sqlRecordNotifyOnConflict
 	}
-	_, err := p.pool.Exec(ctx, sql, args...)
+	var err error
+	if n >= minCopy {
+		err = p.recordCopy(ctx, args, notify)
+	} else {
+		_, err = p.pool.Exec(ctx, sql, args...)
+	}
 	if pe := (*pgconn.PgError)(nil); errors.As(err, &pe) && pe.Code == "23505" && pe.TableName == "usage_events" {
 		_, err = p.pool.Exec(ctx, again, args...)
 	}
@@ -1146,6 +1207,93 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, no
 	}
 	return wrapPg("record usage", err)
 }
+
+// recordCopy is recordUsage's statement for a large batch: in one transaction, the events with
+// COPY (a page of rows in one WAL record), then their queue row (and the NOTIFY) and COMMIT in
+// one round trip; three round trips in all. A stored id fails it (a unique violation, the
+// transaction rolled back): the caller then sends the ON CONFLICT statement.
+func (p *Ledger) recordCopy(ctx context.Context, args []any, notify bool) error {
+	ids, orgs := args[0].([]string), args[1].([]string)
+	col := func(i int) []any {
+		out := make([]any, len(ids))
+		switch v := args[i].(type) {
+		case []string:
+			for j := range v {
+				out[j] = v[j]
+			}
+		case []int64:
+			for j := range v {
+				out[j] = v[j]
+			}
+		case []bool:
+			for j := range v {
+				out[j] = v[j]
+			}
+		case []time.Time:
+			for j := range v {
+				out[j] = v[j]
+			}
+		case []*time.Time:
+			for j := range v {
+				out[j] = v[j]
+			}
+		}
+		return out
+	}
+	cols := make([][]any, len(args))
+	for i := range args {
+		cols[i] = col(i)
+	}
+	nullable := map[int]bool{3: true, 4: true, 13: true, 18: true} // key, endpoint, project, end user: NULL for ""
+	uuids := make([]uuid.UUID, len(ids))
+	for j, id := range ids {
+		uuids[j] = uuid.MustParse(id) // NormalizeEvent checked it
+	}
+	conn, err := p.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	// A connection released inside a transaction (an error below) is closed by the pool, which
+	// rolls the transaction back.
+	defer conn.Release()
+	if _, err := conn.Exec(ctx, "BEGIN"); err != nil {
+		return err
+	}
+	_, err = conn.CopyFrom(ctx, pgx.Identifier{"usage_events"}, sqlRecordColumns, pgx.CopyFromFunc(func() func() ([]any, error) {
+		j := -1
+		return func() ([]any, error) {
+			j++
+			if j == len(ids) {
+				return nil, nil
+			}
+			row := make([]any, len(cols))
+			for i := range cols {
+				row[i] = cols[i][j]
+				if nullable[i] && row[i] == "" {
+					row[i] = nil
+				}
+			}
+			row[0] = uuids[j]
+			return row, nil
+		}
+	}()))
+	if err != nil {
+		_, _ = conn.Exec(ctx, "ROLLBACK")
+		return err
+	}
+	b := &pgx.Batch{}
+	b.Queue(`INSERT INTO usage_pending (n, ids, orgs) VALUES ($1, $2::text[]::uuid[], $3)`, len(ids), ids, orgs)
+	if notify {
+		b.Queue(`SELECT pg_notify(`+sqlChannel+`, o) FROM unnest($1::text[]) AS o`, slices.Compact(slices.Sorted(slices.Values(orgs))))
+	}
+	b.Queue("COMMIT")
+	return conn.SendBatch(ctx, b).Close()
+}
+
+// sqlRecordColumns are the usage_events columns recordUsage's arguments fill, in their order.
+var sqlRecordColumns = []string{"id", "org_id", "model", "key_id", "endpoint", "prompt_tokens", "cached_tokens",
+	"completion_tokens", "reasoning_tokens", "cost", "hold_amount", "estimated", "created_at", "project", "reserved_at", "cache_write_tokens", "choices",
+	"cache_write_1h_tokens", "end_user"}
 
 // notSent reports whether err happened before the statement reached Postgres: no connection
 // could be made, or pgx guarantees that no byte was sent.
