@@ -307,6 +307,7 @@ func pgLimits(ctx context.Context, o options, lim *limits, dbURL string, rdb *re
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "\r  limit: record+account+settle ")
+	pg.Close() // its backends exit and report their WAL statistics before the pipeline's are read
 	if err := b.pipelineRate(ctx, dbURL, lim, rdb, prefix+"p"); err != nil {
 		return err
 	}
@@ -421,6 +422,7 @@ func (b *pgBench) pipelineRate(ctx context.Context, dbURL string, lim *limits, r
 	if err := w.Drain(ctx); err != nil {
 		return err
 	}
+	time.Sleep(300 * time.Millisecond) // the closed ledger's backends have reported their WAL
 	if err := w.Start(ctx); err != nil {
 		return err
 	}
