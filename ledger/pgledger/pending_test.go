@@ -1,0 +1,244 @@
+package pgledger_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/ledgertest"
+	"github.com/llmescrow/escrow/ledger/pgledger"
+	"github.com/llmescrow/escrow/pricing"
+)
+
+// pendingEvents makes n usage events of the orgs in turn, each costing 1 … n.
+func pendingEvents(n int, orgs ...string) []ledger.UsageEvent {
+	evs := make([]ledger.UsageEvent, n)
+	t0 := time.Now().Add(-time.Hour)
+	for i := range evs {
+		evs[i] = ledger.UsageEvent{ID: ledgertest.NewEventID(), Org: orgs[i%len(orgs)], KeyID: "k", Model: "m",
+			Usage: pricing.Usage{Prompt: 10, Completion: 5}, Cost: int64(i + 1), HoldAmount: 100, CreatedAt: t0.Add(time.Duration(i) * time.Millisecond)}
+	}
+	return evs
+}
+
+// checkExactlyOnce checks that every event of evs has exactly one charge entry, with its cost,
+// that the accounts add up to their entries, that nothing is left in the queue, and that
+// UnsettledUsage reports every event as unsettled until the marks (none were made here).
+func checkExactlyOnce(t *testing.T, l *pgledger.Ledger, evs []ledger.UsageEvent) {
+	t.Helper()
+	ctx := context.Background()
+	var entries, distinct, pending int64
+	if err := l.Pool().QueryRow(ctx, `SELECT count(*), count(DISTINCT hold_id), (SELECT coalesce(sum(n), 0) FROM usage_pending)
+		FROM ledger_entries WHERE kind = 'charge'`).Scan(&entries, &distinct, &pending); err != nil {
+		t.Fatal(err)
+	}
+	if entries != int64(len(evs)) || distinct != entries || pending != 0 {
+		t.Fatalf("%d charge entries (%d hold ids) for %d events, %d still queued", entries, distinct, len(evs), pending)
+	}
+	byOrg := map[string][]string{}
+	want := map[string]int64{}
+	for _, ev := range evs {
+		byOrg[ev.Org] = append(byOrg[ev.Org], ev.ID)
+		want[ev.Org] -= ev.Cost
+		r, err := l.Request(ctx, ev.ID)
+		if err != nil || r.Status != ledger.RequestAccounted || r.Seq == 0 {
+			t.Fatalf("request %s: %+v, %v", ev.ID, r, err)
+		}
+	}
+	for org, ids := range byOrg {
+		a, err := l.Account(ctx, org)
+		if err != nil || a.Balance != want[org] || a.LedgerSeq != int64(len(ids)) || a.Pending != 0 {
+			t.Fatalf("account %s: %+v (%v), want balance %d, %d entries", org, a, err, want[org], len(ids))
+		}
+		un, err := l.UnsettledUsage(ctx, org, ids)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, id := range ids {
+			if !un[id] {
+				t.Fatalf("event %s accounted but not settled: not reported unsettled", id)
+			}
+		}
+	}
+}
+
+// TestPendingCutBetweenSteps cuts the write path of usage between each two of its steps — the
+// events written / their queue row / the entries / the accounts / the queue row taken out / the
+// commit — in the recorder's statement, the account pass (large and small: COPY and INSERT) and a
+// seed's snapshot, by a fault that fails that step (the transaction is cut there, as when the
+// process or its connection dies). After each cut the ledger is as before the cut transaction,
+// and the next attempt accounts every event exactly once.
+func TestPendingCutBetweenSteps(t *testing.T) {
+	t.Parallel()
+	cuts := []struct {
+		name, sql string
+	}{
+		// The recorder's statement: the events are written, then their queue row.
+		{"queue row", `CREATE TRIGGER cut BEFORE INSERT ON usage_pending FOR EACH ROW EXECUTE FUNCTION cut()`},
+		// The pass: entries, then accounts, then the queue rows, then the commit.
+		{"entry", `CREATE TRIGGER cut AFTER INSERT ON ledger_entries FOR EACH ROW EXECUTE FUNCTION cut()`},
+		{"account", `CREATE TRIGGER cut BEFORE UPDATE ON accounts FOR EACH ROW EXECUTE FUNCTION cut()`},
+		{"dequeue", `CREATE TRIGGER cut BEFORE DELETE OR UPDATE ON usage_pending FOR EACH ROW EXECUTE FUNCTION cut()`},
+		{"commit", `CREATE CONSTRAINT TRIGGER cut AFTER INSERT ON ledger_entries DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION cut()`},
+	}
+	for _, size := range []int{5, 80} { // below and above minCopy
+		for _, snapshot := range []bool{false, true} {
+			for _, cut := range cuts {
+				name := fmt.Sprintf("%s/size=%d/snapshot=%v", cut.name, size, snapshot)
+				t.Run(name, func(t *testing.T) {
+					t.Parallel()
+					l, env := testutil.PostgresLedger(t)
+					ctx := context.Background()
+					for _, o := range []string{"a", "b", "c"} {
+						if err := l.CreateOrg(ctx, o); err != nil {
+							t.Fatal(err)
+						}
+					}
+					if _, err := env.Pool.Exec(ctx, `CREATE FUNCTION cut() RETURNS trigger LANGUAGE plpgsql AS $$
+						BEGIN RAISE EXCEPTION 'cut here'; END $$`); err != nil {
+						t.Fatal(err)
+					}
+					fault := func(on bool) {
+						t.Helper()
+						q := `DROP TRIGGER IF EXISTS cut ON usage_pending; DROP TRIGGER IF EXISTS cut ON ledger_entries; DROP TRIGGER IF EXISTS cut ON accounts`
+						if on {
+							q = cut.sql
+						}
+						if _, err := env.Pool.Exec(ctx, q); err != nil {
+							t.Fatal(err)
+						}
+					}
+					evs := pendingEvents(size, "a", "b", "c")
+					if cut.name == "queue row" {
+						// The events and their queue row are one statement: cut, neither is there.
+						fault(true)
+						if err := l.RecordUsage(ctx, evs); err == nil || !strings.Contains(err.Error(), "cut here") {
+							t.Fatalf("record with the cut: %v", err)
+						}
+						var n int
+						if err := env.Pool.QueryRow(ctx, `SELECT count(*) FROM usage_events`).Scan(&n); err != nil || n != 0 {
+							t.Fatalf("%d events stored by a cut record (%v)", n, err)
+						}
+						fault(false)
+						if err := l.RecordUsage(ctx, evs); err != nil {
+							t.Fatal(err)
+						}
+						if err := l.RecordUsage(ctx, evs); err != nil { // the retry of a record that did land
+							t.Fatal(err)
+						}
+					} else {
+						if err := l.RecordUsage(ctx, evs); err != nil {
+							t.Fatal(err)
+						}
+						fault(true)
+						var err error
+						if snapshot {
+							_, err = l.Snapshot(ctx, "b")
+						} else {
+							_, err = l.AccountPass(ctx, 1000)
+						}
+						if err == nil || !strings.Contains(err.Error(), "cut here") {
+							t.Fatalf("cut pass: %v", err)
+						}
+						if a, err := l.Account(ctx, "b"); err != nil || a.LedgerSeq != 0 || a.Pending == 0 {
+							t.Fatalf("after the cut: %+v, %v", a, err)
+						}
+						fault(false)
+					}
+					if snapshot {
+						if _, err := l.Snapshot(ctx, "b"); err != nil {
+							t.Fatal(err)
+						}
+					}
+					for {
+						r, err := l.AccountPass(ctx, 1000)
+						if err != nil {
+							t.Fatal(err)
+						}
+						if r.Accounted == 0 {
+							break
+						}
+					}
+					checkExactlyOnce(t, l, evs)
+				})
+			}
+		}
+	}
+}
+
+// TestPendingConcurrentPassesAndSnapshots: account passes (of a few events each, so that they
+// take part of a queue row and rewrite the rest) and snapshots of single orgs (which wait for
+// the passes' claims and read the rows the passes rewrote) run together while batches are
+// recorded; every event is accounted exactly once.
+func TestPendingConcurrentPassesAndSnapshots(t *testing.T) {
+	t.Parallel()
+	l, _ := testutil.PostgresLedger(t)
+	ctx := context.Background()
+	orgs := []string{"a", "b", "c", "d", "e"}
+	for _, o := range orgs {
+		if err := l.CreateOrg(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	evs := pendingEvents(2000, orgs...)
+	var wg sync.WaitGroup
+	errs := make(chan error, 16)
+	done := make(chan struct{})
+	wg.Add(1)
+	go func() { // the recorder: batches of 1 to 60 (INSERT and COPY)
+		defer wg.Done()
+		defer close(done)
+		for i := 0; i < len(evs); {
+			n := min(1+rand.IntN(60), len(evs)-i)
+			if err := l.RecordUsage(ctx, evs[i:i+n]); err != nil {
+				errs <- err
+				return
+			}
+			i += n
+		}
+	}()
+	for w := range 3 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				var err error
+				if w == 0 {
+					_, err = l.Snapshot(ctx, orgs[rand.IntN(len(orgs))])
+				} else {
+					_, err = l.AccountPass(ctx, 1+rand.IntN(40))
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	for {
+		r, err := l.AccountPass(ctx, 1000)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Accounted == 0 {
+			break
+		}
+	}
+	checkExactlyOnce(t, l, evs)
+}
