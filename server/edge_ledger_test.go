@@ -161,12 +161,12 @@ func TestEdgeRecordStall(t *testing.T) {
 		`CREATE TABLE stall (phase text PRIMARY KEY)`,
 		`CREATE FUNCTION stall_before() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-	IF NEW.status = 'pending' AND EXISTS (SELECT 1 FROM stall WHERE phase = 'before') THEN PERFORM pg_sleep(1.2); END IF;
+	IF NEW.status = 'recorded' AND EXISTS (SELECT 1 FROM stall WHERE phase = 'before') THEN PERFORM pg_sleep(1.2); END IF;
 	RETURN NEW;
 END $$`,
 		`CREATE FUNCTION stall_after() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-	IF NEW.status = 'pending' AND EXISTS (SELECT 1 FROM stall WHERE phase = 'after') THEN PERFORM pg_sleep(0.6); END IF;
+	IF NEW.status = 'recorded' AND EXISTS (SELECT 1 FROM stall WHERE phase = 'after') THEN PERFORM pg_sleep(0.6); END IF;
 	RETURN NULL;
 END $$`,
 		`CREATE TRIGGER stall_before BEFORE INSERT ON usage_events FOR EACH ROW EXECUTE FUNCTION stall_before()`,

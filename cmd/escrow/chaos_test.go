@@ -509,7 +509,7 @@ func (c *chaosRun) waitAtRest(db *pgx.Conn) {
 	restDeadline := time.Now().Add(60 * time.Second)
 	for {
 		var pending int
-		err := db.QueryRow(ctx, `SELECT count(*) FROM usage_events WHERE status = 'pending'`).Scan(&pending)
+		err := db.QueryRow(ctx, `SELECT coalesce(sum(n), 0) FROM usage_pending`).Scan(&pending)
 		ok := err == nil && pending == 0
 		for _, org := range c.orgs {
 			st, b, err := chaosAdmin(c.base, "GET", "/orgs/"+org+"/balance", nil)
