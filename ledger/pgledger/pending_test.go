@@ -13,6 +13,7 @@ import (
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/ledger/ledgertest"
 	"github.com/llmescrow/escrow/ledger/pgledger"
+	"github.com/llmescrow/escrow/migrations"
 	"github.com/llmescrow/escrow/pricing"
 )
 
@@ -241,4 +242,79 @@ func TestPendingConcurrentPassesAndSnapshots(t *testing.T) {
 		}
 	}
 	checkExactlyOnce(t, l, evs)
+}
+
+// TestPendingMigration: events pending when migration 015 runs stay pending (queued) and are
+// accounted once; events accounted before it keep their status and seq; an event a process
+// still running the code from before the migration inserts as 'pending' is queued by the trigger.
+func TestPendingMigration(t *testing.T) {
+	t.Parallel()
+	env := testutil.Postgres(t)
+	ctx := context.Background()
+	all, err := migrations.All()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var before []migrations.Migration
+	for _, m := range all {
+		if m.Version < 15 {
+			before = append(before, m)
+		}
+	}
+	if _, err := migrations.Apply(ctx, env.Pool, before); err != nil {
+		t.Fatal(err)
+	}
+	// The old shape: two accounted events of org a (seq 1, 2) with their entries, three pending
+	// ones of a and b, and a voided one.
+	if _, err := env.Pool.Exec(ctx, `
+INSERT INTO accounts (org_id, balance, ledger_seq, settled_seq) VALUES ('a', -3, 2, 2), ('b', 0, 0, 0);
+INSERT INTO usage_events (id, org_id, model, cost, status, seq, created_at) VALUES
+	('0192f0c4-0000-7000-8000-000000000001', 'a', 'm', 1, 'accounted', 1, now() - interval '5 min'),
+	('0192f0c4-0000-7000-8000-000000000002', 'a', 'm', 2, 'accounted', 2, now() - interval '4 min'),
+	('0192f0c4-0000-7000-8000-000000000003', 'a', 'm', 4, 'pending', NULL, now() - interval '3 min'),
+	('0192f0c4-0000-7000-8000-000000000004', 'b', 'm', 8, 'pending', NULL, now() - interval '2 min'),
+	('0192f0c4-0000-7000-8000-000000000005', 'a', 'm', 16, 'pending', NULL, now() - interval '1 min'),
+	('0192f0c4-0000-7000-8000-000000000006', 'a', 'm', 32, 'voided', NULL, now());
+INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id) VALUES
+	('a', 1, -1, 'charge', '0192f0c4-0000-7000-8000-000000000001'), ('a', 2, -2, 'charge', '0192f0c4-0000-7000-8000-000000000002')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := migrations.Up(ctx, env.Pool); err != nil {
+		t.Fatal(err)
+	}
+	l, err := pgledger.New(env.Pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The code from before: a plain insert of a pending event.
+	if _, err := env.Pool.Exec(ctx, `INSERT INTO usage_events (id, org_id, model, cost, status) VALUES
+		('0192f0c4-0000-7000-8000-000000000007', 'b', 'm', 64, 'pending')`); err != nil {
+		t.Fatal(err)
+	}
+	if a, err := l.Account(ctx, "a"); err != nil || a.Pending != 2 {
+		t.Fatalf("a after the migration: %+v, %v; want 2 pending", a, err)
+	}
+	if r, err := l.Request(ctx, "0192f0c4-0000-7000-8000-000000000002"); err != nil || r.Status != ledger.RequestAccounted || r.Seq != 2 {
+		t.Fatalf("an event accounted before: %+v, %v", r, err)
+	}
+	if r, err := l.Request(ctx, "0192f0c4-0000-7000-8000-000000000003"); err != nil || r.Status != ledger.RequestPending {
+		t.Fatalf("an event pending before: %+v, %v", r, err)
+	}
+	if n, err := l.AccountPending(ctx, 100); err != nil || n != 4 {
+		t.Fatalf("AccountPending = %d, %v; want 4", n, err)
+	}
+	if n, err := l.AccountPending(ctx, 100); err != nil || n != 0 {
+		t.Fatalf("second AccountPending = %d, %v", n, err)
+	}
+	a, _ := l.Account(ctx, "a")
+	b, _ := l.Account(ctx, "b")
+	if a.Balance != -23 || a.LedgerSeq != 4 || b.Balance != -72 || b.LedgerSeq != 2 {
+		t.Fatalf("after accounting: a %+v b %+v", a, b)
+	}
+	if r, err := l.Request(ctx, "0192f0c4-0000-7000-8000-000000000005"); err != nil || r.Status != ledger.RequestAccounted || r.Seq != 4 {
+		t.Fatalf("an event pending before, accounted after: %+v, %v", r, err)
+	}
+	if r, err := l.Request(ctx, "0192f0c4-0000-7000-8000-000000000006"); err != nil || r.Status != ledger.RequestVoided {
+		t.Fatalf("the voided event: %+v, %v", r, err)
+	}
 }
