@@ -196,7 +196,9 @@ END $$`,
 		if (!stream && st != http.StatusServiceUnavailable) || (stream && strings.Contains(string(out), "[DONE]")) || !strings.Contains(string(out), "billing_unavailable") {
 			t.Fatalf("stalled before the write: %d %s", st, out)
 		}
-		time.Sleep(1500 * time.Millisecond) // the stalled insert lands now, as a no-op
+		// The stalled insert lands now, as a no-op: it meets the voided row and the batch is sent
+		// again with ON CONFLICT DO NOTHING (pgledger's RecordUsage), stalled once more.
+		time.Sleep(2800 * time.Millisecond)
 		stall("")
 		if b := p.settled("acme"); b.LedgerBalance != 1000 {
 			t.Fatalf("after a request the client was told failed: %+v, want nothing charged", b)
