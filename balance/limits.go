@@ -161,6 +161,10 @@ type Limit struct {
 	Window Window
 	Cap    int64 // in Unit (micro-units for Money), 0 < Cap ≤ MaxAmount
 	Unit   Unit
+	// RequireEndUser, on a limit of each end user apart (scope end_user without an ID): a
+	// request of the org that names no end user is refused (ErrEndUserRequired) instead of being
+	// counted by no end-user limit.
+	RequireEndUser bool
 }
 
 // Limits is an org's limits, freezes and key → project map at one version of the ledger.
@@ -208,6 +212,9 @@ var (
 	ErrFrozen = errors.New("balance: frozen")
 	// ErrInvalidLimits: limits, freezes or the key → project map are malformed.
 	ErrInvalidLimits = errors.New("balance: invalid limits")
+	// ErrEndUserRequired: the request names no end user, and a limit of each end user apart of
+	// its org requires one (Limit.RequireEndUser); nothing was written.
+	ErrEndUserRequired = errors.New("balance: end user required")
 )
 
 // LimitError is returned by Reserve when a limit in scope refuses the hold: nothing was written.
@@ -319,6 +326,8 @@ func (l Limits) limFields() ([]any, error) {
 			return nil, fmt.Errorf("%w: limit %s: unit %q", ErrInvalidLimits, x.ID, x.Unit)
 		case x.Cap <= 0 || x.Cap > MaxAmount:
 			return nil, fmt.Errorf("%w: limit %s: cap %d", ErrInvalidLimits, x.ID, x.Cap)
+		case x.RequireEndUser && (x.Scope.Kind != ScopeEndUser || x.Scope.ID != ""):
+			return nil, fmt.Errorf("%w: limit %s: only a limit of each end user apart requires an end user", ErrInvalidLimits, x.ID)
 		}
 		if err := checkScope(x.Scope); err != nil {
 			return nil, fmt.Errorf("limit %s: %w", x.ID, err)
@@ -329,7 +338,10 @@ func (l Limits) limFields() ([]any, error) {
 			order = append(order, f)
 		}
 		spec := x.ID + "," + string(x.Window) + "," + strconv.FormatInt(x.Cap, 10)
-		if c := x.Unit.code(); c != "" {
+		switch c := x.Unit.code(); {
+		case x.RequireEndUser:
+			spec += "," + c + ",q" // the flags after the unit (money: empty)
+		case c != "":
 			spec += "," + c
 		}
 		specs[f] = append(specs[f], spec)

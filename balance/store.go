@@ -397,6 +397,8 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 			return Reservation{}, limitError(res, r.Amount, r.Tokens)
 		case "TOO_MANY":
 			return Reservation{}, ErrTooManyHolds
+		case "NO_END_USER":
+			return Reservation{}, fmt.Errorf("%w: limit %s", ErrEndUserRequired, str(res, 1))
 		case "INSUFFICIENT":
 			e := &InsufficientError{Balance: toInt(res[1]), Amount: r.Amount}
 			if len(res) > 2 {

@@ -23,12 +23,13 @@
 --   it in its own counters, and those of this end user (e:<end user>) apply
 --
 -- Checks, in this order: amount, COLD (no acct, another epoch, lim missing or older than the
--- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, LIMIT, INSUFFICIENT.
+-- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, NO_END_USER, LIMIT, INSUFFICIENT.
 -- Replies: {'OK', new balance, reserve ms, project, rq cap, rq left, rq resets ms, tk cap,
 --            tk left, tk resets ms} (the requests and the tokens limit in scope with the least
 --            left after this hold, '' when none: the x-ratelimit-* headers) | {'COLD'}
 --          | {'DUP', balance, original reserve ms, project now}
 --          | {'GONE'} | {'FROZEN', scope, scope id} | {'TOO_MANY', count}
+--          | {'NO_END_USER', limit id} (no end user, and a limit of each end user apart requires one)
 --          | {'LIMIT', id, scope, scope id, window, cap, used, resets ms ('0': never), room, held,
 --             unit, token room ('' when no tokens limit is in scope)} (scope id '' for a
 --             limit of each end user apart: it is the request's end user's counter that is full)
@@ -97,6 +98,16 @@ end
 local inflight = redis.call('ZCOUNT', KEYS[3], '-inf', now + tonumber(ARGV[7]))
 if inflight >= tonumber(ARGV[5]) then
   return {'TOO_MANY', inflight}
+end
+
+if v_eu == '' and lim[7] then
+  local req = nil
+  each_limit(lim[7], function(v_id, _, _, _, _, fl)
+    if fl == 'q' and not req then req = v_id end
+  end)
+  if req then
+    return {'NO_END_USER', req}
+  end
 end
 
 -- Limits in scope: the org's, the key's project's, the key's, the end user's (each end user

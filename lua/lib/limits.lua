@@ -17,7 +17,8 @@
 -- Counter fields: '<limit id>:<window start ms>', and '<limit id>:<window start ms>:<end user>'
 -- for a limit that applies to each end user apart. lim fields: 'v' version; 'o', 'p:<project>',
 -- 'k:<key>', 'e:<end user>' the limits of that scope, and 'e' those of each end user apart, as
--- 'id,window,cap[,unit];...' (unit r or t; none: money); 'm:<key>' the key's project; 'fo',
+-- 'id,window,cap[,unit[,flags]];...' (unit r or t; none: money; flag q: a request must name an
+-- end user); 'm:<key>' the key's project; 'fo',
 -- 'fp:<project>', 'fk:<key>' = '1' when frozen.
 -- Per-end-user counters of ended windows are swept away by the reserves that follow
 -- (sweep_ended: a few fields of u a call, from a cursor kept in acct's 'tc'), so that only
@@ -161,14 +162,15 @@ local function hold_out(ukey, a, fs, us, tk)
   move_hold(ukey, fs, us, neg(a), '-1', neg(tk))
 end
 
--- each_limit: calls fn(id, window, cap, unit) for every limit of a spec string
--- ('id,window,cap[,unit];...'); unit 'm' (money), 'r' (requests) or 't' (tokens).
+-- each_limit: calls fn(id, window, cap, unit, nil, flags) for every limit of a spec string
+-- ('id,window,cap[,unit[,flags]];...'); unit 'm' (money), 'r' (requests) or 't' (tokens); flags
+-- '' or 'q' (a request must name an end user).
 local function each_limit(spec, fn)
   if not spec then return end
   for item in string.gmatch(spec, '[^;]+') do
-    local id, w, cap, u = string.match(item, '^([^,]+),([^,]+),([^,]+),?([^,]*)$')
+    local id, w, cap, u, fl = string.match(item, '^([^,]+),([^,]+),([^,]+),?([^,]*),?([^,]*)$')
     if id then
-      fn(id, w, cap, u == '' and 'm' or u)
+      fn(id, w, cap, u == '' and 'm' or u, nil, fl)
     end
   end
 end
