@@ -1,7 +1,8 @@
 -- reserve: check the org's budget and every limit in scope, and put one hold on it, all or
 -- nothing, in one call.
 --
--- KEYS[1] acct   hash  bal, wm, epoch, lv (limits version seeded)   (one {org} hash tag)
+-- KEYS[1] acct   hash  bal, wm, epoch, lv (limits version seeded), tc and te (the sweep of ended
+--                      per-end-user counters: lib/limits)   (one {org} hash tag)
 -- KEYS[2] holds  hash  hold id -> record (see lib/limits)
 -- KEYS[3] hexp   zset  hold id -> expiry, ms on the Redis clock
 -- KEYS[4] gone   zset  tombstones: ended hold id -> ms
@@ -53,7 +54,7 @@ if string.find(tok, '^%d+$') == nil then
 end
 local per_unit = {m = ARGV[3], r = '1', t = tok} -- what the hold adds to a counter of each unit
 
-local acct = redis.call('HMGET', KEYS[1], 'bal', 'epoch', 'lv')
+local acct = redis.call('HMGET', KEYS[1], 'bal', 'epoch', 'lv', 'tc', 'te')
 if not acct[1] or acct[2] ~= ARGV[1] then
   return {'COLD'}
 end
@@ -208,7 +209,7 @@ if #fields > 0 then
   end
 end
 if lim[7] then
-  sweep_ended(KEYS[6], KEYS[1], lim[7], rtime)
+  sweep_ended(KEYS[6], KEYS[1], lim[7], rtime, acct[4], acct[5])
 end
 redis.call('HSET', KEYS[2], ARGV[2], hold_record(ARGV[3], rts, '0', table.concat(fields, ','), ARGV[8], v_project or '', table.concat(units), tok, v_eu))
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[2])
