@@ -119,6 +119,7 @@ type simReq struct {
 	bounded bool
 	bound   int64 // the request's bound: its first reserve's amount (above amount when fitted)
 	tokens  int64 // the token hold: its token bound (the fitted one when fitted)
+	endUser string
 	// attribution, as the reserve returned it
 	key, project string
 	at           time.Time
@@ -161,8 +162,8 @@ func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger
 	if steps >= 1000 && (s.counts["fitted"] == 0 || s.counts["fitted-recorded"] == 0) {
 		t.Errorf("seed %d: no fitted hold was granted and recorded: the run did not exercise fit", seed)
 	}
-	if steps >= 1000 && (s.counts["limit-requests"] == 0 || s.counts["limit-tokens"] == 0) {
-		t.Errorf("seed %d: no requests or no tokens limit refused a hold: the run did not reach their caps", seed)
+	if steps >= 1000 && (s.counts["limit-requests"] == 0 || s.counts["limit-tokens"] == 0 || s.counts["limit-end-user"] == 0) {
+		t.Errorf("seed %d: no requests, tokens or end-user limit refused a hold: the run did not reach their caps", seed)
 	}
 }
 
@@ -207,10 +208,23 @@ func (s *simulator) setupLimits(o string) {
 		{balance.Scope{Kind: balance.ScopeKey, ID: keys[1]}, balance.Lifetime, balance.Money},
 		{balance.Scope{Kind: balance.ScopeOrg}, balance.Day, balance.Tokens},
 		{balance.Scope{Kind: balance.ScopeKey, ID: keys[0]}, balance.Minute, balance.Requests},
+		{balance.Scope{Kind: balance.ScopeEndUser}, balance.Day, balance.Money},                         // each end user apart
+		{balance.Scope{Kind: balance.ScopeEndUser, ID: simEndUsers[1]}, balance.Hour, balance.Requests}, // that one alone
 	} {
 		_, err := s.ops.AddLimit(s.ctx, o, balance.Limit{Scope: l.scope, Window: l.w, Unit: l.unit, Cap: s.drawCap(l.unit, 300)})
 		s.must(err)
 	}
+}
+
+// simEndUsers are the end users requests come from (or none: "").
+var simEndUsers = []string{"u0", "u1", "u2"}
+
+// drawEndUser draws a request's end user: one of simEndUsers, or none.
+func (s *simulator) drawEndUser() string {
+	if i := s.rnd.IntN(len(simEndUsers) + 1); i < len(simEndUsers) {
+		return simEndUsers[i]
+	}
+	return ""
 }
 
 // drawCap draws a cap of unit u that a run reaches now and then: money and tokens from least
@@ -244,20 +258,20 @@ func (s *simulator) step() {
 		s.counts["reserve"]++
 		id := uuid.Must(uuid.NewV7()).String()
 		amt, tok := s.rnd.Int64N(60)+1, s.rnd.Int64N(120)
-		key := s.keys[o][s.rnd.IntN(len(s.keys[o]))]
+		key, eu := s.keys[o][s.rnd.IntN(len(s.keys[o]))], s.drawEndUser()
 		bounded, bound := s.rnd.Float64() < 0.7, amt
-		res, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key, Tokens: tok})
+		res, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key, Tokens: tok, EndUser: eu})
 		if err != nil && bounded {
-			amt, tok, res, err = s.fit(o, id, key, amt, tok, err)
+			amt, tok, res, err = s.fit(o, id, key, eu, amt, tok, err)
 		}
 		switch {
 		case err == nil:
-			s.inflight[id] = simReq{org: o, id: id, amount: amt, bounded: bounded, bound: bound, tokens: tok, key: key, project: res.Project, at: res.ReservedAt}
+			s.inflight[id] = simReq{org: o, id: id, amount: amt, bounded: bounded, bound: bound, tokens: tok, endUser: eu, key: key, project: res.Project, at: res.ReservedAt}
 			if bounded {
 				s.boundHold[id] = amt
 			}
 			if s.rnd.Float64() < 0.05 { // the Redis client re-sends the same call
-				r, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key, Tokens: tok})
+				r, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key, Tokens: tok, EndUser: eu})
 				if err != nil || !r.Duplicate || !r.ReservedAt.Equal(res.ReservedAt) {
 					s.t.Fatalf("seed %d: re-sent reserve: %+v %v, want duplicate at %v", s.seed, r, err, res.ReservedAt)
 				}
@@ -268,6 +282,9 @@ func (s *simulator) step() {
 			var le *balance.LimitError
 			if errors.As(err, &le) && le.Limit.Unit != balance.Money {
 				s.counts["limit-"+string(le.Limit.Unit)]++
+			}
+			if errors.As(err, &le) && le.Limit.Scope.Kind == balance.ScopeEndUser {
+				s.counts["limit-end-user"]++
 			}
 		case errors.Is(err, balance.ErrFrozen):
 			s.counts["frozen"]++
@@ -397,7 +414,7 @@ func (s *simulator) step() {
 	case op < 0.77: // fail-open request: no hold, usage recorded
 		s.counts["fail-open"]++
 		key := s.keys[o][s.rnd.IntN(len(s.keys[o]))]
-		s.record(simReq{org: o, id: uuid.Must(uuid.NewV7()).String(), key: key}, used{s.rnd.Int64N(30), s.rnd.Int64N(100)})
+		s.record(simReq{org: o, id: uuid.Must(uuid.NewV7()).String(), key: key, endUser: s.drawEndUser()}, used{s.rnd.Int64N(30), s.rnd.Int64N(100)})
 	case op < 0.83 && len(s.finSent) > 0: // a finish arrives late, or is re-sent (go-redis retries)
 		s.counts["finish-late"]++
 		f := s.finSent[s.rnd.IntN(len(s.finSent))]
@@ -432,7 +449,7 @@ func (s *simulator) step() {
 // its fitted reserve here, so a fitted reserve within the reported rooms must be granted, as an
 // ordinary hold of exactly that amount and token bound — unless a requests limit in scope is
 // full (the rooms say nothing of requests): then it is that limit's refusal.
-func (s *simulator) fit(o, id, key string, amount, tokens int64, err error) (int64, int64, balance.Reservation, error) {
+func (s *simulator) fit(o, id, key, eu string, amount, tokens int64, err error) (int64, int64, balance.Reservation, error) {
 	const maxFit = 2 // the middleware's 3 tries: the bound, then two fits
 	if s.rnd.Float64() < 0.15 {
 		return 0, 0, balance.Reservation{}, err
@@ -467,7 +484,7 @@ func (s *simulator) fit(o, id, key string, amount, tokens int64, err error) (int
 			}
 		}
 		s.counts[kind]++
-		res, ferr := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key, Tokens: tok})
+		res, ferr := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key, Tokens: tok, EndUser: eu})
 		if errors.As(ferr, &lim) && lim.Limit.Unit == balance.Requests {
 			s.counts["fit-then-requests"]++
 			return 0, 0, balance.Reservation{}, ferr
@@ -581,6 +598,10 @@ func (s *simulator) hotLimits(org string) []balance.Limit {
 			sc = balance.Scope{Kind: balance.ScopeProject, ID: f[2:]}
 		case strings.HasPrefix(f, "k:"):
 			sc = balance.Scope{Kind: balance.ScopeKey, ID: f[2:]}
+		case f == "e":
+			sc = balance.Scope{Kind: balance.ScopeEndUser}
+		case strings.HasPrefix(f, "e:"):
+			sc = balance.Scope{Kind: balance.ScopeEndUser, ID: f[2:]}
 		default:
 			continue
 		}
@@ -624,8 +645,15 @@ func attributed(l balance.Limit, e balance.Entry) bool {
 		return e.Project == l.Scope.ID
 	case balance.ScopeKey:
 		return e.KeyID == l.Scope.ID
+	case balance.ScopeEndUser: // without an id: any end user's (its own counter; see checkCounters)
+		return e.EndUser != "" && (l.Scope.ID == "" || e.EndUser == l.Scope.ID)
 	}
 	return true
+}
+
+// eachEndUser reports whether l applies to each end user apart (one counter per end user).
+func eachEndUser(l balance.Limit) bool {
+	return l.Scope.Kind == balance.ScopeEndUser && l.Scope.ID == ""
 }
 
 // checkCounters checks the counter invariant of every current window of a warm org, per unit:
@@ -651,21 +679,33 @@ func (s *simulator) checkCounters(step int, o string, wm int64) {
 	}
 	for _, l := range lims {
 		start := l.Window.StartMS(t0)
-		field := l.ID + ":" + strconv.FormatInt(start, 10)
-		var want int64
-		for _, e := range s.cache[o].entries {
-			if e.Seq > wm {
-				break
-			}
-			if l.Window.StartMS(e.ReservedAt) == start {
-				want += counted(l, e)
-			}
+		// one counter, or one per end user for a limit of each end user apart (the sim's end
+		// users are all there are)
+		eus := []string{""}
+		if eachEndUser(l) {
+			eus = simEndUsers
 		}
-		want += held[field]
-		got, ok := u[balance.Counter{LimitID: l.ID, Start: start}]
-		if got != want || (!ok && want != 0) {
-			s.t.Fatalf("seed %d step %d: org %s: counter %s (%s %s %s) = %d (present %v), want %d (entries to wm %d + live holds %d)",
-				s.seed, step, o, field, l.Scope, l.Window, l.Unit, got, ok, want, wm, held[field])
+		for _, eu := range eus {
+			c := balance.Counter{LimitID: l.ID, Start: start, EndUser: eu}
+			field := l.ID + ":" + strconv.FormatInt(start, 10)
+			if eu != "" {
+				field += ":" + eu
+			}
+			var want int64
+			for _, e := range s.cache[o].entries {
+				if e.Seq > wm {
+					break
+				}
+				if l.Window.StartMS(e.ReservedAt) == start && (eu == "" || e.EndUser == eu) {
+					want += counted(l, e)
+				}
+			}
+			want += held[field]
+			got, ok := u[c]
+			if got != want || (!ok && want != 0) {
+				s.t.Fatalf("seed %d step %d: org %s: counter %s (%s %s %s) = %d (present %v), want %d (entries to wm %d + live holds %d)",
+					s.seed, step, o, field, l.Scope, l.Window, l.Unit, got, ok, want, wm, held[field])
+			}
 		}
 	}
 }
@@ -704,7 +744,7 @@ func (s *simulator) record(r simReq, u used) {
 	s.servedOrg[r.id] = r.org
 	// Recorded "now" on the limit clock, so a fail-open request (no reserve time) counts at
 	// its record time in the windows the scripts see.
-	ev := ledger.UsageEvent{ID: r.id, Org: r.org, KeyID: r.key, Project: r.project, ReservedAt: r.at,
+	ev := ledger.UsageEvent{ID: r.id, Org: r.org, KeyID: r.key, Project: r.project, ReservedAt: r.at, EndUser: r.endUser,
 		Model: "m", Usage: pricing.Usage{Completion: u.tokens}, Cost: cost, HoldAmount: r.amount, CreatedAt: time.Now().Add(s.offset)}
 	s.must(s.ledger.RecordUsage(s.ctx, []ledger.UsageEvent{ev}))
 	if s.rnd.Float64() < 0.05 { // recorded twice (a retried record): charged once
@@ -918,15 +958,21 @@ func (s *simulator) quiesce() {
 		ls, err := s.ledger.Limits(s.ctx, o)
 		s.must(err)
 		for _, l := range ls.Limits {
-			k := balance.Counter{LimitID: l.ID, Start: l.Window.StartMS(now)}
-			var want int64
-			for _, w := range used {
-				if w.LimitID == k.LimitID && w.Start == k.Start {
-					want = w.Used
-				}
+			eus := []string{""}
+			if eachEndUser(l) {
+				eus = simEndUsers
 			}
-			if got := cs[k]; got != want {
-				t.Fatalf("seed %d: org %s at rest: counter %+v = %d, the ledger's spend %d", s.seed, o, k, got, want)
+			for _, eu := range eus {
+				k := balance.Counter{LimitID: l.ID, Start: l.Window.StartMS(now), EndUser: eu}
+				var want int64
+				for _, w := range used {
+					if w.LimitID == k.LimitID && w.Start == k.Start && w.EndUser == eu {
+						want = w.Used
+					}
+				}
+				if got := cs[k]; got != want {
+					t.Fatalf("seed %d: org %s at rest: counter %+v = %d, the ledger's spend %d", s.seed, o, k, got, want)
+				}
 			}
 		}
 	}
