@@ -208,8 +208,8 @@ func (s *simulator) setupLimits(o string) {
 		{balance.Scope{Kind: balance.ScopeKey, ID: keys[1]}, balance.Lifetime, balance.Money},
 		{balance.Scope{Kind: balance.ScopeOrg}, balance.Day, balance.Tokens},
 		{balance.Scope{Kind: balance.ScopeKey, ID: keys[0]}, balance.Minute, balance.Requests},
-		{balance.Scope{Kind: balance.ScopeEndUser}, balance.Day, balance.Money},                         // each end user apart
-		{balance.Scope{Kind: balance.ScopeEndUser, ID: simEndUsers[1]}, balance.Hour, balance.Requests}, // that one alone
+		{balance.Scope{Kind: balance.ScopeEndUser}, balance.Day, balance.Money},                        // each end user apart
+		{balance.Scope{Kind: balance.ScopeEndUser, ID: simEndUsers[1]}, balance.Day, balance.Requests}, // that one alone
 	} {
 		_, err := s.ops.AddLimit(s.ctx, o, balance.Limit{Scope: l.scope, Window: l.w, Unit: l.unit, Cap: s.drawCap(l.unit, 300)})
 		s.must(err)
@@ -227,11 +227,14 @@ func (s *simulator) drawEndUser() string {
 	return ""
 }
 
-// drawCap draws a cap of unit u that a run reaches now and then: money and tokens from least
-// up, requests a few per window.
+// drawCap draws a cap of unit u that a run reaches now and then: money from least up, tokens
+// from a third of it (a request holds up to 119), requests a few per window.
 func (s *simulator) drawCap(u balance.Unit, least int64) int64 {
-	if u == balance.Requests {
+	switch u {
+	case balance.Requests:
 		return s.rnd.Int64N(3) + 1
+	case balance.Tokens:
+		return s.rnd.Int64N(600) + least/3
 	}
 	return s.rnd.Int64N(1500) + least
 }
