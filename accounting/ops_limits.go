@@ -62,7 +62,7 @@ func (o *Ops) CreateLimit(ctx context.Context, org string, scope balance.Scope, 
 // AddLimit adds the limit l describes (its Scope, Window, Unit and Cap; its ID is given by the
 // ledger) and returns it with its id, once pushed to the hot balance.
 func (o *Ops) AddLimit(ctx context.Context, org string, l balance.Limit) (balance.Limit, error) {
-	l, c, err := o.ledger.CreateLimit(ctx, org, l.Scope, l.Window, l.Unit, l.Cap)
+	l, c, err := o.ledger.CreateLimit(ctx, org, l)
 	if err != nil {
 		return l, err
 	}
@@ -128,6 +128,8 @@ type LimitView struct {
 	// are then those of the end user who used the most, the nearest to the cap. Absent for
 	// every other limit.
 	EndUsers *int `json:"end_users,omitempty"`
+	// RequireEndUser: the limit refuses the org's requests that name no end user.
+	RequireEndUser bool `json:"require_end_user,omitempty"`
 }
 
 // EndUserUsed is one end user's counter of a limit of each end user apart in its current window
@@ -153,7 +155,7 @@ func (o *Ops) ListLimits(ctx context.Context, org string) ([]LimitView, error) {
 	}
 	out := make([]LimitView, 0, len(st.limits))
 	for _, l := range st.limits {
-		v := LimitView{ID: l.ID, Scope: l.Scope.Kind, ScopeID: l.Scope.ID, Window: l.Window, Unit: string(l.Unit), Cap: l.Cap}
+		v := LimitView{ID: l.ID, Scope: l.Scope.Kind, ScopeID: l.Scope.ID, Window: l.Window, Unit: string(l.Unit), Cap: l.Cap, RequireEndUser: l.RequireEndUser}
 		if eachEndUser(l) {
 			us := st.endUsers(l)
 			n := len(us)

@@ -1,6 +1,7 @@
 package accounting_test
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -11,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -22,6 +24,7 @@ import (
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/ledger/memledger"
 	"github.com/llmescrow/escrow/ledger/pgledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 var (
@@ -63,15 +66,37 @@ func TestSimulation(t *testing.T) {
 	if seed == 0 {
 		seed = rand.Uint64()
 	}
+	// Each kind of limit refusal must be met by the two runs together (a single run of a few
+	// thousand random steps may miss one now and then; both missing it means the draws no
+	// longer reach that cap).
+	var mu sync.Mutex
+	met := map[string]int{}
+	collect := func(counts map[string]int) {
+		mu.Lock()
+		defer mu.Unlock()
+		for k, n := range counts {
+			met[k] += n
+		}
+	}
+	t.Cleanup(func() {
+		if t.Failed() || steps < 1000 {
+			return
+		}
+		for _, k := range []string{"limit-requests", "limit-tokens", "limit-end-user"} {
+			if met[k] == 0 {
+				t.Errorf("seeds %d and %d: no %s refusal in either run: the runs did not reach that cap", seed, seed+1, k)
+			}
+		}
+	})
 	t.Run("miniredis+memory", func(t *testing.T) {
 		t.Parallel()
 		env := testutil.MiniRedis(t)
-		runSim(t, seed, steps, env, memledger.New())
+		collect(runSim(t, seed, steps, env, memledger.New()))
 	})
 	t.Run("redis+postgres", func(t *testing.T) {
 		t.Parallel()
 		env := testutil.RealRedis(t)
-		runSim(t, seed+1, steps, env, openTestPostgres(t))
+		collect(runSim(t, seed+1, steps, env, openTestPostgres(t)))
 	})
 }
 
@@ -116,12 +141,15 @@ type simReq struct {
 	// fit"); else it is held at a learned max and may cost more (the debt rule)
 	bounded bool
 	bound   int64 // the request's bound: its first reserve's amount (above amount when fitted)
+	tokens  int64 // the token hold: its token bound (the fitted one when fitted)
+	endUser string
 	// attribution, as the reserve returned it
 	key, project string
 	at           time.Time
 }
 
-func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger ledger.Ledger) {
+// runSim runs one simulation and returns how many times each operation happened.
+func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger ledger.Ledger) map[string]int {
 	ctx := context.Background()
 	s := &simulator{
 		t: t, ctx: ctx, rnd: rand.New(rand.NewPCG(seed, 7)), seed: seed, env: env, ledger: ledger,
@@ -150,7 +178,7 @@ func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger
 		s.step()
 		s.check(step)
 		if t.Failed() {
-			return
+			return s.counts
 		}
 	}
 	s.quiesce()
@@ -158,6 +186,7 @@ func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger
 	if steps >= 1000 && (s.counts["fitted"] == 0 || s.counts["fitted-recorded"] == 0) {
 		t.Errorf("seed %d: no fitted hold was granted and recorded: the run did not exercise fit", seed)
 	}
+	return s.counts
 }
 
 // newStore makes the store (and its worker and Ops) with the limit clock at offset; a window
@@ -192,16 +221,47 @@ func (s *simulator) setupLimits(o string) {
 	for _, l := range []struct {
 		scope balance.Scope
 		w     balance.Window
+		unit  balance.Unit
+		least int64
 	}{
-		{balance.Scope{Kind: balance.ScopeOrg}, balance.Day},
-		{balance.Scope{Kind: balance.ScopeOrg}, balance.Month},
-		{balance.Scope{Kind: balance.ScopeProject, ID: "p"}, balance.Week},
-		{balance.Scope{Kind: balance.ScopeKey, ID: keys[0]}, balance.Hour},
-		{balance.Scope{Kind: balance.ScopeKey, ID: keys[1]}, balance.Lifetime},
+		{balance.Scope{Kind: balance.ScopeOrg}, balance.Day, balance.Money, 300},
+		{balance.Scope{Kind: balance.ScopeOrg}, balance.Month, balance.Money, 300},
+		{balance.Scope{Kind: balance.ScopeProject, ID: "p"}, balance.Week, balance.Money, 300},
+		{balance.Scope{Kind: balance.ScopeKey, ID: keys[0]}, balance.Hour, balance.Money, 300},
+		{balance.Scope{Kind: balance.ScopeKey, ID: keys[1]}, balance.Lifetime, balance.Money, 300},
+		{balance.Scope{Kind: balance.ScopeOrg}, balance.Day, balance.Tokens, 300},
+		{balance.Scope{Kind: balance.ScopeKey, ID: keys[0]}, balance.Minute, balance.Requests, 300},
+		// each end user apart, low enough to refuse before the org's limits do in every run
+		{balance.Scope{Kind: balance.ScopeEndUser}, balance.Day, balance.Money, 15},
+		{balance.Scope{Kind: balance.ScopeEndUser, ID: simEndUsers[1]}, balance.Day, balance.Requests, 300}, // that one alone
 	} {
-		_, err := s.ops.CreateLimit(s.ctx, o, l.scope, l.w, s.rnd.Int64N(1500)+300)
+		_, err := s.ops.AddLimit(s.ctx, o, balance.Limit{Scope: l.scope, Window: l.w, Unit: l.unit, Cap: s.drawCap(l.unit, l.least)})
 		s.must(err)
 	}
+}
+
+// simEndUsers are the end users requests come from (or none: "").
+var simEndUsers = []string{"u0", "u1", "u2"}
+
+// drawEndUser draws a request's end user: one of simEndUsers, or none.
+func (s *simulator) drawEndUser() string {
+	if i := s.rnd.IntN(len(simEndUsers) + 1); i < len(simEndUsers) {
+		return simEndUsers[i]
+	}
+	return ""
+}
+
+// drawCap draws a cap of unit u that a run reaches now and then: money from least up, tokens a
+// few requests' worth (a request holds up to 119: the org's day must refuse some in any run of
+// 1,000 steps, or the run fails), requests a few per window.
+func (s *simulator) drawCap(u balance.Unit, least int64) int64 {
+	switch u {
+	case balance.Requests:
+		return s.rnd.Int64N(3) + 1
+	case balance.Tokens:
+		return s.rnd.Int64N(200) + least/6
+	}
+	return s.rnd.Int64N(5*least) + least
 }
 
 // clock is the limit clock: Redis TIME plus the offset.
@@ -225,21 +285,21 @@ func (s *simulator) step() {
 	case op < 0.22: // a request arrives
 		s.counts["reserve"]++
 		id := uuid.Must(uuid.NewV7()).String()
-		amt := s.rnd.Int64N(60) + 1
-		key := s.keys[o][s.rnd.IntN(len(s.keys[o]))]
+		amt, tok := s.rnd.Int64N(60)+1, s.rnd.Int64N(120)
+		key, eu := s.keys[o][s.rnd.IntN(len(s.keys[o]))], s.drawEndUser()
 		bounded, bound := s.rnd.Float64() < 0.7, amt
-		res, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key})
+		res, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key, Tokens: tok, EndUser: eu})
 		if err != nil && bounded {
-			amt, res, err = s.fit(o, id, key, err)
+			amt, tok, res, err = s.fit(o, id, key, eu, amt, tok, err)
 		}
 		switch {
 		case err == nil:
-			s.inflight[id] = simReq{org: o, id: id, amount: amt, bounded: bounded, bound: bound, key: key, project: res.Project, at: res.ReservedAt}
+			s.inflight[id] = simReq{org: o, id: id, amount: amt, bounded: bounded, bound: bound, tokens: tok, endUser: eu, key: key, project: res.Project, at: res.ReservedAt}
 			if bounded {
 				s.boundHold[id] = amt
 			}
 			if s.rnd.Float64() < 0.05 { // the Redis client re-sends the same call
-				r, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key})
+				r, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key, Tokens: tok, EndUser: eu})
 				if err != nil || !r.Duplicate || !r.ReservedAt.Equal(res.ReservedAt) {
 					s.t.Fatalf("seed %d: re-sent reserve: %+v %v, want duplicate at %v", s.seed, r, err, res.ReservedAt)
 				}
@@ -247,6 +307,13 @@ func (s *simulator) step() {
 		case errors.Is(err, balance.ErrInsufficient):
 		case errors.Is(err, balance.ErrLimit):
 			s.counts["limit"]++
+			var le *balance.LimitError
+			if errors.As(err, &le) && le.Limit.Unit != balance.Money {
+				s.counts["limit-"+string(le.Limit.Unit)]++
+			}
+			if errors.As(err, &le) && le.Limit.Scope.Kind == balance.ScopeEndUser {
+				s.counts["limit-end-user"]++
+			}
 		case errors.Is(err, balance.ErrFrozen):
 			s.counts["frozen"]++
 		default:
@@ -375,7 +442,7 @@ func (s *simulator) step() {
 	case op < 0.77: // fail-open request: no hold, usage recorded
 		s.counts["fail-open"]++
 		key := s.keys[o][s.rnd.IntN(len(s.keys[o]))]
-		s.record(simReq{org: o, id: uuid.Must(uuid.NewV7()).String(), key: key}, s.rnd.Int64N(30))
+		s.record(simReq{org: o, id: uuid.Must(uuid.NewV7()).String(), key: key, endUser: s.drawEndUser()}, used{s.rnd.Int64N(30), s.rnd.Int64N(100)})
 	case op < 0.83 && len(s.finSent) > 0: // a finish arrives late, or is re-sent (go-redis retries)
 		s.counts["finish-late"]++
 		f := s.finSent[s.rnd.IntN(len(s.finSent))]
@@ -385,11 +452,9 @@ func (s *simulator) step() {
 			s.must(err)
 			s.counts["finished"] += n
 		} else {
-			ok, err := s.store.Finish(s.ctx, f.Org, f.HoldID, f.Cost)
+			n, err := s.store.FinishBatch(s.ctx, []balance.Finish{f})
 			s.must(err)
-			if ok {
-				s.counts["finished"]++
-			}
+			s.counts["finished"] += n
 		}
 	case op < 0.84: // an operator changes a cap, or freezes or unfreezes a scope
 		s.counts["limit-change"]++
@@ -402,52 +467,67 @@ func (s *simulator) step() {
 }
 
 // fit is the middleware's answer to a refusal of a bounded request (middleware/fit.go): when
-// the reserve was refused INSUFFICIENT or LIMIT and the refusal's room is at least the fit
-// minimum (1 here), the same hold id is reserved again — at once — with the room, or with less
-// (the bound at the largest output cap that fits is at most the room), at most maxFit more
-// times; 15% of requests ask for the refusal instead (x-escrow-fit: off). It returns the
-// amount held and the last reserve's answer. Nothing runs between a refusal and its fitted
-// reserve here, so a fitted reserve within the reported room must be granted, as an ordinary
-// hold of exactly that amount.
-func (s *simulator) fit(o, id, key string, err error) (int64, balance.Reservation, error) {
+// the reserve was refused INSUFFICIENT or LIMIT of money or tokens and the refusal's room is at
+// least the fit minimum (1 here), the same hold id is reserved again — at once — with the room,
+// or with less (the bound at the largest output cap that fits is at most the room), at most
+// maxFit more times: the amount within the money room, the token bound within the token room
+// (when a tokens limit is in scope). 15% of requests ask for the refusal instead (x-escrow-fit:
+// off), and a requests limit is never fitted (a request counts 1 whatever its size). It returns
+// the amount and tokens held and the last reserve's answer. Nothing runs between a refusal and
+// its fitted reserve here, so a fitted reserve within the reported rooms must be granted, as an
+// ordinary hold of exactly that amount and token bound — unless a requests limit in scope is
+// full (the rooms say nothing of requests): then it is that limit's refusal.
+func (s *simulator) fit(o, id, key, eu string, amount, tokens int64, err error) (int64, int64, balance.Reservation, error) {
 	const maxFit = 2 // the middleware's 3 tries: the bound, then two fits
 	if s.rnd.Float64() < 0.15 {
-		return 0, balance.Reservation{}, err
+		return 0, 0, balance.Reservation{}, err
 	}
 	for range maxFit {
 		var ins *balance.InsufficientError
 		var lim *balance.LimitError
-		var room int64
+		room, troom, haveTroom := int64(0), int64(0), false
 		kind := ""
 		switch {
+		case errors.As(err, &lim) && lim.Limit.Unit == balance.Requests:
+			return 0, 0, balance.Reservation{}, err
 		case errors.As(err, &lim):
-			room, kind = lim.Room, "fit-limit"
+			room, troom, haveTroom, kind = lim.Room, lim.TokenRoom, lim.HaveTokenRoom, "fit-limit-"+cmp.Or(string(lim.Limit.Unit), "money")
 		case errors.As(err, &ins):
 			room, kind = ins.Balance, "fit-insufficient"
 		default:
-			return 0, balance.Reservation{}, err
+			return 0, 0, balance.Reservation{}, err
 		}
-		if room < 1 {
+		if room < 1 || (haveTroom && tokens > troom && troom < 1) {
 			s.counts["fit-no-room"]++
-			return 0, balance.Reservation{}, err
+			return 0, 0, balance.Reservation{}, err
 		}
-		amt := room
+		amt, tok := min(amount, room), tokens
 		if s.rnd.Float64() < 0.3 {
-			amt = s.rnd.Int64N(room) + 1
+			amt = s.rnd.Int64N(amt) + 1
+		}
+		if haveTroom && tok > troom {
+			tok = troom
+			if s.rnd.Float64() < 0.3 {
+				tok = s.rnd.Int64N(troom) + 1
+			}
 		}
 		s.counts[kind]++
-		res, ferr := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key})
+		res, ferr := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: amt, KeyID: key, Tokens: tok, EndUser: eu})
+		if errors.As(ferr, &lim) && lim.Limit.Unit == balance.Requests {
+			s.counts["fit-then-requests"]++
+			return 0, 0, balance.Reservation{}, ferr
+		}
 		if ferr != nil {
 			// The refusal said this much would be taken now, and nothing ran since.
-			s.t.Fatalf("seed %d: org %s: fitted reserve of %d (room %d after %v) refused: %v", s.seed, o, amt, room, err, ferr)
+			s.t.Fatalf("seed %d: org %s: fitted reserve of %d, %d tokens (room %d, %d after %v) refused: %v", s.seed, o, amt, tok, room, troom, err, ferr)
 		}
-		if got, ok := s.holds(o)[id]; !ok || got != amt || res.Duplicate {
-			s.t.Fatalf("seed %d: org %s: fitted reserve of %d wrote hold %d (present %v, duplicate %v)", s.seed, o, amt, got, ok, res.Duplicate)
+		if got, ok := s.holdRecs(o)[id]; !ok || got.amount != amt || got.tokens != tok || res.Duplicate {
+			s.t.Fatalf("seed %d: org %s: fitted reserve of %d, %d tokens wrote hold %+v (present %v, duplicate %v)", s.seed, o, amt, tok, got, ok, res.Duplicate)
 		}
 		s.counts["fitted"]++
-		return amt, res, nil
+		return amt, tok, res, nil
 	}
-	return 0, balance.Reservation{}, err
+	return 0, 0, balance.Reservation{}, err
 }
 
 func (s *simulator) changeLimits(o string) {
@@ -458,7 +538,7 @@ func (s *simulator) changeLimits(o string) {
 	switch x := s.rnd.Float64(); {
 	case x < 0.5:
 		l := ls.Limits[s.rnd.IntN(len(ls.Limits))]
-		_, err = s.ops.SetLimitCap(s.ctx, o, l.ID, s.rnd.Int64N(1500)+20) // below what is used, at times
+		_, err = s.ops.SetLimitCap(s.ctx, o, l.ID, s.drawCap(l.Unit, 20)) // below what is used, at times
 	case x < 0.6:
 		err = s.ops.Freeze(s.ctx, o, scopes[s.rnd.IntN(len(scopes))])
 	default:
@@ -481,30 +561,53 @@ func (s *simulator) holdGone(org, id string) bool {
 	return !ok
 }
 
-// holds reads the org's hold hash directly (key layout of DESIGN.md "Redis keys").
+// holds reads the org's hold hash directly (key layout of DESIGN.md "Redis keys"): each
+// hold's amount.
 func (s *simulator) holds(org string) map[string]int64 {
-	m, err := s.env.Client.HGetAll(s.ctx, balance.KeysOf(s.env.Prefix, org).Holds).Result()
-	s.must(err)
-	out := make(map[string]int64, len(m))
-	for k, v := range m {
-		amount, _, _ := strings.Cut(v, "|") // '<amount>' or '<amount>|<ms>|<fin>|<fields>[|<key>|<project>]'
-		n, err := strconv.ParseInt(amount, 10, 64)
-		s.must(err)
-		out[k] = n
+	out := map[string]int64{}
+	for id, r := range s.holdRecs(org) {
+		out[id] = r.amount
 	}
 	return out
 }
 
-// holdFields reads the org's holds with the counter fields each was added to.
-func (s *simulator) holdFields(org string) map[string][]string {
+// holdRec is a hold's record (lua/lib/limits.lua): '<amount>' or
+// '<amount>|<ms>|<fin>|<fields>[|<key>|<project>[|<units>|<tokens>[|<end user>]]]'.
+type holdRec struct {
+	amount, tokens int64
+	fields         []string // the counters it was added to
+	units          string   // one unit letter per field ('m' when missing)
+}
+
+// holding is what the hold holds on counter field i: its amount, 1 request or its tokens.
+func (r holdRec) holding(i int) int64 {
+	switch {
+	case i < len(r.units) && r.units[i] == 'r':
+		return 1
+	case i < len(r.units) && r.units[i] == 't':
+		return r.tokens
+	}
+	return r.amount
+}
+
+func (s *simulator) holdRecs(org string) map[string]holdRec {
 	m, err := s.env.Client.HGetAll(s.ctx, balance.KeysOf(s.env.Prefix, org).Holds).Result()
 	s.must(err)
-	out := map[string][]string{}
+	out := make(map[string]holdRec, len(m))
 	for id, v := range m {
-		f := strings.Split(v, "|") // '<amount>|<ms>|<fin>|<fields>[|<key>|<project>]'
+		f := strings.Split(v, "|")
+		var r holdRec
+		r.amount, err = strconv.ParseInt(f[0], 10, 64)
+		s.must(err)
 		if len(f) >= 4 && f[3] != "" {
-			out[id] = strings.Split(f[3], ",")
+			r.fields = strings.Split(f[3], ",")
 		}
+		if len(f) >= 8 {
+			r.units = f[6]
+			r.tokens, err = strconv.ParseInt(f[7], 10, 64)
+			s.must(err)
+		}
+		out[id] = r
 	}
 	return out
 }
@@ -523,25 +626,46 @@ func (s *simulator) hotLimits(org string) []balance.Limit {
 			sc = balance.Scope{Kind: balance.ScopeProject, ID: f[2:]}
 		case strings.HasPrefix(f, "k:"):
 			sc = balance.Scope{Kind: balance.ScopeKey, ID: f[2:]}
+		case f == "e":
+			sc = balance.Scope{Kind: balance.ScopeEndUser}
+		case strings.HasPrefix(f, "e:"):
+			sc = balance.Scope{Kind: balance.ScopeEndUser, ID: f[2:]}
 		default:
 			continue
 		}
 		for _, spec := range strings.Split(v, ";") {
-			p := strings.Split(spec, ",")
-			if len(p) != 3 {
+			p := strings.Split(spec, ",") // id,window,cap[,r|t]
+			if len(p) != 3 && len(p) != 4 {
 				s.t.Fatalf("seed %d: lim field %s = %q", s.seed, f, v)
 			}
 			c, err := strconv.ParseInt(p[2], 10, 64)
 			s.must(err)
-			out = append(out, balance.Limit{ID: p[0], Scope: sc, Window: balance.Window(p[1]), Cap: c})
+			u := balance.Money
+			if len(p) == 4 {
+				u = map[string]balance.Unit{"r": balance.Requests, "t": balance.Tokens}[p[3]]
+				if u == "" {
+					s.t.Fatalf("seed %d: lim field %s = %q: unit %q", s.seed, f, v, p[3])
+				}
+			}
+			out = append(out, balance.Limit{ID: p[0], Scope: sc, Window: balance.Window(p[1]), Cap: c, Unit: u})
 		}
 	}
 	return out
 }
 
-// attributed reports whether a ledger entry counts against limit l (DESIGN.md "Limits").
+// counted is what a ledger entry counts against limit l (DESIGN.md "Limits"), in l's unit: a
+// charge attributed to l's scope counts its cost, 1 request or its tokens.
+func counted(l balance.Limit, e balance.Entry) int64 {
+	if !attributed(l, e) {
+		return 0
+	}
+	return l.Unit.Count(-e.Delta, e.Tokens)
+}
+
+// attributed reports whether a ledger entry counts against limit l (DESIGN.md "Limits"): a
+// charge (of any cost: one of 0 is still a request) in l's scope.
 func attributed(l balance.Limit, e balance.Entry) bool {
-	if e.Delta >= 0 || e.ReservedAt.IsZero() {
+	if e.Delta > 0 || e.ReservedAt.IsZero() {
 		return false // credits, positive adjustments: no spend
 	}
 	switch l.Scope.Kind {
@@ -549,18 +673,31 @@ func attributed(l balance.Limit, e balance.Entry) bool {
 		return e.Project == l.Scope.ID
 	case balance.ScopeKey:
 		return e.KeyID == l.Scope.ID
+	case balance.ScopeEndUser: // without an id: any end user's (its own counter; see checkCounters)
+		return e.EndUser != "" && (l.Scope.ID == "" || e.EndUser == l.Scope.ID)
 	}
 	return true
 }
 
-// checkCounters checks the counter invariant of every current window of a warm org: U = Σ cost
-// of the entries attributed to it with seq ≤ wm + Σ amounts of the live holds added to it.
+// eachEndUser reports whether l applies to each end user apart (one counter per end user).
+func eachEndUser(l balance.Limit) bool {
+	return l.Scope.Kind == balance.ScopeEndUser && l.Scope.ID == ""
+}
+
+// checkCounters checks the counter invariant of every current window of a warm org, per unit:
+// U = Σ what the entries attributed to it with seq ≤ wm count (cost, 1 or tokens) + Σ what the
+// live holds added to it hold there (amount, 1 or token hold).
 func (s *simulator) checkCounters(step int, o string, wm int64) {
 	t0 := s.clock()
 	lims := s.hotLimits(o)
 	u, err := s.store.Counters(s.ctx, o)
 	s.must(err)
-	holds, fields := s.holds(o), s.holdFields(o)
+	held := map[string]int64{} // counter field → what the live holds hold on it
+	for _, r := range s.holdRecs(o) {
+		for i, f := range r.fields {
+			held[f] += r.holding(i)
+		}
+	}
 	s.b(o, wm) // the entries up to wm, cached
 	t1 := s.clock()
 	for _, l := range lims {
@@ -570,37 +707,48 @@ func (s *simulator) checkCounters(step int, o string, wm int64) {
 	}
 	for _, l := range lims {
 		start := l.Window.StartMS(t0)
-		field := l.ID + ":" + strconv.FormatInt(start, 10)
-		var want int64
-		for _, e := range s.cache[o].entries {
-			if e.Seq > wm {
-				break
-			}
-			if attributed(l, e) && l.Window.StartMS(e.ReservedAt) == start {
-				want -= e.Delta
-			}
+		// one counter, or one per end user for a limit of each end user apart (the sim's end
+		// users are all there are)
+		eus := []string{""}
+		if eachEndUser(l) {
+			eus = simEndUsers
 		}
-		for id, fs := range fields {
-			if slices.Contains(fs, field) {
-				want += holds[id]
+		for _, eu := range eus {
+			c := balance.Counter{LimitID: l.ID, Start: start, EndUser: eu}
+			field := l.ID + ":" + strconv.FormatInt(start, 10)
+			if eu != "" {
+				field += ":" + eu
 			}
-		}
-		got, ok := u[balance.Counter{LimitID: l.ID, Start: start}]
-		if got != want || (!ok && want != 0) {
-			s.t.Fatalf("seed %d step %d: org %s: counter %s (%s %s) = %d (present %v), want %d (entries to wm %d + live holds)",
-				s.seed, step, o, field, l.Scope, l.Window, got, ok, want, wm)
+			var want int64
+			for _, e := range s.cache[o].entries {
+				if e.Seq > wm {
+					break
+				}
+				if l.Window.StartMS(e.ReservedAt) == start && (eu == "" || e.EndUser == eu) {
+					want += counted(l, e)
+				}
+			}
+			want += held[field]
+			got, ok := u[c]
+			if got != want || (!ok && want != 0) {
+				s.t.Fatalf("seed %d step %d: org %s: counter %s (%s %s %s) = %d (present %v), want %d (entries to wm %d + live holds %d)",
+					s.seed, step, o, field, l.Scope, l.Window, l.Unit, got, ok, want, wm, held[field])
+			}
 		}
 	}
 }
 
-// drawCost draws what request r really costs: a bounded one at most its hold (the upstream
-// enforces the output cap of its bound, the fitted cap for a fitted hold), an unbounded one
-// now and then more (realCost).
-func (s *simulator) drawCost(r simReq) int64 {
+// used is what a request really used: its cost and its tokens (input + output).
+type used struct{ cost, tokens int64 }
+
+// drawCost draws what request r really uses: a bounded one at most its hold and its token
+// bound (the upstream enforces the output cap of its bound, the fitted cap for a fitted hold),
+// an unbounded one now and then more (realCost).
+func (s *simulator) drawCost(r simReq) used {
 	if r.bounded {
-		return s.rnd.Int64N(r.amount + 1)
+		return used{s.rnd.Int64N(r.amount + 1), s.rnd.Int64N(r.tokens + 1)}
 	}
-	return s.realCost(r.amount)
+	return used{s.realCost(r.amount), s.realCost(r.tokens)}
 }
 
 func (s *simulator) realCost(hold int64) int64 {
@@ -610,7 +758,8 @@ func (s *simulator) realCost(hold int64) int64 {
 	return hold + s.rnd.Int64N(21)
 }
 
-func (s *simulator) record(r simReq, cost int64) {
+func (s *simulator) record(r simReq, u used) {
+	cost := u.cost
 	// A bounded request's hold ≥ its cost, where its usage is recorded (the model's assertion).
 	if h, ok := s.boundHold[r.id]; ok && cost > h {
 		s.t.Fatalf("seed %d: org %s: bounded request %s recorded at cost %d, above its hold %d", s.seed, r.org, r.id, cost, h)
@@ -623,8 +772,8 @@ func (s *simulator) record(r simReq, cost int64) {
 	s.servedOrg[r.id] = r.org
 	// Recorded "now" on the limit clock, so a fail-open request (no reserve time) counts at
 	// its record time in the windows the scripts see.
-	ev := ledger.UsageEvent{ID: r.id, Org: r.org, KeyID: r.key, Project: r.project, ReservedAt: r.at,
-		Model: "m", Cost: cost, HoldAmount: r.amount, CreatedAt: time.Now().Add(s.offset)}
+	ev := ledger.UsageEvent{ID: r.id, Org: r.org, KeyID: r.key, Project: r.project, ReservedAt: r.at, EndUser: r.endUser,
+		Model: "m", Usage: pricing.Usage{Completion: u.tokens}, Cost: cost, HoldAmount: r.amount, CreatedAt: time.Now().Add(s.offset)}
 	s.must(s.ledger.RecordUsage(s.ctx, []ledger.UsageEvent{ev}))
 	if s.rnd.Float64() < 0.05 { // recorded twice (a retried record): charged once
 		s.must(s.ledger.RecordUsage(s.ctx, []ledger.UsageEvent{ev}))
@@ -634,15 +783,13 @@ func (s *simulator) record(r simReq, cost int64) {
 	}
 	// The recorder finishes the hold right after the usage is durable; that finish may also be
 	// lost (best effort), or arrive late (after a settle, a reap, a data loss).
-	f := balance.Finish{Org: r.org, HoldID: r.id, Cost: cost}
+	f := balance.Finish{Org: r.org, HoldID: r.id, Cost: cost, Tokens: u.tokens}
 	s.finSent = append(s.finSent, f)
 	if s.rnd.Float64() < 0.7 {
 		s.counts["finish"]++
-		ok, err := s.store.Finish(s.ctx, f.Org, f.HoldID, f.Cost)
+		n, err := s.store.FinishBatch(s.ctx, []balance.Finish{f})
 		s.must(err)
-		if ok {
-			s.counts["finished"]++
-		}
+		s.counts["finished"] += n
 	}
 }
 
@@ -839,15 +986,21 @@ func (s *simulator) quiesce() {
 		ls, err := s.ledger.Limits(s.ctx, o)
 		s.must(err)
 		for _, l := range ls.Limits {
-			k := balance.Counter{LimitID: l.ID, Start: l.Window.StartMS(now)}
-			var want int64
-			for _, w := range used {
-				if w.LimitID == k.LimitID && w.Start == k.Start {
-					want = w.Used
-				}
+			eus := []string{""}
+			if eachEndUser(l) {
+				eus = simEndUsers
 			}
-			if got := cs[k]; got != want {
-				t.Fatalf("seed %d: org %s at rest: counter %+v = %d, the ledger's spend %d", s.seed, o, k, got, want)
+			for _, eu := range eus {
+				k := balance.Counter{LimitID: l.ID, Start: l.Window.StartMS(now), EndUser: eu}
+				var want int64
+				for _, w := range used {
+					if w.LimitID == k.LimitID && w.Start == k.Start && w.EndUser == eu {
+						want = w.Used
+					}
+				}
+				if got := cs[k]; got != want {
+					t.Fatalf("seed %d: org %s at rest: counter %+v = %d, the ledger's spend %d", s.seed, o, k, got, want)
+				}
 			}
 		}
 	}

@@ -57,4 +57,7 @@ type Limit struct {
 	Window  string `json:"window"`
 	Unit    string `json:"unit,omitempty"` // requests or tokens; absent for money
 	Cap     int64  `json:"cap"`
+	// RequireEndUser: the org's requests naming no end user are refused (a limit of each end
+	// user apart only).
+	RequireEndUser bool `json:"require_end_user,omitempty"`
 }

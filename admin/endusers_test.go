@@ -44,6 +44,8 @@ func TestLimitEndUserRoutes(t *testing.T) {
 		}
 		r.refused("POST", "/orgs/acme/limits", `{"scope":"end_user","scope_id":"a:b","window":"day","cap":5}`, 400, "invalid_value")
 		r.refused("POST", "/orgs/acme/limits", `{"scope":"end_user","scope_id":"{x}","window":"day","cap":5}`, 400, "invalid_value")
+		r.refused("POST", "/orgs/acme/limits", `{"scope":"end_user","scope_id":"bob","window":"day","cap":5,"require_end_user":true}`, 400, "invalid_value")
+		r.refused("POST", "/orgs/acme/limits", `{"scope":"org","window":"day","cap":5,"require_end_user":true}`, 400, "invalid_value")
 
 		// Charges of alice, bob and no end user, reserved at the rig's limit clock (noon).
 		noon := time.Date(2030, 6, 14, 12, 0, 0, 0, time.UTC)
@@ -131,6 +133,24 @@ func TestLimitEndUserRoutes(t *testing.T) {
 			if rows[i][0] != w[0] || rows[i][1] != w[1] || rows[i][2] != w[2] {
 				t.Fatalf("usage by end user row %d: %v, want %v…", i, rows[i], w)
 			}
+		}
+	})
+}
+
+// TestLimitRequireEndUserRoute: a limit of each end user apart may require an end user; the
+// flag comes back in the answer and the list (absent when false).
+func TestLimitRequireEndUserRoute(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, r *limitsRig) {
+		r.call("POST", "/orgs", `{"id":"acme"}`, 201, nil)
+		if b := r.call("POST", "/orgs/acme/limits", `{"scope":"end_user","window":"day","cap":100,"require_end_user":true}`, 201, nil); !strings.Contains(b, `"require_end_user":true`) {
+			t.Fatalf("created: %s", b)
+		}
+		if b := r.call("POST", "/orgs/acme/limits", `{"scope":"org","window":"day","cap":100}`, 201, nil); strings.Contains(b, "require_end_user") {
+			t.Fatalf("created: %s", b)
+		}
+		if b := r.call("GET", "/orgs/acme/limits", "", 200, nil); strings.Count(b, `"require_end_user":true`) != 1 {
+			t.Fatalf("list: %s", b)
 		}
 	})
 }

@@ -67,7 +67,7 @@ func (a *API) setKeyProject(c echo.Context) error {
 
 // toJSON is l as the routes answer it.
 func toJSON(l balance.Limit) Limit {
-	return Limit{ID: l.ID, Scope: string(l.Scope.Kind), ScopeID: l.Scope.ID, Window: string(l.Window), Unit: string(l.Unit), Cap: l.Cap}
+	return Limit{ID: l.ID, Scope: string(l.Scope.Kind), ScopeID: l.Scope.ID, Window: string(l.Window), Unit: string(l.Unit), Cap: l.Cap, RequireEndUser: l.RequireEndUser}
 }
 
 func (a *API) createLimit(c echo.Context) error {
@@ -77,6 +77,9 @@ func (a *API) createLimit(c echo.Context) error {
 		Window  string  `json:"window"`
 		Unit    string  `json:"unit"`
 		Cap     *int64  `json:"cap"`
+		// RequireEndUser (a limit of each end user apart only): refuse the org's requests
+		// that name no end user.
+		RequireEndUser bool `json:"require_end_user"`
 	}
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
@@ -96,11 +99,14 @@ func (a *API) createLimit(c echo.Context) error {
 		return invalid(c, `window must be "lifetime", "minute", "hour", "day", "week" or "month"`)
 	case !unitOK:
 		return invalid(c, `unit must be "money" (the default), "requests" or "tokens"`)
+	case req.RequireEndUser && (req.Scope != "end_user" || (req.ScopeID != nil && *req.ScopeID != "")):
+		return invalid(c, "require_end_user is for a limit of scope end_user without scope_id (each end user apart)")
 	}
 	if req.ScopeID != nil && req.Scope != "org" {
 		s.ID = *req.ScopeID
 	}
-	l, err := a.ops.AddLimit(c.Request().Context(), c.Param("org"), balance.Limit{Scope: s, Window: balance.Window(req.Window), Unit: unit, Cap: *req.Cap})
+	l, err := a.ops.AddLimit(c.Request().Context(), c.Param("org"), balance.Limit{Scope: s, Window: balance.Window(req.Window), Unit: unit, Cap: *req.Cap,
+		RequireEndUser: req.RequireEndUser})
 	return a.limitAnswer(c, http.StatusCreated, toJSON(l), err)
 }
 

@@ -196,23 +196,50 @@ func BenchmarkFinishBatch(b *testing.B) {
 }
 
 // BenchmarkReserveLimits interleaves, call by call in the same goroutines, a reserve on an org
-// with no limits and one on an org with three limits in scope (the org's month, the key's
-// project's day, the key's hour; caps that never bind), and reports their mean latencies and
-// none/three, the throughput ratio of reserve with three limits to reserve with none (goal ≥ 0.8).
+// with no limits and one on an org with limits in scope (caps that never bind), and reports
+// their mean latencies and the throughput ratio of reserve with the limits to reserve with none
+// (goal ≥ 0.8), for two sets of limits (sub-benchmarks of the same run):
+//
+//   - three-money: the org's month, the key's project's day, the key's hour;
+//   - enduser-requests-tokens (DESIGN.md "Limits", third wave): a money limit of each end user
+//     apart (day), a requests and a tokens limit of the key (minute), each request with a token
+//     bound and one of 1,000 end users (so every end user's counter is made once, then moved).
 func BenchmarkReserveLimits(b *testing.B) {
+	key := balance.Scope{Kind: balance.ScopeKey, ID: "key1"}
+	b.Run("three-money", func(b *testing.B) {
+		benchReserveVsNone(b, "three", balance.Limits{
+			Limits: []balance.Limit{
+				{ID: "o", Scope: balance.Scope{Kind: balance.ScopeOrg}, Window: balance.Month, Cap: balance.MaxAmount},
+				{ID: "p", Scope: balance.Scope{Kind: balance.ScopeProject, ID: "prod"}, Window: balance.Day, Cap: balance.MaxAmount},
+				{ID: "k", Scope: key, Window: balance.Hour, Cap: balance.MaxAmount},
+			},
+			Projects: map[string]string{"key1": "prod"},
+		}, func(r *balance.ReserveRequest, n int64) {})
+	})
+	b.Run("enduser-requests-tokens", func(b *testing.B) {
+		benchReserveVsNone(b, "enduser+requests+tokens", balance.Limits{
+			Limits: []balance.Limit{
+				{ID: "e", Scope: balance.Scope{Kind: balance.ScopeEndUser}, Window: balance.Day, Cap: balance.MaxAmount},
+				{ID: "r", Scope: key, Window: balance.Minute, Unit: balance.Requests, Cap: balance.MaxAmount},
+				{ID: "t", Scope: key, Window: balance.Minute, Unit: balance.Tokens, Cap: balance.MaxAmount},
+			},
+		}, func(r *balance.ReserveRequest, n int64) {
+			r.Tokens, r.EndUser = 1_000, "user-"+strconv.FormatInt(n%1000, 10)
+		})
+	})
+}
+
+// benchReserveVsNone is one run of BenchmarkReserveLimits: reserves on a plain org and on an org
+// with lim, taking turns, every request of key key1 and shaped by with (its token bound, its end
+// user; the plain org's too, where no limit reads them). It reports <name>-limits-ns/call,
+// none-ns/call and <name>/none-throughput.
+func benchReserveVsNone(b *testing.B, name string, lim balance.Limits, with func(r *balance.ReserveRequest, n int64)) {
 	r := benchEnv(b)
 	s, plain, l := r.s, r.org, r.l
 	ctx := context.Background()
 	org := plain + "-lim"
 	l.Add(org, balance.MaxAmount, "")
-	l.SetLimits(org, balance.Limits{
-		Limits: []balance.Limit{
-			{ID: "o", Scope: balance.Scope{Kind: balance.ScopeOrg}, Window: balance.Month, Cap: balance.MaxAmount},
-			{ID: "p", Scope: balance.Scope{Kind: balance.ScopeProject, ID: "prod"}, Window: balance.Day, Cap: balance.MaxAmount},
-			{ID: "k", Scope: balance.Scope{Kind: balance.ScopeKey, ID: "key1"}, Window: balance.Hour, Cap: balance.MaxAmount},
-		},
-		Projects: map[string]string{"key1": "prod"},
-	})
+	l.SetLimits(org, lim)
 	if err := s.Warm(ctx, org); err != nil {
 		b.Fatal(err)
 	}
@@ -221,14 +248,19 @@ func BenchmarkReserveLimits(b *testing.B) {
 	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
-			n := strconv.FormatInt(benchSeq.Add(1), 10)
+			n := benchSeq.Add(1)
+			id := strconv.FormatInt(n, 10)
+			none := balance.ReserveRequest{Org: plain, HoldID: "n" + id, Amount: 1, KeyID: "key1"}
+			limited := balance.ReserveRequest{Org: org, HoldID: "l" + id, Amount: 1, KeyID: "key1"}
+			with(&none, n)
+			with(&limited, n)
 			t0 := time.Now()
-			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: plain, HoldID: "n" + n, Amount: 1, KeyID: "key1"}); err != nil {
+			if _, err := s.Reserve(ctx, none); err != nil {
 				b.Error(err)
 				return
 			}
 			t1 := time.Now()
-			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: "l" + n, Amount: 1, KeyID: "key1"}); err != nil {
+			if _, err := s.Reserve(ctx, limited); err != nil {
 				b.Error(err)
 				return
 			}
@@ -238,6 +270,6 @@ func BenchmarkReserveLimits(b *testing.B) {
 		}
 	})
 	b.ReportMetric(float64(noneNs.Load())/float64(b.N), "none-ns/call")
-	b.ReportMetric(float64(limNs.Load())/float64(b.N), "three-limits-ns/call")
-	b.ReportMetric(float64(noneNs.Load())/float64(limNs.Load()), "three/none-throughput")
+	b.ReportMetric(float64(limNs.Load())/float64(b.N), name+"-limits-ns/call")
+	b.ReportMetric(float64(noneNs.Load())/float64(limNs.Load()), name+"/none-throughput")
 }

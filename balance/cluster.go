@@ -11,9 +11,9 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// ClusterReloadInterval is the least time between two slot-map reloads that connection errors
+// clusterReloadInterval is the least time between two slot-map reloads that connection errors
 // ask for (see Store.noteErr).
-const ClusterReloadInterval = 200 * time.Millisecond
+const clusterReloadInterval = 200 * time.Millisecond
 
 // scriptLoadTimeout bounds one node's SCRIPT LOAD round after a NOSCRIPT.
 const scriptLoadTimeout = 5 * time.Second
@@ -46,7 +46,7 @@ func newTopology(c redis.UniversalClient) *topology {
 // failover its slots would still be sent to the dead address until then. A connection error
 // (anything but a reply of Redis, the caller's cancellation and redis.Nil) or a CLUSTERDOWN
 // reply asks for the slot map again, in the background, at most once per
-// ClusterReloadInterval: the replica's promotion is seen within that of the first failure after
+// clusterReloadInterval: the replica's promotion is seen within that of the first failure after
 // it.
 func (s *Store) noteErr(err error) {
 	t := s.topo
@@ -55,7 +55,7 @@ func (s *Store) noteErr(err error) {
 	}
 	now := time.Now().UnixNano()
 	last := t.lastReload.Load()
-	if now-last < int64(ClusterReloadInterval) || !t.lastReload.CompareAndSwap(last, now) {
+	if now-last < int64(clusterReloadInterval) || !t.lastReload.CompareAndSwap(last, now) {
 		return
 	}
 	t.cc.ReloadState(context.Background()) // asynchronous

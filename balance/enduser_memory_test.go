@@ -20,7 +20,7 @@ import (
 // Redis: the counter fields in u (MEMORY USAGE, exact: SAMPLES 0) after N
 // distinct end users each made one request, reserved and settled through the scripts. It fails
 // past 150 bytes an end user (DESIGN "Limits": the figure stated for a million end users a day).
-// N is 20,000, or ESCROW_MEMORY_END_USERS (the stated figure was measured at 1,000,000).
+// N is 20,000, or ESCROW_MEMORY_END_USERS (1,000,000 measured 104.4 bytes an end user, 104 MB).
 func TestEndUserCounterMemory(t *testing.T) {
 	t.Parallel()
 	env := testutil.RealRedis(t)

@@ -161,6 +161,10 @@ type Limit struct {
 	Window Window
 	Cap    int64 // in Unit (micro-units for Money), 0 < Cap ≤ MaxAmount
 	Unit   Unit
+	// RequireEndUser, on a limit of each end user apart (scope end_user without an ID): a
+	// request of the org that names no end user is refused (ErrEndUserRequired) instead of being
+	// counted by no end-user limit.
+	RequireEndUser bool
 }
 
 // Limits is an org's limits, freezes and key → project map at one version of the ledger.
@@ -208,6 +212,9 @@ var (
 	ErrFrozen = errors.New("balance: frozen")
 	// ErrInvalidLimits: limits, freezes or the key → project map are malformed.
 	ErrInvalidLimits = errors.New("balance: invalid limits")
+	// ErrEndUserRequired: the request names no end user, and a limit of each end user apart of
+	// its org requires one (Limit.RequireEndUser); nothing was written.
+	ErrEndUserRequired = errors.New("balance: end user required")
 )
 
 // LimitError is returned by Reserve when a limit in scope refuses the hold: nothing was written.
@@ -216,6 +223,10 @@ type LimitError struct {
 	Used     int64     // the window's counter when the hold was refused (in Limit.Unit)
 	Amount   int64     // the hold asked for (in Limit.Unit: micro-units, 1 request, its tokens)
 	ResetsAt time.Time // the next window's start; zero for Lifetime
+	// At is when the hold was refused on the clock of the limit windows, as near as this
+	// process can tell (its clock shifted by Config.ClockOffset, as the scripts shift theirs):
+	// ResetsAt − At is the wait until the window resets.
+	At time.Time
 	// Room is the largest hold the balance and every limit in scope would have taken (≤ 0:
 	// none). Held is the sum of the unfinished holds counted in this limit's window (they leave
 	// it, but for their cost, when they finish), counted only until Used − Held + Amount ≤ Cap,
@@ -319,6 +330,8 @@ func (l Limits) limFields() ([]any, error) {
 			return nil, fmt.Errorf("%w: limit %s: unit %q", ErrInvalidLimits, x.ID, x.Unit)
 		case x.Cap <= 0 || x.Cap > MaxAmount:
 			return nil, fmt.Errorf("%w: limit %s: cap %d", ErrInvalidLimits, x.ID, x.Cap)
+		case x.RequireEndUser && (x.Scope.Kind != ScopeEndUser || x.Scope.ID != ""):
+			return nil, fmt.Errorf("%w: limit %s: only a limit of each end user apart requires an end user", ErrInvalidLimits, x.ID)
 		}
 		if err := checkScope(x.Scope); err != nil {
 			return nil, fmt.Errorf("limit %s: %w", x.ID, err)
@@ -329,7 +342,10 @@ func (l Limits) limFields() ([]any, error) {
 			order = append(order, f)
 		}
 		spec := x.ID + "," + string(x.Window) + "," + strconv.FormatInt(x.Cap, 10)
-		if c := x.Unit.code(); c != "" {
+		switch c := x.Unit.code(); {
+		case x.RequireEndUser:
+			spec += "," + c + ",q" // the flags after the unit (money: empty)
+		case c != "":
 			spec += "," + c
 		}
 		specs[f] = append(specs[f], spec)
@@ -417,9 +433,22 @@ func (s *Store) Counters(ctx context.Context, org string) (map[Counter]int64, er
 	if err := checkOrg(org); err != nil {
 		return nil, err
 	}
-	m, err := s.c.HGetAll(ctx, s.keys(org).U).Result()
-	if err != nil {
-		return nil, fmt.Errorf("balance: counters: %w: %w", ErrRedis, err)
+	// HSCAN, a thousand fields a call, rather than one HGETALL: an org with a million end users
+	// has a million counters, and one reply of them all would block Redis for every other org.
+	// Fields are read at slightly different instants (each one exactly); a field seen twice by
+	// the scan is read twice.
+	m := map[string]string{}
+	for cursor := uint64(0); ; {
+		kv, next, err := s.c.HScan(ctx, s.keys(org).U, cursor, "", 1000).Result()
+		if err != nil {
+			return nil, fmt.Errorf("balance: counters: %w: %w", ErrRedis, err)
+		}
+		for i := 0; i+1 < len(kv); i += 2 {
+			m[kv[i]] = kv[i+1]
+		}
+		if cursor = next; cursor == 0 {
+			break
+		}
 	}
 	out := make(map[Counter]int64, len(m))
 	for f, v := range m {

@@ -394,9 +394,13 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 			id, _ := res[2].(string)
 			return Reservation{}, &FrozenError{Scope: Scope{Kind: ScopeKind(sc), ID: id}}
 		case "LIMIT":
-			return Reservation{}, limitError(res, r.Amount, r.Tokens)
+			le := limitError(res, r.Amount, r.Tokens)
+			le.At = time.Now().Add(s.cfg.ClockOffset)
+			return Reservation{}, le
 		case "TOO_MANY":
 			return Reservation{}, ErrTooManyHolds
+		case "NO_END_USER":
+			return Reservation{}, fmt.Errorf("%w: limit %s", ErrEndUserRequired, str(res, 1))
 		case "INSUFFICIENT":
 			e := &InsufficientError{Balance: toInt(res[1]), Amount: r.Amount}
 			if len(res) > 2 {

@@ -31,10 +31,13 @@ type limits struct {
 	rawEvalsha   float64 // EVALSHA of the reserve script, one call per round trip
 	rawPipelined float64 // the same, 16 calls per pipeline
 	reserve      float64 // balance.Store.Reserve with Config.NoCoalesce
+	// the same with an end-user, a requests and a tokens limit in scope (DESIGN.md "Limits",
+	// third wave), each request with a token bound and one of 1,000 end users
+	reserveUnits float64
 	coalesced    float64 // balance.Store.Reserve coalesced (the default)
 
 	// one caller at a time (low load): latency of a lone call
-	p50Raw, p50Reserve, p50Coalesced time.Duration
+	p50Raw, p50Reserve, p50Coalesced, p50Units time.Duration
 
 	pgSingle float64 // usage-event rows/s, one row per transaction (RecordUsage of 1)
 	pgBatch  float64 // usage-event rows/s, 100 rows per transaction
@@ -108,9 +111,13 @@ func redisModes(ctx context.Context, c *redis.Client, prefix string, lim *limits
 	direct.ObserveEpoch(benchEpoch)
 	co.ObserveEpoch(benchEpoch)
 	orgs := map[string]string{}
-	for _, m := range []string{"raw", "pipe", "reserve", "coalesced"} {
+	for _, m := range []string{"raw", "pipe", "reserve", "coalesced", "units"} {
 		orgs[m] = "lim-" + m
-		if _, err := direct.Seed(ctx, orgs[m], fixedLedger{}.snapshot()); err != nil {
+		snap := fixedLedger{}.snapshot()
+		if m == "units" {
+			snap.Limits = unitLimits()
+		}
+		if _, err := direct.Seed(ctx, orgs[m], snap); err != nil {
 			return nil, err
 		}
 	}
@@ -125,12 +132,34 @@ func redisModes(ctx context.Context, c *redis.Client, prefix string, lim *limits
 			return err
 		}
 	}
+	var endUser atomic.Int64
+	unitsOp := func() error {
+		_, err := direct.Reserve(ctx, balance.ReserveRequest{Org: orgs["units"], HoldID: raw.id(), Amount: 1, KeyID: unitsKey,
+			Tokens: 1_000, EndUser: "user-" + strconv.FormatInt(endUser.Add(1)%1000, 10)})
+		return err
+	}
 	return []limitMode{
 		{"raw EVALSHA", 1, func() error { return raw.one(ctx, rawKeys) }, &lim.rawEvalsha, &lim.p50Raw},
 		{"raw EVALSHA pipelined", evalPipeDepth, func() error { return raw.pipelined(ctx, pipeKeys) }, &lim.rawPipelined, nil},
 		{"Store.Reserve", 1, storeOp(direct, orgs["reserve"]), &lim.reserve, &lim.p50Reserve},
 		{"Store.Reserve coalesced", 1, storeOp(co, orgs["coalesced"]), &lim.coalesced, &lim.p50Coalesced},
+		{"Store.Reserve, end-user+requests+tokens limits", 1, unitsOp, &lim.reserveUnits, &lim.p50Units},
 	}, nil
+}
+
+// unitsKey is the key of the reserves with limits in scope.
+const unitsKey = "key1"
+
+// unitLimits are the limits in scope of every reserve of the units mode, with caps that never
+// bind: a money limit of each end user apart (day), a requests and a tokens limit of the key
+// (minute).
+func unitLimits() *balance.LimitSnapshot {
+	key := balance.Scope{Kind: balance.ScopeKey, ID: unitsKey}
+	return &balance.LimitSnapshot{Limits: balance.Limits{Version: 1, Limits: []balance.Limit{
+		{ID: "e", Scope: balance.Scope{Kind: balance.ScopeEndUser}, Window: balance.Day, Cap: balance.MaxAmount},
+		{ID: "r", Scope: key, Window: balance.Minute, Unit: balance.Requests, Cap: balance.MaxAmount},
+		{ID: "t", Scope: key, Window: balance.Minute, Unit: balance.Tokens, Cap: balance.MaxAmount},
+	}}}
 }
 
 // throughputRounds runs every mode from conns goroutines in limitRounds rounds of round each,

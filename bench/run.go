@@ -311,6 +311,8 @@ func printTable(lim *limits, s *scenarios, lags []lagRun) {
 	row("limit", fmt.Sprintf("redis: raw EVALSHA, pipelined %d deep", evalPipeDepth), lim.rawPipelined, "", "", nil, ratio(lim.rawPipelined, lim.rawEvalsha), "/ raw EVALSHA")
 	row("limit", "redis: Store.Reserve, NoCoalesce", lim.reserve, us(lim.p50Reserve), "", nil, ratio(lim.reserve, lim.rawEvalsha), "reserve / raw EVALSHA")
 	row("limit", "redis: Store.Reserve, coalesced", lim.coalesced, us(lim.p50Coalesced), "", nil, ratio(lim.coalesced, lim.rawEvalsha), "coalesced / raw EVALSHA")
+	row("limit", "redis: Store.Reserve, NoCoalesce, end-user+requests+tokens limits", lim.reserveUnits, us(lim.p50Units), "", nil,
+		ratio(lim.reserveUnits, lim.reserve), "reserve with end-user+requests+tokens limits / reserve with none (goal ≥ 0.8)")
 	row("limit", "pg: usage events, 1 row/tx (16 conns)", lim.pgSingle, "", "", nil, 0, "")
 	row("limit", "pg: usage events, 100 rows/tx (4 conns)", lim.pgBatch, "", "", nil, 0, "")
 	row("limit", "pg: Recorder group commit (256 callers)", lim.recorder, "", "", nil, 0, "")

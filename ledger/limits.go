@@ -44,7 +44,8 @@ type LimitStore interface {
 	SetKeyProject(ctx context.Context, keyID, project string) (LimitChange, error)
 	// CreateLimit adds a limit counting unit u; its id is never reused, even after it is
 	// deleted. A project or key scope names a project or key of org.
-	CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, u balance.Unit, cap int64) (balance.Limit, LimitChange, error)
+	// l's ID is ignored; RequireEndUser only on a limit of each end user apart.
+	CreateLimit(ctx context.Context, org string, l balance.Limit) (balance.Limit, LimitChange, error)
 	// SetLimitCap changes a limit's cap (lowering it below what is used refuses new holds and
 	// never moves money).
 	SetLimitCap(ctx context.Context, org, id string, cap int64) (balance.Limit, LimitChange, error)
@@ -68,17 +69,20 @@ type LimitStore interface {
 }
 
 // CheckLimit checks a new limit's scope, window, unit and cap.
-func CheckLimit(scope balance.Scope, w balance.Window, u balance.Unit, cap int64) error {
-	if err := scope.Validate(); err != nil {
+func CheckLimit(l balance.Limit) error {
+	if err := l.Scope.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidLimit, err)
 	}
-	if !w.Valid() {
-		return fmt.Errorf("%w: window %q (lifetime, minute, hour, day, week or month)", ErrInvalidLimit, w)
+	if !l.Window.Valid() {
+		return fmt.Errorf("%w: window %q (lifetime, minute, hour, day, week or month)", ErrInvalidLimit, l.Window)
 	}
-	if u != balance.Money && u != balance.Requests && u != balance.Tokens {
-		return fmt.Errorf("%w: unit %q (money, requests or tokens)", ErrInvalidLimit, u)
+	if l.Unit != balance.Money && l.Unit != balance.Requests && l.Unit != balance.Tokens {
+		return fmt.Errorf("%w: unit %q (money, requests or tokens)", ErrInvalidLimit, l.Unit)
 	}
-	return CheckCap(cap)
+	if l.RequireEndUser && (l.Scope.Kind != balance.ScopeEndUser || l.Scope.ID != "") {
+		return fmt.Errorf("%w: require_end_user is for a limit of scope end_user without scope_id (each end user apart)", ErrInvalidLimit)
+	}
+	return CheckCap(l.Cap)
 }
 
 // CheckCap checks a limit's cap: 1 to 10^14 (micro-units, requests or tokens).

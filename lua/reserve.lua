@@ -1,7 +1,8 @@
 -- reserve: check the org's budget and every limit in scope, and put one hold on it, all or
 -- nothing, in one call.
 --
--- KEYS[1] acct   hash  bal, wm, epoch, lv (limits version seeded)   (one {org} hash tag)
+-- KEYS[1] acct   hash  bal, wm, epoch, lv (limits version seeded), tc and te (the sweep of ended
+--                      per-end-user counters: lib/limits)   (one {org} hash tag)
 -- KEYS[2] holds  hash  hold id -> record (see lib/limits)
 -- KEYS[3] hexp   zset  hold id -> expiry, ms on the Redis clock
 -- KEYS[4] gone   zset  tombstones: ended hold id -> ms
@@ -23,12 +24,13 @@
 --   it in its own counters, and those of this end user (e:<end user>) apply
 --
 -- Checks, in this order: amount, COLD (no acct, another epoch, lim missing or older than the
--- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, LIMIT, INSUFFICIENT.
+-- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, NO_END_USER, LIMIT, INSUFFICIENT.
 -- Replies: {'OK', new balance, reserve ms, project, rq cap, rq left, rq resets ms, tk cap,
 --            tk left, tk resets ms} (the requests and the tokens limit in scope with the least
 --            left after this hold, '' when none: the x-ratelimit-* headers) | {'COLD'}
 --          | {'DUP', balance, original reserve ms, project now}
 --          | {'GONE'} | {'FROZEN', scope, scope id} | {'TOO_MANY', count}
+--          | {'NO_END_USER', limit id} (no end user, and a limit of each end user apart requires one)
 --          | {'LIMIT', id, scope, scope id, window, cap, used, resets ms ('0': never), room, held,
 --             unit, token room ('' when no tokens limit is in scope)} (scope id '' for a
 --             limit of each end user apart: it is the request's end user's counter that is full)
@@ -52,7 +54,7 @@ if string.find(tok, '^%d+$') == nil then
 end
 local per_unit = {m = ARGV[3], r = '1', t = tok} -- what the hold adds to a counter of each unit
 
-local acct = redis.call('HMGET', KEYS[1], 'bal', 'epoch', 'lv')
+local acct = redis.call('HMGET', KEYS[1], 'bal', 'epoch', 'lv', 'tc', 'te')
 if not acct[1] or acct[2] ~= ARGV[1] then
   return {'COLD'}
 end
@@ -97,6 +99,16 @@ end
 local inflight = redis.call('ZCOUNT', KEYS[3], '-inf', now + tonumber(ARGV[7]))
 if inflight >= tonumber(ARGV[5]) then
   return {'TOO_MANY', inflight}
+end
+
+if v_eu == '' and lim[7] then
+  local req = nil
+  each_limit(lim[7], function(v_id, _, _, _, _, fl)
+    if fl == 'q' and not req then req = v_id end
+  end)
+  if req then
+    return {'NO_END_USER', req}
+  end
 end
 
 -- Limits in scope: the org's, the key's project's, the key's, the end user's (each end user
@@ -197,7 +209,7 @@ if #fields > 0 then
   end
 end
 if lim[7] then
-  sweep_ended(KEYS[6], KEYS[1], lim[7], rtime)
+  sweep_ended(KEYS[6], KEYS[1], lim[7], rtime, acct[4], acct[5])
 end
 redis.call('HSET', KEYS[2], ARGV[2], hold_record(ARGV[3], rts, '0', table.concat(fields, ','), ARGV[8], v_project or '', table.concat(units), tok, v_eu))
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[2])

@@ -173,3 +173,32 @@ func TestParseEndUser(t *testing.T) {
 		}
 	}
 }
+
+// TestEndUserRequiredByLimit: an org whose limit of each end user apart requires an end user
+// refuses a request naming none (400 missing_required_parameter, param user, nothing held) and
+// serves the others; another org is not concerned.
+func TestEndUserRequiredByLimit(t *testing.T) {
+	t.Parallel()
+	eachRedis(t, func(t *testing.T, mini bool) {
+		e := newLimitEnv(t, mini, true, 20, balance.Limits{Version: 1}, nil)
+		e.rec.fin = e.store
+		e.ll.set(t, e.store, e.org, func(l *balance.Limits) {
+			l.Limits = []balance.Limit{{ID: "each", Scope: balance.Scope{Kind: balance.ScopeEndUser}, Window: balance.Day, Cap: 1_000, RequireEndUser: true}}
+		})
+		st, body := e.sendAs("", nil)
+		if st != http.StatusBadRequest || !strings.Contains(body, `"param":"user"`) || !strings.Contains(body, "missing_required_parameter") {
+			t.Fatalf("no end user, required by the limit: %d %s", st, body)
+		}
+		e.outcome()
+		if after := e.state(); after.Holds != 0 || after.Held != 0 || len(e.rec.events()) != 0 {
+			t.Fatalf("the refusal held or recorded something: %+v, events %+v", after, e.rec.events())
+		}
+		if st, body := e.sendAs(`"user":"alice"`, nil); st != 200 {
+			t.Fatalf("alice: %d %s", st, body)
+		}
+		e.outcome()
+		if n := len(e.upstreamRequests()); n != 1 {
+			t.Fatalf("upstream called %d times, want once (alice)", n)
+		}
+	})
+}

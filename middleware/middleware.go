@@ -357,12 +357,9 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 // or the body's. It must follow the key id rule, since it names limit counters; with
 // Config.RequireEndUser it must be there.
 func (m *middleware) endUser(h http.Header, r *Request) *Error {
-	param := "user"
-	if r.Endpoint == EndpointMessages {
-		param = "metadata.user_id"
-	}
+	param := m.endUserParam(*r)
 	if m.cfg.EndUserHeader != "" {
-		r.EndUser, param = h.Get(m.cfg.EndUserHeader), m.cfg.EndUserHeader
+		r.EndUser = h.Get(m.cfg.EndUserHeader)
 	}
 	if r.EndUser == "" {
 		if m.cfg.RequireEndUser {
@@ -374,6 +371,18 @@ func (m *middleware) endUser(h http.Header, r *Request) *Error {
 		return errInvalid(param, "'"+param+"' must be 1 to 128 printable ASCII characters without spaces or { } , ; : |.")
 	}
 	return nil
+}
+
+// endUserParam is where a request names its end user: the configured header, else the body's
+// field of its endpoint.
+func (m *middleware) endUserParam(r Request) string {
+	switch {
+	case m.cfg.EndUserHeader != "":
+		return m.cfg.EndUserHeader
+	case r.Endpoint == EndpointMessages:
+		return "metadata.user_id"
+	}
+	return "user"
 }
 
 // priceModel finds the prices of the request's model (or the DefaultModel's) and checks the
@@ -447,6 +456,11 @@ func (m *middleware) reserveHold(ctx context.Context, id Identity, r Request, mo
 	if e := rateRefusal(err, time.Now()); e != nil {
 		o.Err = err
 		return nil, e
+	}
+	if errors.Is(err, balance.ErrEndUserRequired) {
+		o.Err = err
+		p := m.endUserParam(r)
+		return nil, errMissing(p, "This organization's end-user limits need the end user of every request: set '"+p+"'.")
 	}
 	if e := m.quotaRefusal(err, model, r, plan, amount); e != nil {
 		o.Err = err

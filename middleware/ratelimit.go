@@ -32,7 +32,8 @@ func tokenBound(r Request, out int64) int64 {
 // rateRefusal is the 429 of a hold refused by a requests or a tokens limit (nil for any other
 // error): type and code rate_limit_exceeded, Retry-After (and retry-after-ms) to the window's
 // end, OpenAI's x-ratelimit-* headers of that unit, and the limit in the body. A lifetime limit
-// never resets: its refusal says not to retry.
+// never resets: its refusal says not to retry. The wait is counted from the refusal's own time
+// on the limit clock (LimitError.At), now when it has none.
 func rateRefusal(err error, now time.Time) *Error {
 	var le *balance.LimitError
 	if !errors.As(err, &le) || (le.Limit.Unit != balance.Requests && le.Limit.Unit != balance.Tokens) {
@@ -50,6 +51,9 @@ func rateRefusal(err error, now time.Time) *Error {
 			scopeName(le.Limit.Scope), le.Limit.Cap, unit, le.Used, le.Amount)
 		return e
 	}
+	if !le.At.IsZero() {
+		now = le.At
+	}
 	wait := max(le.ResetsAt.Sub(now), time.Millisecond)
 	e.RetryAfter = wait
 	e.Header.Set("retry-after-ms", strconv.FormatInt(int64((wait+time.Millisecond-1)/time.Millisecond), 10))
@@ -60,8 +64,12 @@ func rateRefusal(err error, now time.Time) *Error {
 }
 
 // setRateHeaders sets OpenAI's x-ratelimit-* headers of a granted hold: for each of requests and
-// tokens, the limit in scope with the least left after it (none: no headers).
+// tokens, the limit in scope with the least left after it (none: no headers). The resets are
+// counted from the reserve time (the limit clock the windows are on), else from now.
 func setRateHeaders(h http.Header, res balance.Reservation, now time.Time) {
+	if !res.ReservedAt.IsZero() {
+		now = res.ReservedAt
+	}
 	for _, x := range []struct {
 		unit string
 		r    balance.RateInfo

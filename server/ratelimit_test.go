@@ -21,9 +21,16 @@ var aMinute = time.Date(2031, 5, 6, 7, 8, 0, 0, time.UTC)
 // and one key, and returns the key.
 func rateProxy(t *testing.T, real bool, funds int64) (*testProxy, struct{ ID, Key string }) {
 	t.Helper()
-	p := startTestProxyWith(t, real, []Option{WithUpstream(fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), "sk-fake-upstream")},
+	return rateProxyAt(t, real, funds, fakeupstream.New(fakeupstream.Options{KeepRequests: -1}), aMinute)
+}
+
+// rateProxyAt is rateProxy with the upstream up and a limit clock that reads at when the
+// proxy starts.
+func rateProxyAt(t *testing.T, real bool, funds int64, up *fakeupstream.Server, at time.Time) (*testProxy, struct{ ID, Key string }) {
+	t.Helper()
+	p := startTestProxyWith(t, real, []Option{WithUpstream(up, "sk-fake-upstream")},
 		func(c *Config) {
-			c.limitClock = time.Until(aMinute)
+			c.limitClock = time.Until(at)
 			c.MaxInFlight, c.ReserveTimeout = 5000, time.Minute
 		})
 	p.admin("PUT", "/models/m", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
@@ -41,9 +48,10 @@ func rateProxy(t *testing.T, real bool, funds int64) (*testProxy, struct{ ID, Ke
 // TestRequestsPerMinuteProxy (DESIGN "Limits", third wave): 2,000 concurrent requests (500 on
 // the embedded Redis) of a key limited to 41 requests per minute, all inside one minute: exactly
 // 41 are served, with x-ratelimit-limit/remaining/reset-requests; every other one is 429
-// rate_limit_exceeded with Retry-After and retry-after-ms to the minute's end, the same
-// x-ratelimit-* headers (remaining 0) and the limit's unit in the body; refusals never reach
-// the upstream nor cost anything, and after the settle the limit lists 41 used, 0 held.
+// rate_limit_exceeded with Retry-After and retry-after-ms to the minute's end (at most a minute:
+// counted on the limit clock), the same x-ratelimit-* headers (remaining 0) and the limit's unit
+// in the body; refusals never reach the upstream nor cost anything, and after the settle the
+// limit lists 41 used, 0 held.
 func TestRequestsPerMinuteProxy(t *testing.T) {
 	t.Parallel()
 	run := func(t *testing.T, real bool, total int64) {
@@ -68,7 +76,7 @@ func TestRequestsPerMinuteProxy(t *testing.T) {
 				ok.Add(1)
 			case status == http.StatusTooManyRequests && strings.Contains(string(b), `"code":"rate_limit_exceeded"`) &&
 				strings.Contains(string(b), `"type":"rate_limit_exceeded"`) && strings.Contains(string(b), `"unit":"requests"`) &&
-				h.Get("x-should-retry") != "false" && h.Get("Retry-After") != "" && h.Get("retry-after-ms") != "" &&
+				h.Get("x-should-retry") != "false" && waitsWithinAMinute(h) &&
 				h.Get("x-ratelimit-limit-requests") == strconv.Itoa(n) && h.Get("x-ratelimit-remaining-requests") == "0" &&
 				h.Get("x-ratelimit-reset-requests") != "":
 				refused.Add(1)
@@ -154,6 +162,14 @@ func TestTokensPerMinuteProxy(t *testing.T) {
 	}
 	t.Run("real", func(t *testing.T) { t.Parallel(); run(t, true) })
 	t.Run("embedded", func(t *testing.T) { t.Parallel(); run(t, false) })
+}
+
+// waitsWithinAMinute reports whether a refusal of a per-minute limit asks for a wait of at most
+// a minute (Retry-After in seconds, retry-after-ms), counted on the limit clock.
+func waitsWithinAMinute(h http.Header) bool {
+	s, errS := strconv.Atoi(h.Get("Retry-After"))
+	ms, errMs := strconv.Atoi(h.Get("retry-after-ms"))
+	return errS == nil && errMs == nil && s >= 1 && s <= 60 && ms >= 1 && ms <= 60_000
 }
 
 func headerLine(h http.Header) string {

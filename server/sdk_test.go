@@ -55,11 +55,11 @@ func runSDKScript(ctx context.Context, t *testing.T, node, script, base, key, po
 }
 
 // runSDK runs sdktest/<script> with node and env added to the test's environment and returns
-// the last line it printed. A line {"event":"retry",…} is the script waiting, before an SDK
-// retry, for a line on its standard input: runSDK calls onRetry and then lets it go on (a script
-// run without onRetry gets no standard input). A failing script fails the test with its standard
-// error.
-func runSDK(ctx context.Context, t *testing.T, node, script string, env []string, onRetry func()) []byte {
+// the last line it printed. A line {"event":…} is the script waiting for a line on its standard
+// input (before an SDK retry: "retry"; before it starts: "ready"): runSDK calls onEvent and then
+// lets it go on (a script run without onEvent gets no standard input). A failing script fails
+// the test with its standard error.
+func runSDK(ctx context.Context, t *testing.T, node, script string, env []string, onEvent func()) []byte {
 	t.Helper()
 	cmd := exec.CommandContext(ctx, node, filepath.Join("..", "sdktest", script))
 	cmd.Env = append(os.Environ(), env...)
@@ -67,7 +67,7 @@ func runSDK(ctx context.Context, t *testing.T, node, script string, env []string
 	cmd.Stderr = &stderr
 	var stdin io.WriteCloser
 	var err error
-	if onRetry != nil {
+	if onEvent != nil {
 		if stdin, err = cmd.StdinPipe(); err != nil {
 			t.Fatal(err)
 		}
@@ -86,10 +86,10 @@ func runSDK(ctx context.Context, t *testing.T, node, script string, env []string
 		var ev struct {
 			Event string `json:"event"`
 		}
-		if onRetry != nil && json.Unmarshal(sc.Bytes(), &ev) == nil && ev.Event == "retry" {
-			onRetry()
+		if onEvent != nil && json.Unmarshal(sc.Bytes(), &ev) == nil && ev.Event != "" {
+			onEvent()
 			if _, err := io.WriteString(stdin, "go\n"); err != nil {
-				t.Fatalf("node %s: letting the retry go: %v\n%s", script, err, stderr.String())
+				t.Fatalf("node %s: letting the %s go: %v\n%s", script, ev.Event, err, stderr.String())
 			}
 			continue
 		}
@@ -171,7 +171,7 @@ func (g *sdkGate) send(t *testing.T, url, body string, hdr ...string) <-chan gat
 	return done
 }
 
-// letRetry is the onRetry of runSDK for "held is not gone": the first time the SDK is about to
+// letRetry is the onEvent of runSDK for "held is not gone": the first time the SDK is about to
 // retry, the org's balance must still be held by the gated request alone (the refused attempt
 // took nothing: available == availWhileHeld); the gated request is then released, its answer
 // (200, stored in *gated) and the end of its hold awaited, and only then may the SDK go on. So

@@ -278,3 +278,34 @@ func exerciseEndUserInvalid(t *testing.T, env Env) {
 		t.Fatalf("warm with a freeze of an end user: %v, want ErrInvalidLimits", err)
 	}
 }
+
+// A limit of each end user apart may require an end user: then a request of the org that names
+// none is refused (ErrEndUserRequired, nothing written) instead of being counted by no end-user
+// limit; requests that name one are counted as before. Only such a limit may require it.
+func exerciseEndUserRequired(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{
+		{ID: "each", Scope: eachEndUserScope, Window: balance.Day, Cap: 5, Unit: balance.Requests, RequireEndUser: true},
+	}})
+	before := x.state()
+	if _, err := x.reserveEU(x.s, "n1", "k1", "", 1_000, 0); !errors.Is(err, balance.ErrEndUserRequired) || !strings.Contains(err.Error(), "each") {
+		t.Fatalf("no end user: %v, want ErrEndUserRequired naming the limit", err)
+	}
+	eq(t, "nothing written", x.state(), before)
+	eq(t, "no counter", len(x.u()), 0)
+	x.mustReserveEU(x.s, "a1", "k1", "alice", 1_000, 0)
+	eq(t, "alice counted", x.u()[field("each", balance.Day.StartMS(x.redisNow()))+":alice"], 1)
+	for _, l := range []balance.Limit{
+		{ID: "org", Scope: balance.Scope{Kind: balance.ScopeOrg}, Window: balance.Day, Cap: 5, RequireEndUser: true},
+		{ID: "one", Scope: endUserScope("alice"), Window: balance.Day, Cap: 5, RequireEndUser: true},
+	} {
+		lim := x.l.Limits(x.org)
+		lim.Limits = []balance.Limit{l}
+		if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+			t.Fatal(err)
+		}
+		if err := x.s.Warm(x.ctx, x.org); !errors.Is(err, balance.ErrInvalidLimits) {
+			t.Fatalf("limit %s requiring an end user: %v, want ErrInvalidLimits", l.ID, err)
+		}
+	}
+}

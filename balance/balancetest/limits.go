@@ -239,6 +239,7 @@ func runLimits(t *testing.T, env Env) {
 	t.Run("NewEndUserLimitCountsHoldsInFlight", func(t *testing.T) { exerciseNewEndUserLimitCountsHolds(t, env) })
 	t.Run("EndUserCountersTrimmed", func(t *testing.T) { exerciseEndUserCountersTrimmed(t, env) })
 	t.Run("EndUserInvalid", func(t *testing.T) { exerciseEndUserInvalid(t, env) })
+	t.Run("EndUserRequired", func(t *testing.T) { exerciseEndUserRequired(t, env) })
 	t.Run("NewUnitLimitCountsHoldsInFlight", func(t *testing.T) { exerciseNewUnitLimitCountsHoldsInFlight(t, env) })
 	t.Run("Burst2000RequestsPerMinute", func(t *testing.T) { exerciseBurst2000RequestsPerMinute(t, env) })
 }

@@ -783,11 +783,12 @@ func cmdLimits(args []string) error {
 	project := fs.String("project", "", "a project's limit: the project id (create)")
 	endUser := fs.String("end-user", "", "one end user's limit: the end user id (create)")
 	eachEndUser := fs.Bool("each-end-user", false, "a limit of each end user apart: one counter per end user (create)")
+	requireEndUser := fs.Bool("require-end-user", false, "with --each-end-user: refuse the org's requests that name no end user (create)")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return err
 	}
-	usage := usageErr("usage: escrow limits ORG | create ORG --window W [--unit money|requests|tokens] --cap N [--key ID|--project P|--end-user ID|--each-end-user] | set-cap ORG LIMIT_ID N | delete ORG LIMIT_ID | end-users ORG LIMIT_ID  [--json|--csv]")
+	usage := usageErr("usage: escrow limits ORG | create ORG --window W [--unit money|requests|tokens] --cap N [--key ID|--project P|--end-user ID|--each-end-user [--require-end-user]] | set-cap ORG LIMIT_ID N | delete ORG LIMIT_ID | end-users ORG LIMIT_ID  [--json|--csv]")
 	c, err := newClient()
 	if err != nil {
 		return err
@@ -803,7 +804,7 @@ func cmdLimits(args []string) error {
 				scopes++
 			}
 		}
-		if err != nil || *window == "" || scopes > 1 {
+		if err != nil || *window == "" || scopes > 1 || (*requireEndUser && !*eachEndUser) {
 			return usage
 		}
 		body := map[string]any{"scope": "org", "window": *window, "unit": *unit, "cap": n}
@@ -816,6 +817,9 @@ func cmdLimits(args []string) error {
 			body["scope"], body["scope_id"] = "end_user", *endUser
 		case *eachEndUser:
 			body["scope"] = "end_user"
+			if *requireEndUser {
+				body["require_end_user"] = true
+			}
 		}
 		return show(c, o, http.MethodPost, "/orgs/"+url.PathEscape(pos[1])+"/limits", body, limitTable)
 	case len(pos) == 4 && pos[0] == "set-cap":

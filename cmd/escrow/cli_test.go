@@ -566,6 +566,9 @@ func TestCLIEndUsers(t *testing.T) {
 	if _, err := c.run("limits", "create", "acme", "--each-end-user", "--key", k.ID, "--window", "day", "--cap", "5"); !errors.As(err, &ee) || ee.code != exitUsage {
 		t.Errorf("a limit of both a key and each end user: %v", err)
 	}
+	if _, err := c.run("limits", "create", "acme", "--end-user", "bob", "--require-end-user", "--window", "day", "--cap", "5"); !errors.As(err, &ee) || ee.code != exitUsage {
+		t.Errorf("--require-end-user on a limit of one end user: %v", err)
+	}
 	var org struct {
 		LedgerSeq int64 `json:"ledger_seq"`
 	}

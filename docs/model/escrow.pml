@@ -7,7 +7,10 @@
  * (which may lose all its data once), two proxies with their own cached epochs, three requests
  * (r0 and r2 on proxy 0, r1 on proxy 1), a Redis client that may re-send r0's reserve late, one worker in proxy 0 that may crash between settling and marking, one reaper, an admin
  * credit, an invalidation, and one limit window that rolls over once. r1 and r2 are bounded (they
- * never cost more than their hold); r1 may be fitted (DESIGN.md "Holds that fit").
+ * never cost more than their hold); r1 may be fitted (DESIGN.md "Holds that fit"). Three limits,
+ * each with a counter per window: the org's money limit, the org's tokens limit (-DREQUESTS: a
+ * requests limit) and a money limit of each end user apart (two end users: r0 and r2 are end
+ * user 0's, r1 end user 1's; one counter per end user and window).
  *
  * Every d_step is one atomic step of the real system: the body of one Lua script, or one ledger
  * transaction. Steps that involve choices (which entries a worker read) use atomic. Every step that
@@ -47,6 +50,25 @@
 #define AMT(r)  ((r) == 0 -> A0 : ((r) == 1 -> A1 : A2))
 #define COST(r) ((r) == 0 -> C0 : ((r) == 1 -> C1 : C2))
 
+/* DESIGN "Limits", third wave: units and end users. A tokens limit holds a request's token bound
+ * TB(r) and is moved to its real count TR(r) by finish and settle, like money; a requests limit
+ * (-DREQUESTS) holds 1 and keeps it (TB = TR = 1). r0, unbounded, uses more tokens than its bound
+ * (the overshoot rule's case); r1 fewer (finish gives the rest back). */
+#ifdef REQUESTS
+#define TB(r) 1
+#define TR(r) 1
+#else
+#define TB(r) ((r) == 1 -> 2 : 1)
+#define TR(r) ((r) == 0 -> 3 : 1)
+#endif
+#ifndef CAPT
+#define CAPT  4   /* the org's tokens (requests) limit per window */
+#endif
+#define CAPE  2   /* the money limit of each end user apart, per window */
+#define NEU   2   /* end users */
+#define EU(r) ((r) == 1 -> 1 : 0)
+#define EF(e, w) ((e)*2 + (w))   /* end user e's counter of window w */
+
 /* DESIGN "Holds that fit": a bounded request holds its bound, and the upstream enforces the output
  * cap of that bound, so it can never cost more than its hold — r1 and r2 (C1 ≤ A1, C2 ≤ A2). r0 is
  * the unbounded one (held at a learned max): it may cost more (the debt rule).
@@ -63,11 +85,23 @@
 #define FITS(r) ((r) == 1)
 #endif
 #define FITMIN 1  /* the bound at the model's minimum output cap */
+#ifdef REQUESTS
+#define REQUNIT 1 /* a requests limit counts 1 whatever the request's size: never fitted */
+#else
+#define REQUNIT 0
+#endif
 #ifndef M_FITCAP
 #define RCOST(r) ((BOUNDED(r) && COST(r) > ramt[r]) -> ramt[r] : COST(r))
 #else
 #define RCOST(r) (COST(r))   /* the fitted cap is not written into the body: the original bound's cost */
 #endif
+/* a fit lowers the output cap, hence the token bound too (rtok[r]): a fitted request uses at most
+ * its fitted token bound; HTOK(r) is what r's hold holds on the tokens counter (its token bound,
+ * its real count once finished) */
+#define RTOK(r) ((BOUNDED(r) && TR(r) > rtok[r]) -> rtok[r] : TR(r))
+#define HTOK(r) (hfin[r] -> RTOK(r) : rtok[r])
+/* a charge entry's tokens: its request's real count (the ledger stores the usage) */
+#define ETOK(i) RTOK(eh[i] - 1)
 
 /* replies */
 #define S_OK      1
@@ -96,6 +130,10 @@ byte hwin[NR];        /* the counter (window) the hold was added to; NOWIN for n
 bool gone[NR];        /* tombstones */
 bool uex[2];          /* counter field exists, per window */
 short U[2];
+bool uexT[2];         /* the tokens (requests) limit's counters, per window */
+short UT[2];
+bool uexE[2*NEU];     /* the end-user limit's counters, per end user and window: EF(e, w) */
+short UE[2*NEU];
 
 /* ---- ledger (Postgres) ---- */
 byte lep;             /* current epoch generation */
@@ -114,6 +152,7 @@ byte pe[2];           /* each proxy's cached ledger epoch */
 
 /* ---- the middleware ---- */
 byte ramt[NR];        /* the amount of each request's latest reserve: AMT(r), or its fitted amount */
+byte rtok[NR];        /* its token bound: TB(r), or its fitted one */
 
 /* ---- ghost state: what the properties speak about, never read by a rule ---- */
 bool oact[NR];        /* the owner is alive and extending its hold, so it never expires */
@@ -139,6 +178,9 @@ bool resting;         /* init is checking the world at rest: nothing else moves 
 hidden byte ti, tj, ts;
 hidden short tB, tH, tU, tA, tx;
 hidden short troom;   /* the room a refused reserve reports (reserve.lua's INSUFFICIENT / LIMIT replies) */
+hidden short ttroom;  /* the token room it reports (the tokens limit's CAPT − UT) */
+hidden byte tunit;    /* a LIMIT refusal was the tokens (requests) limit's */
+hidden byte te;       /* scratch: an end user */
 
 #define IDX(g, s) ((g)*MAXE + (s) - 1)
 
@@ -173,6 +215,37 @@ inline CHECK() {
      :: else -> break
      od;
      assert((uex[clock] -> U[clock] : 0) == tU);   /* the counter invariant, current window */
+     /* the same, per unit: the tokens (requests) counter counts each charge's real tokens (1)
+      * and each live hold's token hold (1) */
+     tU = 0; tj = 1;
+     do
+     :: tj <= wm -> if :: ew[IDX(lep, tj)] == clock && eh[IDX(lep, tj)] > 0 -> tU = tU + ETOK(IDX(lep, tj)) :: else fi; tj++
+     :: else -> break
+     od;
+     ti = 0;
+     do
+     :: ti < NR -> if :: hp[ti] && hwin[ti] == clock -> tU = tU + HTOK(ti) :: else fi; ti++
+     :: else -> break
+     od;
+     assert((uexT[clock] -> UT[clock] : 0) == tU);   /* the counter invariant, tokens (requests) */
+     /* and per end user: each end user's counter holds its own charges and holds, none of the other's */
+     te = 0;
+     do
+     :: te < NEU ->
+        tU = 0; tj = 1;
+        do
+        :: tj <= wm -> if :: ew[IDX(lep, tj)] == clock && eh[IDX(lep, tj)] > 0 && EU(eh[IDX(lep, tj)] - 1) == te -> tU = tU - ed[IDX(lep, tj)] :: else fi; tj++
+        :: else -> break
+        od;
+        ti = 0;
+        do
+        :: ti < NR -> if :: hp[ti] && hwin[ti] == clock && EU(ti) == te -> tU = tU + hamt[ti] :: else fi; ti++
+        :: else -> break
+        od;
+        assert((uexE[EF(te, clock)] -> UE[EF(te, clock)] : 0) == tU);   /* the counter invariant, each end user's */
+        te++
+     :: else -> break
+     od
   :: else
   fi;
   ti = 0;
@@ -187,7 +260,14 @@ inline CHECK() {
  * differ only in dead values are one state */
 inline DROPACCT() {
   acct = 0; bal = 0; wm = 0; aep = 0; applied = 0; acctmax = 0;
-  uex[0] = 0; uex[1] = 0; U[0] = 0; U[1] = 0
+  uex[0] = 0; uex[1] = 0; U[0] = 0; U[1] = 0;
+  uexT[0] = 0; uexT[1] = 0; UT[0] = 0; UT[1] = 0;
+  te = 0;
+  do
+  :: te < 2*NEU -> uexE[te] = 0; UE[te] = 0; te++
+  :: else -> break
+  od;
+  te = 0
 }
 inline HOLDCLR(r) {
   hp[r] = 0; hamt[r] = 0; hfin[r] = 0; hpin[r] = 0; hwin[r] = NOWIN
@@ -200,6 +280,28 @@ inline UADD(w, d) {
   :: (w) < NOWIN && !uex[w] && (w) == clock -> uex[w] = 1; U[w] = (d)
   :: else
   fi
+}
+inline UADDT(w, d) {
+  if
+  :: (w) < NOWIN && uexT[w] -> UT[w] = UT[w] + (d)
+  :: (w) < NOWIN && !uexT[w] && (w) == clock -> uexT[w] = 1; UT[w] = (d)
+  :: else
+  fi
+}
+/* end user e's counter of window w */
+inline UADDE(e, w, d) {
+  if
+  :: (w) < NOWIN && uexE[EF(e, w)] -> UE[EF(e, w)] = UE[EF(e, w)] + (d)
+  :: (w) < NOWIN && !uexE[EF(e, w)] && (w) == clock -> uexE[EF(e, w)] = 1; UE[EF(e, w)] = (d)
+  :: else
+  fi
+}
+/* a hold leaves every counter its record names: its amount, its token hold, its end user's
+ * (tx, te: the token hold and the end user, computed first: an inline's argument cannot hold a
+ * conditional expression) */
+inline UOUT(r) {
+  tx = HTOK(r); te = EU(r);
+  UADD(hwin[r], -hamt[r]); UADDT(hwin[r], -tx); UADDE(te, hwin[r], -hamt[r])
 }
 
 /* ledger: the org's pending usage becomes entries, in one transaction */
@@ -222,8 +324,11 @@ inline ACCOUNT_ALL() {
 #define UNSETTLED(r) (ev[r] == 1 || (ev[r] == 2 && evseq[r] > settled))
 
 /* Lua reserve.lua: the order of checks is amount, COLD, DUPLICATE, GONE, TOO_MANY, LIMIT, INSUFFICIENT.
- * The amount is ramt[r]; a LIMIT or INSUFFICIENT refusal reports the room (troom): the largest
- * amount the balance and the limit would take now (INSUFFICIENT: bal; LIMIT: min(bal, CAPL − U)) */
+ * The amount is ramt[r], the token bound rtok[r]; LIMIT checks the org's money limit, its tokens
+ * (requests) limit, then r's end user's money limit (each end user apart: its own counter). A LIMIT
+ * or INSUFFICIENT refusal reports the room (troom): the largest amount the balance and every money
+ * limit would take now (INSUFFICIENT: bal; LIMIT: min(bal, CAPL − U, CAPE − r's end user's U)), and
+ * the token room (ttroom: CAPT − UT) */
 inline RESERVE(r, e, st) {
   st = 0; troom = 0;
   if :: !acct || aep != (e) -> st = S_COLD :: else fi;
@@ -243,17 +348,34 @@ inline RESERVE(r, e, st) {
      if :: tx >= CAP -> st = S_TOOMANY :: else fi
   :: else
   fi;
+  tunit = 0;
   if
-  :: st == 0 && (uex[clock] -> U[clock] : 0) + ramt[r] > CAPL ->
-     st = S_LIMIT; troom = CAPL - (uex[clock] -> U[clock] : 0); if :: bal < troom -> troom = bal :: else fi
+  :: st == 0 && (uex[clock] -> U[clock] : 0) + ramt[r] > CAPL -> st = S_LIMIT
+  :: st == 0 && (uex[clock] -> U[clock] : 0) + ramt[r] <= CAPL && (uexT[clock] -> UT[clock] : 0) + rtok[r] > CAPT -> st = S_LIMIT; tunit = 1
+  :: st == 0 && (uex[clock] -> U[clock] : 0) + ramt[r] <= CAPL && (uexT[clock] -> UT[clock] : 0) + rtok[r] <= CAPT &&
+     (uexE[EF(EU(r), clock)] -> UE[EF(EU(r), clock)] : 0) + ramt[r] > CAPE -> st = S_LIMIT
   :: else
   fi;
-  if :: st == 0 && bal < ramt[r] -> st = S_INSUFF; troom = bal :: else fi;
+  if
+  :: st == S_LIMIT ->
+     troom = CAPL - (uex[clock] -> U[clock] : 0);
+     tx = CAPE - (uexE[EF(EU(r), clock)] -> UE[EF(EU(r), clock)] : 0); if :: tx < troom -> troom = tx :: else fi;
+     if :: bal < troom -> troom = bal :: else fi;
+     ttroom = CAPT - (uexT[clock] -> UT[clock] : 0)
+  :: else
+  fi;
+  if :: st == 0 && bal < ramt[r] -> st = S_INSUFF; troom = bal; ttroom = CAPT - (uexT[clock] -> UT[clock] : 0) :: else fi;
   if
   :: st == 0 ->
      st = S_OK; bal = bal - ramt[r];
      hp[r] = 1; hamt[r] = ramt[r]; hfin[r] = 0; hpin[r] = 0; hwin[r] = clock;
-     UADD(clock, ramt[r])
+     UADD(clock, ramt[r]); UADDT(clock, rtok[r]);
+#ifndef M_EUFIELD
+     te = EU(r);
+#else
+     te = 0;                                   /* one counter for every end user */
+#endif
+     UADDE(te, clock, ramt[r])
   :: else
   fi
 }
@@ -261,7 +383,7 @@ inline RESERVE(r, e, st) {
 /* drop a hold inside settle: it comes back to bal and leaves its counter; the id is tombstoned */
 inline SDROP(r) {
   if
-  :: hp[r] -> bal = bal + hamt[r]; UADD(hwin[r], -hamt[r]); HOLDCLR(r)
+  :: hp[r] -> bal = bal + hamt[r]; UOUT(r); HOLDCLR(r)
   :: else
   fi;
   gone[r] = 1; hend[r] = 1
@@ -302,6 +424,18 @@ inline SETTLE(g, f, t) {
 #endif
         :: else
         fi;
+        if
+        :: eh[IDX(g, ts)] > 0 ->                 /* a charge: its tokens (1 request), its end user's cost */
+#ifndef M_UNIT
+           tx = ETOK(IDX(g, ts));
+#else
+           tx = -ed[IDX(g, ts)];                 /* every counter counted as money */
+#endif
+           te = EU(eh[IDX(g, ts)] - 1);
+           UADDT(ew[IDX(g, ts)], tx);
+           UADDE(te, ew[IDX(g, ts)], -ed[IDX(g, ts)])
+        :: else
+        fi;
         assert((applied & (1 << ts)) == 0);     /* no entry applied twice */
         applied = applied | (1 << ts);
         wm = ts; sn++; ts++
@@ -314,7 +448,7 @@ inline SETTLE(g, f, t) {
 inline RELEASE(r) {
   if
   :: hp[r] ->
-     if :: acct -> bal = bal + hamt[r]; UADD(hwin[r], -hamt[r]) :: else fi;
+     if :: acct -> bal = bal + hamt[r]; UOUT(r) :: else fi;
      HOLDCLR(r)
   :: else ->
 #ifdef M_GATE
@@ -326,6 +460,16 @@ inline RELEASE(r) {
   gone[r] = 1; hend[r] = 1
 }
 
+/* finish moves the tokens counter from the token bound to the real count (a requests counter
+ * keeps its 1: TB = TR) */
+inline UFINT(r) {
+#ifndef M_TOKFIN
+  tx = RTOK(r) - rtok[r]; UADDT(hwin[r], tx)
+#else
+  skip                                           /* the tokens counter keeps the token bound */
+#endif
+}
+
 /* Lua finish: only an existing, unfinished hold; bal += hold - cost, the hold becomes cost
  * (tA: the cost, computed before UADD, whose argument cannot hold a conditional expression) */
 inline FINISH(r) {
@@ -333,7 +477,7 @@ inline FINISH(r) {
   if
   :: hp[r] && !hfin[r] ->
      tA = RCOST(r);
-     if :: acct -> bal = bal + hamt[r] - tA; UADD(hwin[r], tA - hamt[r]) :: else fi;
+     if :: acct -> bal = bal + hamt[r] - tA; te = EU(r); UADD(hwin[r], tA - hamt[r]); UADDE(te, hwin[r], tA - hamt[r]); UFINT(r) :: else fi;
      hamt[r] = tA; hfin[r] = 1
   :: else
   fi
@@ -341,7 +485,7 @@ inline FINISH(r) {
   if
   :: hp[r] && !hfin[r] ->
      tA = RCOST(r);
-     if :: acct -> bal = bal + hamt[r] - tA; UADD(hwin[r], tA - hamt[r]) :: else fi;
+     if :: acct -> bal = bal + hamt[r] - tA; te = EU(r); UADD(hwin[r], tA - hamt[r]); UADDE(te, hwin[r], tA - hamt[r]); UFINT(r) :: else fi;
      hamt[r] = tA; hfin[r] = 1
   :: !hp[r] ->                                   /* no existence check: writes the record anyway */
      if :: acct -> bal = bal - RCOST(r) :: else fi;
@@ -376,7 +520,38 @@ inline SEED(g, base, W, s0, s1) {
      do
      :: ti < NR -> if :: hp[ti] && hwin[ti] == clock -> U[clock] = U[clock] + hamt[ti] :: else fi; ti++
      :: else -> break
-     od
+     od;
+     /* the other counters alike: the snapshot's sums for the current window (the ledger's
+      * entries of generation g up to W never change, so they are read here) + the live holds */
+     uexT[1 - clock] = 0; UT[1 - clock] = 0; uexT[clock] = 1; UT[clock] = 0;
+     te = 0;
+     do
+     :: te < NEU -> uexE[EF(te, 1 - clock)] = 0; UE[EF(te, 1 - clock)] = 0; uexE[EF(te, clock)] = 1; UE[EF(te, clock)] = 0; te++
+     :: else -> break
+     od;
+     tj = 1;
+     do
+     :: tj <= (W) ->
+        if
+        :: eh[IDX(g, tj)] > 0 && ew[IDX(g, tj)] == clock ->
+           tx = ETOK(IDX(g, tj)); te = EU(eh[IDX(g, tj)] - 1);
+           UT[clock] = UT[clock] + tx; UE[EF(te, clock)] = UE[EF(te, clock)] - ed[IDX(g, tj)]
+        :: else
+        fi;
+        tj++
+     :: else -> break
+     od;
+     ti = 0;
+     do
+     :: ti < NR ->
+        if
+        :: hp[ti] && hwin[ti] == clock -> tx = HTOK(ti); te = EU(ti); UT[clock] = UT[clock] + tx; UE[EF(te, clock)] = UE[EF(te, clock)] + hamt[ti]
+        :: else
+        fi;
+        ti++
+     :: else -> break
+     od;
+     te = 0
   fi
 }
 
@@ -457,7 +632,7 @@ inline KRESET() {
 }
 
 proctype Req(byte r; byte p) {
-  byte st, tries, fit;
+  byte st, tries, fit, fitt;
   byte kg, kW, kc, kt, scold, sn, sgap;
   short kb, k0, k1;
 again: skip;
@@ -465,8 +640,12 @@ again: skip;
   :: d_step {
        RESERVE(r, pe[p], st); if :: r == 0 -> sep[r] = pe[p]; sent[r] = 1 :: else fi;
        if :: st == S_OK -> oact[r] = 1; rwin[r] = clock :: st == S_DUP -> oact[r] = 1 :: else fi;
-       if :: FITS(r) && (st == S_INSUFF || st == S_LIMIT) && troom >= FITMIN -> fit = troom :: else fi;
-       printf("STEP %d reserve r=%d ep=%d amt=%d -> %d\n", r, r, pe[p], ramt[r], st);
+       if
+       :: FITS(r) && (st == S_INSUFF || (st == S_LIMIT && !(tunit && REQUNIT))) && troom >= FITMIN && ttroom >= 1 ->
+          fit = (troom < ramt[r] -> troom : ramt[r]); fitt = (ttroom < rtok[r] -> ttroom : rtok[r])
+       :: else
+       fi;
+       printf("STEP %d reserve r=%d ep=%d amt=%d tok=%d -> %d\n", r, r, pe[p], ramt[r], rtok[r], st);
        CHECK()
      }
   :: LOSTCALL(r) ->
@@ -482,7 +661,7 @@ again: skip;
      fi
   :: st == S_LOST -> goto fail
   :: fit > 0 ->                                         /* fit: the same id again, with the room */
-     d_step { ramt[r] = fit; fit = 0; tries = 0; printf("STEP %d fit r=%d amt=%d\n", r, r, ramt[r]) }; goto again
+     d_step { ramt[r] = fit; rtok[r] = fitt; fit = 0; fitt = 0; tries = 0; printf("STEP %d fit r=%d amt=%d tok=%d\n", r, r, ramt[r], rtok[r]) }; goto again
   :: fit > 0 -> goto done                               /* x-escrow-fit: off (or NoFit): the refusal */
   :: else -> goto done                                  /* refused: nothing held */
   fi;
@@ -532,7 +711,7 @@ fail: skip;
   :: skip
   fi;
 done: skip;
-  d_step { ndone++; st = 0; tries = 0; fit = 0; alive[r] = 0; oact[r] = 0 }
+  d_step { ndone++; st = 0; tries = 0; fit = 0; fitt = 0; alive[r] = 0; oact[r] = 0 }
 }
 
 /* the Redis client re-sends r's reserve, with the same arguments, at any later time (or never) */
@@ -540,7 +719,7 @@ proctype Resend(byte r) {
   byte st;
   sent[r];
   if
-  :: d_step { RESERVE(r, sep[r], st); if :: st == S_OK -> oact[r] = alive[r]; rwin[r] = clock :: else fi; printf("STEP %d resend r=%d ep=%d amt=%d -> %d\n", 5, r, sep[r], ramt[r], st); CHECK() }
+  :: d_step { RESERVE(r, sep[r], st); if :: st == S_OK -> oact[r] = alive[r]; rwin[r] = clock :: else fi; printf("STEP %d resend r=%d ep=%d amt=%d tok=%d -> %d\n", 5, r, sep[r], ramt[r], rtok[r], st); CHECK() }
   :: skip
   fi;
   d_step { ndone++; st = 0 }
@@ -698,7 +877,9 @@ init {
     acct = 1; bal = B0; wm = 1; aep = 0; acctmax = 0; applied = 3;
     alive[0] = 1; alive[1] = 1; alive[2] = 1;
     uex[0] = 1; U[0] = 0; hwin[0] = NOWIN; hwin[1] = NOWIN; hwin[2] = NOWIN;
+    uexT[0] = 1; uexE[EF(0, 0)] = 1; uexE[EF(1, 0)] = 1;
     ramt[0] = A0; ramt[1] = A1; ramt[2] = A2;
+    rtok[0] = TB(0); rtok[1] = TB(1); rtok[2] = TB(2);
     assert(C1 <= A1 && C2 <= A2)          /* a world's bounded requests cost at most their bound */
   };
   atomic {

@@ -55,6 +55,9 @@ var worlds = []world{
 	{"credit", only("NO_CREDIT")},
 	{"restore", only("NO_RESTORE")},
 	{"rollover", only("NO_TICK")},
+	// the tokens limit as a requests limit (every hold and every charge counts 1) of one request
+	// per window, across the rollover: r1 is refused while r0 counts in its window
+	{"rollover-requests", append(only("NO_TICK"), "REQUESTS", "CAPT=1")},
 }
 
 // A mutation switches one rule of DESIGN.md off in the model (docs/model/README.md lists where
@@ -84,6 +87,10 @@ var mutations = []mutation{
 	// holds (the debt rule allows a cost beyond the hold), only "a bounded request's hold ≥ its
 	// cost" catches it
 	{"M_FITCAP", "fit writes the fitted output cap into the body: a fitted request costs at most its fitted hold", append(only(), debtAmount...)},
+	// third wave: units and end users, each caught by the counter invariant of its own counter
+	{"M_TOKFIN", "units: finish moves a tokens counter from the request's token bound to its real count", only()},
+	{"M_UNIT", "units: settle adds a charge's tokens (1 for requests), not its cost, to a tokens (requests) counter", only()},
+	{"M_EUFIELD", "end users: a limit of each end user apart counts each end user's holds in that end user's own counter", only()},
 }
 
 // The C flags of every pan: safety only; hash-compact state storage (-DHC4: 4 bytes per state

@@ -95,12 +95,21 @@ func testEndUserLimits(t *testing.T, l ledger.Ledger) {
 		t.Fatalf("Limits = %+v, want %+v", got, []balance.Limit{each, one})
 	}
 	for _, id := range []string{"a:b", "a b", "{x}", "a,b", string(make([]byte, 129))} {
-		_, _, err := l.CreateLimit(c, "o", scope(balance.ScopeEndUser, id), balance.Day, balance.Money, 1)
+		_, _, err := l.CreateLimit(c, "o", balance.Limit{Scope: scope(balance.ScopeEndUser, id), Window: balance.Day, Unit: balance.Money, Cap: 1})
 		wantErr(t, err, ledger.ErrInvalidLimit, fmt.Sprintf("end user %q", id))
 	}
 	patched, _ := must2(l.SetLimitCap(c, "o", each.ID, 50))
 	if patched.Scope != each.Scope || patched.Cap != 50 {
 		t.Fatalf("SetLimitCap = %+v", patched)
+	}
+	// Only a limit of each end user apart may require an end user; the flag is kept.
+	req, _ := must2(l.CreateLimit(c, "o", balance.Limit{Scope: scope(balance.ScopeEndUser, ""), Window: balance.Hour, Cap: 9, RequireEndUser: true}))
+	if !req.RequireEndUser || !slices.Contains(limitsOf(t, l, "o").Limits, req) {
+		t.Fatalf("created %+v; limits %+v", req, limitsOf(t, l, "o").Limits)
+	}
+	for _, s := range []balance.Scope{scope(balance.ScopeEndUser, "alice"), scope(balance.ScopeOrg, ""), scope(balance.ScopeKey, "k")} {
+		_, _, err := l.CreateLimit(c, "o", balance.Limit{Scope: s, Window: balance.Day, Cap: 1, RequireEndUser: true})
+		wantErr(t, err, ledger.ErrInvalidLimit, fmt.Sprintf("require_end_user on %v", s))
 	}
 }
 

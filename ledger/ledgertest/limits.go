@@ -45,7 +45,7 @@ func limitsOf(t *testing.T, l ledger.Ledger, org string) balance.Limits {
 
 func mustLimit(t *testing.T, l ledger.Ledger, org string, s balance.Scope, w balance.Window, cap int64) balance.Limit {
 	t.Helper()
-	lim, ch, err := l.CreateLimit(ctx(t), org, s, w, balance.Money, cap)
+	lim, ch, err := l.CreateLimit(ctx(t), org, balance.Limit{Scope: s, Window: w, Unit: balance.Money, Cap: cap})
 	noErr(t, err)
 	if ch.Org != org || ch.Version < 1 {
 		t.Fatalf("CreateLimit change %+v", ch)
@@ -117,7 +117,7 @@ func testLimitsVersion(t *testing.T, l ledger.Ledger) {
 		{"create limit", func() (ledger.LimitChange, error) {
 			var ch ledger.LimitChange
 			var err error
-			lim, ch, err = l.CreateLimit(c, "o", scope(balance.ScopeProject, "p1"), balance.Week, balance.Money, 10)
+			lim, ch, err = l.CreateLimit(c, "o", balance.Limit{Scope: scope(balance.ScopeProject, "p1"), Window: balance.Week, Unit: balance.Money, Cap: 10})
 			return ch, err
 		}},
 		{"change cap", func() (ledger.LimitChange, error) {
@@ -169,7 +169,7 @@ func testLimitsUnknown(t *testing.T, l ledger.Ledger) {
 
 	_, err := l.CreateProject(c, "nobody", "x")
 	wantErr(t, err, ledger.ErrUnknownOrg, "a project of an unknown org")
-	_, _, err = l.CreateLimit(c, "nobody", orgScope, balance.Day, balance.Money, 1)
+	_, _, err = l.CreateLimit(c, "nobody", balance.Limit{Scope: orgScope, Window: balance.Day, Unit: balance.Money, Cap: 1})
 	wantErr(t, err, ledger.ErrUnknownOrg, "a limit of an unknown org")
 	_, err = l.SetFrozen(c, "nobody", orgScope, true)
 	wantErr(t, err, ledger.ErrUnknownOrg, "freezing an unknown org")
@@ -178,7 +178,7 @@ func testLimitsUnknown(t *testing.T, l ledger.Ledger) {
 	_, err = l.LimitUsage(c, "nobody", t0, -1)
 	wantErr(t, err, ledger.ErrUnknownOrg, "the limit usage of an unknown org")
 
-	_, _, err = l.CreateLimit(c, "o", scope(balance.ScopeProject, "theirs"), balance.Day, balance.Money, 1)
+	_, _, err = l.CreateLimit(c, "o", balance.Limit{Scope: scope(balance.ScopeProject, "theirs"), Window: balance.Day, Unit: balance.Money, Cap: 1})
 	wantErr(t, err, ledger.ErrUnknownProject, "a limit on another org's project")
 	_, err = l.SetKeyProject(c, k.ID, "theirs")
 	wantErr(t, err, ledger.ErrUnknownProject, "a key into another org's project")
@@ -187,9 +187,9 @@ func testLimitsUnknown(t *testing.T, l ledger.Ledger) {
 	_, err = l.SetFrozen(c, "o", scope(balance.ScopeProject, "none"), true)
 	wantErr(t, err, ledger.ErrUnknownProject, "freezing an unknown project")
 
-	_, _, err = l.CreateLimit(c, "o", scope(balance.ScopeKey, pk.ID), balance.Day, balance.Money, 1)
+	_, _, err = l.CreateLimit(c, "o", balance.Limit{Scope: scope(balance.ScopeKey, pk.ID), Window: balance.Day, Unit: balance.Money, Cap: 1})
 	wantErr(t, err, ledger.ErrUnknownKey, "a limit on another org's key")
-	_, _, err = l.CreateLimit(c, "o", scope(balance.ScopeKey, "key_nope"), balance.Day, balance.Money, 1)
+	_, _, err = l.CreateLimit(c, "o", balance.Limit{Scope: scope(balance.ScopeKey, "key_nope"), Window: balance.Day, Unit: balance.Money, Cap: 1})
 	wantErr(t, err, ledger.ErrUnknownKey, "a limit on an unknown key")
 	_, err = l.SetKeyProject(c, "key_nope", "")
 	wantErr(t, err, ledger.ErrUnknownKey, "the project of an unknown key")
@@ -234,7 +234,7 @@ func testLimitsInvalid(t *testing.T, l ledger.Ledger) {
 		{scope(balance.ScopeProject, ""), balance.Day, 1},
 	}
 	for _, b := range bad {
-		_, _, err := l.CreateLimit(c, "o", b.s, b.w, balance.Money, b.cap)
+		_, _, err := l.CreateLimit(c, "o", balance.Limit{Scope: b.s, Window: b.w, Unit: balance.Money, Cap: b.cap})
 		wantErr(t, err, ledger.ErrInvalidLimit, "limit "+b.s.String()+" "+string(b.w))
 	}
 	lim := mustLimit(t, l, "o", orgScope, balance.Lifetime, balance.MaxAmount)
@@ -243,7 +243,7 @@ func testLimitsInvalid(t *testing.T, l ledger.Ledger) {
 	for i := 1; i < ledger.MaxLimits; i++ {
 		mustLimit(t, l, "o", orgScope, balance.Hour, int64(i))
 	}
-	_, _, err = l.CreateLimit(c, "o", orgScope, balance.Hour, balance.Money, 1)
+	_, _, err = l.CreateLimit(c, "o", balance.Limit{Scope: orgScope, Window: balance.Hour, Unit: balance.Money, Cap: 1})
 	wantErr(t, err, ledger.ErrInvalidLimit, "one limit more than MaxLimits")
 	must(l.DeleteLimit(c, "o", lim.ID))
 	mustLimit(t, l, "o", orgScope, balance.Hour, 1) // room again
@@ -403,7 +403,7 @@ func testSnapshotSinceUnits(t *testing.T, l ledger.Ledger) {
 
 func mustUnitLimit(t *testing.T, l ledger.Ledger, s balance.Scope, w balance.Window, u balance.Unit, cap int64) balance.Limit {
 	t.Helper()
-	lim, _, err := l.CreateLimit(ctx(t), "o", s, w, u, cap)
+	lim, _, err := l.CreateLimit(ctx(t), "o", balance.Limit{Scope: s, Window: w, Unit: u, Cap: cap})
 	noErr(t, err)
 	return lim
 }

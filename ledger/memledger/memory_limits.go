@@ -81,8 +81,8 @@ func (m *Ledger) SetKeyProject(ctx context.Context, keyID, project string) (ledg
 }
 
 // CreateLimit adds a limit with a new id.
-func (m *Ledger) CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, u balance.Unit, cap int64) (balance.Limit, ledger.LimitChange, error) {
-	if err := ledger.CheckLimit(scope, w, u, cap); err != nil {
+func (m *Ledger) CreateLimit(ctx context.Context, org string, l balance.Limit) (balance.Limit, ledger.LimitChange, error) {
+	if err := ledger.CheckLimit(l); err != nil {
 		return balance.Limit{}, ledger.LimitChange{}, err
 	}
 	m.mu.Lock()
@@ -91,14 +91,14 @@ func (m *Ledger) CreateLimit(ctx context.Context, org string, scope balance.Scop
 	if err != nil {
 		return balance.Limit{}, ledger.LimitChange{}, err
 	}
-	if err := m.scopeLocked(org, a, scope); err != nil {
+	if err := m.scopeLocked(org, a, l.Scope); err != nil {
 		return balance.Limit{}, ledger.LimitChange{}, err
 	}
 	if len(a.lims.limits) >= ledger.MaxLimits {
 		return balance.Limit{}, ledger.LimitChange{}, fmt.Errorf("%w: an org has at most %d limits", ledger.ErrInvalidLimit, ledger.MaxLimits)
 	}
 	m.lastLimit++
-	l := balance.Limit{ID: strconv.FormatInt(m.lastLimit, 10), Scope: scope, Window: w, Cap: cap, Unit: u}
+	l.ID = strconv.FormatInt(m.lastLimit, 10)
 	a.lims.limits = append(a.lims.limits, l)
 	return l, changed(org, a), nil
 }

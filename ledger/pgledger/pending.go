@@ -10,7 +10,7 @@ import (
 	"github.com/llmescrow/escrow/ledger"
 )
 
-// The pending queue (migration 015): one usage_pending row per RecordUsage call, holding the ids
+// The pending queue (migration 016): one usage_pending row per RecordUsage call, holding the ids
 // of the events it inserted and each one's org. An event is written once and never updated: it
 // is pending while its id is in the queue, accounted once it has a charge entry, and the account
 // pass (or a seed's snapshot) moves it from the one to the other in one transaction — it claims

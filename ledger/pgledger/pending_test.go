@@ -244,7 +244,7 @@ func TestPendingConcurrentPassesAndSnapshots(t *testing.T) {
 	checkExactlyOnce(t, l, evs)
 }
 
-// TestPendingMigration: events pending when migration 015 runs stay pending (queued) and are
+// TestPendingMigration: events pending when migration 016 runs stay pending (queued) and are
 // accounted once; events accounted before it keep their status and seq; an event a process
 // still running the code from before the migration inserts as 'pending' is queued by the trigger.
 func TestPendingMigration(t *testing.T) {
@@ -257,7 +257,7 @@ func TestPendingMigration(t *testing.T) {
 	}
 	var before []migrations.Migration
 	for _, m := range all {
-		if m.Version < 15 {
+		if m.Version < 16 {
 			before = append(before, m)
 		}
 	}

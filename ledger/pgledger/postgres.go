@@ -177,7 +177,7 @@ const (
 	// project, $10 end user ('' for none), $11 time (the reserve time, else the record time),
 	// $12 tokens; $13 the keys used and $14 the latest time of each (its last use: one row update
 	// per key, not per request). Every account row is updated HOT (no index names a column it
-	// changes, migration 015), and the entries of every org of the pass are one INSERT.
+	// changes, migration 016), and the entries of every org of the pass are one INSERT.
 	//
 	// Each joined table is also filtered by "= ANY" of the array it is joined with: that
 	// condition is on the primary key, so the plan probes the index whatever the planner

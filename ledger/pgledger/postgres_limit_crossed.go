@@ -27,7 +27,7 @@ func scanChargeLimits(rows pgx.Rows) (map[string][]balance.Limit, time.Time, err
 	var now time.Time
 	var org, kind, w, u string
 	var l balance.Limit
-	_, err := pgx.ForEachRow(rows, []any{&org, &l.ID, &kind, &l.Scope.ID, &w, &l.Cap, &u, &now}, func() error {
+	_, err := pgx.ForEachRow(rows, []any{&org, &l.ID, &kind, &l.Scope.ID, &w, &l.Cap, &u, &l.RequireEndUser, &now}, func() error {
 		l.Scope.Kind, l.Window, l.Unit = balance.ScopeKind(kind), balance.Window(w), unitOf(u)
 		out[org] = append(out[org], l)
 		return nil

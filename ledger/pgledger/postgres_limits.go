@@ -116,13 +116,12 @@ func checkScopeTx(ctx context.Context, tx pgx.Tx, org string, s balance.Scope) e
 }
 
 // CreateLimit adds a limit; its id comes from an identity and is never reused.
-func (p *Ledger) CreateLimit(ctx context.Context, org string, scope balance.Scope, w balance.Window, u balance.Unit, cap int64) (balance.Limit, ledger.LimitChange, error) {
-	if err := ledger.CheckLimit(scope, w, u, cap); err != nil {
+func (p *Ledger) CreateLimit(ctx context.Context, org string, l balance.Limit) (balance.Limit, ledger.LimitChange, error) {
+	if err := ledger.CheckLimit(l); err != nil {
 		return balance.Limit{}, ledger.LimitChange{}, err
 	}
-	l := balance.Limit{Scope: scope, Window: w, Cap: cap, Unit: u}
 	c, err := p.limitTx(ctx, "create limit", org, func(tx pgx.Tx) error {
-		if err := checkScopeTx(ctx, tx, org, scope); err != nil {
+		if err := checkScopeTx(ctx, tx, org, l.Scope); err != nil {
 			return err
 		}
 		var n int
@@ -132,8 +131,8 @@ func (p *Ledger) CreateLimit(ctx context.Context, org string, scope balance.Scop
 		if n >= ledger.MaxLimits {
 			return fmt.Errorf("%w: an org has at most %d limits", ledger.ErrInvalidLimit, ledger.MaxLimits)
 		}
-		return tx.QueryRow(ctx, `INSERT INTO limits (org_id, scope, scope_id, period, cap, unit) VALUES ($1, $2, $3, $4, $5, $6) RETURNING id::text`,
-			org, string(scope.Kind), scope.ID, string(w), cap, u.String()).Scan(&l.ID)
+		return tx.QueryRow(ctx, `INSERT INTO limits (org_id, scope, scope_id, period, cap, unit, require_end_user) VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id::text`,
+			org, string(l.Scope.Kind), l.Scope.ID, string(l.Window), l.Cap, l.Unit.String(), l.RequireEndUser).Scan(&l.ID)
 	})
 	if err != nil {
 		return balance.Limit{}, ledger.LimitChange{}, err
@@ -216,12 +215,12 @@ func (p *Ledger) SetFrozen(ctx context.Context, org string, s balance.Scope, fro
 	})
 }
 
-const sqlLimitColumns = `id::text, scope, scope_id, period, cap, unit`
+const sqlLimitColumns = `id::text, scope, scope_id, period, cap, unit, require_end_user`
 
 func scanLimit(r pgx.CollectableRow) (balance.Limit, error) {
 	var l balance.Limit
 	var kind, w, u string
-	err := r.Scan(&l.ID, &kind, &l.Scope.ID, &w, &l.Cap, &u)
+	err := r.Scan(&l.ID, &kind, &l.Scope.ID, &w, &l.Cap, &u, &l.RequireEndUser)
 	l.Scope.Kind, l.Window, l.Unit = balance.ScopeKind(kind), balance.Window(w), unitOf(u)
 	return l, err
 }

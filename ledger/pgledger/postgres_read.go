@@ -271,7 +271,7 @@ func (p *Ledger) TopSpenders(ctx context.Context, q ledger.TopQuery) ([]ledger.U
 	// The bounds are written into the statement only when given, so the planner sees the range
 	// and uses usage_events_at_brin (an "x IS NULL OR" form would hide it in a generic plan).
 	// An event is accounted when it is neither voided nor in the queue of pending usage
-	// (migration 015; 'accounted' is the status of the events accounted before it).
+	// (migration 016; 'accounted' is the status of the events accounted before it).
 	where, args := "status IN ('accounted', 'recorded') AND id NOT IN (SELECT unnest(ids) FROM usage_pending)", []any{q.Limit}
 	if !q.From.IsZero() {
 		args = append(args, q.From)
@@ -314,7 +314,7 @@ func (p *Ledger) Request(ctx context.Context, id string) (ledger.RequestInfo, er
 	var key, endpoint, project, endUser *string
 	var seq *int64
 	var reserved *time.Time
-	// A recorded event (migration 015) is pending while in the queue, else accounted by its
+	// A recorded event (migration 016) is pending while in the queue, else accounted by its
 	// charge entry, found by the org and the time it copies from the event
 	// (ledger_entries_org_reserved).
 	err = p.pool.QueryRow(ctx, `

@@ -99,7 +99,7 @@ func TestPostgresLimitCrossedSameTransaction(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	lim, _, err := l.CreateLimit(ctx, "o", balance.Scope{Kind: balance.ScopeOrg}, balance.Lifetime, balance.Money, 100)
+	lim, _, err := l.CreateLimit(ctx, "o", balance.Limit{Scope: balance.Scope{Kind: balance.ScopeOrg}, Window: balance.Lifetime, Unit: balance.Money, Cap: 100})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -17,11 +17,13 @@
 -- Counter fields: '<limit id>:<window start ms>', and '<limit id>:<window start ms>:<end user>'
 -- for a limit that applies to each end user apart. lim fields: 'v' version; 'o', 'p:<project>',
 -- 'k:<key>', 'e:<end user>' the limits of that scope, and 'e' those of each end user apart, as
--- 'id,window,cap[,unit];...' (unit r or t; none: money); 'm:<key>' the key's project; 'fo',
+-- 'id,window,cap[,unit[,flags]];...' (unit r or t; none: money; flag q: a request must name an
+-- end user); 'm:<key>' the key's project; 'fo',
 -- 'fp:<project>', 'fk:<key>' = '1' when frozen.
--- Per-end-user counters of ended windows are swept away by the reserves that follow
--- (sweep_ended: a few fields of u a call, from a cursor kept in acct's 'tc'), so that only
--- current windows stay, however many end users come and go.
+-- Per-end-user counters of ended windows are swept away by the reserves after the window ends
+-- (sweep_ended: a few fields of u a call, from a cursor kept in acct's 'tc', when acct's 'te'
+-- says a window has ended), so that only current windows stay, however many end users come and
+-- go.
 --
 -- Calendar maths: Redis Lua has no os.date, so window starts are computed here from a ms
 -- timestamp, in UTC (days <-> civil dates after H. Hinnant's algorithms, valid for any year, the
@@ -161,14 +163,15 @@ local function hold_out(ukey, a, fs, us, tk)
   move_hold(ukey, fs, us, neg(a), '-1', neg(tk))
 end
 
--- each_limit: calls fn(id, window, cap, unit) for every limit of a spec string
--- ('id,window,cap[,unit];...'); unit 'm' (money), 'r' (requests) or 't' (tokens).
+-- each_limit: calls fn(id, window, cap, unit, nil, flags) for every limit of a spec string
+-- ('id,window,cap[,unit[,flags]];...'); unit 'm' (money), 'r' (requests) or 't' (tokens); flags
+-- '' or 'q' (a request must name an end user).
 local function each_limit(spec, fn)
   if not spec then return end
   for item in string.gmatch(spec, '[^;]+') do
-    local id, w, cap, u = string.match(item, '^([^,]+),([^,]+),([^,]+),?([^,]*)$')
+    local id, w, cap, u, fl = string.match(item, '^([^,]+),([^,]+),([^,]+),?([^,]*),?([^,]*)$')
     if id then
-      fn(id, w, cap, u == '' and 'm' or u)
+      fn(id, w, cap, u == '' and 'm' or u, nil, fl)
     end
   end
 end
@@ -191,16 +194,30 @@ local function counter_field(v_id, ws, own, v_eu)
   return v_id .. ':' .. ms_string(ws)
 end
 
--- sweep_ended: look at the next fields of u (HSCAN from the cursor in acct's 'tc', COUNT 16)
--- and delete the per-end-user counters among them whose window ended at or before clock (ms,
--- the limit clock) — past windows are not kept in Redis. e is lim's spec of the limits of each
--- end user apart. Every reserve that may create such a counter calls it, so the sweep keeps pace
--- with the end users that come: a full pass over M fields takes M/16 reserves, and no index is
--- kept (it would cost more memory than the counters).
-local function sweep_ended(ukey, akey, e, clock)
-  local windows = {}
-  each_limit(e, function(v_id, w) windows[v_id] = w end)
-  local r = redis.call('HSCAN', ukey, redis.call('HGET', akey, 'tc') or '0', 'COUNT', 16)
+-- sweep_ended: delete the per-end-user counters of ended windows (clock: the limit clock, ms) —
+-- past windows are not kept in Redis. e is lim's spec of the limits of each end user apart; tc
+-- and te are acct's 'tc' and 'te' as reserve read them: the sweep's HSCAN cursor, and the time
+-- from which a sweep is due (the earliest end of a current window of those limits, when the
+-- last pass ended). Until te nothing is done (no call); from te on, each reserve reads the next
+-- fields of u (HSCAN, COUNT 16) and deletes the ended ones among them, until the cursor comes
+-- back to 0: then te moves to the earliest end of the current windows. A pass over M fields
+-- takes M/16 reserves; no index of the fields is kept (it would cost more memory than the
+-- counters).
+local function sweep_ended(ukey, akey, e, clock, tc, te)
+  local windows, due = {}, nil
+  each_limit(e, function(v_id, w)
+    windows[v_id] = w
+    local _, we = window_bounds(w, clock)
+    if we and we > 0 and (not due or we < due) then due = we end
+  end)
+  if not due then return end -- lifetime only: nothing ever ends
+  tc = tc or '0'
+  if tc == '0' and te and clock < tonumber(te) then return end
+  if not te then -- the first reserve since the seed: counters of this window only so far
+    redis.call('HSET', akey, 'te', string.format('%d', due))
+    return
+  end
+  local r = redis.call('HSCAN', ukey, tc, 'COUNT', 16)
   local fs = r[2]
   for i = 1, #fs, 2 do
     local id, ws = string.match(fs[i], '^([^:]+):(%d+):')
@@ -212,5 +229,9 @@ local function sweep_ended(ukey, akey, e, clock)
       end
     end
   end
-  redis.call('HSET', akey, 'tc', r[1])
+  if r[1] == '0' then
+    redis.call('HSET', akey, 'tc', '0', 'te', string.format('%d', due))
+  else
+    redis.call('HSET', akey, 'tc', r[1])
+  end
 end
