@@ -223,9 +223,9 @@ type LimitError struct {
 	Used     int64     // the window's counter when the hold was refused (in Limit.Unit)
 	Amount   int64     // the hold asked for (in Limit.Unit: micro-units, 1 request, its tokens)
 	ResetsAt time.Time // the next window's start; zero for Lifetime
-	// At is when the hold was refused on the clock of the limit windows, as near as this
-	// process can tell (its clock shifted by Config.ClockOffset, as the scripts shift theirs):
-	// ResetsAt − At is the wait until the window resets.
+	// At is when the hold was refused on the clock of the limit windows (the script's reserve
+	// time: Redis TIME plus Config.ClockOffset): ResetsAt − At is the wait until the window
+	// resets.
 	At time.Time
 	// Room is the largest hold the balance and every limit in scope would have taken (≤ 0:
 	// none). Held is the sum of the unfinished holds counted in this limit's window (they leave

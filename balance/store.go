@@ -394,9 +394,7 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 			id, _ := res[2].(string)
 			return Reservation{}, &FrozenError{Scope: Scope{Kind: ScopeKind(sc), ID: id}}
 		case "LIMIT":
-			le := limitError(res, r.Amount, r.Tokens)
-			le.At = time.Now().Add(s.cfg.ClockOffset)
-			return Reservation{}, le
+			return Reservation{}, limitError(res, r.Amount, r.Tokens)
 		case "TOO_MANY":
 			return Reservation{}, ErrTooManyHolds
 		case "NO_END_USER":
@@ -480,6 +478,9 @@ func limitError(res []any, amount, tokens int64) *LimitError {
 		if tr, ok := res[11].(int64); ok {
 			e.TokenRoom, e.HaveTokenRoom = tr, true
 		}
+	}
+	if len(res) > 12 {
+		e.At = msTime(str(res, 12))
 	}
 	e.Amount = e.Limit.Unit.Count(amount, tokens) // what the hold asked of this limit
 	return e

@@ -32,8 +32,9 @@
 --          | {'GONE'} | {'FROZEN', scope, scope id} | {'TOO_MANY', count}
 --          | {'NO_END_USER', limit id} (no end user, and a limit of each end user apart requires one)
 --          | {'LIMIT', id, scope, scope id, window, cap, used, resets ms ('0': never), room, held,
---             unit, token room ('' when no tokens limit is in scope)} (scope id '' for a
---             limit of each end user apart: it is the request's end user's counter that is full)
+--             unit, token room ('' when no tokens limit is in scope), the reserve time ms on the
+--             limit clock} (scope id '' for a limit of each end user apart: it is the request's
+--             end user's counter that is full)
 --          | {'INSUFFICIENT', balance, held}
 -- A refusal tells what could be had ("Holds that fit"): room is the largest amount every money
 -- limit in scope and the balance would take now (may be ≤ 0), token room the largest token hold
@@ -174,7 +175,7 @@ if #fields > 0 then
       if s[8] == 'm' then
         held = held_on(fields[i], (tonumber(used[i]) or 0) + need - tonumber(s[5]))
       end
-      return {'LIMIT', s[1], s[2], s[3], s[4], s[5], used[i] or '0', ms_string(s[6]), room, held, s[8], troom or ''}
+      return {'LIMIT', s[1], s[2], s[3], s[4], s[5], used[i] or '0', ms_string(s[6]), room, held, s[8], troom or '', ms_string(rtime)}
     end
   end
 end

@@ -88,6 +88,9 @@ func exerciseRequestsLimit(t *testing.T, env Env) {
 	eq(t, "refusal used", le.Used, 3)
 	eq(t, "refusal cap", le.Limit.Cap, 3)
 	eq(t, "refusal window", le.Limit.Window, balance.Minute)
+	if at := balance.Minute.StartMS(le.At); at != now.UnixMilli() || !le.ResetsAt.After(le.At) {
+		t.Fatalf("refused at %v (resets %v): want the script's reserve time, in the minute of %v", le.At, le.ResetsAt, now)
+	}
 	eq(t, "refused: balance untouched", x.state().Balance, before.Balance)
 	eq(t, "refused: counter untouched", f(), 3)
 	// A failed request gives its 1 back.
