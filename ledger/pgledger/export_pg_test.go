@@ -9,6 +9,7 @@ const (
 	SQLWriteCharges = sqlWriteCharges
 	SQLChargeLimits = sqlChargeLimits
 	SQLMarkSettled  = sqlMarkSettledMany
+	SQLKeyedPlans   = sqlKeyedPlans
 )
 
 // SQLLowBalance is the balance.low outbox statement, for the plan test.

@@ -168,6 +168,16 @@ func (p *Ledger) Close() {
 	}
 }
 
+// sqlKeyedPlans begins each transaction of an account pass and of a snapshot (in the same
+// round trip as its first statement). Every statement of those transactions finds its rows by
+// primary key from arrays it is given, so a sequential scan is never the right plan for them
+// once the tables hold more than a page; but the planner may choose one for a plan it makes, and
+// caches, while a table is small and has never been analyzed (a new deployment's first minutes,
+// every bench run, a table whose autovacuum is off), and then runs it on every pass. The "= ANY"
+// filters below make the index usable; this setting makes the planner use it whatever it
+// believes about the table's size. It lasts until the transaction ends.
+const sqlKeyedPlans = `SET LOCAL enable_seqscan = off`
+
 // SQL fragments shared by the queries.
 const (
 	sqlChannel = `'escrow_' || left(md5(current_schema()), 16)`
@@ -367,6 +377,7 @@ type snapRead struct {
 // read the epoch, the limits the charges count against and, withLimits, the org's limits.
 func readSnapshot(ctx context.Context, tx pgx.Tx, org string, withLimits bool) (snapRead, error) {
 	b := &pgx.Batch{}
+	b.Queue(sqlKeyedPlans)
 	b.Queue(`SELECT balance, ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE`, org)
 	// The seed's charges notify without this ledger's tag (sqlNotifyAll): unlike an account pass,
 	// the seeding process does not settle them itself, so its own worker must hear them too.
@@ -387,6 +398,9 @@ func readSnapshot(ctx context.Context, tx pgx.Tx, org string, withLimits bool) (
 
 // scanSnapshot reads readSnapshot's results, in the order they were queued.
 func scanSnapshot(br pgx.BatchResults, withLimits bool) (rd snapRead, err error) {
+	if _, err := br.Exec(); err != nil { // sqlKeyedPlans
+		return rd, err
+	}
 	rd.found = true
 	if err := br.QueryRow().Scan(&rd.balance, &rd.seq); errors.Is(err, pgx.ErrNoRows) {
 		rd.found = false
@@ -751,9 +765,13 @@ func lockOrgs(ctx context.Context, conn *pgx.Conn, orgs []string) (accts map[str
 	}
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
+	b.Queue(sqlKeyedPlans)
 	b.Queue(sqlLockAccounts, orgs)
 	br := conn.SendBatch(ctx, b)
 	_, err = br.Exec()
+	if err == nil {
+		_, err = br.Exec()
+	}
 	if err == nil {
 		rows, _ := br.Query()
 		err = scan(rows)
