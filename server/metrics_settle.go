@@ -2,6 +2,8 @@ package server
 
 import (
 	"context"
+	"crypto/sha1"
+	"encoding/hex"
 	"errors"
 	"log/slog"
 	"net/http"
@@ -12,6 +14,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/lua"
 	"github.com/llmescrow/escrow/ledger/pgledger"
 )
 
@@ -19,9 +22,10 @@ import (
 // worker and, on Postgres, the ledger's backlog.
 func (m *metrics) settleMetrics(a *Server) {
 	cmds := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "escrow_redis_commands_total",
-		Help: "Redis commands this process sent (a pipeline counts each of its commands; label pipelined)."}, []string{"command", "pipelined"})
+		Help: "Redis commands this process sent, its worker's included (a pipeline counts each of its commands; label pipelined). A script call is named by its script: evalsha:reserve, evalsha:finish, evalsha:settle, …"}, []string{"command", "pipelined"})
 	m.reg.MustRegister(cmds)
-	a.rdb.AddHook(commandCounter{single: cmds.MustCurryWith(prometheus.Labels{"pipelined": "false"}), piped: cmds.MustCurryWith(prometheus.Labels{"pipelined": "true"})})
+	a.rdb.AddHook(commandCounter{single: cmds.MustCurryWith(prometheus.Labels{"pipelined": "false"}),
+		piped: cmds.MustCurryWith(prometheus.Labels{"pipelined": "true"}), scripts: scriptNames()})
 	m.reg.MustRegister(settleLagCollector{w: a.worker, desc: prometheus.NewDesc("escrow_settle_lag_seconds",
 		"Settle lag of the entries this process's worker settled: usage recorded (the usage event's created_at) → applied to the Redis balance.", nil, nil)})
 	if pg, ok := a.ledger.(*pgledger.Ledger); ok {
@@ -51,14 +55,48 @@ func (c backlogCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.unsettled, prometheus.GaugeValue, float64(b.UnsettledEntries))
 }
 
-// commandCounter counts the Redis commands of the process (the hot path's round trips).
-type commandCounter struct{ single, piped *prometheus.CounterVec }
+// commandCounter counts the Redis commands of the process (the hot path's round trips and the
+// worker's), a script call by its script's name.
+type commandCounter struct {
+	single, piped *prometheus.CounterVec
+	scripts       map[string]string // SHA-1 of a script as sent → "evalsha:<name>"
+}
+
+// scriptNames maps the SHA-1 of each script escrow sends (as balance sends it: lua's sources)
+// to its metric label.
+func scriptNames() map[string]string {
+	m := map[string]string{}
+	for name, src := range map[string]string{
+		"reserve": lua.Reserve, "settle": lua.Settle, "release": lua.Release, "finish": lua.Finish, "reap": lua.Reap,
+		"seed": lua.Seed, "expired": lua.Expired, "extend": lua.Extend, "unpin": lua.Unpin, "state": lua.State,
+		"raise_model_max": lua.RaiseModelMax, "push_limits": lua.PushLimits, "model_use": lua.ModelUse,
+	} {
+		h := sha1.Sum([]byte(src))
+		m[hex.EncodeToString(h[:])] = "evalsha:" + name
+	}
+	return m
+}
+
+// name is the command's label: its name, or for EVALSHA the script's.
+func (h commandCounter) name(cmd redis.Cmder) string {
+	n := cmd.Name()
+	if n == "evalsha" {
+		if args := cmd.Args(); len(args) > 1 {
+			if sha, ok := args[1].(string); ok {
+				if s, ok := h.scripts[sha]; ok {
+					return s
+				}
+			}
+		}
+	}
+	return n
+}
 
 func (commandCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
 
 func (h commandCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		h.single.WithLabelValues(cmd.Name()).Inc()
+		h.single.WithLabelValues(h.name(cmd)).Inc()
 		return next(ctx, cmd)
 	}
 }
@@ -66,7 +104,7 @@ func (h commandCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 func (h commandCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
 		for _, c := range cmds {
-			h.piped.WithLabelValues(c.Name()).Inc()
+			h.piped.WithLabelValues(h.name(c)).Inc()
 		}
 		return next(ctx, cmds)
 	}

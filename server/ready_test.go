@@ -85,6 +85,28 @@ func TestMetricsBacklog(t *testing.T) {
 	}
 }
 
+// TestMetricsScriptCalls: the Redis command counter names each script call by its script, the
+// worker's settle included (what make bench divides by the requests).
+func TestMetricsScriptCalls(t *testing.T) {
+	t.Parallel()
+	p := startTestProxy(t, true)
+	key := p.setup("acme", 1000, 65)
+	if st, _, b := p.do("POST", "/v1/chat/completions", key, chat("hi")); st != http.StatusOK {
+		t.Fatalf("request: %d %s", st, b)
+	}
+	p.settled("acme")
+	_, _, m := p.do("GET", "/metrics", "", nil)
+	lines := grepLines(string(m), "escrow_redis_commands_total{")
+	for _, script := range []string{"reserve", "finish", "settle"} {
+		if !strings.Contains(lines, `command="evalsha:`+script+`"`) {
+			t.Errorf("no %s script calls counted:\n%s", script, lines)
+		}
+	}
+	if strings.Contains(lines, `command="evalsha"`) {
+		t.Errorf("a script call counted without its name:\n%s", lines)
+	}
+}
+
 // TestMetricsSpend: the spend counter by model adds up to what the ledger charged, and a
 // request for a model nobody priced leaves no label behind (the client chooses that string).
 func TestMetricsSpend(t *testing.T) {
