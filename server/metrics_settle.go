@@ -14,8 +14,8 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/llmescrow/escrow/accounting"
-	"github.com/llmescrow/escrow/lua"
 	"github.com/llmescrow/escrow/ledger/pgledger"
+	"github.com/llmescrow/escrow/lua"
 )
 
 // settleMetrics exports how far behind settling is: the settle-lag histogram of this process's
