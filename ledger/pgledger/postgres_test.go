@@ -226,6 +226,23 @@ INSERT INTO usage_pending (n, ids, orgs) SELECT count(*), array_agg(id), array_a
 			}
 		}
 	}
+	// No statement of those transactions is compiled with JIT, however low the deployment's
+	// jit_above_cost: the setting that keeps the plans on the keys priced the one sequential scan
+	// left (ledger_meta) past the threshold, and each pass spent 100 ms compiling its lock.
+	if _, err := conn.Exec(ctx, "SET jit_above_cost = 0"); err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Exec(ctx, "RESET jit_above_cost") //nolint:errcheck
+	if _, err := conn.Exec(ctx, "BEGIN; "+pgledger.SQLKeyedPlans); err != nil {
+		t.Fatal(err)
+	}
+	p := explain(ctx, t, conn, "lock", "(ANALYZE) "+strings.NewReplacer("$1::text[]", `'{o1,o2}'::text[]`).Replace(pgledger.SQLLockAccounts))
+	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(p, "JIT:") {
+		t.Errorf("the pass's lock statement was compiled with JIT:\n%s", p)
+	}
 }
 
 // TestPostgresSubscribeReconnects kills the LISTEN connection; the subscription comes back by
