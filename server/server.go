@@ -232,6 +232,7 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 		},
 		Worker: accounting.WorkerConfig{
 			SweepInterval:     cfg.SweepInterval,
+			PassInterval:      cfg.PassInterval,
 			ReapInterval:      cfg.ReapInterval,
 			ScanInterval:      cfg.ScanInterval,
 			ReconcileInterval: cfg.ReconcileEvery,
