@@ -141,7 +141,7 @@ func (c *Config) settings() []setting {
 		{"ESCROW_REAP_GRACE", "reap-grace", "1m", "a hold past its expiry is reaped only after this grace (keep it above the record timeout)", dur(&c.ReapGrace)},
 		{"ESCROW_PIN_TTL", "pin-ttl", "24h", "how far a journaled request's hold is pinned (renewed every quarter of it); at least 4× the hold TTL", dur(&c.PinTTL)},
 		{"ESCROW_SWEEP_INTERVAL", "sweep-interval", "2s", "how often the worker looks for unsettled orgs without a notification", dur(&c.SweepInterval)},
-		{"ESCROW_PASS_INTERVAL", "pass-interval", "20ms", "the least time between two accounting passes of the worker (longer: fewer, larger passes, a longer settle lag)", dur(&c.PassInterval)},
+		{"ESCROW_PASS_INTERVAL", "pass-interval", "100ms", "the least time between two accounting passes of the worker under load (longer: fewer, larger passes and less CPU per request, a longer settle lag)", dur(&c.PassInterval)},
 		{"ESCROW_REAP_INTERVAL", "reap-interval", "5s", "how often the holds of the orgs this process served are reaped", dur(&c.ReapInterval)},
 		{"ESCROW_SCAN_INTERVAL", "scan-interval", "1m", "how often a rate-limited SCAN looks for expired holds of dead processes", dur(&c.ScanInterval)},
 		{"ESCROW_RECONCILE_INTERVAL", "reconcile-interval", "1m", "how often every warm org is checked against the ledger (drift repair)", dur(&c.ReconcileEvery)},
