@@ -135,6 +135,8 @@ type EntryInfo struct {
 type EntryRequest struct {
 	ID         string        `json:"id"`
 	KeyID      string        `json:"key_id,omitempty"`
+	Project    string        `json:"project,omitempty"`  // the key's project when the request was reserved
+	EndUser    string        `json:"end_user,omitempty"` // the end user the request named
 	Model      string        `json:"model"`
 	Usage      pricing.Usage `json:"usage"`
 	Cost       int64         `json:"cost"`

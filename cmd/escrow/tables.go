@@ -72,6 +72,7 @@ var entryTable = table[ledger.EntryInfo]{
 	{"reference", func(e ledger.EntryInfo) string { return e.Ref }},
 	{"request_id", requestCell(func(r ledger.EntryRequest) string { return r.ID })},
 	{"model", requestCell(func(r ledger.EntryRequest) string { return r.Model })},
+	{"end_user", requestCell(func(r ledger.EntryRequest) string { return r.EndUser })},
 	{"cost", requestCell(func(r ledger.EntryRequest) string { return i64(r.Cost) })},
 	{"hold_amount", requestCell(func(r ledger.EntryRequest) string { return i64(r.HoldAmount) })},
 	{"created_at", func(e ledger.EntryInfo) string { return ts(e.CreatedAt) }},

@@ -2,6 +2,7 @@ package ledgertest
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"testing"
 	"time"
@@ -77,6 +78,18 @@ func testEndUserAttribution(t *testing.T, l ledger.Ledger) {
 	}
 	if r := must(l.Request(c, odd.ID)); r.EndUser != "a:b" {
 		t.Fatalf("request %+v: the recorded end user is kept as it was", r)
+	}
+	// The console's entries show each charge's request with its end user, as recorded.
+	page := must(l.ListEntries(c, "o", ledger.EntryQuery{}))
+	got := map[string]string{}
+	for _, e := range page.Data {
+		if e.Request == nil {
+			t.Fatalf("entry %+v: a charge without its request", e)
+		}
+		got[e.Request.ID] = e.Request.EndUser
+	}
+	if wantUsers := map[string]string{alice.ID: "alice", none.ID: "", odd.ID: "a:b"}; !maps.Equal(got, wantUsers) {
+		t.Fatalf("ListEntries' requests' end users = %v, want %v", got, wantUsers)
 	}
 }
 

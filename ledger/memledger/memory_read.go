@@ -201,7 +201,7 @@ func (m *Ledger) ListEntries(ctx context.Context, org string, q ledger.EntryQuer
 		e.CreatedAt = e.CreatedAt.UTC().Truncate(time.Microsecond)
 		ei := ledger.EntryInfo{LedgerEntry: e}
 		if ev := m.events[e.HoldID]; e.Kind == ledger.KindCharge && ev != nil {
-			ei.Request = &ledger.EntryRequest{ID: ev.ev.ID, KeyID: ev.ev.KeyID, Model: ev.ev.Model, Usage: ev.ev.Usage,
+			ei.Request = &ledger.EntryRequest{ID: ev.ev.ID, KeyID: ev.ev.KeyID, Project: ev.ev.Project, EndUser: ev.ev.EndUser, Model: ev.ev.Model, Usage: ev.ev.Usage,
 				Cost: ev.ev.Cost, HoldAmount: ev.ev.HoldAmount, Estimated: ev.ev.Estimated}
 		}
 		p.Data = append(p.Data, ei)

@@ -163,18 +163,18 @@ func (p *Ledger) ListEntries(ctx context.Context, org string, q ledger.EntryQuer
 		defer rows.Close()
 		for rows.Next() {
 			var e ledger.EntryInfo
-			var hold, ref, evID, key, model *string
+			var hold, ref, evID, key, model, project, endUser *string
 			var pt, ct, cpt, rt, cwt, cw1h, cost, holdAmt *int64
 			var est *bool
 			if err := rows.Scan(&e.Org, &e.Seq, &e.Delta, &e.Kind, &hold, &ref, &e.CreatedAt,
-				&evID, &key, &model, &pt, &ct, &cpt, &rt, &cost, &holdAmt, &est, &cwt, &cw1h); err != nil {
+				&evID, &key, &model, &pt, &ct, &cpt, &rt, &cost, &holdAmt, &est, &cwt, &cw1h, &project, &endUser); err != nil {
 				return err
 			}
 			e.CreatedAt = e.CreatedAt.UTC()
 			e.HoldID, e.Ref = deref(hold), deref(ref)
 			if evID != nil {
 				e.Request = &ledger.EntryRequest{
-					ID: *evID, KeyID: deref(key), Model: deref(model),
+					ID: *evID, KeyID: deref(key), Project: deref(project), EndUser: deref(endUser), Model: deref(model),
 					Usage: pricing.Usage{Prompt: *pt, Cached: *ct, Completion: *cpt, Reasoning: *rt, CacheWrite: *cwt, CacheWrite1h: *cw1h},
 					Cost:  *cost, HoldAmount: *holdAmt, Estimated: *est,
 				}
@@ -195,7 +195,7 @@ func (p *Ledger) ListEntries(ctx context.Context, org string, q ledger.EntryQuer
 const sqlListEntries = `
 SELECT e.org_id, e.seq, e.delta, e.kind, e.hold_id::text, e.ref, e.created_at,
        u.id::text, u.key_id, u.model, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
-       u.reasoning_tokens, u.cost, u.hold_amount, u.estimated, u.cache_write_tokens, u.cache_write_1h_tokens
+       u.reasoning_tokens, u.cost, u.hold_amount, u.estimated, u.cache_write_tokens, u.cache_write_1h_tokens, u.project, u.end_user
 FROM ledger_entries e
 LEFT JOIN usage_events u ON e.kind = 'charge' AND u.id = e.hold_id
 WHERE e.org_id = $1::text AND e.seq < $2::bigint
