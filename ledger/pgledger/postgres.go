@@ -176,9 +176,10 @@ func (p *Ledger) Close() {
 // every bench run, a table whose autovacuum is off), and then runs it on every pass. The "= ANY"
 // filters below make the index usable; this setting makes the planner use it whatever it
 // believes about the table's size. It lasts until the transaction ends. It turns JIT off too:
-// the setting adds a huge cost to any sequential scan left in a plan (ledger_meta's one row has
-// no index), which passes jit_above_cost and had every pass compile its statements (100 ms of
-// CPU a pass, measured: the Postgres CPU per request of the wrk run doubled).
+// the setting adds a huge cost to any sequential scan left in a plan (ledger_meta's one row is
+// read whole, with no condition for its key to serve), which passes jit_above_cost and had every
+// pass compile its statements (100 ms of CPU a pass, measured: the Postgres CPU per request of
+// the wrk run doubled).
 const sqlKeyedPlans = `SELECT set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)`
 
 // SQL fragments shared by the queries.
