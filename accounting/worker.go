@@ -20,7 +20,12 @@ import (
 // WorkerConfig configures a Worker. The zero value of every field means its documented default;
 // a negative value is refused (ErrConfig).
 type WorkerConfig struct {
-	// AccountBatch is how many pending usage events one accounting pass claims. Default 1000.
+	// AccountBatch is how many pending usage events one accounting pass claims (a pass claims
+	// again while a batch comes back full). Default 5000: with a backlog each batch costs the same
+	// few round trips whatever its size, so larger batches account faster (make bench's pipeline:
+	// about 26,000 events/s at 1000, 35,000–38,000 at 5000 and at 10,000); the orgs' account rows
+	// stay locked for the batch's transaction (a seed or a credit of one of them waits for it).
+	// The ledger caps it at 10,000.
 	AccountBatch int
 	// SettleBatch is how many entries of one org one settle call applies. Default 500.
 	SettleBatch int
@@ -57,7 +62,7 @@ type WorkerConfig struct {
 
 // The Worker's defaults, used for the zero value of the WorkerConfig field they name.
 const (
-	defaultWorkerAccountBatch      = 1000
+	defaultWorkerAccountBatch      = 5000
 	defaultWorkerSettleBatch       = 500
 	defaultWorkerSweepInterval     = 2 * time.Second
 	defaultWorkerReapInterval      = 5 * time.Second
