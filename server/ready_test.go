@@ -68,7 +68,8 @@ func TestEchoErrorCodes(t *testing.T) {
 }
 
 // TestMetricsBacklog: on Postgres, /metrics carries the ledger's backlog, and it is 0 once
-// everything is settled.
+// everything is settled; the Redis command counter names each script call by its script, the
+// worker's settle included (what make bench divides by the requests).
 func TestMetricsBacklog(t *testing.T) {
 	t.Parallel()
 	p := startTestProxy(t, true)
@@ -83,19 +84,6 @@ func TestMetricsBacklog(t *testing.T) {
 			t.Fatalf("metrics lack %q:\n%s", strings.TrimSpace(want), grepLines(string(m), "escrow_worker"))
 		}
 	}
-}
-
-// TestMetricsScriptCalls: the Redis command counter names each script call by its script, the
-// worker's settle included (what make bench divides by the requests).
-func TestMetricsScriptCalls(t *testing.T) {
-	t.Parallel()
-	p := startTestProxy(t, true)
-	key := p.setup("acme", 1000, 65)
-	if st, _, b := p.do("POST", "/v1/chat/completions", key, chat("hi")); st != http.StatusOK {
-		t.Fatalf("request: %d %s", st, b)
-	}
-	p.settled("acme")
-	_, _, m := p.do("GET", "/metrics", "", nil)
 	lines := grepLines(string(m), "escrow_redis_commands_total{")
 	for _, script := range []string{"reserve", "finish", "settle"} {
 		if !strings.Contains(lines, `command="evalsha:`+script+`"`) {
