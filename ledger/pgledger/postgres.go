@@ -1196,11 +1196,13 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, no
 		reserved                           = make([]*time.Time, n)
 		choices                            = make([]int64, n)
 	)
+	norm := make([]ledger.UsageEvent, n)
 	for i, ev := range events {
 		ev, err := ledger.NormalizeEvent(ev)
 		if err != nil {
 			return err
 		}
+		norm[i] = ev
 		ids[i], orgs[i], models[i], keys[i], endpoints[i] = ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint
 		prompt[i], cached[i], completion[i], reasoning[i] = ev.Usage.Prompt, ev.Usage.Cached, ev.Usage.Completion, ev.Usage.Reasoning
 		cacheWrite[i], cacheWrite1h[i] = ev.Usage.CacheWrite, ev.Usage.CacheWrite1h
@@ -1217,7 +1219,7 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, no
 	}
 	var err error
 	if n >= minCopy {
-		err = p.recordCopy(ctx, args, notify)
+		err = p.recordCopy(ctx, norm, notify)
 	} else {
 		_, err = p.pool.Exec(ctx, sql, args...)
 	}
@@ -1230,46 +1232,25 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, no
 	return wrapPg("record usage", err)
 }
 
-// recordCopy is recordUsage's statement for a large batch: in one transaction, the events with
-// COPY (a page of rows in one WAL record), then their queue row (and the NOTIFY) and COMMIT in
-// one round trip; three round trips in all. A stored id fails it (a unique violation, the
-// transaction rolled back): the caller then sends the ON CONFLICT statement.
-func (p *Ledger) recordCopy(ctx context.Context, args []any, notify bool) error {
-	ids, orgs := args[0].([]string), args[1].([]string)
-	col := func(i int) []any {
-		out := make([]any, len(ids))
-		switch v := args[i].(type) {
-		case []string:
-			for j := range v {
-				out[j] = v[j]
-			}
-		case []int64:
-			for j := range v {
-				out[j] = v[j]
-			}
-		case []bool:
-			for j := range v {
-				out[j] = v[j]
-			}
-		case []time.Time:
-			for j := range v {
-				out[j] = v[j]
-			}
-		case []*time.Time:
-			for j := range v {
-				out[j] = v[j]
-			}
+// recordCopy is recordUsage's statement for a large batch of normalized events: in one
+// transaction, the events with COPY (a page of rows in one WAL record), then their queue row
+// (in the batch's order: the pass orders what it claims by created_at, see take) and the NOTIFY
+// and COMMIT in one round trip; three round trips in all. A stored id fails it (a unique violation, the transaction
+// rolled back): the caller then sends the ON CONFLICT statement.
+func (p *Ledger) recordCopy(ctx context.Context, events []ledger.UsageEvent, notify bool) error {
+	rows := make([][]any, len(events))
+	for i, ev := range events {
+		var reserved any
+		if !ev.ReservedAt.IsZero() {
+			reserved = ev.ReservedAt
 		}
-		return out
+		rows[i] = []any{uuid.MustParse(ev.ID) /* NormalizeEvent checked it */, ev.Org, ev.Model, nullIfEmpty(ev.KeyID), nullIfEmpty(ev.Endpoint),
+			ev.Usage.Prompt, ev.Usage.Cached, ev.Usage.Completion, ev.Usage.Reasoning, ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt,
+			nullIfEmpty(ev.Project), reserved, ev.Usage.CacheWrite, max(ev.Choices, 1), ev.Usage.CacheWrite1h, nullIfEmpty(ev.EndUser)}
 	}
-	cols := make([][]any, len(args))
-	for i := range args {
-		cols[i] = col(i)
-	}
-	nullable := map[int]bool{3: true, 4: true, 13: true, 18: true} // key, endpoint, project, end user: NULL for ""
-	uuids := make([]uuid.UUID, len(ids))
-	for j, id := range ids {
-		uuids[j] = uuid.MustParse(id) // NormalizeEvent checked it
+	ids, orgs := make([]string, len(events)), make([]string, len(events))
+	for i, ev := range events {
+		ids[i], orgs[i] = ev.ID, ev.Org
 	}
 	conn, err := p.pool.Acquire(ctx)
 	if err != nil {
@@ -1281,25 +1262,7 @@ func (p *Ledger) recordCopy(ctx context.Context, args []any, notify bool) error 
 	if _, err := conn.Exec(ctx, "BEGIN"); err != nil {
 		return err
 	}
-	_, err = conn.CopyFrom(ctx, pgx.Identifier{"usage_events"}, sqlRecordColumns, pgx.CopyFromFunc(func() func() ([]any, error) {
-		j := -1
-		return func() ([]any, error) {
-			j++
-			if j == len(ids) {
-				return nil, nil
-			}
-			row := make([]any, len(cols))
-			for i := range cols {
-				row[i] = cols[i][j]
-				if nullable[i] && row[i] == "" {
-					row[i] = nil
-				}
-			}
-			row[0] = uuids[j]
-			return row, nil
-		}
-	}()))
-	if err != nil {
+	if _, err := conn.CopyFrom(ctx, pgx.Identifier{"usage_events"}, sqlRecordColumns, pgx.CopyFromRows(rows)); err != nil {
 		_, _ = conn.Exec(ctx, "ROLLBACK")
 		return err
 	}
@@ -1312,7 +1275,8 @@ func (p *Ledger) recordCopy(ctx context.Context, args []any, notify bool) error 
 	return conn.SendBatch(ctx, b).Close()
 }
 
-// sqlRecordColumns are the usage_events columns recordUsage's arguments fill, in their order.
+// sqlRecordColumns are the usage_events columns recordUsage's arguments (and recordCopy's rows)
+// fill, in their order.
 var sqlRecordColumns = []string{"id", "org_id", "model", "key_id", "endpoint", "prompt_tokens", "cached_tokens",
 	"completion_tokens", "reasoning_tokens", "cost", "hold_amount", "estimated", "created_at", "project", "reserved_at", "cache_write_tokens", "choices",
 	"cache_write_1h_tokens", "end_user"}
