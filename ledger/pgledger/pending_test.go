@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -26,6 +27,49 @@ func pendingEvents(n int, orgs ...string) []ledger.UsageEvent {
 			Usage: pricing.Usage{Prompt: 10, Completion: 5}, Cost: int64(i + 1), HoldAmount: 100, CreatedAt: t0.Add(time.Duration(i) * time.Millisecond)}
 	}
 	return evs
+}
+
+// accountAll runs account passes until one finds nothing pending.
+func accountAll(t *testing.T, l *pgledger.Ledger) {
+	t.Helper()
+	for {
+		r, err := l.AccountPass(context.Background(), 1000)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Accounted == 0 {
+			return
+		}
+	}
+}
+
+// TestPendingOldestFirst: whichever way a batch is recorded (the statement below minCopy
+// events, COPY from it on), the pass charges an org's events oldest first: seq follows
+// created_at even for a batch sent newest first.
+func TestPendingOldestFirst(t *testing.T) {
+	t.Parallel()
+	for _, n := range []int{5, 40} {
+		t.Run(fmt.Sprint(n), func(t *testing.T) {
+			t.Parallel()
+			l, _ := testutil.PostgresLedger(t)
+			ctx := context.Background()
+			if err := l.CreateOrg(ctx, "o"); err != nil {
+				t.Fatal(err)
+			}
+			evs := pendingEvents(n, "o")
+			newestFirst := slices.Clone(evs)
+			slices.Reverse(newestFirst)
+			if err := l.RecordUsage(ctx, newestFirst); err != nil {
+				t.Fatal(err)
+			}
+			accountAll(t, l)
+			for i, ev := range evs {
+				if r, err := l.Request(ctx, ev.ID); err != nil || r.Seq != int64(i+1) {
+					t.Fatalf("event %d of %d (oldest first): %+v, %v; want seq %d", i, n, r, err, i+1)
+				}
+			}
+		})
+	}
 }
 
 // checkExactlyOnce checks that every event of evs has exactly one charge entry, with its cost,
@@ -157,15 +201,7 @@ func TestPendingCutBetweenSteps(t *testing.T) {
 							t.Fatal(err)
 						}
 					}
-					for {
-						r, err := l.AccountPass(ctx, 1000)
-						if err != nil {
-							t.Fatal(err)
-						}
-						if r.Accounted == 0 {
-							break
-						}
-					}
+					accountAll(t, l)
 					checkExactlyOnce(t, l, evs)
 				})
 			}
@@ -232,15 +268,7 @@ func TestPendingConcurrentPassesAndSnapshots(t *testing.T) {
 	for err := range errs {
 		t.Fatal(err)
 	}
-	for {
-		r, err := l.AccountPass(ctx, 1000)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if r.Accounted == 0 {
-			break
-		}
-	}
+	accountAll(t, l)
 	checkExactlyOnce(t, l, evs)
 }
 
