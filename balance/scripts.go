@@ -39,12 +39,7 @@ type script struct {
 
 func newScripts() map[string]*script {
 	m := map[string]*script{}
-	for name, src := range map[string]string{
-		scReserve: lua.Reserve, scSettle: lua.Settle, scRelease: lua.Release, scReap: lua.Reap, scFinish: lua.Finish,
-		scExpired: lua.Expired, scExtend: lua.Extend, scUnpin: lua.Unpin,
-		scSeed: lua.Seed, scState: lua.State, scRaiseMax: lua.RaiseModelMax, scPushLim: lua.PushLimits,
-		scModelUse: lua.ModelUse,
-	} {
+	for name, src := range lua.Scripts { // named as the sc constants above
 		h := sha1.Sum([]byte(src))
 		m[name] = &script{src: src, sha: hex.EncodeToString(h[:])}
 	}

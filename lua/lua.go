@@ -63,3 +63,11 @@ var (
 	//go:embed model_use.lua
 	ModelUse string
 )
+
+// Scripts maps the name of every script escrow sends to its source as sent (the names
+// balance.Store calls them by, and the Redis command metric labels them with).
+var Scripts = map[string]string{
+	"reserve": Reserve, "settle": Settle, "release": Release, "finish": Finish, "reap": Reap, "seed": Seed,
+	"expired": Expired, "extend": Extend, "unpin": Unpin, "state": State,
+	"raise_model_max": RaiseModelMax, "push_limits": PushLimits, "model_use": ModelUse,
+}

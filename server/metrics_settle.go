@@ -62,15 +62,11 @@ type commandCounter struct {
 	scripts       map[string]string // SHA-1 of a script as sent → "evalsha:<name>"
 }
 
-// scriptNames maps the SHA-1 of each script escrow sends (as balance sends it: lua's sources)
-// to its metric label.
+// scriptNames maps the SHA-1 of each script escrow sends (lua.Scripts, as balance sends them) to
+// its metric label.
 func scriptNames() map[string]string {
 	m := map[string]string{}
-	for name, src := range map[string]string{
-		"reserve": lua.Reserve, "settle": lua.Settle, "release": lua.Release, "finish": lua.Finish, "reap": lua.Reap,
-		"seed": lua.Seed, "expired": lua.Expired, "extend": lua.Extend, "unpin": lua.Unpin, "state": lua.State,
-		"raise_model_max": lua.RaiseModelMax, "push_limits": lua.PushLimits, "model_use": lua.ModelUse,
-	} {
+	for name, src := range lua.Scripts {
 		h := sha1.Sum([]byte(src))
 		m[hex.EncodeToString(h[:])] = "evalsha:" + name
 	}
