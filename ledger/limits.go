@@ -79,7 +79,7 @@ func CheckLimit(l balance.Limit) error {
 	if l.Unit != balance.Money && l.Unit != balance.Requests && l.Unit != balance.Tokens {
 		return fmt.Errorf("%w: unit %q (money, requests or tokens)", ErrInvalidLimit, l.Unit)
 	}
-	if l.RequireEndUser && (l.Scope.Kind != balance.ScopeEndUser || l.Scope.ID != "") {
+	if l.RequireEndUser && !eachEndUser(l) {
 		return fmt.Errorf("%w: require_end_user is for a limit of scope end_user without scope_id (each end user apart)", ErrInvalidLimit)
 	}
 	return CheckCap(l.Cap)
