@@ -26,9 +26,9 @@ func run(ctx context.Context, o options) error {
 		return err
 	}
 	lim := &limits{}
+	var err error
 	if !o.wrkOnly {
 		fmt.Fprintln(os.Stderr, "limits: Redis (interleaved rounds), then Postgres …")
-		var err error
 		if lim, err = measureLimits(ctx, o, o.redisURL, r.limURL, r.prefix+"l"); err != nil {
 			return fmt.Errorf("limits: %w", err)
 		}
@@ -40,10 +40,13 @@ func run(ctx context.Context, o options) error {
 		return err
 	}
 	if o.wrkDuration > 0 {
-		if err := r.wrk(ctx); err != nil {
+		if r.wrkRows, err = r.wrk(ctx); err != nil {
 			return err
 		}
 		if o.wrkOnly || ctx.Err() != nil {
+			if ctx.Err() == nil {
+				printGoals(os.Stdout, r.wrkRows, nil, nil, nil, o)
+			}
 			return ctx.Err()
 		}
 	}
@@ -56,6 +59,7 @@ func run(ctx context.Context, o options) error {
 		return ctx.Err()
 	}
 	printTable(lim, scs, lags)
+	printGoals(os.Stdout, r.wrkRows, lim, scs, lags, r.o)
 	fmt.Printf("%s\nbench took %s\n", r.machine, time.Since(began).Round(time.Second))
 	return nil
 }
@@ -76,6 +80,7 @@ type rig struct {
 
 	base, esc, co                     *proxyProc
 	keys, hot, coKeys, coHot, fitKeys []string
+	wrkRows                           []*wrkScenario // the wrk side by side's rows, once run
 }
 
 // close runs the clean-ups in reverse order.
@@ -183,19 +188,19 @@ func (r *rig) startProxies(ctx context.Context) error {
 }
 
 // wrk runs the wrk side-by-side, with the -before build when one was given.
-func (r *rig) wrk(ctx context.Context) error {
+func (r *rig) wrk(ctx context.Context) ([]*wrkScenario, error) {
 	var before *beforeProxy
 	if r.o.before != "" {
 		bfURL, err := r.schema(ctx, "_before")
 		if err != nil {
-			return err
+			return nil, err
 		}
 		env := r.env(bfURL, r.prefix+"p")
 		if r.o.profileDir != "" { // its wrk rounds are profiled too, for the before/after of the profiles
 			env = append(env, "ESCROW_PPROF_ADDR="+freeAddr())
 		}
 		if before, err = startBefore(ctx, r.o.before, r.tmp, env, r.o.orgs); err != nil {
-			return fmt.Errorf("before: %w", err)
+			return nil, fmt.Errorf("before: %w", err)
 		}
 		r.undo = append(r.undo, before.p.stop)
 	}

@@ -190,35 +190,35 @@ func startDirect() (base string, stop func(), err error) {
 
 // wrkSideBySide runs the wrk scenarios (each split into rounds taken in turns, so a burst of load
 // from elsewhere on the machine spreads over all of them) and prints their table.
-func wrkSideBySide(ctx context.Context, o options, base, esc *proxyProc, keys, hot []string, before *beforeProxy, co coRows) error {
+func wrkSideBySide(ctx context.Context, o options, base, esc *proxyProc, keys, hot []string, before *beforeProxy, co coRows) ([]*wrkScenario, error) {
 	wrk, err := ensureWrk(ctx)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	dir, err := os.MkdirTemp("", "escrow-wrk-")
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer os.RemoveAll(dir)
 	direct, stopDirect, err := startDirect()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer stopDirect()
 	scs := wrkScenarios(direct, base, esc, keys, hot, before, co)
 	if o.wrkRun != "" {
 		if scs, err = filterScenarios(scs, o.wrkRun); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	round := max(o.wrkDuration/time.Duration(o.rounds), time.Second)
 	fmt.Fprintf(os.Stderr, "wrk: %d rounds of %s per scenario, in turns …\n", o.rounds, round)
 	if err := runWrkRounds(ctx, wrk, dir, scs, o.rounds, round, o.profileDir); err != nil {
-		return err
+		return nil, err
 	}
 	printWrkTable(scs)
 	fmt.Printf("wrk 4.1 (Debian), -t2 -c32 unless -c1; %d rounds of %s each, in turns. CPU per request: the proxy from /proc/<pid>/stat (its built-in fake upstream included; the middleware-off proxy pays it too), Redis from INFO cpu, Postgres from its processes in /proc — shared servers, so other clients' work counts too; 'over off' subtracts the middleware-off proxy's CPU per request of the same shape. 429s on the hot org are false 429s: only 32 requests are ever in flight.\n", o.rounds, round)
-	return nil
+	return scs, nil
 }
 
 // wrkScenario is one row of the wrk table: a URL, the keys its requests take turns with, a body
