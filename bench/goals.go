@@ -45,45 +45,13 @@ func printGoals(out io.Writer, wrk []*wrkScenario, lim *limits, s *scenarios, la
 
 // goalRows builds the goals table's rows from what the run measured.
 func goalRows(wrk []*wrkScenario, lim *limits, s *scenarios, lags []lagRun, o options) []goalRow {
-	find := func(name string) *wrkRun {
+	row := func(name string) *wrkScenario {
 		for _, sc := range wrk {
-			if sc.name == name && len(sc.runs) > 0 {
-				t := sc.total()
-				return &t
+			if sc.name == name {
+				return sc
 			}
 		}
 		return nil
-	}
-	offOf := func(name string) *wrkRun {
-		for _, sc := range wrk {
-			if sc.name == name && sc.off != nil && len(sc.off.runs) > 0 {
-				t := sc.off.total()
-				return &t
-			}
-		}
-		return nil
-	}
-	// over is a row's CPU per request over its middleware-off row (proxy, Redis and Postgres).
-	over := func(name string) (time.Duration, bool) {
-		r, off := find(name), offOf(name)
-		if r == nil || off == nil {
-			return 0, false
-		}
-		return r.per(r.proxy+r.redis+r.pgCPU) - off.per(off.proxy+off.redis+off.pgCPU), true
-	}
-	ratioOf := func(name string) (float64, bool) {
-		r, off := find(name), offOf(name)
-		if r == nil || off == nil || off.rps() == 0 {
-			return 0, false
-		}
-		return r.rps() / off.rps(), true
-	}
-	p50Over := func(name string) (time.Duration, bool) {
-		r, off := find(name), offOf(name)
-		if r == nil || off == nil {
-			return 0, false
-		}
-		return r.p50 - off.p50, true
 	}
 	yes := func(ok bool) string {
 		if ok {
@@ -93,36 +61,33 @@ func goalRows(wrk []*wrkScenario, lim *limits, s *scenarios, lags []lagRun, o op
 	}
 	us := func(d time.Duration) string { return fmt.Sprintf("%.0f µs", float64(d)/float64(time.Microsecond)) }
 	ms := func(d time.Duration) string { return fmt.Sprintf("%+.3f ms", float64(d)/float64(time.Millisecond)) }
-	dash := "—"
+	const dash = "—"
 
 	var rows []goalRow
-	many := fmt.Sprintf("escrow, json, %d orgs", o.orgs)
+	orgs := fmt.Sprintf("%d orgs", o.orgs)
+	many, hot := "escrow, json, "+orgs, "escrow, json, 1 hot org"
 	c1 := fmt.Sprintf("escrow, json, %d orgs, -c1", min(10, o.orgs))
-	if now, ok := over(many); ok {
-		r := goalRow{name: "CPU/request over middleware off, json, " + fmt.Sprintf("%d orgs", o.orgs), now: us(now), before: dash, goal: "≤ half of before"}
-		if b, ok := over("before: " + many); ok {
-			r.before, r.goal, r.met = us(b), "≤ "+us(b/2), yes(now <= b/2)
+	if now, ok := row(many).vsOff(); ok {
+		cpu := goalRow{name: "CPU/request over middleware off, json, " + orgs, now: us(now.cpu), before: dash, goal: "≤ half of before"}
+		ratio := goalRow{name: "wrk req/s ratio, json, " + orgs, now: fmt.Sprintf("%.2f", now.ratio), before: dash, goal: fmt.Sprintf("≥ %.2f", goalRatio), met: yes(now.ratio >= goalRatio)}
+		if b, ok := row("before: " + many).vsOff(); ok {
+			cpu.before, cpu.goal, cpu.met = us(b.cpu), "≤ "+us(b.cpu/2), yes(now.cpu <= b.cpu/2)
+			ratio.before = fmt.Sprintf("%.2f", b.ratio)
+		}
+		rows = append(rows, cpu, ratio)
+	}
+	if now, ok := row(hot).vsOff(); ok {
+		n429 := row(hot).total().n429
+		r := goalRow{name: "false 429s, json, 1 hot org (ratio)", now: fmt.Sprintf("%d (%.2f)", n429, now.ratio), before: dash, goal: "0", met: yes(n429 == 0)}
+		if b, ok := row("before: " + hot).vsOff(); ok {
+			r.before = fmt.Sprintf("%d (%.2f)", row("before: "+hot).total().n429, b.ratio)
 		}
 		rows = append(rows, r)
 	}
-	if now, ok := ratioOf(many); ok {
-		r := goalRow{name: "wrk req/s ratio, json, " + fmt.Sprintf("%d orgs", o.orgs), now: fmt.Sprintf("%.2f", now), before: dash, goal: fmt.Sprintf("≥ %.2f", goalRatio), met: yes(now >= goalRatio)}
-		if b, ok := ratioOf("before: " + many); ok {
-			r.before = fmt.Sprintf("%.2f", b)
-		}
-		rows = append(rows, r)
-	}
-	if hot := find("escrow, json, 1 hot org"); hot != nil {
-		r := goalRow{name: "false 429s, json, 1 hot org (ratio)", now: fmt.Sprintf("%d (%.2f)", hot.n429, mustRatio(ratioOf("escrow, json, 1 hot org"))), before: dash, goal: "0", met: yes(hot.n429 == 0)}
-		if b := find("before: escrow, json, 1 hot org"); b != nil {
-			r.before = fmt.Sprintf("%d (%.2f)", b.n429, mustRatio(ratioOf("before: escrow, json, 1 hot org")))
-		}
-		rows = append(rows, r)
-	}
-	if now, ok := p50Over(c1); ok {
-		r := goalRow{name: "p50 over middleware off, one connection", now: ms(now), before: dash, goal: "no worse than before"}
-		if b, ok := p50Over("before: " + c1); ok {
-			r.before, r.met = ms(b), yes(now <= b)
+	if now, ok := row(c1).vsOff(); ok {
+		r := goalRow{name: "p50 over middleware off, one connection", now: ms(now.p50), before: dash, goal: "no worse than before"}
+		if b, ok := row("before: " + c1).vsOff(); ok {
+			r.before, r.met = ms(b.p50), yes(now.p50 <= b.p50)
 		}
 		rows = append(rows, r)
 	}
@@ -143,12 +108,4 @@ func goalRows(wrk []*wrkScenario, lim *limits, s *scenarios, lags []lagRun, o op
 			goal: fmt.Sprintf("fewer than %.1f (the issue's)", issueRedisPerRq), met: yes(s.ePlain.RedisPerReq < issueRedisPerRq)})
 	}
 	return rows
-}
-
-// mustRatio is the ratio of a (ratio, ok) pair, 0 when there is none.
-func mustRatio(r float64, ok bool) float64 {
-	if !ok {
-		return 0
-	}
-	return r
 }

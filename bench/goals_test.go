@@ -11,16 +11,16 @@ import (
 // round of 1,000 requests in a second and the CPU given (proxy only) per request.
 func wrkRows(offCPU time.Duration, rows map[string]time.Duration, n429 int64, p50 map[string]time.Duration) []*wrkScenario {
 	run := func(name string, cpu time.Duration) wrkRun {
-		return wrkRun{name: name, requests: 1000, elapsed: time.Second, proxy: 1000 * cpu, hasProxy: true, p50: p50[name], n429: n429}
+		return wrkRun{name: name, requests: 1000, elapsed: time.Second, proxy: 1000 * cpu, p50: p50[name], n429: n429}
 	}
-	off := &wrkScenario{name: "proxy, middleware off, json", runs: []wrkRun{run("off", offCPU)}}
+	off := &wrkScenario{name: "proxy, middleware off, json", p: &proxyProc{}, runs: []wrkRun{run("off", offCPU)}}
 	off.off = off
 	scs := []*wrkScenario{off}
 	for name, cpu := range rows {
 		r := run(name, cpu)
 		r.requests = int64(1000 * offCPU / cpu) // throughput falls as CPU per request rises
 		r.proxy = time.Duration(r.requests) * cpu
-		scs = append(scs, &wrkScenario{name: name, off: off, runs: []wrkRun{r}})
+		scs = append(scs, &wrkScenario{name: name, p: &proxyProc{}, off: off, runs: []wrkRun{r}})
 	}
 	return scs
 }

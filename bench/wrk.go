@@ -37,7 +37,6 @@ type wrkRun struct {
 	p50, p99            time.Duration
 	elapsed             time.Duration
 	proxy, redis, pgCPU time.Duration
-	hasProxy            bool
 }
 
 func (r wrkRun) rps() float64 { return float64(r.requests) / r.elapsed.Seconds() }
@@ -107,7 +106,7 @@ end
 // runWrk runs wrk once against url and measures the components' CPU around it (p may be nil: the
 // direct run).
 func runWrk(ctx context.Context, wrk, dir, name, url string, keys []string, body []byte, threads, conns int, d time.Duration, p *proxyProc) (wrkRun, error) {
-	r := wrkRun{name: name, hasProxy: p != nil}
+	r := wrkRun{name: name}
 	script, err := wrkScript(dir, keys, body)
 	if err != nil {
 		return r, err
@@ -384,7 +383,7 @@ func fetchProfile(ctx context.Context, addr string, d time.Duration, file string
 
 // total sums the scenario's rounds; its latencies are the medians of the rounds'.
 func (s *wrkScenario) total() wrkRun {
-	t := wrkRun{name: s.name, hasProxy: s.p != nil}
+	t := wrkRun{name: s.name}
 	var p50s, p99s []time.Duration
 	for _, r := range s.runs {
 		t.requests += r.requests
@@ -400,6 +399,27 @@ func (s *wrkScenario) total() wrkRun {
 	return t
 }
 
+// overOff is a row against its middleware-off row: CPU per request over it (proxy, Redis and
+// Postgres), the req/s ratio and the p50 over it.
+type overOff struct {
+	cpu   time.Duration
+	ratio float64
+	p50   time.Duration
+}
+
+// vsOff compares the row with its middleware-off row; false for a row without a proxy or rounds.
+func (s *wrkScenario) vsOff() (overOff, bool) {
+	if s == nil || s.p == nil || s.off == nil || len(s.runs) == 0 || len(s.off.runs) == 0 {
+		return overOff{}, false
+	}
+	r, off := s.total(), s.off.total()
+	if off.rps() == 0 {
+		return overOff{}, false
+	}
+	return overOff{cpu: r.per(r.proxy+r.redis+r.pgCPU) - off.per(off.proxy+off.redis+off.pgCPU),
+		ratio: r.rps() / off.rps(), p50: r.p50 - off.p50}, true
+}
+
 // printWrkTable prints one line per scenario: throughput, latencies, CPU per request, and for a
 // proxied row its overheads over its middleware-off row.
 func printWrkTable(scs []*wrkScenario) {
@@ -410,12 +430,9 @@ func printWrkTable(scs []*wrkScenario) {
 	for _, s := range scs {
 		r := s.total()
 		cpu, over, ratio, p50over := "—\t—\t—", "", "", ""
-		if r.hasProxy {
-			off := s.off.total()
+		if v, ok := s.vsOff(); ok {
 			cpu = us(r.per(r.proxy)) + "\t" + us(r.per(r.redis)) + "\t" + us(r.per(r.pgCPU))
-			over = us(r.per(r.proxy+r.redis+r.pgCPU) - off.per(off.proxy+off.redis+off.pgCPU))
-			ratio = fmt.Sprintf("%.2f", r.rps()/off.rps())
-			p50over = "+" + ms(r.p50-off.p50)
+			over, ratio, p50over = us(v.cpu), fmt.Sprintf("%.2f", v.ratio), "+"+ms(v.p50)
 		}
 		fmt.Fprintf(w, "\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t\n", r.name, num(r.rps()), ms(r.p50), ms(r.p99), cpu, over, ratio, p50over, r.n429, r.non2xx)
 	}
