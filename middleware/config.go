@@ -200,6 +200,9 @@ type Config struct {
 	RetryAfter time.Duration
 	// RecordTimeout bounds recording a usage event. Default 15s.
 	RecordTimeout time.Duration
+	// VoidTimeout bounds the void that asks the ledger, after a record failed or timed out,
+	// whether the event is stored (see Recorder). Default: RecordTimeout.
+	VoidTimeout time.Duration
 	// HangupTimeout and HangupBytes are the read-on bound: how long and how much the handler may
 	// go on after the client hung up (its writes are swallowed so the real usage still arrives).
 	// Default 2m and 64 MiB (the proxy's ESCROW_READ_ON sets HangupTimeout). Past them the
@@ -328,6 +331,7 @@ func (cfg Config) withDefaults() (Config, error) {
 	cfg.ReserveTimeout = cmp.Or(cfg.ReserveTimeout, d.ReserveTimeout)
 	cfg.RetryAfter = cmp.Or(cfg.RetryAfter, d.RetryAfter)
 	cfg.RecordTimeout = cmp.Or(cfg.RecordTimeout, d.RecordTimeout)
+	cfg.VoidTimeout = cmp.Or(cfg.VoidTimeout, cfg.RecordTimeout)
 	cfg.FitMinOutputTokens = cmp.Or(cfg.FitMinOutputTokens, d.FitMinOutputTokens)
 	cfg.HangupTimeout = cmp.Or(cfg.HangupTimeout, d.HangupTimeout)
 	cfg.HangupBytes = cmp.Or(cfg.HangupBytes, d.HangupBytes)
@@ -338,7 +342,7 @@ func (cfg Config) withDefaults() (Config, error) {
 	case cfg.MaxRequestBytes < 0, cfg.MaxResponseBytes < 0, cfg.KeyCacheSize < 0, cfg.NegativeCacheSize < 0, cfg.HangupBytes < 0:
 		return cfg, fmt.Errorf("%w: sizes must be > 0", ErrConfig)
 	case cfg.KeyCacheTTL < 0, cfg.MaxStale < 0, cfg.LookupTimeout < 0, cfg.ReserveTimeout < 0, cfg.RetryAfter < 0,
-		cfg.RecordTimeout < 0, cfg.HangupTimeout < 0, cfg.ReleaseRetryFor < 0, cfg.FitMinOutputTokens < 0:
+		cfg.RecordTimeout < 0, cfg.VoidTimeout < 0, cfg.HangupTimeout < 0, cfg.ReleaseRetryFor < 0, cfg.FitMinOutputTokens < 0:
 		return cfg, fmt.Errorf("%w: durations must be > 0", ErrConfig)
 	case cfg.MaxStale > balance.RevocationTTL:
 		// A stale key older than the revocation mark could outlive its revocation.

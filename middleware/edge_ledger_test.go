@@ -32,8 +32,9 @@ import (
 type faultLedger struct {
 	ledger.Ledger
 	snapshotDown atomic.Bool    // Snapshot fails as if Postgres were unreachable
-	stallBefore  atomic.Int64   // ns: RecordUsage waits this long, then commits (whatever its context says)
-	stallAfter   atomic.Int64   // ns: RecordUsage commits, then waits this long before answering
+	stallMu      sync.Mutex     // guards stall and gate
+	stall        stallKind      // what RecordUsage does while gate is shut
+	gate         chan struct{}  // closed by unstall: stalled RecordUsage calls go on
 	voidDown     atomic.Bool    // VoidUsage fails as if Postgres were unreachable
 	lookups      atomic.Int64   // LookupKey calls that reached the ledger
 	keysDown     atomic.Bool    // LookupKey fails as if Postgres were unreachable
@@ -66,25 +67,56 @@ func (f *faultLedger) SnapshotSince(ctx context.Context, org string, since time.
 	return f.Ledger.SnapshotSince(ctx, org, since)
 }
 
+// stallKind is what a stalled RecordUsage does: wait before the commit or after it.
+type stallKind int
+
+const (
+	noStall     stallKind = iota
+	stallBefore           // RecordUsage waits for unstall, then commits (whatever its context says)
+	stallAfter            // RecordUsage commits, then waits for unstall before answering
+)
+
+// stallRecords makes every RecordUsage from now on stall (k) until unstall: no duration, so
+// the record times out at any machine speed and the write lands only when the test says.
+func (f *faultLedger) stallRecords(k stallKind) {
+	f.stallMu.Lock()
+	defer f.stallMu.Unlock()
+	f.stall, f.gate = k, make(chan struct{})
+}
+
+// unstall lets the stalled RecordUsage calls go on and stops stalling new ones.
+func (f *faultLedger) unstall() {
+	f.stallMu.Lock()
+	defer f.stallMu.Unlock()
+	if f.gate != nil {
+		close(f.gate)
+	}
+	f.stall, f.gate = noStall, nil
+}
+
 func (f *faultLedger) RecordUsage(ctx context.Context, evs []ledger.UsageEvent) error {
-	if d := time.Duration(f.stallBefore.Load()); d > 0 {
+	f.stallMu.Lock()
+	k, gate := f.stall, f.gate
+	f.stallMu.Unlock()
+	switch k {
+	case stallBefore:
 		f.stalls.Add(1)
 		defer f.stalls.Done()
-		time.Sleep(d)
+		<-gate
 		err := f.Ledger.RecordUsage(context.Background(), evs) // a stalled write that lands late
 		f.commitErrs <- err
 		f.committed <- struct{}{}
 		return err
-	}
-	err := f.Ledger.RecordUsage(ctx, evs)
-	if d := time.Duration(f.stallAfter.Load()); d > 0 {
+	case stallAfter:
 		f.stalls.Add(1)
 		defer f.stalls.Done()
+		err := f.Ledger.RecordUsage(ctx, evs)
 		f.commitErrs <- err
 		f.committed <- struct{}{}
-		time.Sleep(d) // committed, but the answer is late
+		<-gate // committed, but the answer is late
+		return err
 	}
-	return err
+	return f.Ledger.RecordUsage(ctx, evs)
 }
 
 func (f *faultLedger) VoidUsage(ctx context.Context, ev ledger.UsageEvent) error {
@@ -297,9 +329,12 @@ func TestFailOpenColdOrgLedgerDown(t *testing.T) {
 
 // --- item 6: told it failed → never charged; saw it succeed → always charged ---
 
-// stallRecordTimeout is the record timeout of the tests of a ledger that stalls past it (800 or
-// 600 ms).
-func stallRecordTimeout(c *Config) { c.RecordTimeout = 150 * time.Millisecond }
+// stallRecordTimeout is the record timeout of the tests of a ledger that stalls (until the test
+// unstalls it, so the record times out at any speed); the void that follows has all the time a
+// loaded machine may need.
+func stallRecordTimeout(c *Config) {
+	c.RecordTimeout, c.VoidTimeout = 150*time.Millisecond, time.Minute
+}
 
 // TestRecordStallThenCommit: the ledger stalls past RecordTimeout and then commits the event
 // anyway. The void lands first, so the client gets an error and the late commit charges
@@ -309,7 +344,7 @@ func TestRecordStallThenCommit(t *testing.T) {
 	eachLedger(t, func(t *testing.T, pg bool) {
 		e := newLedgerEnv(t, pg, stallRecordTimeout)
 		for _, stream := range []bool{false, true} {
-			e.ledger.stallBefore.Store(int64(800 * time.Millisecond))
+			e.ledger.stallRecords(stallBefore)
 			extra := ""
 			if stream {
 				extra = `"stream":true`
@@ -329,7 +364,7 @@ func TestRecordStallThenCommit(t *testing.T) {
 			if o := e.outcome(); o.Kind != OutcomeRecordFailed {
 				t.Fatalf("outcome %+v", o)
 			}
-			e.ledger.stallBefore.Store(0)
+			e.ledger.unstall()
 			e.ledger.waitCommitted(t) // the stalled write lands now: it must be a no-op
 			e.ledger.stalls.Wait()
 			e.settle(0, 0)
@@ -345,7 +380,7 @@ func TestRecordCommitThenStall(t *testing.T) {
 		e := newLedgerEnv(t, pg, stallRecordTimeout)
 		var charged int64
 		for i, stream := range []bool{false, true} {
-			e.ledger.stallAfter.Store(int64(800 * time.Millisecond))
+			e.ledger.stallRecords(stallAfter)
 			extra := ""
 			if stream {
 				extra = `"stream":true`
@@ -360,7 +395,7 @@ func TestRecordCommitThenStall(t *testing.T) {
 				t.Fatalf("outcome %+v", o)
 			}
 			e.ledger.waitCommitted(t)
-			e.ledger.stallAfter.Store(0)
+			e.ledger.unstall()
 			e.ledger.stalls.Wait() // the recorder's flusher is free again
 			charged += o.Cost
 			e.settle(charged, i+1)
@@ -376,7 +411,7 @@ func TestRecordUnknownCutsConnection(t *testing.T) {
 	t.Parallel()
 	eachLedger(t, func(t *testing.T, pg bool) {
 		e := newLedgerEnv(t, pg, func(c *Config) { c.ReleaseRetryFor = time.Minute; stallRecordTimeout(c) })
-		e.ledger.stallBefore.Store(int64(600 * time.Millisecond))
+		e.ledger.stallRecords(stallBefore)
 		e.ledger.voidDown.Store(true)
 		status, body, err := e.do(e.key, jsonBody(testModel, ""))
 		if err == nil {
@@ -389,7 +424,7 @@ func TestRecordUnknownCutsConnection(t *testing.T) {
 		if st, err := e.store.State(context.Background(), e.org); err != nil || st.Holds != 1 {
 			t.Fatalf("hot balance %+v (%v): the hold must stay while the outcome is unknown", st, err)
 		}
-		e.ledger.stallBefore.Store(0)
+		e.ledger.unstall()
 		e.ledger.waitCommitted(t)
 		e.ledger.voidDown.Store(false)
 		// The background void now finds the event stored: charged once, hold settled.

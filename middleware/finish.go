@@ -260,7 +260,7 @@ func (m *middleware) recordOutcome(ev ledger.UsageEvent, err error) recordResult
 		errors.Is(err, ledger.ErrNotRecorded):
 		return recordNotStored
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.VoidTimeout)
 	defer cancel()
 	return voidResult(m.cfg.Recorder.Void(ctx, ev))
 }
@@ -282,7 +282,7 @@ func voidResult(err error) recordResult {
 // found stored keeps it, for the settle that will come.
 func (m *middleware) voidLater(cl *call, ev ledger.UsageEvent) {
 	m.retryLater(func(int) (bool, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
+		ctx, cancel := context.WithTimeout(context.Background(), m.cfg.VoidTimeout)
 		err := m.cfg.Recorder.Void(ctx, ev)
 		cancel()
 		if errors.Is(err, errors.ErrUnsupported) {

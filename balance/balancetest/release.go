@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/balance"
+	"github.com/redis/go-redis/v9"
 )
 
 func exerciseReleaseWithoutAcct(t *testing.T, env Env) {
@@ -116,22 +117,31 @@ func exerciseReapScriptRechecksExpiry(t *testing.T, env Env) {
 
 func exerciseTombstoneTrim(t *testing.T, env Env) {
 	t.Parallel()
-	x := fixture(t, env, balance.Config{TombstoneTTL: 400 * time.Millisecond}, 1000, true)
+	// No sleep: "old" is aged by moving its score (Redis server ms) two TTLs into the past, and
+	// the TTL is a minute, so "new" is younger than it at any machine speed.
+	const ttl = time.Minute
+	x := fixture(t, env, balance.Config{TombstoneTTL: ttl}, 1000, true)
 	x.mustReserve("old", 10)
 	if _, err := x.s.Release(x.ctx, x.org, "old"); err != nil {
 		t.Fatal(err)
 	}
 	eq(t, "tombstone", x.inGone("old"), true)
-	ttl, err := x.env.Client.PTTL(x.ctx, x.keys().Gone).Result()
-	if err != nil || ttl <= 0 || ttl > 400*time.Millisecond {
-		t.Fatalf("gone ttl %v %v, want (0, 400ms]", ttl, err)
+	pttl, err := x.env.Client.PTTL(x.ctx, x.keys().Gone).Result()
+	if err != nil || pttl <= 0 || pttl > ttl {
+		t.Fatalf("gone ttl %v %v, want (0, %v]", pttl, err, ttl)
 	}
-	time.Sleep(200 * time.Millisecond)
+	now, err := x.env.Client.Time(x.ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	aged := float64(now.Add(-2*ttl).UnixMilli())
+	if err := x.env.Client.ZAddXX(x.ctx, x.keys().Gone, redis.Z{Score: aged, Member: "old"}).Err(); err != nil {
+		t.Fatal(err)
+	}
 	x.mustReserve("new", 10)
 	if _, err := x.s.Release(x.ctx, x.org, "new"); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(250 * time.Millisecond)
 	// A write trims what is older than the TTL; "new" is younger.
 	if _, err := x.s.Release(x.ctx, x.org, "third"); err != nil {
 		t.Fatal(err)
