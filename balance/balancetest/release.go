@@ -134,7 +134,7 @@ func exerciseTombstoneTrim(t *testing.T, env Env) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	aged := float64(now.Add(-2*ttl).UnixMilli())
+	aged := float64(now.Add(-2 * ttl).UnixMilli())
 	if err := x.env.Client.ZAddXX(x.ctx, x.keys().Gone, redis.Z{Score: aged, Member: "old"}).Err(); err != nil {
 		t.Fatal(err)
 	}
