@@ -86,6 +86,13 @@ func (s *spyRecorder) Void(ctx context.Context, ev ledger.UsageEvent) error {
 	return s.l.VoidUsage(ctx, ev)
 }
 
+// setFail makes every Record from now on fail with err (nil: succeed).
+func (s *spyRecorder) setFail(err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.fail = err
+}
+
 func (s *spyRecorder) events() []ledger.UsageEvent {
 	s.mu.Lock()
 	defer s.mu.Unlock()

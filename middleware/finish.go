@@ -144,6 +144,15 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	rctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
 	rcpt, err := m.record(rctx, ev)
 	cancel()
+	if err != nil && cw.served && !recordRefused(err) {
+		// Served ⇒ billed: content reached the client, so the event is never voided and its hold
+		// never released; it is kept and recorded again until the ledger has it (recordLater),
+		// and the client gets its end.
+		o.Kind, o.Err = OutcomeRecordLater, err
+		cl.recordLater(ev, err)
+		cw.commit(costReceipt{cost: cost})
+		return false
+	}
 	if err != nil {
 		if done, abort := cl.recordFailed(cw, ev, err, &o); done {
 			return abort
@@ -254,15 +263,58 @@ const (
 // a ledger error whose commit may have landed) is settled by voiding the id in the ledger, at
 // most RecordTimeout more.
 func (m *middleware) recordOutcome(ev ledger.UsageEvent, err error) recordResult {
-	switch {
-	case errors.Is(err, pricing.ErrInvalidUsage), errors.Is(err, ledger.ErrInvalidAmount),
-		errors.Is(err, balance.ErrInvalidOrg), errors.Is(err, accounting.ErrRecorderClosed),
-		errors.Is(err, ledger.ErrNotRecorded):
+	if recordRefused(err) || errors.Is(err, ledger.ErrNotRecorded) {
 		return recordNotStored
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.VoidTimeout)
 	defer cancel()
 	return voidResult(m.cfg.Recorder.Void(ctx, ev))
+}
+
+// recordRefused reports whether a Record failed before anything was queued, for good: an event
+// that can never be stored, or a recorder that no longer takes events.
+func recordRefused(err error) bool {
+	return errors.Is(err, pricing.ErrInvalidUsage) || errors.Is(err, ledger.ErrInvalidAmount) ||
+		errors.Is(err, balance.ErrInvalidOrg) || errors.Is(err, accounting.ErrRecorderClosed)
+}
+
+// recordLater records ev again and again, in the background, until the ledger (or the journal)
+// has it: its content was served, so it must be billed. Meanwhile its hold is kept alive (no
+// reaper releases it: the org cannot spend it twice) and never released. Recording again is
+// safe: events are idempotent by id, and nothing voids this one. Only a refusal that can never
+// change ends it (an invalid event, or the recorder stopped: then the ledger is written
+// directly, once per try, since the process may be shutting down), with the event logged
+// whole at error level so it can be billed by hand.
+func (cl *call) recordLater(ev ledger.UsageEvent, first error) {
+	m := cl.m
+	m.cfg.Logger.Warn("escrow: usage record failed after the content was served; kept and recorded again until stored",
+		"hold_id", cl.holdID, "org", cl.id.Org, "cost", ev.Cost, "err", first)
+	lease := cl.keepAlive(func(error) {}) // a lost lease only means the hold may expire; the record goes on
+	go func() {
+		defer lease.Stop()
+		wait := 50 * time.Millisecond
+		for attempt := 1; ; attempt++ {
+			ctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
+			_, err := m.record(ctx, ev)
+			if errors.Is(err, accounting.ErrRecorderClosed) {
+				err = m.cfg.Ledger.RecordUsage(ctx, []ledger.UsageEvent{ev})
+			}
+			cancel()
+			switch {
+			case err == nil:
+				m.cfg.Logger.Info("escrow: usage of a served request recorded after retrying", "hold_id", cl.holdID, "org", cl.id.Org, "attempts", attempt)
+				return
+			case errors.Is(err, pricing.ErrInvalidUsage), errors.Is(err, ledger.ErrInvalidAmount), errors.Is(err, balance.ErrInvalidOrg):
+				m.cfg.Logger.Error("escrow: usage of a served request can never be recorded; bill it by hand",
+					"hold_id", cl.holdID, "event", ev, "err", err)
+				return
+			case attempt%10 == 0:
+				m.cfg.Logger.Error("escrow: usage of a served request still not recorded; retrying", "hold_id", cl.holdID, "org", cl.id.Org, "attempts", attempt, "err", err)
+			}
+			time.Sleep(wait)
+			wait = min(2*wait, 5*time.Second)
+		}
+	}()
 }
 
 func voidResult(err error) recordResult {

@@ -35,6 +35,10 @@ const (
 	// the usage will be stored is unknown: the connection was cut (neither a success nor an
 	// error), the hold kept, and the void retried in the background.
 	OutcomeRecordUnknown OutcomeKind = "record_unknown"
+	// OutcomeRecordLater: recording failed after the response's content reached the client
+	// (served ⇒ billed): the client got its end, the hold is kept alive and never released,
+	// and the event is recorded again in the background until stored (never voided).
+	OutcomeRecordLater OutcomeKind = "record_later"
 )
 
 // Outcome describes one handled request, for metrics and logs (Config.OnOutcome).
@@ -199,6 +203,8 @@ func (m *middleware) report(o Outcome) {
 	switch o.Kind {
 	case OutcomeRecordFailed:
 		log.Error("escrow: usage not recorded", "hold_id", o.HoldID, "org", o.Org, "model", o.Model, "err", o.Err)
+	case OutcomeRecordLater:
+		log.Warn("escrow: usage of a served request not recorded yet; retried until stored", "hold_id", o.HoldID, "org", o.Org, "model", o.Model, "cost", o.Cost, "err", o.Err)
 	case OutcomeRecordUnknown:
 		log.Error("escrow: usage outcome unknown; connection cut, void retried", "hold_id", o.HoldID, "org", o.Org, "model", o.Model, "err", o.Err)
 	case OutcomeEstimated:

@@ -478,15 +478,24 @@ func TestRecordFailureIsNotASuccess(t *testing.T) {
 	}
 	e.assertNothingDebited()
 
-	// A stream: no [DONE], an error event instead.
+	// A stream's content was served before its record: served ⇒ billed. The client gets its
+	// end, the hold is kept, and the event is recorded again until the ledger takes it.
 	resp = e.post(context.Background(), EndpointChat, e.key, jsonBody(testModel, `"stream":true`))
 	got, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if strings.Contains(string(got), "[DONE]") || !strings.Contains(string(got), `"code":"billing_unavailable"`) {
+	if !strings.Contains(string(got), "[DONE]") || strings.Contains(string(got), `"code":"billing_unavailable"`) {
 		t.Fatalf("stream after a failed record:\n%s", got)
 	}
-	e.outcome()
-	e.assertNothingDebited()
+	o := e.outcome()
+	if o.Kind != OutcomeRecordLater {
+		t.Fatalf("outcome %+v", o)
+	}
+	if st := e.state(); st.Holds != 1 || st.Held != o.HoldAmount {
+		t.Fatalf("hot balance %+v: the served stream's hold must stay", st)
+	}
+	e.rec.setFail(nil) // the ledger is back
+	waitFor(t, func() bool { return e.usageRecorded(o.HoldID) }, "the served stream's usage recorded")
+	e.assertRecorded(o.HoldID, o.HoldAmount)
 }
 
 func TestRedisDownThenRecovers(t *testing.T) {

@@ -66,6 +66,7 @@ type captureWriter struct {
 	decErr      error
 	coding      string // the Content-Encoding the upstream sent
 	written     int64  // body bytes the handler wrote
+	served      bool   // a 2xx body byte reached the client: its content was served
 	swallowed   int64
 
 	gone     atomic.Bool
@@ -225,6 +226,7 @@ func (cw *captureWriter) out(p []byte) {
 	}
 	if !cw.gone.Load() {
 		if _, err := cw.w.Write(p); err == nil {
+			cw.served = cw.served || cw.mode != modePass
 			return
 		}
 		cw.markGone()

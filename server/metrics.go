@@ -152,7 +152,7 @@ func (m *metrics) observe(o middleware.Outcome) {
 	if o.FitCap > 0 {
 		m.fitted.Inc()
 	}
-	if o.Kind == middleware.OutcomeRecorded || o.Kind == middleware.OutcomeEstimated {
+	if o.Kind == middleware.OutcomeRecorded || o.Kind == middleware.OutcomeEstimated || o.Kind == middleware.OutcomeRecordLater {
 		m.costs.Observe(float64(o.Cost))
 		m.spend.WithLabelValues(o.Model, string(o.Kind)).Add(float64(o.Cost))
 		m.tokens.WithLabelValues(o.Model, "prompt").Add(float64(o.Usage.Prompt))
@@ -162,7 +162,7 @@ func (m *metrics) observe(o middleware.Outcome) {
 	if o.Status == http.StatusServiceUnavailable {
 		m.errors.WithLabelValues("redis").Inc()
 	}
-	if o.Kind == middleware.OutcomeRecordFailed || o.Kind == middleware.OutcomeRecordUnknown {
+	if o.Kind == middleware.OutcomeRecordFailed || o.Kind == middleware.OutcomeRecordUnknown || o.Kind == middleware.OutcomeRecordLater {
 		m.errors.WithLabelValues("ledger").Inc()
 	}
 }
