@@ -19,6 +19,10 @@ import (
 // ErrJournalFull is returned by Journal.Append when the events do not fit under the size cap.
 var ErrJournalFull = errors.New("accounting: local journal full")
 
+// ErrJournalLocked is returned by OpenJournal when another process (or another Journal of this
+// one) has the directory's journal open: each running proxy needs a journal of its own.
+var ErrJournalLocked = errors.New("accounting: local journal in use by another process")
+
 // journalFile is the journal's file name inside its directory.
 const journalFile = "usage.journal"
 
@@ -85,6 +89,10 @@ func OpenJournal(dir string, cfg *JournalConfig) (*Journal, error) {
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("accounting: open journal: %w", err)
+	}
+	if err := lockJournal(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("accounting: lock journal %s: %w", path, err)
 	}
 	j := &Journal{path: path, max: maxBytes, f: f}
 	events, good, err := readRecords(f)

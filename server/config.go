@@ -135,7 +135,7 @@ func (c *Config) settings() []setting {
 		{"ESCROW_ALLOW_EVICTION", "allow-eviction", "false", "start even if Redis maxmemory-policy is not noeviction (unsafe: eviction can lose holds)", boolean(&c.AllowEviction)},
 		{"ESCROW_MAX_BODY_BYTES", "max-body-bytes", "4194304", "largest request body accepted", integer(&c.MaxBodyBytes, 1)},
 		{"ESCROW_DEFAULT_HOLD", "default-hold", "0", "hold (micro-units) for a priced model with nothing better known; 0: the model's own default", integer(&c.DefaultHold, 0)},
-		{"ESCROW_JOURNAL_DIR", "journal-dir", "", "directory of the local usage journal used while Postgres is down; empty: none", str(&c.JournalDir)},
+		{"ESCROW_JOURNAL_DIR", "journal-dir", JournalAuto, "directory (on persistent storage) of the local usage journal that keeps usage billed while Postgres is down or slow; auto: journal-<ledger id> under $STATE_DIRECTORY, else $XDG_STATE_HOME/escrow, else ~/.local/state/escrow (a temporary one for the in-memory demo ledger); off: none (logged at start)", str(&c.JournalDir)},
 		{"ESCROW_JOURNAL_MAX_BYTES", "journal-max-bytes", "67108864", "size cap of the local journal; new holds are refused (503) when less than a tenth of it is free", integer(&c.JournalMaxBytes, 1)},
 		{"ESCROW_JOURNAL_REPLAY_INTERVAL", "journal-replay-interval", "1s", "how often a non-empty journal is replayed into the ledger", dur(&c.ReplayInterval)},
 		{"ESCROW_REAP_GRACE", "reap-grace", "1m", "a hold past its expiry is reaped only after this grace (keep it above the record timeout)", dur(&c.ReapGrace)},

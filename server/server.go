@@ -94,7 +94,9 @@ type Server struct {
 	ownRedis bool // rdb was dialed from Config.RedisURL: Stop closes it
 	ledger   ledger.Ledger
 	store    *balance.Store
-	journal  *accounting.Journal // local usage journal for ledger outages; nil without ESCROW_JOURNAL_DIR
+	journal  *accounting.Journal // local usage journal for ledger outages; nil with ESCROW_JOURNAL_DIR=off
+	// tempJournal is the demo's temporary journal directory (removed at Stop); "" otherwise.
+	tempJournal string
 	recorder *accounting.Recorder
 	worker   *accounting.Worker
 	ops      *accounting.Ops
@@ -211,8 +213,12 @@ func (s *Server) openLedger(ctx context.Context, embeddedRedis bool) error {
 // Redis client and ledger, from the configuration.
 func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 	cfg := s.cfg
-	if cfg.JournalDir == "" && cfg.DatabaseURL != "" {
-		s.log.Warn("no ESCROW_JOURNAL_DIR: while the ledger is down, requests fail with 503 billing_unavailable instead of being journaled")
+	journalDir, err := s.journalDir(ctx)
+	if err != nil {
+		return err
+	}
+	if journalDir != "" {
+		s.log.Info("local usage journal", "dir", journalDir)
 	}
 	esc, err := escrow.New(ctx, s.rdb, nil, &escrow.Config{
 		Ledger: s.ledger,
@@ -240,7 +246,7 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 		// Usage left in the journal from an earlier run is announced by the recorder when it
 		// replays it.
 		Recorder:   accounting.RecorderConfig{ReplayInterval: cfg.ReplayInterval},
-		JournalDir: cfg.JournalDir,
+		JournalDir: journalDir,
 		Journal:    accounting.JournalConfig{MaxBytes: cfg.JournalMaxBytes},
 		Webhooks:   webhook.Config{Timeout: cfg.WebhookTimeout, MaxAttempts: cfg.WebhookMaxAttempts, AllowPrivate: cfg.WebhookAllowPrivate},
 		Middleware: middleware.Config{
@@ -413,6 +419,9 @@ func (s *Server) close() {
 		}
 		if s.rdb != nil && s.ownRedis {
 			_ = s.rdb.Close()
+		}
+		if s.tempJournal != "" {
+			_ = os.RemoveAll(s.tempJournal)
 		}
 	})
 }
