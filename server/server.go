@@ -95,15 +95,13 @@ type Server struct {
 	ledger   ledger.Ledger
 	store    *balance.Store
 	journal  *accounting.Journal // local usage journal for ledger outages; nil with ESCROW_JOURNAL_DIR=off
-	// tempJournal is the demo's temporary journal directory (removed at Stop); "" otherwise.
-	tempJournal string
-	recorder    *accounting.Recorder
-	worker      *accounting.Worker
-	ops         *accounting.Ops
-	webhooks    *webhook.Sender // delivers the ledger's webhook outbox
-	esc         *escrow.Escrow  // the parts above, wired and run together (escrow.New)
-	metrics     *metrics
-	echo        *echo.Echo
+	recorder *accounting.Recorder
+	worker   *accounting.Worker
+	ops      *accounting.Ops
+	webhooks *webhook.Sender // delivers the ledger's webhook outbox
+	esc      *escrow.Escrow  // the parts above, wired and run together (escrow.New)
+	metrics  *metrics
+	echo     *echo.Echo
 
 	routes     *routeTable  // each model's upstream (upstreams.go)
 	fake       *http.Server // in-process upstream (WithUpstream)
@@ -112,6 +110,9 @@ type Server struct {
 	pprof      *http.Server
 
 	once sync.Once
+
+	// tempJournal is the demo's temporary journal directory (removed at close); "" otherwise.
+	tempJournal string
 }
 
 // New builds every part from cfg (nil: DefaultConfig) and opts; nothing listens yet. It checks
