@@ -619,12 +619,14 @@ inline LRECORD(r) {
 #define JOURNAL(r)     1
 #define LATEFINISH(r)  1
 #define DIEFINISH(r)   1
+#define RECSTALL(r)    1
 #else
 #define LOSTCALL(r)    ((r) == 0)   /* the reserve call times out before Redis ran it */
 #define RERELEASE(r)   ((r) == 0)   /* the background release is sent twice */
 #define JOURNAL(r)     ((r) == 1)   /* the ledger is down when the usage is recorded */
 #define LATEFINISH(r)  ((r) == 1)   /* finish is re-sent and arrives late */
 #define DIEFINISH(r)   ((r) == 2)   /* the owner dies between record and finish */
+#define RECSTALL(r)    ((r) == 1)   /* the record times out after the content was served */
 #endif
 
 inline KRESET() {
@@ -685,6 +687,23 @@ success: skip;
 #endif
        printf("STEP %d pin r=%d\n", r, r); CHECK()
      }
+  :: RECSTALL(r) ->
+     /* served ⇒ billed: the content reached the client, then the record timed out (the ledger
+      * stalls; no journal). Anything may happen before the retry lands (settles, a data loss, a
+      * restore): the owner lives on (its lease keeps the hold from expiring, so no reaper takes
+      * it) and records the same event again until the ledger has it. */
+     d_step { served[r] = 1; printf("STEP %d record-timeout r=%d cost=%d amt=%d bounded=%d\n", r, r, RCOST(r), ramt[r], BOUNDED(r)) };
+#ifndef M_SERVED
+     d_step {
+       hrec[r] = (hp[r] -> hamt[r] : 0); LRECORD(r);
+       printf("STEP %d record r=%d cost=%d amt=%d bounded=%d\n", r, r, RCOST(r), ramt[r], BOUNDED(r));
+       assert(!BOUNDED(r) || RCOST(r) <= ramt[r]);
+       CHECK()
+     }
+#else
+     d_step { printf("STEP %d void r=%d\n", r, r) };
+     goto fail                                          /* the old rule: voided, hold released */
+#endif
   fi;
   if
   :: d_step { FINISH(r); oact[r] = 0; alive[r] = 0; printf("STEP %d finish r=%d cost=%d\n", r, r, RCOST(r)); CHECK() };

@@ -80,6 +80,7 @@ var mutations = []mutation{
 	{"M_CATCHUP", "catch-up: the seeder re-sends the entries past W right after a seed", only("NO_FLUSH", "NO_INVALIDATE")},
 	{"M_REAPCHK", "reaper's ledger check: no reap while the ledger has unsettled usage for the hold", only("NO_TICK")},
 	{"M_PIN", "pin: journaled usage pins its hold", only("NO_TICK")},
+	{"M_SERVED", "served ⇒ billed: a record that times out after the content was served is recorded again, never voided and released", only("NO_TICK")},
 	{"M_FIN", "finish's existence check: finish acts only on an existing, unfinished hold", only("NO_TICK")},
 	{"M_EPOCH", "epoch generation order: no script replaces a higher generation with a lower one", only("NO_RESTORE", "NO_INVALIDATE")},
 	{"M_WIN", "window attribution: a cost is charged to the window of its hold's reserve time", only("NO_TICK")},

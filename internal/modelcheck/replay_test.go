@@ -332,6 +332,17 @@ func (rp *replayer) apply(s step) {
 		rp.holdAtRecord[r], _ = rp.holdAmount(r)
 		rp.usage(s)
 		rp.record(r)
+	case "record-timeout":
+		// served, and the record timed out: the middleware records it again (the "record"
+		// step that follows in the intact model)
+		rp.served[r] = true
+		rp.usage(s)
+	case "void":
+		// M_SERVED voids a served request's usage; the middleware never does (served ⇒
+		// billed): it records it again until stored, which is what the real code replays
+		rp.skipped["void of served usage (the middleware records it instead)"]++
+		rp.holdAtRecord[r], _ = rp.holdAmount(r)
+		rp.record(r)
 	case "journal":
 		rp.served[r] = true
 		rp.holdAtRecord[r], _ = rp.holdAmount(r)
