@@ -30,6 +30,10 @@ import (
 var (
 	simSeed  = flag.Uint64("sim.seed", 0, "replay one simulation seed (0: a new random seed)")
 	simSteps = flag.Int("sim.steps", 0, "steps per simulation run (0: 10,000; 2,500 under the race detector)")
+	// simServedVoid switches served ⇒ billed off (the rule before issue 34): a record that times
+	// out after the content was served is voided and its hold released. The run must then fail
+	// with "served but never billed" (go test ./accounting -run TestSimulation -sim.served-void).
+	simServedVoid = flag.Bool("sim.served-void", false, "mutation: void a served request whose record timed out (the run must fail)")
 )
 
 // TestSimulation drives the real scripts and a real ledger through random interleavings of
@@ -131,7 +135,16 @@ type simulator struct {
 	limitsLag    map[string]bool // a pre-loss snapshot was seeded: the hot limits may lag until a push
 	counts       map[string]int
 	finSent      []balance.Finish // finish calls sent, re-sent (or first sent) later at random
+	// later holds the served requests whose record timed out (served ⇒ billed): each is
+	// recorded again, at a random later step, until stored; its hold is never released
+	later []laterRecord
 	boundHold    map[string]int64 // hold id of a bounded request → the hold the script wrote for it
+}
+
+// laterRecord is a served request whose record timed out, with the usage it will be billed.
+type laterRecord struct {
+	r simReq
+	u used
 }
 
 type simReq struct {
@@ -354,6 +367,15 @@ func (s *simulator) step() {
 			s.counts["release"]++
 			_, err := s.store.Release(s.ctx, r.org, r.id)
 			s.must(err)
+		} else if s.rnd.Float64() < 0.1 { // its content was served, then its record timed out
+			s.counts["record-timeout"]++
+			s.servedOrg[r.id] = r.org
+			if *simServedVoid { // the mutation: voided (never recorded), hold released
+				_, err := s.store.Release(s.ctx, r.org, r.id)
+				s.must(err)
+			} else {
+				s.later = append(s.later, laterRecord{r, s.drawCost(r)})
+			}
 		} else {
 			s.counts["record"]++
 			s.record(r, s.drawCost(r))
@@ -463,6 +485,12 @@ func (s *simulator) step() {
 		s.counts["clock"]++
 		steps := []time.Duration{10 * time.Minute, time.Hour, 5 * time.Hour, 24 * time.Hour, 3 * 24 * time.Hour}
 		s.newStore(s.offset + steps[s.rnd.IntN(len(steps))])
+	case op < 0.88 && len(s.later) > 0: // a served request's retried record lands (maybe twice)
+		s.counts["record-retried"]++
+		i := s.rnd.IntN(len(s.later))
+		l := s.later[i]
+		s.later = slices.Delete(s.later, i, i+1)
+		s.record(l.r, l.u)
 	}
 }
 
@@ -927,6 +955,10 @@ func (s *simulator) quiesce() {
 		r := s.inflight[id]
 		s.record(r, s.drawCost(r))
 	}
+	for _, l := range s.later { // the ledger answers again: every retried record lands
+		s.record(l.r, l.u)
+	}
+	s.later = nil
 	s.must(s.worker.Drain(s.ctx))
 	for _, o := range s.orgs {
 		_, err := s.worker.Reconcile(s.ctx, o)
