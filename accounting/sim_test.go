@@ -137,8 +137,8 @@ type simulator struct {
 	finSent      []balance.Finish // finish calls sent, re-sent (or first sent) later at random
 	// later holds the served requests whose record timed out (served ⇒ billed): each is
 	// recorded again, at a random later step, until stored; its hold is never released
-	later []laterRecord
-	boundHold    map[string]int64 // hold id of a bounded request → the hold the script wrote for it
+	later     []laterRecord
+	boundHold map[string]int64 // hold id of a bounded request → the hold the script wrote for it
 }
 
 // laterRecord is a served request whose record timed out, with the usage it will be billed.
