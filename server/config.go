@@ -107,6 +107,9 @@ type Config struct {
 	// limitClock shifts the clock of the limit windows (balance.Config.ClockOffset): tests
 	// only, to run a per-minute burst inside one minute.
 	limitClock time.Duration
+	// voidTimeout is the middleware's VoidTimeout (0: RecordTimeout): tests only, so that a
+	// record that certainly times out (a stalled ledger) is followed by a void with time to spare.
+	voidTimeout time.Duration
 }
 
 type setting struct {

@@ -148,25 +148,28 @@ func TestEdgeFailOpenColdOrgLedgerDown(t *testing.T) {
 	}
 }
 
-// TestEdgeRecordStall (item 6): Postgres stalls the usage insert past the record timeout and
-// then commits it (a trigger that sleeps: before the row is written, or after it is written but
-// before the commit). Stalled before: the proxy's void lands first, the client gets 503 and the
-// late insert charges nothing. Stalled after: the void waits for the insert, finds it, and the
-// client gets its 200, charged once.
+// TestEdgeRecordStall (item 6, issue 34): Postgres stalls the usage insert — before the row is
+// written, or after it is written but before the commit — on a trigger that waits for an advisory
+// lock the test holds, so the record times out at any machine speed and the insert goes on only
+// when the test lets it. Stalled before: a JSON body (held until its record) gets 503 and the
+// late insert charges nothing; a stream, whose content was served, is billed once all the same
+// (served ⇒ billed). Stalled after: the void waits for the insert, finds it, and the client gets
+// its 200, charged once.
 func TestEdgeRecordStall(t *testing.T) {
 	t.Parallel()
-	p, _, pg := pgBehindFault(t, func(c *Config) { c.RecordTimeout = 400 * time.Millisecond })
+	p, _, pg := pgBehindFault(t, func(c *Config) { c.RecordTimeout, c.voidTimeout = 300*time.Millisecond, time.Minute })
 	ctx := context.Background()
+	const lockKey = 34034
 	for _, sql := range []string{
 		`CREATE TABLE stall (phase text PRIMARY KEY)`,
 		`CREATE FUNCTION stall_before() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-	IF NEW.status = 'recorded' AND EXISTS (SELECT 1 FROM stall WHERE phase = 'before') THEN PERFORM pg_sleep(1.2); END IF;
+	IF NEW.status = 'recorded' AND EXISTS (SELECT 1 FROM stall WHERE phase = 'before') THEN PERFORM pg_advisory_xact_lock_shared(34034); END IF;
 	RETURN NEW;
 END $$`,
 		`CREATE FUNCTION stall_after() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-	IF NEW.status = 'recorded' AND EXISTS (SELECT 1 FROM stall WHERE phase = 'after') THEN PERFORM pg_sleep(0.6); END IF;
+	IF NEW.status = 'recorded' AND EXISTS (SELECT 1 FROM stall WHERE phase = 'after') THEN PERFORM pg_advisory_xact_lock_shared(34034); END IF;
 	RETURN NULL;
 END $$`,
 		`CREATE TRIGGER stall_before BEFORE INSERT ON usage_events FOR EACH ROW EXECUTE FUNCTION stall_before()`,
@@ -176,44 +179,92 @@ END $$`,
 			t.Fatalf("%s: %v", sql, err)
 		}
 	}
-	stall := func(phase string) {
-		if _, err := pg.Pool.Exec(ctx, `DELETE FROM stall`); err != nil {
+	// stall sets the phase and holds the lock the trigger waits for; the returned func clears
+	// the phase and lets the stalled insert go on.
+	var lockPID int32 // the backend that holds the lock
+	stall := func(phase string) (release func()) {
+		conn, err := pg.Pool.Acquire(ctx)
+		if err != nil {
 			t.Fatal(err)
 		}
-		if phase != "" {
-			if _, err := pg.Pool.Exec(ctx, `INSERT INTO stall VALUES ($1)`, phase); err != nil {
+		if err := conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&lockPID); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock($1)`, lockKey); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pg.Pool.Exec(ctx, `INSERT INTO stall VALUES ($1)`, phase); err != nil {
+			t.Fatal(err)
+		}
+		return func() {
+			if _, err := pg.Pool.Exec(ctx, `DELETE FROM stall`); err != nil {
 				t.Fatal(err)
 			}
+			if _, err := conn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, lockKey); err != nil {
+				t.Fatal(err)
+			}
+			conn.Release()
 		}
 	}
 	key := p.setup("acme", 1000, 65)
 
-	// Stalled before the row is written: told it failed, never charged.
-	for _, body := range []any{chat("hello"), map[string]any{"model": "m", "stream": true, "messages": []map[string]string{{"role": "user", "content": "hi"}}}} {
-		stall("before")
-		st, _, out := p.do("POST", "/v1/chat/completions", key, body)
-		stream := strings.HasPrefix(string(out), "data:")
-		if (!stream && st != http.StatusServiceUnavailable) || (stream && strings.Contains(string(out), "[DONE]")) || !strings.Contains(string(out), "billing_unavailable") {
-			t.Fatalf("stalled before the write: %d %s", st, out)
-		}
-		// The stalled insert lands now, as a no-op: it meets the voided row and the batch is sent
-		// again with ON CONFLICT DO NOTHING (pgledger's RecordUsage), stalled once more.
-		time.Sleep(2800 * time.Millisecond)
-		stall("")
-		if b := p.settled("acme"); b.LedgerBalance != 1000 {
-			t.Fatalf("after a request the client was told failed: %+v, want nothing charged", b)
-		}
+	// Stalled before the row is written. A JSON body: told it failed, never charged.
+	release := stall("before")
+	st, _, out := p.do("POST", "/v1/chat/completions", key, chat("hello"))
+	if st != http.StatusServiceUnavailable || !strings.Contains(string(out), "billing_unavailable") {
+		t.Fatalf("stalled before the write: %d %s", st, out)
+	}
+	release() // the stalled insert lands now, as a no-op: it meets the voided row
+	if b := p.settled("acme"); b.LedgerBalance != 1000 {
+		t.Fatalf("after a request the client was told failed: %+v, want nothing charged", b)
+	}
+	// A stream: its content was served before the record, so it ends as it should and is billed
+	// once, when the stalled insert (or a retry, or the journal's replay) lands.
+	release = stall("before")
+	st, _, out = p.do("POST", "/v1/chat/completions", key, map[string]any{"model": "m", "stream": true, "messages": []map[string]string{{"role": "user", "content": "hi"}}})
+	if st != http.StatusOK || !strings.Contains(string(out), "[DONE]") || strings.Contains(string(out), "billing_unavailable") {
+		t.Fatalf("stream stalled before the write: %d %s", st, out)
+	}
+	if b := p.balance("acme"); b.Holds != 1 {
+		t.Fatalf("while the ledger stalls: %+v, want the served stream's hold kept", b)
+	}
+	release()
+	if b := p.settled("acme"); b.LedgerBalance != 1000-20 {
+		t.Fatalf("after a stream served while the ledger stalled: %+v, want 20 charged once", b)
 	}
 
-	// Written, but the commit stalls: the client sees success, charged exactly once.
-	stall("after")
-	st, _, out := p.do("POST", "/v1/chat/completions", key, chat("hello"))
-	stall("")
+	// Written, but the commit waits: the void waits for the insert; once it goes on, the void
+	// finds the event and the client sees success, charged exactly once.
+	release = stall("after")
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		st, _, out = p.do("POST", "/v1/chat/completions", key, chat("hello"))
+	}()
+	// The void's insert of the same id waits on the stalled insert, which waits on the lock:
+	// once a backend is blocked by one that the lock blocks, let it go.
+	for {
+		var waiting int
+		if err := pg.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity a
+			WHERE EXISTS (SELECT 1 FROM unnest(pg_blocking_pids(a.pid)) b WHERE $1 = ANY(pg_blocking_pids(b)))`, lockPID).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting > 0 {
+			break
+		}
+		select {
+		case <-done:
+			t.Fatalf("answered before the void reached the ledger: %d %s", st, out)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	release()
+	<-done
 	if st != http.StatusOK || !strings.Contains(string(out), `"usage"`) {
 		t.Fatalf("stalled after the write: %d %s", st, out)
 	}
-	if b := p.settled("acme"); b.LedgerBalance != 1000-20 {
-		t.Fatalf("after a request the client saw succeed: %+v, want 20 charged once", b)
+	if b := p.settled("acme"); b.LedgerBalance != 1000-40 {
+		t.Fatalf("after a request the client saw succeed: %+v, want 20 more charged once", b)
 	}
 }
 

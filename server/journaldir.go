@@ -71,7 +71,8 @@ func (s *Server) journalDir(ctx context.Context) (string, error) {
 	}
 	ep, err := s.ledger.Epoch(ctx)
 	if err != nil {
-		return "", fmt.Errorf("journal: the ledger's epoch: %w", err)
+		// the same words as escrow.New's own check of the ledger, which would come next
+		return "", fmt.Errorf("ledger not ready (are the migrations applied? escrow serve applies them unless ESCROW_MIGRATE=false): %w", err)
 	}
 	name := "journal-" + strings.Map(func(r rune) rune {
 		if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_' {

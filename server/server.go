@@ -255,6 +255,7 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			MaxRequestBytes:      cfg.MaxBodyBytes,
 			DefaultHold:          cfg.DefaultHold,
 			RecordTimeout:        cfg.RecordTimeout,
+			VoidTimeout:          cfg.voidTimeout,
 			HangupTimeout:        cfg.ReadOn,
 			NoFit:                !cfg.Fit,
 			FitMinOutputTokens:   cfg.FitMinOutput,
