@@ -253,11 +253,11 @@ func (a *API) fail(c echo.Context, err error) error {
 	return writeError(c, apiError{status: http.StatusInternalServerError, typ: typeServer, code: "internal_error", msg: "internal error"})
 }
 
-// message is err's text for a client: without the Go package prefixes ("accounting: "), which
+// message is err's text for a client: without the Go package prefixes ("ledger: "), which
 // say where in escrow an error was made, not what is wrong.
 func message(err error) string {
 	msg := err.Error()
-	for _, p := range []string{"accounting: ", "balance: ", "admin: "} {
+	for _, p := range []string{"accounting: ", "balance: ", "admin: ", "pgledger: ", "memledger: ", "ledger: ", "pricing: "} { // pgledger before ledger
 		msg = strings.ReplaceAll(msg, p, "")
 	}
 	return msg

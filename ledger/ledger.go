@@ -11,12 +11,12 @@ import (
 
 // ErrUnknownOrg: no account for the org. It is also balance.ErrUnknownOrg (errors.Is), which
 // is what balance.Ledger's Snapshot answers for such an org.
-var ErrUnknownOrg error = &alsoError{msg: "accounting: unknown org", also: balance.ErrUnknownOrg}
+var ErrUnknownOrg error = &alsoError{msg: "ledger: unknown org", also: balance.ErrUnknownOrg}
 
 // ErrInvalidAmount: an amount outside the one rule of amounts (balance: a whole number of
 // micro-units in (0, balance.MaxAmount], signed for an adjust). It is also
 // balance.ErrInvalidAmount (errors.Is), so one test covers an amount refused by either layer.
-var ErrInvalidAmount error = &alsoError{msg: "accounting: invalid amount", also: balance.ErrInvalidAmount}
+var ErrInvalidAmount error = &alsoError{msg: "ledger: invalid amount", also: balance.ErrInvalidAmount}
 
 // alsoError is a sentinel of its own that is also another package's (errors.Is matches both).
 type alsoError struct {
@@ -29,21 +29,21 @@ func (e *alsoError) Unwrap() error { return e.also }
 
 // Sentinel errors of the ledgers. Test for them with errors.Is.
 var (
-	ErrOrgExists         = errors.New("accounting: org already exists")
-	ErrUnknownModel      = errors.New("accounting: unknown model")
-	ErrUnknownKey        = errors.New("accounting: unknown api key")
-	ErrReferenceConflict = errors.New("accounting: payment reference already used")
-	ErrLedgerUnavailable = errors.New("accounting: ledger unavailable")
-	ErrLockBusy          = errors.New("accounting: org locked by another worker")
+	ErrOrgExists         = errors.New("ledger: org already exists")
+	ErrUnknownModel      = errors.New("ledger: unknown model")
+	ErrUnknownKey        = errors.New("ledger: unknown api key")
+	ErrReferenceConflict = errors.New("ledger: payment reference already used")
+	ErrLedgerUnavailable = errors.New("ledger: ledger unavailable")
+	ErrLockBusy          = errors.New("ledger: org locked by another worker")
 	// ErrUsageRecorded: VoidUsage found the event itself stored first; it is (or will be)
 	// charged, so the request it bills must be answered as a success.
-	ErrUsageRecorded = errors.New("accounting: usage already recorded")
+	ErrUsageRecorded = errors.New("ledger: usage already recorded")
 	// ErrNotRecorded: RecordUsage failed before anything reached the ledger (no connection
 	// could be made, or the write was never sent), so the events are certainly not stored.
-	ErrNotRecorded = errors.New("accounting: usage not recorded")
+	ErrNotRecorded = errors.New("ledger: usage not recorded")
 	// ErrConfig: a constructor (accounting.NewRecorder, NewWorker, OpenJournal; pgledger.Open, New)
 	// was given a config field out of range; nothing was started.
-	ErrConfig = errors.New("accounting: invalid config")
+	ErrConfig = errors.New("ledger: invalid config")
 )
 
 // Model is a priced model. The highest price any input token of a request to it could be billed
@@ -138,7 +138,7 @@ type APIKey struct {
 }
 
 // Ledger is the durable record: Postgres in production, memory for the embedded default. Both
-// pass the same conformance suite (accounting/ledgertest). It is made of roles, one interface
+// pass the same conformance suite (ledger/ledgertest). It is made of roles, one interface
 // each, so that a part that needs only one of them says so: the Recorder takes a UsageStore,
 // the hot balance (package balance) a balance.Ledger, the webhook sender the Webhooks role
 // (which both ledgers have, though a Ledger need not), the middleware keys and models (its

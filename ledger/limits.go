@@ -17,11 +17,11 @@ import (
 
 // Sentinel errors of limits. Test for them with errors.Is.
 var (
-	ErrUnknownProject = errors.New("accounting: unknown project")
-	ErrProjectExists  = errors.New("accounting: project already exists")
-	ErrUnknownLimit   = errors.New("accounting: unknown limit")
+	ErrUnknownProject = errors.New("ledger: unknown project")
+	ErrProjectExists  = errors.New("ledger: project already exists")
+	ErrUnknownLimit   = errors.New("ledger: unknown limit")
 	// ErrInvalidLimit: a malformed scope, window, cap or project id, or too many limits.
-	ErrInvalidLimit = errors.New("accounting: invalid limit")
+	ErrInvalidLimit = errors.New("ledger: invalid limit")
 )
 
 // MaxLimits is the most limits an org may have at once.

@@ -13,7 +13,7 @@ import (
 
 // The console: what an operator lists and looks up (orgs, keys, ledger entries, usage reports,
 // one request), the names they give orgs and keys, and the audit trail of admin writes. Both
-// ledgers implement Console and pass the same conformance suite (accounting/ledgertest).
+// ledgers implement Console and pass the same conformance suite (ledger/ledgertest).
 //
 // Lists are paged with an opaque cursor: a page's Next is given back as the next query's Cursor,
 // and an empty Next means the list is done. A cursor names the last row seen, never an offset,
@@ -21,12 +21,12 @@ import (
 
 // Sentinel errors of the console.
 var (
-	ErrInvalidCursor  = errors.New("accounting: invalid cursor")
-	ErrInvalidQuery   = errors.New("accounting: invalid query")
-	ErrUnknownRequest = errors.New("accounting: unknown request")
-	ErrModelInUse     = errors.New("accounting: model has usage")
+	ErrInvalidCursor  = errors.New("ledger: invalid cursor")
+	ErrInvalidQuery   = errors.New("ledger: invalid query")
+	ErrUnknownRequest = errors.New("ledger: unknown request")
+	ErrModelInUse     = errors.New("ledger: model has usage")
 	// ErrModelInFlight: a model with requests in flight (on any process) is not deleted.
-	ErrModelInFlight = errors.New("accounting: model has requests in flight")
+	ErrModelInFlight = errors.New("ledger: model has requests in flight")
 )
 
 // MaxNameLen is the longest display name of an org or a key, in bytes.

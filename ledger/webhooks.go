@@ -17,7 +17,7 @@ import (
 // key, a limit crossing) is written to an outbox in the same transaction as the ledger change that triggers it,
 // with one delivery per endpoint subscribed to its type; a delivery worker (package webhook)
 // claims due deliveries, sends them and records the outcome. Both ledgers implement Webhooks
-// and pass the same conformance suite (accounting/ledgertest). Nothing here speaks HTTP.
+// and pass the same conformance suite (ledger/ledgertest). Nothing here speaks HTTP.
 
 // EventType names a webhook event.
 type EventType string
@@ -46,10 +46,10 @@ var EventTypes = []EventType{EventBalanceLow, EventCreditReceived, EventKeyRevok
 
 // Sentinel errors of webhooks.
 var (
-	ErrUnknownWebhook  = errors.New("accounting: unknown webhook")
-	ErrInvalidWebhook  = errors.New("accounting: invalid webhook")
-	ErrNoWebhooks      = errors.New("accounting: the ledger has no webhooks")
-	ErrDeliveryChanged = errors.New("accounting: delivery claimed again or gone") // a lost lease: the outcome is not recorded
+	ErrUnknownWebhook  = errors.New("ledger: unknown webhook")
+	ErrInvalidWebhook  = errors.New("ledger: invalid webhook")
+	ErrNoWebhooks      = errors.New("ledger: the ledger has no webhooks")
+	ErrDeliveryChanged = errors.New("ledger: delivery claimed again or gone") // a lost lease: the outcome is not recorded
 )
 
 // DeliveryStatus is where a delivery stands.

@@ -12,7 +12,7 @@ import (
 )
 
 // ErrInvalidDecimal is wrapped by the errors of DecimalMicros.
-var ErrInvalidDecimal = errors.New("accounting: invalid decimal")
+var ErrInvalidDecimal = errors.New("pricing: invalid decimal")
 
 // decimalText is a non-negative decimal: digits, an optional fraction, an optional exponent
 // (JSON's number grammar without the sign, leading zeros allowed).

@@ -14,10 +14,10 @@ import (
 const TokensPerPriceUnit = 1_000_000
 
 // ErrCostOverflow is returned when a cost does not fit the money bounds (±balance.MaxAmount).
-var ErrCostOverflow = errors.New("accounting: cost out of range")
+var ErrCostOverflow = errors.New("pricing: cost out of range")
 
 // ErrInvalidUsage is returned for negative token counts or prices.
-var ErrInvalidUsage = errors.New("accounting: invalid usage")
+var ErrInvalidUsage = errors.New("pricing: invalid usage")
 
 // Prices are a model's prices in micro-units per 1,000,000 tokens.
 //

@@ -14,7 +14,7 @@ import (
 
 // ErrInvalidPriceTable is wrapped by the errors of ParsePriceTable for a file that cannot be
 // read at all (a bad row or entry is skipped instead, with its reason).
-var ErrInvalidPriceTable = errors.New("accounting: invalid price table")
+var ErrInvalidPriceTable = errors.New("pricing: invalid price table")
 
 // PriceRow is one model's prices as a price table gives them, converted to micro-units per
 // 1,000,000 tokens (DecimalMicros; fractions rounded up). A nil token limit is one the table
@@ -133,7 +133,7 @@ func liteLLMRow(name string, raw json.RawMessage, providers []string) (PriceRow,
 		}
 		n, exact, err := DecimalMicros(string(v), 12, true)
 		if err != nil {
-			return false, key + ": " + strings.TrimPrefix(err.Error(), "accounting: ")
+			return false, key + ": " + strings.TrimPrefix(err.Error(), "pricing: ")
 		}
 		if !exact {
 			row.RoundedUp = append(row.RoundedUp, field)
@@ -252,7 +252,7 @@ func csvRow(rec []string) (PriceRow, string) {
 		}
 		n, exact, err := DecimalMicros(cell(i), 6, true)
 		if err != nil {
-			return false, field + ": " + strings.TrimPrefix(err.Error(), "accounting: ")
+			return false, field + ": " + strings.TrimPrefix(err.Error(), "pricing: ")
 		}
 		if !exact {
 			row.RoundedUp = append(row.RoundedUp, field)

@@ -65,7 +65,7 @@ func (h *memHooks) emit(typ ledger.EventType, org string, data any) {
 	id := uuid.Must(uuid.NewV7()).String()
 	body, err := json.Marshal(eventBody{ID: id, Type: typ, Org: org, CreatedAt: timeText(now), Data: data})
 	if err != nil {
-		panic(fmt.Sprintf("accounting: webhook body: %v", err)) // data is always one of the types below
+		panic(fmt.Sprintf("memledger: webhook body: %v", err)) // data is always one of the types below
 	}
 	h.bodies[id] = body
 	for _, e := range subs {

@@ -630,7 +630,7 @@ func (p *Ledger) AccountPass(ctx context.Context, limit int) (ledger.AccountResu
 		return ledger.AccountResult{}, wrapPg("account pending", err)
 	}
 	if len(orgErrs) > 0 {
-		return r, fmt.Errorf("accounting: account pending: %w", errors.Join(orgErrs...))
+		return r, fmt.Errorf("pgledger: account pending: %w", errors.Join(orgErrs...))
 	}
 	return r, nil
 }
@@ -1120,7 +1120,7 @@ SELECT $1, ledger_seq, $2, $3, NULLIF($4, '') FROM acc RETURNING seq, created_at
 			return ledger.LedgerEntry{}, false, wrapPg(op, err)
 		}
 	}
-	return ledger.LedgerEntry{}, false, fmt.Errorf("accounting: %s: reference %q kept changing", op, ref)
+	return ledger.LedgerEntry{}, false, fmt.Errorf("pgledger: %s: reference %q kept changing", op, ref)
 }
 
 // RecordUsage stores the events and queues the ones it inserted (one usage_pending row), and
@@ -1436,7 +1436,7 @@ func (p *Ledger) Subscribe(ctx context.Context) (<-chan string, error) {
 					ccancel()
 					conn = nil
 					if ctx.Err() == nil {
-						p.log.Warn("accounting: ledger subscription lost; reconnecting", "err", err)
+						p.log.Warn("pgledger: ledger subscription lost; reconnecting", "err", err)
 					}
 					break
 				}
@@ -1457,7 +1457,7 @@ func (p *Ledger) Subscribe(ctx context.Context) (<-chan string, error) {
 			}
 			delay = min(2*delay, 30*time.Second)
 			if conn, err = p.listen(ctx); err != nil && ctx.Err() == nil {
-				p.log.Warn("accounting: ledger subscription: reconnect failed", "err", err)
+				p.log.Warn("pgledger: ledger subscription: reconnect failed", "err", err)
 			}
 		}
 	}()
@@ -1606,7 +1606,7 @@ func wrapPg(op string, err error) error {
 		return nil
 	}
 	if ledger.Unavailable(err) {
-		return fmt.Errorf("accounting: %s: %w: %w", op, ledger.ErrLedgerUnavailable, err)
+		return fmt.Errorf("pgledger: %s: %w: %w", op, ledger.ErrLedgerUnavailable, err)
 	}
-	return fmt.Errorf("accounting: %s: %w", op, err)
+	return fmt.Errorf("pgledger: %s: %w", op, err)
 }
