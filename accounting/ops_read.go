@@ -160,6 +160,18 @@ func (o *Ops) DeleteModel(ctx context.Context, name string) error {
 	if err != nil {
 		return err
 	}
+	// A model with requests in flight is refused before anything changes: a refused DELETE
+	// never makes the model invisible (issue 34). The ledger's answer still comes first where
+	// it can be read without deleting (a used model: ErrModelInUse, whatever is in flight). The
+	// check below, after the wait, still catches a request priced just before the delete.
+	if err := o.modelIdle(ctx, name); errors.Is(err, ledger.ErrModelInFlight) {
+		if u, ok := o.ledger.(modelUsed); ok {
+			if used, uerr := u.ModelUsed(ctx, name); uerr == nil && used {
+				return fmt.Errorf("%w: %q", ledger.ErrModelInUse, name)
+			}
+		}
+		return err
+	}
 	if err := o.ledger.DeleteModel(ctx, name); err != nil {
 		return err
 	}
@@ -190,6 +202,12 @@ func (o *Ops) DeleteModel(ctx context.Context, name string) error {
 		return fmt.Errorf("%w: learned max of %q: %w", ErrHotBalance, name, err)
 	}
 	return nil
+}
+
+// modelUsed is what a ledger that can tell whether a model has usage, without deleting it,
+// implements (pgledger and memledger do).
+type modelUsed interface {
+	ModelUsed(ctx context.Context, name string) (bool, error)
 }
 
 // modelIdle refuses (ErrModelInFlight) a model with requests in flight on some process.

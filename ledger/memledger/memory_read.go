@@ -309,6 +309,18 @@ func (m *Ledger) Request(ctx context.Context, id string) (ledger.RequestInfo, er
 	return ri, nil
 }
 
+// ModelUsed reports whether a usage event names the model (DeleteModel's ErrModelInUse).
+func (m *Ledger) ModelUsed(ctx context.Context, name string) (bool, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, e := range m.events {
+		if e.ev.Model == name {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
 // DeleteModel deletes a model no usage event names.
 func (m *Ledger) DeleteModel(ctx context.Context, name string) error {
 	m.mu.Lock()

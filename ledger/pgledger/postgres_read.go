@@ -348,6 +348,13 @@ WHERE u.id = $1`, u).Scan(&r.ID, &r.Org, &key, &r.Model, &endpoint,
 // DeleteModel deletes a model no usage event names. The check reads usage_events without an
 // index on model: one more index would slow every recorded request, for a rare admin call. A
 // request priced just before the delete still records (an event keeps its model name and cost).
+// ModelUsed reports whether a usage event names the model (DeleteModel's ErrModelInUse).
+func (p *Ledger) ModelUsed(ctx context.Context, name string) (bool, error) {
+	var used bool
+	err := p.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM usage_events WHERE model = $1)`, name).Scan(&used)
+	return used, wrapPg("model used", err)
+}
+
 func (p *Ledger) DeleteModel(ctx context.Context, name string) error {
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
 		var found, used bool
