@@ -33,6 +33,9 @@ var (
 	// simServedVoid switches served ⇒ billed off (the rule before issue 34): a record that times
 	// out after the content was served is voided and its hold released. The run must then fail
 	// with "served but never billed" (go test ./accounting -run TestSimulation -sim.served-void).
+	// simBudget bounds a default run's time (a -sim.steps run goes to its end): past it, with at
+	// least minSimSteps done, the run stops and checks the world at rest.
+	simBudget     = 3 * time.Minute
 	simServedVoid = flag.Bool("sim.served-void", false, "mutation: void a served request whose record timed out (the run must fail)")
 )
 
@@ -83,7 +86,7 @@ func TestSimulation(t *testing.T) {
 		}
 	}
 	t.Cleanup(func() {
-		if t.Failed() || steps < 1000 {
+		if t.Failed() || met["steps"] < 2000 {
 			return
 		}
 		for _, k := range []string{"limit-requests", "limit-tokens", "limit-end-user"} {
@@ -103,6 +106,9 @@ func TestSimulation(t *testing.T) {
 		collect(runSim(t, seed+1, steps, env, openTestPostgres(t)))
 	})
 }
+
+// minSimSteps is the least a default run does, whatever its time budget.
+const minSimSteps = 500
 
 type simOrg struct {
 	entries []balance.Entry // the ledger's entries, cached (append-only)
@@ -187,16 +193,26 @@ func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger
 		s.credits[o] += c
 		s.setupLimits(o)
 	}
+	// The default run stops at its time budget (after at least minSimSteps): every check holds
+	// after every step, so a slow machine runs fewer steps, never a failing test.
+	budget := time.Now().Add(simBudget)
+	done := 0
 	for step := 0; step < steps; step++ {
 		s.step()
 		s.check(step)
 		if t.Failed() {
 			return s.counts
 		}
+		done++
+		if *simSteps == 0 && done >= minSimSteps && time.Now().After(budget) {
+			t.Logf("seed %d: time budget of %v spent after %d of %d steps (a loaded machine)", seed, simBudget, done, steps)
+			break
+		}
 	}
+	s.counts["steps"] = done
 	s.quiesce()
-	t.Logf("seed %d: %d steps, ops %v", seed, steps, s.counts)
-	if steps >= 1000 && (s.counts["fitted"] == 0 || s.counts["fitted-recorded"] == 0) {
+	t.Logf("seed %d: %d steps, ops %v", seed, done, s.counts)
+	if done >= 1000 && (s.counts["fitted"] == 0 || s.counts["fitted-recorded"] == 0) {
 		t.Errorf("seed %d: no fitted hold was granted and recorded: the run did not exercise fit", seed)
 	}
 	return s.counts
