@@ -216,6 +216,11 @@ type Config struct {
 	// Default 10m.
 	ReleaseRetryFor time.Duration
 
+	// RenameUpstreamRateLimit keeps the upstream's x-ratelimit-* response headers (the
+	// operator's own quota with the provider) as x-upstream-ratelimit-*. Default false: they are
+	// dropped, and the client sees one set, escrow's (its key's requests and tokens limits).
+	RenameUpstreamRateLimit bool
+
 	// NoFit turns fit off (DESIGN "Holds that fit"): a request whose bound does not fit the
 	// balance or a limit's room is refused instead of being served with a lower output cap. A
 	// request asks for the refusal itself with "X-Escrow-Fit: off".

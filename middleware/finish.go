@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -99,6 +100,31 @@ func (cl *call) setHeaders(h http.Header) {
 	h.Set("x-escrow-hold-id", cl.holdID)
 	h.Del(HeaderCost) // escrow's own: never the handler's
 	h.Del(HeaderBalance)
+	cl.oneRateLimitSet(h)
+}
+
+// oneRateLimitSet leaves the client one set of x-ratelimit-* headers, escrow's (the key's
+// requests and tokens limits, when it has any): the upstream's — the operator's own quota with
+// the provider, no business of the customer's — are dropped, or kept as x-upstream-ratelimit-*
+// with Config.RenameUpstreamRateLimit. Escrow's own were set before the handler ran, so they come
+// first in each header's values; what follows them is the upstream's.
+func (cl *call) oneRateLimitSet(h http.Header) {
+	own := http.Header{}
+	setRateHeaders(own, cl.reserved, time.Now())
+	for k, vals := range h {
+		rest, ok := strings.CutPrefix(k, "X-Ratelimit-")
+		if !ok {
+			continue
+		}
+		up := vals[min(len(own[k]), len(vals)):]
+		delete(h, k)
+		if cl.m.cfg.RenameUpstreamRateLimit && len(up) > 0 {
+			h["X-Upstream-Ratelimit-"+rest] = up
+		}
+	}
+	for k, v := range own {
+		h[k] = v
+	}
 }
 
 func (cl *call) releaseHold() {

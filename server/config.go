@@ -100,6 +100,9 @@ type Config struct {
 	// "none" is the empty list (see headers.go).
 	UpstreamRequestHeaders  string
 	UpstreamResponseHeaders string
+	// UpstreamRateLimit is what becomes of the upstream's x-ratelimit-* headers: "drop" (the
+	// client sees escrow's only) or "rename" (kept as x-upstream-ratelimit-*).
+	UpstreamRateLimit string
 
 	// Logger receives the server's logs; nil: one built from LogLevel and LogFormat, on stderr.
 	Logger *slog.Logger
@@ -175,6 +178,7 @@ func (c *Config) settings() []setting {
 		{"ESCROW_WRITE_TIMEOUT", "write-timeout", "60s", "how long one write to the client may block; renewed at every write, so a stream runs as long as the client reads", dur(&c.WriteTimeout)},
 		{"ESCROW_IDLE_TIMEOUT", "idle-timeout", "120s", "how long a keep-alive connection may wait for its next request", dur(&c.IdleTimeout)},
 		{"ESCROW_UPSTREAM_REQUEST_HEADERS", "upstream-request-headers", defaultRequestHeaders, "client request headers passed to the upstream besides Content-Type (comma-separated, Name* is a prefix, none: no other); credentials, cookies, OpenAI-Organization/-Project, Expect, X-Escrow-* and hop-by-hop headers never pass", headerList(&c.UpstreamRequestHeaders, neverRequestHeaders)},
+		{"ESCROW_UPSTREAM_RATELIMIT", "upstream-ratelimit", "drop", "the upstream's x-ratelimit-* headers (the operator's own quota with the provider): drop — the client sees one set, escrow's (its key's requests and tokens limits) — or rename to x-upstream-ratelimit-*", oneOf(&c.UpstreamRateLimit, "drop", "rename")},
 		{"ESCROW_UPSTREAM_RESPONSE_HEADERS", "upstream-response-headers", defaultResponseHeaders, "upstream response headers passed to the client besides Content-Type, -Length and -Encoding (comma-separated, Name* is a prefix, none: no other); Server, Set-Cookie, OpenAI-Organization/-Project, X-Escrow-* and hop-by-hop headers never pass", headerList(&c.UpstreamResponseHeaders, neverResponseHeaders)},
 	}
 }

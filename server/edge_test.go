@@ -281,10 +281,22 @@ func TestUpstreamHeaders(t *testing.T) {
 		key := p.setup("acme", 10_000, 65)
 		h, b := send(t, p, key)
 		checkUpstream(t, up.requests()[0], "Accept", "User-Agent", "OpenAI-Beta")
-		checkClient(t, h, "req_upstream_1", "X-Ratelimit-Remaining-Requests", "OpenAI-Processing-Ms")
+		// One set of rate-limit headers (issue 34): the upstream's (the operator's quota) are
+		// dropped; this org has no limits, so there are none (checkClient refuses any other).
+		checkClient(t, h, "req_upstream_1", "OpenAI-Processing-Ms")
 		charged := completionTokens(t, b)
 		if bal := p.settled("acme"); bal.LedgerBalance != 10_000-charged || bal.Available != 10_000-charged {
 			t.Fatalf("after the request: %+v, want %d", bal, 10_000-charged)
+		}
+	})
+	t.Run("upstream rate limits renamed", func(t *testing.T) {
+		t.Parallel()
+		up := startTestUpstream(t, fakeupstream.Options{}, false)
+		p := startTestProxy(t, false, useUpstream(up), func(c *Config) { c.UpstreamRateLimit = "rename" })
+		key := p.setup("acme", 10_000, 65)
+		h, _ := send(t, p, key)
+		if h.Get("X-Upstream-Ratelimit-Remaining-Requests") != "99" || len(h.Values("X-Ratelimit-Remaining-Requests")) != 0 {
+			t.Fatalf("ESCROW_UPSTREAM_RATELIMIT=rename: %v", h)
 		}
 	})
 	t.Run("configured", func(t *testing.T) {

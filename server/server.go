@@ -270,6 +270,8 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			Route:                s.route,
 			PassThrough:          append([]string{"/v1/models", "/v1/models/*"}, viewPaths()...),
 			ErrorHandler:         s.writeRefusal,
+
+			RenameUpstreamRateLimit: cfg.UpstreamRateLimit == "rename", // ESCROW_UPSTREAM_RATELIMIT
 		},
 		AdminToken: cfg.AdminToken,
 	})
