@@ -37,3 +37,28 @@ func TestOneRateLimitSet(t *testing.T) {
 		}
 	}
 }
+
+// TestRefusalRemainingTokens (issue 34 item 5): a tokens refusal says what the window has left,
+// cap − used (51 here), which is more than 0 when the request needed more than that; a requests
+// refusal says 0. README states the same rule.
+func TestRefusalRemainingTokens(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	for _, tc := range []struct {
+		unit      balance.Unit
+		cap, used int64
+		amount    int64
+		header    string
+		remaining string
+	}{
+		{balance.Tokens, 100, 49, 80, "x-ratelimit-remaining-tokens", "51"},
+		{balance.Requests, 5, 5, 1, "x-ratelimit-remaining-requests", "0"},
+	} {
+		le := &balance.LimitError{Limit: balance.Limit{ID: "l", Unit: tc.unit, Cap: tc.cap, Window: balance.Minute, Scope: balance.Scope{Kind: balance.ScopeKey, ID: "k"}},
+			Used: tc.used, Amount: tc.amount, ResetsAt: now.Add(30 * time.Second), At: now}
+		e := rateRefusal(le, now)
+		if e == nil || e.Header.Get(tc.header) != tc.remaining {
+			t.Errorf("%s refusal: %v, want %s %s", tc.unit, e, tc.header, tc.remaining)
+		}
+	}
+}
