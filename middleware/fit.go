@@ -195,10 +195,15 @@ func (m *middleware) quotaRefusal(err error, model ledger.Model, r Request, plan
 	}
 	hint := ""
 	if plan.bounded {
-		if c, _, ok := fitCap(model, r, 1, plan.cap, rm); ok {
+		least := max(1, r.Spec.MinCap(r.ThinkingBudget)) // a thinking budget needs a cap above it
+		if c, _, ok := fitCap(model, r, least, plan.cap, rm); ok {
 			hint = " An output cap (max_tokens) of at most " + strconv.FormatInt(c, 10) + " would fit."
 		} else {
 			hint = " No output cap fits."
+		}
+		if least > 1 {
+			hint += " With extended thinking, max_tokens must stay above thinking.budget_tokens, itself at least " +
+				strconv.FormatInt(r.Spec.ThinkingMin, 10) + ": at least " + strconv.FormatInt(least, 10) + "."
 		}
 	}
 	var lim *balance.LimitError
