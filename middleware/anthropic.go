@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/llmescrow/escrow/endpoint"
 	"github.com/llmescrow/escrow/pricing"
 	"github.com/tidwall/gjson"
 )
@@ -15,13 +16,12 @@ import (
 // the price table cannot price — with Anthropic's own fields, usage and error shape.
 // POST /v1/messages/count_tokens costs nothing upstream: it is authenticated and passed on
 // without a hold.
-const (
-	EndpointMessages    = "/v1/messages"
-	EndpointCountTokens = "/v1/messages/count_tokens"
-)
-
+//
 // isAnthropic reports whether a path is answered in Anthropic's shape.
-func isAnthropic(path string) bool { return path == EndpointMessages || path == EndpointCountTokens }
+func isAnthropic(path string) bool {
+	s := endpoint.Lookup(path)
+	return s != nil && s.Provider == endpoint.Anthropic
+}
 
 // Anthropic error types (https://docs.anthropic.com/en/api/errors).
 const (
@@ -86,12 +86,14 @@ var (
 	// costs. thinking is plain: thinking tokens are output tokens, within max_tokens.
 	msgTopPlain = []string{
 		"model", "messages", "system", "max_tokens", "stream", "temperature", "top_p", "top_k",
-		"stop_sequences", "metadata", "thinking", "service_tier", "cache_control",
+		"stop_sequences", "metadata", "thinking", "service_tier", "cache_control", "tools", "tool_choice",
+		"max_completion_tokens", "max_output_tokens", // refused: not Anthropic's (capField)
 	}
-	// msgTopOther: fields escrow reads or knows to change the price or the input beyond the
-	// body's bytes (tools bring Anthropic's tool-use system prompt with them).
+	// msgTopOther: fields escrow reads or knows to change the price or the input beyond what
+	// the request bounds. (tools bring Anthropic's tool-use system prompt with them: bounded by
+	// the spec's ToolOverhead.)
 	msgTopOther = []string{
-		"tools", "tool_choice", "mcp_servers", "container", "context_management", "inference_geo", "speed",
+		"mcp_servers", "container", "context_management", "inference_geo", "speed",
 		"anthropic_beta",
 	}
 	msgTopFields     = newFieldSet(append(slices.Clip(msgTopPlain), msgTopOther...)...)
@@ -101,13 +103,10 @@ var (
 	msgMessageFields = newFieldSet("role", "content")
 	msgBlockFields   = newFieldSet("type", "text", "cache_control", "source", "id", "name", "input", "tool_use_id",
 		"content", "is_error", "thinking", "signature", "data", "citations")
-	msgCacheFields = newFieldSet("type", "ttl")
+	msgCacheFields    = newFieldSet("type", "ttl")
+	msgThinkingFields = newFieldSet("type", "budget_tokens")
+	msgSourceFields   = newFieldSet("type", "media_type", "data", "url", "file_id")
 )
-
-// msgPlainBlocks are the content block types whose tokens the body's bytes bound.
-var msgPlainBlocks = map[string]bool{
-	"text": true, "tool_use": true, "tool_result": true, "thinking": true, "redacted_thinking": true,
-}
 
 // msgClientTools reports whether a tool type is run by the client (its use is priced by tokens
 // alone): custom tools (no type, or "custom") and the Anthropic-defined client tools (bash,
@@ -129,8 +128,8 @@ func msgClientTools(typ string) bool {
 // parseMessages reads a Messages API body like parseRequest reads OpenAI's: the top-level
 // fields, tools[*], tool_choice, system blocks, messages[*] and their content blocks (nested
 // tool_result content too) and every cache_control, without decoding the whole body.
-func parseMessages(body []byte) (Request, *Error) {
-	r, e := walkTop(EndpointMessages, body, msgTopFields, msgTopPlainMask, (*reqParser).msgTop)
+func parseMessages(spec *endpoint.Spec, body []byte) (Request, *Error) {
+	r, e := walkTop(spec, body, msgTopFields, msgTopPlainMask, (*reqParser).msgTop)
 	switch {
 	case e != nil:
 	case r.Model == "":
@@ -145,8 +144,10 @@ func parseMessages(body []byte) (Request, *Error) {
 func (p *reqParser) msgTop(name string, kind byte, v string) {
 	r := &p.r
 	switch name {
-	case "max_tokens":
-		r.OutputCap = p.positive(name, v)
+	case "max_tokens", "max_completion_tokens", "max_output_tokens":
+		p.capField(name, kind, v)
+	case "thinking":
+		p.msgThinking(v)
 	case "tools":
 		p.tools(v, msgToolFields, false, msgClientTools)
 	case "tool_choice":
@@ -175,10 +176,34 @@ func (p *reqParser) msgTop(name string, kind byte, v string) {
 		if kind == '[' {
 			p.msgBlocks(v, name)
 		} else if kind != '"' && kind != 'n' {
-			r.PlainText = false
+			r.Bounded = false
 		}
 	case "messages":
 		p.msgMessages(v)
+	}
+}
+
+// msgThinking reads the thinking object: the budget of an enabled one (fit keeps it below the
+// cap it writes, Spec.Thinking).
+func (p *reqParser) msgThinking(v string) {
+	if !p.nullOr("thinking", v, shapeObject) {
+		return
+	}
+	enabled, budget := false, int64(0)
+	if !p.members(v, msgThinkingFields, allPlain, loc{field: "thinking", i: -1}, func(i int, val string) {
+		switch msgThinkingFields.names[i] {
+		case "type":
+			enabled = rawString(val) == "enabled"
+		case "budget_tokens":
+			if rawKind(val) != 'n' {
+				budget = p.positive("thinking.budget_tokens", val)
+			}
+		}
+	}) {
+		p.r.Bounded = false
+	}
+	if enabled {
+		p.r.ThinkingBudget = budget
 	}
 }
 
@@ -238,10 +263,10 @@ func (p *reqParser) msgMessage(raw string, l loc) {
 		case '[':
 			p.msgBlocks(v, l.String()+".content")
 		default:
-			p.r.PlainText = false
+			p.r.Bounded = false
 		}
 	}) {
-		p.r.PlainText = false
+		p.r.Bounded = false
 	}
 }
 
@@ -255,14 +280,15 @@ func (p *reqParser) msgBlocks(v, path string) {
 	})
 }
 
-// msgBlock checks one content block: plain when its type is one of msgPlainBlocks and it
-// refers to nothing outside the body (an image or document source, citations).
+// msgBlock checks one content block: bounded when its type is a text part of the spec and it
+// refers to nothing outside the body, or an image whose data or URL is in the body (the image
+// rule); a document, a file source or citations are not.
 func (p *reqParser) msgBlock(raw string, l loc) {
 	if rawKind(raw) != '{' {
-		p.r.PlainText = false
+		p.r.Bounded = false
 		return
 	}
-	typ := ""
+	typ, source := "", ""
 	p.members(raw, msgBlockFields, allPlain, l, func(i int, v string) {
 		kind := rawKind(v)
 		switch msgBlockFields.names[i] {
@@ -274,15 +300,36 @@ func (p *reqParser) msgBlock(raw string, l loc) {
 			if kind == '[' {
 				p.msgBlocks(v, l.String()+".content")
 			}
-		case "source", "citations":
+		case "source":
+			source = v
+		case "citations":
 			if kind != 'n' {
-				p.r.PlainText = false
+				p.r.Bounded = false
 			}
 		}
 	})
-	if !msgPlainBlocks[typ] {
-		p.r.PlainText = false
+	switch {
+	case p.fail != nil:
+	case p.r.Spec.ImagePart(typ) && p.msgImageSource(source, l.String()+".source"):
+		p.r.ImagesHigh++ // bounded by the image rule
+	case source != "" && rawKind(source) != 'n', !p.r.Spec.TextPart(typ):
+		p.r.Bounded = false
 	}
+}
+
+// msgImageSource reports whether an image block's source is in the request (base64 data or a
+// URL): such an image is bounded by the image rule; a file id is server-side.
+func (p *reqParser) msgImageSource(v, path string) bool {
+	if rawKind(v) != '{' {
+		return false
+	}
+	typ := ""
+	plain := p.members(v, msgSourceFields, allPlain, loc{field: path, i: -1}, func(i int, val string) {
+		if msgSourceFields.names[i] == "type" {
+			typ = rawString(val)
+		}
+	})
+	return plain && (typ == "base64" || typ == "url")
 }
 
 // msgSafeBetas are the anthropic-beta flags that pass as they are: none changes what a token

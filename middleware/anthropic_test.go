@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"github.com/llmescrow/escrow/endpoint"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -30,8 +31,10 @@ func TestParseMessages(t *testing.T) {
 		{"blocks and system", `{"model":"claude-x","max_tokens":5,"stream":true,"system":[{"type":"text","text":"be brief","cache_control":{"type":"ephemeral"}}],
 			"messages":[{"role":"user","content":[{"type":"text","text":"hi","cache_control":{"type":"ephemeral","ttl":"5m"}}]}]}`, true, 5, true, nil},
 		{"thinking is output", `{"model":"m","max_tokens":2000,"thinking":{"type":"enabled","budget_tokens":1024},"messages":[]}`, true, 2000, false, nil},
-		{"image", `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"http://x"}}]}]}`, false, 1, false, nil},
-		{"client tools", `{"model":"m","max_tokens":1,"tools":[{"name":"f","input_schema":{}},{"type":"bash_20250124","name":"bash"},{"type":"custom","name":"g"}],"messages":[]}`, false, 1, false, nil},
+		{"image", `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"http://x"}}]}]}`, true, 1, false, nil}, // the image rule (issue 32)
+		{"file image", `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"file","file_id":"f"}}]}]}`, false, 1, false, nil},
+		{"document", `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"document","source":{"type":"url","url":"http://x"}}]}]}`, false, 1, false, nil},
+		{"client tools", `{"model":"m","max_tokens":1,"tools":[{"name":"f","input_schema":{}},{"type":"bash_20250124","name":"bash"},{"type":"custom","name":"g"}],"messages":[]}`, true, 1, false, nil}, // bytes + overhead
 		{"server tools", `{"model":"m","max_tokens":1,"tools":[{"type":"web_search_20250305","name":"web_search"},{"type":"code_execution_20250825","name":"code_execution"}],"messages":[]}`,
 			false, 1, false, []string{"tool:web_search_20250305", "tool:code_execution_20250825"}},
 		{"mcp servers", `{"model":"m","max_tokens":1,"mcp_servers":[{"type":"url","url":"https://x","name":"x"}],"messages":[]}`, false, 1, false, []string{"mcp_servers"}},
@@ -41,7 +44,7 @@ func TestParseMessages(t *testing.T) {
 		{"1h cache", `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"x","cache_control":{"type":"ephemeral","ttl":"1h"}}]}]}]}`,
 			true, 1, false, nil},
 		{"1h cache on a tool", `{"model":"m","max_tokens":1,"tools":[{"name":"f","input_schema":{},"cache_control":{"type":"ephemeral","ttl":"1h"}}],"messages":[]}`,
-			false, 1, false, nil},
+			true, 1, false, nil},
 		{"24h cache", `{"model":"m","max_tokens":1,"system":[{"type":"text","text":"x","cache_control":{"type":"ephemeral","ttl":"24h"}}],"messages":[]}`,
 			true, 1, false, []string{"cache_ttl:24h"}},
 		{"priority speed geo", `{"model":"m","max_tokens":1,"speed":"fast","inference_geo":"us","service_tier":"auto","messages":[]}`,
@@ -49,11 +52,11 @@ func TestParseMessages(t *testing.T) {
 		{"unknown field", `{"model":"m","max_tokens":1,"future":{"x":1},"messages":[]}`, false, 1, false, nil},
 	}
 	for _, c := range cases {
-		r, e := parseMessages([]byte(c.body))
+		r, e := parseMessages(specMessages, []byte(c.body))
 		if e != nil {
 			t.Fatalf("%s: %v", c.name, e)
 		}
-		if r.Endpoint != EndpointMessages || r.PlainText != c.plain || r.OutputCap != c.cap || r.Stream != c.stream || r.N != 1 ||
+		if r.Spec != endpoint.Messages || r.Bounded != c.plain || r.OutputCap != c.cap || r.Stream != c.stream || r.N != 1 ||
 			!slices.Equal(r.Features, c.features) || r.Size != len(c.body) {
 			t.Errorf("%s: %+v", c.name, r)
 		}
@@ -85,12 +88,12 @@ func TestParseMessagesRefusals(t *testing.T) {
 		{`{"model":"m","max_tokens":1,"ſpeed":"fast"}`, "ſpeed"},
 	}
 	for _, c := range cases {
-		_, e := parseMessages([]byte(c.body))
+		_, e := parseMessages(specMessages, []byte(c.body))
 		if e == nil || e.Status != http.StatusBadRequest || e.Param != c.param {
 			t.Errorf("%s: got %+v, want a 400 on %q", c.body, e, c.param)
 		}
 	}
-	if _, e := parseMessages([]byte(`[1]`)); e == nil || e.Code != CodeInvalidJSON {
+	if _, e := parseMessages(specMessages, []byte(`[1]`)); e == nil || e.Code != CodeInvalidJSON {
 		t.Errorf("not an object: %+v", e)
 	}
 }
@@ -253,14 +256,15 @@ func TestUsageFromAnthropicBody(t *testing.T) {
 }
 
 // TestMessagesHold: a plain Messages request is held at its hard bound — body bytes at the
-// highest input price (here the 1-hour cache-write one) plus max_tokens at the output price — and a
-// request whose input the bytes do not bound (an image) keeps the learned max.
+// highest input price (here the 1-hour cache-write one) plus max_tokens at the output price; an
+// image in the body adds the image rule's 1,600 tokens (issue 32), and a request whose input the
+// body does not bound (a file) keeps the learned max.
 func TestMessagesHold(t *testing.T) {
 	t.Parallel()
 	m := ledger.Model{Name: "claude-x", Prices: pricing.Prices{Input: 3_000_000, CacheWriteInput: 3_750_000, CachedInput: 300_000, Output: 15_000_000,
 		CacheWrite1hInput: 6_000_000}, MaxInputTokens: 200_000, MaxOutputTokens: 8192}
 	body := `{"model":"claude-x","max_tokens":100,"messages":[{"role":"user","content":[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}]}]}`
-	r, e := parseMessages([]byte(body))
+	r, e := parseMessages(specMessages, []byte(body))
 	if e != nil {
 		t.Fatal(e)
 	}
@@ -277,15 +281,22 @@ func TestMessagesHold(t *testing.T) {
 	if want := (int64(len(body))*6_000_000 + 100*15_000_000 + 999_999) / 1_000_000; err != nil || hold != want {
 		t.Fatalf("hold without cache prices %d %v, want %d", hold, err, want)
 	}
-	chat := Request{Endpoint: EndpointChat, PlainText: true, OutputCap: 100, Size: len(body), N: 1}
+	chat := Request{Spec: endpoint.Chat, Bounded: true, OutputCap: 100, Size: len(body), N: 1}
 	hold, err = HoldAmount(context.Background(), HoldInput{Request: chat, Model: plain, Fallback: 1})
 	if want := (int64(len(body))*3_000_000 + 100*15_000_000 + 999_999) / 1_000_000; err != nil || hold != want {
 		t.Fatalf("chat hold %d %v, want %d", hold, err, want)
 	}
 	img := `{"model":"claude-x","max_tokens":100,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://x/y.png"}}]}]}`
-	r, _ = parseMessages([]byte(img))
+	r, _ = parseMessages(specMessages, []byte(img))
+	r.PartTokens = endpoint.Messages.ImageTokens("", 0) // as the middleware sets it (partTokens)
+	hold, err = HoldAmount(context.Background(), HoldInput{Request: r, Model: m, LearnedMax: 500_000, Fallback: 1})
+	if want := ((int64(len(img))+1600)*6_000_000 + 100*15_000_000 + 999_999) / 1_000_000; err != nil || hold != want || !r.Bounded || r.ImagesHigh != 1 {
+		t.Fatalf("image hold %d %v, want its bound %d", hold, err, want)
+	}
+	file := `{"model":"claude-x","max_tokens":100,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"file","file_id":"file_1"}}]}]}`
+	r, _ = parseMessages(specMessages, []byte(file))
 	hold, err = HoldAmount(context.Background(), HoldInput{Request: r, Model: m, LearnedMax: 500_000, Fallback: 1})
 	if err != nil || hold != 500_000 {
-		t.Fatalf("image hold %d %v, want the learned max 500000", hold, err)
+		t.Fatalf("file image hold %d %v, want the learned max 500000", hold, err)
 	}
 }

@@ -229,11 +229,23 @@ type Config struct {
 	// refused (with the numbers). A request whose own cap is lower is never fitted below it.
 	// Default 256.
 	FitMinOutputTokens int64
-	// FitFields names, per endpoint path, the cap field fit adds to a body that has none: the
-	// one its upstream reads. Defaults: max_completion_tokens for chat completions (an upstream
+	// FitFields names, per endpoint path, the cap field written into a body that has none
+	// (every forwarded body carries the cap its hold priced): the one its upstream reads.
+	// Defaults (endpoint.Spec.FitField): max_completion_tokens for chat completions (an upstream
 	// that knows only max_tokens wants "max_tokens" here), max_output_tokens for Responses,
 	// max_tokens for legacy completions and Messages.
 	FitFields map[string]string
+
+	// ImageTokens is, per model name, the most input tokens one image part at detail "high" or
+	// "auto" can bill, for models whose provider rule gives more than the endpoint's default
+	// (endpoint.Spec.Images: 1,445 for OpenAI's tile rule, 85 at detail "low"; 1,600 for
+	// Anthropic). Set it for gpt-4o-mini (2,833 + 5,667 per tile: 48,169) and for models of
+	// OpenAI's patch rule (1,536 patches × the model's multiplier, e.g. 2,461 for gpt-4.1-mini).
+	ImageTokens map[string]int64
+	// ToolTokens is, per model name, the most tokens the upstream adds to the input for tool
+	// or function definitions besides their bytes, replacing the endpoint's default
+	// (endpoint.Spec.ToolOverhead: 1,024).
+	ToolTokens map[string]int64
 
 	// EndUserHeader, when set, names the request header that carries the end user (limits of
 	// scope end_user; usage grouped by end user) in place of the body's OpenAI "user" field or

@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"strconv"
+	"strings"
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/ledger"
@@ -81,6 +82,6 @@ func (r costReceipt) comment() []byte {
 
 // wantsCost reports whether the client asked for the cost inside an event stream.
 func wantsCost(h http.Header) bool {
-	v, err := strconv.ParseBool(h.Get(HeaderIncludeCost))
+	v, err := strconv.ParseBool(strings.ToLower(strings.TrimSpace(h.Get(HeaderIncludeCost)))) // any case
 	return err == nil && v
 }

@@ -4,9 +4,11 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/llmescrow/escrow/endpoint"
 	"github.com/tidwall/gjson"
 )
 
@@ -182,8 +184,9 @@ func TestNMultipliesTheHold(t *testing.T) {
 		return e
 	}
 	// A body escrow cannot bound (a predicted output is not on the plain-text list) holds the
-	// learned max; a plain one its bound, with the model's max output when it states no cap.
-	const unbounded = `"prediction":{"type":"content","content":"x"}`
+	// learned max (at least what it states: its small cap keeps that below); a plain one its
+	// bound, with the model's max output when it states no cap.
+	const unbounded = `"prediction":{"type":"content","content":"x"},"max_tokens":10`
 	t.Run("rich org: the hold covers 16 choices", func(t *testing.T) {
 		t.Parallel()
 		e := setup(t)
@@ -191,6 +194,7 @@ func TestNMultipliesTheHold(t *testing.T) {
 		if want := 16 * learned; o.HoldAmount != want {
 			t.Fatalf("hold %d, want 16 × learned = %d", o.HoldAmount, want)
 		}
+		first := o.Cost
 		body := jsonBody(testModel, `"n":16`)
 		o = e.served(EndpointChat, e.key, body)
 		if want := int64(16 * (len(body) + 2*out)); o.HoldAmount != want {
@@ -202,8 +206,8 @@ func TestNMultipliesTheHold(t *testing.T) {
 		if _, err := e.ledger.AccountPending(context.Background(), 100); err != nil {
 			t.Fatal(err)
 		}
-		if a := e.account(); a.Balance != testCredit-2*o.Cost {
-			t.Fatalf("ledger balance %d, want %d", a.Balance, testCredit-2*o.Cost)
+		if a := e.account(); a.Balance != testCredit-first-o.Cost {
+			t.Fatalf("ledger balance %d, want %d", a.Balance, testCredit-first-o.Cost)
 		}
 	})
 	t.Run("best_of above n", func(t *testing.T) {
@@ -269,15 +273,17 @@ func TestLearnedMaxIsPerChoice(t *testing.T) {
 		"learned max = ⌈cost/4⌉ = "+itoa(want))
 	// The next n:4 request that escrow cannot bound (a predicted output) holds 4 × the learned
 	// max, which covers its cost.
-	o2 := e.served(EndpointChat, e.key, jsonBody(testModel, `"n":4,"prediction":{"type":"content","content":"x"}`))
+	// (Its cap keeps what it states, the hold's floor, below 4 × the learned max.)
+	o2 := e.served(EndpointChat, e.key, jsonBody(testModel, `"n":4,"max_tokens":10,"prediction":{"type":"content","content":"x"}`))
 	if o2.HoldAmount != 4*want || o2.Cost > o2.HoldAmount {
 		t.Fatalf("second hold %d (cost %d), want %d", o2.HoldAmount, o2.Cost, 4*want)
 	}
 }
 
 // Issue 10, item 4: Responses inputs that the body's bytes do not bound — a stored prompt, a
-// function_call_output whose output holds an image or a file, file ids, item references —
-// keep the learned max; only input_text / output_text parts lower the hold to the bound.
+// function_call_output whose output holds a file, file ids, item references — keep the learned
+// max; input_text / output_text parts lower the hold to the bound, and (issue 32) an image
+// given in the body adds the image rule's most (1,445 tokens at high detail) to it.
 func TestResponsesInputsKeepTheLearnedMax(t *testing.T) {
 	t.Parallel()
 	// The stored prompt / image / file expands upstream to 50,000 input tokens.
@@ -289,9 +295,9 @@ func TestResponsesInputsKeepTheLearnedMax(t *testing.T) {
 	}{
 		{"stored prompt", `{"model":"gpt-test","prompt":{"id":"pmpt_abc","version":"2"},"input":"hi","max_output_tokens":100}`, false},
 		{"stored prompt alone", `{"model":"gpt-test","prompt":{"id":"pmpt_abc"},"max_output_tokens":100}`, false},
-		{"function_call_output with an image", `{"model":"gpt-test","max_output_tokens":100,"input":[` +
+		{"function_call_output with an uploaded image", `{"model":"gpt-test","max_output_tokens":100,"input":[` +
 			`{"type":"function_call","call_id":"c1","name":"shot","arguments":"{}"},` +
-			`{"type":"function_call_output","call_id":"c1","output":[{"type":"input_image","image_url":"https://x/y.png"}]}]}`, false},
+			`{"type":"function_call_output","call_id":"c1","output":[{"type":"input_image","file_id":"file-1"}]}]}`, false},
 		{"function_call_output with a file", `{"model":"gpt-test","max_output_tokens":100,"input":[` +
 			`{"type":"function_call_output","call_id":"c1","output":[{"type":"input_text","text":"see"},{"type":"input_file","file_id":"file-1"}]}]}`, false},
 		{"input_file part", `{"model":"gpt-test","max_output_tokens":100,"input":[{"role":"user","content":[{"type":"input_file","file_id":"file-1"}]}]}`, false},
@@ -305,6 +311,9 @@ func TestResponsesInputsKeepTheLearnedMax(t *testing.T) {
 			`{"type":"function_call_output","call_id":"c1","output":[{"type":"input_text","text":"42"}]}]}`, true},
 		{"input_text and output_text", `{"model":"gpt-test","max_output_tokens":100,"input":[` +
 			`{"role":"user","content":[{"type":"input_text","text":"a"}]},{"type":"message","role":"assistant","content":[{"type":"output_text","text":"b","annotations":[]}]}]}`, true},
+		{"function_call_output with an image URL", `{"model":"gpt-test","max_output_tokens":100,"input":[` +
+			`{"type":"function_call","call_id":"c1","name":"shot","arguments":"{}"},` +
+			`{"type":"function_call_output","call_id":"c1","output":[{"type":"input_image","image_url":"https://x/y.png"}]}]}`, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -317,7 +326,8 @@ func TestResponsesInputsKeepTheLearnedMax(t *testing.T) {
 				// Text only: the upstream can read no more than the body holds.
 				e.setUpstream(perChoiceUpstream(int64(len(tt.body)/4), outTokens))
 				o := e.served(EndpointResponses, e.key, tt.body)
-				if want := int64(len(tt.body) + 2*outTokens); o.HoldAmount != want {
+				images := int64(strings.Count(tt.body, "input_image")) * endpoint.Responses.Images.High
+				if want := int64(len(tt.body)) + images + 2*outTokens; o.HoldAmount != want {
 					t.Fatalf("hold %d, want the bound %d", o.HoldAmount, want)
 				}
 				return

@@ -115,7 +115,8 @@ func TestHugeResponsesBilledExactly(t *testing.T) {
 			t.Parallel()
 			var g *gatedRecorder
 			e := newFakeEnv(t, envOpt{cfg: gate(&g)})
-			resp := e.post(context.Background(), EndpointChat, e.key, jsonBody(bigModel.Name, tc.extra))
+			// [fill]: the fake's answer fills its cap (a model stops on its own otherwise).
+			resp := e.post(context.Background(), EndpointChat, e.key, strings.Replace(jsonBody(bigModel.Name, tc.extra), "Say hello", "[fill] Say hello", 1))
 			id := resp.Header.Get("x-request-id")
 			var got atomic.Int64
 			var body bytes.Buffer
@@ -226,13 +227,13 @@ func TestCompressedRepliesBilledExactly(t *testing.T) {
 	e := newFakeEnv(t, envOpt{})
 	ctx := context.Background()
 	for _, coding := range []string{"gzip", "deflate", "br"} {
-		msg := `"messages":[{"role":"user","content":"[encoding:` + coding + `] [cached:2] [reasoning:3] say hello"}]`
+		msg := `"messages":[{"role":"user","content":"[encoding:` + coding + `] [cached:2] [reasoning:3] [fill] say hello"}]`
 		for _, tc := range []struct{ name, path, body string }{
 			{"json", EndpointChat, `{"model":"gpt-test",` + msg + `,"max_tokens":40}`},
 			{"sse asked", EndpointChat, `{"model":"gpt-test",` + msg + `,"max_tokens":40,"stream":true,"stream_options":{"include_usage":true}}`},
 			{"sse injected", EndpointChat, `{"model":"gpt-test",` + msg + `,"max_tokens":40,"stream":true}`},
-			{"responses json", EndpointResponses, `{"model":"gpt-test","input":"[encoding:` + coding + `] [cached:1] hi there","max_output_tokens":30}`},
-			{"responses sse", EndpointResponses, `{"model":"gpt-test","input":"[encoding:` + coding + `] [cached:1] hi there","max_output_tokens":30,"stream":true}`},
+			{"responses json", EndpointResponses, `{"model":"gpt-test","input":"[encoding:` + coding + `] [cached:1] [fill] hi there","max_output_tokens":30}`},
+			{"responses sse", EndpointResponses, `{"model":"gpt-test","input":"[encoding:` + coding + `] [cached:1] [fill] hi there","max_output_tokens":30,"stream":true}`},
 		} {
 			t.Run(coding+" "+tc.name, func(t *testing.T) {
 				resp := e.post(ctx, tc.path, e.key, tc.body)
@@ -257,7 +258,7 @@ func TestCompressedRepliesBilledExactly(t *testing.T) {
 					if strings.Contains(string(got), "usage") || !strings.HasSuffix(string(got), "data: [DONE]\n\n") {
 						t.Fatalf("injected usage not hidden from the client:\n%.500s", got)
 					}
-					want = pricing.Usage{Prompt: 5, Cached: 2, Completion: 40, Reasoning: 3} // the fake's rule: words, markers, cap
+					want = pricing.Usage{Prompt: 6, Cached: 2, Completion: 40, Reasoning: 3} // the fake's rule: words, markers, cap
 				case "responses sse":
 					want = sseResponsesUsage(t, got)
 				}
@@ -356,7 +357,7 @@ func TestGiantResponsesCompletedEvent(t *testing.T) {
 	t.Parallel()
 	var g *gatedRecorder
 	e := newFakeEnv(t, envOpt{cfg: gate(&g)})
-	body := `{"model":"gpt-4o-mini","input":"[cached:3] tell me a long story","max_output_tokens":16384,"stream":true,` +
+	body := `{"model":"gpt-4o-mini","input":"[cached:3] [fill] tell me a long story","max_output_tokens":16384,"stream":true,` +
 		`"include":["message.output_text.logprobs"],"top_logprobs":20}`
 	resp := e.post(context.Background(), EndpointResponses, e.key, body)
 	id := resp.Header.Get("x-request-id")
@@ -424,7 +425,7 @@ func TestBigChatChunksBilled(t *testing.T) {
 	t.Parallel()
 	e := newFakeEnv(t, envOpt{cfg: func(c *Config) { c.MaxResponseBytes = 600 }})
 	for _, marker := range []string{"", "[encoding:gzip] "} {
-		body := `{"model":"gpt-test","messages":[{"role":"user","content":"` + marker + `count to ten"}],"max_tokens":50,"stream":true,"logprobs":true,"top_logprobs":20}`
+		body := `{"model":"gpt-test","messages":[{"role":"user","content":"` + marker + `[fill] count to ten"}],"max_tokens":50,"stream":true,"logprobs":true,"top_logprobs":20}`
 		resp := e.post(context.Background(), EndpointChat, e.key, body)
 		got, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
@@ -435,7 +436,7 @@ func TestBigChatChunksBilled(t *testing.T) {
 			t.Fatal("the injected usage chunk reached the client")
 		}
 		e.billedExactly(resp.Header.Get("x-request-id"), ledger.Model{Name: testModel, Prices: testPrices},
-			pricing.Usage{Prompt: len64(marker + "count to ten"), Completion: 50})
+			pricing.Usage{Prompt: len64(marker + "[fill] count to ten"), Completion: 50})
 		e.settleAll()
 	}
 }

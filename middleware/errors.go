@@ -32,6 +32,7 @@ const (
 	CodeInvalidValue       = "invalid_value"
 	CodeMissingField       = "missing_required_parameter"
 	CodeUnsupported        = "unsupported_feature"
+	CodeUnsupportedParam   = "unsupported_parameter" // a cap field the endpoint does not define
 	CodeServiceUnavailable = "service_unavailable"
 	CodeInternal           = "internal_error"
 	CodeBillingFailed      = "billing_unavailable"

@@ -26,7 +26,7 @@ import (
 
 // holdIsBound reports whether a request's hold is its bound: the most the request can cost,
 // whatever the upstream does, known from the request itself. It is when the body is plain text
-// (Request.PlainText) with an output cap — the request's, else the model's max output tokens,
+// (Request.Bounded) with an output cap — the request's, else the model's max output tokens,
 // which the upstream enforces — or an embedding (no output), and that bound is not above the
 // hold (a hold below it, such as a learned max, is not a bound). bound is then what the request
 // is charged when its usage cannot be read after a cut (it is the hold unless a HoldFunc held
@@ -40,7 +40,7 @@ func holdIsBound(m ledger.Model, r Request, hold int64) (bound int64, usage pric
 		return 0, usage, false
 	}
 	n := max(r.N, 1) // requestBound fitted b × n × prompts, so these fit too
-	return b, pricing.Usage{Prompt: int64(r.Size) * n, Completion: out * max(r.Prompts, 1) * n}, true
+	return b, pricing.Usage{Prompt: inputTokens(r) * n, Completion: out * max(r.Prompts, 1) * n}, true
 }
 
 // estimate is what a request whose response ended without readable usage is charged (see the
@@ -53,10 +53,7 @@ func (cl *call) estimate(cw *captureWriter) (pricing.Usage, int64) {
 	}
 	out := cw.outputEstimate()
 	usage := pricing.Usage{Prompt: int64(cl.req.Size), Completion: out}
-	m := cl.model
-	if cl.req.Endpoint != EndpointMessages {
-		m.Prices = m.WithoutCacheWrites() // as the hold: only Anthropic's usage carries cache writes
-	}
+	m := specModel(cl.model, cl.req.Spec) // as the hold
 	cost, err := m.Bound(usage.Prompt, usage.Completion)
 	if a, ok := cw.sse.partialUsage(); ok && cw.mode == modeSSE {
 		// A Messages stream's message_start gave the exact input counts.

@@ -229,7 +229,7 @@ func TestInputBoundIsBodyBytes(t *testing.T) {
 		<-r.Context().Done()
 	})
 	prompt := strings.Repeat("a1", 20_000)
-	img := `{"role":"user","content":[{"type":"text","text":"` + prompt + `"},{"type":"image_url","image_url":{"url":"https://example.com/a.png"}}]}`
+	img := `{"role":"user","content":[{"type":"text","text":"` + prompt + `"},{"type":"file","file":{"file_id":"file-1"}}]}` // a file: not bounded
 	body := `{"model":"gpt-test","stream":true,"messages":[` + img + `]}`
 	e.hangUpAfterFirstBytes(EndpointChat, body)
 	o := e.outcome()
@@ -241,8 +241,9 @@ func TestInputBoundIsBodyBytes(t *testing.T) {
 		t.Fatalf("usage %+v: want the body's %d bytes as input", ev.Usage, len(body))
 	}
 
-	// The same request to a model whose learned max (below what the request could cost) is its
-	// hold: charged the hold, no more.
+	// The same request to a model whose learned max is below what the request states: held at
+	// what it states (issue 32: the hold never drops it), and charged the estimate, no more
+	// than the hold.
 	body = strings.Replace(body, "gpt-test", "gpt-learned", 1)
 	e2 := newEnv(t, envOpt{cfg: func(cfg *Config) { cfg.HangupTimeout = readOn }})
 	must(t, e2.ledger.PutModel(context.Background(), ledger.Model{Name: "gpt-learned", Prices: testPrices,
@@ -255,10 +256,10 @@ func TestInputBoundIsBodyBytes(t *testing.T) {
 	})
 	e2.hangUpAfterFirstBytes(EndpointChat, body)
 	o = e2.outcome()
-	if o.HoldAmount != 5000 {
-		t.Fatalf("hold %d, want the learned max 5000", o.HoldAmount)
+	if want := int64(len(body)) + 2*1000; o.HoldAmount != want {
+		t.Fatalf("hold %d, want what the request states, %d, above the learned max 5000", o.HoldAmount, want)
 	}
-	e2.checkEstimate(o, o.HoldAmount)
+	e2.checkEstimate(o, estimateBound(t, estimateCase{}, body, 1, o.HoldAmount))
 }
 
 // TestHangupBeforeAnswerCharged (issue 22 item 2 b): a non-streaming request whose client hangs

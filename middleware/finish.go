@@ -10,6 +10,7 @@ import (
 	"github.com/labstack/echo/v4"
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/endpoint"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/pricing"
 )
@@ -30,7 +31,7 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 	req := c.Request()
 	r := cl.req
 	injected := false
-	if r.Stream && !r.IncludeUsage && (r.Endpoint == EndpointChat || r.Endpoint == EndpointCompletions) {
+	if r.Stream && !r.IncludeUsage && r.Spec.InjectUsage {
 		b, err := injectIncludeUsage(body)
 		if err != nil {
 			cl.releaseHold()
@@ -61,8 +62,9 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 		onBound:     func() { upCancel(errHangupBound) },
 		costSSE:     costInStream,
 	}
-	cw.sse = &sseFilter{inject: injected, responses: r.Endpoint == EndpointResponses, maxEvent: m.cfg.MaxResponseBytes, emit: cw.out}
-	cw.scan.anthropic, cw.sse.anthropic = r.Endpoint == EndpointMessages, r.Endpoint == EndpointMessages
+	cw.sse = &sseFilter{inject: injected, responses: r.Spec.Stream == endpoint.StreamResponses, maxEvent: m.cfg.MaxResponseBytes, emit: cw.out}
+	cw.scan.anthropic = r.Spec.Stream == endpoint.StreamMessages
+	cw.sse.anthropic = cw.scan.anthropic
 	c.Response().Writer = cw
 	cl.setHeaders(orig.Header())
 	stopWatch := context.AfterFunc(clientCtx, cw.markGone)
@@ -162,7 +164,7 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		// kept for reports; the ledger leaves it out of the entry's attribution, as the reserve
 		// left it out of the hold's.
 		ID: cl.holdID, Org: cl.id.Org, KeyID: cl.id.KeyID, Project: cl.reserved.Project, ReservedAt: cl.reserved.ReservedAt, EndUser: cl.req.EndUser,
-		Model: cl.req.Model, Endpoint: cl.req.Endpoint,
+		Model: cl.req.Model, Endpoint: cl.req.Spec.Path,
 		Usage: usage, Cost: cost, HoldAmount: cl.holdAmount, Estimated: estimated, CreatedAt: time.Now(),
 		Choices: times(max(cl.req.N, 1), max(cl.req.Prompts, 1)), // the worker learns the model's max cost of one choice (of one prompt) from it
 	}
@@ -259,7 +261,7 @@ func (cl *call) recordFailed(cw *captureWriter, ev ledger.UsageEvent, err error,
 		cl.releaseHold()
 		e := errUnavailable("The usage of this request could not be recorded; it was not completed.", m.cfg.RetryAfter)
 		e.Code = CodeBillingFailed
-		if cl.req.Endpoint == EndpointMessages {
+		if cl.req.Spec.Provider == endpoint.Anthropic {
 			e = e.forAnthropic()
 		}
 		if cw.mode == modeJSON && !cw.streaming {

@@ -7,6 +7,7 @@ import (
 
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/tidwall/gjson"
 )
 
 // Fit (DESIGN "Holds that fit"): a request whose bound does not fit the org's balance or the
@@ -32,24 +33,6 @@ const (
 // meanwhile).
 const maxFitTries = 3
 
-// defaultFitFields is the cap field fit adds to a body that has none, per endpoint (the field
-// that endpoint's upstream reads; Config.FitFields changes it per route).
-var defaultFitFields = map[string]string{
-	EndpointChat:        "max_completion_tokens",
-	EndpointCompletions: "max_tokens",
-	EndpointResponses:   "max_output_tokens",
-	EndpointMessages:    "max_tokens",
-}
-
-// capFields are the cap fields an endpoint's upstreams read; fit writes C into each one the
-// body has.
-var capFields = map[string][]string{
-	EndpointChat:        {"max_completion_tokens", "max_tokens"},
-	EndpointCompletions: {"max_tokens"},
-	EndpointResponses:   {"max_output_tokens"},
-	EndpointMessages:    {"max_tokens"},
-}
-
 // fitPlan is what fitting a request needs: its bound and the cap the bound assumes, and the
 // smallest cap worth serving.
 type fitPlan struct {
@@ -66,8 +49,9 @@ type fitPlan struct {
 func (m *middleware) planFit(off bool, model ledger.Model, r Request, hold int64) fitPlan {
 	var p fitPlan
 	p.bound, p.cap, p.on = Bound(model, r)
-	p.minCap = min(m.cfg.FitMinOutputTokens, p.cap)
-	p.bounded = p.on && p.cap > 0 && p.bound == hold && r.Endpoint != EndpointEmbeddings
+	// A thinking budget needs a cap above it (Spec.MinCap): fit never goes below that.
+	p.minCap = max(min(m.cfg.FitMinOutputTokens, p.cap), r.Spec.MinCap(r.ThinkingBudget))
+	p.bounded = p.on && p.cap > 0 && p.bound == hold && !r.Spec.NoOutput
 	p.on = p.bounded && !m.cfg.NoFit && !off
 	return p
 }
@@ -122,25 +106,45 @@ func roomOf(err error) (room, bool) {
 	return room{}, false
 }
 
-// setCap writes the fitted cap into body: into each cap field the body has (parseRequest checked
-// they are unique and spelled exactly), else into the endpoint's fit field, added.
-func (m *middleware) setCap(body []byte, endpoint string, c int64) []byte {
+// capBody returns body carrying the output cap c that the request's hold priced (DESIGN
+// "Endpoints"), in the endpoint's own field: each cap field of the endpoint that the body has
+// gets min(its value, c) — fit never raises what the request would otherwise get — and a body
+// with none gets c added in the endpoint's fit field (Config.FitFields changes it per route).
+// A thinking budget that c would leave invalid is lowered (Spec.Thinking; fit's minCap made
+// sure one fits). parseRequest checked that every such field is unique and spelled exactly.
+func (m *middleware) capBody(body []byte, r Request, c int64) []byte {
+	spec := r.Spec
 	v := []byte(strconv.FormatInt(c, 10))
 	found := false
-	for _, f := range capFields[endpoint] {
-		var ok bool
-		if body, ok = setTopRaw(body, f, v); ok {
-			found = true
+	for _, f := range spec.CapFields {
+		got := gjson.GetBytes(body, f)
+		if !got.Exists() || got.Type == gjson.Null {
+			continue
+		}
+		found = true
+		if got.Int() > c {
+			body, _ = setTopRaw(body, f, v)
 		}
 	}
-	if found {
-		return body
+	if !found {
+		f := spec.FitField
+		if x, ok := m.cfg.FitFields[spec.Path]; ok && x != "" {
+			f = x
+		}
+		if out, ok := setTopRaw(body, f, v); ok { // a null member of that name
+			body = out
+		} else {
+			body = addTopRaw(body, f, v)
+		}
 	}
-	f := defaultFitFields[endpoint]
-	if x, ok := m.cfg.FitFields[endpoint]; ok && x != "" {
-		f = x
+	if b, _ := spec.Thinking(r.ThinkingBudget, c); b != r.ThinkingBudget {
+		if t := gjson.GetBytes(body, "thinking"); t.IsObject() {
+			if nt, ok := setTopRaw([]byte(t.Raw), "budget_tokens", []byte(strconv.FormatInt(b, 10))); ok {
+				body, _ = setTopRaw(body, "thinking", nt)
+			}
+		}
 	}
-	return addTopRaw(body, f, v)
+	return body
 }
 
 // heldRefusal turns a refusal that in-flight holds explain into the retryable 429 of "Held is
@@ -191,10 +195,15 @@ func (m *middleware) quotaRefusal(err error, model ledger.Model, r Request, plan
 	}
 	hint := ""
 	if plan.bounded {
-		if c, _, ok := fitCap(model, r, 1, plan.cap, rm); ok {
+		least := max(1, r.Spec.MinCap(r.ThinkingBudget)) // a thinking budget needs a cap above it
+		if c, _, ok := fitCap(model, r, least, plan.cap, rm); ok {
 			hint = " An output cap (max_tokens) of at most " + strconv.FormatInt(c, 10) + " would fit."
 		} else {
 			hint = " No output cap fits."
+		}
+		if least > 1 {
+			hint += " With extended thinking, max_tokens must stay above thinking.budget_tokens, itself at least " +
+				strconv.FormatInt(r.Spec.ThinkingMin, 10) + ": at least " + strconv.FormatInt(least, 10) + "."
 		}
 	}
 	var lim *balance.LimitError

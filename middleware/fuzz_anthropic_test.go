@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"bytes"
+	"github.com/llmescrow/escrow/endpoint"
 	"strconv"
 	"testing"
 
@@ -20,14 +21,14 @@ func FuzzMessagesRequest(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, body []byte) {
-		r, e := parseMessages(body)
+		r, e := parseMessages(specMessages, body)
 		if e != nil {
 			if e.Status != 400 || e.Code == "" || e.forAnthropic().Type != AnthropicInvalidRequest {
 				t.Fatalf("bad error %+v", e)
 			}
 			return
 		}
-		if !gjson.ValidBytes(body) || r.Model == "" || r.OutputCap < 1 || r.N != 1 || r.Size != len(body) || r.Endpoint != EndpointMessages {
+		if !gjson.ValidBytes(body) || r.Model == "" || r.OutputCap < 1 || r.N != 1 || r.Size != len(body) || r.Spec != endpoint.Messages {
 			t.Fatalf("accepted %q as %+v", body, r)
 		}
 		if !bytes.Contains(body, []byte(strconv.FormatInt(r.OutputCap, 10))) {

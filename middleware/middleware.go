@@ -17,6 +17,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/labstack/echo/v4"
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/endpoint"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/pricing"
 )
@@ -227,18 +228,18 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	if e != nil {
 		return m.refuse(c, o, e)
 	}
-	if !pricedEndpoint(req.URL.Path) {
+	if pricedSpec(req.URL.Path) == nil {
 		return m.serveUnpriced(c, next, o)
 	}
 	body, r, e := m.readPriced(c, &o)
 	if e != nil {
 		return m.refuse(c, o, e)
 	}
-	model, stamp, e := m.priceModel(req.Context(), body, r)
+	model, stamp, e := m.priceModel(req.Context(), body, &r)
 	if e != nil {
 		return m.refuse(c, o, e)
 	}
-	fitOff := req.Header.Get(HeaderFit) == "off"
+	fitOff := strings.EqualFold(strings.TrimSpace(req.Header.Get(HeaderFit)), "off") // escrow's header values: any case
 	req.Header.Del(HeaderFit)
 	cl, e := m.reserveHold(req.Context(), id, r, model, fitOff, start, &o)
 	if e != nil {
@@ -251,15 +252,17 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 		// The hold came late after a stale read of the model, which has changed since: priced
 		// again under the model as it is now.
 		m.release(id.Org, cl.holdID) // taken for nothing
-		if model, _, e = m.priceModel(req.Context(), body, r); e != nil {
+		if model, _, e = m.priceModel(req.Context(), body, &r); e != nil {
 			return m.refuse(c, o, e)
 		}
 		if cl, e = m.reserveHold(req.Context(), id, r, model, fitOff, start, &o); e != nil {
 			return m.refuse(c, o, e)
 		}
 	}
+	if c := outputCapOf(cl.model, cl.req); c > 0 {
+		body = m.capBody(body, cl.req, c) // the cap the hold priced, in the endpoint's field
+	}
 	if cl.fitCap > 0 {
-		body = m.setCap(body, r.Endpoint, cl.fitCap)
 		c.Response().Header().Set(HeaderOutputCap, strconv.FormatInt(cl.fitCap, 10))
 	}
 	setRateHeaders(c.Response().Header(), cl.reserved, time.Now())
@@ -288,14 +291,15 @@ func (m *middleware) identify(c echo.Context, o *Outcome) (Identity, *Error) {
 func (m *middleware) serveUnpriced(c echo.Context, next echo.HandlerFunc, o Outcome) error {
 	req := c.Request()
 	path := req.URL.Path
-	if path == EndpointCountTokens && m.cfg.Route != nil {
+	spec := endpoint.Lookup(path) // an unbilled endpoint (count_tokens), or none
+	if spec != nil && m.cfg.Route != nil {
 		// Unbilled, but sent to the upstream of its model's route, like the Messages it
 		// counts for.
 		if e := m.routeUnpriced(c); e != nil {
 			return m.refuse(c, o, e)
 		}
 	}
-	if m.passes(path) || path == EndpointCountTokens {
+	if m.passes(path) || spec != nil {
 		req.Header.Del("Authorization")
 		req.Header.Del("X-Api-Key")
 		o.Kind = OutcomePassed
@@ -382,19 +386,16 @@ func (m *middleware) endUser(h http.Header, r *Request) *Error {
 // endUserParam is where a request names its end user: the configured header, else the body's
 // field of its endpoint.
 func (m *middleware) endUserParam(r Request) string {
-	switch {
-	case m.cfg.EndUserHeader != "":
+	if m.cfg.EndUserHeader != "" {
 		return m.cfg.EndUserHeader
-	case r.Endpoint == EndpointMessages:
-		return "metadata.user_id"
 	}
-	return "user"
+	return r.Spec.EndUserField
 }
 
 // priceModel finds the prices of the request's model (or the DefaultModel's) and checks the
 // request's output cap against the model's.
 // The stamp is the model's state in Redis the prices were read under (modelChanged).
-func (m *middleware) priceModel(ctx context.Context, body []byte, r Request) (ledger.Model, modelStamp, *Error) {
+func (m *middleware) priceModel(ctx context.Context, body []byte, r *Request) (ledger.Model, modelStamp, *Error) {
 	model, stamp, err := m.lookupModel(ctx, r.Model)
 	switch {
 	case errors.Is(err, ledger.ErrUnknownModel) && m.cfg.DefaultModel != nil:
@@ -407,9 +408,10 @@ func (m *middleware) priceModel(ctx context.Context, body []byte, r Request) (le
 		return model, stamp, errUnavailable("The billing service is unavailable; please retry.", m.cfg.RetryAfter)
 	}
 	if r.OutputCap > 0 && model.MaxOutputTokens > 0 && r.OutputCap > model.MaxOutputTokens {
-		return model, stamp, errInvalid(capParam(body), "The output token limit "+strconv.FormatInt(r.OutputCap, 10)+
+		return model, stamp, errInvalid(capParam(body, r.Spec), "The output token limit "+strconv.FormatInt(r.OutputCap, 10)+
 			" is above the model's maximum of "+strconv.FormatInt(model.MaxOutputTokens, 10)+".")
 	}
+	r.PartTokens = m.partTokens(model.Name, *r)
 	return model, stamp, nil
 }
 
@@ -754,11 +756,13 @@ func featureParam(f string) string {
 	return ""
 }
 
-func capParam(body []byte) string {
-	for _, k := range []string{"max_completion_tokens", "max_output_tokens", "max_tokens"} {
+// capParam names the request's cap field in a refusal: the first of the endpoint's that the
+// body sends.
+func capParam(body []byte, spec *endpoint.Spec) string {
+	for _, k := range spec.CapFields {
 		if bytes.Contains(body, []byte(`"`+k+`"`)) {
 			return k
 		}
 	}
-	return "max_tokens"
+	return spec.FitField
 }

@@ -157,7 +157,7 @@ func TestJSONRecorded(t *testing.T) {
 	}
 	ups := e.upstreamRequests()
 	if len(ups) != 1 || ups[0].Auth != "Bearer "+upstreamKey || ups[0].AcceptEncoding != "identity" ||
-		string(ups[0].Body) != jsonBody(testModel, "") {
+		string(ups[0].Body) != withCap(jsonBody(testModel, ""), "max_completion_tokens", 1000) {
 		t.Fatalf("upstream got %+v", ups)
 	}
 	// The worker's accounting charges the real cost.
@@ -264,7 +264,7 @@ func TestIncludeUsage(t *testing.T) {
 	if want := strings.Join(chatChunks(true), ""); string(got) != want {
 		t.Fatalf("client that asked saw:\n%s\nwant:\n%s", got, want)
 	}
-	if ups := e.upstreamRequests(); string(ups[1].Body) != jsonBody(testModel, `"stream":true,"stream_options":{"include_usage":true}`) {
+	if ups := e.upstreamRequests(); string(ups[1].Body) != withCap(jsonBody(testModel, `"stream":true,"stream_options":{"include_usage":true}`), "max_completion_tokens", 1000) {
 		t.Fatalf("body changed: %s", ups[1].Body)
 	}
 	if o := e.outcome(); o.Kind != OutcomeRecorded || o.Usage != chatUsage {

@@ -2,6 +2,8 @@ package middleware
 
 import (
 	"encoding/json"
+
+	"github.com/llmescrow/escrow/endpoint"
 	"net/http"
 	"slices"
 	"strconv"
@@ -13,39 +15,46 @@ import (
 	"github.com/tidwall/sjson"
 )
 
-// The priced endpoints: the only paths that get a hold.
-const (
-	EndpointChat        = "/v1/chat/completions"
-	EndpointCompletions = "/v1/completions"
-	EndpointEmbeddings  = "/v1/embeddings"
-	EndpointResponses   = "/v1/responses"
-)
-
-func pricedEndpoint(path string) bool {
-	switch path {
-	case EndpointChat, EndpointCompletions, EndpointEmbeddings, EndpointResponses, EndpointMessages:
-		return true
+// pricedSpec is the spec of a path that gets a hold, nil for any other path.
+func pricedSpec(path string) *endpoint.Spec {
+	if s := endpoint.Lookup(path); s != nil && s.Billed {
+		return s
 	}
-	return false
+	return nil
 }
 
 // Request is what the middleware reads from a request body, without decoding the whole body: a
 // walk over the raw bytes of the top-level fields and of the few objects below that matter,
 // reading every key as leniently as any upstream would (fields.go).
 type Request struct {
-	Endpoint     string // one of the Endpoint… paths (EndpointMessages: parsed by parseMessages)
+	Spec         *endpoint.Spec // the endpoint's spec (package endpoint)
 	Model        string
 	Stream       bool
-	IncludeUsage bool  // stream_options.include_usage is true
-	OutputCap    int64 // the largest of max_tokens, max_completion_tokens, max_output_tokens; 0 = none
-	N            int64 // the largest of n and best_of; 1 when absent
+	IncludeUsage bool // stream_options.include_usage is true
+	// OutputCap is the largest of the cap fields the endpoint's upstream reads
+	// (endpoint.Spec.CapFields); 0 = none sent. A cap field of another endpoint is refused.
+	OutputCap int64
+	N         int64 // the largest of the endpoint's choice fields (n, best_of); 1 when absent
+	// ThinkingBudget is Anthropic's thinking.budget_tokens (0: none); fit keeps it valid.
+	ThinkingBudget int64
+	// ImagesLow and ImagesHigh count the image parts of the input by detail ("low"; "high",
+	// "auto" or none): each is bounded by the endpoint's image rule (Spec.Images).
+	ImagesLow, ImagesHigh int64
+	// Tools: the body defines tools or functions the model reads: bounded by their bytes plus
+	// the endpoint's ToolOverhead.
+	Tools bool
+	// PartTokens is what the images and tool definitions add to the input tokens the body's
+	// bytes bound; set by the middleware once the model is known (partTokens).
+	PartTokens int64
 	// Prompts is how many prompts a legacy completion's prompt array holds (each is completed
 	// on its own, n times): 1 for one prompt (a string or one array of token ids).
 	Prompts    int64
 	Background bool // Responses "background": true (bills later: refused)
-	// PlainText: every top-level field is on the allow-list of plain-text fields and every
-	// message/input part is text. Only then may the hold drop to the request's hard bound.
-	PlainText bool
+	// Bounded: every top-level field is on the allow-list of fields whose tokens the request
+	// bounds, and every message/input part is text, an image (the image rule) or a tool
+	// definition (bytes + overhead). Only then may the hold drop to the request's bound;
+	// otherwise (server-side context, unknown fields) it is at least that bound.
+	Bounded bool
 	// Features lists what the price table cannot price: "audio", "image_output",
 	// "service_tier:<tier>", "tool:<type>". Refused unless Config.Allow names them.
 	Features []string
@@ -63,7 +72,7 @@ var topPlain = []string{
 	"max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of",
 	"temperature", "top_p", "stop", "presence_penalty", "frequency_penalty",
 	"logit_bias", "logprobs", "top_logprobs", "user", "seed",
-	"response_format", "tools", "tool_choice", "parallel_tool_calls",
+	"response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
 	"reasoning_effort", "reasoning", "verbosity", "text", "metadata",
 	"store", "prompt_cache_key", "safety_identifier", "truncation",
 	"suffix", "echo", "encoding_format", "dimensions", "service_tier",
@@ -74,7 +83,7 @@ var topPlain = []string{
 // (not null), they keep the learned max, and their spelling is checked like the rest.
 var topOther = []string{
 	"background", "audio", "modalities", "web_search_options", "previous_response_id", "conversation",
-	"prediction", "include", "functions", "function_call",
+	"prediction", "include",
 }
 
 // The objects escrow reads below the top level, with the fields it knows in each. A key that
@@ -93,7 +102,7 @@ var (
 	// partFields: a content part (of a message, or of a function_call_output's output array).
 	partFields = newFieldSet("type", "text", "refusal", "annotations", "logprobs", "image_url", "input_audio",
 		"file", "file_id", "file_url", "file_data", "filename", "detail", "image", "audio")
-	partPlainMask = partFields.mask("type", "text", "refusal", "annotations", "logprobs")
+	partImageMask = partFields.mask("type", "text", "refusal", "annotations", "logprobs", "image_url", "detail")
 )
 
 // isPlainTool reports whether a tool type is run by the client itself: its definitions and
@@ -107,11 +116,15 @@ func bstr(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
 // the raw bytes of the top-level object and of the objects below it that change the price
 // (stream_options, tools[*], tool_choice, messages / input items and their content parts),
 // allocating only for the model name, escaped keys and refusals.
-func parseRequest(endpoint string, body []byte) (Request, *Error) {
-	if endpoint == EndpointMessages {
-		return parseMessages(body)
+func parseRequest(path string, body []byte) (Request, *Error) {
+	spec := pricedSpec(path)
+	if spec == nil {
+		return Request{}, &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Code: CodeNotFound, Message: "Invalid URL (POST " + path + ")"}
 	}
-	r, e := walkTop(endpoint, body, topFields, topPlainMask, (*reqParser).top)
+	if spec.Provider == endpoint.Anthropic {
+		return parseMessages(spec, body)
+	}
+	r, e := walkTop(spec, body, topFields, topPlainMask, (*reqParser).top)
 	if e == nil && r.Model == "" {
 		e = errMissing("model", "You must provide a model parameter.")
 	}
@@ -147,14 +160,17 @@ func (p *reqParser) top(name string, kind byte, v string) {
 	case "user":
 		p.endUser(name, v)
 	case "max_tokens", "max_completion_tokens", "max_output_tokens":
-		if kind != 'n' {
-			r.OutputCap = max(r.OutputCap, p.positive(name, v))
-		}
+		p.capField(name, kind, v)
 	case "n", "best_of":
 		// Each of n (or best_of) choices is generated, and billed, in full: the hold is
-		// multiplied by the larger (HoldAmount).
-		if kind != 'n' {
+		// multiplied by the larger (HoldAmount). A field the endpoint does not multiply by is
+		// ignored by its upstream.
+		if kind != 'n' && slices.Contains(r.Spec.Choices, name) {
 			r.N = max(r.N, p.positive(name, v))
+		}
+	case "functions":
+		if kind != 'n' && v != "[]" {
+			r.Tools = true
 		}
 	case "background":
 		r.Background = p.boolean(name, v)
@@ -180,9 +196,9 @@ func (p *reqParser) top(name string, kind byte, v string) {
 		}
 	case "messages", "input", "prompt", "instructions", "suffix":
 		if !p.content(name, v) {
-			r.PlainText = false
+			r.Bounded = false
 		}
-		if name == "prompt" && r.Endpoint == EndpointCompletions {
+		if name == r.Spec.PromptArray {
 			r.Prompts = promptCount(v)
 		}
 	}
@@ -264,7 +280,7 @@ func (p *reqParser) toolChoice(v string) {
 	}
 	typ := p.typeOf(v, toolChoiceFields, loc{field: "tool_choice", i: -1}, true)
 	if p.fail == nil && !isPlainTool(typ) && typ != "allowed_tools" {
-		p.r.PlainText = false
+		p.r.Bounded = false
 		p.r.addFeature("tool:" + typ)
 	}
 }
@@ -359,10 +375,18 @@ func (p *reqParser) part(raw string, l loc) bool {
 	if rawKind(raw) != '{' {
 		return false
 	}
-	typ := ""
-	plain := p.members(raw, partFields, partPlainMask, l, func(i int, v string) {
-		if partFields.names[i] == "type" {
+	typ, detail, fileID := "", "", false
+	var image string
+	plain := p.members(raw, partFields, partImageMask, l, func(i int, v string) {
+		switch partFields.names[i] {
+		case "type":
 			typ = rawString(v)
+		case "detail":
+			detail = rawString(v)
+		case "image_url":
+			image = v
+		case "file_id":
+			fileID = rawKind(v) != 'n'
 		}
 	})
 	switch {
@@ -371,20 +395,40 @@ func (p *reqParser) part(raw string, l loc) bool {
 	case typ == "input_audio":
 		p.r.addFeature("audio")
 		return false
+	case !plain:
+		return false
+	case p.r.Spec.TextPart(typ):
+		return true
+	case !p.r.Spec.ImagePart(typ) || fileID || image == "" || rawKind(image) == 'n':
+		return false // a file, or an uploaded image: server-side
 	}
-	return plain && textPart(p.r.Endpoint, typ)
+	// An image: bounded by the image rule of its detail (the part's, or chat's image_url.detail).
+	if rawKind(image) == '{' {
+		detail = imageDetail(image)
+	}
+	if detail == "low" {
+		p.r.ImagesLow++
+	} else {
+		p.r.ImagesHigh++
+	}
+	return true
 }
 
-// textPart reports whether a content part type is text that the body's bytes bound: on the
-// Responses API only input_text and output_text.
-func textPart(endpoint, typ string) bool {
-	switch endpoint {
-	case EndpointChat:
-		return typ == "text" || typ == "refusal"
-	case EndpointResponses:
-		return typ == "input_text" || typ == "output_text"
-	}
-	return false
+// imageDetail is the detail of a chat image_url object: "low" only when every member an
+// upstream could read as its detail says exactly "low" (anything else is bounded as high).
+func imageDetail(obj string) string {
+	detail := ""
+	forEachRaw(obj, func(k, v string) bool {
+		if strings.EqualFold(k, "detail") {
+			if rawString(v) != "low" {
+				detail = "high"
+				return false
+			}
+			detail = "low"
+		}
+		return true
+	})
+	return detail
 }
 
 func (r *Request) addFeature(f string) {

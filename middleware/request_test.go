@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"encoding/json"
+	"github.com/llmescrow/escrow/endpoint"
 	"slices"
 	"strings"
 	"testing"
@@ -16,22 +17,27 @@ func TestParseRequest(t *testing.T) {
 		want                 Request // Size and Endpoint are filled in
 	}{
 		{"minimal chat", EndpointChat, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`,
-			Request{Model: "m", N: 1, PlainText: true}},
+			Request{Model: "m", N: 1, Bounded: true}},
 		{"stream with usage and cap", EndpointChat,
 			`{"model":"m","stream":true,"stream_options":{"include_usage":true},"max_completion_tokens":50,"n":3,"messages":[]}`,
-			Request{Model: "m", Stream: true, IncludeUsage: true, OutputCap: 50, N: 3, PlainText: true}},
+			Request{Model: "m", Stream: true, IncludeUsage: true, OutputCap: 50, N: 3, Bounded: true}},
 		{"largest cap wins", EndpointChat, `{"model":"m","max_tokens":10,"max_completion_tokens":70}`,
-			Request{Model: "m", OutputCap: 70, N: 1, PlainText: true}},
+			Request{Model: "m", OutputCap: 70, N: 1, Bounded: true}},
 		{"best_of above n", EndpointCompletions, `{"model":"m","prompt":"x","n":2,"best_of":5,"max_tokens":9}`,
-			Request{Model: "m", OutputCap: 9, N: 5, PlainText: true}},
+			Request{Model: "m", OutputCap: 9, N: 5, Bounded: true}},
 		{"nulls are absent", EndpointChat, `{"model":"m","stream":null,"stream_options":null,"max_tokens":null,"n":null,"audio":null,"service_tier":null,"tools":null}`,
-			Request{Model: "m", N: 1, PlainText: true}},
+			Request{Model: "m", N: 1, Bounded: true}},
 		{"text parts are plain", EndpointChat, `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"}]}]}`,
-			Request{Model: "m", N: 1, PlainText: true}},
-		{"image part is not plain", EndpointChat, `{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x"}}]}]}`,
+			Request{Model: "m", N: 1, Bounded: true}},
+		// Issue 32: an image in the body is bounded by the image rule of its detail.
+		{"image part is bounded", EndpointChat, `{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x"}}]}]}`,
+			Request{Model: "m", N: 1, Bounded: true, ImagesHigh: 1}},
+		{"low detail image", EndpointChat, `{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x","detail":"low"}}]}]}`,
+			Request{Model: "m", N: 1, Bounded: true, ImagesLow: 1}},
+		{"file part is not bounded", EndpointChat, `{"model":"m","messages":[{"role":"user","content":[{"type":"file","file":{"file_id":"f"}}]}]}`,
 			Request{Model: "m", N: 1}},
 		{"responses input text", EndpointResponses, `{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"a"}]}],"max_output_tokens":5}`,
-			Request{Model: "m", N: 1, OutputCap: 5, PlainText: true}},
+			Request{Model: "m", N: 1, OutputCap: 5, Bounded: true}},
 		{"responses file is not plain", EndpointResponses, `{"model":"m","input":[{"role":"user","content":[{"type":"input_file","file_id":"f"}]}]}`,
 			Request{Model: "m", N: 1}},
 		{"item reference is not plain", EndpointResponses, `{"model":"m","input":[{"type":"item_reference","id":"x"}]}`,
@@ -40,31 +46,36 @@ func TestParseRequest(t *testing.T) {
 			Request{Model: "m", N: 1}},
 		{"unknown field is not plain", EndpointChat, `{"model":"m","foo":1}`, Request{Model: "m", N: 1}},
 		{"function tool is plain", EndpointChat, `{"model":"m","tools":[{"type":"function","function":{"name":"f"}}]}`,
-			Request{Model: "m", N: 1, PlainText: true}},
+			Request{Model: "m", N: 1, Bounded: true, Tools: true}},
+		{"functions are bounded", EndpointChat, `{"model":"m","functions":[{"name":"f","parameters":{}}]}`,
+			Request{Model: "m", N: 1, Bounded: true, Tools: true}},
 		{"hosted tool", EndpointResponses, `{"model":"m","tools":[{"type":"web_search"},{"type":"function"}]}`,
-			Request{Model: "m", N: 1, Features: []string{"tool:web_search"}}},
+			Request{Model: "m", N: 1, Tools: true, Features: []string{"tool:web_search"}}},
 		{"audio", EndpointChat, `{"model":"m","modalities":["text","audio"],"audio":{"voice":"x"}}`,
 			Request{Model: "m", N: 1, Features: []string{"audio"}}},
 		{"priority tier", EndpointChat, `{"model":"m","service_tier":"priority"}`,
-			Request{Model: "m", N: 1, PlainText: true, Features: []string{"service_tier:priority"}}},
-		{"auto tier", EndpointChat, `{"model":"m","service_tier":"auto"}`, Request{Model: "m", N: 1, PlainText: true}},
+			Request{Model: "m", N: 1, Bounded: true, Features: []string{"service_tier:priority"}}},
+		{"auto tier", EndpointChat, `{"model":"m","service_tier":"auto"}`, Request{Model: "m", N: 1, Bounded: true}},
 		{"web_search_options", EndpointChat, `{"model":"m","web_search_options":{}}`,
 			Request{Model: "m", N: 1, Features: []string{"tool:web_search"}}},
 		{"background", EndpointResponses, `{"model":"m","background":true}`, Request{Model: "m", N: 1, Background: true}},
-		{"embeddings tokens", EndpointEmbeddings, `{"model":"e","input":[[1,2,3],[4]]}`, Request{Model: "e", N: 1, PlainText: true}},
-		{"escaped key", EndpointChat, `{"mod\u0065l":"m"}`, Request{Model: "m", N: 1, PlainText: true}},
+		{"embeddings tokens", EndpointEmbeddings, `{"model":"e","input":[[1,2,3],[4]]}`, Request{Model: "e", N: 1, Bounded: true}},
+		{"escaped key", EndpointChat, `{"mod\u0065l":"m"}`, Request{Model: "m", N: 1, Bounded: true}},
 		{"stored prompt is not plain", EndpointResponses, `{"model":"m","prompt":{"id":"pmpt_1"},"max_output_tokens":5}`,
 			Request{Model: "m", N: 1, OutputCap: 5}},
 		{"completions prompt is plain", EndpointCompletions, `{"model":"m","prompt":["a",[1,2]],"max_tokens":5}`,
-			Request{Model: "m", N: 1, OutputCap: 5, PlainText: true}},
+			Request{Model: "m", N: 1, OutputCap: 5, Bounded: true}},
 		{"function_call_output string is plain", EndpointResponses,
-			`{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":"42"}]}`, Request{Model: "m", N: 1, PlainText: true}},
-		{"function_call_output image is not plain", EndpointResponses,
-			`{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":[{"type":"input_image","image_url":"u"}]}]}`,
+			`{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":"42"}]}`, Request{Model: "m", N: 1, Bounded: true}},
+		{"function_call_output image is bounded", EndpointResponses,
+			`{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":[{"type":"input_image","image_url":"u","detail":"low"}]}]}`,
+			Request{Model: "m", N: 1, Bounded: true, ImagesLow: 1}},
+		{"uploaded image is not bounded", EndpointResponses,
+			`{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":[{"type":"input_image","file_id":"f"}]}]}`,
 			Request{Model: "m", N: 1}},
 		{"responses output_text is plain", EndpointResponses,
 			`{"model":"m","input":[{"type":"message","role":"assistant","content":[{"type":"output_text","text":"b","annotations":[]}]}]}`,
-			Request{Model: "m", N: 1, PlainText: true}},
+			Request{Model: "m", N: 1, Bounded: true}},
 		{"chat text part on responses is not plain", EndpointResponses,
 			`{"model":"m","input":[{"role":"user","content":[{"type":"text","text":"a"}]}]}`, Request{Model: "m", N: 1}},
 		{"input_text part on chat is not plain", EndpointChat,
@@ -79,9 +90,9 @@ func TestParseRequest(t *testing.T) {
 		{"hosted tool_choice", EndpointResponses, `{"model":"m","input":"hi","tool_choice":{"type":"web_search_preview"}}`,
 			Request{Model: "m", N: 1, Features: []string{"tool:web_search_preview"}}},
 		{"function tool_choice", EndpointChat, `{"model":"m","tool_choice":{"type":"function","function":{"name":"f"}}}`,
-			Request{Model: "m", N: 1, PlainText: true}},
+			Request{Model: "m", N: 1, Bounded: true}},
 		{"variants inside metadata are nobody's business", EndpointChat, `{"model":"m","metadata":{"Model":"x","N":"2","a":"1","a":"2"}}`,
-			Request{Model: "m", N: 1, PlainText: true}},
+			Request{Model: "m", N: 1, Bounded: true}},
 		{"unknown field variants are unknown", EndpointChat, `{"model":"m","Foo":1,"foo":2}`, Request{Model: "m", N: 1}},
 	}
 	for _, tt := range tests {
@@ -91,11 +102,11 @@ func TestParseRequest(t *testing.T) {
 			if e != nil {
 				t.Fatalf("error %v", e)
 			}
-			tt.want.Endpoint, tt.want.Size = tt.endpoint, len(tt.body)
+			tt.want.Spec, tt.want.Size = endpoint.Lookup(tt.endpoint), len(tt.body)
 			if got.Model != tt.want.Model || got.Stream != tt.want.Stream || got.IncludeUsage != tt.want.IncludeUsage ||
 				got.OutputCap != tt.want.OutputCap || got.N != tt.want.N || got.Background != tt.want.Background ||
-				got.PlainText != tt.want.PlainText || !slices.Equal(got.Features, tt.want.Features) ||
-				got.Size != tt.want.Size || got.Endpoint != tt.want.Endpoint {
+				got.Bounded != tt.want.Bounded || !slices.Equal(got.Features, tt.want.Features) ||
+				got.Size != tt.want.Size || got.Spec != tt.want.Spec {
 				t.Fatalf("got %+v\nwant %+v", got, tt.want)
 			}
 		})
@@ -117,7 +128,9 @@ func TestParseRequestErrors(t *testing.T) {
 		{"stream string", `{"model":"m","stream":"true"}`, CodeInvalidValue, "stream"},
 		{"cap zero", `{"model":"m","max_tokens":0}`, CodeInvalidValue, "max_tokens"},
 		{"cap negative", `{"model":"m","max_completion_tokens":-5}`, CodeInvalidValue, "max_completion_tokens"},
-		{"cap fraction", `{"model":"m","max_output_tokens":1.5}`, CodeInvalidValue, "max_output_tokens"},
+		{"cap fraction", `{"model":"m","max_completion_tokens":1.5}`, CodeInvalidValue, "max_completion_tokens"},
+		// Issue 32: a cap field chat does not define is refused, never held.
+		{"responses cap on chat", `{"model":"m","max_output_tokens":1}`, CodeUnsupportedParam, "max_output_tokens"},
 		{"cap exponent", `{"model":"m","max_tokens":1e3}`, CodeInvalidValue, "max_tokens"},
 		{"cap string", `{"model":"m","max_tokens":"10"}`, CodeInvalidValue, "max_tokens"},
 		{"cap huge", `{"model":"m","max_tokens":99999999999999999999}`, CodeInvalidValue, "max_tokens"},

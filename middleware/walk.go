@@ -1,6 +1,11 @@
 package middleware
 
-import "strings"
+import (
+	"net/http"
+	"strings"
+
+	"github.com/llmescrow/escrow/endpoint"
+)
 
 // The walk over a request body that the OpenAI endpoints (request.go) and Anthropic's Messages
 // API (anthropic.go) share: members reads an object's keys as leniently as any upstream and
@@ -12,10 +17,10 @@ import "strings"
 // checks against set. model and stream are read here, the same for both APIs; every other
 // known field goes to own, with its name and rawKind. It returns the Request read and the
 // walk's refusal, if any.
-func walkTop(endpoint string, body []byte, set *fieldSet, plainMask uint64, own func(p *reqParser, name string, kind byte, v string)) (Request, *Error) {
+func walkTop(spec *endpoint.Spec, body []byte, set *fieldSet, plainMask uint64, own func(p *reqParser, name string, kind byte, v string)) (Request, *Error) {
 	// The Request lives in the parser (not behind a pointer to a Request) so that it stays on
 	// the stack.
-	p := reqParser{r: Request{Endpoint: endpoint, N: 1, PlainText: true, Size: len(body)}}
+	p := reqParser{r: Request{Spec: spec, N: 1, Bounded: true, Size: len(body)}}
 	if e := checkJSONObject(body); e != nil {
 		return p.r, e
 	}
@@ -30,7 +35,7 @@ func walkTop(endpoint string, body []byte, set *fieldSet, plainMask uint64, own 
 		}
 	})
 	if !plain {
-		p.r.PlainText = false
+		p.r.Bounded = false
 	}
 	return p.r, p.fail
 }
@@ -94,7 +99,7 @@ var (
 
 // mustBe fails the walk: the value at path is not of shape s.
 func (p *reqParser) mustBe(path string, s shape) {
-	if p.r.Endpoint == EndpointMessages {
+	if p.r.Spec.Provider == endpoint.Anthropic {
 		p.fail = errInvalid(path, path+": Input should be "+anthropicShapes[s])
 		return
 	}
@@ -130,6 +135,27 @@ func (p *reqParser) boolean(path, v string) bool {
 		p.mustBe(path, shapeBool)
 	}
 	return b
+}
+
+// capField reads an output-cap field (endpoint.CapNames): one the endpoint's upstream reads
+// sizes the cap; one the endpoint does not define is refused with a 400 naming it (OpenAI's own
+// answer), never held — an upstream that ignores it would generate its default instead.
+func (p *reqParser) capField(name string, kind byte, v string) {
+	if kind == 'n' {
+		return
+	}
+	if p.r.Spec.Foreign(name) {
+		msg := "Unsupported parameter: '" + name + "' is not supported on " + p.r.Spec.Path + "."
+		if len(p.r.Spec.CapFields) > 0 {
+			msg += " Use '" + p.r.Spec.CapFields[0] + "' instead."
+		}
+		if p.r.Spec.Provider == endpoint.Anthropic {
+			msg = name + ": Extra inputs are not permitted"
+		}
+		p.fail = &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: name, Code: CodeUnsupportedParam, Message: msg}
+		return
+	}
+	p.r.OutputCap = max(p.r.OutputCap, p.positive(name, v))
 }
 
 // positive reads an integer ≥ 1 (an output cap, n); 0 when v is none.
@@ -180,8 +206,12 @@ func (p *reqParser) tools(v string, set *fieldSet, needType bool, clientRuns fun
 		l := loc{field: "tools", i: j}
 		j++
 		typ := p.typeOf(t, set, l, needType)
-		if p.fail == nil && !clientRuns(typ) {
-			p.r.PlainText = false
+		switch {
+		case p.fail != nil:
+		case clientRuns(typ):
+			p.r.Tools = true // a definition the model reads: bytes + the endpoint's overhead
+		default:
+			p.r.Bounded = false
 			p.r.addFeature("tool:" + typ)
 		}
 		return p.fail == nil

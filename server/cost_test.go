@@ -88,7 +88,8 @@ func TestCostOnResponses(t *testing.T) {
 
 		// 10 choices × 16,384 tokens: a 1.4 MB body streams past the 1 MiB kept whole, so the
 		// cost and the balance come as trailers.
-		resp, body := p.send("/v1/chat/completions", key, `{"model":"big",`+msg+`,"n":10,"max_tokens":16384}`, nil)
+		// ([fill]: the fake's answer fills its cap instead of stopping at 20 words.)
+		resp, body := p.send("/v1/chat/completions", key, `{"model":"big","messages":[{"role":"user","content":"[fill] hello there"}],"n":10,"max_tokens":16384}`, nil)
 		if resp.StatusCode != http.StatusOK || len(body) < 1<<20 || resp.Header.Get("X-Escrow-Cost") != "" || resp.ContentLength != -1 {
 			t.Fatalf("large: %d, %d bytes, header cost %q, length %d", resp.StatusCode, len(body), resp.Header.Get("X-Escrow-Cost"), resp.ContentLength)
 		}

@@ -116,8 +116,9 @@ func TestEdgeRequestNHold(t *testing.T) {
 	})
 }
 
-// A stored prompt or a function_call_output with an image keeps the learned max (65) where plain
-// text with max_output_tokens 5 holds 5.
+// A stored prompt or a function_call_output with an uploaded image (a file id) keeps the learned
+// max (65) where plain text with max_output_tokens 5 holds 5. (An image in the body is bounded
+// by the image rule since issue 32.)
 func TestEdgeRequestResponsesInputs(t *testing.T) {
 	t.Parallel()
 	eachMode(t, func(t *testing.T, p *testProxy) {
@@ -125,7 +126,7 @@ func TestEdgeRequestResponsesInputs(t *testing.T) {
 		for i, body := range []string{
 			`{"model":"m","prompt":{"id":"pmpt_1","version":"2"},"input":"hi","max_output_tokens":5}`,
 			`{"model":"m","max_output_tokens":5,"input":[{"type":"function_call","call_id":"c","name":"shot","arguments":"{}"},` +
-				`{"type":"function_call_output","call_id":"c","output":[{"type":"input_image","image_url":"https://x/y.png"}]},` +
+				`{"type":"function_call_output","call_id":"c","output":[{"type":"input_image","file_id":"file-1"}]},` +
 				`{"role":"user","content":"hi"}]}`,
 			`{"model":"m","max_output_tokens":5,"input":[{"role":"user","content":[{"type":"input_text","text":"hi"},{"type":"input_file","file_id":"file-1"}]}]}`,
 		} {

@@ -498,7 +498,7 @@ func TestStalledReaderCutOff(t *testing.T) {
 			"max_input_tokens": 1000, "max_output_tokens": 100_000, "max_cost": 100_000, "default_hold": 100_000}, http.StatusOK, nil)
 		const tokens = 30_000 // about 7 MB of events: beyond what the sockets buffer (tcp_wmem max is 4 MB)
 		body, _ := json.Marshal(map[string]any{"model": "big", "stream": true, "max_tokens": tokens,
-			"messages": []map[string]string{{"role": "user", "content": "go on"}}})
+			"messages": []map[string]string{{"role": "user", "content": "go on [fill]"}}}) // [fill]: the fake fills its cap
 		c := rawConn(t, strings.TrimPrefix(p.base, "http://"), 4096)
 		fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", key, len(body), body)
 		// The client reads nothing. The request must still end: its hold settles, charged the

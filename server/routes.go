@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/llmescrow/escrow/endpoint"
 	"net/http"
 	"net/http/httputil"
 	"net/url"
@@ -187,8 +188,8 @@ func (s *Server) reverseProxy() http.Handler {
 // read could change what a call does or costs. Parameters an upstream needs (Azure's
 // api-version) belong in its configured URL, whose query is always kept.
 var queryAllowed = map[string]map[string][]string{
-	middleware.EndpointMessages:    {"beta": {"true", "false"}},
-	middleware.EndpointCountTokens: {"beta": {"true", "false"}},
+	endpoint.Messages.Path:    {"beta": {"true", "false"}},
+	endpoint.CountTokens.Path: {"beta": {"true", "false"}},
 }
 
 // upstreamQuery is the query of an upstream request: the upstream URL's own (base), then the

@@ -18,6 +18,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/llmescrow/escrow/endpoint"
 	"log/slog"
 	"net"
 	"net/http"
@@ -259,7 +260,7 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			HangupTimeout:        cfg.ReadOn,
 			NoFit:                !cfg.Fit,
 			FitMinOutputTokens:   cfg.FitMinOutput,
-			FitFields:            map[string]string{middleware.EndpointChat: cfg.FitChatField},
+			FitFields:            map[string]string{endpoint.Chat.Path: cfg.FitChatField},
 			EndUserHeader:        cfg.EndUserHeader,
 			RequireEndUser:       cfg.RequireEndUser,
 			ReserveTimeout:       cfg.ReserveTimeout,

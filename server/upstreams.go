@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"github.com/llmescrow/escrow/endpoint"
 	"net/http"
 	"net/url"
 	"os"
@@ -216,9 +217,10 @@ func readRoutesFile(path string) ([]Route, error) {
 	return f.Routes, nil
 }
 
-// styleOf is the API style of a request path.
+// styleOf is the API style of a request path: its endpoint's provider, and Anthropic's for the
+// paths below the Messages API (batches, passed through).
 func styleOf(path string) Style {
-	if path == "/v1/messages" || strings.HasPrefix(path, "/v1/messages/") {
+	if isAnthropicPath(path) || strings.HasPrefix(path, endpoint.Messages.Path+"/") {
 		return StyleAnthropic
 	}
 	return StyleOpenAI

@@ -47,10 +47,11 @@ var layers = map[string][]string{
 	"ledger/pgledger":       {"ledger", "migrations"},                    // the Postgres store
 	"ledger/ledgertest":     {"ledger", "internal/testutil"},             // the conformance suite both stores run
 	"accounting":            {"ledger", "balance", "internal/startstop"}, // recorder, worker, journal, Ops: never a store
-	"middleware":            {"accounting", "balance"},
+	"endpoint":              nil,                                         // one spec per endpoint: data the middleware dispatches through
+	"middleware":            {"accounting", "balance", "endpoint"},
 	"admin":                 {"accounting", "internal/csvcell"},
 	".":                     {"accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"}, // the root package escrow: New
-	"server":                {".", "accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"},
+	"server":                {".", "accounting", "admin", "balance", "endpoint", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"},
 	"cmd/escrow":            {"server", "internal/csvcell"},
 	"examples/proxy":        {"server", "internal/fakeupstream"},
 	"bench":                 {"server", "internal/fakeupstream", "internal/testutil"},

@@ -100,7 +100,10 @@ func (s *Server) messages(w http.ResponseWriter, r *http.Request, req *apiReques
 		return
 	}
 	words, last := anthropicInput(req)
-	p := s.newPlan(words, last, req.MaxTokens, nil)
+	if s.opts.Worst {
+		words = req.worst.input
+	}
+	p := s.newPlan(words, last, req.MaxTokens, nil, 0)
 	if p.fail {
 		writeAnthropicError(w, http.StatusInternalServerError, "api_error", "Internal server error")
 		return

@@ -118,8 +118,11 @@ type answer struct {
 // start computes the plan of an OpenAI-style reply and wraps w for the plan's encoding; ok is
 // false when the plan says [fail] (a 500 is written then). done must be called when the reply is
 // written.
-func (s *Server) start(w http.ResponseWriter, words int, last string, outCap, n *int64) (p plan, ew http.ResponseWriter, done func(), ok bool) {
-	p = s.newPlan(words, last, outCap, n)
+func (s *Server) start(w http.ResponseWriter, req *apiRequest, words int, last string, outCap, n *int64) (p plan, ew http.ResponseWriter, done func(), ok bool) {
+	if s.opts.Worst {
+		words, n = req.worst.input, &req.worst.choices
+	}
+	p = s.newPlan(words, last, outCap, n, req.worst.defaultCap)
 	if p.fail {
 		writeServerError(w)
 		return p, w, nil, false
@@ -303,7 +306,7 @@ func (s *Server) chat(w http.ResponseWriter, r *http.Request, req *apiRequest) {
 	if outCap == nil {
 		outCap = req.MaxTokens
 	}
-	p, w, done, ok := s.start(w, words, last, outCap, req.N)
+	p, w, done, ok := s.start(w, req, words, last, outCap, req.N)
 	if !ok {
 		return
 	}
@@ -409,7 +412,7 @@ func (s *Server) completions(w http.ResponseWriter, r *http.Request, req *apiReq
 	if badN(w, req.N) || badCap(w, "max_tokens", req.MaxTokens) {
 		return
 	}
-	p, w, done, ok := s.start(w, words, last, req.MaxTokens, req.N)
+	p, w, done, ok := s.start(w, req, words, last, req.MaxTokens, req.N)
 	if !ok {
 		return
 	}
@@ -513,7 +516,7 @@ func (s *Server) embeddings(w http.ResponseWriter, r *http.Request, req *apiRequ
 		}
 		dims = req.Dimensions
 	}
-	p, w, done, ok := s.start(w, words, last, nil, nil)
+	p, w, done, ok := s.start(w, req, words, last, nil, nil)
 	if !ok {
 		return
 	}
@@ -606,7 +609,7 @@ func (s *Server) responses(w http.ResponseWriter, r *http.Request, req *apiReque
 	if badCap(w, "max_output_tokens", req.MaxOutputTokens) {
 		return
 	}
-	p, w, done, ok := s.start(w, words, last, req.MaxOutputTokens, nil)
+	p, w, done, ok := s.start(w, req, words, last, req.MaxOutputTokens, nil)
 	if !ok {
 		return
 	}

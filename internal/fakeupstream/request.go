@@ -1,6 +1,7 @@
 package fakeupstream
 
 import (
+	"cmp"
 	"encoding/json"
 	"regexp"
 	"strconv"
@@ -25,11 +26,14 @@ type apiRequest struct {
 	MaxCompletionTokens *int64          `json:"max_completion_tokens"`
 	MaxOutputTokens     *int64          `json:"max_output_tokens"`
 	N                   *int64          `json:"n"`
+	BestOf              *int64          `json:"best_of"`
 	Dimensions          int             `json:"dimensions"`
 	EncodingFormat      string          `json:"encoding_format"`
 	Logprobs            json.RawMessage `json:"logprobs"`     // chat: true; completions: an integer (ignored)
 	TopLogprobs         *int            `json:"top_logprobs"` // alternatives per token, 0–20
 	Include             []string        `json:"include"`      // responses: "message.output_text.logprobs"
+
+	worst worstRead // what Options.Worst bills (worst.go)
 }
 
 // maxTopLogprobs bounds top_logprobs, as OpenAI does.
@@ -82,7 +86,7 @@ var (
 
 // newPlan computes the answer's plan from the words counted, the text in which markers are
 // looked for, and the output cap the request set (nil: none).
-func (s *Server) newPlan(words int, markerText string, outCap *int64, n *int64) plan {
+func (s *Server) newPlan(words int, markerText string, outCap *int64, n *int64, defaultCap int) plan {
 	p := plan{
 		promptTokens: words,
 		choices:      1,
@@ -91,16 +95,21 @@ func (s *Server) newPlan(words int, markerText string, outCap *int64, n *int64) 
 		hang:         strings.Contains(markerText, "[hang]"),
 		incomplete:   strings.Contains(markerText, "[incomplete]"),
 	}
-	p.completionTokens = s.opts.DefaultCompletionTokens
-	if outCap != nil && *outCap > 0 {
+	// The answer's own length (the model stops there), then cut to the cap when that is lower.
+	natural := s.opts.DefaultCompletionTokens
+	switch m := stopMarker.FindStringSubmatch(markerText); {
+	case m != nil:
+		natural, _ = strconv.Atoi(m[1])
+	case s.opts.Worst || strings.Contains(markerText, "[fill]"):
+		natural = cmp.Or(defaultCap, s.opts.MaxOutputTokens) // its full default
+		if outCap != nil && *outCap > 0 {
+			natural = int(min(*outCap, 1<<40)) // fills whatever cap it gets
+		}
+	}
+	p.completionTokens = min(natural, s.opts.MaxOutputTokens)
+	if outCap != nil && *outCap > 0 && int64(natural) >= *outCap {
 		p.completionTokens = int(min(*outCap, int64(s.opts.MaxOutputTokens)))
 		p.capped = true
-	}
-	p.completionTokens = min(p.completionTokens, s.opts.MaxOutputTokens)
-	if m := stopMarker.FindStringSubmatch(markerText); m != nil {
-		if v, _ := strconv.Atoi(m[1]); v < p.completionTokens {
-			p.completionTokens, p.capped = v, false // a natural stop before the cap
-		}
 	}
 	if n != nil && *n > 1 {
 		p.choices = int(*n)

@@ -12,10 +12,14 @@
 //     prompt (a string, or every string of an array; a token array counts its tokens) for
 //     completions; the input (the same shapes) for embeddings; for responses, the input string
 //     or the text of every input item's content. Markers such as [slow] are words too.
-//   - completion tokens (output_tokens) = max_tokens, max_completion_tokens (chat) or
-//     max_output_tokens (responses) when given and > 0, else 20; capped at
-//     Options.MaxOutputTokens. With n > 1 (chat, completions) every choice gets that many and
-//     the usage counts them all. Embeddings have none.
+//   - completion tokens (output_tokens): the answer is 20 words long (Options.
+//     DefaultCompletionTokens; [stop:N] makes it N; [fill] makes it fill its cap), cut to the
+//     cap the endpoint reads when that is lower — max_tokens, max_completion_tokens (chat, which
+//     wins over max_tokens) or max_output_tokens (responses); cap fields of other endpoints are
+//     ignored — and to Options.MaxOutputTokens. A model stops on its own: escrow writes the cap
+//     it held into every body, and a cap above the answer does not lengthen it. With n > 1
+//     (chat, completions) every choice gets that many and the usage counts them all.
+//     Embeddings have none. Options.Worst bills the most instead (worst.go).
 //   - the reply is that many words, "tok1 tok2 …"; a stream sends one word per chunk.
 //
 // # Markers
@@ -32,6 +36,8 @@
 //	[reasoning:N]  N of the completion tokens are reasoning tokens (at most all of them)
 //	[stop:N]       the reply stops after N words when its cap allows more (finish_reason
 //	               "stop"), as a model that is done before its cap
+//	[fill]         the reply fills its cap (finish_reason "length"); without one, the
+//	               upstream's default (MaxOutputTokens; legacy completions 16)
 //	[incomplete]   responses only: status "incomplete" (reason max_output_tokens), and a
 //	               stream ends with response.incomplete instead of response.completed
 //	[encoding:X]   the reply (JSON or stream) is compressed with X — gzip, deflate (zlib) or br —
@@ -75,8 +81,8 @@ type Options struct {
 	// SlowDelay is the pause per chunk (stream) or per output word (JSON) of a [slow] request.
 	// Default 200 ms.
 	SlowDelay time.Duration
-	// DefaultCompletionTokens is the number of completion tokens when the request sets no
-	// output cap. Default 20.
+	// DefaultCompletionTokens is the length of an answer (completion tokens per choice) when
+	// its cap is not lower. Default 20.
 	DefaultCompletionTokens int
 	// MaxOutputTokens caps the completion tokens of one choice, whatever the request asks.
 	// Default 65536.
@@ -89,6 +95,13 @@ type Options struct {
 	// OnRequest, when set, is called for every request, after its body has been read and
 	// before it is answered, from the request's goroutine. Its Body is a copy it may keep.
 	OnRequest func(Request)
+	// Worst makes the fake bill the most an upstream that reads the body as it is may bill
+	// (worst.go): every reply fills its cap, a request without one gets the upstream's full
+	// default (MaxOutputTokens; legacy completions 16), and the input is every byte of the
+	// fields read as input plus each image's most under the provider's rule and the tool
+	// preamble. Cap fields of other endpoints are ignored, as vLLM, Ollama and most
+	// OpenAI-compatible servers ignore unknown fields.
+	Worst bool
 	// KeepRequests is how many of the latest requests Seen and LastRequest remember; each
 	// remembered Body is cut to its first 64 KiB (so at most KeepRequests × 64 KiB is held).
 	// Default 1000; negative: none (for long-running use, e.g. the proxy's built-in upstream).
@@ -165,6 +178,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	parseErr := readErr
 	if readErr == nil && r.Method == http.MethodPost {
 		parseErr = json.Unmarshal(body, &req)
+		req.worst = s.readWorst(r.URL.Path, body, &req)
 	}
 	seen := Request{
 		Method: r.Method, Path: r.URL.Path, Query: r.URL.RawQuery, Authorization: r.Header.Get("Authorization"), Header: r.Header.Clone(),

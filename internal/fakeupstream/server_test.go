@@ -308,12 +308,19 @@ func TestChatCompletionTokensRules(t *testing.T) {
 		{"default", ``, 20, "stop"},
 		{"max_tokens", `,"max_tokens":3`, 3, "length"},
 		{"max_completion_tokens wins", `,"max_tokens":3,"max_completion_tokens":7`, 7, "length"},
-		{"capped by MaxOutputTokens", `,"max_tokens":5000`, 100, "length"},
+		// The answer is 20 words long: a cap above it does not lengthen it, [fill] does.
+		{"a cap above the answer", `,"max_tokens":50`, 20, "stop"},
+		{"[fill]: the cap", `,"max_tokens":50,"messages":[{"role":"user","content":"a [fill]"}]`, 50, "length"},
+		{"capped by MaxOutputTokens", `,"max_tokens":5000,"messages":[{"role":"user","content":"a [fill]"}]`, 100, "length"},
 		{"n=3", `,"max_tokens":2,"n":3`, 6, "length"},
 	}
 	for _, tc := range cases {
 		var got chatCompletion
-		decode(t, post(t, ts, "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"a b"}]`+tc.extra+`}`), 200, &got)
+		body := `{"model":"m","messages":[{"role":"user","content":"a b"}]` + tc.extra + `}`
+		if strings.Contains(tc.extra, "messages") {
+			body = `{"model":"m"` + tc.extra + `}`
+		}
+		decode(t, post(t, ts, "/v1/chat/completions", body), 200, &got)
 		if got.Usage.CompletionTokens != tc.want || got.Usage.PromptTokens != 2 {
 			t.Errorf("%s: usage %+v, want completion %d", tc.name, got.Usage, tc.want)
 		}

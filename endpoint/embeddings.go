@@ -1,0 +1,13 @@
+package endpoint
+
+// Embeddings is OpenAI's embeddings: input tokens only, bounded by the body's bytes (an array
+// of inputs is one request: its bytes bound all of them). No cap field: any is refused.
+var Embeddings = register(&Spec{
+	Path:         "/v1/embeddings",
+	Provider:     OpenAI,
+	Billed:       true,
+	NoOutput:     true,
+	UsageJSON:    "usage",
+	Classes:      []Class{ClassInput},
+	EndUserField: "user",
+})
