@@ -1,0 +1,66 @@
+package ledger
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+
+	"github.com/llmescrow/escrow/pricing"
+)
+
+// PriceSuffix ends the JSON member of each price class of a Model: "input_price",
+// "audio_output_price", "per_image_1024x1024_hd_price".
+const PriceSuffix = "_price"
+
+// modelFields are a Model's members that are not prices.
+type modelFields struct {
+	Name            string `json:"model"`
+	MaxInputTokens  int64  `json:"max_input_tokens"`
+	MaxOutputTokens int64  `json:"max_output_tokens"`
+	MaxCost         int64  `json:"max_cost"`
+	DefaultHold     int64  `json:"default_hold"`
+}
+
+// MarshalJSON writes the model's fields and one member "<class>_price" per class it prices, so
+// a new class needs no code here.
+func (m Model) MarshalJSON() ([]byte, error) {
+	out := map[string]any{"model": m.Name, "max_input_tokens": m.MaxInputTokens, "max_output_tokens": m.MaxOutputTokens,
+		"max_cost": m.MaxCost, "default_hold": m.DefaultHold}
+	for c, v := range m.Prices {
+		out[string(c)+PriceSuffix] = v
+	}
+	return json.Marshal(out)
+}
+
+// UnmarshalJSON reads MarshalJSON's form; a member ending in "_price" that names no class is an
+// error (pricing.ErrUnknownClass).
+func (m *Model) UnmarshalJSON(b []byte) error {
+	var f modelFields
+	if err := json.Unmarshal(b, &f); err != nil {
+		return err
+	}
+	var all map[string]json.RawMessage
+	if err := json.Unmarshal(b, &all); err != nil {
+		return err
+	}
+	*m = Model{Name: f.Name, MaxInputTokens: f.MaxInputTokens, MaxOutputTokens: f.MaxOutputTokens, MaxCost: f.MaxCost, DefaultHold: f.DefaultHold}
+	for k, raw := range all {
+		name, ok := strings.CutSuffix(k, PriceSuffix)
+		if !ok || string(raw) == "null" {
+			continue
+		}
+		c, err := pricing.ParseClass(name)
+		if err != nil {
+			return fmt.Errorf("%s: %w", k, err)
+		}
+		var v int64
+		if err := json.Unmarshal(raw, &v); err != nil {
+			return fmt.Errorf("%s: %w", k, err)
+		}
+		if m.Prices == nil {
+			m.Prices = pricing.Prices{}
+		}
+		m.Prices[c] = v
+	}
+	return nil
+}
