@@ -21,6 +21,8 @@ type modelFields struct {
 	DefaultHold     int64  `json:"default_hold"`
 }
 
+var modelKeys = map[string]bool{"model": true, "max_input_tokens": true, "max_output_tokens": true, "max_cost": true, "default_hold": true}
+
 // MarshalJSON writes the model's fields and one member "<class>_price" per class it prices, so
 // a new class needs no code here.
 func (m Model) MarshalJSON() ([]byte, error) {
@@ -32,8 +34,8 @@ func (m Model) MarshalJSON() ([]byte, error) {
 	return json.Marshal(out)
 }
 
-// UnmarshalJSON reads MarshalJSON's form; a member ending in "_price" that names no class is an
-// error (pricing.ErrUnknownClass).
+// UnmarshalJSON reads MarshalJSON's form; a member ending in "_price" that names no class
+// (pricing.ErrUnknownClass) or any other unknown member (ErrInvalidAmount) is an error.
 func (m *Model) UnmarshalJSON(b []byte) error {
 	var f modelFields
 	if err := json.Unmarshal(b, &f); err != nil {
@@ -46,7 +48,10 @@ func (m *Model) UnmarshalJSON(b []byte) error {
 	*m = Model{Name: f.Name, MaxInputTokens: f.MaxInputTokens, MaxOutputTokens: f.MaxOutputTokens, MaxCost: f.MaxCost, DefaultHold: f.DefaultHold}
 	for k, raw := range all {
 		name, ok := strings.CutSuffix(k, PriceSuffix)
-		if !ok || string(raw) == "null" {
+		switch {
+		case !ok && !modelKeys[k]:
+			return fmt.Errorf("%w: unknown field %q", ErrInvalidAmount, k)
+		case !ok || string(raw) == "null":
 			continue
 		}
 		c, err := pricing.ParseClass(name)
