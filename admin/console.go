@@ -305,18 +305,20 @@ func UnitsText(u pricing.Units) string {
 	return b.String()
 }
 
+// PriceClass is one price class as GET /price-classes lists it (pricing.ClassInfo).
+type PriceClass struct {
+	Name        pricing.Class `json:"class"`
+	Unit        pricing.Unit  `json:"unit"`
+	Side        string        `json:"side"`
+	BoundsInput bool          `json:"bounds_input"`
+	Default     string        `json:"default"`
+	Doc         string        `json:"doc"`
+}
+
 // priceClasses: GET /price-classes — the price class registry (pricing.Classes): each class's
 // name, unit, side, default rule and whether it bounds a request's input.
 func (a *API) priceClasses(c echo.Context) error {
-	type class struct {
-		Name        pricing.Class `json:"class"`
-		Unit        pricing.Unit  `json:"unit"`
-		Side        string        `json:"side"`
-		BoundsInput bool          `json:"bounds_input"`
-		Default     string        `json:"default"`
-		Doc         string        `json:"doc"`
-	}
-	var out []class
+	var out []PriceClass
 	for _, ci := range pricing.Classes() {
 		side := map[pricing.Side]string{pricing.SideNone: "", pricing.SideInput: "input", pricing.SideOutput: "output"}[ci.Side]
 		def := "0"
@@ -326,9 +328,9 @@ func (a *API) priceClasses(c echo.Context) error {
 		case ci.Default.Refuse:
 			def = "none: refused unless priced"
 		}
-		out = append(out, class{ci.Name, ci.Unit, side, ci.BoundsInput, def, ci.Doc})
+		out = append(out, PriceClass{ci.Name, ci.Unit, side, ci.BoundsInput, def, ci.Doc})
 	}
-	return writeList(c, out, "", []string{"class", "unit", "side", "bounds_input", "default", "doc"}, func(x class) []string {
+	return writeList(c, out, "", []string{"class", "unit", "side", "bounds_input", "default", "doc"}, func(x PriceClass) []string {
 		return []string{string(x.Name), string(x.Unit), x.Side, strconv.FormatBool(x.BoundsInput), x.Default, x.Doc}
 	})
 }

@@ -42,17 +42,12 @@ func HoldAmount(_ context.Context, in HoldInput) (int64, error) {
 	if b, _, ok := Bound(m, r); ok || b == balance.MaxAmount {
 		return b, nil // a bound past the money range holds all of it
 	}
-	if r.Endpoint != EndpointMessages {
-		// Only Anthropic's usage carries cache writes: no other request is billed at their
-		// prices (the 1-hour one defaults to 2× the input price), so none bounds its input.
-		m.Prices = m.WithoutCacheWrites()
-	}
 	n := times(max(r.N, 1), max(r.Prompts, 1))
 	learned := in.LearnedMax
 	if learned <= 0 {
 		learned = m.MaxCost
 	}
-	ceiling, haveCeiling, err := m.CostBound()
+	ceiling, haveCeiling, err := m.CostBoundFor(billable(r))
 	haveCeiling = err == nil && haveCeiling && ceiling > 0
 	if haveCeiling && learned > 0 {
 		learned = min(learned, ceiling)
@@ -112,18 +107,13 @@ func times(a, n int64) int64 {
 // every prompt of a prompt array. ok is false when the bound is zero (a free model: no bound
 // worth holding) or does not fit; b is balance.MaxAmount when it does not fit.
 func requestBound(m ledger.Model, r Request, out int64) (b int64, ok bool) {
-	if r.Endpoint != EndpointMessages {
-		// As in HoldAmount: only Anthropic's usage carries cache writes, so no other request's
-		// input is bounded at their prices (every caller of the bound prices it alike).
-		m.Prices = m.WithoutCacheWrites()
-	}
 	if p := max(r.Prompts, 1); p > 1 {
 		if out > balance.MaxAmount/p {
 			return balance.MaxAmount, false
 		}
 		out *= p
 	}
-	b, err := m.Bound(int64(r.Size), out)
+	b, err := m.BoundFor(int64(r.Size), out, billable(r)) // the classes it can bill: every caller prices alike
 	if err != nil {
 		return balance.MaxAmount, false
 	}

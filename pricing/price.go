@@ -408,3 +408,68 @@ func (a *u128) addMul(x, y uint64) {
 func (u Usage) Equal(o Usage) bool {
 	return u.Prompt == o.Prompt && u.Completion == o.Completion && u.Reasoning == o.Reasoning && maps.Equal(u.Units, o.Units)
 }
+
+// OpenAICounts are the counts of an OpenAI usage object as OpenAI reports them: Prompt
+// (prompt_tokens, input_tokens) includes Cached (prompt_tokens_details.cached_tokens) and
+// AudioIn (prompt_tokens_details.audio_tokens); Completion includes Reasoning and AudioOut
+// (completion_tokens_details.reasoning_tokens, .audio_tokens).
+type OpenAICounts struct {
+	Prompt, Cached, AudioIn, Completion, Reasoning, AudioOut int64
+}
+
+// Usage is the counts as disjoint units: OpenAI's inclusion rules in one place (Usage, Split).
+// It allocates Units only when a class beyond text has units.
+func (c OpenAICounts) Usage() Usage {
+	u := Usage{Prompt: c.Prompt, Completion: c.Completion, Reasoning: c.Reasoning}
+	if c.Cached != 0 || c.AudioIn != 0 || c.AudioOut != 0 {
+		u.Units = nonZero(Units{CachedInput: c.Cached, AudioInput: c.AudioIn, AudioOutput: c.AudioOut})
+	}
+	return u
+}
+
+// AnthropicCounts are the counts of an Anthropic usage object: Input (input_tokens, the
+// uncached ones only), CacheRead (cache_read_input_tokens), CacheWrite
+// (cache_creation_input_tokens: every write), CacheWrite5m and CacheWrite1h (cache_creation's
+// ephemeral_5m_input_tokens and ephemeral_1h_input_tokens), Output (output_tokens).
+type AnthropicCounts struct {
+	Input, CacheRead, CacheWrite, CacheWrite5m, CacheWrite1h, Output int64
+}
+
+// Usage maps the counts onto Usage: Prompt = input + every write + read; the writes are
+// cache_creation_input_tokens or the sum of cache_creation's counts when that is more (no
+// written token is billed as less), of which the 1-hour ones are CacheWrite1h and the rest
+// CacheWrite.
+func (c AnthropicCounts) Usage() Usage {
+	write := max(c.CacheWrite, c.CacheWrite5m+c.CacheWrite1h)
+	u := Usage{Prompt: c.Input + write + c.CacheRead, Completion: c.Output}
+	if c.CacheRead != 0 || write != 0 {
+		u.Units = nonZero(Units{CachedInput: c.CacheRead, CacheWrite: write - min(c.CacheWrite1h, write), CacheWrite1h: min(c.CacheWrite1h, write)})
+	}
+	return u
+}
+
+func nonZero(u Units) Units {
+	maps.DeleteFunc(u, func(_ Class, n int64) bool { return n == 0 })
+	if len(u) == 0 {
+		return nil
+	}
+	return u
+}
+
+// IsDefault reports whether class c's price in p is what its default rule gives (a class
+// whose default comes from another class, priced at that default, or not in p at all):
+// listings leave such prices out.
+func (p Prices) IsDefault(c Class) bool {
+	v, set := p[c]
+	if !set {
+		return true
+	}
+	info, ok := Lookup(c)
+	if !ok || info.Default.From == "" {
+		return false
+	}
+	q := maps.Clone(p)
+	delete(q, c)
+	d, ok := q.Price(c)
+	return ok && d == v
+}
