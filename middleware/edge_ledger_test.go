@@ -356,7 +356,7 @@ func TestRecordCommitThenStall(t *testing.T) {
 				t.Fatalf("status %d: %s", status, body)
 			}
 			o := e.outcome()
-			if o.Kind != OutcomeRecorded || o.Usage != chatUsage {
+			if o.Kind != OutcomeRecorded || !o.Usage.Equal(chatUsage) {
 				t.Fatalf("outcome %+v", o)
 			}
 			e.ledger.waitCommitted(t)

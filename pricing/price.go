@@ -473,3 +473,29 @@ func (p Prices) IsDefault(c Class) bool {
 	d, ok := q.Price(c)
 	return ok && d == v
 }
+
+// Restrict is the prices of a request that can bill only the given classes: each token class
+// outside them is priced at its side's text price (Input, Output), so that MaxInput, Bound and
+// a Model's CostBound are MaxInputFor(classes)'s, BoundFor's and CostBoundFor's; the cost of
+// usage of those classes is the same. Defaults applied. (Restrict(TextClasses) is what
+// WithoutCacheWrites was.)
+func (p Prices) Restrict(classes []Class) Prices {
+	out := p.WithDefaults()
+	in, _ := p.Price(Input)
+	o, _ := p.Price(Output)
+	for _, c := range registry {
+		if !c.Tokens() || slices.Contains(classes, c.Name) {
+			continue
+		}
+		if _, ok := out[c.Name]; !ok {
+			continue
+		}
+		switch c.Side {
+		case SideInput:
+			out[c.Name] = in
+		case SideOutput:
+			out[c.Name] = o
+		}
+	}
+	return out
+}
