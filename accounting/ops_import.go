@@ -4,9 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/pricing"
+	"maps"
 )
 
 // PriceChange is a model whose prices or token limits an import changes.

@@ -47,7 +47,7 @@ func TestParseLiteLLM(t *testing.T) {
 		// input_cost_per_audio_token and input_cost_per_image_token: their classes.
 		"amazon.nova-2-pro-preview-20251202-v1:0": {Prices: pricing.Prices{pricing.Input: 2_187_500, pricing.CachedInput: 546_875, pricing.Output: 17_500_000,
 			pricing.AudioInput: 2_187_500, pricing.ImageInput: 2_187_500}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
-		"jp.amazon.nova-2-lite-v1:0":              {Prices: pricing.Prices{pricing.Input: 330_000, pricing.CachedInput: 82_500, pricing.Output: 2_750_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
+		"jp.amazon.nova-2-lite-v1:0": {Prices: pricing.Prices{pricing.Input: 330_000, pricing.CachedInput: 82_500, pricing.Output: 2_750_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
 		// cache_creation_input_token_cost 6.875e-06: the cache-write price, 6,875,000;
 		// cache_creation_input_token_cost_above_1hr 1.1e-05: the 1-hour one.
 		"eu.anthropic.claude-opus-4-6-v1": {Prices: pricing.Prices{pricing.Input: 5_500_000, pricing.CachedInput: 550_000, pricing.Output: 27_500_000, pricing.CacheWrite: 6_875_000, pricing.CacheWrite1h: 11_000_000},
