@@ -233,10 +233,19 @@ func (u Usage) Check() error {
 // Units that are not tokens are kept as they are.
 func (u Usage) Split() Units {
 	out := make(Units, len(u.Units)+2)
+	u.each(func(c ClassInfo, n int64) { out[c.Name] = n })
+	return out
+}
+
+// each calls f with every class of Split and its units (> 0), allocating nothing.
+func (u Usage) each(f func(ClassInfo, int64)) {
 	in, outTok := u.Prompt, u.Completion
 	for _, c := range registry {
+		if len(u.Units) == 0 {
+			break // text only: most requests
+		}
 		n := u.Units[c.Name]
-		if n == 0 || !c.Tokens() || c.Name == Input || c.Name == Output {
+		if n <= 0 || !c.Tokens() || c.Name == Input || c.Name == Output {
 			continue
 		}
 		switch c.Side {
@@ -248,21 +257,20 @@ func (u Usage) Split() Units {
 			outTok -= n
 		}
 		if n > 0 {
-			out[c.Name] = n
+			f(c, n)
 		}
 	}
 	for c, n := range u.Units {
 		if info, ok := Lookup(c); ok && !info.Tokens() && info.Unit != Percent && n > 0 {
-			out[c] = n
+			f(info, n)
 		}
 	}
 	if in > 0 {
-		out[Input] = in
+		f(registry[byName[Input]], in)
 	}
 	if outTok > 0 {
-		out[Output] = outTok
+		f(registry[byName[Output]], outTok)
 	}
-	return out
 }
 
 // Cost prices usage with the prices' defaults applied (Price):
@@ -287,9 +295,9 @@ func (p Prices) Cost(u Usage) (int64, error) {
 	}
 	var perM u128 // Σ units × price over the classes quoted per 1,000,000
 	var whole u128
-	for c, n := range u.Split() {
-		info, _ := Lookup(c)
-		price, ok := p.Price(c)
+	var unpriced error
+	u.each(func(info ClassInfo, n int64) {
+		price, ok := p.Price(info.Name)
 		if !ok {
 			switch {
 			case info.Tokens() && info.Side == SideInput:
@@ -297,7 +305,7 @@ func (p Prices) Cost(u Usage) (int64, error) {
 			case info.Tokens() && info.Side == SideOutput:
 				price, _ = p.Price(Output)
 			default:
-				return 0, fmt.Errorf("%w: %s (%d units)", ErrUnpriced, c, n)
+				unpriced = fmt.Errorf("%w: %s (%d units)", ErrUnpriced, info.Name, n)
 			}
 		}
 		if info.Unit.per() == 1 {
@@ -305,6 +313,9 @@ func (p Prices) Cost(u Usage) (int64, error) {
 		} else {
 			perM.addMul(uint64(n), uint64(price))
 		}
+	})
+	if unpriced != nil {
+		return 0, unpriced
 	}
 	if perM.overflow || perM.hi >= TokensPerPriceUnit || whole.overflow || whole.hi != 0 {
 		return 0, ErrCostOverflow
