@@ -390,12 +390,13 @@ func (a *API) models(c echo.Context) error {
 	// The CSV has one column per class any model prices (defaults filled in), in the
 	// registry's order: a new class needs no column here.
 	classes := modelClasses(ms)
-	header := []string{"model", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold"}
+	header := []string{"model"}
 	for _, cl := range classes {
 		header = append(header, string(cl)+ledger.PriceSuffix)
 	}
+	header = append(header, "max_input_tokens", "max_output_tokens", "max_cost", "default_hold")
 	return writeList(c, ms, "", header, func(m ledger.Model) []string {
-		row := []string{m.Name, i64(m.MaxInputTokens), i64(m.MaxOutputTokens), i64(m.MaxCost), i64(m.DefaultHold)}
+		row := []string{m.Name}
 		for _, cl := range classes {
 			v, ok := m.Prices[cl]
 			if !ok {
@@ -404,7 +405,7 @@ func (a *API) models(c echo.Context) error {
 			}
 			row = append(row, i64(v))
 		}
-		return row
+		return append(row, i64(m.MaxInputTokens), i64(m.MaxOutputTokens), i64(m.MaxCost), i64(m.DefaultHold))
 	})
 }
 

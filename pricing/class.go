@@ -106,13 +106,14 @@ type ClassInfo struct {
 // Tokens reports whether the class counts tokens (of Usage.Prompt or Usage.Completion).
 func (c ClassInfo) Tokens() bool { return c.Unit == PerMTokens }
 
-// registry is every fixed class, in the order Cost takes the input-side token classes out of
-// Prompt (cache writes first, as Anthropic reports them apart) and the order listings show.
+// registry is every fixed class, in the order listings show them. Split takes the input-side
+// token classes out of Prompt in the reverse order (image and audio tokens, then the 1-hour and
+// 5-minute cache writes, then cached reads), and the output-side ones out of Completion likewise.
 var registry = []ClassInfo{
 	{Input, PerMTokens, SideInput, true, DefaultRule{}, "text input tokens"},
-	{CacheWrite1h, PerMTokens, SideInput, true, DefaultRule{From: Input, Mul: CacheWrite1hMultiplier}, "input tokens written to the 1-hour prompt cache"},
-	{CacheWrite, PerMTokens, SideInput, true, DefaultRule{From: Input, Mul: 1}, "input tokens written to the 5-minute prompt cache"},
 	{CachedInput, PerMTokens, SideInput, true, DefaultRule{From: Input, Mul: 1}, "input tokens read from the prompt cache"},
+	{CacheWrite, PerMTokens, SideInput, true, DefaultRule{From: Input, Mul: 1}, "input tokens written to the 5-minute prompt cache"},
+	{CacheWrite1h, PerMTokens, SideInput, true, DefaultRule{From: Input, Mul: CacheWrite1hMultiplier}, "input tokens written to the 1-hour prompt cache"},
 	{AudioInput, PerMTokens, SideInput, true, DefaultRule{Refuse: true}, "audio input tokens"},
 	{ImageInput, PerMTokens, SideInput, true, DefaultRule{Refuse: true}, "image input tokens"},
 	{Output, PerMTokens, SideOutput, false, DefaultRule{}, "text output tokens (reasoning included)"},

@@ -227,9 +227,10 @@ func (u Usage) Check() error {
 
 // Split is the usage as disjoint units of every class it bills, text included: OpenAI's
 // inclusion rules in one place. The input-side token classes are taken out of Prompt in the
-// registry's order (the 1-hour and 5-minute cache writes, cached reads, audio, image tokens),
-// each at most what is left (the upstream cannot cache more than it read), and Input is the
-// rest; likewise the output-side token classes out of Completion, and Output is the rest.
+// reverse of the registry's order (image and audio tokens, the 1-hour and 5-minute cache
+// writes, then cached reads), each at most what is left (the upstream cannot cache more than
+// it read), and Input is the rest; likewise the output-side token classes out of Completion,
+// and Output is the rest.
 // Units that are not tokens are kept as they are.
 func (u Usage) Split() Units {
 	out := make(Units, len(u.Units)+2)
@@ -240,10 +241,8 @@ func (u Usage) Split() Units {
 // each calls f with every class of Split and its units (> 0), allocating nothing.
 func (u Usage) each(f func(ClassInfo, int64)) {
 	in, outTok := u.Prompt, u.Completion
-	for _, c := range registry {
-		if len(u.Units) == 0 {
-			break // text only: most requests
-		}
+	for i := len(registry) - 1; i >= 0 && len(u.Units) > 0; i-- { // len 0: text only, most requests
+		c := registry[i]
 		n := u.Units[c.Name]
 		if n <= 0 || !c.Tokens() || c.Name == Input || c.Name == Output {
 			continue

@@ -106,18 +106,16 @@ var priceClassTable = table[admin.PriceClass]{
 	{"doc", func(p admin.PriceClass) string { return p.Doc }},
 }
 
-// modelTable is the columns of models: the name, the limits, then one column
-// "<class>_price" per price class any of them prices, in the registry's order (a new class
-// needs no column here).
+// modelTable is the columns of models: the name, one column "<class>_price" per price class
+// any of them prices, in the registry's order (a new class needs no column here), the limits.
 func modelTable(ms []ledger.Model) table[ledger.Model] {
-	t := table[ledger.Model]{
-		{"model", func(m ledger.Model) string { return m.Name }},
+	t := append(table[ledger.Model]{{"model", func(m ledger.Model) string { return m.Name }}}, priceColumns(ms...)...)
+	return append(t, table[ledger.Model]{
 		{"max_input_tokens", func(m ledger.Model) string { return i64(m.MaxInputTokens) }},
 		{"max_output_tokens", func(m ledger.Model) string { return i64(m.MaxOutputTokens) }},
 		{"max_cost", func(m ledger.Model) string { return i64(m.MaxCost) }},
 		{"default_hold", func(m ledger.Model) string { return i64(m.DefaultHold) }},
-	}
-	return append(t, priceColumns(ms...)...)
+	}...)
 }
 
 // priceColumns are a column per class the models price, in the registry's order.
