@@ -1,6 +1,7 @@
 package ledger
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"strings"
@@ -23,15 +24,21 @@ type modelFields struct {
 
 var modelKeys = map[string]bool{"model": true, "max_input_tokens": true, "max_output_tokens": true, "max_cost": true, "default_hold": true}
 
-// MarshalJSON writes the model's fields and one member "<class>_price" per class it prices, so
-// a new class needs no code here.
+// MarshalJSON writes the model's name, one member "<class>_price" per class it prices in the
+// registry's order (a new class needs no code here), then its limits.
 func (m Model) MarshalJSON() ([]byte, error) {
-	out := map[string]any{"model": m.Name, "max_input_tokens": m.MaxInputTokens, "max_output_tokens": m.MaxOutputTokens,
-		"max_cost": m.MaxCost, "default_hold": m.DefaultHold}
-	for c, v := range m.Prices {
-		out[string(c)+PriceSuffix] = v
+	b := bytes.NewBufferString(`{"model":`)
+	name, err := json.Marshal(m.Name)
+	if err != nil {
+		return nil, err
 	}
-	return json.Marshal(out)
+	b.Write(name)
+	for _, c := range m.Prices.Sorted() {
+		fmt.Fprintf(b, ",%q:%d", string(c)+PriceSuffix, m.Prices[c])
+	}
+	fmt.Fprintf(b, `,"max_input_tokens":%d,"max_output_tokens":%d,"max_cost":%d,"default_hold":%d}`,
+		m.MaxInputTokens, m.MaxOutputTokens, m.MaxCost, m.DefaultHold)
+	return b.Bytes(), nil
 }
 
 // UnmarshalJSON reads MarshalJSON's form; a member ending in "_price" that names no class
