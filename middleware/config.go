@@ -345,8 +345,11 @@ func (cfg Config) withDefaults() (Config, error) {
 		return cfg, fmt.Errorf("%w: MaxStale %v is above balance.RevocationTTL (%v)", ErrConfig, cfg.MaxStale, balance.RevocationTTL)
 	}
 	if m := cfg.DefaultModel; m != nil {
-		if err := m.Prices.Check(); err != nil || m.DefaultHold < 0 {
-			return cfg, fmt.Errorf("%w: DefaultModel has a bad price (%w) or a negative hold", ErrConfig, err)
+		if err := m.Prices.Check(); err != nil {
+			return cfg, fmt.Errorf("%w: DefaultModel: %w", ErrConfig, err)
+		}
+		if m.DefaultHold < 0 {
+			return cfg, fmt.Errorf("%w: DefaultModel has a negative hold", ErrConfig)
 		}
 	}
 	return cfg, nil
