@@ -46,7 +46,7 @@ func Example() {
 	})
 
 	ops := esc.Ops() // what the admin API serves, as Go calls
-	_ = ops.PutModel(ctx, ledger.Model{Name: "gpt-test", Prices: pricing.Prices{Input: 1_000_000, CachedInput: 1_000_000, Output: 2_000_000},
+	_ = ops.PutModel(ctx, ledger.Model{Name: "gpt-test", Prices: pricing.Prices{pricing.Input: 1_000_000, pricing.CachedInput: 1_000_000, pricing.Output: 2_000_000},
 		MaxInputTokens: 10_000, MaxOutputTokens: 1000})
 	_ = esc.Ledger().CreateOrg(ctx, "acme")                   // org and key: one ledger call each, no hot-balance step
 	_, _, _ = ops.Credit(ctx, "acme", 1_000_000, "payment-1") // in the hot balance when it returns

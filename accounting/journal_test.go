@@ -55,7 +55,7 @@ func TestJournalAppendReopen(t *testing.T) {
 		t.Fatalf("reopened journal: %d events (Len %d), %v", len(got), j.Len(), err)
 	}
 	for i := range want {
-		if got[i].ID != want[i].ID || got[i].Cost != want[i].Cost || got[i].Usage != want[i].Usage {
+		if got[i].ID != want[i].ID || got[i].Cost != want[i].Cost || !got[i].Usage.Equal(want[i].Usage) {
 			t.Fatalf("event %d: got %+v want %+v", i, got[i], want[i])
 		}
 	}

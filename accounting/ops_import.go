@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/pricing"
+	"maps"
 )
 
 // PriceChange is a model whose prices or token limits an import changes.
@@ -27,7 +28,7 @@ type ImportReport struct {
 }
 
 // ImportPrices applies a parsed price table to the ledger: each row's prices (input, cached
-// input, output, and the cache-write prices when the table gives them) and the token limits it
+// input, output, and every other class the table gives: pricing.PriceRow) and the token limits it
 // gives replace the model's; a new model is created with them (a cache-write price the table
 // does not give is then 0: its default, Prices.WithDefaults). A model whose prices and limits
 // would bill the same (Model.Effective) is unchanged. The report shows models with their
@@ -56,14 +57,13 @@ func (o *Ops) ImportPrices(ctx context.Context, t pricing.PriceTable, dryRun boo
 		if isNew {
 			m = ledger.Model{Name: row.Model}
 		}
-		m.Prices = row.Prices
-		if row.CacheWrite == nil && !isNew {
-			// The table gives no cache-write price: the model keeps its own (0 for a new one).
-			m.CacheWriteInput = old.CacheWriteInput
+		// The classes the table gives replace the model's; one it does not give keeps the
+		// model's own price (none for a new model: its default, pricing.Prices.Price).
+		m.Prices = maps.Clone(old.Prices)
+		if m.Prices == nil {
+			m.Prices = pricing.Prices{}
 		}
-		if row.CacheWrite1h == nil && !isNew {
-			m.CacheWrite1hInput = old.CacheWrite1hInput
-		}
+		maps.Copy(m.Prices, row.Prices)
 		if row.MaxInputTokens != nil {
 			m.MaxInputTokens = *row.MaxInputTokens
 		}
@@ -71,7 +71,7 @@ func (o *Ops) ImportPrices(ctx context.Context, t pricing.PriceTable, dryRun boo
 			m.MaxOutputTokens = *row.MaxOutputTokens
 		}
 		switch {
-		case !isNew && m.Effective() == old.Effective():
+		case !isNew && m.Effective().Equal(old.Effective()):
 			r.Unchanged = append(r.Unchanged, row.Model)
 			continue
 		case isNew:

@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // OrgView is an org with its hot balance: Available is what its next request meets (nil when
@@ -107,12 +109,13 @@ func (o *Ops) Model(ctx context.Context, name string) (ledger.Model, error) {
 	return m.Effective(), err
 }
 
-// ModelPatch changes some fields of a model; nil fields keep their value. Prices are in
-// micro-units per 1,000,000 tokens.
+// ModelPatch changes some fields of a model; nil fields keep their value. Prices sets the
+// price of each class it has (micro-units per the class's unit, pricing.ClassInfo), Clear
+// removes the classes it names (they then take their default rule); the other classes keep
+// theirs.
 type ModelPatch struct {
-	Input, CachedInput, Output      *int64
-	CacheWriteInput                 *int64 // Anthropic's prompt-cache writes (5-minute cache)
-	CacheWrite1hInput               *int64 // Anthropic's 1-hour prompt-cache writes
+	Prices                          pricing.Prices
+	Clear                           []pricing.Class
 	MaxInputTokens, MaxOutputTokens *int64
 	MaxCost, DefaultHold            *int64
 }
@@ -132,8 +135,6 @@ func (o *Ops) PatchModel(ctx context.Context, name string, p ModelPatch) (ledger
 		dst *int64
 		src *int64
 	}{
-		{&m.Input, p.Input}, {&m.CachedInput, p.CachedInput}, {&m.Output, p.Output}, {&m.CacheWriteInput, p.CacheWriteInput},
-		{&m.CacheWrite1hInput, p.CacheWrite1hInput},
 		{&m.MaxInputTokens, p.MaxInputTokens}, {&m.MaxOutputTokens, p.MaxOutputTokens},
 		{&m.MaxCost, p.MaxCost}, {&m.DefaultHold, p.DefaultHold},
 	} {
@@ -141,6 +142,14 @@ func (o *Ops) PatchModel(ctx context.Context, name string, p ModelPatch) (ledger
 			*f.dst = *f.src
 		}
 	}
+	m.Prices = maps.Clone(m.Prices)
+	for _, c := range p.Clear {
+		delete(m.Prices, c)
+	}
+	if len(p.Prices) > 0 && m.Prices == nil {
+		m.Prices = pricing.Prices{}
+	}
+	maps.Copy(m.Prices, p.Prices)
 	return m.Effective(), o.PutModel(ctx, m)
 }
 

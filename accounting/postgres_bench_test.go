@@ -20,7 +20,7 @@ func benchEvents(n, orgs int) []ledger.UsageEvent {
 	for i := range evs {
 		evs[i] = ledger.UsageEvent{
 			ID: ledgertest.NewEventID(), Org: fmt.Sprintf("org%d", i%orgs), KeyID: "key_1", Model: "gpt-test",
-			Endpoint: "/v1/chat/completions", Usage: pricing.Usage{Prompt: 900, Cached: 100, Completion: 300},
+			Endpoint: "/v1/chat/completions", Usage: pricing.Usage{Prompt: 900, Completion: 300, Units: pricing.Units{pricing.CachedInput: 100}},
 			Cost: 1234, HoldAmount: 5000, CreatedAt: now,
 		}
 	}

@@ -2,6 +2,7 @@ package accounting_test
 
 import (
 	"context"
+	"maps"
 	"os"
 	"strings"
 	"testing"
@@ -40,15 +41,17 @@ func TestParseLiteLLM(t *testing.T) {
 	}
 	for name, want := range map[string]pricing.PriceRow{
 		// 1.25e-05 per token = 12.5 per 1M tokens; no cache-read price: the input price.
-		"ai21.j2-mid-v1":        {Prices: pricing.Prices{Input: 12_500_000, CachedInput: 12_500_000, Output: 12_500_000}, MaxInputTokens: i64p(8191), MaxOutputTokens: i64p(8191)},
-		"amazon.nova-lite-v1:0": {Prices: pricing.Prices{Input: 60_000, CachedInput: 60_000, Output: 240_000}, MaxInputTokens: i64p(300_000), MaxOutputTokens: i64p(10_000)},
-		// cache_read_input_token_cost 5.46875e-07, input 2.1875e-06, output 1.75e-05.
-		"amazon.nova-2-pro-preview-20251202-v1:0": {Prices: pricing.Prices{Input: 2_187_500, CachedInput: 546_875, Output: 17_500_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
-		"jp.amazon.nova-2-lite-v1:0":              {Prices: pricing.Prices{Input: 330_000, CachedInput: 82_500, Output: 2_750_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
+		"ai21.j2-mid-v1":        {Prices: pricing.Prices{pricing.Input: 12_500_000, pricing.CachedInput: 12_500_000, pricing.Output: 12_500_000}, MaxInputTokens: i64p(8191), MaxOutputTokens: i64p(8191)},
+		"amazon.nova-lite-v1:0": {Prices: pricing.Prices{pricing.Input: 60_000, pricing.CachedInput: 60_000, pricing.Output: 240_000}, MaxInputTokens: i64p(300_000), MaxOutputTokens: i64p(10_000)},
+		// cache_read_input_token_cost 5.46875e-07, input 2.1875e-06, output 1.75e-05;
+		// input_cost_per_audio_token and input_cost_per_image_token: their classes.
+		"amazon.nova-2-pro-preview-20251202-v1:0": {Prices: pricing.Prices{pricing.Input: 2_187_500, pricing.CachedInput: 546_875, pricing.Output: 17_500_000,
+			pricing.AudioInput: 2_187_500, pricing.ImageInput: 2_187_500}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
+		"jp.amazon.nova-2-lite-v1:0": {Prices: pricing.Prices{pricing.Input: 330_000, pricing.CachedInput: 82_500, pricing.Output: 2_750_000}, MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(64_000)},
 		// cache_creation_input_token_cost 6.875e-06: the cache-write price, 6,875,000;
 		// cache_creation_input_token_cost_above_1hr 1.1e-05: the 1-hour one.
-		"eu.anthropic.claude-opus-4-6-v1": {Prices: pricing.Prices{Input: 5_500_000, CachedInput: 550_000, Output: 27_500_000, CacheWriteInput: 6_875_000, CacheWrite1hInput: 11_000_000},
-			CacheWrite: i64p(6_875_000), CacheWrite1h: i64p(11_000_000), MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(128_000)},
+		"eu.anthropic.claude-opus-4-6-v1": {Prices: pricing.Prices{pricing.Input: 5_500_000, pricing.CachedInput: 550_000, pricing.Output: 27_500_000, pricing.CacheWrite: 6_875_000, pricing.CacheWrite1h: 11_000_000},
+			MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(128_000)},
 		"anthropic.claude-mythos-preview": {MaxInputTokens: i64p(1_000_000), MaxOutputTokens: i64p(128_000)},
 	} {
 		got, ok := rows[name]
@@ -56,7 +59,7 @@ func TestParseLiteLLM(t *testing.T) {
 			t.Errorf("%s: not imported", name)
 			continue
 		}
-		if got.Prices != want.Prices || !eqp(got.CacheWrite, want.CacheWrite) || !eqp(got.CacheWrite1h, want.CacheWrite1h) || !eqp(got.MaxInputTokens, want.MaxInputTokens) ||
+		if !got.Prices.Equal(want.Prices) || !eqp(got.MaxInputTokens, want.MaxInputTokens) ||
 			!eqp(got.MaxOutputTokens, want.MaxOutputTokens) || got.Mode != "chat" || len(got.RoundedUp) != 0 {
 			t.Errorf("%s: %+v, want %+v", name, got, want)
 		}
@@ -108,14 +111,14 @@ func TestParseLiteLLMEdges(t *testing.T) {
 		t.Fatalf("rows %v, skipped %+v", names, tab.Skipped)
 	}
 	frac := tab.Rows[1]
-	if frac.Input != 1_000_001 || frac.Output != 333_334 || frac.CachedInput != 1_000_001 ||
+	if frac.Prices[pricing.Input] != 1_000_001 || frac.Prices[pricing.Output] != 333_334 || frac.Prices[pricing.CachedInput] != 1_000_001 ||
 		strings.Join(frac.RoundedUp, ",") != "input_price,output_price" {
 		t.Fatalf("frac: %+v", frac)
 	}
-	if emb := tab.Rows[0]; emb.Input != 20_000 || emb.Output != 0 || emb.Mode != "embedding" {
+	if emb := tab.Rows[0]; emb.Prices[pricing.Input] != 20_000 || emb.Prices[pricing.Output] != 0 || emb.Mode != "embedding" {
 		t.Fatalf("emb: %+v", emb)
 	}
-	if resp := tab.Rows[2]; resp.Input != 150_000 || resp.Output != 600_000 || resp.MaxInputTokens != nil || *resp.MaxOutputTokens != 16384 {
+	if resp := tab.Rows[2]; resp.Prices[pricing.Input] != 150_000 || resp.Prices[pricing.Output] != 600_000 || resp.MaxInputTokens != nil || *resp.MaxOutputTokens != 16384 {
 		t.Fatalf("resp: %+v", resp)
 	}
 	for _, bad := range []string{`{`, `{"a":1} x`, `{"a":1}{}`} {
@@ -144,13 +147,13 @@ short,1
 		t.Fatalf("%+v", tab)
 	}
 	want := []pricing.PriceRow{
-		{Model: "gpt-4o-mini", Prices: pricing.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000}, MaxInputTokens: i64p(128_000), MaxOutputTokens: i64p(16_384)},
-		{Model: "name,with,commas", Prices: pricing.Prices{Input: 2_500_000, CachedInput: 2_500_000, Output: 10_000_000}},
-		{Model: "tiny", Prices: pricing.Prices{Input: 1, CachedInput: 1, Output: 2}, RoundedUp: []string{"input_price", "output_price"}},
+		{Model: "gpt-4o-mini", Prices: pricing.Prices{pricing.Input: 150_000, pricing.CachedInput: 75_000, pricing.Output: 600_000}, MaxInputTokens: i64p(128_000), MaxOutputTokens: i64p(16_384)},
+		{Model: "name,with,commas", Prices: pricing.Prices{pricing.Input: 2_500_000, pricing.CachedInput: 2_500_000, pricing.Output: 10_000_000}},
+		{Model: "tiny", Prices: pricing.Prices{pricing.Input: 1, pricing.CachedInput: 1, pricing.Output: 2}, RoundedUp: []string{"input_price", "output_price"}},
 	}
 	for i, w := range want {
 		g := tab.Rows[i]
-		if g.Model != w.Model || g.Prices != w.Prices || !eqp(g.MaxInputTokens, w.MaxInputTokens) || !eqp(g.MaxOutputTokens, w.MaxOutputTokens) ||
+		if g.Model != w.Model || !maps.Equal(g.Prices, w.Prices) || !eqp(g.MaxInputTokens, w.MaxInputTokens) || !eqp(g.MaxOutputTokens, w.MaxOutputTokens) ||
 			strings.Join(g.RoundedUp, ",") != strings.Join(w.RoundedUp, ",") {
 			t.Errorf("row %d: %+v, want %+v", i, g, w)
 		}
@@ -176,12 +179,12 @@ func TestImportPrices(t *testing.T) {
 		t.Fatal(err)
 	}
 	ops := accounting.NewOps(newWorker(t, l, store, nil))
-	old := ledger.Model{Name: "gpt-4o-mini", Prices: pricing.Prices{Input: 100_000, CachedInput: 50_000, Output: 400_000},
+	old := ledger.Model{Name: "gpt-4o-mini", Prices: pricing.Prices{pricing.Input: 100_000, pricing.CachedInput: 50_000, pricing.Output: 400_000},
 		MaxInputTokens: 128_000, MaxOutputTokens: 4096, MaxCost: 7_000, DefaultHold: 9_000}
 	if err := ops.PutModel(ctx, old); err != nil {
 		t.Fatal(err)
 	}
-	same := ledger.Model{Name: "same", Prices: pricing.Prices{Input: 1_000_000, CachedInput: 1_000_000, Output: 2_000_000}, MaxCost: 5}
+	same := ledger.Model{Name: "same", Prices: pricing.Prices{pricing.Input: 1_000_000, pricing.CachedInput: 1_000_000, pricing.Output: 2_000_000}, MaxCost: 5}
 	if err := ops.PutModel(ctx, same); err != nil {
 		t.Fatal(err)
 	}
@@ -203,13 +206,13 @@ func TestImportPrices(t *testing.T) {
 	}
 	ch := dry.Changed[0]
 	wantNew := old
-	wantNew.Prices = pricing.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000}
+	wantNew.Prices = pricing.Prices{pricing.Input: 150_000, pricing.CachedInput: 75_000, pricing.Output: 600_000}
 	wantNew.MaxOutputTokens = 16384
 	// The report shows the prices each model is billed at: its defaults filled in.
-	if ch.Old != old.Effective() || ch.New != wantNew.Effective() {
+	if !ch.Old.Equal(old) || !ch.New.Equal(wantNew) {
 		t.Fatalf("change %+v, want %+v → %+v", ch, old, wantNew)
 	}
-	if m, _ := l.Model(ctx, "gpt-4o-mini"); m != old {
+	if m, _ := l.Model(ctx, "gpt-4o-mini"); !m.Equal(old) {
 		t.Fatalf("the dry run wrote: %+v", m)
 	}
 	if _, err := l.Model(ctx, "new-model"); err == nil {
@@ -222,7 +225,7 @@ func TestImportPrices(t *testing.T) {
 	}
 	m, err := l.Model(ctx, "gpt-4o-mini")
 	wantNew.MaxCost = 8_000 // raised back to what Redis learned
-	if err != nil || m != wantNew {
+	if err != nil || !m.Equal(wantNew) {
 		t.Fatalf("imported %+v %v, want %+v", m, err, wantNew)
 	}
 	store2, err := balance.New(ctx, env.Client, &balance.Config{Ledger: l, Prefix: env.Prefix, AllowEviction: true}) // no cache
@@ -232,7 +235,7 @@ func TestImportPrices(t *testing.T) {
 	if v, err := store2.ModelMax(ctx, "gpt-4o-mini"); err != nil || v != 8_000 {
 		t.Fatalf("learned max in Redis: %d %v, want 8000 kept", v, err)
 	}
-	if m, err := l.Model(ctx, "new-model"); err != nil || m.Input != 3_000_000 || m.CachedInput != 300_000 || m.Output != 15_000_000 ||
+	if m, err := l.Model(ctx, "new-model"); err != nil || m.Prices[pricing.Input] != 3_000_000 || m.Prices[pricing.CachedInput] != 300_000 || m.Prices[pricing.Output] != 15_000_000 ||
 		m.MaxInputTokens != 200_000 || m.MaxOutputTokens != 8192 || m.MaxCost != 0 {
 		t.Fatalf("new model %+v %v", m, err)
 	}
@@ -243,7 +246,7 @@ func TestImportPrices(t *testing.T) {
 }
 
 // TestImportCacheWrite: a table's cache-write price (LiteLLM's cache_creation_input_token_cost,
-// the CSV's seventh column) is stored as Prices.CacheWriteInput; a table without one keeps the
+// the CSV's seventh column) is stored as the class pricing.CacheWrite; a table without one keeps the
 // model's current cache-write price.
 func TestImportCacheWrite(t *testing.T) {
 	t.Parallel()
@@ -261,14 +264,14 @@ func TestImportCacheWrite(t *testing.T) {
 		t.Fatal(err)
 	}
 	r, err := ops.ImportPrices(ctx, tab, true)
-	if err != nil || len(r.New) != 1 || r.New[0].CacheWriteInput != 1_250_000 {
+	if err != nil || len(r.New) != 1 || r.New[0].Prices[pricing.CacheWrite] != 1_250_000 {
 		t.Fatalf("dry run: %+v %v", r, err)
 	}
 	if _, err := ops.ImportPrices(ctx, tab, false); err != nil {
 		t.Fatal(err)
 	}
 	m, err := ledger.Model(ctx, "claude-x")
-	if err != nil || m.Prices != (pricing.Prices{Input: 1_000_000, CachedInput: 100_000, Output: 5_000_000, CacheWriteInput: 1_250_000}) {
+	if err != nil || !maps.Equal(m.Prices, pricing.Prices{pricing.Input: 1_000_000, pricing.CachedInput: 100_000, pricing.Output: 5_000_000, pricing.CacheWrite: 1_250_000}) {
 		t.Fatalf("imported: %+v %v", m, err)
 	}
 	// A CSV without the column keeps it; with it, changes it (the diff shows old → new).
@@ -284,14 +287,14 @@ func TestImportCacheWrite(t *testing.T) {
 		t.Fatal(err)
 	}
 	r, err = ops.ImportPrices(ctx, csv, true)
-	if err != nil || len(r.Changed) != 1 || r.Changed[0].Old.CacheWriteInput != 1_250_000 || r.Changed[0].New.CacheWriteInput != 1_500_000 {
+	if err != nil || len(r.Changed) != 1 || r.Changed[0].Old.Prices[pricing.CacheWrite] != 1_250_000 || r.Changed[0].New.Prices[pricing.CacheWrite] != 1_500_000 {
 		t.Fatalf("CSV with a cache-write price: %+v %v", r, err)
 	}
 }
 
 // TestImportCacheWrite1h: a table's 1-hour cache-write price (LiteLLM's
 // cache_creation_input_token_cost_above_1hr, the CSV's eighth column) is stored as
-// Prices.CacheWrite1hInput; a table without one keeps the model's (0 for a new model: billed at
+// the class pricing.CacheWrite1h; a table without one keeps the model's (0 for a new model: billed at
 // 2× the input price), and a model whose table prices bill the same is unchanged.
 func TestImportCacheWrite1h(t *testing.T) {
 	t.Parallel()
@@ -313,12 +316,12 @@ func TestImportCacheWrite1h(t *testing.T) {
 		t.Fatal(err)
 	}
 	m, err := ledger.Model(ctx, "claude-x")
-	if err != nil || m.CacheWrite1hInput != 2_000_001 {
+	if err != nil || m.Prices[pricing.CacheWrite1h] != 2_000_001 {
 		t.Fatalf("imported: %+v %v", m, err)
 	}
 	p, err := ledger.Model(ctx, "plain")
-	if err != nil || p.Prices != (pricing.Prices{Input: 2_000_000, CachedInput: 2_000_000, Output: 8_000_000}) ||
-		p.WithDefaults().CacheWrite1hInput != 4_000_000 || p.WithDefaults().CacheWriteInput != 2_000_000 {
+	if err != nil || !maps.Equal(p.Prices, pricing.Prices{pricing.Input: 2_000_000, pricing.CachedInput: 2_000_000, pricing.Output: 8_000_000}) ||
+		p.WithDefaults()[pricing.CacheWrite1h] != 4_000_000 || p.WithDefaults()[pricing.CacheWrite] != 2_000_000 {
 		t.Fatalf("imported without cache-write prices: %+v %v", p, err)
 	}
 	csv, err := pricing.ParsePriceTable([]byte(pricing.CSVHeader+"\nclaude-x,1,5,0.1,,,1.25\nplain,2,8,,,,,4\n"), nil)
@@ -335,7 +338,7 @@ func TestImportCacheWrite1h(t *testing.T) {
 		t.Fatal(err)
 	}
 	r, err = ops.ImportPrices(ctx, csv, true)
-	if err != nil || len(r.Changed) != 1 || r.Changed[0].Old.CacheWrite1hInput != 2_000_001 || r.Changed[0].New.CacheWrite1hInput != 3_000_000 {
+	if err != nil || len(r.Changed) != 1 || r.Changed[0].Old.Prices[pricing.CacheWrite1h] != 2_000_001 || r.Changed[0].New.Prices[pricing.CacheWrite1h] != 3_000_000 {
 		t.Fatalf("CSV with a 1-hour price: %+v %v", r, err)
 	}
 	if bad, _ := pricing.ParsePriceTable([]byte("x,1,5,0.1,,,1.25,3,9\n"), nil); len(bad.Skipped) != 1 {

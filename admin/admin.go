@@ -95,6 +95,7 @@ func (a *API) Register(g *echo.Group) {
 	add(http.MethodGet, "/usage/top", a.topSpenders)
 	add(http.MethodGet, "/requests/:id", read(a, "id", a.console.Request))
 	add(http.MethodGet, "/models", a.models)
+	add(http.MethodGet, "/price-classes", a.priceClasses)
 	add(http.MethodPost, "/models/import", a.importModels)
 	add(http.MethodGet, "/models/:model", read(a, "model", a.ops.Model))
 	add(http.MethodPut, "/models/:model", a.putModel)
@@ -363,8 +364,10 @@ func (a *API) putModel(c echo.Context) error {
 		return err
 	}
 	m.Name = c.Param("model")
-	if m.Input < 0 || m.CachedInput < 0 || m.Output < 0 || m.CacheWriteInput < 0 || m.CacheWrite1hInput < 0 || m.MaxCost < 0 || m.DefaultHold < 0 ||
-		m.MaxInputTokens < 0 || m.MaxOutputTokens < 0 {
+	if err := m.Prices.Check(); err != nil {
+		return invalid(c, strings.TrimPrefix(err.Error(), "accounting: "))
+	}
+	if m.MaxCost < 0 || m.DefaultHold < 0 || m.MaxInputTokens < 0 || m.MaxOutputTokens < 0 {
 		return invalid(c, "prices, limits and holds must be ≥ 0")
 	}
 	if m.MaxCost > balance.MaxAmount || m.DefaultHold > balance.MaxAmount {
@@ -384,10 +387,38 @@ func (a *API) models(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return writeList(c, ms, "", []string{"model", "input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens", "max_cost", "default_hold", "cache_write_input_price", "cache_write_1h_input_price"},
-		func(m ledger.Model) []string {
-			return []string{m.Name, i64(m.Input), i64(m.CachedInput), i64(m.Output), i64(m.MaxInputTokens), i64(m.MaxOutputTokens), i64(m.MaxCost), i64(m.DefaultHold), i64(m.CacheWriteInput), i64(m.CacheWrite1hInput)}
-		})
+	// The CSV has one column per class any model prices (defaults filled in), in the
+	// registry's order: a new class needs no column here.
+	classes := modelClasses(ms)
+	header := []string{"model"}
+	for _, cl := range classes {
+		header = append(header, string(cl)+ledger.PriceSuffix)
+	}
+	header = append(header, "max_input_tokens", "max_output_tokens", "max_cost", "default_hold")
+	return writeList(c, ms, "", header, func(m ledger.Model) []string {
+		row := []string{m.Name}
+		for _, cl := range classes {
+			v, ok := m.Prices[cl]
+			if !ok {
+				row = append(row, "")
+				continue
+			}
+			row = append(row, i64(v))
+		}
+		return append(row, i64(m.MaxInputTokens), i64(m.MaxOutputTokens), i64(m.MaxCost), i64(m.DefaultHold))
+	})
+}
+
+// modelClasses is every class the models price (ms have their defaults filled in), in the
+// registry's order.
+func modelClasses(ms []ledger.Model) []pricing.Class {
+	all := pricing.Prices{}
+	for _, m := range ms {
+		for cl := range m.Prices {
+			all[cl] = 0
+		}
+	}
+	return all.Sorted()
 }
 
 // raiseEpoch starts a new ledger epoch (run it after restoring the database from a backup): every

@@ -1,6 +1,7 @@
 package admin_test
 
 import (
+	"maps"
 	"strings"
 	"testing"
 
@@ -16,20 +17,20 @@ func TestModelCacheWritePrice(t *testing.T) {
 	c := newConsole(t)
 	var m ledger.Model
 	c.ok("PUT", "/models/claude-x", `{"input_price":3000000,"cached_input_price":300000,"cache_write_input_price":3750000,"output_price":15000000}`, 200, &m)
-	if m.CacheWriteInput != 3_750_000 || m.Input != 3_000_000 {
+	if m.Prices[pricing.CacheWrite] != 3_750_000 || m.Prices[pricing.Input] != 3_000_000 {
 		t.Fatalf("PUT: %+v", m)
 	}
 	c.ok("PATCH", "/models/claude-x", `{"cache_write_input_per_1m":"6"}`, 200, &m)
-	if m.CacheWriteInput != 6_000_000 || m.Input != 3_000_000 || m.Output != 15_000_000 {
+	if m.Prices[pricing.CacheWrite] != 6_000_000 || m.Prices[pricing.Input] != 3_000_000 || m.Prices[pricing.Output] != 15_000_000 {
 		t.Fatalf("PATCH decimal: %+v", m)
 	}
 	c.ok("PATCH", "/models/claude-x", `{"cache_write_input_price":3750001}`, 200, &m)
 	c.ok("PATCH", "/models/claude-x", `{"output_per_1m":"16"}`, 200, &m)
-	if m.CacheWriteInput != 3_750_001 {
+	if m.Prices[pricing.CacheWrite] != 3_750_001 {
 		t.Fatalf("a PATCH of another field changed the cache-write price: %+v", m)
 	}
 	c.ok("GET", "/models/claude-x", "", 200, &m)
-	if m.CacheWriteInput != 3_750_001 {
+	if m.Prices[pricing.CacheWrite] != 3_750_001 {
 		t.Fatalf("GET: %+v", m)
 	}
 	if rec := c.do("GET", "/models?format=csv", ""); !strings.Contains(rec.Body.String(), "cache_write_input_price") ||
@@ -56,30 +57,30 @@ func TestModelMissingPricesDefault(t *testing.T) {
 	c := newConsole(t)
 	var m ledger.Model
 	c.ok("PUT", "/models/plain", `{"input_price":2000000,"output_price":8000000}`, 200, &m)
-	want := pricing.Prices{Input: 2_000_000, CachedInput: 2_000_000, Output: 8_000_000, CacheWriteInput: 2_000_000, CacheWrite1hInput: 4_000_000}
-	if m.Prices != want {
+	want := pricing.Prices{pricing.Input: 2_000_000, pricing.CachedInput: 2_000_000, pricing.Output: 8_000_000, pricing.CacheWrite: 2_000_000, pricing.CacheWrite1h: 4_000_000}
+	if !maps.Equal(m.Prices, want) {
 		t.Fatalf("PUT answered %+v, want %+v", m.Prices, want)
 	}
 	c.ok("GET", "/models/plain", "", 200, &m)
-	if m.Prices != want {
+	if !maps.Equal(m.Prices, want) {
 		t.Fatalf("GET %+v, want %+v", m.Prices, want)
 	}
 	c.ok("PATCH", "/models/plain", `{"input_per_1m":"3"}`, 200, &m)
-	want = pricing.Prices{Input: 3_000_000, CachedInput: 3_000_000, Output: 8_000_000, CacheWriteInput: 3_000_000, CacheWrite1hInput: 6_000_000}
-	if m.Prices != want {
+	want = pricing.Prices{pricing.Input: 3_000_000, pricing.CachedInput: 3_000_000, pricing.Output: 8_000_000, pricing.CacheWrite: 3_000_000, pricing.CacheWrite1h: 6_000_000}
+	if !maps.Equal(m.Prices, want) {
 		t.Fatalf("after a PATCH of the input price: %+v, want %+v", m.Prices, want)
 	}
 	var list struct{ Data []ledger.Model }
 	c.ok("GET", "/models", "", 200, &list)
-	if len(list.Data) != 1 || list.Data[0].Prices != want {
+	if len(list.Data) != 1 || !maps.Equal(list.Data[0].Prices, want) {
 		t.Fatalf("list: %+v", list.Data)
 	}
 	c.ok("PATCH", "/models/patched", `{"input_price":1000000,"output_price":5000000,"cache_write_1h_input_per_1m":"2.5"}`, 200, &m)
-	if m.CacheWrite1hInput != 2_500_000 || m.CachedInput != 1_000_000 || m.CacheWriteInput != 1_000_000 {
+	if m.Prices[pricing.CacheWrite1h] != 2_500_000 || m.Prices[pricing.CachedInput] != 1_000_000 || m.Prices[pricing.CacheWrite] != 1_000_000 {
 		t.Fatalf("PATCH with a 1-hour price: %+v", m)
 	}
 	c.ok("PUT", "/models/claude-1h", `{"input_price":3000000,"output_price":15000000,"cache_write_1h_input_price":6000001}`, 200, &m)
-	if m.CacheWrite1hInput != 6_000_001 {
+	if m.Prices[pricing.CacheWrite1h] != 6_000_001 {
 		t.Fatalf("PUT with a 1-hour price: %+v", m)
 	}
 	if rec := c.do("GET", "/models?format=csv", ""); !strings.Contains(rec.Body.String(), ",cache_write_1h_input_price") ||

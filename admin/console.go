@@ -233,14 +233,14 @@ func (a *API) listEntries(c echo.Context) error {
 	}
 	return writeList(c, p.Data, p.Next,
 		[]string{"seq", "kind", "delta", "reference", "created_at", "request_id", "key_id", "model",
-			"prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost", "hold_amount", "estimated"},
+			"prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost", "hold_amount", "estimated", "units"},
 		func(e ledger.EntryInfo) []string {
 			row := []string{i64(e.Seq), string(e.Kind), i64(e.Delta), e.Ref, ts(e.CreatedAt)}
 			if r := e.Request; r != nil {
-				return append(row, r.ID, r.KeyID, r.Model, i64(r.Usage.Prompt), i64(r.Usage.Cached), i64(r.Usage.Completion),
-					i64(r.Usage.Reasoning), i64(r.Cost), i64(r.HoldAmount), strconv.FormatBool(r.Estimated))
+				return append(row, r.ID, r.KeyID, r.Model, i64(r.Usage.Prompt), i64(r.Usage.Of(pricing.CachedInput)), i64(r.Usage.Completion),
+					i64(r.Usage.Reasoning), i64(r.Cost), i64(r.HoldAmount), strconv.FormatBool(r.Estimated), UnitsText(r.Usage.Units))
 			}
-			return append(row, e.HoldID, "", "", "", "", "", "", "", "", "")
+			return append(row, e.HoldID, "", "", "", "", "", "", "", "", "", "")
 		})
 }
 
@@ -257,9 +257,9 @@ func (a *API) usage(c echo.Context) error {
 	if err != nil {
 		return a.fail(c, err)
 	}
-	return writeList(c, rows, "", []string{q.GroupBy, "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens"},
+	return writeList(c, rows, "", []string{q.GroupBy, "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "units"},
 		func(r ledger.UsageRow) []string {
-			return []string{r.Group, i64(r.Requests), i64(r.Cost), i64(r.Prompt), i64(r.Cached), i64(r.Completion), i64(r.Reasoning)}
+			return []string{r.Group, i64(r.Requests), i64(r.Cost), i64(r.Prompt), i64(r.Cached), i64(r.Completion), i64(r.Reasoning), UnitsText(r.Units)}
 		})
 }
 
@@ -282,10 +282,57 @@ func (a *API) topSpenders(c echo.Context) error {
 	for i, r := range rows {
 		out[i] = Spender{Org: r.Group, UsageRow: r}
 	}
-	return writeList(c, out, "", []string{"org", "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens"},
+	return writeList(c, out, "", []string{"org", "requests", "cost", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "units"},
 		func(r Spender) []string {
-			return []string{r.Org, i64(r.Requests), i64(r.Cost), i64(r.Prompt), i64(r.Cached), i64(r.Completion), i64(r.Reasoning)}
+			return []string{r.Org, i64(r.Requests), i64(r.Cost), i64(r.Prompt), i64(r.Cached), i64(r.Completion), i64(r.Reasoning), UnitsText(r.Units)}
 		})
+}
+
+// UnitsText is a CSV cell of a usage's units: "class=n" pairs in the registry's order,
+// space-separated ("cached_input=900 audio_input=120"); empty for none.
+func UnitsText(u pricing.Units) string {
+	cs := make(pricing.Prices, len(u))
+	for c := range u {
+		cs[c] = 0
+	}
+	var b strings.Builder
+	for _, c := range cs.Sorted() {
+		if b.Len() > 0 {
+			b.WriteByte(' ')
+		}
+		b.WriteString(string(c) + "=" + i64(u[c]))
+	}
+	return b.String()
+}
+
+// PriceClass is one price class as GET /price-classes lists it (pricing.ClassInfo).
+type PriceClass struct {
+	Name        pricing.Class `json:"class"`
+	Unit        pricing.Unit  `json:"unit"`
+	Side        string        `json:"side"`
+	BoundsInput bool          `json:"bounds_input"`
+	Default     string        `json:"default"`
+	Doc         string        `json:"doc"`
+}
+
+// priceClasses: GET /price-classes — the price class registry (pricing.Classes): each class's
+// name, unit, side, default rule and whether it bounds a request's input.
+func (a *API) priceClasses(c echo.Context) error {
+	var out []PriceClass
+	for _, ci := range pricing.Classes() {
+		side := map[pricing.Side]string{pricing.SideNone: "", pricing.SideInput: "input", pricing.SideOutput: "output"}[ci.Side]
+		def := "0"
+		switch {
+		case ci.Default.From != "":
+			def = fmt.Sprintf("%d× %s", ci.Default.Mul, ci.Default.From)
+		case ci.Default.Refuse:
+			def = "none: refused unless priced"
+		}
+		out = append(out, PriceClass{ci.Name, ci.Unit, side, ci.BoundsInput, def, ci.Doc})
+	}
+	return writeList(c, out, "", []string{"class", "unit", "side", "bounds_input", "default", "doc"}, func(x PriceClass) []string {
+		return []string{string(x.Name), string(x.Unit), x.Side, strconv.FormatBool(x.BoundsInput), x.Default, x.Doc}
+	})
 }
 
 func (a *API) deleteModel(c echo.Context) error {
@@ -295,71 +342,88 @@ func (a *API) deleteModel(c echo.Context) error {
 	return c.NoContent(http.StatusNoContent)
 }
 
-// patchModel changes the fields given. Prices come in micro-units per 1M tokens as integers
-// (input_price, cached_input_price, output_price, cache_write_input_price,
-// cache_write_1h_input_price, as PUT takes them) or in currency units per 1M tokens as decimals,
-// strings or numbers (input_per_1m, cached_input_per_1m, output_per_1m, cache_write_input_per_1m,
-// cache_write_1h_input_per_1m: "0.15" is 150000 micro-units), read from their text so no float
-// ever touches a price. A cached or cache-write price never given (or given as 0) is billed at
-// its default (pricing.Prices.WithDefaults), which the answer shows.
+// patchModel changes the fields given. Each price class is given as "<class>_price" in
+// micro-units per the class's unit as an integer (input_price, cached_input_price,
+// audio_output_price …, as PUT takes them; null removes the class's price, which then takes
+// its default), or in currency units as a decimal, a string or a number: "<class>_per_1m" for a
+// class quoted per 1M tokens or characters (input_per_1m: "0.15" is 150000 micro-units),
+// "<class>_per_unit" for one quoted per item or second (per_image_1024x1024_hd_per_unit),
+// read from its text so no float ever touches a price. A cached or cache-write price never
+// given (or given as 0) is billed at its default (pricing.Prices.Price), which the answer
+// shows. No class has code of its own here: the classes are pricing's registry.
 func (a *API) patchModel(c echo.Context) error {
-	var req struct {
-		Input             *int64          `json:"input_price"`
-		CachedInput       *int64          `json:"cached_input_price"`
-		Output            *int64          `json:"output_price"`
-		InputPer1M        json.RawMessage `json:"input_per_1m"`
-		CachedInputPer1M  json.RawMessage `json:"cached_input_per_1m"`
-		OutputPer1M       json.RawMessage `json:"output_per_1m"`
-		CacheWrite        *int64          `json:"cache_write_input_price"`
-		CacheWritePer1M   json.RawMessage `json:"cache_write_input_per_1m"`
-		CacheWrite1h      *int64          `json:"cache_write_1h_input_price"`
-		CacheWrite1hPer1M json.RawMessage `json:"cache_write_1h_input_per_1m"`
-		MaxInputTokens    *int64          `json:"max_input_tokens"`
-		MaxOutputTokens   *int64          `json:"max_output_tokens"`
-		MaxCost           *int64          `json:"max_cost"`
-		DefaultHold       *int64          `json:"default_hold"`
-	}
+	var req map[string]json.RawMessage
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
 	}
-	p := accounting.ModelPatch{
-		Input: req.Input, CachedInput: req.CachedInput, Output: req.Output, CacheWriteInput: req.CacheWrite,
-		CacheWrite1hInput: req.CacheWrite1h,
-		MaxInputTokens:    req.MaxInputTokens, MaxOutputTokens: req.MaxOutputTokens, MaxCost: req.MaxCost, DefaultHold: req.DefaultHold,
-	}
-	for _, d := range []struct {
-		name string
-		raw  json.RawMessage
-		int  *int64
-		dst  **int64
-	}{
-		{"input_per_1m", req.InputPer1M, req.Input, &p.Input},
-		{"cached_input_per_1m", req.CachedInputPer1M, req.CachedInput, &p.CachedInput},
-		{"output_per_1m", req.OutputPer1M, req.Output, &p.Output},
-		{"cache_write_input_per_1m", req.CacheWritePer1M, req.CacheWrite, &p.CacheWriteInput},
-		{"cache_write_1h_input_per_1m", req.CacheWrite1hPer1M, req.CacheWrite1h, &p.CacheWrite1hInput},
-	} {
-		if d.raw == nil {
+	p := accounting.ModelPatch{Prices: pricing.Prices{}}
+	ints := map[string]**int64{"max_input_tokens": &p.MaxInputTokens, "max_output_tokens": &p.MaxOutputTokens,
+		"max_cost": &p.MaxCost, "default_hold": &p.DefaultHold}
+	given := map[pricing.Class]string{}
+	for key, raw := range req {
+		if dst, ok := ints[key]; ok {
+			var v *int64
+			if err := json.Unmarshal(raw, &v); err != nil {
+				return invalid(c, key+": not an integer")
+			}
+			*dst = v
 			continue
 		}
-		if d.int != nil {
-			return invalid(c, fmt.Sprintf("give %s or %s, not both", d.name, strings.TrimSuffix(d.name, "_per_1m")+"_price"))
-		}
-		v, err := DecimalMicros(d.raw)
+		cl, decimal, err := patchPriceKey(key)
 		if err != nil {
-			return invalid(c, d.name+": "+err.Error())
+			return invalid(c, err.Error())
 		}
-		*d.dst = &v
+		if other, ok := given[cl]; ok {
+			return invalid(c, fmt.Sprintf("give %s or %s, not both", other, key))
+		}
+		given[cl] = key
+		var v int64
+		switch {
+		case string(raw) == "null" && !decimal:
+			p.Clear = append(p.Clear, cl)
+			continue
+		case decimal:
+			if v, err = DecimalMicros(raw); err != nil {
+				return invalid(c, key+": "+err.Error())
+			}
+		default:
+			if err := json.Unmarshal(raw, &v); err != nil {
+				return invalid(c, key+": not an integer")
+			}
+		}
+		p.Prices[cl] = v
 	}
-	for name, v := range map[string]*int64{"input_price": p.Input, "cached_input_price": p.CachedInput, "output_price": p.Output,
-		"cache_write_input_price": p.CacheWriteInput, "cache_write_1h_input_price": p.CacheWrite1hInput,
-		"max_input_tokens": p.MaxInputTokens, "max_output_tokens": p.MaxOutputTokens, "max_cost": p.MaxCost, "default_hold": p.DefaultHold} {
+	if err := p.Prices.Check(); err != nil {
+		return invalid(c, strings.TrimPrefix(err.Error(), "accounting: "))
+	}
+	for name, v := range map[string]*int64{"max_input_tokens": p.MaxInputTokens, "max_output_tokens": p.MaxOutputTokens, "max_cost": p.MaxCost, "default_hold": p.DefaultHold} {
 		if v != nil && (*v < 0 || *v > balance.MaxAmount) {
 			return invalid(c, fmt.Sprintf("%s must be from 0 to 10^14", name))
 		}
 	}
 	m, err := a.ops.PatchModel(c.Request().Context(), c.Param("model"), p)
 	return a.answer(c, m, err)
+}
+
+// patchPriceKey reads a PATCH member naming a price: "<class>_price" (decimal false), or
+// "<class>_per_1m" / "<class>_per_unit" as the class's unit is quoted (decimal true).
+func patchPriceKey(key string) (cl pricing.Class, decimal bool, err error) {
+	name, suffix := key, ""
+	for _, s := range []string{ledger.PriceSuffix, "_per_1m", "_per_unit"} {
+		if n, ok := strings.CutSuffix(key, s); ok {
+			name, suffix = n, s
+			break
+		}
+	}
+	info, ok := pricing.Lookup(pricing.Class(name))
+	switch {
+	case suffix == "" || !ok:
+		return "", false, fmt.Errorf("unknown field %q (a price is <class>_price, <class>_per_1m or <class>_per_unit; classes: GET /price-classes)", key)
+	case suffix == "_per_1m" && info.Unit != pricing.PerMTokens && info.Unit != pricing.PerMCharacters,
+		suffix == "_per_unit" && (info.Unit == pricing.PerMTokens || info.Unit == pricing.PerMCharacters):
+		return "", false, fmt.Errorf("%s: %s is priced per %s", key, name, info.Unit)
+	}
+	return info.Name, suffix != ledger.PriceSuffix, nil
 }
 
 // DecimalMicros converts a JSON number or string holding a non-negative decimal (currency units)

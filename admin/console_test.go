@@ -113,18 +113,18 @@ func TestConsoleAPI(t *testing.T) {
 
 	var m ledger.Model
 	c.ok("PATCH", "/models/gpt-x", `{"input_per_1m":"0.15","cached_input_per_1m":0.075,"output_per_1m":"0.6","default_hold":5000}`, 200, &m)
-	if m.Input != 150000 || m.CachedInput != 75000 || m.Output != 600000 || m.DefaultHold != 5000 {
+	if m.Prices[pricing.Input] != 150000 || m.Prices[pricing.CachedInput] != 75000 || m.Prices[pricing.Output] != 600000 || m.DefaultHold != 5000 {
 		t.Fatalf("decimal prices: %+v", m)
 	}
 	c.ok("PATCH", "/models/gpt-x", `{"max_output_tokens":100}`, 200, &m)
-	if m.Input != 150000 || m.MaxOutputTokens != 100 || m.DefaultHold != 5000 {
+	if m.Prices[pricing.Input] != 150000 || m.MaxOutputTokens != 100 || m.DefaultHold != 5000 {
 		t.Fatalf("a partial update changed other fields: %+v", m)
 	}
-	if rec := c.do("GET", "/models?format=csv", ""); !strings.Contains(rec.Body.String(), "gpt-x,150000,75000,600000,0,100,0,5000") {
+	if rec := c.do("GET", "/models?format=csv", ""); !strings.Contains(rec.Body.String(), "model,input_price,cached_input_price,cache_write_input_price,cache_write_1h_input_price,output_price,max_input_tokens,max_output_tokens,max_cost,default_hold\ngpt-x,150000,75000,150000,300000,600000,0,100,0,5000") {
 		t.Fatalf("models as CSV: %s", rec.Body)
 	}
 	c.ok("GET", "/models/gpt-x", "", 200, &m)
-	if m.Output != 600000 {
+	if m.Prices[pricing.Output] != 600000 {
 		t.Fatalf("GET model: %+v", m)
 	}
 	rec := c.do("PATCH", "/models/gpt-x", `{"input_per_1m":"0.0000001"}`)
@@ -180,7 +180,7 @@ func TestConsoleAPI(t *testing.T) {
 	}
 	var usage list[ledger.UsageRow]
 	c.ok("GET", "/orgs/acme/usage?group_by=model", "", 200, &usage)
-	if len(usage.Data) != 1 || usage.Data[0] != (ledger.UsageRow{Group: "gpt-x", Requests: 3, Cost: 600, Prompt: 30, Completion: 3}) {
+	if len(usage.Data) != 1 || !usage.Data[0].Equal(ledger.UsageRow{Group: "gpt-x", Requests: 3, Cost: 600, Prompt: 30, Completion: 3}) {
 		t.Fatalf("usage by model: %+v", usage)
 	}
 	rec = c.do("GET", "/orgs/acme/usage?group_by=key&format=csv", "")

@@ -7,6 +7,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // TestImportRoute: POST /models/import takes LiteLLM's file (larger than MaxBodyBytes is fine)
@@ -29,10 +30,10 @@ func TestImportRoute(t *testing.T) {
 	for _, m := range dry.New {
 		// The report shows defaults filled in: a cache-write price the table left out is the
 		// input price, the 1-hour one 2× it.
-		if m.CacheWrite1hInput != 2*m.Input {
-			t.Fatalf("%s: 1-hour cache-write price %d, input %d", m.Name, m.CacheWrite1hInput, m.Input)
+		if m.Prices[pricing.CacheWrite1h] != 2*m.Prices[pricing.Input] {
+			t.Fatalf("%s: 1-hour cache-write price %d, input %d", m.Name, m.Prices[pricing.CacheWrite1h], m.Prices[pricing.Input])
 		}
-		if m.CacheWriteInput != m.Input {
+		if m.Prices[pricing.CacheWrite] != m.Prices[pricing.Input] {
 			cacheWrite++
 		}
 	}
@@ -52,18 +53,18 @@ func TestImportRoute(t *testing.T) {
 	}
 	var m ledger.Model
 	c.ok("GET", "/models/amazon.nova-2-lite-v1:0", "", 200, &m)
-	if m.Input != 300_000 || m.CachedInput != 75_000 || m.Output != 2_500_000 || m.MaxOutputTokens != 64_000 {
+	if m.Prices[pricing.Input] != 300_000 || m.Prices[pricing.CachedInput] != 75_000 || m.Prices[pricing.Output] != 2_500_000 || m.MaxOutputTokens != 64_000 {
 		t.Fatalf("imported model: %+v", m)
 	}
 
 	// CSV: one change against what is there.
 	var csvr accounting.ImportReport
 	c.ok("POST", "/models/import", "amazon.nova-2-lite-v1:0,0.3,2.5,0.1\nimport,1,2\n", 200, &csvr)
-	if len(csvr.Changed) != 1 || csvr.Changed[0].Old.CachedInput != 75_000 || csvr.Changed[0].New.CachedInput != 100_000 || len(csvr.New) != 1 {
+	if len(csvr.Changed) != 1 || csvr.Changed[0].Old.Prices[pricing.CachedInput] != 75_000 || csvr.Changed[0].New.Prices[pricing.CachedInput] != 100_000 || len(csvr.New) != 1 {
 		t.Fatalf("csv import: %+v", csvr)
 	}
 	c.ok("GET", "/models/import", "", 200, &m)
-	if m.Name != "import" || m.Input != 1_000_000 {
+	if m.Name != "import" || m.Prices[pricing.Input] != 1_000_000 {
 		t.Fatalf("model named import: %+v", m)
 	}
 

@@ -1,5 +1,7 @@
 package endpoint
 
+import "github.com/llmescrow/escrow/pricing"
+
 // Chat is OpenAI's chat completions. The upstream reads max_completion_tokens, else
 // max_tokens (a reasoning model counts its reasoning within the cap); with neither it may
 // generate up to the model's max output.
@@ -17,7 +19,7 @@ var Chat = register(&Spec{
 	UsageJSON:    "usage",
 	Stream:       StreamChunks,
 	InjectUsage:  true,
-	Classes:      []Class{ClassInput, ClassCachedInput, ClassOutput},
+	Classes:      pricing.TextClasses,
 	EndUserField: "user",
 })
 

@@ -1,5 +1,7 @@
 package endpoint
 
+import "github.com/llmescrow/escrow/pricing"
+
 // Completions is OpenAI's legacy completions. The upstream reads max_tokens and, when none is
 // sent, generates at most 16 tokens (OpenAI's and vLLM's default): a body without one is held
 // at 16 and sent with max_tokens: 16. Each prompt of a prompt array is completed on its own,
@@ -16,6 +18,6 @@ var Completions = register(&Spec{
 	UsageJSON:    "usage",
 	Stream:       StreamChunks,
 	InjectUsage:  true,
-	Classes:      []Class{ClassInput, ClassCachedInput, ClassOutput},
+	Classes:      pricing.TextClasses,
 	EndUserField: "user",
 })

@@ -1,5 +1,7 @@
 package endpoint
 
+import "github.com/llmescrow/escrow/pricing"
+
 // Embeddings is OpenAI's embeddings: input tokens only, bounded by the body's bytes (an array
 // of inputs is one request: its bytes bound all of them). No cap field: any is refused.
 var Embeddings = register(&Spec{
@@ -8,6 +10,6 @@ var Embeddings = register(&Spec{
 	Billed:       true,
 	NoOutput:     true,
 	UsageJSON:    "usage",
-	Classes:      []Class{ClassInput},
+	Classes:      []pricing.Class{pricing.Input},
 	EndUserField: "user",
 })

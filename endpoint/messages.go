@@ -1,5 +1,7 @@
 package endpoint
 
+import "github.com/llmescrow/escrow/pricing"
+
 // Messages is Anthropic's Messages API: max_tokens is required (the upstream refuses a body
 // without it), and with extended thinking thinking.budget_tokens must be ≥ 1,024 and below
 // max_tokens. Cache writes (5-minute and 1-hour) are billed apart, so every input token is
@@ -18,6 +20,6 @@ var Messages = register(&Spec{
 	ToolOverhead: 1024, // the tool-use system prompt: 346 tokens on Claude 4, 530 on Claude 3 Opus
 	UsageJSON:    "usage",
 	Stream:       StreamMessages,
-	Classes:      []Class{ClassInput, ClassCachedInput, ClassCacheWrite, ClassCacheWrite1h, ClassOutput},
+	Classes:      pricing.CacheClasses,
 	EndUserField: "metadata.user_id",
 })

@@ -1,5 +1,7 @@
 package endpoint
 
+import "github.com/llmescrow/escrow/pricing"
+
 // Responses is OpenAI's Responses API. The upstream reads max_output_tokens (reasoning
 // included) and otherwise generates up to the model's max output. previous_response_id,
 // conversation, stored prompts, file ids and hosted tools bring server-side context the body's
@@ -16,6 +18,6 @@ var Responses = register(&Spec{
 	ToolOverhead: openAIToolOverhead,
 	UsageJSON:    "usage",
 	Stream:       StreamResponses,
-	Classes:      []Class{ClassInput, ClassCachedInput, ClassOutput},
+	Classes:      pricing.TextClasses,
 	EndUserField: "user",
 })

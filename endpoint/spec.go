@@ -6,7 +6,11 @@
 // path; this package knows no Redis, Postgres or HTTP handler.
 package endpoint
 
-import "slices"
+import (
+	"slices"
+
+	"github.com/llmescrow/escrow/pricing"
+)
 
 // Provider is the API an endpoint belongs to: the shape of its bodies, errors and usage.
 type Provider uint8
@@ -29,17 +33,6 @@ const (
 	// StreamMessages: Anthropic's events; input counts in message_start's message.usage, the
 	// cumulative output in message_delta's usage.
 	StreamMessages
-)
-
-// Class is a price class a response of the endpoint can bill.
-type Class string
-
-const (
-	ClassInput        Class = "input"          // text input tokens
-	ClassCachedInput  Class = "cached_input"   // input tokens read from the provider's cache
-	ClassCacheWrite   Class = "cache_write"    // Anthropic: tokens written to the 5-minute cache
-	ClassCacheWrite1h Class = "cache_write_1h" // Anthropic: tokens written to the 1-hour cache
-	ClassOutput       Class = "output"         // output tokens, reasoning included
 )
 
 // ImageRule bounds the input tokens of one image part: the provider's published rule at its
@@ -103,7 +96,7 @@ type Spec struct {
 	InjectUsage bool
 	// Classes are the price classes a response can bill; the bound prices every input token at
 	// the highest input class among them.
-	Classes []Class
+	Classes []pricing.Class
 	// EndUserField is where a body names its end user.
 	EndUserField string
 }
@@ -142,7 +135,7 @@ func (s *Spec) Reads(f string) bool { return slices.Contains(s.CapFields, f) }
 func (s *Spec) Foreign(f string) bool { return slices.Contains(CapNames, f) && !s.Reads(f) }
 
 // Bills reports whether a response of the endpoint can bill price class c.
-func (s *Spec) Bills(c Class) bool { return slices.Contains(s.Classes, c) }
+func (s *Spec) Bills(c pricing.Class) bool { return slices.Contains(s.Classes, c) }
 
 // TextPart reports whether a content part of type typ is text that the body's bytes bound.
 func (s *Spec) TextPart(typ string) bool { return slices.Contains(s.TextParts, typ) }

@@ -8,6 +8,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"fmt"
+	"maps"
 	"time"
 
 	"github.com/google/uuid"
@@ -38,10 +39,10 @@ func NormalizeEvent(ev UsageEvent) (UsageEvent, error) {
 	if ev.Model == "" {
 		return ev, fmt.Errorf("%w: event %s has no model", pricing.ErrInvalidUsage, ev.ID)
 	}
-	u := ev.Usage
-	if u.Prompt < 0 || u.Cached < 0 || u.Completion < 0 || u.Reasoning < 0 || u.CacheWrite < 0 || u.CacheWrite1h < 0 {
-		return ev, fmt.Errorf("%w: event %s: negative token count", pricing.ErrInvalidUsage, ev.ID)
+	if err := ev.Usage.Check(); err != nil {
+		return ev, fmt.Errorf("%w: event %s: %w", pricing.ErrInvalidUsage, ev.ID, err)
 	}
+	ev.Usage.Units = maps.Clone(ev.Usage.Units) // a ledger keeps no map its caller may change
 	if ev.Cost < 0 || ev.Cost > balance.MaxAmount || ev.HoldAmount < 0 || ev.HoldAmount > balance.MaxAmount {
 		return ev, fmt.Errorf("%w: event %s: cost %d or hold %d outside [0, %d]", ErrInvalidAmount, ev.ID, ev.Cost, ev.HoldAmount, balance.MaxAmount)
 	}
@@ -62,9 +63,12 @@ func ValidateModel(m Model) error {
 	if m.Name == "" {
 		return fmt.Errorf("%w: empty model name", ErrInvalidAmount)
 	}
-	for _, v := range []int64{m.Input, m.CachedInput, m.Output, m.CacheWriteInput, m.CacheWrite1hInput, m.MaxCost, m.DefaultHold} {
+	if err := m.Prices.Check(); err != nil {
+		return fmt.Errorf("%w: model %q: %w", ErrInvalidAmount, m.Name, err)
+	}
+	for _, v := range []int64{m.MaxCost, m.DefaultHold} {
 		if v < 0 || v > balance.MaxAmount {
-			return fmt.Errorf("%w: model %q: price or amount %d outside [0, %d]", ErrInvalidAmount, m.Name, v, balance.MaxAmount)
+			return fmt.Errorf("%w: model %q: amount %d outside [0, %d]", ErrInvalidAmount, m.Name, v, balance.MaxAmount)
 		}
 	}
 	if m.MaxInputTokens < 0 || m.MaxOutputTokens < 0 {

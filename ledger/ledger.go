@@ -46,26 +46,38 @@ var (
 	ErrConfig = errors.New("ledger: invalid config")
 )
 
-// Model is a priced model. The highest price any input token of a request to it could be billed
-// at is its Prices' MaxInput (MaxInputFor(false) when the request cannot write the cache).
+// Model is a priced model. Its JSON (model_json.go) gives each price class as a member
+// "<class>_price" (input_price, cached_input_price, audio_output_price …). The highest price
+// any input token of a request to it could be billed at is its Prices' MaxInputFor the classes
+// the request can bill.
 type Model struct {
 	Name            string `json:"model"`
-	pricing.Prices         // micro-units per 1M tokens; 0 cache prices default (Prices.WithDefaults)
+	pricing.Prices         // class → price (pricing.Class; unset classes default, Prices.Price)
 	MaxInputTokens  int64  `json:"max_input_tokens"`  // context window; 0 = unknown
 	MaxOutputTokens int64  `json:"max_output_tokens"` // 0 = unknown
 	MaxCost         int64  `json:"max_cost"`          // learned max cost of one request (micro-units)
 	DefaultHold     int64  `json:"default_hold"`      // hold when nothing better is known; > 0
 }
 
-// CostBound is the most one request can cost: MaxInputTokens × the highest input price
-// (Prices.MaxInput) + MaxOutputTokens × output price. ok is false when either token limit is
-// unknown.
-func (m Model) CostBound() (bound int64, ok bool, err error) {
+// CostBound is CostBoundFor every class: the most one request can cost, whatever it bills.
+func (m Model) CostBound() (bound int64, ok bool, err error) { return m.CostBoundFor(nil) }
+
+// CostBoundFor is the most one request that can bill the given classes can cost:
+// MaxInputTokens × the highest input price among them (Prices.MaxInputFor) + MaxOutputTokens ×
+// the highest output price (Prices.MaxOutputFor). ok is false when either token limit is
+// unknown. nil classes: every class.
+func (m Model) CostBoundFor(classes []pricing.Class) (bound int64, ok bool, err error) {
 	if m.MaxInputTokens <= 0 || m.MaxOutputTokens <= 0 {
 		return 0, false, nil
 	}
-	b, err := m.Bound(m.MaxInputTokens, m.MaxOutputTokens)
+	b, err := m.BoundFor(m.MaxInputTokens, m.MaxOutputTokens, classes)
 	return b, err == nil, err
+}
+
+// Equal reports whether two models are the same, prices compared as they bill (Prices.Equal).
+func (m Model) Equal(o Model) bool {
+	return m.Name == o.Name && m.MaxInputTokens == o.MaxInputTokens && m.MaxOutputTokens == o.MaxOutputTokens &&
+		m.MaxCost == o.MaxCost && m.DefaultHold == o.DefaultHold && m.Prices.Equal(o.Prices)
 }
 
 // Effective is the model with its prices' defaults filled in (Prices.WithDefaults): what the

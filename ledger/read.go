@@ -5,10 +5,12 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
-	"github.com/llmescrow/escrow/pricing"
+	"maps"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // The console: what an operator lists and looks up (orgs, keys, ledger entries, usage reports,
@@ -182,15 +184,41 @@ func (q *TopQuery) Check() error {
 	return nil
 }
 
-// UsageRow is one group of a usage report.
+// UsageRow is one group of a usage report: its token totals, and Units the sum of each class's
+// units (pricing.Usage.Units) over its requests.
 type UsageRow struct {
-	Group      string `json:"group"`
-	Requests   int64  `json:"requests"`
-	Cost       int64  `json:"cost"`
-	Prompt     int64  `json:"prompt_tokens"`
-	Cached     int64  `json:"cached_tokens"`
-	Completion int64  `json:"completion_tokens"`
-	Reasoning  int64  `json:"reasoning_tokens"`
+	Group      string        `json:"group"`
+	Requests   int64         `json:"requests"`
+	Cost       int64         `json:"cost"`
+	Prompt     int64         `json:"prompt_tokens"`
+	Cached     int64         `json:"cached_tokens"` // Units[pricing.CachedInput], kept for the clients of earlier releases
+	Completion int64         `json:"completion_tokens"`
+	Reasoning  int64         `json:"reasoning_tokens"`
+	Units      pricing.Units `json:"units,omitempty"`
+}
+
+// Add adds one request's usage and cost to the row.
+func (r *UsageRow) Add(cost int64, u pricing.Usage) {
+	r.Requests++
+	r.Cost += cost
+	r.Prompt += u.Prompt
+	r.Completion += u.Completion
+	r.Reasoning += u.Reasoning
+	for c, n := range u.Units {
+		if r.Units == nil {
+			r.Units = pricing.Units{}
+		}
+		r.Units[c] += n
+	}
+	r.Fill()
+}
+
+// Fill sets the fields derived from Units (Cached); a row with no units has nil Units.
+func (r *UsageRow) Fill() {
+	if len(r.Units) == 0 {
+		r.Units = nil
+	}
+	r.Cached = r.Units[pricing.CachedInput]
 }
 
 // Spend is an org's money as its ledger has it (Console.Spend): Balance is the ledger balance,
@@ -369,4 +397,10 @@ func ParseSeqCursor(c, kind string) (int64, error) {
 		return 0, err
 	}
 	return cursorInt(f[0])
+}
+
+// Equal reports whether two rows are the same (nil and empty Units alike).
+func (r UsageRow) Equal(o UsageRow) bool {
+	return r.Group == o.Group && r.Requests == o.Requests && r.Cost == o.Cost && r.Prompt == o.Prompt && r.Cached == o.Cached &&
+		r.Completion == o.Completion && r.Reasoning == o.Reasoning && maps.Equal(r.Units, o.Units)
 }

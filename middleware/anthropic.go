@@ -219,8 +219,8 @@ func msgStandard(option, s string) bool {
 	return s == "auto" || s == "standard_only" // service_tier
 }
 
-// msgCache checks a cache_control object: the 5-minute cache (Prices.CacheWriteInput) and the
-// 1-hour cache (Prices.CacheWrite1hInput, read from usage.cache_creation) are priced; another
+// msgCache checks a cache_control object: the 5-minute cache (pricing.CacheWrite) and the
+// 1-hour cache (pricing.CacheWrite1h, read from usage.cache_creation) are priced; another
 // ttl is a feature the price table cannot price.
 func (p *reqParser) msgCache(v, path string) {
 	if rawKind(v) != '{' {
@@ -502,13 +502,9 @@ func (a *anthUsage) merge(b anthUsage) {
 	}
 }
 
-// usage maps Anthropic's counts onto pricing.Usage (see its comment): Prompt is every input
-// token, cached and written ones included; CacheWrite is every cache write (the 5-minute and
-// the 1-hour ones: cache_creation_input_tokens, or the sum of cache_creation's counts when that
-// is more, so that no written token is billed as less), CacheWrite1h the 1-hour ones.
+// usage maps Anthropic's counts onto pricing.Usage (pricing.AnthropicCounts: the rule).
 func (a anthUsage) usage() pricing.Usage {
-	write := max(a.write, a.write5m+a.write1h)
-	return pricing.Usage{Prompt: a.in + write + a.read, Cached: a.read, CacheWrite: write, CacheWrite1h: a.write1h, Completion: a.out}
+	return pricing.AnthropicCounts{Input: a.in, CacheRead: a.read, CacheWrite: a.write, CacheWrite5m: a.write5m, CacheWrite1h: a.write1h, Output: a.out}.Usage()
 }
 
 // complete reports whether the counts bill a whole request: the input and the output.

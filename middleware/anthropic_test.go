@@ -40,7 +40,7 @@ func TestParseMessages(t *testing.T) {
 		{"mcp servers", `{"model":"m","max_tokens":1,"mcp_servers":[{"type":"url","url":"https://x","name":"x"}],"messages":[]}`, false, 1, false, []string{"mcp_servers"}},
 		{"no mcp servers", `{"model":"m","max_tokens":1,"mcp_servers":[],"messages":[]}`, false, 1, false, nil},
 		{"container", `{"model":"m","max_tokens":1,"container":"c1","messages":[]}`, false, 1, false, []string{"container"}},
-		// The 1-hour cache is priced (Prices.CacheWrite1hInput); another lifetime is not.
+		// The 1-hour cache is priced (Prices.Prices[pricing.CacheWrite1h]); another lifetime is not.
 		{"1h cache", `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"x","cache_control":{"type":"ephemeral","ttl":"1h"}}]}]}]}`,
 			true, 1, false, nil},
 		{"1h cache on a tool", `{"model":"m","max_tokens":1,"tools":[{"name":"f","input_schema":{},"cache_control":{"type":"ephemeral","ttl":"1h"}}],"messages":[]}`,
@@ -164,11 +164,11 @@ func runAnthSSE(stream string, step, maxEvent int) (seen, tail string, f *sseFil
 // message_stop is held back; the stream passes unchanged.
 func TestSSEAnthropic(t *testing.T) {
 	t.Parallel()
-	want := pricing.Usage{Prompt: 4312, Cached: 4000, CacheWrite: 300, Completion: 42}
+	want := pricing.Usage{Prompt: 4312, Completion: 42, Units: pricing.Units{pricing.CachedInput: 4000, pricing.CacheWrite: 300}}
 	for _, maxEvent := range []int{1 << 20, 64} {
 		for _, step := range []int{len(anthStream), 1, 3, 17} {
 			seen, tail, f := runAnthSSE(anthStream, step, maxEvent)
-			if !f.haveUsage || f.usage != want {
+			if !f.haveUsage || !f.usage.Equal(want) {
 				t.Fatalf("max %d step %d: usage %+v %v", maxEvent, step, f.usage, f.haveUsage)
 			}
 			if seen+tail != anthStream {
@@ -188,7 +188,7 @@ func TestSSEAnthropic(t *testing.T) {
 		`"usage":{"input_tokens":13,"cache_read_input_tokens":4001,"output_tokens":40}}`+"\n\n"+
 			`event: message_delta`+"\n"+`data: {"type":"message_delta","usage":{"output_tokens":43}`, 1)
 	_, _, f := runAnthSSE(s, 5, 1<<20)
-	if u := (pricing.Usage{Prompt: 13 + 300 + 4001, Cached: 4001, CacheWrite: 300, Completion: 43}); !f.haveUsage || f.usage != u {
+	if u := (pricing.Usage{Prompt: 13 + 300 + 4001, Completion: 43, Units: pricing.Units{pricing.CachedInput: 4001, pricing.CacheWrite: 300}}); !f.haveUsage || !f.usage.Equal(u) {
 		t.Fatalf("merged usage %+v %v, want %+v", f.usage, f.haveUsage, u)
 	}
 	// Without a message_delta the usage is not complete (message_start's output is 1): none.
@@ -218,7 +218,7 @@ func TestUsageFromAnthropicBody(t *testing.T) {
 		}
 		s.finish()
 		u, ok := s.usage()
-		if want := (pricing.Usage{Prompt: 327, Cached: 300, CacheWrite: 20, Completion: 9}); !ok || u != want {
+		if want := (pricing.Usage{Prompt: 327, Completion: 9, Units: pricing.Units{pricing.CachedInput: 300, pricing.CacheWrite: 20}}); !ok || !u.Equal(want) {
 			t.Fatalf("step %d: %+v %v, want %+v", step, u, ok, want)
 		}
 	}
@@ -230,15 +230,15 @@ func TestUsageFromAnthropicBody(t *testing.T) {
 	}{
 		{`{"input_tokens":7,"cache_creation_input_tokens":20,"cache_read_input_tokens":300,"output_tokens":9,` +
 			`"cache_creation":{"ephemeral_5m_input_tokens":5,"ephemeral_1h_input_tokens":15}}`,
-			pricing.Usage{Prompt: 327, Cached: 300, CacheWrite: 20, CacheWrite1h: 15, Completion: 9}},
+			pricing.Usage{Prompt: 327, Completion: 9, Units: pricing.Units{pricing.CachedInput: 300, pricing.CacheWrite1h: 15, pricing.CacheWrite: 5}}},
 		{`{"input_tokens":7,"cache_creation_input_tokens":20,"output_tokens":9,"Cache_Creation":{"ephemeral_1h_input_tokens":30}}`,
-			pricing.Usage{Prompt: 37, CacheWrite: 30, CacheWrite1h: 30, Completion: 9}},
+			pricing.Usage{Prompt: 37, Completion: 9, Units: pricing.Units{pricing.CacheWrite1h: 30}}},
 		{`{"input_tokens":7,"output_tokens":9,"cache_creation":null}`, pricing.Usage{Prompt: 7, Completion: 9}},
 	} {
 		s := usageScanner{anthropic: true}
 		s.Write([]byte(`{"usage":` + c.usage + `}`))
 		s.finish()
-		if u, ok := s.usage(); !ok || u != c.want {
+		if u, ok := s.usage(); !ok || !u.Equal(c.want) {
 			t.Errorf("%s: %+v %v, want %+v", c.usage, u, ok, c.want)
 		}
 	}
@@ -261,8 +261,7 @@ func TestUsageFromAnthropicBody(t *testing.T) {
 // body does not bound (a file) keeps the learned max.
 func TestMessagesHold(t *testing.T) {
 	t.Parallel()
-	m := ledger.Model{Name: "claude-x", Prices: pricing.Prices{Input: 3_000_000, CacheWriteInput: 3_750_000, CachedInput: 300_000, Output: 15_000_000,
-		CacheWrite1hInput: 6_000_000}, MaxInputTokens: 200_000, MaxOutputTokens: 8192}
+	m := ledger.Model{Name: "claude-x", Prices: pricing.Prices{pricing.Input: 3_000_000, pricing.CacheWrite: 3_750_000, pricing.CachedInput: 300_000, pricing.Output: 15_000_000, pricing.CacheWrite1h: 6_000_000}, MaxInputTokens: 200_000, MaxOutputTokens: 8192}
 	body := `{"model":"claude-x","max_tokens":100,"messages":[{"role":"user","content":[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}]}]}`
 	r, e := parseMessages(specMessages, []byte(body))
 	if e != nil {
@@ -276,7 +275,7 @@ func TestMessagesHold(t *testing.T) {
 	// Priced with input and output only: a 1-hour cache write costs 2× the input price
 	// (Prices.WithDefaults), and the bound covers it; the same body on chat/completions cannot
 	// write the cache and is bounded at the input price.
-	plain := ledger.Model{Name: "claude-x", Prices: pricing.Prices{Input: 3_000_000, Output: 15_000_000}, MaxOutputTokens: 8192}
+	plain := ledger.Model{Name: "claude-x", Prices: pricing.Prices{pricing.Input: 3_000_000, pricing.Output: 15_000_000}, MaxOutputTokens: 8192}
 	hold, err = HoldAmount(context.Background(), HoldInput{Request: r, Model: plain, Fallback: 1})
 	if want := (int64(len(body))*6_000_000 + 100*15_000_000 + 999_999) / 1_000_000; err != nil || hold != want {
 		t.Fatalf("hold without cache prices %d %v, want %d", hold, err, want)

@@ -366,8 +366,11 @@ func (cfg Config) withDefaults() (Config, error) {
 		return cfg, fmt.Errorf("%w: MaxStale %v is above balance.RevocationTTL (%v)", ErrConfig, cfg.MaxStale, balance.RevocationTTL)
 	}
 	if m := cfg.DefaultModel; m != nil {
-		if m.Input < 0 || m.CachedInput < 0 || m.Output < 0 || m.DefaultHold < 0 {
-			return cfg, fmt.Errorf("%w: DefaultModel has a negative price or hold", ErrConfig)
+		if err := m.Prices.Check(); err != nil {
+			return cfg, fmt.Errorf("%w: DefaultModel: %w", ErrConfig, err)
+		}
+		if m.DefaultHold < 0 {
+			return cfg, fmt.Errorf("%w: DefaultModel has a negative hold", ErrConfig)
 		}
 	}
 	return cfg, nil

@@ -387,7 +387,7 @@ func TestRecordCommitThenStall(t *testing.T) {
 			if stream {
 				want = OutcomeRecordLater
 			}
-			if o.Kind != want || o.Usage != chatUsage {
+			if o.Kind != want || !o.Usage.Equal(chatUsage) {
 				t.Fatalf("outcome %+v, want %s", o, want)
 			}
 			e.ledger.waitCommitted(t)

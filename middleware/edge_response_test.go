@@ -28,7 +28,7 @@ import (
 
 // bigModel is priced like gpt-4o-mini (0.15 and 0.60 per million tokens, in micro-units) and
 // allows 16,384 output tokens: the 8.7 MB n:64 reply costs 629,146 and more.
-var bigModel = ledger.Model{Name: "gpt-4o-mini", Prices: pricing.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000},
+var bigModel = ledger.Model{Name: "gpt-4o-mini", Prices: pricing.Prices{pricing.Input: 150_000, pricing.CachedInput: 75_000, pricing.Output: 600_000},
 	MaxInputTokens: 128_000, MaxOutputTokens: 16_384, DefaultHold: 5000}
 
 // newFakeEnv is an env whose upstream is the fake OpenAI of internal/fakeupstream.
@@ -81,7 +81,7 @@ func (e *testEnv) billedExactly(id string, m ledger.Model, want pricing.Usage) l
 	ev := e.assertRecorded(id, o.HoldAmount)
 	c, err := m.Cost(want)
 	must(e.t, err)
-	if ev.Usage != want || ev.Cost != c || ev.Estimated || o.Cost != c {
+	if !ev.Usage.Equal(want) || ev.Cost != c || ev.Estimated || o.Cost != c {
 		e.t.Fatalf("billed %+v cost %d (estimated %v), the client saw %+v costing %d", ev.Usage, ev.Cost, ev.Estimated, want, c)
 	}
 	return ev
@@ -258,11 +258,11 @@ func TestCompressedRepliesBilledExactly(t *testing.T) {
 					if strings.Contains(string(got), "usage") || !strings.HasSuffix(string(got), "data: [DONE]\n\n") {
 						t.Fatalf("injected usage not hidden from the client:\n%.500s", got)
 					}
-					want = pricing.Usage{Prompt: 6, Cached: 2, Completion: 40, Reasoning: 3} // the fake's rule: words, markers, cap
+					want = pricing.Usage{Prompt: 6, Completion: 40, Reasoning: 3, Units: pricing.Units{pricing.CachedInput: 2}} // the fake's rule: words, markers, cap
 				case "responses sse":
 					want = sseResponsesUsage(t, got)
 				}
-				if want.Completion == 0 || want.Cached == 0 {
+				if want.Completion == 0 || want.Of(pricing.CachedInput) == 0 {
 					t.Fatalf("the fake's usage %+v lacks the markers' counts", want)
 				}
 				e.billedExactly(id, ledger.Model{Name: testModel, Prices: testPrices}, want)
@@ -413,7 +413,7 @@ func TestGiantResponsesCompletedEvent(t *testing.T) {
 	}
 	want := sseResponsesUsage(t, stream.Bytes())
 	ev := e.billedExactly(id, bigModel, want)
-	if want.Completion != 16384 || want.Cached != 3 {
+	if want.Completion != 16384 || want.Of(pricing.CachedInput) != 3 {
 		t.Fatalf("usage %+v", want)
 	}
 	t.Logf("%d-byte stream, usage %+v, cost %d, hold %d", stream.Len(), want, ev.Cost, ev.HoldAmount)

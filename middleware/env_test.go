@@ -34,12 +34,12 @@ const (
 	upstreamKey = "sk-upstream-secret"
 )
 
-var testPrices = pricing.Prices{Input: 1_000_000, CachedInput: 500_000, Output: 2_000_000}
+var testPrices = pricing.Prices{pricing.Input: 1_000_000, pricing.CachedInput: 500_000, pricing.Output: 2_000_000}
 
 // chatUsage is what the fake upstream reports for chat requests.
 const chatUsageJSON = `{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,"prompt_tokens_details":{"cached_tokens":2},"completion_tokens_details":{"reasoning_tokens":1}}`
 
-var chatUsage = pricing.Usage{Prompt: 12, Cached: 2, Completion: 5, Reasoning: 1}
+var chatUsage = pricing.Usage{Prompt: 12, Completion: 5, Reasoning: 1, Units: pricing.Units{pricing.CachedInput: 2}}
 
 // spyRecorder records into the ledger and remembers the events.
 type spyRecorder struct {
@@ -189,7 +189,7 @@ func newEnv(t *testing.T, o envOpt) *testEnv {
 	_, e.key, err = e.ledger.CreateKey(ctx, e.org)
 	must(t, err)
 	must(t, e.ledger.PutModel(ctx, ledger.Model{Name: testModel, Prices: testPrices, MaxInputTokens: 100_000, MaxOutputTokens: 1000, DefaultHold: 5000}))
-	must(t, e.ledger.PutModel(ctx, ledger.Model{Name: "text-embedding-test", Prices: pricing.Prices{Input: 1_000_000}, MaxInputTokens: 8000, DefaultHold: 100}))
+	must(t, e.ledger.PutModel(ctx, ledger.Model{Name: "text-embedding-test", Prices: pricing.Prices{pricing.Input: 1_000_000}, MaxInputTokens: 8000, DefaultHold: 100}))
 
 	e.upstream = fakeOpenAI
 	e.up = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -405,7 +405,7 @@ var responsesEvents = []string{
 	"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_1\",\"status\":\"completed\",\"usage\":{\"input_tokens\":20,\"input_tokens_details\":{\"cached_tokens\":10},\"output_tokens\":30,\"output_tokens_details\":{\"reasoning_tokens\":12},\"total_tokens\":50}}}\n\n",
 }
 
-var responsesUsage = pricing.Usage{Prompt: 20, Cached: 10, Completion: 30, Reasoning: 12}
+var responsesUsage = pricing.Usage{Prompt: 20, Completion: 30, Reasoning: 12, Units: pricing.Units{pricing.CachedInput: 10}}
 
 func chatChunks(includeUsage bool) []string {
 	u := ""

@@ -53,8 +53,7 @@ func (cl *call) estimate(cw *captureWriter) (pricing.Usage, int64) {
 	}
 	out := cw.outputEstimate()
 	usage := pricing.Usage{Prompt: int64(cl.req.Size), Completion: out}
-	m := specModel(cl.model, cl.req.Spec) // as the hold
-	cost, err := m.Bound(usage.Prompt, usage.Completion)
+	cost, err := cl.model.BoundFor(usage.Prompt, usage.Completion, billable(cl.req)) // as the hold
 	if a, ok := cw.sse.partialUsage(); ok && cw.mode == modeSSE {
 		// A Messages stream's message_start gave the exact input counts.
 		usage = a.usage()

@@ -78,7 +78,7 @@ func estimateBound(t *testing.T, c estimateCase, body string, out, hold int64) i
 	} else if c.path == EndpointMessages {
 		b, err = testPrices.Bound(int64(len(body)), out)
 	} else {
-		b, err = testPrices.WithoutCacheWrites().Bound(int64(len(body)), out) // only Anthropic's usage carries cache writes
+		b, err = testPrices.BoundFor(int64(len(body)), out, pricing.TextClasses) // only Anthropic's usage carries cache writes
 	}
 	must(t, err)
 	return min(b, hold)
@@ -101,11 +101,11 @@ func (e *testEnv) checkEstimate(o Outcome, want int64) ledger.UsageEvent {
 // boundOf is the bound of a bounded case's body (output cap 500), which is its hold.
 func boundOf(t *testing.T, path, body string) int64 {
 	t.Helper()
-	p := testPrices
+	classes := pricing.CacheClasses
 	if path != EndpointMessages {
-		p = p.WithoutCacheWrites() // only Anthropic's usage carries cache writes (HoldAmount)
+		classes = pricing.TextClasses // only Anthropic's usage carries cache writes (HoldAmount)
 	}
-	b, err := p.Bound(int64(len(body)), 500)
+	b, err := testPrices.BoundFor(int64(len(body)), 500, classes)
 	must(t, err)
 	return b
 }

@@ -31,7 +31,7 @@ func Example() {
 	_ = l.CreateOrg(ctx, "acme")
 	_, _, _ = l.Credit(ctx, "acme", 1_000_000, "payment-1")
 	_, secret, _ := l.CreateKey(ctx, "acme")
-	_ = l.PutModel(ctx, ledger.Model{Name: "gpt-test", Prices: pricing.Prices{Input: 1_000_000, Output: 2_000_000}, MaxOutputTokens: 1000, DefaultHold: 5000})
+	_ = l.PutModel(ctx, ledger.Model{Name: "gpt-test", Prices: pricing.Prices{pricing.Input: 1_000_000, pricing.Output: 2_000_000}, MaxOutputTokens: 1000, DefaultHold: 5000})
 	store, err := balance.New(ctx, rdb, &balance.Config{Ledger: l})
 	if err != nil {
 		fmt.Println(err)

@@ -256,7 +256,7 @@ func TestFitAnthropic(t *testing.T) {
 				t.Parallel()
 				e, up := fitEnv(t, mini, nil)
 				must(t, e.ledger.PutModel(context.Background(), ledger.Model{Name: "claude-test",
-					Prices:         pricing.Prices{Input: 1_000_000, CachedInput: 1_000_000, CacheWriteInput: 1_000_000, CacheWrite1hInput: 1_000_000, Output: 2_000_000},
+					Prices:         pricing.Prices{pricing.Input: 1_000_000, pricing.CachedInput: 1_000_000, pricing.CacheWrite: 1_000_000, pricing.CacheWrite1h: 1_000_000, pricing.Output: 2_000_000},
 					MaxInputTokens: 100_000, MaxOutputTokens: 1000}))
 				body := `{"model":"claude-test","max_tokens":1000,"messages":[{"role":"user","content":"Say hello"}]` +
 					map[bool]string{true: `,"stream":true`}[stream] + `}`

@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/tidwall/gjson"
+
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // FuzzMessagesRequest: parseMessages never panics, refuses with a 400 or accepts a valid object
@@ -59,11 +61,11 @@ func FuzzAnthropicSSE(f *testing.F) {
 			return flt
 		}
 		whole, parts := run(len(stream)+1), run(max(int(step), 1))
-		if whole.haveUsage != parts.haveUsage || whole.usage != parts.usage {
+		if whole.haveUsage != parts.haveUsage || !whole.usage.Equal(parts.usage) {
 			t.Fatalf("usage depends on the writes: %+v %v vs %+v %v", whole.usage, whole.haveUsage, parts.usage, parts.haveUsage)
 		}
 		if u := whole.usage; whole.haveUsage {
-			if u.Prompt < u.Cached+u.CacheWrite || u.Completion < 0 || !bytes.Contains(stream, []byte("output_tokens")) {
+			if u.Prompt < u.Of(pricing.CachedInput)+u.Of(pricing.CacheWrite)+u.Of(pricing.CacheWrite1h) || u.Completion < 0 || !bytes.Contains(stream, []byte("output_tokens")) {
 				t.Fatalf("usage %+v from %q", u, stream)
 			}
 		}

@@ -99,7 +99,7 @@ func FuzzSSE(f *testing.F) {
 		if !bytes.Contains(stream, []byte{'\r'}) {
 			// The same stream with every line end a lone CR reads the same.
 			cr, crOut := run(bytes.ReplaceAll(stream, []byte{'\n'}, []byte{'\r'}))
-			if cr.haveUsage != flt.haveUsage || cr.usage != flt.usage || cr.terminal != flt.terminal || cr.upstreamError != flt.upstreamError ||
+			if cr.haveUsage != flt.haveUsage || !cr.usage.Equal(flt.usage) || cr.terminal != flt.terminal || cr.upstreamError != flt.upstreamError ||
 				!bytes.Equal(bytes.ReplaceAll(crOut, []byte{'\r'}, []byte{'\n'}), got) {
 				t.Fatalf("lone CRs read otherwise: usage %+v %v, want %+v %v; out %q, want %q", cr.usage, cr.haveUsage, flt.usage, flt.haveUsage, crOut, got)
 			}
@@ -112,11 +112,11 @@ func FuzzSSE(f *testing.F) {
 		}
 		if flt.haveUsage {
 			u := flt.usage
-			if u.Prompt < 0 || u.Completion < 0 || u.Cached < 0 || u.Reasoning < 0 ||
+			if u.Prompt < 0 || u.Completion < 0 || u.Of(pricing.CachedInput) < 0 || u.Reasoning < 0 ||
 				!(bytes.Contains(stream, []byte("prompt_tokens")) || bytes.Contains(stream, []byte("input_tokens"))) {
 				t.Fatalf("usage %+v invented from %q", u, stream)
 			}
-			for _, n := range []int64{u.Prompt, u.Completion, u.Cached, u.Reasoning} {
+			for _, n := range []int64{u.Prompt, u.Completion, u.Of(pricing.CachedInput), u.Reasoning} {
 				if n != 0 && !bytes.Contains(stream, []byte(strconv.FormatInt(n, 10))) {
 					t.Fatalf("count %d of %+v not in %q", n, u, stream)
 				}
@@ -133,10 +133,10 @@ func FuzzUsage(f *testing.F) {
 	f.Fuzz(func(t *testing.T, body []byte) {
 		u, ok := usageFromBody(body)
 		if !ok {
-			if u != (pricing.Usage{}) {
+			if !u.Equal(pricing.Usage{}) {
 				t.Fatalf("usage %+v without ok", u)
 			}
-		} else if u.Prompt < 0 || u.Completion < 0 || u.Cached < 0 || u.Reasoning < 0 || u.Prompt > maxTokens {
+		} else if u.Prompt < 0 || u.Completion < 0 || u.Of(pricing.CachedInput) < 0 || u.Reasoning < 0 || u.Prompt > maxTokens {
 			t.Fatalf("bad counts %+v", u)
 		}
 		if !json.Valid(body) {
@@ -149,10 +149,10 @@ func FuzzUsage(f *testing.F) {
 		if found {
 			want, wantOK = usageOf(gjson.ParseBytes(raw))
 		}
-		if u != want || ok != wantOK {
+		if !u.Equal(want) || ok != wantOK {
 			t.Fatalf("%s: billed %+v %v, a client reads %+v %v (raw %s)", body, u, ok, want, wantOK, raw)
 		}
-		for _, n := range []int64{u.Prompt, u.Completion, u.Cached, u.Reasoning} {
+		for _, n := range []int64{u.Prompt, u.Completion, u.Of(pricing.CachedInput), u.Reasoning} {
 			if n != 0 && !strings.Contains(string(raw), strconv.FormatInt(n, 10)) {
 				t.Fatalf("count %d not in %s", n, raw)
 			}

@@ -4,7 +4,6 @@ import (
 	"context"
 
 	"github.com/llmescrow/escrow/balance"
-	"github.com/llmescrow/escrow/endpoint"
 	"github.com/llmescrow/escrow/ledger"
 )
 
@@ -49,13 +48,12 @@ func HoldAmount(_ context.Context, in HoldInput) (int64, error) {
 		return b, nil // a bound past the money range holds all of it
 	}
 	stated, _ := requestBound(m, r, outputCapOf(m, r)) // what the request states, 0 for a free model
-	m = specModel(m, r.Spec)
 	n := times(max(r.N, 1), max(r.Prompts, 1))
 	learned := in.LearnedMax
 	if learned <= 0 {
 		learned = m.MaxCost
 	}
-	ceiling, haveCeiling, err := m.CostBound()
+	ceiling, haveCeiling, err := m.CostBoundFor(billable(r))
 	haveCeiling = err == nil && haveCeiling && ceiling > 0
 	if haveCeiling && learned > 0 {
 		learned = min(learned, ceiling)
@@ -69,17 +67,6 @@ func HoldAmount(_ context.Context, in HoldInput) (int64, error) {
 		return max(times(m.DefaultHold, n), stated), nil
 	}
 	return max(times(in.Fallback, n), stated), nil
-}
-
-// specModel is m as a request of spec can be billed: without the cache-write prices when the
-// endpoint's usage never carries cache writes (only Anthropic's does; the 1-hour price
-// defaults to 2× the input price), so no other request's input is bounded at them. Every
-// bound and estimate prices through it.
-func specModel(m ledger.Model, spec *endpoint.Spec) ledger.Model {
-	if !spec.Bills(endpoint.ClassCacheWrite) {
-		m.Prices = m.WithoutCacheWrites()
-	}
-	return m
 }
 
 // Bound is the request's bound — the most it can cost whatever the upstream does, known from the
@@ -130,14 +117,13 @@ func inputTokens(r Request) int64 {
 // every prompt of a prompt array. ok is false when the bound is zero (a free model: no bound
 // worth holding) or does not fit; b is balance.MaxAmount when it does not fit.
 func requestBound(m ledger.Model, r Request, out int64) (b int64, ok bool) {
-	m = specModel(m, r.Spec)
 	if p := max(r.Prompts, 1); p > 1 {
 		if out > balance.MaxAmount/p {
 			return balance.MaxAmount, false
 		}
 		out *= p
 	}
-	b, err := m.Bound(inputTokens(r), out)
+	b, err := m.BoundFor(inputTokens(r), out, billable(r)) // the classes it can bill: every caller prices alike
 	if err != nil {
 		return balance.MaxAmount, false
 	}

@@ -13,7 +13,7 @@ import (
 func TestHoldAmount(t *testing.T) {
 	t.Parallel()
 	// 1 micro-unit per token in, 2 out: the bound is size + 2×cap.
-	m := ledger.Model{Name: "m", Prices: pricing.Prices{Input: 1_000_000, Output: 2_000_000}, MaxOutputTokens: 1000}
+	m := ledger.Model{Name: "m", Prices: pricing.Prices{pricing.Input: 1_000_000, pricing.Output: 2_000_000}, MaxOutputTokens: 1000}
 	plain := Request{Spec: endpoint.Chat, Size: 100, N: 1, Bounded: true, OutputCap: 50}
 	tests := []struct {
 		name    string
@@ -61,7 +61,7 @@ func TestHoldAmount(t *testing.T) {
 		{"nothing known: fallback × n", Request{Spec: endpoint.Chat, Size: 100, N: 2},
 			func() ledger.Model { x := m; x.MaxOutputTokens = 0; return x }(), 0, 1998},
 		{"overflow clamps", Request{Spec: endpoint.Chat, Size: 100, N: 1, Bounded: true},
-			ledger.Model{Prices: pricing.Prices{Input: balance.MaxAmount, Output: balance.MaxAmount}, MaxOutputTokens: 1 << 40}, 0, balance.MaxAmount},
+			ledger.Model{Prices: pricing.Prices{pricing.Input: balance.MaxAmount, pricing.Output: balance.MaxAmount}, MaxOutputTokens: 1 << 40}, 0, balance.MaxAmount},
 	}
 	for _, tt := range tests {
 		got, err := HoldAmount(context.Background(), HoldInput{Request: tt.r, Model: tt.m, LearnedMax: tt.learned, Fallback: 999})

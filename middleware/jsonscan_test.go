@@ -62,7 +62,7 @@ func TestUsageScanner(t *testing.T) {
 		for _, step := range []int{0, 1, 2, 3, 7} {
 			s := scanSplit([]byte(tt.body), step)
 			got, ok := s.usage()
-			if ok != tt.ok || got != tt.want {
+			if ok != tt.ok || !got.Equal(tt.want) {
 				t.Errorf("%s (step %d): got %+v %v, want %+v %v", tt.name, step, got, ok, tt.want, tt.ok)
 			}
 		}
@@ -73,7 +73,7 @@ func TestUsageScanner(t *testing.T) {
 			if found {
 				want, wantOK = usageOf(gjson.ParseBytes(raw))
 			}
-			if want != tt.want || wantOK != tt.ok {
+			if !want.Equal(tt.want) || wantOK != tt.ok {
 				t.Errorf("%s: encoding/json reads %+v %v", tt.name, want, wantOK)
 			}
 		}
@@ -91,7 +91,7 @@ func TestUsageScannerResponsesEvent(t *testing.T) {
 			t.Fatalf("type %q %v", typ, ok)
 		}
 		got, ok := s.responseUsage()
-		if !ok || got != responsesUsage {
+		if !ok || !got.Equal(responsesUsage) {
 			t.Fatalf("step %d: response.usage %+v %v", step, got, ok)
 		}
 		if _, ok := s.usage(); ok {
@@ -139,7 +139,7 @@ func TestUsageScannerBigBodyAnySplit(t *testing.T) {
 	want := pricing.Usage{Prompt: 17, Completion: 1048576}
 	for _, step := range []int{0, 1, 13, 4096, 32 << 10} {
 		s := scanSplit(body, step)
-		if got, ok := s.usage(); !ok || got != want || !s.complete() {
+		if got, ok := s.usage(); !ok || !got.Equal(want) || !s.complete() {
 			t.Fatalf("step %d: %+v %v complete %v", step, got, ok, s.complete())
 		}
 	}
@@ -173,7 +173,7 @@ func FuzzUsageScanner(f *testing.F) {
 		u, ok := s.usage()
 		r, rok := s.responseUsage()
 		typ, tok := s.typeString()
-		if u != wu || ok != wok || r != wr || rok != wrok || typ != wt || tok != wtok || s.complete() != whole.complete() || s.text != whole.text {
+		if !u.Equal(wu) || ok != wok || !r.Equal(wr) || rok != wrok || typ != wt || tok != wtok || s.complete() != whole.complete() || s.text != whole.text {
 			t.Fatalf("split %v differs: usage %+v %v / %+v %v, response %+v %v / %+v %v, type %q / %q",
 				sizes, u, ok, wu, wok, r, rok, wr, wrok, typ, wt)
 		}
@@ -186,7 +186,7 @@ func FuzzUsageScanner(f *testing.F) {
 			if found {
 				want, wantOK = usageOf(gjson.ParseBytes(raw))
 			}
-			if u != want || ok != wantOK {
+			if !u.Equal(want) || ok != wantOK {
 				t.Fatalf("%q: scanner %+v %v, encoding/json %+v %v", body, u, ok, want, wantOK)
 			}
 		}

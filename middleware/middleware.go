@@ -342,9 +342,8 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 		return nil, Request{}, errInvalid("background", "Background responses are billed after the request ends and are not supported here.")
 	}
 	for _, f := range r.Features {
-		if !m.allow[f] {
-			return nil, Request{}, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: featureParam(f), Code: CodeUnsupported,
-				Message: "This request uses a feature that cannot be priced here: " + f + "."}
+		if !m.allow[f] && classFeatures[f] == nil { // a feature classes price: priceModel checks the model's prices
+			return nil, Request{}, errFeature(f)
 		}
 	}
 	if m.cfg.Route != nil {
@@ -406,6 +405,9 @@ func (m *middleware) priceModel(ctx context.Context, body []byte, r *Request) (l
 			Message: "The model '" + r.Model + "' does not exist or you do not have access to it."}
 	case err != nil:
 		return model, stamp, errUnavailable("The billing service is unavailable; please retry.", m.cfg.RetryAfter)
+	}
+	if e := m.pricedFeatures(model, *r); e != nil {
+		return model, stamp, e
 	}
 	if r.OutputCap > 0 && model.MaxOutputTokens > 0 && r.OutputCap > model.MaxOutputTokens {
 		return model, stamp, errInvalid(capParam(body, r.Spec), "The output token limit "+strconv.FormatInt(r.OutputCap, 10)+

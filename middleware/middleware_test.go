@@ -144,7 +144,7 @@ func TestJSONRecorded(t *testing.T) {
 		t.Fatalf("request id %q: %v", id, err)
 	}
 	o := e.outcome()
-	if o.Kind != OutcomeRecorded || o.HoldID != id || o.Usage != chatUsage || o.Duration <= 0 {
+	if o.Kind != OutcomeRecorded || o.HoldID != id || !o.Usage.Equal(chatUsage) || o.Duration <= 0 {
 		t.Fatalf("outcome %+v", o)
 	}
 	ev := e.assertRecorded(id, o.HoldAmount)
@@ -152,7 +152,7 @@ func TestJSONRecorded(t *testing.T) {
 	if c, bal := resp.Header.Get("x-escrow-cost"), resp.Header.Values("x-escrow-balance"); c != itoa(ev.Cost) || len(bal) != 0 {
 		t.Fatalf("x-escrow-cost %q (event %d), x-escrow-balance %q", c, ev.Cost, bal)
 	}
-	if ev.Usage != chatUsage || ev.Cost != cost(t, chatUsage) || ev.Estimated || ev.Model != testModel || ev.Endpoint != EndpointChat || ev.KeyID == "" {
+	if !ev.Usage.Equal(chatUsage) || ev.Cost != cost(t, chatUsage) || ev.Estimated || ev.Model != testModel || ev.Endpoint != EndpointChat || ev.KeyID == "" {
 		t.Fatalf("event %+v", ev)
 	}
 	ups := e.upstreamRequests()
@@ -177,7 +177,7 @@ func TestEmbeddingsAndResponsesJSON(t *testing.T) {
 	_, _ = io.Copy(io.Discard, resp.Body)
 	resp.Body.Close()
 	o := e.outcome()
-	if resp.StatusCode != 200 || o.Kind != OutcomeRecorded || o.Usage != (pricing.Usage{Prompt: 8}) {
+	if resp.StatusCode != 200 || o.Kind != OutcomeRecorded || !o.Usage.Equal(pricing.Usage{Prompt: 8}) {
 		t.Fatalf("embeddings: %d %+v", resp.StatusCode, o)
 	}
 	// An embeddings hold is the body's bound: bytes × input price.
@@ -188,7 +188,7 @@ func TestEmbeddingsAndResponsesJSON(t *testing.T) {
 	_, _ = io.Copy(io.Discard, resp.Body)
 	resp.Body.Close()
 	o = e.outcome()
-	if resp.StatusCode != 200 || o.Kind != OutcomeRecorded || o.Usage != responsesUsage || o.Cost != cost(t, responsesUsage) {
+	if resp.StatusCode != 200 || o.Kind != OutcomeRecorded || !o.Usage.Equal(responsesUsage) || o.Cost != cost(t, responsesUsage) {
 		t.Fatalf("responses: %d %+v", resp.StatusCode, o)
 	}
 }
@@ -230,7 +230,7 @@ func TestStreamFlushesAndRecords(t *testing.T) {
 		t.Fatalf("events %q", events)
 	}
 	o := e.outcome()
-	if o.Kind != OutcomeRecorded || o.Usage != chatUsage {
+	if o.Kind != OutcomeRecorded || !o.Usage.Equal(chatUsage) {
 		t.Fatalf("outcome %+v", o)
 	}
 	e.assertRecorded(id, o.HoldAmount)
@@ -254,7 +254,7 @@ func TestIncludeUsage(t *testing.T) {
 	if !gjson.GetBytes(ups[0].Body, "stream_options.include_usage").Bool() {
 		t.Fatalf("include_usage not injected: %s", ups[0].Body)
 	}
-	if o := e.outcome(); o.Kind != OutcomeRecorded || o.Usage != chatUsage {
+	if o := e.outcome(); o.Kind != OutcomeRecorded || !o.Usage.Equal(chatUsage) {
 		t.Fatalf("outcome %+v", o)
 	}
 	// A client that asked sees exactly what the upstream sent.
@@ -267,7 +267,7 @@ func TestIncludeUsage(t *testing.T) {
 	if ups := e.upstreamRequests(); string(ups[1].Body) != withCap(jsonBody(testModel, `"stream":true,"stream_options":{"include_usage":true}`), "max_completion_tokens", 1000) {
 		t.Fatalf("body changed: %s", ups[1].Body)
 	}
-	if o := e.outcome(); o.Kind != OutcomeRecorded || o.Usage != chatUsage {
+	if o := e.outcome(); o.Kind != OutcomeRecorded || !o.Usage.Equal(chatUsage) {
 		t.Fatalf("outcome %+v", o)
 	}
 }
@@ -289,7 +289,7 @@ func TestResponsesStreamHoldsCompletedUntilRecorded(t *testing.T) {
 	if got.String() != strings.Join(responsesEvents, "") {
 		t.Fatalf("stream changed:\n%s", got.String())
 	}
-	if o := e.outcome(); o.Kind != OutcomeRecorded || o.Usage != responsesUsage {
+	if o := e.outcome(); o.Kind != OutcomeRecorded || !o.Usage.Equal(responsesUsage) {
 		t.Fatalf("outcome %+v", o)
 	}
 }
@@ -365,7 +365,7 @@ func TestHangupStillRecordsRealUsage(t *testing.T) {
 	close(hungUp)
 	o := e.outcome()
 	<-upstreamDone
-	if o.Kind != OutcomeRecorded || o.Usage != chatUsage || o.HoldID != id {
+	if o.Kind != OutcomeRecorded || !o.Usage.Equal(chatUsage) || o.HoldID != id {
 		t.Fatalf("outcome %+v", o)
 	}
 	ev := e.assertRecorded(id, o.HoldAmount)

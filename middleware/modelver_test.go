@@ -3,12 +3,14 @@ package middleware
 import (
 	"context"
 	"io"
+	"maps"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // lateReserve is a store whose first reserve waits until the test lets it go on.
@@ -54,8 +56,8 @@ func TestModelChangeDuringLateReserve(t *testing.T) {
 		done <- result{resp.StatusCode}
 	}()
 	<-late.started
-	newPrices := testPrices
-	newPrices.Output *= 10
+	newPrices := maps.Clone(testPrices)
+	newPrices[pricing.Output] *= 10
 	must(t, e.ledger.PutModel(ctx, ledger.Model{Name: testModel, Prices: newPrices, MaxInputTokens: 100_000, MaxOutputTokens: 1000, DefaultHold: 5000}))
 	must(t, e.store.TouchModel(ctx, testModel))
 	must(t, e.store.WaitModelChange(ctx))

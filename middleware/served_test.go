@@ -25,7 +25,7 @@ func TestServedStreamBilledWhileLedgerStalls(t *testing.T) {
 			t.Fatalf("status %d: %s", status, body)
 		}
 		o := e.outcome()
-		if o.Kind != OutcomeRecordLater || o.Usage != chatUsage || o.Cost != cost(t, chatUsage) {
+		if o.Kind != OutcomeRecordLater || !o.Usage.Equal(chatUsage) || o.Cost != cost(t, chatUsage) {
 			t.Fatalf("outcome %+v", o)
 		}
 		// The ledger still stalls: the hold is kept (never released), nothing is charged yet.

@@ -24,7 +24,7 @@ import (
 const upstreamMax = 32_768
 
 // specPrices: 1 per input token, 8 per output token (the figures).
-var specPrices = pricing.Prices{Input: 1_000_000, Output: 8_000_000}
+var specPrices = pricing.Prices{pricing.Input: 1_000_000, pricing.Output: 8_000_000}
 
 // specEnv is an env whose upstream is the Worst fake, with two models: gpt-short, whose max
 // output escrow knows as 1,000 (the upstream's is 32,768), and gpt-wide (32,768); and an Anthropic

@@ -24,7 +24,7 @@ func TestSSEChatInjected(t *testing.T) {
 	t.Parallel()
 	for _, step := range []int{0, 1, 2, 3, 7, 64} {
 		seen, tail, f := runSSE(chatStreamInjected, true, step)
-		if !f.haveUsage || f.usage != (pricing.Usage{Prompt: 11, Cached: 4, Completion: 7, Reasoning: 2}) {
+		if !f.haveUsage || !f.usage.Equal(pricing.Usage{Prompt: 11, Completion: 7, Reasoning: 2, Units: pricing.Units{pricing.CachedInput: 4}}) {
 			t.Fatalf("step %d: usage %+v %v", step, f.usage, f.haveUsage)
 		}
 		if strings.Contains(seen, "usage") || strings.Contains(tail, "usage") {
@@ -62,7 +62,7 @@ func TestSSEResponses(t *testing.T) {
 		"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"status\":\"completed\",\"usage\":{\"input_tokens\":20,\"input_tokens_details\":{\"cached_tokens\":10},\"output_tokens\":30,\"output_tokens_details\":{\"reasoning_tokens\":12}}}}\n\n"
 	for _, inject := range []bool{false, true} {
 		seen, tail, f := runSSE(strings.ReplaceAll(stream, "\n", "\r\n"), inject, 4)
-		if !f.haveUsage || f.usage != (pricing.Usage{Prompt: 20, Cached: 10, Completion: 30, Reasoning: 12}) {
+		if !f.haveUsage || !f.usage.Equal(pricing.Usage{Prompt: 20, Completion: 30, Reasoning: 12, Units: pricing.Units{pricing.CachedInput: 10}}) {
 			t.Fatalf("usage %+v", f.usage)
 		}
 		if strings.Contains(seen, "response.completed") || !strings.HasPrefix(tail, "event: response.completed") {
@@ -167,7 +167,7 @@ func TestSSEBigTerminalEventHeldAndRead(t *testing.T) {
 			if len(seen) < len(s)-len(big)+len(big)/2 {
 				t.Fatalf("crlf %v step %d: the big event did not stream (%d of %d bytes seen)", crlf, step, len(seen), len(s))
 			}
-			if !f.haveUsage || f.usage != responsesUsage {
+			if !f.haveUsage || !f.usage.Equal(responsesUsage) {
 				t.Fatalf("crlf %v step %d: usage %+v %v", crlf, step, f.usage, f.haveUsage)
 			}
 			// Held: the closing brace and the line ends, so the client has neither a complete JSON
@@ -188,7 +188,7 @@ func TestSSELenientUsageKeys(t *testing.T) {
 		f := &sseFilter{maxEvent: maxEvent, emit: func(b []byte) { out.Write(b) }}
 		f.Write([]byte("data: {\"choices\":[{\"delta\":{\"usage\":{\"prompt_tokens\":99}}}],\"Usage\":{\"Prompt_Tokens\":3,\"completion_tokens\":4}}\n\ndata: [DONE]\n\n"))
 		f.finish()
-		if !f.haveUsage || f.usage != (pricing.Usage{Prompt: 3, Completion: 4}) {
+		if !f.haveUsage || !f.usage.Equal(pricing.Usage{Prompt: 3, Completion: 4}) {
 			t.Fatalf("maxEvent %d: usage %+v %v", maxEvent, f.usage, f.haveUsage)
 		}
 	}

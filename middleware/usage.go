@@ -26,16 +26,18 @@ func usageOf(u gjson.Result) (pricing.Usage, bool) {
 	var f [len(usageNames)]gjson.Result
 	lastMembers(u, usageNames[:], f[:])
 	var c counts
-	out := pricing.Usage{
+	out := pricing.OpenAICounts{
 		Prompt:     c.required(either(f[0], f[1])),
 		Completion: c.optional(either(f[2], f[3])),
 		Cached:     c.optional(either(member(f[4], "cached_tokens"), member(f[5], "cached_tokens"))),
+		AudioIn:    c.optional(either(member(f[4], "audio_tokens"), member(f[5], "audio_tokens"))),
 		Reasoning:  c.optional(either(member(f[6], "reasoning_tokens"), member(f[7], "reasoning_tokens"))),
+		AudioOut:   c.optional(either(member(f[6], "audio_tokens"), member(f[7], "audio_tokens"))),
 	}
 	if c.bad {
 		return pricing.Usage{}, false
 	}
-	return out, true
+	return out.Usage(), true
 }
 
 // usageNames are the members usageOf reads, each under its chat/completions name and then its

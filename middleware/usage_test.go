@@ -14,9 +14,9 @@ func TestUsageFromBody(t *testing.T) {
 		ok         bool
 	}{
 		{"chat", `{"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":5,"total_tokens":15,"prompt_tokens_details":{"cached_tokens":3},"completion_tokens_details":{"reasoning_tokens":2}}}`,
-			pricing.Usage{Prompt: 10, Cached: 3, Completion: 5, Reasoning: 2}, true},
+			pricing.Usage{Prompt: 10, Completion: 5, Reasoning: 2, Units: pricing.Units{pricing.CachedInput: 3}}, true},
 		{"responses", `{"output":[],"usage":{"input_tokens":8,"input_tokens_details":{"cached_tokens":1},"output_tokens":4,"output_tokens_details":{"reasoning_tokens":1},"total_tokens":12}}`,
-			pricing.Usage{Prompt: 8, Cached: 1, Completion: 4, Reasoning: 1}, true},
+			pricing.Usage{Prompt: 8, Completion: 4, Reasoning: 1, Units: pricing.Units{pricing.CachedInput: 1}}, true},
 		{"embeddings", `{"data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}`, pricing.Usage{Prompt: 8}, true},
 		{"null details", `{"usage":{"prompt_tokens":1,"completion_tokens":2,"prompt_tokens_details":null}}`, pricing.Usage{Prompt: 1, Completion: 2}, true},
 		{"no usage", `{"choices":[]}`, pricing.Usage{}, false},
@@ -32,7 +32,7 @@ func TestUsageFromBody(t *testing.T) {
 	}
 	for _, tt := range tests {
 		got, ok := usageFromBody([]byte(tt.body))
-		if ok != tt.ok || got != tt.want {
+		if ok != tt.ok || !got.Equal(tt.want) {
 			t.Errorf("%s: got %+v %v, want %+v %v", tt.name, got, ok, tt.want, tt.ok)
 		}
 	}

@@ -20,13 +20,12 @@ var ErrInvalidPriceTable = errors.New("pricing: invalid price table")
 // 1,000,000 tokens (DecimalMicros; fractions rounded up). A nil token limit is one the table
 // does not give: the import keeps the model's current value.
 type PriceRow struct {
-	Model  string `json:"model"`
-	Prices        // CachedInput is Input when the table gives no cache-read price
-	// CacheWrite is the cache-write price (Prices.CacheWriteInput) when the table gives one,
-	// CacheWrite1h the 1-hour one (Prices.CacheWrite1hInput); nil: the import keeps the
-	// model's current price (0 for a new model: its default, Prices.WithDefaults).
-	CacheWrite      *int64   `json:"cache_write_input_price,omitempty"`
-	CacheWrite1h    *int64   `json:"cache_write_1h_input_price,omitempty"`
+	Model string `json:"model"`
+	// Prices are the classes the table gives: always Input, CachedInput (the input price when
+	// the table gives no cache-read price: no discount is assumed) and Output; any other class
+	// only when given — the import keeps the model's current price of a class the row does not
+	// give (none for a new model: the class's default, Prices.Price).
+	Prices          Prices   `json:"prices"`
 	MaxInputTokens  *int64   `json:"max_input_tokens,omitempty"`
 	MaxOutputTokens *int64   `json:"max_output_tokens,omitempty"`
 	Provider        string   `json:"provider,omitempty"`
@@ -57,11 +56,9 @@ var importModes = []string{"chat", "completion", "responses", "embedding"}
 // object; its first non-blank byte is "{") or a CSV file (see ParsePriceCSV). providers, when
 // not empty, keeps only the LiteLLM entries of those litellm_provider values.
 //
-// LiteLLM's prices are currency units per token (input_cost_per_token,
-// output_cost_per_token, cache_read_input_token_cost, cache_creation_input_token_cost: the
-// cache-write price, Prices.CacheWriteInput; cache_creation_input_token_cost_above_1hr: the
-// 1-hour one, Prices.CacheWrite1hInput), read
-// exactly from their decimal text (1.5e-07 per token is 150,000 micro-units per 1M tokens,
+// LiteLLM's prices are currency units per token (its fields map to classes in liteLLMClasses:
+// input_cost_per_token is Input, cache_creation_input_token_cost CacheWrite,
+// input_cost_per_audio_token AudioInput …), read exactly from their decimal text (1.5e-07 per token is 150,000 micro-units per 1M tokens,
 // assuming the table's currency, USD, is the deployment's: 1 USD = 1,000,000 micro-units) and
 // rounded up when not whole, so an import never under-charges. Entries whose mode is not chat,
 // completion, responses or embedding, or that have no per-token input price, are skipped with
@@ -104,6 +101,27 @@ func parseLiteLLM(b []byte, providers []string) (PriceTable, error) {
 	return t, nil
 }
 
+// liteLLMClasses maps LiteLLM's price fields to classes. Its prices are currency units per
+// token (shift 12: micro-units per 1M tokens), per character (12: per 1M characters) or per
+// second (6: micro-units per second).
+var liteLLMClasses = []struct {
+	key   string
+	class Class
+	shift int
+}{
+	{"input_cost_per_token", Input, 12},
+	{"output_cost_per_token", Output, 12},
+	{"cache_read_input_token_cost", CachedInput, 12},
+	{"cache_creation_input_token_cost", CacheWrite, 12},
+	{"cache_creation_input_token_cost_above_1hr", CacheWrite1h, 12},
+	{"input_cost_per_audio_token", AudioInput, 12},
+	{"output_cost_per_audio_token", AudioOutput, 12},
+	{"input_cost_per_image_token", ImageInput, 12},
+	{"output_cost_per_image_token", ImageOutput, 12},
+	{"input_cost_per_character", Characters, 12},
+	{"input_cost_per_second", AudioSecond, 6},
+}
+
 // liteLLMRow reads one entry; a non-empty reason says why it is skipped.
 func liteLLMRow(name string, raw json.RawMessage, providers []string) (PriceRow, string) {
 	var e map[string]json.RawMessage
@@ -126,12 +144,12 @@ func liteLLMRow(name string, raw json.RawMessage, providers []string) (PriceRow,
 	case name == "" || len(name) > 200:
 		return row, "model name empty or longer than 200 bytes"
 	}
-	price := func(field, key string, dst *int64) (given bool, why string) {
+	price := func(field, key string, shift int, dst *int64) (given bool, why string) {
 		v, ok := e[key]
 		if !ok || string(v) == "null" {
 			return false, ""
 		}
-		n, exact, err := DecimalMicros(string(v), 12, true)
+		n, exact, err := DecimalMicros(string(v), shift, true)
 		if err != nil {
 			return false, key + ": " + strings.TrimPrefix(err.Error(), "pricing: ")
 		}
@@ -141,34 +159,26 @@ func liteLLMRow(name string, raw json.RawMessage, providers []string) (PriceRow,
 		*dst = n
 		return true, ""
 	}
-	given, why := price("input_price", "input_cost_per_token", &row.Input)
-	if why != "" {
-		return row, why
+	row.Prices = Prices{}
+	for _, f := range liteLLMClasses {
+		var v int64
+		given, why := price(string(f.class)+"_price", f.key, f.shift, &v)
+		switch {
+		case why != "":
+			return row, why
+		case given:
+			row.Prices[f.class] = v
+		}
 	}
-	if !given {
+	if _, ok := row.Prices[Input]; !ok {
 		return row, "no input_cost_per_token"
 	}
-	given, why = price("output_price", "output_cost_per_token", &row.Output)
-	if why != "" {
-		return row, why
-	}
-	if !given && row.Mode != "embedding" {
+	if _, ok := row.Prices[Output]; !ok && row.Mode != "embedding" {
 		return row, "no output_cost_per_token"
 	}
-	row.CachedInput = row.Input
-	if _, why = price("cached_input_price", "cache_read_input_token_cost", &row.CachedInput); why != "" {
-		return row, why
-	}
-	var cw, cw1h int64
-	if given, why = price("cache_write_input_price", "cache_creation_input_token_cost", &cw); why != "" {
-		return row, why
-	} else if given {
-		row.CacheWriteInput, row.CacheWrite = cw, &cw
-	}
-	if given, why = price("cache_write_1h_input_price", "cache_creation_input_token_cost_above_1hr", &cw1h); why != "" {
-		return row, why
-	} else if given {
-		row.CacheWrite1hInput, row.CacheWrite1h = cw1h, &cw1h
+	row.Prices[Output] = row.Prices[Output] // an embedding's: 0
+	if _, ok := row.Prices[CachedInput]; !ok {
+		row.Prices[CachedInput] = row.Prices[Input]
 	}
 	for _, f := range []struct {
 		key string
@@ -187,17 +197,20 @@ func liteLLMRow(name string, raw json.RawMessage, providers []string) (PriceRow,
 	return row, ""
 }
 
-// CSVHeader is the header of a CSV price table.
+// CSVHeader is the header of a CSV price table: the legacy columns, in the order a file without
+// a header gives them.
 const CSVHeader = "model,input_per_1m,output_per_1m,cached_input_per_1m,max_input_tokens,max_output_tokens,cache_write_input_per_1m,cache_write_1h_input_per_1m"
 
-// ParsePriceCSV reads a CSV price table: model, input_per_1m, output_per_1m and optionally
-// cached_input_per_1m, max_input_tokens, max_output_tokens, cache_write_input_per_1m (Anthropic's
-// prompt-cache writes; empty: the model's current one is kept), cache_write_1h_input_per_1m (its
-// 1-hour cache writes; the same), prices in currency units per 1M
-// tokens as decimals ("0.15" is 150,000 micro-units), rounded up to whole micro-units like
-// LiteLLM's. A first row starting with "model" is the header; blank cells are "not given" (an
-// empty cached price is the input price); lines starting with # are comments. A row that
-// cannot be read is skipped with the reason.
+// ParsePriceCSV reads a CSV price table. A first row starting with "model" is the header and
+// names the columns: model, max_input_tokens, max_output_tokens, and one column per class,
+// "<class>_per_1m" for a class quoted per 1M tokens or characters (input_per_1m,
+// audio_output_per_1m …) or "<class>_per_unit" for one quoted per item or second
+// (per_image_1024x1024_hd_per_unit, audio_second_per_unit); input_per_1m and output_per_1m
+// are required. Without a header the columns are CSVHeader's. Prices are in currency units
+// as decimals ("0.15" per 1M tokens is 150,000 micro-units), rounded up to whole micro-units
+// like LiteLLM's. Blank cells are "not given" (an empty cached price is the input price;
+// another class keeps the model's current price); lines starting with # are comments. A row
+// that cannot be read is skipped with the reason.
 func ParsePriceCSV(b []byte) (PriceTable, error) {
 	b = bytes.TrimPrefix(b, []byte("\ufeff")) // a spreadsheet's byte order mark
 	r := csv.NewReader(bytes.NewReader(b))
@@ -206,6 +219,7 @@ func ParsePriceCSV(b []byte) (PriceTable, error) {
 	r.TrimLeadingSpace = true
 	var t PriceTable
 	seen := map[string]bool{}
+	cols, _ := csvColumns(strings.Split(CSVHeader, ","))
 	for line := 0; ; line++ {
 		rec, err := r.Read()
 		if errors.Is(err, io.EOF) {
@@ -215,9 +229,12 @@ func ParsePriceCSV(b []byte) (PriceTable, error) {
 			return PriceTable{}, fmt.Errorf("%w: CSV: %w", ErrInvalidPriceTable, err)
 		}
 		if line == 0 && strings.EqualFold(strings.TrimSpace(rec[0]), "model") {
+			if cols, err = csvColumns(rec); err != nil {
+				return PriceTable{}, err
+			}
 			continue
 		}
-		row, why := csvRow(rec)
+		row, why := csvRow(cols, rec)
 		switch {
 		case why == "" && seen[row.Model]:
 			why = "listed twice"
@@ -232,75 +249,80 @@ func ParsePriceCSV(b []byte) (PriceTable, error) {
 	return t, nil
 }
 
-func csvRow(rec []string) (PriceRow, string) {
+// csvColumns reads a header: each column's class ("" for model and the token limits).
+func csvColumns(header []string) ([]csvColumn, error) {
+	cols := make([]csvColumn, len(header))
+	for i, h := range header {
+		h = strings.ToLower(strings.TrimSpace(h))
+		cols[i].name = h
+		if i == 0 || h == "max_input_tokens" || h == "max_output_tokens" {
+			continue
+		}
+		name, ok := strings.CutSuffix(h, "_per_1m")
+		if !ok {
+			name, ok = strings.CutSuffix(h, "_per_unit")
+		}
+		info, known := Lookup(Class(name))
+		if !ok || !known || (info.Unit.per() == 1) != strings.HasSuffix(h, "_per_unit") {
+			return nil, fmt.Errorf("%w: CSV column %q is not <class>_per_1m (tokens, characters) or <class>_per_unit (items, seconds)", ErrInvalidPriceTable, h)
+		}
+		cols[i].class = info.Name
+	}
+	return cols, nil
+}
+
+type csvColumn struct {
+	name  string
+	class Class
+}
+
+func csvRow(cols []csvColumn, rec []string) (PriceRow, string) {
 	cell := func(i int) string {
 		if i < len(rec) {
 			return strings.TrimSpace(rec[i])
 		}
 		return ""
 	}
-	row := PriceRow{Model: cell(0)}
+	row := PriceRow{Model: cell(0), Prices: Prices{}}
 	switch {
 	case row.Model == "" || len(row.Model) > 200:
 		return row, "model name empty or longer than 200 bytes"
-	case len(rec) < 3 || len(rec) > 8:
-		return row, "want 3 to 8 columns: " + CSVHeader
+	case len(rec) < 3 || len(rec) > len(cols):
+		return row, fmt.Sprintf("want 3 to %d columns", len(cols))
 	}
-	price := func(field string, i int, dst *int64) (bool, string) {
+	for i, col := range cols[1:] {
+		i++
 		if cell(i) == "" {
-			return false, ""
+			continue
+		}
+		if col.class == "" {
+			n, err := strconv.ParseInt(cell(i), 10, 64)
+			if err != nil || n < 0 || n > maxImportTokens {
+				return row, col.name + ": not a whole number of tokens"
+			}
+			if col.name == "max_input_tokens" {
+				row.MaxInputTokens = &n
+			} else {
+				row.MaxOutputTokens = &n
+			}
+			continue
 		}
 		n, exact, err := DecimalMicros(cell(i), 6, true)
 		if err != nil {
-			return false, field + ": " + strings.TrimPrefix(err.Error(), "pricing: ")
+			return row, col.name + ": " + strings.TrimPrefix(err.Error(), "pricing: ")
 		}
 		if !exact {
-			row.RoundedUp = append(row.RoundedUp, field)
+			row.RoundedUp = append(row.RoundedUp, string(col.class)+"_price")
 		}
-		*dst = n
-		return true, ""
+		row.Prices[col.class] = n
 	}
-	for _, f := range []struct {
-		name string
-		i    int
-		dst  *int64
-	}{{"input_price", 1, &row.Input}, {"output_price", 2, &row.Output}} {
-		given, why := price(f.name, f.i, f.dst)
-		if why != "" {
-			return row, why
-		}
-		if !given {
-			return row, strings.TrimSuffix(f.name, "_price") + "_per_1m is required"
+	for _, c := range []Class{Input, Output} {
+		if _, ok := row.Prices[c]; !ok {
+			return row, string(c) + "_per_1m is required"
 		}
 	}
-	row.CachedInput = row.Input
-	if _, why := price("cached_input_price", 3, &row.CachedInput); why != "" {
-		return row, why
-	}
-	var cw, cw1h int64
-	if given, why := price("cache_write_input_price", 6, &cw); why != "" {
-		return row, why
-	} else if given {
-		row.CacheWriteInput, row.CacheWrite = cw, &cw
-	}
-	if given, why := price("cache_write_1h_input_price", 7, &cw1h); why != "" {
-		return row, why
-	} else if given {
-		row.CacheWrite1hInput, row.CacheWrite1h = cw1h, &cw1h
-	}
-	for _, f := range []struct {
-		name string
-		i    int
-		dst  **int64
-	}{{"max_input_tokens", 4, &row.MaxInputTokens}, {"max_output_tokens", 5, &row.MaxOutputTokens}} {
-		if cell(f.i) == "" {
-			continue
-		}
-		n, err := strconv.ParseInt(cell(f.i), 10, 64)
-		if err != nil || n < 0 || n > maxImportTokens {
-			return row, f.name + ": not a whole number of tokens"
-		}
-		*f.dst = &n
+	if _, ok := row.Prices[CachedInput]; !ok {
+		row.Prices[CachedInput] = row.Prices[Input]
 	}
 	return row, ""
 }

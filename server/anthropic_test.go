@@ -42,12 +42,12 @@ func eachAnthropicMode(t *testing.T, fn func(t *testing.T, p anthProxy)) {
 
 // claudePrices: per 1M tokens 3.000001 input, 3.750001 cache write, 0.300001 cache read,
 // 15.000001 output (micro-units), so that every count moves the exact cost.
-var claudePrices = pricing.Prices{Input: 3_000_001, CacheWriteInput: 3_750_001, CachedInput: 300_001, Output: 15_000_001}
+var claudePrices = pricing.Prices{pricing.Input: 3_000_001, pricing.CacheWrite: 3_750_001, pricing.CachedInput: 300_001, pricing.Output: 15_000_001}
 
 // setupClaude prices "claude-t" and makes an org with funds and a key.
 func (p anthProxy) setupClaude(org string, funds int64) string {
-	p.admin("PUT", "/models/claude-t", map[string]any{"input_price": claudePrices.Input, "cached_input_price": claudePrices.CachedInput,
-		"cache_write_input_price": claudePrices.CacheWriteInput, "output_price": claudePrices.Output,
+	p.admin("PUT", "/models/claude-t", map[string]any{"input_price": claudePrices[pricing.Input], "cached_input_price": claudePrices[pricing.CachedInput],
+		"cache_write_input_price": claudePrices[pricing.CacheWrite], "output_price": claudePrices[pricing.Output],
 		"max_input_tokens": 200_000, "max_output_tokens": 8192}, http.StatusOK, nil)
 	p.admin("POST", "/orgs", map[string]string{"id": org}, http.StatusCreated, nil)
 	if funds > 0 {
@@ -107,7 +107,7 @@ type anthUsage struct {
 }
 
 func (u anthUsage) usage() pricing.Usage {
-	return pricing.Usage{Prompt: u.Input + u.CacheWrite + u.CacheRead, Cached: u.CacheRead, CacheWrite: u.CacheWrite, Completion: u.Output}
+	return pricing.Usage{Prompt: u.Input + u.CacheWrite + u.CacheRead, Completion: u.Output, Units: pricing.Units{pricing.CachedInput: u.CacheRead, pricing.CacheWrite: u.CacheWrite}}
 }
 
 // cachedBody: 2 system words + 10 user words (markers included) = 12 input tokens, of which
@@ -199,7 +199,7 @@ func TestAnthropicMessagesBilledExactly(t *testing.T) {
 		}
 		for _, id := range ids {
 			r, err := p.app.ledger.Request(context.Background(), id)
-			if err != nil || r.Cost != cachedCost || r.Usage != u.usage() || r.Estimated || r.Endpoint != "/v1/messages" {
+			if err != nil || r.Cost != cachedCost || !r.Usage.Equal(u.usage()) || r.Estimated || r.Endpoint != "/v1/messages" {
 				t.Fatalf("request %s: %+v %v", id, r, err)
 			}
 		}
@@ -355,12 +355,12 @@ func TestAnthropicStreamError(t *testing.T) {
 		if st != 200 || !strings.Contains(string(b), "event: error") {
 			t.Fatalf("stream %d:\n%s", st, b)
 		}
-		want, _ := claudePrices.Cost(pricing.Usage{Prompt: 12, CacheWrite: 3, Cached: 4, Completion: 3})
+		want, _ := claudePrices.Cost(pricing.Usage{Prompt: 12, Completion: 3, Units: pricing.Units{pricing.CachedInput: 4, pricing.CacheWrite: 3}})
 		if bal := p.settled("err"); bal.LedgerBalance != 10_000_000-hold-want {
 			t.Fatalf("balance %+v, want %d more charged", bal, want)
 		}
 		r, err = p.app.ledger.Request(context.Background(), h.Get("x-request-id"))
-		if err != nil || !r.Estimated || r.Cost != want || r.Cost >= r.HoldAmount || r.Usage.CacheWrite != 3 || r.Usage.Cached != 4 {
+		if err != nil || !r.Estimated || r.Cost != want || r.Cost >= r.HoldAmount || r.Usage.Of(pricing.CacheWrite) != 3 || r.Usage.Of(pricing.CachedInput) != 4 {
 			t.Fatalf("unbounded: request %+v %v", r, err)
 		}
 	})

@@ -14,7 +14,7 @@ import (
 
 // edgeModel is priced like gpt-4o-mini (micro-units per million tokens) with 16,384 output
 // tokens allowed.
-var edgePrices = pricing.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000}
+var edgePrices = pricing.Prices{pricing.Input: 150_000, pricing.CachedInput: 75_000, pricing.Output: 600_000}
 
 // clientUsage is the usage a client reads from a JSON body or an event stream (the last usage
 // object of a chat chunk, or response.completed's response.usage).
@@ -30,11 +30,7 @@ func clientUsage(t *testing.T, body []byte) (pricing.Usage, bool) {
 			}
 			return u.Get(b).Int()
 		}
-		return pricing.Usage{
-			Prompt: first("prompt_tokens", "input_tokens"), Completion: first("completion_tokens", "output_tokens"),
-			Cached:    first("prompt_tokens_details.cached_tokens", "input_tokens_details.cached_tokens"),
-			Reasoning: first("completion_tokens_details.reasoning_tokens", "output_tokens_details.reasoning_tokens"),
-		}, true
+		return pricing.Usage{Prompt: first("prompt_tokens", "input_tokens"), Completion: first("completion_tokens", "output_tokens"), Reasoning: first("completion_tokens_details.reasoning_tokens", "output_tokens_details.reasoning_tokens"), Units: pricing.Units{pricing.CachedInput: first("prompt_tokens_details.cached_tokens", "input_tokens_details.cached_tokens")}}, true
 	}
 	if gjson.ValidBytes(body) {
 		return read(gjson.GetBytes(body, "usage"))
@@ -65,8 +61,8 @@ func clientUsage(t *testing.T, body []byte) (pricing.Usage, bool) {
 func TestEdgeResponse(t *testing.T) {
 	t.Parallel()
 	eachMode(t, func(t *testing.T, p *testProxy) {
-		p.admin("PUT", "/models/gpt-4o-mini", map[string]any{"input_price": edgePrices.Input, "cached_input_price": edgePrices.CachedInput,
-			"output_price": edgePrices.Output, "max_input_tokens": 128_000, "max_output_tokens": 16_384, "max_cost": 0, "default_hold": 5000}, http.StatusOK, nil)
+		p.admin("PUT", "/models/gpt-4o-mini", map[string]any{"input_price": edgePrices[pricing.Input], "cached_input_price": edgePrices[pricing.CachedInput],
+			"output_price": edgePrices[pricing.Output], "max_input_tokens": 128_000, "max_output_tokens": 16_384, "max_cost": 0, "default_hold": 5000}, http.StatusOK, nil)
 		p.admin("POST", "/orgs", map[string]string{"id": "edge"}, http.StatusCreated, nil)
 		p.admin("POST", "/orgs/edge/credits", map[string]any{"amount": 5_000_000, "reference": "init-edge"}, http.StatusCreated, nil)
 		var k struct{ Key string }

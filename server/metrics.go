@@ -9,6 +9,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/middleware"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // metrics are the proxy's Prometheus metrics. No label carries an org: cardinality stays fixed.
@@ -60,7 +61,7 @@ func newMetrics(a *Server) *metrics {
 		Help: "Micro-units charged, by model and outcome (recorded: usage from the upstream; estimated: the hold or an estimate was charged).",
 	}, []string{"model", "outcome"})
 	m.tokens = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "escrow_tokens_total", Help: "Tokens charged, by model and kind (prompt, cached, completion).",
+		Name: "escrow_tokens_total", Help: "Tokens (units) charged, by model and kind (prompt, cached, completion, and each other price class by its name).",
 	}, []string{"model", "kind"})
 	m.reg.MustRegister(m.requests, m.fitted, m.holds, m.costs, m.errors, m.latency, m.spend, m.tokens)
 
@@ -156,8 +157,13 @@ func (m *metrics) observe(o middleware.Outcome) {
 		m.costs.Observe(float64(o.Cost))
 		m.spend.WithLabelValues(o.Model, string(o.Kind)).Add(float64(o.Cost))
 		m.tokens.WithLabelValues(o.Model, "prompt").Add(float64(o.Usage.Prompt))
-		m.tokens.WithLabelValues(o.Model, "cached").Add(float64(o.Usage.Cached))
+		m.tokens.WithLabelValues(o.Model, "cached").Add(float64(o.Usage.Of(pricing.CachedInput)))
 		m.tokens.WithLabelValues(o.Model, "completion").Add(float64(o.Usage.Completion))
+		for c, n := range o.Usage.Units { // each other class by its name (audio_input …)
+			if c != pricing.CachedInput {
+				m.tokens.WithLabelValues(o.Model, string(c)).Add(float64(n))
+			}
+		}
 	}
 	if o.Status == http.StatusServiceUnavailable {
 		m.errors.WithLabelValues("redis").Inc()

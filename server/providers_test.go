@@ -48,7 +48,7 @@ func startProvidersProxy(t *testing.T, real bool) providersProxy {
 	return providersProxy{anthProxy{p, an}, oa, an}
 }
 
-var gptPrices = pricing.Prices{Input: 1_500_001, CachedInput: 750_001, Output: 6_000_001}
+var gptPrices = pricing.Prices{pricing.Input: 1_500_001, pricing.CachedInput: 750_001, pricing.Output: 6_000_001}
 
 // readAnthStream reads a Messages stream to its end: the usage of message_start with the last
 // message_delta's output count.
@@ -118,10 +118,10 @@ func TestProvidersOneProxy(t *testing.T) {
 			p := startProvidersProxy(t, real)
 			const funds = 50_000_000
 			key := p.setupClaude("multi", funds)
-			p.admin("PUT", "/models/gpt-t", map[string]any{"input_price": gptPrices.Input, "cached_input_price": gptPrices.CachedInput,
-				"output_price": gptPrices.Output, "max_input_tokens": 100_000, "max_output_tokens": 1000}, http.StatusOK, nil)
-			p.admin("PUT", "/models/claude-alias", map[string]any{"input_price": claudePrices.Input, "cached_input_price": claudePrices.CachedInput,
-				"cache_write_input_price": claudePrices.CacheWriteInput, "output_price": claudePrices.Output,
+			p.admin("PUT", "/models/gpt-t", map[string]any{"input_price": gptPrices[pricing.Input], "cached_input_price": gptPrices[pricing.CachedInput],
+				"output_price": gptPrices[pricing.Output], "max_input_tokens": 100_000, "max_output_tokens": 1000}, http.StatusOK, nil)
+			p.admin("PUT", "/models/claude-alias", map[string]any{"input_price": claudePrices[pricing.Input], "cached_input_price": claudePrices[pricing.CachedInput],
+				"cache_write_input_price": claudePrices[pricing.CacheWrite], "output_price": claudePrices[pricing.Output],
 				"max_input_tokens": 200_000, "max_output_tokens": 8192}, http.StatusOK, nil)
 
 			var total int64
@@ -138,7 +138,7 @@ func TestProvidersOneProxy(t *testing.T) {
 				costs[id] = c
 			}
 			chatUsage := func(u fakeupstream.ChatUsage) pricing.Usage {
-				return pricing.Usage{Prompt: int64(u.PromptTokens), Cached: int64(u.PromptTokensDetails.CachedTokens), Completion: int64(u.CompletionTokens)}
+				return pricing.Usage{Prompt: int64(u.PromptTokens), Completion: int64(u.CompletionTokens), Units: pricing.Units{pricing.CachedInput: int64(u.PromptTokensDetails.CachedTokens)}}
 			}
 
 			for i := range 3 {

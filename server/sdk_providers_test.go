@@ -27,8 +27,8 @@ func TestSDKsOneProxy(t *testing.T) {
 	poor := p.setupClaude("sdks-poor", 5)
 	const smallFunds = 50_000
 	small, smallStream := p.priceOrg("sdk-small", smallFunds), p.priceOrg("sdk-small-stream", smallFunds)
-	p.admin("PUT", "/models/gpt-t", map[string]any{"input_price": gptPrices.Input, "cached_input_price": gptPrices.CachedInput,
-		"output_price": gptPrices.Output, "max_input_tokens": 100_000, "max_output_tokens": 1000}, http.StatusOK, nil)
+	p.admin("PUT", "/models/gpt-t", map[string]any{"input_price": gptPrices[pricing.Input], "cached_input_price": gptPrices[pricing.CachedInput],
+		"output_price": gptPrices[pricing.Output], "max_input_tokens": 100_000, "max_output_tokens": 1000}, http.StatusOK, nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	var total int64
@@ -41,7 +41,7 @@ func TestSDKsOneProxy(t *testing.T) {
 	if err != nil || chat.Usage.PromptTokens != 4 || chat.Usage.PromptTokensDetails.CachedTokens != 1 {
 		t.Fatalf("chat: %+v %v", chat.Usage, err)
 	}
-	usages := []pricing.Usage{{Prompt: chat.Usage.PromptTokens, Cached: chat.Usage.PromptTokensDetails.CachedTokens, Completion: chat.Usage.CompletionTokens}}
+	usages := []pricing.Usage{pricing.OpenAICounts{Prompt: chat.Usage.PromptTokens, Cached: chat.Usage.PromptTokensDetails.CachedTokens, Completion: chat.Usage.CompletionTokens}.Usage()}
 	stream := c.Chat.Completions.NewStreaming(ctx, openai.ChatCompletionNewParams{
 		Model: "gpt-t", Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("stream to me")},
 		StreamOptions: openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)},
@@ -49,7 +49,7 @@ func TestSDKsOneProxy(t *testing.T) {
 	var su *pricing.Usage
 	for stream.Next() {
 		if ch := stream.Current(); ch.JSON.Usage.Valid() {
-			su = &pricing.Usage{Prompt: ch.Usage.PromptTokens, Cached: ch.Usage.PromptTokensDetails.CachedTokens, Completion: ch.Usage.CompletionTokens}
+			su = &pricing.Usage{Prompt: ch.Usage.PromptTokens, Completion: ch.Usage.CompletionTokens, Units: pricing.Units{pricing.CachedInput: ch.Usage.PromptTokensDetails.CachedTokens}}
 		}
 	}
 	if err := stream.Err(); err != nil || su == nil || su.Prompt != 3 {

@@ -563,7 +563,7 @@ func parseCap(s string) int64 {
 
 // bigPrices is README's "What a request holds" model: 2 per input and 8 per output token
 // (micro-units), 32,768 output tokens.
-var bigPrices = pricing.Prices{Input: 2_000_000, Output: 8_000_000}
+var bigPrices = pricing.Prices{pricing.Input: 2_000_000, pricing.Output: 8_000_000}
 
 // TestOpenAINodeSDK drives the proxy with the official openai npm package (sdktest/openai.mjs):
 // a chat completion as JSON and as a stream are billed to the micro-unit what the SDK reported,
@@ -590,7 +590,7 @@ func TestOpenAINodeSDK(t *testing.T) {
 		const funds, smallFunds = 1_000_000, 200_000
 		key := p.setup("sdk", funds, 65)   // 1 µ per output token, input free
 		poor := p.setup("sdk-poor", 5, 65) // a hold of 12 does not fit in 5
-		p.admin("PUT", "/models/big", map[string]any{"input_price": bigPrices.Input, "output_price": bigPrices.Output,
+		p.admin("PUT", "/models/big", map[string]any{"input_price": bigPrices[pricing.Input], "output_price": bigPrices[pricing.Output],
 			"max_input_tokens": 128_000, "max_output_tokens": 32_768}, http.StatusOK, nil)
 		small := p.priceOrg("sdk-small", smallFunds)
 		smallStream := p.priceOrg("sdk-small-stream", smallFunds)
@@ -659,7 +659,7 @@ func TestOpenAINodeSDK(t *testing.T) {
 		if res.Fit == nil {
 			t.Fatal("the script reported no fit")
 		}
-		noCacheWrites := bigPrices.WithoutCacheWrites() // chat usage has no cache writes to price
+		noCacheWrites := bigPrices.Restrict(pricing.TextClasses) // chat usage has no cache writes to price
 		// Asked for the refusal (x-escrow-fit: off): the numbers, not retried.
 		if off := res.FitOff; off == nil || off.Status != 429 || !off.IsRateLimit || off.Code != "insufficient_quota" || off.Attempts != 1 ||
 			!strings.Contains(off.Message, "needs at least "+strconv.FormatInt(2*off.BodyBytes+8*32_768, 10)+", 200000 is available") ||

@@ -198,9 +198,9 @@ func TestTwoUpstreams(t *testing.T) {
 
 	want := int64(10_000_000)
 	prices := map[string]pricing.Prices{
-		"model-a": {Input: 1_500_000, CachedInput: 750_000, Output: 3_000_000},
-		"b-cheap": {Input: 333_333, Output: 1_000_001},
-		"alias":   {Input: 7_000_000, CachedInput: 7_000_000, Output: 21_000_000},
+		"model-a": {pricing.Input: 1_500_000, pricing.CachedInput: 750_000, pricing.Output: 3_000_000},
+		"b-cheap": {pricing.Input: 333_333, pricing.Output: 1_000_001},
+		"alias":   {pricing.Input: 7_000_000, pricing.CachedInput: 7_000_000, pricing.Output: 21_000_000},
 	}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
@@ -221,8 +221,7 @@ func TestTwoUpstreams(t *testing.T) {
 				t.Error(err)
 				return
 			}
-			c, err := prices[model].Cost(pricing.Usage{Prompt: int64(r.Usage.PromptTokens), Cached: int64(r.Usage.PromptTokensDetails.CachedTokens),
-				Completion: int64(r.Usage.CompletionTokens)})
+			c, err := prices[model].Cost(pricing.Usage{Prompt: int64(r.Usage.PromptTokens), Completion: int64(r.Usage.CompletionTokens), Units: pricing.Units{pricing.CachedInput: int64(r.Usage.PromptTokensDetails.CachedTokens)}})
 			if err != nil || r.Usage.PromptTokens != 4+i || r.Usage.CompletionTokens != 7+i || r.Usage.PromptTokensDetails.CachedTokens != 2 {
 				t.Errorf("%s: usage %+v %v", model, r.Usage, err)
 			}
@@ -435,7 +434,7 @@ func TestWithRoutes(t *testing.T) {
 	t.Cleanup(func() { _ = s.Stop(context.Background()) })
 	ops := s.Ops()
 	for _, m := range []string{"m", "claude-x"} {
-		if err := ops.PutModel(ctx, ledger.Model{Name: m, Prices: pricing.Prices{Output: 1_000_000}, DefaultHold: 100}); err != nil {
+		if err := ops.PutModel(ctx, ledger.Model{Name: m, Prices: pricing.Prices{pricing.Output: 1_000_000}, DefaultHold: 100}); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -425,7 +425,7 @@ func groupNamed(raw json.RawMessage, by string, rows []ledger.UsageRow) (admin.P
 }
 
 // cmdModels: escrow models | show M | set M [--input D] [--cached-input D] [--output D]
-// [--cache-write-input D] [--cache-write-1h-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] |
+// [--cache-write-input D] [--cache-write-1h-input D] [--price CLASS=D]… [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] |
 // import FILE [--dry-run] [--provider P] | delete M. Prices are decimals in currency units per 1M
 // tokens ("0.15"), sent as text and converted exactly by the API (a cached or cache-write price
 // never set is billed at its default, which show prints: the input price, 2× it for 1-hour cache
@@ -442,22 +442,35 @@ func cmdModels(args []string) error {
 	}
 	switch {
 	case len(pos) == 0:
-		return firstPage(c, o, "/models", modelTable)
+		p, raw, err := fetch[admin.Page[ledger.Model]](c, http.MethodGet, "/models", nil)
+		if err != nil {
+			return err
+		}
+		return modelTable(p.Data).print(o, raw, p.Data)
 	case len(pos) == 2 && pos[0] == "show":
-		return show(c, o, http.MethodGet, "/models/"+url.PathEscape(pos[1]), nil, modelTable)
+		return showModel(c, o, http.MethodGet, pos[1], nil)
 	case len(pos) == 2 && pos[0] == "set":
 		body, err := setBody(pos[1])
 		if err != nil {
 			return err
 		}
-		return show(c, o, http.MethodPatch, "/models/"+url.PathEscape(pos[1]), body, modelTable)
+		return showModel(c, o, http.MethodPatch, pos[1], body)
 	case len(pos) == 2 && pos[0] == "import":
 		return importModels(c, *o, pos[1], *dryRun, *provider)
 	case len(pos) == 2 && pos[0] == "delete":
 		return c.do(http.MethodDelete, "/models/"+url.PathEscape(pos[1]), nil, "deleted "+pos[1])
 	default:
-		return usageErr("usage: escrow models | show MODEL | set MODEL [--input D] [--cached-input D] [--output D] [--cache-write-input D] [--cache-write-1h-input D] [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | import FILE [--dry-run] [--provider P,…] | delete MODEL  [--json|--csv]")
+		return usageErr("usage: escrow models | show MODEL | set MODEL [--input D] [--cached-input D] [--output D] [--cache-write-input D] [--cache-write-1h-input D] [--price CLASS=D]… [--max-input-tokens N] [--max-output-tokens N] [--default-hold N] | import FILE [--dry-run] [--provider P,…] | delete MODEL  [--json|--csv]")
 	}
+}
+
+// showModel sends one call about a model and prints the model it answers.
+func showModel(c *client, o *output, method, model string, body any) error {
+	m, raw, err := fetch[ledger.Model](c, method, "/models/"+url.PathEscape(model), body)
+	if err != nil {
+		return err
+	}
+	return modelTable([]ledger.Model{m}).print(o, raw, []ledger.Model{m})
 }
 
 // modelFlags adds the flags of `escrow models set` to fs; the function it returns makes the
@@ -470,6 +483,11 @@ func modelFlags(fs *flag.FlagSet) func(model string) (map[string]any, error) {
 	fs.StringVar(&prices[2], "output", "", "output price per 1M tokens")
 	fs.StringVar(&prices[3], "cache-write-input", "", "prompt-cache write price per 1M tokens, 5-minute cache (Anthropic; default: the input price)")
 	fs.StringVar(&prices[4], "cache-write-1h-input", "", "prompt-cache write price per 1M tokens, 1-hour cache (Anthropic; default: 2× the input price)")
+	var classPrices []string
+	fs.Func("price", "CLASS=DECIMAL: the price of any price class (escrow price-classes lists them), per 1M tokens or characters, or per item or second; repeatable", func(v string) error {
+		classPrices = append(classPrices, v)
+		return nil
+	})
 	var ints [3]string
 	fs.StringVar(&ints[0], "max-input-tokens", "", "context window")
 	fs.StringVar(&ints[1], "max-output-tokens", "", "largest output")
@@ -480,6 +498,18 @@ func modelFlags(fs *flag.FlagSet) func(model string) (map[string]any, error) {
 			if prices[i] != "" {
 				body[k] = prices[i]
 			}
+		}
+		for _, cp := range classPrices {
+			name, dec, ok := strings.Cut(cp, "=")
+			info, known := pricing.Lookup(pricing.Class(name))
+			if !ok || !known {
+				return nil, usageErr("--price %q: want CLASS=DECIMAL with a class escrow price-classes lists", cp)
+			}
+			suffix := "_per_unit"
+			if info.Unit == pricing.PerMTokens || info.Unit == pricing.PerMCharacters {
+				suffix = "_per_1m"
+			}
+			body[name+suffix] = dec
 		}
 		for i, k := range []string{"max_input_tokens", "max_output_tokens", "default_hold"} {
 			if ints[i] != "" {
@@ -495,6 +525,16 @@ func modelFlags(fs *flag.FlagSet) func(model string) (map[string]any, error) {
 		}
 		return body, nil
 	}
+}
+
+// cmdPriceClasses: escrow price-classes — the registry of price classes.
+func cmdPriceClasses(args []string) error {
+	fs, o := newFlags("price-classes")
+	_, c, err := start(fs, args, 0, "usage: escrow price-classes [--json|--csv]")
+	if err != nil {
+		return err
+	}
+	return firstPage(c, o, "/price-classes", priceClassTable)
 }
 
 // cmdRequest: escrow request ID — one request by its x-request-id.
@@ -659,20 +699,17 @@ func cmdWebhooks(args []string) error {
 	}
 }
 
-// importFields are the columns of an imported model that an import's lines show.
-var importFields = modelTable.only("input_price", "cached_input_price", "output_price", "max_input_tokens", "max_output_tokens",
-	"cache_write_input_price", "cache_write_1h_input_price")
+// importFields are the columns of imported models that an import's lines show: each class
+// they price, then the token limits.
+func importFields(ms ...ledger.Model) table[ledger.Model] {
+	return append(priceColumns(ms...), modelTable(nil).only("max_input_tokens", "max_output_tokens")...)
+}
 
 // defaultPrice reports whether column f of an imported model (as the import report shows it,
-// defaults filled in) is a cache-write price at its default.
+// defaults filled in) is a price at its class's default (pricing.Prices.IsDefault).
 func defaultPrice(m ledger.Model, f string) bool {
-	switch f {
-	case "cache_write_input_price":
-		return m.CacheWriteInput == m.Input
-	case "cache_write_1h_input_price":
-		return m.CacheWrite1hInput == pricing.CacheWrite1hMultiplier*m.Input
-	}
-	return false
+	c, ok := strings.CutSuffix(f, ledger.PriceSuffix)
+	return ok && m.Prices.IsDefault(pricing.Class(c))
 }
 
 // importModels sends a price table to POST /models/import and prints the diff: each new model
@@ -736,7 +773,7 @@ func printChanges(r accounting.ImportReport) error {
 // left out (its default).
 func newPrices(m ledger.Model) []string {
 	var parts []string
-	for _, f := range importFields {
+	for _, f := range importFields(m) {
 		if !defaultPrice(m, f.name) {
 			parts = append(parts, f.name+" "+f.cell(m))
 		}
@@ -748,7 +785,7 @@ func newPrices(m ledger.Model) []string {
 // at its default before and after.
 func priceChanges(ch accounting.PriceChange) []string {
 	var parts []string
-	for _, f := range importFields {
+	for _, f := range importFields(ch.Old, ch.New) {
 		if a, b := f.cell(ch.Old), f.cell(ch.New); a != b && !(defaultPrice(ch.Old, f.name) && defaultPrice(ch.New, f.name)) {
 			parts = append(parts, f.name+" "+a+" → "+b)
 		}

@@ -7,6 +7,7 @@ import (
 	"github.com/llmescrow/escrow/admin"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // The tables of the admin API's answers, each decoded into the API's own type (accounting's,
@@ -96,17 +97,45 @@ func usageTable(by string) table[ledger.UsageRow] {
 var topTable = append(table[admin.Spender]{{"org", func(s admin.Spender) string { return s.Org }}},
 	via(usageCounts, func(s admin.Spender) ledger.UsageRow { return s.UsageRow })...)
 
-var modelTable = table[ledger.Model]{
-	{"model", func(m ledger.Model) string { return m.Name }},
-	{"input_price", func(m ledger.Model) string { return i64(m.Input) }},
-	{"cached_input_price", func(m ledger.Model) string { return i64(m.CachedInput) }},
-	{"output_price", func(m ledger.Model) string { return i64(m.Output) }},
-	{"max_input_tokens", func(m ledger.Model) string { return i64(m.MaxInputTokens) }},
-	{"max_output_tokens", func(m ledger.Model) string { return i64(m.MaxOutputTokens) }},
-	{"max_cost", func(m ledger.Model) string { return i64(m.MaxCost) }},
-	{"default_hold", func(m ledger.Model) string { return i64(m.DefaultHold) }},
-	{"cache_write_input_price", func(m ledger.Model) string { return i64(m.CacheWriteInput) }},
-	{"cache_write_1h_input_price", func(m ledger.Model) string { return i64(m.CacheWrite1hInput) }},
+var priceClassTable = table[admin.PriceClass]{
+	{"class", func(p admin.PriceClass) string { return string(p.Name) }},
+	{"unit", func(p admin.PriceClass) string { return string(p.Unit) }},
+	{"side", func(p admin.PriceClass) string { return p.Side }},
+	{"bounds_input", func(p admin.PriceClass) string { return strconv.FormatBool(p.BoundsInput) }},
+	{"default", func(p admin.PriceClass) string { return p.Default }},
+	{"doc", func(p admin.PriceClass) string { return p.Doc }},
+}
+
+// modelTable is the columns of models: the name, one column "<class>_price" per price class
+// any of them prices, in the registry's order (a new class needs no column here), the limits.
+func modelTable(ms []ledger.Model) table[ledger.Model] {
+	t := append(table[ledger.Model]{{"model", func(m ledger.Model) string { return m.Name }}}, priceColumns(ms...)...)
+	return append(t, table[ledger.Model]{
+		{"max_input_tokens", func(m ledger.Model) string { return i64(m.MaxInputTokens) }},
+		{"max_output_tokens", func(m ledger.Model) string { return i64(m.MaxOutputTokens) }},
+		{"max_cost", func(m ledger.Model) string { return i64(m.MaxCost) }},
+		{"default_hold", func(m ledger.Model) string { return i64(m.DefaultHold) }},
+	}...)
+}
+
+// priceColumns are a column per class the models price, in the registry's order.
+func priceColumns(ms ...ledger.Model) table[ledger.Model] {
+	all := pricing.Prices{}
+	for _, m := range ms {
+		for c := range m.Prices {
+			all[c] = 0
+		}
+	}
+	var t table[ledger.Model]
+	for _, c := range all.Sorted() {
+		t = append(t, column[ledger.Model]{string(c) + ledger.PriceSuffix, func(m ledger.Model) string {
+			if v, ok := m.Prices[c]; ok {
+				return i64(v)
+			}
+			return ""
+		}})
+	}
+	return t
 }
 
 var requestTable = table[ledger.RequestInfo]{

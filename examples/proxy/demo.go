@@ -15,14 +15,14 @@ import (
 
 // demoModels are priced like small public models (micro-units per 1M tokens).
 var demoModels = []ledger.Model{
-	{Name: "gpt-4o-mini", Prices: pricing.Prices{Input: 150_000, CachedInput: 75_000, Output: 600_000},
+	{Name: "gpt-4o-mini", Prices: pricing.Prices{pricing.Input: 150_000, pricing.CachedInput: 75_000, pricing.Output: 600_000},
 		MaxInputTokens: 128_000, MaxOutputTokens: 16_384, DefaultHold: 50_000},
-	{Name: "gpt-4.1", Prices: pricing.Prices{Input: 2_000_000, CachedInput: 500_000, Output: 8_000_000},
+	{Name: "gpt-4.1", Prices: pricing.Prices{pricing.Input: 2_000_000, pricing.CachedInput: 500_000, pricing.Output: 8_000_000},
 		MaxInputTokens: 1_047_576, MaxOutputTokens: 32_768, DefaultHold: 500_000},
-	{Name: "text-embedding-3-small", Prices: pricing.Prices{Input: 20_000},
+	{Name: "text-embedding-3-small", Prices: pricing.Prices{pricing.Input: 20_000},
 		MaxInputTokens: 8_192, MaxOutputTokens: 1, DefaultHold: 1_000},
 	// Served on /v1/messages by the fake's Anthropic API (cache writes and reads priced).
-	{Name: "claude-haiku-4-5", Prices: pricing.Prices{Input: 1_000_000, CacheWriteInput: 1_250_000, CachedInput: 100_000, Output: 5_000_000},
+	{Name: "claude-haiku-4-5", Prices: pricing.Prices{pricing.Input: 1_000_000, pricing.CacheWrite: 1_250_000, pricing.CachedInput: 100_000, pricing.Output: 5_000_000},
 		MaxInputTokens: 200_000, MaxOutputTokens: 64_000, DefaultHold: 100_000},
 }
 

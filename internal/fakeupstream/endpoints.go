@@ -194,6 +194,7 @@ func (p plan) chatUsage() ChatUsage {
 	u.TotalTokens = u.PromptTokens + u.CompletionTokens
 	u.PromptTokensDetails.CachedTokens = p.cachedTokens
 	u.CompletionTokensDetails.ReasoningTokens = p.reasoningTokens
+	u.PromptTokensDetails.AudioTokens, u.CompletionTokensDetails.AudioTokens = p.audioIn, p.audioOut
 	return u
 }
 

@@ -71,6 +71,8 @@ type plan struct {
 	choices          int
 	cachedTokens     int
 	reasoningTokens  int
+	audioIn          int // of promptTokens ([audio_in:N])
+	audioOut         int // of the completion tokens ([audio_out:N])
 	fail, slow, hang bool
 	incomplete       bool
 	capped           bool   // the request set an output cap (finish_reason "length")
@@ -80,6 +82,8 @@ type plan struct {
 var (
 	cachedMarker    = regexp.MustCompile(`\[cached:(\d+)\]`)
 	reasoningMarker = regexp.MustCompile(`\[reasoning:(\d+)\]`)
+	audioInMarker   = regexp.MustCompile(`\[audio_in:(\d+)\]`)
+	audioOutMarker  = regexp.MustCompile(`\[audio_out:(\d+)\]`)
 	stopMarker      = regexp.MustCompile(`\[stop:(\d+)\]`)
 	encodingMarker  = regexp.MustCompile(`\[encoding:([A-Za-z0-9_-]+)\]`)
 )
@@ -124,6 +128,14 @@ func (s *Server) newPlan(words int, markerText string, outCap *int64, n *int64, 
 	if m := reasoningMarker.FindStringSubmatch(markerText); m != nil {
 		v, _ := strconv.Atoi(m[1])
 		p.reasoningTokens = min(v, p.completionTokens*p.choices)
+	}
+	if m := audioInMarker.FindStringSubmatch(markerText); m != nil {
+		v, _ := strconv.Atoi(m[1])
+		p.audioIn = min(v, p.promptTokens-p.cachedTokens)
+	}
+	if m := audioOutMarker.FindStringSubmatch(markerText); m != nil {
+		v, _ := strconv.Atoi(m[1])
+		p.audioOut = min(v, p.completionTokens*p.choices-p.reasoningTokens)
 	}
 	return p
 }

@@ -34,6 +34,9 @@
 //	               context ends
 //	[cached:N]     N of the prompt tokens are cached (at most all of them)
 //	[reasoning:N]  N of the completion tokens are reasoning tokens (at most all of them)
+//	[audio_in:N]   chat: N of the uncached prompt tokens are audio tokens
+//	               (prompt_tokens_details.audio_tokens); [audio_out:N] N of the completion
+//	               tokens that are not reasoning are audio (completion_tokens_details.audio_tokens)
 //	[stop:N]       the reply stops after N words when its cap allows more (finish_reason
 //	               "stop"), as a model that is done before its cap
 //	[fill]         the reply fills its cap (finish_reason "length"); without one, the

@@ -242,7 +242,7 @@ func usageFixture(t *testing.T, l ledger.Ledger, org string) (evs []ledger.Usage
 	} {
 		ev := event(org, spec.cost, i)
 		ev.CreatedAt, ev.Model, ev.KeyID = spec.at.Add(time.Duration(i)*time.Millisecond), spec.model, spec.key
-		ev.Usage = pricing.Usage{Prompt: int64(10 * (i + 1)), Cached: int64(i), Completion: int64(i + 1), Reasoning: 1}
+		ev.Usage = pricing.Usage{Prompt: int64(10 * (i + 1)), Completion: int64(i + 1), Reasoning: 1, Units: pricing.Units{pricing.CachedInput: int64(i)}}
 		ev.Estimated = i == 5
 		evs = append(evs, ev)
 	}
@@ -282,7 +282,7 @@ func testConsoleEntries(t *testing.T, l ledger.Ledger) {
 		case ledger.KindCharge:
 			ev, ok := byID[e.HoldID]
 			r := e.Request
-			if !ok || r == nil || r.ID != ev.ID || r.Model != ev.Model || r.KeyID != ev.KeyID || r.Usage != ev.Usage ||
+			if !ok || r == nil || r.ID != ev.ID || r.Model != ev.Model || r.KeyID != ev.KeyID || !r.Usage.Equal(ev.Usage) ||
 				r.Cost != ev.Cost || r.Cost != -e.Delta || r.HoldAmount != ev.HoldAmount || r.Estimated != ev.Estimated {
 				t.Fatalf("charge %d: %+v with request %+v, want event %+v", e.Seq, e, r, ev)
 			}
@@ -325,7 +325,7 @@ func testConsoleUsage(t *testing.T, l ledger.Ledger) {
 		t.Helper()
 		q.GroupBy = by
 		got := must(l.UsageReport(c, "u-org", q))
-		if !slices.Equal(got, want) {
+		if !slices.EqualFunc(got, want, ledger.UsageRow.Equal) {
 			t.Fatalf("usage by %s %v..%v:\n got %+v\nwant %+v", by, q.From, q.To, got, want)
 		}
 	}
@@ -333,12 +333,7 @@ func testConsoleUsage(t *testing.T, l ledger.Ledger) {
 	row := func(g string, is ...int) ledger.UsageRow {
 		r := ledger.UsageRow{Group: g}
 		for _, i := range is {
-			r.Requests++
-			r.Cost += int64(100 * (i + 1))
-			r.Prompt += int64(10 * (i + 1))
-			r.Cached += int64(i)
-			r.Completion += int64(i + 1)
-			r.Reasoning++
+			r.Add(int64(100*(i+1)), pricing.Usage{Prompt: int64(10 * (i + 1)), Completion: int64(i + 1), Reasoning: 1, Units: pricing.Units{pricing.CachedInput: int64(i)}})
 		}
 		return r
 	}
@@ -415,7 +410,7 @@ func testConsoleRequest(t *testing.T, l ledger.Ledger) {
 	evs, pending := usageFixture(t, l, "r-org")
 	r := must(l.Request(c, evs[2].ID))
 	if r.Status != ledger.RequestAccounted || r.Seq < 1 || r.Cost != 300 || r.Model != "m-a" || r.KeyID != "key_2" ||
-		r.Org != "r-org" || r.Usage != evs[2].Usage || r.HoldAmount != evs[2].HoldAmount || !r.CreatedAt.Equal(evs[2].CreatedAt) {
+		r.Org != "r-org" || !r.Usage.Equal(evs[2].Usage) || r.HoldAmount != evs[2].HoldAmount || !r.CreatedAt.Equal(evs[2].CreatedAt) {
 		t.Fatalf("request %s: %+v, want %+v", evs[2].ID, r, evs[2])
 	}
 	es := entries(t, l, "r-org")
@@ -440,7 +435,7 @@ func testConsoleRequest(t *testing.T, l ledger.Ledger) {
 func testConsoleDeleteModel(t *testing.T, l ledger.Ledger) {
 	c := ctx(t)
 	for _, name := range []string{"unused", "gpt-test"} {
-		noErr(t, l.PutModel(c, ledger.Model{Name: name, Prices: pricing.Prices{Input: 1, Output: 2}, DefaultHold: 10}))
+		noErr(t, l.PutModel(c, ledger.Model{Name: name, Prices: pricing.Prices{pricing.Input: 1, pricing.Output: 2}, DefaultHold: 10}))
 	}
 	noErr(t, l.RecordUsage(c, []ledger.UsageEvent{event("d-org", 5, 0)})) // model gpt-test
 	noErr(t, l.DeleteModel(c, "unused"))

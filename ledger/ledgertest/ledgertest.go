@@ -7,6 +7,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -113,7 +115,7 @@ var t0 = time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
 func event(org string, cost int64, i int) ledger.UsageEvent {
 	return ledger.UsageEvent{
 		ID: NewEventID(), Org: org, KeyID: "key_1", Model: "gpt-test", Endpoint: "/v1/chat/completions",
-		Usage: pricing.Usage{Prompt: 100, Cached: 10, Completion: 50, Reasoning: 5},
+		Usage: pricing.Usage{Prompt: 100, Completion: 50, Reasoning: 5, Units: pricing.Units{pricing.CachedInput: 10}},
 		Cost:  cost, HoldAmount: cost * 2, CreatedAt: t0.Add(time.Duration(i) * time.Millisecond),
 	}
 }
@@ -503,7 +505,8 @@ func testRecordInvalid(t *testing.T, l ledger.Ledger) {
 		"non-uuid id":          {func(e *ledger.UsageEvent) { e.ID = "req-1" }, pricing.ErrInvalidUsage},
 		"no model":             {func(e *ledger.UsageEvent) { e.Model = "" }, pricing.ErrInvalidUsage},
 		"negative token":       {func(e *ledger.UsageEvent) { e.Usage.Completion = -1 }, pricing.ErrInvalidUsage},
-		"negative cache write": {func(e *ledger.UsageEvent) { e.Usage.CacheWrite = -1 }, pricing.ErrInvalidUsage},
+		"negative cache write": {func(e *ledger.UsageEvent) { e.Usage = e.Usage.With(pricing.CacheWrite, -1) }, pricing.ErrInvalidUsage},
+		"unknown class":        {func(e *ledger.UsageEvent) { e.Usage = e.Usage.With("no_such_class", 1) }, pricing.ErrInvalidUsage},
 		"negative cost":        {func(e *ledger.UsageEvent) { e.Cost = -1 }, ledger.ErrInvalidAmount},
 		"huge cost":            {func(e *ledger.UsageEvent) { e.Cost = balance.MaxAmount + 1 }, ledger.ErrInvalidAmount},
 		"negative hold":        {func(e *ledger.UsageEvent) { e.HoldAmount = -1 }, ledger.ErrInvalidAmount},
@@ -883,17 +886,18 @@ func testModels(t *testing.T, l ledger.Ledger) {
 	_, err := l.Model(c, "m")
 	wantErr(t, err, ledger.ErrUnknownModel, "missing model")
 	wantErr(t, l.RaiseMaxCost(c, "m", 5), ledger.ErrUnknownModel, "RaiseMaxCost of a missing model")
-	m := ledger.Model{Name: "m", Prices: pricing.Prices{Input: 2_500_000, CachedInput: 1_250_000, Output: 10_000_000, CacheWriteInput: 3_125_000,
-		CacheWrite1hInput: 5_000_001},
+	m := ledger.Model{Name: "m", Prices: pricing.Prices{pricing.Input: 2_500_000, pricing.CachedInput: 1_250_000, pricing.Output: 10_000_000, pricing.CacheWrite: 3_125_000, pricing.CacheWrite1h: 5_000_001},
 		MaxInputTokens: 128_000, MaxOutputTokens: 16_384, MaxCost: 100, DefaultHold: 50_000}
 	noErr(t, l.PutModel(c, m))
 	noErr(t, l.PutModel(c, ledger.Model{Name: "a", DefaultHold: 1}))
-	// A price left out is stored as 0 (Prices.WithDefaults prices it), not replaced.
-	noErr(t, l.PutModel(c, ledger.Model{Name: "b", Prices: pricing.Prices{Input: 7, Output: 9}}))
-	if got := must(l.Model(c, "b")); got.Prices != (pricing.Prices{Input: 7, Output: 9}) {
+	// A price left out is stored as not given (Prices.Price defaults it), not replaced; a class
+	// with no column of its own (audio tokens, one image) is stored like the others.
+	b := pricing.Prices{pricing.Input: 7, pricing.Output: 9, pricing.AudioOutput: 80, pricing.PerImage("1024x1024", "hd"): 80_000}
+	noErr(t, l.PutModel(c, ledger.Model{Name: "b", Prices: b}))
+	if got := must(l.Model(c, "b")); !maps.Equal(got.Prices, b) {
 		t.Fatalf("Model b = %+v", got)
 	}
-	if got := must(l.Model(c, "m")); got != m {
+	if got := must(l.Model(c, "m")); !reflect.DeepEqual(got, m) {
 		t.Fatalf("Model = %+v, want %+v", got, m)
 	}
 	noErr(t, l.RaiseMaxCost(c, "m", 300))
@@ -903,19 +907,20 @@ func testModels(t *testing.T, l ledger.Ledger) {
 	}
 	wantErr(t, l.RaiseMaxCost(c, "m", -1), ledger.ErrInvalidAmount, "negative max cost")
 	ms := must(l.Models(c))
-	if len(ms) != 3 || ms[0].Name != "a" || ms[2].Name != "m" || ms[2].MaxCost != 300 || ms[2].CacheWrite1hInput != 5_000_001 {
+	if len(ms) != 3 || ms[0].Name != "a" || ms[2].Name != "m" || ms[2].MaxCost != 300 || ms[2].Prices[pricing.CacheWrite1h] != 5_000_001 || ms[1].Prices[pricing.AudioOutput] != 80 {
 		t.Fatalf("Models = %+v", ms)
 	}
 	// PutModel replaces the prices and limits, but never lowers the max cost below what the
 	// ledger learned (issue 23: a repricing reset it to 0, and holds of requests escrow cannot
 	// bound fell to the next cheap request's cost); a larger one given is kept.
 	m.MaxCost = 10
-	m.Output = 1
-	m.CacheWrite1hInput = 0
+	m.Prices = maps.Clone(m.Prices)
+	m.Prices[pricing.Output] = 1
+	delete(m.Prices, pricing.CacheWrite1h)
 	noErr(t, l.PutModel(c, m))
 	want := m
 	want.MaxCost = 300
-	if got := must(l.Model(c, "m")); got != want {
+	if got := must(l.Model(c, "m")); !reflect.DeepEqual(got, want) {
 		t.Fatalf("after replace: %+v, want %+v", got, want)
 	}
 	m.MaxCost = 400
@@ -923,11 +928,12 @@ func testModels(t *testing.T, l ledger.Ledger) {
 	if got := must(l.Model(c, "m")); got.MaxCost != 400 {
 		t.Fatalf("after a replace with a larger max cost: %+v", got)
 	}
-	wantErr(t, l.PutModel(c, ledger.Model{Name: "bad", Prices: pricing.Prices{Input: -1}}), ledger.ErrInvalidAmount, "negative price")
-	wantErr(t, l.PutModel(c, ledger.Model{Name: "bad", Prices: pricing.Prices{CacheWriteInput: -1}}), ledger.ErrInvalidAmount, "negative cache-write price")
-	wantErr(t, l.PutModel(c, ledger.Model{Name: "bad", Prices: pricing.Prices{CacheWriteInput: balance.MaxAmount + 1}}), ledger.ErrInvalidAmount, "huge cache-write price")
-	wantErr(t, l.PutModel(c, ledger.Model{Name: "bad", Prices: pricing.Prices{CacheWrite1hInput: -1}}), ledger.ErrInvalidAmount, "negative 1-hour cache-write price")
-	wantErr(t, l.PutModel(c, ledger.Model{Name: "bad", Prices: pricing.Prices{CacheWrite1hInput: balance.MaxAmount + 1}}), ledger.ErrInvalidAmount, "huge 1-hour cache-write price")
+	wantErr(t, l.PutModel(c, ledger.Model{Name: "bad", Prices: pricing.Prices{pricing.Input: -1}}), ledger.ErrInvalidAmount, "negative price")
+	wantErr(t, l.PutModel(c, ledger.Model{Name: "bad", Prices: pricing.Prices{pricing.CacheWrite: -1}}), ledger.ErrInvalidAmount, "negative cache-write price")
+	wantErr(t, l.PutModel(c, ledger.Model{Name: "bad", Prices: pricing.Prices{pricing.CacheWrite: balance.MaxAmount + 1}}), ledger.ErrInvalidAmount, "huge cache-write price")
+	wantErr(t, l.PutModel(c, ledger.Model{Name: "bad", Prices: pricing.Prices{pricing.CacheWrite1h: -1}}), ledger.ErrInvalidAmount, "negative 1-hour cache-write price")
+	wantErr(t, l.PutModel(c, ledger.Model{Name: "bad", Prices: pricing.Prices{pricing.CacheWrite1h: balance.MaxAmount + 1}}), ledger.ErrInvalidAmount, "huge 1-hour cache-write price")
+	wantErr(t, l.PutModel(c, ledger.Model{Name: "bad", Prices: pricing.Prices{"no_such_class": 1}}), ledger.ErrInvalidAmount, "unknown class")
 	wantErr(t, l.PutModel(c, ledger.Model{Name: ""}), ledger.ErrInvalidAmount, "empty name")
 }
 
@@ -965,25 +971,25 @@ func testCacheWrite(t *testing.T, l ledger.Ledger) {
 	c := ctx(t)
 	noErr(t, l.CreateOrg(c, "cw"))
 	ev := event("cw", 10_050, 0)
-	ev.Usage = pricing.Usage{Prompt: 7100, Cached: 5000, CacheWrite: 2000, CacheWrite1h: 1500, Completion: 50}
+	ev.Usage = pricing.Usage{Prompt: 7100, Completion: 50, Units: pricing.Units{pricing.CachedInput: 5000, pricing.CacheWrite1h: 1500, pricing.CacheWrite: 500}}
 	noErr(t, l.RecordUsage(c, []ledger.UsageEvent{ev}))
-	if r := must(l.Request(c, ev.ID)); r.Usage != ev.Usage || r.Status != ledger.RequestPending {
+	if r := must(l.Request(c, ev.ID)); !r.Usage.Equal(ev.Usage) || r.Status != ledger.RequestPending {
 		t.Fatalf("pending request %+v, want usage %+v", r, ev.Usage)
 	}
 	if n := must(l.AccountPending(c, 10)); n != 1 {
 		t.Fatalf("accounted %d events, want 1", n)
 	}
-	if r := must(l.Request(c, ev.ID)); r.Usage != ev.Usage || r.Status != ledger.RequestAccounted || r.Cost != 10_050 {
+	if r := must(l.Request(c, ev.ID)); !r.Usage.Equal(ev.Usage) || r.Status != ledger.RequestAccounted || r.Cost != 10_050 {
 		t.Fatalf("accounted request %+v, want usage %+v", r, ev.Usage)
 	}
 	page := must(l.ListEntries(c, "cw", ledger.EntryQuery{}))
-	if len(page.Data) != 1 || page.Data[0].Request == nil || page.Data[0].Request.Usage != ev.Usage {
+	if len(page.Data) != 1 || page.Data[0].Request == nil || !page.Data[0].Request.Usage.Equal(ev.Usage) {
 		t.Fatalf("entries %+v, want one charge with usage %+v", page.Data, ev.Usage)
 	}
 	void := event("cw", 7, 1)
-	void.Usage.CacheWrite, void.Usage.CacheWrite1h = 33, 11
+	void.Usage = void.Usage.With(pricing.CacheWrite, 22).With(pricing.CacheWrite1h, 11).With(pricing.AudioInput, 5)
 	noErr(t, l.VoidUsage(c, void))
-	if r := must(l.Request(c, void.ID)); r.Usage != void.Usage || r.Status != ledger.RequestVoided {
+	if r := must(l.Request(c, void.ID)); !r.Usage.Equal(void.Usage) || r.Status != ledger.RequestVoided {
 		t.Fatalf("voided request %+v, want usage %+v", r, void.Usage)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 	"time"
@@ -617,6 +618,7 @@ func (m *Ledger) PutModel(ctx context.Context, model ledger.Model) error {
 	if old, ok := m.models[model.Name]; ok {
 		model.MaxCost = max(model.MaxCost, old.MaxCost) // never below what the ledger learned
 	}
+	model.Prices = maps.Clone(model.Prices) // the caller's map stays the caller's
 	m.models[model.Name] = model
 	return nil
 }
@@ -629,6 +631,7 @@ func (m *Ledger) Model(ctx context.Context, name string) (ledger.Model, error) {
 	if !ok {
 		return ledger.Model{}, fmt.Errorf("%w: %q", ledger.ErrUnknownModel, name)
 	}
+	md.Prices = maps.Clone(md.Prices)
 	return md, nil
 }
 
@@ -638,6 +641,7 @@ func (m *Ledger) Models(ctx context.Context) ([]ledger.Model, error) {
 	defer m.mu.Unlock()
 	out := make([]ledger.Model, 0, len(m.models))
 	for _, md := range m.models {
+		md.Prices = maps.Clone(md.Prices)
 		out = append(out, md)
 	}
 	slices.SortFunc(out, func(a, b ledger.Model) int { return cmp.Compare(a.Name, b.Name) })

@@ -376,12 +376,7 @@ func (m *Ledger) AuditLog(ctx context.Context, q ledger.ListQuery) (ledger.Page[
 
 // addUsage counts one request of the given cost and usage in row r.
 func addUsage(r *ledger.UsageRow, cost int64, u pricing.Usage) {
-	r.Requests++
-	r.Cost += cost
-	r.Prompt += u.Prompt
-	r.Cached += u.Cached
-	r.Completion += u.Completion
-	r.Reasoning += u.Reasoning
+	r.Add(cost, u)
 }
 
 // Spend sums the org's charges, and its key's, under the lock.

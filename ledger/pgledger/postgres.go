@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -20,6 +21,7 @@ import (
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/migrations"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // Config configures the Postgres ledger. The zero value is ready to use.
@@ -1145,15 +1147,14 @@ func (p *Ledger) RecordUsageQuiet(ctx context.Context, events []ledger.UsageEven
 func sqlRecord(onConflict, notify bool) string {
 	q := `
 WITH ins AS (
-	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
-		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, cache_write_tokens, choices,
-		cache_write_1h_tokens, end_user)
-	SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, ct, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, cwt, ch, cw1h,
+	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, units,
+		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, created_at, project, reserved_at, choices, end_user)
+	SELECT id::uuid, org, model, NULLIF(key, ''), NULLIF(endpoint, ''), pt, NULLIF(un, '')::jsonb, cpt, rt, cost, hold, est, at, NULLIF(project, ''), rat, ch,
 		NULLIF(eu, '')
-	FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
-		$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[], $17::bigint[],
-		$18::bigint[], $19::text[])
-		AS x(id, org, model, key, endpoint, pt, ct, cpt, rt, cost, hold, est, at, project, rat, cwt, ch, cw1h, eu)`
+	FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[],
+		$8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bool[], $13::timestamptz[], $14::text[], $15::timestamptz[], $16::bigint[],
+		$17::text[])
+		AS x(id, org, model, key, endpoint, pt, un, cpt, rt, cost, hold, est, at, project, rat, ch, eu)`
 	if onConflict {
 		q += `
 	ON CONFLICT (id) DO NOTHING`
@@ -1187,8 +1188,8 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, no
 	n := len(events)
 	var (
 		ids, orgs, models, keys, endpoints = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-		prompt, cached, completion         = make([]int64, n), make([]int64, n), make([]int64, n)
-		cacheWrite, cacheWrite1h           = make([]int64, n), make([]int64, n)
+		prompt, completion                 = make([]int64, n), make([]int64, n)
+		units                              = make([]string, n)
 		reasoning, costs, holds            = make([]int64, n), make([]int64, n), make([]int64, n)
 		estimated                          = make([]bool, n)
 		created                            = make([]time.Time, n)
@@ -1204,15 +1205,15 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, no
 		}
 		norm[i] = ev
 		ids[i], orgs[i], models[i], keys[i], endpoints[i] = ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint
-		prompt[i], cached[i], completion[i], reasoning[i] = ev.Usage.Prompt, ev.Usage.Cached, ev.Usage.Completion, ev.Usage.Reasoning
-		cacheWrite[i], cacheWrite1h[i] = ev.Usage.CacheWrite, ev.Usage.CacheWrite1h
+		prompt[i], completion[i], reasoning[i] = ev.Usage.Prompt, ev.Usage.Completion, ev.Usage.Reasoning
+		units[i] = string(unitsJSON(ev.Usage.Units))
 		costs[i], holds[i], estimated[i], created[i] = ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt
 		projects[i], endUsers[i], choices[i] = ev.Project, ev.EndUser, max(ev.Choices, 1)
 		if !ev.ReservedAt.IsZero() {
 			reserved[i] = &ev.ReservedAt
 		}
 	}
-	args := []any{ids, orgs, models, keys, endpoints, prompt, cached, completion, reasoning, costs, holds, estimated, created, projects, reserved, cacheWrite, choices, cacheWrite1h, endUsers}
+	args := []any{ids, orgs, models, keys, endpoints, prompt, units, completion, reasoning, costs, holds, estimated, created, projects, reserved, choices, endUsers}
 	sql, again := sqlRecordQuiet, sqlRecordQuietOnConflict
 	if notify {
 		sql, again = sqlRecordNotify, sqlRecordNotifyOnConflict
@@ -1245,8 +1246,8 @@ func (p *Ledger) recordCopy(ctx context.Context, events []ledger.UsageEvent, not
 			reserved = ev.ReservedAt
 		}
 		rows[i] = []any{uuid.MustParse(ev.ID) /* NormalizeEvent checked it */, ev.Org, ev.Model, nullIfEmpty(ev.KeyID), nullIfEmpty(ev.Endpoint),
-			ev.Usage.Prompt, ev.Usage.Cached, ev.Usage.Completion, ev.Usage.Reasoning, ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt,
-			nullIfEmpty(ev.Project), reserved, ev.Usage.CacheWrite, max(ev.Choices, 1), ev.Usage.CacheWrite1h, nullIfEmpty(ev.EndUser)}
+			ev.Usage.Prompt, unitsArg(ev.Usage.Units), ev.Usage.Completion, ev.Usage.Reasoning, ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt,
+			nullIfEmpty(ev.Project), reserved, max(ev.Choices, 1), nullIfEmpty(ev.EndUser)}
 	}
 	ids, orgs := make([]string, len(events)), make([]string, len(events))
 	for i, ev := range events {
@@ -1277,9 +1278,26 @@ func (p *Ledger) recordCopy(ctx context.Context, events []ledger.UsageEvent, not
 
 // sqlRecordColumns are the usage_events columns recordUsage's arguments (and recordCopy's rows)
 // fill, in their order.
-var sqlRecordColumns = []string{"id", "org_id", "model", "key_id", "endpoint", "prompt_tokens", "cached_tokens",
-	"completion_tokens", "reasoning_tokens", "cost", "hold_amount", "estimated", "created_at", "project", "reserved_at", "cache_write_tokens", "choices",
-	"cache_write_1h_tokens", "end_user"}
+var sqlRecordColumns = []string{"id", "org_id", "model", "key_id", "endpoint", "prompt_tokens", "units",
+	"completion_tokens", "reasoning_tokens", "cost", "hold_amount", "estimated", "created_at", "project", "reserved_at", "choices", "end_user"}
+
+// unitsJSON is a usage's units as stored (usage_events.units): nil when there are none, so that
+// a text-only event's row has NULL there.
+func unitsJSON(u pricing.Units) []byte {
+	if len(u) == 0 {
+		return nil
+	}
+	b, _ := json.Marshal(u) // a map of strings to integers: cannot fail
+	return b
+}
+
+// unitsArg is unitsJSON as a COPY value: nil (NULL) or the JSON text.
+func unitsArg(u pricing.Units) any {
+	if b := unitsJSON(u); b != nil {
+		return string(b)
+	}
+	return nil
+}
 
 // notSent reports whether err happened before the statement reached Postgres: no connection
 // could be made, or pgx guarantees that no byte was sent.
@@ -1300,13 +1318,13 @@ func (p *Ledger) VoidUsage(ctx context.Context, ev ledger.UsageEvent) error {
 	var inserted bool
 	err = p.pool.QueryRow(ctx, `
 WITH ins AS (
-	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, cached_tokens,
-		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, status, created_at, cache_write_tokens, cache_write_1h_tokens)
-	VALUES ($1::uuid, $2, $3, NULLIF($4, ''), NULLIF($5, ''), $6, $7, $8, $9, $10, $11, $12, 'voided', $13, $14, $15)
+	INSERT INTO usage_events (id, org_id, model, key_id, endpoint, prompt_tokens, units,
+		completion_tokens, reasoning_tokens, cost, hold_amount, estimated, status, created_at)
+	VALUES ($1::uuid, $2, $3, NULLIF($4, ''), NULLIF($5, ''), $6, NULLIF($7, '')::jsonb, $8, $9, $10, $11, $12, 'voided', $13)
 	ON CONFLICT (id) DO NOTHING RETURNING 1
 )
-SELECT EXISTS (SELECT 1 FROM ins)`, ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint, ev.Usage.Prompt, ev.Usage.Cached,
-		ev.Usage.Completion, ev.Usage.Reasoning, ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt, ev.Usage.CacheWrite, ev.Usage.CacheWrite1h).Scan(&inserted)
+SELECT EXISTS (SELECT 1 FROM ins)`, ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint, ev.Usage.Prompt, string(unitsJSON(ev.Usage.Units)),
+		ev.Usage.Completion, ev.Usage.Reasoning, ev.Cost, ev.HoldAmount, ev.Estimated, ev.CreatedAt).Scan(&inserted)
 	if err != nil {
 		return wrapPg("void usage", err)
 	}
@@ -1506,26 +1524,35 @@ func (p *Ledger) PutModel(ctx context.Context, m ledger.Model) error {
 	if err := ledger.ValidateModel(m); err != nil {
 		return err
 	}
+	prices := m.Prices
+	if prices == nil {
+		prices = pricing.Prices{}
+	}
+	// The legacy price columns (migrations 001, 006, 011) are kept up to date for a process of
+	// the previous release during a rolling upgrade (docs/price-classes.md); nothing reads them.
 	_, err := p.pool.Exec(ctx, `
-INSERT INTO models (model, input_price, cached_input_price, output_price, max_input_tokens,
-	max_output_tokens, max_cost, default_hold, cache_write_input_price, cache_write_1h_input_price)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-ON CONFLICT (model) DO UPDATE SET input_price = EXCLUDED.input_price,
+INSERT INTO models (model, prices, max_input_tokens, max_output_tokens, max_cost, default_hold,
+	input_price, cached_input_price, output_price, cache_write_input_price, cache_write_1h_input_price)
+SELECT $1, x.p, $3, $4, $5, $6, coalesce((x.p->>'input')::bigint, 0), coalesce((x.p->>'cached_input')::bigint, 0),
+	coalesce((x.p->>'output')::bigint, 0), coalesce((x.p->>'cache_write_input')::bigint, 0), coalesce((x.p->>'cache_write_1h_input')::bigint, 0)
+FROM (SELECT $2::jsonb AS p) x
+ON CONFLICT (model) DO UPDATE SET prices = EXCLUDED.prices, input_price = EXCLUDED.input_price,
 	cached_input_price = EXCLUDED.cached_input_price, output_price = EXCLUDED.output_price,
 	cache_write_input_price = EXCLUDED.cache_write_input_price, cache_write_1h_input_price = EXCLUDED.cache_write_1h_input_price,
 	max_input_tokens = EXCLUDED.max_input_tokens, max_output_tokens = EXCLUDED.max_output_tokens,
 	max_cost = GREATEST(models.max_cost, EXCLUDED.max_cost), default_hold = EXCLUDED.default_hold, updated_at = now()`,
-		m.Name, m.Input, m.CachedInput, m.Output, m.MaxInputTokens, m.MaxOutputTokens, m.MaxCost, m.DefaultHold, m.CacheWriteInput,
-		m.CacheWrite1hInput)
+		m.Name, prices, m.MaxInputTokens, m.MaxOutputTokens, m.MaxCost, m.DefaultHold)
 	return wrapPg("put model", err)
 }
 
-const sqlModelColumns = `model, input_price, cached_input_price, output_price, max_input_tokens, max_output_tokens, max_cost, default_hold, cache_write_input_price,
-	cache_write_1h_input_price`
+const sqlModelColumns = `model, prices, max_input_tokens, max_output_tokens, max_cost, default_hold`
 
 func scanModel(r pgx.CollectableRow) (ledger.Model, error) {
 	var m ledger.Model
-	err := r.Scan(&m.Name, &m.Input, &m.CachedInput, &m.Output, &m.MaxInputTokens, &m.MaxOutputTokens, &m.MaxCost, &m.DefaultHold, &m.CacheWriteInput, &m.CacheWrite1hInput)
+	err := r.Scan(&m.Name, &m.Prices, &m.MaxInputTokens, &m.MaxOutputTokens, &m.MaxCost, &m.DefaultHold)
+	if len(m.Prices) == 0 {
+		m.Prices = nil
+	}
 	return m, err
 }
 

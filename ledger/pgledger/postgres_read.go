@@ -164,10 +164,11 @@ func (p *Ledger) ListEntries(ctx context.Context, org string, q ledger.EntryQuer
 		for rows.Next() {
 			var e ledger.EntryInfo
 			var hold, ref, evID, key, model, project, endUser *string
-			var pt, ct, cpt, rt, cwt, cw1h, cost, holdAmt *int64
+			var pt, cpt, rt, cost, holdAmt *int64
+			var units pricing.Units
 			var est *bool
 			if err := rows.Scan(&e.Org, &e.Seq, &e.Delta, &e.Kind, &hold, &ref, &e.CreatedAt,
-				&evID, &key, &model, &pt, &ct, &cpt, &rt, &cost, &holdAmt, &est, &cwt, &cw1h, &project, &endUser); err != nil {
+				&evID, &key, &model, &pt, &units, &cpt, &rt, &cost, &holdAmt, &est, &project, &endUser); err != nil {
 				return err
 			}
 			e.CreatedAt = e.CreatedAt.UTC()
@@ -175,7 +176,7 @@ func (p *Ledger) ListEntries(ctx context.Context, org string, q ledger.EntryQuer
 			if evID != nil {
 				e.Request = &ledger.EntryRequest{
 					ID: *evID, KeyID: deref(key), Project: deref(project), EndUser: deref(endUser), Model: deref(model),
-					Usage: pricing.Usage{Prompt: *pt, Cached: *ct, Completion: *cpt, Reasoning: *rt, CacheWrite: *cwt, CacheWrite1h: *cw1h},
+					Usage: pricing.Usage{Prompt: *pt, Completion: *cpt, Reasoning: *rt, Units: units},
 					Cost:  *cost, HoldAmount: *holdAmt, Estimated: *est,
 				}
 			}
@@ -194,8 +195,8 @@ func (p *Ledger) ListEntries(ctx context.Context, org string, q ledger.EntryQuer
 
 const sqlListEntries = `
 SELECT e.org_id, e.seq, e.delta, e.kind, e.hold_id::text, e.ref, e.created_at,
-       u.id::text, u.key_id, u.model, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
-       u.reasoning_tokens, u.cost, u.hold_amount, u.estimated, u.cache_write_tokens, u.cache_write_1h_tokens, u.project, u.end_user
+       u.id::text, u.key_id, u.model, u.prompt_tokens, u.units, u.completion_tokens,
+       u.reasoning_tokens, u.cost, u.hold_amount, u.estimated, u.project, u.end_user
 FROM ledger_entries e
 LEFT JOIN usage_events u ON e.kind = 'charge' AND u.id = e.hold_id
 WHERE e.org_id = $1::text AND e.seq < $2::bigint
@@ -236,9 +237,9 @@ func (p *Ledger) UsageReport(ctx context.Context, org string, q ledger.UsageQuer
 			return err
 		}
 		rows, _ := tx.Query(ctx, `
-SELECT g, count(*), sum(cost)::bigint, sum(prompt_tokens)::bigint, sum(cached_tokens)::bigint,
+SELECT g, count(*), sum(cost)::bigint, sum(prompt_tokens)::bigint, `+sqlSumUnits+`,
        sum(completion_tokens)::bigint, sum(reasoning_tokens)::bigint
-FROM (SELECT `+group+` AS g, u.cost, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.reasoning_tokens
+FROM (SELECT `+group+` AS g, u.cost, u.prompt_tokens, u.units, u.completion_tokens, u.reasoning_tokens
       FROM ledger_entries e JOIN usage_events u ON u.id = e.hold_id
       WHERE e.org_id = $1 AND e.kind = 'charge'
         AND ($2::timestamptz IS NULL OR coalesce(e.reserved_at, e.created_at) >= $2)
@@ -247,7 +248,8 @@ GROUP BY g ORDER BY g COLLATE "C"`, org, tsArg(q.From), tsArg(q.To))
 		var err error
 		out, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (ledger.UsageRow, error) {
 			var u ledger.UsageRow
-			err := r.Scan(&u.Group, &u.Requests, &u.Cost, &u.Prompt, &u.Cached, &u.Completion, &u.Reasoning)
+			err := r.Scan(&u.Group, &u.Requests, &u.Cost, &u.Prompt, &u.Units, &u.Completion, &u.Reasoning)
+			u.Fill()
 			return u, err
 		})
 		return err
@@ -284,7 +286,8 @@ func (p *Ledger) TopSpenders(ctx context.Context, q ledger.TopQuery) ([]ledger.U
 	rows, _ := p.pool.Query(ctx, sqlTopSpenders(where), args...)
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (ledger.UsageRow, error) {
 		var u ledger.UsageRow
-		err := r.Scan(&u.Group, &u.Requests, &u.Cost, &u.Prompt, &u.Cached, &u.Completion, &u.Reasoning)
+		err := r.Scan(&u.Group, &u.Requests, &u.Cost, &u.Prompt, &u.Units, &u.Completion, &u.Reasoning)
+		u.Fill()
 		return u, err
 	})
 	if out == nil && err == nil {
@@ -293,10 +296,15 @@ func (p *Ledger) TopSpenders(ctx context.Context, q ledger.TopQuery) ([]ledger.U
 	return out, wrapPg("top spenders", err)
 }
 
+// sqlSumUnits is an aggregate over a group's events: the sum of each class's units (a JSON
+// object, NULL when there are none), whatever classes they hold.
+const sqlSumUnits = `(SELECT jsonb_object_agg(k, n) FROM (SELECT e.key AS k, sum(e.value::bigint) AS n
+	FROM unnest(array_agg(units)) AS x(u), jsonb_each_text(x.u) AS e GROUP BY e.key) s)`
+
 // sqlTopSpenders is TopSpenders' query for a WHERE clause ($1 is the limit).
 func sqlTopSpenders(where string) string {
 	return `
-SELECT org_id, count(*), sum(cost)::bigint, sum(prompt_tokens)::bigint, sum(cached_tokens)::bigint,
+SELECT org_id, count(*), sum(cost)::bigint, sum(prompt_tokens)::bigint, ` + sqlSumUnits + `,
        sum(completion_tokens)::bigint, sum(reasoning_tokens)::bigint
 FROM usage_events WHERE ` + where + `
 GROUP BY org_id
@@ -318,19 +326,19 @@ func (p *Ledger) Request(ctx context.Context, id string) (ledger.RequestInfo, er
 	// charge entry, found by the org and the time it copies from the event
 	// (ledger_entries_org_reserved).
 	err = p.pool.QueryRow(ctx, `
-SELECT id::text, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens,
+SELECT id::text, org_id, key_id, model, endpoint, prompt_tokens, units, completion_tokens,
        reasoning_tokens, cost, hold_amount, estimated,
        CASE WHEN status <> 'recorded' THEN status
             WHEN e.seq IS NOT NULL THEN 'accounted' ELSE 'pending' END,
-       coalesce(u.seq, e.seq), created_at, project, reserved_at, cache_write_tokens, cache_write_1h_tokens, end_user
+       coalesce(u.seq, e.seq), created_at, project, reserved_at, end_user
 FROM usage_events u LEFT JOIN LATERAL (
 	SELECT l.seq FROM ledger_entries l
 	WHERE u.status = 'recorded' AND l.org_id = u.org_id AND l.kind = 'charge'
 	  AND coalesce(l.reserved_at, l.created_at) = coalesce(u.reserved_at, u.created_at) AND l.hold_id = u.id
 ) e ON true
 WHERE u.id = $1`, u).Scan(&r.ID, &r.Org, &key, &r.Model, &endpoint,
-		&r.Usage.Prompt, &r.Usage.Cached, &r.Usage.Completion, &r.Usage.Reasoning, &r.Cost, &r.HoldAmount,
-		&r.Estimated, &r.Status, &seq, &r.CreatedAt, &project, &reserved, &r.Usage.CacheWrite, &r.Usage.CacheWrite1h, &endUser)
+		&r.Usage.Prompt, &r.Usage.Units, &r.Usage.Completion, &r.Usage.Reasoning, &r.Cost, &r.HoldAmount,
+		&r.Estimated, &r.Status, &seq, &r.CreatedAt, &project, &reserved, &endUser)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return ledger.RequestInfo{}, fmt.Errorf("%w: %q", ledger.ErrUnknownRequest, id)
 	}
