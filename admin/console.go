@@ -422,8 +422,12 @@ func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
 		}
 		err := next(c)
 		actor := strings.TrimSpace(r.Header.Get(ActorHeader))
+		p, _ := PrincipalOf(c)
 		if actor == "" || len(actor) > 200 {
 			actor = "admin"
+			if !p.Bootstrap() {
+				actor = "token " + p.ID()
+			}
 		}
 		target := c.Param("org")
 		for _, p := range []string{"id", "model"} {
@@ -447,7 +451,7 @@ func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
 		}
 		// Recorded even when the client has gone: the write may have happened.
 		if _, aerr := a.console.RecordAudit(context.WithoutCancel(r.Context()), ledger.AuditRecord{
-			Actor: actor, Action: r.Method + " " + c.Path(), Target: target, Status: status, Detail: detail,
+			Actor: actor, Token: p.TokenID, Action: r.Method + " " + c.Path(), Target: target, Status: status, Detail: detail,
 		}); aerr != nil {
 			a.log.Error("admin audit record failed", "action", r.Method+" "+c.Path(), "err", aerr)
 		}

@@ -231,6 +231,7 @@ type AuditRecord struct {
 	ID     int64     `json:"id"`
 	At     time.Time `json:"at"`
 	Actor  string    `json:"actor"`
+	Token  string    `json:"token,omitempty"`  // the id of the admin token used ("" for the bootstrap token)
 	Action string    `json:"action"`           // e.g. "POST /admin/v1/orgs/:org/credits"
 	Target string    `json:"target,omitempty"` // the org, key or model written
 	Status int       `json:"status"`           // the answer's HTTP status

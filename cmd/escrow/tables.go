@@ -126,6 +126,7 @@ var auditTable = table[ledger.AuditRecord]{
 	{"id", func(r ledger.AuditRecord) string { return i64(r.ID) }},
 	{"at", func(r ledger.AuditRecord) string { return ts(r.At) }},
 	{"actor", func(r ledger.AuditRecord) string { return r.Actor }},
+	{"token", func(r ledger.AuditRecord) string { return r.Token }},
 	{"action", func(r ledger.AuditRecord) string { return r.Action }},
 	{"target", func(r ledger.AuditRecord) string { return r.Target }},
 	{"status", func(r ledger.AuditRecord) string { return strconv.Itoa(r.Status) }},

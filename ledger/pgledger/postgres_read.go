@@ -374,8 +374,8 @@ func (p *Ledger) DeleteModel(ctx context.Context, name string) error {
 
 // RecordAudit appends r to the audit trail.
 func (p *Ledger) RecordAudit(ctx context.Context, r ledger.AuditRecord) (ledger.AuditRecord, error) {
-	err := p.pool.QueryRow(ctx, `INSERT INTO admin_audit (actor, action, target, status, detail)
-VALUES ($1, $2, $3, $4, $5) RETURNING id, at`, r.Actor, r.Action, r.Target, r.Status, r.Detail).Scan(&r.ID, &r.At)
+	err := p.pool.QueryRow(ctx, `INSERT INTO admin_audit (actor, action, target, status, detail, token_id)
+VALUES ($1, $2, $3, $4, $5, $6) RETURNING id, at`, r.Actor, r.Action, r.Target, r.Status, r.Detail, r.Token).Scan(&r.ID, &r.At)
 	r.At = r.At.UTC()
 	return r, wrapPg("record audit", err)
 }
@@ -390,11 +390,11 @@ func (p *Ledger) AuditLog(ctx context.Context, q ledger.ListQuery) (ledger.Page[
 		}
 	}
 	limit := ledger.PageLimit(q.Limit)
-	rows, _ := p.pool.Query(ctx, `SELECT id, at, actor, action, target, status, detail FROM admin_audit
+	rows, _ := p.pool.Query(ctx, `SELECT id, at, actor, action, target, status, detail, token_id FROM admin_audit
 WHERE id < $1 ORDER BY id DESC LIMIT $2`, before, limit+1)
 	recs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (ledger.AuditRecord, error) {
 		var a ledger.AuditRecord
-		err := r.Scan(&a.ID, &a.At, &a.Actor, &a.Action, &a.Target, &a.Status, &a.Detail)
+		err := r.Scan(&a.ID, &a.At, &a.Actor, &a.Action, &a.Target, &a.Status, &a.Detail, &a.Token)
 		a.At = a.At.UTC()
 		return a, err
 	})

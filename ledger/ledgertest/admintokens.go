@@ -1,0 +1,139 @@
+package ledgertest
+
+import (
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/ledger"
+)
+
+var adminTokenTests = []struct {
+	name string
+	fn   func(t *testing.T, l ledger.Ledger)
+}{
+	{"AdminTokens", testAdminTokens},
+	{"AdminTokenRotation", testAdminTokenRotation},
+}
+
+func adminTokens(t *testing.T, l ledger.Ledger) ledger.AdminTokens {
+	t.Helper()
+	at, ok := l.(ledger.AdminTokens)
+	if !ok {
+		t.Fatalf("%T keeps no admin tokens", l)
+	}
+	return at
+}
+
+// testAdminTokens: created with a valid scope only, looked up by secret (never by anything else),
+// listed without the secret, revoked at once.
+func testAdminTokens(t *testing.T, l ledger.Ledger) {
+	c, at := ctx(t), adminTokens(t, l)
+	for _, bad := range []string{"", "root", "org:", "org:a{b}", "ORG:a", "read "} {
+		if _, _, err := at.CreateAdminToken(c, "x", bad); !errors.Is(err, ledger.ErrInvalidScope) {
+			t.Errorf("scope %q: %v, want ErrInvalidScope", bad, err)
+		}
+	}
+	tok, secret, err := at.CreateAdminToken(c, "dashboard", ledger.ScopeRead)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(secret, ledger.AdminTokenPrefix) || tok.ID == "" || tok.Scope != ledger.ScopeRead || tok.Name != "dashboard" {
+		t.Fatalf("created %+v, secret %q", tok, secret)
+	}
+	orgTok, orgSecret := must2(at.CreateAdminToken(c, "", "org:acme"))
+	got := must(at.LookupAdminToken(c, secret))
+	if got.ID != tok.ID || got.Scope != ledger.ScopeRead {
+		t.Fatalf("lookup: %+v, want %+v", got, tok)
+	}
+	if got := must(at.LookupAdminToken(c, orgSecret)); got.Scope != "org:acme" || ledger.ScopeOrg(got.Scope) != "acme" {
+		t.Fatalf("org token: %+v", got)
+	}
+	for _, wrong := range []string{"", tok.ID, secret + "x", strings.ToUpper(secret)} {
+		if _, err := at.LookupAdminToken(c, wrong); !errors.Is(err, ledger.ErrUnknownAdminToken) {
+			t.Errorf("lookup %q: %v, want ErrUnknownAdminToken", wrong, err)
+		}
+	}
+	list := must(at.ListAdminTokens(c))
+	if len(list) != 2 || list[0].ID != tok.ID || list[1].ID != orgTok.ID {
+		t.Fatalf("list: %+v", list)
+	}
+	if err := at.RevokeAdminToken(c, tok.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := at.RevokeAdminToken(c, tok.ID); err != nil {
+		t.Fatalf("revoking twice: %v", err)
+	}
+	if _, err := at.LookupAdminToken(c, secret); !errors.Is(err, ledger.ErrUnknownAdminToken) {
+		t.Fatalf("revoked token still resolves: %v", err)
+	}
+	if err := at.RevokeAdminToken(c, "adm_nope"); !errors.Is(err, ledger.ErrUnknownAdminToken) {
+		t.Fatalf("revoke unknown: %v", err)
+	}
+	list = must(at.ListAdminTokens(c))
+	if list[0].RevokedAt == nil || list[1].RevokedAt != nil {
+		t.Fatalf("after revoke: %+v", list)
+	}
+	if _, err := at.LookupAdminToken(c, orgSecret); err != nil {
+		t.Fatalf("the other token: %v", err)
+	}
+	must0(l.CreateOrg(c, "acme"))
+	k, _ := must2(l.CreateKey(c, "acme"))
+	if org := must(at.KeyOrg(c, k.ID)); org != "acme" {
+		t.Fatalf("key org %q", org)
+	}
+	if _, err := at.KeyOrg(c, "key_nope"); !errors.Is(err, ledger.ErrUnknownKey) {
+		t.Fatalf("unknown key org: %v", err)
+	}
+}
+
+// testAdminTokenRotation: a rotation with an overlap leaves both secrets valid; with none, the
+// old one ends at once; a revoked or expired token is not rotated.
+func testAdminTokenRotation(t *testing.T, l ledger.Ledger) {
+	c, at := ctx(t), adminTokens(t, l)
+	old, oldSecret := must2(at.CreateAdminToken(c, "ci", ledger.ScopeAdmin))
+	next, nextSecret, err := at.RotateAdminToken(c, old.ID, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if next.ID == old.ID || next.Scope != ledger.ScopeAdmin || next.Name != "ci" || nextSecret == oldSecret {
+		t.Fatalf("successor %+v", next)
+	}
+	for _, s := range []string{oldSecret, nextSecret} {
+		if _, err := at.LookupAdminToken(c, s); err != nil {
+			t.Fatalf("during the overlap: %v", err)
+		}
+	}
+	list := must(at.ListAdminTokens(c))
+	if list[0].RotatedTo != next.ID || list[0].ExpiresAt == nil || list[1].ExpiresAt != nil {
+		t.Fatalf("after rotation: %+v", list)
+	}
+	// A second rotation of the old token with a longer overlap never extends it.
+	exp := *list[0].ExpiresAt
+	_, _ = must2(at.RotateAdminToken(c, old.ID, 48*time.Hour))
+	if list = must(at.ListAdminTokens(c)); !list[0].ExpiresAt.Equal(exp) {
+		t.Fatalf("expiry moved from %v to %v", exp, list[0].ExpiresAt)
+	}
+	// No overlap: the old secret ends at once, the new one works.
+	third, thirdSecret := must2(at.RotateAdminToken(c, next.ID, 0))
+	if _, err := at.LookupAdminToken(c, nextSecret); !errors.Is(err, ledger.ErrUnknownAdminToken) {
+		t.Fatalf("rotated without overlap, old secret: %v", err)
+	}
+	if got := must(at.LookupAdminToken(c, thirdSecret)); got.ID != third.ID {
+		t.Fatalf("third: %+v", got)
+	}
+	if _, _, err := at.RotateAdminToken(c, next.ID, time.Hour); !errors.Is(err, ledger.ErrUnknownAdminToken) {
+		t.Fatalf("rotating an expired token: %v", err)
+	}
+	must0(at.RevokeAdminToken(c, third.ID))
+	if _, _, err := at.RotateAdminToken(c, third.ID, time.Hour); !errors.Is(err, ledger.ErrUnknownAdminToken) {
+		t.Fatalf("rotating a revoked token: %v", err)
+	}
+}
+
+func must0(err error) {
+	if err != nil {
+		panic(failure{err})
+	}
+}
