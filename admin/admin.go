@@ -135,6 +135,7 @@ func (a *API) Register(g *echo.Group) {
 		add(http.MethodPost, "/orgs/:org/projects/:id/"+f.path, a.freeze(balance.ScopeProject, f.frozen))
 		add(http.MethodPost, "/keys/:id/"+f.path, a.freeze(balance.ScopeKey, f.frozen))
 	}
+	add(http.MethodPut, "/keys/:id/models", a.setKeyModels) // keymodels.go
 	// Scoped admin tokens (tokens.go).
 	add(http.MethodGet, "/tokens", a.listTokens)
 	add(http.MethodPost, "/tokens", a.createToken)

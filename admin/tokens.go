@@ -64,8 +64,7 @@ var orgRoutes = map[string]bool{
 	"PATCH /keys/:id":                     true,
 	"DELETE /keys/:id":                    true,
 	"PUT /keys/:id/project":               true,
-	"PATCH /keys/:id/models":              true,
-	"GET /keys/:id/models":                true,
+	"PUT /keys/:id/models":                true,
 }
 
 // Authenticate resolves a bearer secret: the bootstrap token (compared in constant time) or a

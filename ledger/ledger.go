@@ -135,6 +135,8 @@ type Account struct {
 type APIKey struct {
 	ID  string `json:"id"`
 	Org string `json:"org"`
+	// Models is the key's allow-list (KeyModels): empty for every model.
+	Models []string `json:"models,omitempty"`
 }
 
 // Ledger is the durable record: Postgres in production, memory for the embedded default. Both

@@ -110,6 +110,9 @@ type KeyInfo struct {
 	RevokedAt *time.Time `json:"revoked_at"`
 	Project   string     `json:"project"` // "" for none
 	Frozen    bool       `json:"frozen"`
+	// Models is the key's allow-list of models (names, or prefixes ending in '*'); empty: every
+	// model.
+	Models []string `json:"models,omitempty"`
 	// LastUsedAt is the reserve time of the key's latest accounted request (nil: none yet);
 	// the account pass keeps it, so it trails the request by the accounting lag.
 	LastUsedAt *time.Time `json:"last_used_at"`

@@ -140,7 +140,7 @@ func (m *middleware) bearerOrg(c echo.Context) (Identity, error) {
 	if err != nil {
 		return Identity{}, err
 	}
-	return Identity{Org: k.Org, KeyID: k.ID}, nil
+	return Identity{Org: k.Org, KeyID: k.ID, Models: k.Models}, nil
 }
 
 // keyNotRevoked lets a stale cached key answer only once the Store confirms it was not revoked
@@ -225,6 +225,9 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 		return m.serveUnpriced(c, next, o)
 	}
 	body, r, e := m.readPriced(c, &o)
+	if e == nil {
+		e = keyModelRefusal(id, r.Model)
+	}
 	if e != nil {
 		return m.refuse(c, o, e)
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"strconv"
+	"strings"
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/admin"
@@ -41,6 +42,7 @@ var keyTable = table[ledger.KeyInfo]{
 	{"id", func(k ledger.KeyInfo) string { return k.ID }},
 	{"name", func(k ledger.KeyInfo) string { return k.Name }},
 	{"project", func(k ledger.KeyInfo) string { return k.Project }},
+	{"models", func(k ledger.KeyInfo) string { return strings.Join(k.Models, ",") }},
 	{"created_at", func(k ledger.KeyInfo) string { return ts(k.CreatedAt) }},
 	{"last_used_at", func(k ledger.KeyInfo) string { return optTS(k.LastUsedAt) }},
 	{"revoked_at", func(k ledger.KeyInfo) string { return optTS(k.RevokedAt) }},

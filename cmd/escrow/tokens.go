@@ -3,6 +3,7 @@ package main
 import (
 	"net/http"
 	"net/url"
+	"strings"
 
 	"github.com/llmescrow/escrow/admin"
 	"github.com/llmescrow/escrow/ledger"
@@ -47,4 +48,19 @@ func cmdTokens(args []string) error {
 	default:
 		return usageErr("usage: escrow tokens | create --scope read|admin|org:ORG [--name NAME] | rotate ID [--overlap 24h] | revoke ID  [--json|--csv]")
 	}
+}
+
+var keyModelsTable = table[admin.KeyModels]{
+	{"id", func(k admin.KeyModels) string { return k.ID }},
+	{"models", func(k admin.KeyModels) string { return strings.Join(k.Models, ",") }},
+}
+
+// keyModels: escrow keys models KEY_ID [MODEL,PREFIX*,…] — limits a key to models (none given:
+// every model again).
+func keyModels(c *client, o *output, args []string) error {
+	models := []string{}
+	if len(args) == 2 && args[1] != "" {
+		models = strings.Split(args[1], ",")
+	}
+	return show(c, o, http.MethodPut, "/keys/"+url.PathEscape(args[0])+"/models", map[string]any{"models": models}, keyModelsTable)
 }

@@ -50,6 +50,14 @@ func TestCLITokens(t *testing.T) {
 	if !strings.Contains(out, read.ID) || !strings.Contains(out, next.ID) || strings.Contains(out, next.Token) {
 		t.Fatalf("tokens list: %q", out)
 	}
+	var key struct{ ID string }
+	c.json(&key, "keys", "create", "acme")
+	if out := as(org.Token).ok("keys", "models", key.ID, "gpt-4o*,m"); !strings.Contains(out, "gpt-4o*,m") {
+		t.Fatalf("keys models: %q", out)
+	}
+	if out := c.ok("keys", "acme"); !strings.Contains(out, "gpt-4o*,m") {
+		t.Fatalf("the key list shows no models: %q", out)
+	}
 	if out := c.ok("audit"); !strings.Contains(out, org.ID) {
 		t.Fatalf("the audit trail does not name the org token: %q", out)
 	}

@@ -15,6 +15,41 @@ var adminTokenTests = []struct {
 }{
 	{"AdminTokens", testAdminTokens},
 	{"AdminTokenRotation", testAdminTokenRotation},
+	{"KeyModels", testKeyModels},
+}
+
+// testKeyModels: a key's allow-list is set, read back with the key (LookupKey, ListKeys) and
+// cleared; bad lists and unknown keys are refused.
+func testKeyModels(t *testing.T, l ledger.Ledger) {
+	c := ctx(t)
+	km, ok := l.(ledger.KeyModels)
+	if !ok {
+		t.Fatalf("%T has no key models", l)
+	}
+	must0(l.CreateOrg(c, "o"))
+	k, secret := must2(l.CreateKey(c, "o"))
+	if got := must(l.LookupKey(c, secret)); len(got.Models) != 0 {
+		t.Fatalf("a new key's models: %v", got.Models)
+	}
+	must0(km.SetKeyModels(c, k.ID, []string{"gpt-4o-mini", "claude-*"}))
+	if got := must(l.LookupKey(c, secret)); strings.Join(got.Models, ",") != "gpt-4o-mini,claude-*" {
+		t.Fatalf("lookup models: %v", got.Models)
+	}
+	if p := must(l.ListKeys(c, "o", ledger.ListQuery{})); len(p.Data) != 1 || strings.Join(p.Data[0].Models, ",") != "gpt-4o-mini,claude-*" {
+		t.Fatalf("listed: %+v", p.Data)
+	}
+	for _, bad := range [][]string{{""}, {"a b"}, {"gp*t"}, {strings.Repeat("m", 201)}} {
+		if err := km.SetKeyModels(c, k.ID, bad); !errors.Is(err, ledger.ErrInvalidQuery) {
+			t.Errorf("models %q: %v", bad, err)
+		}
+	}
+	if err := km.SetKeyModels(c, "key_nope", []string{"x"}); !errors.Is(err, ledger.ErrUnknownKey) {
+		t.Fatalf("unknown key: %v", err)
+	}
+	must0(km.SetKeyModels(c, k.ID, nil))
+	if got := must(l.LookupKey(c, secret)); len(got.Models) != 0 {
+		t.Fatalf("cleared models: %v", got.Models)
+	}
 }
 
 func adminTokens(t *testing.T, l ledger.Ledger) ledger.AdminTokens {

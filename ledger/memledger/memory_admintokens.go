@@ -125,3 +125,24 @@ func (m *Ledger) KeyOrg(ctx context.Context, keyID string) (string, error) {
 	}
 	return k.key.Org, nil
 }
+
+var _ ledger.KeyModels = (*Ledger)(nil)
+
+// SetKeyModels sets a key's allow-list of models.
+func (m *Ledger) SetKeyModels(ctx context.Context, keyID string, models []string) error {
+	if err := ledger.CheckKeyModels(models); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	k := m.keys[keyID]
+	if k == nil {
+		return fmt.Errorf("%w: %q", ledger.ErrUnknownKey, keyID)
+	}
+	if len(models) == 0 {
+		k.key.Models = nil
+	} else {
+		k.key.Models = append([]string(nil), models...)
+	}
+	return nil
+}

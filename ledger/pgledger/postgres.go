@@ -1580,7 +1580,7 @@ func (p *Ledger) CreateKey(ctx context.Context, org string) (ledger.APIKey, stri
 func (p *Ledger) LookupKey(ctx context.Context, secret string) (ledger.APIKey, error) {
 	h := sha256.Sum256([]byte(secret))
 	var k ledger.APIKey
-	err := p.pool.QueryRow(ctx, `SELECT id, org_id FROM api_keys WHERE hash = $1 AND revoked_at IS NULL`, h[:]).Scan(&k.ID, &k.Org)
+	err := p.pool.QueryRow(ctx, `SELECT id, org_id, models FROM api_keys WHERE hash = $1 AND revoked_at IS NULL`, h[:]).Scan(&k.ID, &k.Org, &k.Models)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return ledger.APIKey{}, ledger.ErrUnknownKey
 	}

@@ -130,3 +130,18 @@ func (p *Ledger) KeyOrg(ctx context.Context, keyID string) (string, error) {
 	}
 	return org, wrapPg("key org", err)
 }
+
+var _ ledger.KeyModels = (*Ledger)(nil)
+
+// SetKeyModels sets a key's allow-list of models (NULL for every model).
+func (p *Ledger) SetKeyModels(ctx context.Context, keyID string, models []string) error {
+	if err := ledger.CheckKeyModels(models); err != nil {
+		return err
+	}
+	if len(models) == 0 {
+		models = nil
+	}
+	return p.updateExisting(ctx, "set key models", ledger.ErrUnknownKey, keyID, `
+WITH u AS (UPDATE api_keys SET models = $2 WHERE id = $1 RETURNING 1)
+SELECT EXISTS (SELECT 1 FROM u)`, keyID, models)
+}

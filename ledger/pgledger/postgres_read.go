@@ -97,13 +97,13 @@ func (p *Ledger) ListKeys(ctx context.Context, org string, q ledger.ListQuery) (
 			return err
 		}
 		rows, _ := tx.Query(ctx, `
-SELECT id, org_id, name, created_at, revoked_at, coalesce(project_id, ''), frozen, last_used_at FROM api_keys
+SELECT id, org_id, name, created_at, revoked_at, coalesce(project_id, ''), frozen, last_used_at, coalesce(models, '{}') FROM api_keys
 WHERE org_id = $1 AND ($2::timestamptz IS NULL OR (created_at, id) > ($2, $3))
 ORDER BY created_at, id LIMIT $4`, org, tsArg(afterT), afterID, limit+1)
 		var err error
 		keys, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (ledger.KeyInfo, error) {
 			var k ledger.KeyInfo
-			err := r.Scan(&k.ID, &k.Org, &k.Name, &k.CreatedAt, &k.RevokedAt, &k.Project, &k.Frozen, &k.LastUsedAt)
+			err := r.Scan(&k.ID, &k.Org, &k.Name, &k.CreatedAt, &k.RevokedAt, &k.Project, &k.Frozen, &k.LastUsedAt, &k.Models)
 			k.CreatedAt = k.CreatedAt.UTC()
 			k.RevokedAt, k.LastUsedAt = utcPtr(k.RevokedAt), utcPtr(k.LastUsedAt)
 			return k, err
