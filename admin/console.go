@@ -164,14 +164,20 @@ func (a *API) patchOrg(c echo.Context) error {
 	var req struct {
 		nameRequest
 		LowBalanceThreshold json.RawMessage `json:"low_balance_threshold"` // webhooks.go
+		Exempt              *bool           `json:"exempt"`                // exempt.go
 	}
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
 	}
-	if req.Name == nil && req.LowBalanceThreshold == nil {
-		return invalid(c, "name or low_balance_threshold is required")
+	if req.Name == nil && req.LowBalanceThreshold == nil && req.Exempt == nil {
+		return invalid(c, "name, low_balance_threshold or exempt is required")
 	}
 	ctx := c.Request().Context()
+	if req.Exempt != nil {
+		if err := a.setExempt(c, *req.Exempt); err != nil || c.Response().Committed {
+			return err
+		}
+	}
 	if req.LowBalanceThreshold != nil {
 		if err := a.setThreshold(c, req.LowBalanceThreshold); err != nil || c.Response().Committed {
 			return err

@@ -9,6 +9,15 @@ import (
 // Keys limited to models (issue 36, DESIGN.md "Two planes"): a key may carry an allow-list of
 // models; a request for any other model is answered as if the model did not exist.
 
+// OrgFlags is the role interface of a ledger whose orgs may be exempt (both ledgers implement
+// it): an exempt org's requests (the platform's own users) are authenticated, limited by its
+// limits, metered and charged to its ledger, a negative balance allowed, but never held and never
+// refused for balance. OrgInfo.Exempt and APIKey.Exempt carry the flag.
+type OrgFlags interface {
+	// SetOrgExempt sets or clears an org's exempt flag (ErrUnknownOrg).
+	SetOrgExempt(ctx context.Context, org string, exempt bool) error
+}
+
 // MaxKeyModels bounds a key's allow-list.
 const MaxKeyModels = 256
 

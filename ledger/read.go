@@ -99,6 +99,9 @@ type OrgInfo struct {
 	LedgerSeq  int64     `json:"ledger_seq"`
 	SettledSeq int64     `json:"settled_seq"`
 	CreatedAt  time.Time `json:"created_at"`
+	// Exempt: the org's requests are metered and charged but never held nor refused for balance
+	// (OrgFlags; off by default).
+	Exempt bool `json:"exempt"`
 }
 
 // KeyInfo is an API key as the console shows it; the secret is never kept.

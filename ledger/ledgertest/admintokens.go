@@ -16,6 +16,32 @@ var adminTokenTests = []struct {
 	{"AdminTokens", testAdminTokens},
 	{"AdminTokenRotation", testAdminTokenRotation},
 	{"KeyModels", testKeyModels},
+	{"OrgExempt", testOrgExempt},
+}
+
+// testOrgExempt: off by default, set and cleared, seen in the org views and with the org's keys.
+func testOrgExempt(t *testing.T, l ledger.Ledger) {
+	c := ctx(t)
+	of, ok := l.(ledger.OrgFlags)
+	if !ok {
+		t.Fatalf("%T has no org flags", l)
+	}
+	must0(l.CreateOrg(c, "o"))
+	_, secret := must2(l.CreateKey(c, "o"))
+	if must(l.Org(c, "o")).Exempt || must(l.LookupKey(c, secret)).Exempt {
+		t.Fatal("exempt by default")
+	}
+	must0(of.SetOrgExempt(c, "o", true))
+	if !must(l.Org(c, "o")).Exempt || !must(l.LookupKey(c, secret)).Exempt || !must(l.ListOrgs(c, ledger.ListQuery{})).Data[0].Exempt {
+		t.Fatal("the flag is not in the views")
+	}
+	must0(of.SetOrgExempt(c, "o", false))
+	if must(l.Org(c, "o")).Exempt {
+		t.Fatal("cleared flag still set")
+	}
+	if err := of.SetOrgExempt(c, "nope", true); !errors.Is(err, ledger.ErrUnknownOrg) {
+		t.Fatalf("unknown org: %v", err)
+	}
 }
 
 // testKeyModels: a key's allow-list is set, read back with the key (LookupKey, ListKeys) and

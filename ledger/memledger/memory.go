@@ -38,6 +38,7 @@ type Ledger struct {
 }
 
 type memAccount struct {
+	exempt  bool // OrgFlags
 	balance int64
 	settled int64
 	entries []ledger.LedgerEntry // entries[i].Seq == i+1
@@ -689,7 +690,11 @@ func (m *Ledger) LookupKey(ctx context.Context, secret string) (ledger.APIKey, e
 	if k == nil || k.revoked {
 		return ledger.APIKey{}, ledger.ErrUnknownKey
 	}
-	return k.key, nil
+	key := k.key
+	if a := m.accounts[key.Org]; a != nil {
+		key.Exempt = a.exempt
+	}
+	return key, nil
 }
 
 // RevokeKey revokes a key by id (revoking twice is fine).

@@ -146,3 +146,17 @@ func (m *Ledger) SetKeyModels(ctx context.Context, keyID string, models []string
 	}
 	return nil
 }
+
+var _ ledger.OrgFlags = (*Ledger)(nil)
+
+// SetOrgExempt sets or clears an org's exempt flag.
+func (m *Ledger) SetOrgExempt(ctx context.Context, org string, exempt bool) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	a := m.accounts[org]
+	if a == nil {
+		return fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
+	}
+	a.exempt = exempt
+	return nil
+}

@@ -27,7 +27,7 @@ var _ ledger.Console = (*Ledger)(nil)
 func (m *Ledger) orgInfoLocked(id string, a *memAccount) ledger.OrgInfo {
 	return ledger.OrgInfo{
 		ID: id, Name: m.console.orgNames[id], Balance: a.balance, LedgerSeq: int64(len(a.entries)),
-		SettledSeq: a.settled, CreatedAt: a.created.UTC().Truncate(time.Microsecond),
+		SettledSeq: a.settled, CreatedAt: a.created.UTC().Truncate(time.Microsecond), Exempt: a.exempt,
 	}
 }
 

@@ -145,3 +145,12 @@ func (p *Ledger) SetKeyModels(ctx context.Context, keyID string, models []string
 WITH u AS (UPDATE api_keys SET models = $2 WHERE id = $1 RETURNING 1)
 SELECT EXISTS (SELECT 1 FROM u)`, keyID, models)
 }
+
+var _ ledger.OrgFlags = (*Ledger)(nil)
+
+// SetOrgExempt sets or clears an org's exempt flag.
+func (p *Ledger) SetOrgExempt(ctx context.Context, org string, exempt bool) error {
+	return p.updateExisting(ctx, "set org exempt", ledger.ErrUnknownOrg, org, `
+WITH u AS (UPDATE accounts SET exempt = $2 WHERE org_id = $1 RETURNING 1)
+SELECT EXISTS (SELECT 1 FROM u)`, org, exempt)
+}

@@ -23,11 +23,11 @@ func tsArg(t time.Time) pgtype.Timestamptz {
 	return pgtype.Timestamptz{Time: t, Valid: !t.IsZero()}
 }
 
-const sqlOrgColumns = `org_id, name, balance, ledger_seq, settled_seq, created_at`
+const sqlOrgColumns = `org_id, name, balance, ledger_seq, settled_seq, created_at, exempt`
 
 func scanOrg(r pgx.CollectableRow) (ledger.OrgInfo, error) {
 	var o ledger.OrgInfo
-	err := r.Scan(&o.ID, &o.Name, &o.Balance, &o.LedgerSeq, &o.SettledSeq, &o.CreatedAt)
+	err := r.Scan(&o.ID, &o.Name, &o.Balance, &o.LedgerSeq, &o.SettledSeq, &o.CreatedAt, &o.Exempt)
 	o.CreatedAt = o.CreatedAt.UTC()
 	return o, err
 }
