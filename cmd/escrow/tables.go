@@ -2,7 +2,6 @@ package main
 
 import (
 	"strconv"
-	"strings"
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/admin"
@@ -42,7 +41,6 @@ var keyTable = table[ledger.KeyInfo]{
 	{"id", func(k ledger.KeyInfo) string { return k.ID }},
 	{"name", func(k ledger.KeyInfo) string { return k.Name }},
 	{"project", func(k ledger.KeyInfo) string { return k.Project }},
-	{"models", func(k ledger.KeyInfo) string { return strings.Join(k.Models, ",") }},
 	{"created_at", func(k ledger.KeyInfo) string { return ts(k.CreatedAt) }},
 	{"last_used_at", func(k ledger.KeyInfo) string { return optTS(k.LastUsedAt) }},
 	{"revoked_at", func(k ledger.KeyInfo) string { return optTS(k.RevokedAt) }},
@@ -128,7 +126,6 @@ var auditTable = table[ledger.AuditRecord]{
 	{"id", func(r ledger.AuditRecord) string { return i64(r.ID) }},
 	{"at", func(r ledger.AuditRecord) string { return ts(r.At) }},
 	{"actor", func(r ledger.AuditRecord) string { return r.Actor }},
-	{"token", func(r ledger.AuditRecord) string { return r.Token }},
 	{"action", func(r ledger.AuditRecord) string { return r.Action }},
 	{"target", func(r ledger.AuditRecord) string { return r.Target }},
 	{"status", func(r ledger.AuditRecord) string { return strconv.Itoa(r.Status) }},
