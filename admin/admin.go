@@ -211,7 +211,7 @@ type refusal struct {
 var refusals = []refusal{
 	{ledger.ErrUnknownWebhook, http.StatusNotFound, "webhook_not_found", "no such webhook"},
 	{ledger.ErrUnknownAdminToken, http.StatusNotFound, "token_not_found", "no such live admin token"},
-	{ledger.ErrInvalidScope, http.StatusBadRequest, "invalid_value", ""},
+	{ErrInvalidScope, http.StatusBadRequest, "invalid_value", ""},
 	{ledger.ErrInvalidWebhook, http.StatusBadRequest, "invalid_value", ""},
 	{ledger.ErrNoWebhooks, http.StatusNotImplemented, "webhooks_unsupported", ""},
 	{ledger.ErrUnknownOrg, http.StatusNotFound, "org_not_found", "no such org"},

@@ -11,13 +11,52 @@ import (
 
 	"github.com/labstack/echo/v4"
 
+	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
 )
 
 // Scoped admin tokens (issue 36): the bootstrap token of Config.Token is an admin; tokens made
-// through POST /tokens carry one scope each (ledger.ScopeRead, ledger.ScopeAdmin or
+// through POST /tokens carry one scope each (ScopeRead, ScopeAdmin or
 // "org:<id>"), are stored hashed, rotated with an overlap and revoked. Authenticate and
 // Authorize are the seam other front ends (the web console) call to apply the same rules.
+
+// Admin token scopes. A scope is ScopeRead, ScopeAdmin or ScopeOrgPrefix followed by an org id.
+const (
+	// ScopeRead reads everything (every GET) and writes nothing.
+	ScopeRead = "read"
+	// ScopeAdmin does everything, tokens included.
+	ScopeAdmin = "admin"
+	// ScopeOrgPrefix starts the scope of one org: its keys, limits, usage and credits only.
+	ScopeOrgPrefix = "org:"
+)
+
+// ErrInvalidScope: a scope that is not read, admin or org:<valid org id>.
+var ErrInvalidScope = errors.New("admin: invalid admin token scope")
+
+// ScopeOrg returns the org of an org:<id> scope ("" for read and admin).
+func ScopeOrg(scope string) string {
+	org, ok := strings.CutPrefix(scope, ScopeOrgPrefix)
+	if !ok {
+		return ""
+	}
+	return org
+}
+
+// CheckScope validates an admin token scope (ErrInvalidScope).
+func CheckScope(scope string) error {
+	switch scope {
+	case ScopeRead, ScopeAdmin:
+		return nil
+	}
+	org, ok := strings.CutPrefix(scope, ScopeOrgPrefix)
+	if !ok {
+		return fmt.Errorf("%w: %q (read, admin or org:<id>)", ErrInvalidScope, scope)
+	}
+	if err := balance.ValidateOrg(org); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidScope, err)
+	}
+	return nil
+}
 
 // DefaultRotationOverlap is how long a rotated token stays valid beside its successor when the
 // rotation names no overlap.
@@ -38,7 +77,7 @@ var (
 type Principal struct {
 	TokenID string // "" for the bootstrap token
 	Name    string
-	Scope   string // ledger.ScopeRead, ledger.ScopeAdmin or "org:<id>"
+	Scope   string // ScopeRead, ScopeAdmin or "org:<id>"
 }
 
 // Bootstrap reports whether p is the bootstrap token of the configuration.
@@ -75,7 +114,7 @@ func (a *API) Authenticate(ctx context.Context, secret string) (Principal, error
 		return Principal{}, ErrUnauthorized
 	}
 	if subtle.ConstantTimeCompare([]byte(secret), a.token) == 1 {
-		return Principal{Name: "admin", Scope: ledger.ScopeAdmin}, nil
+		return Principal{Name: "admin", Scope: ScopeAdmin}, nil
 	}
 	if a.tokens == nil || !strings.HasPrefix(secret, ledger.AdminTokenPrefix) {
 		return Principal{}, ErrUnauthorized
@@ -95,15 +134,15 @@ func (a *API) Authenticate(ctx context.Context, secret string) (Principal, error
 // ErrForbidden, ErrOtherOrg, or the ledger's error when a key's org could not be read.
 func (a *API) Authorize(ctx context.Context, p Principal, method, route string, param func(string) string) error {
 	switch {
-	case p.Scope == ledger.ScopeAdmin:
+	case p.Scope == ScopeAdmin:
 		return nil
-	case p.Scope == ledger.ScopeRead:
+	case p.Scope == ScopeRead:
 		if method == http.MethodGet || method == http.MethodHead {
 			return nil
 		}
 		return ErrForbidden
 	}
-	org := ledger.ScopeOrg(p.Scope)
+	org := ScopeOrg(p.Scope)
 	if org == "" {
 		return ErrForbidden
 	}
@@ -213,6 +252,9 @@ func (a *API) createToken(c echo.Context) error {
 	}
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
+	}
+	if err := CheckScope(req.Scope); err != nil {
+		return a.fail(c, err)
 	}
 	t, secret, err := ts.CreateAdminToken(c.Request().Context(), req.Name, req.Scope)
 	if err != nil {

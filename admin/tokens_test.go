@@ -69,7 +69,12 @@ func TestReadTokenWritesNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	read := newToken(t, e, "dash", ledger.ScopeRead)
+	for _, bad := range []string{"", "root", "org:", "org:a{b}", "ORG:a", "read "} {
+		if rec := tokenCall(e, "POST", "/tokens", "tok", `{"scope":"`+bad+`"}`); rec.Code != http.StatusBadRequest {
+			t.Errorf("scope %q: %d %s, want 400", bad, rec.Code, rec.Body)
+		}
+	}
+	read := newToken(t, e, "dash", admin.ScopeRead)
 	auditBefore := len(mustAudit(t, l))
 	var writes, reads int
 	for _, r := range adminRoutes(e, map[string]string{"org": "acme", "id": k.ID, "model": "m"}) {
@@ -183,7 +188,7 @@ func TestOrgTokenScope(t *testing.T) {
 func TestTokenRotationAndRevocation(t *testing.T) {
 	t.Parallel()
 	e, l, _ := mountAdmin(t, "/admin/v1")
-	first := newToken(t, e, "ci", ledger.ScopeAdmin)
+	first := newToken(t, e, "ci", admin.ScopeAdmin)
 	works := func(secret string) bool {
 		return tokenCall(e, "GET", "/orgs", secret, "").Code == http.StatusOK
 	}
@@ -192,7 +197,7 @@ func TestTokenRotationAndRevocation(t *testing.T) {
 	}
 	rec := tokenCall(e, "POST", "/tokens/"+first.ID+"/rotate", first.Token, `{"overlap_seconds":3600}`)
 	var second admin.Token
-	if rec.Code != http.StatusCreated || json.Unmarshal(rec.Body.Bytes(), &second) != nil || second.Scope != ledger.ScopeAdmin {
+	if rec.Code != http.StatusCreated || json.Unmarshal(rec.Body.Bytes(), &second) != nil || second.Scope != admin.ScopeAdmin {
 		t.Fatalf("rotate: %d %s", rec.Code, rec.Body)
 	}
 	if !works(first.Token) || !works(second.Token) {

@@ -4,25 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
-
-	"github.com/llmescrow/escrow/balance"
 )
 
 // Scoped admin tokens (issue 36, DESIGN.md "Two planes"): besides the bootstrap token of the
 // configuration, the admin API accepts tokens made through itself, each with one scope. Only the
 // SHA-256 of a token's secret is stored.
-
-// Admin token scopes. A scope is ScopeRead, ScopeAdmin or ScopeOrgPrefix followed by an org id.
-const (
-	// ScopeRead reads everything (every GET) and writes nothing.
-	ScopeRead = "read"
-	// ScopeAdmin does everything, tokens included.
-	ScopeAdmin = "admin"
-	// ScopeOrgPrefix starts the scope of one org: its keys, limits, usage and credits only.
-	ScopeOrgPrefix = "org:"
-)
 
 // AdminTokenPrefix starts every admin token secret.
 const AdminTokenPrefix = "esc-adm-"
@@ -31,17 +18,13 @@ const AdminTokenPrefix = "esc-adm-"
 var (
 	// ErrUnknownAdminToken: no such token, or revoked, or past its expiry.
 	ErrUnknownAdminToken = errors.New("accounting: unknown admin token")
-	// ErrInvalidScope: a scope that is not read, admin or org:<valid org id>.
-	ErrInvalidScope = errors.New("accounting: invalid admin token scope")
-	// ErrNoAdminTokens: the ledger keeps no admin tokens (only the bootstrap token works).
-	ErrNoAdminTokens = errors.New("accounting: the ledger has no admin tokens")
 )
 
 // AdminToken is a scoped admin API token as listed; the secret is never kept.
 type AdminToken struct {
 	ID        string    `json:"id"`
 	Name      string    `json:"name"`
-	Scope     string    `json:"scope"`
+	Scope     string    `json:"scope"` // read, admin or org:<id> (admin.CheckScope)
 	CreatedAt time.Time `json:"created_at"`
 	// ExpiresAt is set on a rotated token: it stays valid until then, alongside its successor.
 	ExpiresAt *time.Time `json:"expires_at"`
@@ -50,42 +33,16 @@ type AdminToken struct {
 	RotatedTo string `json:"rotated_to,omitempty"`
 }
 
-// ScopeOrg returns the org of an org:<id> scope ("" for read and admin).
-func ScopeOrg(scope string) string {
-	org, _ := strings.CutPrefix(scope, ScopeOrgPrefix)
-	if org == scope {
-		return ""
-	}
-	return org
+// NewAdminToken is a new admin token's id and secret (AdminTokenPrefix and 32 random bytes).
+func NewAdminToken() (id, secret string) {
+	return "adm_" + RandomHex(12), AdminTokenPrefix + RandomHex(32)
 }
-
-// CheckScope validates an admin token scope (ErrInvalidScope).
-func CheckScope(scope string) error {
-	switch scope {
-	case ScopeRead, ScopeAdmin:
-		return nil
-	}
-	org, ok := strings.CutPrefix(scope, ScopeOrgPrefix)
-	if !ok {
-		return fmt.Errorf("%w: %q (read, admin or org:<id>)", ErrInvalidScope, scope)
-	}
-	if err := balance.ValidateOrg(org); err != nil {
-		return fmt.Errorf("%w: %w", ErrInvalidScope, err)
-	}
-	return nil
-}
-
-// NewAdminTokenID is a new admin token id.
-func NewAdminTokenID() string { return "adm_" + RandomHex(12) }
-
-// NewAdminTokenSecret is a new admin token secret: AdminTokenPrefix and 32 random bytes.
-func NewAdminTokenSecret() string { return AdminTokenPrefix + RandomHex(32) }
 
 // AdminTokens is the role interface of a ledger that keeps scoped admin tokens (both ledgers
 // implement it).
 type AdminTokens interface {
-	// CreateAdminToken makes a token with a display name and a scope (ErrInvalidScope); the
-	// secret is returned once.
+	// CreateAdminToken makes a token with a display name and a scope (1 to 200 bytes; what a
+	// scope allows is the admin API's business: admin.CheckScope); the secret is returned once.
 	CreateAdminToken(ctx context.Context, name, scope string) (AdminToken, string, error)
 	// LookupAdminToken resolves a secret: unknown, revoked and expired tokens are
 	// ErrUnknownAdminToken.
@@ -101,4 +58,12 @@ type AdminTokens interface {
 	// KeyOrg returns the org of an API key by id, revoked keys included (ErrUnknownKey): what
 	// an org:<id> token's check needs on the routes named by a key.
 	KeyOrg(ctx context.Context, keyID string) (string, error)
+}
+
+// CheckTokenScope checks what a ledger stores as a scope: 1 to 200 bytes (ErrInvalidQuery).
+func CheckTokenScope(scope string) error {
+	if scope == "" || len(scope) > MaxNameLen {
+		return fmt.Errorf("%w: an admin token scope has 1 to %d bytes", ErrInvalidQuery, MaxNameLen)
+	}
+	return nil
 }

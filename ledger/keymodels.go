@@ -18,8 +18,8 @@ type OrgFlags interface {
 	SetOrgExempt(ctx context.Context, org string, exempt bool) error
 }
 
-// MaxKeyModels bounds a key's allow-list.
-const MaxKeyModels = 256
+// maxKeyModels bounds a key's allow-list.
+const maxKeyModels = 256
 
 // KeyModels is the role interface of a ledger whose keys may be limited to models (both ledgers
 // implement it). APIKey.Models and KeyInfo.Models carry the list.
@@ -28,11 +28,11 @@ type KeyModels interface {
 	SetKeyModels(ctx context.Context, keyID string, models []string) error
 }
 
-// CheckKeyModels validates an allow-list: at most MaxKeyModels entries, each a model name of 1 to
+// CheckKeyModels validates an allow-list: at most maxKeyModels entries, each a model name of 1 to
 // 200 bytes without spaces, or such a prefix followed by '*' (alone, "*" is every model).
 func CheckKeyModels(models []string) error {
-	if len(models) > MaxKeyModels {
-		return fmt.Errorf("%w: at most %d models per key", ErrInvalidQuery, MaxKeyModels)
+	if len(models) > maxKeyModels {
+		return fmt.Errorf("%w: at most %d models per key", ErrInvalidQuery, maxKeyModels)
 	}
 	for _, m := range models {
 		name := strings.TrimSuffix(m, "*")

@@ -138,7 +138,7 @@ func TestPostgresRoles(t *testing.T) {
 	refused("freeze", err)
 	refused("model price", dataL.PutModel(ctx, ledger.Model{Name: "m", Prices: pricing.Prices{Output: 1}}))
 	refused("exempt", dataL.SetOrgExempt(ctx, "acme", true))
-	_, _, err = dataL.CreateAdminToken(ctx, "x", ledger.ScopeAdmin)
+	_, _, err = dataL.CreateAdminToken(ctx, "x", "admin")
 	refused("admin token", err)
 	_, err = dataL.RaiseEpoch(ctx)
 	refused("epoch", err)

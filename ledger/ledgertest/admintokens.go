@@ -91,24 +91,24 @@ func adminTokens(t *testing.T, l ledger.Ledger) ledger.AdminTokens {
 // listed without the secret, revoked at once.
 func testAdminTokens(t *testing.T, l ledger.Ledger) {
 	c, at := ctx(t), adminTokens(t, l)
-	for _, bad := range []string{"", "root", "org:", "org:a{b}", "ORG:a", "read "} {
-		if _, _, err := at.CreateAdminToken(c, "x", bad); !errors.Is(err, ledger.ErrInvalidScope) {
-			t.Errorf("scope %q: %v, want ErrInvalidScope", bad, err)
+	for _, bad := range []string{"", strings.Repeat("s", 201)} {
+		if _, _, err := at.CreateAdminToken(c, "x", bad); !errors.Is(err, ledger.ErrInvalidQuery) {
+			t.Errorf("scope %q: %v, want ErrInvalidQuery", bad, err)
 		}
 	}
-	tok, secret, err := at.CreateAdminToken(c, "dashboard", ledger.ScopeRead)
+	tok, secret, err := at.CreateAdminToken(c, "dashboard", "read")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.HasPrefix(secret, ledger.AdminTokenPrefix) || tok.ID == "" || tok.Scope != ledger.ScopeRead || tok.Name != "dashboard" {
+	if !strings.HasPrefix(secret, ledger.AdminTokenPrefix) || tok.ID == "" || tok.Scope != "read" || tok.Name != "dashboard" {
 		t.Fatalf("created %+v, secret %q", tok, secret)
 	}
 	orgTok, orgSecret := must2(at.CreateAdminToken(c, "", "org:acme"))
 	got := must(at.LookupAdminToken(c, secret))
-	if got.ID != tok.ID || got.Scope != ledger.ScopeRead {
+	if got.ID != tok.ID || got.Scope != "read" {
 		t.Fatalf("lookup: %+v, want %+v", got, tok)
 	}
-	if got := must(at.LookupAdminToken(c, orgSecret)); got.Scope != "org:acme" || ledger.ScopeOrg(got.Scope) != "acme" {
+	if got := must(at.LookupAdminToken(c, orgSecret)); got.Scope != "org:acme" || got.Name != "" {
 		t.Fatalf("org token: %+v", got)
 	}
 	for _, wrong := range []string{"", tok.ID, secret + "x", strings.ToUpper(secret)} {
@@ -153,12 +153,12 @@ func testAdminTokens(t *testing.T, l ledger.Ledger) {
 // old one ends at once; a revoked or expired token is not rotated.
 func testAdminTokenRotation(t *testing.T, l ledger.Ledger) {
 	c, at := ctx(t), adminTokens(t, l)
-	old, oldSecret := must2(at.CreateAdminToken(c, "ci", ledger.ScopeAdmin))
+	old, oldSecret := must2(at.CreateAdminToken(c, "ci", "admin"))
 	next, nextSecret, err := at.RotateAdminToken(c, old.ID, time.Hour)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if next.ID == old.ID || next.Scope != ledger.ScopeAdmin || next.Name != "ci" || nextSecret == oldSecret {
+	if next.ID == old.ID || next.Scope != "admin" || next.Name != "ci" || nextSecret == oldSecret {
 		t.Fatalf("successor %+v", next)
 	}
 	for _, s := range []string{oldSecret, nextSecret} {

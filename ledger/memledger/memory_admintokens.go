@@ -33,8 +33,8 @@ func (m *Ledger) addTokenLocked(name, scope string) (ledger.AdminToken, string) 
 	if m.tokens.byID == nil {
 		m.tokens.byID, m.tokens.byHash = map[string]*memToken{}, map[[32]byte]*memToken{}
 	}
-	secret := ledger.NewAdminTokenSecret()
-	t := &memToken{tok: ledger.AdminToken{ID: ledger.NewAdminTokenID(), Name: name, Scope: scope, CreatedAt: now()},
+	id, secret := ledger.NewAdminToken()
+	t := &memToken{tok: ledger.AdminToken{ID: id, Name: name, Scope: scope, CreatedAt: now()},
 		hash: sha256.Sum256([]byte(secret))}
 	m.tokens.byID[t.tok.ID], m.tokens.byHash[t.hash] = t, t
 	m.tokens.order = append(m.tokens.order, t)
@@ -43,7 +43,7 @@ func (m *Ledger) addTokenLocked(name, scope string) (ledger.AdminToken, string) 
 
 // CreateAdminToken makes a scoped admin token; its secret is not stored.
 func (m *Ledger) CreateAdminToken(ctx context.Context, name, scope string) (ledger.AdminToken, string, error) {
-	if err := ledger.CheckScope(scope); err != nil {
+	if err := ledger.CheckTokenScope(scope); err != nil {
 		return ledger.AdminToken{}, "", err
 	}
 	if err := ledger.CheckName(name); err != nil {

@@ -25,7 +25,7 @@ func scanAdminToken(r pgx.CollectableRow) (ledger.AdminToken, error) {
 
 // CreateAdminToken makes a scoped admin token; only the SHA-256 of the secret is stored.
 func (p *Ledger) CreateAdminToken(ctx context.Context, name, scope string) (ledger.AdminToken, string, error) {
-	if err := ledger.CheckScope(scope); err != nil {
+	if err := ledger.CheckTokenScope(scope); err != nil {
 		return ledger.AdminToken{}, "", err
 	}
 	if err := ledger.CheckName(name); err != nil {
@@ -39,10 +39,10 @@ type queryRower interface {
 }
 
 func (p *Ledger) insertAdminToken(ctx context.Context, q queryRower, name, scope string) (ledger.AdminToken, string, error) {
-	secret := ledger.NewAdminTokenSecret()
+	id, secret := ledger.NewAdminToken()
 	h := sha256.Sum256([]byte(secret))
 	rows, _ := q.Query(ctx, `INSERT INTO admin_tokens (id, hash, name, scope) VALUES ($1, $2, $3, $4)
-RETURNING `+sqlAdminTokenColumns, ledger.NewAdminTokenID(), h[:], name, scope)
+RETURNING `+sqlAdminTokenColumns, id, h[:], name, scope)
 	t, err := pgx.CollectExactlyOneRow(rows, scanAdminToken)
 	if err != nil {
 		return ledger.AdminToken{}, "", wrapPg("create admin token", err)
