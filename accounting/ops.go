@@ -70,12 +70,19 @@ type Balance struct {
 	LedgerSeq     int64  `json:"ledger_seq"`
 	SettledSeq    int64  `json:"settled_seq"`
 	Watermark     int64  `json:"watermark"`
+	// Exempt: the org's requests are never held nor refused for balance (ledger.OrgFlags); its
+	// balance may be negative.
+	Exempt bool `json:"exempt"`
 }
 
 // Balance reads the org's account and its hot balance, seeding a cold org first so the answer
 // is what its next request meets. A failing Redis wraps ErrHotBalance.
 func (o *Ops) Balance(ctx context.Context, org string) (Balance, error) {
 	acct, err := o.ledger.Account(ctx, org)
+	if err != nil {
+		return Balance{}, err
+	}
+	info, err := o.ledger.Org(ctx, org)
 	if err != nil {
 		return Balance{}, err
 	}
@@ -90,7 +97,7 @@ func (o *Ops) Balance(ctx context.Context, org string) (Balance, error) {
 	}
 	return Balance{
 		Org: org, LedgerBalance: acct.Balance, Available: st.Balance, Held: st.Held, Holds: st.Holds,
-		LedgerSeq: acct.LedgerSeq, SettledSeq: acct.SettledSeq, Watermark: st.Watermark,
+		LedgerSeq: acct.LedgerSeq, SettledSeq: acct.SettledSeq, Watermark: st.Watermark, Exempt: info.Exempt,
 	}, nil
 }
 

@@ -9,7 +9,6 @@ package admin
 
 import (
 	"context"
-	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"log/slog"
@@ -41,6 +40,9 @@ type Config struct {
 	// CheckWebhookURL, when set, checks a webhook endpoint's URL before it is created; its error
 	// is the 400's message (escrow.New sets the webhook package's address policy).
 	CheckWebhookURL func(rawURL string) error
+	// RotationOverlap is how long a rotated admin token stays valid beside its successor when the
+	// rotation names no overlap. Default DefaultRotationOverlap (24 h).
+	RotationOverlap time.Duration
 }
 
 // API serves the admin routes over one accounting.Ops, for the operations that have a
@@ -53,6 +55,8 @@ type API struct {
 	token        []byte
 	log          *slog.Logger
 	checkWebhook func(string) error
+	tokens       ledger.AdminTokens // nil when the ledger keeps none: only the bootstrap token works
+	overlap      time.Duration
 }
 
 // New returns the admin API over ops.
@@ -68,16 +72,23 @@ func New(ops *accounting.Ops, cfg *Config) (*API, error) {
 		log = slog.Default()
 	}
 	hooks, _ := ops.Ledger().(ledger.Webhooks)
+	tokens, _ := ops.Ledger().(ledger.AdminTokens)
+	overlap := cfg.RotationOverlap
+	if overlap <= 0 {
+		overlap = DefaultRotationOverlap
+	}
 	return &API{ops: ops, console: ops.Ledger(), hooks: hooks, token: []byte(cfg.Token), log: log.With("component", "escrow.admin"),
-		checkWebhook: cfg.CheckWebhookURL}, nil
+		checkWebhook: cfg.CheckWebhookURL, tokens: tokens, overlap: overlap}, nil
 }
 
-// Register adds the routes, behind the token check, to g (escrow's proxy mounts it at
+// Register adds the routes, behind the token check (Authenticate, Authorize), to g (escrow's proxy mounts it at
 // /admin/v1).
 func (a *API) Register(g *echo.Group) {
 	// The token check, the org-id check and the audit trail wrap each route rather than the group: a group's
 	// middleware makes Echo answer every unknown method with 404 instead of 405 with Allow.
-	add := func(method, path string, h echo.HandlerFunc) { g.Add(method, path, h, a.auth, orgParam, a.audited) }
+	add := func(method, path string, h echo.HandlerFunc) {
+		g.Add(method, path, h, a.authFor(method, path), orgParam, a.audited)
+	}
 	add(http.MethodGet, "/orgs", a.listOrgs)
 	add(http.MethodPost, "/orgs", a.createOrg)
 	add(http.MethodGet, "/orgs/:org", a.getOrg)
@@ -125,6 +136,12 @@ func (a *API) Register(g *echo.Group) {
 		add(http.MethodPost, "/orgs/:org/projects/:id/"+f.path, a.freeze(balance.ScopeProject, f.frozen))
 		add(http.MethodPost, "/keys/:id/"+f.path, a.freeze(balance.ScopeKey, f.frozen))
 	}
+	add(http.MethodPut, "/keys/:id/models", a.setKeyModels) // keymodels.go
+	// Scoped admin tokens (tokens.go).
+	add(http.MethodGet, "/tokens", a.listTokens)
+	add(http.MethodPost, "/tokens", a.createToken)
+	add(http.MethodPost, "/tokens/:id/rotate", a.rotateToken)
+	add(http.MethodDelete, "/tokens/:id", a.revokeToken)
 }
 
 // apiError is an answer in OpenAI's error shape, like the proxy's own refusals, so one client
@@ -165,16 +182,6 @@ func unavailable(c echo.Context, code, msg string) error {
 	return writeError(c, apiError{status: http.StatusServiceUnavailable, typ: typeUnavailable, code: code, msg: msg, retryAfter: time.Second})
 }
 
-func (a *API) auth(next echo.HandlerFunc) echo.HandlerFunc {
-	return func(c echo.Context) error {
-		tok, ok := strings.CutPrefix(c.Request().Header.Get(echo.HeaderAuthorization), "Bearer ")
-		if !ok || subtle.ConstantTimeCompare([]byte(tok), a.token) != 1 {
-			return writeError(c, apiError{status: http.StatusUnauthorized, typ: typeInvalid, code: "invalid_admin_token", msg: "missing or wrong admin token"})
-		}
-		return next(c)
-	}
-}
-
 // orgParam refuses an :org that breaks the one org-id rule (balance.ValidateOrg, which the ledger
 // and the hot balance apply too) before any handler runs; the message says what is allowed.
 func orgParam(next echo.HandlerFunc) echo.HandlerFunc {
@@ -204,6 +211,8 @@ type refusal struct {
 // first); any other error is a 500.
 var refusals = []refusal{
 	{ledger.ErrUnknownWebhook, http.StatusNotFound, "webhook_not_found", "no such webhook"},
+	{ledger.ErrUnknownAdminToken, http.StatusNotFound, "token_not_found", "no such live admin token"},
+	{ErrInvalidScope, http.StatusBadRequest, "invalid_value", ""},
 	{ledger.ErrInvalidWebhook, http.StatusBadRequest, "invalid_value", ""},
 	{ledger.ErrNoWebhooks, http.StatusNotImplemented, "webhooks_unsupported", ""},
 	{ledger.ErrUnknownOrg, http.StatusNotFound, "org_not_found", "no such org"},

@@ -164,14 +164,20 @@ func (a *API) patchOrg(c echo.Context) error {
 	var req struct {
 		nameRequest
 		LowBalanceThreshold json.RawMessage `json:"low_balance_threshold"` // webhooks.go
+		Exempt              *bool           `json:"exempt"`                // exempt.go
 	}
 	if err := bind(c, &req); err != nil || c.Response().Committed {
 		return err
 	}
-	if req.Name == nil && req.LowBalanceThreshold == nil {
-		return invalid(c, "name or low_balance_threshold is required")
+	if req.Name == nil && req.LowBalanceThreshold == nil && req.Exempt == nil {
+		return invalid(c, "name, low_balance_threshold or exempt is required")
 	}
 	ctx := c.Request().Context()
+	if req.Exempt != nil {
+		if err := a.setExempt(c, *req.Exempt); err != nil || c.Response().Committed {
+			return err
+		}
+	}
 	if req.LowBalanceThreshold != nil {
 		if err := a.setThreshold(c, req.LowBalanceThreshold); err != nil || c.Response().Committed {
 			return err
@@ -486,8 +492,12 @@ func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
 		}
 		err := next(c)
 		actor := strings.TrimSpace(r.Header.Get(ActorHeader))
+		p, _ := PrincipalOf(c)
 		if actor == "" || len(actor) > 200 {
 			actor = "admin"
+			if !p.Bootstrap() {
+				actor = "token " + p.ID()
+			}
 		}
 		target := c.Param("org")
 		for _, p := range []string{"id", "model"} {
@@ -511,7 +521,7 @@ func (a *API) audited(next echo.HandlerFunc) echo.HandlerFunc {
 		}
 		// Recorded even when the client has gone: the write may have happened.
 		if _, aerr := a.console.RecordAudit(context.WithoutCancel(r.Context()), ledger.AuditRecord{
-			Actor: actor, Action: r.Method + " " + c.Path(), Target: target, Status: status, Detail: detail,
+			Actor: actor, Token: p.TokenID, Action: r.Method + " " + c.Path(), Target: target, Status: status, Detail: detail,
 		}); aerr != nil {
 			a.log.Error("admin audit record failed", "action", r.Method+" "+c.Path(), "err", aerr)
 		}

@@ -298,7 +298,7 @@ func checkHold(id string) error {
 type ReserveRequest struct {
 	Org    string
 	HoldID string
-	Amount int64 // micro-units, 0 < Amount ≤ MaxAmount
+	Amount int64 // micro-units, 0 < Amount ≤ MaxAmount (0 when Exempt)
 	// KeyID is the API key the request came with ("" for none). The limits and freezes of the
 	// key, of its project (as the hot state's key → project map says) and of the org apply.
 	KeyID string
@@ -309,6 +309,10 @@ type ReserveRequest struct {
 	// of scope end_user apply to it, each end user apart (a limit without an id) or this one (a
 	// limit with its id). It follows the key id rule (Scope{Kind: ScopeEndUser, ID: id}.Validate).
 	EndUser string
+	// Exempt reserves for an exempt org (ledger.OrgFlags): a zero hold (Amount must be 0), never
+	// refused for balance; freezes, the in-flight cap and the limits apply (a money limit counts
+	// the cost when the hold finishes). Finish, settle and release treat it like any hold.
+	Exempt bool
 }
 
 // RateInfo is the requests or the tokens limit in a request's scope with the least left after
@@ -352,7 +356,7 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	if err := checkHold(r.HoldID); err != nil {
 		return Reservation{}, err
 	}
-	if r.Amount <= 0 || r.Amount > MaxAmount || r.Tokens < 0 || r.Tokens > MaxAmount {
+	if (r.Exempt && r.Amount != 0) || (!r.Exempt && r.Amount <= 0) || r.Amount > MaxAmount || r.Tokens < 0 || r.Tokens > MaxAmount {
 		return Reservation{}, fmt.Errorf("%w: hold of %d (tokens %d)", ErrInvalidAmount, r.Amount, r.Tokens)
 	}
 	if err := checkRequestKey(r.KeyID); err != nil {
@@ -366,8 +370,12 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	keys := s.keys(r.Org).ReserveKeys()
 	amount := strconv.FormatInt(r.Amount, 10)
 	tokens := strconv.FormatInt(r.Tokens, 10)
+	exempt := "0"
+	if r.Exempt {
+		exempt = "1"
+	}
 	for attempt := 0; ; attempt++ {
-		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, r.KeyID, s.clockArg, tokens, r.EndUser}
+		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, r.KeyID, s.clockArg, tokens, r.EndUser, exempt}
 		var res []any
 		var err error
 		if s.co != nil {

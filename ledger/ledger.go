@@ -147,6 +147,11 @@ type Account struct {
 type APIKey struct {
 	ID  string `json:"id"`
 	Org string `json:"org"`
+	// Models is the key's allow-list (KeyModels): empty for every model.
+	Models []string `json:"models,omitempty"`
+	// Exempt: the key's org is exempt (OrgFlags): its requests are never held nor refused for
+	// balance.
+	Exempt bool `json:"exempt,omitempty"`
 }
 
 // Ledger is the durable record: Postgres in production, memory for the embedded default. Both

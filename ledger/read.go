@@ -101,6 +101,9 @@ type OrgInfo struct {
 	LedgerSeq  int64     `json:"ledger_seq"`
 	SettledSeq int64     `json:"settled_seq"`
 	CreatedAt  time.Time `json:"created_at"`
+	// Exempt: the org's requests are metered and charged but never held nor refused for balance
+	// (OrgFlags; off by default).
+	Exempt bool `json:"exempt"`
 }
 
 // KeyInfo is an API key as the console shows it; the secret is never kept.
@@ -112,6 +115,9 @@ type KeyInfo struct {
 	RevokedAt *time.Time `json:"revoked_at"`
 	Project   string     `json:"project"` // "" for none
 	Frozen    bool       `json:"frozen"`
+	// Models is the key's allow-list of models (names, or prefixes ending in '*'); empty: every
+	// model.
+	Models []string `json:"models,omitempty"`
 	// LastUsedAt is the reserve time of the key's latest accounted request (nil: none yet);
 	// the account pass keeps it, so it trails the request by the accounting lag.
 	LastUsedAt *time.Time `json:"last_used_at"`
@@ -259,6 +265,7 @@ type AuditRecord struct {
 	ID     int64     `json:"id"`
 	At     time.Time `json:"at"`
 	Actor  string    `json:"actor"`
+	Token  string    `json:"token,omitempty"`  // the id of the admin token used ("" for the bootstrap token)
 	Action string    `json:"action"`           // e.g. "POST /admin/v1/orgs/:org/credits"
 	Target string    `json:"target,omitempty"` // the org, key or model written
 	Status int       `json:"status"`           // the answer's HTTP status

@@ -22,6 +22,10 @@
 --   tokens limit holds; a requests limit holds 1, a money limit the amount
 -- ARGV[11] end user ('' or absent for none): the limits of each end user apart (lim's e) count
 --   it in its own counters, and those of this end user (e:<end user>) apply
+-- ARGV[12] '1' for an exempt org (absent: '0'): the amount is '0' (no money is held: the hold's
+--   record is a zero hold that finish and settle treat like any other, so bal + Σ holds = B(wm)
+--   holds as ever) and the balance is never checked (no INSUFFICIENT); freezes, the in-flight cap
+--   and every limit still apply (a money limit counts the cost at finish, like an overshoot)
 --
 -- Checks, in this order: amount, COLD (no acct, another epoch, lim missing or older than the
 -- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, NO_END_USER, LIMIT, INSUFFICIENT.
@@ -44,8 +48,13 @@
 -- or their whole sum).
 -- Both are integer replies that decide nothing here: no money moves on a refusal.
 -- Money moves only with HINCRBY on the argument string: no computed amount is formatted.
+local exempt = ARGV[12] == '1'
 local amount = tonumber(ARGV[3])
-if not amount or amount <= 0 or string.find(ARGV[3], '^%d+$') == nil then
+if exempt then
+  if ARGV[3] ~= '0' then
+    return redis.error_reply('ERR escrow reserve: an exempt hold has amount 0')
+  end
+elseif not amount or amount <= 0 or string.find(ARGV[3], '^%d+$') == nil then
   return redis.error_reply('ERR escrow reserve: amount must be a positive integer')
 end
 local tok = ARGV[10] or '0'
@@ -180,11 +189,14 @@ if #fields > 0 then
   end
 end
 
-if tonumber(acct[1]) < amount then
+if not exempt and tonumber(acct[1]) < amount then
   return {'INSUFFICIENT', acct[1], held_on(nil, amount - tonumber(acct[1]))}
 end
 
-local bal = redis.call('HINCRBY', KEYS[1], 'bal', '-' .. ARGV[3])
+local bal = acct[1] -- an exempt hold debits nothing
+if not exempt then
+  bal = redis.call('HINCRBY', KEYS[1], 'bal', '-' .. ARGV[3])
+end
 local rts = ms_string(rtime)
 -- The requests and the tokens limit with the least left, for the x-ratelimit-* headers.
 local least = {r = {'', '', ''}, t = {'', '', ''}}

@@ -29,10 +29,14 @@ func (s *Server) buildEcho() error {
 	e.GET("/healthz", func(c echo.Context) error { return c.JSON(http.StatusOK, map[string]string{"status": "ok"}) })
 	e.GET("/readyz", s.ready)
 	e.GET("/metrics", echo.WrapHandler(s.metrics.handler()))
-	if s.cfg.AdminToken != "" {
+	if s.cfg.AdminToken != "" && s.cfg.Role != RoleProxy {
 		if err := s.esc.MountAdmin(e.Group("/admin/v1")); err != nil {
 			return fmt.Errorf("admin api: %w", err)
 		}
+	}
+	if s.cfg.Role == RoleAdmin { // role.go
+		s.echo = e
+		return nil
 	}
 	mw := s.esc.Middleware()
 	rp := s.proxyHandler()

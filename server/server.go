@@ -160,7 +160,7 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 		return nil, err
 	}
 	s.metrics = newMetrics(s)
-	if s.routes.empty() {
+	if s.routes.empty() && s.cfg.Role != RoleAdmin {
 		return nil, ErrNoUpstream
 	}
 	if err := s.buildEcho(); err != nil {

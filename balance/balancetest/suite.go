@@ -148,6 +148,7 @@ func Run(t *testing.T, env Env) {
 	t.Run("ReserveOK", func(t *testing.T) { exerciseReserveOK(t, env) })
 	t.Run("ReserveInvalid", func(t *testing.T) { exerciseReserveInvalid(t, env) })
 	t.Run("ScriptRefusesNonPositiveAmount", func(t *testing.T) { exerciseScriptRefusesNonPositiveAmount(t, env) })
+	t.Run("ReserveExempt", func(t *testing.T) { exerciseReserveExempt(t, env) })
 	t.Run("ReserveColdNoLedger", func(t *testing.T) { exerciseReserveColdNoLedger(t, env) })
 	t.Run("ReserveColdWarmsOnce", func(t *testing.T) { exerciseReserveColdWarmsOnce(t, env) })
 	t.Run("ReserveOtherEpochIsCold", func(t *testing.T) { exerciseReserveOtherEpochIsCold(t, env) })

@@ -373,8 +373,10 @@ func cmdKeys(args []string) error {
 		return show(c, o, http.MethodPatch, "/keys/"+url.PathEscape(pos[1]), map[string]string{"name": pos[2]}, namedTable)
 	case len(pos) == 2 && pos[0] == "revoke":
 		return c.do(http.MethodDelete, "/keys/"+url.PathEscape(pos[1]), nil, "revoked "+pos[1])
+	case (len(pos) == 2 || len(pos) == 3) && pos[0] == "models":
+		return keyModels(c, o, pos[1:])
 	default:
-		return usageErr("usage: escrow keys ORG | create ORG [--name NAME] | rename KEY_ID NAME | revoke KEY_ID  [--json|--csv]")
+		return usageErr("usage: escrow keys ORG | create ORG [--name NAME] | rename KEY_ID NAME | revoke KEY_ID | models KEY_ID [MODEL,PREFIX*,…]  [--json|--csv]")
 	}
 }
 

@@ -46,6 +46,8 @@ var commands = map[string]struct {
 	"freeze":        {"refuse every new request of an org, one of its projects or a key, at once", freezeCmd("freeze", "freeze")},
 	"unfreeze":      {"lift a freeze", freezeCmd("unfreeze", "unfreeze")},
 	"top":           {"the orgs that spent the most in a time range", cmdTop},
+	"tokens":        {"list, create, rotate (old and new valid for an overlap) or revoke scoped admin tokens (read, admin, org:ORG)", cmdTokens},
+	"pg-roles":      {"print the GRANTs of a Postgres data role (the proxies) and admin role (the admin API)", cmdPGRoles},
 	"migrate":       {"apply the ledger's database migrations (DATABASE_URL) and exit", cmdMigrate},
 }
 

@@ -33,11 +33,13 @@ type Ledger struct {
 	subs     map[*memSub]struct{}
 	console  memConsole // names and the audit trail (memory_read.go)
 	hooks    memHooks   // webhooks: endpoints, thresholds, the outbox (memory_webhooks.go)
+	tokens   memTokens  // scoped admin tokens (memory_admintokens.go)
 	// lastLimit is the last limit id given out (ids are never reused).
 	lastLimit int64
 }
 
 type memAccount struct {
+	exempt  bool // OrgFlags
 	balance int64
 	settled int64
 	entries []ledger.LedgerEntry // entries[i].Seq == i+1
@@ -692,7 +694,11 @@ func (m *Ledger) LookupKey(ctx context.Context, secret string) (ledger.APIKey, e
 	if k == nil || k.revoked {
 		return ledger.APIKey{}, ledger.ErrUnknownKey
 	}
-	return k.key, nil
+	key := k.key
+	if a := m.accounts[key.Org]; a != nil {
+		key.Exempt = a.exempt
+	}
+	return key, nil
 }
 
 // RevokeKey revokes a key by id (revoking twice is fine).

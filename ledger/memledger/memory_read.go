@@ -27,7 +27,7 @@ var _ ledger.Console = (*Ledger)(nil)
 func (m *Ledger) orgInfoLocked(id string, a *memAccount) ledger.OrgInfo {
 	return ledger.OrgInfo{
 		ID: id, Name: m.console.orgNames[id], Balance: a.balance, LedgerSeq: int64(len(a.entries)),
-		SettledSeq: a.settled, CreatedAt: a.created.UTC().Truncate(time.Microsecond),
+		SettledSeq: a.settled, CreatedAt: a.created.UTC().Truncate(time.Microsecond), Exempt: a.exempt,
 	}
 }
 
@@ -131,7 +131,8 @@ func (m *Ledger) ListKeys(ctx context.Context, org string, q ledger.ListQuery) (
 			p.Next = ledger.KeyCursor(last.CreatedAt, last.ID)
 			break
 		}
-		ki := ledger.KeyInfo{ID: k.key.ID, Org: org, Name: m.console.keyNames[k.key.ID], CreatedAt: k.created, Project: k.project, Frozen: k.frozen}
+		ki := ledger.KeyInfo{ID: k.key.ID, Org: org, Name: m.console.keyNames[k.key.ID], CreatedAt: k.created, Project: k.project, Frozen: k.frozen,
+			Models: k.key.Models}
 		if k.revoked {
 			at := k.revAt
 			ki.RevokedAt = &at

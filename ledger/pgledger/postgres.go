@@ -1607,7 +1607,8 @@ func (p *Ledger) CreateKey(ctx context.Context, org string) (ledger.APIKey, stri
 func (p *Ledger) LookupKey(ctx context.Context, secret string) (ledger.APIKey, error) {
 	h := sha256.Sum256([]byte(secret))
 	var k ledger.APIKey
-	err := p.pool.QueryRow(ctx, `SELECT id, org_id FROM api_keys WHERE hash = $1 AND revoked_at IS NULL`, h[:]).Scan(&k.ID, &k.Org)
+	err := p.pool.QueryRow(ctx, `SELECT k.id, k.org_id, k.models, a.exempt FROM api_keys k JOIN accounts a ON a.org_id = k.org_id
+WHERE k.hash = $1 AND k.revoked_at IS NULL`, h[:]).Scan(&k.ID, &k.Org, &k.Models, &k.Exempt)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return ledger.APIKey{}, ledger.ErrUnknownKey
 	}

@@ -23,11 +23,11 @@ func tsArg(t time.Time) pgtype.Timestamptz {
 	return pgtype.Timestamptz{Time: t, Valid: !t.IsZero()}
 }
 
-const sqlOrgColumns = `org_id, name, balance, ledger_seq, settled_seq, created_at`
+const sqlOrgColumns = `org_id, name, balance, ledger_seq, settled_seq, created_at, exempt`
 
 func scanOrg(r pgx.CollectableRow) (ledger.OrgInfo, error) {
 	var o ledger.OrgInfo
-	err := r.Scan(&o.ID, &o.Name, &o.Balance, &o.LedgerSeq, &o.SettledSeq, &o.CreatedAt)
+	err := r.Scan(&o.ID, &o.Name, &o.Balance, &o.LedgerSeq, &o.SettledSeq, &o.CreatedAt, &o.Exempt)
 	o.CreatedAt = o.CreatedAt.UTC()
 	return o, err
 }
@@ -97,13 +97,13 @@ func (p *Ledger) ListKeys(ctx context.Context, org string, q ledger.ListQuery) (
 			return err
 		}
 		rows, _ := tx.Query(ctx, `
-SELECT id, org_id, name, created_at, revoked_at, coalesce(project_id, ''), frozen, last_used_at FROM api_keys
+SELECT id, org_id, name, created_at, revoked_at, coalesce(project_id, ''), frozen, last_used_at, coalesce(models, '{}') FROM api_keys
 WHERE org_id = $1 AND ($2::timestamptz IS NULL OR (created_at, id) > ($2, $3))
 ORDER BY created_at, id LIMIT $4`, org, tsArg(afterT), afterID, limit+1)
 		var err error
 		keys, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (ledger.KeyInfo, error) {
 			var k ledger.KeyInfo
-			err := r.Scan(&k.ID, &k.Org, &k.Name, &k.CreatedAt, &k.RevokedAt, &k.Project, &k.Frozen, &k.LastUsedAt)
+			err := r.Scan(&k.ID, &k.Org, &k.Name, &k.CreatedAt, &k.RevokedAt, &k.Project, &k.Frozen, &k.LastUsedAt, &k.Models)
 			k.CreatedAt = k.CreatedAt.UTC()
 			k.RevokedAt, k.LastUsedAt = utcPtr(k.RevokedAt), utcPtr(k.LastUsedAt)
 			return k, err
@@ -389,8 +389,8 @@ func (p *Ledger) DeleteModel(ctx context.Context, name string) error {
 
 // RecordAudit appends r to the audit trail.
 func (p *Ledger) RecordAudit(ctx context.Context, r ledger.AuditRecord) (ledger.AuditRecord, error) {
-	err := p.pool.QueryRow(ctx, `INSERT INTO admin_audit (actor, action, target, status, detail)
-VALUES ($1, $2, $3, $4, $5) RETURNING id, at`, r.Actor, r.Action, r.Target, r.Status, r.Detail).Scan(&r.ID, &r.At)
+	err := p.pool.QueryRow(ctx, `INSERT INTO admin_audit (actor, action, target, status, detail, token_id)
+VALUES ($1, $2, $3, $4, $5, $6) RETURNING id, at`, r.Actor, r.Action, r.Target, r.Status, r.Detail, r.Token).Scan(&r.ID, &r.At)
 	r.At = r.At.UTC()
 	return r, wrapPg("record audit", err)
 }
@@ -405,11 +405,11 @@ func (p *Ledger) AuditLog(ctx context.Context, q ledger.ListQuery) (ledger.Page[
 		}
 	}
 	limit := ledger.PageLimit(q.Limit)
-	rows, _ := p.pool.Query(ctx, `SELECT id, at, actor, action, target, status, detail FROM admin_audit
+	rows, _ := p.pool.Query(ctx, `SELECT id, at, actor, action, target, status, detail, token_id FROM admin_audit
 WHERE id < $1 ORDER BY id DESC LIMIT $2`, before, limit+1)
 	recs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (ledger.AuditRecord, error) {
 		var a ledger.AuditRecord
-		err := r.Scan(&a.ID, &a.At, &a.Actor, &a.Action, &a.Target, &a.Status, &a.Detail)
+		err := r.Scan(&a.ID, &a.At, &a.Actor, &a.Action, &a.Target, &a.Status, &a.Detail, &a.Token)
 		a.At = a.At.UTC()
 		return a, err
 	})
