@@ -148,13 +148,20 @@ func (r *rig) balances(t *testing.T, org string) (ledgerBal, hot int64) {
 // spend charges cost to org through a usage event and the worker's account pass.
 func (r *rig) spend(t *testing.T, org string, cost int64) {
 	t.Helper()
+	r.spendWith(t, r.worker, org, cost)
+}
+
+// spendWith is spend through worker w's account pass.
+func (r *rig) spendWith(t *testing.T, w *accounting.Worker, org string, cost int64) {
+	t.Helper()
 	ev := ledger.UsageEvent{ID: uuid.Must(uuid.NewV7()).String(), Org: org, KeyID: "key_1", Model: "gpt-test",
 		Endpoint: "/v1/chat/completions", Cost: cost, HoldAmount: cost, CreatedAt: time.Now()}
 	if err := r.l.RecordUsage(ctxT(t), []ledger.UsageEvent{ev}); err != nil {
-		t.Fatal(err)
+		t.Error(err)
+		return
 	}
-	if _, err := r.worker.AccountAll(ctxT(t)); err != nil {
-		t.Fatal(err)
+	if _, err := w.AccountAll(ctxT(t)); err != nil {
+		t.Error(err)
 	}
 }
 
