@@ -33,6 +33,7 @@ func (s *Server) buildEcho() error {
 			return fmt.Errorf("admin api: %w", err)
 		}
 	}
+	s.mountPayments(e)
 	mw := s.esc.Middleware()
 	rp := s.proxyHandler()
 	if s.cfg.BenchBaseline {
