@@ -16,7 +16,7 @@ import (
 // ESCROW_STRIPE_WEBHOOK_SECRETS is set, and auto top-up, when ESCROW_STRIPE_API_KEY is.
 type payments struct {
 	pay    *payment.Payments
-	stripe *payment.Stripe  // nil: no webhook route
+	stripe *payment.Stripe // nil: no webhook route
 	topups *payment.TopUps // nil: no auto top-up
 }
 
