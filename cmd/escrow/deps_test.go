@@ -50,7 +50,8 @@ var layers = map[string][]string{
 	"middleware":            {"accounting", "balance"},
 	"admin":                 {"accounting", "internal/csvcell"},
 	".":                     {"accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"}, // the root package escrow: New
-	"server":                {".", "accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"},
+	"server":                {".", "accounting", "admin", "balance", "middleware", "migrations", "payment", "webhook", "ledger/memledger", "ledger/pgledger"},
+	"payment":               {"accounting"}, // processor webhooks → ledger entries, auto top-up (stripe-go)
 	"cmd/escrow":            {"server", "internal/csvcell"},
 	"examples/proxy":        {"server", "internal/fakeupstream"},
 	"bench":                 {"server", "internal/fakeupstream", "internal/testutil"},

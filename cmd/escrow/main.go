@@ -45,6 +45,7 @@ var commands = map[string]struct {
 	"freeze":    {"refuse every new request of an org, one of its projects or a key, at once", freezeCmd("freeze", "freeze")},
 	"unfreeze":  {"lift a freeze", freezeCmd("unfreeze", "unfreeze")},
 	"top":       {"the orgs that spent the most in a time range", cmdTop},
+	"topup":     {"show, set or delete an org's auto top-up (threshold, amount, Stripe payment method, daily and monthly caps) and list its attempts", cmdTopUp},
 	"migrate":   {"apply the ledger's database migrations (DATABASE_URL) and exit", cmdMigrate},
 }
 
