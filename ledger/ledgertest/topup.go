@@ -1,6 +1,7 @@
 package ledgertest
 
 import (
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -114,7 +115,11 @@ func testTopUpAttempts(t *testing.T, l ledger.Ledger) {
 	_, err = p.FinishTopUp(c, "tu_none", true, "", t0)
 	wantErr(t, err, ledger.ErrUnknownTopUp, "FinishTopUp of an unknown attempt")
 
-	// A declined one stops further tries until the settings are updated.
+	// A declined one stops further tries until the settings are updated, and is announced
+	// (topup.failed) in its transaction.
+	h := hooks(t, l)
+	_, _, err = h.CreateWebhook(c, "https://example.com/topup", []ledger.EventType{ledger.EventTopUpFailed})
+	noErr(t, err)
 	b := must(p.BeginTopUp(c, "acme", t0.Add(time.Hour)))
 	noErr(t, p.SetTopUpPayment(c, b.ID, "pi_2"))
 	failed := must(p.FinishTopUp(c, b.ID, false, "card_declined", t0.Add(time.Hour)))
@@ -123,6 +128,15 @@ func testTopUpAttempts(t *testing.T, l ledger.Ledger) {
 	}
 	_, err = p.BeginTopUp(c, "acme", t0.Add(2*time.Hour))
 	wantErr(t, err, ledger.ErrTopUpStopped, "BeginTopUp after a decline")
+	ds := must(h.ClaimDeliveries(c, 10, time.Minute, ledger.EndpointLimit{}))
+	if len(ds) != 1 || ds[0].EventType != ledger.EventTopUpFailed || ds[0].Org != "acme" ||
+		!strings.Contains(string(ds[0].Body), `card_declined`) || !strings.Contains(string(ds[0].Body), b.ID) {
+		t.Fatalf("topup.failed deliveries %+v (%s)", ds, firstBody(ds))
+	}
+	must(p.FinishTopUp(c, b.ID, false, "again", t0.Add(time.Hour))) // a redelivered failure: no second event
+	if ds := must(h.ClaimDeliveries(c, 10, time.Minute, ledger.EndpointLimit{})); len(ds) != 0 {
+		t.Fatalf("a second topup.failed for one attempt: %+v", ds)
+	}
 	if s := must(p.TopUp(c, "acme")); s.Stopped == "" {
 		t.Fatal("settings not stopped after a decline")
 	}
@@ -140,6 +154,13 @@ func testTopUpAttempts(t *testing.T, l ledger.Ledger) {
 }
 
 // testTopUpConcurrent: 100 callers at once start one attempt.
+func firstBody(ds []ledger.Delivery) string {
+	if len(ds) == 0 {
+		return ""
+	}
+	return string(ds[0].Body)
+}
+
 func testTopUpConcurrent(t *testing.T, l ledger.Ledger) {
 	c, p := ctx(t), payments(t, l)
 	noErr(t, l.CreateOrg(c, "acme"))

@@ -141,6 +141,15 @@ func (m *Ledger) attempt(id string) *ledger.TopUpAttempt {
 	return nil
 }
 
+// topUpFailedData is a topup.failed event's data.
+type topUpFailedData struct {
+	Attempt  string `json:"attempt"`
+	Amount   int64  `json:"amount"`
+	Currency string `json:"currency"`
+	Payment  string `json:"payment"`
+	Reason   string `json:"reason"`
+}
+
 // SetTopUpPayment records a pending attempt's payment id.
 func (m *Ledger) SetTopUpPayment(ctx context.Context, id, payment string) error {
 	m.mu.Lock()
@@ -177,6 +186,8 @@ func (m *Ledger) FinishTopUp(ctx context.Context, id string, succeeded bool, rea
 		s.Stopped = "attempt " + a.ID + " failed: " + reason
 		m.topups.settings[a.Org] = s
 	}
+	m.hooks.emit(ledger.EventTopUpFailed, a.Org, topUpFailedData{Attempt: a.ID, Amount: a.Amount, Currency: a.Currency,
+		Payment: a.Payment, Reason: a.Reason})
 	return *a, nil
 }
 

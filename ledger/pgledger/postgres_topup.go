@@ -195,10 +195,14 @@ UPDATE topup_attempts SET status = $2, reason = $3, finished_at = $4 WHERE id = 
 			id, string(status), reason, now.UTC())); err != nil {
 			return err
 		}
-		if !succeeded {
-			_, err = tx.Exec(ctx, `UPDATE topup_settings SET stopped = $2 WHERE org_id = $1`,
-				a.Org, "attempt "+a.ID+" failed: "+reason)
+		if succeeded {
+			return nil
 		}
+		if _, err = tx.Exec(ctx, `UPDATE topup_settings SET stopped = $2 WHERE org_id = $1`,
+			a.Org, "attempt "+a.ID+" failed: "+reason); err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, sqlOutboxTopUpFailed, out.Org, out.ID, out.Amount, out.Currency, out.Payment, out.Reason)
 		return err
 	})
 	if errors.Is(err, ledger.ErrUnknownTopUp) {
@@ -206,6 +210,12 @@ UPDATE topup_attempts SET status = $2, reason = $3, finished_at = $4 WHERE id = 
 	}
 	return out, wrapPg("finish top-up", err)
 }
+
+// sqlOutboxTopUpFailed writes the topup.failed event in FinishTopUp's transaction: $1 org, $2
+// attempt, $3 amount, $4 currency, $5 payment, $6 reason.
+var sqlOutboxTopUpFailed = `WITH ` + sqlOutbox(ledger.EventTopUpFailed, `
+	SELECT $1::text AS org, jsonb_build_object('attempt', $2::text, 'amount', $3::bigint, 'currency', $4::text,
+		'payment', $5::text, 'reason', $6::text) AS data`) + ` SELECT 1`
 
 // TopUpAttempts lists the org's attempts, newest first.
 func (p *Ledger) TopUpAttempts(ctx context.Context, org string, limit int) ([]ledger.TopUpAttempt, error) {
