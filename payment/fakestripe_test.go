@@ -26,6 +26,8 @@ type fakeStripe struct {
 	answers  map[string]fakeAnswer // by idempotency key
 	created  []fakeIntent          // PaymentIntents created, in order
 	requests int
+	keys     []string // the Idempotency-Key of every create request, in order
+	failNext int      // answer the next creates 500 (an outage: nothing created, nothing saved)
 }
 
 type fakeAnswer struct {
@@ -69,6 +71,12 @@ func (f *fakeStripe) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	key := r.Header.Get("Idempotency-Key")
+	f.keys = append(f.keys, key)
+	if f.failNext > 0 {
+		f.failNext--
+		answer(stripeError(http.StatusInternalServerError, "api_error", "", "", nil))
+		return
+	}
 	if a, ok := f.answers[key]; ok && key != "" {
 		answer(a) // Stripe replays the first answer of a key
 		return

@@ -31,6 +31,9 @@ type TopUpConfig struct {
 
 const defaultTopUpRefresh = 30 * time.Second
 
+// checkTimeout bounds one org's check in Drain (the ledger's transaction and Stripe's call).
+const checkTimeout = 30 * time.Second
+
 // TopUps starts auto top-ups: told by the accounting worker which orgs a pass charged
 // (accounting.WorkerConfig.Charged = TopUps.Charged), it starts one top-up for each whose
 // ledger balance is now below its threshold, off the request path. The ledger decides
@@ -172,7 +175,10 @@ func (t *TopUps) Drain(ctx context.Context) error {
 	t.mu.Unlock()
 	var errs []error
 	for _, o := range orgs {
-		if _, err := t.Check(ctx, o); err != nil && !Quiet(err) {
+		cctx, cancel := context.WithTimeout(ctx, checkTimeout)
+		_, err := t.Check(cctx, o)
+		cancel()
+		if err != nil && !Quiet(err) {
 			t.log.Warn("auto top-up not started", "org", o, "err", err)
 			errs = append(errs, err)
 		}

@@ -239,3 +239,76 @@ func TestTopUpDailyCap(t *testing.T) {
 		}
 	})
 }
+
+// TestTopUpFailedWebhook: an attempt whose PaymentIntent fails later (payment_intent.payment_failed
+// naming it) ends as failed and stops the org's top-ups, like a decline at creation; the same
+// event again changes nothing.
+func TestTopUpFailedWebhook(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, l ledger.Ledger) {
+		tr := newTopUpRig(t, l, 1)
+		tr.createOrg(t, "acme")
+		tr.settings(t, acmeTopUp("pm_card_visa"))
+		tr.pass(t, 0, "acme", 1)
+		pis := tr.fake.intents()
+		if len(pis) != 1 {
+			t.Fatalf("%d PaymentIntents, want 1", len(pis))
+		}
+		failed := eventJSON("evt_fail", "payment_intent.payment_failed", map[string]any{
+			"id": pis[0].ID, "object": "payment_intent", "amount": 1000, "currency": "usd", "status": "requires_payment_method",
+			"metadata":           map[string]string{payment.MetadataOrg: "acme", payment.MetadataTopUp: pis[0].TopUp},
+			"last_payment_error": map[string]string{"code": "card_declined", "decline_code": "insufficient_funds"},
+		}, nil)
+		st, d := tr.send(t, failed)
+		wantDecision(t, "payment_failed", st, d, http.StatusOK, payment.TopUpFailed)
+		st, d = tr.send(t, failed)
+		wantDecision(t, "payment_failed again", st, d, http.StatusOK, payment.TopUpFailed)
+		top, err := tr.ops.TopUp(ctxT(t), "acme")
+		must(t, err)
+		if top.Stopped == "" || top.Attempts[0].Status != ledger.TopUpFailed || top.Attempts[0].Reason != "card_declined insufficient_funds" {
+			t.Fatalf("after payment_failed: %+v", top)
+		}
+		for range 3 {
+			tr.pass(t, 0, "acme", 1)
+		}
+		if n := len(tr.fake.intents()); n != 1 {
+			t.Fatalf("%d PaymentIntents after the failure, want 1", n)
+		}
+		if a, _ := tr.balances(t, "acme"); a != -4 {
+			t.Fatalf("ledger balance %d: the failed top-up was credited", a)
+		}
+	})
+}
+
+// TestTopUpRetrySameKey: when Stripe fails (500), the attempt stays pending without a payment
+// and the next check sends the same Idempotency-Key: one PaymentIntent in the end.
+func TestTopUpRetrySameKey(t *testing.T) {
+	t.Parallel()
+	eachLedger(t, func(t *testing.T, l ledger.Ledger) {
+		tr := newTopUpRig(t, l, 1)
+		tr.createOrg(t, "acme")
+		tr.settings(t, acmeTopUp("pm_card_visa"))
+		tr.fake.mu.Lock()
+		tr.fake.failNext = 1
+		tr.fake.mu.Unlock()
+		tr.spend(t, "acme", 1)
+		a, err := tr.topups[0].Check(ctxT(t), "acme")
+		if err == nil || payment.Quiet(err) || a.ID == "" {
+			t.Fatalf("Check while Stripe fails: %+v %v, want the error", a, err)
+		}
+		b, err := tr.topups[0].Check(ctxT(t), "acme")
+		must(t, err)
+		if b.ID != a.ID || b.Payment == "" {
+			t.Fatalf("retry: attempt %+v, want %s with its payment", b, a.ID)
+		}
+		tr.fake.mu.Lock()
+		keys := append([]string(nil), tr.fake.keys...)
+		tr.fake.mu.Unlock()
+		if len(keys) != 2 || keys[0] != a.ID || keys[1] != a.ID || len(tr.fake.intents()) != 1 {
+			t.Fatalf("idempotency keys %v, %d intents", keys, len(tr.fake.intents()))
+		}
+		if _, err := tr.topups[0].Check(ctxT(t), "acme"); !errors.Is(err, ledger.ErrTopUpInFlight) {
+			t.Fatalf("third check: %v, want ErrTopUpInFlight", err)
+		}
+	})
+}
