@@ -73,6 +73,7 @@ type auditor struct {
 
 // answer records the decision and answers it as JSON.
 func (a *auditor) answer(c echo.Context, status int, d Decision) error {
+	a.p.count(d.Outcome)
 	ctx := context.WithoutCancel(c.Request().Context())
 	detail := fmt.Sprintf("event %s (%s): %s", d.Event, d.Type, d.Outcome)
 	if d.Amount != 0 {

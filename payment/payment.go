@@ -28,6 +28,8 @@ import (
 	"log/slog"
 	"maps"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/llmescrow/escrow/accounting"
@@ -113,6 +115,24 @@ type Payments struct {
 	cfg  Config
 	log  *slog.Logger
 	pays ledger.Payments // nil when the ledger has no payments role
+
+	counts sync.Map // Outcome → *atomic.Int64: the webhook decisions, for metrics
+}
+
+// Outcomes lists every Outcome (the metrics' label values).
+var Outcomes = []Outcome{Credited, Debited, Duplicate, Frozen, Noted, TopUpFailed, Ignored, Conflict, Unresolved, Rejected, Failed}
+
+// Decisions is how many webhook decisions of outcome o this process made (Handler's).
+func (p *Payments) Decisions(o Outcome) int64 {
+	if c, ok := p.counts.Load(o); ok {
+		return c.(*atomic.Int64).Load()
+	}
+	return 0
+}
+
+func (p *Payments) count(o Outcome) {
+	c, _ := p.counts.LoadOrStore(o, new(atomic.Int64))
+	c.(*atomic.Int64).Add(1)
 }
 
 // New returns Payments over ops.

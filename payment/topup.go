@@ -48,6 +48,8 @@ type TopUps struct {
 	every  time.Duration
 	log    *slog.Logger
 
+	stats struct{ started, failed, capped, errors atomic.Int64 }
+
 	enabled atomic.Pointer[map[string]bool] // orgs with settings that may run; nil: not read yet
 	mu      sync.Mutex
 	dirty   map[string]struct{}
@@ -186,6 +188,19 @@ func (t *TopUps) Drain(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
+// TopUpStats are the runner's totals since it was made, for metrics.
+type TopUpStats struct {
+	Started int64 // PaymentIntents created (each credited only by its webhook)
+	Failed  int64 // attempts declined (their orgs stopped)
+	Capped  int64 // checks refused by a daily or monthly cap
+	Errors  int64 // checks that failed (Stripe or the ledger did not answer)
+}
+
+// Stats returns the runner's totals.
+func (t *TopUps) Stats() TopUpStats {
+	return TopUpStats{Started: t.stats.started.Load(), Failed: t.stats.failed.Load(), Capped: t.stats.capped.Load(), Errors: t.stats.errors.Load()}
+}
+
 // Quiet: an answer of BeginTopUp that is the normal case (nothing to do), not a failure.
 func Quiet(err error) bool {
 	for _, s := range []error{ledger.ErrNoTopUp, ledger.ErrTopUpNotNeeded, ledger.ErrTopUpInFlight, ledger.ErrTopUpStopped, ledger.ErrTopUpCap} {
@@ -204,7 +219,10 @@ func (t *TopUps) Check(ctx context.Context, org string) (ledger.TopUpAttempt, er
 	a, err := t.pays.BeginTopUp(ctx, org, t.now())
 	if err != nil {
 		if errors.Is(err, ledger.ErrTopUpCap) {
+			t.stats.capped.Add(1)
 			t.audit(ctx, org, "topup.capped", err.Error())
+		} else if !Quiet(err) {
+			t.stats.errors.Add(1)
 		}
 		return a, err
 	}
@@ -237,6 +255,7 @@ func (t *TopUps) Check(ctx context.Context, org string) (ledger.TopUpAttempt, er
 		}
 		return t.fail(ctx, a, reason)
 	case err != nil:
+		t.stats.errors.Add(1)
 		t.audit(ctx, org, "topup.retry", fmt.Sprintf("attempt %s: %v (retried with the same idempotency key)", a.ID, err))
 		return a, fmt.Errorf("payment: top-up %s of %s: %w", a.ID, org, err)
 	}
@@ -246,6 +265,7 @@ func (t *TopUps) Check(ctx context.Context, org string) (ledger.TopUpAttempt, er
 	a.Payment = pi.ID
 	switch pi.Status {
 	case stripe.PaymentIntentStatusSucceeded, stripe.PaymentIntentStatusProcessing:
+		t.stats.started.Add(1)
 		t.audit(ctx, org, "topup.started", fmt.Sprintf("attempt %s: %d %s, payment %s %s; credited by its webhook", a.ID, a.Amount, a.Currency, pi.ID, pi.Status))
 		return a, nil
 	default: // requires_action (authentication), requires_payment_method: an off-session charge that cannot go through
@@ -258,6 +278,7 @@ func (t *TopUps) fail(ctx context.Context, a ledger.TopUpAttempt, reason string)
 	if err != nil {
 		return a, err
 	}
+	t.stats.failed.Add(1)
 	t.audit(ctx, a.Org, "topup.failed", fmt.Sprintf("attempt %s: %s; top-ups stopped until the settings are updated", a.ID, reason))
 	t.log.Warn("auto top-up declined; the org's top-ups stop until its settings are updated", "org", a.Org, "attempt", a.ID, "reason", reason)
 	if en := t.enabled.Load(); en != nil {

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/labstack/echo/v4"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stripe/stripe-go/v82"
 
 	"github.com/llmescrow/escrow/payment"
@@ -80,10 +81,27 @@ func (s *Server) charged(orgs []string) {
 	}
 }
 
-// mountPayments adds POST /webhooks/stripe (authenticated by its signature, not by a token).
+// mountPayments adds POST /webhooks/stripe (authenticated by its signature, not by a token)
+// and the payments' metrics.
 func (s *Server) mountPayments(e *echo.Echo) {
-	if s.pay != nil && s.pay.stripe != nil {
+	if s.pay == nil {
+		return
+	}
+	if s.pay.stripe != nil {
 		e.POST("/webhooks/stripe", s.pay.pay.Handler(s.pay.stripe))
+	}
+	reg := s.metrics.reg
+	for _, o := range payment.Outcomes {
+		reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "escrow_payment_events_total",
+			Help: "payment webhook deliveries by decision (credited, duplicate, rejected, …)", ConstLabels: prometheus.Labels{"outcome": string(o)}},
+			func() float64 { return float64(s.pay.pay.Decisions(o)) }))
+	}
+	if tu := s.pay.topups; tu != nil {
+		counter, _ := statFuncs(reg, tu.Stats)
+		counter("escrow_topups_started_total", "auto top-up PaymentIntents created", func(st payment.TopUpStats) int64 { return st.Started })
+		counter("escrow_topups_failed_total", "auto top-ups declined (their orgs stopped until updated)", func(st payment.TopUpStats) int64 { return st.Failed })
+		counter("escrow_topups_capped_total", "auto top-up checks refused by a daily or monthly cap", func(st payment.TopUpStats) int64 { return st.Capped })
+		counter("escrow_topups_errors_total", "auto top-up checks that failed (Stripe or the ledger did not answer)", func(st payment.TopUpStats) int64 { return st.Errors })
 	}
 }
 

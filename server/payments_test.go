@@ -21,6 +21,7 @@ func TestStripeWebhookThroughTheProxy(t *testing.T) {
 		p := startTestProxy(t, real, func(c *Config) {
 			c.StripeWebhookSecrets = " whsec_old , whsec_new"
 			c.PaymentRates = "usd=10"
+			c.StripeAPIKey, c.StripeAPIURL = "sk_test_unused", "http://127.0.0.1:9" // auto top-up runs; no org has one
 		})
 		p.setup("acme", 0, 65)
 		payload := []byte(`{"id":"evt_1","object":"event","type":"payment_intent.succeeded","data":{"object":` +
@@ -49,6 +50,18 @@ func TestStripeWebhookThroughTheProxy(t *testing.T) {
 		}
 		if b := p.settled("acme"); b.LedgerBalance != 12340 || b.Available != 12340 {
 			t.Fatalf("balance after the payment: %+v", b)
+		}
+		res, err := http.Get(p.base + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, _ := io.ReadAll(res.Body)
+		res.Body.Close()
+		for _, want := range []string{`escrow_payment_events_total{outcome="credited"} 1`, `escrow_payment_events_total{outcome="duplicate"} 1`,
+			`escrow_payment_events_total{outcome="rejected"} 1`, "escrow_topups_started_total 0"} {
+			if !strings.Contains(string(m), want) {
+				t.Fatalf("metrics lack %s", want)
+			}
 		}
 	})
 }
