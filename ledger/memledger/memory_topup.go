@@ -77,12 +77,16 @@ func (m *Ledger) TopUpOrgs(ctx context.Context) ([]string, error) {
 func (m *Ledger) OrgOfCustomer(ctx context.Context, customer string) (string, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	found := ""
 	for org, s := range m.topups.settings {
-		if s.Customer == customer {
-			return org, nil
+		if s.Customer == customer && (found == "" || org < found) {
+			found = org // the first org by id, as pgledger answers
 		}
 	}
-	return "", fmt.Errorf("%w: customer %q", ledger.ErrNoTopUp, customer)
+	if found == "" {
+		return "", fmt.Errorf("%w: customer %q", ledger.ErrNoTopUp, customer)
+	}
+	return found, nil
 }
 
 // BeginTopUp starts an attempt under the ledger's lock (its transaction).
