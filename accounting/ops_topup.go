@@ -4,16 +4,16 @@ import (
 	"context"
 	"errors"
 
-	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/topup"
 )
 
-// ErrNoPayments: the ledger has no payments role (ledger.Payments), so it keeps no top-up
+// ErrNoPayments: the ledger has no payments role (topup.Store), so it keeps no top-up
 // settings. Both of escrow's ledgers have it.
 var ErrNoPayments = errors.New("accounting: the ledger has no payments role")
 
 // Payments is the ledger's payments role (top-up settings and attempts), or ErrNoPayments.
-func (o *Ops) Payments() (ledger.Payments, error) {
-	p, ok := o.ledger.(ledger.Payments)
+func (o *Ops) Payments() (topup.Store, error) {
+	p, ok := o.ledger.(topup.Store)
 	if !ok {
 		return nil, ErrNoPayments
 	}
@@ -22,7 +22,7 @@ func (o *Ops) Payments() (ledger.Payments, error) {
 
 // PutTopUp creates or replaces the org's auto top-up settings; a top-up stopped by a declined
 // charge may run again from then on.
-func (o *Ops) PutTopUp(ctx context.Context, s ledger.TopUpSettings) (ledger.TopUpSettings, error) {
+func (o *Ops) PutTopUp(ctx context.Context, s topup.Settings) (topup.Settings, error) {
 	p, err := o.Payments()
 	if err != nil {
 		return s, err
@@ -32,8 +32,8 @@ func (o *Ops) PutTopUp(ctx context.Context, s ledger.TopUpSettings) (ledger.TopU
 
 // TopUp is the org's auto top-up: its settings and its latest attempts (newest first).
 type TopUp struct {
-	ledger.TopUpSettings
-	Attempts []ledger.TopUpAttempt `json:"attempts"`
+	topup.Settings
+	Attempts []topup.Attempt `json:"attempts"`
 }
 
 // TopUp reads the org's settings (ErrNoTopUp) and its last 20 attempts.
@@ -48,9 +48,9 @@ func (o *Ops) TopUp(ctx context.Context, org string) (TopUp, error) {
 	}
 	as, err := p.TopUpAttempts(ctx, org, 20)
 	if as == nil {
-		as = []ledger.TopUpAttempt{}
+		as = []topup.Attempt{}
 	}
-	return TopUp{TopUpSettings: s, Attempts: as}, err
+	return TopUp{Settings: s, Attempts: as}, err
 }
 
 // DeleteTopUp turns the org's auto top-up off (ErrNoTopUp); an attempt in flight is still

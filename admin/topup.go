@@ -6,14 +6,14 @@ import (
 	"github.com/labstack/echo/v4"
 
 	"github.com/llmescrow/escrow/accounting"
-	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/topup"
 )
 
 // The answers of the auto top-up routes' errors, after the shared ones.
 func init() {
 	refusals = append(refusals,
-		refusal{ledger.ErrNoTopUp, http.StatusNotFound, "topup_not_found", "the org has no auto top-up"},
-		refusal{ledger.ErrInvalidTopUp, http.StatusBadRequest, "invalid_value", ""},
+		refusal{topup.ErrNoSettings, http.StatusNotFound, "topup_not_found", "the org has no auto top-up"},
+		refusal{topup.ErrInvalid, http.StatusBadRequest, "invalid_value", ""},
 		refusal{accounting.ErrNoPayments, http.StatusNotImplemented, "payments_unsupported", ""},
 	)
 }
@@ -26,7 +26,7 @@ func (a *API) registerTopUp(add func(method, path string, h echo.HandlerFunc)) {
 	add(http.MethodDelete, "/orgs/:org/topup", a.deleteTopUp)
 }
 
-// TopUpRequest is PUT /orgs/:org/topup's body: ledger.TopUpSettings without the org (the path's)
+// TopUpRequest is PUT /orgs/:org/topup's body: topup.Settings without the org (the path's)
 // and the fields the ledger keeps.
 type TopUpRequest struct {
 	Threshold     int64  `json:"threshold"`
@@ -43,7 +43,7 @@ func (a *API) putTopUp(c echo.Context) error {
 	if err := bind(c, &req); err != nil {
 		return err
 	}
-	s, err := a.ops.PutTopUp(c.Request().Context(), ledger.TopUpSettings{
+	s, err := a.ops.PutTopUp(c.Request().Context(), topup.Settings{
 		Org: c.Param("org"), Threshold: req.Threshold, Amount: req.Amount, Currency: req.Currency, Customer: req.Customer,
 		PaymentMethod: req.PaymentMethod, DailyCap: req.DailyCap, MonthlyCap: req.MonthlyCap,
 	})

@@ -35,6 +35,7 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/topup"
 )
 
 // Sentinel errors.
@@ -114,7 +115,7 @@ type Payments struct {
 	ops  *accounting.Ops
 	cfg  Config
 	log  *slog.Logger
-	pays ledger.Payments // nil when the ledger has no payments role
+	pays topup.Store // nil when the ledger has no payments role
 
 	counts sync.Map // Outcome → *atomic.Int64: the webhook decisions, for metrics
 }
@@ -234,7 +235,7 @@ func (p *Payments) Apply(ctx context.Context, ev Event) (Decision, error) {
 		}
 		a, err := p.pays.FinishTopUp(ctx, ev.TopUp, false, ev.Reason, p.cfg.Now())
 		if err != nil {
-			if errors.Is(err, ledger.ErrUnknownTopUp) {
+			if errors.Is(err, topup.ErrUnknownAttempt) {
 				d.Outcome, d.Detail = Ignored, err.Error()
 				return d, nil
 			}
@@ -279,7 +280,7 @@ func (p *Payments) credit(ctx context.Context, ev Event, d Decision) (Decision, 
 		d.Outcome = Duplicate
 	}
 	if ev.TopUp != "" && p.pays != nil {
-		if _, err := p.pays.FinishTopUp(ctx, ev.TopUp, true, "", p.cfg.Now()); err != nil && !errors.Is(err, ledger.ErrUnknownTopUp) {
+		if _, err := p.pays.FinishTopUp(ctx, ev.TopUp, true, "", p.cfg.Now()); err != nil && !errors.Is(err, topup.ErrUnknownAttempt) {
 			d.Detail = "credited; top-up attempt not marked: " + err.Error()
 			return d, err // retried: the credit is idempotent, the attempt is finished next time
 		}
@@ -346,7 +347,7 @@ func (p *Payments) resolve(ctx context.Context, ev Event) (string, error) {
 		if err == nil {
 			return org, nil
 		}
-		if !errors.Is(err, ledger.ErrUnknownReference) {
+		if !errors.Is(err, topup.ErrUnknownReference) {
 			return "", err
 		}
 	}
@@ -362,7 +363,7 @@ func (p *Payments) resolve(ctx context.Context, ev Event) (string, error) {
 			if err == nil {
 				return org, nil
 			}
-			if !errors.Is(err, ledger.ErrNoTopUp) {
+			if !errors.Is(err, topup.ErrNoSettings) {
 				return "", err
 			}
 		}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/topup"
 )
 
 // TopUpConfig configures TopUps.
@@ -37,12 +38,12 @@ const checkTimeout = 30 * time.Second
 // TopUps starts auto top-ups: told by the accounting worker which orgs a pass charged
 // (accounting.WorkerConfig.Charged = TopUps.Charged), it starts one top-up for each whose
 // ledger balance is now below its threshold, off the request path. The ledger decides
-// (ledger.Payments.BeginTopUp): at most one attempt in flight per org, the caps, a stop after a
+// (topup.Store.BeginTopUp): at most one attempt in flight per org, the caps, a stop after a
 // decline. An attempt is a PaymentIntent created and confirmed off-session, its id the
 // idempotency key; it is credited only by its payment_intent.succeeded webhook.
 type TopUps struct {
 	ops    *accounting.Ops
-	pays   ledger.Payments
+	pays   topup.Store
 	client *stripe.Client
 	now    func() time.Time
 	every  time.Duration
@@ -203,7 +204,7 @@ func (t *TopUps) Stats() TopUpStats {
 
 // Quiet: an answer of BeginTopUp that is the normal case (nothing to do), not a failure.
 func Quiet(err error) bool {
-	for _, s := range []error{ledger.ErrNoTopUp, ledger.ErrTopUpNotNeeded, ledger.ErrTopUpInFlight, ledger.ErrTopUpStopped, ledger.ErrTopUpCap} {
+	for _, s := range []error{topup.ErrNoSettings, topup.ErrNotNeeded, topup.ErrInFlight, topup.ErrStopped, topup.ErrCap} {
 		if errors.Is(err, s) {
 			return true
 		}
@@ -215,10 +216,10 @@ func Quiet(err error) bool {
 // ledger's reasons not to (Quiet errors) come back as they are. A declined charge ends the
 // attempt as failed, which stops the org's top-ups; a processor that does not answer leaves it
 // pending, and the next Check retries it with the same idempotency key.
-func (t *TopUps) Check(ctx context.Context, org string) (ledger.TopUpAttempt, error) {
+func (t *TopUps) Check(ctx context.Context, org string) (topup.Attempt, error) {
 	a, err := t.pays.BeginTopUp(ctx, org, t.now())
 	if err != nil {
-		if errors.Is(err, ledger.ErrTopUpCap) {
+		if errors.Is(err, topup.ErrCap) {
 			t.stats.capped.Add(1)
 			t.audit(ctx, org, "topup.capped", err.Error())
 		} else if !Quiet(err) {
@@ -273,7 +274,7 @@ func (t *TopUps) Check(ctx context.Context, org string) (ledger.TopUpAttempt, er
 	}
 }
 
-func (t *TopUps) fail(ctx context.Context, a ledger.TopUpAttempt, reason string) (ledger.TopUpAttempt, error) {
+func (t *TopUps) fail(ctx context.Context, a topup.Attempt, reason string) (topup.Attempt, error) {
 	f, err := t.pays.FinishTopUp(ctx, a.ID, false, reason, t.now())
 	if err != nil {
 		return a, err

@@ -12,6 +12,7 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/topup"
 	"github.com/llmescrow/escrow/payment"
 )
 
@@ -72,7 +73,7 @@ func newTopUpRig(t *testing.T, l ledger.Ledger, n int) *topUpRig {
 	return tr
 }
 
-func (tr *topUpRig) settings(t *testing.T, s ledger.TopUpSettings) {
+func (tr *topUpRig) settings(t *testing.T, s topup.Settings) {
 	t.Helper()
 	if _, err := tr.ops.PutTopUp(ctxT(t), s); err != nil {
 		t.Fatal(err)
@@ -95,8 +96,8 @@ func (tr *topUpRig) confirm(t *testing.T, pi fakeIntent) payment.Decision {
 	return d
 }
 
-func acmeTopUp(pm string) ledger.TopUpSettings {
-	return ledger.TopUpSettings{Org: "acme", Threshold: 5_000_000, Amount: 1000, Currency: "usd", Customer: "cus_acme",
+func acmeTopUp(pm string) topup.Settings {
+	return topup.Settings{Org: "acme", Threshold: 5_000_000, Amount: 1000, Currency: "usd", Customer: "cus_acme",
 		PaymentMethod: pm, DailyCap: 3000, MonthlyCap: 100_000}
 }
 
@@ -149,7 +150,7 @@ func TestTopUpOneInFlight(t *testing.T) {
 		}
 		top, err := tr.ops.TopUp(ctxT(t), "acme")
 		must(t, err)
-		if len(top.Attempts) != 1 || top.Attempts[0].Status != ledger.TopUpSucceeded || top.Attempts[0].Payment != pi.ID {
+		if len(top.Attempts) != 1 || top.Attempts[0].Status != topup.Succeeded || top.Attempts[0].Payment != pi.ID {
 			t.Fatalf("attempts %+v", top.Attempts)
 		}
 	})
@@ -171,12 +172,12 @@ func TestTopUpDeclinedStops(t *testing.T) {
 		}
 		top, err := tr.ops.TopUp(ctxT(t), "acme")
 		must(t, err)
-		if top.Stopped == "" || len(top.Attempts) != 1 || top.Attempts[0].Status != ledger.TopUpFailed ||
+		if top.Stopped == "" || len(top.Attempts) != 1 || top.Attempts[0].Status != topup.Failed ||
 			!strings.Contains(top.Attempts[0].Reason, "card_declined") || top.Attempts[0].Payment == "" {
 			t.Fatalf("after a decline: %+v", top)
 		}
 		_, err = tr.topups[0].Check(ctxT(t), "acme")
-		if !errors.Is(err, ledger.ErrTopUpStopped) {
+		if !errors.Is(err, topup.ErrStopped) {
 			t.Fatalf("Check after a decline: %v, want ErrTopUpStopped", err)
 		}
 		var failed bool
@@ -216,7 +217,7 @@ func TestTopUpDailyCap(t *testing.T) {
 			}
 			if len(pis) == seen {
 				_, err := tr.topups[0].Check(ctxT(t), "acme")
-				if errors.Is(err, ledger.ErrTopUpCap) {
+				if errors.Is(err, topup.ErrCap) {
 					capped++
 				}
 			}
@@ -230,7 +231,7 @@ func TestTopUpDailyCap(t *testing.T) {
 		top, err := tr.ops.TopUp(context.Background(), "acme")
 		must(t, err)
 		for _, a := range top.Attempts {
-			if a.CreatedAt.Day() == 10 && a.Status == ledger.TopUpSucceeded {
+			if a.CreatedAt.Day() == 10 && a.Status == topup.Succeeded {
 				sum += a.Amount
 			}
 		}
@@ -265,7 +266,7 @@ func TestTopUpFailedWebhook(t *testing.T) {
 		wantDecision(t, "payment_failed again", st, d, http.StatusOK, payment.TopUpFailed)
 		top, err := tr.ops.TopUp(ctxT(t), "acme")
 		must(t, err)
-		if top.Stopped == "" || top.Attempts[0].Status != ledger.TopUpFailed || top.Attempts[0].Reason != "card_declined insufficient_funds" {
+		if top.Stopped == "" || top.Attempts[0].Status != topup.Failed || top.Attempts[0].Reason != "card_declined insufficient_funds" {
 			t.Fatalf("after payment_failed: %+v", top)
 		}
 		for range 3 {
@@ -307,7 +308,7 @@ func TestTopUpRetrySameKey(t *testing.T) {
 		if len(keys) != 2 || keys[0] != a.ID || keys[1] != a.ID || len(tr.fake.intents()) != 1 {
 			t.Fatalf("idempotency keys %v, %d intents", keys, len(tr.fake.intents()))
 		}
-		if _, err := tr.topups[0].Check(ctxT(t), "acme"); !errors.Is(err, ledger.ErrTopUpInFlight) {
+		if _, err := tr.topups[0].Check(ctxT(t), "acme"); !errors.Is(err, topup.ErrInFlight) {
 			t.Fatalf("third check: %v, want ErrTopUpInFlight", err)
 		}
 	})

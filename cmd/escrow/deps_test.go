@@ -41,12 +41,13 @@ var layers = map[string][]string{
 	"lua":                   nil,
 	"migrations":            nil,
 	"balance":               {"lua"},
-	"pricing":               {"balance"},                                 // prices, costs, price tables
-	"ledger":                {"balance", "pricing"},                      // domain types, role interfaces, SQL-free shared logic
-	"ledger/memledger":      {"ledger"},                                  // the in-memory store
-	"ledger/pgledger":       {"ledger", "migrations"},                    // the Postgres store
-	"ledger/ledgertest":     {"ledger", "internal/testutil"},             // the conformance suite both stores run
-	"accounting":            {"ledger", "balance", "internal/startstop"}, // recorder, worker, journal, Ops: never a store
+	"pricing":               {"balance"}, // prices, costs, price tables
+	"ledger":                {"balance", "pricing"},
+	"ledger/topup":          {"ledger"},                                                  // the payments role: auto top-up settings and attempts                      // domain types, role interfaces, SQL-free shared logic
+	"ledger/memledger":      {"ledger", "ledger/topup"},                                  // the in-memory store
+	"ledger/pgledger":       {"ledger", "ledger/topup", "migrations"},                    // the Postgres store
+	"ledger/ledgertest":     {"ledger", "ledger/topup", "internal/testutil"},             // the conformance suite both stores run
+	"accounting":            {"ledger", "ledger/topup", "balance", "internal/startstop"}, // recorder, worker, journal, Ops: never a store
 	"middleware":            {"accounting", "balance"},
 	"admin":                 {"accounting", "internal/csvcell"},
 	".":                     {"accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"}, // the root package escrow: New

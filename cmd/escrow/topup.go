@@ -7,30 +7,30 @@ import (
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/admin"
-	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/topup"
 )
 
-var topUpTable = table[ledger.TopUpSettings]{
-	{"org", func(s ledger.TopUpSettings) string { return s.Org }},
-	{"threshold", func(s ledger.TopUpSettings) string { return i64(s.Threshold) }},
-	{"amount", func(s ledger.TopUpSettings) string { return i64(s.Amount) }},
-	{"currency", func(s ledger.TopUpSettings) string { return s.Currency }},
-	{"customer", func(s ledger.TopUpSettings) string { return s.Customer }},
-	{"payment_method", func(s ledger.TopUpSettings) string { return s.PaymentMethod }},
-	{"daily_cap", func(s ledger.TopUpSettings) string { return i64(s.DailyCap) }},
-	{"monthly_cap", func(s ledger.TopUpSettings) string { return i64(s.MonthlyCap) }},
-	{"stopped", func(s ledger.TopUpSettings) string { return s.Stopped }},
+var topUpTable = table[topup.Settings]{
+	{"org", func(s topup.Settings) string { return s.Org }},
+	{"threshold", func(s topup.Settings) string { return i64(s.Threshold) }},
+	{"amount", func(s topup.Settings) string { return i64(s.Amount) }},
+	{"currency", func(s topup.Settings) string { return s.Currency }},
+	{"customer", func(s topup.Settings) string { return s.Customer }},
+	{"payment_method", func(s topup.Settings) string { return s.PaymentMethod }},
+	{"daily_cap", func(s topup.Settings) string { return i64(s.DailyCap) }},
+	{"monthly_cap", func(s topup.Settings) string { return i64(s.MonthlyCap) }},
+	{"stopped", func(s topup.Settings) string { return s.Stopped }},
 }
 
-var attemptTable = table[ledger.TopUpAttempt]{
-	{"id", func(a ledger.TopUpAttempt) string { return a.ID }},
-	{"status", func(a ledger.TopUpAttempt) string { return string(a.Status) }},
-	{"amount", func(a ledger.TopUpAttempt) string { return i64(a.Amount) }},
-	{"currency", func(a ledger.TopUpAttempt) string { return a.Currency }},
-	{"payment", func(a ledger.TopUpAttempt) string { return a.Payment }},
-	{"reason", func(a ledger.TopUpAttempt) string { return a.Reason }},
-	{"created_at", func(a ledger.TopUpAttempt) string { return ts(a.CreatedAt) }},
-	{"finished_at", func(a ledger.TopUpAttempt) string { return optTS(a.FinishedAt) }},
+var attemptTable = table[topup.Attempt]{
+	{"id", func(a topup.Attempt) string { return a.ID }},
+	{"status", func(a topup.Attempt) string { return string(a.Status) }},
+	{"amount", func(a topup.Attempt) string { return i64(a.Amount) }},
+	{"currency", func(a topup.Attempt) string { return a.Currency }},
+	{"payment", func(a topup.Attempt) string { return a.Payment }},
+	{"reason", func(a topup.Attempt) string { return a.Reason }},
+	{"created_at", func(a topup.Attempt) string { return ts(a.CreatedAt) }},
+	{"finished_at", func(a topup.Attempt) string { return optTS(a.FinishedAt) }},
 }
 
 // cmdTopUp: escrow topup ORG | attempts ORG | set ORG --threshold … | delete ORG.
@@ -50,7 +50,7 @@ func cmdTopUp(args []string) error {
 	usage := usageErr("usage: escrow topup ORG | attempts ORG | set ORG --threshold MICRO --amount N --currency C --customer CUS --payment-method PM --daily-cap N --monthly-cap N | delete ORG  [--json|--csv]")
 	switch {
 	case len(pos) == 1:
-		return show(c, o, http.MethodGet, "/orgs/"+url.PathEscape(pos[0])+"/topup", nil, via(topUpTable, func(t accounting.TopUp) ledger.TopUpSettings { return t.TopUpSettings }))
+		return show(c, o, http.MethodGet, "/orgs/"+url.PathEscape(pos[0])+"/topup", nil, via(topUpTable, func(t accounting.TopUp) topup.Settings { return t.Settings }))
 	case len(pos) == 2 && pos[0] == "attempts":
 		t, raw, err := fetch[accounting.TopUp](c, http.MethodGet, "/orgs/"+url.PathEscape(pos[1])+"/topup", nil)
 		if err != nil {

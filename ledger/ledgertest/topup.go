@@ -7,9 +7,10 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/topup"
 )
 
-// topUpTests run on every ledger: each must implement ledger.Payments.
+// topUpTests run on every ledger: each must implement topup.Store.
 var topUpTests = []struct {
 	name string
 	fn   func(t *testing.T, l ledger.Ledger)
@@ -21,17 +22,17 @@ var topUpTests = []struct {
 	{"CreditOrg", testCreditOrg},
 }
 
-func payments(t *testing.T, l ledger.Ledger) ledger.Payments {
+func payments(t *testing.T, l ledger.Ledger) topup.Store {
 	t.Helper()
-	p, ok := l.(ledger.Payments)
+	p, ok := l.(topup.Store)
 	if !ok {
-		t.Fatalf("%T does not implement ledger.Payments", l)
+		t.Fatalf("%T does not implement topup.Store", l)
 	}
 	return p
 }
 
-func topUpOf(org string) ledger.TopUpSettings {
-	return ledger.TopUpSettings{Org: org, Threshold: 1000, Amount: 500, Currency: "USD", Customer: "cus_" + org,
+func topUpOf(org string) topup.Settings {
+	return topup.Settings{Org: org, Threshold: 1000, Amount: 500, Currency: "USD", Customer: "cus_" + org,
 		PaymentMethod: "pm_card_visa", DailyCap: 1000, MonthlyCap: 2000}
 }
 
@@ -41,19 +42,19 @@ func testTopUpSettings(t *testing.T, l ledger.Ledger) {
 	wantErr(t, err, ledger.ErrUnknownOrg, "PutTopUp of an unknown org")
 	noErr(t, l.CreateOrg(c, "acme"))
 	_, err = p.TopUp(c, "acme")
-	wantErr(t, err, ledger.ErrNoTopUp, "TopUp before PutTopUp")
-	for _, bad := range []func(*ledger.TopUpSettings){
-		func(s *ledger.TopUpSettings) { s.Amount = 0 },
-		func(s *ledger.TopUpSettings) { s.Currency = "dollars" },
-		func(s *ledger.TopUpSettings) { s.Customer = "" },
-		func(s *ledger.TopUpSettings) { s.PaymentMethod = "pm card" },
-		func(s *ledger.TopUpSettings) { s.DailyCap = 499 },
-		func(s *ledger.TopUpSettings) { s.DailyCap, s.MonthlyCap = 3000, 2000 },
+	wantErr(t, err, topup.ErrNoSettings, "TopUp before PutTopUp")
+	for _, bad := range []func(*topup.Settings){
+		func(s *topup.Settings) { s.Amount = 0 },
+		func(s *topup.Settings) { s.Currency = "dollars" },
+		func(s *topup.Settings) { s.Customer = "" },
+		func(s *topup.Settings) { s.PaymentMethod = "pm card" },
+		func(s *topup.Settings) { s.DailyCap = 499 },
+		func(s *topup.Settings) { s.DailyCap, s.MonthlyCap = 3000, 2000 },
 	} {
 		s := topUpOf("acme")
 		bad(&s)
 		_, err := p.PutTopUp(c, s)
-		wantErr(t, err, ledger.ErrInvalidTopUp, "PutTopUp of bad settings")
+		wantErr(t, err, topup.ErrInvalid, "PutTopUp of bad settings")
 	}
 	s := must(p.PutTopUp(c, topUpOf("acme")))
 	if s.Currency != "usd" || s.UpdatedAt.IsZero() || s.Stopped != "" {
@@ -67,12 +68,12 @@ func testTopUpSettings(t *testing.T, l ledger.Ledger) {
 		t.Fatalf("OrgOfCustomer = %q", org)
 	}
 	_, err = p.OrgOfCustomer(c, "cus_other")
-	wantErr(t, err, ledger.ErrNoTopUp, "OrgOfCustomer of an unknown customer")
+	wantErr(t, err, topup.ErrNoSettings, "OrgOfCustomer of an unknown customer")
 	if orgs := must(p.TopUpOrgs(c)); len(orgs) != 1 || orgs[0] != "acme" {
 		t.Fatalf("TopUpOrgs = %v", orgs)
 	}
 	noErr(t, p.DeleteTopUp(c, "acme"))
-	wantErr(t, p.DeleteTopUp(c, "acme"), ledger.ErrNoTopUp, "DeleteTopUp twice")
+	wantErr(t, p.DeleteTopUp(c, "acme"), topup.ErrNoSettings, "DeleteTopUp twice")
 	if orgs := must(p.TopUpOrgs(c)); len(orgs) != 0 {
 		t.Fatalf("TopUpOrgs after delete = %v", orgs)
 	}
@@ -82,17 +83,17 @@ func testTopUpAttempts(t *testing.T, l ledger.Ledger) {
 	c, p := ctx(t), payments(t, l)
 	noErr(t, l.CreateOrg(c, "acme"))
 	_, err := p.BeginTopUp(c, "acme", t0)
-	wantErr(t, err, ledger.ErrNoTopUp, "BeginTopUp without settings")
+	wantErr(t, err, topup.ErrNoSettings, "BeginTopUp without settings")
 	must(p.PutTopUp(c, topUpOf("acme")))
 	_, _, err = l.Credit(c, "acme", 1000, "seed-acme")
 	noErr(t, err)
 	_, err = p.BeginTopUp(c, "acme", t0)
-	wantErr(t, err, ledger.ErrTopUpNotNeeded, "BeginTopUp at the threshold")
+	wantErr(t, err, topup.ErrNotNeeded, "BeginTopUp at the threshold")
 	_, _, err = l.Adjust(c, "acme", -1, "spend-acme")
 	noErr(t, err)
 
 	a := must(p.BeginTopUp(c, "acme", t0))
-	if a.Status != ledger.TopUpPending || a.Amount != 500 || a.Currency != "usd" || a.Org != "acme" || len(a.ID) < 10 {
+	if a.Status != topup.Pending || a.Amount != 500 || a.Currency != "usd" || a.Org != "acme" || len(a.ID) < 10 {
 		t.Fatalf("attempt %+v", a)
 	}
 	// Not yet made at the processor: the same attempt (the same idempotency key) comes back.
@@ -100,20 +101,20 @@ func testTopUpAttempts(t *testing.T, l ledger.Ledger) {
 		t.Fatalf("a pending attempt without payment came back as %s, want %s", again.ID, a.ID)
 	}
 	noErr(t, p.SetTopUpPayment(c, a.ID, "pi_1"))
-	wantErr(t, p.SetTopUpPayment(c, "tu_none", "pi_2"), ledger.ErrUnknownTopUp, "SetTopUpPayment of an unknown attempt")
+	wantErr(t, p.SetTopUpPayment(c, "tu_none", "pi_2"), topup.ErrUnknownAttempt, "SetTopUpPayment of an unknown attempt")
 	_, err = p.BeginTopUp(c, "acme", t0)
-	wantErr(t, err, ledger.ErrTopUpInFlight, "BeginTopUp with one in flight")
+	wantErr(t, err, topup.ErrInFlight, "BeginTopUp with one in flight")
 
 	done := must(p.FinishTopUp(c, a.ID, true, "", t0.Add(time.Minute)))
-	if done.Status != ledger.TopUpSucceeded || done.Payment != "pi_1" || done.FinishedAt == nil {
+	if done.Status != topup.Succeeded || done.Payment != "pi_1" || done.FinishedAt == nil {
 		t.Fatalf("finished %+v", done)
 	}
 	// Finishing again (a redelivered webhook) changes nothing.
-	if again := must(p.FinishTopUp(c, a.ID, false, "late", t0.Add(2*time.Minute))); again.Status != ledger.TopUpSucceeded {
+	if again := must(p.FinishTopUp(c, a.ID, false, "late", t0.Add(2*time.Minute))); again.Status != topup.Succeeded {
 		t.Fatalf("finished twice: %+v", again)
 	}
 	_, err = p.FinishTopUp(c, "tu_none", true, "", t0)
-	wantErr(t, err, ledger.ErrUnknownTopUp, "FinishTopUp of an unknown attempt")
+	wantErr(t, err, topup.ErrUnknownAttempt, "FinishTopUp of an unknown attempt")
 
 	// A declined one stops further tries until the settings are updated, and is announced
 	// (topup.failed) in its transaction.
@@ -123,11 +124,11 @@ func testTopUpAttempts(t *testing.T, l ledger.Ledger) {
 	b := must(p.BeginTopUp(c, "acme", t0.Add(time.Hour)))
 	noErr(t, p.SetTopUpPayment(c, b.ID, "pi_2"))
 	failed := must(p.FinishTopUp(c, b.ID, false, "card_declined", t0.Add(time.Hour)))
-	if failed.Status != ledger.TopUpFailed || failed.Reason != "card_declined" {
+	if failed.Status != topup.Failed || failed.Reason != "card_declined" {
 		t.Fatalf("failed attempt %+v", failed)
 	}
 	_, err = p.BeginTopUp(c, "acme", t0.Add(2*time.Hour))
-	wantErr(t, err, ledger.ErrTopUpStopped, "BeginTopUp after a decline")
+	wantErr(t, err, topup.ErrStopped, "BeginTopUp after a decline")
 	ds := must(h.ClaimDeliveries(c, 10, time.Minute, ledger.EndpointLimit{}))
 	if len(ds) != 1 || ds[0].EventType != ledger.EventTopUpFailed || ds[0].Org != "acme" ||
 		!strings.Contains(string(ds[0].Body), `card_declined`) || !strings.Contains(string(ds[0].Body), b.ID) {
@@ -148,7 +149,7 @@ func testTopUpAttempts(t *testing.T, l ledger.Ledger) {
 		t.Fatalf("BeginTopUp after the settings were updated: %v", err)
 	}
 	list := must(p.TopUpAttempts(c, "acme", 0))
-	if len(list) != 3 || list[0].Status != ledger.TopUpPending || list[2].ID != a.ID {
+	if len(list) != 3 || list[0].Status != topup.Pending || list[2].ID != a.ID {
 		t.Fatalf("attempts %+v", list)
 	}
 }
@@ -206,10 +207,10 @@ func testTopUpCaps(t *testing.T, l ledger.Ledger) {
 	}
 	noErr(t, run(day.Add(time.Hour)))
 	noErr(t, run(day.Add(2*time.Hour)))
-	wantErr(t, run(day.Add(23*time.Hour+59*time.Minute)), ledger.ErrTopUpCap, "third top-up of the day")
+	wantErr(t, run(day.Add(23*time.Hour+59*time.Minute)), topup.ErrCap, "third top-up of the day")
 	noErr(t, run(day.Add(24*time.Hour)))
 	noErr(t, run(day.Add(25*time.Hour)))
-	wantErr(t, run(day.Add(48*time.Hour)), ledger.ErrTopUpCap, "fifth top-up of the month, first of its day")
+	wantErr(t, run(day.Add(48*time.Hour)), topup.ErrCap, "fifth top-up of the month, first of its day")
 	noErr(t, run(day.Add(72*time.Hour))) // April 1: a new month
 }
 
@@ -224,7 +225,7 @@ func testCreditOrg(t *testing.T, l ledger.Ledger) {
 		t.Fatalf("CreditOrg = %q", org)
 	}
 	_, err = p.CreditOrg(c, "stripe:pi_2")
-	wantErr(t, err, ledger.ErrUnknownReference, "CreditOrg of an adjustment's reference")
+	wantErr(t, err, topup.ErrUnknownReference, "CreditOrg of an adjustment's reference")
 	_, err = p.CreditOrg(c, "stripe:pi_3")
-	wantErr(t, err, ledger.ErrUnknownReference, "CreditOrg of an unknown reference")
+	wantErr(t, err, topup.ErrUnknownReference, "CreditOrg of an unknown reference")
 }

@@ -8,19 +8,20 @@ import (
 
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/topup"
 )
 
-var _ ledger.Payments = (*Ledger)(nil)
+var _ topup.Store = (*Ledger)(nil)
 
 // memTopUps is the memory ledger's top-up state; Ledger.mu guards it.
 type memTopUps struct {
-	settings map[string]ledger.TopUpSettings // by org
-	attempts []*ledger.TopUpAttempt          // by creation
+	settings map[string]topup.Settings // by org
+	attempts []*topup.Attempt          // by creation
 }
 
 // PutTopUp creates or replaces the org's settings and clears Stopped.
-func (m *Ledger) PutTopUp(ctx context.Context, s ledger.TopUpSettings) (ledger.TopUpSettings, error) {
-	s, err := ledger.CheckTopUp(s)
+func (m *Ledger) PutTopUp(ctx context.Context, s topup.Settings) (topup.Settings, error) {
+	s, err := topup.Check(s)
 	if err != nil {
 		return s, err
 	}
@@ -30,7 +31,7 @@ func (m *Ledger) PutTopUp(ctx context.Context, s ledger.TopUpSettings) (ledger.T
 		return s, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, s.Org)
 	}
 	if m.topups.settings == nil {
-		m.topups.settings = map[string]ledger.TopUpSettings{}
+		m.topups.settings = map[string]topup.Settings{}
 	}
 	s.Stopped, s.UpdatedAt = "", time.Now().UTC()
 	m.topups.settings[s.Org] = s
@@ -38,12 +39,12 @@ func (m *Ledger) PutTopUp(ctx context.Context, s ledger.TopUpSettings) (ledger.T
 }
 
 // TopUp returns the org's settings.
-func (m *Ledger) TopUp(ctx context.Context, org string) (ledger.TopUpSettings, error) {
+func (m *Ledger) TopUp(ctx context.Context, org string) (topup.Settings, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s, ok := m.topups.settings[org]
 	if !ok {
-		return s, fmt.Errorf("%w: %q", ledger.ErrNoTopUp, org)
+		return s, fmt.Errorf("%w: %q", topup.ErrNoSettings, org)
 	}
 	return s, nil
 }
@@ -53,7 +54,7 @@ func (m *Ledger) DeleteTopUp(ctx context.Context, org string) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if _, ok := m.topups.settings[org]; !ok {
-		return fmt.Errorf("%w: %q", ledger.ErrNoTopUp, org)
+		return fmt.Errorf("%w: %q", topup.ErrNoSettings, org)
 	}
 	delete(m.topups.settings, org)
 	return nil
@@ -84,35 +85,35 @@ func (m *Ledger) OrgOfCustomer(ctx context.Context, customer string) (string, er
 		}
 	}
 	if found == "" {
-		return "", fmt.Errorf("%w: customer %q", ledger.ErrNoTopUp, customer)
+		return "", fmt.Errorf("%w: customer %q", topup.ErrNoSettings, customer)
 	}
 	return found, nil
 }
 
 // BeginTopUp starts an attempt under the ledger's lock (its transaction).
-func (m *Ledger) BeginTopUp(ctx context.Context, org string, now time.Time) (ledger.TopUpAttempt, error) {
+func (m *Ledger) BeginTopUp(ctx context.Context, org string, now time.Time) (topup.Attempt, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s, ok := m.topups.settings[org]
 	if !ok {
-		return ledger.TopUpAttempt{}, fmt.Errorf("%w: %q", ledger.ErrNoTopUp, org)
+		return topup.Attempt{}, fmt.Errorf("%w: %q", topup.ErrNoSettings, org)
 	}
 	if s.Stopped != "" {
-		return ledger.TopUpAttempt{}, fmt.Errorf("%w: %s", ledger.ErrTopUpStopped, s.Stopped)
+		return topup.Attempt{}, fmt.Errorf("%w: %s", topup.ErrStopped, s.Stopped)
 	}
-	day, month := ledger.TopUpWindows(now)
+	day, month := topup.Windows(now)
 	var daySum, monthSum int64
 	for _, a := range m.topups.attempts {
 		if a.Org != org {
 			continue
 		}
-		if a.Status == ledger.TopUpPending {
+		if a.Status == topup.Pending {
 			if a.Payment == "" {
 				return *a, nil // never made: retried with the same idempotency key
 			}
-			return ledger.TopUpAttempt{}, fmt.Errorf("%w: %s", ledger.ErrTopUpInFlight, a.ID)
+			return topup.Attempt{}, fmt.Errorf("%w: %s", topup.ErrInFlight, a.ID)
 		}
-		if a.Status == ledger.TopUpSucceeded && !a.CreatedAt.Before(month) {
+		if a.Status == topup.Succeeded && !a.CreatedAt.Before(month) {
 			monthSum += a.Amount
 			if !a.CreatedAt.Before(day) {
 				daySum += a.Amount
@@ -121,22 +122,22 @@ func (m *Ledger) BeginTopUp(ctx context.Context, org string, now time.Time) (led
 	}
 	acct := m.accounts[org]
 	if acct == nil {
-		return ledger.TopUpAttempt{}, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
+		return topup.Attempt{}, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
 	}
 	if acct.balance >= s.Threshold {
-		return ledger.TopUpAttempt{}, fmt.Errorf("%w: balance %d, threshold %d", ledger.ErrTopUpNotNeeded, acct.balance, s.Threshold)
+		return topup.Attempt{}, fmt.Errorf("%w: balance %d, threshold %d", topup.ErrNotNeeded, acct.balance, s.Threshold)
 	}
 	if daySum+s.Amount > s.DailyCap || monthSum+s.Amount > s.MonthlyCap {
-		return ledger.TopUpAttempt{}, fmt.Errorf("%w: %d today of %d, %d this month of %d, next %d",
-			ledger.ErrTopUpCap, daySum, s.DailyCap, monthSum, s.MonthlyCap, s.Amount)
+		return topup.Attempt{}, fmt.Errorf("%w: %d today of %d, %d this month of %d, next %d",
+			topup.ErrCap, daySum, s.DailyCap, monthSum, s.MonthlyCap, s.Amount)
 	}
-	a := &ledger.TopUpAttempt{ID: ledger.NewTopUpID(), Org: org, Amount: s.Amount, Currency: s.Currency,
-		Status: ledger.TopUpPending, CreatedAt: now.UTC()}
+	a := &topup.Attempt{ID: topup.NewAttemptID(), Org: org, Amount: s.Amount, Currency: s.Currency,
+		Status: topup.Pending, CreatedAt: now.UTC()}
 	m.topups.attempts = append(m.topups.attempts, a)
 	return *a, nil
 }
 
-func (m *Ledger) attempt(id string) *ledger.TopUpAttempt {
+func (m *Ledger) attempt(id string) *topup.Attempt {
 	for _, a := range m.topups.attempts {
 		if a.ID == id {
 			return a
@@ -160,32 +161,32 @@ func (m *Ledger) SetTopUpPayment(ctx context.Context, id, payment string) error 
 	defer m.mu.Unlock()
 	a := m.attempt(id)
 	if a == nil {
-		return fmt.Errorf("%w: %q", ledger.ErrUnknownTopUp, id)
+		return fmt.Errorf("%w: %q", topup.ErrUnknownAttempt, id)
 	}
-	if a.Status == ledger.TopUpPending {
+	if a.Status == topup.Pending {
 		a.Payment = payment
 	}
 	return nil
 }
 
 // FinishTopUp ends a pending attempt; a failure stops the org's top-ups.
-func (m *Ledger) FinishTopUp(ctx context.Context, id string, succeeded bool, reason string, now time.Time) (ledger.TopUpAttempt, error) {
+func (m *Ledger) FinishTopUp(ctx context.Context, id string, succeeded bool, reason string, now time.Time) (topup.Attempt, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	a := m.attempt(id)
 	if a == nil {
-		return ledger.TopUpAttempt{}, fmt.Errorf("%w: %q", ledger.ErrUnknownTopUp, id)
+		return topup.Attempt{}, fmt.Errorf("%w: %q", topup.ErrUnknownAttempt, id)
 	}
-	if a.Status != ledger.TopUpPending {
+	if a.Status != topup.Pending {
 		return *a, nil
 	}
 	at := now.UTC()
 	a.FinishedAt = &at
 	if succeeded {
-		a.Status = ledger.TopUpSucceeded
+		a.Status = topup.Succeeded
 		return *a, nil
 	}
-	a.Status, a.Reason = ledger.TopUpFailed, reason
+	a.Status, a.Reason = topup.Failed, reason
 	if s, ok := m.topups.settings[a.Org]; ok {
 		s.Stopped = "attempt " + a.ID + " failed: " + reason
 		m.topups.settings[a.Org] = s
@@ -196,7 +197,7 @@ func (m *Ledger) FinishTopUp(ctx context.Context, id string, succeeded bool, rea
 }
 
 // TopUpAttempts lists the org's attempts, newest first.
-func (m *Ledger) TopUpAttempts(ctx context.Context, org string, limit int) ([]ledger.TopUpAttempt, error) {
+func (m *Ledger) TopUpAttempts(ctx context.Context, org string, limit int) ([]topup.Attempt, error) {
 	if err := balance.ValidateOrg(org); err != nil {
 		return nil, err
 	}
@@ -205,7 +206,7 @@ func (m *Ledger) TopUpAttempts(ctx context.Context, org string, limit int) ([]le
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	var out []ledger.TopUpAttempt
+	var out []topup.Attempt
 	for i := len(m.topups.attempts) - 1; i >= 0 && len(out) < limit; i-- {
 		if a := m.topups.attempts[i]; a.Org == org {
 			out = append(out, *a)
@@ -220,7 +221,7 @@ func (m *Ledger) CreditOrg(ctx context.Context, ref string) (string, error) {
 	defer m.mu.Unlock()
 	e, ok := m.refs[refKey{ledger.KindCredit, ref}]
 	if !ok || ref == "" {
-		return "", fmt.Errorf("%w: %q", ledger.ErrUnknownReference, ref)
+		return "", fmt.Errorf("%w: %q", topup.ErrUnknownReference, ref)
 	}
 	return e.Org, nil
 }

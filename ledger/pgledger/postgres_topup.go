@@ -11,21 +11,22 @@ import (
 
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/topup"
 )
 
-var _ ledger.Payments = (*Ledger)(nil)
+var _ topup.Store = (*Ledger)(nil)
 
 const topUpColumns = `org_id, threshold, amount, currency, customer, payment_method, daily_cap, monthly_cap, stopped, updated_at`
 
-func scanTopUp(r pgx.Row) (ledger.TopUpSettings, error) {
-	var s ledger.TopUpSettings
+func scanTopUp(r pgx.Row) (topup.Settings, error) {
+	var s topup.Settings
 	err := r.Scan(&s.Org, &s.Threshold, &s.Amount, &s.Currency, &s.Customer, &s.PaymentMethod, &s.DailyCap, &s.MonthlyCap, &s.Stopped, &s.UpdatedAt)
 	return s, err
 }
 
 // PutTopUp creates or replaces the org's settings and clears stopped.
-func (p *Ledger) PutTopUp(ctx context.Context, s ledger.TopUpSettings) (ledger.TopUpSettings, error) {
-	s, err := ledger.CheckTopUp(s)
+func (p *Ledger) PutTopUp(ctx context.Context, s topup.Settings) (topup.Settings, error) {
+	s, err := topup.Check(s)
 	if err != nil {
 		return s, err
 	}
@@ -43,10 +44,10 @@ RETURNING `+topUpColumns, s.Org, s.Threshold, s.Amount, s.Currency, s.Customer, 
 }
 
 // TopUp returns the org's settings.
-func (p *Ledger) TopUp(ctx context.Context, org string) (ledger.TopUpSettings, error) {
+func (p *Ledger) TopUp(ctx context.Context, org string) (topup.Settings, error) {
 	s, err := scanTopUp(p.pool.QueryRow(ctx, `SELECT `+topUpColumns+` FROM topup_settings WHERE org_id = $1`, org))
 	if errors.Is(err, pgx.ErrNoRows) {
-		return s, fmt.Errorf("%w: %q", ledger.ErrNoTopUp, org)
+		return s, fmt.Errorf("%w: %q", topup.ErrNoSettings, org)
 	}
 	return s, wrapPg("top-up", err)
 }
@@ -58,7 +59,7 @@ func (p *Ledger) DeleteTopUp(ctx context.Context, org string) error {
 		return wrapPg("delete top-up", err)
 	}
 	if tag.RowsAffected() == 0 {
-		return fmt.Errorf("%w: %q", ledger.ErrNoTopUp, org)
+		return fmt.Errorf("%w: %q", topup.ErrNoSettings, org)
 	}
 	return nil
 }
@@ -75,34 +76,34 @@ func (p *Ledger) OrgOfCustomer(ctx context.Context, customer string) (string, er
 	var org string
 	err := p.pool.QueryRow(ctx, `SELECT org_id FROM topup_settings WHERE customer = $1 ORDER BY org_id LIMIT 1`, customer).Scan(&org)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return "", fmt.Errorf("%w: customer %q", ledger.ErrNoTopUp, customer)
+		return "", fmt.Errorf("%w: customer %q", topup.ErrNoSettings, customer)
 	}
 	return org, wrapPg("org of customer", err)
 }
 
 const attemptColumns = `id, org_id, amount, currency, status, payment, reason, created_at, finished_at`
 
-func scanAttempt(r pgx.Row) (ledger.TopUpAttempt, error) {
-	var a ledger.TopUpAttempt
+func scanAttempt(r pgx.Row) (topup.Attempt, error) {
+	var a topup.Attempt
 	var status string
 	err := r.Scan(&a.ID, &a.Org, &a.Amount, &a.Currency, &status, &a.Payment, &a.Reason, &a.CreatedAt, &a.FinishedAt)
-	a.Status = ledger.TopUpStatus(status)
+	a.Status = topup.Status(status)
 	return a, err
 }
 
 // BeginTopUp starts an attempt in one transaction that locks the org's settings row: the
 // checks and the insert cannot interleave with another BeginTopUp of the org.
-func (p *Ledger) BeginTopUp(ctx context.Context, org string, now time.Time) (ledger.TopUpAttempt, error) {
-	var out ledger.TopUpAttempt
+func (p *Ledger) BeginTopUp(ctx context.Context, org string, now time.Time) (topup.Attempt, error) {
+	var out topup.Attempt
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
 		s, err := scanTopUp(tx.QueryRow(ctx, `SELECT `+topUpColumns+` FROM topup_settings WHERE org_id = $1 FOR UPDATE`, org))
 		if errors.Is(err, pgx.ErrNoRows) {
-			return fmt.Errorf("%w: %q", ledger.ErrNoTopUp, org)
+			return fmt.Errorf("%w: %q", topup.ErrNoSettings, org)
 		} else if err != nil {
 			return err
 		}
 		if s.Stopped != "" {
-			return fmt.Errorf("%w: %s", ledger.ErrTopUpStopped, s.Stopped)
+			return fmt.Errorf("%w: %s", topup.ErrStopped, s.Stopped)
 		}
 		pending, err := scanAttempt(tx.QueryRow(ctx, `SELECT `+attemptColumns+` FROM topup_attempts WHERE org_id = $1 AND status = 'pending'`, org))
 		switch {
@@ -110,11 +111,11 @@ func (p *Ledger) BeginTopUp(ctx context.Context, org string, now time.Time) (led
 			out = pending // never made: retried with the same idempotency key
 			return nil
 		case err == nil:
-			return fmt.Errorf("%w: %s", ledger.ErrTopUpInFlight, pending.ID)
+			return fmt.Errorf("%w: %s", topup.ErrInFlight, pending.ID)
 		case !errors.Is(err, pgx.ErrNoRows):
 			return err
 		}
-		day, month := ledger.TopUpWindows(now)
+		day, month := topup.Windows(now)
 		var bal, daySum, monthSum int64
 		err = tx.QueryRow(ctx, `
 SELECT a.balance,
@@ -125,28 +126,28 @@ FROM accounts a WHERE a.org_id = $1`, org, day, month).Scan(&bal, &daySum, &mont
 			return err
 		}
 		if bal >= s.Threshold {
-			return fmt.Errorf("%w: balance %d, threshold %d", ledger.ErrTopUpNotNeeded, bal, s.Threshold)
+			return fmt.Errorf("%w: balance %d, threshold %d", topup.ErrNotNeeded, bal, s.Threshold)
 		}
 		if daySum+s.Amount > s.DailyCap || monthSum+s.Amount > s.MonthlyCap {
 			return fmt.Errorf("%w: %d today of %d, %d this month of %d, next %d",
-				ledger.ErrTopUpCap, daySum, s.DailyCap, monthSum, s.MonthlyCap, s.Amount)
+				topup.ErrCap, daySum, s.DailyCap, monthSum, s.MonthlyCap, s.Amount)
 		}
 		out, err = scanAttempt(tx.QueryRow(ctx, `
 INSERT INTO topup_attempts (id, org_id, amount, currency, status, created_at) VALUES ($1, $2, $3, $4, 'pending', $5)
-RETURNING `+attemptColumns, ledger.NewTopUpID(), org, s.Amount, s.Currency, now.UTC()))
+RETURNING `+attemptColumns, topup.NewAttemptID(), org, s.Amount, s.Currency, now.UTC()))
 		return err
 	})
 	if err != nil {
 		if isTopUpSentinel(err) {
-			return ledger.TopUpAttempt{}, err
+			return topup.Attempt{}, err
 		}
-		return ledger.TopUpAttempt{}, wrapPg("begin top-up", err)
+		return topup.Attempt{}, wrapPg("begin top-up", err)
 	}
 	return out, nil
 }
 
 func isTopUpSentinel(err error) bool {
-	for _, s := range []error{ledger.ErrNoTopUp, ledger.ErrTopUpStopped, ledger.ErrTopUpInFlight, ledger.ErrTopUpNotNeeded, ledger.ErrTopUpCap} {
+	for _, s := range []error{topup.ErrNoSettings, topup.ErrStopped, topup.ErrInFlight, topup.ErrNotNeeded, topup.ErrCap} {
 		if errors.Is(err, s) {
 			return true
 		}
@@ -164,29 +165,29 @@ SELECT (SELECT count(*) FROM topup_attempts WHERE id = $1)::int`, id, payment).S
 		return wrapPg("set top-up payment", err)
 	}
 	if n == 0 {
-		return fmt.Errorf("%w: %q", ledger.ErrUnknownTopUp, id)
+		return fmt.Errorf("%w: %q", topup.ErrUnknownAttempt, id)
 	}
 	return nil
 }
 
 // FinishTopUp ends a pending attempt; a failure stops the org's top-ups in the same
 // transaction.
-func (p *Ledger) FinishTopUp(ctx context.Context, id string, succeeded bool, reason string, now time.Time) (ledger.TopUpAttempt, error) {
-	var out ledger.TopUpAttempt
-	status := ledger.TopUpSucceeded
+func (p *Ledger) FinishTopUp(ctx context.Context, id string, succeeded bool, reason string, now time.Time) (topup.Attempt, error) {
+	var out topup.Attempt
+	status := topup.Succeeded
 	if !succeeded {
-		status = ledger.TopUpFailed
+		status = topup.Failed
 	} else {
 		reason = ""
 	}
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
 		a, err := scanAttempt(tx.QueryRow(ctx, `SELECT `+attemptColumns+` FROM topup_attempts WHERE id = $1 FOR UPDATE`, id))
 		if errors.Is(err, pgx.ErrNoRows) {
-			return fmt.Errorf("%w: %q", ledger.ErrUnknownTopUp, id)
+			return fmt.Errorf("%w: %q", topup.ErrUnknownAttempt, id)
 		} else if err != nil {
 			return err
 		}
-		if a.Status != ledger.TopUpPending {
+		if a.Status != topup.Pending {
 			out = a
 			return nil
 		}
@@ -205,7 +206,7 @@ UPDATE topup_attempts SET status = $2, reason = $3, finished_at = $4 WHERE id = 
 		_, err = tx.Exec(ctx, sqlOutboxTopUpFailed, out.Org, out.ID, out.Amount, out.Currency, out.Payment, out.Reason)
 		return err
 	})
-	if errors.Is(err, ledger.ErrUnknownTopUp) {
+	if errors.Is(err, topup.ErrUnknownAttempt) {
 		return out, err
 	}
 	return out, wrapPg("finish top-up", err)
@@ -218,7 +219,7 @@ var sqlOutboxTopUpFailed = `WITH ` + sqlOutbox(ledger.EventTopUpFailed, `
 		'payment', $5::text, 'reason', $6::text) AS data`) + ` SELECT 1`
 
 // TopUpAttempts lists the org's attempts, newest first.
-func (p *Ledger) TopUpAttempts(ctx context.Context, org string, limit int) ([]ledger.TopUpAttempt, error) {
+func (p *Ledger) TopUpAttempts(ctx context.Context, org string, limit int) ([]topup.Attempt, error) {
 	if err := balance.ValidateOrg(org); err != nil {
 		return nil, err
 	}
@@ -226,7 +227,7 @@ func (p *Ledger) TopUpAttempts(ctx context.Context, org string, limit int) ([]le
 		limit = 100
 	}
 	rows, _ := p.pool.Query(ctx, `SELECT `+attemptColumns+` FROM topup_attempts WHERE org_id = $1 ORDER BY created_at DESC, id DESC LIMIT $2`, org, limit)
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (ledger.TopUpAttempt, error) { return scanAttempt(r) })
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (topup.Attempt, error) { return scanAttempt(r) })
 	return out, wrapPg("top-up attempts", err)
 }
 
@@ -235,7 +236,7 @@ func (p *Ledger) CreditOrg(ctx context.Context, ref string) (string, error) {
 	var org string
 	err := p.pool.QueryRow(ctx, `SELECT org_id FROM ledger_entries WHERE kind = 'credit' AND ref = $1`, ref).Scan(&org)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return "", fmt.Errorf("%w: %q", ledger.ErrUnknownReference, ref)
+		return "", fmt.Errorf("%w: %q", topup.ErrUnknownReference, ref)
 	}
 	return org, wrapPg("credit org", err)
 }

@@ -1,4 +1,7 @@
-package ledger
+// Package topup is the ledger's role for money coming in: each org's auto top-up settings and
+// attempts, and the org a payment was credited to. It is split from package ledger by role (as
+// DESIGN.md "Layout" asks of a package that grows); memledger and pgledger implement Store.
+package topup
 
 import (
 	"context"
@@ -8,67 +11,68 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
 )
 
-// Payments is the ledger side of money coming in (DESIGN.md "Money in"): each org's auto
+// Store is the ledger side of money coming in (DESIGN.md "Money in"): each org's auto
 // top-up settings and attempts, and which org a processor's payment was credited to. Both
 // ledgers implement it and pass the same conformance suite (ledgertest); nothing here speaks to
 // a processor. A ledger without it has no auto top-up (the payment package checks).
-type Payments interface {
-	// PutTopUp creates or replaces the org's top-up settings (ErrUnknownOrg, ErrInvalidTopUp).
+type Store interface {
+	// PutTopUp creates or replaces the org's top-up settings (ledger.ErrUnknownOrg, ErrInvalid).
 	// Replacing them clears Stopped: a declined charge stops further tries until the settings
 	// are updated.
-	PutTopUp(ctx context.Context, s TopUpSettings) (TopUpSettings, error)
-	// TopUp returns the org's settings (ErrNoTopUp).
-	TopUp(ctx context.Context, org string) (TopUpSettings, error)
-	// DeleteTopUp removes the org's settings (ErrNoTopUp); its attempts stay on record.
+	PutTopUp(ctx context.Context, s Settings) (Settings, error)
+	// TopUp returns the org's settings (ErrNoSettings).
+	TopUp(ctx context.Context, org string) (Settings, error)
+	// DeleteTopUp removes the org's settings (ErrNoSettings); its attempts stay on record.
 	DeleteTopUp(ctx context.Context, org string) error
 	// TopUpOrgs lists the orgs whose top-up may start (settings present, not stopped).
 	TopUpOrgs(ctx context.Context) ([]string, error)
 	// OrgOfCustomer is the org whose top-up settings name the processor's customer
-	// (ErrNoTopUp when none does).
+	// (ErrNoSettings when none does).
 	OrgOfCustomer(ctx context.Context, customer string) (string, error)
 
 	// BeginTopUp starts a top-up attempt of the org at now, atomically with its checks, so that
-	// any number of callers in any number of processes start at most one: ErrNoTopUp,
-	// ErrTopUpStopped, ErrTopUpNotNeeded (the ledger balance is not below the threshold),
-	// ErrTopUpInFlight (an attempt is pending and has its payment), ErrTopUpCap (the amount
+	// any number of callers in any number of processes start at most one: ErrNoSettings,
+	// ErrStopped, ErrNotNeeded (the ledger balance is not below the threshold),
+	// ErrInFlight (an attempt is pending and has its payment), ErrCap (the amount
 	// would pass the daily or monthly cap, counting the attempts pending or succeeded that
 	// started in now's UTC day and month). A pending attempt whose payment was never made (the
 	// processor did not answer) is returned again, with its own id, for the caller to retry
 	// with the same idempotency key.
-	BeginTopUp(ctx context.Context, org string, now time.Time) (TopUpAttempt, error)
+	BeginTopUp(ctx context.Context, org string, now time.Time) (Attempt, error)
 	// SetTopUpPayment records the processor's payment id of a pending attempt
-	// (ErrUnknownTopUp).
+	// (ErrUnknownAttempt).
 	SetTopUpPayment(ctx context.Context, id, payment string) error
 	// FinishTopUp ends a pending attempt: succeeded, or failed with a reason, which also stops
-	// the org's top-ups (TopUpSettings.Stopped) until its settings are updated. Finishing an
-	// attempt that has ended already changes nothing and returns it as it is (ErrUnknownTopUp).
-	FinishTopUp(ctx context.Context, id string, succeeded bool, reason string, now time.Time) (TopUpAttempt, error)
+	// the org's top-ups (Settings.Stopped) until its settings are updated. Finishing an
+	// attempt that has ended already changes nothing and returns it as it is (ErrUnknownAttempt).
+	FinishTopUp(ctx context.Context, id string, succeeded bool, reason string, now time.Time) (Attempt, error)
 	// TopUpAttempts lists the org's attempts, newest first, at most limit (≤ 0: 100).
-	TopUpAttempts(ctx context.Context, org string, limit int) ([]TopUpAttempt, error)
+	TopUpAttempts(ctx context.Context, org string, limit int) ([]Attempt, error)
 
 	// CreditOrg is the org of the credit entry with reference ref (ErrUnknownReference): how
 	// a refund or a dispute of a payment finds the org that payment was credited to.
 	CreditOrg(ctx context.Context, ref string) (string, error)
 }
 
-// Sentinel errors of Payments.
+// Sentinel errors of Store.
 var (
-	ErrNoTopUp          = errors.New("accounting: no top-up settings")
-	ErrInvalidTopUp     = errors.New("accounting: invalid top-up settings")
-	ErrUnknownTopUp     = errors.New("accounting: unknown top-up attempt")
-	ErrTopUpStopped     = errors.New("accounting: top-ups stopped until the settings are updated")
-	ErrTopUpNotNeeded   = errors.New("accounting: balance not below the top-up threshold")
-	ErrTopUpInFlight    = errors.New("accounting: a top-up is in flight")
-	ErrTopUpCap         = errors.New("accounting: top-up cap reached")
+	ErrNoSettings       = errors.New("accounting: no top-up settings")
+	ErrInvalid          = errors.New("accounting: invalid top-up settings")
+	ErrUnknownAttempt   = errors.New("accounting: unknown top-up attempt")
+	ErrStopped          = errors.New("accounting: top-ups stopped until the settings are updated")
+	ErrNotNeeded        = errors.New("accounting: balance not below the top-up threshold")
+	ErrInFlight         = errors.New("accounting: a top-up is in flight")
+	ErrCap              = errors.New("accounting: top-up cap reached")
 	ErrUnknownReference = errors.New("accounting: unknown reference")
 )
 
-// TopUpSettings are an org's auto top-up: when a charge leaves its ledger balance below
+// Settings are an org's auto top-up: when a charge leaves its ledger balance below
 // Threshold, Amount (in the smallest unit of Currency) is charged to Customer's PaymentMethod
 // and credited when the processor confirms the payment (at the configured rate of Currency).
-type TopUpSettings struct {
+type Settings struct {
 	Org           string `json:"org"`
 	Threshold     int64  `json:"threshold"` // micro-units of ledger balance
 	Amount        int64  `json:"amount"`    // charged per top-up, smallest currency unit (cents)
@@ -83,40 +87,40 @@ type TopUpSettings struct {
 	UpdatedAt time.Time `json:"updated_at"`
 }
 
-// TopUpStatus is where an attempt stands.
-type TopUpStatus string
+// Status is where an attempt stands.
+type Status string
 
 // Attempt statuses.
 const (
-	TopUpPending   TopUpStatus = "pending"   // started; credited only by the processor's webhook
-	TopUpSucceeded TopUpStatus = "succeeded" // the payment's webhook credited it
-	TopUpFailed    TopUpStatus = "failed"    // declined: the org's top-ups are stopped
+	Pending   Status = "pending"   // started; credited only by the processor's webhook
+	Succeeded Status = "succeeded" // the payment's webhook credited it
+	Failed    Status = "failed"    // declined: the org's top-ups are stopped
 )
 
-// TopUpAttempt is one top-up. Its ID is the processor's idempotency key.
-type TopUpAttempt struct {
-	ID         string      `json:"id"`
-	Org        string      `json:"org"`
-	Amount     int64       `json:"amount"`
-	Currency   string      `json:"currency"`
-	Status     TopUpStatus `json:"status"`
-	Payment    string      `json:"payment,omitempty"` // the processor's payment id once made
-	Reason     string      `json:"reason,omitempty"`  // why it failed
-	CreatedAt  time.Time   `json:"created_at"`
-	FinishedAt *time.Time  `json:"finished_at,omitempty"`
+// Attempt is one top-up. Its ID is the processor's idempotency key.
+type Attempt struct {
+	ID         string     `json:"id"`
+	Org        string     `json:"org"`
+	Amount     int64      `json:"amount"`
+	Currency   string     `json:"currency"`
+	Status     Status     `json:"status"`
+	Payment    string     `json:"payment,omitempty"` // the processor's payment id once made
+	Reason     string     `json:"reason,omitempty"`  // why it failed
+	CreatedAt  time.Time  `json:"created_at"`
+	FinishedAt *time.Time `json:"finished_at,omitempty"`
 }
 
-// NewTopUpID is a new attempt id (and idempotency key).
-func NewTopUpID() string { return "tu_" + RandomHex(16) }
+// NewAttemptID is a new attempt id (and idempotency key).
+func NewAttemptID() string { return "tu_" + ledger.RandomHex(16) }
 
-// CheckTopUp validates settings and returns them normalized (currency in lower case).
-func CheckTopUp(s TopUpSettings) (TopUpSettings, error) {
+// Check validates settings and returns them normalized (currency in lower case).
+func Check(s Settings) (Settings, error) {
 	if err := balance.ValidateOrg(s.Org); err != nil {
 		return s, err
 	}
 	s.Currency = strings.ToLower(strings.TrimSpace(s.Currency))
-	bad := func(format string, args ...any) (TopUpSettings, error) {
-		return s, fmt.Errorf("%w: "+format, append([]any{ErrInvalidTopUp}, args...)...)
+	bad := func(format string, args ...any) (Settings, error) {
+		return s, fmt.Errorf("%w: "+format, append([]any{ErrInvalid}, args...)...)
 	}
 	switch {
 	case s.Threshold < -balance.MaxAmount || s.Threshold > balance.MaxAmount:
@@ -150,8 +154,8 @@ func token(s string) bool {
 	return true
 }
 
-// TopUpWindows are the starts of now's UTC day and calendar month, the windows the caps count.
-func TopUpWindows(now time.Time) (day, month time.Time) {
+// Windows are the starts of now's UTC day and calendar month, the windows the caps count.
+func Windows(now time.Time) (day, month time.Time) {
 	u := now.UTC()
 	return time.Date(u.Year(), u.Month(), u.Day(), 0, 0, 0, 0, time.UTC), time.Date(u.Year(), u.Month(), 1, 0, 0, 0, 0, time.UTC)
 }
