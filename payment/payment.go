@@ -200,10 +200,18 @@ type Decision struct {
 // a fix) or is the ledger's (retry later); the Decision says what was done either way.
 func (p *Payments) Apply(ctx context.Context, ev Event) (Decision, error) {
 	d := Decision{Event: ev.ID, Type: ev.Type, Outcome: Ignored, Detail: ev.Reason}
-	if ev.Kind == KindIgnored {
+	switch {
+	case ev.Kind == KindIgnored:
+		return d, nil
+	case ev.Kind == KindPaymentFailed && (ev.TopUp == "" || p.pays == nil):
+		d.Detail = "a failed payment that is no auto top-up"
 		return d, nil
 	}
 	org, err := p.resolve(ctx, ev)
+	if err != nil && ev.Kind == KindDispute && !p.cfg.FreezeOnDispute && errors.Is(err, ErrUnresolved) {
+		d.Outcome, d.Detail = Noted, "dispute of a payment of no known org; FreezeOnDispute is off"
+		return d, nil
+	}
 	if err != nil {
 		d.Outcome, d.Detail = Unresolved, err.Error()
 		if !errors.Is(err, ErrUnresolved) {
@@ -229,10 +237,6 @@ func (p *Payments) Apply(ctx context.Context, ev Event) (Decision, error) {
 		d.Outcome, d.Detail = Frozen, "org frozen: dispute of "+ev.PaymentRef
 		return d, nil
 	case KindPaymentFailed:
-		if ev.TopUp == "" || p.pays == nil {
-			d.Outcome, d.Detail = Ignored, "a failed payment that is no auto top-up"
-			return d, nil
-		}
 		a, err := p.pays.FinishTopUp(ctx, ev.TopUp, false, ev.Reason, p.cfg.Now())
 		if err != nil {
 			if errors.Is(err, topup.ErrUnknownAttempt) {

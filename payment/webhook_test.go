@@ -10,6 +10,7 @@ import (
 	"github.com/stripe/stripe-go/v82/webhook"
 
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/memledger"
 	"github.com/llmescrow/escrow/payment"
 )
 
@@ -252,4 +253,21 @@ func TestWebhookDispute(t *testing.T) {
 			t.Fatal("org not frozen after the dispute")
 		}
 	})
+}
+
+// TestWebhookNoRetryWithoutOrg: events that need no org are never answered 422 (which Stripe
+// would retry for days): a failed payment that is no top-up, a dispute with the freeze off.
+func TestWebhookNoRetryWithoutOrg(t *testing.T) {
+	t.Parallel()
+	r := newRig(t, memledger.New(), nil, nil)
+	failed := eventJSON("evt_f", "payment_intent.payment_failed", map[string]any{
+		"id": "pi_f", "object": "payment_intent", "amount": 100, "currency": "usd", "metadata": map[string]string{},
+	}, nil)
+	st, d := r.send(t, failed)
+	wantDecision(t, "payment_failed of no top-up", st, d, http.StatusOK, payment.Ignored)
+	dispute := eventJSON("evt_d", "charge.dispute.created", map[string]any{
+		"id": "dp_x", "object": "dispute", "amount": 100, "currency": "usd", "charge": "ch_x", "payment_intent": "pi_x",
+	}, nil)
+	st, d = r.send(t, dispute)
+	wantDecision(t, "dispute of an unknown payment, freeze off", st, d, http.StatusOK, payment.Noted)
 }
