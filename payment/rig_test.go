@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"fmt"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -249,7 +248,5 @@ func wantDecision(t *testing.T, what string, status int, d payment.Decision, wan
 		t.Fatalf("%s: %d %+v, want %d %s", what, status, d, wantStatus, want)
 	}
 }
-
-var _ = fmt.Sprint
 
 var quiet = slog.New(slog.DiscardHandler)
