@@ -56,6 +56,10 @@ type WorkerConfig struct {
 	// is recorded, so the lag ties up no money a request could use. Credits and adjusts settle at
 	// once regardless (Credit settles the org itself). Default 20ms.
 	PassInterval time.Duration
+	// Charged, when set, is told the orgs each accounting pass charged, once the pass has
+	// written their entries (in the worker's goroutine: it must not block). Auto top-up
+	// (package payment) looks at those orgs' balances from it, off the request path. Default nil.
+	Charged func(orgs []string)
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -384,6 +388,9 @@ func (w *Worker) account(ctx context.Context) (ledger.AccountResult, error) {
 	}
 	if len(total.MaxCost) > 0 {
 		w.raiseMax(ctx, total.MaxCost)
+	}
+	if w.cfg.Charged != nil && len(total.Orgs) > 0 {
+		w.cfg.Charged(total.Orgs)
 	}
 	return total, err
 }

@@ -39,10 +39,14 @@ const (
 	// limit never fires; see limit_crossed.go). Data: limit_id, scope, scope_id, window,
 	// window_start (null for lifetime), cap, used, threshold (80 or 100).
 	EventLimitCrossed EventType = "limit.crossed"
+	// EventTopUpFailed: an auto top-up attempt failed (a declined charge), which stops the
+	// org's top-ups until its settings are updated (once per attempt; see topup.go). Data:
+	// attempt, amount, currency, payment, reason.
+	EventTopUpFailed EventType = "topup.failed"
 )
 
 // EventTypes lists every event type an endpoint may subscribe to.
-var EventTypes = []EventType{EventBalanceLow, EventCreditReceived, EventKeyRevoked, EventLimitCrossed}
+var EventTypes = []EventType{EventBalanceLow, EventCreditReceived, EventKeyRevoked, EventLimitCrossed, EventTopUpFailed}
 
 // Sentinel errors of webhooks.
 var (

@@ -92,6 +92,14 @@ type Config struct {
 	// addresses.
 	WebhookAllowPrivate bool
 
+	// Payments and auto top-up (package payment, docs/payments.md).
+	StripeWebhookSecrets  string
+	StripeTolerance       time.Duration
+	StripeFreezeOnDispute bool
+	StripeAPIKey          string
+	StripeAPIURL          string
+	PaymentRates          string
+
 	// The client-facing HTTP server's timeouts (see newHTTPServer).
 	ReadHeaderTimeout time.Duration
 	ReadTimeout       time.Duration
@@ -163,6 +171,12 @@ func (c *Config) settings() []setting {
 		{"ESCROW_COALESCE", "coalesce", "true", "send reserves that arrive while others are in flight as one Redis pipeline (false: each reserve its own round trip; never with the embedded Redis)", boolean(&c.Coalesce)},
 		{"ESCROW_WEBHOOK_TIMEOUT", "webhook-timeout", "10s", "bound on one webhook delivery attempt (connect, send, answer)", dur(&c.WebhookTimeout)},
 		{"ESCROW_WEBHOOK_ALLOW_PRIVATE", "webhook-allow-private", "false", "let webhook endpoints be on loopback, link-local (169.254.169.254), private and other non-public addresses; off: refused when created and, after DNS resolution, at every attempt", boolean(&c.WebhookAllowPrivate)},
+		{"ESCROW_STRIPE_WEBHOOK_SECRETS", "stripe-webhook-secrets", "", "Stripe webhook signing secrets (whsec_…, comma-separated: several while one is rolled); set: POST /webhooks/stripe turns signed payments into credits (docs/payments.md)", str(&c.StripeWebhookSecrets)},
+		{"ESCROW_STRIPE_TOLERANCE", "stripe-tolerance", "5m", "how old a Stripe signature's timestamp may be", dur(&c.StripeTolerance)},
+		{"ESCROW_STRIPE_FREEZE_ON_DISPUTE", "stripe-freeze-on-dispute", "false", "freeze an org when a dispute of one of its payments is opened", boolean(&c.StripeFreezeOnDispute)},
+		{"ESCROW_STRIPE_API_KEY", "stripe-api-key", "", "Stripe secret key for auto top-ups (PaymentIntents); empty: no auto top-up", str(&c.StripeAPIKey)},
+		{"ESCROW_STRIPE_API_URL", "stripe-api-url", "", "Stripe API base URL; empty: Stripe's own (tests point it at a local fake)", str(&c.StripeAPIURL)},
+		{"ESCROW_PAYMENT_RATES", "payment-rates", "", "micro-units credited per smallest unit of each currency, comma-separated (usd=10000: a cent is 10,000 micro-units); a payment in a currency not listed is not credited", str(&c.PaymentRates)},
 		{"ESCROW_WEBHOOK_MAX_ATTEMPTS", "webhook-max-attempts", "12", "attempts after which a webhook delivery is marked failed (retries back off from 5s, doubling, up to 1h, with jitter)", intp(&c.WebhookMaxAttempts)},
 		{"ESCROW_RECORD_TIMEOUT", "record-timeout", "15s", "bound on recording a request's usage; past it the event is voided and the client gets 503, unless it was stored (then the request completes)", dur(&c.RecordTimeout)},
 		{"ESCROW_READ_ON", "read-on", "2m", "after a client hangs up, how long the upstream is read on for the real usage; past it the call is cut and the request charged an estimate (a bounded request its hold, any other its input bound plus what was streamed)", dur(&c.ReadOn)},

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/llmescrow/escrow/endpoint"
 	"net/http"
 	"net/http/httputil"
 	"net/url"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/labstack/echo/v4"
 
+	"github.com/llmescrow/escrow/endpoint"
 	"github.com/llmescrow/escrow/middleware"
 )
 
@@ -33,6 +33,9 @@ func (s *Server) buildEcho() error {
 		if err := s.esc.MountAdmin(e.Group("/admin/v1")); err != nil {
 			return fmt.Errorf("admin api: %w", err)
 		}
+	}
+	if s.cfg.Role != RoleProxy {
+		s.mountPayments(e) // payments credit orgs: an admin-plane write
 	}
 	if s.cfg.Role == RoleAdmin { // role.go
 		s.echo = e

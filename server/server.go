@@ -101,6 +101,7 @@ type Server struct {
 	ops      *accounting.Ops
 	webhooks *webhook.Sender // delivers the ledger's webhook outbox
 	esc      *escrow.Escrow  // the parts above, wired and run together (escrow.New)
+	pay      *payments       // Stripe's webhook and auto top-up; nil when not configured (payments.go)
 	metrics  *metrics
 	echo     *echo.Echo
 
@@ -149,7 +150,7 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 	if err := s.openUpstream(p); err != nil {
 		return nil, err
 	}
-	s.log = redactLogger(s.log, append(s.routes.keys, cfg.AdminToken)...)
+	s.log = redactLogger(s.log, append(s.routes.keys, cfg.AdminToken, cfg.StripeAPIKey)...)
 	if err := s.openRedis(p); err != nil {
 		return nil, err
 	}
@@ -157,6 +158,9 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 		return nil, err
 	}
 	if err := s.openEscrow(ctx, p.embedded); err != nil {
+		return nil, err
+	}
+	if err := s.openPayments(); err != nil {
 		return nil, err
 	}
 	s.metrics = newMetrics(s)
@@ -244,6 +248,7 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			ReapInterval:      cfg.ReapInterval,
 			ScanInterval:      cfg.ScanInterval,
 			ReconcileInterval: cfg.ReconcileEvery,
+			Charged:           s.charged, // auto top-up (payments.go)
 		},
 		// Usage left in the journal from an earlier run is announced by the recorder when it
 		// replays it.
@@ -358,6 +363,9 @@ func (s *Server) Start(ctx context.Context) error {
 	if err := s.esc.Start(ctx); err != nil {
 		return err
 	}
+	if err := s.startPayments(ctx); err != nil {
+		return err
+	}
 	ln, err := net.Listen("tcp", s.cfg.Addr)
 	if err != nil {
 		return fmt.Errorf("listen %s: %w", s.cfg.Addr, err)
@@ -402,6 +410,9 @@ func (s *Server) Stop(ctx context.Context) error {
 	}
 	if s.pprof != nil {
 		_ = s.pprof.Close()
+	}
+	if err := s.stopPayments(ctx); err != nil {
+		errs = append(errs, fmt.Errorf("auto top-up: %w", err))
 	}
 	if s.esc != nil {
 		// The recorder's last batch, the worker's last pass, the webhooks: in that order.

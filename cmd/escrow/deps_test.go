@@ -41,17 +41,19 @@ var layers = map[string][]string{
 	"lua":                   nil,
 	"migrations":            nil,
 	"balance":               {"lua"},
-	"pricing":               {"balance"},                                 // prices, costs, price tables
-	"ledger":                {"balance", "pricing"},                      // domain types, role interfaces, SQL-free shared logic
-	"ledger/memledger":      {"ledger"},                                  // the in-memory store
-	"ledger/pgledger":       {"ledger", "migrations"},                    // the Postgres store
-	"ledger/ledgertest":     {"ledger", "internal/testutil"},             // the conformance suite both stores run
-	"accounting":            {"ledger", "balance", "internal/startstop"}, // recorder, worker, journal, Ops: never a store
-	"endpoint":              nil,                                         // one spec per endpoint: data the middleware dispatches through
+	"pricing":               {"balance"},                                                 // prices, costs, price tables
+	"ledger":                {"balance", "pricing"},                                      // domain types, role interfaces, SQL-free shared logic
+	"ledger/topup":          {"ledger"},                                                  // the payments role: auto top-up settings and attempts
+	"ledger/memledger":      {"ledger", "ledger/topup"},                                  // the in-memory store
+	"ledger/pgledger":       {"ledger", "ledger/topup", "migrations"},                    // the Postgres store
+	"ledger/ledgertest":     {"ledger", "ledger/topup", "internal/testutil"},             // the conformance suite both stores run
+	"accounting":            {"ledger", "ledger/topup", "balance", "internal/startstop"}, // recorder, worker, journal, Ops: never a store
+	"endpoint":              {"pricing"},                                                 // one spec per endpoint: data the middleware dispatches through
 	"middleware":            {"accounting", "balance", "endpoint"},
 	"admin":                 {"accounting", "internal/csvcell"},
 	".":                     {"accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"}, // the root package escrow: New
-	"server":                {".", "accounting", "admin", "balance", "endpoint", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"},
+	"server":                {".", "accounting", "admin", "balance", "endpoint", "middleware", "migrations", "payment", "webhook", "ledger/memledger", "ledger/pgledger"},
+	"payment":               {"accounting"}, // processor webhooks → ledger entries, auto top-up (stripe-go)
 	"cmd/escrow":            {"server", "internal/csvcell"},
 	"examples/proxy":        {"server", "internal/fakeupstream"},
 	"bench":                 {"server", "internal/fakeupstream", "internal/testutil"},

@@ -34,6 +34,7 @@ type Ledger struct {
 	console  memConsole // names and the audit trail (memory_read.go)
 	hooks    memHooks   // webhooks: endpoints, thresholds, the outbox (memory_webhooks.go)
 	tokens   memTokens  // scoped admin tokens (memory_admintokens.go)
+	topups   memTopUps  // auto top-up settings and attempts (memory_topup.go)
 	// lastLimit is the last limit id given out (ids are never reused).
 	lastLimit int64
 }
