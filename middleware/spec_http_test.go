@@ -281,13 +281,14 @@ func TestFitHeaderAnyCase(t *testing.T) {
 	eachRedis(t, func(t *testing.T, mini bool) {
 		e := specEnv(t, mini)
 		for _, v := range []string{"off", "OFF", "Off", " oFf "} {
-			org, key := e.poorKey(2000)
+			org, key := e.poorKey(4000) // fit would serve 256 or more output tokens
+
 			st, h, b := e.postH(EndpointChat, key, `{"model":"gpt-short","messages":[{"role":"user","content":"hi"}]}`, map[string]string{HeaderFit: v})
 			e.outcome()
 			if st != http.StatusTooManyRequests || h.Get(HeaderOutputCap) != "" || gjson.Get(b, "error.code").String() != CodeInsufficientQuota {
-				t.Fatalf("%s: %q: status %d %s, want the refusal", HeaderFit, v, st, b)
+				t.Fatalf("%s: %q: status %d %.300s, want the refusal", HeaderFit, v, st, b)
 			}
-			e.assertUntouched(org, 2000)
+			e.assertUntouched(org, 4000)
 			e.org += "x"
 		}
 		// include-cost too.

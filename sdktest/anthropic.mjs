@@ -92,7 +92,7 @@ let fit = null;
 let refusedLarge = null;
 let fitOff = null;
 if (smallKey && smallStreamKey) {
-  const large = { model, max_tokens: 8192, messages: [{ role: 'user', content: 'fit me in' }] };
+  const large = { model, max_tokens: 8192, messages: [{ role: 'user', content: 'fit me in [fill]' }] }; // [fill]: the fake fills the fitted cap
   // Asked for the refusal instead (x-escrow-fit: off): billing_error with the numbers.
   fitOff = await refusal(smallKey, large, { headers: { 'x-escrow-fit': 'off' } });
   const cj = counting();

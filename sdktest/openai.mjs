@@ -84,7 +84,7 @@ let fit = null;
 let refusedUncapped = null;
 let fitOff = null;
 if (fitModel && smallKey && smallStreamKey) {
-  const uncapped = { model: fitModel, messages: [{ role: 'user', content: 'hi' }] };
+  const uncapped = { model: fitModel, messages: [{ role: 'user', content: 'hi [fill]' }] }; // [fill]: the fake fills the fitted cap
   // Asked for the refusal instead (x-escrow-fit: off): insufficient_quota with the numbers.
   fitOff = await refusal(smallKey, uncapped, { headers: { 'x-escrow-fit': 'off' } });
   const cj = counting();
