@@ -50,10 +50,10 @@ func checkSpecBound(t *testing.T, choices []byte, ep uint8) (accepted, fitted bo
 	t.Helper()
 	spec, m := fuzzSpecs[int(ep)%len(fuzzSpecs)], fuzzMW
 	g := &specGen{b: choices}
-	model := ledger.Model{Name: "m", Prices: pricing.Prices{Input: 1_000_000, Output: 8_000_000},
+	model := ledger.Model{Name: "m", Prices: pricing.Prices{pricing.Input: 1_000_000, pricing.Output: 8_000_000},
 		MaxInputTokens: 200_000, MaxOutputTokens: []int64{16, 1000, 32_768}[g.pick(3)]}
-	if spec.Bills(endpoint.ClassCacheWrite) {
-		model.CacheWriteInput, model.CacheWrite1hInput = 1_250_000, 2_000_000
+	if spec.Bills(pricing.CacheWrite) {
+		model.Prices[pricing.CacheWrite], model.Prices[pricing.CacheWrite1h] = 1_250_000, 2_000_000
 	}
 	body := g.body(spec)
 	r, e := parseRequest(spec.Path, []byte(body))
