@@ -70,7 +70,7 @@ type Balance struct {
 	LedgerSeq     int64  `json:"ledger_seq"`
 	SettledSeq    int64  `json:"settled_seq"`
 	Watermark     int64  `json:"watermark"`
-	// Exempt: the org's requests are never held nor refused for balance (ledger.OrgFlags); its
+	// Exempt: the org's requests are never held nor refused for balance (ledger access.OrgFlags); its
 	// balance may be negative.
 	Exempt bool `json:"exempt"`
 }

@@ -22,6 +22,7 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/access"
 	"github.com/llmescrow/escrow/pricing"
 )
 
@@ -55,7 +56,7 @@ type API struct {
 	token        []byte
 	log          *slog.Logger
 	checkWebhook func(string) error
-	tokens       ledger.AdminTokens // nil when the ledger keeps none: only the bootstrap token works
+	tokens       access.Tokens // nil when the ledger keeps none: only the bootstrap token works
 	overlap      time.Duration
 }
 
@@ -72,7 +73,7 @@ func New(ops *accounting.Ops, cfg *Config) (*API, error) {
 		log = slog.Default()
 	}
 	hooks, _ := ops.Ledger().(ledger.Webhooks)
-	tokens, _ := ops.Ledger().(ledger.AdminTokens)
+	tokens, _ := ops.Ledger().(access.Tokens)
 	overlap := cfg.RotationOverlap
 	if overlap <= 0 {
 		overlap = DefaultRotationOverlap
@@ -212,7 +213,7 @@ type refusal struct {
 // first); any other error is a 500.
 var refusals = []refusal{
 	{ledger.ErrUnknownWebhook, http.StatusNotFound, "webhook_not_found", "no such webhook"},
-	{ledger.ErrUnknownAdminToken, http.StatusNotFound, "token_not_found", "no such live admin token"},
+	{access.ErrUnknownToken, http.StatusNotFound, "token_not_found", "no such live admin token"},
 	{ErrInvalidScope, http.StatusBadRequest, "invalid_value", ""},
 	{ledger.ErrInvalidWebhook, http.StatusBadRequest, "invalid_value", ""},
 	{ledger.ErrNoWebhooks, http.StatusNotImplemented, "webhooks_unsupported", ""},

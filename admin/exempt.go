@@ -5,7 +5,7 @@ import (
 
 	"github.com/labstack/echo/v4"
 
-	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/access"
 )
 
 // setExempt sets or clears the org's exempt flag (PATCH /orgs/:org {"exempt": true}): an exempt
@@ -13,7 +13,7 @@ import (
 // applies it within its key cache's TTL. It answers only a refusal (the response is then
 // committed).
 func (a *API) setExempt(c echo.Context, exempt bool) error {
-	of, ok := a.console.(ledger.OrgFlags)
+	of, ok := a.console.(access.OrgFlags)
 	if !ok {
 		return writeError(c, apiError{status: http.StatusNotImplemented, typ: typeInvalid, code: "exempt_unsupported", msg: "the ledger cannot exempt orgs"})
 	}

@@ -5,7 +5,7 @@ import (
 
 	"github.com/labstack/echo/v4"
 
-	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/access"
 )
 
 // KeyModels is the answer of PUT /keys/:id/models.
@@ -18,7 +18,7 @@ type KeyModels struct {
 // those models (names, or prefixes ending in '*'); [] or null lifts the limit. Every process
 // applies it within its key cache's TTL.
 func (a *API) setKeyModels(c echo.Context) error {
-	km, ok := a.console.(ledger.KeyModels)
+	km, ok := a.console.(access.KeyModels)
 	if !ok {
 		return writeError(c, apiError{status: http.StatusNotImplemented, typ: typeInvalid, code: "key_models_unsupported", msg: "the ledger cannot limit keys to models"})
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/access"
 )
 
 // Scoped admin tokens (issue 36): the bootstrap token of Config.Token is an admin; tokens made
@@ -116,11 +117,11 @@ func (a *API) Authenticate(ctx context.Context, secret string) (Principal, error
 	if subtle.ConstantTimeCompare([]byte(secret), a.token) == 1 {
 		return Principal{Name: "admin", Scope: ScopeAdmin}, nil
 	}
-	if a.tokens == nil || !strings.HasPrefix(secret, ledger.AdminTokenPrefix) {
+	if a.tokens == nil || !strings.HasPrefix(secret, access.TokenPrefix) {
 		return Principal{}, ErrUnauthorized
 	}
 	t, err := a.tokens.LookupAdminToken(ctx, secret)
-	if errors.Is(err, ledger.ErrUnknownAdminToken) {
+	if errors.Is(err, access.ErrUnknownToken) {
 		return Principal{}, ErrUnauthorized
 	}
 	if err != nil {
@@ -206,11 +207,17 @@ func (a *API) authFor(method, route string) echo.MiddlewareFunc {
 
 // Token is a new or rotated admin token with its secret (shown once).
 type Token struct {
-	ledger.AdminToken
+	storedToken
 	Token string `json:"token"`
 }
 
-func (a *API) tokenStore(c echo.Context) (ledger.AdminTokens, error) {
+// Info is the token as listed (without its secret).
+func (t Token) Info() access.Token { return t.storedToken }
+
+// storedToken names the listed token embedded in Token (whose own Token is the secret).
+type storedToken = access.Token
+
+func (a *API) tokenStore(c echo.Context) (access.Tokens, error) {
 	if a.tokens == nil {
 		return nil, writeError(c, apiError{status: http.StatusNotImplemented, typ: typeInvalid, code: "tokens_unsupported", msg: "the ledger keeps no admin tokens"})
 	}
@@ -228,7 +235,7 @@ func (a *API) listTokens(c echo.Context) error {
 		return a.fail(c, err)
 	}
 	return writeList(c, list, "", []string{"id", "name", "scope", "created_at", "expires_at", "revoked_at", "rotated_to"},
-		func(t ledger.AdminToken) []string {
+		func(t access.Token) []string {
 			return []string{t.ID, t.Name, t.Scope, t.CreatedAt.Format(time.RFC3339), timePtr(t.ExpiresAt), timePtr(t.RevokedAt), t.RotatedTo}
 		})
 }
@@ -261,7 +268,7 @@ func (a *API) createToken(c echo.Context) error {
 		return a.fail(c, err)
 	}
 	c.Set(auditDetail, fmt.Sprintf(`{"id":%q,"name":%q,"scope":%q}`, t.ID, t.Name, t.Scope))
-	return writeJSON(c, http.StatusCreated, Token{AdminToken: t, Token: secret})
+	return writeJSON(c, http.StatusCreated, Token{storedToken: t, Token: secret})
 }
 
 // rotateToken: POST /tokens/:id/rotate {"overlap_seconds"} — a successor; the old token stays
@@ -291,7 +298,7 @@ func (a *API) rotateToken(c echo.Context) error {
 		return a.fail(c, err)
 	}
 	c.Set(auditDetail, fmt.Sprintf(`{"successor":%q,"overlap_seconds":%d}`, t.ID, int64(overlap/time.Second)))
-	return writeJSON(c, http.StatusCreated, Token{AdminToken: t, Token: secret})
+	return writeJSON(c, http.StatusCreated, Token{storedToken: t, Token: secret})
 }
 
 // revokeToken: DELETE /tokens/:id.

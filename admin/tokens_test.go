@@ -12,6 +12,7 @@ import (
 
 	"github.com/llmescrow/escrow/admin"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/access"
 )
 
 // tokenCall calls the admin API mounted at /admin/v1 with a bearer token.
@@ -225,7 +226,7 @@ func TestTokenRotationAndRevocation(t *testing.T) {
 	}
 	rec = tokenCall(e, "GET", "/tokens", "tok", "")
 	var list struct {
-		Data []ledger.AdminToken `json:"data"`
+		Data []access.Token `json:"data"`
 	}
 	if rec.Code != http.StatusOK || json.Unmarshal(rec.Body.Bytes(), &list) != nil || len(list.Data) != 3 || list.Data[0].RevokedAt == nil ||
 		strings.Contains(rec.Body.String(), third.Token) {
@@ -240,7 +241,7 @@ func TestTokenRotationAndRevocation(t *testing.T) {
 		case r.Action == "POST /admin/v1/tokens" && r.Token == "" && r.Actor == "admin":
 			sawBootstrap = true
 		}
-		if strings.Contains(r.Detail, ledger.AdminTokenPrefix) {
+		if strings.Contains(r.Detail, access.TokenPrefix) {
 			t.Fatalf("a secret in the audit trail: %+v", r)
 		}
 	}

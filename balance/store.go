@@ -309,7 +309,7 @@ type ReserveRequest struct {
 	// of scope end_user apply to it, each end user apart (a limit without an id) or this one (a
 	// limit with its id). It follows the key id rule (Scope{Kind: ScopeEndUser, ID: id}.Validate).
 	EndUser string
-	// Exempt reserves for an exempt org (ledger.OrgFlags): a zero hold (Amount must be 0), never
+	// Exempt reserves for an exempt org (ledger access.OrgFlags): a zero hold (Amount must be 0), never
 	// refused for balance; freezes, the in-flight cap and the limits apply (a money limit counts
 	// the cost when the hold finishes). Finish, settle and release treat it like any hold.
 	Exempt bool

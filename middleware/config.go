@@ -90,10 +90,10 @@ type Skipper func(c echo.Context) bool
 type Identity struct {
 	Org   string
 	KeyID string
-	// Models is the key's allow-list (ledger.ModelAllowed): empty for every model; a request for
+	// Models is the key's allow-list (access.ModelAllowed): empty for every model; a request for
 	// another model is answered 404 model_not_found, as if the model did not exist.
 	Models []string
-	// Exempt: the org is exempt (ledger.OrgFlags): its requests take a zero hold, are never
+	// Exempt: the org is exempt (ledger access.OrgFlags): its requests take a zero hold, are never
 	// refused for balance and never fitted, and are charged their real cost (exempt.go).
 	Exempt bool
 }

@@ -3,13 +3,13 @@ package middleware
 import (
 	"net/http"
 
-	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/access"
 )
 
 // keyModelRefusal refuses a model the key is not allowed (Identity.Models) with the very answer
 // of a model that does not exist (priceModel's), so the key learns nothing of the others.
 func keyModelRefusal(id Identity, model string) *Error {
-	if ledger.ModelAllowed(id.Models, model) {
+	if access.ModelAllowed(id.Models, model) {
 		return nil
 	}
 	return errModelNotFound(model)

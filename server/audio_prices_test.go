@@ -35,7 +35,7 @@ func TestAudioTokensPriced(t *testing.T) {
 			body := func(model string, stream bool) string {
 				b, _ := json.Marshal(map[string]any{"model": model, "max_tokens": 100, "stream": stream,
 					"modalities": []string{"text", "audio"}, "audio": map[string]string{"voice": "alloy", "format": "wav"},
-					"messages": []map[string]string{{"role": "user", "content": words(997) + " [audio_in:400] [audio_out:60] [cached:100]"}}})
+					"messages": []map[string]string{{"role": "user", "content": words(996) + " [audio_in:400] [audio_out:60] [cached:100] [fill]"}}})
 				return string(b)
 			}
 			// 1,000 prompt tokens: 100 cached, 400 audio, 500 text; 100 completion tokens: 60

@@ -6,20 +6,20 @@ import (
 	"strings"
 
 	"github.com/llmescrow/escrow/admin"
-	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/access"
 )
 
-var tokenTable = table[ledger.AdminToken]{
-	{"id", func(t ledger.AdminToken) string { return t.ID }},
-	{"name", func(t ledger.AdminToken) string { return t.Name }},
-	{"scope", func(t ledger.AdminToken) string { return t.Scope }},
-	{"created_at", func(t ledger.AdminToken) string { return ts(t.CreatedAt) }},
-	{"expires_at", func(t ledger.AdminToken) string { return optTS(t.ExpiresAt) }},
-	{"revoked_at", func(t ledger.AdminToken) string { return optTS(t.RevokedAt) }},
-	{"rotated_to", func(t ledger.AdminToken) string { return t.RotatedTo }},
+var tokenTable = table[access.Token]{
+	{"id", func(t access.Token) string { return t.ID }},
+	{"name", func(t access.Token) string { return t.Name }},
+	{"scope", func(t access.Token) string { return t.Scope }},
+	{"created_at", func(t access.Token) string { return ts(t.CreatedAt) }},
+	{"expires_at", func(t access.Token) string { return optTS(t.ExpiresAt) }},
+	{"revoked_at", func(t access.Token) string { return optTS(t.RevokedAt) }},
+	{"rotated_to", func(t access.Token) string { return t.RotatedTo }},
 }
 
-var newTokenTable = append(via(tokenTable.only("id", "name", "scope", "created_at"), func(t admin.Token) ledger.AdminToken { return t.AdminToken }),
+var newTokenTable = append(via(tokenTable.only("id", "name", "scope", "created_at"), func(t admin.Token) access.Token { return t.Info() }),
 	column[admin.Token]{"token", func(t admin.Token) string { return t.Token }})
 
 // cmdTokens: escrow tokens | create --scope S [--name N] | rotate ID [--overlap D] | revoke ID.

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/access"
 )
 
 var adminTokenTests = []struct {
@@ -22,7 +23,7 @@ var adminTokenTests = []struct {
 // testOrgExempt: off by default, set and cleared, seen in the org views and with the org's keys.
 func testOrgExempt(t *testing.T, l ledger.Ledger) {
 	c := ctx(t)
-	of, ok := l.(ledger.OrgFlags)
+	of, ok := l.(access.OrgFlags)
 	if !ok {
 		t.Fatalf("%T has no org flags", l)
 	}
@@ -48,7 +49,7 @@ func testOrgExempt(t *testing.T, l ledger.Ledger) {
 // cleared; bad lists and unknown keys are refused.
 func testKeyModels(t *testing.T, l ledger.Ledger) {
 	c := ctx(t)
-	km, ok := l.(ledger.KeyModels)
+	km, ok := l.(access.KeyModels)
 	if !ok {
 		t.Fatalf("%T has no key models", l)
 	}
@@ -78,9 +79,9 @@ func testKeyModels(t *testing.T, l ledger.Ledger) {
 	}
 }
 
-func adminTokens(t *testing.T, l ledger.Ledger) ledger.AdminTokens {
+func adminTokens(t *testing.T, l ledger.Ledger) access.Tokens {
 	t.Helper()
-	at, ok := l.(ledger.AdminTokens)
+	at, ok := l.(access.Tokens)
 	if !ok {
 		t.Fatalf("%T keeps no admin tokens", l)
 	}
@@ -100,7 +101,7 @@ func testAdminTokens(t *testing.T, l ledger.Ledger) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.HasPrefix(secret, ledger.AdminTokenPrefix) || tok.ID == "" || tok.Scope != "read" || tok.Name != "dashboard" {
+	if !strings.HasPrefix(secret, access.TokenPrefix) || tok.ID == "" || tok.Scope != "read" || tok.Name != "dashboard" {
 		t.Fatalf("created %+v, secret %q", tok, secret)
 	}
 	orgTok, orgSecret := must2(at.CreateAdminToken(c, "", "org:acme"))
@@ -112,7 +113,7 @@ func testAdminTokens(t *testing.T, l ledger.Ledger) {
 		t.Fatalf("org token: %+v", got)
 	}
 	for _, wrong := range []string{"", tok.ID, secret + "x", strings.ToUpper(secret)} {
-		if _, err := at.LookupAdminToken(c, wrong); !errors.Is(err, ledger.ErrUnknownAdminToken) {
+		if _, err := at.LookupAdminToken(c, wrong); !errors.Is(err, access.ErrUnknownToken) {
 			t.Errorf("lookup %q: %v, want ErrUnknownAdminToken", wrong, err)
 		}
 	}
@@ -126,10 +127,10 @@ func testAdminTokens(t *testing.T, l ledger.Ledger) {
 	if err := at.RevokeAdminToken(c, tok.ID); err != nil {
 		t.Fatalf("revoking twice: %v", err)
 	}
-	if _, err := at.LookupAdminToken(c, secret); !errors.Is(err, ledger.ErrUnknownAdminToken) {
+	if _, err := at.LookupAdminToken(c, secret); !errors.Is(err, access.ErrUnknownToken) {
 		t.Fatalf("revoked token still resolves: %v", err)
 	}
-	if err := at.RevokeAdminToken(c, "adm_nope"); !errors.Is(err, ledger.ErrUnknownAdminToken) {
+	if err := at.RevokeAdminToken(c, "adm_nope"); !errors.Is(err, access.ErrUnknownToken) {
 		t.Fatalf("revoke unknown: %v", err)
 	}
 	list = must(at.ListAdminTokens(c))
@@ -178,17 +179,17 @@ func testAdminTokenRotation(t *testing.T, l ledger.Ledger) {
 	}
 	// No overlap: the old secret ends at once, the new one works.
 	third, thirdSecret := must2(at.RotateAdminToken(c, next.ID, 0))
-	if _, err := at.LookupAdminToken(c, nextSecret); !errors.Is(err, ledger.ErrUnknownAdminToken) {
+	if _, err := at.LookupAdminToken(c, nextSecret); !errors.Is(err, access.ErrUnknownToken) {
 		t.Fatalf("rotated without overlap, old secret: %v", err)
 	}
 	if got := must(at.LookupAdminToken(c, thirdSecret)); got.ID != third.ID {
 		t.Fatalf("third: %+v", got)
 	}
-	if _, _, err := at.RotateAdminToken(c, next.ID, time.Hour); !errors.Is(err, ledger.ErrUnknownAdminToken) {
+	if _, _, err := at.RotateAdminToken(c, next.ID, time.Hour); !errors.Is(err, access.ErrUnknownToken) {
 		t.Fatalf("rotating an expired token: %v", err)
 	}
 	must0(at.RevokeAdminToken(c, third.ID))
-	if _, _, err := at.RotateAdminToken(c, third.ID, time.Hour); !errors.Is(err, ledger.ErrUnknownAdminToken) {
+	if _, _, err := at.RotateAdminToken(c, third.ID, time.Hour); !errors.Is(err, access.ErrUnknownToken) {
 		t.Fatalf("rotating a revoked token: %v", err)
 	}
 }

@@ -7,9 +7,10 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/access"
 )
 
-var _ ledger.AdminTokens = (*Ledger)(nil)
+var _ access.Tokens = (*Ledger)(nil)
 
 // memTokens is the memory ledger's admin tokens; Ledger.mu guards them.
 type memTokens struct {
@@ -19,7 +20,7 @@ type memTokens struct {
 }
 
 type memToken struct {
-	tok  ledger.AdminToken
+	tok  access.Token
 	hash [32]byte
 }
 
@@ -29,12 +30,12 @@ func (m *Ledger) liveTokenLocked(t *memToken, now time.Time) bool {
 
 func now() time.Time { return time.Now().UTC().Truncate(time.Microsecond) }
 
-func (m *Ledger) addTokenLocked(name, scope string) (ledger.AdminToken, string) {
+func (m *Ledger) addTokenLocked(name, scope string) (access.Token, string) {
 	if m.tokens.byID == nil {
 		m.tokens.byID, m.tokens.byHash = map[string]*memToken{}, map[[32]byte]*memToken{}
 	}
-	id, secret := ledger.NewAdminToken()
-	t := &memToken{tok: ledger.AdminToken{ID: id, Name: name, Scope: scope, CreatedAt: now()},
+	id, secret := access.NewToken()
+	t := &memToken{tok: access.Token{ID: id, Name: name, Scope: scope, CreatedAt: now()},
 		hash: sha256.Sum256([]byte(secret))}
 	m.tokens.byID[t.tok.ID], m.tokens.byHash[t.hash] = t, t
 	m.tokens.order = append(m.tokens.order, t)
@@ -42,12 +43,12 @@ func (m *Ledger) addTokenLocked(name, scope string) (ledger.AdminToken, string) 
 }
 
 // CreateAdminToken makes a scoped admin token; its secret is not stored.
-func (m *Ledger) CreateAdminToken(ctx context.Context, name, scope string) (ledger.AdminToken, string, error) {
-	if err := ledger.CheckTokenScope(scope); err != nil {
-		return ledger.AdminToken{}, "", err
+func (m *Ledger) CreateAdminToken(ctx context.Context, name, scope string) (access.Token, string, error) {
+	if err := access.CheckScope(scope); err != nil {
+		return access.Token{}, "", err
 	}
 	if err := ledger.CheckName(name); err != nil {
-		return ledger.AdminToken{}, "", err
+		return access.Token{}, "", err
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -57,22 +58,22 @@ func (m *Ledger) CreateAdminToken(ctx context.Context, name, scope string) (ledg
 
 // LookupAdminToken resolves a secret; unknown, revoked and expired tokens are
 // ErrUnknownAdminToken.
-func (m *Ledger) LookupAdminToken(ctx context.Context, secret string) (ledger.AdminToken, error) {
+func (m *Ledger) LookupAdminToken(ctx context.Context, secret string) (access.Token, error) {
 	h := sha256.Sum256([]byte(secret))
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	t := m.tokens.byHash[h]
 	if !m.liveTokenLocked(t, time.Now()) {
-		return ledger.AdminToken{}, ledger.ErrUnknownAdminToken
+		return access.Token{}, access.ErrUnknownToken
 	}
 	return t.tok, nil
 }
 
 // ListAdminTokens lists every token by creation.
-func (m *Ledger) ListAdminTokens(ctx context.Context) ([]ledger.AdminToken, error) {
+func (m *Ledger) ListAdminTokens(ctx context.Context) ([]access.Token, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	out := make([]ledger.AdminToken, 0, len(m.tokens.order))
+	out := make([]access.Token, 0, len(m.tokens.order))
 	for _, t := range m.tokens.order {
 		out = append(out, t.tok)
 	}
@@ -80,16 +81,16 @@ func (m *Ledger) ListAdminTokens(ctx context.Context) ([]ledger.AdminToken, erro
 }
 
 // RotateAdminToken makes a successor of a live token and lets the old one expire after overlap.
-func (m *Ledger) RotateAdminToken(ctx context.Context, id string, overlap time.Duration) (ledger.AdminToken, string, error) {
+func (m *Ledger) RotateAdminToken(ctx context.Context, id string, overlap time.Duration) (access.Token, string, error) {
 	if overlap < 0 {
-		return ledger.AdminToken{}, "", fmt.Errorf("%w: negative overlap", ledger.ErrInvalidQuery)
+		return access.Token{}, "", fmt.Errorf("%w: negative overlap", ledger.ErrInvalidQuery)
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	old := m.tokens.byID[id]
 	n := now()
 	if !m.liveTokenLocked(old, n) {
-		return ledger.AdminToken{}, "", fmt.Errorf("%w: %q", ledger.ErrUnknownAdminToken, id)
+		return access.Token{}, "", fmt.Errorf("%w: %q", access.ErrUnknownToken, id)
 	}
 	next, secret := m.addTokenLocked(old.tok.Name, old.tok.Scope)
 	exp := n.Add(overlap)
@@ -106,7 +107,7 @@ func (m *Ledger) RevokeAdminToken(ctx context.Context, id string) error {
 	defer m.mu.Unlock()
 	t := m.tokens.byID[id]
 	if t == nil {
-		return fmt.Errorf("%w: %q", ledger.ErrUnknownAdminToken, id)
+		return fmt.Errorf("%w: %q", access.ErrUnknownToken, id)
 	}
 	if t.tok.RevokedAt == nil {
 		n := now()
@@ -126,11 +127,11 @@ func (m *Ledger) KeyOrg(ctx context.Context, keyID string) (string, error) {
 	return k.key.Org, nil
 }
 
-var _ ledger.KeyModels = (*Ledger)(nil)
+var _ access.KeyModels = (*Ledger)(nil)
 
 // SetKeyModels sets a key's allow-list of models.
 func (m *Ledger) SetKeyModels(ctx context.Context, keyID string, models []string) error {
-	if err := ledger.CheckKeyModels(models); err != nil {
+	if err := access.CheckKeyModels(models); err != nil {
 		return err
 	}
 	m.mu.Lock()
@@ -147,7 +148,7 @@ func (m *Ledger) SetKeyModels(ctx context.Context, keyID string, models []string
 	return nil
 }
 
-var _ ledger.OrgFlags = (*Ledger)(nil)
+var _ access.OrgFlags = (*Ledger)(nil)
 
 // SetOrgExempt sets or clears an org's exempt flag.
 func (m *Ledger) SetOrgExempt(ctx context.Context, org string, exempt bool) error {

@@ -10,26 +10,27 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/access"
 )
 
-var _ ledger.AdminTokens = (*Ledger)(nil)
+var _ access.Tokens = (*Ledger)(nil)
 
 const sqlAdminTokenColumns = `id, name, scope, created_at, expires_at, revoked_at, COALESCE(rotated_to, '')`
 
-func scanAdminToken(r pgx.CollectableRow) (ledger.AdminToken, error) {
-	var t ledger.AdminToken
+func scanAdminToken(r pgx.CollectableRow) (access.Token, error) {
+	var t access.Token
 	err := r.Scan(&t.ID, &t.Name, &t.Scope, &t.CreatedAt, &t.ExpiresAt, &t.RevokedAt, &t.RotatedTo)
 	t.CreatedAt, t.ExpiresAt, t.RevokedAt = t.CreatedAt.UTC(), utcPtr(t.ExpiresAt), utcPtr(t.RevokedAt)
 	return t, err
 }
 
 // CreateAdminToken makes a scoped admin token; only the SHA-256 of the secret is stored.
-func (p *Ledger) CreateAdminToken(ctx context.Context, name, scope string) (ledger.AdminToken, string, error) {
-	if err := ledger.CheckTokenScope(scope); err != nil {
-		return ledger.AdminToken{}, "", err
+func (p *Ledger) CreateAdminToken(ctx context.Context, name, scope string) (access.Token, string, error) {
+	if err := access.CheckScope(scope); err != nil {
+		return access.Token{}, "", err
 	}
 	if err := ledger.CheckName(name); err != nil {
-		return ledger.AdminToken{}, "", err
+		return access.Token{}, "", err
 	}
 	return p.insertAdminToken(ctx, p.pool, name, scope)
 }
@@ -38,33 +39,33 @@ type queryRower interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }
 
-func (p *Ledger) insertAdminToken(ctx context.Context, q queryRower, name, scope string) (ledger.AdminToken, string, error) {
-	id, secret := ledger.NewAdminToken()
+func (p *Ledger) insertAdminToken(ctx context.Context, q queryRower, name, scope string) (access.Token, string, error) {
+	id, secret := access.NewToken()
 	h := sha256.Sum256([]byte(secret))
 	rows, _ := q.Query(ctx, `INSERT INTO admin_tokens (id, hash, name, scope) VALUES ($1, $2, $3, $4)
 RETURNING `+sqlAdminTokenColumns, id, h[:], name, scope)
 	t, err := pgx.CollectExactlyOneRow(rows, scanAdminToken)
 	if err != nil {
-		return ledger.AdminToken{}, "", wrapPg("create admin token", err)
+		return access.Token{}, "", wrapPg("create admin token", err)
 	}
 	return t, secret, nil
 }
 
 // LookupAdminToken resolves a secret; unknown, revoked and expired tokens (by the database's
 // clock) are ErrUnknownAdminToken.
-func (p *Ledger) LookupAdminToken(ctx context.Context, secret string) (ledger.AdminToken, error) {
+func (p *Ledger) LookupAdminToken(ctx context.Context, secret string) (access.Token, error) {
 	h := sha256.Sum256([]byte(secret))
 	rows, _ := p.pool.Query(ctx, `SELECT `+sqlAdminTokenColumns+` FROM admin_tokens
 WHERE hash = $1 AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now())`, h[:])
 	t, err := pgx.CollectExactlyOneRow(rows, scanAdminToken)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return ledger.AdminToken{}, ledger.ErrUnknownAdminToken
+		return access.Token{}, access.ErrUnknownToken
 	}
 	return t, wrapPg("lookup admin token", err)
 }
 
 // ListAdminTokens lists every token by creation.
-func (p *Ledger) ListAdminTokens(ctx context.Context) ([]ledger.AdminToken, error) {
+func (p *Ledger) ListAdminTokens(ctx context.Context) ([]access.Token, error) {
 	rows, _ := p.pool.Query(ctx, `SELECT `+sqlAdminTokenColumns+` FROM admin_tokens ORDER BY created_at, id`)
 	ts, err := pgx.CollectRows(rows, scanAdminToken)
 	return ts, wrapPg("list admin tokens", err)
@@ -72,12 +73,12 @@ func (p *Ledger) ListAdminTokens(ctx context.Context) ([]ledger.AdminToken, erro
 
 // RotateAdminToken makes a successor of a live token and sets the old one's expiry to now +
 // overlap (an earlier expiry is kept), in one transaction.
-func (p *Ledger) RotateAdminToken(ctx context.Context, id string, overlap time.Duration) (ledger.AdminToken, string, error) {
+func (p *Ledger) RotateAdminToken(ctx context.Context, id string, overlap time.Duration) (access.Token, string, error) {
 	if overlap < 0 {
-		return ledger.AdminToken{}, "", fmt.Errorf("%w: negative overlap", ledger.ErrInvalidQuery)
+		return access.Token{}, "", fmt.Errorf("%w: negative overlap", ledger.ErrInvalidQuery)
 	}
 	var (
-		next   ledger.AdminToken
+		next   access.Token
 		secret string
 	)
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
@@ -85,7 +86,7 @@ func (p *Ledger) RotateAdminToken(ctx context.Context, id string, overlap time.D
 		err := tx.QueryRow(ctx, `SELECT name, scope FROM admin_tokens
 WHERE id = $1 AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now()) FOR UPDATE`, id).Scan(&name, &scope)
 		if errors.Is(err, pgx.ErrNoRows) {
-			return fmt.Errorf("%w: %q", ledger.ErrUnknownAdminToken, id)
+			return fmt.Errorf("%w: %q", access.ErrUnknownToken, id)
 		}
 		if err != nil {
 			return err
@@ -99,10 +100,10 @@ expires_at = LEAST(COALESCE(expires_at, 'infinity'), now() + make_interval(secs 
 		return err
 	})
 	if err != nil {
-		if errors.Is(err, ledger.ErrUnknownAdminToken) {
-			return ledger.AdminToken{}, "", err
+		if errors.Is(err, access.ErrUnknownToken) {
+			return access.Token{}, "", err
 		}
-		return ledger.AdminToken{}, "", wrapPg("rotate admin token", err)
+		return access.Token{}, "", wrapPg("rotate admin token", err)
 	}
 	return next, secret, nil
 }
@@ -116,7 +117,7 @@ SELECT EXISTS (SELECT 1 FROM u)`, id).Scan(&ok)
 		return wrapPg("revoke admin token", err)
 	}
 	if !ok {
-		return fmt.Errorf("%w: %q", ledger.ErrUnknownAdminToken, id)
+		return fmt.Errorf("%w: %q", access.ErrUnknownToken, id)
 	}
 	return nil
 }
@@ -131,11 +132,11 @@ func (p *Ledger) KeyOrg(ctx context.Context, keyID string) (string, error) {
 	return org, wrapPg("key org", err)
 }
 
-var _ ledger.KeyModels = (*Ledger)(nil)
+var _ access.KeyModels = (*Ledger)(nil)
 
 // SetKeyModels sets a key's allow-list of models (NULL for every model).
 func (p *Ledger) SetKeyModels(ctx context.Context, keyID string, models []string) error {
-	if err := ledger.CheckKeyModels(models); err != nil {
+	if err := access.CheckKeyModels(models); err != nil {
 		return err
 	}
 	if len(models) == 0 {
@@ -146,7 +147,7 @@ WITH u AS (UPDATE api_keys SET models = $2 WHERE id = $1 RETURNING 1)
 SELECT EXISTS (SELECT 1 FROM u)`, keyID, models)
 }
 
-var _ ledger.OrgFlags = (*Ledger)(nil)
+var _ access.OrgFlags = (*Ledger)(nil)
 
 // SetOrgExempt sets or clears an org's exempt flag.
 func (p *Ledger) SetOrgExempt(ctx context.Context, org string, exempt bool) error {
