@@ -31,6 +31,9 @@ type Config struct {
 	AnthropicAPIKey string
 	RoutesFile      string
 	AdminToken      string
+	// Console serves the web console at /console/ (package console): operators log in with
+	// the admin token, customers with an API key.
+	Console bool
 	HoldTTL         time.Duration
 	FailOpen        bool
 	MaxInFlight     int
@@ -127,6 +130,7 @@ func (c *Config) settings() []setting {
 		{"ESCROW_ANTHROPIC_API_KEY", "anthropic-api-key", "", "API key sent to the Anthropic upstream as x-api-key (clients' keys are never forwarded)", str(&c.AnthropicAPIKey)},
 		{"ESCROW_ROUTES_FILE", "routes-file", "", "JSON file of upstream routes by model ({\"routes\":[{\"model\" or \"prefix\", \"upstream\", \"api_key_env\" or \"api_key\", \"style\": openai|anthropic, \"rename\"}]}); replaces UPSTREAM_URL and ESCROW_ANTHROPIC_URL; empty: UPSTREAM_URL serves every model (and ESCROW_ANTHROPIC_URL every Messages API model)", str(&c.RoutesFile)},
 		{"ESCROW_ADMIN_TOKEN", "admin-token", "", "bearer token of the admin API; empty: admin API off (the embedded demo generates one)", str(&c.AdminToken)},
+		{"ESCROW_CONSOLE", "console", "true", "serve the web console at /console/ (operators log in with the admin token, customers with an API key); false: off", boolean(&c.Console)},
 		{"ESCROW_HOLD_TTL", "hold-ttl", "10m", "hold expiry; extended every third of it while a request runs", dur(&c.HoldTTL)},
 		{"ESCROW_FAIL_OPEN", "fail-open", "false", "when Redis is down, serve requests without a hold (their usage is still billed)", boolean(&c.FailOpen)},
 		{"ESCROW_MAX_IN_FLIGHT", "max-in-flight", "256", "per-org cap on requests in flight (429 rate_limit_exceeded beyond it)", intp(&c.MaxInFlight)},

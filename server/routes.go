@@ -33,6 +33,11 @@ func (s *Server) buildEcho() error {
 			return fmt.Errorf("admin api: %w", err)
 		}
 	}
+	if s.cfg.Console && !s.cfg.BenchBaseline {
+		if err := s.mountConsole(e); err != nil {
+			return err
+		}
+	}
 	mw := s.esc.Middleware()
 	rp := s.proxyHandler()
 	if s.cfg.BenchBaseline {
