@@ -33,7 +33,7 @@ type Config struct {
 	AdminToken      string
 	// Console serves the web console at /console/ (package console): operators log in with
 	// the admin token, customers with an API key.
-	Console bool
+	Console         bool
 	HoldTTL         time.Duration
 	FailOpen        bool
 	MaxInFlight     int
