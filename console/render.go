@@ -117,7 +117,7 @@ func Money(micro int64) string {
 // limitAmount is a limit's cap or use in its unit: money as Money, requests and tokens as
 // integers.
 func limitAmount(unit string, v int64) string {
-	if unit == "" || unit == string(balance.Money) {
+	if isMoney(unit) {
 		return Money(v)
 	}
 	return strconv.FormatInt(v, 10)

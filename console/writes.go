@@ -162,9 +162,9 @@ func (c *Console) revokeKey(ec echo.Context) error {
 
 func (c *Console) createLimit(ec echo.Context) error {
 	unit := ec.FormValue("unit")
-	capV, err := parseAmount(ec.FormValue("cap"), unit == "" || unit == string(balance.Money))
+	capV, err := parseAmount(ec.FormValue("cap"), isMoney(unit))
 	if err != nil {
-		return c.refuse(ec, err.Error())
+		return c.refuse(ec, "cap (unit "+unit+"): "+err.Error())
 	}
 	body := map[string]any{"scope": ec.FormValue("scope"), "window": ec.FormValue("window"), "unit": unit, "cap": capV}
 	if id := strings.TrimSpace(ec.FormValue("scope_id")); id != "" {
@@ -177,9 +177,12 @@ func (c *Console) createLimit(ec echo.Context) error {
 	})
 }
 
+// isMoney: a limit's unit is money (the form's "money", or none: balance.Money is "").
+func isMoney(unit string) bool { return unit == "money" || unit == string(balance.Money) }
+
 func (c *Console) setLimitCap(ec echo.Context) error {
 	unit := ec.FormValue("unit")
-	capV, err := parseAmount(ec.FormValue("cap"), unit == "" || unit == string(balance.Money))
+	capV, err := parseAmount(ec.FormValue("cap"), isMoney(unit))
 	if err != nil {
 		return c.refuse(ec, err.Error())
 	}
