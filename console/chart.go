@@ -30,6 +30,15 @@ type Chart struct {
 	Bars []Bar
 	Max  int64 // the largest cost (the scale)
 	Rows []ledger.UsageRow
+	// Ticks label the day chart's axis (a few dates under it); Top is where the bars stop.
+	Ticks []Tick
+	Top   int
+}
+
+// Tick is a label under the day chart's axis.
+type Tick struct {
+	X    int
+	Text string
 }
 
 const (
@@ -44,7 +53,7 @@ func dayChart(rows []ledger.UsageRow, today time.Time) Chart {
 	for _, r := range rows {
 		by[r.Group] = r
 	}
-	ch := Chart{W: chartW, H: chartH}
+	ch := Chart{W: chartW, H: chartH + 18, Top: chartH}
 	start := today.AddDate(0, 0, -(ChartDays - 1))
 	for i := range ChartDays {
 		d := start.AddDate(0, 0, i).Format("2006-01-02")
@@ -57,6 +66,9 @@ func dayChart(rows []ledger.UsageRow, today time.Time) Chart {
 	for i, r := range ch.Rows {
 		h := scale(r.Cost, ch.Max, chartH-20)
 		ch.Bars = append(ch.Bars, Bar{Group: r.Group, Cost: r.Cost, Requests: r.Requests, X: i*slot + 2, Y: chartH - h, W: slot - 4, H: h})
+		if i%7 == 0 || i == ChartDays-1 {
+			ch.Ticks = append(ch.Ticks, Tick{X: i * slot, Text: r.Group[5:]})
+		}
 	}
 	return ch
 }
