@@ -69,11 +69,11 @@ type Config struct {
 	TrustedProxies string
 
 	// ReadOn bounds how long the upstream is read on after the client hung up, for the real
-	// usage; past it the upstream call is cut and the request charged an estimate (README "What
+	// usage; past it the upstream call is cut and the request charged an estimate (docs/failure-policy.md "What
 	// a hang-up and an upstream error cost").
 	ReadOn time.Duration
 
-	// Fit (README "What a request holds"): a request whose bound does not fit is served with a
+	// Fit (docs/failure-policy.md "What a request holds"): a request whose bound does not fit is served with a
 	// lower output cap, at least FitMinOutput tokens; FitChatField is the cap field added to a
 	// chat completion that has none.
 	Fit          bool
