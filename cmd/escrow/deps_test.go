@@ -49,8 +49,9 @@ var layers = map[string][]string{
 	"accounting":            {"ledger", "balance", "internal/startstop"}, // recorder, worker, journal, Ops: never a store
 	"middleware":            {"accounting", "balance"},
 	"admin":                 {"accounting", "internal/csvcell"},
+	"console":               {"admin", "accounting"},                                                                                          // the web console: reads through Ops, writes through the admin API
 	".":                     {"accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"}, // the root package escrow: New
-	"server":                {".", "accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"},
+	"server":                {".", "accounting", "admin", "console", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"},
 	"cmd/escrow":            {"server", "internal/csvcell"},
 	"examples/proxy":        {"server", "internal/fakeupstream"},
 	"bench":                 {"server", "internal/fakeupstream", "internal/testutil"},
@@ -61,6 +62,7 @@ var layers = map[string][]string{
 	"internal/startstop":    nil,                               // the one Start/Stop base of the worker, the recorder and the journal fallback
 	"internal/modelcheck":   nil,                               // tests only: the SPIN model check and its replay
 	"internal/csvcell":      nil,                               // CSV cells a spreadsheet will not run as formulas
+	"scripts/image":         nil,                               // make image: the OCI image writer (a build tool)
 }
 
 const module = "github.com/llmescrow/escrow"
