@@ -46,9 +46,14 @@ const (
 
 var traceContext = propagation.TraceContext{}
 
+// newTracer is the middleware's tracer; nil without a provider (then traced serves the request
+// as it is: no context, span or header look-up is added to the request path).
 func newTracer(tp trace.TracerProvider) trace.Tracer {
 	if tp == nil {
-		return noop.NewTracerProvider().Tracer(TracerName)
+		return nil
+	}
+	if _, ok := tp.(noop.TracerProvider); ok {
+		return nil
 	}
 	return tp.Tracer(TracerName)
 }
@@ -56,6 +61,9 @@ func newTracer(tp trace.TracerProvider) trace.Tracer {
 // traced serves the request inside its span (a child of a traceparent the client sent) and
 // adds what the outcome says to it.
 func (m *middleware) traced(c echo.Context, next echo.HandlerFunc) error {
+	if m.tracer == nil {
+		return m.serve(c, next)
+	}
 	req := c.Request()
 	ctx := traceContext.Extract(req.Context(), propagation.HeaderCarrier(req.Header))
 	ctx, span := m.tracer.Start(ctx, SpanRequest, trace.WithSpanKind(trace.SpanKindServer))
