@@ -7,7 +7,7 @@ FUZZTIME  ?= 10s
 export ESCROW_TEST_REDIS_URL    = $(REDIS_URL)
 export ESCROW_TEST_DATABASE_URL = $(DATABASE_URL)
 
-.PHONY: test test-fast services sdk spin modelcheck lint fuzz bench bench-console run
+.PHONY: test test-fast services sdk spin modelcheck lint fuzz bench bench-console run image
 
 ## test: start Redis and Postgres if needed, then lint and run every test (race detector) on the real services.
 test: services sdk lint
@@ -67,3 +67,12 @@ bench-console: services
 ## run: the example proxy (embedded defaults when REDIS_URL/DATABASE_URL are unset in the environment).
 run:
 	$(GO) run ./examples/proxy
+
+## image: a static binary (CGO_ENABLED=0) in an image FROM scratch (CA bundle, non-root user, no
+## shell), written without a container engine as one tarball (OCI layout + docker archive):
+## docker load -i $(IMAGE). See docs/deploy.md.
+IMAGE ?= bin/escrow-image.tar
+IMAGE_TAG ?= escrow:latest
+image:
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o bin/escrow ./cmd/escrow
+	$(GO) run ./scripts/image -binary bin/escrow -out $(IMAGE) -tag $(IMAGE_TAG)

@@ -30,6 +30,7 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Holds is what the middleware needs from the hot balance (*balance.Store implements it).
@@ -134,6 +135,10 @@ type Config struct {
 	// OnOutcome, when set, is called once per request the middleware handled, after the
 	// response (for metrics). It must not block.
 	OnOutcome func(Outcome)
+	// TracerProvider, when set, traces each request (trace.go): a span per request with
+	// children for reserve, the upstream call, finish and record. Default nil: no spans (a
+	// no-op tracer, nothing allocated).
+	TracerProvider trace.TracerProvider
 	// Logger logs failures (and, at debug level, outcomes). Default: slog.Default().
 	Logger *slog.Logger
 

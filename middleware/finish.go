@@ -13,6 +13,7 @@ import (
 	"github.com/llmescrow/escrow/endpoint"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/pricing"
+	"go.opentelemetry.io/otel/trace"
 )
 
 var (
@@ -72,17 +73,27 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 
 	var nextErr error
 	var panicked any
+	upSpanCtx, upSpan := m.startStep(upCtx, SpanUpstream, AttrModel.String(r.Model))
+	if upSpan.IsRecording() {
+		injectTrace(upSpanCtx, req.Header)
+		c.SetRequest(req.WithContext(upSpanCtx))
+	}
 	func() {
 		defer func() { panicked = recover() }()
 		nextErr = next(c)
 	}()
+	upSpan.SetAttributes(AttrStatus.Int(cw.status))
+	endStep(upSpan, nextErr)
 	lease.Stop()
 	stopWatch()
 	cw.stop()
 	c.Response().Writer = orig
 	c.SetRequest(req)
 
+	var fspan trace.Span
+	cl.traceCtx, fspan = m.startFinish(clientCtx, cl.holdID)
 	abort := cl.finish(cw, nextErr, panicked, context.Cause(upCtx), o)
+	fspan.End()
 	if panicked != nil {
 		panic(panicked)
 	}
@@ -169,8 +180,10 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		Choices: times(max(cl.req.N, 1), max(cl.req.Prompts, 1)), // the worker learns the model's max cost of one choice (of one prompt) from it
 	}
 	o.Usage, o.Cost, o.Err = usage, cost, why
-	rctx, cancel := context.WithTimeout(context.Background(), m.cfg.RecordTimeout)
+	rctx, cancel := context.WithTimeout(cl.traceCtx, m.cfg.RecordTimeout)
+	rctx, span := m.startStep(rctx, SpanRecord, AttrOrg.String(ev.Org), AttrHold.String(ev.ID), AttrCost.Int64(cost))
 	rcpt, err := m.record(rctx, ev)
+	endStep(span, err)
 	cancel()
 	if err != nil && cw.served && !recordRefused(err) {
 		// Served ⇒ billed: content reached the client, so the event is never voided and its hold

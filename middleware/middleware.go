@@ -20,6 +20,7 @@ import (
 	"github.com/llmescrow/escrow/endpoint"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/pricing"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // OutcomeKind says how a request ended for billing.
@@ -61,6 +62,7 @@ type Outcome struct {
 	Duration   time.Duration // from the request's arrival to its outcome
 
 	began time.Time
+	span  trace.Span // the request's span (trace.go)
 }
 
 type middleware struct {
@@ -72,6 +74,7 @@ type middleware struct {
 	passDirs []string // PassThrough prefixes ("/v1/models/" for "/v1/models/*")
 	allow    map[string]bool
 	badKey   sync.Once // logs the first key id the limits layer cannot name
+	tracer   trace.Tracer
 }
 
 func newMiddleware(cfg Config) (*middleware, error) {
@@ -79,7 +82,7 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	if err != nil {
 		return nil, err
 	}
-	m := &middleware{cfg: cfg, pass: map[string]bool{}, allow: map[string]bool{}}
+	m := &middleware{cfg: cfg, pass: map[string]bool{}, allow: map[string]bool{}, tracer: newTracer(cfg.TracerProvider)}
 	for _, p := range cfg.PassThrough {
 		if dir, ok := strings.CutSuffix(p, "/*"); ok {
 			m.passDirs = append(m.passDirs, dir+"/")
@@ -107,7 +110,7 @@ func (m *middleware) handler(next echo.HandlerFunc) echo.HandlerFunc {
 		if m.cfg.Skipper(c) {
 			return next(c)
 		}
-		return m.serve(c, next)
+		return m.traced(c, next)
 	}
 }
 
@@ -180,6 +183,9 @@ type call struct {
 	fitCap   int64               // the output cap fit lowered the request's to (0: not fitted)
 	start    time.Time
 	sent     atomic.Bool // the handler read the request body: the upstream got the request (sentBody)
+	// traceCtx is the record's parent context: Background, with the finish span when traced
+	// (trace.go), never the client request's values or cancellation.
+	traceCtx context.Context
 }
 
 func (m *middleware) refuse(c echo.Context, o Outcome, e *Error) error {
@@ -197,6 +203,7 @@ func (m *middleware) refuse(c echo.Context, o Outcome, e *Error) error {
 
 func (m *middleware) report(o Outcome) {
 	o.Duration = time.Since(o.began)
+	observe(o)
 	if m.cfg.OnOutcome != nil {
 		m.cfg.OnOutcome(o)
 	}
@@ -223,7 +230,7 @@ func (m *middleware) report(o Outcome) {
 func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	start := time.Now()
 	req := c.Request()
-	o := Outcome{Endpoint: req.URL.Path, began: start}
+	o := Outcome{Endpoint: req.URL.Path, began: start, span: trace.SpanFromContext(req.Context())}
 	id, e := m.identify(c, &o)
 	if e != nil {
 		return m.refuse(c, o, e)
@@ -503,8 +510,11 @@ func (m *middleware) reserve(ctx context.Context, cl *call, amount, tokens int64
 	if cl.id.Exempt {
 		amount = 0 // exempt.go
 	}
-	return m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: cl.id.Org, HoldID: cl.holdID, Amount: amount, KeyID: cl.limitKey, Tokens: tokens,
+	rctx, span := m.startStep(rctx, SpanReserve, AttrOrg.String(cl.id.Org), AttrHold.String(cl.holdID), AttrHoldAmount.Int64(amount))
+	res, err := m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: cl.id.Org, HoldID: cl.holdID, Amount: amount, KeyID: cl.limitKey, Tokens: tokens,
 		EndUser: cl.req.EndUser, Exempt: cl.id.Exempt})
+	endStep(span, err)
+	return res, err
 }
 
 // limitKey is the key id to reserve under: the identity's, unless the limits layer cannot name

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes sure Redis (>= 6.0) and PostgreSQL answer on 127.0.0.1, starting them from the installed
-# packages (and installing them with apt-get when absent). Fails loudly: it never lets the tests
+# packages (and installing them with apt-get when absent), and that chromium (the console's
+# browser tests) is installed. Fails loudly: it never lets the tests
 # skip a service that is missing.
 set -euo pipefail
 
@@ -60,6 +61,13 @@ ensure_tools() {
   if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
 }
 
+# The console's browser tests (server/console_browser_test.go) drive Debian's chromium headless.
+ensure_chromium() {
+  if ! command -v chromium >/dev/null; then apt_install chromium; fi
+  chromium --headless --no-sandbox --disable-gpu --version >/dev/null 2>&1 || die "chromium is installed but does not run"
+}
+
 ensure_tools
+ensure_chromium
 ensure_redis
 ensure_postgres

@@ -33,7 +33,10 @@ type Config struct {
 	AdminToken      string
 	// Role is what this process serves: RoleAll (default), RoleProxy (the proxy only: no admin
 	// routes, no admin token needed) or RoleAdmin (the admin API only: no upstream needed).
-	Role            string
+	Role string
+	// Console serves the web console at /console/ (package console): operators log in with
+	// the admin token, customers with an API key.
+	Console         bool
 	HoldTTL         time.Duration
 	FailOpen        bool
 	MaxInFlight     int
@@ -69,11 +72,11 @@ type Config struct {
 	TrustedProxies string
 
 	// ReadOn bounds how long the upstream is read on after the client hung up, for the real
-	// usage; past it the upstream call is cut and the request charged an estimate (README "What
+	// usage; past it the upstream call is cut and the request charged an estimate (docs/failure-policy.md "What
 	// a hang-up and an upstream error cost").
 	ReadOn time.Duration
 
-	// Fit (README "What a request holds"): a request whose bound does not fit is served with a
+	// Fit (docs/failure-policy.md "What a request holds"): a request whose bound does not fit is served with a
 	// lower output cap, at least FitMinOutput tokens; FitChatField is the cap field added to a
 	// chat completion that has none.
 	Fit          bool
@@ -145,6 +148,7 @@ func (c *Config) settings() []setting {
 		{"ESCROW_ROUTES_FILE", "routes-file", "", "JSON file of upstream routes by model ({\"routes\":[{\"model\" or \"prefix\", \"upstream\", \"api_key_env\" or \"api_key\", \"style\": openai|anthropic, \"rename\"}]}); replaces UPSTREAM_URL and ESCROW_ANTHROPIC_URL; empty: UPSTREAM_URL serves every model (and ESCROW_ANTHROPIC_URL every Messages API model)", str(&c.RoutesFile)},
 		{"ESCROW_ADMIN_TOKEN", "admin-token", "", "bearer token of the admin API; empty: admin API off (the embedded demo generates one)", str(&c.AdminToken)},
 		{"ESCROW_ROLE", "role", "all", "what this process serves: all, proxy (no admin routes; no admin token needed) or admin (the admin API only; no upstream needed)", str(&c.Role)},
+		{"ESCROW_CONSOLE", "console", "true", "serve the web console at /console/ (operators log in with the admin token, customers with an API key); false: off", boolean(&c.Console)},
 		{"ESCROW_HOLD_TTL", "hold-ttl", "10m", "hold expiry; extended every third of it while a request runs", dur(&c.HoldTTL)},
 		{"ESCROW_FAIL_OPEN", "fail-open", "false", "when Redis is down, serve requests without a hold (their usage is still billed)", boolean(&c.FailOpen)},
 		{"ESCROW_MAX_IN_FLIGHT", "max-in-flight", "256", "per-org cap on requests in flight (429 rate_limit_exceeded beyond it)", intp(&c.MaxInFlight)},

@@ -269,18 +269,39 @@ func (p *testProxy) allSettled(t *testing.T) {
 	}
 }
 
+// TestREADMESessions runs the sessions of README.md and of every docs/*.md page that holds one
+// (the reference sections moved there keep theirs), one subtest per file.
 func TestREADMESessions(t *testing.T) {
 	t.Parallel()
-	raw, err := os.ReadFile("../README.md")
+	docs, err := filepath.Glob("../docs/*.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	lines := strings.Split(string(raw), "\n")
-	sessions := parseSessions(t, lines)
-	if len(sessions) == 0 {
-		t.Fatal("README.md has no <!-- session: … --> block")
-	}
 	bin := buildEscrow(t)
+	for _, path := range append([]string{"../README.md"}, docs...) {
+		raw, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines := strings.Split(string(raw), "\n")
+		sessions := parseSessions(t, lines)
+		if len(sessions) == 0 {
+			if path == "../README.md" {
+				t.Fatal("README.md has no <!-- session: … --> block")
+			}
+			continue
+		}
+		name := strings.TrimPrefix(path, "../")
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			runSessions(t, name, path, lines, sessions, bin)
+		})
+	}
+}
+
+// runSessions runs one file's sessions, each against a fresh proxy, and compares (or, with
+// -update-readme, rewrites) their #> lines.
+func runSessions(t *testing.T, name, path string, lines []string, sessions []session, bin string) {
 	var rewritten []string
 	at := 0
 	stale := false
@@ -303,7 +324,7 @@ func TestREADMESessions(t *testing.T) {
 			}
 			if strings.Join(got, "\n") != strings.Join(c.output, "\n") {
 				stale = true
-				t.Logf("session %s: %s\n  README says:\n%s\n  the run prints:\n%s", s.name, strings.Join(c.lines, "\n"),
+				t.Logf("%s session %s: %s\n  it says:\n%s\n  the run prints:\n%s", name, s.name, strings.Join(c.lines, "\n"),
 					strings.Join(c.output, "\n"), strings.Join(got, "\n"))
 			}
 			rewritten = append(rewritten, got...)
@@ -315,11 +336,11 @@ func TestREADMESessions(t *testing.T) {
 		return
 	}
 	if *updateReadme {
-		if err := os.WriteFile("../README.md", []byte(strings.Join(rewritten, "\n")), 0o644); err != nil {
+		if err := os.WriteFile(path, []byte(strings.Join(rewritten, "\n")), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		t.Log("README.md rewritten")
+		t.Logf("%s rewritten", name)
 		return
 	}
-	t.Fatal("README.md's sessions are not what their commands print; run: go test ./server -run TestREADMESessions -update-readme")
+	t.Fatalf("%s's sessions are not what their commands print; run: go test ./server -run TestREADMESessions -update-readme", name)
 }

@@ -36,6 +36,11 @@ func (s *Server) buildEcho() error {
 	}
 	if s.cfg.Role != RoleProxy {
 		s.mountPayments(e) // payments credit orgs: an admin-plane write
+		if s.cfg.Console && !s.cfg.BenchBaseline {
+			if err := s.mountConsole(e); err != nil { // console.go: its writes go through the admin API
+				return err
+			}
+		}
 	}
 	if s.cfg.Role == RoleAdmin { // role.go
 		s.echo = e

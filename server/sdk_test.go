@@ -256,7 +256,7 @@ func (p *testProxy) charges(org string) []sdkCharge {
 	return out.Data
 }
 
-// fitCapOf is the largest output cap c ≤ maxCap whose bound (README "What a request holds":
+// fitCapOf is the largest output cap c ≤ maxCap whose bound (docs/failure-policy.md "What a request holds":
 // bodyBytes at the highest input price + c × output price, rounded up) is at most room, and that
 // bound; 0, 0 when not even a cap of 1 fits.
 func fitCapOf(t *testing.T, prices pricing.Prices, bodyBytes, maxCap, room int64) (c, bound int64) {

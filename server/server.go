@@ -30,6 +30,7 @@ import (
 
 	"github.com/labstack/echo/v4"
 	"github.com/redis/go-redis/v9"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/llmescrow/escrow"
 	"github.com/llmescrow/escrow/accounting"
@@ -110,6 +111,7 @@ type Server struct {
 	ln         net.Listener
 	httpServer *http.Server
 	pprof      *http.Server
+	tracing    *sdktrace.TracerProvider // OTLP traces (tracing.go); nil: none
 
 	once sync.Once
 
@@ -155,6 +157,9 @@ func New(ctx context.Context, cfg *Config, opts ...Option) (_ *Server, err error
 		return nil, err
 	}
 	if err := s.openLedger(ctx, p.embedded); err != nil {
+		return nil, err
+	}
+	if s.tracing, err = newTracerProvider(ctx); err != nil {
 		return nil, err
 	}
 	if err := s.openEscrow(ctx, p.embedded); err != nil {
@@ -272,6 +277,7 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			KeyCacheTTL:          cfg.KeyCacheTTL,
 			MaxStale:             cfg.KeyMaxStale,
 			KeyFailuresPerMinute: cfg.KeyFailures,
+			TracerProvider:       s.tracerProvider(),
 			OnOutcome:            func(o middleware.Outcome) { s.metrics.observe(o) }, // the metrics are made after
 			Route:                s.route,
 			PassThrough:          append([]string{"/v1/models", "/v1/models/*"}, viewPaths()...),
@@ -420,6 +426,11 @@ func (s *Server) Stop(ctx context.Context) error {
 			errs = append(errs, err)
 		}
 	}
+	if s.tracing != nil { // the spans of the last requests
+		if err := s.tracing.Shutdown(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("tracing: %w", err))
+		}
+	}
 	s.close()
 	return errors.Join(errs...)
 }
@@ -427,6 +438,9 @@ func (s *Server) Stop(ctx context.Context) error {
 // close releases connections and the in-process upstream.
 func (s *Server) close() {
 	s.once.Do(func() {
+		if s.tracing != nil { // New failed after making it (Stop shut it down already otherwise)
+			_ = s.tracing.Shutdown(context.Background())
+		}
 		if s.fake != nil {
 			_ = s.fake.Close()
 		}

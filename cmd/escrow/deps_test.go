@@ -52,8 +52,9 @@ var layers = map[string][]string{
 	"endpoint":              {"pricing"},                                                                  // one spec per endpoint: data the middleware dispatches through
 	"middleware":            {"accounting", "balance", "endpoint", "ledger/access"},
 	"admin":                 {"accounting", "internal/csvcell"},
+	"console":               {"admin", "accounting"},                                                                                          // the web console: reads through Ops, writes through the admin API
 	".":                     {"accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"}, // the root package escrow: New
-	"server":                {".", "accounting", "admin", "balance", "endpoint", "middleware", "migrations", "payment", "webhook", "ledger/memledger", "ledger/pgledger"},
+	"server":                {".", "accounting", "admin", "balance", "console", "endpoint", "middleware", "migrations", "payment", "webhook", "ledger/memledger", "ledger/pgledger"},
 	"payment":               {"accounting"}, // processor webhooks → ledger entries, auto top-up (stripe-go)
 	"cmd/escrow":            {"server", "internal/csvcell"},
 	"examples/proxy":        {"server", "internal/fakeupstream"},
@@ -65,6 +66,7 @@ var layers = map[string][]string{
 	"internal/startstop":    nil,                               // the one Start/Stop base of the worker, the recorder and the journal fallback
 	"internal/modelcheck":   nil,                               // tests only: the SPIN model check and its replay
 	"internal/csvcell":      nil,                               // CSV cells a spreadsheet will not run as formulas
+	"scripts/image":         nil,                               // make image: the OCI image writer (a build tool)
 }
 
 const module = "github.com/llmescrow/escrow"
