@@ -72,7 +72,7 @@ func newFixture(tb testing.TB) *fixture {
 func (f *fixture) seed(tb testing.TB, org string, credit int64, n int, cost int64) string {
 	tb.Helper()
 	ctx := context.Background()
-	if err := f.ops.PutModel(ctx, ledger.Model{Name: "gpt-x", Prices: pricing.Prices{Input: 1_000_000, Output: 2_000_000}, DefaultHold: 1000}); err != nil {
+	if err := f.ops.PutModel(ctx, ledger.Model{Name: "gpt-x", Prices: pricing.Prices{pricing.Input: 1_000_000, pricing.Output: 2_000_000}, DefaultHold: 1000}); err != nil {
 		tb.Fatal(err)
 	}
 	if err := f.ops.CreateNamedOrg(ctx, org, ""); err != nil {
