@@ -24,7 +24,7 @@ import (
 //     reads it) is at most the cap the hold priced, and
 //   - the hold is at least what the fake upstream in Worst mode bills for that forwarded body
 //     (every byte of its input fields, each image's most, the tool preamble, every token of the
-//     cap it reads or its full default of 65,536 without one, × n / best_of × prompts).
+//     cap it reads or its full default of 40,000 — above every model max — without one, × n / best_of × prompts).
 //
 // It runs the middleware's own steps (parseRequest, the accept checks, partTokens, HoldAmount,
 // planFit and fitCap on a random room, capBody) and the fake's handler in process.
@@ -40,7 +40,7 @@ func FuzzSpecBound(f *testing.F) {
 
 var (
 	fuzzSpecs = []*endpoint.Spec{endpoint.Chat, endpoint.Completions, endpoint.Embeddings, endpoint.Responses, endpoint.Messages}
-	fuzzFake  = fakeupstream.New(fakeupstream.Options{Worst: true, MaxOutputTokens: 65_536, KeepRequests: -1})
+	fuzzFake  = fakeupstream.New(fakeupstream.Options{Worst: true, MaxOutputTokens: 40_000, KeepRequests: -1})
 	fuzzMW    = &middleware{cfg: Config{FitMinOutputTokens: 256}}
 )
 
