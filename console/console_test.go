@@ -330,3 +330,22 @@ func BenchmarkPages(b *testing.B) {
 		})
 	}
 }
+
+// TestModelsPage: the models page shows a column per price class some model prices (defaults
+// applied), each cell the model's price of that class.
+func TestModelsPage(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	f.seed(t, "acme", 1_000_000, 1, 1000) // prices gpt-x: input 1, output 2 per token
+	c := f.client(t)
+	if st, _ := f.login(t, c, "operator", token); st != http.StatusOK {
+		t.Fatalf("operator login: %d", st)
+	}
+	st, body, _ := get(t, c, f.srv.URL+"/console/models")
+	for _, want := range []string{`data-model="gpt-x"`, `data-class="input" data-micros="1000000"`, `data-class="output" data-micros="2000000"`,
+		`data-class="cached_input" data-micros="1000000"`} {
+		if st != http.StatusOK || !strings.Contains(body, want) {
+			t.Fatalf("models page: %d, lacks %s:\n%s", st, want, body)
+		}
+	}
+}

@@ -12,6 +12,7 @@ import (
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 // The pages. Each reads through accounting.Ops or the ledger roles it hands out (Ops.Ledger),
@@ -125,10 +126,50 @@ func (c *Console) modelsPage(ec echo.Context) error {
 	if err != nil {
 		return c.failPage(ec, err)
 	}
+	return c.render(ec, http.StatusOK, "models", sessionOf(ec), "Models and prices", modelsTable(ms))
+}
+
+// modelsData is the models page: a column per price class that some model prices (registry
+// order, defaults applied), so a new class needs no template change.
+type modelsData struct {
+	Classes []pricing.Class
+	Rows    []modelRow
+}
+
+type modelRow struct {
+	ledger.Model
+	Cells []priceCell
+}
+
+// priceCell is one model's price of one class; Set is false when the model cannot bill it.
+type priceCell struct {
+	Class  pricing.Class
+	Micros int64
+	Set    bool
+}
+
+func modelsTable(ms []ledger.Model) modelsData {
+	var d modelsData
+	seen := map[pricing.Class]bool{}
+	all := pricing.Prices{}
 	for i := range ms {
 		ms[i] = ms[i].Effective()
+		for c, v := range ms[i].Prices {
+			if !seen[c] {
+				seen[c], all[c] = true, v
+			}
+		}
 	}
-	return c.render(ec, http.StatusOK, "models", sessionOf(ec), "Models and prices", ms)
+	d.Classes = all.Sorted()
+	for _, m := range ms {
+		r := modelRow{Model: m}
+		for _, c := range d.Classes {
+			v, ok := m.Prices[c]
+			r.Cells = append(r.Cells, priceCell{Class: c, Micros: v, Set: ok})
+		}
+		d.Rows = append(d.Rows, r)
+	}
+	return d
 }
 
 type auditData struct {

@@ -293,7 +293,7 @@ func TestConsoleBrowser(t *testing.T) {
 
 	// The other operator pages; the audit log names the console's writes.
 	op.open("/console/models", "#models")
-	if got := op.micros(`tr[data-model="m"] td:nth-child(4)`); got != 1_000_000 {
+	if got := op.micros(`tr[data-model="m"] td[data-class="output"]`); got != 1_000_000 {
 		t.Fatalf("model m's output price on the page: %d", got)
 	}
 	op.shot("09-models")
