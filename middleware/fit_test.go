@@ -403,7 +403,7 @@ func TestFitBurst(t *testing.T) {
 		if mini {
 			total = 500
 		}
-		var served, refused, other, fitted, costs atomic.Int64
+		var served, refused, other, fitted, costs, charged atomic.Int64
 		var firstOther atomic.Value
 		e, up := fitEnv(t, mini, func(c *Config) {
 			c.ReserveTimeout = time.Minute
@@ -412,6 +412,7 @@ func TestFitBurst(t *testing.T) {
 				// recorded again (served ⇒ billed): its cost is charged all the same.
 				if o.Kind == OutcomeRecorded || o.Kind == OutcomeRecordLater {
 					costs.Add(o.Cost)
+					charged.Add(1)
 				}
 			}
 		})
@@ -455,6 +456,8 @@ func TestFitBurst(t *testing.T) {
 			})
 		}
 		wg.Wait()
+		// A request's outcome is reported after its response ended: wait for every served one.
+		waitFor(t, func() bool { return charged.Load() >= served.Load() }, "the served requests' outcomes")
 		a := e.accountOf(org)
 		t.Logf("%d served (%d fitted), %d refused, %d other; upstream billed %d; ledger %+v", served.Load(), fitted.Load(), refused.Load(), other.Load(), upCost.Load(), a)
 		if other.Load() != 0 || served.Load()+refused.Load() != int64(total) || served.Load() == 0 {
