@@ -245,6 +245,9 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	if e != nil {
 		return m.refuse(c, o, e)
 	}
+	if r.Proof != nil {
+		return m.serveProven(c, next, id, body, r, o) // billed from what the request proves (proven.go)
+	}
 	model, stamp, e := m.priceModel(req.Context(), body, &r)
 	if e != nil {
 		return m.refuse(c, o, e)

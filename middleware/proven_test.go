@@ -1,0 +1,213 @@
+package middleware
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/endpoint"
+	"github.com/llmescrow/escrow/internal/fakeupstream"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
+	"github.com/tidwall/gjson"
+)
+
+// Proven and free endpoints (proven.go) over HTTP against internal/fakeupstream: moderations
+// are free but counted by request limits; images per image and speech per character are held
+// and charged exactly what the request proves.
+
+// useFake sends the env's upstream requests to a fresh fake upstream.
+func (e *testEnv) useFake() {
+	fake := fakeupstream.New(fakeupstream.Options{KeepRequests: -1})
+	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		fake.ServeHTTP(w, r)
+	})
+}
+
+// TestModerationsFree: a moderation is served with a zero hold and a usage event of cost 0
+// (attributed to its org, key and model): the ledger is unchanged; a requests limit counts it,
+// so with a cap of 1 the next one is refused (429) and never reaches the upstream.
+func TestModerationsFree(t *testing.T) {
+	t.Parallel()
+	eachRedis(t, func(t *testing.T, mini bool) {
+		e := newLimitEnv(t, mini, false, 20, balance.Limits{Version: 1}, nil)
+		e.useFake()
+		e.ll.set(t, e.store, e.org, func(l *balance.Limits) {
+			l.Limits = []balance.Limit{{ID: "lim_req", Scope: balance.Scope{Kind: balance.ScopeKey, ID: e.keyID}, Window: balance.Lifetime, Cap: 1, Unit: balance.Requests}}
+		})
+		body := `{"model":"omni-moderation-latest","input":"is this fine?"}`
+		st, _, b := e.postH(endpoint.Moderations.Path, e.key, body, nil)
+		o := e.outcome()
+		if st != http.StatusOK || o.Kind != OutcomeRecorded || o.HoldAmount != 0 || o.Cost != 0 {
+			t.Fatalf("status %d outcome %+v: %s", st, o, b)
+		}
+		if !gjson.Get(b, "results.0.flagged").Exists() {
+			t.Fatalf("body %s", b)
+		}
+		evs := e.rec.events()
+		if len(evs) != 1 || evs[0].Cost != 0 || evs[0].Endpoint != endpoint.Moderations.Path || evs[0].Model != "omni-moderation-latest" ||
+			evs[0].KeyID != e.keyID || evs[0].Org != e.org {
+			t.Fatalf("events %+v", evs)
+		}
+		if a := e.accountOf(e.org); a.Balance != testCredit {
+			t.Fatalf("ledger %+v: a free request changed it", a)
+		}
+		if s := e.state(); s.Exists && (s.Balance != testCredit || s.Held != 0) {
+			t.Fatalf("hot balance %+v: money held for a free request", s)
+		}
+		// No model given: attributed to the upstream's default model.
+		st, _, b = e.postH(endpoint.Moderations.Path, e.key, `{"input":"again"}`, nil)
+		o = e.outcome()
+		if st != http.StatusTooManyRequests || o.Kind != OutcomeRefused || !strings.Contains(b, "lim_req") {
+			t.Fatalf("second moderation over a requests limit of 1: status %d outcome %+v: %s", st, o, b)
+		}
+		if n := len(e.upstreamRequests()); n != 1 {
+			t.Fatalf("upstream called %d times", n)
+		}
+	})
+}
+
+// TestModerationsDefaultModel: a moderation without a model is attributed to the upstream's
+// default (omni-moderation-latest), which needs no price.
+func TestModerationsDefaultModel(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{mini: true, finish: true})
+	e.useFake()
+	st, _, b := e.postH(endpoint.Moderations.Path, e.key, `{"input":["a","b"]}`, nil)
+	o := e.outcome()
+	if st != http.StatusOK || o.Kind != OutcomeRecorded || o.Cost != 0 || len(gjson.Get(b, "results").Array()) != 2 {
+		t.Fatalf("status %d outcome %+v: %s", st, o, b)
+	}
+	if evs := e.rec.events(); len(evs) != 1 || evs[0].Model != endpoint.Moderations.DefaultModel {
+		t.Fatalf("events %+v", evs)
+	}
+}
+
+// imageModel prices dall-e style images per image by size × quality (micro-units).
+var imageModel = ledger.Model{Name: "dall-e-test", Prices: pricing.Prices{
+	pricing.PerImage("1024x1024", "standard"): 40_000,
+	pricing.PerImage("1024x1024", "hd"):       80_000,
+	pricing.PerImage("1792x1024", "hd"):       120_000,
+}}
+
+// TestImagesPerImage: the hold is n × the per-image price of the size and quality asked for
+// (the upstream's defaults when absent), known before the call, and the charge is exactly that
+// for the n images returned; the org's ledger goes down by that much. n multiplies.
+func TestImagesPerImage(t *testing.T) {
+	t.Parallel()
+	eachRedis(t, func(t *testing.T, mini bool) {
+		e := newEnv(t, envOpt{mini: mini, finish: true})
+		e.useFake()
+		must(t, e.ledger.PutModel(context.Background(), imageModel))
+		spent := int64(0)
+		for _, c := range []struct {
+			body string
+			n    int64
+			want int64
+		}{
+			{`{"model":"dall-e-test","prompt":"a cat"}`, 1, 40_000},
+			{`{"model":"dall-e-test","prompt":"a cat","size":"1024x1024","quality":"hd"}`, 1, 80_000},
+			{`{"model":"dall-e-test","prompt":"a cat","size":"1792x1024","quality":"hd","n":3,"response_format":"b64_json"}`, 3, 360_000},
+			{`{"model":"dall-e-test","prompt":"a cat","n":4,"quality":"standard","style":"vivid"}`, 4, 160_000},
+		} {
+			st, _, b := e.postH(endpoint.ImagesGenerations.Path, e.key, c.body, nil)
+			o := e.outcome()
+			if st != http.StatusOK || o.Kind != OutcomeRecorded {
+				t.Fatalf("%s: status %d outcome %+v: %s", c.body, st, o, b)
+			}
+			if got := int64(len(gjson.Get(b, "data").Array())); got != c.n {
+				t.Fatalf("%s: %d images returned, want %d", c.body, got, c.n)
+			}
+			if o.HoldAmount != c.want || o.Cost != c.want {
+				t.Fatalf("%s: hold %d cost %d, want both %d", c.body, o.HoldAmount, o.Cost, c.want)
+			}
+			ev := e.rec.events()[len(e.rec.events())-1]
+			if ev.Cost != c.want || ev.Estimated || ev.Endpoint != endpoint.ImagesGenerations.Path {
+				t.Fatalf("%s: event %+v", c.body, ev)
+			}
+			spent += c.want
+			if a := e.accountOf(e.org); a.Balance != testCredit-spent {
+				t.Fatalf("%s: ledger %+v, want balance %d", c.body, a, testCredit-spent)
+			}
+		}
+	})
+}
+
+// TestImagesUnpricedRefused: a size or quality the model has no per-image price for (and a
+// model with no per-image price at all, e.g. a token-billed gpt-image model) is a 400 naming
+// the class, with nothing held, debited or sent upstream; so are n above 10 and streaming.
+func TestImagesUnpricedRefused(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{mini: true, finish: true})
+	e.useFake()
+	must(t, e.ledger.PutModel(context.Background(), imageModel))
+	must(t, e.ledger.PutModel(context.Background(), ledger.Model{Name: "gpt-image-test",
+		Prices: pricing.Prices{pricing.Input: 5_000_000, pricing.ImageOutput: 40_000_000}}))
+	for _, c := range []struct{ body, param, names string }{
+		{`{"model":"dall-e-test","prompt":"a cat","size":"512x512"}`, "size", "per_image_512x512_standard"},
+		{`{"model":"dall-e-test","prompt":"a cat","size":"1792x1024","quality":"standard"}`, "size", "per_image_1792x1024_standard"},
+		{`{"model":"gpt-image-test","prompt":"a cat","size":"1024x1024","quality":"high"}`, "size", "per_image_1024x1024_high"},
+		{`{"model":"dall-e-test","prompt":"a cat","n":11}`, "n", "10"},
+		{`{"model":"dall-e-test","prompt":"a cat","stream":true}`, "stream", "Streaming"},
+		{`{"model":"dall-e-test","prompt":"a cat","size":"1024x1024","quality":"h d"}`, "size", "'h d'"},
+	} {
+		st, _, b := e.postH(endpoint.ImagesGenerations.Path, e.key, c.body, nil)
+		o := e.outcome()
+		if st != http.StatusBadRequest || o.Kind != OutcomeRefused || o.HoldAmount != 0 ||
+			gjson.Get(b, "error.param").String() != c.param || !strings.Contains(gjson.Get(b, "error.message").String(), c.names) {
+			t.Fatalf("%s: status %d outcome %+v: %s; want a 400 on %s naming %s", c.body, st, o, b, c.param, c.names)
+		}
+	}
+	e.assertNothingDebited()
+	if n := len(e.upstreamRequests()); n != 0 {
+		t.Fatalf("%d refused requests reached the upstream", n)
+	}
+}
+
+// speechModel prices text-to-speech per 1M characters: 15 per character.
+var speechModel = ledger.Model{Name: "tts-test", Prices: pricing.Prices{pricing.Characters: 15_000_000}}
+
+// TestSpeechPerCharacter: speech is held and charged the characters of its input (Unicode
+// code points, after JSON unescaping) × the characters price, and the audio bytes pass through
+// unchanged; a model without a characters price is refused with nothing held.
+func TestSpeechPerCharacter(t *testing.T) {
+	t.Parallel()
+	eachRedis(t, func(t *testing.T, mini bool) {
+		e := newEnv(t, envOpt{mini: mini, finish: true})
+		e.useFake()
+		must(t, e.ledger.PutModel(context.Background(), speechModel))
+		input := "Héllo, wörld — ☃\n" // 17 characters, 23 bytes
+		body := `{"model":"tts-test","voice":"alloy","input":"Héllo, wörld \u2014 ☃\n","response_format":"mp3"}`
+		st, h, b := e.postH(endpoint.Speech.Path, e.key, body, nil)
+		o := e.outcome()
+		const want = 17 * 15
+		if st != http.StatusOK || o.Kind != OutcomeRecorded || o.HoldAmount != want || o.Cost != want {
+			t.Fatalf("status %d outcome %+v, want hold = cost = %d", st, o, want)
+		}
+		if audio := fakeupstream.SpeechBytes(input, "alloy"); b != string(audio) || h.Get("Content-Type") != "audio/mpeg" {
+			t.Fatalf("audio changed on the way: %q (%s), want %q", b, h.Get("Content-Type"), audio)
+		}
+		ev := e.rec.events()[0]
+		if ev.Cost != want || ev.Estimated || ev.Usage.Of(pricing.Characters) != 17 {
+			t.Fatalf("event %+v", ev)
+		}
+		if a := e.accountOf(e.org); a.Balance != testCredit-want {
+			t.Fatalf("ledger %+v", a)
+		}
+
+		// A model without a characters price (priced per token only) is refused.
+		st, _, b = e.postH(endpoint.Speech.Path, e.key, `{"model":"`+testModel+`","voice":"alloy","input":"hi"}`, nil)
+		o = e.outcome()
+		if st != http.StatusBadRequest || o.Kind != OutcomeRefused || o.HoldAmount != 0 || !strings.Contains(b, "characters") {
+			t.Fatalf("status %d outcome %+v: %s", st, o, b)
+		}
+		if n := len(e.upstreamRequests()); n != 1 {
+			t.Fatalf("upstream called %d times", n)
+		}
+	})
+}
