@@ -110,6 +110,9 @@ type Spec struct {
 	// size, quality and n; speech by the characters of its input): the units it bills. The hold
 	// is their cost and so is the charge: no usage is read from the response (proven.go).
 	Prove func(Stated) (pricing.Usage, *Refusal)
+	// Multipart: the body is a multipart/form-data upload (image edits), its fields read as
+	// Stated.
+	Multipart bool
 	// StatedFields are the top-level fields the middleware reads into Stated for Prove or Free
 	// (the model, stream and the end-user field are always read).
 	StatedFields []string

@@ -338,7 +338,7 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 	if e != nil {
 		return nil, Request{}, e
 	}
-	r, e := parseRequest(path, body)
+	r, e := parseBody(req, path, body) // JSON, or a multipart form (multipart.go)
 	if e != nil {
 		return nil, Request{}, e
 	}
@@ -368,7 +368,9 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 		if up != "" && up != r.Model {
 			// parseRequest refused any body whose "model" key is not unique and exactly spelled,
 			// so the member replaced is the one priced; the hold's size bound counts the new body.
-			body = setTopString(body, "model", up)
+			if body, e = renameModel(req, r, body, up); e != nil {
+				return nil, Request{}, e
+			}
 			r.Size = max(r.Size, len(body))
 		}
 	}

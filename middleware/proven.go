@@ -74,6 +74,12 @@ func parseStated(spec *endpoint.Spec, body []byte) (Request, *Error) {
 	if e != nil {
 		return r, e
 	}
+	return proveStated(spec, r, st)
+}
+
+// proveStated completes a proven or free request read from its body: the model (the spec's
+// default when absent) and the units it bills (Request.Proof).
+func proveStated(spec *endpoint.Spec, r Request, st endpoint.Stated) (Request, *Error) {
 	if r.Model == "" {
 		if spec.DefaultModel == "" {
 			return r, errMissing("model", "You must provide a model parameter.")

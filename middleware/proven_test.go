@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"mime/multipart"
 	"net/http"
 	"strings"
 	"testing"
 
+	"github.com/labstack/echo/v4"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/endpoint"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
@@ -208,6 +210,97 @@ func TestSpeechPerCharacter(t *testing.T) {
 		}
 		if n := len(e.upstreamRequests()); n != 1 {
 			t.Fatalf("upstream called %d times", n)
+		}
+	})
+}
+
+// form builds a multipart/form-data body: fields (name, value) in order, and an image file.
+func form(t *testing.T, fields ...[2]string) (string, string) {
+	t.Helper()
+	var b bytes.Buffer
+	w := multipart.NewWriter(&b)
+	for _, f := range fields {
+		must(t, w.WriteField(f[0], f[1]))
+	}
+	fw, err := w.CreateFormFile("image", "cat.png")
+	must(t, err)
+	_, _ = fw.Write([]byte("\x89PNG\r\n\x1a\n fake image bytes \x00\xff"))
+	must(t, w.Close())
+	return b.String(), w.FormDataContentType()
+}
+
+// TestImagesEditsMultipart: an image edit (multipart) is priced like a generation — n × the
+// per-image price of its size and quality, held and charged exactly — and its body reaches the
+// upstream byte for byte; a routed model is renamed in the form with the file intact. A field
+// escrow reads that comes twice, as a file or in another spelling, an unpriced size, and a body
+// that is not multipart are refused with nothing held.
+func TestImagesEditsMultipart(t *testing.T) {
+	t.Parallel()
+	eachRedis(t, func(t *testing.T, mini bool) {
+		e := newEnv(t, envOpt{mini: mini, finish: true, cfg: func(c *Config) {
+			c.Route = func(_ echo.Context, model string) (string, error) {
+				if model == "dall-e-routed" {
+					return "dall-e-test", nil
+				}
+				return "", nil
+			}
+		}})
+		e.useFake()
+		must(t, e.ledger.PutModel(context.Background(), imageModel))
+		must(t, e.ledger.PutModel(context.Background(), ledger.Model{Name: "dall-e-routed", Prices: imageModel.Prices}))
+		path := endpoint.ImagesEdits.Path
+		body, ct := form(t, [2]string{"model", "dall-e-test"}, [2]string{"prompt", "a hat"}, [2]string{"n", "2"}, [2]string{"size", "1024x1024"})
+		st, _, b := e.postH(path, e.key, body, map[string]string{"Content-Type": ct})
+		o := e.outcome()
+		if st != http.StatusOK || o.Kind != OutcomeRecorded || o.HoldAmount != 80_000 || o.Cost != 80_000 || len(gjson.Get(b, "data").Array()) != 2 {
+			t.Fatalf("status %d outcome %+v: %s", st, o, b)
+		}
+		if sent := e.lastSent(); string(sent) != body {
+			t.Fatalf("the upstream got another body:\n%q\nwant\n%q", sent, body)
+		}
+		if a := e.accountOf(e.org); a.Balance != testCredit-80_000 {
+			t.Fatalf("ledger %+v", a)
+		}
+
+		// Routed: the form's model is renamed, everything else kept.
+		body, ct = form(t, [2]string{"prompt", "a hat"}, [2]string{"model", "dall-e-routed"}, [2]string{"quality", "hd"})
+		st, _, b = e.postH(path, e.key, body, map[string]string{"Content-Type": ct})
+		if o = e.outcome(); st != http.StatusOK || o.Cost != 80_000 {
+			t.Fatalf("routed: status %d outcome %+v: %s", st, o, b)
+		}
+		if want := strings.Replace(body, "dall-e-routed", "dall-e-test", 1); string(e.lastSent()) != want {
+			t.Fatalf("routed body:\n%q\nwant\n%q", e.lastSent(), want)
+		}
+		ups := len(e.upstreamRequests())
+
+		for _, c := range []struct {
+			fields [][2]string
+			ct     string
+			param  string
+		}{
+			{[][2]string{{"model", "dall-e-test"}, {"n", "1"}, {"n", "5"}}, "", "n"},
+			{[][2]string{{"model", "dall-e-test"}, {"N", "5"}}, "", "n"},
+			{[][2]string{{"model", "dall-e-test"}, {"n", " 5"}}, "", "n"},
+			{[][2]string{{"model", "dall-e-test"}, {"n", "11"}}, "", "n"},
+			{[][2]string{{"model", "dall-e-test"}, {"size", "512x512"}}, "", "size"},
+			{[][2]string{{"model", "dall-e-test"}, {"stream", "true"}}, "", "stream"},
+			{[][2]string{{"model", "dall-e-test"}}, "application/json", ""},
+		} {
+			body, ct := form(t, c.fields...)
+			if c.ct != "" {
+				ct = c.ct
+			}
+			st, _, b := e.postH(path, e.key, body, map[string]string{"Content-Type": ct})
+			o := e.outcome()
+			if st != http.StatusBadRequest || o.Kind != OutcomeRefused || o.HoldAmount != 0 || gjson.Get(b, "error.param").String() != c.param {
+				t.Fatalf("%v (%s): status %d outcome %+v: %s, want a 400 on %q", c.fields, c.ct, st, o, b, c.param)
+			}
+		}
+		if n := len(e.upstreamRequests()); n != ups {
+			t.Fatalf("refused edits reached the upstream: %d", n-ups)
+		}
+		if a := e.accountOf(e.org); a.Balance != testCredit-160_000 {
+			t.Fatalf("ledger %+v", a)
 		}
 	})
 }

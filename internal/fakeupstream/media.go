@@ -1,12 +1,18 @@
 package fakeupstream
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
+	"mime"
+	"mime/multipart"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -86,4 +92,68 @@ func (s *Server) speech(w http.ResponseWriter, _ *http.Request, req *apiRequest)
 	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
 	w.WriteHeader(http.StatusOK)
 	_, _ = w.Write(b)
+}
+
+// isForm reports whether the request's body is a multipart form.
+func isForm(r *http.Request) bool {
+	mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	return err == nil && mt == "multipart/form-data"
+}
+
+// readForm reads a multipart body's fields into req as a Python server would read them: the
+// first of a repeated field, numbers with strconv (n must be an integer), files counted in
+// req.files.
+func readForm(r *http.Request, body []byte, req *apiRequest) error {
+	_, params, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	mr := multipart.NewReader(bytes.NewReader(body), params["boundary"])
+	seen := map[string]bool{}
+	for {
+		p, err := mr.NextPart()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		b, err := io.ReadAll(p)
+		if err != nil {
+			return err
+		}
+		name := p.FormName()
+		if p.FileName() != "" {
+			req.files++
+			continue
+		}
+		if seen[name] {
+			continue
+		}
+		seen[name] = true
+		v := string(b)
+		switch name {
+		case "model":
+			req.Model = v
+		case "size":
+			req.Size = v
+		case "quality":
+			req.Quality = v
+		case "prompt":
+			req.Prompt, _ = json.Marshal(v)
+		case "n":
+			n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+			if err != nil {
+				return fmt.Errorf("n: %w", err)
+			}
+			req.N = &n
+		}
+	}
+}
+
+// imagesEdits answers an edit (a multipart upload with at least one image file) like a
+// generation: n images, no usage.
+func (s *Server) imagesEdits(w http.ResponseWriter, r *http.Request, req *apiRequest) {
+	if !isForm(r) || req.files == 0 {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "An image file is required (multipart/form-data 'image').")
+		return
+	}
+	s.imagesGenerations(w, r, req)
 }

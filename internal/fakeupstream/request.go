@@ -37,6 +37,7 @@ type apiRequest struct {
 	Voice               string          `json:"voice"`        // speech
 
 	worst worstRead // what Options.Worst bills (worst.go)
+	files int       // multipart: the file parts (media.go)
 }
 
 // maxTopLogprobs bounds top_logprobs, as OpenAI does.

@@ -180,7 +180,11 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	var req apiRequest
 	parseErr := readErr
 	if readErr == nil && r.Method == http.MethodPost {
-		parseErr = json.Unmarshal(body, &req)
+		if isForm(r) {
+			parseErr = readForm(r, body, &req) // multipart uploads (media.go)
+		} else {
+			parseErr = json.Unmarshal(body, &req)
+		}
 		req.worst = s.readWorst(r.URL.Path, body, &req)
 	}
 	seen := Request{
@@ -251,6 +255,7 @@ var endpoints = map[string]func(*Server, http.ResponseWriter, *http.Request, *ap
 	"/v1/messages/count_tokens": (*Server).countTokens,
 	"/v1/moderations":           (*Server).moderations,
 	"/v1/images/generations":    (*Server).imagesGenerations,
+	"/v1/images/edits":          (*Server).imagesEdits,
 	"/v1/audio/speech":          (*Server).speech,
 }
 
