@@ -54,7 +54,7 @@ func parseMultipart(spec *endpoint.Spec, ct string, body []byte) (Request, *Erro
 	var st endpoint.Stated
 	seen := map[string]bool{}
 	for {
-		p, err := mr.NextPart()
+		p, err := mr.NextRawPart() // raw: as the upstream reads it (no quoted-printable decoding)
 		if errors.Is(err, io.EOF) {
 			break
 		}
@@ -119,7 +119,7 @@ func renameModel(req *http.Request, r Request, body []byte, up string) ([]byte, 
 	}
 	wrote := false
 	for {
-		p, err := mr.NextPart()
+		p, err := mr.NextRawPart() // raw: as the upstream reads it (no quoted-printable decoding)
 		if errors.Is(err, io.EOF) {
 			break
 		}

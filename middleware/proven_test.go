@@ -6,6 +6,7 @@ import (
 	"io"
 	"mime/multipart"
 	"net/http"
+	"net/textproto"
 	"strings"
 	"testing"
 
@@ -295,6 +296,18 @@ func TestImagesEditsMultipart(t *testing.T) {
 			if st != http.StatusBadRequest || o.Kind != OutcomeRefused || o.HoldAmount != 0 || gjson.Get(b, "error.param").String() != c.param {
 				t.Fatalf("%v (%s): status %d outcome %+v: %s, want a 400 on %q", c.fields, c.ct, st, o, b, c.param)
 			}
+		}
+		// A quoted-printable field is read raw, as a Python upstream reads it: "=32" is no n.
+		var qp bytes.Buffer
+		w := multipart.NewWriter(&qp)
+		must(t, w.WriteField("model", "dall-e-test"))
+		pw, err := w.CreatePart(textproto.MIMEHeader{"Content-Disposition": {`form-data; name="n"`}, "Content-Transfer-Encoding": {"quoted-printable"}})
+		must(t, err)
+		_, _ = pw.Write([]byte("=32"))
+		must(t, w.Close())
+		st, _, b = e.postH(path, e.key, qp.String(), map[string]string{"Content-Type": w.FormDataContentType()})
+		if o = e.outcome(); st != http.StatusBadRequest || o.HoldAmount != 0 || gjson.Get(b, "error.param").String() != "n" {
+			t.Fatalf("quoted-printable n: status %d outcome %+v: %s", st, o, b)
 		}
 		if n := len(e.upstreamRequests()); n != ups {
 			t.Fatalf("refused edits reached the upstream: %d", n-ups)
