@@ -11,6 +11,8 @@ type Stated struct {
 	Chars int64
 	// HasInput: the text input was sent as a string.
 	HasInput bool
+	// Audio is the uploaded audio file (transcriptions), nil when none was sent.
+	Audio []byte
 }
 
 // Refusal is a request that its endpoint cannot price: a 400 invalid_request_error naming

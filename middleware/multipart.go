@@ -68,6 +68,15 @@ func parseMultipart(spec *endpoint.Spec, ct string, body []byte) (Request, *Erro
 			}
 			continue
 		}
+		if name == "file" && !seen[name] {
+			seen[name] = true
+			b, err := io.ReadAll(p)
+			if err != nil {
+				return r, errInvalid(name, "'file' could not be read.")
+			}
+			st.Audio = b
+			continue
+		}
 		if seen[name] || p.FileName() != "" {
 			return r, errInvalid(name, "'"+name+"' must be given once, as a form field.")
 		}

@@ -3,6 +3,7 @@ package middleware
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"io"
 	"mime/multipart"
 	"net/http"
@@ -314,6 +315,84 @@ func TestImagesEditsMultipart(t *testing.T) {
 		}
 		if a := e.accountOf(e.org); a.Balance != testCredit-160_000 {
 			t.Fatalf("ledger %+v", a)
+		}
+	})
+}
+
+// wav is a PCM WAV file of the given duration: 16 kHz, mono, 16 bits (32,000 bytes a second).
+func wav(ms int) []byte {
+	const rate, align = 16_000, 2
+	data := make([]byte, rate*align*ms/1000)
+	b := []byte("RIFF\x00\x00\x00\x00WAVEfmt ")
+	b = binary.LittleEndian.AppendUint32(b, 16)
+	b = binary.LittleEndian.AppendUint16(b, 1) // PCM
+	b = binary.LittleEndian.AppendUint16(b, 1) // mono
+	b = binary.LittleEndian.AppendUint32(b, rate)
+	b = binary.LittleEndian.AppendUint32(b, rate*align)
+	b = binary.LittleEndian.AppendUint16(b, align)
+	b = binary.LittleEndian.AppendUint16(b, 16)
+	b = append(b, "data"...)
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(data)))
+	b = append(b, data...)
+	binary.LittleEndian.PutUint32(b[4:], uint32(len(b)-8))
+	return b
+}
+
+// audioForm is a transcription upload of file with the model.
+func audioForm(t *testing.T, model string, file []byte) (string, string) {
+	t.Helper()
+	var b bytes.Buffer
+	w := multipart.NewWriter(&b)
+	must(t, w.WriteField("model", model))
+	fw, err := w.CreateFormFile("file", "speech.wav")
+	must(t, err)
+	_, _ = fw.Write(file)
+	must(t, w.Close())
+	return b.String(), w.FormDataContentType()
+}
+
+// TestTranscriptionsPerSecond: a transcription or translation of a PCM WAV upload is held and
+// charged its duration rounded up to the second × the audio_second price — the duration the
+// upstream reports; an upload whose duration cannot be proven (not PCM WAV) and a model without
+// an audio_second price are refused with nothing held.
+func TestTranscriptionsPerSecond(t *testing.T) {
+	t.Parallel()
+	eachRedis(t, func(t *testing.T, mini bool) {
+		e := newEnv(t, envOpt{mini: mini, finish: true})
+		e.useFake()
+		must(t, e.ledger.PutModel(context.Background(), ledger.Model{Name: "whisper-test", Prices: pricing.Prices{pricing.AudioSecond: 100}}))
+		spent := int64(0)
+		for _, c := range []struct {
+			path string
+			ms   int
+		}{{endpoint.Transcriptions.Path, 2500}, {endpoint.Translations.Path, 1000}, {endpoint.Transcriptions.Path, 61_001}} {
+			body, ct := audioForm(t, "whisper-test", wav(c.ms))
+			st, _, b := e.postH(c.path, e.key, body, map[string]string{"Content-Type": ct})
+			o := e.outcome()
+			want := int64((c.ms+999)/1000) * 100
+			if st != http.StatusOK || o.Kind != OutcomeRecorded || o.HoldAmount != want || o.Cost != want ||
+				gjson.Get(b, "usage.seconds").Int()*100 != want {
+				t.Fatalf("%s %d ms: status %d outcome %+v: %s; want hold = cost = %d", c.path, c.ms, st, o, b, want)
+			}
+			spent += want
+		}
+		if a := e.accountOf(e.org); a.Balance != testCredit-spent {
+			t.Fatalf("ledger %+v, want %d", a, testCredit-spent)
+		}
+		ups := len(e.upstreamRequests())
+		mp3 := append([]byte("ID3\x04"), wav(1000)...)
+		for _, c := range []struct {
+			model string
+			file  []byte
+		}{{"whisper-test", mp3}, {"whisper-test", wav(1000)[:40]}, {testModel, wav(1000)}} {
+			body, ct := audioForm(t, c.model, c.file)
+			st, _, b := e.postH(endpoint.Transcriptions.Path, e.key, body, map[string]string{"Content-Type": ct})
+			if o := e.outcome(); st != http.StatusBadRequest || o.HoldAmount != 0 {
+				t.Fatalf("%s (%d bytes): status %d outcome %+v: %s", c.model, len(c.file), st, o, b)
+			}
+		}
+		if n := len(e.upstreamRequests()); n != ups {
+			t.Fatalf("refused uploads reached the upstream: %d", n-ups)
 		}
 	})
 }

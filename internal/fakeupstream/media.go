@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -122,6 +123,9 @@ func readForm(r *http.Request, body []byte, req *apiRequest) error {
 		name := p.FormName()
 		if p.FileName() != "" {
 			req.files++
+			if name == "file" && req.audio == nil {
+				req.audio = b
+			}
 			continue
 		}
 		if seen[name] {
@@ -156,4 +160,42 @@ func (s *Server) imagesEdits(w http.ResponseWriter, r *http.Request, req *apiReq
 		return
 	}
 	s.imagesGenerations(w, r, req)
+}
+
+// transcription answers a transcription or translation of a WAV upload: a short text and the
+// duration usage whisper reports ({"type":"duration","seconds":N}, rounded up).
+func (s *Server) transcription(w http.ResponseWriter, r *http.Request, req *apiRequest) {
+	secs, ok := wavSeconds(req.audio)
+	if !isForm(r) || !ok {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Invalid file format: upload a WAV file as 'file'.")
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"text": "tok1 tok2 tok3",
+		"usage": map[string]any{"type": "duration", "seconds": secs}})
+}
+
+// wavSeconds is a WAV file's duration in whole seconds rounded up: the bytes after the data
+// chunk's header over the fmt chunk's byte rate.
+func wavSeconds(b []byte) (int64, bool) {
+	if len(b) < 12 || string(b[:4]) != "RIFF" || string(b[8:12]) != "WAVE" {
+		return 0, false
+	}
+	var byteRate int64
+	for i := 12; i+8 <= len(b); {
+		size := int(binary.LittleEndian.Uint32(b[i+4:]))
+		switch string(b[i : i+4]) {
+		case "fmt ":
+			if i+8+16 > len(b) {
+				return 0, false
+			}
+			byteRate = int64(binary.LittleEndian.Uint32(b[i+8+8:]))
+		case "data":
+			if byteRate <= 0 {
+				return 0, false
+			}
+			return (int64(len(b)-i-8) + byteRate - 1) / byteRate, true
+		}
+		i += 8 + size + size%2
+	}
+	return 0, false
 }

@@ -38,6 +38,7 @@ type apiRequest struct {
 
 	worst worstRead // what Options.Worst bills (worst.go)
 	files int       // multipart: the file parts (media.go)
+	audio []byte    // multipart: the first file named "file"
 }
 
 // maxTopLogprobs bounds top_logprobs, as OpenAI does.

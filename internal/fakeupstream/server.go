@@ -256,6 +256,8 @@ var endpoints = map[string]func(*Server, http.ResponseWriter, *http.Request, *ap
 	"/v1/moderations":           (*Server).moderations,
 	"/v1/images/generations":    (*Server).imagesGenerations,
 	"/v1/images/edits":          (*Server).imagesEdits,
+	"/v1/audio/transcriptions":  (*Server).transcription,
+	"/v1/audio/translations":    (*Server).transcription,
 	"/v1/audio/speech":          (*Server).speech,
 }
 
