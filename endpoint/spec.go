@@ -99,6 +99,23 @@ type Spec struct {
 	Classes []pricing.Class
 	// EndUserField is where a body names its end user.
 	EndUserField string
+
+	// Free: the endpoint costs nothing (moderations). Its requests are authenticated,
+	// attributed (a usage event of cost 0) and counted by request limits, with a zero hold: no
+	// money is held and no price is needed.
+	Free bool
+	// DefaultModel is the model a body without one is attributed to ("": a model is required).
+	DefaultModel string
+	// Prove, when set, prices a request from what its body states, before the call (images by
+	// size, quality and n; speech by the characters of its input): the units it bills. The hold
+	// is their cost and so is the charge: no usage is read from the response (proven.go).
+	Prove func(Stated) (pricing.Usage, *Refusal)
+	// Multipart: the body is a multipart/form-data upload (image edits), its fields read as
+	// Stated.
+	Multipart bool
+	// StatedFields are the top-level fields the middleware reads into Stated for Prove or Free
+	// (the model, stream and the end-user field are always read).
+	StatedFields []string
 }
 
 // CapNames are the output-cap fields of every endpoint: a body that sends one its endpoint does

@@ -20,6 +20,13 @@ func TestSpecs(t *testing.T) {
 				t.Errorf("%s: %s both read and foreign, or neither", s.Path, f)
 			}
 		}
+		if s.Free || s.Prove != nil {
+			// Billed from what the request proves (or free): no usage is read.
+			if s.UsageJSON != "" || !s.NoOutput || s.EndUserField == "" || (s.Free == (s.Prove != nil)) {
+				t.Errorf("%s: proven/free spec: usage %q, no output %v, end user %q", s.Path, s.UsageJSON, s.NoOutput, s.EndUserField)
+			}
+			continue
+		}
 		if s.UsageJSON == "" || len(s.Classes) == 0 || s.EndUserField == "" {
 			t.Errorf("%s: usage %q, classes %v, end user %q", s.Path, s.UsageJSON, s.Classes, s.EndUserField)
 		}

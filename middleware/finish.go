@@ -212,6 +212,9 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 // why says what went wrong; truncated tells whether the response was cut off after its first
 // byte (only part of it was read) rather than complete without a usage.
 func (cl *call) readUsage(cw *captureWriter, nextErr error, panicked any, cause error) (u pricing.Usage, estimated, truncated bool, why error) {
+	if cl.req.Proof != nil {
+		return pricing.Usage{}, false, false, nil // billed from the request (proven.go)
+	}
 	usage, ok := cw.usage()
 	switch {
 	case ok:
@@ -236,6 +239,9 @@ func (cl *call) readUsage(cw *captureWriter, nextErr error, panicked any, cause 
 // charge is what the request is charged: its usage priced; for a response cut off, an estimate
 // of its usage; for a 2xx whose usage cannot be read, or that cannot be priced, the hold.
 func (cl *call) charge(cw *captureWriter, usage pricing.Usage, estimated, truncated bool) (pricing.Usage, int64, bool) {
+	if cl.req.Proof != nil {
+		return cl.provenCharge()
+	}
 	switch {
 	case truncated:
 		// Ended without readable usage after the upstream was called (a hang-up past the

@@ -245,6 +245,9 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	if e != nil {
 		return m.refuse(c, o, e)
 	}
+	if r.Proof != nil {
+		return m.serveProven(c, next, id, body, r, o) // billed from what the request proves (proven.go)
+	}
 	model, stamp, e := m.priceModel(req.Context(), body, &r)
 	if e != nil {
 		return m.refuse(c, o, e)
@@ -335,7 +338,7 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 	if e != nil {
 		return nil, Request{}, e
 	}
-	r, e := parseRequest(path, body)
+	r, e := parseBody(req, path, body) // JSON, or a multipart form (multipart.go)
 	if e != nil {
 		return nil, Request{}, e
 	}
@@ -365,7 +368,9 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 		if up != "" && up != r.Model {
 			// parseRequest refused any body whose "model" key is not unique and exactly spelled,
 			// so the member replaced is the one priced; the hold's size bound counts the new body.
-			body = setTopString(body, "model", up)
+			if body, e = renameModel(req, r, body, up); e != nil {
+				return nil, Request{}, e
+			}
 			r.Size = max(r.Size, len(body))
 		}
 	}

@@ -28,7 +28,7 @@ func TestRefusals(t *testing.T) {
 	}{
 		{"missing key", EndpointChat, "", jsonBody(testModel, ""), 401, TypeInvalidRequest, CodeInvalidAPIKey, "", ""},
 		{"unknown key", EndpointChat, "sk-nope", jsonBody(testModel, ""), 401, TypeInvalidRequest, CodeInvalidAPIKey, "", ""},
-		{"unpriced path", "/v1/images/generations", e.key, `{"model":"x"}`, 404, TypeInvalidRequest, CodeNotFound, "", ""},
+		{"unpriced path", "/v1/images/variations", e.key, `{"model":"x"}`, 404, TypeInvalidRequest, CodeNotFound, "", ""},
 		{"batches", "/v1/batches", e.key, `{}`, 404, TypeInvalidRequest, CodeNotFound, "", ""},
 		{"unknown model", EndpointChat, e.key, jsonBody("no-such-model", ""), 404, TypeInvalidRequest, CodeModelNotFound, "", ""},
 		{"bad json", EndpointChat, e.key, `{"model":"gpt-test",`, 400, TypeInvalidRequest, CodeInvalidJSON, "", ""},

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 
 	"github.com/llmescrow/escrow/endpoint"
+	"github.com/llmescrow/escrow/pricing"
 	"net/http"
 	"slices"
 	"strconv"
@@ -62,6 +63,10 @@ type Request struct {
 	// EndUser is the end user the body names: the OpenAI "user" field, Anthropic's
 	// metadata.user_id ("" for none). Config.EndUserHeader, when set, names it instead.
 	EndUser string
+	// Proof is what a request of a proven or free endpoint bills, known from its body
+	// (endpoint.Spec.Prove; empty for a free one): its hold and its charge (proven.go). nil for
+	// any other endpoint.
+	Proof *pricing.Usage
 }
 
 // topPlain are the top-level fields that carry only text (or numbers and switches that do not
@@ -123,6 +128,9 @@ func parseRequest(path string, body []byte) (Request, *Error) {
 	}
 	if spec.Provider == endpoint.Anthropic {
 		return parseMessages(spec, body)
+	}
+	if spec.Free || spec.Prove != nil {
+		return parseStated(spec, body)
 	}
 	r, e := walkTop(spec, body, topFields, topPlainMask, (*reqParser).top)
 	if e == nil && r.Model == "" {

@@ -32,8 +32,13 @@ type apiRequest struct {
 	Logprobs            json.RawMessage `json:"logprobs"`     // chat: true; completions: an integer (ignored)
 	TopLogprobs         *int            `json:"top_logprobs"` // alternatives per token, 0–20
 	Include             []string        `json:"include"`      // responses: "message.output_text.logprobs"
+	Size                string          `json:"size"`         // images
+	Quality             string          `json:"quality"`      // images
+	Voice               string          `json:"voice"`        // speech
 
 	worst worstRead // what Options.Worst bills (worst.go)
+	files int       // multipart: the file parts (media.go)
+	audio []byte    // multipart: the first file named "file"
 }
 
 // maxTopLogprobs bounds top_logprobs, as OpenAI does.

@@ -180,7 +180,11 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	var req apiRequest
 	parseErr := readErr
 	if readErr == nil && r.Method == http.MethodPost {
-		parseErr = json.Unmarshal(body, &req)
+		if isForm(r) {
+			parseErr = readForm(r, body, &req) // multipart uploads (media.go)
+		} else {
+			parseErr = json.Unmarshal(body, &req)
+		}
 		req.worst = s.readWorst(r.URL.Path, body, &req)
 	}
 	seen := Request{
@@ -213,7 +217,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case parseErr != nil:
 		writeError(w, http.StatusBadRequest, "invalid_request_error", "",
 			"We could not parse the JSON body of your request. ("+parseErr.Error()+")")
-	case req.Model == "":
+	case req.Model == "" && r.URL.Path != "/v1/moderations": // moderations default their model
 		writeError(w, http.StatusBadRequest, "invalid_request_error", "",
 			"you must provide a model parameter")
 	default:
@@ -249,6 +253,12 @@ var endpoints = map[string]func(*Server, http.ResponseWriter, *http.Request, *ap
 	"/v1/responses":             (*Server).responses,
 	"/v1/messages":              (*Server).messages,
 	"/v1/messages/count_tokens": (*Server).countTokens,
+	"/v1/moderations":           (*Server).moderations,
+	"/v1/images/generations":    (*Server).imagesGenerations,
+	"/v1/images/edits":          (*Server).imagesEdits,
+	"/v1/audio/transcriptions":  (*Server).transcription,
+	"/v1/audio/translations":    (*Server).transcription,
+	"/v1/audio/speech":          (*Server).speech,
 }
 
 // errorBody is OpenAI's error shape.

@@ -826,7 +826,7 @@ func TestErrors(t *testing.T) {
 		status           int
 		code             string
 	}{
-		{"unknown path", "/v1/images/generations", `{"model":"m"}`, 404, "unknown_url"},
+		{"unknown path", "/v1/images/variations", `{"model":"m"}`, 404, "unknown_url"},
 		{"bad json", "/v1/chat/completions", `{"model":`, 400, ""},
 		{"no model", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}]}`, 400, ""},
 		{"no messages", "/v1/chat/completions", `{"model":"m","messages":[]}`, 400, "empty_array"},

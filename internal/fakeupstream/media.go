@@ -1,0 +1,201 @@
+package fakeupstream
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"mime/multipart"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// The fake media endpoints: POST /v1/moderations (one result per input, never flagged),
+// /v1/images/generations (n images, default 1, each a small base64 "PNG" or a URL, no usage:
+// dall-e style) and /v1/audio/speech (audio bytes derived from the input: SpeechBytes).
+
+// maxImages bounds n on images, as OpenAI does (dall-e-2: 10).
+const maxImages = 10
+
+func (s *Server) moderations(w http.ResponseWriter, _ *http.Request, req *apiRequest) {
+	inputs := 1
+	var arr []json.RawMessage
+	if json.Unmarshal(req.Input, &arr) == nil {
+		inputs = max(len(arr), 1)
+	}
+	type result struct {
+		Flagged        bool               `json:"flagged"`
+		Categories     map[string]bool    `json:"categories"`
+		CategoryScores map[string]float64 `json:"category_scores"`
+	}
+	resp := struct {
+		ID      string   `json:"id"`
+		Model   string   `json:"model"`
+		Results []result `json:"results"`
+	}{ID: s.nextID("modr"), Model: req.Model}
+	for range inputs {
+		resp.Results = append(resp.Results, result{Categories: map[string]bool{"violence": false}, CategoryScores: map[string]float64{"violence": 0.0001}})
+	}
+	writeJSON(w, http.StatusOK, resp)
+}
+
+func (s *Server) imagesGenerations(w http.ResponseWriter, _ *http.Request, req *apiRequest) {
+	n := int64(1)
+	if req.N != nil {
+		n = *req.N
+	}
+	if n < 1 || n > maxImages {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "integer_out_of_range",
+			fmt.Sprintf("Invalid 'n': integer must be between 1 and %d.", maxImages))
+		return
+	}
+	type image struct {
+		B64JSON       string `json:"b64_json"`
+		RevisedPrompt string `json:"revised_prompt,omitempty"`
+	}
+	resp := struct {
+		Created int64   `json:"created"`
+		Data    []image `json:"data"`
+	}{Created: time.Now().Unix()}
+	for i := range n {
+		sum := sha256.Sum256([]byte(req.Model + "/" + req.Size + "/" + req.Quality + "/" + strconv.FormatInt(i, 10)))
+		resp.Data = append(resp.Data, image{B64JSON: base64.StdEncoding.EncodeToString(append([]byte("\x89PNG fake "), sum[:]...))})
+	}
+	writeJSON(w, http.StatusOK, resp)
+}
+
+// SpeechBytes is the audio the fake answers /v1/audio/speech with for an input and voice: a
+// short fake MP3 header and bytes derived from them (not valid audio; tests compare bytes).
+func SpeechBytes(input, voice string) []byte {
+	out := []byte("ID3\x04fake-mp3 ")
+	for i := range 4 {
+		sum := sha256.Sum256([]byte(strconv.Itoa(i) + "/" + voice + "/" + input))
+		out = append(out, sum[:]...)
+	}
+	return append(out, 0, 0xff, 0xfb, '\n') // bytes that are no JSON and no UTF-8
+}
+
+func (s *Server) speech(w http.ResponseWriter, _ *http.Request, req *apiRequest) {
+	var input string
+	if json.Unmarshal(req.Input, &input) != nil {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Invalid 'input': expected a string.")
+		return
+	}
+	b := SpeechBytes(input, req.Voice)
+	w.Header().Set("Content-Type", "audio/mpeg")
+	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
+	w.WriteHeader(http.StatusOK)
+	_, _ = w.Write(b)
+}
+
+// isForm reports whether the request's body is a multipart form.
+func isForm(r *http.Request) bool {
+	mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	return err == nil && mt == "multipart/form-data"
+}
+
+// readForm reads a multipart body's fields into req as a Python server would read them: the
+// first of a repeated field, numbers with strconv (n must be an integer), files counted in
+// req.files.
+func readForm(r *http.Request, body []byte, req *apiRequest) error {
+	_, params, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	mr := multipart.NewReader(bytes.NewReader(body), params["boundary"])
+	seen := map[string]bool{}
+	for {
+		p, err := mr.NextPart()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		b, err := io.ReadAll(p)
+		if err != nil {
+			return err
+		}
+		name := p.FormName()
+		if p.FileName() != "" {
+			req.files++
+			if name == "file" && req.audio == nil {
+				req.audio = b
+			}
+			continue
+		}
+		if seen[name] {
+			continue
+		}
+		seen[name] = true
+		v := string(b)
+		switch name {
+		case "model":
+			req.Model = v
+		case "size":
+			req.Size = v
+		case "quality":
+			req.Quality = v
+		case "prompt":
+			req.Prompt, _ = json.Marshal(v)
+		case "n":
+			n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+			if err != nil {
+				return fmt.Errorf("n: %w", err)
+			}
+			req.N = &n
+		}
+	}
+}
+
+// imagesEdits answers an edit (a multipart upload with at least one image file) like a
+// generation: n images, no usage.
+func (s *Server) imagesEdits(w http.ResponseWriter, r *http.Request, req *apiRequest) {
+	if !isForm(r) || req.files == 0 {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "An image file is required (multipart/form-data 'image').")
+		return
+	}
+	s.imagesGenerations(w, r, req)
+}
+
+// transcription answers a transcription or translation of a WAV upload: a short text and the
+// duration usage whisper reports ({"type":"duration","seconds":N}, rounded up).
+func (s *Server) transcription(w http.ResponseWriter, r *http.Request, req *apiRequest) {
+	secs, ok := wavSeconds(req.audio)
+	if !isForm(r) || !ok {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Invalid file format: upload a WAV file as 'file'.")
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"text": "tok1 tok2 tok3",
+		"usage": map[string]any{"type": "duration", "seconds": secs}})
+}
+
+// wavSeconds is a WAV file's duration in whole seconds rounded up: the bytes after the data
+// chunk's header over the fmt chunk's byte rate.
+func wavSeconds(b []byte) (int64, bool) {
+	if len(b) < 12 || string(b[:4]) != "RIFF" || string(b[8:12]) != "WAVE" {
+		return 0, false
+	}
+	var byteRate int64
+	for i := 12; i+8 <= len(b); {
+		size := int(binary.LittleEndian.Uint32(b[i+4:]))
+		switch string(b[i : i+4]) {
+		case "fmt ":
+			if i+8+16 > len(b) {
+				return 0, false
+			}
+			byteRate = int64(binary.LittleEndian.Uint32(b[i+8+8:]))
+		case "data":
+			if byteRate <= 0 {
+				return 0, false
+			}
+			return (int64(len(b)-i-8) + byteRate - 1) / byteRate, true
+		}
+		i += 8 + size + size%2
+	}
+	return 0, false
+}

@@ -1,0 +1,212 @@
+package middleware
+
+import (
+	"errors"
+	"net/http"
+	"slices"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+	"github.com/labstack/echo/v4"
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/endpoint"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
+)
+
+// Proven and free endpoints (issue 32; DESIGN.md "Endpoints"): images priced per image and
+// speech priced per character are billed from what the request proves (endpoint.Spec.Prove),
+// so the hold is exactly the charge and no usage is read from the answer (audio bytes, or
+// images without usage); moderations are free (endpoint.Spec.Free): a zero hold, counted by
+// the request limits, and a usage event of cost 0. Both are outside the cap property of
+// FuzzSpecBound (they have no output cap): their property is hold = charge, tested over HTTP
+// (proven_test.go).
+
+// statedSets is the field set each proven or free spec reads (endpoint.Spec.StatedFields).
+var statedSets = func() map[*endpoint.Spec]*fieldSet {
+	out := map[*endpoint.Spec]*fieldSet{}
+	for _, s := range endpoint.All() {
+		if !s.Free && s.Prove == nil {
+			continue
+		}
+		names := []string{"model", "stream"}
+		if s.EndUserField != "" {
+			names = append(names, s.EndUserField)
+		}
+		for _, f := range s.StatedFields {
+			if !slices.Contains(names, f) {
+				names = append(names, f)
+			}
+		}
+		out[s] = newFieldSet(names...)
+	}
+	return out
+}()
+
+// parseStated reads a body of a proven or free endpoint: its model (the spec's default when
+// absent), its end user, and the fields its price depends on (endpoint.Stated); then the units
+// it bills (Request.Proof). Unknown fields are passed on: they do not change what the upstream
+// bills for the stated units.
+func parseStated(spec *endpoint.Spec, body []byte) (Request, *Error) {
+	var st endpoint.Stated
+	r, e := walkTop(spec, body, statedSets[spec], allPlain, func(p *reqParser, name string, kind byte, v string) {
+		switch {
+		case name == spec.EndUserField:
+			p.endUser(name, v)
+		case kind == 'n':
+		case name == "n":
+			st.N = p.positive(name, v)
+		case name == "size" || name == "quality":
+			if p.nullOr(name, v, shapeString) {
+				if name == "size" {
+					st.Size = strings.Clone(rawString(v))
+				} else {
+					st.Quality = strings.Clone(rawString(v))
+				}
+			}
+		case name == "input" && kind == '"':
+			st.HasInput = true
+			st.Chars = int64(utf8.RuneCountInString(rawString(v)))
+		}
+	})
+	if e != nil {
+		return r, e
+	}
+	return proveStated(spec, r, st)
+}
+
+// proveStated completes a proven or free request read from its body: the model (the spec's
+// default when absent) and the units it bills (Request.Proof).
+func proveStated(spec *endpoint.Spec, r Request, st endpoint.Stated) (Request, *Error) {
+	if r.Model == "" {
+		if spec.DefaultModel == "" {
+			return r, errMissing("model", "You must provide a model parameter.")
+		}
+		r.Model = spec.DefaultModel
+	}
+	proof := pricing.Usage{}
+	if spec.Prove != nil {
+		if r.Stream {
+			return r, errInvalid("stream", "Streaming is not supported on "+spec.Path+".")
+		}
+		st.Model = r.Model
+		u, ref := spec.Prove(st)
+		if ref != nil {
+			return r, errInvalid(ref.Param, ref.Message)
+		}
+		proof = u
+	}
+	r.Proof = &proof
+	return r, nil
+}
+
+// serveProven holds what a proven request bills (0 for a free one: a zero hold, counted by the
+// limits like any request) and serves it; finish charges the same (provenCharge).
+func (m *middleware) serveProven(c echo.Context, next echo.HandlerFunc, id Identity, body []byte, r Request, o Outcome) error {
+	req := c.Request()
+	req.Header.Del(HeaderFit) // nothing to fit: the price is fixed by the request
+	model := ledger.Model{Name: r.Model}
+	var amount int64
+	if !r.Spec.Free {
+		var e *Error
+		if model, _, e = m.priceModel(req.Context(), body, &r); e != nil {
+			return m.refuse(c, o, e)
+		}
+		if e = provenPriced(model, *r.Proof); e != nil {
+			return m.refuse(c, o, e)
+		}
+		cost, err := model.Cost(*r.Proof)
+		if err != nil || cost > balance.MaxAmount {
+			return m.refuse(c, o, errInvalid("", "The price of this request is beyond what can be held."))
+		}
+		amount = cost
+		defer m.useModel(req.Context(), r.Model)()
+	}
+	u, err := uuid.NewV7()
+	if err != nil {
+		return m.refuse(c, o, errInternal("No request id could be made."))
+	}
+	cl := &call{m: m, id: id, holdID: u.String(), req: r, model: model, holdAmount: amount, agreed: amount,
+		limitKey: m.limitKey(id), start: o.began}
+	if amount == 0 {
+		cl.id.Exempt = true // a zero hold: limits, freezes and the in-flight cap, no money (exempt.go)
+	}
+	o.HoldID, o.HoldAmount = cl.holdID, amount
+	res, err := m.reserve(req.Context(), cl, amount, 0)
+	exemptHold(cl, &o, err)
+	if err != nil {
+		if e := m.provenRefusal(err, cl, model, amount, &o); e != nil {
+			return m.refuse(c, o, e)
+		}
+	} else {
+		cl.reserved = res
+	}
+	setRateHeaders(c.Response().Header(), cl.reserved, time.Now())
+	return cl.proxy(c, next, body, o)
+}
+
+// provenRefusal maps a failed reserve of a proven request to its refusal, as reserveHold does
+// (no fit: the price is fixed); nil means fail-open: the request passes without a hold.
+func (m *middleware) provenRefusal(err error, cl *call, model ledger.Model, amount int64, o *Outcome) *Error {
+	o.Err = err
+	if e := rateRefusal(err, time.Now()); e != nil {
+		return e
+	}
+	if errors.Is(err, balance.ErrEndUserRequired) {
+		p := m.endUserParam(cl.req)
+		return errMissing(p, "This organization's end-user limits need the end user of every request: set '"+p+"'.")
+	}
+	if e := m.quotaRefusal(err, model, cl.req, fitPlan{}, amount); e != nil {
+		return e
+	}
+	e, unknown := m.reserveError(err, amount)
+	if unknown {
+		m.releaseLater(cl.id.Org, cl.holdID, err)
+	}
+	if e != nil {
+		return e
+	}
+	o.Err = nil
+	cl.holdAmount, cl.failOpen = 0, true
+	o.HoldAmount, o.FailOpen = 0, true
+	m.cfg.Logger.Warn("escrow: fail-open: request passes without a hold", "hold_id", cl.holdID, "org", cl.id.Org, "err", err)
+	return nil
+}
+
+// provenPriced refuses a proof with a class the model has no price for: never billed at
+// another rate (a 400 naming the class, nothing held).
+func provenPriced(model ledger.Model, proof pricing.Usage) *Error {
+	for c := range proof.Units {
+		if _, ok := model.Price(c); !ok {
+			e := errInvalid(provenParam(c), "The model '"+model.Name+"' has no price for '"+string(c)+"' on this endpoint.")
+			e.Status = http.StatusBadRequest
+			return e
+		}
+	}
+	return nil
+}
+
+// provenParam is the request field a class comes from, for a refusal.
+func provenParam(c pricing.Class) string {
+	if strings.HasPrefix(string(c), "per_image_") {
+		return "size"
+	}
+	if c == pricing.Characters {
+		return "model"
+	}
+	return ""
+}
+
+// provenCharge is what a proven request is charged: what it proved, at the prices it was held
+// at (the upstream bills the stated units whether or not the client read the answer).
+func (cl *call) provenCharge() (pricing.Usage, int64, bool) {
+	u := *cl.req.Proof
+	cost, err := cl.model.Cost(u)
+	if err != nil {
+		cl.m.cfg.Logger.Error("escrow: proven usage could not be priced", "hold_id", cl.holdID, "usage", u, "err", err)
+		return u, max(cl.agreed, 1), true
+	}
+	return u, cost, false
+}
