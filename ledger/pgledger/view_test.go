@@ -179,7 +179,7 @@ func TestViewPoolSeparate(t *testing.T) {
 			done <- err
 		}()
 	}
-	waitLockWaiters(t, env, 2) // the view pool's two connections wait; four more queue for them
+	waitLockWaiters(t, env, 2)                                               // the view pool's two connections wait; four more queue for them
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second) // a guard, not a measure
 	defer cancel()
 	got, err := l.LookupKey(ctx, secret)
