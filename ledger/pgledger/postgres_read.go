@@ -491,3 +491,26 @@ GROUP BY a.balance, a.charged, k.name, k.project_id, k.charged`, args...).Scan(d
 	}
 	return s, wrapPg("spend", err)
 }
+
+// LimitWindows reads the org's limits' windows as the account pass keeps them (limit_windows:
+// each limit's current window, at the org's last charge), on the view pool: a customer view's
+// windowed numbers without a scan of the charges (issue 34). A window that no batch has charged
+// since its limit was made has no row yet, and reads as nothing.
+func (p *Ledger) LimitWindows(ctx context.Context, org string) ([]balance.WindowUsed, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.ViewTimeout)
+	defer cancel()
+	rows, _ := p.views.Query(ctx, `SELECT w.limit_id::text, w.window_start, w.end_user, w.used
+FROM limits l JOIN limit_windows w ON w.limit_id = l.id WHERE l.org_id = $1 AND l.deleted_at IS NULL`, org)
+	var out []balance.WindowUsed
+	var u balance.WindowUsed
+	var start time.Time
+	_, err := pgx.ForEachRow(rows, []any{&u.LimitID, &start, &u.EndUser, &u.Used}, func() error {
+		u.Start = start.UnixMilli()
+		out = append(out, u)
+		return nil
+	})
+	return out, wrapPg("limit windows", err)
+}

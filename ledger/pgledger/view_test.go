@@ -69,8 +69,9 @@ func viewLedger(t *testing.T, conns int32, timeout time.Duration, setup func(ctx
 	return l, env, k, secret
 }
 
-// TestSpendReadsNoCharges: the views' read never touches the charges. A ledger's connections
-// run as a role that may read accounts, api_keys and key_days and nothing else (not
+// TestSpendReadsNoCharges: the views' reads (Spend, LimitWindows) never touch the charges. A
+// ledger's connections run as a role that may read accounts, api_keys, key_days, limits and
+// limit_windows and nothing else (not
 // ledger_entries, not usage_events): a read of the charges fails with permission denied,
 // whatever plan the planner picks. Before migration 021 Spend summed ledger_entries.
 func TestSpendReadsNoCharges(t *testing.T) {
@@ -91,7 +92,8 @@ func TestSpendReadsNoCharges(t *testing.T) {
 	})
 	_, env, k, _ := viewLedger(t, 2, 10*time.Second, nil)
 	if _, err := env.Pool.Exec(ctx, "GRANT USAGE ON SCHEMA "+env.Schema+" TO "+role+
-		"; GRANT SELECT ON "+env.Schema+".accounts, "+env.Schema+".api_keys, "+env.Schema+".key_days TO "+role); err != nil {
+		"; GRANT SELECT ON "+env.Schema+".accounts, "+env.Schema+".api_keys, "+env.Schema+".key_days, "+
+		env.Schema+".limits, "+env.Schema+".limit_windows TO "+role); err != nil {
 		t.Fatal(err)
 	}
 	// A ledger whose every connection runs as the role (its views read on that pool too).
@@ -116,6 +118,10 @@ func TestSpendReadsNoCharges(t *testing.T) {
 	}
 	if s.Charged != 50*51/2 || s.Key.Charged != s.Charged || s.Key.Since[1] < s.Key.Since[0] || s.Key.Since[1] == 0 {
 		t.Fatalf("Spend = %+v", s)
+	}
+	// The limits' windows too (the views' limit numbers): what the account pass keeps.
+	if _, err := l.LimitWindows(ctx, "v"); err != nil {
+		t.Fatalf("LimitWindows on a role that cannot read the charges: %v", err)
 	}
 	// The role really cannot read them: the check above would pass vacuously otherwise.
 	conn, err := env.Pool.Acquire(ctx)
