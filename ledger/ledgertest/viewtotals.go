@@ -1,11 +1,14 @@
 package ledgertest
 
 import (
+	"context"
 	"fmt"
+	"maps"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
 )
 
@@ -16,6 +19,50 @@ var viewTotalsTests = []struct {
 	fn   func(t *testing.T, l ledger.Ledger)
 }{
 	{"ViewTotalsMatchEntries", testViewTotals},
+	{"ViewLimitWindowsMatchUsage", testViewLimitWindows},
+}
+
+// windowReader is a ledger that reads the limits' windows it keeps (pgledger, memledger).
+type windowReader interface {
+	LimitWindows(ctx context.Context, org string) ([]balance.WindowUsed, error)
+}
+
+// testViewLimitWindows: the windows the ledger keeps (LimitWindows, what the customer views read)
+// equal LimitUsage's sums over the charges for each limit's current window, for an org, a key
+// and a lifetime limit, after charges accounted in several passes.
+func testViewLimitWindows(t *testing.T, l ledger.Ledger) {
+	wr, ok := l.(windowReader)
+	if !ok {
+		t.Skip("this ledger keeps no windows it can read")
+	}
+	c := ctx(t)
+	noErr(t, l.CreateOrg(c, "vw"))
+	k, _ := must2(l.CreateKey(c, "vw"))
+	now := time.Now().UTC()
+	mustLimit(t, l, "vw", orgScope, balance.Month, 1_000_000)
+	mustLimit(t, l, "vw", scope(balance.ScopeKey, k.ID), balance.Day, 1_000_000)
+	mustLimit(t, l, "vw", orgScope, balance.Lifetime, 1_000_000)
+	for i := range 30 {
+		ev := event("vw", int64(3+i), 7000+i)
+		ev.KeyID, ev.ReservedAt = []string{k.ID, ""}[i%2], now // one window of each limit
+		noErr(t, l.RecordUsage(c, []ledger.UsageEvent{ev}))
+		if i%7 == 0 {
+			must(l.AccountPending(c, 1000))
+		}
+	}
+	for must(l.AccountPending(c, 1000)) > 0 {
+	}
+	want := map[string]int64{}
+	for _, u := range must(l.LimitUsage(c, "vw", now, -1)) {
+		want[fmt.Sprintf("%s@%d/%s", u.LimitID, u.Start, u.EndUser)] += u.Used
+	}
+	got := map[string]int64{}
+	for _, u := range must(wr.LimitWindows(c, "vw")) {
+		got[fmt.Sprintf("%s@%d/%s", u.LimitID, u.Start, u.EndUser)] += u.Used
+	}
+	if len(want) != 3 || !maps.Equal(got, want) {
+		t.Fatalf("LimitWindows = %v, LimitUsage = %v", got, want)
+	}
 }
 
 // testViewTotals: after charges of two keys (and none) over several UTC days, credits, negative
