@@ -149,7 +149,21 @@ func eachEndUser(l balance.Limit) bool {
 // While Redis does not answer, the windows are those of this process's clock and the numbers
 // the ledger's (Held 0): a report, not an error.
 func (o *Ops) ListLimits(ctx context.Context, org string) ([]LimitView, error) {
-	st, err := o.limitState(ctx, org)
+	return o.listLimits(ctx, org, false)
+}
+
+// windowReader is a ledger that reads its limits' windows as its account pass keeps them
+// (pgledger's and memledger's LimitWindows): the customer views read those rather than sum the
+// windows' charges (issue 34).
+type windowReader interface {
+	LimitWindows(ctx context.Context, org string) ([]balance.WindowUsed, error)
+}
+
+// listLimits is ListLimits; kept reads the ledger's part from the windows the ledger keeps when
+// it can (a customer view: a few rows, never the charges; the windows are at the ledger's last
+// charge rather than the hot watermark, so a held amount is clamped at 0).
+func (o *Ops) listLimits(ctx context.Context, org string, kept bool) ([]LimitView, error) {
+	st, err := o.limitState(ctx, org, kept)
 	if err != nil {
 		return nil, err
 	}
@@ -186,7 +200,7 @@ func (o *Ops) LimitEndUsers(ctx context.Context, org, id string, q ledger.ListQu
 	if err != nil {
 		return ledger.Page[EndUserUsed]{}, err
 	}
-	st, err := o.limitState(ctx, org)
+	st, err := o.limitState(ctx, org, false)
 	if err != nil {
 		return ledger.Page[EndUserUsed]{}, err
 	}
@@ -212,9 +226,12 @@ type limitState struct {
 	warm   bool
 	hot    map[balance.Counter]int64
 	ledger map[balance.Counter]int64
+	// kept: ledger holds the windows the ledger keeps (windowReader), where a window no batch
+	// has charged since its limit was made has no row: its held part is not known (0).
+	kept bool
 }
 
-func (o *Ops) limitState(ctx context.Context, org string) (limitState, error) {
+func (o *Ops) limitState(ctx context.Context, org string, kept bool) (limitState, error) {
 	ls, err := o.ledger.Limits(ctx, org)
 	if err != nil || len(ls.Limits) == 0 {
 		return limitState{}, err
@@ -235,7 +252,13 @@ func (o *Ops) limitState(ctx context.Context, org string) (limitState, error) {
 	if st.warm {
 		maxSeq = wm
 	}
-	lu, err := o.ledger.LimitUsage(ctx, org, st.now, maxSeq)
+	var lu []balance.WindowUsed
+	if wr, ok := o.ledger.(windowReader); kept && ok {
+		st.kept = true
+		lu, err = wr.LimitWindows(ctx, org)
+	} else {
+		lu, err = o.ledger.LimitUsage(ctx, org, st.now, maxSeq)
+	}
 	if err != nil {
 		return limitState{}, err
 	}
@@ -250,7 +273,11 @@ func (o *Ops) limitState(ctx context.Context, org string) (limitState, error) {
 // to the watermark + the live holds added to it), else the ledger's spend.
 func (st limitState) used(k balance.Counter) (used, held int64) {
 	if u, ok := st.hot[k]; ok && st.warm {
-		return u, u - st.ledger[k]
+		l, found := st.ledger[k]
+		if !found && st.kept {
+			return u, 0
+		}
+		return u, max(u-l, 0)
 	}
 	return st.ledger[k], 0
 }

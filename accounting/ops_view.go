@@ -71,7 +71,7 @@ func (o *Ops) CustomerView(ctx context.Context, org, keyID string) (CustomerView
 	}
 	k := KeyView{ID: keyID, Name: sp.Key.Name, Project: sp.Key.Project, Charged: sp.Key.Charged,
 		ChargedDay: sp.Key.Since[0], ChargedWeek: sp.Key.Since[1], ChargedMonth: sp.Key.Since[2], Limits: []LimitView{}}
-	ls, err := o.ListLimits(ctx, org)
+	ls, err := o.listLimits(ctx, org, true) // the windows the ledger keeps, never its charges
 	if err != nil {
 		return CustomerView{}, fmt.Errorf("limits of %q: %w", org, err)
 	}

@@ -68,9 +68,10 @@ type Console interface {
 	Request(ctx context.Context, id string) (RequestInfo, error)
 	// Spend reads, in one snapshot, the org's ledger balance and the sum of its charges, and
 	// the name, project and charges of one of its keys: all of them, and those attributed (by
-	// reserve time, as limits count them) at or after each of since (ErrUnknownOrg; an
-	// unknown key id reads as a key with no name and no charges). It reads every charge of
-	// the org: a customer's view, not a hot path.
+	// reserve time, as limits count them) on or after the UTC day of each of since
+	// (ErrUnknownOrg; an unknown key id reads as a key with no name and no charges). It reads
+	// the sums the ledger keeps as it charges (per org, per key, per key and UTC day), never
+	// the charges themselves: its cost does not grow with them (issue 34).
 	Spend(ctx context.Context, org, keyID string, since []time.Time) (Spend, error)
 
 	// DeleteModel deletes a model no usage event names (ErrUnknownModel, ErrModelInUse).

@@ -67,6 +67,12 @@ type Config struct {
 	KeyCacheTTL     time.Duration
 	KeyMaxStale     time.Duration
 	KeyFailures     int
+	// The customer views (server/view.go, issue 34): their Postgres pool's size and statement
+	// timeout, and each key's token bucket (ViewRate a second, ViewBurst at most; 0: no limit).
+	ViewConns   int
+	ViewTimeout time.Duration
+	ViewRate    int64
+	ViewBurst   int
 	// TrustedProxies are the proxies (CIDRs, comma-separated) whose X-Forwarded-For is read for
 	// the client's address; empty: the connection's address is the client's.
 	TrustedProxies string
@@ -192,6 +198,10 @@ func (c *Config) settings() []setting {
 		{"ESCROW_RESERVE_TIMEOUT", "reserve-timeout", "1s", "bound on a request's reserve call to Redis; past it the client gets 503 and the hold, if it was taken unseen, is released", dur(&c.ReserveTimeout)},
 		{"ESCROW_KEY_CACHE_TTL", "key-cache-ttl", "5s", "how long an API key look-up is trusted; a revoked key stops within it, also while Postgres is down (revocations go through Redis)", dur(&c.KeyCacheTTL)},
 		{"ESCROW_KEY_MAX_STALE", "key-max-stale", "10m", "while Postgres is down, a known key keeps working for this long after its last look-up (unless revoked)", dur(&c.KeyMaxStale)},
+		{"ESCROW_VIEW_CONNS", "view-conns", "3", "Postgres connections of the customer views' own pool (GET /api/v1/key, /api/v1/credits, /dashboard/billing/…), apart from the request path's", intp(&c.ViewConns)},
+		{"ESCROW_VIEW_TIMEOUT", "view-timeout", "2s", "statement timeout of a customer view's read (503 past it)", dur(&c.ViewTimeout)},
+		{"ESCROW_VIEW_RATE", "view-rate", "5", "customer view calls per second per API key (token bucket, in each process); beyond the burst 429 rate_limit_exceeded with Retry-After; 0: no limit", integer(&c.ViewRate, 0)},
+		{"ESCROW_VIEW_BURST", "view-burst", "10", "customer view calls one API key may make at once before ESCROW_VIEW_RATE applies", intp(&c.ViewBurst)},
 		{"ESCROW_KEY_FAILURES_PER_MINUTE", "key-failures-per-minute", "20", "unknown API keys one client IP may present per minute (429 beyond it; a key that exists is always served)", intp(&c.KeyFailures)},
 		{"ESCROW_TRUSTED_PROXIES", "trusted-proxies", "", "comma-separated CIDRs (or addresses) of the load balancers and proxies in front of escrow: X-Forwarded-For is read for the client's address only when the connection comes from one of them; empty: the connection's address is the client's", cidrList(&c.TrustedProxies)},
 		{"ESCROW_PPROF_ADDR", "pprof-addr", "", "profiling only: serve net/http/pprof on this address (keep it on loopback); empty: off", str(&c.PprofAddr)},

@@ -211,7 +211,8 @@ func (s *Server) openLedger(ctx context.Context, embeddedRedis bool) error {
 		}
 	}
 	// Migrations ran above (or were turned off with ESCROW_MIGRATE=false): never here.
-	l, err := pgledger.Open(ctx, s.cfg.DatabaseURL, &pgledger.Config{SkipMigrations: true, Logger: s.log})
+	l, err := pgledger.Open(ctx, s.cfg.DatabaseURL, &pgledger.Config{SkipMigrations: true, Logger: s.log,
+		ViewConns: int32(min(max(s.cfg.ViewConns, 0), 1000)), ViewTimeout: s.cfg.ViewTimeout})
 	if err != nil {
 		return fmt.Errorf("ledger: %w", err)
 	}

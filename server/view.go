@@ -42,13 +42,39 @@ var (
 func viewPaths() []string { return append(append([]string{}, openRouterPaths...), dashboardPaths...) }
 
 // mountView mounts the customer routes behind the middleware.
+// Each is rate-limited per key (ESCROW_VIEW_RATE, ESCROW_VIEW_BURST: 429 rate_limit_exceeded
+// with Retry-After beyond it) and reads on the ledger's view pool (ESCROW_VIEW_CONNS,
+// ESCROW_VIEW_TIMEOUT), from sums the ledger keeps per org and key (issue 34).
 func (s *Server) mountView(e *echo.Echo, mw echo.MiddlewareFunc) {
-	e.GET("/api/v1/key", s.openRouterKey, mw)
-	e.GET("/api/v1/auth/key", s.openRouterKey, mw)
-	e.GET("/api/v1/credits", s.openRouterCredits, mw)
+	lim := newViewLimiter(s.cfg.ViewRate, s.cfg.ViewBurst, time.Now)
+	limited := func(h echo.HandlerFunc) echo.HandlerFunc { return s.limitView(lim, h) }
+	e.GET("/api/v1/key", limited(s.openRouterKey), mw)
+	e.GET("/api/v1/auth/key", limited(s.openRouterKey), mw)
+	e.GET("/api/v1/credits", limited(s.openRouterCredits), mw)
 	for _, prefix := range []string{"", "/v1"} {
-		e.GET(prefix+"/dashboard/billing/subscription", s.dashboardSubscription, mw)
-		e.GET(prefix+"/dashboard/billing/usage", s.dashboardUsage, mw)
+		e.GET(prefix+"/dashboard/billing/subscription", limited(s.dashboardSubscription), mw)
+		e.GET(prefix+"/dashboard/billing/usage", limited(s.dashboardUsage), mw)
+	}
+}
+
+// limitView answers 429 rate_limit_exceeded, with Retry-After, in the route's shape when the
+// caller's key has used its views' burst; else h.
+func (s *Server) limitView(lim *viewLimiter, h echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		id, found := middleware.IdentityOf(c)
+		if !found {
+			return h(c) // customerView answers 401
+		}
+		bucket := "key:" + id.KeyID
+		if id.KeyID == "" {
+			bucket = "org:" + id.Org
+		}
+		if ok, wait := lim.allow(bucket); !ok {
+			return s.writeRefusal(c, &middleware.Error{Status: http.StatusTooManyRequests, Type: middleware.TypeRateLimit,
+				Code: middleware.CodeRateLimit, RetryAfter: max(wait, time.Second),
+				Message: "Too many billing reads for this key; retry after the Retry-After header's seconds."})
+		}
+		return h(c)
 	}
 }
 

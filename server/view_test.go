@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"net/http"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -53,7 +54,8 @@ func TestCustomerView(t *testing.T) {
 	for _, real := range []bool{true, false} {
 		t.Run(map[bool]string{true: "real", false: "embedded"}[real], func(t *testing.T) {
 			t.Parallel()
-			p := startTestProxy(t, real)
+			// Unlimited views: this test reads them many times (TestViewRateLimit is the limit's).
+			p := startTestProxy(t, real, func(c *Config) { c.ViewRate = 0 })
 			p.setup("acme", 1_000_000, 100) // model m: 1 micro-unit per output token
 			var prod, other struct{ ID, Key string }
 			p.admin("POST", "/orgs/acme/keys", map[string]string{"name": "prod"}, http.StatusCreated, &prod)
@@ -170,6 +172,98 @@ func TestCustomerView(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestViewRateLimit: the views are rate-limited per key (issue 34): past the burst, a key gets
+// 429 rate_limit_exceeded with Retry-After, in the route's own shape, while another key of the
+// same org still reads its view.
+func TestViewRateLimit(t *testing.T) {
+	t.Parallel()
+	p := startTestProxy(t, false, func(c *Config) { c.ViewRate, c.ViewBurst = 1, 3 })
+	p.setup("acme", 1_000_000, 100)
+	var a, b struct{ ID, Key string }
+	p.admin("POST", "/orgs/acme/keys", map[string]string{"name": "a"}, http.StatusCreated, &a)
+	p.admin("POST", "/orgs/acme/keys", map[string]string{"name": "b"}, http.StatusCreated, &b)
+	// The burst of 3 (a rate of 1 a second refills at most a token or two meanwhile on a slow
+	// machine: the 429 is asserted within 3 + the seconds the loop took).
+	start, refused := time.Now(), 0
+	var hdr http.Header
+	var body []byte
+	for i := 0; refused == 0; i++ {
+		if i > 3+int(time.Since(start).Seconds())+1 {
+			t.Fatalf("no 429 after %d calls", i)
+		}
+		st, h, bb := p.do(http.MethodGet, "/api/v1/credits", a.Key, nil)
+		switch st {
+		case http.StatusOK:
+		case http.StatusTooManyRequests:
+			refused, hdr, body = i, h, bb
+		default:
+			t.Fatalf("call %d: %d %s", i, st, bb)
+		}
+	}
+	if refused < 3 {
+		t.Fatalf("429 at call %d, before the burst of 3 was used", refused)
+	}
+	if ra, err := strconv.Atoi(hdr.Get("Retry-After")); err != nil || ra < 1 {
+		t.Fatalf("Retry-After %q", hdr.Get("Retry-After"))
+	}
+	var or struct {
+		Error struct {
+			Code    int    `json:"code"`
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	if err := json.Unmarshal(body, &or); err != nil || or.Error.Code != http.StatusTooManyRequests || or.Error.Message == "" {
+		t.Fatalf("OpenRouter 429 body %s", body)
+	}
+	// The one-api routes answer in OpenAI's shape; the same key's bucket is shared by the routes.
+	st, _, bb := p.do(http.MethodGet, "/dashboard/billing/usage", a.Key, nil)
+	var oe struct {
+		Error struct{ Type, Code string } `json:"error"`
+	}
+	if err := json.Unmarshal(bb, &oe); st != http.StatusTooManyRequests || err != nil || oe.Error.Type != "rate_limit_exceeded" || oe.Error.Code != "rate_limit_exceeded" {
+		t.Fatalf("dashboard after the burst: %d %s", st, bb)
+	}
+	// Another key of the org has its own bucket.
+	if st, _, bb := p.do(http.MethodGet, "/api/v1/credits", b.Key, nil); st != http.StatusOK {
+		t.Fatalf("other key: %d %s", st, bb)
+	}
+}
+
+// TestViewLimiter: the token bucket refills at its rate up to its burst, and tells how long
+// until the next token; full buckets are dropped once the map is large.
+func TestViewLimiter(t *testing.T) {
+	now := time.Unix(1_000_000, 0)
+	l := newViewLimiter(5, 10, func() time.Time { return now })
+	for i := range 10 {
+		if ok, _ := l.allow("k"); !ok {
+			t.Fatalf("call %d refused within the burst", i)
+		}
+	}
+	if ok, wait := l.allow("k"); ok || wait != 200*time.Millisecond {
+		t.Fatalf("11th call: %v %v, want refused for 200ms", ok, wait)
+	}
+	now = now.Add(400 * time.Millisecond)
+	for i := range 2 {
+		if ok, _ := l.allow("k"); !ok {
+			t.Fatalf("refilled call %d refused", i)
+		}
+	}
+	if ok, _ := l.allow("k"); ok {
+		t.Fatal("a third call after 400ms at 5/s")
+	}
+	if ok, _ := newViewLimiter(0, 10, time.Now).allow("k"); !ok {
+		t.Fatal("rate 0 limits")
+	}
+	for i := range maxViewBuckets {
+		l.allow(strconv.Itoa(i))
+	}
+	now = now.Add(time.Hour)
+	l.allow("new")
+	if len(l.buckets) != 1 {
+		t.Fatalf("%d buckets kept after every one refilled", len(l.buckets))
 	}
 }
 

@@ -469,7 +469,7 @@ func testConsoleAudit(t *testing.T, l ledger.Ledger) {
 }
 
 // testConsoleSpend: Spend sums the org's charges (not its pending usage, credits or
-// adjustments) and one key's, all time and since each instant by reserve time, with the ledger
+// adjustments) and one key's, all time and since each instant's UTC day by reserve time, with the ledger
 // balance of the same snapshot (Balance + Charged = every credit and adjustment) and the key's
 // name and project; another org's key or an unknown one reads as nothing.
 func testConsoleSpend(t *testing.T, l ledger.Ledger) {
@@ -486,12 +486,12 @@ func testConsoleSpend(t *testing.T, l ledger.Ledger) {
 	noErr(t, err)
 	must2(l.Credit(c, "sp", 10_000, "pay-sp"))
 	must2(l.Adjust(c, "sp", -500, "adj-sp"))
-	// k: 7 at t0 − 1h, 11 at t0, 13 at t0 + 1h; k2: 17; no key: 19.
+	// k: 7 the day before t0, 11 at t0, 13 the day after; k2: 17; no key: 19.
 	for i, x := range []struct {
 		key  string
 		at   time.Time
 		cost int64
-	}{{k.ID, t0.Add(-time.Hour), 7}, {k.ID, t0, 11}, {k.ID, t0.Add(time.Hour), 13}, {k2.ID, t0, 17}, {"", t0, 19}} {
+	}{{k.ID, t0.Add(-24 * time.Hour), 7}, {k.ID, t0, 11}, {k.ID, t0.Add(24 * time.Hour), 13}, {k2.ID, t0, 17}, {"", t0, 19}} {
 		ev := event("sp", x.cost, 400+i)
 		ev.KeyID, ev.ReservedAt = x.key, x.at
 		noErr(t, l.RecordUsage(c, []ledger.UsageEvent{ev}))
@@ -506,7 +506,8 @@ func testConsoleSpend(t *testing.T, l ledger.Ledger) {
 	pending := event("sp", 1000, 500) // recorded, not accounted: not a charge yet
 	pending.KeyID = k.ID
 	noErr(t, l.RecordUsage(c, []ledger.UsageEvent{pending}))
-	s := must(l.Spend(c, "sp", k.ID, []time.Time{t0, t0.Add(time.Minute), t0.Add(-2 * time.Hour)}))
+	// Since counts whole UTC days: t0 + 1 min is still t0's day, t0 + 24 h the next.
+	s := must(l.Spend(c, "sp", k.ID, []time.Time{t0.Add(time.Minute), t0.Add(24 * time.Hour), t0.Add(-48 * time.Hour)}))
 	want := ledger.Spend{Balance: 10_000 - 500 - 67, Charged: 67,
 		Key: ledger.KeySpend{ID: k.ID, Name: "prod", Project: "staging", Charged: 31, Since: []int64{24, 13, 31}}}
 	if !spendEqual(s, want) {

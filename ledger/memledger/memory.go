@@ -48,6 +48,23 @@ type memAccount struct {
 	attr    map[int64]entryAttr // a charge's attribution, by seq
 	lims    memLimits           // memory_limits.go
 	windows map[winKey]int64    // the spend of limits' current and later windows (limit_crossed.go)
+	// The sums the customer views read (Spend), kept as charges are written (pgledger's
+	// migration 021): the org's charges, each key's, and each key's per UTC day.
+	charged    int64
+	keyCharged map[string]int64
+	keyDays    map[keyDay]int64
+}
+
+// keyDay is a key and a UTC day (midnight).
+type keyDay struct {
+	key string
+	day time.Time
+}
+
+// utcDay is t's UTC day, as midnight UTC.
+func utcDay(t time.Time) time.Time {
+	y, mo, d := t.UTC().Date()
+	return time.Date(y, mo, d, 0, 0, 0, 0, time.UTC)
 }
 
 // entryAttr is what a charge entry carries for limits.
@@ -488,6 +505,14 @@ func (m *Ledger) accountOrgLocked(org string, limit int, r *ledger.AccountResult
 		a.entries = append(a.entries, ledger.LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: ledger.KindCharge, HoldID: e.ev.ID, CreatedAt: now})
 		at := attrTime(e.ev.ReservedAt, e.ev.CreatedAt)
 		a.attr[e.seq] = entryAttr{key: e.ev.KeyID, project: e.ev.Project, endUser: e.ev.EndUser, at: at, tokens: e.ev.Usage.Tokens()}
+		a.charged += e.ev.Cost
+		if e.ev.KeyID != "" {
+			if a.keyCharged == nil {
+				a.keyCharged, a.keyDays = map[string]int64{}, map[keyDay]int64{}
+			}
+			a.keyCharged[e.ev.KeyID] += e.ev.Cost
+			a.keyDays[keyDay{e.ev.KeyID, utcDay(at)}] += e.ev.Cost
+		}
 		if r != nil {
 			r.Learn(e.ev.Model, e.ev.Cost, e.ev.Choices, e.ev.Estimated)
 		}

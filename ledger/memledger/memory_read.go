@@ -380,7 +380,8 @@ func addUsage(r *ledger.UsageRow, cost int64, u pricing.Usage) {
 	r.Add(cost, u)
 }
 
-// Spend sums the org's charges, and its key's, under the lock.
+// Spend reads the sums the account pass keeps (memAccount.charged, keyCharged, keyDays) under
+// the lock: at most a month of a key's days, never the entries.
 func (m *Ledger) Spend(ctx context.Context, org, keyID string, since []time.Time) (ledger.Spend, error) {
 	if err := balance.ValidateOrg(org); err != nil {
 		return ledger.Spend{}, err
@@ -391,23 +392,21 @@ func (m *Ledger) Spend(ctx context.Context, org, keyID string, since []time.Time
 	if a == nil {
 		return ledger.Spend{}, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
 	}
-	s := ledger.Spend{Balance: a.balance, Key: ledger.KeySpend{ID: keyID, Since: make([]int64, len(since))}}
+	s := ledger.Spend{Balance: a.balance, Charged: a.charged, Key: ledger.KeySpend{ID: keyID, Since: make([]int64, len(since))}}
 	if k := m.keys[keyID]; keyID != "" && k != nil && k.key.Org == org {
 		s.Key.Name, s.Key.Project = m.console.keyNames[keyID], k.project
 	}
-	for _, e := range a.entries {
-		if e.Kind != ledger.KindCharge {
+	if keyID == "" {
+		return s, nil
+	}
+	s.Key.Charged = a.keyCharged[keyID]
+	for kd, c := range a.keyDays {
+		if kd.key != keyID {
 			continue
 		}
-		s.Charged -= e.Delta
-		at, ok := a.attr[e.Seq]
-		if keyID == "" || !ok || at.key != keyID {
-			continue
-		}
-		s.Key.Charged -= e.Delta
 		for i, t := range since {
-			if !at.at.Before(t) {
-				s.Key.Since[i] -= e.Delta
+			if !kd.day.Before(utcDay(t)) {
+				s.Key.Since[i] += c
 			}
 		}
 	}
@@ -446,3 +445,22 @@ func inRange(t, from, to time.Time) bool {
 }
 
 func dayOf(t time.Time) string { return t.UTC().Format("2006-01-02") }
+
+// LimitWindows reads the org's limits' windows as the account pass keeps them (memAccount.windows),
+// as pgledger's LimitWindows does.
+func (m *Ledger) LimitWindows(ctx context.Context, org string) ([]balance.WindowUsed, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	a := m.accounts[org]
+	if a == nil {
+		return nil, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
+	}
+	out := make([]balance.WindowUsed, 0, len(a.windows))
+	for k, u := range a.windows {
+		out = append(out, balance.WindowUsed{LimitID: k.limit, Start: k.start, EndUser: k.endUser, Used: u})
+	}
+	return out, nil
+}

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -35,6 +36,17 @@ type Config struct {
 	// ReconnectDelay is the first wait before a lost LISTEN connection is re-made; it doubles up
 	// to 30 s while Postgres stays away. Default 250 ms.
 	ReconnectDelay time.Duration
+	// ViewConns is the size of the pool the customer views read on (Spend: server/view.go), apart
+	// from the request path's, so that customers polling them never hold a connection a request
+	// waits for (issue 34). Open makes that pool; New uses ViewPool, else the caller's pool.
+	// Default 3.
+	ViewConns int32
+	// ViewTimeout bounds each view read: the view pool's statement_timeout and the read's
+	// context deadline. Default 2 s.
+	ViewTimeout time.Duration
+	// ViewPool is, for New, the pool the views read on (the caller keeps it); nil: New's pool.
+	// Open ignores it.
+	ViewPool *pgxpool.Pool
 }
 
 // Ledger is the ledger in PostgreSQL (the pool's current schema; see package migrations for
@@ -57,6 +69,7 @@ type Config struct {
 // ledger's tag (see Subscribe).
 type Ledger struct {
 	pool   *pgxpool.Pool
+	views  *pgxpool.Pool // the customer views' reads (Spend): Config.ViewConns
 	owned  bool
 	cfg    Config
 	log    *slog.Logger
@@ -71,8 +84,12 @@ var (
 	_ ledger.QuietUsageStore = (*Ledger)(nil)
 )
 
-// defaultReconnectDelay is Config.ReconnectDelay's default.
-const defaultReconnectDelay = 250 * time.Millisecond
+// Config's defaults.
+const (
+	defaultReconnectDelay = 250 * time.Millisecond
+	defaultViewConns      = 3
+	defaultViewTimeout    = 2 * time.Second
+)
 
 // withDefaults returns the config with every zero field set to its default; c may be nil.
 func (c *Config) withDefaults() Config {
@@ -81,6 +98,8 @@ func (c *Config) withDefaults() Config {
 		z = *c
 	}
 	z.ReconnectDelay = cmp.Or(z.ReconnectDelay, defaultReconnectDelay)
+	z.ViewConns = cmp.Or(z.ViewConns, defaultViewConns)
+	z.ViewTimeout = cmp.Or(z.ViewTimeout, defaultViewTimeout)
 	z.Logger = cmp.Or(z.Logger, slog.Default())
 	return z
 }
@@ -89,6 +108,9 @@ func (c *Config) withDefaults() Config {
 func (c *Config) validate() error {
 	if c.ReconnectDelay < 0 {
 		return fmt.Errorf("%w: postgres ReconnectDelay %v must be ≥ 0", ledger.ErrConfig, c.ReconnectDelay)
+	}
+	if c.ViewConns < 0 || c.ViewTimeout < 0 {
+		return fmt.Errorf("%w: postgres ViewConns %d and ViewTimeout %v must be ≥ 0", ledger.ErrConfig, c.ViewConns, c.ViewTimeout)
 	}
 	return nil
 }
@@ -121,9 +143,27 @@ func Open(ctx context.Context, url string, cfg *Config) (*Ledger, error) {
 			return nil, wrapPg("migrate", err)
 		}
 	}
+	vcfg := pcfg.Copy()
+	vcfg.MaxConns, vcfg.MinConns = c.ViewConns, 0
+	vcfg.AfterConnect = viewConn(tag, c.ViewTimeout)
+	views, err := pgxpool.NewWithConfig(ctx, vcfg)
+	if err != nil {
+		pool.Close()
+		return nil, wrapPg("open views pool", err)
+	}
 	p := newPostgres(pool, c)
-	p.owned, p.tag = true, tag
+	p.owned, p.tag, p.views = true, tag, views
 	return p, nil
+}
+
+// viewConn prepares a view pool's connection: the tag (tagConn) and the statement timeout. A
+// session setting, like the tag, so that poolers that refuse unknown startup parameters work.
+func viewConn(tag string, timeout time.Duration) func(context.Context, *pgx.Conn) error {
+	return func(ctx context.Context, conn *pgx.Conn) error {
+		_, err := conn.Exec(ctx, `SELECT set_config('escrow.notify_tag', $1, false), set_config('statement_timeout', $2, false)`,
+			tag, strconv.FormatInt(timeout.Milliseconds(), 10))
+		return err
+	}
 }
 
 // tagConn sets the session's escrow.notify_tag, which an account pass's NOTIFY carries (see
@@ -154,7 +194,8 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Ledger, error) {
 }
 
 func newPostgres(pool *pgxpool.Pool, c Config) *Ledger {
-	return &Ledger{pool: pool, cfg: c, log: c.Logger, closed: make(chan struct{})}
+	views := cmp.Or(c.ViewPool, pool)
+	return &Ledger{pool: pool, views: views, cfg: c, log: c.Logger, closed: make(chan struct{})}
 }
 
 // Close stops the subscriptions and, when Open made the pool, closes it.
@@ -166,6 +207,7 @@ func (p *Ledger) Close() {
 		close(p.closed)
 	}
 	if p.owned {
+		p.views.Close()
 		p.pool.Close()
 	}
 }
@@ -192,8 +234,11 @@ const (
 	// one element per entry: $4 its org, $5 seq, $6 cost, $7 event id (the hold id), $8 key, $9
 	// project, $10 end user ('' for none), $11 time (the reserve time, else the record time),
 	// $12 tokens; $13 the keys used and $14 the latest time of each (its last use: one row update
-	// per key, not per request). Every account row is updated HOT (no index names a column it
-	// changes, migration 016), and the entries of every org of the pass are one INSERT.
+	// per key, not per request), $15 the cost sum of each; $16 … $18 each (key, UTC day) of the
+	// entries and its cost sum. The sums the customer views read (migration 021: accounts.charged,
+	// api_keys.charged, key_days) are added to here, in the rows the pass writes anyway plus one
+	// row per key-day: no write per event. Every account row is updated HOT (no index names a
+	// column it changes, migration 016), and the entries of every org of the pass are one INSERT.
 	//
 	// Each joined table is also filtered by "= ANY" of the array it is joined with: that
 	// condition is on the primary key, so the plan probes the index whatever the planner
@@ -202,28 +247,36 @@ const (
 	// scan of the whole table, on every pass, until autovacuum analyzes it.
 	sqlWriteCharges = `
 WITH acc AS (
-	UPDATE accounts a SET balance = a.balance - x.sum, ledger_seq = a.ledger_seq + x.n
+	UPDATE accounts a SET balance = a.balance - x.sum, ledger_seq = a.ledger_seq + x.n, charged = a.charged + x.sum
 	FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS x(org, sum, n)
 	WHERE a.org_id = x.org AND a.org_id = ANY ($1::text[])
+), days AS (
+	INSERT INTO key_days AS d (key_id, day, charged)
+	SELECT * FROM unnest($16::text[], $17::date[], $18::bigint[])
+	ON CONFLICT (key_id, day) DO UPDATE SET charged = d.charged + EXCLUDED.charged
 ), ins AS (
 	INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id, key_id, project, end_user, reserved_at, tokens)
 	SELECT org, seq, -cost, 'charge', id::uuid, NULLIF(k, ''), NULLIF(pr, ''), NULLIF(eu, ''), at, tokens
 	FROM unnest($4::text[], $5::bigint[], $6::bigint[], $7::text[], $8::text[], $9::text[], $10::text[], $11::timestamptz[], $12::bigint[])
 		AS x(org, seq, cost, id, k, pr, eu, at, tokens)
 )
-UPDATE api_keys k SET last_used_at = GREATEST(k.last_used_at, x.t)
-FROM unnest($13::text[], $14::timestamptz[]) AS x(key, t)
+UPDATE api_keys k SET last_used_at = GREATEST(k.last_used_at, x.t), charged = k.charged + x.c
+FROM unnest($13::text[], $14::timestamptz[], $15::bigint[]) AS x(key, t, c)
 WHERE k.id = x.key AND k.id = ANY ($13::text[])`
 	// sqlWriteAccounts is sqlWriteCharges without the entries, for a pass that sent them with COPY
-	// (copyEntries): $1 … $3 and the keys' $4 and $5.
+	// (copyEntries): $1 … $3, the keys' $4 … $6 and the key-days' $7 … $9.
 	sqlWriteAccounts = `
 WITH acc AS (
-	UPDATE accounts a SET balance = a.balance - x.sum, ledger_seq = a.ledger_seq + x.n
+	UPDATE accounts a SET balance = a.balance - x.sum, ledger_seq = a.ledger_seq + x.n, charged = a.charged + x.sum
 	FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS x(org, sum, n)
 	WHERE a.org_id = x.org AND a.org_id = ANY ($1::text[])
+), days AS (
+	INSERT INTO key_days AS d (key_id, day, charged)
+	SELECT * FROM unnest($7::text[], $8::date[], $9::bigint[])
+	ON CONFLICT (key_id, day) DO UPDATE SET charged = d.charged + EXCLUDED.charged
 )
-UPDATE api_keys k SET last_used_at = GREATEST(k.last_used_at, x.t)
-FROM unnest($4::text[], $5::timestamptz[]) AS x(key, t)
+UPDATE api_keys k SET last_used_at = GREATEST(k.last_used_at, x.t), charged = k.charged + x.c
+FROM unnest($4::text[], $5::timestamptz[], $6::bigint[]) AS x(key, t, c)
 WHERE k.id = x.key AND k.id = ANY ($4::text[])`
 	// sqlNotifyAll notifies each org of $1, adding the session's notification tag (a space, then
 	// escrow.notify_tag, when set: see tagConn) so that the ledger that sent it knows its own
@@ -547,6 +600,7 @@ func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time, qw queueWrites, 
 	var eSeqs, eCosts, eTokens []int64
 	var eAts []time.Time
 	lastUse := map[string]time.Time{}
+	keyCost, keyDayCost := map[string]int64{}, map[keyDay]int64{}
 	for _, c := range cs {
 		orgs = append(orgs, c.org)
 		sum := c.sum()
@@ -561,6 +615,8 @@ func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time, qw queueWrites, 
 				if t, ok := lastUse[a.Key]; !ok || a.At.After(t) {
 					lastUse[a.Key] = a.At
 				}
+				keyCost[a.Key] += c.costs[i]
+				keyDayCost[keyDay{a.Key, utcDay(a.At)}] += c.costs[i]
 			}
 		}
 		if c.crossesLow() {
@@ -568,14 +624,22 @@ func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time, qw queueWrites, 
 		}
 	}
 	keys := slices.Sorted(maps.Keys(lastUse))
-	uses := make([]time.Time, len(keys))
+	uses, keyCosts := make([]time.Time, len(keys)), make([]int64, len(keys))
 	for i, k := range keys {
-		uses[i] = lastUse[k]
+		uses[i], keyCosts[i] = lastUse[k], keyCost[k]
+	}
+	kds := slices.SortedFunc(maps.Keys(keyDayCost), func(a, b keyDay) int {
+		return cmp.Or(cmp.Compare(a.key, b.key), a.day.Compare(b.day))
+	})
+	dKeys, dDays, dCosts := make([]string, len(kds)), make([]time.Time, len(kds)), make([]int64, len(kds))
+	for i, kd := range kds {
+		dKeys[i], dDays[i], dCosts[i] = kd.key, kd.day, keyDayCost[kd]
 	}
 	if copied {
-		b.Queue(sqlWriteAccounts, orgs, sums, counts, keys, uses)
+		b.Queue(sqlWriteAccounts, orgs, sums, counts, keys, uses, keyCosts, dKeys, dDays, dCosts)
 	} else {
-		b.Queue(sqlWriteCharges, orgs, sums, counts, eOrgs, eSeqs, eCosts, eIDs, eKeys, eProjects, eEndUsers, eAts, eTokens, keys, uses)
+		b.Queue(sqlWriteCharges, orgs, sums, counts, eOrgs, eSeqs, eCosts, eIDs, eKeys, eProjects, eEndUsers, eAts, eTokens, keys, uses, keyCosts,
+			dKeys, dDays, dCosts)
 	}
 	qw.queue(b)
 	b.Queue(sqlNotifyAll, orgs)
@@ -583,6 +647,18 @@ func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time, qw queueWrites, 
 		queueLowBalance(b, lowOrgs, lowChanges) // webhooks: in the same transaction
 	}
 	queueLimitWindows(b, cs, now)
+}
+
+// keyDay is a key and a UTC day (midnight), a row of key_days.
+type keyDay struct {
+	key string
+	day time.Time
+}
+
+// utcDay is t's UTC day, as midnight UTC.
+func utcDay(t time.Time) time.Time {
+	y, m, d := t.UTC().Date()
+	return time.Date(y, m, d, 0, 0, 0, 0, time.UTC)
 }
 
 // AccountPending turns up to limit (at most 10,000) pending usage events into charge entries,

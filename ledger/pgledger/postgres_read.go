@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -444,8 +445,11 @@ func orgExists(ctx context.Context, tx pgx.Tx, org string) error {
 // maxSpendSince bounds the instants one Spend call sums from.
 const maxSpendSince = 16
 
-// Spend reads the account, the key and the sums of the org's charges in one statement (one
-// snapshot): an index-only scan of the org's charges (ledger_entries_org_reserved).
+// Spend reads the account, the key and the key's days in one statement (one snapshot), from the
+// sums the account pass keeps (migration 021: accounts.charged, api_keys.charged, key_days): a
+// few rows by primary key whatever the number of charges — never ledger_entries. It runs on the
+// view pool (Config.ViewConns, ViewTimeout) when the ledger has one, so that customers polling
+// it never take a connection the request path waits for.
 func (p *Ledger) Spend(ctx context.Context, org, keyID string, since []time.Time) (ledger.Spend, error) {
 	if err := balance.ValidateOrg(org); err != nil {
 		return ledger.Spend{}, err
@@ -456,25 +460,57 @@ func (p *Ledger) Spend(ctx context.Context, org, keyID string, since []time.Time
 	var sums strings.Builder
 	args := []any{org, keyID}
 	for _, t := range since {
-		args = append(args, t)
-		fmt.Fprintf(&sums, `, coalesce(sum(-delta) FILTER (WHERE key_id = $2 AND coalesce(reserved_at, created_at) >= $%d), 0)`, len(args))
+		// A day counts from its midnight: an instant within a day counts that whole day (the
+		// views ask for day, week and month starts, which are midnights).
+		args = append(args, utcDay(t))
+		fmt.Fprintf(&sums, `, coalesce(sum(d.charged) FILTER (WHERE d.day >= $%d::date), 0)`, len(args))
 	}
 	s := ledger.Spend{Key: ledger.KeySpend{ID: keyID, Since: make([]int64, len(since))}}
-	dst := []any{&s.Balance, &s.Key.Name, &s.Key.Project, &s.Charged, &s.Key.Charged}
+	dst := []any{&s.Balance, &s.Charged, &s.Key.Name, &s.Key.Project, &s.Key.Charged}
 	for i := range s.Key.Since {
 		dst = append(dst, &s.Key.Since[i])
 	}
-	err := p.pool.QueryRow(ctx, `
-SELECT a.balance, coalesce(k.name, ''), coalesce(k.project_id, ''), c.*
+	earliest := utcDay(time.Now())
+	for _, t := range since {
+		if d := utcDay(t); d.Before(earliest) {
+			earliest = d
+		}
+	}
+	args = append(args, earliest)
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.ViewTimeout)
+	defer cancel()
+	err := p.views.QueryRow(ctx, `
+SELECT a.balance, a.charged, coalesce(k.name, ''), coalesce(k.project_id, ''), coalesce(k.charged, 0)`+sums.String()+`
 FROM accounts a
 LEFT JOIN api_keys k ON k.id = $2 AND k.org_id = a.org_id
-CROSS JOIN LATERAL (
-	SELECT coalesce(sum(-delta), 0), coalesce(sum(-delta) FILTER (WHERE key_id = $2), 0)`+sums.String()+`
-	FROM ledger_entries WHERE org_id = $1 AND kind = 'charge'
-) c
-WHERE a.org_id = $1`, args...).Scan(dst...)
+LEFT JOIN key_days d ON k.id IS NOT NULL AND d.key_id = $2 AND d.day >= $`+strconv.Itoa(len(args))+`::date
+WHERE a.org_id = $1
+GROUP BY a.balance, a.charged, k.name, k.project_id, k.charged`, args...).Scan(dst...)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return ledger.Spend{}, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
 	}
 	return s, wrapPg("spend", err)
+}
+
+// LimitWindows reads the org's limits' windows as the account pass keeps them (limit_windows:
+// each limit's current window, at the org's last charge), on the view pool: a customer view's
+// windowed numbers without a scan of the charges (issue 34). A window that no batch has charged
+// since its limit was made has no row yet, and reads as nothing.
+func (p *Ledger) LimitWindows(ctx context.Context, org string) ([]balance.WindowUsed, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.ViewTimeout)
+	defer cancel()
+	rows, _ := p.views.Query(ctx, `SELECT w.limit_id::text, w.window_start, w.end_user, w.used
+FROM limits l JOIN limit_windows w ON w.limit_id = l.id WHERE l.org_id = $1 AND l.deleted_at IS NULL`, org)
+	var out []balance.WindowUsed
+	var u balance.WindowUsed
+	var start time.Time
+	_, err := pgx.ForEachRow(rows, []any{&u.LimitID, &start, &u.EndUser, &u.Used}, func() error {
+		u.Start = start.UnixMilli()
+		out = append(out, u)
+		return nil
+	})
+	return out, wrapPg("limit windows", err)
 }

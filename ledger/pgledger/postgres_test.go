@@ -172,7 +172,7 @@ SET plan_cache_mode = force_generic_plan`); err != nil {
 	}
 	defer conn.Exec(ctx, "RESET plan_cache_mode") //nolint:errcheck // the connection goes back to a test pool
 	args := map[string]string{
-		"plan_write_charges": `('{o1}', '{1}', '{1}', '{o1}', '{1}', '{1}', '{0192f0c4-0000-7000-8000-000000000001}', '{k1}', '{""}', '{""}', '{2026-01-01}', '{0}', '{k1}', '{2026-01-01}')`,
+		"plan_write_charges": `('{o1}', '{1}', '{1}', '{o1}', '{1}', '{1}', '{0192f0c4-0000-7000-8000-000000000001}', '{k1}', '{""}', '{""}', '{2026-01-01}', '{0}', '{k1}', '{2026-01-01}', '{1}', '{k1}', '{2026-01-01}', '{1}')`,
 		"plan_claim":         `('{1}', '{o1}')`,
 		"plan_mark_settled":  `('{o1}', '{1}')`,
 		"plan_low_balance":   `('{o1}', '{1}')`,
@@ -220,7 +220,7 @@ INSERT INTO usage_pending (n, ids, orgs) SELECT count(*), array_agg(id), array_a
 	}
 	for _, id := range names {
 		p := plan(id)
-		for _, table := range []string{"usage_events", "accounts", "api_keys"} {
+		for _, table := range []string{"usage_events", "accounts", "api_keys", "key_days"} {
 			if strings.Contains(p, "Seq Scan on "+table) {
 				t.Errorf("%s: the cached plan reads all of %s:\n%s", id, table, p)
 			}

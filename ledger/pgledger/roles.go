@@ -24,15 +24,16 @@ var identRe = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 // dataTables are the tables the data role reads; dataWrites what it may change in them.
 var (
 	dataTables = []string{"ledger_meta", "accounts", "models", "api_keys", "usage_events", "usage_pending", "ledger_entries",
-		"projects", "limits", "limit_windows", "webhook_endpoints", "webhook_events", "webhook_deliveries", "schema_migrations"}
+		"projects", "limits", "limit_windows", "key_days", "webhook_endpoints", "webhook_events", "webhook_deliveries", "schema_migrations"}
 	dataWrites = []string{
 		"INSERT, UPDATE ON usage_events",
 		"INSERT, UPDATE, DELETE ON usage_pending",
 		"INSERT ON ledger_entries", // charges only: the row policy below
 		// Not INSERT: an org is made by the admin plane (usage of an org without an account, which
 		// only a custom OrgFunc can cause, waits for it).
-		"UPDATE (balance, ledger_seq, settled_seq) ON accounts",
-		"UPDATE (last_used_at) ON api_keys",
+		"UPDATE (balance, ledger_seq, settled_seq, charged) ON accounts",
+		"UPDATE (last_used_at, charged) ON api_keys",
+		"INSERT, UPDATE ON key_days",              // each key's charges per day, kept by the account pass (migration 021)
 		"UPDATE (max_cost, updated_at) ON models", // the learned max
 		"INSERT, UPDATE, DELETE ON limit_windows", // each window's spend, kept by the account pass
 		"INSERT ON webhook_events",
