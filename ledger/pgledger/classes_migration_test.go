@@ -3,7 +3,6 @@ package pgledger_test
 import (
 	"context"
 	"maps"
-	"strings"
 	"testing"
 
 	"github.com/llmescrow/escrow/internal/testutil"
@@ -22,23 +21,7 @@ func TestPriceClassesMigration(t *testing.T) {
 	t.Parallel()
 	env := testutil.Postgres(t)
 	ctx := context.Background()
-	all, err := migrations.All()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var before []migrations.Migration
-	for _, m := range all {
-		if strings.HasSuffix(m.Name, "_price_classes.up.sql") {
-			break
-		}
-		before = append(before, m)
-	}
-	if len(before) == len(all) {
-		t.Fatal("no price-classes migration")
-	}
-	if _, err := migrations.Apply(ctx, env.Pool, before); err != nil {
-		t.Fatal(err)
-	}
+	migrateBefore(t, env.Pool, "_price_classes.up.sql")
 	if _, err := env.Pool.Exec(ctx, `
 INSERT INTO models (model, input_price, cached_input_price, output_price, cache_write_input_price, cache_write_1h_input_price, default_hold) VALUES
 	('claude', 3000000, 300000, 15000000, 3750000, 0, 10), ('plain', 0, 0, 5, 0, 0, 10);

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/llmescrow/escrow/internal/testutil"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/ledger/ledgertest"
@@ -279,19 +281,7 @@ func TestPendingMigration(t *testing.T) {
 	t.Parallel()
 	env := testutil.Postgres(t)
 	ctx := context.Background()
-	all, err := migrations.All()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var before []migrations.Migration
-	for _, m := range all {
-		if m.Version < 16 {
-			before = append(before, m)
-		}
-	}
-	if _, err := migrations.Apply(ctx, env.Pool, before); err != nil {
-		t.Fatal(err)
-	}
+	migrateBefore(t, env.Pool, "_usage_pending.up.sql")
 	// The old shape: two accounted events of org a (seq 1, 2) with their entries, three pending
 	// ones of a and b, and a voided one.
 	if _, err := env.Pool.Exec(ctx, `
@@ -344,5 +334,22 @@ INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id) VALUES
 	}
 	if r, err := l.Request(ctx, "0192f0c4-0000-7000-8000-000000000006"); err != nil || r.Status != ledger.RequestVoided {
 		t.Fatalf("the voided event: %+v, %v", r, err)
+	}
+}
+
+// migrateBefore applies every migration before the one whose file name ends in suffix (a test
+// of that migration writes the old shape, then migrates the rest with migrations.Up).
+func migrateBefore(t *testing.T, pool *pgxpool.Pool, suffix string) {
+	t.Helper()
+	all, err := migrations.All()
+	if err != nil {
+		t.Fatal(err)
+	}
+	i := slices.IndexFunc(all, func(m migrations.Migration) bool { return strings.HasSuffix(m.Name, suffix) })
+	if i < 0 {
+		t.Fatalf("no migration named *%s", suffix)
+	}
+	if _, err := migrations.Apply(context.Background(), pool, all[:i]); err != nil {
+		t.Fatal(err)
 	}
 }

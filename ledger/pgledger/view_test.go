@@ -227,23 +227,7 @@ func TestViewTotalsMigrationBackfills(t *testing.T) {
 	t.Parallel()
 	env := testutil.Postgres(t)
 	ctx := context.Background()
-	all, err := migrations.All()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var before []migrations.Migration
-	for _, m := range all {
-		if strings.HasSuffix(m.Name, "_view_totals.up.sql") {
-			break
-		}
-		before = append(before, m)
-	}
-	if len(before) == len(all) {
-		t.Fatal("no view-totals migration")
-	}
-	if _, err := migrations.Apply(ctx, env.Pool, before); err != nil {
-		t.Fatal(err)
-	}
+	migrateBefore(t, env.Pool, "_view_totals.up.sql")
 	if _, err := env.Pool.Exec(ctx, `
 INSERT INTO accounts (org_id, balance, ledger_seq, settled_seq) VALUES ('b', 1000 - 5 - 7 - 11 - 13, 5, 0);
 INSERT INTO api_keys (id, hash, org_id) VALUES ('kb', sha256('kb'::bytea), 'b');
