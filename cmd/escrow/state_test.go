@@ -3,18 +3,9 @@ package main
 import (
 	"os"
 	"testing"
+
+	"github.com/llmescrow/escrow/internal/testutil"
 )
 
-// TestMain gives the tests a state directory of their own: the proxy's default journal
-// (ESCROW_JOURNAL_DIR=auto) goes under it, never under the machine's ~/.local/state.
-func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "escrow-state-")
-	if err != nil {
-		panic(err)
-	}
-	os.Unsetenv("STATE_DIRECTORY")
-	os.Setenv("XDG_STATE_HOME", dir)
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
-}
+// TestMain runs the tests with a state directory of their own (testutil.RunWithStateDir).
+func TestMain(m *testing.M) { os.Exit(testutil.RunWithStateDir(m)) }
