@@ -4,7 +4,6 @@ import (
 	"context"
 	"strings"
 	"testing"
-	"time"
 )
 
 // TestServedStreamBilledWhileLedgerStalls (issue 34, served ⇒ billed): a stream's content
@@ -37,21 +36,14 @@ func TestServedStreamBilledWhileLedgerStalls(t *testing.T) {
 		e.ledger.unstall()
 		e.ledger.waitCommitted(t)
 		// The retries land too (no-ops by id); wait until the event is accounted and settled.
-		deadline := time.Now().Add(30 * time.Second)
-		for {
+		waitFor(t, func() bool {
 			must(t, e.worker.Drain(ctx))
 			a, err := e.ledger.Account(ctx, e.org)
 			must(t, err)
 			st, err := e.store.State(ctx, e.org)
 			must(t, err)
-			if a.Balance == ledgerEnvCredit-o.Cost && st.Holds == 0 {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("never billed: ledger %+v, hot %+v", a, st)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
+			return a.Balance == ledgerEnvCredit-o.Cost && st.Holds == 0
+		}, "the served request billed once and its hold settled")
 		e.ledger.stalls.Wait()
 		e.settle(o.Cost, 1)
 	})
