@@ -79,26 +79,8 @@ func TestModelChangeReachesEveryProxy(t *testing.T) {
 // request is over the model has usage, and stays.
 func TestDeleteModelInFlight(t *testing.T) {
 	t.Parallel()
-	release := make(chan struct{})
-	var once sync.Once
-	arrived := make(chan struct{}, 1)
-	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		body, _ := io.ReadAll(r.Body)
-		if strings.Contains(string(body), "wait for me") {
-			arrived <- struct{}{}
-			<-release
-		}
-		w.Header().Set("Content-Type", "application/json")
-		_, _ = io.WriteString(w, `{"id":"c1","object":"chat.completion","model":"slow","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}`)
-	}))
-	t.Cleanup(up.Close)
-	ps := startSharedProxies(t, 2, func(c *Config) { c.UpstreamURL, c.UpstreamAPIKey = up.URL, "sk-test-upstream" })
-	// Before the proxies stop (cleanups run last first): a request still waiting ends.
-	t.Cleanup(func() { once.Do(func() { close(release) }) })
-	a, b := ps[0], ps[1]
-	key := a.setup("payer", 10_000_000, 50_000)
-	a.admin("PUT", "/models/slow", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
-		"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": 1000, "default_hold": 1000}, http.StatusOK, nil)
+	g := startGatedModel(t, false, 10_000_000)
+	a, b, key, arrived, release := g.a, g.b, g.key, g.arrived, g.release
 
 	type result struct {
 		status int
@@ -122,7 +104,7 @@ func TestDeleteModelInFlight(t *testing.T) {
 	if st != http.StatusConflict || e.Error.Code != "model_in_flight" {
 		t.Fatalf("DELETE with a request in flight: %d %s, want 409 model_in_flight", st, body)
 	}
-	once.Do(func() { close(release) })
+	release()
 	if r := <-inFlight; r.status != http.StatusOK {
 		t.Fatalf("the request in flight: %d %s", r.status, r.body)
 	}
@@ -130,4 +112,44 @@ func TestDeleteModelInFlight(t *testing.T) {
 		t.Fatalf("the model after a refused delete: %d %s", resp.StatusCode, body)
 	}
 	a.admin("GET", "/models/slow", nil, http.StatusOK, nil)
+}
+
+// gatedModel is two proxies sharing Redis and the ledger, in front of an upstream that holds
+// requests until release, and an org "payer" with a key for the model "slow" (1 per output
+// token). A request whose body says "wait for me" signals arrived when it reaches the upstream.
+type gatedModel struct {
+	a, b    *testProxy
+	key     string
+	arrived chan struct{}
+	release func() // lets every held request go (idempotent; also run at cleanup)
+}
+
+// startGatedModel starts a gatedModel: with all, every request waits for release; else only
+// the "wait for me" ones.
+func startGatedModel(t *testing.T, all bool, credit int64) gatedModel {
+	t.Helper()
+	gate := make(chan struct{})
+	var once sync.Once
+	g := gatedModel{arrived: make(chan struct{}, 1), release: func() { once.Do(func() { close(gate) }) }}
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		waits := strings.Contains(string(body), "wait for me")
+		if waits {
+			g.arrived <- struct{}{}
+		}
+		if waits || all {
+			<-gate
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"id":"c1","object":"chat.completion","model":"slow","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}`)
+	}))
+	t.Cleanup(up.Close)
+	ps := startSharedProxies(t, 2, func(c *Config) { c.UpstreamURL, c.UpstreamAPIKey = up.URL, "sk-test-upstream" })
+	// Before the proxies stop (cleanups run last first): a request still waiting ends.
+	t.Cleanup(g.release)
+	g.a, g.b = ps[0], ps[1]
+	g.key = g.a.setup("payer", credit, 50_000)
+	g.a.admin("PUT", "/models/slow", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
+		"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": 1000, "default_hold": 1000}, http.StatusOK, nil)
+	return g
 }

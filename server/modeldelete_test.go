@@ -1,10 +1,7 @@
 package server
 
 import (
-	"io"
 	"net/http"
-	"net/http/httptest"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -18,25 +15,8 @@ import (
 // usage that would refuse the DELETE for another reason); none may be refused.
 func TestDeleteModelRefusedStaysVisible(t *testing.T) {
 	t.Parallel()
-	release := make(chan struct{})
-	var once sync.Once
-	arrived := make(chan struct{}, 1)
-	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		body, _ := io.ReadAll(r.Body)
-		if strings.Contains(string(body), "wait for me") {
-			arrived <- struct{}{}
-		}
-		<-release
-		w.Header().Set("Content-Type", "application/json")
-		_, _ = io.WriteString(w, `{"id":"c1","object":"chat.completion","model":"slow","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}`)
-	}))
-	t.Cleanup(up.Close)
-	ps := startSharedProxies(t, 2, func(c *Config) { c.UpstreamURL, c.UpstreamAPIKey = up.URL, "sk-test-upstream" })
-	t.Cleanup(func() { once.Do(func() { close(release) }) })
-	a, b := ps[0], ps[1]
-	key := a.setup("payer", 100_000_000, 50_000)
-	a.admin("PUT", "/models/slow", map[string]any{"input_price": 0, "cached_input_price": 0, "output_price": 1_000_000,
-		"max_input_tokens": 100_000, "max_output_tokens": 1000, "max_cost": 1000, "default_hold": 1000}, http.StatusOK, nil)
+	g := startGatedModel(t, true, 100_000_000)
+	a, b, key, arrived, release := g.a, g.b, g.key, g.arrived, g.release
 
 	var wg sync.WaitGroup
 	var mu sync.Mutex
@@ -72,7 +52,7 @@ func TestDeleteModelRefusedStaysVisible(t *testing.T) {
 	if st != http.StatusConflict {
 		t.Fatalf("DELETE with a request in flight: %d, want 409", st)
 	}
-	once.Do(func() { close(release) })
+	release()
 	wg.Wait()
 	t.Logf("%d requests during and after the refused DELETE: %v", len(statuses), statuses)
 	a.admin("GET", "/models/slow", nil, http.StatusOK, nil)
