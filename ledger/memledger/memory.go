@@ -61,10 +61,10 @@ type keyDay struct {
 	day time.Time
 }
 
-// utcDay is t's UTC day, as midnight UTC.
+// utcDay is t's UTC day, as midnight UTC: the start of its balance.Day window.
 func utcDay(t time.Time) time.Time {
-	y, mo, d := t.UTC().Date()
-	return time.Date(y, mo, d, 0, 0, 0, 0, time.UTC)
+	start, _ := balance.Day.Bounds(t)
+	return start
 }
 
 // entryAttr is what a charge entry carries for limits.

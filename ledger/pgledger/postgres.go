@@ -655,10 +655,10 @@ type keyDay struct {
 	day time.Time
 }
 
-// utcDay is t's UTC day, as midnight UTC.
+// utcDay is t's UTC day, as midnight UTC: the start of its balance.Day window.
 func utcDay(t time.Time) time.Time {
-	y, m, d := t.UTC().Date()
-	return time.Date(y, m, d, 0, 0, 0, 0, time.UTC)
+	start, _ := balance.Day.Bounds(t)
+	return start
 }
 
 // AccountPending turns up to limit (at most 10,000) pending usage events into charge entries,

@@ -156,6 +156,7 @@ func token(s string) bool {
 
 // Windows are the starts of now's UTC day and calendar month, the windows the caps count.
 func Windows(now time.Time) (day, month time.Time) {
-	u := now.UTC()
-	return time.Date(u.Year(), u.Month(), u.Day(), 0, 0, 0, 0, time.UTC), time.Date(u.Year(), u.Month(), 1, 0, 0, 0, 0, time.UTC)
+	day, _ = balance.Day.Bounds(now)
+	month, _ = balance.Month.Bounds(now)
+	return day, month
 }
