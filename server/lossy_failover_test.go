@@ -19,8 +19,8 @@ import (
 
 // The lossy-failover test's knobs.
 const (
-	lfRich, lfPoor  = 8, 2      // orgs with plenty of money, orgs that run out
-	lfClients       = 5         // clients per org: 50 in all
+	lfRich, lfPoor  = 8, 2 // orgs with plenty of money, orgs that run out
+	lfClients       = 5    // clients per org: 50 in all
 	lfPause         = 5 * time.Millisecond
 	lfRichFunds     = 100_000_000
 	lfPoorFunds     = 650 // the warm-up (20) and then 31 requests at most
