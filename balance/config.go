@@ -20,8 +20,10 @@ const (
 	DefaultScanPause        = 10 * time.Millisecond
 	DefaultMaxBatch         = 128
 	DefaultMaxPipelines     = 4
-	DefaultWaitTimeout      = 100 * time.Millisecond
 )
+
+// defaultWaitTimeout is Config.WaitTimeout's default.
+const defaultWaitTimeout = 100 * time.Millisecond
 
 // Bounds New checks the configuration against.
 const (
@@ -90,8 +92,8 @@ type Config struct {
 	// acknowledged it (Redis WAIT, sent on the reserve's connection right after the script, in
 	// the same pipeline: one WAIT per pipeline of coalesced reserves) before the hold is
 	// granted. A hold the replicas did not acknowledge within WaitTimeout is refused with an
-	// error wrapping ErrNotReplicated and ErrRedis (the caller answers 503 and releases it, as
-	// for any reserve whose outcome is unknown), so no hold a client was told passed can be lost
+	// error wrapping ErrRedis that says so (the caller answers 503 and releases it, as for any
+	// reserve whose outcome is unknown), so no hold a client was told passed can be lost
 	// by a failover to an acknowledging replica. It costs a wait for the replica on every
 	// reserve (docs/failover.md), and every reserve is refused while fewer replicas are up.
 	// Default 0 (off: replication is asynchronous and a failover may lose the last holds; see
@@ -125,7 +127,7 @@ func (c *Config) withDefaults() Config {
 	z.ScanPause = cmp.Or(z.ScanPause, DefaultScanPause)
 	z.MaxBatch = cmp.Or(z.MaxBatch, DefaultMaxBatch)
 	z.MaxPipelines = cmp.Or(z.MaxPipelines, DefaultMaxPipelines)
-	z.WaitTimeout = cmp.Or(z.WaitTimeout, DefaultWaitTimeout)
+	z.WaitTimeout = cmp.Or(z.WaitTimeout, defaultWaitTimeout)
 	z.Logger = cmp.Or(z.Logger, slog.Default())
 	return z
 }

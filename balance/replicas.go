@@ -2,6 +2,7 @@ package balance
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -18,6 +19,12 @@ import (
 // that many replicas have acknowledged every write the connection made so far (the scripts
 // before it included), or at the timeout with how many did. A hold granted is then on the
 // replicas too.
+
+// errNotReplicated: a reserve's hold was written but fewer replicas than Config.WaitReplicas
+// acknowledged it within Config.WaitTimeout, so a failover could lose it. Reserve's error wraps
+// it with ErrRedis: the hold is not granted, and the caller releases it like that of any
+// reserve whose outcome is unknown. (Unexported: callers need only ErrRedis.)
+var errNotReplicated = errors.New("balance: hold not acknowledged by the replicas")
 
 // reserveOne runs one reserve script: alone (EVALSHA), or followed by WAIT with WaitReplicas.
 func (s *Store) reserveOne(ctx context.Context, keys []string, args []any) ([]any, error) {
@@ -38,7 +45,7 @@ func (s *Store) reserveMany(ctx context.Context, keys [][]string, args [][]any) 
 
 // reserveWaited sends the reserves to the master of their keys, one pipeline per master ending
 // with WAIT. A reserve that granted a hold (OK) whose WAIT saw fewer than WaitReplicas
-// acknowledgements gets an error wrapping ErrNotReplicated instead of its reply; so does a
+// acknowledgements gets an error wrapping errNotReplicated instead of its reply; so does a
 // DUP (a re-sent reserve finding the hold its first try wrote): that write may have been made on
 // another connection, which this connection's WAIT does not cover. Every other reply (a refusal
 // writes no hold) is passed on as it is.
@@ -137,7 +144,7 @@ func (s *Store) waitedOn(ctx context.Context, node redis.Cmdable, keys [][]strin
 	}
 }
 
-// judge turns the replies idx that granted a hold into ErrNotReplicated when w, their
+// judge turns the replies idx that granted a hold into errNotReplicated when w, their
 // pipeline's WAIT, saw fewer than WaitReplicas acknowledgements (or failed); see
 // reserveWaited. Errors of Redis itself are noted (noteErr) as for any call.
 func (s *Store) judge(idx []int, cmds []*redis.Cmd, w *redis.Cmd) {
@@ -154,13 +161,13 @@ func (s *Store) judge(idx []int, cmds []*redis.Cmd, w *redis.Cmd) {
 		status, _ := res[0].(string)
 		switch {
 		case status == "DUP":
-			cmd.SetErr(fmt.Errorf("%w: a re-sent reserve found its hold, whose write this connection's WAIT does not cover", ErrNotReplicated))
+			cmd.SetErr(fmt.Errorf("%w: a re-sent reserve found its hold, whose write this connection's WAIT does not cover", errNotReplicated))
 		case status != "OK":
 		case werr != nil:
 			s.noteErr(werr)
-			cmd.SetErr(fmt.Errorf("%w: WAIT failed: %w", ErrNotReplicated, werr))
+			cmd.SetErr(fmt.Errorf("%w: WAIT failed: %w", errNotReplicated, werr))
 		case acked < int64(s.cfg.WaitReplicas):
-			cmd.SetErr(fmt.Errorf("%w: %d of %d replicas within %v", ErrNotReplicated, acked, s.cfg.WaitReplicas, s.cfg.WaitTimeout))
+			cmd.SetErr(fmt.Errorf("%w: %d of %d replicas within %v", errNotReplicated, acked, s.cfg.WaitReplicas, s.cfg.WaitTimeout))
 		}
 	}
 }

@@ -149,11 +149,6 @@ var (
 	// the only failure for which a caller may let a request pass without a hold (fail-open):
 	// availability is traded for the overdraft bound only while the hot balance cannot answer.
 	ErrRedis = errors.New("balance: redis call failed")
-	// ErrNotReplicated: a reserve's hold was written but fewer replicas than
-	// Config.WaitReplicas acknowledged it within Config.WaitTimeout, so a failover could lose
-	// it. Reserve's error wraps it together with ErrRedis: the hold is not granted, and the
-	// caller releases it like that of any reserve whose outcome is unknown.
-	ErrNotReplicated = errors.New("balance: hold not acknowledged by the replicas")
 	// ErrLedger: the ledger failed while a cold org was being warmed (snapshot or catch-up). The
 	// org has no trustworthy hot balance, so no request of it may pass, fail-open or not.
 	ErrLedger = errors.New("balance: ledger failed")
