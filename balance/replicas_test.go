@@ -89,6 +89,71 @@ func TestWaitReplicas(t *testing.T) {
 			}
 		})
 	}
+	// A Cluster: the reserve and its WAIT go to the node of the org's slot; a stopped replica
+	// refuses the holds of its master's orgs only.
+	t.Run("Cluster", func(t *testing.T) {
+		t.Parallel()
+		cl := testutil.StartRedisCluster(t, testutil.ClusterReplicas(1))
+		ctx := context.Background()
+		l := balancetest.NewFakeLedger(1)
+		prefix := testutil.RandomName("w")
+		var orgs []string
+		for i := range 12 {
+			org := fmt.Sprintf("o%d", i)
+			l.Add(org, 1_000_000, "")
+			orgs = append(orgs, org)
+		}
+		s, err := balance.New(ctx, cl.Client(), &balance.Config{Ledger: l, Prefix: prefix, WaitReplicas: 1, WaitTimeout: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		reserveAll := func(round string) map[string]error {
+			errs := make([]error, len(orgs))
+			var wg sync.WaitGroup
+			for i, org := range orgs {
+				wg.Go(func() {
+					_, errs[i] = s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: round + "-" + org, Amount: 10})
+				})
+			}
+			wg.Wait()
+			m := map[string]error{}
+			for i, org := range orgs {
+				m[org] = errs[i]
+			}
+			return m
+		}
+		for org, err := range reserveAll("up") {
+			if err != nil {
+				t.Fatalf("reserve of %s with every replica up: %v", org, err)
+			}
+			k := balance.KeysOf(prefix, org)
+			conn := cl.ReplicaFor(k.Holds).Client().Conn() // a Cluster replica answers reads after READONLY
+			_ = conn.ReadOnly(ctx).Err()
+			ok, err := conn.HExists(ctx, k.Holds, "up-"+org).Result()
+			_ = conn.Close()
+			if err != nil || !ok {
+				t.Errorf("hold of %s granted but not on its master's replica: %v %v", org, ok, err)
+			}
+		}
+		stopped := cl.Replicas[0][0]
+		stopped.Pause()
+		defer stopped.Resume()
+		refused := 0
+		for org, err := range reserveAll("paused") {
+			onStopped := cl.ReplicaFor(balance.KeysOf(prefix, org).Holds) == stopped
+			switch {
+			case onStopped && errors.Is(err, balance.ErrNotReplicated):
+				refused++
+			case onStopped:
+				t.Errorf("reserve of %s, whose master's replica is stopped: %v, want ErrNotReplicated", org, err)
+			case err != nil:
+				t.Errorf("reserve of %s, whose master's replica runs: %v", org, err)
+			}
+		}
+		if refused == 0 {
+			t.Error("no org on the master whose replica is stopped")
+		}
+	})
 	// No replica at all: every reserve is refused.
 	t.Run("NoReplica", func(t *testing.T) {
 		t.Parallel()
