@@ -56,7 +56,7 @@ func (co *coalescer) reserve(ctx context.Context, keys []string, args []any) ([]
 		// A free slot and nobody waiting: one plain EVALSHA, as without coalescing.
 		co.inflight++
 		co.mu.Unlock()
-		res, err := co.s.run(ctx, scReserve, keys, args...).Slice()
+		res, err := co.s.reserveOne(ctx, keys, args)
 		co.mu.Lock()
 		co.inflight--
 		co.handOff()
@@ -212,7 +212,7 @@ func (co *coalescer) send(batch []*rcall) {
 	ctx := context.Background()
 	if len(batch) == 1 {
 		c := batch[0]
-		c.res, c.err = co.s.run(ctx, scReserve, c.keys, c.args...).Slice()
+		c.res, c.err = co.s.reserveOne(ctx, c.keys, c.args)
 	} else {
 		co.pipeline(ctx, batch)
 	}
@@ -230,7 +230,7 @@ func (co *coalescer) pipeline(ctx context.Context, batch []*rcall) {
 	for i, c := range batch {
 		keys[i], args[i] = c.keys, c.args
 	}
-	for i, cmd := range co.s.pipelined(ctx, scReserve, keys, args) {
+	for i, cmd := range co.s.reserveMany(ctx, keys, args) {
 		batch[i].res, batch[i].err = cmd.Slice()
 	}
 }

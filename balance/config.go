@@ -22,6 +22,9 @@ const (
 	DefaultMaxPipelines     = 4
 )
 
+// defaultWaitTimeout is Config.WaitTimeout's default.
+const defaultWaitTimeout = 100 * time.Millisecond
+
 // Bounds New checks the configuration against.
 const (
 	// minPinToHold: PinTTL must be at least this many HoldTTLs, so that a pinned hold (expiry
@@ -85,6 +88,20 @@ type Config struct {
 	// ClockOffset shifts the clock the scripts use for limit windows (never expiries): for tests
 	// only, so window rollovers are tested without a sleep. Default 0.
 	ClockOffset time.Duration
+	// WaitReplicas, when > 0, makes every reserve wait until that many replicas have
+	// acknowledged it (Redis WAIT, sent on the reserve's connection right after the script, in
+	// the same pipeline: one WAIT per pipeline of coalesced reserves) before the hold is
+	// granted. A hold the replicas did not acknowledge within WaitTimeout is refused with an
+	// error wrapping ErrRedis that says so (the caller answers 503 and releases it, as for any
+	// reserve whose outcome is unknown), so no hold a client was told passed can be lost
+	// by a failover to an acknowledging replica. It costs a wait for the replica on every
+	// reserve (docs/failover.md), and every reserve is refused while fewer replicas are up.
+	// Default 0 (off: replication is asynchronous and a failover may lose the last holds; see
+	// docs/failover.md for the bound).
+	WaitReplicas int
+	// WaitTimeout bounds each WAIT (WaitReplicas > 0); at least 1ms (WAIT 0 would block for
+	// ever). Default 100ms.
+	WaitTimeout time.Duration
 	// AllowEviction skips the maxmemory-policy noeviction check (and logs a loud warning):
 	// eviction can drop a hold and lock money, or drop a watermark.
 	AllowEviction bool
@@ -110,6 +127,7 @@ func (c *Config) withDefaults() Config {
 	z.ScanPause = cmp.Or(z.ScanPause, DefaultScanPause)
 	z.MaxBatch = cmp.Or(z.MaxBatch, DefaultMaxBatch)
 	z.MaxPipelines = cmp.Or(z.MaxPipelines, DefaultMaxPipelines)
+	z.WaitTimeout = cmp.Or(z.WaitTimeout, defaultWaitTimeout)
 	z.Logger = cmp.Or(z.Logger, slog.Default())
 	return z
 }
@@ -134,6 +152,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("%w: MaxInFlight (%d) must be ≥ 1", ErrConfig, c.MaxInFlight)
 	case c.ModelMaxCacheTTL < 0 || c.ScanPause < 0:
 		return fmt.Errorf("%w: ModelMaxCacheTTL (%v) and ScanPause (%v) must be ≥ 0", ErrConfig, c.ModelMaxCacheTTL, c.ScanPause)
+	case c.WaitReplicas < 0 || c.WaitTimeout < time.Millisecond:
+		return fmt.Errorf("%w: WaitReplicas (%d) must be ≥ 0 and WaitTimeout (%v) ≥ 1ms", ErrConfig, c.WaitReplicas, c.WaitTimeout)
 	case !validPrefix(c.Prefix):
 		return fmt.Errorf("%w: prefix %q: 1 to 64 printable ASCII bytes, none of {}*?[]\\ or space", ErrConfig, c.Prefix)
 	}

@@ -381,7 +381,7 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 		if s.co != nil {
 			res, err = s.coalescerFor(ctx, keys[0]).reserve(ctx, keys, args)
 		} else {
-			res, err = s.run(ctx, scReserve, keys, args...).Slice()
+			res, err = s.reserveOne(ctx, keys, args)
 		}
 		if err != nil {
 			return Reservation{}, fmt.Errorf("balance: reserve: %w: %w", ErrRedis, err)

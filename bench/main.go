@@ -56,6 +56,7 @@ type options struct {
 	profileDir  string
 	wrkDuration time.Duration
 	wrkOnly     bool
+	waitOnly    bool
 	wrkRun      string
 	before      string
 }
@@ -77,6 +78,7 @@ func main() {
 	flag.DurationVar(&o.wrkDuration, "wrk-duration", 6*time.Second, "measured time of each wrk scenario (split into -rounds rounds, in turns); 0: no wrk table")
 	flag.BoolVar(&o.pgOnly, "pg-only", false, "run only the Postgres limit rows (usage-event inserts, the Recorder, the accounting pipeline with its WAL records per event) and print them; -pg-runs N repeats them")
 	flag.IntVar(&o.pgRuns, "pg-runs", 1, "with -pg-only: how many times the Postgres rows are measured (each in a fresh schema)")
+	flag.BoolVar(&o.waitOnly, "wait-only", false, "run only the WAIT rows: reserve+settle on a private master + replica (redis-server started by the bench) without and with WAIT 1 after each reserve (docs/failover.md)")
 	flag.BoolVar(&o.wrkOnly, "wrk-only", false, "run only the wrk side by side (the proxies, no limits, no Go load, no settle lag)")
 	flag.StringVar(&o.wrkRun, "wrk-run", "", "a regexp: run only the wrk rows whose name matches it (each keeps its middleware-off row), e.g. '100 orgs' or '-c1'")
 	flag.StringVar(&o.before, "before", "", "a checkout of an earlier escrow (e.g. a git worktree of main): its proxy is built too and measured in the same wrk rounds, as the 'before' rows")

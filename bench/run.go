@@ -22,15 +22,28 @@ func run(ctx context.Context, o options) error {
 	if o.pgOnly {
 		return r.pgOnly(ctx)
 	}
+	if o.waitOnly {
+		w, err := measureWait(ctx, o)
+		if err != nil {
+			return fmt.Errorf("wait: %w", err)
+		}
+		printWait(w)
+		return nil
+	}
 	if err := r.build(ctx); err != nil {
 		return err
 	}
 	lim := &limits{}
+	var wait *waitCost
 	var err error
 	if !o.wrkOnly {
 		fmt.Fprintln(os.Stderr, "limits: Redis (interleaved rounds), then Postgres …")
 		if lim, err = measureLimits(ctx, o, o.redisURL, r.limURL, r.prefix+"l"); err != nil {
 			return fmt.Errorf("limits: %w", err)
+		}
+		fmt.Fprintln(os.Stderr, "WAIT for a replica: private master + replica …")
+		if wait, err = measureWait(ctx, o); err != nil {
+			return fmt.Errorf("wait: %w", err)
 		}
 	}
 	if ctx.Err() != nil {
@@ -59,6 +72,7 @@ func run(ctx context.Context, o options) error {
 		return ctx.Err()
 	}
 	printTable(lim, scs, lags)
+	printWait(wait)
 	printGoals(os.Stdout, r.wrkRows, lim, scs, lags, r.o)
 	fmt.Printf("%s\nbench took %s\n", r.machine, time.Since(began).Round(time.Second))
 	return nil

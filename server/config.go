@@ -67,6 +67,13 @@ type Config struct {
 	KeyCacheTTL     time.Duration
 	KeyMaxStale     time.Duration
 	KeyFailures     int
+
+	// RedisWaitReplicas > 0: each reserve waits (Redis WAIT, RedisWaitTimeout at most) until
+	// that many replicas acknowledged its hold, else 503 (balance.Config.WaitReplicas;
+	// docs/failover.md).
+	RedisWaitReplicas int64
+	RedisWaitTimeout  time.Duration
+
 	// The customer views (server/view.go, issue 34): their Postgres pool's size and statement
 	// timeout, and each key's token bucket (ViewRate a second, ViewBurst at most; 0: no limit).
 	ViewConns   int
@@ -195,6 +202,8 @@ func (c *Config) settings() []setting {
 		{"ESCROW_FIT_CHAT_FIELD", "fit-chat-field", "max_completion_tokens", "the cap field fit adds to a chat completion that has none: max_completion_tokens, or max_tokens for an upstream that knows only that", oneOf(&c.FitChatField, "max_completion_tokens", "max_tokens")},
 		{"ESCROW_END_USER_HEADER", "end-user-header", "", "the request header that names the end user (limits of scope end_user, usage by end user), for a gateway in front of escrow that knows its users; empty: the body's OpenAI user field or Anthropic metadata.user_id", str(&c.EndUserHeader)},
 		{"ESCROW_REQUIRE_END_USER", "require-end-user", "false", "refuse (400, nothing held) a priced request that names no end user; false: it is served and counted by no end-user limit", boolean(&c.RequireEndUser)},
+		{"ESCROW_REDIS_WAIT_REPLICAS", "redis-wait-replicas", "0", "each reserve waits until this many Redis replicas acknowledged its hold (WAIT, in the reserve's pipeline) and is refused with 503 (hold released) when they did not within the wait timeout: no hold a client was told passed is lost by a failover to such a replica, at the cost of a replica round trip per reserve (docs/failover.md); 0: off (replication asynchronous)", integer(&c.RedisWaitReplicas, 0)},
+		{"ESCROW_REDIS_WAIT_TIMEOUT", "redis-wait-timeout", "100ms", "with ESCROW_REDIS_WAIT_REPLICAS, how long a reserve waits for the replicas", dur(&c.RedisWaitTimeout)},
 		{"ESCROW_RESERVE_TIMEOUT", "reserve-timeout", "1s", "bound on a request's reserve call to Redis; past it the client gets 503 and the hold, if it was taken unseen, is released", dur(&c.ReserveTimeout)},
 		{"ESCROW_KEY_CACHE_TTL", "key-cache-ttl", "5s", "how long an API key look-up is trusted; a revoked key stops within it, also while Postgres is down (revocations go through Redis)", dur(&c.KeyCacheTTL)},
 		{"ESCROW_KEY_MAX_STALE", "key-max-stale", "10m", "while Postgres is down, a known key keeps working for this long after its last look-up (unless revoked)", dur(&c.KeyMaxStale)},

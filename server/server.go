@@ -247,6 +247,9 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			// failing its whole batch at once (a 2,000-way burst under the race detector did).
 			NoCoalesce:  !cfg.Coalesce || embedded,
 			ClockOffset: cfg.limitClock,
+			// int64 in the configuration (its integer parser); a count of replicas in balance.
+			WaitReplicas: int(min(cfg.RedisWaitReplicas, 1<<16)),
+			WaitTimeout:  cfg.RedisWaitTimeout,
 		},
 		Worker: accounting.WorkerConfig{
 			SweepInterval:     cfg.SweepInterval,

@@ -100,7 +100,20 @@ func StartFaultProxy(tb testing.TB, target string) *FaultProxy {
 func (p *FaultProxy) Addr() string { return p.ln.Addr().String() }
 
 // Target is the address the proxy forwards to.
-func (p *FaultProxy) Target() string { return p.target }
+func (p *FaultProxy) Target() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.target
+}
+
+// SetTarget makes the connections accepted from now on go to target (a loopback address), like
+// a service address or DNS name moved to another server after a failover; connections already
+// open stay with the old target (Cut them to move every client).
+func (p *FaultProxy) SetTarget(target string) {
+	p.mu.Lock()
+	p.target = target
+	p.mu.Unlock()
+}
 
 // SetDelay holds every reply chunk d before passing it to the client (0 turns it off). It acts
 // on chunks read after the call.
@@ -305,7 +318,10 @@ func (p *FaultProxy) serve(pc *proxyConn) {
 	if !p.gate(pc) {
 		return
 	}
-	server, err := net.DialTimeout("tcp", p.target, faultDialTimeout)
+	p.mu.Lock()
+	target := p.target
+	p.mu.Unlock()
+	server, err := net.DialTimeout("tcp", target, faultDialTimeout)
 	if err != nil {
 		return
 	}

@@ -473,3 +473,28 @@ func wantTimeout(t *testing.T, c net.Conn, msg, what string) {
 		t.Fatalf("%s: want a timeout, got %v", what, err)
 	}
 }
+
+// TestFaultProxySetTarget: connections accepted after SetTarget go to the new target; the ones
+// already open stay with the old one.
+func TestFaultProxySetTarget(t *testing.T) {
+	t.Parallel()
+	a, b := startEcho(t), startEcho(t)
+	p := StartFaultProxy(t, a.ln.Addr().String())
+	old := dial(t, p.Addr())
+	if got, err := roundTrip(old, "one", 10*time.Second); err != nil || got != "one" {
+		t.Fatalf("before SetTarget: %q %v", got, err)
+	}
+	p.SetTarget(b.ln.Addr().String())
+	if p.Target() != b.ln.Addr().String() {
+		t.Fatalf("Target() = %s after SetTarget(%s)", p.Target(), b.ln.Addr())
+	}
+	if got, err := roundTrip(dial(t, p.Addr()), "two", 10*time.Second); err != nil || got != "two" {
+		t.Fatalf("new connection: %q %v", got, err)
+	}
+	if got, err := roundTrip(old, "old", 10*time.Second); err != nil || got != "old" {
+		t.Fatalf("old connection: %q %v", got, err)
+	}
+	if a.received.Load() != int64(len("one")+len("old")) || b.received.Load() != int64(len("two")) {
+		t.Fatalf("old target got %d bytes, new %d; want 6 and 3", a.received.Load(), b.received.Load())
+	}
+}
