@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"slices"
 	"strconv"
@@ -119,17 +120,32 @@ func TestEndUserCountersOnlyForHoldsThatPassed(t *testing.T) {
 			http.StatusCreated, nil)
 		p.admin("POST", "/orgs/acme/limits", map[string]any{"scope": "end_user", "window": "lifetime", "cap": 10},
 			http.StatusCreated, nil)
+		// send may run on any goroutine: a transport error is a status 0, never a t.Fatal
 		send := func(user, content string, maxTokens int, hdr map[string]string) (int, string) {
 			body := `{"model":"m","max_tokens":` + strconv.Itoa(maxTokens) + `,"messages":[{"role":"user","content":"` + content + `"}],"user":"` + user + `"}`
-			resp, b := p.send("/v1/chat/completions", k.Key, body, hdr)
-			return resp.StatusCode, b
+			req, err := http.NewRequest(http.MethodPost, p.base+"/v1/chat/completions", strings.NewReader(body))
+			if err != nil {
+				return 0, err.Error()
+			}
+			req.Header.Set("Authorization", "Bearer "+k.Key)
+			req.Header.Set("Content-Type", "application/json")
+			for h, v := range hdr {
+				req.Header.Set(h, v)
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				return 0, err.Error()
+			}
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(resp.Body)
+			return resp.StatusCode, string(b)
 		}
 		var wg sync.WaitGroup
 		errs := make(chan string, 400)
 		for w := range 8 {
 			wg.Go(func() {
 				for i := w; i < 300; i += 8 {
-					if st, b := send(fmt.Sprintf("failing-%03d@example.com", i), "[fail]", 5, nil); st < 400 {
+					if st, b := send(fmt.Sprintf("failing-%03d@example.com", i), "[fail]", 5, nil); st < 400 || st == http.StatusServiceUnavailable {
 						errs <- fmt.Sprintf("a failing request answered %d %s", st, b)
 					}
 				}
