@@ -737,9 +737,11 @@ func (s *simulator) checkCounters(step int, o string, wm int64) {
 	u, err := s.store.Counters(s.ctx, o)
 	s.must(err)
 	held := map[string]int64{} // counter field → what the live holds hold on it
+	named := map[string]bool{} // counter fields some live hold names
 	for _, r := range s.holdRecs(o) {
 		for i, f := range r.fields {
 			held[f] += r.holding(i)
+			named[f] = true
 		}
 	}
 	s.b(o, wm) // the entries up to wm, cached
@@ -774,6 +776,11 @@ func (s *simulator) checkCounters(step int, o string, wm int64) {
 			}
 			want += held[field]
 			got, ok := u[c]
+			// issue 34: an end user's counter at 0 that no live hold names is state a request
+			// that cost nothing left behind
+			if eu != "" && ok && got == 0 && !named[field] {
+				s.t.Fatalf("seed %d step %d: org %s: end user's counter %s kept at 0", s.seed, step, o, field)
+			}
 			if got != want || (!ok && want != 0) {
 				s.t.Fatalf("seed %d step %d: org %s: counter %s (%s %s %s) = %d (present %v), want %d (entries to wm %d + live holds %d)",
 					s.seed, step, o, field, l.Scope, l.Window, l.Unit, got, ok, want, wm, held[field])

@@ -70,13 +70,39 @@ func reap(t *testing.T, s *balance.Store, org string) int {
 
 // TestKeepAlive: a kept-alive hold outlives several HoldTTLs (a reaper finds nothing to
 // release), a hold whose keep-alive was stopped expires and is reaped, and a stopped Lease is
-// stopped for good.
+// stopped for good. Each reap waits, on the Redis clock, until the expiry it tests has passed
+// (never a sleep of a guessed length); the TTL leaves the keep-alive, which extends every TTL/3,
+// more than a second of slack on a loaded machine.
 func TestKeepAlive(t *testing.T) {
 	t.Parallel()
+	const ttl = 2 * time.Second
 	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
 		t.Parallel()
-		s, org := keepAliveStore(t, env, env.Client, keepAliveTTL)
+		ctx := context.Background()
+		s, org := keepAliveStore(t, env, env.Client, ttl)
 		reserveN(t, s, org, "kept", "stopped")
+		hexp := balance.KeysOf(env.Prefix, org).Hexp
+		expiry := func(id string) int64 {
+			t.Helper()
+			v, err := env.Client.ZScore(ctx, hexp, id).Result()
+			if err != nil {
+				t.Fatalf("expiry of %s: %v", id, err)
+			}
+			return int64(v)
+		}
+		// pastOnRedis waits until the Redis clock is past ms (by more than the reap grace).
+		pastOnRedis := func(ms int64) {
+			t.Helper()
+			for deadline := time.Now().Add(time.Minute); ; time.Sleep(20 * time.Millisecond) {
+				now, err := env.Client.Time(ctx).Result()
+				if err == nil && now.UnixMilli() > ms+10 {
+					return
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("the Redis clock never passed %d: %v %v", ms, now, err)
+				}
+			}
+		}
 		lost := make(chan error, 2)
 		kept, err := s.KeepAlive(org, "kept", func(err error) { lost <- err })
 		if err != nil {
@@ -90,15 +116,17 @@ func TestKeepAlive(t *testing.T) {
 		stopped.Stop()
 		stopped.Stop() // twice is fine
 
-		time.Sleep(3 * keepAliveTTL)
+		// Two TTLs past the reserve: the kept hold lives only if it was extended (at least
+		// twice); the stopped one expired a TTL ago.
+		pastOnRedis(expiry("stopped") + ttl.Milliseconds())
 		if n := reap(t, s, org); n != 1 {
 			t.Fatalf("reaped %d holds, want 1 (the stopped one)", n)
 		}
-		if st, err := s.State(context.Background(), org); err != nil || st.Holds != 1 {
+		if st, err := s.State(ctx, org); err != nil || st.Holds != 1 {
 			t.Fatalf("state %+v %v: want the kept hold alone", st, err)
 		}
 		kept.Stop()
-		time.Sleep(keepAliveTTL + 50*time.Millisecond)
+		pastOnRedis(expiry("kept")) // its last extension's expiry: nothing extends it now
 		if n := reap(t, s, org); n != 1 {
 			t.Fatalf("reaped %d holds after the keep-alive stopped, want 1", n)
 		}

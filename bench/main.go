@@ -59,6 +59,12 @@ type options struct {
 	waitOnly    bool
 	wrkRun      string
 	before      string
+
+	// the views row (views.go, issue 34)
+	viewsRows                             int64
+	viewsOrgs, viewsClients, viewsPollers int
+	viewsDuration                         time.Duration
+	viewsOnly                             bool
 }
 
 func main() {
@@ -82,6 +88,12 @@ func main() {
 	flag.BoolVar(&o.wrkOnly, "wrk-only", false, "run only the wrk side by side (the proxies, no limits, no Go load, no settle lag)")
 	flag.StringVar(&o.wrkRun, "wrk-run", "", "a regexp: run only the wrk rows whose name matches it (each keeps its middleware-off row), e.g. '100 orgs' or '-c1'")
 	flag.StringVar(&o.before, "before", "", "a checkout of an earlier escrow (e.g. a git worktree of main): its proxy is built too and measured in the same wrk rounds, as the 'before' rows")
+	flag.Int64Var(&o.viewsRows, "views-rows", 1_000_000, "views row: charges in the polling org's ledger (0: no views row)")
+	flag.IntVar(&o.viewsOrgs, "views-orgs", 20, "views row: orgs that stream while the pollers poll")
+	flag.IntVar(&o.viewsClients, "views-clients", 32, "views row: streaming clients")
+	flag.IntVar(&o.viewsPollers, "views-pollers", 40, "views row: clients polling every customer view (a key each, one org)")
+	flag.DurationVar(&o.viewsDuration, "views-duration", 24*time.Second, "views row: measured time, half without and half with the pollers, in -rounds turns")
+	flag.BoolVar(&o.viewsOnly, "views-only", false, "run only the views row (the customer views of an org of -views-rows charges polled while other orgs stream)")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

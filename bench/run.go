@@ -33,6 +33,15 @@ func run(ctx context.Context, o options) error {
 	if err := r.build(ctx); err != nil {
 		return err
 	}
+	if o.viewsOnly {
+		v, err := r.views(ctx)
+		if err != nil {
+			return fmt.Errorf("views: %w", err)
+		}
+		printViews(v, o)
+		fmt.Printf("%s\nbench took %s\n", r.machine, time.Since(began).Round(time.Second))
+		return nil
+	}
 	lim := &limits{}
 	var wait *waitCost
 	var err error
@@ -71,9 +80,16 @@ func run(ctx context.Context, o options) error {
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
+	var views *viewsResult
+	if o.viewsRows > 0 { // after the others: its proxy has the machine to itself
+		if views, err = r.views(ctx); err != nil {
+			return fmt.Errorf("views: %w", err)
+		}
+	}
 	printTable(lim, scs, lags)
 	printWait(wait)
 	printGoals(os.Stdout, r.wrkRows, lim, scs, lags, r.o)
+	printViews(views, o)
 	fmt.Printf("%s\nbench took %s\n", r.machine, time.Since(began).Round(time.Second))
 	return nil
 }

@@ -14,6 +14,9 @@
 --   hold := cost, token hold := tokens (the record keeps its reserve time and counters, marked
 --   finished),
 --   hexp -> hfin.
+-- A per-end-user counter the hold held 0 on (an exempt hold's money, a token hold of 0) that is
+-- missing is re-created with the real cost or count: it went at zero when the other holds on it
+-- ended (release.lua), and this hold still counts there.
 -- bal + sum(holds) is unchanged, so the invariant holds; settle later gives the hold (now the
 -- cost) back and applies the entry's delta as for any hold. A zero cost leaves a zero hold, so
 -- that settle still tombstones its id. Money moves only with HINCRBY on the stored and argument
@@ -49,7 +52,11 @@ for i = 2, #ARGV - 2, 3 do
       end
       move_hold(KEYS[5], fs, us, neg(a), nil, neg(tk))
       local c, n = ARGV[i + 1], ARGV[i + 2]
-      move_hold(KEYS[5], fs, us, c ~= '0' and c or nil, nil, n ~= '0' and n or nil)
+      -- a counter the hold held 0 on may have gone at zero meanwhile (lib/limits move_hold)
+      move_hold(KEYS[5], fs, us, c ~= '0' and c or nil, nil, n ~= '0' and n or nil, {m = a == '0', t = tk == '0'})
+      if c == '0' or n == '0' then
+        move_hold(KEYS[5], fs, us, nil, nil, nil, nil, true) -- a request that cost nothing: no field left at 0
+      end
     end
     redis.call('HSET', KEYS[2], id, hold_record(ARGV[i + 1], rt, '1', fs, hk, hp, us, ARGV[i + 2], heu))
     local exp = redis.call('ZSCORE', KEYS[3], id)

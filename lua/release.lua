@@ -11,7 +11,8 @@
 -- subtract it). The id goes into gone either way, so a late re-sent reserve meets GONE.
 -- Counters: U -= what the hold holds there (its amount, 1 request, its tokens) on the counters
 -- the record names, only while acct exists (without acct there is no u to keep: it went with
--- acct).
+-- acct). A per-end-user counter that goes back to 0 is deleted (lib/limits hold_out): a request
+-- that failed leaves no field for its end user; a missing counter reads as 0.
 -- Reply: 1 if this call deleted the hold, else 0.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

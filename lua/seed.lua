@@ -80,7 +80,7 @@ for i = 7, 6 + 2 * n, 2 do
       if ws then
         local head = v_id .. ':' .. ms_string(ws) .. ':'
         for field, used in pairs(groups) do
-          if string.sub(field, 1, #head) == head then
+          if string.sub(field, 1, #head) == head and used ~= '0' then -- no end user's counter at 0
             redis.call('HSET', KEYS[4], field, used)
           end
         end

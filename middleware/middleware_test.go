@@ -566,14 +566,32 @@ func TestFailOpen(t *testing.T) {
 	}
 }
 
+// TestHoldExtendedWhileRunning: a request that runs past its hold's first expiry keeps its hold
+// (the keep-alive extends it), so a reaper then finds nothing to release. The upstream waits, on
+// the Redis clock, until that first expiry has passed (an event, not a sleep of a guessed
+// length); the TTL leaves the keep-alive, which extends every TTL/3, seconds of slack on a
+// loaded machine.
 func TestHoldExtendedWhileRunning(t *testing.T) {
 	t.Parallel()
-	ttl := 300 * time.Millisecond
+	ttl := 3 * time.Second
 	e := newEnv(t, envOpt{storeCfg: func(c *balance.Config) { c.HoldTTL = ttl; c.PinTTL = time.Hour; c.ReapGrace = time.Millisecond }})
 	reaped := make(chan int, 1)
 	e.setUpstream(func(w http.ResponseWriter, r *http.Request, body []byte) {
-		time.Sleep(3 * ttl) // well past the hold's first expiry
-		n, err := e.store.Reap(context.Background(), e.org)
+		ctx := context.Background()
+		rdb := e.redis.Client
+		holds, err := rdb.ZRangeWithScores(ctx, balance.KeysOf(e.redis.Prefix, e.org).Hexp, 0, -1).Result()
+		if err != nil || len(holds) != 1 {
+			reaped <- -1
+			fakeOpenAI(w, r, body)
+			return
+		}
+		first := int64(holds[0].Score) // the hold's expiry when the request reached the upstream
+		for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+			if now, err := rdb.Time(ctx).Result(); err == nil && now.UnixMilli() > first+50 {
+				break
+			}
+		}
+		n, err := e.store.Reap(ctx, e.org)
 		if err != nil {
 			n = -1
 		}

@@ -2,8 +2,13 @@ package server
 
 import (
 	"context"
+	"fmt"
+	"io"
 	"net/http"
+	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/llmescrow/escrow/balance"
@@ -98,4 +103,108 @@ func TestEndUsersProxy(t *testing.T) {
 	}
 	t.Run("real", func(t *testing.T) { t.Parallel(); run(t, true) })
 	t.Run("embedded", func(t *testing.T) { t.Parallel(); run(t, false) })
+}
+
+// TestEndUserCountersOnlyForHoldsThatPassed (issue 34, item 2), over HTTP on real Redis and
+// Postgres and on the embedded parts: 300 requests, each naming a new end user, under two limits
+// of each end user apart (requests a day, money for a lifetime) all fail upstream (nothing is
+// charged), and 40 more new end users are refused by their own lifetime cap before the upstream
+// is called. Afterwards no per-end-user counter field is left in Redis: a hold that cost nothing
+// takes the field it created with it, and a refusal creates none. One served request then
+// leaves exactly its end user's two counters, with its cost and its 1 request.
+func TestEndUserCountersOnlyForHoldsThatPassed(t *testing.T) {
+	t.Parallel()
+	run := func(t *testing.T, real bool) {
+		p, k := rateProxy(t, real, 1_000_000)
+		p.admin("POST", "/orgs/acme/limits", map[string]any{"scope": "end_user", "window": "day", "unit": "requests", "cap": 5},
+			http.StatusCreated, nil)
+		p.admin("POST", "/orgs/acme/limits", map[string]any{"scope": "end_user", "window": "lifetime", "cap": 10},
+			http.StatusCreated, nil)
+		// send may run on any goroutine: a transport error is a status 0, never a t.Fatal
+		send := func(user, content string, maxTokens int, hdr map[string]string) (int, string) {
+			body := `{"model":"m","max_tokens":` + strconv.Itoa(maxTokens) + `,"messages":[{"role":"user","content":"` + content + `"}],"user":"` + user + `"}`
+			req, err := http.NewRequest(http.MethodPost, p.base+"/v1/chat/completions", strings.NewReader(body))
+			if err != nil {
+				return 0, err.Error()
+			}
+			req.Header.Set("Authorization", "Bearer "+k.Key)
+			req.Header.Set("Content-Type", "application/json")
+			for h, v := range hdr {
+				req.Header.Set(h, v)
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				return 0, err.Error()
+			}
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(resp.Body)
+			return resp.StatusCode, string(b)
+		}
+		var wg sync.WaitGroup
+		errs := make(chan string, 400)
+		for w := range 8 {
+			wg.Go(func() {
+				for i := w; i < 300; i += 8 {
+					if st, b := send(fmt.Sprintf("failing-%03d@example.com", i), "[fail]", 5, nil); st < 400 || st == http.StatusServiceUnavailable {
+						errs <- fmt.Sprintf("a failing request answered %d %s", st, b)
+					}
+				}
+				for i := w; i < 40; i += 8 {
+					// a hold of 20 > the lifetime cap of 10: refused before the upstream
+					if st, b := send(fmt.Sprintf("refused-%03d", i), "hi", 20, map[string]string{"x-escrow-fit": "off"}); st != http.StatusTooManyRequests {
+						errs <- fmt.Sprintf("an over-cap request answered %d %s", st, b)
+					}
+				}
+			})
+		}
+		wg.Wait()
+		close(errs)
+		for e := range errs {
+			t.Fatal(e)
+		}
+		p.settled("acme")
+		ks := balance.KeysOf(p.app.cfg.Prefix, "acme")
+		ctx := context.Background()
+		endUserFields := func() map[string]string {
+			all, err := p.app.rdb.HGetAll(ctx, ks.U).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			out := map[string]string{}
+			for f, v := range all {
+				if strings.Count(f, ":") >= 2 { // '<limit id>:<window start>:<end user>'
+					out[f] = v
+				}
+			}
+			return out
+		}
+		if left := endUserFields(); len(left) != 0 {
+			t.Fatalf("%d per-end-user counter fields left by requests that cost nothing, e.g. %v", len(left), first(left))
+		}
+		if st, b := send("served", "hi", 5, nil); st != http.StatusOK {
+			t.Fatalf("served: %d %s", st, b)
+		}
+		p.settled("acme")
+		got := endUserFields()
+		var used []string
+		for f, v := range got {
+			if !strings.HasSuffix(f, ":served") {
+				t.Fatalf("field %s=%s of another end user", f, v)
+			}
+			used = append(used, v)
+		}
+		slices.Sort(used)
+		if len(used) != 2 || used[0] != "1" || used[1] != "5" {
+			t.Fatalf("the served end user's counters %v, want 1 request and a cost of 5", got)
+		}
+	}
+	t.Run("real", func(t *testing.T) { t.Parallel(); run(t, true) })
+	t.Run("embedded", func(t *testing.T) { t.Parallel(); run(t, false) })
+}
+
+func first(m map[string]string) string {
+	for k, v := range m {
+		return k + "=" + v
+	}
+	return ""
 }

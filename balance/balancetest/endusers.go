@@ -3,6 +3,7 @@ package balancetest
 import (
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -308,4 +309,62 @@ func exerciseEndUserRequired(t *testing.T, env Env) {
 			t.Fatalf("limit %s requiring an end user: %v, want ErrInvalidLimits", l.ID, err)
 		}
 	}
+}
+
+// Issue 34: per-end-user state only for holds that passed. A hold that ends without a cost
+// (released, reaped, or finished at 0) takes the per-end-user counters it leaves at 0 with it, so
+// end users whose requests failed leave nothing in Redis; a refusal writes none. A hold that held
+// 0 on a counter (a token hold of 0) still counts there when it finishes, even after the field
+// went at zero with another hold's end: finish re-creates it with the real count.
+func exerciseEndUserNothingLeftAtZero(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{
+		{ID: "money", Scope: eachEndUserScope, Window: balance.Lifetime, Cap: 10_000},
+		unitLimit("req", eachEndUserScope, balance.Day, 100, balance.Requests),
+		unitLimit("tok", eachEndUserScope, balance.Day, 1_000, balance.Tokens),
+	}})
+	ownFields := func() map[string]int64 {
+		out := map[string]int64{}
+		for f, v := range x.u() {
+			if strings.Count(f, ":") >= 2 {
+				out[f] = v
+			}
+		}
+		return out
+	}
+	for i := range 20 {
+		id, eu := fmt.Sprintf("f%d", i), fmt.Sprintf("failing-%d", i)
+		x.mustReserveEU(x.s, id, "k1", eu, 1_000, 40)
+		if i%2 == 0 {
+			x.mustRelease(id) // the upstream failed
+		} else if !x.finish(id, 0) { // answered, and cost nothing
+			t.Fatalf("finish %s", id)
+		}
+		x.counters()
+	}
+	x.refusedBy("money", "r1", "k1", "refused", 10_001, 40)
+	for f, v := range ownFields() {
+		// a request answered at no cost still counts 1 request; nothing else is left
+		if !strings.HasPrefix(f, "req:") || v != 1 || !strings.Contains(f, ":failing-") {
+			t.Fatalf("per-end-user counter %s = %d left by a request that cost nothing", f, v)
+		}
+		if n, _ := strconv.Atoi(f[strings.LastIndex(f, "-")+1:]); n%2 == 0 {
+			t.Fatalf("per-end-user counter %s left by a request that failed", f)
+		}
+	}
+
+	// alice: a hold with a token hold of 0 and one of 50; the second ends, the tokens counter
+	// goes at zero; the first then finishes with 30 tokens, which its counter must show.
+	x.mustReserveEU(x.s, "a0", "k1", "alice", 1_000, 0)
+	x.mustReserveEU(x.s, "a1", "k1", "alice", 1_000, 50)
+	x.mustRelease("a1")
+	tok := field("tok", balance.Day.StartMS(x.redisNow())) + ":alice"
+	if _, ok := ownFields()[tok]; ok {
+		t.Fatalf("alice's tokens counter kept at 0")
+	}
+	if n, err := x.s.FinishBatch(x.ctx, []balance.Finish{{Org: x.org, HoldID: "a0", Cost: 700, Tokens: 30}}); n != 1 || err != nil {
+		t.Fatalf("finish a0: %d %v", n, err)
+	}
+	eq(t, "alice's tokens after a0's finish", ownFields()[tok], 30)
+	x.counters()
 }

@@ -182,11 +182,19 @@ func (x *h) counters() {
 			// One counter per end user: each one of the current window holds its end user's
 			// entries and holds.
 			head := field(lim.ID, start) + ":"
-			for f, got := range u {
+			fields := map[string]bool{}
+			for f := range u {
+				fields[f] = true
+			}
+			for f := range held {
+				fields[f] = true // a field gone at zero while a hold still counts there reads 0
+			}
+			for f := range fields {
 				eu, ok := strings.CutPrefix(f, head)
 				if !ok {
 					continue
 				}
+				got := u[f]
 				if want := x.l.UsedBy(x.org, lim.ID, start, eu, st.Watermark) + held[f]; got != want {
 					x.t.Fatalf("counter invariant broken for %s: U = %d, ledger %d + holds %d",
 						f, got, x.l.UsedBy(x.org, lim.ID, start, eu, st.Watermark), held[f])
@@ -244,6 +252,7 @@ func runLimits(t *testing.T, env Env) {
 	t.Run("EndUserMovesAndSeed", func(t *testing.T) { exerciseEndUserMovesAndSeed(t, env) })
 	t.Run("NewEndUserLimitCountsHoldsInFlight", func(t *testing.T) { exerciseNewEndUserLimitCountsHolds(t, env) })
 	t.Run("EndUserCountersTrimmed", func(t *testing.T) { exerciseEndUserCountersTrimmed(t, env) })
+	t.Run("EndUserNothingLeftAtZero", func(t *testing.T) { exerciseEndUserNothingLeftAtZero(t, env) })
 	t.Run("EndUserInvalid", func(t *testing.T) { exerciseEndUserInvalid(t, env) })
 	t.Run("EndUserRequired", func(t *testing.T) { exerciseEndUserRequired(t, env) })
 	t.Run("NewUnitLimitCountsHoldsInFlight", func(t *testing.T) { exerciseNewUnitLimitCountsHoldsInFlight(t, env) })

@@ -248,6 +248,14 @@ inline CHECK() {
      od
   :: else
   fi;
+  /* ---- issue 34: per-end-user state only for holds that passed ---- */
+  te = 0;
+  do
+  :: te < 2*NEU -> assert(!(uexE[te] && UE[te] == 0)); te++   /* no end user's counter kept at zero */
+  :: else -> break
+  od;
+  te = 0;
+  /* ---- end issue 34 ---- */
   ti = 0;
   do
   :: ti < NR -> assert(!(hp[ti] && hend[ti] && !tlost[ti])); ti++   /* no hold revived after its end */
@@ -301,7 +309,14 @@ inline UADDE(e, w, d) {
  * conditional expression) */
 inline UOUT(r) {
   tx = HTOK(r); te = EU(r);
-  UADD(hwin[r], -hamt[r]); UADDT(hwin[r], -tx); UADDE(te, hwin[r], -hamt[r])
+  UADD(hwin[r], -hamt[r]); UADDT(hwin[r], -tx); UADDE(te, hwin[r], -hamt[r]);
+  /* issue 34: an end user's counter that a hold's end leaves at 0 goes (lib/limits hold_out):
+   * a request that cost nothing leaves no field; a missing counter reads as 0 */
+#ifndef M_EUZERO
+  if :: hwin[r] < NOWIN && uexE[EF(te, hwin[r])] && UE[EF(te, hwin[r])] == 0 -> uexE[EF(te, hwin[r])] = 0 :: else fi
+#else
+  skip                                           /* the field stays at 0 */
+#endif
 }
 
 /* ledger: the org's pending usage becomes entries, in one transaction */
@@ -549,6 +564,13 @@ inline SEED(g, base, W, s0, s1) {
         :: else
         fi;
         ti++
+     :: else -> break
+     od;
+     /* issue 34: seed.lua writes an end user's counter only for an end user with spend in the
+      * window or a live hold in it */
+     te = 0;
+     do
+     :: te < NEU -> if :: UE[EF(te, clock)] == 0 -> uexE[EF(te, clock)] = 0 :: else fi; te++
      :: else -> break
      od;
      te = 0
@@ -896,7 +918,7 @@ init {
     acct = 1; bal = B0; wm = 1; aep = 0; acctmax = 0; applied = 3;
     alive[0] = 1; alive[1] = 1; alive[2] = 1;
     uex[0] = 1; U[0] = 0; hwin[0] = NOWIN; hwin[1] = NOWIN; hwin[2] = NOWIN;
-    uexT[0] = 1; uexE[EF(0, 0)] = 1; uexE[EF(1, 0)] = 1;
+    uexT[0] = 1;   /* no end user's counter yet: a seed writes one only with spend (issue 34) */
     ramt[0] = A0; ramt[1] = A1; ramt[2] = A2;
     rtok[0] = TB(0); rtok[1] = TB(1); rtok[2] = TB(2);
     assert(C1 <= A1 && C2 <= A2)          /* a world's bounded requests cost at most their bound */

@@ -92,6 +92,9 @@ var mutations = []mutation{
 	{"M_TOKFIN", "units: finish moves a tokens counter from the request's token bound to its real count", only()},
 	{"M_UNIT", "units: settle adds a charge's tokens (1 for requests), not its cost, to a tokens (requests) counter", only()},
 	{"M_EUFIELD", "end users: a limit of each end user apart counts each end user's holds in that end user's own counter", only()},
+	// ---- issue 34: per-end-user state only for holds that passed ----
+	{"M_EUZERO", "end users: a hold's end that leaves its end user's counter at 0 deletes the field (a request that cost nothing leaves no state)", only()},
+	// ---- end issue 34 ----
 }
 
 // The C flags of every pan: safety only; hash-compact state storage (-DHC4: 4 bytes per state

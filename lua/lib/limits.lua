@@ -138,12 +138,23 @@ local function neg(v)
   return '-' .. v
 end
 
+-- own_field: whether counter field f is a per-end-user one, '<limit id>:<window start>:<end user>'.
+local function own_field(f)
+  return string.find(f, '^[^:]+:%d+:') ~= nil
+end
+
 -- move_hold: HINCRBY every field of fs that exists by its unit's increment (us: one unit
 -- character per field, 'm' when missing): vm for money, vr for requests, vt for tokens (integer
 -- strings; nil: that unit does not move). A hold's missing field is a past window's (seed writes
--- current windows, reserve creates them): past windows are not kept exact, so it is skipped,
--- never re-created.
-local function move_hold(ukey, fs, us, vm, vr, vt)
+-- current windows, reserve creates them) or a per-end-user field back at zero (see hold_out):
+-- past windows are not kept exact, so it is skipped, never re-created — except a per-end-user
+-- field of a unit in fresh (a table unit letter -> true, or nil): the hold held 0 there (an
+-- exempt hold's money, a token hold of 0), so the field may have gone at zero while the hold
+-- lived, and finish re-creates it with the hold's real cost (in a past window: a field the
+-- sweep takes later). out: a per-end-user field that this move leaves at 0 is deleted,
+-- since a zero counter and a missing one read the same and end users come and go by the
+-- million: a request that cost nothing leaves no field behind.
+local function move_hold(ukey, fs, us, vm, vr, vt, fresh, out)
   if fs == '' then return end
   local i = 0
   for f in string.gmatch(fs, '[^,]+') do
@@ -151,16 +162,27 @@ local function move_hold(ukey, fs, us, vm, vr, vt)
     local u = string.sub(us, i, i)
     local v = vm
     if u == 'r' then v = vr elseif u == 't' then v = vt end
-    if v ~= nil and redis.call('HEXISTS', ukey, f) == 1 then
-      redis.call('HINCRBY', ukey, f, v)
+    if u == '' then u = 'm' end
+    local own = (fresh or out) and own_field(f)
+    if v ~= nil then
+      if redis.call('HEXISTS', ukey, f) == 1 then
+        local after = redis.call('HINCRBY', ukey, f, v)
+        if out and own and after == 0 then
+          redis.call('HDEL', ukey, f)
+        end
+      elseif own and fresh and fresh[u] then
+        redis.call('HINCRBY', ukey, f, v)
+      end
+    elseif out and own and redis.call('HGET', ukey, f) == '0' then
+      redis.call('HDEL', ukey, f) -- a hold of 0 there ends: the field may be back at zero
     end
   end
 end
 
 -- hold_out: a hold leaves the counters it names: U -= what it holds there (its amount, 1
--- request, its tokens).
+-- request, its tokens); a per-end-user counter it brings back to 0 goes (move_hold's out).
 local function hold_out(ukey, a, fs, us, tk)
-  move_hold(ukey, fs, us, neg(a), '-1', neg(tk))
+  move_hold(ukey, fs, us, neg(a), '-1', neg(tk), nil, true)
 end
 
 -- each_limit: calls fn(id, window, cap, unit, nil, flags) for every limit of a spec string
