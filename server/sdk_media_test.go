@@ -1,0 +1,119 @@
+package server
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/internal/fakeupstream"
+)
+
+// sdkMediaCall is what sdktest/media.mjs reports of one call.
+type sdkMediaCall struct {
+	RequestID string          `json:"requestId"`
+	Cost      string          `json:"cost"`
+	Status    int             `json:"status"`
+	Images    int64           `json:"images"`
+	Size      string          `json:"size"`
+	Quality   string          `json:"quality"`
+	Chars     int64           `json:"chars"`
+	Input     string          `json:"input"`
+	Audio     string          `json:"audio"`
+	Text      string          `json:"text"`
+	Results   int             `json:"results"`
+	Usage     json.RawMessage `json:"usage"`
+}
+
+// TestOpenAINodeSDKMedia (issue 32) drives the media endpoints with the official openai npm
+// package (sdktest/media.mjs) on real Redis + Postgres and on the embedded parts: for each
+// call, what the SDK saw proves the price — images.generate (n × the per-image price of the
+// size and quality, the upstream's defaults when none is sent), images.edit (a multipart
+// upload, likewise), audio.speech.create (the characters it sent, the audio bytes unchanged),
+// audio.transcriptions.create and .translations.create (the seconds the answer reports of a WAV
+// upload), moderations.create (free) — and the ledger charged exactly that, the x-escrow-cost
+// the SDK got back; the org's balance fell by the sum.
+func TestOpenAINodeSDKMedia(t *testing.T) {
+	t.Parallel()
+	node := needNodeSDK(t, "openai")
+	for _, real := range []bool{true, false} {
+		t.Run(map[bool]string{true: "real", false: "embedded"}[real], func(t *testing.T) {
+			t.Parallel()
+			p := startTestProxy(t, real)
+			const funds = 100_000_000
+			key := p.priceOrg("sdk-media", funds)
+			perImage := map[string]int64{"1024x1024_standard": 40_000, "1024x1024_hd": 80_000}
+			p.admin("PUT", "/models/dall-e-3", map[string]any{"per_image_1024x1024_standard_price": perImage["1024x1024_standard"],
+				"per_image_1024x1024_hd_price": perImage["1024x1024_hd"]}, http.StatusOK, nil)
+			const charPrice, secondPrice = 15_000_000, 100 // per 1M characters; per second
+			p.admin("PUT", "/models/tts-1", map[string]any{"characters_price": charPrice}, http.StatusOK, nil)
+			p.admin("PUT", "/models/whisper-1", map[string]any{"audio_second_price": secondPrice}, http.StatusOK, nil)
+
+			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+			defer cancel()
+			out := runSDK(ctx, t, node, "media.mjs", []string{"ESCROW_BASE_URL=" + p.base, "ESCROW_KEY=" + key,
+				"ESCROW_IMAGE_MODEL=dall-e-3", "ESCROW_SPEECH_MODEL=tts-1", "ESCROW_AUDIO_MODEL=whisper-1"}, nil)
+			var res map[string]sdkMediaCall
+			if err := json.Unmarshal(bytes.TrimSpace(out), &res); err != nil {
+				t.Fatalf("node output %s: %v", out, err)
+			}
+			var total int64
+			check := func(name string, want int64) {
+				t.Helper()
+				c, ok := res[name]
+				if !ok || c.Status != http.StatusOK || c.RequestID == "" {
+					t.Fatalf("%s: the SDK saw %+v", name, c)
+				}
+				if got := p.charge(c.RequestID); got != want || c.Cost != strconv.FormatInt(want, 10) {
+					t.Errorf("%s: the ledger charged %d, x-escrow-cost %q; what the SDK saw proves %d", name, got, c.Cost, want)
+				}
+				total += want
+			}
+			for _, name := range []string{"generate", "generateDefault", "edit"} {
+				c := res[name]
+				if want := map[string]int64{"generate": 3, "generateDefault": 1, "edit": 2}[name]; c.Images != want {
+					t.Fatalf("%s: the SDK got %d images, want %d", name, c.Images, want)
+				}
+				check(name, c.Images*perImage[c.Size+"_"+c.Quality])
+			}
+
+			sp := res["speech"]
+			if audio, _ := base64.StdEncoding.DecodeString(sp.Audio); !bytes.Equal(audio, fakeupstream.SpeechBytes(sp.Input, "alloy")) {
+				t.Fatalf("speech: the SDK got %d bytes, not the upstream's audio", len(audio))
+			}
+			check("speech", (sp.Chars*charPrice+999_999)/1_000_000)
+
+			for _, name := range []string{"transcription", "translation"} {
+				var u struct {
+					Type    string `json:"type"`
+					Seconds int64  `json:"seconds"`
+				}
+				if err := json.Unmarshal(res[name].Usage, &u); err != nil || u.Type != "duration" || u.Seconds <= 0 || res[name].Text == "" {
+					t.Fatalf("%s: the SDK saw %+v (usage %s)", name, res[name], res[name].Usage)
+				}
+				check(name, u.Seconds*secondPrice)
+			}
+
+			if res["moderation"].Results != 2 {
+				t.Fatalf("moderation: the SDK saw %+v", res["moderation"])
+			}
+			check("moderation", 0)
+
+			if b := p.settled("sdk-media"); b.LedgerBalance != funds-total || b.Available != funds-total {
+				t.Errorf("balance after the SDK's calls: %+v, want %d (charged %d)", b, funds-total, total)
+			}
+			var sum int64
+			for _, c := range p.charges("sdk-media") {
+				sum -= c.Delta
+			}
+			if sum != total {
+				t.Errorf("charge entries sum to %d, want %d", sum, total)
+			}
+			t.Logf("SDK media calls charged %d in all: %s", total, out[:min(len(out), 300)])
+		})
+	}
+}
