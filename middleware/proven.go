@@ -14,6 +14,7 @@ import (
 	"github.com/llmescrow/escrow/endpoint"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/pricing"
+	"github.com/tidwall/gjson"
 )
 
 // Proven and free endpoints (issue 32; DESIGN.md "Endpoints"): images priced per image and
@@ -74,6 +75,7 @@ func parseStated(spec *endpoint.Spec, body []byte) (Request, *Error) {
 	if e != nil {
 		return r, e
 	}
+	st.TextBytes = int64(len(body))
 	return proveStated(spec, r, st)
 }
 
@@ -97,9 +99,26 @@ func proveStated(spec *endpoint.Spec, r Request, st endpoint.Stated) (Request, *
 			return r, errInvalid(ref.Param, ref.Message)
 		}
 		proof = u
+		r.Stated = &st
 	}
 	r.Proof = &proof
 	return r, nil
+}
+
+// reprove makes the proof of a proven request again with its model's prices and settings,
+// which choose how it is billed (endpoint.Stated.Prices): per image or by tokens.
+func (m *middleware) reprove(r *Request, model ledger.Model) *Error {
+	if r.Stated == nil || r.Spec.Prove == nil {
+		return nil
+	}
+	st := *r.Stated
+	st.Prices, st.ImageTokens = model.Prices, m.cfg.ImageTokens[model.Name]
+	u, ref := r.Spec.Prove(st)
+	if ref != nil {
+		return errInvalid(ref.Param, ref.Message)
+	}
+	r.Proof = &u
+	return nil
 }
 
 // serveProven holds what a proven request bills (0 for a free one: a zero hold, counted by the
@@ -112,6 +131,9 @@ func (m *middleware) serveProven(c echo.Context, next echo.HandlerFunc, id Ident
 	if !r.Spec.Free {
 		var e *Error
 		if model, _, e = m.priceModel(req.Context(), body, &r); e != nil {
+			return m.refuse(c, o, e)
+		}
+		if e = m.reprove(&r, model); e != nil {
 			return m.refuse(c, o, e)
 		}
 		if e = provenPriced(model, *r.Proof); e != nil {
@@ -200,13 +222,84 @@ func provenParam(c pricing.Class) string {
 }
 
 // provenCharge is what a proven request is charged: what it proved, at the prices it was held
-// at (the upstream bills the stated units whether or not the client read the answer).
-func (cl *call) provenCharge() (pricing.Usage, int64, bool) {
+// at (the upstream bills the stated units whether or not the client read the answer) — or,
+// when its proof is a bound (fromAnswer), the usage its answer reports; an answer without a
+// usage escrow can read and price is charged the bound, the hold (estimated).
+func (cl *call) provenCharge(cw *captureWriter) (pricing.Usage, int64, bool) {
 	u := *cl.req.Proof
+	estimated := false
+	if fromAnswer(cl.req.Spec, u) {
+		if read, ok := answerUsage(cl.req.Spec, cw); ok && provenPriced(cl.model, read) == nil {
+			if cost, err := cl.model.Cost(read); err == nil {
+				return read, cost, false
+			}
+		}
+		estimated = u.Tokens() > 0 // a token bound billed whole
+	}
 	cost, err := cl.model.Cost(u)
 	if err != nil {
 		cl.m.cfg.Logger.Error("escrow: proven usage could not be priced", "hold_id", cl.holdID, "usage", u, "err", err)
 		return u, max(cl.agreed, 1), true
 	}
-	return u, cost, false
+	return u, cost, estimated
+}
+
+// fromAnswer reports whether a proven request is billed from its answer's usage: its spec
+// reads one (endpoint.Spec.Usage) and its proof is a bound, not a count of items or characters
+// fixed by the request (images per image, speech).
+func fromAnswer(spec *endpoint.Spec, proof pricing.Usage) bool {
+	if spec.Usage == nil {
+		return false
+	}
+	for c := range proof.Units {
+		if info, _ := pricing.Lookup(c); info.Unit == pricing.PerItem || info.Unit == pricing.PerMCharacters {
+			return false
+		}
+	}
+	return true
+}
+
+// answerUsage is the usage a proven request's JSON answer reports, read by its spec.
+func answerUsage(spec *endpoint.Spec, cw *captureWriter) (pricing.Usage, bool) {
+	if cw == nil || cw.mode != modeJSON {
+		return pricing.Usage{}, false
+	}
+	raw, ok := cw.scan.rawUsage()
+	if !ok {
+		return pricing.Usage{}, false
+	}
+	u, ok := spec.Usage(usageObject{raw})
+	if !ok || u.Check() != nil {
+		return pricing.Usage{}, false
+	}
+	return u, true
+}
+
+// usageObject is an answer's usage object for a spec's reader (endpoint.UsageObject): members
+// matched as a client's decoder matches them (case folded, the last of duplicates).
+type usageObject struct{ gjson.Result }
+
+func (o usageObject) at(path string) gjson.Result {
+	v := o.Result
+	for name := range strings.SplitSeq(path, ".") {
+		v = member(v, name)
+	}
+	return v
+}
+
+func (o usageObject) Count(path string, required bool) (int64, bool) {
+	v := o.at(path)
+	if !present(v) {
+		return 0, !required
+	}
+	return tokenCount(v)
+}
+
+func (o usageObject) Has(path string) bool { return present(o.at(path)) }
+
+func (o usageObject) String(path string) string {
+	if v := o.at(path); v.Type == gjson.String {
+		return v.String()
+	}
+	return ""
 }

@@ -142,9 +142,8 @@ func TestImagesPerImage(t *testing.T) {
 	})
 }
 
-// TestImagesUnpricedRefused: a size or quality the model has no per-image price for (and a
-// model with no per-image price at all, e.g. a token-billed gpt-image model) is a 400 naming
-// the class, with nothing held, debited or sent upstream; so are n above 10 and streaming.
+// TestImagesUnpricedRefused: a size or quality the model has no per-image price for (or, for a
+// token-billed gpt-image model, no published token count) is a 400 naming it, with nothing held, debited or sent upstream; so are n above 10 and streaming.
 func TestImagesUnpricedRefused(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOpt{mini: true, finish: true})
@@ -155,7 +154,8 @@ func TestImagesUnpricedRefused(t *testing.T) {
 	for _, c := range []struct{ body, param, names string }{
 		{`{"model":"dall-e-test","prompt":"a cat","size":"512x512"}`, "size", "per_image_512x512_standard"},
 		{`{"model":"dall-e-test","prompt":"a cat","size":"1792x1024","quality":"standard"}`, "size", "per_image_1792x1024_standard"},
-		{`{"model":"gpt-image-test","prompt":"a cat","size":"1024x1024","quality":"high"}`, "size", "per_image_1024x1024_high"},
+		{`{"model":"gpt-image-test","prompt":"a cat","size":"1792x1024","quality":"high"}`, "size", "'1792x1024'"},
+		{`{"model":"gpt-image-test","prompt":"a cat","quality":"hd"}`, "size", "'hd'"},
 		{`{"model":"dall-e-test","prompt":"a cat","n":11}`, "n", "10"},
 		{`{"model":"dall-e-test","prompt":"a cat","stream":true}`, "stream", "Streaming"},
 		{`{"model":"dall-e-test","prompt":"a cat","size":"1024x1024","quality":"h d"}`, "size", "'h d'"},

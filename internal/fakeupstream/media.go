@@ -18,8 +18,9 @@ import (
 )
 
 // The fake media endpoints: POST /v1/moderations (one result per input, never flagged),
-// /v1/images/generations (n images, default 1, each a small base64 "PNG" or a URL, no usage:
-// dall-e style) and /v1/audio/speech (audio bytes derived from the input: SpeechBytes).
+// /v1/images/generations (n images, default 1, each a small base64 "PNG" or a URL; no usage for
+// dall-e style models, gpt-image usage for a model named gpt-image-*: GPTImageUsage) and
+// /v1/audio/speech (audio bytes derived from the input: SpeechBytes).
 
 // maxImages bounds n on images, as OpenAI does (dall-e-2: 10).
 const maxImages = 10
@@ -61,14 +62,75 @@ func (s *Server) imagesGenerations(w http.ResponseWriter, _ *http.Request, req *
 		RevisedPrompt string `json:"revised_prompt,omitempty"`
 	}
 	resp := struct {
-		Created int64   `json:"created"`
-		Data    []image `json:"data"`
+		Created int64           `json:"created"`
+		Data    []image         `json:"data"`
+		Usage   json.RawMessage `json:"usage,omitempty"`
 	}{Created: time.Now().Unix()}
+	if strings.HasPrefix(req.Model, "gpt-image") {
+		u, ok := GPTImageUsage(req.promptText(), req.files, n, req.Size, req.Quality)
+		if !ok {
+			writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Invalid size or quality.")
+			return
+		}
+		resp.Usage, _ = json.Marshal(u)
+	}
 	for i := range n {
 		sum := sha256.Sum256([]byte(req.Model + "/" + req.Size + "/" + req.Quality + "/" + strconv.FormatInt(i, 10)))
 		resp.Data = append(resp.Data, image{B64JSON: base64.StdEncoding.EncodeToString(append([]byte("\x89PNG fake "), sum[:]...))})
 	}
 	writeJSON(w, http.StatusOK, resp)
+}
+
+// gptImageTokens is OpenAI's published table of the output tokens of one gpt-image-1 image by
+// quality and size; auto is high quality at the largest size.
+var gptImageTokens = map[string]map[string]int64{
+	"low":    {"1024x1024": 272, "1024x1536": 408, "1536x1024": 400},
+	"medium": {"1024x1024": 1056, "1024x1536": 1584, "1536x1024": 1568},
+	"high":   {"1024x1024": 4160, "1024x1536": 6240, "1536x1024": 6208},
+}
+
+// GPTImageInputImageTokens is what the fake bills per uploaded image of an edit.
+const GPTImageInputImageTokens = 323
+
+// ImageTokenUsage is gpt-image's usage object.
+type ImageTokenUsage struct {
+	InputTokens  int64 `json:"input_tokens"`
+	OutputTokens int64 `json:"output_tokens"`
+	TotalTokens  int64 `json:"total_tokens"`
+	InputDetails struct {
+		TextTokens  int64 `json:"text_tokens"`
+		ImageTokens int64 `json:"image_tokens"`
+	} `json:"input_tokens_details"`
+}
+
+// GPTImageUsage is the usage the fake reports for a gpt-image request, the most it may bill: a
+// text token per byte of the prompt, GPTImageInputImageTokens per uploaded image, and n images
+// at the table's tokens for the size and quality (auto or absent: high, and the largest size).
+func GPTImageUsage(prompt string, files int, n int64, size, quality string) (ImageTokenUsage, bool) {
+	if quality == "" || quality == "auto" {
+		quality = "high"
+	}
+	if size == "" || size == "auto" {
+		size = "1024x1536"
+	}
+	per, ok := gptImageTokens[quality][size]
+	if !ok {
+		return ImageTokenUsage{}, false
+	}
+	var u ImageTokenUsage
+	u.InputDetails.TextTokens = int64(len(prompt))
+	u.InputDetails.ImageTokens = int64(files) * GPTImageInputImageTokens
+	u.InputTokens = u.InputDetails.TextTokens + u.InputDetails.ImageTokens
+	u.OutputTokens = n * per
+	u.TotalTokens = u.InputTokens + u.OutputTokens
+	return u, true
+}
+
+// promptText is the prompt as a string ("" when it is none).
+func (r *apiRequest) promptText() string {
+	var s string
+	_ = json.Unmarshal(r.Prompt, &s)
+	return s
 }
 
 // SpeechBytes is the audio the fake answers /v1/audio/speech with for an input and voice: a

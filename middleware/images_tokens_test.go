@@ -1,0 +1,77 @@
+package middleware
+
+import (
+	"context"
+	"net/http"
+	"testing"
+
+	"github.com/llmescrow/escrow/endpoint"
+	"github.com/llmescrow/escrow/internal/fakeupstream"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/pricing"
+	"github.com/tidwall/gjson"
+)
+
+// gptImageModel is token-billed (an image_output price): 5 per text input token, 10 per image
+// input token, 40 per image output token (micro-units).
+var gptImageModel = ledger.Model{Name: "gpt-image-test", Prices: pricing.Prices{
+	pricing.Input: 5_000_000, pricing.ImageInput: 10_000_000, pricing.ImageOutput: 40_000_000,
+}}
+
+// TestImagesTokens (issue 32): generations and edits of a gpt-image model are held at their
+// bound — the body's text bytes and each uploaded image (at endpoint.MaxInputImageTokens) at the
+// highest input price, n × the published output tokens of the size and quality (auto: the
+// largest) at the highest output price — and charged exactly the usage the answer reports
+// (input text and image tokens, output image tokens), which the fake bills at its most.
+func TestImagesTokens(t *testing.T) {
+	t.Parallel()
+	eachRedis(t, func(t *testing.T, mini bool) {
+		e := newEnv(t, envOpt{mini: mini, finish: true})
+		e.useFake()
+		must(t, e.ledger.PutModel(context.Background(), gptImageModel))
+		spent := int64(0)
+		check := func(name, path, body, ct, prompt string, textBytes, files, n int64, size, quality string, perImage int64) {
+			t.Helper()
+			hdr := map[string]string{}
+			if ct != "" {
+				hdr["Content-Type"] = ct
+			}
+			st, _, b := e.postH(path, e.key, body, hdr)
+			o := e.outcome()
+			want, ok := fakeupstream.GPTImageUsage(prompt, int(files), n, size, quality)
+			if !ok {
+				t.Fatalf("%s: the fake has no usage for %s %s", name, size, quality)
+			}
+			cost := want.InputDetails.TextTokens*5 + want.InputDetails.ImageTokens*10 + want.OutputTokens*40
+			hold := (textBytes+files*endpoint.MaxInputImageTokens)*10 + n*perImage*40
+			if st != http.StatusOK || o.Kind != OutcomeRecorded || o.HoldAmount != hold || o.Cost != cost || cost > hold ||
+				gjson.Get(b, "usage.output_tokens").Int() != want.OutputTokens || int64(len(gjson.Get(b, "data").Array())) != n {
+				t.Fatalf("%s: status %d outcome %+v: %.300s; want hold %d, cost %d", name, st, o, b, hold, cost)
+			}
+			ev := e.rec.events()[len(e.rec.events())-1]
+			if ev.Cost != cost || ev.Estimated || ev.Usage.Of(pricing.ImageOutput) != want.OutputTokens ||
+				ev.Usage.Of(pricing.ImageInput) != want.InputDetails.ImageTokens || ev.Usage.Prompt != want.InputTokens {
+				t.Fatalf("%s: event %+v, want the answer's usage %+v", name, ev, want)
+			}
+			spent += cost
+			if a := e.accountOf(e.org); a.Balance != testCredit-spent {
+				t.Fatalf("%s: ledger %+v, want %d", name, a, testCredit-spent)
+			}
+		}
+		gen := endpoint.ImagesGenerations.Path
+		b := `{"model":"gpt-image-test","prompt":"a cat in a hat","n":2,"size":"1024x1024","quality":"low"}`
+		check("low, n=2", gen, b, "", "a cat in a hat", int64(len(b)), 0, 2, "1024x1024", "low", 272)
+		b = `{"model":"gpt-image-test","prompt":"a cat"}` // auto size and quality: the largest the upstream may pick
+		check("auto", gen, b, "", "a cat", int64(len(b)), 0, 1, "", "", 6240)
+		b = `{"model":"gpt-image-test","prompt":"a cat","size":"1536x1024","quality":"high","n":2,"background":"transparent"}`
+		check("high, n=2", gen, b, "", "a cat", int64(len(b)), 0, 2, "1536x1024", "high", 6208)
+
+		fields := [][2]string{{"model", "gpt-image-test"}, {"prompt", "add a hat"}, {"quality", "medium"}, {"size", "1024x1024"}}
+		body, ct := form(t, fields...)
+		var text int64
+		for _, f := range fields {
+			text += int64(len(f[1]))
+		}
+		check("edit", endpoint.ImagesEdits.Path, body, ct, "add a hat", text, 1, 1, "1024x1024", "medium", 1056)
+	})
+}
