@@ -33,7 +33,8 @@ type sdkMediaCall struct {
 // package (sdktest/media.mjs) on real Redis + Postgres and on the embedded parts: for each
 // call, what the SDK saw proves the price — images.generate (n × the per-image price of the
 // size and quality, the upstream's defaults when none is sent), images.edit (a multipart
-// upload, likewise), audio.speech.create (the characters it sent, the audio bytes unchanged),
+// upload, likewise), the same two for a gpt-image model (the usage in the answer at its token
+// prices), audio.speech.create (the characters it sent, the audio bytes unchanged),
 // audio.transcriptions.create and .translations.create (the seconds the answer reports of a WAV
 // upload), moderations.create (free) — and the ledger charged exactly that, the x-escrow-cost
 // the SDK got back; the org's balance fell by the sum.
@@ -52,11 +53,15 @@ func TestOpenAINodeSDKMedia(t *testing.T) {
 			const charPrice, secondPrice = 15_000_000, 100 // per 1M characters; per second
 			p.admin("PUT", "/models/tts-1", map[string]any{"characters_price": charPrice}, http.StatusOK, nil)
 			p.admin("PUT", "/models/whisper-1", map[string]any{"audio_second_price": secondPrice}, http.StatusOK, nil)
+			const textIn, imageIn, imageOut = 5, 10, 40 // gpt-image: per token
+			p.admin("PUT", "/models/gpt-image-1", map[string]any{"input_price": textIn * 1_000_000, "image_input_price": imageIn * 1_000_000,
+				"image_output_price": imageOut * 1_000_000}, http.StatusOK, nil)
 
 			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 			defer cancel()
 			out := runSDK(ctx, t, node, "media.mjs", []string{"ESCROW_BASE_URL=" + p.base, "ESCROW_KEY=" + key,
-				"ESCROW_IMAGE_MODEL=dall-e-3", "ESCROW_SPEECH_MODEL=tts-1", "ESCROW_AUDIO_MODEL=whisper-1"}, nil)
+				"ESCROW_IMAGE_MODEL=dall-e-3", "ESCROW_SPEECH_MODEL=tts-1", "ESCROW_AUDIO_MODEL=whisper-1",
+				"ESCROW_TOKEN_IMAGE_MODEL=gpt-image-1"}, nil)
 			var res map[string]sdkMediaCall
 			if err := json.Unmarshal(bytes.TrimSpace(out), &res); err != nil {
 				t.Fatalf("node output %s: %v", out, err)
@@ -96,6 +101,16 @@ func TestOpenAINodeSDKMedia(t *testing.T) {
 					t.Fatalf("%s: the SDK saw %+v (usage %s)", name, res[name], res[name].Usage)
 				}
 				check(name, u.Seconds*secondPrice)
+			}
+
+			// gpt-image: the usage the SDK got is the bill.
+			for _, name := range []string{"tokenGenerate", "tokenEdit"} {
+				var u fakeupstream.ImageTokenUsage
+				if err := json.Unmarshal(res[name].Usage, &u); err != nil || u.OutputTokens <= 0 || res[name].Images <= 0 ||
+					(name == "tokenEdit") != (u.InputDetails.ImageTokens > 0) {
+					t.Fatalf("%s: the SDK saw %+v (usage %s)", name, res[name], res[name].Usage)
+				}
+				check(name, u.InputDetails.TextTokens*textIn+u.InputDetails.ImageTokens*imageIn+u.OutputTokens*imageOut)
 			}
 
 			if res["moderation"].Results != 2 {
