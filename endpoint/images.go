@@ -20,7 +20,10 @@ import (
 //     uploaded image at the most input tokens one image can bill (Stated.ImageTokens, else
 //     MaxInputImageTokens), every token at the highest price of its side.
 //
-// Streaming (partial images, which gpt-image bills apart) is refused.
+// A stream (gpt-image only: a per-image model's is refused) carries its usage in the
+// image_generation.completed (image_edit.completed) event; each partial image asked for
+// (partial_images, at most MaxPartialImages) adds PartialImageTokens output tokens per image
+// to the bound. A stream is of one image (n > 1 is refused).
 var ImagesGenerations = register(&Spec{
 	Path:         "/v1/images/generations",
 	Provider:     OpenAI,
@@ -28,7 +31,7 @@ var ImagesGenerations = register(&Spec{
 	NoOutput:     true,
 	Prove:        proveImages,
 	Usage:        ImageUsage,
-	StatedFields: []string{"n", "size", "quality"},
+	StatedFields: []string{"n", "size", "quality", "partial_images"},
 	EndUserField: "user",
 })
 
@@ -38,6 +41,10 @@ const (
 	DefaultImageQuality = "standard"
 	// MaxImages is the most images one request may ask for (OpenAI's bound on n).
 	MaxImages = 10
+	// MaxPartialImages is the most partial images a stream may ask for, and
+	// PartialImageTokens the output tokens each one adds (OpenAI's published rule).
+	MaxPartialImages   = 3
+	PartialImageTokens = 100
 )
 
 // ImageClasses are the classes a token-billed image request can bill.
@@ -94,8 +101,14 @@ func proveImages(st Stated) (pricing.Usage, *Refusal) {
 	if n > MaxImages {
 		return pricing.Usage{}, &Refusal{Param: "n", Message: "'n' must be at most " + strconv.Itoa(MaxImages) + "."}
 	}
+	if st.PartialImages > MaxPartialImages {
+		return pricing.Usage{}, &Refusal{Param: "partial_images", Message: "'partial_images' must be at most " + strconv.Itoa(MaxPartialImages) + "."}
+	}
 	if st.Prices.Has(pricing.ImageOutput) {
 		return proveImageTokens(st, n)
+	}
+	if st.Stream && st.Prices != nil { // nil: the first read, before the model's prices are known
+		return pricing.Usage{}, &Refusal{Param: "stream", Message: "Streaming is not supported for a model priced per image."}
 	}
 	size, quality := st.Size, st.Quality
 	if size == "" {
@@ -124,8 +137,16 @@ func proveImageTokens(st Stated, n int64) (pricing.Usage, *Refusal) {
 	if perImage <= 0 {
 		perImage = MaxInputImageTokens
 	}
+	if st.Stream && n > 1 {
+		// Whether each image's completed event carries the usage of all or of its own is not
+		// published: one image per stream keeps the one usage whole.
+		return pricing.Usage{}, &Refusal{Param: "n", Message: "A stream generates one image: 'n' must be 1."}
+	}
 	in := st.TextBytes + st.Files*perImage
 	out := n * per
+	if st.Stream {
+		out += n * st.PartialImages * PartialImageTokens
+	}
 	return boundUsage(st.Prices, ImageClasses, in, out), nil
 }
 

@@ -12,6 +12,6 @@ var ImagesEdits = register(&Spec{
 	Multipart:    true,
 	Prove:        proveImages,
 	Usage:        ImageUsage,
-	StatedFields: []string{"n", "size", "quality"},
+	StatedFields: []string{"n", "size", "quality", "partial_images"},
 	EndUserField: "user",
 })

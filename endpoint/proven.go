@@ -25,6 +25,9 @@ type Stated struct {
 	TextBytes int64
 	// Files is the number of files a multipart body uploads.
 	Files int64
+	// Stream: the body asks for an event stream. PartialImages is images' partial_images.
+	Stream        bool
+	PartialImages int64
 	// ImageTokens is the model's own max input tokens of one image (0: the spec's default).
 	ImageTokens int64
 }

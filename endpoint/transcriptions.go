@@ -37,6 +37,9 @@ var (
 )
 
 func proveAudio(st Stated) (pricing.Usage, *Refusal) {
+	if st.Stream {
+		return pricing.Usage{}, &Refusal{Param: "stream", Message: "Streaming is not supported on transcriptions."}
+	}
 	if st.Audio == nil {
 		return pricing.Usage{}, &Refusal{Param: "file", Message: "'file' must be an audio file upload."}
 	}

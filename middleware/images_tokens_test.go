@@ -3,6 +3,7 @@ package middleware
 import (
 	"context"
 	"net/http"
+	"strings"
 	"testing"
 
 	"github.com/llmescrow/escrow/endpoint"
@@ -73,5 +74,78 @@ func TestImagesTokens(t *testing.T) {
 			text += int64(len(f[1]))
 		}
 		check("edit", endpoint.ImagesEdits.Path, body, ct, "add a hat", text, 1, 1, "1024x1024", "medium", 1056)
+	})
+}
+
+// TestImagesTokensStream (issue 32): a gpt-image generation or edit streamed with partial
+// images is held at its bound with partial_images × 100 output tokens added, passes its events
+// to the client, and is charged the usage of its image_generation.completed
+// (image_edit.completed) event; a stream of more than one image, or of a per-image model, and
+// partial_images above 3 are refused with nothing held.
+func TestImagesTokensStream(t *testing.T) {
+	t.Parallel()
+	eachRedis(t, func(t *testing.T, mini bool) {
+		e := newEnv(t, envOpt{mini: mini, finish: true})
+		e.useFake()
+		must(t, e.ledger.PutModel(context.Background(), gptImageModel))
+		must(t, e.ledger.PutModel(context.Background(), imageModel))
+		spent := int64(0)
+		for _, c := range []struct {
+			name, path, body, ct, prompt string
+			textBytes, files            int64
+			quality, event              string
+		}{
+			{name: "generation", path: endpoint.ImagesGenerations.Path, prompt: "a cat", quality: "low", event: "image_generation",
+				body: `{"model":"gpt-image-test","prompt":"a cat","size":"1024x1024","quality":"low","stream":true,"partial_images":2}`},
+			{name: "edit", path: endpoint.ImagesEdits.Path, prompt: "add a hat", quality: "medium", event: "image_edit", files: 1},
+		} {
+			if c.body == "" {
+				fields := [][2]string{{"model", "gpt-image-test"}, {"prompt", c.prompt}, {"quality", c.quality}, {"size", "1024x1024"},
+					{"stream", "true"}, {"partial_images", "2"}}
+				c.body, c.ct = form(t, fields...)
+				for _, f := range fields {
+					c.textBytes += int64(len(f[1]))
+				}
+			} else {
+				c.textBytes = int64(len(c.body))
+			}
+			hdr := map[string]string{}
+			if c.ct != "" {
+				hdr["Content-Type"] = c.ct
+			}
+			st, h, b := e.postH(c.path, e.key, c.body, hdr)
+			o := e.outcome()
+			want, _ := fakeupstream.GPTImageUsage(c.prompt, int(c.files), 1, "1024x1024", c.quality)
+			want.OutputTokens += 2 * fakeupstream.PartialImageTokens
+			perImage, _ := endpoint.ImageOutputTokens("1024x1024", c.quality)
+			hold := (c.textBytes+c.files*endpoint.MaxInputImageTokens)*10 + (perImage+2*endpoint.PartialImageTokens)*40
+			cost := want.InputDetails.TextTokens*5 + want.InputDetails.ImageTokens*10 + want.OutputTokens*40
+			if st != http.StatusOK || !strings.HasPrefix(h.Get("Content-Type"), "text/event-stream") || o.Kind != OutcomeRecorded ||
+				o.HoldAmount != hold || o.Cost != cost || strings.Count(b, c.event+".partial_image") != 4 || !strings.Contains(b, c.event+".completed") {
+				t.Fatalf("%s: status %d outcome %+v: %.400s; want hold %d, cost %d", c.name, st, o, b, hold, cost)
+			}
+			ev := e.rec.events()[len(e.rec.events())-1]
+			if ev.Cost != cost || ev.Estimated || ev.Usage.Of(pricing.ImageOutput) != want.OutputTokens {
+				t.Fatalf("%s: event %+v, want the completed event's usage %+v", c.name, ev, want)
+			}
+			spent += cost
+		}
+		if a := e.accountOf(e.org); a.Balance != testCredit-spent {
+			t.Fatalf("ledger %+v, want %d", a, testCredit-spent)
+		}
+		ups := len(e.upstreamRequests())
+		for _, c := range []struct{ body, param string }{
+			{`{"model":"gpt-image-test","prompt":"a cat","stream":true,"n":2}`, "n"},
+			{`{"model":"gpt-image-test","prompt":"a cat","stream":true,"partial_images":4}`, "partial_images"},
+			{`{"model":"dall-e-test","prompt":"a cat","stream":true}`, "stream"},
+		} {
+			st, _, b := e.postH(endpoint.ImagesGenerations.Path, e.key, c.body, nil)
+			if o := e.outcome(); st != http.StatusBadRequest || o.HoldAmount != 0 || gjson.Get(b, "error.param").String() != c.param {
+				t.Fatalf("%s: status %d outcome %+v: %s; want a 400 on %s", c.body, st, o, b, c.param)
+			}
+		}
+		if n := len(e.upstreamRequests()); n != ups {
+			t.Fatalf("refused streams reached the upstream: %d", n-ups)
+		}
 	})
 }

@@ -113,6 +113,13 @@ func parseMultipart(spec *endpoint.Spec, ct string, body []byte) (Request, *Erro
 				n = n*10 + int64(c-'0')
 			}
 			st.N = n
+		case "partial_images":
+			if v != "0" && !smallInt.MatchString(v) {
+				return r, errInvalid(name, "'partial_images' must be an integer from 0 to 3.")
+			}
+			for _, c := range v {
+				st.PartialImages = st.PartialImages*10 + int64(c-'0')
+			}
 		case "size":
 			st.Size = v
 		case "quality":

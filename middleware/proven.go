@@ -59,6 +59,10 @@ func parseStated(spec *endpoint.Spec, body []byte) (Request, *Error) {
 		case kind == 'n':
 		case name == "n":
 			st.N = p.positive(name, v)
+		case name == "partial_images":
+			if v != "0" {
+				st.PartialImages = p.positive(name, v)
+			}
 		case name == "size" || name == "quality":
 			if p.nullOr(name, v, shapeString) {
 				if name == "size" {
@@ -90,10 +94,7 @@ func proveStated(spec *endpoint.Spec, r Request, st endpoint.Stated) (Request, *
 	}
 	proof := pricing.Usage{}
 	if spec.Prove != nil {
-		if r.Stream {
-			return r, errInvalid("stream", "Streaming is not supported on "+spec.Path+".")
-		}
-		st.Model = r.Model
+		st.Model, st.Stream = r.Model, r.Stream
 		u, ref := spec.Prove(st)
 		if ref != nil {
 			return r, errInvalid(ref.Param, ref.Message)
@@ -261,11 +262,19 @@ func fromAnswer(spec *endpoint.Spec, proof pricing.Usage) bool {
 
 // answerUsage is the usage a proven request's JSON answer reports, read by its spec.
 func answerUsage(spec *endpoint.Spec, cw *captureWriter) (pricing.Usage, bool) {
-	if cw == nil || cw.mode != modeJSON {
+	var raw gjson.Result
+	switch {
+	case cw == nil:
 		return pricing.Usage{}, false
-	}
-	raw, ok := cw.scan.rawUsage()
-	if !ok {
+	case cw.mode == modeJSON:
+		r, ok := cw.scan.rawUsage()
+		if !ok {
+			return pricing.Usage{}, false
+		}
+		raw = r
+	case cw.mode == modeSSE && cw.sse.usageRaw != nil && !cw.sse.upstreamError:
+		raw = gjson.ParseBytes(cw.sse.usageRaw)
+	default:
 		return pricing.Usage{}, false
 	}
 	u, ok := spec.Usage(usageObject{raw})

@@ -47,7 +47,13 @@ func (s *Server) moderations(w http.ResponseWriter, _ *http.Request, req *apiReq
 	writeJSON(w, http.StatusOK, resp)
 }
 
-func (s *Server) imagesGenerations(w http.ResponseWriter, _ *http.Request, req *apiRequest) {
+func (s *Server) imagesGenerations(w http.ResponseWriter, r *http.Request, req *apiRequest) {
+	s.images(w, req, "image_generation")
+}
+
+// images answers a generation or an edit (events named prefix + ".partial_image" and
+// ".completed" when streamed).
+func (s *Server) images(w http.ResponseWriter, req *apiRequest, prefix string) {
 	n := int64(1)
 	if req.N != nil {
 		n = *req.N
@@ -66,20 +72,55 @@ func (s *Server) imagesGenerations(w http.ResponseWriter, _ *http.Request, req *
 		Data    []image         `json:"data"`
 		Usage   json.RawMessage `json:"usage,omitempty"`
 	}{Created: time.Now().Unix()}
+	var usage ImageTokenUsage
 	if strings.HasPrefix(req.Model, "gpt-image") {
+		partial := int64(0)
+		if req.Stream {
+			partial = req.PartialImages
+		}
 		u, ok := GPTImageUsage(req.promptText(), req.files, n, req.Size, req.Quality)
-		if !ok {
-			writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Invalid size or quality.")
+		if !ok || partial < 0 || partial > 3 {
+			writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Invalid size, quality or partial_images.")
 			return
 		}
+		u.OutputTokens += n * partial * PartialImageTokens
+		u.TotalTokens = u.InputTokens + u.OutputTokens
+		usage = u
 		resp.Usage, _ = json.Marshal(u)
+	} else if req.Stream {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Streaming is only supported for gpt-image models.")
+		return
 	}
 	for i := range n {
 		sum := sha256.Sum256([]byte(req.Model + "/" + req.Size + "/" + req.Quality + "/" + strconv.FormatInt(i, 10)))
 		resp.Data = append(resp.Data, image{B64JSON: base64.StdEncoding.EncodeToString(append([]byte("\x89PNG fake "), sum[:]...))})
 	}
-	writeJSON(w, http.StatusOK, resp)
+	if !req.Stream {
+		writeJSON(w, http.StatusOK, resp)
+		return
+	}
+	// A stream: each image's partial images, then its completed event; the usage (of the whole
+	// request) is on the last completed event.
+	e := startSSE(w)
+	for i, img := range resp.Data {
+		for p := range req.PartialImages {
+			if e.event(prefix+".partial_image", map[string]any{"type": prefix + ".partial_image", "b64_json": img.B64JSON,
+				"partial_image_index": p, "size": req.Size, "quality": req.Quality}) != nil {
+				return
+			}
+		}
+		done := map[string]any{"type": prefix + ".completed", "b64_json": img.B64JSON, "size": req.Size, "quality": req.Quality}
+		if i == len(resp.Data)-1 {
+			done["usage"] = usage
+		}
+		if e.event(prefix+".completed", done) != nil {
+			return
+		}
+	}
 }
+
+// PartialImageTokens are the output tokens each partial image of a gpt-image stream adds.
+const PartialImageTokens = 100
 
 // gptImageTokens is OpenAI's published table of the output tokens of one gpt-image-1 image by
 // quality and size; auto is high quality at the largest size.
@@ -204,6 +245,10 @@ func readForm(r *http.Request, body []byte, req *apiRequest) error {
 			req.Quality = v
 		case "prompt":
 			req.Prompt, _ = json.Marshal(v)
+		case "stream":
+			req.Stream = v == "true"
+		case "partial_images":
+			req.PartialImages, _ = strconv.ParseInt(strings.TrimSpace(v), 10, 64)
 		case "n":
 			n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
 			if err != nil {
@@ -221,7 +266,7 @@ func (s *Server) imagesEdits(w http.ResponseWriter, r *http.Request, req *apiReq
 		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "An image file is required (multipart/form-data 'image').")
 		return
 	}
-	s.imagesGenerations(w, r, req)
+	s.images(w, req, "image_edit")
 }
 
 // transcription answers a transcription or translation of a WAV upload: a short text and the

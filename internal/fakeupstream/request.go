@@ -35,6 +35,7 @@ type apiRequest struct {
 	Size                string          `json:"size"`         // images
 	Quality             string          `json:"quality"`      // images
 	Voice               string          `json:"voice"`        // speech
+	PartialImages       int64           `json:"partial_images"` // images: partial images of a stream
 
 	worst worstRead // what Options.Worst bills (worst.go)
 	files int       // multipart: the file parts (media.go)
