@@ -92,8 +92,8 @@ func TestImagesTokensStream(t *testing.T) {
 		spent := int64(0)
 		for _, c := range []struct {
 			name, path, body, ct, prompt string
-			textBytes, files            int64
-			quality, event              string
+			textBytes, files             int64
+			quality, event               string
 		}{
 			{name: "generation", path: endpoint.ImagesGenerations.Path, prompt: "a cat", quality: "low", event: "image_generation",
 				body: `{"model":"gpt-image-test","prompt":"a cat","size":"1024x1024","quality":"low","stream":true,"partial_images":2}`},

@@ -61,8 +61,8 @@ type sseFilter struct {
 	haveUsage bool
 	// usageRaw is the last top-level usage object of an OpenAI event, as sent (a proven
 	// endpoint's spec reads it: gpt-image's image_generation.completed).
-	usageRaw []byte
-	terminal bool // [DONE] or a terminal Responses event was seen
+	usageRaw  []byte
+	terminal  bool // [DONE] or a terminal Responses event was seen
 	bigEvents int  // events too long to keep whole
 	outBytes  int64
 	outChunks int64
