@@ -30,6 +30,8 @@ type Stated struct {
 	PartialImages int64
 	// ImageTokens is the model's own max input tokens of one image (0: the spec's default).
 	ImageTokens int64
+	// MaxOutputTokens is the model's max output tokens (0: unknown).
+	MaxOutputTokens int64
 }
 
 // UsageObject is the usage object of an answer as the middleware reads it: names matched as a
@@ -42,6 +44,9 @@ type UsageObject interface {
 	Has(path string) bool
 	// String is the string at a dotted path, "" when absent or not a string.
 	String(path string) string
+	// Ceil is the non-negative number at a dotted path rounded up (seconds); ok is false when
+	// it is absent or not such a number.
+	Ceil(path string) (n int64, ok bool)
 }
 
 // Refusal is a request that its endpoint cannot price: a 400 invalid_request_error naming

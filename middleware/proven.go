@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"errors"
+	"math"
 	"net/http"
 	"slices"
 	"strings"
@@ -113,7 +114,7 @@ func (m *middleware) reprove(r *Request, model ledger.Model) *Error {
 		return nil
 	}
 	st := *r.Stated
-	st.Prices, st.ImageTokens = model.Prices, m.cfg.ImageTokens[model.Name]
+	st.Prices, st.ImageTokens, st.MaxOutputTokens = model.Prices, m.cfg.ImageTokens[model.Name], model.MaxOutputTokens
 	u, ref := r.Spec.Prove(st)
 	if ref != nil {
 		return errInvalid(ref.Param, ref.Message)
@@ -302,6 +303,18 @@ func (o usageObject) Count(path string, required bool) (int64, bool) {
 		return 0, !required
 	}
 	return tokenCount(v)
+}
+
+func (o usageObject) Ceil(path string) (int64, bool) {
+	v := o.at(path)
+	if v.Type != gjson.Number {
+		return 0, false
+	}
+	f := v.Float()
+	if !(f >= 0 && f <= maxTokens) {
+		return 0, false
+	}
+	return int64(math.Ceil(f)), true
 }
 
 func (o usageObject) Has(path string) bool { return present(o.at(path)) }

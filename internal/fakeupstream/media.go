@@ -269,16 +269,78 @@ func (s *Server) imagesEdits(w http.ResponseWriter, r *http.Request, req *apiReq
 	s.images(w, req, "image_edit")
 }
 
-// transcription answers a transcription or translation of a WAV upload: a short text and the
-// duration usage whisper reports ({"type":"duration","seconds":N}, rounded up).
+// transcription answers a transcription or translation of an upload: a short text and the
+// usage — for a model named gpt-4o-*transcribe*, tokens (TranscribeUsage), else the duration
+// whisper reports ({"type":"duration","seconds":N}, rounded up). The duration is AudioSeconds.
 func (s *Server) transcription(w http.ResponseWriter, r *http.Request, req *apiRequest) {
-	secs, ok := wavSeconds(req.audio)
+	secs, ok := AudioSeconds(req.audio)
 	if !isForm(r) || !ok {
-		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Invalid file format: upload a WAV file as 'file'.")
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Invalid file format: upload audio as 'file'.")
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"text": "tok1 tok2 tok3",
-		"usage": map[string]any{"type": "duration", "seconds": secs}})
+	var usage any = map[string]any{"type": "duration", "seconds": secs}
+	if strings.Contains(req.Model, "transcribe") {
+		usage = TranscribeUsage(secs, req.promptText())
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"text": "tok1 tok2 tok3", "usage": usage})
+}
+
+// TranscribeTokensPerSecond are the audio tokens the fake bills per second of a token-billed
+// transcription, and TranscribeOutputTokens its output tokens (the three words it answers).
+const (
+	TranscribeTokensPerSecond = 10
+	TranscribeOutputTokens    = 3
+)
+
+// TranscribeUsage is the token usage of a gpt-4o-transcribe answer for secs seconds of audio
+// and a prompt (a text token per byte).
+func TranscribeUsage(secs int64, prompt string) map[string]any {
+	audio, text := secs*TranscribeTokensPerSecond, int64(len(prompt))
+	return map[string]any{"type": "tokens", "input_tokens": audio + text, "output_tokens": TranscribeOutputTokens,
+		"total_tokens": audio + text + TranscribeOutputTokens,
+		"input_token_details": map[string]any{"audio_tokens": audio, "text_tokens": text}}
+}
+
+// AudioSeconds is how long the fake "decodes" an upload to, in whole seconds rounded up: a WAV
+// file by its byte rate; an MP3 as a decoder reads it, resyncing on every MPEG-1 Layer III
+// frame header it finds (1,152 samples each); anything else at 128 kbit/s (16,000 bytes a
+// second). ok is false for nothing to decode.
+func AudioSeconds(b []byte) (int64, bool) {
+	if len(b) == 0 {
+		return 0, false
+	}
+	if secs, ok := wavSeconds(b); ok {
+		return secs, true
+	}
+	if len(b) >= 3 && (string(b[:3]) == "ID3" || b[0] == 0xff) {
+		var micros int64
+		for i := 0; i+4 <= len(b); {
+			if size, rate := mpeg1Layer3(b[i:]); size > 0 {
+				micros += (1152*1_000_000 + rate - 1) / rate
+				i += size
+				continue
+			}
+			i++
+		}
+		if micros > 0 {
+			return (micros + 999_999) / 1_000_000, true
+		}
+	}
+	return (int64(len(b)) + 15_999) / 16_000, true
+}
+
+// mpeg1Layer3 reads an MPEG-1 Layer III frame header: the frame's bytes and its sample rate (0
+// when it is none).
+func mpeg1Layer3(h []byte) (size int, rate int64) {
+	if h[0] != 0xff || h[1]&0xfe != 0xfa { // sync, MPEG-1, Layer III
+		return 0, 0
+	}
+	kbps := [16]int64{0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 0}[h[2]>>4]
+	rate = [4]int64{44100, 48000, 32000, 0}[(h[2]>>2)&3]
+	if kbps == 0 || rate == 0 {
+		return 0, 0
+	}
+	return int(144*kbps*1000/rate) + int(h[2]>>1&1), rate
 }
 
 // wavSeconds is a WAV file's duration in whole seconds rounded up: the bytes after the data
