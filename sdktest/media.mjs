@@ -6,12 +6,15 @@
 // server/sdk_media_test.go runs it and checks every charge in the ledger against these numbers.
 //
 // env: ESCROW_BASE_URL, ESCROW_KEY (a funded key); ESCROW_IMAGE_MODEL (priced per image),
-// ESCROW_SPEECH_MODEL (per character), ESCROW_AUDIO_MODEL (per second of audio).
+// ESCROW_SPEECH_MODEL (per character), ESCROW_AUDIO_MODEL (per second of audio); optional
+// ESCROW_TOKEN_IMAGE_MODEL (a gpt-image model, by tokens), ESCROW_TRANSCRIBE_MODEL (a
+// transcription model billed by tokens).
 import OpenAI, { toFile } from 'openai';
 
 const {
   ESCROW_BASE_URL: base, ESCROW_KEY: key, ESCROW_IMAGE_MODEL: imageModel,
   ESCROW_SPEECH_MODEL: speechModel, ESCROW_AUDIO_MODEL: audioModel, ESCROW_TOKEN_IMAGE_MODEL: tokenImageModel,
+  ESCROW_TRANSCRIBE_MODEL: transcribeModel,
 } = process.env;
 if (!base || !key || !imageModel || !speechModel || !audioModel) {
   console.error('ESCROW_BASE_URL, ESCROW_KEY, ESCROW_IMAGE_MODEL, ESCROW_SPEECH_MODEL and ESCROW_AUDIO_MODEL are required');
@@ -73,6 +76,23 @@ const out = {};
   const file = await toFile(wav(1200), 'speech.wav', { type: 'audio/wav' });
   const { data, response } = await client.audio.translations.create({ model: audioModel, file }).withResponse();
   out.translation = { ...seen(response), text: data.text, usage: data.usage ?? null };
+}
+
+// mp3 is n MPEG-1 Layer III frames at 128 kbit/s, 44.1 kHz (417 bytes, 1,152 samples each).
+const mp3 = (n) => {
+  const frame = Buffer.alloc(417);
+  frame.set([0xff, 0xfb, 0x90, 0x00]);
+  return Buffer.concat(Array(n).fill(frame));
+};
+{
+  const file = await toFile(mp3(150), 'speech.mp3', { type: 'audio/mpeg' });
+  const { data, response } = await client.audio.transcriptions.create({ model: audioModel, file }).withResponse();
+  out.transcriptionMp3 = { ...seen(response), text: data.text, usage: data.usage ?? null };
+}
+if (transcribeModel) {
+  const file = await toFile(mp3(150), 'speech.mp3', { type: 'audio/mpeg' });
+  const { data, response } = await client.audio.transcriptions.create({ model: transcribeModel, file, prompt: 'names: Ada' }).withResponse();
+  out.transcriptionTokens = { ...seen(response), text: data.text, usage: data.usage ?? null };
 }
 
 // Moderations: free, but authenticated and recorded.

@@ -36,7 +36,7 @@ type sdkMediaCall struct {
 // upload, likewise), the same two for a gpt-image model (the usage in the answer at its token
 // prices), audio.speech.create (the characters it sent, the audio bytes unchanged),
 // audio.transcriptions.create and .translations.create (the seconds the answer reports of a WAV
-// upload), moderations.create (free) — and the ledger charged exactly that, the x-escrow-cost
+// or an MP3 upload; the tokens it reports for a token-billed model), moderations.create (free) — and the ledger charged exactly that, the x-escrow-cost
 // the SDK got back; the org's balance fell by the sum.
 func TestOpenAINodeSDKMedia(t *testing.T) {
 	t.Parallel()
@@ -56,12 +56,15 @@ func TestOpenAINodeSDKMedia(t *testing.T) {
 			const textIn, imageIn, imageOut = 5, 10, 40 // gpt-image: per token
 			p.admin("PUT", "/models/gpt-image-1", map[string]any{"input_price": textIn * 1_000_000, "image_input_price": imageIn * 1_000_000,
 				"image_output_price": imageOut * 1_000_000}, http.StatusOK, nil)
+			const tIn, tAudio, tOut = 2, 6, 10 // gpt-4o-transcribe: per token
+			p.admin("PUT", "/models/gpt-4o-transcribe", map[string]any{"input_price": tIn * 1_000_000, "audio_input_price": tAudio * 1_000_000,
+				"output_price": tOut * 1_000_000, "max_output_tokens": 2000}, http.StatusOK, nil)
 
 			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 			defer cancel()
 			out := runSDK(ctx, t, node, "media.mjs", []string{"ESCROW_BASE_URL=" + p.base, "ESCROW_KEY=" + key,
 				"ESCROW_IMAGE_MODEL=dall-e-3", "ESCROW_SPEECH_MODEL=tts-1", "ESCROW_AUDIO_MODEL=whisper-1",
-				"ESCROW_TOKEN_IMAGE_MODEL=gpt-image-1"}, nil)
+				"ESCROW_TOKEN_IMAGE_MODEL=gpt-image-1", "ESCROW_TRANSCRIBE_MODEL=gpt-4o-transcribe"}, nil)
 			var res map[string]sdkMediaCall
 			if err := json.Unmarshal(bytes.TrimSpace(out), &res); err != nil {
 				t.Fatalf("node output %s: %v", out, err)
@@ -92,7 +95,7 @@ func TestOpenAINodeSDKMedia(t *testing.T) {
 			}
 			check("speech", (sp.Chars*charPrice+999_999)/1_000_000)
 
-			for _, name := range []string{"transcription", "translation"} {
+			for _, name := range []string{"transcription", "translation", "transcriptionMp3"} {
 				var u struct {
 					Type    string `json:"type"`
 					Seconds int64  `json:"seconds"`
@@ -102,6 +105,22 @@ func TestOpenAINodeSDKMedia(t *testing.T) {
 				}
 				check(name, u.Seconds*secondPrice)
 			}
+
+			// gpt-4o-transcribe of an MP3: the tokens the SDK got are the bill.
+			var tu struct {
+				Type         string `json:"type"`
+				Input        int64  `json:"input_tokens"`
+				Output       int64  `json:"output_tokens"`
+				InputDetails struct {
+					Audio int64 `json:"audio_tokens"`
+					Text  int64 `json:"text_tokens"`
+				} `json:"input_token_details"`
+			}
+			if err := json.Unmarshal(res["transcriptionTokens"].Usage, &tu); err != nil || tu.Type != "tokens" || tu.InputDetails.Audio <= 0 ||
+				tu.InputDetails.Audio+tu.InputDetails.Text != tu.Input {
+				t.Fatalf("transcriptionTokens: the SDK saw %+v (usage %s)", res["transcriptionTokens"], res["transcriptionTokens"].Usage)
+			}
+			check("transcriptionTokens", tu.InputDetails.Audio*tAudio+tu.InputDetails.Text*tIn+tu.Output*tOut)
 
 			// gpt-image: the usage the SDK got is the bill.
 			for _, name := range []string{"tokenGenerate", "tokenEdit"} {

@@ -297,7 +297,7 @@ const (
 func TranscribeUsage(secs int64, prompt string) map[string]any {
 	audio, text := secs*TranscribeTokensPerSecond, int64(len(prompt))
 	return map[string]any{"type": "tokens", "input_tokens": audio + text, "output_tokens": TranscribeOutputTokens,
-		"total_tokens": audio + text + TranscribeOutputTokens,
+		"total_tokens":        audio + text + TranscribeOutputTokens,
 		"input_token_details": map[string]any{"audio_tokens": audio, "text_tokens": text}}
 }
 
