@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/endpoint"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
 	"github.com/llmescrow/escrow/ledger"
@@ -146,6 +147,34 @@ func TestImagesTokensStream(t *testing.T) {
 		}
 		if n := len(e.upstreamRequests()); n != ups {
 			t.Fatalf("refused streams reached the upstream: %d", n-ups)
+		}
+	})
+}
+
+// TestImagesTokensLimit: a token-billed image request holds its token bound on a tokens limit,
+// so a bound above the limit's room is refused (429) before the upstream is called; one within
+// it is served and counted.
+func TestImagesTokensLimit(t *testing.T) {
+	t.Parallel()
+	eachRedis(t, func(t *testing.T, mini bool) {
+		e := newLimitEnv(t, mini, false, 20, balance.Limits{Version: 1}, nil)
+		e.useFake()
+		must(t, e.ledger.PutModel(context.Background(), gptImageModel))
+		e.ll.set(t, e.store, e.org, func(l *balance.Limits) {
+			l.Limits = []balance.Limit{{ID: "lim_tok", Scope: balance.Scope{Kind: balance.ScopeOrg}, Window: balance.Lifetime, Cap: 1000, Unit: balance.Tokens}}
+		})
+		small := `{"model":"gpt-image-test","prompt":"a cat","size":"1024x1024","quality":"low"}` // bound: its bytes + 272
+		st, _, b := e.postH(endpoint.ImagesGenerations.Path, e.key, small, nil)
+		if o := e.outcome(); st != http.StatusOK || o.Kind != OutcomeRecorded {
+			t.Fatalf("within the limit: status %d outcome %+v: %s", st, o, b)
+		}
+		big := `{"model":"gpt-image-test","prompt":"a cat","size":"1024x1024","quality":"medium"}` // 1,056 output tokens
+		st, _, b = e.postH(endpoint.ImagesGenerations.Path, e.key, big, nil)
+		if o := e.outcome(); st != http.StatusTooManyRequests || o.Kind != OutcomeRefused || !strings.Contains(b, "lim_tok") {
+			t.Fatalf("above the tokens limit: status %d outcome %+v: %s", st, o, b)
+		}
+		if n := len(e.upstreamRequests()); n != 1 {
+			t.Fatalf("upstream called %d times, want 1", n)
 		}
 	})
 }

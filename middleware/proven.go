@@ -158,7 +158,9 @@ func (m *middleware) serveProven(c echo.Context, next echo.HandlerFunc, id Ident
 		cl.id.Exempt = true // a zero hold: limits, freezes and the in-flight cap, no money (exempt.go)
 	}
 	o.HoldID, o.HoldAmount = cl.holdID, amount
-	res, err := m.reserve(req.Context(), cl, amount, 0)
+	// A token-billed proof (gpt-image, a transcription by tokens) is a token bound too: tokens
+	// limits hold it; a proof of items, characters or seconds holds no tokens.
+	res, err := m.reserve(req.Context(), cl, amount, r.Proof.Tokens())
 	exemptHold(cl, &o, err)
 	if err != nil {
 		if e := m.provenRefusal(err, cl, model, amount, &o); e != nil {
