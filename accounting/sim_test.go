@@ -165,6 +165,7 @@ type simReq struct {
 	// attribution, as the reserve returned it
 	key, project string
 	at           time.Time
+	media        *simMedia // issue 32: a media request, its cost fixed by its spec (sim_media_test.go)
 }
 
 // runSim runs one simulation and returns how many times each operation happened.
@@ -193,6 +194,7 @@ func runSim(t *testing.T, seed uint64, steps int, env *testutil.RedisEnv, ledger
 		s.credits[o] += c
 		s.setupLimits(o)
 	}
+	s.setupMedia() // issue 32: the media org (sim_media_test.go)
 	// The default run stops at its time budget (after at least minSimSteps): every check holds
 	// after every step, so a slow machine runs fewer steps, never a failing test.
 	budget := time.Now().Add(simBudget)
@@ -507,6 +509,8 @@ func (s *simulator) step() {
 		l := s.later[i]
 		s.later = slices.Delete(s.later, i, i+1)
 		s.record(l.r, l.u)
+	case op < 0.92: // issue 32: a media request arrives (sim_media_test.go)
+		s.mediaRequest(o)
 	}
 }
 
@@ -796,6 +800,9 @@ type used struct{ cost, tokens int64 }
 // bound (the upstream enforces the output cap of its bound, the fitted cap for a fitted hold),
 // an unbounded one now and then more (realCost).
 func (s *simulator) drawCost(r simReq) used {
+	if r.media != nil {
+		return used{r.media.cost, r.media.usedTk}
+	}
 	if r.bounded {
 		return used{s.rnd.Int64N(r.amount + 1), s.rnd.Int64N(r.tokens + 1)}
 	}
@@ -829,8 +836,8 @@ func (s *simulator) record(r simReq, u used) {
 	if s.rnd.Float64() < 0.05 { // recorded twice (a retried record): charged once
 		s.must(s.ledger.RecordUsage(s.ctx, []ledger.UsageEvent{ev}))
 	}
-	if r.amount == 0 {
-		return // fail-open: no hold to finish
+	if r.amount == 0 && r.media == nil {
+		return // fail-open: no hold to finish (a media request's zero hold is a moderation's: finished)
 	}
 	// The recorder finishes the hold right after the usage is durable; that finish may also be
 	// lost (best effort), or arrive late (after a settle, a reap, a data loss).

@@ -1,9 +1,9 @@
 package endpoint
 
-// ImagesEdits is OpenAI's image edits: a multipart/form-data upload (the image, an optional
-// mask, the prompt) priced like generations, per image by size × quality × n (dall-e-2 style):
-// the uploaded images are not billed by a per-image model. Token-billed models (gpt-image) are
-// refused unless priced per image, as on generations.
+// ImagesEdits is OpenAI's image edits: a multipart/form-data upload (the image or images, an
+// optional mask, the prompt) billed like generations — per image by size × quality × n
+// (dall-e-2 style: the uploads are not billed), or by tokens for a gpt-image model, whose
+// bound counts each uploaded file as an input image at its max (proveImageTokens).
 var ImagesEdits = register(&Spec{
 	Path:         "/v1/images/edits",
 	Provider:     OpenAI,
@@ -11,6 +11,7 @@ var ImagesEdits = register(&Spec{
 	NoOutput:     true,
 	Multipart:    true,
 	Prove:        proveImages,
-	StatedFields: []string{"n", "size", "quality"},
+	Usage:        ImageUsage,
+	StatedFields: []string{"n", "size", "quality", "partial_images"},
 	EndUserField: "user",
 })

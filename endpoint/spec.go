@@ -116,6 +116,10 @@ type Spec struct {
 	// StatedFields are the top-level fields the middleware reads into Stated for Prove or Free
 	// (the model, stream and the end-user field are always read).
 	StatedFields []string
+	// Usage, when set on a proven spec, reads the usage of its answer (the JSON member usage):
+	// what Prove gave is then the hold, a bound, and the answer's usage is the bill (gpt-image
+	// tokens, a transcription's tokens or seconds); an answer without one is billed the hold.
+	Usage func(UsageObject) (pricing.Usage, bool)
 }
 
 // CapNames are the output-cap fields of every endpoint: a body that sends one its endpoint does

@@ -17,6 +17,9 @@ var Speech = register(&Spec{
 })
 
 func proveSpeech(st Stated) (pricing.Usage, *Refusal) {
+	if st.Stream {
+		return pricing.Usage{}, &Refusal{Param: "stream", Message: "Streaming is not supported on /v1/audio/speech."}
+	}
 	if !st.HasInput {
 		return pricing.Usage{}, &Refusal{Param: "input", Message: "'input' must be a string."}
 	}

@@ -6,13 +6,20 @@ import (
 	"github.com/llmescrow/escrow/pricing"
 )
 
-// Transcriptions and Translations are OpenAI's speech-to-text (multipart uploads), billed per
-// second of input audio (class audio_second, whisper style), bounded from the upload before
-// the call: only an uncompressed PCM WAV file proves its duration (its sample bytes over the
-// byte rate of its format), so any other upload is refused (400 on file), as is a model without
-// an audio_second price. The hold is the duration rounded up to the second × the price, and
-// so is the charge: the response is not read. Token-billed models (gpt-4o-transcribe) are not
-// supported yet.
+// Transcriptions and Translations are OpenAI's speech-to-text (multipart uploads), bounded
+// from the upload before the call (AudioMillis: the duration a PCM WAV or an MP3 of frames
+// proves, else the bytes at the format's lowest bitrate) and billed what the answer reports:
+//
+//   - a model with an audio_second price (whisper): held the bound in seconds, rounded up;
+//     charged the answer's usage {"type":"duration","seconds":N};
+//   - a model with an audio_input price (gpt-4o-transcribe): held AudioTokensPerSecond audio
+//     tokens per second of the bound plus the form's text bytes as input, and the model's
+//     max_output_tokens as output (a model without one is refused: the transcript has no other
+//     bound), each at the highest price of its side; charged the answer's usage
+//     {"type":"tokens","input_tokens","input_token_details":{"audio_tokens"},"output_tokens"}.
+//
+// An upload of no format escrow can bound, a model with neither price, and a stream are
+// refused (400), nothing held. An answer without a usage escrow can read is charged the hold.
 var (
 	Transcriptions = register(&Spec{
 		Path:         "/v1/audio/transcriptions",
@@ -21,6 +28,7 @@ var (
 		NoOutput:     true,
 		Multipart:    true,
 		Prove:        proveAudio,
+		Usage:        TranscriptionUsage,
 		StatedFields: []string{"file"},
 		EndUserField: "user",
 	})
@@ -31,20 +39,66 @@ var (
 		NoOutput:     true,
 		Multipart:    true,
 		Prove:        proveAudio,
+		Usage:        TranscriptionUsage,
 		StatedFields: []string{"file"},
 		EndUserField: "user",
 	})
 )
 
+// AudioTokensPerSecond bounds the audio input tokens of one second of audio for a token-billed
+// transcription model: OpenAI bills gpt-4o audio at about 10 tokens a second (the Realtime
+// API's 100 ms a token) and prices gpt-4o-transcribe so that a minute is about 1,000 tokens
+// (≈ 17 a second); 50 is above both.
+const AudioTokensPerSecond = 50
+
+// TranscriptionClasses are the classes a token-billed transcription can bill.
+var TranscriptionClasses = []pricing.Class{pricing.Input, pricing.AudioInput, pricing.Output}
+
 func proveAudio(st Stated) (pricing.Usage, *Refusal) {
+	if st.Stream {
+		return pricing.Usage{}, &Refusal{Param: "stream", Message: "Streaming is not supported on transcriptions."}
+	}
 	if st.Audio == nil {
 		return pricing.Usage{}, &Refusal{Param: "file", Message: "'file' must be an audio file upload."}
 	}
-	ms, ok := WAVMillis(st.Audio)
+	ms, _, ok := AudioMillis(st.Audio)
 	if !ok {
-		return pricing.Usage{}, &Refusal{Param: "file", Message: "Only uncompressed PCM WAV uploads can be priced here: their duration is known before the call."}
+		return pricing.Usage{}, &Refusal{Param: "file", Message: "The upload is no audio escrow can bound before the call " +
+			"(PCM WAV, MP3, Ogg, FLAC, MP4/M4A or WebM)."}
 	}
-	return pricing.Usage{}.With(pricing.AudioSecond, (ms+999)/1000), nil
+	secs := (ms + 999) / 1000
+	if st.Prices.Has(pricing.AudioSecond) || !st.Prices.Has(pricing.AudioInput) {
+		return pricing.Usage{}.With(pricing.AudioSecond, secs), nil // unpriced: refused naming audio_second
+	}
+	if st.MaxOutputTokens <= 0 {
+		return pricing.Usage{}, &Refusal{Param: "model", Message: "The model '" + st.Model + "' bills transcripts by tokens " +
+			"and has no max_output_tokens to bound them."}
+	}
+	in := st.TextBytes + (ms*AudioTokensPerSecond+999)/1000
+	return boundUsage(st.Prices, TranscriptionClasses, in, st.MaxOutputTokens), nil
+}
+
+// TranscriptionUsage reads the usage of a transcription or translation answer: tokens
+// (input_tokens, of which input_token_details.audio_tokens are audio; output_tokens) or a
+// duration (seconds, rounded up).
+func TranscriptionUsage(u UsageObject) (pricing.Usage, bool) {
+	if u.String("type") == "duration" {
+		s, ok := u.Ceil("seconds")
+		if !ok {
+			return pricing.Usage{}, false
+		}
+		return pricing.Usage{}.With(pricing.AudioSecond, s), true
+	}
+	in, ok1 := u.Count("input_tokens", true)
+	out, ok2 := u.Count("output_tokens", false)
+	audio, ok3 := u.Count("input_token_details.audio_tokens", false)
+	if !u.Has("input_token_details.audio_tokens") {
+		audio, ok3 = u.Count("input_tokens_details.audio_tokens", false)
+	}
+	if !ok1 || !ok2 || !ok3 || audio > in {
+		return pricing.Usage{}, false
+	}
+	return pricing.Usage{Prompt: in, Completion: out}.With(pricing.AudioInput, audio), true
 }
 
 // WAVMillis is the duration, in milliseconds rounded up, of a PCM (format 1) or IEEE-float

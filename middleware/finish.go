@@ -240,7 +240,7 @@ func (cl *call) readUsage(cw *captureWriter, nextErr error, panicked any, cause 
 // of its usage; for a 2xx whose usage cannot be read, or that cannot be priced, the hold.
 func (cl *call) charge(cw *captureWriter, usage pricing.Usage, estimated, truncated bool) (pricing.Usage, int64, bool) {
 	if cl.req.Proof != nil {
-		return cl.provenCharge()
+		return cl.provenCharge(cw)
 	}
 	switch {
 	case truncated:

@@ -158,3 +158,86 @@ func FuzzProvenBound(f *testing.F) {
 	f.Add([]byte{3, 1, 4, 1, 5, 9, 2, 6}, false)
 	f.Fuzz(func(t *testing.T, b []byte, images bool) { checkProvenBound(t, b, images) })
 }
+
+// checkImageTokenBound is the property for a token-billed (gpt-image) generation: for any body
+// escrow accepts, the hold (its proof made with the model's prices) is at least the cost of the
+// usage the upstream reports for the same bytes (the fake bills the most it may: a token per
+// prompt byte, the published output tokens of the size and quality it read), and the charge is
+// that usage. It reports whether escrow accepted the body.
+func checkImageTokenBound(t *testing.T, choices []byte) bool {
+	t.Helper()
+	g := &specGen{b: choices}
+	var members []string
+	add := func(k, v string) { members = append(members, `"`+k+`":`+v) }
+	add("model", `"gpt-image-test"`)
+	add("prompt", []string{`"a cat"`, `"` + strings.Repeat("x", 200) + `"`, `"a \u00e9 \"cat\""`}[g.pick(3)])
+	if v := []string{"", "null", "1", "2", "10", "11", "0", `"2"`}[g.pick(8)]; v != "" {
+		add([]string{"n", "n", "N"}[g.pick(3)], v)
+	}
+	if v := []string{"", "null", `"1024x1024"`, `"1024x1536"`, `"1536x1024"`, `"auto"`, `"1792x1024"`, `"1024X1024"`, `"1024\u00781536"`}[g.pick(9)]; v != "" {
+		add([]string{"size", "size", "Size"}[g.pick(3)], v)
+	}
+	if v := []string{"", "null", `"low"`, `"medium"`, `"high"`, `"auto"`, `"hd"`, `"HIGH"`, `"l\u006fw"`}[g.pick(9)]; v != "" {
+		add([]string{"quality", "quality", "Quality"}[g.pick(3)], v)
+	}
+	if g.pick(4) == 0 {
+		add("quality", `"low"`) // a duplicate (or the first)
+	}
+	if g.pick(3) == 0 {
+		add(provenUnknown[g.pick(len(provenUnknown))], `"x"`)
+	}
+	body := "{" + strings.Join(members, ",") + "}"
+	r, e := parseRequest(endpoint.ImagesGenerations.Path, []byte(body))
+	if e != nil {
+		return false
+	}
+	m := &middleware{cfg: Config{}}
+	if e := m.reprove(&r, gptImageModel); e != nil || provenPriced(gptImageModel, *r.Proof) != nil {
+		return false
+	}
+	hold, err := gptImageModel.Cost(*r.Proof)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := httptest.NewRecorder()
+	provenFake.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, endpoint.ImagesGenerations.Path, bytes.NewReader([]byte(body))))
+	if rec.Code != http.StatusOK {
+		return true // refused upstream: released, nothing billed
+	}
+	u, ok := endpoint.ImageUsage(usageObject{gjson.GetBytes(rec.Body.Bytes(), "usage")})
+	if !ok {
+		t.Fatalf("%s: the upstream's usage is unreadable: %s", body, rec.Body.Bytes())
+	}
+	if cost, err := gptImageModel.Cost(u); err != nil || cost > hold {
+		t.Fatalf("%s: the upstream bills %d (%v) for %+v, above the hold %d (%+v)", body, cost, err, u, hold, *r.Proof)
+	}
+	return true
+}
+
+// TestImageTokenBoundRandom runs checkImageTokenBound over 3,000 random bodies and checks it is
+// not vacuous.
+func TestImageTokenBoundRandom(t *testing.T) {
+	t.Parallel()
+	rnd := rand.New(rand.NewPCG(32, 34))
+	accepted := 0
+	b := make([]byte, 32)
+	for range 3_000 {
+		for j := range b {
+			b[j] = byte(rnd.IntN(256))
+		}
+		if checkImageTokenBound(t, b) {
+			accepted++
+		}
+	}
+	if accepted < 300 {
+		t.Fatalf("accepted %d of 3,000: the property is barely exercised", accepted)
+	}
+	t.Logf("accepted %d", accepted)
+}
+
+// FuzzImageTokenBound: for any gpt-image body escrow accepts, the upstream bills at most the
+// hold.
+func FuzzImageTokenBound(f *testing.F) {
+	f.Add([]byte{1, 2, 3, 4, 5, 6, 7, 8})
+	f.Fuzz(func(t *testing.T, b []byte) { checkImageTokenBound(t, b) })
+}

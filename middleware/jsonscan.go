@@ -591,6 +591,14 @@ func (s *usageScanner) usage() (pricing.Usage, bool) {
 	return usageOf(gjson.ParseBytes(s.usageRaw))
 }
 
+// rawUsage is the top-level usage object of an OpenAI document as read.
+func (s *usageScanner) rawUsage() (gjson.Result, bool) {
+	if s.failed || !s.haveUsage || s.anthropic {
+		return gjson.Result{}, false
+	}
+	return gjson.ParseBytes(s.usageRaw), true
+}
+
 // anthUsage is the top-level usage of an Anthropic document as read, whole or partial
 // (message_delta's).
 func (s *usageScanner) anthUsage() (anthUsage, bool) {

@@ -62,9 +62,19 @@ func parseMultipart(spec *endpoint.Spec, ct string, body []byte) (Request, *Erro
 			return r, errInvalid("", "The multipart/form-data body could not be read.")
 		}
 		name := p.FormName()
+		if p.FileName() != "" {
+			st.Files++
+		}
 		if !slices.Contains(known, name) {
 			if k := strings.ToLower(strings.TrimSpace(name)); slices.Contains(known, k) {
 				return r, errInvalid(k, "Unrecognized form field '"+name+"': did you mean '"+k+"'?")
+			}
+			if p.FileName() == "" {
+				n, err := io.Copy(io.Discard, p) // a text field (the prompt): its bytes may be text tokens
+				if err != nil {
+					return r, errInvalid("", "The multipart/form-data body could not be read.")
+				}
+				st.TextBytes += n
 			}
 			continue
 		}
@@ -86,6 +96,7 @@ func parseMultipart(spec *endpoint.Spec, ct string, body []byte) (Request, *Erro
 			return r, errInvalid(name, "'"+name+"' could not be read.")
 		}
 		v := string(b)
+		st.TextBytes += int64(len(b))
 		switch name {
 		case "model":
 			r.Model = v
@@ -102,6 +113,13 @@ func parseMultipart(spec *endpoint.Spec, ct string, body []byte) (Request, *Erro
 				n = n*10 + int64(c-'0')
 			}
 			st.N = n
+		case "partial_images":
+			if v != "0" && !smallInt.MatchString(v) {
+				return r, errInvalid(name, "'partial_images' must be an integer from 0 to 3.")
+			}
+			for _, c := range v {
+				st.PartialImages = st.PartialImages*10 + int64(c-'0')
+			}
 		case "size":
 			st.Size = v
 		case "quality":

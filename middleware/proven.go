@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"errors"
+	"math"
 	"net/http"
 	"slices"
 	"strings"
@@ -14,6 +15,7 @@ import (
 	"github.com/llmescrow/escrow/endpoint"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/pricing"
+	"github.com/tidwall/gjson"
 )
 
 // Proven and free endpoints (issue 32; DESIGN.md "Endpoints"): images priced per image and
@@ -58,6 +60,10 @@ func parseStated(spec *endpoint.Spec, body []byte) (Request, *Error) {
 		case kind == 'n':
 		case name == "n":
 			st.N = p.positive(name, v)
+		case name == "partial_images":
+			if v != "0" {
+				st.PartialImages = p.positive(name, v)
+			}
 		case name == "size" || name == "quality":
 			if p.nullOr(name, v, shapeString) {
 				if name == "size" {
@@ -74,6 +80,7 @@ func parseStated(spec *endpoint.Spec, body []byte) (Request, *Error) {
 	if e != nil {
 		return r, e
 	}
+	st.TextBytes = int64(len(body))
 	return proveStated(spec, r, st)
 }
 
@@ -88,18 +95,32 @@ func proveStated(spec *endpoint.Spec, r Request, st endpoint.Stated) (Request, *
 	}
 	proof := pricing.Usage{}
 	if spec.Prove != nil {
-		if r.Stream {
-			return r, errInvalid("stream", "Streaming is not supported on "+spec.Path+".")
-		}
-		st.Model = r.Model
+		st.Model, st.Stream = r.Model, r.Stream
 		u, ref := spec.Prove(st)
 		if ref != nil {
 			return r, errInvalid(ref.Param, ref.Message)
 		}
 		proof = u
+		r.Stated = &st
 	}
 	r.Proof = &proof
 	return r, nil
+}
+
+// reprove makes the proof of a proven request again with its model's prices and settings,
+// which choose how it is billed (endpoint.Stated.Prices): per image or by tokens.
+func (m *middleware) reprove(r *Request, model ledger.Model) *Error {
+	if r.Stated == nil || r.Spec.Prove == nil {
+		return nil
+	}
+	st := *r.Stated
+	st.Prices, st.ImageTokens, st.MaxOutputTokens = model.Prices, m.cfg.ImageTokens[model.Name], model.MaxOutputTokens
+	u, ref := r.Spec.Prove(st)
+	if ref != nil {
+		return errInvalid(ref.Param, ref.Message)
+	}
+	r.Proof = &u
+	return nil
 }
 
 // serveProven holds what a proven request bills (0 for a free one: a zero hold, counted by the
@@ -112,6 +133,9 @@ func (m *middleware) serveProven(c echo.Context, next echo.HandlerFunc, id Ident
 	if !r.Spec.Free {
 		var e *Error
 		if model, _, e = m.priceModel(req.Context(), body, &r); e != nil {
+			return m.refuse(c, o, e)
+		}
+		if e = m.reprove(&r, model); e != nil {
 			return m.refuse(c, o, e)
 		}
 		if e = provenPriced(model, *r.Proof); e != nil {
@@ -134,7 +158,9 @@ func (m *middleware) serveProven(c echo.Context, next echo.HandlerFunc, id Ident
 		cl.id.Exempt = true // a zero hold: limits, freezes and the in-flight cap, no money (exempt.go)
 	}
 	o.HoldID, o.HoldAmount = cl.holdID, amount
-	res, err := m.reserve(req.Context(), cl, amount, 0)
+	// A token-billed proof (gpt-image, a transcription by tokens) is a token bound too: tokens
+	// limits hold it; a proof of items, characters or seconds holds no tokens.
+	res, err := m.reserve(req.Context(), cl, amount, r.Proof.Tokens())
 	exemptHold(cl, &o, err)
 	if err != nil {
 		if e := m.provenRefusal(err, cl, model, amount, &o); e != nil {
@@ -200,13 +226,104 @@ func provenParam(c pricing.Class) string {
 }
 
 // provenCharge is what a proven request is charged: what it proved, at the prices it was held
-// at (the upstream bills the stated units whether or not the client read the answer).
-func (cl *call) provenCharge() (pricing.Usage, int64, bool) {
+// at (the upstream bills the stated units whether or not the client read the answer) — or,
+// when its proof is a bound (fromAnswer), the usage its answer reports; an answer without a
+// usage escrow can read and price is charged the bound, the hold (estimated).
+func (cl *call) provenCharge(cw *captureWriter) (pricing.Usage, int64, bool) {
 	u := *cl.req.Proof
+	estimated := false
+	if fromAnswer(cl.req.Spec, u) {
+		if read, ok := answerUsage(cl.req.Spec, cw); ok && provenPriced(cl.model, read) == nil {
+			if cost, err := cl.model.Cost(read); err == nil {
+				return read, cost, false
+			}
+		}
+		estimated = u.Tokens() > 0 // a token bound billed whole
+	}
 	cost, err := cl.model.Cost(u)
 	if err != nil {
 		cl.m.cfg.Logger.Error("escrow: proven usage could not be priced", "hold_id", cl.holdID, "usage", u, "err", err)
 		return u, max(cl.agreed, 1), true
 	}
-	return u, cost, false
+	return u, cost, estimated
+}
+
+// fromAnswer reports whether a proven request is billed from its answer's usage: its spec
+// reads one (endpoint.Spec.Usage) and its proof is a bound, not a count of items or characters
+// fixed by the request (images per image, speech).
+func fromAnswer(spec *endpoint.Spec, proof pricing.Usage) bool {
+	if spec.Usage == nil {
+		return false
+	}
+	for c := range proof.Units {
+		if info, _ := pricing.Lookup(c); info.Unit == pricing.PerItem || info.Unit == pricing.PerMCharacters {
+			return false
+		}
+	}
+	return true
+}
+
+// answerUsage is the usage a proven request's JSON answer reports, read by its spec.
+func answerUsage(spec *endpoint.Spec, cw *captureWriter) (pricing.Usage, bool) {
+	var raw gjson.Result
+	switch {
+	case cw == nil:
+		return pricing.Usage{}, false
+	case cw.mode == modeJSON:
+		r, ok := cw.scan.rawUsage()
+		if !ok {
+			return pricing.Usage{}, false
+		}
+		raw = r
+	case cw.mode == modeSSE && cw.sse.usageRaw != nil && !cw.sse.upstreamError:
+		raw = gjson.ParseBytes(cw.sse.usageRaw)
+	default:
+		return pricing.Usage{}, false
+	}
+	u, ok := spec.Usage(usageObject{raw})
+	if !ok || u.Check() != nil {
+		return pricing.Usage{}, false
+	}
+	return u, true
+}
+
+// usageObject is an answer's usage object for a spec's reader (endpoint.UsageObject): members
+// matched as a client's decoder matches them (case folded, the last of duplicates).
+type usageObject struct{ gjson.Result }
+
+func (o usageObject) at(path string) gjson.Result {
+	v := o.Result
+	for name := range strings.SplitSeq(path, ".") {
+		v = member(v, name)
+	}
+	return v
+}
+
+func (o usageObject) Count(path string, required bool) (int64, bool) {
+	v := o.at(path)
+	if !present(v) {
+		return 0, !required
+	}
+	return tokenCount(v)
+}
+
+func (o usageObject) Ceil(path string) (int64, bool) {
+	v := o.at(path)
+	if v.Type != gjson.Number {
+		return 0, false
+	}
+	f := v.Float()
+	if !(f >= 0 && f <= maxTokens) {
+		return 0, false
+	}
+	return int64(math.Ceil(f)), true
+}
+
+func (o usageObject) Has(path string) bool { return present(o.at(path)) }
+
+func (o usageObject) String(path string) string {
+	if v := o.at(path); v.Type == gjson.String {
+		return v.String()
+	}
+	return ""
 }

@@ -142,9 +142,8 @@ func TestImagesPerImage(t *testing.T) {
 	})
 }
 
-// TestImagesUnpricedRefused: a size or quality the model has no per-image price for (and a
-// model with no per-image price at all, e.g. a token-billed gpt-image model) is a 400 naming
-// the class, with nothing held, debited or sent upstream; so are n above 10 and streaming.
+// TestImagesUnpricedRefused: a size or quality the model has no per-image price for (or, for a
+// token-billed gpt-image model, no published token count) is a 400 naming it, with nothing held, debited or sent upstream; so are n above 10 and streaming.
 func TestImagesUnpricedRefused(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOpt{mini: true, finish: true})
@@ -155,7 +154,8 @@ func TestImagesUnpricedRefused(t *testing.T) {
 	for _, c := range []struct{ body, param, names string }{
 		{`{"model":"dall-e-test","prompt":"a cat","size":"512x512"}`, "size", "per_image_512x512_standard"},
 		{`{"model":"dall-e-test","prompt":"a cat","size":"1792x1024","quality":"standard"}`, "size", "per_image_1792x1024_standard"},
-		{`{"model":"gpt-image-test","prompt":"a cat","size":"1024x1024","quality":"high"}`, "size", "per_image_1024x1024_high"},
+		{`{"model":"gpt-image-test","prompt":"a cat","size":"1792x1024","quality":"high"}`, "size", "'1792x1024'"},
+		{`{"model":"gpt-image-test","prompt":"a cat","quality":"hd"}`, "size", "'hd'"},
 		{`{"model":"dall-e-test","prompt":"a cat","n":11}`, "n", "10"},
 		{`{"model":"dall-e-test","prompt":"a cat","stream":true}`, "stream", "Streaming"},
 		{`{"model":"dall-e-test","prompt":"a cat","size":"1024x1024","quality":"h d"}`, "size", "'h d'"},
@@ -353,8 +353,8 @@ func audioForm(t *testing.T, model string, file []byte) (string, string) {
 
 // TestTranscriptionsPerSecond: a transcription or translation of a PCM WAV upload is held and
 // charged its duration rounded up to the second × the audio_second price — the duration the
-// upstream reports; an upload whose duration cannot be proven (not PCM WAV) and a model without
-// an audio_second price are refused with nothing held.
+// upstream reports; an upload of no format escrow can bound (or a WAV cut before its samples)
+// and a model without an audio_second price are refused with nothing held.
 func TestTranscriptionsPerSecond(t *testing.T) {
 	t.Parallel()
 	eachRedis(t, func(t *testing.T, mini bool) {
@@ -380,11 +380,10 @@ func TestTranscriptionsPerSecond(t *testing.T) {
 			t.Fatalf("ledger %+v, want %d", a, testCredit-spent)
 		}
 		ups := len(e.upstreamRequests())
-		mp3 := append([]byte("ID3\x04"), wav(1000)...)
 		for _, c := range []struct {
 			model string
 			file  []byte
-		}{{"whisper-test", mp3}, {"whisper-test", wav(1000)[:40]}, {testModel, wav(1000)}} {
+		}{{"whisper-test", []byte("no audio format at all")}, {"whisper-test", wav(1000)[:40]}, {testModel, wav(1000)}} {
 			body, ct := audioForm(t, c.model, c.file)
 			st, _, b := e.postH(endpoint.Transcriptions.Path, e.key, body, map[string]string{"Content-Type": ct})
 			if o := e.outcome(); st != http.StatusBadRequest || o.HoldAmount != 0 {

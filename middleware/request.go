@@ -67,6 +67,9 @@ type Request struct {
 	// (endpoint.Spec.Prove; empty for a free one): its hold and its charge (proven.go). nil for
 	// any other endpoint.
 	Proof *pricing.Usage
+	// Stated is what the body of a proven endpoint states (its proof is made again with the
+	// model's prices before the hold: serveProven).
+	Stated *endpoint.Stated
 }
 
 // topPlain are the top-level fields that carry only text (or numbers and switches that do not

@@ -59,6 +59,9 @@ type sseFilter struct {
 
 	usage     pricing.Usage
 	haveUsage bool
+	// usageRaw is the last top-level usage object of an OpenAI event, as sent (a proven
+	// endpoint's spec reads it: gpt-image's image_generation.completed).
+	usageRaw  []byte
 	terminal  bool // [DONE] or a terminal Responses event was seen
 	bigEvents int  // events too long to keep whole
 	outBytes  int64
@@ -330,6 +333,9 @@ func (f *sseFilter) takeUsage(sc *usageScanner, kind string, typed bool) (termin
 	default:
 		if u, ok := sc.usage(); ok {
 			f.setUsage(u)
+		}
+		if raw, ok := sc.rawUsage(); ok {
+			f.usageRaw = append(f.usageRaw[:0], raw.Raw...)
 		}
 	}
 	return false

@@ -18,8 +18,9 @@ import (
 )
 
 // The fake media endpoints: POST /v1/moderations (one result per input, never flagged),
-// /v1/images/generations (n images, default 1, each a small base64 "PNG" or a URL, no usage:
-// dall-e style) and /v1/audio/speech (audio bytes derived from the input: SpeechBytes).
+// /v1/images/generations (n images, default 1, each a small base64 "PNG" or a URL; no usage for
+// dall-e style models, gpt-image usage for a model named gpt-image-*: GPTImageUsage) and
+// /v1/audio/speech (audio bytes derived from the input: SpeechBytes).
 
 // maxImages bounds n on images, as OpenAI does (dall-e-2: 10).
 const maxImages = 10
@@ -46,7 +47,13 @@ func (s *Server) moderations(w http.ResponseWriter, _ *http.Request, req *apiReq
 	writeJSON(w, http.StatusOK, resp)
 }
 
-func (s *Server) imagesGenerations(w http.ResponseWriter, _ *http.Request, req *apiRequest) {
+func (s *Server) imagesGenerations(w http.ResponseWriter, r *http.Request, req *apiRequest) {
+	s.images(w, req, "image_generation")
+}
+
+// images answers a generation or an edit (events named prefix + ".partial_image" and
+// ".completed" when streamed).
+func (s *Server) images(w http.ResponseWriter, req *apiRequest, prefix string) {
 	n := int64(1)
 	if req.N != nil {
 		n = *req.N
@@ -61,14 +68,110 @@ func (s *Server) imagesGenerations(w http.ResponseWriter, _ *http.Request, req *
 		RevisedPrompt string `json:"revised_prompt,omitempty"`
 	}
 	resp := struct {
-		Created int64   `json:"created"`
-		Data    []image `json:"data"`
+		Created int64           `json:"created"`
+		Data    []image         `json:"data"`
+		Usage   json.RawMessage `json:"usage,omitempty"`
 	}{Created: time.Now().Unix()}
+	var usage ImageTokenUsage
+	if strings.HasPrefix(req.Model, "gpt-image") {
+		partial := int64(0)
+		if req.Stream {
+			partial = req.PartialImages
+		}
+		u, ok := GPTImageUsage(req.promptText(), req.files, n, req.Size, req.Quality)
+		if !ok || partial < 0 || partial > 3 {
+			writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Invalid size, quality or partial_images.")
+			return
+		}
+		u.OutputTokens += n * partial * PartialImageTokens
+		u.TotalTokens = u.InputTokens + u.OutputTokens
+		usage = u
+		resp.Usage, _ = json.Marshal(u)
+	} else if req.Stream {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Streaming is only supported for gpt-image models.")
+		return
+	}
 	for i := range n {
 		sum := sha256.Sum256([]byte(req.Model + "/" + req.Size + "/" + req.Quality + "/" + strconv.FormatInt(i, 10)))
 		resp.Data = append(resp.Data, image{B64JSON: base64.StdEncoding.EncodeToString(append([]byte("\x89PNG fake "), sum[:]...))})
 	}
-	writeJSON(w, http.StatusOK, resp)
+	if !req.Stream {
+		writeJSON(w, http.StatusOK, resp)
+		return
+	}
+	// A stream: each image's partial images, then its completed event; the usage (of the whole
+	// request) is on the last completed event.
+	e := startSSE(w)
+	for i, img := range resp.Data {
+		for p := range req.PartialImages {
+			if e.event(prefix+".partial_image", map[string]any{"type": prefix + ".partial_image", "b64_json": img.B64JSON,
+				"partial_image_index": p, "size": req.Size, "quality": req.Quality}) != nil {
+				return
+			}
+		}
+		done := map[string]any{"type": prefix + ".completed", "b64_json": img.B64JSON, "size": req.Size, "quality": req.Quality}
+		if i == len(resp.Data)-1 {
+			done["usage"] = usage
+		}
+		if e.event(prefix+".completed", done) != nil {
+			return
+		}
+	}
+}
+
+// PartialImageTokens are the output tokens each partial image of a gpt-image stream adds.
+const PartialImageTokens = 100
+
+// gptImageTokens is OpenAI's published table of the output tokens of one gpt-image-1 image by
+// quality and size; auto is high quality at the largest size.
+var gptImageTokens = map[string]map[string]int64{
+	"low":    {"1024x1024": 272, "1024x1536": 408, "1536x1024": 400},
+	"medium": {"1024x1024": 1056, "1024x1536": 1584, "1536x1024": 1568},
+	"high":   {"1024x1024": 4160, "1024x1536": 6240, "1536x1024": 6208},
+}
+
+// GPTImageInputImageTokens is what the fake bills per uploaded image of an edit.
+const GPTImageInputImageTokens = 323
+
+// ImageTokenUsage is gpt-image's usage object.
+type ImageTokenUsage struct {
+	InputTokens  int64 `json:"input_tokens"`
+	OutputTokens int64 `json:"output_tokens"`
+	TotalTokens  int64 `json:"total_tokens"`
+	InputDetails struct {
+		TextTokens  int64 `json:"text_tokens"`
+		ImageTokens int64 `json:"image_tokens"`
+	} `json:"input_tokens_details"`
+}
+
+// GPTImageUsage is the usage the fake reports for a gpt-image request, the most it may bill: a
+// text token per byte of the prompt, GPTImageInputImageTokens per uploaded image, and n images
+// at the table's tokens for the size and quality (auto or absent: high, and the largest size).
+func GPTImageUsage(prompt string, files int, n int64, size, quality string) (ImageTokenUsage, bool) {
+	if quality == "" || quality == "auto" {
+		quality = "high"
+	}
+	if size == "" || size == "auto" {
+		size = "1024x1536"
+	}
+	per, ok := gptImageTokens[quality][size]
+	if !ok {
+		return ImageTokenUsage{}, false
+	}
+	var u ImageTokenUsage
+	u.InputDetails.TextTokens = int64(len(prompt))
+	u.InputDetails.ImageTokens = int64(files) * GPTImageInputImageTokens
+	u.InputTokens = u.InputDetails.TextTokens + u.InputDetails.ImageTokens
+	u.OutputTokens = n * per
+	u.TotalTokens = u.InputTokens + u.OutputTokens
+	return u, true
+}
+
+// promptText is the prompt as a string ("" when it is none).
+func (r *apiRequest) promptText() string {
+	var s string
+	_ = json.Unmarshal(r.Prompt, &s)
+	return s
 }
 
 // SpeechBytes is the audio the fake answers /v1/audio/speech with for an input and voice: a
@@ -142,6 +245,10 @@ func readForm(r *http.Request, body []byte, req *apiRequest) error {
 			req.Quality = v
 		case "prompt":
 			req.Prompt, _ = json.Marshal(v)
+		case "stream":
+			req.Stream = v == "true"
+		case "partial_images":
+			req.PartialImages, _ = strconv.ParseInt(strings.TrimSpace(v), 10, 64)
 		case "n":
 			n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
 			if err != nil {
@@ -159,19 +266,81 @@ func (s *Server) imagesEdits(w http.ResponseWriter, r *http.Request, req *apiReq
 		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "An image file is required (multipart/form-data 'image').")
 		return
 	}
-	s.imagesGenerations(w, r, req)
+	s.images(w, req, "image_edit")
 }
 
-// transcription answers a transcription or translation of a WAV upload: a short text and the
-// duration usage whisper reports ({"type":"duration","seconds":N}, rounded up).
+// transcription answers a transcription or translation of an upload: a short text and the
+// usage — for a model named gpt-4o-*transcribe*, tokens (TranscribeUsage), else the duration
+// whisper reports ({"type":"duration","seconds":N}, rounded up). The duration is AudioSeconds.
 func (s *Server) transcription(w http.ResponseWriter, r *http.Request, req *apiRequest) {
-	secs, ok := wavSeconds(req.audio)
+	secs, ok := AudioSeconds(req.audio)
 	if !isForm(r) || !ok {
-		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Invalid file format: upload a WAV file as 'file'.")
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "", "Invalid file format: upload audio as 'file'.")
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"text": "tok1 tok2 tok3",
-		"usage": map[string]any{"type": "duration", "seconds": secs}})
+	var usage any = map[string]any{"type": "duration", "seconds": secs}
+	if strings.Contains(req.Model, "transcribe") {
+		usage = TranscribeUsage(secs, req.promptText())
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"text": "tok1 tok2 tok3", "usage": usage})
+}
+
+// TranscribeTokensPerSecond are the audio tokens the fake bills per second of a token-billed
+// transcription, and TranscribeOutputTokens its output tokens (the three words it answers).
+const (
+	TranscribeTokensPerSecond = 10
+	TranscribeOutputTokens    = 3
+)
+
+// TranscribeUsage is the token usage of a gpt-4o-transcribe answer for secs seconds of audio
+// and a prompt (a text token per byte).
+func TranscribeUsage(secs int64, prompt string) map[string]any {
+	audio, text := secs*TranscribeTokensPerSecond, int64(len(prompt))
+	return map[string]any{"type": "tokens", "input_tokens": audio + text, "output_tokens": TranscribeOutputTokens,
+		"total_tokens":        audio + text + TranscribeOutputTokens,
+		"input_token_details": map[string]any{"audio_tokens": audio, "text_tokens": text}}
+}
+
+// AudioSeconds is how long the fake "decodes" an upload to, in whole seconds rounded up: a WAV
+// file by its byte rate; an MP3 as a decoder reads it, resyncing on every MPEG-1 Layer III
+// frame header it finds (1,152 samples each); anything else at 128 kbit/s (16,000 bytes a
+// second). ok is false for nothing to decode.
+func AudioSeconds(b []byte) (int64, bool) {
+	if len(b) == 0 {
+		return 0, false
+	}
+	if secs, ok := wavSeconds(b); ok {
+		return secs, true
+	}
+	if len(b) >= 3 && (string(b[:3]) == "ID3" || b[0] == 0xff) {
+		var micros int64
+		for i := 0; i+4 <= len(b); {
+			if size, rate := mpeg1Layer3(b[i:]); size > 0 {
+				micros += (1152*1_000_000 + rate - 1) / rate
+				i += size
+				continue
+			}
+			i++
+		}
+		if micros > 0 {
+			return (micros + 999_999) / 1_000_000, true
+		}
+	}
+	return (int64(len(b)) + 15_999) / 16_000, true
+}
+
+// mpeg1Layer3 reads an MPEG-1 Layer III frame header: the frame's bytes and its sample rate (0
+// when it is none).
+func mpeg1Layer3(h []byte) (size int, rate int64) {
+	if h[0] != 0xff || h[1]&0xfe != 0xfa { // sync, MPEG-1, Layer III
+		return 0, 0
+	}
+	kbps := [16]int64{0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 0}[h[2]>>4]
+	rate = [4]int64{44100, 48000, 32000, 0}[(h[2]>>2)&3]
+	if kbps == 0 || rate == 0 {
+		return 0, 0
+	}
+	return int(144*kbps*1000/rate) + int(h[2]>>1&1), rate
 }
 
 // wavSeconds is a WAV file's duration in whole seconds rounded up: the bytes after the data

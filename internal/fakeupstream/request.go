@@ -29,12 +29,13 @@ type apiRequest struct {
 	BestOf              *int64          `json:"best_of"`
 	Dimensions          int             `json:"dimensions"`
 	EncodingFormat      string          `json:"encoding_format"`
-	Logprobs            json.RawMessage `json:"logprobs"`     // chat: true; completions: an integer (ignored)
-	TopLogprobs         *int            `json:"top_logprobs"` // alternatives per token, 0–20
-	Include             []string        `json:"include"`      // responses: "message.output_text.logprobs"
-	Size                string          `json:"size"`         // images
-	Quality             string          `json:"quality"`      // images
-	Voice               string          `json:"voice"`        // speech
+	Logprobs            json.RawMessage `json:"logprobs"`       // chat: true; completions: an integer (ignored)
+	TopLogprobs         *int            `json:"top_logprobs"`   // alternatives per token, 0–20
+	Include             []string        `json:"include"`        // responses: "message.output_text.logprobs"
+	Size                string          `json:"size"`           // images
+	Quality             string          `json:"quality"`        // images
+	Voice               string          `json:"voice"`          // speech
+	PartialImages       int64           `json:"partial_images"` // images: partial images of a stream
 
 	worst worstRead // what Options.Worst bills (worst.go)
 	files int       // multipart: the file parts (media.go)
