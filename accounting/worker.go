@@ -796,7 +796,8 @@ type Drift struct {
 	LimitsPushed bool `json:"limits_pushed"`
 }
 
-// Reconcile compares the org's hot balance with the ledger: bal + Σ holds must equal B(wm), the
+// Reconcile compares the org's hot balance with the ledger: bal + Σ holds (+ the expiries rolled
+// over and not yet in the ledger, docs/grants.md) must equal B(wm), the
 // ledger balance up to the watermark. A drift, a watermark above the ledger's sequence, or an
 // acct of another epoch is repaired by dropping the hot balance; a lagging watermark is caught up.
 func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
@@ -829,7 +830,7 @@ func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 		d.Repaired = true
 		return d, w.store.Invalidate(ctx, org)
 	}
-	d.Hot = st.Balance + st.Held
+	d.Hot = st.Balance + st.Held + st.Expired // grants: rolled-over rests are part of the invariant
 	d.Expected = expected
 	d.Drift = d.Hot - d.Expected
 	if d.Drift != 0 {
@@ -903,7 +904,7 @@ func (w *Worker) repairDrift(ctx context.Context, st balance.State, d Drift) (Dr
 	if err != nil {
 		return d, err
 	}
-	if st2.Watermark != st.Watermark || st2.Balance+st2.Held != d.Hot {
+	if st2.Watermark != st.Watermark || st2.Balance+st2.Held+st2.Expired != d.Hot {
 		return d, nil
 	}
 	w.stats.lastDrift.Store(d.Drift)
