@@ -82,8 +82,8 @@ type Config struct {
 	// flight at once, per master on a Cluster; keep it below the client's pool size (per node).
 	// Default 4.
 	MaxPipelines int
-	// ClockOffset shifts the clock the scripts use for limit windows (never expiries): for tests
-	// only, so window rollovers are tested without a sleep. Default 0.
+	// ClockOffset shifts the clock the scripts use for limit windows and grants' expiries (never
+	// holds' expiries): for tests only, so rollovers are tested without a sleep. Default 0.
 	ClockOffset time.Duration
 	// AllowEviction skips the maxmemory-policy noeviction check (and logs a loud warning):
 	// eviction can drop a hold and lock money, or drop a watermark.
