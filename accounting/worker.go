@@ -60,6 +60,10 @@ type WorkerConfig struct {
 	// written their entries (in the worker's goroutine: it must not block). Auto top-up
 	// (package payment) looks at those orgs' balances from it, off the request path. Default nil.
 	Charged func(orgs []string)
+	// GrantGrace is how long after a grant's expiry its expire entry is written (on the sweep):
+	// the hot balance takes the rest out at the expiry itself, and requests reserved before it
+	// are charged to it meanwhile (docs/grants.md). Default 2m.
+	GrantGrace time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -92,6 +96,7 @@ func (c *WorkerConfig) withDefaults() WorkerConfig {
 	z.OrgTimeout = cmp.Or(z.OrgTimeout, defaultWorkerOrgTimeout)
 	z.SettleConcurrency = cmp.Or(z.SettleConcurrency, defaultWorkerSettleConcurrency)
 	z.PassInterval = cmp.Or(z.PassInterval, defaultWorkerPassInterval)
+	z.GrantGrace = cmp.Or(z.GrantGrace, defaultGrantGrace)
 	z.Logger = cmp.Or(z.Logger, slog.Default())
 	return z
 }
@@ -102,7 +107,7 @@ func (c *WorkerConfig) validate() error {
 	switch {
 	case c.AccountBatch < 0 || c.SettleBatch < 0 || c.SettleConcurrency < 0:
 		return fmt.Errorf("%w: worker AccountBatch, SettleBatch and SettleConcurrency must be ≥ 0", ledger.ErrConfig)
-	case c.SweepInterval < 0 || c.ReapInterval < 0 || c.ScanInterval < 0 || c.ReconcileInterval < 0 || c.OrgTimeout < 0 || c.PassInterval < 0:
+	case c.SweepInterval < 0 || c.ReapInterval < 0 || c.ScanInterval < 0 || c.ReconcileInterval < 0 || c.OrgTimeout < 0 || c.PassInterval < 0 || c.GrantGrace < 0:
 		return fmt.Errorf("%w: worker intervals and OrgTimeout must be ≥ 0", ledger.ErrConfig)
 	}
 	return nil
@@ -260,6 +265,9 @@ func (w *Worker) settleLoop(ctx context.Context) {
 		case <-w.wake:
 		case <-sweep.C:
 			full = true
+			if _, err := w.ExpireGrants(ctx); err != nil && ctx.Err() == nil {
+				w.log.Warn("grant expiry failed", "err", err)
+			}
 		}
 		if !w.paced(ctx, last) {
 			return
