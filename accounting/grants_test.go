@@ -103,11 +103,11 @@ func TestGrantExpiryBurst(t *testing.T) {
 		}
 
 		var (
-			wg                  sync.WaitGroup
+			wg                             sync.WaitGroup
 			beforeCost, okAfter, afterCost atomic.Int64
-			okBefore            atomic.Int64
-			stop                = make(chan struct{})
-			checks              atomic.Int64
+			okBefore                       atomic.Int64
+			stop                           = make(chan struct{})
+			checks                         atomic.Int64
 		)
 		go func() { // the invariant, read again and again while the burst runs
 			for {

@@ -17,7 +17,7 @@ var _ grant.Store = (*Ledger)(nil)
 // the hot balance is told about them per entry.
 type memGrants struct {
 	list     []grant.Grant
-	expiring bool               // the org has had a grant that expires: its reads carry rests
+	expiring bool                // the org has had a grant that expires: its reads carry rests
 	marks    map[int64]grantMark // by entry seq
 }
 
