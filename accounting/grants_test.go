@@ -3,6 +3,7 @@ package accounting_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -31,19 +32,15 @@ func grantBackends(t *testing.T, fn func(t *testing.T, env *testutil.RedisEnv, l
 }
 
 // ledgerB is B(k): the org's ledger balance after its entries with seq ≤ k.
-func ledgerB(t *testing.T, l ledger.Ledger, org string, k int64) int64 {
-	t.Helper()
+func ledgerB(l ledger.Ledger, org string, k int64) (int64, error) {
 	es, _, err := l.EntriesAfter(context.Background(), org, 0, 100_000)
-	if err != nil {
-		t.Fatal(err)
-	}
 	var b int64
 	for _, e := range es {
 		if e.Seq <= k {
 			b += e.Delta
 		}
 	}
-	return b
+	return b, err
 }
 
 // TestGrantExpiryBurst: an org with paid credit P and promotional credit G that expires at T.
@@ -84,21 +81,34 @@ func TestGrantExpiryBurst(t *testing.T) {
 		}
 		t.Cleanup(func() { _ = w.Stop(context.Background()) })
 
-		check := func(where string) {
-			t.Helper()
-			for range 20 { // a settle may land between the state read and the ledger read: read again
+		// check: bal + Σ holds + expired = B(wm), read until a state and the ledger agree or the
+		// state stayed the same across the ledger read (a settle may land in between).
+		check := func(where string) error {
+			for range 20 {
 				st, err := before.State(ctx, org)
 				if err != nil {
-					t.Fatal(err)
+					return err
 				}
 				if !st.Exists {
-					return
+					return nil
 				}
-				if b := ledgerB(t, l, org, st.Watermark); st.Balance+st.Held+st.Expired == b {
-					return
-				} else if st2, _ := before.State(ctx, org); st2.Watermark == st.Watermark && st2.Balance == st.Balance && st2.Held == st.Held {
-					t.Fatalf("%s: invariant: bal %d + held %d + expired %d != B(%d) %d", where, st.Balance, st.Held, st.Expired, st.Watermark, b)
+				b, err := ledgerB(l, org, st.Watermark)
+				if err != nil {
+					return err
 				}
+				if st.Balance+st.Held+st.Expired == b {
+					return nil
+				}
+				if st2, _ := before.State(ctx, org); st2.Watermark == st.Watermark && st2.Balance == st.Balance && st2.Held == st.Held {
+					return fmt.Errorf("%s: invariant: bal %d + held %d + expired %d != B(%d) %d", where, st.Balance, st.Held, st.Expired, st.Watermark, b)
+				}
+			}
+			return nil
+		}
+		mustCheck := func(where string) {
+			t.Helper()
+			if err := check(where); err != nil {
+				t.Fatal(err)
 			}
 		}
 
@@ -107,16 +117,21 @@ func TestGrantExpiryBurst(t *testing.T) {
 			beforeCost, okAfter, afterCost atomic.Int64
 			okBefore                       atomic.Int64
 			stop                           = make(chan struct{})
+			checked                        = make(chan error, 1)
 			checks                         atomic.Int64
 		)
 		go func() { // the invariant, read again and again while the burst runs
 			for {
 				select {
 				case <-stop:
+					checked <- nil
 					return
 				default:
 				}
-				check("during the burst")
+				if err := check("during the burst"); err != nil {
+					checked <- err
+					return
+				}
 				checks.Add(1)
 			}
 		}()
@@ -175,7 +190,10 @@ func TestGrantExpiryBurst(t *testing.T) {
 			time.Sleep(10 * time.Millisecond)
 		}
 		close(stop)
-		check("settled")
+		if err := <-checked; err != nil {
+			t.Fatal(err)
+		}
+		mustCheck("settled")
 		if okBefore.Load() == 0 || okAfter.Load() == 0 {
 			t.Fatalf("the burst did not straddle the expiry: %d holds before, %d after", okBefore.Load(), okAfter.Load())
 		}
@@ -189,7 +207,7 @@ func TestGrantExpiryBurst(t *testing.T) {
 		if err := w.SettleOrg(ctx, org); err != nil {
 			t.Fatal(err)
 		}
-		check("after the expire entry")
+		mustCheck("after the expire entry")
 		es, _, err := l.EntriesAfter(ctx, org, 0, 100_000)
 		if err != nil {
 			t.Fatal(err)
