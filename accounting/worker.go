@@ -60,6 +60,10 @@ type WorkerConfig struct {
 	// written their entries (in the worker's goroutine: it must not block). Auto top-up
 	// (package payment) looks at those orgs' balances from it, off the request path. Default nil.
 	Charged func(orgs []string)
+	// GrantGrace is how long after a grant's expiry its expire entry is written (on the sweep):
+	// the hot balance takes the rest out at the expiry itself, and requests reserved before it
+	// are charged to it meanwhile (docs/grants.md). Default 2m.
+	GrantGrace time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -92,6 +96,7 @@ func (c *WorkerConfig) withDefaults() WorkerConfig {
 	z.OrgTimeout = cmp.Or(z.OrgTimeout, defaultWorkerOrgTimeout)
 	z.SettleConcurrency = cmp.Or(z.SettleConcurrency, defaultWorkerSettleConcurrency)
 	z.PassInterval = cmp.Or(z.PassInterval, defaultWorkerPassInterval)
+	z.GrantGrace = cmp.Or(z.GrantGrace, defaultGrantGrace)
 	z.Logger = cmp.Or(z.Logger, slog.Default())
 	return z
 }
@@ -102,7 +107,7 @@ func (c *WorkerConfig) validate() error {
 	switch {
 	case c.AccountBatch < 0 || c.SettleBatch < 0 || c.SettleConcurrency < 0:
 		return fmt.Errorf("%w: worker AccountBatch, SettleBatch and SettleConcurrency must be ≥ 0", ledger.ErrConfig)
-	case c.SweepInterval < 0 || c.ReapInterval < 0 || c.ScanInterval < 0 || c.ReconcileInterval < 0 || c.OrgTimeout < 0 || c.PassInterval < 0:
+	case c.SweepInterval < 0 || c.ReapInterval < 0 || c.ScanInterval < 0 || c.ReconcileInterval < 0 || c.OrgTimeout < 0 || c.PassInterval < 0 || c.GrantGrace < 0:
 		return fmt.Errorf("%w: worker intervals and OrgTimeout must be ≥ 0", ledger.ErrConfig)
 	}
 	return nil
@@ -260,6 +265,9 @@ func (w *Worker) settleLoop(ctx context.Context) {
 		case <-w.wake:
 		case <-sweep.C:
 			full = true
+			if _, err := w.ExpireGrants(ctx); err != nil && ctx.Err() == nil {
+				w.log.Warn("grant expiry failed", "err", err)
+			}
 		}
 		if !w.paced(ctx, last) {
 			return
@@ -796,7 +804,8 @@ type Drift struct {
 	LimitsPushed bool `json:"limits_pushed"`
 }
 
-// Reconcile compares the org's hot balance with the ledger: bal + Σ holds must equal B(wm), the
+// Reconcile compares the org's hot balance with the ledger: bal + Σ holds (+ the expiries rolled
+// over and not yet in the ledger, docs/grants.md) must equal B(wm), the
 // ledger balance up to the watermark. A drift, a watermark above the ledger's sequence, or an
 // acct of another epoch is repaired by dropping the hot balance; a lagging watermark is caught up.
 func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
@@ -829,7 +838,7 @@ func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 		d.Repaired = true
 		return d, w.store.Invalidate(ctx, org)
 	}
-	d.Hot = st.Balance + st.Held
+	d.Hot = st.Balance + st.Held + st.Expired // grants: rolled-over rests are part of the invariant
 	d.Expected = expected
 	d.Drift = d.Hot - d.Expected
 	if d.Drift != 0 {
@@ -903,7 +912,7 @@ func (w *Worker) repairDrift(ctx context.Context, st balance.State, d Drift) (Dr
 	if err != nil {
 		return d, err
 	}
-	if st2.Watermark != st.Watermark || st2.Balance+st2.Held != d.Hot {
+	if st2.Watermark != st.Watermark || st2.Balance+st2.Held+st2.Expired != d.Hot {
 		return d, nil
 	}
 	w.stats.lastDrift.Store(d.Drift)

@@ -85,8 +85,8 @@ type Config struct {
 	// flight at once, per master on a Cluster; keep it below the client's pool size (per node).
 	// Default 4.
 	MaxPipelines int
-	// ClockOffset shifts the clock the scripts use for limit windows (never expiries): for tests
-	// only, so window rollovers are tested without a sleep. Default 0.
+	// ClockOffset shifts the clock the scripts use for limit windows and grants' expiries (never
+	// holds' expiries): for tests only, so rollovers are tested without a sleep. Default 0.
 	ClockOffset time.Duration
 	// WaitReplicas, when > 0, makes every reserve wait until that many replicas have
 	// acknowledged it (Redis WAIT, sent on the reserve's connection right after the script, in

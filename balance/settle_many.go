@@ -97,6 +97,10 @@ func checkSettle(org string, entries []Entry) error {
 			return fmt.Errorf("%w: delta %d outside ±MaxAmount", ErrInvalidEntry, e.Delta)
 		case e.HoldID != "" && !validHoldID(e.HoldID):
 			return fmt.Errorf("%w: hold id %q", ErrInvalidEntry, e.HoldID)
+		case e.HoldID != "" && (!e.GrantExpiry.IsZero() || !e.Expired.IsZero()):
+			return fmt.Errorf("%w: seq %d: a grant's credit or expire entry has no hold", ErrInvalidEntry, e.Seq)
+		case e.Expiries != nil && !validExpiries(e.Expiries):
+			return fmt.Errorf("%w: seq %d: expiries %+v", ErrInvalidEntry, e.Seq, *e.Expiries)
 		case (e.KeyID != "" && !validLimitID(e.KeyID)) || (e.Project != "" && !validLimitID(e.Project)) ||
 			(e.EndUser != "" && checkScope(Scope{Kind: ScopeEndUser, ID: e.EndUser}) != nil):
 			return fmt.Errorf("%w: key %q project %q end user %q", ErrInvalidEntry, e.KeyID, e.Project, e.EndUser)
@@ -115,10 +119,52 @@ func (s *Store) settleArgs(ep string, chunk []Entry) []any {
 		if !e.ReservedAt.IsZero() {
 			rt = strconv.FormatInt(e.ReservedAt.UnixMilli(), 10)
 		}
-		args = append(args, strconv.FormatInt(e.Seq, 10), strconv.FormatInt(e.Delta, 10), e.HoldID, e.KeyID, e.Project, rt,
+		args = append(args, strconv.FormatInt(e.Seq, 10), strconv.FormatInt(e.Delta, 10), grantMarker(e), e.KeyID, e.Project, rt,
 			strconv.FormatInt(max(e.Tokens, 0), 10), e.EndUser)
 	}
+	if n := len(chunk); n > 0 && chunk[n-1].Expiries != nil {
+		args = append(args, expiryBlock(chunk[n-1].Expiries, true)...)
+	}
 	return args
+}
+
+// grantMarker is what settle gets in an entry's hold slot: the hold id, or for a grant's credit
+// or expire entry its marker (lua/settle.lua), which starts with a space no hold id has.
+func grantMarker(e Entry) string {
+	switch {
+	case !e.Expired.IsZero():
+		last := "0"
+		if e.LastOfExpiry {
+			last = "1"
+		}
+		return " e:" + strconv.FormatInt(e.Expired.UnixMilli(), 10) + ":" + last
+	case !e.GrantExpiry.IsZero() && e.Delta > 0:
+		return " g:" + strconv.FormatInt(e.GrantExpiry.UnixMilli(), 10)
+	}
+	return e.HoldID
+}
+
+// expiryBlock is the scripts' block of rests per expiry: 'X', [as-of seq,] n, pairs.
+func expiryBlock(x *Expiries, asOf bool) []any {
+	out := []any{"X"}
+	if asOf {
+		out = append(out, strconv.FormatInt(x.AsOf, 10))
+	}
+	out = append(out, strconv.Itoa(len(x.Due)))
+	for _, d := range x.Due {
+		out = append(out, strconv.FormatInt(d.At.UnixMilli(), 10), strconv.FormatInt(d.Rest, 10))
+	}
+	return out
+}
+
+// validExpiries: rests within [0, MaxAmount], times that a script can compare exactly.
+func validExpiries(x *Expiries) bool {
+	for _, d := range x.Due {
+		if d.Rest < 0 || d.Rest > MaxAmount || d.At.IsZero() || d.At.UnixMilli() <= 0 || d.At.UnixMilli() >= 1e14 {
+			return false
+		}
+	}
+	return x.AsOf >= 0
 }
 
 // settleReply reads one settle call's reply into statuses (those of chunk and of the entries

@@ -648,6 +648,12 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 		}
 		args = append(args, f, strconv.FormatInt(u.Used, 10))
 	}
+	if x := snap.Expiries; x != nil && len(x.Due) > 0 {
+		if !validExpiries(x) {
+			return false, fmt.Errorf("%w: snapshot expiries %+v", ErrInvalidEntry, *x)
+		}
+		args = append(args, expiryBlock(x, false)...)
+	}
 	s.ObserveEpoch(snap.Epoch)
 	k := s.keys(org)
 	n, err := s.run(ctx, scSeed, []string{k.Acct, k.Holds, k.Lim, k.U, k.LimV}, args...).Int64()
@@ -851,6 +857,9 @@ type State struct {
 	Holds     int   // holds, finished or not
 	Finished  int   // of which finished (their requests are over; they wait for the settle)
 	Pinned    int   // of which pinned
+	// Expired is what rollovers of expiries took out of Balance and the ledger's expire entries
+	// have not yet (docs/grants.md): Balance + Held + Expired = B(Watermark).
+	Expired int64
 }
 
 // InFlight is the number of unfinished holds: the requests still running.
@@ -885,6 +894,12 @@ func (s *Store) State(ctx context.Context, org string) (State, error) {
 	st.Finished = int(toInt(res[5]))
 	st.Holds = int(toInt(res[4])) + st.Finished
 	st.Pinned = int(toInt(res[6]))
+	if len(res) > 7 {
+		rolled, _ := res[7].([]any)
+		for _, v := range rolled {
+			st.Expired += toInt(v)
+		}
+	}
 	return st, nil
 }
 

@@ -19,7 +19,13 @@ import "embed"
 var FS embed.FS
 
 //go:embed lib/limits.lua
-var limitsLib string
+var limitsOnly string
+
+//go:embed lib/expiry.lua
+var expiryLib string
+
+// limitsLib is the prelude: the limits' rules, then the grants' expiries (which use them).
+var limitsLib = limitsOnly + expiryLib
 
 var (
 	//go:embed reserve.lua
@@ -36,7 +42,7 @@ var (
 	seed string
 )
 
-// Lib is lib/limits.lua, the prelude of Reserve, Settle, Release, Finish, Reap and Seed.
+// Lib is lib/limits.lua and lib/expiry.lua, the prelude of Reserve, Settle, Release, Finish, Reap and Seed.
 var Lib = limitsLib
 
 // The scripts' sources, as sent to Redis.

@@ -27,6 +27,9 @@
 --   holds as ever) and the balance is never checked (no INSUFFICIENT); freezes, the in-flight cap
 --   and every limit still apply (a money limit counts the cost at finish, like an overshoot)
 --
+-- acct also keeps the org's expiring grants (xt, x:<T>, r:<T>: lib/expiry); an expiry that has
+-- come is rolled over first.
+--
 -- Checks, in this order: amount, COLD (no acct, another epoch, lim missing or older than the
 -- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, NO_END_USER, LIMIT, INSUFFICIENT.
 -- Replies: {'OK', new balance, reserve ms, project, rq cap, rq left, rq resets ms, tk cap,
@@ -64,7 +67,7 @@ if string.find(tok, '^%d+$') == nil then
 end
 local per_unit = {m = ARGV[3], r = '1', t = tok} -- what the hold adds to a counter of each unit
 
-local acct = redis.call('HMGET', KEYS[1], 'bal', 'epoch', 'lv', 'tc', 'te')
+local acct = redis.call('HMGET', KEYS[1], 'bal', 'epoch', 'lv', 'tc', 'te', 'xt')
 if not acct[1] or acct[2] ~= ARGV[1] then
   return {'COLD'}
 end
@@ -76,6 +79,13 @@ end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+-- Grants (lib/expiry, docs/grants.md): an expiry that has come rolls over before any check, so
+-- no hold spends credit that has expired. (acct's xt, read above with bal.)
+if acct[6] and expiry_roll(KEYS[1], now + (tonumber(ARGV[9]) or 0), acct[6]) then
+  acct[1] = redis.call('HGET', KEYS[1], 'bal')
+end
+-- (end of grants)
 
 local rec = redis.call('HGET', KEYS[2], ARGV[2])
 if rec then

@@ -12,6 +12,8 @@
 --   end user apart: one pair per end user with spend), the ledger's sum over the entries with
 --   seq <= W attributed to it of the limit's unit (cost, 1 request, tokens), for windows
 --   starting at or after the seeder's T0's
+-- then, optionally (grants, lib/expiry): 'X', n, and n pairs T ms, the unspent rest at W of the
+--   grants that expire at T (x:T); an expiry that has come rolls over at once
 --
 -- acct with this epoch and a lim as new as acct records, or acct with a higher generation:
 -- no-op (reply 0). A snapshot whose limits version is below the floor push-limits left for
@@ -57,7 +59,12 @@ for i = 7, 6 + 2 * n, 2 do
 end
 
 local groups = {}
+local xb = nil -- grants: where the expiry block starts
 for i = 7 + 2 * n, #ARGV - 1, 2 do
+  if ARGV[i] == 'X' then
+    xb = i
+    break
+  end
   groups[ARGV[i]] = ARGV[i + 1]
 end
 
@@ -135,5 +142,16 @@ for j = 1, #holds, 2 do
   end
   -- u holds only the current windows' counters (written above), so only they move.
   move_hold(KEYS[4], fs, us, v ~= '0' and v or nil, '1', tk ~= '0' and tk or nil)
+end
+
+-- grants: the rests of the expiries to come, then a rollover of those that have come
+if xb then
+  local xn = tonumber(ARGV[xb + 1])
+  for j = 0, xn - 1 do
+    local v = ARGV[xb + 3 + 2 * j]
+    if v ~= '0' then redis.call('HSET', KEYS[1], 'x:' .. ARGV[xb + 2 + 2 * j], v) end
+  end
+  expiry_next(KEYS[1])
+  expiry_roll(KEYS[1], clock, nil)
 end
 return 1

@@ -8,6 +8,13 @@
 -- ARGV[4..] octuples: seq, delta (signed integer string), hold id ('' for none), and the
 --   entry's attribution: API key id, project ('' for none), reserve time ms ('': none), tokens
 --   (input + output, integer string >= 0), end user ('' for none)
+--   Grants (lib/expiry, docs/grants.md): the hold id slot of an entry with no hold may carry a
+--   marker, which starts with a space (a hold id never holds one): ' g:<T>' a credit of a grant
+--   that expires at T ms (its amount joins x:T); ' e:<T>:<last>' an expire entry of a grant of T
+--   (last '1' on the last of T's: the rollover's r:T comes back, x:T and r:T go).
+--   After the octuples, optionally, the block of the ledger's rests per expiry read with the
+--   entries: 'X', as-of seq, n, then n pairs T ms, rest; applied only when every entry was
+--   applied and the watermark ends at as-of.
 --
 -- Per entry (wm = watermark):
 --   seq <= wm    ALREADY: it is in bal already; only its hold, if one is left, comes back
@@ -47,6 +54,7 @@ local out = {'OK', ''}
 local tomb = false
 
 local clock = now + (tonumber(ARGV[3]) or 0)
+expiry_roll(KEYS[1], clock, nil) -- grants: an expiry that has come rolls over first
 local specs = {} -- lim field -> spec string (false: none), read once per call
 
 local function spec_of(field)
@@ -79,6 +87,20 @@ local function attribute(v_key, v_project, v_eu, rt, v, tk)
   if v_eu ~= '' then each_end_user_limit(v_eu, spec_of('e'), spec_of('e:' .. v_eu), one) end
 end
 
+local i = 4 -- the octuple being applied
+
+-- grants: an entry's marker (see above) after its delta is applied
+local function grant_mark(m)
+  local ts = string.match(m, '^ g:(%-?%d+)$')
+  if ts then
+    local d = ARGV[i + 1]
+    if string.sub(d, 1, 1) ~= '-' and d ~= '0' then expiry_add(KEYS[1], ts, d) end
+    return
+  end
+  local es, last = string.match(m, '^ e:(%-?%d+):([01])$')
+  if es and last == '1' then expiry_closed(KEYS[1], es) end
+end
+
 local function drop(id)
   local rec = redis.call('HGET', KEYS[2], id)
   if rec then
@@ -95,10 +117,19 @@ local function drop(id)
   tomb = true
 end
 
-local i = 4
-while i + 7 <= #ARGV do
+local mark = nil
+local block = false -- the loop reached the grants block
+while i + 7 <= #ARGV or ARGV[i] == 'X' do
+  if ARGV[i] == 'X' then
+    block = true
+    break
+  end
   local seq = tonumber(ARGV[i])
   local id = ARGV[i + 2]
+  mark = nil
+  if string.sub(id, 1, 1) == ' ' then
+    mark, id = id, ''
+  end
   if seq <= wm then
     if id ~= '' then drop(id) end
     out[#out + 1] = 2
@@ -110,6 +141,7 @@ while i + 7 <= #ARGV do
     local tk = ARGV[i + 6]
     if tk == '0' or tk == '' then tk = nil end
     attribute(ARGV[i + 3], ARGV[i + 4], ARGV[i + 7], ARGV[i + 5], neg(ARGV[i + 1]), tk)
+    if mark then grant_mark(mark) end
     redis.call('HSET', KEYS[1], 'wm', ARGV[i])
     wmstr = ARGV[i]
     wm = seq
@@ -119,6 +151,12 @@ while i + 7 <= #ARGV do
     break
   end
   i = i + 8
+end
+
+expiry_roll(KEYS[1], clock, nil) -- grants: a credit's expiry may have come already
+-- grants: the ledger's rests as of the read, when the watermark ends where the read did
+if block and ARGV[i + 1] == wmstr then
+  expiry_block(KEYS[1], i + 3, tonumber(ARGV[i + 2]), clock)
 end
 
 if tomb then

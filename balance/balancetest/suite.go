@@ -93,9 +93,9 @@ func (x *h) invariant() {
 	if !st.Exists {
 		return
 	}
-	if want := x.l.B(x.org, st.Watermark); st.Balance+st.Held != want {
-		x.t.Fatalf("invariant broken: bal %d + held %d = %d, B(wm=%d) = %d",
-			st.Balance, st.Held, st.Balance+st.Held, st.Watermark, want)
+	if want := x.l.B(x.org, st.Watermark); st.Balance+st.Held+st.Expired != want {
+		x.t.Fatalf("invariant broken: bal %d + held %d + expired %d = %d, B(wm=%d) = %d",
+			st.Balance, st.Held, st.Expired, st.Balance+st.Held+st.Expired, st.Watermark, want)
 	}
 }
 
@@ -158,6 +158,7 @@ func Run(t *testing.T, env Env) {
 	t.Run("TooManyCountsOnlyUnpinned", func(t *testing.T) { exerciseTooManyCountsOnlyUnpinned(t, env) })
 	t.Run("Insufficient", func(t *testing.T) { exerciseInsufficient(t, env) })
 	t.Run("SeedSubtractsHolds", func(t *testing.T) { exerciseSeedSubtractsHolds(t, env) })
+	runGrants(t, env) // grants that expire (grants.go)
 	t.Run("SeedNoOpSameEpoch", func(t *testing.T) { exerciseSeedNoOpSameEpoch(t, env) })
 	t.Run("LowerGenerationNeverReplacesHigher", func(t *testing.T) { exerciseLowerGenerationNeverReplacesHigher(t, env) })
 	t.Run("SettleInOrder", func(t *testing.T) { exerciseSettleInOrder(t, env) })

@@ -41,15 +41,16 @@ var layers = map[string][]string{
 	"lua":                   nil,
 	"migrations":            nil,
 	"balance":               {"lua"},
-	"pricing":               {"balance"},                                                                  // prices, costs, price tables
-	"ledger":                {"balance", "pricing"},                                                       // domain types, role interfaces, SQL-free shared logic
-	"ledger/topup":          {"ledger"},                                                                   // the payments role: auto top-up settings and attempts
-	"ledger/access":         {"ledger"},                                                                   // the admin tokens role: scoped admin API tokens
-	"ledger/memledger":      {"ledger", "ledger/topup", "ledger/access"},                                  // the in-memory store
-	"ledger/pgledger":       {"ledger", "ledger/topup", "ledger/access", "migrations"},                    // the Postgres store
-	"ledger/ledgertest":     {"ledger", "ledger/topup", "ledger/access", "internal/testutil"},             // the conformance suite both stores run
-	"accounting":            {"ledger", "ledger/topup", "ledger/access", "balance", "internal/startstop"}, // recorder, worker, journal, Ops: never a store
-	"endpoint":              {"pricing"},                                                                  // one spec per endpoint: data the middleware dispatches through
+	"pricing":               {"balance"},                                                                                  // prices, costs, price tables
+	"ledger":                {"balance", "pricing"},                                                                       // domain types, role interfaces, SQL-free shared logic
+	"ledger/topup":          {"ledger"},                                                                                   // the payments role: auto top-up settings and attempts
+	"ledger/access":         {"ledger"},                                                                                   // the admin tokens role: scoped admin API tokens
+	"ledger/grant":          {"ledger"},                                                                                   // the grants role: credits that expire, spending order
+	"ledger/memledger":      {"ledger", "ledger/topup", "ledger/access", "ledger/grant"},                                  // the in-memory store
+	"ledger/pgledger":       {"ledger", "ledger/topup", "ledger/access", "ledger/grant", "migrations"},                    // the Postgres store
+	"ledger/ledgertest":     {"ledger", "ledger/topup", "ledger/access", "ledger/grant", "internal/testutil"},             // the conformance suite both stores run
+	"accounting":            {"ledger", "ledger/topup", "ledger/access", "ledger/grant", "balance", "internal/startstop"}, // recorder, worker, journal, Ops: never a store
+	"endpoint":              {"pricing"},                                                                                  // one spec per endpoint: data the middleware dispatches through
 	"middleware":            {"accounting", "balance", "endpoint", "ledger/access"},
 	"admin":                 {"accounting", "internal/csvcell"},
 	"console":               {"admin", "accounting"},                                                                                          // the web console: reads through Ops, writes through the admin API

@@ -14,6 +14,7 @@ import (
 
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/grant"
 )
 
 // Ledger is the in-memory ledger: the embedded default for a single process with an embedded
@@ -53,6 +54,7 @@ type memAccount struct {
 	charged    int64
 	keyCharged map[string]int64
 	keyDays    map[keyDay]int64
+	grants     memGrants // credit grants (memory_grants.go)
 }
 
 // keyDay is a key and a UTC day (midnight).
@@ -189,6 +191,7 @@ func (m *Ledger) snapshot(org string, since *time.Time) (balance.Snapshot, error
 	n, err := m.accountOrgLocked(org, -1, nil)
 	a = m.accounts[org]
 	snap := balance.Snapshot{Epoch: m.epoch, Balance: a.balance, Seq: int64(len(a.entries))}
+	snap.Expiries = a.grants.expiries(snap.Seq)
 	if since != nil && err == nil {
 		ls := m.limitsLocked(org)
 		snap.Limits = &balance.LimitSnapshot{Limits: ls, Used: a.usedLocked(ls.Limits, *since, snap.Seq)}
@@ -275,7 +278,11 @@ func (a *memAccount) entriesFrom(after int64, limit int) []balance.Entry {
 			be.EndUser = ledger.AttrID(balance.ScopeEndUser, at.endUser)
 			be.Tokens = at.tokens
 		}
+		a.grants.mark(&be)
 		out = append(out, be)
+	}
+	if n := len(out); n > 0 && out[n-1].Seq == int64(len(a.entries)) {
+		out[n-1].Expiries = a.grants.expiries(out[n-1].Seq)
 	}
 	return out
 }
@@ -307,10 +314,7 @@ func (m *Ledger) UnsettledUsage(ctx context.Context, org string, holdIDs []strin
 
 // Credit adds amount (> 0) to the org, idempotent by ref across all orgs.
 func (m *Ledger) Credit(ctx context.Context, org string, amount int64, ref string) (ledger.LedgerEntry, bool, error) {
-	if amount <= 0 || amount > balance.MaxAmount {
-		return ledger.LedgerEntry{}, false, fmt.Errorf("%w: credit %d", ledger.ErrInvalidAmount, amount)
-	}
-	return m.write(org, ledger.KindCredit, amount, ref)
+	return m.CreditGrant(ctx, org, amount, ref, grant.Paid)
 }
 
 // Adjust writes a signed correction (delta ≠ 0), idempotent by ref like Credit.
@@ -318,10 +322,11 @@ func (m *Ledger) Adjust(ctx context.Context, org string, delta int64, ref string
 	if delta == 0 || delta > balance.MaxAmount || delta < -balance.MaxAmount {
 		return ledger.LedgerEntry{}, false, fmt.Errorf("%w: adjustment %d", ledger.ErrInvalidAmount, delta)
 	}
-	return m.write(org, ledger.KindAdjust, delta, ref)
+	return m.write(org, ledger.KindAdjust, delta, ref, nil)
 }
 
-func (m *Ledger) write(org string, kind ledger.EntryKind, delta int64, ref string) (ledger.LedgerEntry, bool, error) {
+// write appends a credit (with its grant terms o) or an adjustment (o nil).
+func (m *Ledger) write(org string, kind ledger.EntryKind, delta int64, ref string, o *grant.Options) (ledger.LedgerEntry, bool, error) {
 	if err := balance.ValidateOrg(org); err != nil {
 		return ledger.LedgerEntry{}, false, err
 	}
@@ -334,7 +339,7 @@ func (m *Ledger) write(org string, kind ledger.EntryKind, delta int64, ref strin
 	if ref != "" {
 		if e, ok := m.refs[refKey{kind, ref}]; ok {
 			m.mu.Unlock()
-			if e.Org != org || e.Delta != delta {
+			if e.Org != org || e.Delta != delta || (o != nil && !a.grants.sameTerms(e.Seq, *o)) {
 				return ledger.LedgerEntry{}, false, fmt.Errorf("%w: %q", ledger.ErrReferenceConflict, ref)
 			}
 			return e, false, nil
@@ -349,6 +354,12 @@ func (m *Ledger) write(org string, kind ledger.EntryKind, delta int64, ref strin
 	a.balance += delta
 	if ref != "" {
 		m.refs[refKey{kind, ref}] = e
+	}
+	switch {
+	case o != nil:
+		a.grants.add(org, e, *o)
+	case delta < 0:
+		a.grants.spend(-delta, e.CreatedAt) // a debit takes from the grants like a charge
 	}
 	if kind == ledger.KindCredit {
 		m.hooks.emit(ledger.EventCreditReceived, org, creditData{Amount: delta, Reference: ref, Seq: e.Seq, Balance: a.balance})
@@ -504,6 +515,7 @@ func (m *Ledger) accountOrgLocked(org string, limit int, r *ledger.AccountResult
 		e.seq = int64(len(a.entries)) + 1
 		a.entries = append(a.entries, ledger.LedgerEntry{Org: org, Seq: e.seq, Delta: -e.ev.Cost, Kind: ledger.KindCharge, HoldID: e.ev.ID, CreatedAt: now})
 		at := attrTime(e.ev.ReservedAt, e.ev.CreatedAt)
+		a.grants.spend(e.ev.Cost, at) // the grants live at its reserve time
 		a.attr[e.seq] = entryAttr{key: e.ev.KeyID, project: e.ev.Project, endUser: e.ev.EndUser, at: at, tokens: e.ev.Usage.Tokens()}
 		a.charged += e.ev.Cost
 		if e.ev.KeyID != "" {

@@ -21,6 +21,7 @@ import (
 
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/grant"
 	"github.com/llmescrow/escrow/migrations"
 	"github.com/llmescrow/escrow/pricing"
 )
@@ -399,6 +400,9 @@ func (p *Ledger) snapshot(ctx context.Context, org string, since *time.Time) (ba
 			return err
 		}
 		s = balance.Snapshot{Balance: rd.balance, Seq: rd.seq, Epoch: rd.epoch}
+		if err := snapshotExpiries(ctx, tx, org, &s); err != nil {
+			return err
+		}
 		if since == nil {
 			return nil
 		}
@@ -584,7 +588,12 @@ func (c *orgCharges) check() error {
 func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges, now time.Time, qw queueWrites) error {
 	b := &pgx.Batch{}
 	queueCharges(b, cs, now, qw, false)
-	return tx.SendBatch(ctx, b).Close()
+	br := tx.SendBatch(ctx, b)
+	_, err := readSpend(br)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 // queueCharges queues writeCharges' statements on b: the entries, the accounts and the keys' last
@@ -593,6 +602,7 @@ func writeCharges(ctx context.Context, tx pgx.Tx, cs []orgCharges, now time.Time
 // with limits.
 //
 // copied: the entries were sent with COPY (copyEntries) in the same transaction.
+// The batch's first result is the grants' rests after the charges (readSpend).
 func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time, qw queueWrites, copied bool) {
 	var orgs, lowOrgs []string
 	var sums, counts, lowChanges []int64
@@ -635,6 +645,7 @@ func queueCharges(b *pgx.Batch, cs []orgCharges, now time.Time, qw queueWrites, 
 	for i, kd := range kds {
 		dKeys[i], dDays[i], dCosts[i] = kd.key, kd.day, keyDayCost[kd]
 	}
+	b.Queue(sqlSpendGrants, eOrgs, eCosts, eAts) // grants: first, so its rows are the batch's first result (readSpend)
 	if copied {
 		b.Queue(sqlWriteAccounts, orgs, sums, counts, keys, uses, keyCosts, dKeys, dDays, dCosts)
 	} else {
@@ -791,11 +802,24 @@ func accountTx(ctx context.Context, conn *pgx.Conn, rowIDs []int64, orgs []strin
 		qw.queue(b)
 	}
 	b.Queue("COMMIT")
-	if err := conn.SendBatch(ctx, b).Close(); err != nil {
+	br := conn.SendBatch(ctx, b)
+	var due map[string][]balance.Expiry
+	if len(cs) > 0 {
+		due, err = readSpend(br)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
 		return ledger.AccountResult{}, nil, err
 	}
 	if r.Settle = handOver(cs); len(r.Settle) > 0 {
 		r.Epoch = epoch
+		for org, es := range r.Settle { // grants: the rests after the pass ride on its last entry
+			if d, ok := due[org]; ok {
+				es[len(es)-1].Expiries = &balance.Expiries{AsOf: es[len(es)-1].Seq, Due: d}
+			}
+		}
 	}
 	return r, orgErrs, nil
 }
@@ -944,10 +968,11 @@ func (p *Ledger) UnsettledEntries(ctx context.Context, org string, limit int) ([
 	// Like entries, plus each entry's Recorded time: a charge's usage event's created_at (the
 	// settle-lag clock starts when the usage was recorded, not when it was accounted).
 	rows, err := p.pool.Query(ctx, `
-SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.end_user, e.at, e.tokens
+SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.end_user, e.at, e.tokens,
+	e.grant_expires_at, e.expire_last, (SELECT grants_expiring FROM accounts WHERE org_id = $1)
 FROM ledger_meta m LEFT JOIN LATERAL (
 	SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded, l.key_id, l.project, l.end_user, l.tokens,
-		CASE WHEN l.kind = 'charge' THEN coalesce(l.reserved_at, l.created_at) END AS at
+		CASE WHEN l.kind = 'charge' THEN coalesce(l.reserved_at, l.created_at) END AS at, l.grant_expires_at, l.expire_last
 	FROM ledger_entries l LEFT JOIN usage_events u ON u.id = l.hold_id AND l.kind = 'charge'
 	WHERE l.org_id = $1 AND l.seq > (SELECT settled_seq FROM accounts WHERE org_id = $1)
 	ORDER BY l.seq LIMIT $2
@@ -958,22 +983,31 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 	defer rows.Close()
 	var out []balance.Entry
 	var ep balance.Epoch
+	var expiring *bool
 	for rows.Next() {
 		var seq, delta *int64
 		var hold *string
 		var ids entryAttr
-		var rec, at *time.Time
+		var rec, at, gx *time.Time
 		var tokens *int64
-		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &rec, &ids.key, &ids.project, &ids.endUser, &at, &tokens); err != nil {
+		var last *bool
+		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &rec, &ids.key, &ids.project, &ids.endUser, &at, &tokens, &gx, &last, &expiring); err != nil {
 			return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
 		}
 		if seq == nil {
 			continue
 		}
-		out = append(out, entryOf(*seq, *delta, hold, rec, ids, at, tokens))
+		e := entryOf(*seq, *delta, hold, rec, ids, at, tokens)
+		markGrant(&e, gx, last)
+		out = append(out, e)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
+	}
+	if expiring != nil && *expiring && len(out) > 0 {
+		if err := p.withExpiries(ctx, map[string][]balance.Entry{org: out}, []string{org}); err != nil {
+			return nil, balance.Epoch{}, err
+		}
 	}
 	return out, ep, nil
 }
@@ -983,11 +1017,12 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 // It is exported for tracers (a pgx QueryTracer that counts a settle pass's reads matches it;
 // accounting's pass-count test does).
 const SQLUnsettledOf = `
-SELECT m.epoch_gen, m.epoch_id, e.org_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.end_user, e.at, e.tokens
+SELECT m.epoch_gen, m.epoch_id, e.org_id, e.seq, e.delta, e.hold_id::text, e.recorded, e.key_id, e.project, e.end_user, e.at, e.tokens,
+	e.grant_expires_at, e.expire_last, e.grants_expiring
 FROM ledger_meta m LEFT JOIN LATERAL (
-	SELECT a.org_id, l.* FROM accounts a CROSS JOIN LATERAL (
+	SELECT a.org_id, a.grants_expiring, l.* FROM accounts a CROSS JOIN LATERAL (
 		SELECT l.seq, l.delta, l.hold_id, COALESCE(u.created_at, l.created_at) AS recorded, l.key_id, l.project, l.end_user, l.tokens,
-			CASE WHEN l.kind = 'charge' THEN coalesce(l.reserved_at, l.created_at) END AS at
+			CASE WHEN l.kind = 'charge' THEN coalesce(l.reserved_at, l.created_at) END AS at, l.grant_expires_at, l.expire_last
 		FROM ledger_entries l LEFT JOIN usage_events u ON u.id = l.hold_id AND l.kind = 'charge'
 		WHERE l.org_id = a.org_id AND l.seq > a.settled_seq
 		ORDER BY l.seq LIMIT $2
@@ -1030,16 +1065,26 @@ func (p *Ledger) UnsettledEntriesOf(ctx context.Context, orgs []string, limit in
 	var org, hold *string
 	var ids entryAttr
 	var seq, delta, tokens *int64
-	var rec, at *time.Time
-	_, err := pgx.ForEachRow(rows, []any{&ep.Gen, &ep.ID, &org, &seq, &delta, &hold, &rec, &ids.key, &ids.project, &ids.endUser, &at, &tokens}, func() error {
+	var rec, at, gx *time.Time
+	var last, expiring *bool
+	flagged := map[string]bool{}
+	_, err := pgx.ForEachRow(rows, []any{&ep.Gen, &ep.ID, &org, &seq, &delta, &hold, &rec, &ids.key, &ids.project, &ids.endUser, &at, &tokens, &gx, &last, &expiring}, func() error {
 		if seq == nil {
 			return nil
 		}
-		out[*org] = append(out[*org], entryOf(*seq, *delta, hold, rec, ids, at, tokens))
+		e := entryOf(*seq, *delta, hold, rec, ids, at, tokens)
+		markGrant(&e, gx, last)
+		out[*org] = append(out[*org], e)
+		if expiring != nil && *expiring {
+			flagged[*org] = true
+		}
 		return nil
 	})
 	if err != nil {
 		return nil, balance.Epoch{}, wrapPg("unsettled entries", err)
+	}
+	if err := p.withExpiries(ctx, out, slices.Sorted(maps.Keys(flagged))); err != nil {
+		return nil, balance.Epoch{}, err
 	}
 	return out, ep, nil
 }
@@ -1051,10 +1096,11 @@ func (p *Ledger) entries(ctx context.Context, op, after string, org string, limi
 		limit = ledger.DefaultLimit
 	}
 	rows, err := p.pool.Query(ctx, `
-SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.key_id, e.project, e.end_user, e.at, e.tokens
+SELECT m.epoch_gen, m.epoch_id, e.seq, e.delta, e.hold_id::text, e.key_id, e.project, e.end_user, e.at, e.tokens,
+	e.grant_expires_at, e.expire_last, (SELECT grants_expiring FROM accounts WHERE org_id = $1)
 FROM ledger_meta m LEFT JOIN LATERAL (
 	SELECT seq, delta, hold_id, key_id, project, end_user, tokens,
-		CASE WHEN kind = 'charge' THEN coalesce(reserved_at, created_at) END AS at
+		CASE WHEN kind = 'charge' THEN coalesce(reserved_at, created_at) END AS at, grant_expires_at, expire_last
 	FROM ledger_entries
 	WHERE org_id = $1 AND seq > `+after+` ORDER BY seq LIMIT $2
 ) e ON true ORDER BY e.seq`, append([]any{org, limit}, more...)...)
@@ -1064,22 +1110,31 @@ FROM ledger_meta m LEFT JOIN LATERAL (
 	defer rows.Close()
 	var out []balance.Entry
 	var ep balance.Epoch
+	var expiring *bool
 	for rows.Next() {
 		var seq, delta *int64
 		var hold *string
 		var ids entryAttr
-		var at *time.Time
+		var at, gx *time.Time
 		var tokens *int64
-		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &ids.key, &ids.project, &ids.endUser, &at, &tokens); err != nil {
+		var last *bool
+		if err := rows.Scan(&ep.Gen, &ep.ID, &seq, &delta, &hold, &ids.key, &ids.project, &ids.endUser, &at, &tokens, &gx, &last, &expiring); err != nil {
 			return nil, balance.Epoch{}, wrapPg(op, err)
 		}
 		if seq == nil {
 			continue
 		}
-		out = append(out, entryOf(*seq, *delta, hold, nil, ids, at, tokens))
+		e := entryOf(*seq, *delta, hold, nil, ids, at, tokens)
+		markGrant(&e, gx, last)
+		out = append(out, e)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, balance.Epoch{}, wrapPg(op, err)
+	}
+	if expiring != nil && *expiring && len(out) > 0 {
+		if err := p.withExpiries(ctx, map[string][]balance.Entry{org: out}, []string{org}); err != nil {
+			return nil, balance.Epoch{}, err
+		}
 	}
 	return out, ep, nil
 }
@@ -1130,10 +1185,7 @@ WHERE a.org_id = $1 AND l.kind = 'charge' AND l.hold_id = ANY ($2::text[]::uuid[
 
 // Credit adds amount (> 0) to the org, idempotent by ref across all orgs.
 func (p *Ledger) Credit(ctx context.Context, org string, amount int64, ref string) (ledger.LedgerEntry, bool, error) {
-	if amount <= 0 || amount > balance.MaxAmount {
-		return ledger.LedgerEntry{}, false, fmt.Errorf("%w: credit %d", ledger.ErrInvalidAmount, amount)
-	}
-	return p.write(ctx, org, ledger.KindCredit, amount, ref)
+	return p.CreditGrant(ctx, org, amount, ref, grant.Paid)
 }
 
 // Adjust writes a signed correction (delta ≠ 0), idempotent by ref like Credit.
@@ -1141,13 +1193,15 @@ func (p *Ledger) Adjust(ctx context.Context, org string, delta int64, ref string
 	if delta == 0 || delta > balance.MaxAmount || delta < -balance.MaxAmount {
 		return ledger.LedgerEntry{}, false, fmt.Errorf("%w: adjustment %d", ledger.ErrInvalidAmount, delta)
 	}
-	return p.write(ctx, org, ledger.KindAdjust, delta, ref)
+	return p.write(ctx, org, ledger.KindAdjust, delta, ref, grant.Paid)
 }
 
 // write inserts one credit or adjust entry in one round trip (the account update, the entry
 // and the NOTIFY in one implicit transaction). A used reference shows as a unique violation;
 // the original entry is then read and compared.
-func (p *Ledger) write(ctx context.Context, org string, kind ledger.EntryKind, delta int64, ref string) (ledger.LedgerEntry, bool, error) {
+// A credit is a grant of terms o (the grants row in the same statement); a debit spends the
+// grants like a charge reserved now.
+func (p *Ledger) write(ctx context.Context, org string, kind ledger.EntryKind, delta int64, ref string, o grant.Options) (ledger.LedgerEntry, bool, error) {
 	if err := balance.ValidateOrg(org); err != nil {
 		return ledger.LedgerEntry{}, false, err
 	}
@@ -1155,16 +1209,17 @@ func (p *Ledger) write(ctx context.Context, org string, kind ledger.EntryKind, d
 	for range 3 {
 		e := ledger.LedgerEntry{Org: org, Delta: delta, Kind: kind, Ref: ref}
 		b := &pgx.Batch{}
-		b.Queue(`
-WITH acc AS (
-	UPDATE accounts SET balance = balance + $2, ledger_seq = ledger_seq + 1 WHERE org_id = $1 RETURNING ledger_seq
-)
-INSERT INTO ledger_entries (org_id, seq, delta, kind, ref)
-SELECT $1, ledger_seq, $2, $3, NULLIF($4, '') FROM acc RETURNING seq, created_at`, org, delta, string(kind), ref)
+		b.Queue(sqlWriteEntry, org, delta, string(kind), ref, expiresArg(o.ExpiresAt), o.Priority)
+		if delta < 0 {
+			b.Queue(sqlSpendGrants, []string{org}, []int64{-delta}, []time.Time{time.Now()})
+		}
 		b.Queue(sqlNotify, org)
 		queueEntryOutbox(b, org, kind, delta, ref) // webhooks: in the same (implicit) transaction
 		br := p.pool.SendBatch(ctx, b)
 		err := br.QueryRow().Scan(&e.Seq, &e.CreatedAt)
+		if err == nil && delta < 0 {
+			_, err = readSpend(br)
+		}
 		if err == nil {
 			_, err = br.Exec()
 		}
@@ -1181,15 +1236,19 @@ SELECT $1, ledger_seq, $2, $3, NULLIF($4, '') FROM acc RETURNING seq, created_at
 			return ledger.LedgerEntry{}, false, fmt.Errorf("%w: balance of %q would leave ±%d", ledger.ErrInvalidAmount, org, balance.MaxAmount)
 		case errors.As(err, &pe) && pe.Code == "23505" && ref != "":
 			var orig ledger.LedgerEntry
-			err := p.pool.QueryRow(ctx, `SELECT org_id, seq, delta, created_at FROM ledger_entries WHERE kind = $1 AND ref = $2`,
-				string(kind), ref).Scan(&orig.Org, &orig.Seq, &orig.Delta, &orig.CreatedAt)
+			var prio *int
+			var exp *time.Time
+			err := p.pool.QueryRow(ctx, `SELECT e.org_id, e.seq, e.delta, e.created_at, g.priority, g.expires_at
+FROM ledger_entries e LEFT JOIN grants g ON g.org_id = e.org_id AND g.seq = e.seq
+WHERE e.kind = $1 AND e.ref = $2`,
+				string(kind), ref).Scan(&orig.Org, &orig.Seq, &orig.Delta, &orig.CreatedAt, &prio, &exp)
 			if errors.Is(err, pgx.ErrNoRows) {
 				continue // the other writer rolled back: try again
 			}
 			if err != nil {
 				return ledger.LedgerEntry{}, false, wrapPg(op, err)
 			}
-			if orig.Org != org || orig.Delta != delta {
+			if orig.Org != org || orig.Delta != delta || (kind == ledger.KindCredit && !sameTerms(prio, exp, o)) {
 				return ledger.LedgerEntry{}, false, fmt.Errorf("%w: %q", ledger.ErrReferenceConflict, ref)
 			}
 			orig.Kind, orig.Ref = kind, ref

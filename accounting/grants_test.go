@@ -1,0 +1,262 @@
+package accounting_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/internal/testutil"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/grant"
+	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/pricing"
+)
+
+// grantBackends runs fn on real Redis with the memory ledger and with the Postgres ledger.
+func grantBackends(t *testing.T, fn func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger)) {
+	t.Run("memory", func(t *testing.T) {
+		t.Parallel()
+		fn(t, testutil.RealRedis(t), memledger.New())
+	})
+	t.Run("postgres", func(t *testing.T) {
+		t.Parallel()
+		fn(t, testutil.RealRedis(t), openTestPostgres(t))
+	})
+}
+
+// ledgerB is B(k): the org's ledger balance after its entries with seq ≤ k.
+func ledgerB(l ledger.Ledger, org string, k int64) (int64, error) {
+	es, _, err := l.EntriesAfter(context.Background(), org, 0, 100_000)
+	var b int64
+	for _, e := range es {
+		if e.Seq <= k {
+			b += e.Delta
+		}
+	}
+	return b, err
+}
+
+// TestGrantExpiryBurst: an org with paid credit P and promotional credit G that expires at T.
+// 2,000 requests at once, half reserved on a store whose script clock is before T and half on
+// one whose clock is past it (so the rollover comes in the middle of the burst, on the Redis
+// clock), each charged while the worker settles: a random cost up to its hold before T, its
+// whole hold after T. The invariant
+// bal + Σ holds + expired = B(wm) holds at every read during the burst; no hold reserved after T
+// spends G (the ledger ends at or above zero: had the hot balance let holds after T spend G's
+// rest, the expire entry would leave the org in debt); the ledger has one expire entry, of
+// exactly G's unspent rest (G less what the requests reserved before T were charged, G being
+// spent first); and at rest the hot balance equals the ledger.
+func TestGrantExpiryBurst(t *testing.T) {
+	t.Parallel()
+	grantBackends(t, func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) {
+		ctx := context.Background()
+		const org, paid, promo, n = "burst", 8_000, 30_000, 2000
+		before := newStore(t, env, l, balance.Config{MaxInFlight: n + 10})
+		after := newStore(t, env, l, balance.Config{MaxInFlight: n + 10, ClockOffset: time.Hour})
+		w := newWorker(t, l, before, &accounting.WorkerConfig{Logger: quiet, SweepInterval: 50 * time.Millisecond})
+		ops := accounting.NewOps(w)
+		if err := l.CreateOrg(ctx, org); err != nil {
+			t.Fatal(err)
+		}
+		now, err := before.Now(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		at := now.Add(30 * time.Minute).Truncate(time.Millisecond)
+		if _, _, err := ops.CreditGrant(ctx, org, paid, "paid-1", grant.Paid); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := ops.CreditGrant(ctx, org, promo, "promo-1", grant.Options{Priority: grant.PriorityPromotional, ExpiresAt: at}); err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Start(ctx); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = w.Stop(context.Background()) })
+
+		// check: bal + Σ holds + expired = B(wm), read until a state and the ledger agree or the
+		// state stayed the same across the ledger read (a settle may land in between).
+		check := func(where string) error {
+			for range 20 {
+				st, err := before.State(ctx, org)
+				if err != nil {
+					return err
+				}
+				if !st.Exists {
+					return nil
+				}
+				b, err := ledgerB(l, org, st.Watermark)
+				if err != nil {
+					return err
+				}
+				if st.Balance+st.Held+st.Expired == b {
+					return nil
+				}
+				if st2, _ := before.State(ctx, org); st2.Watermark == st.Watermark && st2.Balance == st.Balance && st2.Held == st.Held {
+					return fmt.Errorf("%s: invariant: bal %d + held %d + expired %d != B(%d) %d", where, st.Balance, st.Held, st.Expired, st.Watermark, b)
+				}
+			}
+			return nil
+		}
+		mustCheck := func(where string) {
+			t.Helper()
+			if err := check(where); err != nil {
+				t.Fatal(err)
+			}
+		}
+
+		var (
+			wg                             sync.WaitGroup
+			beforeCost, okAfter, afterCost atomic.Int64
+			okBefore                       atomic.Int64
+			stop                           = make(chan struct{})
+			checked                        = make(chan error, 1)
+			checks                         atomic.Int64
+		)
+		go func() { // the invariant, read again and again while the burst runs
+			for {
+				select {
+				case <-stop:
+					checked <- nil
+					return
+				default:
+				}
+				if err := check("during the burst"); err != nil {
+					checked <- err
+					return
+				}
+				checks.Add(1)
+			}
+		}()
+		start := make(chan struct{})
+		for i := range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r := rand.New(rand.NewPCG(uint64(i), 7))
+				s := before
+				if i%2 == 1 {
+					s = after
+				}
+				amount := 1 + r.Int64N(50)
+				id := newID()
+				<-start
+				res, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: amount})
+				if errors.Is(err, balance.ErrInsufficient) {
+					return
+				}
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				cost := amount // after T: what it held, so a hold that spent expired credit shows in the ledger
+				if res.ReservedAt.Before(at) {
+					cost = r.Int64N(amount + 1)
+					okBefore.Add(1)
+					beforeCost.Add(cost)
+				} else {
+					okAfter.Add(1)
+					afterCost.Add(cost)
+				}
+				ev := ledger.UsageEvent{ID: id, Org: org, Model: "m", Usage: pricing.Usage{Prompt: 1}, Cost: cost,
+					HoldAmount: amount, ReservedAt: res.ReservedAt, CreatedAt: time.Now()}
+				if err := l.RecordUsage(ctx, []ledger.UsageEvent{ev}); err != nil {
+					t.Error(err)
+					return
+				}
+				w.Notify(org)
+			}()
+		}
+		close(start)
+		wg.Wait()
+		// Every request has been charged: wait until the hot balance has settled them all.
+		deadline := time.Now().Add(60 * time.Second)
+		for {
+			acct, err := l.Account(ctx, org)
+			st, err2 := before.State(ctx, org)
+			if err == nil && err2 == nil && acct.Pending == 0 && st.Holds == 0 && st.Watermark == acct.LedgerSeq && acct.SettledSeq == acct.LedgerSeq {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("not settled: %+v %+v", acct, st)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		close(stop)
+		if err := <-checked; err != nil {
+			t.Fatal(err)
+		}
+		mustCheck("settled")
+		if okBefore.Load() == 0 || okAfter.Load() == 0 {
+			t.Fatalf("the burst did not straddle the expiry: %d holds before, %d after", okBefore.Load(), okAfter.Load())
+		}
+		// The expiry's entry, written once the ledger's clock is past it (twice: exactly once).
+		for range 2 {
+			g, _ := l.(grant.Store)
+			if _, err := g.ExpireGrants(ctx, at, 100); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := w.SettleOrg(ctx, org); err != nil {
+			t.Fatal(err)
+		}
+		mustCheck("after the expire entry")
+		es, _, err := l.EntriesAfter(ctx, org, 0, 100_000)
+		if err != nil {
+			t.Fatal(err)
+		}
+		wantRest := max(0, promo-beforeCost.Load())
+		var expires []balance.Entry
+		for _, e := range es {
+			if !e.Expired.IsZero() {
+				expires = append(expires, e)
+			}
+		}
+		if len(expires) != 1 || expires[0].Delta != -wantRest || !expires[0].LastOfExpiry {
+			t.Fatalf("expire entries %+v, want one of %d", expires, -wantRest)
+		}
+		acct, err := l.Account(ctx, org)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := before.State(ctx, org)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Balance != acct.Balance || st.Expired != 0 || st.Held != 0 {
+			t.Fatalf("at rest: hot %+v, ledger balance %d", st, acct.Balance)
+		}
+		// What the requests after T spent is paid credit only: P less what the charges before T
+		// took from it once G was spent.
+		if room := paid - max(0, beforeCost.Load()-promo); afterCost.Load() > room {
+			t.Fatalf("requests after the expiry spent %d, more than the paid credit left to them (%d)", afterCost.Load(), room)
+		}
+		if acct.Balance < 0 {
+			t.Fatalf("ledger balance %d < 0: holds after the expiry spent the expired grant", acct.Balance)
+		}
+		gs, err := ops.Grants(ctx, org)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var paidRest int64
+		for _, g := range gs {
+			if g.ExpiresAt.IsZero() {
+				paidRest += g.Rest
+			} else if !g.Expired || g.ExpiredAmount != wantRest || g.Rest != 0 {
+				t.Fatalf("promo grant after expiry: %+v", g)
+			}
+		}
+		if paidRest != acct.Balance {
+			t.Fatalf("paid grant's rest %d, ledger balance %d", paidRest, acct.Balance)
+		}
+		t.Logf("holds before T %d (charged %d), after T %d (charged %d); expired %d; balance %d; invariant read %d times",
+			okBefore.Load(), beforeCost.Load(), okAfter.Load(), afterCost.Load(), wantRest, acct.Balance, checks.Load())
+	})
+}

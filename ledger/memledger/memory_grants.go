@@ -1,0 +1,162 @@
+package memledger
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/grant"
+)
+
+var _ grant.Store = (*Ledger)(nil)
+
+// memGrants are an org's credit grants (pgledger: the grants table of migration 026) and what
+// the hot balance is told about them per entry.
+type memGrants struct {
+	list     []grant.Grant
+	expiring bool                // the org has had a grant that expires: its reads carry rests
+	marks    map[int64]grantMark // by entry seq
+}
+
+// grantMark is what an entry is to the grants: a credit of a grant that expires at expires, or
+// the expire entry of a grant of expired (last: the last of that time's).
+type grantMark struct {
+	expires, expired time.Time
+	last             bool
+}
+
+func (g *memGrants) add(org string, e ledger.LedgerEntry, o grant.Options) {
+	g.list = append(g.list, grant.Grant{Org: org, Seq: e.Seq, Reference: e.Ref, Amount: e.Delta, Priority: o.Priority,
+		ExpiresAt: o.ExpiresAt, Rest: e.Delta, CreatedAt: e.CreatedAt})
+	if !o.ExpiresAt.IsZero() {
+		g.expiring = true
+		g.setMark(e.Seq, grantMark{expires: o.ExpiresAt})
+	}
+}
+
+func (g *memGrants) setMark(seq int64, k grantMark) {
+	if g.marks == nil {
+		g.marks = map[int64]grantMark{}
+	}
+	g.marks[seq] = k
+}
+
+func (g *memGrants) sameTerms(seq int64, o grant.Options) bool {
+	for _, x := range g.list {
+		if x.Seq == seq {
+			return x.Priority == o.Priority && x.ExpiresAt.Equal(o.ExpiresAt)
+		}
+	}
+	return o == grant.Paid // a credit written before it was a grant
+}
+
+func (g *memGrants) spend(cost int64, at time.Time) { grant.Spend(g.list, cost, at) }
+
+func (g *memGrants) mark(e *balance.Entry) {
+	k, ok := g.marks[e.Seq]
+	if !ok {
+		return
+	}
+	e.GrantExpiry, e.Expired, e.LastOfExpiry = k.expires, k.expired, k.last
+}
+
+// expiries are the rests per expiry after entry seq (the latest), nil for an org that never had
+// a grant that expires.
+func (g *memGrants) expiries(seq int64) *balance.Expiries {
+	if !g.expiring {
+		return nil
+	}
+	return &balance.Expiries{AsOf: seq, Due: grant.Due(g.list)}
+}
+
+// CreditGrant credits amount with grant terms o, idempotent by ref like Credit.
+func (m *Ledger) CreditGrant(ctx context.Context, org string, amount int64, ref string, o grant.Options) (ledger.LedgerEntry, bool, error) {
+	if amount <= 0 || amount > balance.MaxAmount {
+		return ledger.LedgerEntry{}, false, fmt.Errorf("%w: credit %d", ledger.ErrInvalidAmount, amount)
+	}
+	if err := o.Check(time.Now()); err != nil {
+		return ledger.LedgerEntry{}, false, err
+	}
+	o.ExpiresAt = truncMS(o.ExpiresAt)
+	return m.write(org, ledger.KindCredit, amount, ref, &o)
+}
+
+// truncMS is t to the millisecond (the hot balance's clock), in UTC.
+func truncMS(t time.Time) time.Time {
+	if t.IsZero() {
+		return t
+	}
+	return time.UnixMilli(t.UnixMilli()).UTC()
+}
+
+// Grants lists the org's grants in spending order, the expired last.
+func (m *Ledger) Grants(ctx context.Context, org string) ([]grant.Grant, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	a := m.accounts[org]
+	if a == nil {
+		return nil, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
+	}
+	return grant.Sorted(a.grants.list), nil
+}
+
+// ExpireGrants writes the expire entries of the grants expired by upTo (up to limit orgs).
+func (m *Ledger) ExpireGrants(ctx context.Context, upTo time.Time, limit int) ([]string, error) {
+	if limit <= 0 {
+		limit = ledger.DefaultLimit
+	}
+	m.mu.Lock()
+	var orgs []string
+	for org, a := range m.accounts {
+		if len(orgs) >= limit {
+			break
+		}
+		if m.expireOrgLocked(org, a, upTo) {
+			orgs = append(orgs, org)
+		}
+	}
+	m.mu.Unlock()
+	slices.Sort(orgs)
+	m.notify(orgs...)
+	return orgs, nil
+}
+
+func (m *Ledger) expireOrgLocked(org string, a *memAccount, upTo time.Time) bool {
+	var due []int
+	for i, g := range a.grants.list {
+		if !g.Expired && !g.ExpiresAt.IsZero() && !g.ExpiresAt.After(upTo) {
+			due = append(due, i)
+		}
+	}
+	if len(due) == 0 {
+		return false
+	}
+	// By expiry time, then grant: each time's entries together, its last one marked.
+	slices.SortFunc(due, func(x, y int) int {
+		gx, gy := a.grants.list[x], a.grants.list[y]
+		if c := gx.ExpiresAt.Compare(gy.ExpiresAt); c != 0 {
+			return c
+		}
+		return int(gx.Seq - gy.Seq)
+	})
+	now := time.Now()
+	for j, i := range due {
+		g := &a.grants.list[i]
+		e := ledger.LedgerEntry{Org: org, Seq: int64(len(a.entries)) + 1, Delta: -g.Rest, Kind: grant.KindExpire,
+			Ref: grant.ExpireRef(org, g.Seq), CreatedAt: now}
+		a.entries = append(a.entries, e)
+		a.balance -= g.Rest
+		m.refs[refKey{grant.KindExpire, e.Ref}] = e
+		last := j == len(due)-1 || !a.grants.list[due[j+1]].ExpiresAt.Equal(g.ExpiresAt)
+		a.grants.setMark(e.Seq, grantMark{expired: g.ExpiresAt, last: last})
+		m.hooks.balanceChanged(org, a.balance+g.Rest, a.balance)
+		g.ExpiredAmount, g.Rest, g.Expired = g.Rest, 0, true
+	}
+	return true
+}
