@@ -162,7 +162,10 @@ func TestRecorderRejectsInvalidEventAlone(t *testing.T) {
 func TestRecorderStopFlushes(t *testing.T) {
 	t.Parallel()
 	mem := memledger.New()
+	entered := make(chan struct{}) // closed when the first batch reaches the (slow) ledger
+	var once sync.Once
 	h := &hookLedger{Ledger: mem, before: func([]ledger.UsageEvent) error {
+		once.Do(func() { close(entered) })
 		time.Sleep(20 * time.Millisecond)
 		return nil
 	}}
@@ -176,7 +179,7 @@ func TestRecorderStopFlushes(t *testing.T) {
 	for range n {
 		go func() { errs <- r.Record(context.Background(), usage("o")) }()
 	}
-	time.Sleep(30 * time.Millisecond) // let them queue behind the slow ledger
+	<-entered // a batch is on its way to the ledger, the others queue behind it: Stop now
 	if err := r.Stop(context.Background()); err != nil {
 		t.Fatal(err)
 	}
