@@ -449,3 +449,21 @@ func lossyFailover(t *testing.T, wait bool) {
 		t.Error("without WAIT the failover lost no hold: the test did not hold replication back")
 	}
 }
+
+// TestWaitReplicasConfig: ESCROW_REDIS_WAIT_REPLICAS and ESCROW_REDIS_WAIT_TIMEOUT are read
+// into the configuration, and refused with the embedded Redis (no replica to wait for: every
+// reserve would be refused).
+func TestWaitReplicasConfig(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"REDIS_URL": "redis://127.0.0.1:1/0", "DATABASE_URL": "postgres://x@127.0.0.1:1/x",
+		"ESCROW_REDIS_WAIT_REPLICAS": "2", "ESCROW_REDIS_WAIT_TIMEOUT": "250ms"}
+	c, err := LoadConfig("t", nil, func(k string) string { return env[k] }, io.Discard)
+	if err != nil || c.RedisWaitReplicas != 2 || c.RedisWaitTimeout != 250*time.Millisecond {
+		t.Fatalf("LoadConfig: %v %+v", err, c)
+	}
+	delete(env, "REDIS_URL")
+	delete(env, "DATABASE_URL")
+	if _, err := LoadConfig("t", nil, func(k string) string { return env[k] }, io.Discard); err == nil || !strings.Contains(err.Error(), "ESCROW_REDIS_WAIT_REPLICAS") {
+		t.Fatalf("LoadConfig with the embedded Redis and WAIT: %v, want a refusal naming ESCROW_REDIS_WAIT_REPLICAS", err)
+	}
+}
