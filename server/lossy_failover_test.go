@@ -445,6 +445,10 @@ func lossyFailover(t *testing.T, wait bool) {
 		if refusedHeld == 0 {
 			t.Error("with WAIT: no reserve refused while replication was held back")
 		}
+		_, _, metrics := p.do("GET", "/metrics", "", nil)
+		if strings.Contains(string(metrics), "escrow_redis_wait_short_total 0\n") || !strings.Contains(string(metrics), "escrow_redis_wait_short_total ") {
+			t.Error("with WAIT: escrow_redis_wait_short_total did not count the WAITs the replica never answered")
+		}
 	} else if lost == 0 {
 		t.Error("without WAIT the failover lost no hold: the test did not hold replication back")
 	}
