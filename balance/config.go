@@ -100,7 +100,8 @@ type Config struct {
 	// docs/failover.md for the bound).
 	WaitReplicas int
 	// WaitTimeout bounds each WAIT (WaitReplicas > 0); at least 1ms (WAIT 0 would block for
-	// ever). Default 100ms.
+	// ever), and keep it well below the Redis client's read timeout, which bounds the whole
+	// pipeline. Default 100ms.
 	WaitTimeout time.Duration
 	// AllowEviction skips the maxmemory-policy noeviction check (and logs a loud warning):
 	// eviction can drop a hold and lock money, or drop a watermark.

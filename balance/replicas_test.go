@@ -35,7 +35,7 @@ func startReplica(t *testing.T, m, r *testutil.RedisServer) {
 }
 
 // TestWaitReplicas (issue 34 item 7): with WaitReplicas a reserve is granted only once a
-// replica acknowledged it. With the replica stopped (SIGSTOP: it acknowledges nothing) every
+// replica acknowledged it, and a re-sent one (DUP) not at all. With the replica stopped (SIGSTOP: it acknowledges nothing) every
 // reserve — alone or coalesced into pipelines — is refused with ErrNotReplicated, which wraps
 // ErrRedis (so the middleware answers 503 and releases the hold); once it runs again, they pass,
 // and every hold granted is on the replica.
@@ -56,6 +56,11 @@ func TestWaitReplicas(t *testing.T) {
 			}
 			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: "o", HoldID: "before", Amount: 10}); err != nil {
 				t.Fatalf("reserve with the replica up: %v", err)
+			}
+			// A re-sent reserve (DUP) is refused: the write it found may have been made on
+			// another connection, which its WAIT does not cover.
+			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: "o", HoldID: "before", Amount: 10}); !errors.Is(err, balance.ErrNotReplicated) {
+				t.Fatalf("re-sent reserve: %v, want ErrNotReplicated", err)
 			}
 			reserveAll := func(prefix string) []error {
 				errs := make([]error, 20)

@@ -415,6 +415,9 @@ func (c *Config) check() error {
 	if c.DatabaseURL == "" && c.RedisURL != "" {
 		return errors.New("the in-memory ledger only pairs with the embedded Redis: set DATABASE_URL or unset REDIS_URL")
 	}
+	if c.RedisURL == "" && c.RedisWaitReplicas > 0 {
+		return errors.New("ESCROW_REDIS_WAIT_REPLICAS: the embedded Redis has no replicas to wait for; set REDIS_URL or unset it")
+	}
 	if c.ReadHeaderTimeout > c.ReadTimeout {
 		return fmt.Errorf("ESCROW_READ_HEADER_TIMEOUT (%s) must not exceed ESCROW_READ_TIMEOUT (%s), which bounds the whole request", c.ReadHeaderTimeout, c.ReadTimeout)
 	}

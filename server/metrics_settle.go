@@ -23,9 +23,11 @@ import (
 func (m *metrics) settleMetrics(a *Server) {
 	cmds := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "escrow_redis_commands_total",
 		Help: "Redis commands this process sent, its worker's included (a pipeline counts each of its commands; label pipelined). A script call is named by its script: evalsha:reserve, evalsha:finish, evalsha:settle, …"}, []string{"command", "pipelined"})
-	m.reg.MustRegister(cmds)
+	short := prometheus.NewCounter(prometheus.CounterOpts{Name: "escrow_redis_wait_short_total",
+		Help: "WAITs after reserves (ESCROW_REDIS_WAIT_REPLICAS) that fewer replicas acknowledged than asked, or that failed: the holds of their pipeline were refused (503)."})
+	m.reg.MustRegister(cmds, short)
 	a.rdb.AddHook(commandCounter{single: cmds.MustCurryWith(prometheus.Labels{"pipelined": "false"}),
-		piped: cmds.MustCurryWith(prometheus.Labels{"pipelined": "true"}), scripts: scriptNames()})
+		piped: cmds.MustCurryWith(prometheus.Labels{"pipelined": "true"}), scripts: scriptNames(), waitShort: short})
 	m.reg.MustRegister(settleLagCollector{w: a.worker, desc: prometheus.NewDesc("escrow_settle_lag_seconds",
 		"Settle lag of the entries this process's worker settled: usage recorded (the usage event's created_at) → applied to the Redis balance.", nil, nil)})
 	if pg, ok := a.ledger.(*pgledger.Ledger); ok {
@@ -60,6 +62,7 @@ func (c backlogCollector) Collect(ch chan<- prometheus.Metric) {
 type commandCounter struct {
 	single, piped *prometheus.CounterVec
 	scripts       map[string]string // SHA-1 of a script as sent → "evalsha:<name>"
+	waitShort     prometheus.Counter
 }
 
 // scriptNames maps the SHA-1 of each script escrow sends (lua.Scripts, as balance sends them) to
@@ -99,11 +102,43 @@ func (h commandCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 
 func (h commandCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
+		wait := false
 		for _, c := range cmds {
 			h.piped.WithLabelValues(h.name(c)).Inc()
+			wait = wait || c.Name() == "wait"
 		}
-		return next(ctx, cmds)
+		err := next(ctx, cmds)
+		if wait {
+			for _, c := range cmds {
+				if c.Name() == "wait" && waitShort(c) {
+					h.waitShort.Inc()
+				}
+			}
+		}
+		return err
 	}
+}
+
+// waitShort reports whether a WAIT (numreplicas, timeout) failed or was answered by fewer
+// replicas than it asked for.
+func waitShort(c redis.Cmder) bool {
+	cmd, ok := c.(*redis.Cmd)
+	if !ok {
+		return false
+	}
+	got, err := cmd.Int64()
+	args := cmd.Args()
+	if err != nil || len(args) < 2 {
+		return true
+	}
+	var want int64
+	switch v := args[1].(type) {
+	case int:
+		want = int64(v)
+	case int64:
+		want = v
+	}
+	return got < want
 }
 
 // settleLagCollector exports the worker's settle-lag histogram (accounting.SettleLag).
