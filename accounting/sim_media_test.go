@@ -14,7 +14,8 @@ package accounting_test
 // step's op in [0.88, 0.92) (one case line in step, one line in drawCost, one in runSim).
 //
 // Token-billed requests hold thousands of tokens, above every tokens cap the other orgs draw:
-// so that some are granted, the media org "m" has no tokens limit (its other limits stay).
+// so that some are granted, they go to the media org "m", which has no tokens limit (its other
+// limits stay); the other media requests go to any org.
 
 import (
 	"encoding/binary"
@@ -88,7 +89,7 @@ func (s *simulator) drawMedia() (m simMedia, ok bool) {
 	case 2: // gpt-image: the usage the upstream reports
 		spec, m.kind = endpoint.ImagesGenerations, "gpt-image"
 		prompt := strings.Repeat("x", s.rnd.IntN(100)+1)
-		st = endpoint.Stated{N: s.rnd.Int64N(3), Size: pick("", "auto", "1024x1024", "1536x1024"), Quality: pick("", "low", "medium", "auto"),
+		st = endpoint.Stated{N: s.rnd.Int64N(3) / 2, Size: pick("", "auto", "1024x1024", "1536x1024"), Quality: pick("", "low", "low", "medium", "auto"),
 			TextBytes: int64(len(prompt)) + 40, Files: s.rnd.Int64N(2)}
 		if st.Files > 0 {
 			spec = endpoint.ImagesEdits
@@ -177,6 +178,9 @@ func (s *simulator) mediaRequest(o string) {
 		return
 	}
 	s.counts["media-"+m.kind]++
+	if m.tokens > 0 {
+		o = "m" // a token bound is above every other org's tokens caps
+	}
 	id := uuid.Must(uuid.NewV7()).String()
 	key, eu := s.keys[o][s.rnd.IntN(len(s.keys[o]))], s.drawEndUser()
 	res, err := s.store.Reserve(s.ctx, balance.ReserveRequest{Org: o, HoldID: id, Amount: m.hold, KeyID: key, Tokens: m.tokens, EndUser: eu, Exempt: m.exempt})

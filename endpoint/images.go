@@ -16,7 +16,7 @@ import (
 //   - by tokens (gpt-image style: a model with an image_output price): the answer's usage is
 //     the bill (input text and image tokens, output image tokens: ImageUsage), held at its
 //     bound before the call — n × the most output tokens one image of that size and quality
-//     can bill (ImageOutputTokens), plus the input: the body's bytes as text tokens and each
+//     can bill (ImageOutputTokens, or the model's own max: Stated.ImageOutputTokens), plus the input: the body's bytes as text tokens and each
 //     uploaded image at the most input tokens one image can bill (Stated.ImageTokens, else
 //     MaxInputImageTokens), every token at the highest price of its side.
 //
@@ -130,6 +130,9 @@ func proveImages(st Stated) (pricing.Usage, *Refusal) {
 // highest price, so that the bound's cost is MaxInputFor × input + MaxOutputFor × output.
 func proveImageTokens(st Stated, n int64) (pricing.Usage, *Refusal) {
 	per, ok := ImageOutputTokens(st.Size, st.Quality)
+	if st.ImageOutputTokens > 0 {
+		per, ok = st.ImageOutputTokens, true // the model's own max, whatever the size and quality
+	}
 	if !ok {
 		return pricing.Usage{}, &Refusal{Param: "size", Message: "Invalid size or quality for a token-billed image model: '" + st.Size + "', '" + st.Quality + "'."}
 	}

@@ -30,6 +30,9 @@ type Stated struct {
 	PartialImages int64
 	// ImageTokens is the model's own max input tokens of one image (0: the spec's default).
 	ImageTokens int64
+	// ImageOutputTokens is the model's own max output tokens of one generated image, at any
+	// size and quality (0: the published table, ImageOutputTokens).
+	ImageOutputTokens int64
 	// MaxOutputTokens is the model's max output tokens (0: unknown).
 	MaxOutputTokens int64
 }

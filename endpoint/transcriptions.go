@@ -18,8 +18,10 @@ import (
 //     bound), each at the highest price of its side; charged the answer's usage
 //     {"type":"tokens","input_tokens","input_token_details":{"audio_tokens"},"output_tokens"}.
 //
-// An upload of no format escrow can bound, a model with neither price, and a stream are
-// refused (400), nothing held. An answer without a usage escrow can read is charged the hold.
+// A stream (gpt-4o-transcribe; whisper-1 ignores stream and answers JSON) carries the usage in
+// its transcript.text.done event. An upload of no format escrow can bound and a model with
+// neither price are refused (400), nothing held. An answer without a usage escrow can read is
+// charged the hold.
 var (
 	Transcriptions = register(&Spec{
 		Path:         "/v1/audio/transcriptions",
@@ -55,9 +57,6 @@ const AudioTokensPerSecond = 50
 var TranscriptionClasses = []pricing.Class{pricing.Input, pricing.AudioInput, pricing.Output}
 
 func proveAudio(st Stated) (pricing.Usage, *Refusal) {
-	if st.Stream {
-		return pricing.Usage{}, &Refusal{Param: "stream", Message: "Streaming is not supported on transcriptions."}
-	}
 	if st.Audio == nil {
 		return pricing.Usage{}, &Refusal{Param: "file", Message: "'file' must be an audio file upload."}
 	}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"mime/multipart"
 	"net/http"
+	"strings"
 	"testing"
 
 	"github.com/llmescrow/escrow/endpoint"
@@ -69,6 +70,8 @@ func TestTranscriptionsCompressed(t *testing.T) {
 			{"ogg", "whisper-test", "a.ogg", ogg, 500_000, nil},
 			{"tokens, mp3", "gpt-4o-transcribe-test", "a.mp3", clean, 5225, [][2]string{{"prompt", "names: Ada, Alan"}}},
 			{"tokens, ogg", "gpt-4o-transcribe-test", "a.ogg", ogg, 500_000, nil},
+			{"tokens, streamed", "gpt-4o-transcribe-test", "a.mp3", clean, 5225, [][2]string{{"stream", "true"}}},
+			{"seconds, stream ignored", "whisper-test", "a.mp3", clean, 5225, [][2]string{{"stream", "true"}}},
 		} {
 			body, ct, text := uploadForm(t, c.model, c.file, c.audio, c.fields...)
 			st, _, b := e.postH(endpoint.Transcriptions.Path, e.key, body, map[string]string{"Content-Type": ct})
@@ -79,13 +82,17 @@ func TestTranscriptionsCompressed(t *testing.T) {
 				hold, cost = (c.boundMs+999)/1000*100, secs*100
 			} else {
 				prompt := ""
-				if len(c.fields) > 0 {
+				if len(c.fields) > 0 && c.fields[0][0] == "prompt" {
 					prompt = c.fields[0][1]
 				}
 				hold = (text+(c.boundMs*endpoint.AudioTokensPerSecond+999)/1000)*audioPrice + maxOut*outPrice
 				cost = secs*fakeupstream.TranscribeTokensPerSecond*audioPrice + int64(len(prompt))*inPrice + fakeupstream.TranscribeOutputTokens*outPrice
 			}
-			if st != http.StatusOK || o.Kind != OutcomeRecorded || o.HoldAmount != hold || o.Cost != cost || cost > hold || gjson.Get(b, "text").String() == "" {
+			answer := gjson.Get(b, "text").String()
+			if len(c.fields) > 0 && c.fields[0][0] == "stream" && c.model != "whisper-test" {
+				answer = map[bool]string{true: "streamed"}[strings.Contains(b, "transcript.text.done")]
+			}
+			if st != http.StatusOK || o.Kind != OutcomeRecorded || o.HoldAmount != hold || o.Cost != cost || cost > hold || answer == "" {
 				t.Fatalf("%s: status %d outcome %+v: %s; want hold %d, cost %d", c.name, st, o, b, hold, cost)
 			}
 			if ev := e.rec.events()[len(e.rec.events())-1]; ev.Cost != cost || ev.Estimated {

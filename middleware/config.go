@@ -253,6 +253,10 @@ type Config struct {
 	// Anthropic). Set it for gpt-4o-mini (2,833 + 5,667 per tile: 48,169) and for models of
 	// OpenAI's patch rule (1,536 patches × the model's multiplier, e.g. 2,461 for gpt-4.1-mini).
 	ImageTokens map[string]int64
+	// ImageOutputTokens is, per model name, the most output tokens one image of a token-billed
+	// image model (an image_output price) can bill at any size and quality, replacing the
+	// published gpt-image-1 table (endpoint.ImageOutputTokens) for a model whose table differs.
+	ImageOutputTokens map[string]int64
 	// ToolTokens is, per model name, the most tokens the upstream adds to the input for tool
 	// or function definitions besides their bytes, replacing the endpoint's default
 	// (endpoint.Spec.ToolOverhead: 1,024).

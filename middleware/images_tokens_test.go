@@ -178,3 +178,58 @@ func TestImagesTokensLimit(t *testing.T) {
 		}
 	})
 }
+
+// TestImagesTokensNoUsage: a gpt-image answer without a usage escrow can read (none, or one
+// with a class the model has no price for) is charged the hold, the bound, marked estimated; a
+// dall-e answer that carries a usage is still charged its images (the usage is not read).
+func TestImagesTokensNoUsage(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{mini: true, finish: true})
+	must(t, e.ledger.PutModel(context.Background(), gptImageModel))
+	must(t, e.ledger.PutModel(context.Background(), imageModel))
+	answer := `{"created":1,"data":[{"b64_json":"eA=="}]}`
+	e.setUpstream(func(w http.ResponseWriter, _ *http.Request, _ []byte) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte(answer))
+	})
+	body := `{"model":"gpt-image-test","prompt":"a cat","size":"1024x1024","quality":"low"}`
+	hold := int64(len(body))*10 + 272*40
+	for _, a := range []string{
+		`{"created":1,"data":[{"b64_json":"eA=="}]}`,
+		`{"created":1,"data":[{"b64_json":"eA=="}],"usage":{"input_tokens":"many","output_tokens":1}}`,
+	} {
+		answer = a
+		st, _, b := e.postH(endpoint.ImagesGenerations.Path, e.key, body, nil)
+		o := e.outcome()
+		if ev := e.rec.events()[len(e.rec.events())-1]; st != http.StatusOK || o.HoldAmount != hold || o.Cost != hold || !ev.Estimated {
+			t.Fatalf("%s: status %d outcome %+v event %+v: %s; want the hold %d charged, estimated", a, st, o, ev, b, hold)
+		}
+	}
+	answer = `{"created":1,"data":[{"b64_json":"eA=="}],"usage":{"input_tokens":1,"output_tokens":1}}`
+	st, _, b := e.postH(endpoint.ImagesGenerations.Path, e.key, `{"model":"dall-e-test","prompt":"a cat"}`, nil)
+	if o := e.outcome(); st != http.StatusOK || o.HoldAmount != 40_000 || o.Cost != 40_000 {
+		t.Fatalf("dall-e with a usage: status %d outcome %+v: %s", st, o, b)
+	}
+}
+
+// TestImagesTokensModelMax: Config.ImageOutputTokens replaces the published table for a model
+// whose images bill more: the hold is n × that max, whatever the size and quality (one the
+// table does not know included), and the charge the answer's usage.
+func TestImagesTokensModelMax(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOpt{mini: true, finish: true, cfg: func(c *Config) { c.ImageOutputTokens = map[string]int64{"gpt-image-test": 9000} }})
+	e.useFake()
+	must(t, e.ledger.PutModel(context.Background(), gptImageModel))
+	body := `{"model":"gpt-image-test","prompt":"a cat","size":"1024x1024","quality":"low"}`
+	st, _, b := e.postH(endpoint.ImagesGenerations.Path, e.key, body, nil)
+	o := e.outcome()
+	want, _ := fakeupstream.GPTImageUsage("a cat", 0, 1, "1024x1024", "low")
+	if hold, cost := int64(len(body))*10+9000*40, want.InputTokens*5+want.OutputTokens*40; st != http.StatusOK || o.HoldAmount != hold || o.Cost != cost {
+		t.Fatalf("status %d outcome %+v: %s; want hold %d, cost %d", st, o, b, hold, cost)
+	}
+	// A size the table does not know is bounded by the model's max (the fake refuses it: released).
+	st, _, b = e.postH(endpoint.ImagesGenerations.Path, e.key, `{"model":"gpt-image-test","prompt":"a cat","size":"2048x2048"}`, nil)
+	if o := e.outcome(); st != http.StatusBadRequest || o.Kind == OutcomeRefused || o.HoldAmount == 0 {
+		t.Fatalf("unknown size with a model max: status %d outcome %+v: %s; want held, then the upstream's 400", st, o, b)
+	}
+}

@@ -115,6 +115,7 @@ func (m *middleware) reprove(r *Request, model ledger.Model) *Error {
 	}
 	st := *r.Stated
 	st.Prices, st.ImageTokens, st.MaxOutputTokens = model.Prices, m.cfg.ImageTokens[model.Name], model.MaxOutputTokens
+	st.ImageOutputTokens = m.cfg.ImageOutputTokens[model.Name]
 	u, ref := r.Spec.Prove(st)
 	if ref != nil {
 		return errInvalid(ref.Param, ref.Message)

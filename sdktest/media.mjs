@@ -108,6 +108,15 @@ if (tokenImageModel) {
   const image = await toFile(Buffer.from('\x89PNG fake image to edit'), 'in.png', { type: 'image/png' });
   const e = await client.images.edit({ model: tokenImageModel, image, prompt: 'add a hat', quality: 'medium', size: '1024x1024' }).withResponse();
   out.tokenEdit = { ...seen(e.response), images: e.data.data.length, usage: e.data.usage ?? null };
+  // Streamed with partial images: the usage is on the completed event.
+  const st = await client.images.generate({ model: tokenImageModel, prompt: 'a cat', size: '1024x1024', quality: 'low', stream: true, partial_images: 2 }).withResponse();
+  let partials = 0;
+  let usage = null;
+  for await (const ev of st.data) {
+    if (ev.type === 'image_generation.partial_image') partials++;
+    if (ev.type === 'image_generation.completed') usage = ev.usage ?? null;
+  }
+  out.tokenStream = { ...seen(st.response), images: usage ? 1 : 0, partials, usage };
 }
 
 console.log(JSON.stringify(out));

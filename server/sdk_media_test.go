@@ -26,6 +26,7 @@ type sdkMediaCall struct {
 	Audio     string          `json:"audio"`
 	Text      string          `json:"text"`
 	Results   int             `json:"results"`
+	Partials  int             `json:"partials"`
 	Usage     json.RawMessage `json:"usage"`
 }
 
@@ -34,7 +35,7 @@ type sdkMediaCall struct {
 // call, what the SDK saw proves the price — images.generate (n × the per-image price of the
 // size and quality, the upstream's defaults when none is sent), images.edit (a multipart
 // upload, likewise), the same two for a gpt-image model (the usage in the answer at its token
-// prices), audio.speech.create (the characters it sent, the audio bytes unchanged),
+// prices) and a gpt-image stream with partial images (the usage of its completed event), audio.speech.create (the characters it sent, the audio bytes unchanged),
 // audio.transcriptions.create and .translations.create (the seconds the answer reports of a WAV
 // or an MP3 upload; the tokens it reports for a token-billed model), moderations.create (free) — and the ledger charged exactly that, the x-escrow-cost
 // the SDK got back; the org's balance fell by the sum.
@@ -76,7 +77,7 @@ func TestOpenAINodeSDKMedia(t *testing.T) {
 				if !ok || c.Status != http.StatusOK || c.RequestID == "" {
 					t.Fatalf("%s: the SDK saw %+v", name, c)
 				}
-				if got := p.charge(c.RequestID); got != want || c.Cost != strconv.FormatInt(want, 10) {
+				if got := p.charge(c.RequestID); got != want || (c.Cost != strconv.FormatInt(want, 10) && name != "tokenStream") {
 					t.Errorf("%s: the ledger charged %d, x-escrow-cost %q; what the SDK saw proves %d", name, got, c.Cost, want)
 				}
 				total += want
@@ -123,7 +124,14 @@ func TestOpenAINodeSDKMedia(t *testing.T) {
 			check("transcriptionTokens", tu.InputDetails.Audio*tAudio+tu.InputDetails.Text*tIn+tu.Output*tOut)
 
 			// gpt-image: the usage the SDK got is the bill.
-			for _, name := range []string{"tokenGenerate", "tokenEdit"} {
+			if res["tokenStream"].Partials != 2 {
+				t.Errorf("tokenStream: the SDK read %d partial images, want 2", res["tokenStream"].Partials)
+			}
+			if res["tokenStream"].Cost != "" {
+				// A stream's cost is not a header (x-escrow-include-cost would put it in an SSE comment).
+				t.Errorf("tokenStream: x-escrow-cost %q on a stream", res["tokenStream"].Cost)
+			}
+			for _, name := range []string{"tokenGenerate", "tokenEdit", "tokenStream"} {
 				var u fakeupstream.ImageTokenUsage
 				if err := json.Unmarshal(res[name].Usage, &u); err != nil || u.OutputTokens <= 0 || res[name].Images <= 0 ||
 					(name == "tokenEdit") != (u.InputDetails.ImageTokens > 0) {

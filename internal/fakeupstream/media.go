@@ -281,6 +281,16 @@ func (s *Server) transcription(w http.ResponseWriter, r *http.Request, req *apiR
 	var usage any = map[string]any{"type": "duration", "seconds": secs}
 	if strings.Contains(req.Model, "transcribe") {
 		usage = TranscribeUsage(secs, req.promptText())
+		if req.Stream { // whisper ignores stream; a gpt-4o-transcribe stream: deltas, then the done event with the usage
+			e := startSSE(w)
+			for _, word := range []string{"tok1", " tok2", " tok3"} {
+				if e.data(map[string]any{"type": "transcript.text.delta", "delta": word}) != nil {
+					return
+				}
+			}
+			_ = e.data(map[string]any{"type": "transcript.text.done", "text": "tok1 tok2 tok3", "usage": usage})
+			return
+		}
 	}
 	writeJSON(w, http.StatusOK, map[string]any{"text": "tok1 tok2 tok3", "usage": usage})
 }
