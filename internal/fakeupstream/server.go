@@ -2,7 +2,8 @@
 // POST /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/responses, as JSON or as
 // server-sent events (stream: true), with token usage that a test can predict exactly; and a
 // fake of Anthropic's Messages API, POST /v1/messages and /v1/messages/count_tokens (rules in
-// anthropic.go). The
+// anthropic.go); and the Files and Batch APIs of both (/v1/files, /v1/batches,
+// /v1/messages/batches: batches.go), whose lines run through the same handlers. The
 // tests use it, and the runnable proxy uses it as its built-in upstream.
 //
 // # Usage rules
@@ -109,6 +110,8 @@ type Options struct {
 	// remembered Body is cut to its first 64 KiB (so at most KeepRequests × 64 KiB is held).
 	// Default 1000; negative: none (for long-running use, e.g. the proxy's built-in upstream).
 	KeepRequests int
+	// BatchLineDelay is the pause before each line of a batch runs (batches.go). Default 5 ms.
+	BatchLineDelay time.Duration
 }
 
 // Request is what the server saw of one request.
@@ -133,6 +136,9 @@ type Server struct {
 
 	mu   sync.Mutex
 	seen []Request
+
+	batchOnce sync.Once
+	batch     *batchState // files and batches (batches.go)
 }
 
 // New returns a fake upstream with opts' defaults filled in.
@@ -142,6 +148,7 @@ func New(opts Options) *Server {
 	opts.MaxOutputTokens = cmp.Or(opts.MaxOutputTokens, 65536)
 	opts.MaxBodyBytes = cmp.Or(opts.MaxBodyBytes, 8<<20)
 	opts.KeepRequests = cmp.Or(opts.KeepRequests, 1000)
+	opts.BatchLineDelay = cmp.Or(opts.BatchLineDelay, 5*time.Millisecond)
 	return &Server{opts: opts}
 }
 
@@ -176,6 +183,12 @@ func (s *Server) Reset() {
 // ServeHTTP answers one OpenAI API request.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	s.requests.Add(1)
+	if isBatchPath(r.URL.Path) {
+		s.record(Request{Method: r.Method, Path: r.URL.Path, Query: r.URL.RawQuery, Authorization: r.Header.Get("Authorization"),
+			Header: r.Header.Clone(), Time: time.Now()})
+		s.serveBatch(w, r) // files and batches (batches.go): uploads are larger than MaxBodyBytes
+		return
+	}
 	body, readErr := io.ReadAll(http.MaxBytesReader(w, r.Body, s.opts.MaxBodyBytes))
 	var req apiRequest
 	parseErr := readErr
