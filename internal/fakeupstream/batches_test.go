@@ -194,7 +194,10 @@ func TestMessageBatch(t *testing.T) {
 	if st := c.do("DELETE", "/v1/messages/batches/"+b.ID, "", nil, nil); st != 400 {
 		t.Fatalf("delete while running: %d", st)
 	}
-	until(t, func() bool { c.do("GET", "/v1/messages/batches/"+b.ID, "", nil, &b); return b.RequestCounts.Succeeded == 1 })
+	until(t, func() bool {
+		c.do("GET", "/v1/messages/batches/"+b.ID, "", nil, &b)
+		return b.RequestCounts.Succeeded == 1
+	})
 	c.do("POST", "/v1/messages/batches/"+b.ID+"/cancel", "", nil, &b)
 	c.wait(b.ID)
 	var res []byte
