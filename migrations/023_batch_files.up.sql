@@ -14,6 +14,7 @@ CREATE TABLE batch_files (
     lines      integer     NOT NULL DEFAULT 0 CHECK (lines >= 0),
     bound      bigint      NOT NULL DEFAULT 0 CHECK (bound >= 0),
     estimate   bigint      NOT NULL DEFAULT 0 CHECK (estimate >= 0),
+    max_line   bigint      NOT NULL DEFAULT 0 CHECK (max_line >= 0),
     prices     jsonb,
     batch      text        NOT NULL DEFAULT '',
     created_at timestamptz NOT NULL DEFAULT now(),

@@ -38,6 +38,7 @@ type File struct {
 	// Estimate the sum of their input bounds (what a lost batch is charged at least).
 	Bound    int64          `json:"bound"`
 	Estimate int64          `json:"estimate"`
+	MaxLine  int64          `json:"max_line"` // the largest line bound: charged for a line whose usage cannot be read
 	Prices   pricing.Prices `json:"prices,omitempty"`
 	// Batch is the batch (its upstream id) an output or error file belongs to.
 	Batch     string    `json:"batch,omitempty"`
@@ -74,7 +75,7 @@ func Check(f File) error {
 		return fmt.Errorf("%w: id must be 1-256 bytes", ErrInvalid)
 	case f.Purpose != PurposeBatch && f.Purpose != PurposeOutput:
 		return fmt.Errorf("%w: purpose %q", ErrInvalid, f.Purpose)
-	case f.Bound < 0 || f.Bound > balance.MaxAmount || f.Estimate < 0 || f.Estimate > f.Bound:
+	case f.Bound < 0 || f.Bound > balance.MaxAmount || f.Estimate < 0 || f.Estimate > f.Bound || f.MaxLine < 0 || f.MaxLine > f.Bound:
 		return fmt.Errorf("%w: bound %d, estimate %d", ErrInvalid, f.Bound, f.Estimate)
 	case f.Lines < 0 || f.Bytes < 0:
 		return fmt.Errorf("%w: negative size", ErrInvalid)

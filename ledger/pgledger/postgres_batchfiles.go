@@ -15,13 +15,13 @@ import (
 var _ batchfile.Store = (*Ledger)(nil)
 
 const fileColumns = `id, org_id, coalesce(key_id, ''), purpose, filename, bytes, endpoint, model, lines, bound, estimate,
-	prices, batch, created_at`
+	max_line, prices, batch, created_at`
 
 func scanFile(r pgx.Row) (batchfile.File, error) {
 	var f batchfile.File
 	var prices []byte
 	if err := r.Scan(&f.ID, &f.Org, &f.KeyID, &f.Purpose, &f.Filename, &f.Bytes, &f.Endpoint, &f.Model, &f.Lines,
-		&f.Bound, &f.Estimate, &prices, &f.Batch, &f.CreatedAt); err != nil {
+		&f.Bound, &f.Estimate, &f.MaxLine, &prices, &f.Batch, &f.CreatedAt); err != nil {
 		return f, err
 	}
 	if len(prices) > 0 {
@@ -47,14 +47,14 @@ func (p *Ledger) RecordFile(ctx context.Context, f batchfile.File) error {
 	var org string
 	err := p.pool.QueryRow(ctx, `
 WITH ins AS (
-  INSERT INTO batch_files (id, org_id, key_id, purpose, filename, bytes, endpoint, model, lines, bound, estimate, prices, batch)
-  SELECT $1, $2, nullif($3, ''), $4, $5, $6, $7, $8, $9, $10, $11, $12, $13
+  INSERT INTO batch_files (id, org_id, key_id, purpose, filename, bytes, endpoint, model, lines, bound, estimate, max_line, prices, batch)
+  SELECT $1, $2, nullif($3, ''), $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14
   WHERE EXISTS (SELECT 1 FROM accounts WHERE org_id = $2)
   ON CONFLICT (id) DO NOTHING
   RETURNING org_id)
 SELECT org_id FROM ins
 UNION ALL SELECT org_id FROM batch_files WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM ins)`,
-		f.ID, f.Org, f.KeyID, f.Purpose, f.Filename, f.Bytes, f.Endpoint, f.Model, f.Lines, f.Bound, f.Estimate, prices, f.Batch).Scan(&org)
+		f.ID, f.Org, f.KeyID, f.Purpose, f.Filename, f.Bytes, f.Endpoint, f.Model, f.Lines, f.Bound, f.Estimate, f.MaxLine, prices, f.Batch).Scan(&org)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, f.Org)
