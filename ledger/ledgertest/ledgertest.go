@@ -63,6 +63,7 @@ func Run(t *testing.T, newLedger func(t *testing.T) ledger.Ledger) {
 	tests = append(tests, adminTokenTests...)
 	tests = append(tests, topUpTests...)
 	tests = append(tests, viewTotalsTests...)
+	tests = append(tests, jobTests...)
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
