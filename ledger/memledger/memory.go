@@ -36,6 +36,7 @@ type Ledger struct {
 	tokens   memTokens  // scoped admin tokens (memory_admintokens.go)
 	topups   memTopUps  // auto top-up settings and attempts (memory_topup.go)
 	jobs     memJobs    // background responses and batches (memory_jobs.go)
+	bfiles   memFiles   // batch files (memory_batchfiles.go)
 	// lastLimit is the last limit id given out (ids are never reused).
 	lastLimit int64
 }

@@ -35,10 +35,10 @@ func (m *Ledger) RecordFile(_ context.Context, f batchfile.File) error {
 	if m.accounts[f.Org] == nil {
 		return fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, f.Org)
 	}
-	if m.files.byID == nil {
-		m.files.byID = map[string]*batchfile.File{}
+	if m.bfiles.byID == nil {
+		m.bfiles.byID = map[string]*batchfile.File{}
 	}
-	if old := m.files.byID[f.ID]; old != nil {
+	if old := m.bfiles.byID[f.ID]; old != nil {
 		if old.Org != f.Org {
 			return fmt.Errorf("%w: %s", batchfile.ErrConflict, f.ID)
 		}
@@ -46,8 +46,8 @@ func (m *Ledger) RecordFile(_ context.Context, f batchfile.File) error {
 	}
 	f.CreatedAt = time.Now().UTC().Truncate(time.Microsecond)
 	c := copyFile(&f)
-	m.files.byID[f.ID] = &c
-	m.files.order = append(m.files.order, &c)
+	m.bfiles.byID[f.ID] = &c
+	m.bfiles.order = append(m.bfiles.order, &c)
 	return nil
 }
 
@@ -55,7 +55,7 @@ func (m *Ledger) RecordFile(_ context.Context, f batchfile.File) error {
 func (m *Ledger) File(_ context.Context, id string) (batchfile.File, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	f := m.files.byID[id]
+	f := m.bfiles.byID[id]
 	if f == nil {
 		return batchfile.File{}, fmt.Errorf("%w: %s", batchfile.ErrUnknownFile, id)
 	}
@@ -68,11 +68,11 @@ func (m *Ledger) Files(_ context.Context, org string, limit int) ([]batchfile.Fi
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	var out []batchfile.File
-	for _, f := range slices.Backward(m.files.order) {
+	for _, f := range slices.Backward(m.bfiles.order) {
 		if len(out) == limit {
 			break
 		}
-		if f.Org == org && m.files.byID[f.ID] == f {
+		if f.Org == org && m.bfiles.byID[f.ID] == f {
 			out = append(out, copyFile(f))
 		}
 	}
@@ -83,9 +83,9 @@ func (m *Ledger) Files(_ context.Context, org string, limit int) ([]batchfile.Fi
 func (m *Ledger) DeleteFile(_ context.Context, id string) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.files.byID[id] == nil {
+	if m.bfiles.byID[id] == nil {
 		return fmt.Errorf("%w: %s", batchfile.ErrUnknownFile, id)
 	}
-	delete(m.files.byID, id)
+	delete(m.bfiles.byID, id)
 	return nil
 }
