@@ -102,6 +102,7 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	if m.cfg.OrgFunc == nil {
 		m.cfg.OrgFunc = m.bearerOrg
 	}
+	m.registerBatchPollers()
 	return m, nil
 }
 
@@ -234,6 +235,9 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	id, e := m.identify(c, &o)
 	if e != nil {
 		return m.refuse(c, o, e)
+	}
+	if rt, ok := endpoint.LookupBatch(req.Method, req.URL.Path); ok && m.cfg.Batches.on() {
+		return m.serveBatch(c, next, id, rt, o) // the batch APIs (batches.go)
 	}
 	if pricedSpec(req.URL.Path) == nil {
 		return m.serveUnpriced(c, next, o)
