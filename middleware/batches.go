@@ -342,12 +342,15 @@ func (m *middleware) copyUpload(ctx context.Context, mr *multipart.Reader, mw *m
 				res.e = errUploadStopped
 				return res
 			}
+			flushed := true
 			res.sum, res.e = m.readBatchFile(ctx, p, w, func(model string) {
-				if g.openUp() == nil {
-					first <- model
-					sent = true
-				}
+				first <- model // the upstream call starts: what was held back can flow now
+				sent = true
+				flushed = g.openUp() == nil
 			})
+			if res.e == nil && !flushed {
+				res.e = errUploadStopped
+			}
 			if res.e == nil && !sent {
 				res.e = errUploadStopped
 			}

@@ -34,6 +34,7 @@ import (
 
 	"github.com/llmescrow/escrow"
 	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/async"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/ledger/memledger"
@@ -105,6 +106,10 @@ type Server struct {
 	pay      *payments       // Stripe's webhook and auto top-up; nil when not configured (payments.go)
 	metrics  *metrics
 	echo     *echo.Echo
+	// batchPolls are the batch kinds' upstreams, registered with the poller once it is made
+	// (batches.go).
+	batchPolls  []batchPoll
+	batchPoller *async.Poller
 
 	routes     *routeTable  // each model's upstream (upstreams.go)
 	fake       *http.Server // in-process upstream (WithUpstream)
@@ -283,6 +288,7 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			Route:                s.route,
 			PassThrough:          append([]string{"/v1/models", "/v1/models/*"}, viewPaths()...),
 			ErrorHandler:         s.writeRefusal,
+			Batches:              s.batches(), // batches.go
 
 			RenameUpstreamRateLimit: cfg.UpstreamRateLimit == "rename", // ESCROW_UPSTREAM_RATELIMIT
 		},
@@ -298,6 +304,9 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 	s.esc = esc
 	s.store, s.journal, s.recorder, s.worker = esc.Store(), esc.Journal(), esc.Recorder(), esc.Worker()
 	s.ops, s.webhooks = esc.Ops(), esc.Webhooks()
+	if err := s.openBatches(); err != nil {
+		return err
+	}
 	return nil
 }
 
@@ -373,6 +382,11 @@ func (s *Server) Start(ctx context.Context) error {
 	if err := s.startPayments(ctx); err != nil {
 		return err
 	}
+	if s.batchPoller != nil {
+		if err := s.batchPoller.Start(context.WithoutCancel(ctx)); err != nil {
+			return err
+		}
+	}
 	ln, err := net.Listen("tcp", s.cfg.Addr)
 	if err != nil {
 		return fmt.Errorf("listen %s: %w", s.cfg.Addr, err)
@@ -417,6 +431,11 @@ func (s *Server) Stop(ctx context.Context) error {
 	}
 	if s.pprof != nil {
 		_ = s.pprof.Close()
+	}
+	if s.batchPoller != nil {
+		if err := s.batchPoller.Stop(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("batch poller: %w", err))
+		}
 	}
 	if err := s.stopPayments(ctx); err != nil {
 		errs = append(errs, fmt.Errorf("auto top-up: %w", err))
