@@ -11,21 +11,21 @@ type BatchOp uint8
 
 // The routes.
 const (
-	FileUpload   BatchOp = iota + 1 // POST /v1/files
-	FileList                        // GET /v1/files
-	FileGet                         // GET /v1/files/{id}
-	FileContent                     // GET /v1/files/{id}/content
-	FileDelete                      // DELETE /v1/files/{id}
-	BatchCreate                     // POST /v1/batches
-	BatchList                       // GET /v1/batches
-	BatchGet                        // GET /v1/batches/{id}
-	BatchCancel                     // POST /v1/batches/{id}/cancel
-	MsgBatchCreate                  // POST /v1/messages/batches
-	MsgBatchList                    // GET /v1/messages/batches
-	MsgBatchGet                     // GET /v1/messages/batches/{id}
-	MsgBatchResults                 // GET /v1/messages/batches/{id}/results
-	MsgBatchCancel                  // POST /v1/messages/batches/{id}/cancel
-	MsgBatchDelete                  // DELETE /v1/messages/batches/{id}
+	FileUpload      BatchOp = iota + 1 // POST /v1/files
+	FileList                           // GET /v1/files
+	FileGet                            // GET /v1/files/{id}
+	FileContent                        // GET /v1/files/{id}/content
+	FileDelete                         // DELETE /v1/files/{id}
+	BatchCreate                        // POST /v1/batches
+	BatchList                          // GET /v1/batches
+	BatchGet                           // GET /v1/batches/{id}
+	BatchCancel                        // POST /v1/batches/{id}/cancel
+	MsgBatchCreate                     // POST /v1/messages/batches
+	MsgBatchList                       // GET /v1/messages/batches
+	MsgBatchGet                        // GET /v1/messages/batches/{id}
+	MsgBatchResults                    // GET /v1/messages/batches/{id}/results
+	MsgBatchCancel                     // POST /v1/messages/batches/{id}/cancel
+	MsgBatchDelete                     // DELETE /v1/messages/batches/{id}
 )
 
 // BatchRoute is a request of the batch APIs: its route and the id in its path ("" for none).

@@ -174,7 +174,7 @@ func (m *middleware) fileLine(ctx context.Context, n int, raw []byte, w io.Write
 		return bad("file", "the line is not one JSON object.")
 	}
 	var l struct {
-		CustomID *string        `json:"custom_id"`
+		CustomID *string         `json:"custom_id"`
 		Method   string          `json:"method"`
 		URL      string          `json:"url"`
 		Body     json.RawMessage `json:"body"`
@@ -260,7 +260,7 @@ func (m *middleware) readMsgBatch(ctx context.Context, body []byte) ([]byte, bat
 	}
 	var in struct {
 		Requests []struct {
-			CustomID *string        `json:"custom_id"`
+			CustomID *string         `json:"custom_id"`
 			Params   json.RawMessage `json:"params"`
 		} `json:"requests"`
 	}
