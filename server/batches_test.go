@@ -297,3 +297,61 @@ func TestBatchRoutesScopedToOrg(t *testing.T) {
 		t.Errorf("GET /v1/batches by its org: %d %s", st, b)
 	}
 }
+
+// TestOpenAINodeSDKBatch: the official openai npm package (sdktest/batch.mjs) uploads a batch
+// file, creates the batch, polls it to its end and reads its output: the org is charged exactly
+// the usage of the lines the SDK read in the output file, at the batch price, once; the line
+// that failed costs nothing; another org's key gets 404 on the batch, the file, the output and
+// the cancel.
+func TestOpenAINodeSDKBatch(t *testing.T) {
+	t.Parallel()
+	node := needNodeSDK(t, "openai")
+	p := startBatchProxy(t, true)
+	const funds = 100_000
+	key := p.batchOrg("sdk-batch", funds)
+	other := p.batchOrg("sdk-other", funds)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	out := runSDK(ctx, t, node, "batch.mjs", []string{"ESCROW_BASE_URL=" + p.base, "ESCROW_KEY=" + key, "ESCROW_OTHER_KEY=" + other, "ESCROW_MODEL=bm"}, nil)
+	var res struct {
+		Batch  string `json:"batch"`
+		Status string `json:"status"`
+		Counts struct {
+			Total, Completed, Failed int
+		} `json:"counts"`
+		Output []struct {
+			CustomID string `json:"custom_id"`
+			Usage    struct {
+				Prompt     int64 `json:"prompt_tokens"`
+				Completion int64 `json:"completion_tokens"`
+			} `json:"usage"`
+		} `json:"output"`
+		Errors   []string       `json:"errors"`
+		Listed   []string       `json:"listed"`
+		OtherSaw map[string]int `json:"otherSaw"`
+	}
+	if err := json.Unmarshal(bytes.TrimSpace(out), &res); err != nil {
+		t.Fatalf("node output %s: %v", out, err)
+	}
+	if res.Status != "completed" || res.Counts.Total != 3 || res.Counts.Completed != 2 || len(res.Output) != 2 ||
+		len(res.Errors) != 1 || res.Errors[0] != "second" || len(res.Listed) != 1 || res.Listed[0] != res.Batch {
+		t.Fatalf("SDK results: %s", out)
+	}
+	var billed int64
+	for _, l := range res.Output {
+		if l.Usage.Prompt <= 0 || l.Usage.Completion <= 0 {
+			t.Fatalf("line %s without usage: %s", l.CustomID, out)
+		}
+		billed += lineCost(l.Usage.Prompt, l.Usage.Completion)
+	}
+	for what, st := range res.OtherSaw {
+		if st != http.StatusNotFound {
+			t.Errorf("another org's %s: %d, want 404", what, st)
+		}
+	}
+	if j := p.settledJob(job.OpenAIBatch, res.Batch); j.Cost != billed {
+		t.Fatalf("job: %+v, want cost %d", j, billed)
+	}
+	p.wantCharged("sdk-batch", funds, billed)
+	p.wantCharged("sdk-other", funds, 0)
+}
