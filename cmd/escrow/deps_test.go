@@ -52,7 +52,7 @@ var layers = map[string][]string{
 	"accounting":            {"ledger", "ledger/topup", "ledger/access", "balance", "internal/startstop"},   // recorder, worker, journal, Ops: never a store
 	"async":                 {"ledger/job", "internal/startstop"},                                           // the job core's process side: recording, leasing, polling, settling jobs
 	"endpoint":              {"pricing"},                                                                    // one spec per endpoint: data the middleware dispatches through
-	"middleware":            {"accounting", "balance", "endpoint", "ledger/access"},
+	"middleware":            {"accounting", "balance", "endpoint", "ledger/access", "ledger/job"},
 	"admin":                 {"accounting", "internal/csvcell"},
 	"console":               {"admin", "accounting"},                                                                                          // the web console: reads through Ops, writes through the admin API
 	".":                     {"accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"}, // the root package escrow: New

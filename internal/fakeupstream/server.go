@@ -109,6 +109,12 @@ type Options struct {
 	// remembered Body is cut to its first 64 KiB (so at most KeepRequests × 64 KiB is held).
 	// Default 1000; negative: none (for long-running use, e.g. the proxy's built-in upstream).
 	KeepRequests int
+	// BackgroundDelay is how long a background response runs (queued for the first half,
+	// in progress for the second) before it ends (background.go). Default 300 ms.
+	BackgroundDelay time.Duration
+	// BackgroundKeep is how long an ended background response is kept before it is gone
+	// (404). Default 10 minutes.
+	BackgroundKeep time.Duration
 }
 
 // Request is what the server saw of one request.
@@ -133,6 +139,7 @@ type Server struct {
 
 	mu   sync.Mutex
 	seen []Request
+	bg   map[string]*bgResponse // background responses by id (background.go)
 }
 
 // New returns a fake upstream with opts' defaults filled in.
@@ -142,6 +149,8 @@ func New(opts Options) *Server {
 	opts.MaxOutputTokens = cmp.Or(opts.MaxOutputTokens, 65536)
 	opts.MaxBodyBytes = cmp.Or(opts.MaxBodyBytes, 8<<20)
 	opts.KeepRequests = cmp.Or(opts.KeepRequests, 1000)
+	opts.BackgroundDelay = cmp.Or(opts.BackgroundDelay, 300*time.Millisecond)
+	opts.BackgroundKeep = cmp.Or(opts.BackgroundKeep, 10*time.Minute)
 	return &Server{opts: opts}
 }
 
@@ -196,6 +205,9 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 	endpoint, ok := endpoints[r.URL.Path]
 	switch {
+	case strings.HasPrefix(r.URL.Path, "/v1/responses/") && readErr == nil &&
+		(s.opts.APIKey == "" || r.Header.Get("Authorization") == "Bearer "+s.opts.APIKey):
+		s.backgroundRoute(w, r)
 	case !ok:
 		writeError(w, http.StatusNotFound, "invalid_request_error", "unknown_url",
 			fmt.Sprintf("Invalid URL (%s %s)", r.Method, r.URL.Path))
