@@ -667,8 +667,10 @@ again: skip;
   fi;
   if
   :: st == S_COLD && tries < 1 -> tries++; WARM(p, r); KRESET(); goto again
+#ifdef JOBS
   :: (st == S_OK || st == S_DUP) && ISJOB(r) -> goto job
-  :: st == S_OK || st == S_DUP ->                       /* DUP: the hold is ours, proceed */
+#endif
+  :: (st == S_OK || st == S_DUP) && !ISJOB(r) ->        /* DUP: the hold is ours, proceed */
      if
      :: goto success
      :: goto fail                                       /* upstream failed, or the reply was lost */
