@@ -144,7 +144,7 @@ type simulator struct {
 	// later holds the served requests whose record timed out (served ⇒ billed): each is
 	// recorded again, at a random later step, until stored; its hold is never released
 	later     []laterRecord
-	boundHold map[string]int64 // hold id of a bounded request → the hold the script wrote for it
+	boundHold map[string]int64  // hold id of a bounded request → the hold the script wrote for it
 	jobs      map[string]simReq // live background jobs by hold id (sim_jobs_test.go)
 }
 
