@@ -118,6 +118,11 @@ type Config struct {
 	// x-escrow-balance (see HeaderBalance) is sent only when the Recorder's Receipt has the
 	// balance (*accounting.Recorder with a Finisher); else it is left out.
 	Recorder Recorder
+	// Jobs records background work (an *async.Poller is one). With it, a Responses request
+	// with "background": true is held like any other, forwarded, and its job recorded (and its
+	// hold handed to the job) before the client gets the response id (background.go). nil:
+	// background responses are refused (400).
+	Jobs Jobs
 
 	// OrgFunc identifies the org. Default: the key of "Authorization: Bearer <key>" (or, with no
 	// Authorization header, of "x-api-key: <key>", as Anthropic's SDKs send it) looked up in

@@ -27,10 +27,10 @@ type batchPoll struct {
 }
 
 func (b batchJobs) Begin(ctx context.Context, j job.Job) (job.Job, error) {
-	if b.s.batchPoller == nil {
+	if b.s.poller == nil {
 		return j, errors.New("server: no job poller")
 	}
-	return b.s.batchPoller.Begin(ctx, j)
+	return b.s.poller.Begin(ctx, j)
 }
 
 func (b batchJobs) Handle(kind job.Kind, u async.Upstream) {
@@ -43,8 +43,8 @@ func (b batchJobs) Jobs() job.Store {
 }
 
 func (b batchJobs) Kick() {
-	if b.s.batchPoller != nil {
-		b.s.batchPoller.Kick()
+	if b.s.poller != nil {
+		b.s.poller.Kick()
 	}
 }
 
@@ -57,23 +57,14 @@ func (s *Server) batches() middleware.Batches {
 	return middleware.Batches{Jobs: batchJobs{s}, Files: files, Upstream: s.batchUpstream}
 }
 
-// openBatches makes the batch poller over the ledger's jobs (when the middleware has batches
-// on) and registers the batch kinds' upstreams with it.
-func (s *Server) openBatches() error {
-	js, ok := s.ledger.(job.Store)
-	if !ok || len(s.batchPolls) == 0 {
-		return nil
-	}
-	p, err := async.NewPoller(js, s.store, &async.Config{MinBackoff: min(s.cfg.BatchPollMin, s.cfg.BatchPollMax),
-		MaxBackoff: s.cfg.BatchPollMax, Logger: s.log})
-	if err != nil {
-		return fmt.Errorf("%w: %w", ErrConfig, err)
+// openBatches registers the batch kinds' upstreams with the job poller (openJobs).
+func (s *Server) openBatches() {
+	if s.poller == nil {
+		return
 	}
 	for _, h := range s.batchPolls {
-		p.Handle(h.kind, h.up)
+		s.poller.Handle(h.kind, h.up)
 	}
-	s.batchPoller = p
-	return nil
 }
 
 // batchClient is the client of escrow's own batch calls (a result file may be large: the

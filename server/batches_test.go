@@ -27,7 +27,7 @@ type batchProxy struct {
 func startBatchProxy(t *testing.T, real bool) *batchProxy {
 	fake := fakeupstream.New(fakeupstream.Options{KeepRequests: -1, BatchLineDelay: time.Millisecond})
 	p := startTestProxyWith(t, real, []Option{WithUpstream(fake, "sk-fake-upstream")}, func(c *Config) {
-		c.BatchPollMin, c.BatchPollMax = 20*time.Millisecond, 100*time.Millisecond
+		c.JobMinBackoff, c.JobMaxBackoff = 20*time.Millisecond, 100*time.Millisecond
 	})
 	return &batchProxy{testProxy: p, fake: fake}
 }

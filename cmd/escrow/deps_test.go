@@ -41,11 +41,11 @@ var layers = map[string][]string{
 	"lua":                   nil,
 	"migrations":            nil,
 	"balance":               {"lua"},
-	"pricing":               {"balance"},            // prices, costs, price tables
-	"ledger":                {"balance", "pricing"}, // domain types, role interfaces, SQL-free shared logic
-	"ledger/topup":          {"ledger"},             // the payments role: auto top-up settings and attempts
-	"ledger/job":            {"ledger"},
-	"ledger/batchfile":      {"balance", "pricing"},                                                                             // the batch files role: a batch input's bound, every file's org                                                                     // the jobs role: background responses and batches, leased and settled once
+	"pricing":               {"balance"},                                                                                        // prices, costs, price tables
+	"ledger":                {"balance", "pricing"},                                                                             // domain types, role interfaces, SQL-free shared logic
+	"ledger/topup":          {"ledger"},                                                                                         // the payments role: auto top-up settings and attempts
+	"ledger/job":            {"ledger"},                                                                                         // the jobs role: background responses and batches, leased and settled once
+	"ledger/batchfile":      {"balance", "pricing"},                                                                             // the batch files role: a batch input's bound, every file's org
 	"ledger/access":         {"ledger"},                                                                                         // the admin tokens role: scoped admin API tokens
 	"ledger/memledger":      {"ledger", "ledger/topup", "ledger/access", "ledger/job", "ledger/batchfile"},                      // the in-memory store
 	"ledger/pgledger":       {"ledger", "ledger/topup", "ledger/access", "ledger/job", "ledger/batchfile", "migrations"},        // the Postgres store

@@ -35,6 +35,7 @@ type apiRequest struct {
 	Size                string          `json:"size"`         // images
 	Quality             string          `json:"quality"`      // images
 	Voice               string          `json:"voice"`        // speech
+	Background          bool            `json:"background"`   // responses: run in the background (background.go)
 
 	worst worstRead // what Options.Worst bills (worst.go)
 	files int       // multipart: the file parts (media.go)

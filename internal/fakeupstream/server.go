@@ -112,6 +112,12 @@ type Options struct {
 	KeepRequests int
 	// BatchLineDelay is the pause before each line of a batch runs (batches.go). Default 5 ms.
 	BatchLineDelay time.Duration
+	// BackgroundDelay is how long a background response runs (queued for the first half,
+	// in progress for the second) before it ends (background.go). Default 300 ms.
+	BackgroundDelay time.Duration
+	// BackgroundKeep is how long an ended background response is kept before it is gone
+	// (404). Default 10 minutes.
+	BackgroundKeep time.Duration
 }
 
 // Request is what the server saw of one request.
@@ -138,7 +144,8 @@ type Server struct {
 	seen []Request
 
 	batchOnce sync.Once
-	batch     *batchState // files and batches (batches.go)
+	batch     *batchState            // files and batches (batches.go)
+	bg        map[string]*bgResponse // background responses by id (background.go)
 }
 
 // New returns a fake upstream with opts' defaults filled in.
@@ -149,6 +156,8 @@ func New(opts Options) *Server {
 	opts.MaxBodyBytes = cmp.Or(opts.MaxBodyBytes, 8<<20)
 	opts.KeepRequests = cmp.Or(opts.KeepRequests, 1000)
 	opts.BatchLineDelay = cmp.Or(opts.BatchLineDelay, 5*time.Millisecond)
+	opts.BackgroundDelay = cmp.Or(opts.BackgroundDelay, 300*time.Millisecond)
+	opts.BackgroundKeep = cmp.Or(opts.BackgroundKeep, 10*time.Minute)
 	return &Server{opts: opts}
 }
 
@@ -209,6 +218,9 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 	endpoint, ok := endpoints[r.URL.Path]
 	switch {
+	case strings.HasPrefix(r.URL.Path, "/v1/responses/") && readErr == nil &&
+		(s.opts.APIKey == "" || r.Header.Get("Authorization") == "Bearer "+s.opts.APIKey):
+		s.backgroundRoute(w, r)
 	case !ok:
 		writeError(w, http.StatusNotFound, "invalid_request_error", "unknown_url",
 			fmt.Sprintf("Invalid URL (%s %s)", r.Method, r.URL.Path))

@@ -58,6 +58,10 @@ var worlds = []world{
 	// the tokens limit as a requests limit (every hold and every charge counts 1) of one request
 	// per window, across the rollover: r1 is refused while r0 counts in its window
 	{"rollover-requests", append(only("NO_TICK"), "REQUESTS", "CAPT=1")},
+	// ---- jobs (fourth wave, DESIGN.md "Async work"): r0 is a background job whose hold is
+	// owned by the job, kept by two pollers' leases (each may crash), its pin may lapse, and a
+	// reaper looks at it ----
+	{"jobs", append(only(), "JOBS")},
 }
 
 // A mutation switches one rule of DESIGN.md off in the model (docs/model/README.md lists where
@@ -92,6 +96,8 @@ var mutations = []mutation{
 	{"M_TOKFIN", "units: finish moves a tokens counter from the request's token bound to its real count", only()},
 	{"M_UNIT", "units: settle adds a charge's tokens (1 for requests), not its cost, to a tokens (requests) counter", only()},
 	{"M_EUFIELD", "end users: a limit of each end user apart counts each end user's holds in that end user's own counter", only()},
+	// ---- jobs ----
+	{"M_JOBCHK", "jobs: the reaper's ledger check reports the hold of a live job busy (same rule as a pinned hold)", append(only(), "JOBS")},
 }
 
 // The C flags of every pan: safety only; hash-compact state storage (-DHC4: 4 bytes per state
