@@ -122,6 +122,9 @@ func (m *middleware) serveBatch(c echo.Context, next echo.HandlerFunc, id Identi
 		return m.refuse(c, o, e)
 	}
 	o.Kind, o.Status = OutcomePassed, c.Response().Status
+	if (rt.Op == endpoint.BatchCreate || rt.Op == endpoint.MsgBatchCreate) && o.Status == http.StatusOK {
+		o.Kind = OutcomeJob // the hold is the batch job's now
+	}
 	m.report(o)
 	return nil
 }
