@@ -19,6 +19,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/labstack/echo/v4"
 	"github.com/tidwall/gjson"
+	"github.com/tidwall/sjson"
 
 	"github.com/llmescrow/escrow/async"
 	"github.com/llmescrow/escrow/balance"
@@ -538,7 +539,26 @@ func (m *middleware) batchRoute(c echo.Context, next echo.HandlerFunc, id Identi
 	if cw.ok() && j.Live() {
 		m.sawBatch(ctx, j, cw.body.Bytes())
 	}
+	if cw.ok() && rt.Provider == endpoint.Anthropic {
+		ownResultsURL(c, cw)
+	}
 	return passErr(c, cw)
+}
+
+// ownResultsURL points a message batch's results_url at escrow's own results route: the
+// Anthropic SDKs fetch the results from it with the client's key, which must never go to the
+// upstream (and the upstream's answer would not be scoped to the org).
+func ownResultsURL(c echo.Context, cw *captured) {
+	body := cw.body.Bytes()
+	r := gjson.GetBytes(body, "results_url")
+	id := gjson.GetBytes(body, "id").String()
+	if r.Type != gjson.String || id == "" {
+		return
+	}
+	u := c.Scheme() + "://" + c.Request().Host + "/v1/messages/batches/" + id + "/results"
+	if out, err := sjson.SetBytes(body, "results_url", u); err == nil {
+		cw.body = *bytes.NewBuffer(out)
+	}
 }
 
 // sawBatch learns from a batch object a client read: its result files are the org's, and a

@@ -183,6 +183,17 @@ func TestBatchesBilledPerLine(t *testing.T) {
 			if j := p.settledJob(job.AnthropicBatch, mb.ID); j.Status != job.Completed {
 				t.Fatalf("message batch: %+v", j)
 			}
+			// Its results_url is escrow's own route (the SDKs send the client's key there).
+			_, _, b = p.do("GET", "/v1/messages/batches/"+mb.ID, key, nil)
+			var got struct {
+				ResultsURL string `json:"results_url"`
+			}
+			if err := json.Unmarshal(b, &got); err != nil || got.ResultsURL != p.base+"/v1/messages/batches/"+mb.ID+"/results" {
+				t.Fatalf("results_url: %s", b)
+			}
+			if st, _, b := p.do("GET", "/v1/messages/batches/"+mb.ID+"/results", key, nil); st != http.StatusOK || !strings.Contains(string(b), `"succeeded"`) {
+				t.Fatalf("results: %d %s", st, b)
+			}
 			p.wantCharged("anth", funds, lineCost(2, 7))
 		})
 	}
