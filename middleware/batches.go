@@ -540,7 +540,8 @@ func (m *middleware) batchRoute(c echo.Context, next echo.HandlerFunc, id Identi
 		m.sawBatch(ctx, j, cw.body.Bytes())
 	}
 	if cw.ok() && rt.Provider == endpoint.Anthropic {
-		ownResultsURL(c, cw)
+		out := ownResultsURL(c, cw.body.Bytes())
+		cw.body = *bytes.NewBuffer(out)
 	}
 	return passErr(c, cw)
 }
@@ -548,17 +549,17 @@ func (m *middleware) batchRoute(c echo.Context, next echo.HandlerFunc, id Identi
 // ownResultsURL points a message batch's results_url at escrow's own results route: the
 // Anthropic SDKs fetch the results from it with the client's key, which must never go to the
 // upstream (and the upstream's answer would not be scoped to the org).
-func ownResultsURL(c echo.Context, cw *captured) {
-	body := cw.body.Bytes()
+func ownResultsURL(c echo.Context, body []byte) []byte {
 	r := gjson.GetBytes(body, "results_url")
 	id := gjson.GetBytes(body, "id").String()
 	if r.Type != gjson.String || id == "" {
-		return
+		return body
 	}
 	u := c.Scheme() + "://" + c.Request().Host + "/v1/messages/batches/" + id + "/results"
 	if out, err := sjson.SetBytes(body, "results_url", u); err == nil {
-		cw.body = *bytes.NewBuffer(out)
+		return out
 	}
+	return body
 }
 
 // sawBatch learns from a batch object a client read: its result files are the org's, and a
@@ -741,6 +742,9 @@ func (m *middleware) listBatches(c echo.Context, id Identity, rt endpoint.BatchR
 		st, b, err := m.upstreamDo(ctx, j.Model, http.MethodGet, batchPath(j), nil, maxCaptured)
 		if err != nil || st != http.StatusOK || !gjson.ValidBytes(b) {
 			continue // gone upstream (deleted, expired from its listing)
+		}
+		if j.Kind == job.AnthropicBatch {
+			b = ownResultsURL(c, b)
 		}
 		data = append(data, json.RawMessage(b))
 	}
