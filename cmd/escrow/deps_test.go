@@ -41,17 +41,17 @@ var layers = map[string][]string{
 	"lua":                   nil,
 	"migrations":            nil,
 	"balance":               {"lua"},
-	"pricing":               {"balance"},                                                                    // prices, costs, price tables
-	"ledger":                {"balance", "pricing"},                                                         // domain types, role interfaces, SQL-free shared logic
-	"ledger/topup":          {"ledger"},                                                                     // the payments role: auto top-up settings and attempts
-	"ledger/job":            {"ledger"},                                                                     // the jobs role: background responses and batches, leased and settled once
-	"ledger/access":         {"ledger"},                                                                     // the admin tokens role: scoped admin API tokens
-	"ledger/memledger":      {"ledger", "ledger/topup", "ledger/access", "ledger/job"},                      // the in-memory store
-	"ledger/pgledger":       {"ledger", "ledger/topup", "ledger/access", "ledger/job", "migrations"},        // the Postgres store
-	"ledger/ledgertest":     {"ledger", "ledger/topup", "ledger/access", "ledger/job", "internal/testutil"}, // the conformance suite both stores run
-	"accounting":            {"ledger", "ledger/topup", "ledger/access", "balance", "internal/startstop"},   // recorder, worker, journal, Ops: never a store
-	"async":                 {"ledger/job", "internal/startstop"},                                           // the job core's process side: recording, leasing, polling, settling jobs
-	"endpoint":              {"pricing"},                                                                    // one spec per endpoint: data the middleware dispatches through
+	"pricing":               {"balance"},                                                                                // prices, costs, price tables
+	"ledger":                {"balance", "pricing"},                                                                     // domain types, role interfaces, SQL-free shared logic
+	"ledger/topup":          {"ledger"},                                                                                 // the payments role: auto top-up settings and attempts
+	"ledger/job":            {"ledger"},                                                                                 // the jobs role: background responses and batches, leased and settled once
+	"ledger/access":         {"ledger"},                                                                                 // the admin tokens role: scoped admin API tokens
+	"ledger/memledger":      {"ledger", "ledger/topup", "ledger/access", "ledger/job"},                                  // the in-memory store
+	"ledger/pgledger":       {"ledger", "ledger/topup", "ledger/access", "ledger/job", "migrations"},                    // the Postgres store
+	"ledger/ledgertest":     {"ledger", "ledger/topup", "ledger/access", "ledger/job", "internal/testutil"},             // the conformance suite both stores run
+	"accounting":            {"ledger", "ledger/topup", "ledger/access", "ledger/job", "balance", "internal/startstop"}, // recorder, worker, journal, Ops: never a store
+	"async":                 {"ledger/job", "internal/startstop"},                                                       // the job core's process side: recording, leasing, polling, settling jobs
+	"endpoint":              {"pricing"},                                                                                // one spec per endpoint: data the middleware dispatches through
 	"middleware":            {"accounting", "balance", "endpoint", "ledger/access", "ledger/job"},
 	"admin":                 {"accounting", "internal/csvcell"},
 	"console":               {"admin", "accounting"},                                                                                          // the web console: reads through Ops, writes through the admin API
