@@ -10,9 +10,11 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/labstack/echo/v4"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/llmescrow/escrow/async"
 	"github.com/llmescrow/escrow/ledger/job"
@@ -244,5 +246,47 @@ func (t *teeWriter) Write(p []byte) (int, error) {
 func (t *teeWriter) Flush() {
 	if f, ok := t.ResponseWriter.(http.Flusher); ok {
 		f.Flush()
+	}
+}
+
+// jobMetrics: the live jobs per kind (read from the ledger at each scrape, at most once a
+// second), and this process's polls, settles, unresolved jobs and settle lag.
+func (m *metrics) jobMetrics(a *Server) {
+	p := a.poller
+	if p == nil {
+		return
+	}
+	counter, gauge := statFuncs(m.reg, p.Stats)
+	counter("escrow_job_claims_total", "Jobs (background responses, batches) this process claimed with a lease.", func(s async.Stats) int64 { return s.Claimed })
+	counter("escrow_job_polls_total", "Polls of the upstream for a job.", func(s async.Stats) int64 { return s.Polls })
+	counter("escrow_job_poll_errors_total", "Polls that failed (retried after a backoff).", func(s async.Stats) int64 { return s.PollErrors })
+	counter("escrow_jobs_settled_total", "Jobs this process settled (by its poll, a client's read or a cancel).", func(s async.Stats) int64 { return s.Settled })
+	counter("escrow_jobs_unresolved_total", "Jobs the upstream lost, charged by the estimate (job.unresolved).", func(s async.Stats) int64 { return s.Unresolved })
+	m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "escrow_job_settle_lag_seconds_total",
+		Help: "Σ time from a job's end upstream (when the upstream says) to its settle, over the jobs settled here."},
+		func() float64 { return p.Stats().LagSum.Seconds() }))
+	gauge("escrow_job_settle_lag_max_milliseconds", "The longest settle lag seen here.", func(s async.Stats) int64 { return s.LagMax.Milliseconds() })
+	var (
+		mu   sync.Mutex
+		at   time.Time
+		live map[job.Kind]int
+	)
+	read := func(k job.Kind) float64 {
+		mu.Lock()
+		defer mu.Unlock()
+		if time.Since(at) > time.Second {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			n, err := p.Jobs().LiveJobs(ctx)
+			cancel()
+			if err == nil {
+				live, at = n, time.Now()
+			}
+		}
+		return float64(live[k])
+	}
+	for _, k := range job.Kinds {
+		m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "escrow_jobs_live",
+			Help: "Jobs recorded and not settled yet (their holds held), by kind.", ConstLabels: prometheus.Labels{"kind": string(k)}},
+			func() float64 { return read(k) }))
 	}
 }

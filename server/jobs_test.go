@@ -125,6 +125,12 @@ func TestBackgroundResponses(t *testing.T) {
 	if len(es) != len(ids) {
 		t.Fatalf("%d charges for %d jobs: %+v", len(es), len(ids), es)
 	}
+	_, _, m := p.do("GET", "/metrics", "", nil)
+	for _, want := range []string{`escrow_jobs_live{kind="background_response"} 0`, "escrow_jobs_unresolved_total 1", "escrow_job_polls_total"} {
+		if !strings.Contains(string(m), want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
 }
 
 // ledgerCharges are the org's charge entries.
