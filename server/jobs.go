@@ -15,6 +15,7 @@ import (
 
 	"github.com/labstack/echo/v4"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/tidwall/gjson"
 
 	"github.com/llmescrow/escrow/async"
 	"github.com/llmescrow/escrow/ledger/job"
@@ -188,8 +189,9 @@ func (s *Server) responseRoute(c echo.Context) error {
 	}
 	req.Header.Del("Authorization")
 	req.Header.Del("X-Api-Key")
-	read := j.Live() && (req.Method == http.MethodGet && c.Param("id") != "" && !strings.HasSuffix(req.URL.Path, "/input_items") &&
-		q.Get("stream") != "true" || strings.HasSuffix(req.URL.Path, "/cancel"))
+	stream := q.Get("stream") == "true"
+	read := j.Live() && (req.Method == http.MethodGet && !strings.HasSuffix(req.URL.Path, "/input_items") ||
+		strings.HasSuffix(req.URL.Path, "/cancel"))
 	var tee *teeWriter
 	w := http.ResponseWriter(finalOnly{c.Response()})
 	if read {
@@ -200,13 +202,37 @@ func (s *Server) responseRoute(c echo.Context) error {
 	ctx = context.WithValue(ctx, jobQueryKey{}, q.Encode())
 	s.jobProxy.ServeHTTP(w, req.WithContext(ctx))
 	if tee != nil && tee.status/100 == 2 && !tee.over {
-		if o, err := responseObservation(j, tee.buf.Bytes()); err == nil {
+		body := tee.buf.Bytes()
+		if stream {
+			body = streamedEnd(body)
+		}
+		if o, err := responseObservation(j, body); err == nil && body != nil {
 			if _, _, err := s.poller.Observe(context.WithoutCancel(req.Context()), j, o); err != nil {
 				s.log.Warn("settle job from a client's read", "job", j.ID, "err", err)
 			}
 		}
 	}
 	return nil
+}
+
+// streamedEnd is the response object of a Responses event stream's terminal event
+// (response.completed, .incomplete, .failed or .cancelled), or nil when the stream has none.
+func streamedEnd(stream []byte) []byte {
+	var end []byte
+	for _, line := range bytes.Split(stream, []byte("\n")) {
+		data, ok := bytes.CutPrefix(bytes.TrimRight(line, "\r"), []byte("data:"))
+		if !ok {
+			continue
+		}
+		data = bytes.TrimSpace(data)
+		switch gjson.GetBytes(data, "type").String() {
+		case "response.completed", "response.incomplete", "response.failed", "response.cancelled":
+			if r := gjson.GetBytes(data, "response"); r.IsObject() {
+				end = []byte(r.Raw)
+			}
+		}
+	}
+	return end
 }
 
 // jobQueryKey carries the query a job route forwards (its own allow-list) to the proxy's
