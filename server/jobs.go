@@ -10,9 +10,12 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/labstack/echo/v4"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/tidwall/gjson"
 
 	"github.com/llmescrow/escrow/async"
 	"github.com/llmescrow/escrow/ledger/job"
@@ -186,8 +189,9 @@ func (s *Server) responseRoute(c echo.Context) error {
 	}
 	req.Header.Del("Authorization")
 	req.Header.Del("X-Api-Key")
-	read := j.Live() && (req.Method == http.MethodGet && c.Param("id") != "" && !strings.HasSuffix(req.URL.Path, "/input_items") &&
-		q.Get("stream") != "true" || strings.HasSuffix(req.URL.Path, "/cancel"))
+	stream := q.Get("stream") == "true"
+	read := j.Live() && (req.Method == http.MethodGet && !strings.HasSuffix(req.URL.Path, "/input_items") ||
+		strings.HasSuffix(req.URL.Path, "/cancel"))
 	var tee *teeWriter
 	w := http.ResponseWriter(finalOnly{c.Response()})
 	if read {
@@ -198,13 +202,37 @@ func (s *Server) responseRoute(c echo.Context) error {
 	ctx = context.WithValue(ctx, jobQueryKey{}, q.Encode())
 	s.jobProxy.ServeHTTP(w, req.WithContext(ctx))
 	if tee != nil && tee.status/100 == 2 && !tee.over {
-		if o, err := responseObservation(j, tee.buf.Bytes()); err == nil {
+		body := tee.buf.Bytes()
+		if stream {
+			body = streamedEnd(body)
+		}
+		if o, err := responseObservation(j, body); err == nil && body != nil {
 			if _, _, err := s.poller.Observe(context.WithoutCancel(req.Context()), j, o); err != nil {
 				s.log.Warn("settle job from a client's read", "job", j.ID, "err", err)
 			}
 		}
 	}
 	return nil
+}
+
+// streamedEnd is the response object of a Responses event stream's terminal event
+// (response.completed, .incomplete, .failed or .cancelled), or nil when the stream has none.
+func streamedEnd(stream []byte) []byte {
+	var end []byte
+	for _, line := range bytes.Split(stream, []byte("\n")) {
+		data, ok := bytes.CutPrefix(bytes.TrimRight(line, "\r"), []byte("data:"))
+		if !ok {
+			continue
+		}
+		data = bytes.TrimSpace(data)
+		switch gjson.GetBytes(data, "type").String() {
+		case "response.completed", "response.incomplete", "response.failed", "response.cancelled":
+			if r := gjson.GetBytes(data, "response"); r.IsObject() {
+				end = []byte(r.Raw)
+			}
+		}
+	}
+	return end
 }
 
 // jobQueryKey carries the query a job route forwards (its own allow-list) to the proxy's
@@ -244,5 +272,47 @@ func (t *teeWriter) Write(p []byte) (int, error) {
 func (t *teeWriter) Flush() {
 	if f, ok := t.ResponseWriter.(http.Flusher); ok {
 		f.Flush()
+	}
+}
+
+// jobMetrics: the live jobs per kind (read from the ledger at each scrape, at most once a
+// second), and this process's polls, settles, unresolved jobs and settle lag.
+func (m *metrics) jobMetrics(a *Server) {
+	p := a.poller
+	if p == nil {
+		return
+	}
+	counter, gauge := statFuncs(m.reg, p.Stats)
+	counter("escrow_job_claims_total", "Jobs (background responses, batches) this process claimed with a lease.", func(s async.Stats) int64 { return s.Claimed })
+	counter("escrow_job_polls_total", "Polls of the upstream for a job.", func(s async.Stats) int64 { return s.Polls })
+	counter("escrow_job_poll_errors_total", "Polls that failed (retried after a backoff).", func(s async.Stats) int64 { return s.PollErrors })
+	counter("escrow_jobs_settled_total", "Jobs this process settled (by its poll, a client's read or a cancel).", func(s async.Stats) int64 { return s.Settled })
+	counter("escrow_jobs_unresolved_total", "Jobs the upstream lost, charged by the estimate (job.unresolved).", func(s async.Stats) int64 { return s.Unresolved })
+	m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "escrow_job_settle_lag_seconds_total",
+		Help: "Σ time from a job's end upstream (when the upstream says) to its settle, over the jobs settled here."},
+		func() float64 { return p.Stats().LagSum.Seconds() }))
+	gauge("escrow_job_settle_lag_max_milliseconds", "The longest settle lag seen here.", func(s async.Stats) int64 { return s.LagMax.Milliseconds() })
+	var (
+		mu   sync.Mutex
+		at   time.Time
+		live map[job.Kind]int
+	)
+	read := func(k job.Kind) float64 {
+		mu.Lock()
+		defer mu.Unlock()
+		if time.Since(at) > time.Second {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			n, err := p.Jobs().LiveJobs(ctx)
+			cancel()
+			if err == nil {
+				live, at = n, time.Now()
+			}
+		}
+		return float64(live[k])
+	}
+	for _, k := range job.Kinds {
+		m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "escrow_jobs_live",
+			Help: "Jobs recorded and not settled yet (their holds held), by kind.", ConstLabels: prometheus.Labels{"kind": string(k)}},
+			func() float64 { return read(k) }))
 	}
 }

@@ -125,6 +125,12 @@ func TestBackgroundResponses(t *testing.T) {
 	if len(es) != len(ids) {
 		t.Fatalf("%d charges for %d jobs: %+v", len(es), len(ids), es)
 	}
+	_, _, m := p.do("GET", "/metrics", "", nil)
+	for _, want := range []string{`escrow_jobs_live{kind="background_response"} 0`, "escrow_jobs_unresolved_total 1", "escrow_job_polls_total"} {
+		if !strings.Contains(string(m), want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
 }
 
 // ledgerCharges are the org's charge entries.
@@ -262,5 +268,33 @@ func TestBackgroundJobsSurviveAKilledProxy(t *testing.T) {
 	}
 	if sa, sb := a.app.poller.Stats(), b.app.poller.Stats(); sa.Settled != 0 || sb.Settled != n {
 		t.Fatalf("settled by the dead proxy %d, by the second %d, want 0 and %d", sa.Settled, sb.Settled, n)
+	}
+}
+
+// TestBackgroundResponseSettledByStream: a client that streams a background response after it
+// ended (GET …?stream=true) sees its response.completed event, and that read settles the job
+// (the poller's next poll is an hour away): charged once, exactly its usage.
+func TestBackgroundResponseSettledByStream(t *testing.T) {
+	t.Parallel()
+	_, tweak := jobsUpstream(t, 300*time.Millisecond)
+	p := startTestProxy(t, true, tweak, func(c *Config) { c.JobMinBackoff, c.JobMaxBackoff = time.Hour, time.Hour })
+	key := p.setupJobs("acme", 1_000_000)
+	id := p.startBackground(key, "stream me", "")
+	js := p.app.ledger.(job.Store)
+	waitUntil(t, "the poller's first poll (the next is an hour away)", func() bool {
+		j, err := js.JobByUpstream(context.Background(), job.BackgroundResponse, id)
+		return err == nil && j.Attempts == 1
+	})
+	waitUntil(t, "the stream to end with response.completed", func() bool {
+		st, _, body := p.do("GET", "/v1/responses/"+id+"?stream=true&starting_after=0", key, nil)
+		return st == http.StatusOK && strings.Contains(string(body), "response.completed") && !strings.Contains(string(body), "response.created")
+	})
+	p.jobsDone()
+	b := p.settled("acme")
+	if b.LedgerBalance != 1_000_000-22 { // 2 input + 20 output
+		t.Fatalf("balance %+v, want %d", b, 1_000_000-22)
+	}
+	if s := p.app.poller.Stats(); s.Settled != 1 || s.Polls != 1 {
+		t.Fatalf("poller stats %+v: the stream's read should have settled it", s)
 	}
 }

@@ -50,7 +50,7 @@ var layers = map[string][]string{
 	"ledger/memledger":      {"ledger", "ledger/topup", "ledger/access", "ledger/job", "ledger/batchfile"},                      // the in-memory store
 	"ledger/pgledger":       {"ledger", "ledger/topup", "ledger/access", "ledger/job", "ledger/batchfile", "migrations"},        // the Postgres store
 	"ledger/ledgertest":     {"ledger", "ledger/topup", "ledger/access", "ledger/job", "ledger/batchfile", "internal/testutil"}, // the conformance suite both stores run
-	"accounting":            {"ledger", "ledger/topup", "ledger/access", "balance", "internal/startstop"},                       // recorder, worker, journal, Ops: never a store
+	"accounting":            {"ledger", "ledger/topup", "ledger/access", "ledger/job", "balance", "internal/startstop"},         // recorder, worker, journal, Ops: never a store
 	"async":                 {"ledger/job", "internal/startstop"},                                                               // the job core's process side: recording, leasing, polling, settling jobs
 	"endpoint":              {"pricing"},                                                                                        // one spec per endpoint: data the middleware dispatches through
 	"middleware":            {"accounting", "async", "balance", "endpoint", "ledger/access", "ledger/batchfile", "ledger/job"},
