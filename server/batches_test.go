@@ -221,6 +221,11 @@ func TestBatchRefusals(t *testing.T) {
 	if st != http.StatusBadRequest || !strings.Contains(string(b), "Line 2") || !strings.Contains(string(b), "max_output_tokens") {
 		t.Fatalf("bad line: %d %s", st, b)
 	}
+	// A bad first line (a stream), before anything went upstream.
+	st, b = p.upload(key, strings.Replace(line("a", "one", 5), `"max_tokens":5`, `"max_tokens":5,"stream":true`, 1))
+	if st != http.StatusBadRequest || !strings.Contains(string(b), "Line 1") || !strings.Contains(string(b), "stream") {
+		t.Fatalf("bad first line: %d %s", st, b)
+	}
 	rec := httptest.NewRecorder()
 	p.fake.ServeHTTP(rec, httptest.NewRequest("GET", "/v1/files", nil))
 	if strings.Contains(rec.Body.String(), `"id"`) {
