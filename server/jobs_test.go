@@ -198,6 +198,15 @@ func TestBackgroundResponseRoutesScopedToOrg(t *testing.T) {
 			}
 		})
 	}
+	// The customer's own list: the owner sees its job, the other org none.
+	st, _, body := p.do("GET", "/v1/escrow/jobs", key, nil)
+	if st != http.StatusOK || !strings.Contains(string(body), `"id":"`+id+`"`) || !strings.Contains(string(body), `"hold":`) {
+		t.Fatalf("the owner's jobs: %d %s", st, body)
+	}
+	st, _, body = p.do("GET", "/v1/escrow/jobs", other, nil)
+	if st != http.StatusOK || strings.Contains(string(body), id) {
+		t.Fatalf("another org's jobs: %d %s", st, body)
+	}
 	// The owner passes.
 	for _, r := range routes[:3] {
 		st, _, body := p.do(r.method, r.path, key, nil)
@@ -205,7 +214,7 @@ func TestBackgroundResponseRoutesScopedToOrg(t *testing.T) {
 			t.Fatalf("owner %s: %d %s", r.name, st, body)
 		}
 	}
-	st, _, body := p.do("DELETE", "/v1/responses/"+id, key, nil)
+	st, _, body = p.do("DELETE", "/v1/responses/"+id, key, nil)
 	if st != http.StatusBadRequest || !strings.Contains(string(body), "cancel it first") {
 		t.Fatalf("owner deletes a running response: %d %s", st, body)
 	}
