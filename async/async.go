@@ -12,7 +12,8 @@
 //  2. send the request upstream and read the upstream's id from its answer;
 //  3. Poller.Begin(ctx, job): the job is recorded in the ledger (org, key, hold, upstream id,
 //     prices in force, the estimate charged if the upstream loses it) and its hold pinned —
-//     BEFORE the client learns the id. A Begin that fails leaves a hold the route must release.
+//     BEFORE the client learns the id. A Begin that fails leaves the hold with the route (the
+//     proxy then bills the request at its hold, since the upstream does the work anyway).
 //     From here on the hold's owner is the job, not the connection: the route stops keeping
 //     the hold alive and neither records nor releases it.
 //

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -142,10 +143,45 @@ func (s *Server) mountJobs(e *echo.Echo, mw echo.MiddlewareFunc) {
 	e.DELETE("/v1/responses/:id", s.responseRoute, mw)
 	e.GET("/v1/responses/:id/input_items", s.responseRoute, mw)
 	e.POST("/v1/responses/:id/cancel", s.responseRoute, mw)
+	e.GET("/v1/escrow/jobs", s.customerJobs, mw)
 }
 
 // jobPaths are the PassThrough paths of the job routes.
-func jobPaths() []string { return []string{"/v1/responses/*"} }
+func jobPaths() []string { return []string{"/v1/responses/*", "/v1/escrow/jobs"} }
+
+// customerJob is a job as its org's own key sees it (GET /v1/escrow/jobs): amounts in
+// micro-units, like the admin API.
+type customerJob struct {
+	ID         string     `json:"id"` // the upstream's id: what the client knows
+	Kind       job.Kind   `json:"kind"`
+	Model      string     `json:"model"`
+	Status     job.Status `json:"status"`
+	Hold       int64      `json:"hold"`
+	Cost       int64      `json:"cost"`
+	Unresolved bool       `json:"unresolved,omitempty"`
+	CreatedAt  time.Time  `json:"created_at"`
+	SettledAt  *time.Time `json:"settled_at"`
+}
+
+// customerJobs lists the jobs of the key's org, newest first (?live=true: only those still
+// holding; ?limit=N, at most 1000).
+func (s *Server) customerJobs(c echo.Context) error {
+	who, _ := middleware.IdentityOf(c)
+	q := job.Query{Org: who.Org, Live: c.QueryParam("live") == "true"}
+	q.Limit, _ = strconv.Atoi(c.QueryParam("limit"))
+	js, err := s.poller.Jobs().Jobs(c.Request().Context(), q)
+	if err != nil {
+		s.log.Warn("customer jobs", "err", err)
+		return middleware.WriteError(c, &middleware.Error{Status: http.StatusServiceUnavailable, Type: middleware.TypeServiceUnavailable,
+			Code: middleware.CodeServiceUnavailable, RetryAfter: 5 * time.Second, Message: "The billing service is unavailable; please retry later."})
+	}
+	out := make([]customerJob, len(js))
+	for i, j := range js {
+		out[i] = customerJob{ID: j.UpstreamID, Kind: j.Kind, Model: j.Model, Status: j.Status, Hold: j.Hold, Cost: j.Cost,
+			Unresolved: j.Unresolved, CreatedAt: j.CreatedAt, SettledAt: j.SettledAt}
+	}
+	return c.JSON(http.StatusOK, map[string]any{"object": "list", "data": out})
+}
 
 // responseRoute passes a request on a background response to its upstream, only for the org
 // that created it (any other org, or a response escrow did not start, gets 404: never another

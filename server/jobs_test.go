@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -197,6 +198,15 @@ func TestBackgroundResponseRoutesScopedToOrg(t *testing.T) {
 			}
 		})
 	}
+	// The customer's own list: the owner sees its job, the other org none.
+	st, _, body := p.do("GET", "/v1/escrow/jobs", key, nil)
+	if st != http.StatusOK || !strings.Contains(string(body), `"id":"`+id+`"`) || !strings.Contains(string(body), `"hold":`) {
+		t.Fatalf("the owner's jobs: %d %s", st, body)
+	}
+	st, _, body = p.do("GET", "/v1/escrow/jobs", other, nil)
+	if st != http.StatusOK || strings.Contains(string(body), id) {
+		t.Fatalf("another org's jobs: %d %s", st, body)
+	}
 	// The owner passes.
 	for _, r := range routes[:3] {
 		st, _, body := p.do(r.method, r.path, key, nil)
@@ -204,7 +214,7 @@ func TestBackgroundResponseRoutesScopedToOrg(t *testing.T) {
 			t.Fatalf("owner %s: %d %s", r.name, st, body)
 		}
 	}
-	st, _, body := p.do("DELETE", "/v1/responses/"+id, key, nil)
+	st, _, body = p.do("DELETE", "/v1/responses/"+id, key, nil)
 	if st != http.StatusBadRequest || !strings.Contains(string(body), "cancel it first") {
 		t.Fatalf("owner deletes a running response: %d %s", st, body)
 	}
@@ -229,19 +239,31 @@ func (p *testProxy) setupJobs2(org string, funds int64) string {
 	return k.Key
 }
 
-// TestBackgroundJobsSurviveAKilledProxy: proxy A starts 20 background responses and dies (its
-// poller stopped, holding leases, nothing cleaned up); proxy B, on the same Redis and Postgres,
-// takes every job over once A's leases run out and settles each once.
+// TestBackgroundJobsSurviveAKilledProxy: proxy A starts 20 background responses and dies while
+// its poller holds their leases (its polls hang upstream; it stops without giving anything
+// back); proxy B, on the same Redis and Postgres, claims every job once A's leases run out and
+// settles each once.
 func TestBackgroundJobsSurviveAKilledProxy(t *testing.T) {
 	t.Parallel()
 	env := testutil.RealRedis(t)
 	pg := testutil.Postgres(t)
-	_, tweak := jobsUpstream(t, 500*time.Millisecond)
+	up, tweak := jobsUpstream(t, 500*time.Millisecond)
 	shared := func(c *Config) {
 		c.RedisURL, c.DatabaseURL, c.Prefix = env.URL, pg.URL, env.Prefix
 		c.JobLease = 2 * time.Second
 	}
-	a := startTestProxy(t, false, tweak, shared)
+	// A's upstream: creates pass to the shared fake; its polls hang until A gives up.
+	polled := make(chan struct{}, 100)
+	hanging := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet && strings.HasPrefix(r.URL.Path, "/v1/responses/") {
+			polled <- struct{}{}
+			<-r.Context().Done()
+			return
+		}
+		up.ServeHTTP(w, r)
+	}))
+	t.Cleanup(hanging.Close)
+	a := startTestProxy(t, false, tweak, shared, func(c *Config) { c.UpstreamURL, c.JobLease = hanging.URL, 6*time.Second })
 	key := a.setupJobs("acme", 10_000_000)
 	const n = 20
 	var wg sync.WaitGroup
@@ -253,9 +275,24 @@ func TestBackgroundJobsSurviveAKilledProxy(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	// A dies: its poller stops where it is (the leases it took stay taken until they run out).
+	<-polled // A's poller is in the middle of its polls, holding leases
+	// A dies: its poller stops where it is; the leases it took stay taken until they run out.
 	if err := a.app.poller.Stop(context.Background()); err != nil {
 		t.Fatal(err)
+	}
+	js := a.app.ledger.(job.Store)
+	held, err := js.Jobs(context.Background(), job.Query{Live: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	leased := 0
+	for _, j := range held {
+		if j.LeaseOwner == a.app.poller.Config().Owner && j.LeaseUntil.After(time.Now()) {
+			leased++
+		}
+	}
+	if leased == 0 {
+		t.Fatal("the dead proxy holds no lease: the takeover would not be tested")
 	}
 	b := startTestProxy(t, false, tweak, shared)
 	b.jobsDone()
@@ -269,6 +306,7 @@ func TestBackgroundJobsSurviveAKilledProxy(t *testing.T) {
 	if sa, sb := a.app.poller.Stats(), b.app.poller.Stats(); sa.Settled != 0 || sb.Settled != n {
 		t.Fatalf("settled by the dead proxy %d, by the second %d, want 0 and %d", sa.Settled, sb.Settled, n)
 	}
+	t.Logf("%d of %d jobs were leased by the dead proxy and taken over after their leases ran out", leased, n)
 }
 
 // TestBackgroundResponseSettledByStream: a client that streams a background response after it

@@ -85,9 +85,9 @@ type Job struct {
 	KeyID      string `json:"key_id,omitempty"`
 	Project    string `json:"project,omitempty"`
 	EndUser    string `json:"end_user,omitempty"`
-	Model      string `json:"model"`
-	Endpoint   string `json:"endpoint,omitempty"`
-	UpstreamID string `json:"upstream_id"` // the upstream's id (resp_…, batch_…, msgbatch_…); unique per kind
+	Model      string `json:"model"`              // the job's model (a batch: its lines' model; a Line may name its own)
+	Endpoint   string `json:"endpoint,omitempty"` // the endpoint its usage is billed under (a Line may name its own)
+	UpstreamID string `json:"upstream_id"`        // the upstream's id (resp_…, batch_…, msgbatch_…); unique per kind
 	// Hold is the amount held for the job; ReservedAt the Redis clock at reserve (its limit
 	// attribution, like a request's).
 	Hold       int64     `json:"hold"`
