@@ -144,7 +144,8 @@ type simulator struct {
 	// later holds the served requests whose record timed out (served ⇒ billed): each is
 	// recorded again, at a random later step, until stored; its hold is never released
 	later     []laterRecord
-	boundHold map[string]int64 // hold id of a bounded request → the hold the script wrote for it
+	boundHold map[string]int64  // hold id of a bounded request → the hold the script wrote for it
+	jobs      map[string]simReq // live background jobs by hold id (sim_jobs_test.go)
 }
 
 // laterRecord is a served request whose record timed out, with the usage it will be billed.
@@ -446,6 +447,9 @@ func (s *simulator) step() {
 				if busy[id] {
 					s.t.Fatalf("seed %d: reaped the hold of recorded, unsettled usage %s", s.seed, id)
 				}
+				if _, live := s.jobs[id]; live { // its owner is the job, not a connection
+					s.t.Fatalf("seed %d: reaped the hold of live job %s", s.seed, id)
+				}
 			}
 		}
 		if n > 0 {
@@ -509,7 +513,9 @@ func (s *simulator) step() {
 		l := s.later[i]
 		s.later = slices.Delete(s.later, i, i+1)
 		s.record(l.r, l.u)
-	case op < 0.92: // issue 32: a media request arrives (sim_media_test.go)
+	case op < 0.91: // background jobs (sim_jobs_test.go)
+		s.jobStep(o)
+	case op < 0.94: // issue 32: a media request arrives (sim_media_test.go)
 		s.mediaRequest(o)
 	}
 }
@@ -989,6 +995,7 @@ func (s *simulator) quiesce() {
 		s.record(l.r, l.u)
 	}
 	s.later = nil
+	s.settleJobs()
 	s.must(s.worker.Drain(s.ctx))
 	for _, o := range s.orgs {
 		_, err := s.worker.Reconcile(s.ctx, o)

@@ -130,6 +130,7 @@ func (a *API) Register(g *echo.Group) {
 	add(http.MethodDelete, "/orgs/:org/limits/:id", a.deleteLimit)
 	add(http.MethodGet, "/orgs/:org/limits/:id/end_users", a.limitEndUsers)
 	a.registerTopUp(add) // auto top-up settings (topup.go)
+	a.registerJobs(add)  // background responses and batches (jobs.go)
 	for _, f := range []struct {
 		path   string
 		frozen bool

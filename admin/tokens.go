@@ -105,6 +105,7 @@ var orgRoutes = map[string]bool{
 	"DELETE /keys/:id":                    true,
 	"PUT /keys/:id/project":               true,
 	"PUT /keys/:id/models":                true,
+	"GET /orgs/:org/jobs":                 true, // its background responses and batches
 }
 
 // Authenticate resolves a bearer secret: the bootstrap token (compared in constant time) or a

@@ -6,6 +6,7 @@ import "github.com/llmescrow/escrow/pricing"
 // max_tokens (a reasoning model counts its reasoning within the cap); with neither it may
 // generate up to the model's max output.
 var Chat = register(&Spec{
+	Batch:        true, // a batch's lines may go here (batches.go)
 	Path:         "/v1/chat/completions",
 	Provider:     OpenAI,
 	Billed:       true,

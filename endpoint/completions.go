@@ -7,6 +7,7 @@ import "github.com/llmescrow/escrow/pricing"
 // at 16 and sent with max_tokens: 16. Each prompt of a prompt array is completed on its own,
 // best_of times (n ≤ best_of).
 var Completions = register(&Spec{
+	Batch:        true, // a batch's lines may go here (batches.go)
 	Path:         "/v1/completions",
 	Provider:     OpenAI,
 	Billed:       true,

@@ -7,6 +7,7 @@ import "github.com/llmescrow/escrow/pricing"
 // max_tokens. Cache writes (5-minute and 1-hour) are billed apart, so every input token is
 // bounded at the highest of the input and cache-write prices.
 var Messages = register(&Spec{
+	Batch:        true, // a batch's lines may go here (batches.go)
 	Path:         "/v1/messages",
 	Provider:     Anthropic,
 	Billed:       true,

@@ -7,6 +7,7 @@ import "github.com/llmescrow/escrow/pricing"
 // conversation, stored prompts, file ids and hosted tools bring server-side context the body's
 // bytes do not bound.
 var Responses = register(&Spec{
+	Batch:        true, // a batch's lines may go here (batches.go)
 	Path:         "/v1/responses",
 	Provider:     OpenAI,
 	Billed:       true,

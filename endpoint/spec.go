@@ -53,6 +53,9 @@ type Spec struct {
 	Provider Provider
 	// Billed is false for an endpoint passed on unbilled (authenticated, without a hold).
 	Billed bool
+	// Batch: a batch's lines may call the endpoint (its provider's batch API), each checked
+	// and bounded like a live request (batches.go).
+	Batch bool
 
 	// CapFields are the output-cap fields the endpoint's upstream reads (chat reads
 	// max_completion_tokens, else max_tokens). Every other cap field (CapNames) is refused.

@@ -43,10 +43,14 @@ const (
 	// org's top-ups until its settings are updated (once per attempt; see topup.go). Data:
 	// attempt, amount, currency, payment, reason.
 	EventTopUpFailed EventType = "topup.failed"
+	// EventJobUnresolved: the upstream lost a job's result (not found after it ended, or never
+	// ended in time), so it was charged by the estimate rule and flagged (once per job; see
+	// package ledger/job). Data: job, kind, upstream_id, model, hold, cost, reason.
+	EventJobUnresolved EventType = "job.unresolved"
 )
 
 // EventTypes lists every event type an endpoint may subscribe to.
-var EventTypes = []EventType{EventBalanceLow, EventCreditReceived, EventKeyRevoked, EventLimitCrossed, EventTopUpFailed}
+var EventTypes = []EventType{EventBalanceLow, EventCreditReceived, EventKeyRevoked, EventLimitCrossed, EventTopUpFailed, EventJobUnresolved}
 
 // Sentinel errors of webhooks.
 var (

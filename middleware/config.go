@@ -118,6 +118,11 @@ type Config struct {
 	// x-escrow-balance (see HeaderBalance) is sent only when the Recorder's Receipt has the
 	// balance (*accounting.Recorder with a Finisher); else it is left out.
 	Recorder Recorder
+	// Jobs records background work (an *async.Poller is one). With it, a Responses request
+	// with "background": true is held like any other, forwarded, and its job recorded (and its
+	// hold handed to the job) before the client gets the response id (background.go). nil:
+	// background responses are refused (400).
+	Jobs Jobs
 
 	// OrgFunc identifies the org. Default: the key of "Authorization: Bearer <key>" (or, with no
 	// Authorization header, of "x-api-key: <key>", as Anthropic's SDKs send it) looked up in
@@ -155,6 +160,10 @@ type Config struct {
 	// model_not_found for a model no upstream serves), any other error with 503; either way
 	// nothing is held. Default: nil (every model goes to the handler as named).
 	Route func(c echo.Context, model string) (upstreamModel string, err error)
+	// Batches turns on the batch APIs — /v1/files, /v1/batches, /v1/messages/batches —
+	// each batch held at its lines' bounds and billed per line once it ends (batches.go).
+	// Default: off (those paths are unknown: 404).
+	Batches Batches
 	// Allow lists the features the price table cannot price that may pass anyway: "audio",
 	// "image_output", "service_tier:<tier>" (e.g. "service_tier:priority"), "tool:<type>" (e.g.
 	// "tool:web_search"); on /v1/messages also "tool:<server tool type>", "mcp_servers",

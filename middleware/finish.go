@@ -167,6 +167,9 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 		return false
 	}
 	cw.end()
+	if cl.req.Background && cl.beginJob(cw, &o) {
+		return false
+	}
 	usage, estimated, truncated, why := cl.readUsage(cw, nextErr, panicked, cause)
 	usage, cost, estimated := cl.charge(cw, usage, estimated, truncated)
 	ev := ledger.UsageEvent{

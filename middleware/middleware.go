@@ -41,6 +41,9 @@ const (
 	// (served ⇒ billed): the client got its end, the hold is kept alive and never released,
 	// and the event is recorded again in the background until stored (never voided).
 	OutcomeRecordLater OutcomeKind = "record_later"
+	// OutcomeJob: a background response was started and its job recorded; its hold belongs to
+	// the job, which is billed when it ends (package async).
+	OutcomeJob OutcomeKind = "job"
 )
 
 // Outcome describes one handled request, for metrics and logs (Config.OnOutcome).
@@ -102,6 +105,7 @@ func newMiddleware(cfg Config) (*middleware, error) {
 	if m.cfg.OrgFunc == nil {
 		m.cfg.OrgFunc = m.bearerOrg
 	}
+	m.registerBatchPollers()
 	return m, nil
 }
 
@@ -235,6 +239,9 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	if e != nil {
 		return m.refuse(c, o, e)
 	}
+	if rt, ok := endpoint.LookupBatch(req.Method, req.URL.Path); ok && m.cfg.Batches.on() {
+		return m.serveBatch(c, next, id, rt, o) // the batch APIs (batches.go)
+	}
 	if pricedSpec(req.URL.Path) == nil {
 		return m.serveUnpriced(c, next, o)
 	}
@@ -351,8 +358,8 @@ func (m *middleware) readPriced(c echo.Context, o *Outcome) ([]byte, Request, *E
 		return nil, Request{}, e
 	}
 	o.Model = r.Model
-	if r.Background {
-		return nil, Request{}, errInvalid("background", "Background responses are billed after the request ends and are not supported here.")
+	if e := m.backgroundRefusal(r); e != nil {
+		return nil, Request{}, e
 	}
 	for _, f := range r.Features {
 		if !m.allow[f] && classFeatures[f] == nil { // a feature classes price: priceModel checks the model's prices

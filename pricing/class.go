@@ -29,8 +29,9 @@ const (
 	ImageOutput  Class = "image_output"         // image output tokens (gpt-image)
 	AudioSecond  Class = "audio_second"         // one second of input audio (transcription by duration)
 	Characters   Class = "characters"           // input characters (text-to-speech by character), per 1M
-	// BatchDiscount is the batch API's discount, a percentage (0–100) off every other price:
-	// data only; no endpoint escrow serves bills through the batch API yet.
+	// BatchDiscount is the batch API's discount, a percentage (0–100) off every other price
+	// for the lines of a batch (Prices.Batch); default 50: half the live price, as OpenAI and
+	// Anthropic bill batches. A stored 0 is no discount.
 	BatchDiscount Class = "batch_discount"
 )
 
@@ -86,6 +87,8 @@ type DefaultRule struct {
 	// for none.
 	From Class
 	Mul  int64
+	// Value, when not 0, is the default itself (the batch discount's 50 percent).
+	Value int64
 	// Refuse: with no price the class cannot be billed; a request that can bill it is refused
 	// (400) before it is served. When false and From is "", the default is 0.
 	Refuse bool
@@ -121,8 +124,11 @@ var registry = []ClassInfo{
 	{ImageOutput, PerMTokens, SideOutput, false, DefaultRule{Refuse: true}, "image output tokens"},
 	{AudioSecond, PerSecond, SideInput, false, DefaultRule{Refuse: true}, "seconds of input audio"},
 	{Characters, PerMCharacters, SideInput, false, DefaultRule{Refuse: true}, "input characters"},
-	{BatchDiscount, Percent, SideNone, false, DefaultRule{}, "batch API discount, percent off (data only)"},
+	{BatchDiscount, Percent, SideNone, false, DefaultRule{Value: DefaultBatchDiscount}, "batch API discount, percent off every price of a batch's lines"},
 }
+
+// DefaultBatchDiscount is the batch discount of a model that states none: batches cost half.
+const DefaultBatchDiscount = 50
 
 // families are the parameterized classes.
 var families = []ClassInfo{

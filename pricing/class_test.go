@@ -195,3 +195,31 @@ func TestIsDefault(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchPrices: a batch line is billed at half the live price by default, at the model's
+// own discount when it states one (0: none), every price rounded up; pricing twice is a no-op.
+func TestBatchPrices(t *testing.T) {
+	t.Parallel()
+	live := pricing.Prices{pricing.Input: 3, pricing.Output: 10, pricing.CacheWrite1h: 0}
+	b := live.Batch()
+	// input ⌈3/2⌉ = 2, output 5; the cached and cache-write prices follow from the input's live
+	// defaults (3, 3, 6) and are halved too.
+	want := pricing.Prices{pricing.Input: 2, pricing.Output: 5, pricing.CachedInput: 2, pricing.CacheWrite: 2, pricing.CacheWrite1h: 3, pricing.BatchDiscount: 0}
+	if !maps.Equal(b, want) {
+		t.Fatalf("Batch = %v, want %v", b, want)
+	}
+	if !maps.Equal(b.Batch(), b) {
+		t.Fatalf("pricing twice: %v", b.Batch())
+	}
+	if d, _ := live.Price(pricing.BatchDiscount); d != pricing.DefaultBatchDiscount {
+		t.Fatalf("default discount %d", d)
+	}
+	none := pricing.Prices{pricing.Input: 3, pricing.Output: 10, pricing.BatchDiscount: 0}.Batch()
+	if none[pricing.Input] != 3 || none[pricing.Output] != 10 {
+		t.Fatalf("no discount: %v", none)
+	}
+	quarter := pricing.Prices{pricing.Input: 3, pricing.Output: 10, pricing.BatchDiscount: 75}.Batch()
+	if quarter[pricing.Input] != 1 || quarter[pricing.Output] != 3 {
+		t.Fatalf("75 percent: %v", quarter)
+	}
+}

@@ -67,10 +67,27 @@ func (p Prices) Price(c Class) (price int64, ok bool) {
 			return math.MaxInt64, true
 		}
 		return base * info.Default.Mul, true
+	case info.Default.Value != 0:
+		return info.Default.Value, true
 	case info.Default.Refuse:
 		return 0, false
 	}
 	return 0, true
+}
+
+// Batch is the prices a batch's lines are billed at: every price of p (defaults applied)
+// lowered by the batch discount (BatchDiscount, default DefaultBatchDiscount percent), each
+// rounded up to a whole micro-unit per its unit so that a line is never under-charged; the
+// result states a discount of 0, so that pricing it again changes nothing.
+func (p Prices) Batch() Prices {
+	d, _ := p.Price(BatchDiscount)
+	d = min(max(d, 0), 100)
+	out := p.WithDefaults()
+	for c, v := range out {
+		out[c] = (v*(100-d) + 99) / 100 // v ≤ balance.MaxAmount: no overflow
+	}
+	out[BatchDiscount] = 0
+	return out
 }
 
 // Has reports whether class c has a price (its own or its default's).

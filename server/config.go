@@ -49,24 +49,27 @@ type Config struct {
 	JournalMaxBytes int64
 	ReapGrace       time.Duration
 	PinTTL          time.Duration
-	SweepInterval   time.Duration
-	PassInterval    time.Duration
-	ReapInterval    time.Duration
-	ScanInterval    time.Duration
-	ReconcileEvery  time.Duration
-	ReplayInterval  time.Duration
-	ShutdownTimeout time.Duration
-	LogLevel        string
-	LogFormat       string
-	DemoBalance     int64
-	BenchBaseline   bool
-	Coalesce        bool
-	PprofAddr       string
-	RecordTimeout   time.Duration
-	ReserveTimeout  time.Duration
-	KeyCacheTTL     time.Duration
-	KeyMaxStale     time.Duration
-	KeyFailures     int
+	// The job poller (background responses; package async): how long a claimed job is this
+	// process's, and the pause between two polls of a job (doubling from min to max).
+	JobLease, JobMinBackoff, JobMaxBackoff time.Duration
+	SweepInterval                          time.Duration
+	PassInterval                           time.Duration
+	ReapInterval                           time.Duration
+	ScanInterval                           time.Duration
+	ReconcileEvery                         time.Duration
+	ReplayInterval                         time.Duration
+	ShutdownTimeout                        time.Duration
+	LogLevel                               string
+	LogFormat                              string
+	DemoBalance                            int64
+	BenchBaseline                          bool
+	Coalesce                               bool
+	PprofAddr                              string
+	RecordTimeout                          time.Duration
+	ReserveTimeout                         time.Duration
+	KeyCacheTTL                            time.Duration
+	KeyMaxStale                            time.Duration
+	KeyFailures                            int
 
 	// RedisWaitReplicas > 0: each reserve waits (Redis WAIT, RedisWaitTimeout at most) until
 	// that many replicas acknowledged its hold, else 503 (balance.Config.WaitReplicas;
@@ -174,6 +177,9 @@ func (c *Config) settings() []setting {
 		{"ESCROW_JOURNAL_MAX_BYTES", "journal-max-bytes", "67108864", "size cap of the local journal; new holds are refused (503) when less than a tenth of it is free", integer(&c.JournalMaxBytes, 1)},
 		{"ESCROW_JOURNAL_REPLAY_INTERVAL", "journal-replay-interval", "1s", "how often a non-empty journal is replayed into the ledger", dur(&c.ReplayInterval)},
 		{"ESCROW_REAP_GRACE", "reap-grace", "1m", "a hold past its expiry is reaped only after this grace (keep it above the record timeout)", dur(&c.ReapGrace)},
+		{"ESCROW_JOB_LEASE", "job-lease", "1m", "how long a background job claimed by this process is its own; a crashed process's jobs pass to another after it", dur(&c.JobLease)},
+		{"ESCROW_JOB_MIN_BACKOFF", "job-min-backoff", "2s", "the first pause between two polls of a background job (doubling)", dur(&c.JobMinBackoff)},
+		{"ESCROW_JOB_MAX_BACKOFF", "job-max-backoff", "1m", "the longest pause between two polls of a background job", dur(&c.JobMaxBackoff)},
 		{"ESCROW_PIN_TTL", "pin-ttl", "24h", "how far a journaled request's hold is pinned (renewed every quarter of it); at least 4× the hold TTL", dur(&c.PinTTL)},
 		{"ESCROW_SWEEP_INTERVAL", "sweep-interval", "2s", "how often the worker looks for unsettled orgs without a notification", dur(&c.SweepInterval)},
 		{"ESCROW_PASS_INTERVAL", "pass-interval", "100ms", "the least time between two accounting passes of the worker under load (longer: fewer, larger passes and less CPU per request, a longer settle lag)", dur(&c.PassInterval)},

@@ -85,6 +85,7 @@ func newMetrics(a *Server) *metrics {
 	m.settleMetrics(a)
 	m.journalMetrics(a)
 	m.webhookMetrics(a) // webhooks.go
+	m.jobMetrics(a)     // jobs.go
 	return m
 }
 

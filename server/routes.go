@@ -57,6 +57,8 @@ func (s *Server) buildEcho() error {
 		e.GET("/v1/models", s.listModels, mw)
 		e.GET("/v1/models/*", s.getModel, mw)
 		s.mountView(e, mw)
+		s.jobProxy = s.reverseProxy()
+		s.mountJobs(e, mw)
 	}
 	s.echo = e
 	return nil
@@ -161,6 +163,9 @@ func (s *Server) reverseProxy() http.Handler {
 			up := pr.In.Context().Value(upstreamCtxKey{}).(*upstream)
 			pr.SetURL(up.base)
 			pr.Out.URL.RawQuery = upstreamQuery(up.base.RawQuery, pr.In.URL)
+			if q, ok := pr.In.Context().Value(jobQueryKey{}).(string); ok && q != "" { // a job route's own allow-list (jobs.go)
+				pr.Out.URL.RawQuery = strings.TrimPrefix(up.base.RawQuery+"&"+q, "&")
+			}
 			pr.Out.Host = up.base.Host
 			reqHeaders.filter(pr.Out.Header)
 			up.setKey(pr.Out.Header)

@@ -34,6 +34,7 @@ import (
 
 	"github.com/llmescrow/escrow"
 	"github.com/llmescrow/escrow/accounting"
+	"github.com/llmescrow/escrow/async"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/ledger/memledger"
@@ -103,8 +104,13 @@ type Server struct {
 	webhooks *webhook.Sender // delivers the ledger's webhook outbox
 	esc      *escrow.Escrow  // the parts above, wired and run together (escrow.New)
 	pay      *payments       // Stripe's webhook and auto top-up; nil when not configured (payments.go)
+	poller   *async.Poller   // background jobs (jobs.go); nil when the ledger has no jobs
+	jobProxy http.Handler    // the reverse proxy of the job routes
 	metrics  *metrics
 	echo     *echo.Echo
+	// batchPolls are the batch kinds' upstreams, registered with the poller once it is made
+	// (batches.go).
+	batchPolls []batchPoll
 
 	routes     *routeTable  // each model's upstream (upstreams.go)
 	fake       *http.Server // in-process upstream (WithUpstream)
@@ -284,8 +290,10 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			TracerProvider:       s.tracerProvider(),
 			OnOutcome:            func(o middleware.Outcome) { s.metrics.observe(o) }, // the metrics are made after
 			Route:                s.route,
-			PassThrough:          append([]string{"/v1/models", "/v1/models/*"}, viewPaths()...),
+			PassThrough:          append(append([]string{"/v1/models", "/v1/models/*"}, viewPaths()...), jobPaths()...),
+			Jobs:                 jobStarter{s},
 			ErrorHandler:         s.writeRefusal,
+			Batches:              s.batches(), // batches.go
 
 			RenameUpstreamRateLimit: cfg.UpstreamRateLimit == "rename", // ESCROW_UPSTREAM_RATELIMIT
 		},
@@ -301,6 +309,10 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 	s.esc = esc
 	s.store, s.journal, s.recorder, s.worker = esc.Store(), esc.Journal(), esc.Recorder(), esc.Worker()
 	s.ops, s.webhooks = esc.Ops(), esc.Webhooks()
+	if err := s.openJobs(); err != nil {
+		return err
+	}
+	s.openBatches() // batches.go: the batch kinds, on the same poller
 	return nil
 }
 
@@ -373,6 +385,11 @@ func (s *Server) Start(ctx context.Context) error {
 	if err := s.esc.Start(ctx); err != nil {
 		return err
 	}
+	if s.poller != nil {
+		if err := s.poller.Start(context.WithoutCancel(ctx)); err != nil {
+			return err
+		}
+	}
 	if err := s.startPayments(ctx); err != nil {
 		return err
 	}
@@ -423,6 +440,11 @@ func (s *Server) Stop(ctx context.Context) error {
 	}
 	if err := s.stopPayments(ctx); err != nil {
 		errs = append(errs, fmt.Errorf("auto top-up: %w", err))
+	}
+	if s.poller != nil {
+		if err := s.poller.Stop(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("job poller: %w", err))
+		}
 	}
 	if s.esc != nil {
 		// The recorder's last batch, the worker's last pass, the webhooks: in that order.

@@ -41,21 +41,24 @@ var layers = map[string][]string{
 	"lua":                   nil,
 	"migrations":            nil,
 	"balance":               {"lua"},
-	"pricing":               {"balance"},                                                                                  // prices, costs, price tables
-	"ledger":                {"balance", "pricing"},                                                                       // domain types, role interfaces, SQL-free shared logic
-	"ledger/topup":          {"ledger"},                                                                                   // the payments role: auto top-up settings and attempts
-	"ledger/access":         {"ledger"},                                                                                   // the admin tokens role: scoped admin API tokens
-	"ledger/grant":          {"ledger"},                                                                                   // the grants role: credits that expire, spending order
-	"ledger/memledger":      {"ledger", "ledger/topup", "ledger/access", "ledger/grant"},                                  // the in-memory store
-	"ledger/pgledger":       {"ledger", "ledger/topup", "ledger/access", "ledger/grant", "migrations"},                    // the Postgres store
-	"ledger/ledgertest":     {"ledger", "ledger/topup", "ledger/access", "ledger/grant", "internal/testutil"},             // the conformance suite both stores run
-	"accounting":            {"ledger", "ledger/topup", "ledger/access", "ledger/grant", "balance", "internal/startstop"}, // recorder, worker, journal, Ops: never a store
-	"endpoint":              {"pricing"},                                                                                  // one spec per endpoint: data the middleware dispatches through
-	"middleware":            {"accounting", "balance", "endpoint", "ledger/access"},
+	"pricing":               {"balance"},                                                                                                        // prices, costs, price tables
+	"ledger":                {"balance", "pricing"},                                                                                             // domain types, role interfaces, SQL-free shared logic
+	"ledger/topup":          {"ledger"},                                                                                                         // the payments role: auto top-up settings and attempts
+	"ledger/job":            {"ledger"},                                                                                                         // the jobs role: background responses and batches, leased and settled once
+	"ledger/batchfile":      {"balance", "pricing"},                                                                                             // the batch files role: a batch input's bound, every file's org
+	"ledger/access":         {"ledger"},                                                                                                         // the admin tokens role: scoped admin API tokens
+	"ledger/grant":          {"ledger"},                                                                                                         // the grants role: credits that expire, spending order
+	"ledger/memledger":      {"ledger", "ledger/topup", "ledger/access", "ledger/grant", "ledger/job", "ledger/batchfile"},                      // the in-memory store
+	"ledger/pgledger":       {"ledger", "ledger/topup", "ledger/access", "ledger/grant", "ledger/job", "ledger/batchfile", "migrations"},        // the Postgres store
+	"ledger/ledgertest":     {"ledger", "ledger/topup", "ledger/access", "ledger/grant", "ledger/job", "ledger/batchfile", "internal/testutil"}, // the conformance suite both stores run
+	"accounting":            {"ledger", "ledger/topup", "ledger/access", "ledger/grant", "ledger/job", "balance", "internal/startstop"},         // recorder, worker, journal, Ops: never a store
+	"async":                 {"ledger/job", "internal/startstop"},                                                                               // the job core's process side: recording, leasing, polling, settling jobs
+	"endpoint":              {"pricing"},                                                                                                        // one spec per endpoint: data the middleware dispatches through
+	"middleware":            {"accounting", "async", "balance", "endpoint", "ledger/access", "ledger/batchfile", "ledger/job"},
 	"admin":                 {"accounting", "internal/csvcell"},
 	"console":               {"admin", "accounting"},                                                                                          // the web console: reads through Ops, writes through the admin API
 	".":                     {"accounting", "admin", "balance", "middleware", "migrations", "webhook", "ledger/memledger", "ledger/pgledger"}, // the root package escrow: New
-	"server":                {".", "accounting", "admin", "balance", "console", "endpoint", "middleware", "migrations", "payment", "webhook", "ledger/memledger", "ledger/pgledger"},
+	"server":                {".", "accounting", "admin", "async", "balance", "console", "endpoint", "middleware", "migrations", "payment", "webhook", "ledger/memledger", "ledger/pgledger"},
 	"payment":               {"accounting"}, // processor webhooks → ledger entries, auto top-up (stripe-go)
 	"cmd/escrow":            {"server", "internal/csvcell"},
 	"examples/proxy":        {"server", "internal/fakeupstream"},

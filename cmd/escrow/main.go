@@ -49,6 +49,7 @@ var commands = map[string]struct {
 	"tokens":        {"list, create, rotate (old and new valid for an overlap) or revoke scoped admin tokens (read, admin, org:ORG)", cmdTokens},
 	"pg-roles":      {"print the GRANTs of a Postgres data role (the proxies) and admin role (the admin API)", cmdPGRoles},
 	"topup":         {"show, set or delete an org's auto top-up (threshold, amount, Stripe payment method, daily and monthly caps) and list its attempts", cmdTopUp},
+	"jobs":          {"background responses and batches, newest first: status, hold, cost (escrow jobs [ORG] [--live])", cmdJobs},
 	"migrate":       {"apply the ledger's database migrations (DATABASE_URL) and exit", cmdMigrate},
 }
 

@@ -174,6 +174,18 @@ bool rbusy;           /* the reaper is between its ledger check and its reap */
 bool didflush, didinv, didcredit, didrestore;
 bool resting;         /* init is checking the world at rest: nothing else moves */
 
+/* ---- jobs (fourth wave, DESIGN.md "Async work"; -DJOBS): r0 is a background job ---- */
+#ifdef JOBS
+bool jl[NR];          /* ledger: a live job owns r's hold (recorded, not settled yet) */
+byte lease;           /* the job's lease: 0 free (or run out), p+1 held by poller p */
+bool didlapse;        /* the job hold's pin lapsed once (its holder crashed, nobody renewed it) */
+#define JOBLIVE(r) (jl[r])
+#define ISJOB(r) ((r) == 0)
+#else
+#define JOBLIVE(r) 0
+#define ISJOB(r) 0
+#endif
+
 /* scratch for CHECK and the d_steps (hidden: not part of the state) */
 hidden byte ti, tj, ts;
 hidden short tB, tH, tU, tA, tx;
@@ -677,7 +689,10 @@ again: skip;
   fi;
   if
   :: st == S_COLD && tries < 1 -> tries++; WARM(p, r); KRESET(); goto again
-  :: st == S_OK || st == S_DUP ->                       /* DUP: the hold is ours, proceed */
+#ifdef JOBS
+  :: (st == S_OK || st == S_DUP) && ISJOB(r) -> goto job
+#endif
+  :: (st == S_OK || st == S_DUP) && !ISJOB(r) ->        /* DUP: the hold is ours, proceed */
      if
      :: goto success
      :: goto fail                                       /* upstream failed, or the reply was lost */
@@ -745,6 +760,19 @@ success: skip;
   :: else
   fi;
   goto done;
+#ifdef JOBS
+job: skip;
+  /* a background job: the upstream accepted it (or failed: released like a request); its job is
+   * recorded in the ledger before the client gets its id (served: it must be billed), the
+   * connection ends (nobody extends the hold for it any more), then Begin pins the hold for the
+   * job. From here on the hold is the job's: the pollers below keep and settle it. */
+  if
+  :: goto fail
+  :: d_step { jl[r] = 1; served[r] = 1; oact[r] = 0; alive[r] = 0; printf("STEP %d job r=%d\n", r, r); CHECK() };
+     d_step { if :: hp[r] -> hpin[r] = 1 :: else fi; printf("STEP %d job-pin r=%d\n", r, r); CHECK() }
+  fi;
+  goto done;
+#endif
 fail: skip;
   d_step { RELEASE(r); oact[r] = 0; alive[r] = 0; printf("STEP %d release r=%d\n", r, r); CHECK() };
   if
@@ -833,6 +861,9 @@ end_r:
 #else
        ok = 1;
 #endif
+#ifndef M_JOBCHK
+       ok = ok && !JOBLIVE(c);                  /* the ledger reports a live job's hold busy */
+#endif
        printf("STEP %d reap-check r=%d -> %d\n", 4, c, ok)
      };
      if
@@ -840,6 +871,7 @@ end_r:
           if
           :: hp[c] && !hpin[c] ->
              assert(!UNSETTLED(c) && !jr[c]);      /* never the hold of unsettled recorded usage */
+             assert(!JOBLIVE(c));                  /* never the hold of a live job */
              RELEASE(c)
           :: else
           fi;
@@ -866,6 +898,39 @@ inline RESTORE(drop) {
   lep = 1;
   printf("STEP %d restore dropped=%d\n", 6, drop); CHECK()
 }
+
+#ifdef JOBS
+/* ---- jobs: a poller in each of two processes (DESIGN.md "Async work") ----
+ * A poller claims the live job when its lease is free or ran out (ClaimJobs), renews the job
+ * hold's pin (the lease holder keeps the hold), polls the upstream, and either gives the lease
+ * back (still running) or settles the job: its usage event and the job's end in one ledger
+ * transaction, once (SettleJob). A poller that crashes is the same as one that gives the lease
+ * back without renewing (its lease runs out); the pin may then lapse (once) before another
+ * claims the job, and the reaper may look at the hold: only the ledger's live-job check keeps
+ * it (M_JOBCHK switches it off). */
+proctype Poller(byte p) {
+end_p:
+  do
+  :: atomic { !resting && jl[0] && lease == 0 -> lease = p + 1; printf("STEP %d job-claim r=0 p=%d\n", 8 + p, p) };
+     if
+     :: d_step { if :: hp[0] -> hpin[0] = 1 :: else fi; printf("STEP %d job-pin r=0\n", 8 + p); CHECK() }
+     :: skip                                      /* the pin call failed, or the holder crashed first */
+     fi;
+     if
+     :: d_step {
+          if
+          :: jl[0] -> hrec[0] = (hp[0] -> hamt[0] : 0); LRECORD(0); jl[0] = 0
+          :: else
+          fi;
+          lease = 0;
+          printf("STEP %d job-settle r=0 cost=%d amt=%d\n", 8 + p, RCOST(0), ramt[0]); CHECK()
+        }
+     :: d_step { lease = 0; printf("STEP %d job-poll r=0\n", 8 + p) }   /* running (or crashed): lease back / run out */
+     fi
+  :: d_step { !resting && jl[0] && hpin[0] && lease == 0 && !didlapse -> didlapse = 1; hpin[0] = 0; printf("STEP %d job-lapse r=0\n", 8 + p) }
+  od
+}
+#endif
 
 /* faults and admin actions, each at most once, at any time */
 proctype Chaos() {
@@ -930,12 +995,15 @@ init {
 #endif
 
     run Resend(0);
+#ifdef JOBS
+    run Poller(0); run Poller(1);
+#endif
     run Worker(); run Reaper(); run Chaos()
   };
   /* at rest: every request and re-send done, the journals replayed, every event accounted and
    * every entry marked settled, neither worker nor reaper in the middle of something */
   d_step {
-    ndone == NRUN && !jr[0] && !jr[1] && !jr[2] && ev[0] != 1 && ev[1] != 1 && ev[2] != 1 &&
+    ndone == NRUN && !jr[0] && !jr[1] && !jr[2] && ev[0] != 1 && ev[1] != 1 && ev[2] != 1 && !JOBLIVE(0) &&
     settled == lsq[lep] && !wbusy && !rbusy -> resting = 1; printf("STEP %d quiesce\n", 7)
   };
   /* the next request (or the reconciler) drops a stale acct and reseeds a cold org */

@@ -610,6 +610,10 @@ func (s *Server) responses(w http.ResponseWriter, r *http.Request, req *apiReque
 	if badCap(w, "max_output_tokens", req.MaxOutputTokens) {
 		return
 	}
+	if req.Background && !req.Stream {
+		s.background(w, req, words, last)
+		return
+	}
 	p, w, done, ok := s.start(w, req, words, last, req.MaxOutputTokens, nil)
 	if !ok {
 		return

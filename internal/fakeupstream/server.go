@@ -2,7 +2,8 @@
 // POST /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/responses, as JSON or as
 // server-sent events (stream: true), with token usage that a test can predict exactly; and a
 // fake of Anthropic's Messages API, POST /v1/messages and /v1/messages/count_tokens (rules in
-// anthropic.go). The
+// anthropic.go); and the Files and Batch APIs of both (/v1/files, /v1/batches,
+// /v1/messages/batches: batches.go), whose lines run through the same handlers. The
 // tests use it, and the runnable proxy uses it as its built-in upstream.
 //
 // # Usage rules
@@ -109,6 +110,14 @@ type Options struct {
 	// remembered Body is cut to its first 64 KiB (so at most KeepRequests × 64 KiB is held).
 	// Default 1000; negative: none (for long-running use, e.g. the proxy's built-in upstream).
 	KeepRequests int
+	// BatchLineDelay is the pause before each line of a batch runs (batches.go). Default 5 ms.
+	BatchLineDelay time.Duration
+	// BackgroundDelay is how long a background response runs (queued for the first half,
+	// in progress for the second) before it ends (background.go). Default 300 ms.
+	BackgroundDelay time.Duration
+	// BackgroundKeep is how long an ended background response is kept before it is gone
+	// (404). Default 10 minutes.
+	BackgroundKeep time.Duration
 }
 
 // Request is what the server saw of one request.
@@ -133,6 +142,10 @@ type Server struct {
 
 	mu   sync.Mutex
 	seen []Request
+
+	batchOnce sync.Once
+	batch     *batchState            // files and batches (batches.go)
+	bg        map[string]*bgResponse // background responses by id (background.go)
 }
 
 // New returns a fake upstream with opts' defaults filled in.
@@ -142,6 +155,9 @@ func New(opts Options) *Server {
 	opts.MaxOutputTokens = cmp.Or(opts.MaxOutputTokens, 65536)
 	opts.MaxBodyBytes = cmp.Or(opts.MaxBodyBytes, 8<<20)
 	opts.KeepRequests = cmp.Or(opts.KeepRequests, 1000)
+	opts.BatchLineDelay = cmp.Or(opts.BatchLineDelay, 5*time.Millisecond)
+	opts.BackgroundDelay = cmp.Or(opts.BackgroundDelay, 300*time.Millisecond)
+	opts.BackgroundKeep = cmp.Or(opts.BackgroundKeep, 10*time.Minute)
 	return &Server{opts: opts}
 }
 
@@ -176,6 +192,12 @@ func (s *Server) Reset() {
 // ServeHTTP answers one OpenAI API request.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	s.requests.Add(1)
+	if isBatchPath(r.URL.Path) {
+		s.record(Request{Method: r.Method, Path: r.URL.Path, Query: r.URL.RawQuery, Authorization: r.Header.Get("Authorization"),
+			Header: r.Header.Clone(), Time: time.Now()})
+		s.serveBatch(w, r) // files and batches (batches.go): uploads are larger than MaxBodyBytes
+		return
+	}
 	body, readErr := io.ReadAll(http.MaxBytesReader(w, r.Body, s.opts.MaxBodyBytes))
 	var req apiRequest
 	parseErr := readErr
@@ -196,6 +218,9 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 	endpoint, ok := endpoints[r.URL.Path]
 	switch {
+	case strings.HasPrefix(r.URL.Path, "/v1/responses/") && readErr == nil &&
+		(s.opts.APIKey == "" || r.Header.Get("Authorization") == "Bearer "+s.opts.APIKey):
+		s.backgroundRoute(w, r)
 	case !ok:
 		writeError(w, http.StatusNotFound, "invalid_request_error", "unknown_url",
 			fmt.Sprintf("Invalid URL (%s %s)", r.Method, r.URL.Path))

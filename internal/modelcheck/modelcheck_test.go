@@ -58,6 +58,10 @@ var worlds = []world{
 	// the tokens limit as a requests limit (every hold and every charge counts 1) of one request
 	// per window, across the rollover: r1 is refused while r0 counts in its window
 	{"rollover-requests", append(only("NO_TICK"), "REQUESTS", "CAPT=1")},
+	// ---- jobs (fourth wave, DESIGN.md "Async work"): r0 is a background job whose hold is
+	// owned by the job, kept by two pollers' leases (each may crash), its pin may lapse, and a
+	// reaper looks at it ----
+	{"jobs", append(only(), "JOBS")},
 }
 
 // A mutation switches one rule of DESIGN.md off in the model (docs/model/README.md lists where
@@ -95,6 +99,8 @@ var mutations = []mutation{
 	// ---- issue 34: per-end-user state only for holds that passed ----
 	{"M_EUZERO", "end users: a hold's end that leaves its end user's counter at 0 deletes the field (a request that cost nothing leaves no state)", only()},
 	// ---- end issue 34 ----
+	// ---- jobs ----
+	{"M_JOBCHK", "jobs: the reaper's ledger check reports the hold of a live job busy (same rule as a pinned hold)", append(only(), "JOBS")},
 }
 
 // The C flags of every pan: safety only; hash-compact state storage (-DHC4: 4 bytes per state

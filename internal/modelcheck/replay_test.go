@@ -18,7 +18,9 @@ import (
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/job"
 	"github.com/llmescrow/escrow/ledger/memledger"
+	"github.com/llmescrow/escrow/pricing"
 )
 
 const (
@@ -125,6 +127,7 @@ type replayer struct {
 	reapOK map[int]bool
 
 	journal, pinned, served, lost, ended, recorded [nReq]bool
+	jobLive                                        [nReq]bool // a live job owns the hold (-DJOBS)
 	holdAtRecord                                   [nReq]int64
 	journalLostDebt                                int64
 	tombLost                                       bool
@@ -383,6 +386,9 @@ func (rp *replayer) apply(s step) {
 		busy, err := rp.ledger.cur.UnsettledUsage(ctx, org, []string{holdID(r)})
 		rp.must(err)
 		rp.reapOK[r] = !busy[holdID(r)]
+		if rp.jobLive[r] && rp.reapOK[r] {
+			rp.t.Fatalf("%s: the ledger reports the hold of a live job free", s.line)
+		}
 	case "reap":
 		if rp.reapOK[r] {
 			rp.reapOnly(r)
@@ -405,6 +411,8 @@ func (rp *replayer) apply(s step) {
 		rp.restore(s.args["dropped"] == 1)
 	case "tick":
 		rp.skipped["tick (limits are not in the code yet)"]++
+	case "job", "job-pin", "job-claim", "job-poll", "job-lapse", "job-settle":
+		rp.jobStep(s)
 	default:
 		rp.t.Fatalf("unknown step %q", s.line)
 	}
@@ -523,6 +531,11 @@ func (rp *replayer) check(where string) {
 func (rp *replayer) rest() {
 	ctx := rp.ctx
 	for r := range nReq {
+		if rp.jobLive[r] { // a poller settles the job at last
+			rp.settleJob(r)
+		}
+	}
+	for r := range nReq {
 		if rp.journal[r] {
 			rp.record(r)
 			rp.journal[r] = false
@@ -638,4 +651,40 @@ func TestReplay(t *testing.T) {
 			replaySteps(t, name, strings.Split(string(b), "\n"))
 		})
 	}
+}
+
+// jobStep replays a step of the jobs block (-DJOBS): the job recorded in the ledger (its hold
+// then belongs to it), the lease holder's pin, the pin that lapses after a crash (Unpin: the
+// hold's normal expiry), and the settle, once, through job.Store.SettleJob; claims and polls
+// touch neither Redis nor the ledger's money.
+func (rp *replayer) jobStep(s step) {
+	r := s.args["r"]
+	switch s.action {
+	case "job":
+		h, _ := rp.holdAmount(r)
+		_, _, err := rp.ledger.cur.CreateJob(rp.ctx, job.Job{ID: holdID(r), Kind: job.BackgroundResponse, Org: org, Model: "m",
+			UpstreamID: fmt.Sprintf("resp_%d", r), Hold: h, Prices: pricing.Prices{pricing.Input: 1, pricing.Output: 1}})
+		rp.must(err)
+		rp.served[r], rp.jobLive[r] = true, true
+	case "job-pin":
+		_, err := rp.full.Pin(rp.ctx, org, holdID(r))
+		rp.must(err)
+		rp.pinned[r] = true
+	case "job-lapse":
+		_, err := rp.full.Unpin(rp.ctx, org, holdID(r))
+		rp.must(err)
+		rp.pinned[r] = false
+	case "job-settle":
+		rp.settleJob(r)
+	}
+}
+
+func (rp *replayer) settleJob(r int) {
+	if !rp.jobLive[r] {
+		return
+	}
+	rp.holdAtRecord[r], _ = rp.holdAmount(r)
+	_, _, err := rp.ledger.cur.SettleJob(rp.ctx, holdID(r), job.Settlement{Status: job.Completed, Lines: []job.Line{{Cost: rp.costOf[r]}}})
+	rp.must(err)
+	rp.recorded[r], rp.jobLive[r] = true, false
 }

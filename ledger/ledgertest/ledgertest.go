@@ -64,6 +64,8 @@ func Run(t *testing.T, newLedger func(t *testing.T) ledger.Ledger) {
 	tests = append(tests, topUpTests...)
 	tests = append(tests, viewTotalsTests...)
 	tests = append(tests, grantTests...) // credit grants (grants.go)
+	tests = append(tests, jobTests...)
+	tests = append(tests, batchFileTests...)
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

@@ -36,6 +36,8 @@ type Ledger struct {
 	hooks    memHooks   // webhooks: endpoints, thresholds, the outbox (memory_webhooks.go)
 	tokens   memTokens  // scoped admin tokens (memory_admintokens.go)
 	topups   memTopUps  // auto top-up settings and attempts (memory_topup.go)
+	jobs     memJobs    // background responses and batches (memory_jobs.go)
+	bfiles   memFiles   // batch files (memory_batchfiles.go)
 	// lastLimit is the last limit id given out (ids are never reused).
 	lastLimit int64
 }
@@ -303,6 +305,10 @@ func (m *Ledger) UnsettledUsage(ctx context.Context, org string, holdIDs []strin
 		if u, err := uuid.Parse(id); err == nil {
 			key = u.String()
 		}
+		if j := m.jobs.byID[key]; j != nil && j.Org == org && j.Live() {
+			out[id] = true // a live job's hold
+			continue
+		}
 		e := m.events[key]
 		if e == nil || e.ev.Org != org || e.voided {
 			continue
@@ -392,8 +398,16 @@ func (m *Ledger) recordUsage(events []ledger.UsageEvent) ([]string, error) {
 			return nil, err
 		}
 	}
-	var orgs []string
 	m.mu.Lock()
+	orgs := m.storeEvents(evs)
+	m.mu.Unlock()
+	return orgs, nil
+}
+
+// storeEvents stores normalized events, skipping the ids already stored, and returns the orgs
+// of those it stored (m.mu held).
+func (m *Ledger) storeEvents(evs []ledger.UsageEvent) []string {
+	var orgs []string
 	for _, ev := range evs {
 		if m.events[ev.ID] != nil {
 			continue
@@ -407,8 +421,7 @@ func (m *Ledger) recordUsage(events []ledger.UsageEvent) ([]string, error) {
 			orgs = append(orgs, ev.Org)
 		}
 	}
-	m.mu.Unlock()
-	return orgs, nil
+	return orgs
 }
 
 // VoidUsage stores a tombstone for ev.ID unless the event is stored (ErrUsageRecorded).

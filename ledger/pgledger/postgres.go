@@ -1167,7 +1167,7 @@ SELECT x.id::text FROM usage_pending p CROSS JOIN LATERAL unnest(p.ids, p.orgs) 
 WHERE p.orgs && ARRAY[$1::text] AND x.org = $1 AND x.id = ANY ($2::text[]::uuid[])
 UNION
 SELECT l.hold_id::text FROM accounts a JOIN ledger_entries l ON l.org_id = a.org_id AND l.seq > a.settled_seq
-WHERE a.org_id = $1 AND l.kind = 'charge' AND l.hold_id = ANY ($2::text[]::uuid[])`, org, ids)
+WHERE a.org_id = $1 AND l.kind = 'charge' AND l.hold_id = ANY ($2::text[]::uuid[])`+liveJobHolds, org, ids)
 	if err != nil {
 		return nil, wrapPg("unsettled usage", err)
 	}
@@ -1320,6 +1320,31 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, no
 	if len(events) == 0 {
 		return nil
 	}
+	args, norm, err := usageArgs(events)
+	if err != nil {
+		return err
+	}
+	n := len(events)
+	sql, again := sqlRecordQuiet, sqlRecordQuietOnConflict
+	if notify {
+		sql, again = sqlRecordNotify, sqlRecordNotifyOnConflict
+	}
+	if n >= minCopy {
+		err = p.recordCopy(ctx, norm, notify)
+	} else {
+		_, err = p.pool.Exec(ctx, sql, args...)
+	}
+	if pe := (*pgconn.PgError)(nil); errors.As(err, &pe) && pe.Code == "23505" && pe.TableName == "usage_events" {
+		_, err = p.pool.Exec(ctx, again, args...)
+	}
+	if err != nil && notSent(err) {
+		return fmt.Errorf("%w: %w", ledger.ErrNotRecorded, wrapPg("record usage", err))
+	}
+	return wrapPg("record usage", err)
+}
+
+// usageArgs normalizes events and returns them as sqlRecord's arguments (one array per column).
+func usageArgs(events []ledger.UsageEvent) ([]any, []ledger.UsageEvent, error) {
 	n := len(events)
 	var (
 		ids, orgs, models, keys, endpoints = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
@@ -1336,7 +1361,7 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, no
 	for i, ev := range events {
 		ev, err := ledger.NormalizeEvent(ev)
 		if err != nil {
-			return err
+			return nil, nil, err
 		}
 		norm[i] = ev
 		ids[i], orgs[i], models[i], keys[i], endpoints[i] = ev.ID, ev.Org, ev.Model, ev.KeyID, ev.Endpoint
@@ -1348,24 +1373,7 @@ func (p *Ledger) recordUsage(ctx context.Context, events []ledger.UsageEvent, no
 			reserved[i] = &ev.ReservedAt
 		}
 	}
-	args := []any{ids, orgs, models, keys, endpoints, prompt, units, completion, reasoning, costs, holds, estimated, created, projects, reserved, choices, endUsers}
-	sql, again := sqlRecordQuiet, sqlRecordQuietOnConflict
-	if notify {
-		sql, again = sqlRecordNotify, sqlRecordNotifyOnConflict
-	}
-	var err error
-	if n >= minCopy {
-		err = p.recordCopy(ctx, norm, notify)
-	} else {
-		_, err = p.pool.Exec(ctx, sql, args...)
-	}
-	if pe := (*pgconn.PgError)(nil); errors.As(err, &pe) && pe.Code == "23505" && pe.TableName == "usage_events" {
-		_, err = p.pool.Exec(ctx, again, args...)
-	}
-	if err != nil && notSent(err) {
-		return fmt.Errorf("%w: %w", ledger.ErrNotRecorded, wrapPg("record usage", err))
-	}
-	return wrapPg("record usage", err)
+	return []any{ids, orgs, models, keys, endpoints, prompt, units, completion, reasoning, costs, holds, estimated, created, projects, reserved, choices, endUsers}, norm, nil
 }
 
 // recordCopy is recordUsage's statement for a large batch of normalized events: in one

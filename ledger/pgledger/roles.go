@@ -24,7 +24,7 @@ var identRe = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 // dataTables are the tables the data role reads; dataWrites what it may change in them.
 var (
 	dataTables = []string{"ledger_meta", "accounts", "models", "api_keys", "usage_events", "usage_pending", "ledger_entries",
-		"projects", "limits", "limit_windows", "key_days", "webhook_endpoints", "webhook_events", "webhook_deliveries", "schema_migrations"}
+		"projects", "limits", "limit_windows", "key_days", "webhook_endpoints", "webhook_events", "webhook_deliveries", "schema_migrations", "jobs", "batch_files"}
 	dataWrites = []string{
 		"INSERT, UPDATE ON usage_events",
 		"INSERT, UPDATE, DELETE ON usage_pending",
@@ -38,6 +38,8 @@ var (
 		"INSERT, UPDATE, DELETE ON limit_windows", // each window's spend, kept by the account pass
 		"INSERT ON webhook_events",
 		"INSERT, UPDATE ON webhook_deliveries",
+		"INSERT, UPDATE ON jobs",        // background responses and batches: recorded, polled, settled by the proxies
+		"INSERT, UPDATE ON batch_files", // batch files: recorded by the proxies for their org
 	}
 )
 
