@@ -14,7 +14,8 @@ import (
 // POST /v1/responses/{id}/cancel cancels a response that has not ended ("cancelled", billed
 // its input only); DELETE /v1/responses/{id} forgets it; GET …/input_items lists its input.
 // An ended response is kept Options.BackgroundKeep, then 404; [lose] makes the upstream lose
-// it as soon as it ends (404), as an upstream that dropped a result. GET with stream=true
+// it as soon as it ends (404), as an upstream that dropped a result; [hold] keeps it in progress
+// until it is cancelled. GET with stream=true
 // replays the response's events ([slow] does not apply), starting after starting_after.
 
 type bgResponse struct {
@@ -23,6 +24,7 @@ type bgResponse struct {
 	input    string
 	fail     bool
 	lose     bool
+	hold     bool      // [hold]: never ends unless cancelled
 	cancel   time.Time // when cancelled (zero: not)
 	inputTok int
 }
@@ -40,7 +42,7 @@ func (s *Server) bgState(b *bgResponse, now time.Time) (response, bool) {
 	case now.Before(b.created.Add(d / 2)):
 		out.Status, out.Usage, out.Output, out.IncompleteDetails = "queued", nil, []outputItem{}, nil
 		return out, false
-	case now.Before(ended):
+	case now.Before(ended) || b.hold:
 		out.Status, out.Usage, out.Output, out.IncompleteDetails = "in_progress", nil, []outputItem{}, nil
 		return out, false
 	case b.fail:
@@ -59,7 +61,8 @@ func (s *Server) background(w http.ResponseWriter, req *apiRequest, words int, l
 	id, msgID := s.nextID("resp"), s.nextID("msg")
 	a := answer{plan: p, id: id, created: time.Now().Unix(), out: outputWords(p.completionTokens)}
 	b := &bgResponse{final: finalResponse(req, a, msgID), created: time.Now(), input: last, inputTok: p.promptTokens,
-		fail: strings.Contains(last, "[bgfail]"), lose: strings.Contains(last, "[lose]")}
+		fail: strings.Contains(last, "[bgfail]"), lose: strings.Contains(last, "[lose]"),
+		hold: strings.Contains(last, "[hold]")}
 	s.mu.Lock()
 	if s.bg == nil {
 		s.bg = map[string]*bgResponse{}
