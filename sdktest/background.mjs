@@ -36,7 +36,8 @@ try {
   other = { status: e.status, notFound: e instanceof OpenAI.NotFoundError };
 }
 
-const second = await client.responses.create({ model, input: 'cancel me', background: true });
+// [hold]: the fake upstream keeps this one running until it is cancelled
+const second = await client.responses.create({ model, input: '[hold] cancel me', background: true });
 const cancelled = await client.responses.cancel(second.id);
 
 console.log(JSON.stringify({

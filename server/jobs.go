@@ -118,6 +118,9 @@ func responseObservation(j job.Job, body []byte) (async.Observation, error) {
 	if !st.Terminal() {
 		return o, nil
 	}
+	if at := gjson.GetBytes(body, "completed_at"); at.Type == gjson.Number && at.Int() > 0 {
+		o.EndedAt = time.Unix(at.Int(), 0) // the settle lag counts from the upstream's end
+	}
 	switch {
 	case ok:
 		cost, err := j.Prices.Cost(usage)

@@ -14,7 +14,8 @@ import (
 // POST /v1/responses/{id}/cancel cancels a response that has not ended ("cancelled", billed
 // its input only); DELETE /v1/responses/{id} forgets it; GET …/input_items lists its input.
 // An ended response is kept Options.BackgroundKeep, then 404; [lose] makes the upstream lose
-// it as soon as it ends (404), as an upstream that dropped a result. GET with stream=true
+// it as soon as it ends (404), as an upstream that dropped a result; [hold] keeps it in progress
+// until it is cancelled. GET with stream=true
 // replays the response's events ([slow] does not apply), starting after starting_after.
 
 type bgResponse struct {
@@ -23,12 +24,27 @@ type bgResponse struct {
 	input    string
 	fail     bool
 	lose     bool
+	hold     bool      // [hold]: never ends unless cancelled
 	cancel   time.Time // when cancelled (zero: not)
 	inputTok int
 }
 
 // bgState is the response as of now: its status, and whether it is gone (404).
 func (s *Server) bgState(b *bgResponse, now time.Time) (response, bool) {
+	out, _, gone := s.bgStateAt(b, now)
+	return out, gone
+}
+
+// bgStateAt is bgState with the time the response ended (zero while it runs).
+func (s *Server) bgStateAt(b *bgResponse, now time.Time) (response, time.Time, bool) {
+	out, ended, gone := s.bgEnd(b, now)
+	if out.Status == "queued" || out.Status == "in_progress" {
+		ended = time.Time{}
+	}
+	return out, ended, gone
+}
+
+func (s *Server) bgEnd(b *bgResponse, now time.Time) (response, time.Time, bool) {
 	d := s.opts.BackgroundDelay
 	out := b.final
 	ended := b.created.Add(d)
@@ -39,18 +55,18 @@ func (s *Server) bgState(b *bgResponse, now time.Time) (response, bool) {
 		out.Usage = &ResponsesUsage{InputTokens: b.inputTok, TotalTokens: b.inputTok}
 	case now.Before(b.created.Add(d / 2)):
 		out.Status, out.Usage, out.Output, out.IncompleteDetails = "queued", nil, []outputItem{}, nil
-		return out, false
-	case now.Before(ended):
+		return out, ended, false
+	case now.Before(ended) || b.hold:
 		out.Status, out.Usage, out.Output, out.IncompleteDetails = "in_progress", nil, []outputItem{}, nil
-		return out, false
+		return out, ended, false
 	case b.fail:
 		out.Status, out.Output, out.IncompleteDetails = "failed", []outputItem{}, nil
 		out.Usage = &ResponsesUsage{InputTokens: b.inputTok, TotalTokens: b.inputTok}
 	}
 	if b.lose || now.After(ended.Add(s.opts.BackgroundKeep)) {
-		return out, true
+		return out, ended, true
 	}
-	return out, false
+	return out, ended, false
 }
 
 // background starts a background response.
@@ -59,7 +75,8 @@ func (s *Server) background(w http.ResponseWriter, req *apiRequest, words int, l
 	id, msgID := s.nextID("resp"), s.nextID("msg")
 	a := answer{plan: p, id: id, created: time.Now().Unix(), out: outputWords(p.completionTokens)}
 	b := &bgResponse{final: finalResponse(req, a, msgID), created: time.Now(), input: last, inputTok: p.promptTokens,
-		fail: strings.Contains(last, "[bgfail]"), lose: strings.Contains(last, "[lose]")}
+		fail: strings.Contains(last, "[bgfail]"), lose: strings.Contains(last, "[lose]"),
+		hold: strings.Contains(last, "[hold]")}
 	s.mu.Lock()
 	if s.bg == nil {
 		s.bg = map[string]*bgResponse{}
@@ -67,12 +84,17 @@ func (s *Server) background(w http.ResponseWriter, req *apiRequest, words int, l
 	s.bg[id] = b
 	s.mu.Unlock()
 	out, _ := s.bgState(b, b.created)
-	writeJSON(w, http.StatusOK, bgBody(out))
+	writeJSON(w, http.StatusOK, bgBody(out, time.Time{}))
 }
 
-// bgBody is a background response as the API shows it.
-func bgBody(r response) map[string]any {
-	return map[string]any{"id": r.ID, "object": r.Object, "created_at": r.CreatedAt, "status": r.Status,
+// bgBody is a background response as the API shows it; an ended one has completed_at (unix
+// seconds).
+func bgBody(r response, ended time.Time) map[string]any {
+	var completed any
+	if !ended.IsZero() {
+		completed = ended.Unix()
+	}
+	return map[string]any{"completed_at": completed, "id": r.ID, "object": r.Object, "created_at": r.CreatedAt, "status": r.Status,
 		"background": true, "error": nil, "incomplete_details": r.IncompleteDetails, "max_output_tokens": r.MaxOutputTokens,
 		"model": r.Model, "output": r.Output, "usage": r.Usage}
 }
@@ -84,10 +106,13 @@ func (s *Server) backgroundRoute(w http.ResponseWriter, r *http.Request) {
 	now := time.Now()
 	s.mu.Lock()
 	b := s.bg[id]
-	var out response
+	var (
+		out   response
+		ended time.Time
+	)
 	gone := b == nil
 	if b != nil {
-		out, gone = s.bgState(b, now)
+		out, ended, gone = s.bgStateAt(b, now)
 		if gone {
 			delete(s.bg, id)
 		}
@@ -110,11 +135,11 @@ func (s *Server) backgroundRoute(w http.ResponseWriter, r *http.Request) {
 		}
 		for i, typ := range evs {
 			if i > after {
-				_ = e.event(typ, map[string]any{"type": typ, "sequence_number": i, "response": bgBody(out)})
+				_ = e.event(typ, map[string]any{"type": typ, "sequence_number": i, "response": bgBody(out, ended)})
 			}
 		}
 	case sub == "" && r.Method == http.MethodGet:
-		writeJSON(w, http.StatusOK, bgBody(out))
+		writeJSON(w, http.StatusOK, bgBody(out, ended))
 	case sub == "" && r.Method == http.MethodDelete:
 		s.mu.Lock()
 		delete(s.bg, id)
@@ -129,9 +154,9 @@ func (s *Server) backgroundRoute(w http.ResponseWriter, r *http.Request) {
 		if out.Status == "queued" || out.Status == "in_progress" {
 			b.cancel = now
 		}
-		out, _ = s.bgState(b, now)
+		out, ended, _ = s.bgStateAt(b, now)
 		s.mu.Unlock()
-		writeJSON(w, http.StatusOK, bgBody(out))
+		writeJSON(w, http.StatusOK, bgBody(out, ended))
 	default:
 		writeError(w, http.StatusNotFound, "invalid_request_error", "unknown_url", "Invalid URL ("+r.Method+" "+r.URL.Path+")")
 	}
