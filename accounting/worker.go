@@ -854,7 +854,7 @@ func (w *Worker) pushOlderLimits(ctx context.Context, org string, epoch balance.
 		return false, err
 	}
 	w.store.ObserveEpoch(epoch) // the push's floor is kept per epoch
-	pushed, err := w.store.PushLimits(ctx, org, ls.Version)
+	pushed, err := w.store.PushLimits(ctx, org, ls)
 	if err != nil || !pushed {
 		return false, err
 	}

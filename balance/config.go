@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // Defaults of the Config fields left zero.
@@ -90,6 +92,15 @@ type Config struct {
 	AllowEviction bool
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// Admin is the Redis client of the admin plane (DESIGN.md "Two planes"): the writes of the
+	// keys the data plane only reads — limits (PushLimits), key revocations (RevokeKey), model
+	// versions (TouchModel), the ledger epoch (PushEpoch) — go through it. nil: the Store's own
+	// client writes them too (one Redis user for both planes), unless DataOnly.
+	Admin redis.UniversalClient
+	// DataOnly: the Store has the data plane's credential only (the proxies of a split
+	// deployment). Admin writes fail with ErrDataPlane, and an org whose limits are not in Redis
+	// is ErrNoLimits (answered 503) until the admin plane pushes them. Not with Admin.
+	DataOnly bool
 }
 
 // withDefaults returns a copy of c (nil: the zero Config) with every zero field set to its
@@ -134,6 +145,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("%w: MaxInFlight (%d) must be ≥ 1", ErrConfig, c.MaxInFlight)
 	case c.ModelMaxCacheTTL < 0 || c.ScanPause < 0:
 		return fmt.Errorf("%w: ModelMaxCacheTTL (%v) and ScanPause (%v) must be ≥ 0", ErrConfig, c.ModelMaxCacheTTL, c.ScanPause)
+	case c.DataOnly && c.Admin != nil:
+		return fmt.Errorf("%w: DataOnly with an Admin client", ErrConfig)
 	case !validPrefix(c.Prefix):
 		return fmt.Errorf("%w: prefix %q: 1 to 64 printable ASCII bytes, none of {}*?[]\\ or space", ErrConfig, c.Prefix)
 	}

@@ -3,35 +3,47 @@ package balance
 import "strings"
 
 // OrgKeys are the Redis keys of one org's hot state (DESIGN.md "Redis keys"; the package
-// documentation says what each holds). Every name is "<prefix>:{<org>}:<kind>": the org is the
-// hash tag, so all of an org's keys are on one Cluster slot and one script may touch them
-// together. KeysOf is the one place this layout is written; the Store and every tool that reads
-// or writes Redis directly (tests, the bench) take the names from it.
+// documentation says what each holds). The org is the hash tag, so all of an org's keys are on
+// one Cluster slot and one script may touch them together. The keys fall in two planes (DESIGN.md
+// "Two planes"), told apart by pattern so that a Redis ACL user can be given one and only read the
+// other (AdminPattern, DataPatterns):
+//
+//	data  "<prefix>:{<org>}:<kind>"     acct, holds, hexp, hfin, gone, u
+//	admin "<prefix>:a:{<org>}:<kind>"   lim
+//
+// KeysOf is the one place this layout is written; the Store and every tool that reads or writes
+// Redis directly (tests, the bench) take the names from it.
 type OrgKeys struct {
 	Acct  string // hash: bal, wm, epoch, lv
 	Holds string // hash: hold id → record
 	Hexp  string // zset: unfinished hold id → expiry (ms)
 	Hfin  string // zset: finished hold id → expiry (ms)
 	Gone  string // zset: tombstones of ended hold ids → time (ms)
-	Lim   string // hash: limits, freezes, key → project
+	Lim   string // admin plane. hash: limits, freezes, key → project, version v, ledger epoch
 	U     string // hash: window counters
-	LimV  string // string: the limits floor "<epoch>|<version>" PushLimits raises
 }
 
-// orgKinds are the key kinds, in the order keysOf fills OrgKeys's fields.
-var orgKinds = [...]string{"acct", "holds", "hexp", "hfin", "gone", "lim", "u", "limv"}
+// adminPlane is the segment after the prefix that puts a key in the admin plane.
+const adminPlane = ":a"
+
+// orgKinds are the key kinds, in the order keysOf fills OrgKeys's fields; admin marks the kinds
+// of the admin plane.
+var orgKinds = [...]struct {
+	kind  string
+	admin bool
+}{{"acct", false}, {"holds", false}, {"hexp", false}, {"hfin", false}, {"gone", false}, {"lim", true}, {"u", false}}
 
 // KeysOf returns the names of org's keys under prefix (Config.Prefix; DefaultPrefix unless
 // set). It checks neither; the Store calls it only with a valid org.
 func KeysOf(prefix, org string) OrgKeys {
 	var k OrgKeys
-	dst := [len(orgKinds)]*string{&k.Acct, &k.Holds, &k.Hexp, &k.Hfin, &k.Gone, &k.Lim, &k.U, &k.LimV}
+	dst := [len(orgKinds)]*string{&k.Acct, &k.Holds, &k.Hexp, &k.Hfin, &k.Gone, &k.Lim, &k.U}
 	// One allocation for all of them: each name is a substring of it.
 	var b strings.Builder
-	b.Grow(len(orgKinds)*(len(prefix)+len(org)+len(":{}:")) + len("acctholdshexphfingonelimulimv"))
+	b.Grow(len(orgKinds)*(len(prefix)+len(org)+len(":{}:")) + len("acctholdshexphfingonelimu") + len(adminPlane))
 	var ends [len(orgKinds)]int
-	for i, kind := range orgKinds {
-		writeOrgKey(&b, prefix, org, kind)
+	for i, kd := range orgKinds {
+		writeOrgKey(&b, prefix, org, kd.kind, kd.admin)
 		ends[i] = b.Len()
 	}
 	all := b.String()
@@ -44,12 +56,27 @@ func KeysOf(prefix, org string) OrgKeys {
 }
 
 // writeOrgKey writes the key of one kind: the layout itself.
-func writeOrgKey(b *strings.Builder, prefix, org, kind string) {
+func writeOrgKey(b *strings.Builder, prefix, org, kind string, admin bool) {
 	b.WriteString(prefix)
+	if admin {
+		b.WriteString(adminPlane)
+	}
 	b.WriteString(":{")
 	b.WriteString(org)
 	b.WriteString("}:")
 	b.WriteString(kind)
+}
+
+// AdminPattern is the key pattern (Redis glob) of every admin-plane key under prefix: the org's
+// limits, the models' versions, the key revocations and the ledger epoch. Only the admin plane
+// writes them; the data plane reads them.
+func AdminPattern(prefix string) string { return prefix + adminPlane + ":*" }
+
+// DataPatterns are the key patterns of every data-plane key under prefix: the orgs' hot state
+// (balances, holds, expiries, tombstones, counters) and the models' learned max and in-flight
+// marks. No admin key matches them.
+func DataPatterns(prefix string) []string {
+	return []string{prefix + ":{*", prefix + ":model:*"}
 }
 
 // ReserveKeys are the KEYS of the reserve script (lua.Reserve), in its order: acct, holds,
@@ -100,11 +127,18 @@ func (s *Store) kindPattern(kind func(OrgKeys) string) (pattern string, orgOf fu
 // modelKey is the model's learned max cost: its own key, outside any org's slot.
 func (s *Store) modelKey(model string) string { return s.prefix + ":model:" + model + ":max" }
 
-// modelVerKey is the version of the model's last change (TouchModel), beside its learned max.
-func (s *Store) modelVerKey(model string) string { return s.prefix + ":model:" + model + ":ver" }
+// modelVerKey is the version of the model's last change (TouchModel): admin plane.
+func (s *Store) modelVerKey(model string) string {
+	return s.prefix + adminPlane + ":model:" + model + ":ver"
+}
 
 // modelUseKey holds the marks of the processes with requests of the model in flight (UseModel).
 func (s *Store) modelUseKey(model string) string { return s.prefix + ":model:" + model + ":use" }
 
-// revokedKey is RevokeKey's mark of an API key.
-func (s *Store) revokedKey(keyID string) string { return s.prefix + ":key:" + keyID + ":revoked" }
+// revokedKey is RevokeKey's mark of an API key: admin plane.
+func (s *Store) revokedKey(keyID string) string {
+	return s.prefix + adminPlane + ":key:" + keyID + ":revoked"
+}
+
+// epochKey is the ledger epoch the admin plane last pushed (PushEpoch): admin plane.
+func (s *Store) epochKey() string { return s.prefix + adminPlane + ":epoch" }

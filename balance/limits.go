@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // ScopeKind is what a limit or a freeze applies to.
@@ -395,28 +397,64 @@ func scopeField(prefix string, s Scope) string {
 	return prefix + "o"
 }
 
-// PushLimits is called after the org's limits, freezes or key → project map changed in the
-// ledger (to version): unless the hot state already has that version or a newer one, it drops
-// the org's hot balance, limits and counters together, so the next request reseeds all three
-// from one snapshot (which counts the current windows' spend so far). Freezes take effect at
-// once: the next reserve anywhere is cold and reads them from the ledger. It also raises the
-// org's limits floor to version (under the store's ledger epoch), so that a seed of a snapshot
-// read before the change, written after this push, is refused and re-read (Seed's
-// ErrStaleSnapshot) instead of bringing the old limits back. Re-pushing is safe.
-// pushed reports whether this call dropped anything.
-func (s *Store) PushLimits(ctx context.Context, org string, version int64) (pushed bool, err error) {
+// PushLimits writes the org's limits, freezes and key → project map (ls, as the ledger has them
+// at ls.Version) to Redis: the admin plane's one write of them (DESIGN.md "Two planes"; no
+// data-plane script writes or deletes them). Unless Redis already has that version or a newer
+// one of the store's ledger epoch, it replaces them and drops the org's hot balance and counters
+// in the same call, so the next request reseeds them from a snapshot of that version (which
+// counts the current windows' spend so far). Freezes take effect at once. The version in Redis is
+// also the limits floor: a seed of a snapshot read before the change, written after this push,
+// is refused and re-read (Seed's ErrStaleSnapshot) instead of counting under the old limits.
+// Re-pushing is safe. pushed reports whether this call wrote them. ErrDataPlane on a store of
+// the data plane only.
+func (s *Store) PushLimits(ctx context.Context, org string, ls Limits) (pushed bool, err error) {
+	return s.pushLimits(ctx, org, s.epochArg(), ls)
+}
+
+func (s *Store) pushLimits(ctx context.Context, org string, epoch any, ls Limits) (bool, error) {
 	if err := checkOrg(org); err != nil {
 		return false, err
 	}
-	if version < 0 {
-		return false, fmt.Errorf("%w: version %d", ErrInvalidLimits, version)
+	if s.adm == nil {
+		return false, fmt.Errorf("balance: push limits: %w", ErrDataPlane)
+	}
+	lim, err := ls.limFields()
+	if err != nil {
+		return false, err
 	}
 	k := s.keys(org)
-	n, err := s.run(ctx, scPushLim, []string{k.Acct, k.Lim, k.U, k.LimV}, strconv.FormatInt(version, 10), s.epochArg()).Int64()
+	args := make([]any, 0, 3+len(lim))
+	args = append(args, strconv.FormatInt(ls.Version, 10), epoch, strconv.Itoa(len(lim)/2))
+	args = append(args, lim...)
+	n, err := s.runAdmin(ctx, scPushLim, []string{k.Acct, k.Lim, k.U}, args...).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: push limits: %w: %w", ErrRedis, err)
 	}
 	return n == 1, nil
+}
+
+// pushSnapshotLimits pushes the limits of snap (under its epoch) for a seed that found them
+// missing in Redis, when this store may: else, or when Redis refuses the admin key to its user
+// (NOPERM), ErrNoLimits.
+func (s *Store) pushSnapshotLimits(ctx context.Context, org string, snap Snapshot) error {
+	if s.adm == nil {
+		return ErrNoLimits
+	}
+	var ls Limits
+	if snap.Limits != nil {
+		ls = snap.Limits.Limits
+	}
+	_, err := s.pushLimits(ctx, org, snap.Epoch.String(), ls)
+	if isNoPerm(err) {
+		return fmt.Errorf("%w: %w", ErrNoLimits, err)
+	}
+	return err
+}
+
+// isNoPerm reports whether Redis refused a command to this connection's ACL user.
+func isNoPerm(err error) bool {
+	var re redis.Error
+	return errors.As(err, &re) && strings.HasPrefix(re.Error(), "NOPERM")
 }
 
 // Counter is one window counter of the hot state.
@@ -471,3 +509,39 @@ func (s Scope) Validate() error { return checkScope(s) }
 
 // Valid reports whether w is one of the windows.
 func (w Window) Valid() bool { return w.valid() }
+
+// PushEpoch records the ledger epoch the admin plane serves in Redis (an admin-plane key,
+// "<prefix>:a:epoch"), unless Redis already has one of a higher generation. ErrDataPlane on a
+// store of the data plane only.
+func (s *Store) PushEpoch(ctx context.Context, e Epoch) error {
+	if s.adm == nil {
+		return fmt.Errorf("balance: push epoch: %w", ErrDataPlane)
+	}
+	if e.IsZero() {
+		return fmt.Errorf("%w: zero epoch", ErrInvalidEntry)
+	}
+	cur, err := s.PushedEpoch(ctx)
+	if err != nil {
+		return err
+	}
+	if cur == e || cur.Gen > e.Gen {
+		return nil
+	}
+	if err := s.adm.Set(ctx, s.epochKey(), e.String(), 0).Err(); err != nil {
+		return fmt.Errorf("balance: push epoch: %w: %w", ErrRedis, err)
+	}
+	return nil
+}
+
+// PushedEpoch reads the ledger epoch PushEpoch recorded (zero if none).
+func (s *Store) PushedEpoch(ctx context.Context) (Epoch, error) {
+	v, err := s.c.Get(ctx, s.epochKey()).Result()
+	if errors.Is(err, redis.Nil) {
+		return Epoch{}, nil
+	}
+	if err != nil {
+		s.noteErr(err)
+		return Epoch{}, fmt.Errorf("balance: pushed epoch: %w: %w", ErrRedis, err)
+	}
+	return ParseEpoch(v)
+}

@@ -18,6 +18,7 @@ import (
 // Store is the hot balance of every org in Redis. It is safe for concurrent use.
 type Store struct {
 	c      redis.UniversalClient
+	adm    redis.UniversalClient // the admin plane's writes; nil: none (Config.DataOnly)
 	cfg    Config
 	log    *slog.Logger
 	prefix string
@@ -92,6 +93,12 @@ func New(ctx context.Context, c redis.UniversalClient, conf *Config) (*Store, er
 		scripts:  newScripts(),
 		topo:     newTopology(c),
 		held:     make(map[string]uint64),
+	}
+	switch {
+	case cfg.Admin != nil:
+		s.adm = cfg.Admin
+	case !cfg.DataOnly:
+		s.adm = c
 	}
 	s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg = s.holdTTL, s.capArg, s.tombTTL, s.pinFloor
 	if !cfg.NoCoalesce {
@@ -209,7 +216,10 @@ func (s *Store) RevokeKey(ctx context.Context, keyID string) error {
 	if err := checkKeyID(keyID); err != nil {
 		return err
 	}
-	if err := s.c.Set(ctx, s.revokedKey(keyID), "1", RevocationTTL).Err(); err != nil {
+	if s.adm == nil {
+		return fmt.Errorf("balance: revoke key: %w", ErrDataPlane)
+	}
+	if err := s.adm.Set(ctx, s.revokedKey(keyID), "1", RevocationTTL).Err(); err != nil {
 		s.noteErr(err)
 		return fmt.Errorf("balance: revoke key: %w: %w", ErrRedis, err)
 	}
@@ -607,12 +617,14 @@ func (s *Store) Settle(ctx context.Context, org string, epoch Epoch, entries []E
 	return statuses, nil
 }
 
-// Seed writes a cold org's hot balance, limits and window counters from a ledger snapshot,
-// together: bal = Balance − Σ holds, wm = Seq; lim = snap.Limits; the counter of each limit's
-// current window (on the Redis clock) = its group in snap.Used (0 if none) + the live holds
-// added to it. seeded is false when the org already has a hot balance of this epoch (with
-// limits as new as it was seeded with) or of a higher generation. Call CatchUp after it (Warm
-// does both).
+// Seed writes a cold org's hot balance and window counters from a ledger snapshot, together:
+// bal = Balance − Σ holds, wm = Seq; the counter of each limit's current window (on the Redis
+// clock) = its group in snap.Used (0 if none) + the live holds added to it. The limits
+// themselves are the admin plane's (PushLimits): Seed needs them in Redis at the snapshot's
+// version and epoch — ErrStaleSnapshot when Redis has newer ones, ErrNoLimits when it has none,
+// older ones or another epoch's (Warm pushes them first when it may). seeded is false when the
+// org already has a hot balance of this epoch (with limits as new as it was seeded with) or of a
+// higher generation. Call CatchUp after it (Warm does both).
 func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, error) {
 	if err := checkOrg(org); err != nil {
 		return false, err
@@ -650,12 +662,15 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 	}
 	s.ObserveEpoch(snap.Epoch)
 	k := s.keys(org)
-	n, err := s.run(ctx, scSeed, []string{k.Acct, k.Holds, k.Lim, k.U, k.LimV}, args...).Int64()
+	n, err := s.run(ctx, scSeed, []string{k.Acct, k.Holds, k.Lim, k.U}, args...).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: seed: %w: %w", ErrRedis, err)
 	}
-	if n == -1 {
+	switch n {
+	case -1:
 		return false, ErrStaleSnapshot
+	case -2:
+		return false, ErrNoLimits
 	}
 	return n == 1, nil
 }
@@ -686,6 +701,14 @@ func (s *Store) Warm(ctx context.Context, org string) error {
 				return nil, fmt.Errorf("balance: snapshot of %s: %w: %w", org, ErrLedger, err)
 			}
 			_, err = s.Seed(ctx, org, snap)
+			if errors.Is(err, ErrNoLimits) {
+				// The admin plane's limits are not in Redis at this snapshot's version: a store
+				// that may write them pushes them (the push's version order keeps a newer
+				// push), then seeds again.
+				if err = s.pushSnapshotLimits(ctx, org, snap); err == nil {
+					_, err = s.Seed(ctx, org, snap)
+				}
+			}
 			if errors.Is(err, ErrStaleSnapshot) && attempt < maxStaleSnapshots {
 				continue
 			}
@@ -758,15 +781,15 @@ func (s *Store) CatchUp(ctx context.Context, org string) error {
 	return fmt.Errorf("balance: catch-up of %s did not finish", org)
 }
 
-// Invalidate drops the org's hot balance, limits and window counters (acct, lim and u, which
-// exist or vanish together): the next request reseeds them, and the holds that stay are
-// subtracted then (and added to the counters they name).
+// Invalidate drops the org's hot balance and window counters (acct and u, which exist or vanish
+// together): the next request reseeds them, and the holds that stay are subtracted then (and
+// added to the counters they name). The limits (lim) are the admin plane's and stay.
 func (s *Store) Invalidate(ctx context.Context, org string) error {
 	if err := checkOrg(org); err != nil {
 		return err
 	}
 	k := s.keys(org)
-	if err := s.c.Del(ctx, k.Acct, k.Lim, k.U).Err(); err != nil {
+	if err := s.c.Del(ctx, k.Acct, k.U).Err(); err != nil {
 		s.noteErr(err)
 		return fmt.Errorf("balance: invalidate: %w", err)
 	}

@@ -131,6 +131,14 @@ var (
 	// ErrStaleSnapshot: Seed refused a snapshot whose limits version is older than one already
 	// pushed (PushLimits) for the same epoch; read a new snapshot.
 	ErrStaleSnapshot = errors.New("balance: snapshot older than the org's pushed limits")
+	// ErrNoLimits: the org's limits are not in Redis (lim missing: a Redis data loss, an org
+	// never pushed), or are older than the ledger's or of another ledger epoch, and this store
+	// cannot push them (Config.DataOnly, or a Redis user without the admin plane's rights). The
+	// org is answered cold until the admin plane pushes them (PushLimits, the reconciler).
+	ErrNoLimits = errors.New("balance: the org's limits are not pushed to redis")
+	// ErrDataPlane: an admin-plane write (limits, revocations, model versions, the epoch) on a
+	// store of the data plane only (Config.DataOnly).
+	ErrDataPlane = errors.New("balance: admin write on a data-plane store")
 	// ErrInsufficient: the balance does not cover the hold (see *InsufficientError).
 	ErrInsufficient = errors.New("balance: insufficient balance")
 	// ErrTooManyHolds: the org has as many requests in flight as its cap allows.

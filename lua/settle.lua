@@ -22,7 +22,7 @@
 -- the counters of every limit of lim (money, requests, tokens) in its scope (the org's, its
 -- project's, its key's, its end user's) in the window of its reserve time. A
 -- missing field is created only for a current window; a past window's is skipped. A newer
--- epoch's drop takes lim and u with acct (they exist or vanish together).
+-- epoch's drop takes u with acct; lim is the admin plane's (push-limits) and stays.
 --
 -- Reply: {'COLD'} | {'OK', wm, code, code, ...} with code 1 applied, 2 already, 3 gap (last).
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'wm')
@@ -33,7 +33,7 @@ if cur[1] ~= ARGV[1] then
   local cg = tonumber(string.match(cur[1], '^(%d+):')) or -1
   local ag = tonumber(string.match(ARGV[1], '^(%d+):')) or -1
   if ag >= cg then
-    redis.call('DEL', KEYS[1], KEYS[6], KEYS[7])
+    redis.call('DEL', KEYS[1], KEYS[7])
   end
   return {'COLD'}
 end
