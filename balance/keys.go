@@ -80,14 +80,17 @@ func DataPatterns(prefix string) []string {
 }
 
 // ReserveKeys are the KEYS of the reserve script (lua.Reserve), in its order: acct, holds,
-// hexp, gone, lim, u.
+// hexp, gone, acct again, u. The scripts of the data plane read lim without declaring it (Redis
+// checks declared keys as read-write; the data user may only read lim): lib/limits's lim_key
+// names it from acct, and acct stands in lim's old place so that the keys after it keep theirs.
 func (k OrgKeys) ReserveKeys() []string {
-	return []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Lim, k.U}
+	return []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Acct, k.U}
 }
 
-// settleKeys are the settle script's KEYS: acct, holds, hexp, gone, hfin, lim, u.
+// settleKeys are the settle script's KEYS: acct, holds, hexp, gone, hfin, acct again (see
+// ReserveKeys), u.
 func (k OrgKeys) settleKeys() []string {
-	return []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Hfin, k.Lim, k.U}
+	return []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Hfin, k.Acct, k.U}
 }
 
 // releaseKeys are the release and reap scripts' KEYS: acct, holds, hexp, gone, hfin, u.

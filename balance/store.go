@@ -662,7 +662,7 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 	}
 	s.ObserveEpoch(snap.Epoch)
 	k := s.keys(org)
-	n, err := s.run(ctx, scSeed, []string{k.Acct, k.Holds, k.Lim, k.U}, args...).Int64()
+	n, err := s.run(ctx, scSeed, []string{k.Acct, k.Holds, k.Acct, k.U}, args...).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: seed: %w: %w", ErrRedis, err)
 	}
@@ -1065,7 +1065,8 @@ func (s *Store) RaiseModelMax(ctx context.Context, model string, cost, floor, ce
 	return n, nil
 }
 
-// SetModelMax sets the model's learned max cost (an admin may lower it); 0 deletes it.
+// SetModelMax sets the model's learned max cost (an admin may lower it); 0 deletes it. An
+// admin write (through Config.Admin; ErrDataPlane with DataOnly), of a data-plane key.
 func (s *Store) SetModelMax(ctx context.Context, model string, v int64) error {
 	if err := checkModel(model); err != nil {
 		return err
@@ -1073,11 +1074,14 @@ func (s *Store) SetModelMax(ctx context.Context, model string, v int64) error {
 	if v < 0 || v > MaxAmount {
 		return fmt.Errorf("%w: model max %d", ErrInvalidAmount, v)
 	}
+	if s.adm == nil {
+		return fmt.Errorf("balance: set model max: %w", ErrDataPlane)
+	}
 	var err error
 	if v == 0 {
-		err = s.c.Del(ctx, s.modelKey(model)).Err()
+		err = s.adm.Del(ctx, s.modelKey(model)).Err()
 	} else {
-		err = s.c.Set(ctx, s.modelKey(model), v, 0).Err()
+		err = s.adm.Set(ctx, s.modelKey(model), v, 0).Err()
 	}
 	if err != nil {
 		s.noteErr(err)

@@ -1,8 +1,8 @@
 -- seed: rebuild a cold org's hot balance and window counters from a ledger snapshot, under the
 -- limits the admin plane pushed (lim: read here, never written; push-limits is its one writer).
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] lim, KEYS[4] u   (one {org} hash tag; lim under the admin
---   prefix)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] acct again (lim's old place: lim is read, never written,
+--   as lim_key(acct): lib/limits), KEYS[4] u   (one {org} hash tag)
 -- ARGV[1] epoch "<gen>:<id>" of the snapshot
 -- ARGV[2] base: the ledger balance after every entry up to W (integer string)
 -- ARGV[3] W: the snapshot's ledger sequence
@@ -33,7 +33,7 @@
 -- computed sum is ever formatted (a finished hold of cost 0 is skipped: '-0' is not an integer
 -- to Redis). The seeder then re-sends every ledger entry past W through settle (catch-up).
 local ag = tonumber(string.match(ARGV[1], '^(%d+):')) or -1
-local lim = redis.call('HMGET', KEYS[3], 'v', 'epoch')
+local lim = redis.call('HMGET', lim_key(KEYS[1]), 'v', 'epoch')
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'lv')
 if cur[1] then
   if cur[1] == ARGV[1] and lim[1] and tonumber(lim[1]) >= (tonumber(cur[2]) or 0) then

@@ -1,6 +1,7 @@
 -- settle: apply a batch of one org's ledger entries, in sequence order, to the hot balance.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin, KEYS[6] lim, KEYS[7] u
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin, KEYS[6] acct again (lim's
+--   old place; lim itself is read as lim_key(acct): lib/limits), KEYS[7] u
 --   (one {org} hash tag)
 -- ARGV[1] epoch "<gen>:<id>" read from the ledger with the entries
 -- ARGV[2] tombstone TTL, ms
@@ -52,7 +53,7 @@ local specs = {} -- lim field -> spec string (false: none), read once per call
 local function spec_of(field)
   local sp = specs[field]
   if sp == nil then
-    sp = redis.call('HGET', KEYS[6], field) or false
+    sp = redis.call('HGET', lim_key(KEYS[1]), field) or false
     specs[field] = sp
   end
   return sp or nil

@@ -33,7 +33,7 @@ func (x *h) withClock(at time.Time) *balance.Store {
 	x.t.Helper()
 	cfg := x.cfg
 	cfg.ClockOffset = at.Sub(x.redisNow())
-	s, err := balance.New(x.ctx, x.env.Client, &cfg)
+	s, err := x.env.newStore(x.ctx, &cfg)
 	if err != nil {
 		x.t.Fatalf("balance.New: %v", err)
 	}
@@ -474,7 +474,7 @@ func exerciseReserveOrder(t *testing.T, env Env) {
 func exerciseColdWithoutCurrentLim(t *testing.T, env Env) {
 	t.Parallel()
 	x := limited(t, env, balance.Config{}, 1_000, balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Day, 500)}})
-	keys := []string{x.keys().Acct, x.keys().Holds, x.keys().Hexp, x.keys().Gone, x.keys().Lim, x.keys().U}
+	keys := x.keys().ReserveKeys()
 	call := func() string {
 		res, err := x.env.Client.Eval(x.ctx, reserveSrc(), keys, x.s.Epoch().String(), randomID("h"), "10", "1000", "10", "1000", "1000", "", "0").Slice()
 		if err != nil {
