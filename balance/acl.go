@@ -27,7 +27,6 @@ var dataCommands = []string{
 	"+readonly", "+readwrite", "+asking",
 }
 
-
 // ACLRules returns the two ACL SETUSER commands of a split deployment under prefix, one line
 // each (DESIGN.md "Two planes"): the data user — the proxies — may run the scripts and the few
 // commands a data-plane Store sends, read and write the data keys (DataPatterns) and only read
