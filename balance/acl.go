@@ -20,6 +20,8 @@ var dataCommands = []string{
 	"+hget", "+hmget", "+hset", "+hsetnx", "+hdel", "+hexists", "+hgetall", "+hvals", "+hincrby",
 	"+zadd", "+zrem", "+zscore", "+zcard", "+zcount", "+zrange", "+zrangebyscore", "+zremrangebyscore",
 	"+pexpire", "+set",
+	"+sadd", // WantLimits: a data-plane store asks the admin plane for an org's limits
+	"+spop", // TakeWantedLimits, the admin plane's (the key is a data key)
 	// what the Store sends outside scripts
 	"+get", "+exists", "+hmget", "+hscan", "+del", "+scan", "+time",
 	"+ping", "+echo", "+hello", "+auth", "+select", "+client|setname", "+client|id", "+command",

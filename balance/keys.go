@@ -143,5 +143,10 @@ func (s *Store) revokedKey(keyID string) string {
 	return s.prefix + adminPlane + ":key:" + keyID + ":revoked"
 }
 
+// limWantKey is the set of orgs whose limits a data-plane store found missing (WantLimits): a
+// data-plane key, so the data user may add to it; the admin plane takes them (TakeWantedLimits)
+// and pushes their limits. "!" is no org id, so it is no org's key.
+func (s *Store) limWantKey() string { return s.prefix + ":{!}:limwant" }
+
 // epochKey is the ledger epoch the admin plane last pushed (PushEpoch): admin plane.
 func (s *Store) epochKey() string { return s.prefix + adminPlane + ":epoch" }

@@ -446,7 +446,7 @@ func (s *Store) pushSnapshotLimits(ctx context.Context, org string, snap Snapsho
 	}
 	_, err := s.pushLimits(ctx, org, snap.Epoch.String(), ls)
 	if isNoPerm(err) {
-		return fmt.Errorf("%w: %w", ErrNoLimits, err)
+		return fmt.Errorf("%w: %v", ErrNoLimits, err) // not ErrRedis: Redis answered (no fail-open)
 	}
 	return err
 }
@@ -544,4 +544,32 @@ func (s *Store) PushedEpoch(ctx context.Context) (Epoch, error) {
 		return Epoch{}, fmt.Errorf("balance: pushed epoch: %w: %w", ErrRedis, err)
 	}
 	return ParseEpoch(v)
+}
+
+// wantLimits asks the admin plane to push org's limits (a data-plane store met ErrNoLimits):
+// best effort, the org is added to a set the admin plane's worker takes from.
+func (s *Store) wantLimits(ctx context.Context, org string) {
+	if err := s.c.SAdd(ctx, s.limWantKey(), org).Err(); err != nil {
+		s.log.Warn("balance: asking the admin plane for an org's limits", "org", org, "err", err)
+	}
+}
+
+// TakeWantedLimits takes up to n orgs whose limits a data-plane store found missing in Redis
+// (ErrNoLimits): the admin plane pushes each (PushLimits). ErrDataPlane on a store of the data
+// plane only (it could not push them).
+func (s *Store) TakeWantedLimits(ctx context.Context, n int) ([]string, error) {
+	if s.adm == nil {
+		return nil, fmt.Errorf("balance: wanted limits: %w", ErrDataPlane)
+	}
+	orgs, err := s.adm.SPopN(ctx, s.limWantKey(), int64(n)).Result()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return nil, fmt.Errorf("balance: wanted limits: %w: %w", ErrRedis, err)
+	}
+	out := orgs[:0]
+	for _, o := range orgs {
+		if validOrg(o) {
+			out = append(out, o)
+		}
+	}
+	return out, nil
 }

@@ -704,9 +704,11 @@ func (s *Store) Warm(ctx context.Context, org string) error {
 			if errors.Is(err, ErrNoLimits) {
 				// The admin plane's limits are not in Redis at this snapshot's version: a store
 				// that may write them pushes them (the push's version order keeps a newer
-				// push), then seeds again.
+				// push), then seeds again; one that may not asks the admin plane to.
 				if err = s.pushSnapshotLimits(ctx, org, snap); err == nil {
 					_, err = s.Seed(ctx, org, snap)
+				} else if errors.Is(err, ErrNoLimits) {
+					s.wantLimits(ctx, org)
 				}
 			}
 			if errors.Is(err, ErrStaleSnapshot) && attempt < maxStaleSnapshots {
