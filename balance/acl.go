@@ -23,7 +23,7 @@ var dataCommands = []string{
 	"+sadd", // WantLimits: a data-plane store asks the admin plane for an org's limits
 	"+spop", // TakeWantedLimits, the admin plane's (the key is a data key)
 	// what the Store sends outside scripts
-	"+get", "+exists", "+hmget", "+hscan", "+del", "+scan", "+time",
+	"+get", "+exists", "+hscan", "+del", "+scan", "+time",
 	"+ping", "+echo", "+hello", "+auth", "+select", "+client|setname", "+client|id", "+command",
 	"+info", "+config|get", "+cluster|slots", "+cluster|shards", "+cluster|nodes", "+cluster|info",
 	"+readonly", "+readwrite", "+asking",

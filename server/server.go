@@ -93,7 +93,8 @@ type Server struct {
 	log *slog.Logger
 
 	rdb      redis.UniversalClient
-	ownRedis bool // rdb was dialed from Config.RedisURL: Stop closes it
+	ownRedis bool                  // rdb was dialed from Config.RedisURL: Stop closes it
+	adminRdb redis.UniversalClient // dialed from Config.AdminRedisURL (nil without); Stop closes it
 	ledger   ledger.Ledger
 	store    *balance.Store
 	journal  *accounting.Journal // local usage journal for ledger outages; nil with ESCROW_JOURNAL_DIR=off
@@ -191,6 +192,13 @@ func (s *Server) openRedis(p parts) error {
 	default:
 		return ErrNoRedis
 	}
+	if s.cfg.AdminRedisURL != "" {
+		c, err := redisClient(s.cfg.AdminRedisURL)
+		if err != nil {
+			return fmt.Errorf("admin redis: %w", err)
+		}
+		s.adminRdb = c
+	}
 	return nil
 }
 
@@ -247,6 +255,10 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			// failing its whole batch at once (a 2,000-way burst under the race detector did).
 			NoCoalesce:  !cfg.Coalesce || embedded,
 			ClockOffset: cfg.limitClock,
+			// The two planes (DESIGN.md "Two planes"): the admin plane's writes go through their
+			// own user when one is given; a proxy without one writes no admin key.
+			Admin:    s.adminRdb,
+			DataOnly: s.adminRdb == nil && cfg.Role == RoleProxy,
 		},
 		Worker: accounting.WorkerConfig{
 			SweepInterval:     cfg.SweepInterval,
@@ -450,6 +462,9 @@ func (s *Server) close() {
 		}
 		if s.rdb != nil && s.ownRedis {
 			_ = s.rdb.Close()
+		}
+		if s.adminRdb != nil {
+			_ = s.adminRdb.Close()
 		}
 		if s.tempJournal != "" {
 			_ = os.RemoveAll(s.tempJournal)

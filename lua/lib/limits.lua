@@ -38,9 +38,10 @@ local DAY_MS = 86400000
 -- reads of it inside the script are checked as reads. The KEYS position that named it keeps
 -- acct, so that the keys after it keep theirs. balance's KeysOf writes the same layout (a test
 -- checks they agree).
-local function lim_key(acct)
-  local i = string.find(acct, ':{', 1, true)
-  return string.sub(acct, 1, i - 1) .. ':a' .. string.sub(acct, i, -5) .. 'lim'
+local function lim_key(v_acct)
+  local i = string.find(v_acct, ':{', 1, true)
+  local v_head, v_tag = string.sub(v_acct, 1, i - 1), string.sub(v_acct, i, -5) -- strings of a key name
+  return v_head .. ':a' .. v_tag .. 'lim'
 end
 
 local function days_from_civil(y, m, d)
