@@ -58,7 +58,14 @@ var worlds = []world{
 	// the tokens limit as a requests limit (every hold and every charge counts 1) of one request
 	// per window, across the rollover: r1 is refused while r0 counts in its window
 	{"rollover-requests", append(only("NO_TICK"), "REQUESTS", "CAPT=1")},
+	// ---- two planes (issue 36): lim explicit, written only by the admin plane's push; a
+	// freeze, the reconciler's push, a data loss of lim alone, and a full data loss ----
+	{"planes", planesWorld},
 }
+
+// planesWorld: -DPLANES with the data loss (which takes lim too); the worker neither crashes nor
+// starts past an entry, to keep the world within minutes (those faults have their own worlds).
+var planesWorld = append(only("NO_FLUSH"), "PLANES", "NO_OOO", "NO_WCRASH")
 
 // A mutation switches one rule of DESIGN.md off in the model (docs/model/README.md lists where
 // each rule lives in DESIGN.md and in the model), in the smallest world where breaking it shows.
@@ -92,6 +99,9 @@ var mutations = []mutation{
 	{"M_TOKFIN", "units: finish moves a tokens counter from the request's token bound to its real count", only()},
 	{"M_UNIT", "units: settle adds a charge's tokens (1 for requests), not its cost, to a tokens (requests) counter", only()},
 	{"M_EUFIELD", "end users: a limit of each end user apart counts each end user's holds in that end user's own counter", only()},
+	// two planes: a seeder that read the ledger before a freeze, seeding after the push and a
+	// data loss of lim, brings the unfrozen limits back when the seed may write lim
+	{"M_SEEDLIM", "two planes: the seed never writes lim (the admin plane's push is its one writer)", planesWorld},
 }
 
 // The C flags of every pan: safety only; hash-compact state storage (-DHC4: 4 bytes per state
