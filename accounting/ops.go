@@ -182,16 +182,7 @@ func (o *Ops) SyncEpoch(ctx context.Context) (balance.Epoch, error) {
 		return e, err
 	}
 	o.store.ObserveEpoch(e)
-	o.pushEpoch(ctx, e)
 	return e, nil
-}
-
-// pushEpoch records the ledger epoch in the admin plane's key (balance.Store.PushEpoch), best
-// effort: nothing depends on it yet but operators' reads; a data-plane store has no right to.
-func (o *Ops) pushEpoch(ctx context.Context, e balance.Epoch) {
-	if err := o.store.PushEpoch(ctx, e); err != nil && !errors.Is(err, balance.ErrDataPlane) {
-		o.worker.log.Warn("accounting: push ledger epoch", "epoch", e.String(), "err", err)
-	}
 }
 
 // RaiseEpoch starts a new ledger epoch (after restoring the ledger from a backup); the store
@@ -203,6 +194,5 @@ func (o *Ops) RaiseEpoch(ctx context.Context) (balance.Epoch, error) {
 		return e, err
 	}
 	o.store.ObserveEpoch(e)
-	o.pushEpoch(ctx, e)
 	return e, nil
 }

@@ -744,7 +744,6 @@ func (w *Worker) maintenanceLoop(ctx context.Context) {
 			}
 			w.ReapOrgs(ctx, orgs)
 		case <-recon.C:
-			w.pushWantedLimits(ctx)
 			var orgs []string
 			if err := w.store.ScanWarmOrgs(ctx, func(org string) error { orgs = append(orgs, org); return nil }); err != nil {
 				w.log.Warn("reconcile scan failed", "err", err)
@@ -803,11 +802,18 @@ type Drift struct {
 func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 	d := Drift{Org: org}
 	st, err := w.store.State(ctx, org)
-	if err != nil || !st.Exists {
+	if err != nil {
 		return d, err
 	}
 	epoch, err := w.ledger.Epoch(ctx)
 	if err != nil {
+		return d, err
+	}
+	if !st.Exists {
+		// A cold org (ScanWarmOrgs hands the reconciler those whose limits a data-plane store
+		// found missing in Redis): push its limits, so that its next seed may run.
+		pushed, err := w.pushOlderLimits(ctx, org, epoch)
+		d.LimitsPushed = pushed
 		return d, err
 	}
 	if st.Epoch != epoch {
@@ -843,52 +849,6 @@ func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 	return d, nil
 }
 
-// pushWantedLimits pushes the limits of the orgs that data-plane stores found without them in
-// Redis (balance.Store.TakeWantedLimits: a Redis data loss, an org never pushed): until then
-// those stores answer the org's requests 503. A store of the data plane only does nothing.
-func (w *Worker) pushWantedLimits(ctx context.Context) {
-	for range 100 {
-		orgs, err := w.store.TakeWantedLimits(ctx, 100)
-		if errors.Is(err, balance.ErrDataPlane) {
-			return
-		}
-		if err != nil {
-			w.log.Warn("wanted limits", "err", err)
-			return
-		}
-		for _, org := range orgs {
-			octx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
-			err := w.pushLimitsOf(octx, org)
-			cancel()
-			if err != nil && ctx.Err() == nil {
-				w.log.Warn("push of wanted limits failed", "org", org, "err", err)
-			}
-		}
-		if len(orgs) < 100 {
-			return
-		}
-	}
-}
-
-// pushLimitsOf pushes org's limits as the ledger has them now (an org the ledger does not know
-// has none to push).
-func (w *Worker) pushLimitsOf(ctx context.Context, org string) error {
-	epoch, err := w.ledger.Epoch(ctx)
-	if err != nil {
-		return err
-	}
-	w.store.ObserveEpoch(epoch)
-	ls, err := w.ledger.Limits(ctx, org)
-	if errors.Is(err, ledger.ErrUnknownOrg) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	_, err = w.store.PushLimits(ctx, org, ls)
-	return err
-}
-
 // pushOlderLimits compares the hot limits' version with the ledger's: an older one (a push that
 // failed) is pushed again, which drops the org's hot state to reseed. It reports whether it
 // pushed.
@@ -902,7 +862,7 @@ func (w *Worker) pushOlderLimits(ctx context.Context, org string, epoch balance.
 	}
 	w.store.ObserveEpoch(epoch) // the push's floor is kept per epoch
 	pushed, err := w.store.PushLimits(ctx, org, ls)
-	if errors.Is(err, balance.ErrDataPlane) {
+	if errors.Is(err, balance.ErrConfig) {
 		return false, nil // the admin plane's reconciler pushes them
 	}
 	if err != nil || !pushed {

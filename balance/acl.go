@@ -1,13 +1,9 @@
 package balance
 
 import (
-	"errors"
 	"fmt"
 	"strings"
 )
-
-// ErrInvalidACL: a Redis user name or password that ACL SETUSER cannot take as one word.
-var ErrInvalidACL = errors.New("balance: invalid redis acl user or password")
 
 // dataCommands are the commands a data-plane Store sends (DESIGN.md "Two planes"): the scripts
 // (every write of the hot path is one), the few reads and deletes outside them, and what the
@@ -31,8 +27,8 @@ var dataCommands = []string{
 
 // ACLRules returns the two ACL SETUSER commands of a split deployment under prefix, one line
 // each (DESIGN.md "Two planes"): the data user — the proxies — may run the scripts and the few
-// commands a data-plane Store sends, read and write the data keys (DataPatterns) and only read
-// the admin keys (AdminPattern, "%R~": Redis ≥ 7.0); the admin user — the admin API — sends the
+// commands a data-plane Store sends, read and write the data keys (dataPatterns) and only read
+// the admin keys (adminPattern, "%R~": Redis ≥ 7.0); the admin user — the admin API — sends the
 // same commands (SET, DEL and the push script are its writes of the admin keys) on every key
 // under the prefix. The planes differ by keys, not by commands: a script's redis.call is checked
 // against both. A user is reset first (its old rules dropped) and given no channels.
@@ -42,21 +38,21 @@ func ACLRules(prefix, dataUser, dataPassword, adminUser, adminPassword string) (
 	}
 	for _, w := range []string{dataUser, dataPassword, adminUser, adminPassword} {
 		if w == "" || len(w) > 128 || strings.ContainsAny(w, " \t\r\n\"'<>") {
-			return "", "", fmt.Errorf("%w: %q", ErrInvalidACL, w)
+			return "", "", fmt.Errorf("%w: redis acl user or password %q: 1 to 128 bytes, no space or quote", ErrConfig, w)
 		}
 	}
 	if dataUser == adminUser {
-		return "", "", fmt.Errorf("%w: the data and admin users must differ", ErrInvalidACL)
+		return "", "", fmt.Errorf("%w: the redis data and admin users must differ", ErrConfig)
 	}
 	var d []string
-	for _, p := range DataPatterns(prefix) {
+	for _, p := range dataPatterns(prefix) {
 		d = append(d, "~"+p)
 	}
 	line := func(user, pass string, keys []string, cmds []string) string {
 		parts := append([]string{"ACL", "SETUSER", user, "reset", "on", ">" + pass, "resetchannels", "-@all"}, cmds...)
 		return strings.Join(append(parts, keys...), " ")
 	}
-	data = line(dataUser, dataPassword, append(d, "%R~"+AdminPattern(prefix)), dataCommands)
+	data = line(dataUser, dataPassword, append(d, "%R~"+adminPattern(prefix)), dataCommands)
 	admin = line(adminUser, adminPassword, []string{"~" + prefix + ":*"}, dataCommands)
 	return data, admin, nil
 }

@@ -98,8 +98,8 @@ type Config struct {
 	// client writes them too (one Redis user for both planes), unless DataOnly.
 	Admin redis.UniversalClient
 	// DataOnly: the Store has the data plane's credential only (the proxies of a split
-	// deployment). Admin writes fail with ErrDataPlane, and an org whose limits are not in Redis
-	// is ErrNoLimits (answered 503) until the admin plane pushes them. Not with Admin.
+	// deployment). Admin writes fail with errDataPlane, and an org whose limits are not in Redis
+	// is errNoLimits (answered 503) until the admin plane pushes them. Not with Admin.
 	DataOnly bool
 }
 

@@ -6,7 +6,7 @@ import "strings"
 // documentation says what each holds). The org is the hash tag, so all of an org's keys are on
 // one Cluster slot and one script may touch them together. The keys fall in two planes (DESIGN.md
 // "Two planes"), told apart by pattern so that a Redis ACL user can be given one and only read the
-// other (AdminPattern, DataPatterns):
+// other (ACLRules):
 //
 //	data  "<prefix>:{<org>}:<kind>"     acct, holds, hexp, hfin, gone, u
 //	admin "<prefix>:a:{<org>}:<kind>"   lim
@@ -67,15 +67,15 @@ func writeOrgKey(b *strings.Builder, prefix, org, kind string, admin bool) {
 	b.WriteString(kind)
 }
 
-// AdminPattern is the key pattern (Redis glob) of every admin-plane key under prefix: the org's
-// limits, the models' versions, the key revocations and the ledger epoch. Only the admin plane
-// writes them; the data plane reads them.
-func AdminPattern(prefix string) string { return prefix + adminPlane + ":*" }
+// adminPattern is the key pattern (Redis glob) of every admin-plane key under prefix: the orgs'
+// limits (which carry the ledger epoch), the models' versions and the key revocations. Only the
+// admin plane writes them; the data plane reads them.
+func adminPattern(prefix string) string { return prefix + adminPlane + ":*" }
 
-// DataPatterns are the key patterns of every data-plane key under prefix: the orgs' hot state
-// (balances, holds, expiries, tombstones, counters) and the models' learned max and in-flight
-// marks. No admin key matches them.
-func DataPatterns(prefix string) []string {
+// dataPatterns are the key patterns of every data-plane key under prefix: the orgs' hot state
+// (balances, holds, expiries, tombstones, counters), the set of orgs wanting their limits pushed
+// and the models' learned max and in-flight marks. No admin key matches them.
+func dataPatterns(prefix string) []string {
 	return []string{prefix + ":{*", prefix + ":model:*"}
 }
 
@@ -148,5 +148,3 @@ func (s *Store) revokedKey(keyID string) string {
 // and pushes their limits. "!" is no org id, so it is no org's key.
 func (s *Store) limWantKey() string { return s.prefix + ":{!}:limwant" }
 
-// epochKey is the ledger epoch the admin plane last pushed (PushEpoch): admin plane.
-func (s *Store) epochKey() string { return s.prefix + adminPlane + ":epoch" }

@@ -404,9 +404,9 @@ func scopeField(prefix string, s Scope) string {
 // in the same call, so the next request reseeds them from a snapshot of that version (which
 // counts the current windows' spend so far). Freezes take effect at once. The version in Redis is
 // also the limits floor: a seed of a snapshot read before the change, written after this push,
-// is refused and re-read (Seed's ErrStaleSnapshot) instead of counting under the old limits.
-// Re-pushing is safe. pushed reports whether this call wrote them. ErrDataPlane on a store of
-// the data plane only.
+// is refused and re-read instead of counting under the old limits. Re-pushing is safe. pushed
+// reports whether this call wrote them. On a store of the data plane only (Config.DataOnly) an
+// error wrapping ErrConfig.
 func (s *Store) PushLimits(ctx context.Context, org string, ls Limits) (pushed bool, err error) {
 	return s.pushLimits(ctx, org, s.epochArg(), ls)
 }
@@ -416,7 +416,7 @@ func (s *Store) pushLimits(ctx context.Context, org string, epoch any, ls Limits
 		return false, err
 	}
 	if s.adm == nil {
-		return false, fmt.Errorf("balance: push limits: %w", ErrDataPlane)
+		return false, fmt.Errorf("balance: push limits: %w", errDataPlane)
 	}
 	lim, err := ls.limFields()
 	if err != nil {
@@ -435,10 +435,10 @@ func (s *Store) pushLimits(ctx context.Context, org string, epoch any, ls Limits
 
 // pushSnapshotLimits pushes the limits of snap (under its epoch) for a seed that found them
 // missing in Redis, when this store may: else, or when Redis refuses the admin key to its user
-// (NOPERM), ErrNoLimits.
+// (NOPERM), errNoLimits.
 func (s *Store) pushSnapshotLimits(ctx context.Context, org string, snap Snapshot) error {
 	if s.adm == nil {
-		return ErrNoLimits
+		return errNoLimits
 	}
 	var ls Limits
 	if snap.Limits != nil {
@@ -446,7 +446,7 @@ func (s *Store) pushSnapshotLimits(ctx context.Context, org string, snap Snapsho
 	}
 	_, err := s.pushLimits(ctx, org, snap.Epoch.String(), ls)
 	if isNoPerm(err) {
-		return fmt.Errorf("%w: %v", ErrNoLimits, err) // not ErrRedis: Redis answered (no fail-open)
+		return fmt.Errorf("%w (%v)", errNoLimits, err) // not ErrRedis: Redis answered (no fail-open)
 	}
 	return err
 }
@@ -510,43 +510,7 @@ func (s Scope) Validate() error { return checkScope(s) }
 // Valid reports whether w is one of the windows.
 func (w Window) Valid() bool { return w.valid() }
 
-// PushEpoch records the ledger epoch the admin plane serves in Redis (an admin-plane key,
-// "<prefix>:a:epoch"), unless Redis already has one of a higher generation. ErrDataPlane on a
-// store of the data plane only.
-func (s *Store) PushEpoch(ctx context.Context, e Epoch) error {
-	if s.adm == nil {
-		return fmt.Errorf("balance: push epoch: %w", ErrDataPlane)
-	}
-	if e.IsZero() {
-		return fmt.Errorf("%w: zero epoch", ErrInvalidEntry)
-	}
-	cur, err := s.PushedEpoch(ctx)
-	if err != nil {
-		return err
-	}
-	if cur == e || cur.Gen > e.Gen {
-		return nil
-	}
-	if err := s.adm.Set(ctx, s.epochKey(), e.String(), 0).Err(); err != nil {
-		return fmt.Errorf("balance: push epoch: %w: %w", ErrRedis, err)
-	}
-	return nil
-}
-
-// PushedEpoch reads the ledger epoch PushEpoch recorded (zero if none).
-func (s *Store) PushedEpoch(ctx context.Context) (Epoch, error) {
-	v, err := s.c.Get(ctx, s.epochKey()).Result()
-	if errors.Is(err, redis.Nil) {
-		return Epoch{}, nil
-	}
-	if err != nil {
-		s.noteErr(err)
-		return Epoch{}, fmt.Errorf("balance: pushed epoch: %w: %w", ErrRedis, err)
-	}
-	return ParseEpoch(v)
-}
-
-// wantLimits asks the admin plane to push org's limits (a data-plane store met ErrNoLimits):
+// wantLimits asks the admin plane to push org's limits (a data-plane store met errNoLimits):
 // best effort, the org is added to a set the admin plane's worker takes from.
 func (s *Store) wantLimits(ctx context.Context, org string) {
 	if err := s.c.SAdd(ctx, s.limWantKey(), org).Err(); err != nil {
@@ -554,22 +518,28 @@ func (s *Store) wantLimits(ctx context.Context, org string) {
 	}
 }
 
-// TakeWantedLimits takes up to n orgs whose limits a data-plane store found missing in Redis
-// (ErrNoLimits): the admin plane pushes each (PushLimits). ErrDataPlane on a store of the data
-// plane only (it could not push them).
-func (s *Store) TakeWantedLimits(ctx context.Context, n int) ([]string, error) {
+// takeWantedLimits takes the orgs that data-plane stores asked limits for (wantLimits), a
+// hundred a call, and calls fn for each; nothing on a store of the data plane only.
+func (s *Store) takeWantedLimits(ctx context.Context, fn func(org string) error) error {
 	if s.adm == nil {
-		return nil, fmt.Errorf("balance: wanted limits: %w", ErrDataPlane)
+		return nil
 	}
-	orgs, err := s.adm.SPopN(ctx, s.limWantKey(), int64(n)).Result()
-	if err != nil && !errors.Is(err, redis.Nil) {
-		return nil, fmt.Errorf("balance: wanted limits: %w: %w", ErrRedis, err)
-	}
-	out := orgs[:0]
-	for _, o := range orgs {
-		if validOrg(o) {
-			out = append(out, o)
+	for range 1000 {
+		orgs, err := s.adm.SPopN(ctx, s.limWantKey(), 100).Result()
+		if err != nil && !errors.Is(err, redis.Nil) {
+			return fmt.Errorf("balance: wanted limits: %w: %w", ErrRedis, err)
+		}
+		for _, o := range orgs {
+			if !validOrg(o) {
+				continue
+			}
+			if err := fn(o); err != nil {
+				return err
+			}
+		}
+		if len(orgs) < 100 {
+			return nil
 		}
 	}
-	return out, nil
+	return nil
 }

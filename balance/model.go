@@ -77,7 +77,7 @@ func (s *Store) setModelVersion(ctx context.Context, model, mark string) error {
 	// at a value some process may still have cached.
 	v := mark + hex.EncodeToString(b[:])
 	if s.adm == nil {
-		return fmt.Errorf("balance: model version: %w", ErrDataPlane)
+		return fmt.Errorf("balance: model version: %w", errDataPlane)
 	}
 	if err := s.adm.Set(ctx, s.modelVerKey(model), v, 0).Err(); err != nil {
 		s.noteErr(err)

@@ -61,12 +61,12 @@ func TestDataUserCannotWriteAdminKeys(t *testing.T) {
 		{"limit", "return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])", lim, []any{"o", "l1,day,999999999"}},
 		{"limits dropped", "return redis.call('DEL', KEYS[1])", lim, nil},
 		{"model version", "return redis.call('SET', KEYS[1], ARGV[1])", p + ":a:model:gpt-4o:ver", []any{"v2"}},
-		{"ledger epoch", "return redis.call('SET', KEYS[1], ARGV[1])", p + ":a:epoch", []any{"9:restored"}},
+		{"ledger epoch", "return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])", lim, []any{"epoch", "9:restored"}},
 		{"key revocation", "return redis.call('DEL', KEYS[1])", p + ":a:key:key_1:revoked", nil},
 		{"key revocation set", "return redis.call('SET', KEYS[1], '1')", p + ":a:key:key_1:revoked", nil},
 	} {
 		t.Run(tc.kind, func(t *testing.T) {
-			if !strings.HasPrefix(tc.key, balance.AdminPattern(p)[:len(p)+2]) {
+			if !strings.HasPrefix(tc.key, p+":a:") {
 				t.Fatalf("%s is not an admin key", tc.key)
 			}
 			err := data.Eval(ctx, tc.script, []string{tc.key}, tc.args...).Err()
@@ -85,8 +85,8 @@ func TestDataUserCannotWriteAdminKeys(t *testing.T) {
 	if err := data.Eval(ctx, "return redis.call('HSET', KEYS[1], 'bal', '1')", []string{acct}).Err(); err != nil {
 		t.Fatalf("data user's EVAL on its own key %s: %v", acct, err)
 	}
-	if err := data.Set(ctx, p+":a:epoch", "9:x", 0).Err(); err == nil || !strings.HasPrefix(err.Error(), "NOPERM") {
-		t.Fatalf("data user's SET of the epoch: %v, want NOPERM", err)
+	if err := data.Set(ctx, p+":a:model:m:ver", "x", 0).Err(); err == nil || !strings.HasPrefix(err.Error(), "NOPERM") {
+		t.Fatalf("data user's SET of a model version: %v, want NOPERM", err)
 	}
 }
 
@@ -118,24 +118,38 @@ func TestDataOnlyStore(t *testing.T) {
 		_, err := s.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: id, Amount: 10, KeyID: "k1"})
 		return err
 	}
-	if err := reserve(data, "h1"); !errors.Is(err, balance.ErrNoLimits) {
-		t.Fatalf("data-only reserve before any push: %v, want ErrNoLimits", err)
+	noLimits := func(err error) bool {
+		return errors.Is(err, balance.ErrCold) && strings.Contains(err.Error(), "limits are not pushed")
 	}
-	if err := reserve(naive, "h1"); !errors.Is(err, balance.ErrNoLimits) || !strings.Contains(err.Error(), "NOPERM") {
-		t.Fatalf("reserve on the data user before any push: %v, want ErrNoLimits (NOPERM)", err)
+	if err := reserve(data, "h1"); !noLimits(err) {
+		t.Fatalf("data-only reserve before any push: %v, want ErrCold (limits not pushed)", err)
 	}
-	if _, err := data.PushLimits(ctx, "acme", l.Limits("acme")); !errors.Is(err, balance.ErrDataPlane) {
-		t.Fatalf("data-only push: %v, want ErrDataPlane", err)
+	if err := reserve(naive, "h1"); !noLimits(err) || !strings.Contains(err.Error(), "NOPERM") || errors.Is(err, balance.ErrRedis) {
+		t.Fatalf("reserve on the data user before any push: %v, want ErrCold (limits not pushed: NOPERM), not ErrRedis", err)
+	}
+	if n, err := env.Client.SCard(ctx, env.Prefix+":{!}:limwant").Result(); err != nil || n != 1 {
+		t.Fatalf("the org is not asked for: %d %v", n, err)
+	}
+	if _, err := data.PushLimits(ctx, "acme", l.Limits("acme")); !errors.Is(err, balance.ErrConfig) {
+		t.Fatalf("data-only push: %v, want ErrConfig", err)
 	}
 	for name, err := range map[string]error{
 		"revoke":      data.RevokeKey(ctx, "k1"),
 		"touch model": data.TouchModel(ctx, "m"),
 		"model max":   data.SetModelMax(ctx, "m", 5),
-		"epoch":       data.PushEpoch(ctx, l.CurrentEpoch()),
 	} {
-		if !errors.Is(err, balance.ErrDataPlane) {
-			t.Errorf("data-only %s: %v, want ErrDataPlane", name, err)
+		if !errors.Is(err, balance.ErrConfig) {
+			t.Errorf("data-only %s: %v, want ErrConfig", name, err)
 		}
+	}
+	// The admin plane's reconciler round takes the asked-for org (cold as it is); a data-only
+	// store's round does not.
+	var seen []string
+	if err := data.ScanWarmOrgs(ctx, func(o string) error { seen = append(seen, o); return nil }); err != nil || len(seen) != 0 {
+		t.Fatalf("data-only scan: %v %v", seen, err)
+	}
+	if err := adm.ScanWarmOrgs(ctx, func(o string) error { seen = append(seen, o); return nil }); err != nil || len(seen) != 1 || seen[0] != "acme" {
+		t.Fatalf("admin scan: %v %v, want the asked-for org", seen, err)
 	}
 	if pushed, err := adm.PushLimits(ctx, "acme", l.Limits("acme")); err != nil || !pushed {
 		t.Fatalf("admin push: %v %v", pushed, err)
@@ -153,12 +167,6 @@ func TestDataOnlyStore(t *testing.T) {
 	if ok, err := data.KeyRevoked(ctx, "k1"); err != nil || !ok {
 		t.Fatalf("revocation seen by the data plane: %v %v", ok, err)
 	}
-	if err := adm.PushEpoch(ctx, l.CurrentEpoch()); err != nil {
-		t.Fatal(err)
-	}
-	if e, err := data.PushedEpoch(ctx); err != nil || e != l.CurrentEpoch() {
-		t.Fatalf("pushed epoch: %v %v", e, err)
-	}
 	if err := adm.TouchModel(ctx, "m"); err != nil {
 		t.Fatal(err)
 	}
@@ -175,12 +183,19 @@ func TestLimKeyAgrees(t *testing.T) {
 			if err != nil || got != k.Lim {
 				t.Fatalf("lim_key(%q) = %q %v, want %q", k.Acct, got, err, k.Lim)
 			}
-			if !globMatch(balance.AdminPattern(prefix), k.Lim) {
-				t.Fatalf("%q not under the admin pattern %q", k.Lim, balance.AdminPattern(prefix))
+			// the patterns ACLRules gives the users
+			d, a, err := balance.ACLRules(prefix, "d", "p", "a", "p")
+			if err != nil {
+				t.Fatal(err)
+			}
+			adminPat := strings.TrimPrefix(a[strings.LastIndex(a, " ")+1:], "~")
+			dataPat := strings.Fields(d)[len(strings.Fields(d))-3][1:]
+			if adminPat != prefix+":*" || !globMatch(strings.TrimPrefix(d[strings.LastIndex(d, " ")+1:], "%R~"), k.Lim) {
+				t.Fatalf("%q not under the admin pattern of %q / %q", k.Lim, d, a)
 			}
 			for _, key := range []string{k.Acct, k.Holds, k.Hexp, k.Hfin, k.Gone, k.U} {
-				if globMatch(balance.AdminPattern(prefix), key) || !globMatch(balance.DataPatterns(prefix)[0], key) {
-					t.Fatalf("%q is not a data key of prefix %q", key, prefix)
+				if globMatch(strings.TrimPrefix(d[strings.LastIndex(d, " ")+1:], "%R~"), key) || !globMatch(dataPat, key) {
+					t.Fatalf("%q is not a data key of prefix %q (%s)", key, prefix, d)
 				}
 			}
 		}

@@ -275,8 +275,13 @@ func (s *Store) ScanOrgs(ctx context.Context, fn func(org string) error) error {
 }
 
 // ScanWarmOrgs calls fn for every org that has a hot balance (an acct key), with the same slow
-// SCAN as ScanOrgs. It is the reconciler's round: every warm org, busy or at rest.
+// SCAN as ScanOrgs. It is the reconciler's round: every warm org, busy or at rest. On a store
+// that may write the admin plane it first takes the orgs whose limits data-plane stores found
+// missing (DESIGN.md "Two planes"), cold as they are: the reconciler pushes their limits.
 func (s *Store) ScanWarmOrgs(ctx context.Context, fn func(org string) error) error {
+	if err := s.takeWantedLimits(ctx, fn); err != nil {
+		return err
+	}
 	return s.scanKind(ctx, func(k OrgKeys) string { return k.Acct }, fn)
 }
 

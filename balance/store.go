@@ -217,7 +217,7 @@ func (s *Store) RevokeKey(ctx context.Context, keyID string) error {
 		return err
 	}
 	if s.adm == nil {
-		return fmt.Errorf("balance: revoke key: %w", ErrDataPlane)
+		return fmt.Errorf("balance: revoke key: %w", errDataPlane)
 	}
 	if err := s.adm.Set(ctx, s.revokedKey(keyID), "1", RevocationTTL).Err(); err != nil {
 		s.noteErr(err)
@@ -621,7 +621,7 @@ func (s *Store) Settle(ctx context.Context, org string, epoch Epoch, entries []E
 // bal = Balance − Σ holds, wm = Seq; the counter of each limit's current window (on the Redis
 // clock) = its group in snap.Used (0 if none) + the live holds added to it. The limits
 // themselves are the admin plane's (PushLimits): Seed needs them in Redis at the snapshot's
-// version and epoch — ErrStaleSnapshot when Redis has newer ones, ErrNoLimits when it has none,
+// version and epoch — errStaleSnapshot when Redis has newer ones, errNoLimits when it has none,
 // older ones or another epoch's (Warm pushes them first when it may). seeded is false when the
 // org already has a hot balance of this epoch (with limits as new as it was seeded with) or of a
 // higher generation. Call CatchUp after it (Warm does both).
@@ -668,9 +668,9 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 	}
 	switch n {
 	case -1:
-		return false, ErrStaleSnapshot
+		return false, errStaleSnapshot
 	case -2:
-		return false, ErrNoLimits
+		return false, errNoLimits
 	}
 	return n == 1, nil
 }
@@ -694,24 +694,24 @@ func (s *Store) Warm(ctx context.Context, org string) error {
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), warmTimeout)
 		defer cancel()
 		// A snapshot read just before the org's limits changed is refused by the seed
-		// (ErrStaleSnapshot): the next one has the new limits.
+		// (errStaleSnapshot): the next one has the new limits.
 		for attempt := 1; ; attempt++ {
 			snap, err := s.snapshot(ctx, org)
 			if err != nil {
 				return nil, fmt.Errorf("balance: snapshot of %s: %w: %w", org, ErrLedger, err)
 			}
 			_, err = s.Seed(ctx, org, snap)
-			if errors.Is(err, ErrNoLimits) {
+			if errors.Is(err, errNoLimits) {
 				// The admin plane's limits are not in Redis at this snapshot's version: a store
 				// that may write them pushes them (the push's version order keeps a newer
 				// push), then seeds again; one that may not asks the admin plane to.
 				if err = s.pushSnapshotLimits(ctx, org, snap); err == nil {
 					_, err = s.Seed(ctx, org, snap)
-				} else if errors.Is(err, ErrNoLimits) {
+				} else if errors.Is(err, errNoLimits) {
 					s.wantLimits(ctx, org)
 				}
 			}
-			if errors.Is(err, ErrStaleSnapshot) && attempt < maxStaleSnapshots {
+			if errors.Is(err, errStaleSnapshot) && attempt < maxStaleSnapshots {
 				continue
 			}
 			if err != nil {
@@ -1068,7 +1068,7 @@ func (s *Store) RaiseModelMax(ctx context.Context, model string, cost, floor, ce
 }
 
 // SetModelMax sets the model's learned max cost (an admin may lower it); 0 deletes it. An
-// admin write (through Config.Admin; ErrDataPlane with DataOnly), of a data-plane key.
+// admin write (through Config.Admin; errDataPlane with DataOnly), of a data-plane key.
 func (s *Store) SetModelMax(ctx context.Context, model string, v int64) error {
 	if err := checkModel(model); err != nil {
 		return err
@@ -1077,7 +1077,7 @@ func (s *Store) SetModelMax(ctx context.Context, model string, v int64) error {
 		return fmt.Errorf("%w: model max %d", ErrInvalidAmount, v)
 	}
 	if s.adm == nil {
-		return fmt.Errorf("balance: set model max: %w", ErrDataPlane)
+		return fmt.Errorf("balance: set model max: %w", errDataPlane)
 	}
 	var err error
 	if v == 0 {

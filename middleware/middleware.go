@@ -569,10 +569,6 @@ func (m *middleware) reserveError(err error, amount int64) (e *Error, unknown bo
 	case errors.Is(err, balance.ErrInvalidAmount):
 		m.cfg.Logger.Error("escrow: reserve refused the amount", "amount", amount, "err", err)
 		return errInternal("The hold for this request could not be computed."), false
-	case errors.Is(err, balance.ErrNoLimits):
-		// A proxy of the data plane meets an org whose limits the admin plane has not pushed
-		// (DESIGN.md "Two planes"): nothing was reserved, and no fail-open either (Redis answered).
-		return errUnavailable("The limits of this organization are not loaded yet; please retry.", m.cfg.RetryAfter), false
 	case errors.Is(err, balance.ErrGone), errors.Is(err, balance.ErrCold):
 		return errUnavailable("The balance service is not ready; please retry.", m.cfg.RetryAfter), false
 	case errors.Is(err, balance.ErrLedger):
