@@ -17,7 +17,7 @@ var dataCommands = []string{
 	"+zadd", "+zrem", "+zscore", "+zcard", "+zcount", "+zrange", "+zrangebyscore", "+zremrangebyscore",
 	"+pexpire", "+set",
 	"+sadd", // WantLimits: a data-plane store asks the admin plane for an org's limits
-	"+spop", // TakeWantedLimits, the admin plane's (the key is a data key)
+	"+spop", // the admin plane's ScanWarmOrgs takes that set (a data key)
 	// what the Store sends outside scripts
 	"+get", "+exists", "+hscan", "+del", "+scan", "+time",
 	"+ping", "+echo", "+hello", "+auth", "+select", "+client|setname", "+client|id", "+command",

@@ -94,7 +94,7 @@ type Config struct {
 	Logger *slog.Logger
 	// Admin is the Redis client of the admin plane (DESIGN.md "Two planes"): the writes of the
 	// keys the data plane only reads — limits (PushLimits), key revocations (RevokeKey), model
-	// versions (TouchModel), the ledger epoch (PushEpoch) — go through it. nil: the Store's own
+	// versions (TouchModel), the learned max an admin resets (SetModelMax) — go through it. nil: the Store's own
 	// client writes them too (one Redis user for both planes), unless DataOnly.
 	Admin redis.UniversalClient
 	// DataOnly: the Store has the data plane's credential only (the proxies of a split

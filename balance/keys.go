@@ -144,7 +144,6 @@ func (s *Store) revokedKey(keyID string) string {
 }
 
 // limWantKey is the set of orgs whose limits a data-plane store found missing (WantLimits): a
-// data-plane key, so the data user may add to it; the admin plane takes them (TakeWantedLimits)
+// data-plane key, so the data user may add to it; the admin plane takes them (ScanWarmOrgs)
 // and pushes their limits. "!" is no org id, so it is no org's key.
 func (s *Store) limWantKey() string { return s.prefix + ":{!}:limwant" }
-

@@ -91,9 +91,9 @@ func TestDataUserCannotWriteAdminKeys(t *testing.T) {
 }
 
 // TestDataOnlyStore: a store of the data plane only never writes an admin key (ErrDataPlane),
-// and an org whose limits were never pushed is ErrNoLimits (the proxy answers 503) until the
+// and an org whose limits were never pushed stays cold (the proxy answers 503) until the
 // admin plane pushes them; then it seeds and reserves. A store on the data user that believes it
-// may push (no DataOnly, no Admin client) meets NOPERM, also answered as ErrNoLimits.
+// may push (no DataOnly, no Admin client) meets NOPERM, also answered cold.
 func TestDataOnlyStore(t *testing.T) {
 	t.Parallel()
 	env := testutil.RealRedis(t)
