@@ -23,7 +23,13 @@ func (o *Ops) push(ctx context.Context, c ledger.LimitChange) error {
 	if _, err := o.SyncEpoch(ctx); err != nil {
 		return fmt.Errorf("%w: limits of %s (version %d) not pushed: %w", ErrHotBalance, c.Org, c.Version, err)
 	}
-	dropped, err := o.store.PushLimits(ctx, c.Org, c.Version)
+	// The limits as the ledger has them now (c.Version or a later change's): the push writes
+	// them whole, and keeps a newer version already in Redis.
+	ls, err := o.ledger.Limits(ctx, c.Org)
+	if err != nil {
+		return fmt.Errorf("%w: limits of %s (version %d) not pushed: %w", ErrHotBalance, c.Org, c.Version, err)
+	}
+	dropped, err := o.store.PushLimits(ctx, c.Org, ls)
 	if err != nil {
 		return fmt.Errorf("%w: limits of %s (version %d) not pushed: %w", ErrHotBalance, c.Org, c.Version, err)
 	}

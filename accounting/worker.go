@@ -811,11 +811,18 @@ type Drift struct {
 func (w *Worker) Reconcile(ctx context.Context, org string) (Drift, error) {
 	d := Drift{Org: org}
 	st, err := w.store.State(ctx, org)
-	if err != nil || !st.Exists {
+	if err != nil {
 		return d, err
 	}
 	epoch, err := w.ledger.Epoch(ctx)
 	if err != nil {
+		return d, err
+	}
+	if !st.Exists {
+		// A cold org (ScanWarmOrgs hands the reconciler those whose limits a data-plane store
+		// found missing in Redis): push its limits, so that its next seed may run.
+		pushed, err := w.pushOlderLimits(ctx, org, epoch)
+		d.LimitsPushed = pushed
 		return d, err
 	}
 	if st.Epoch != epoch {
@@ -863,7 +870,10 @@ func (w *Worker) pushOlderLimits(ctx context.Context, org string, epoch balance.
 		return false, err
 	}
 	w.store.ObserveEpoch(epoch) // the push's floor is kept per epoch
-	pushed, err := w.store.PushLimits(ctx, org, ls.Version)
+	pushed, err := w.store.PushLimits(ctx, org, ls)
+	if errors.Is(err, balance.ErrConfig) {
+		return false, nil // the admin plane's reconciler pushes them
+	}
 	if err != nil || !pushed {
 		return false, err
 	}

@@ -339,7 +339,7 @@ func TestOneHashTagPerCall(t *testing.T) {
 	must(err)
 	_, err = s.RaiseModelMax(ctx, "gpt-{x}", 5, 0, 10)
 	must(err)
-	_, err = s.PushLimits(ctx, org, 1)
+	_, err = s.PushLimits(ctx, org, balance.Limits{Version: 1})
 	must(err)
 	done, err := s.UseModel(ctx, "gpt-{x}")
 	must(err)

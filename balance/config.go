@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // Defaults of the Config fields left zero.
@@ -108,6 +110,15 @@ type Config struct {
 	AllowEviction bool
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// Admin is the Redis client of the admin plane (DESIGN.md "Two planes"): the writes of the
+	// keys the data plane only reads — limits (PushLimits), key revocations (RevokeKey), model
+	// versions (TouchModel), the learned max an admin resets (SetModelMax) — go through it. nil: the Store's own
+	// client writes them too (one Redis user for both planes), unless DataOnly.
+	Admin redis.UniversalClient
+	// DataOnly: the Store has the data plane's credential only (the proxies of a split
+	// deployment). Admin writes fail with errDataPlane, and an org whose limits are not in Redis
+	// is errNoLimits (answered 503) until the admin plane pushes them. Not with Admin.
+	DataOnly bool
 }
 
 // withDefaults returns a copy of c (nil: the zero Config) with every zero field set to its
@@ -155,6 +166,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("%w: ModelMaxCacheTTL (%v) and ScanPause (%v) must be ≥ 0", ErrConfig, c.ModelMaxCacheTTL, c.ScanPause)
 	case c.WaitReplicas < 0 || c.WaitTimeout < time.Millisecond:
 		return fmt.Errorf("%w: WaitReplicas (%d) must be ≥ 0 and WaitTimeout (%v) ≥ 1ms", ErrConfig, c.WaitReplicas, c.WaitTimeout)
+	case c.DataOnly && c.Admin != nil:
+		return fmt.Errorf("%w: DataOnly with an Admin client", ErrConfig)
 	case !validPrefix(c.Prefix):
 		return fmt.Errorf("%w: prefix %q: 1 to 64 printable ASCII bytes, none of {}*?[]\\ or space", ErrConfig, c.Prefix)
 	}

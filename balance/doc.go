@@ -8,13 +8,17 @@
 //
 //	esc:{org}:acct    hash   bal (available balance), wm (watermark: highest ledger seq in bal), epoch ("<gen>:<id>"), lv (limits version seeded)
 //	esc:{org}:holds   hash   hold id → amount, or "amount|reserve ms|finished|counter fields" for a hold added to limit counters
-//	esc:{org}:lim     hash   v (version); o, p:<project>, k:<key> → that scope's limits; m:<key> → project; fo, fp:<p>, fk:<k> → frozen
+//	esc:a:{org}:lim   hash   admin plane: v (version), epoch; o, p:<project>, k:<key> → that scope's limits; m:<key> → project; fo, fp:<p>, fk:<k> → frozen
 //	esc:{org}:u       hash   "<limit id>:<window start ms>" → used
 //	esc:{org}:hexp    zset   unfinished hold id → expiry, ms on the Redis clock; a pinned hold's is far out
 //	esc:{org}:hfin    zset   finished hold id → expiry (the settle deadline, or far out when pinned)
 //	esc:{org}:gone    zset   tombstones of settled or released hold ids, kept TombstoneTTL
-//	esc:{org}:limv    string the limits floor "<epoch>|<version>": a seed from an older snapshot is refused
 //	esc:model:<m>:max string the model's learned max cost (its own slot, its own call)
+//
+// Keys under "esc:a:" are the admin plane's (DESIGN.md "Two planes"; ACLRules): lim, the models'
+// versions (esc:a:model:<m>:ver) and key revocations (esc:a:key:<id>:revoked). Only PushLimits
+// writes lim; the data-plane scripts read it (named from acct, not declared in KEYS) and a seed
+// writes nothing without it at the snapshot's version.
 //
 // # The invariant
 //

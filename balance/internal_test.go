@@ -23,8 +23,8 @@ func TestParseVersion(t *testing.T) {
 func TestOrgKeys(t *testing.T) {
 	s := &Store{prefix: "esc"}
 	k := s.keys("acme")
-	got := []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Hfin, k.Lim, k.U, k.LimV}
-	want := []string{"esc:{acme}:acct", "esc:{acme}:holds", "esc:{acme}:hexp", "esc:{acme}:gone", "esc:{acme}:hfin", "esc:{acme}:lim", "esc:{acme}:u", "esc:{acme}:limv"}
+	got := []string{k.Acct, k.Holds, k.Hexp, k.Gone, k.Hfin, k.Lim, k.U}
+	want := []string{"esc:{acme}:acct", "esc:{acme}:holds", "esc:{acme}:hexp", "esc:{acme}:gone", "esc:{acme}:hfin", "esc:a:{acme}:lim", "esc:{acme}:u"}
 	for i := range want {
 		if got[i] != want[i] {
 			t.Fatalf("keys = %q, want %q", got, want)

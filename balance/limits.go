@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // ScopeKind is what a limit or a freeze applies to.
@@ -395,28 +397,64 @@ func scopeField(prefix string, s Scope) string {
 	return prefix + "o"
 }
 
-// PushLimits is called after the org's limits, freezes or key → project map changed in the
-// ledger (to version): unless the hot state already has that version or a newer one, it drops
-// the org's hot balance, limits and counters together, so the next request reseeds all three
-// from one snapshot (which counts the current windows' spend so far). Freezes take effect at
-// once: the next reserve anywhere is cold and reads them from the ledger. It also raises the
-// org's limits floor to version (under the store's ledger epoch), so that a seed of a snapshot
-// read before the change, written after this push, is refused and re-read (Seed's
-// ErrStaleSnapshot) instead of bringing the old limits back. Re-pushing is safe.
-// pushed reports whether this call dropped anything.
-func (s *Store) PushLimits(ctx context.Context, org string, version int64) (pushed bool, err error) {
+// PushLimits writes the org's limits, freezes and key → project map (ls, as the ledger has them
+// at ls.Version) to Redis: the admin plane's one write of them (DESIGN.md "Two planes"; no
+// data-plane script writes or deletes them). Unless Redis already has that version or a newer
+// one of the store's ledger epoch, it replaces them and drops the org's hot balance and counters
+// in the same call, so the next request reseeds them from a snapshot of that version (which
+// counts the current windows' spend so far). Freezes take effect at once. The version in Redis is
+// also the limits floor: a seed of a snapshot read before the change, written after this push,
+// is refused and re-read instead of counting under the old limits. Re-pushing is safe. pushed
+// reports whether this call wrote them. On a store of the data plane only (Config.DataOnly) an
+// error wrapping ErrConfig.
+func (s *Store) PushLimits(ctx context.Context, org string, ls Limits) (pushed bool, err error) {
+	return s.pushLimits(ctx, org, s.epochArg(), ls)
+}
+
+func (s *Store) pushLimits(ctx context.Context, org string, epoch any, ls Limits) (bool, error) {
 	if err := checkOrg(org); err != nil {
 		return false, err
 	}
-	if version < 0 {
-		return false, fmt.Errorf("%w: version %d", ErrInvalidLimits, version)
+	if s.adm == nil {
+		return false, fmt.Errorf("balance: push limits: %w", errDataPlane)
+	}
+	lim, err := ls.limFields()
+	if err != nil {
+		return false, err
 	}
 	k := s.keys(org)
-	n, err := s.run(ctx, scPushLim, []string{k.Acct, k.Lim, k.U, k.LimV}, strconv.FormatInt(version, 10), s.epochArg()).Int64()
+	args := make([]any, 0, 3+len(lim))
+	args = append(args, strconv.FormatInt(ls.Version, 10), epoch, strconv.Itoa(len(lim)/2))
+	args = append(args, lim...)
+	n, err := s.runAdmin(ctx, scPushLim, []string{k.Acct, k.Lim, k.U}, args...).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: push limits: %w: %w", ErrRedis, err)
 	}
 	return n == 1, nil
+}
+
+// pushSnapshotLimits pushes the limits of snap (under its epoch) for a seed that found them
+// missing in Redis, when this store may: else, or when Redis refuses the admin key to its user
+// (NOPERM), errNoLimits.
+func (s *Store) pushSnapshotLimits(ctx context.Context, org string, snap Snapshot) error {
+	if s.adm == nil {
+		return errNoLimits
+	}
+	var ls Limits
+	if snap.Limits != nil {
+		ls = snap.Limits.Limits
+	}
+	_, err := s.pushLimits(ctx, org, snap.Epoch.String(), ls)
+	if isNoPerm(err) {
+		return fmt.Errorf("%w (%v)", errNoLimits, err) // not ErrRedis: Redis answered (no fail-open)
+	}
+	return err
+}
+
+// isNoPerm reports whether Redis refused a command to this connection's ACL user.
+func isNoPerm(err error) bool {
+	var re redis.Error
+	return errors.As(err, &re) && strings.HasPrefix(re.Error(), "NOPERM")
 }
 
 // Counter is one window counter of the hot state.
@@ -471,3 +509,37 @@ func (s Scope) Validate() error { return checkScope(s) }
 
 // Valid reports whether w is one of the windows.
 func (w Window) Valid() bool { return w.valid() }
+
+// wantLimits asks the admin plane to push org's limits (a data-plane store met errNoLimits):
+// best effort, the org is added to a set the admin plane's worker takes from.
+func (s *Store) wantLimits(ctx context.Context, org string) {
+	if err := s.c.SAdd(ctx, s.limWantKey(), org).Err(); err != nil {
+		s.log.Warn("balance: asking the admin plane for an org's limits", "org", org, "err", err)
+	}
+}
+
+// takeWantedLimits takes the orgs that data-plane stores asked limits for (wantLimits), a
+// hundred a call, and calls fn for each; nothing on a store of the data plane only.
+func (s *Store) takeWantedLimits(ctx context.Context, fn func(org string) error) error {
+	if s.adm == nil {
+		return nil
+	}
+	for range 1000 {
+		orgs, err := s.adm.SPopN(ctx, s.limWantKey(), 100).Result()
+		if err != nil && !errors.Is(err, redis.Nil) {
+			return fmt.Errorf("balance: wanted limits: %w: %w", ErrRedis, err)
+		}
+		for _, o := range orgs {
+			if !validOrg(o) {
+				continue
+			}
+			if err := fn(o); err != nil {
+				return err
+			}
+		}
+		if len(orgs) < 100 {
+			return nil
+		}
+	}
+	return nil
+}

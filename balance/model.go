@@ -76,7 +76,10 @@ func (s *Store) setModelVersion(ctx context.Context, model, mark string) error {
 	// A random version, never a counter: after a Redis data loss a counter would start again
 	// at a value some process may still have cached.
 	v := mark + hex.EncodeToString(b[:])
-	if err := s.c.Set(ctx, s.modelVerKey(model), v, 0).Err(); err != nil {
+	if s.adm == nil {
+		return fmt.Errorf("balance: model version: %w", errDataPlane)
+	}
+	if err := s.adm.Set(ctx, s.modelVerKey(model), v, 0).Err(); err != nil {
 		s.noteErr(err)
 		return fmt.Errorf("balance: model version: %w: %w", ErrRedis, err)
 	}

@@ -70,6 +70,20 @@ func (s *Store) run(ctx context.Context, name string, keys []string, args ...any
 	return cmd
 }
 
+// runAdmin calls a script that writes the admin plane's keys, through the admin client:
+// EVALSHA, then EVAL on NOSCRIPT (the admin plane's writes are rare).
+func (s *Store) runAdmin(ctx context.Context, name string, keys []string, args ...any) *redis.Cmd {
+	if s.adm == s.c {
+		return s.run(ctx, name, keys, args...)
+	}
+	sc := s.scripts[name]
+	cmd := s.adm.EvalSha(ctx, sc.sha, keys, args...)
+	if isNoScript(cmd.Err()) {
+		cmd = s.adm.Eval(ctx, sc.src, keys, args...)
+	}
+	return cmd
+}
+
 // pipelined calls one script once per (keys[i], args[i]) in one pipeline: one round trip (one
 // per master on a Cluster). Calls that meet NOSCRIPT ran nothing: the scripts are loaded again
 // on their nodes (reloadScripts) and those calls alone are sent again (EVAL where the script is
@@ -261,8 +275,13 @@ func (s *Store) ScanOrgs(ctx context.Context, fn func(org string) error) error {
 }
 
 // ScanWarmOrgs calls fn for every org that has a hot balance (an acct key), with the same slow
-// SCAN as ScanOrgs. It is the reconciler's round: every warm org, busy or at rest.
+// SCAN as ScanOrgs. It is the reconciler's round: every warm org, busy or at rest. On a store
+// that may write the admin plane it first takes the orgs whose limits data-plane stores found
+// missing (DESIGN.md "Two planes"), cold as they are: the reconciler pushes their limits.
 func (s *Store) ScanWarmOrgs(ctx context.Context, fn func(org string) error) error {
+	if err := s.takeWantedLimits(ctx, fn); err != nil {
+		return err
+	}
 	return s.scanKind(ctx, func(k OrgKeys) string { return k.Acct }, fn)
 }
 

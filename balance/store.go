@@ -18,6 +18,7 @@ import (
 // Store is the hot balance of every org in Redis. It is safe for concurrent use.
 type Store struct {
 	c      redis.UniversalClient
+	adm    redis.UniversalClient // the admin plane's writes; nil: none (Config.DataOnly)
 	cfg    Config
 	log    *slog.Logger
 	prefix string
@@ -92,6 +93,12 @@ func New(ctx context.Context, c redis.UniversalClient, conf *Config) (*Store, er
 		scripts:  newScripts(),
 		topo:     newTopology(c),
 		held:     make(map[string]uint64),
+	}
+	switch {
+	case cfg.Admin != nil:
+		s.adm = cfg.Admin
+	case !cfg.DataOnly:
+		s.adm = c
 	}
 	s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg = s.holdTTL, s.capArg, s.tombTTL, s.pinFloor
 	if !cfg.NoCoalesce {
@@ -209,7 +216,10 @@ func (s *Store) RevokeKey(ctx context.Context, keyID string) error {
 	if err := checkKeyID(keyID); err != nil {
 		return err
 	}
-	if err := s.c.Set(ctx, s.revokedKey(keyID), "1", RevocationTTL).Err(); err != nil {
+	if s.adm == nil {
+		return fmt.Errorf("balance: revoke key: %w", errDataPlane)
+	}
+	if err := s.adm.Set(ctx, s.revokedKey(keyID), "1", RevocationTTL).Err(); err != nil {
 		s.noteErr(err)
 		return fmt.Errorf("balance: revoke key: %w: %w", ErrRedis, err)
 	}
@@ -607,12 +617,14 @@ func (s *Store) Settle(ctx context.Context, org string, epoch Epoch, entries []E
 	return statuses, nil
 }
 
-// Seed writes a cold org's hot balance, limits and window counters from a ledger snapshot,
-// together: bal = Balance − Σ holds, wm = Seq; lim = snap.Limits; the counter of each limit's
-// current window (on the Redis clock) = its group in snap.Used (0 if none) + the live holds
-// added to it. seeded is false when the org already has a hot balance of this epoch (with
-// limits as new as it was seeded with) or of a higher generation. Call CatchUp after it (Warm
-// does both).
+// Seed writes a cold org's hot balance and window counters from a ledger snapshot, together:
+// bal = Balance − Σ holds, wm = Seq; the counter of each limit's current window (on the Redis
+// clock) = its group in snap.Used (0 if none) + the live holds added to it. The limits
+// themselves are the admin plane's (PushLimits): Seed needs them in Redis at the snapshot's
+// version and epoch — errStaleSnapshot when Redis has newer ones, errNoLimits when it has none,
+// older ones or another epoch's (Warm pushes them first when it may). seeded is false when the
+// org already has a hot balance of this epoch (with limits as new as it was seeded with) or of a
+// higher generation. Call CatchUp after it (Warm does both).
 func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, error) {
 	if err := checkOrg(org); err != nil {
 		return false, err
@@ -656,12 +668,15 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 	}
 	s.ObserveEpoch(snap.Epoch)
 	k := s.keys(org)
-	n, err := s.run(ctx, scSeed, []string{k.Acct, k.Holds, k.Lim, k.U, k.LimV}, args...).Int64()
+	n, err := s.run(ctx, scSeed, []string{k.Acct, k.Holds, k.Acct, k.U}, args...).Int64()
 	if err != nil {
 		return false, fmt.Errorf("balance: seed: %w: %w", ErrRedis, err)
 	}
-	if n == -1 {
-		return false, ErrStaleSnapshot
+	switch n {
+	case -1:
+		return false, errStaleSnapshot
+	case -2:
+		return false, errNoLimits
 	}
 	return n == 1, nil
 }
@@ -685,14 +700,24 @@ func (s *Store) Warm(ctx context.Context, org string) error {
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), warmTimeout)
 		defer cancel()
 		// A snapshot read just before the org's limits changed is refused by the seed
-		// (ErrStaleSnapshot): the next one has the new limits.
+		// (errStaleSnapshot): the next one has the new limits.
 		for attempt := 1; ; attempt++ {
 			snap, err := s.snapshot(ctx, org)
 			if err != nil {
 				return nil, fmt.Errorf("balance: snapshot of %s: %w: %w", org, ErrLedger, err)
 			}
 			_, err = s.Seed(ctx, org, snap)
-			if errors.Is(err, ErrStaleSnapshot) && attempt < maxStaleSnapshots {
+			if errors.Is(err, errNoLimits) {
+				// The admin plane's limits are not in Redis at this snapshot's version: a store
+				// that may write them pushes them (the push's version order keeps a newer
+				// push), then seeds again; one that may not asks the admin plane to.
+				if err = s.pushSnapshotLimits(ctx, org, snap); err == nil {
+					_, err = s.Seed(ctx, org, snap)
+				} else if errors.Is(err, errNoLimits) {
+					s.wantLimits(ctx, org)
+				}
+			}
+			if errors.Is(err, errStaleSnapshot) && attempt < maxStaleSnapshots {
 				continue
 			}
 			if err != nil {
@@ -764,15 +789,15 @@ func (s *Store) CatchUp(ctx context.Context, org string) error {
 	return fmt.Errorf("balance: catch-up of %s did not finish", org)
 }
 
-// Invalidate drops the org's hot balance, limits and window counters (acct, lim and u, which
-// exist or vanish together): the next request reseeds them, and the holds that stay are
-// subtracted then (and added to the counters they name).
+// Invalidate drops the org's hot balance and window counters (acct and u, which exist or vanish
+// together): the next request reseeds them, and the holds that stay are subtracted then (and
+// added to the counters they name). The limits (lim) are the admin plane's and stay.
 func (s *Store) Invalidate(ctx context.Context, org string) error {
 	if err := checkOrg(org); err != nil {
 		return err
 	}
 	k := s.keys(org)
-	if err := s.c.Del(ctx, k.Acct, k.Lim, k.U).Err(); err != nil {
+	if err := s.c.Del(ctx, k.Acct, k.U).Err(); err != nil {
 		s.noteErr(err)
 		return fmt.Errorf("balance: invalidate: %w", err)
 	}
@@ -1057,7 +1082,8 @@ func (s *Store) RaiseModelMax(ctx context.Context, model string, cost, floor, ce
 	return n, nil
 }
 
-// SetModelMax sets the model's learned max cost (an admin may lower it); 0 deletes it.
+// SetModelMax sets the model's learned max cost (an admin may lower it); 0 deletes it. An
+// admin write (through Config.Admin; errDataPlane with DataOnly), of a data-plane key.
 func (s *Store) SetModelMax(ctx context.Context, model string, v int64) error {
 	if err := checkModel(model); err != nil {
 		return err
@@ -1065,11 +1091,14 @@ func (s *Store) SetModelMax(ctx context.Context, model string, v int64) error {
 	if v < 0 || v > MaxAmount {
 		return fmt.Errorf("%w: model max %d", ErrInvalidAmount, v)
 	}
+	if s.adm == nil {
+		return fmt.Errorf("balance: set model max: %w", errDataPlane)
+	}
 	var err error
 	if v == 0 {
-		err = s.c.Del(ctx, s.modelKey(model)).Err()
+		err = s.adm.Del(ctx, s.modelKey(model)).Err()
 	} else {
-		err = s.c.Set(ctx, s.modelKey(model), v, 0).Err()
+		err = s.adm.Set(ctx, s.modelKey(model), v, 0).Err()
 	}
 	if err != nil {
 		s.noteErr(err)

@@ -151,13 +151,24 @@ func (s SettleStatus) String() string {
 // Settled reports whether the entry may be marked settled in the ledger.
 func (s SettleStatus) Settled() bool { return s == Applied || s == Already }
 
+// The two ways Seed refuses a snapshot, leaving the org cold (both wrap ErrCold): the limits in
+// Redis (lim, the admin plane's) are newer than the snapshot's (a change after it was read:
+// read a new one), or they are missing, older or of another ledger epoch (the admin plane must
+// push them first: a Redis data loss, an org never pushed; Warm pushes them when the store may
+// write the admin plane, else the org stays cold until the admin plane does).
+var (
+	errStaleSnapshot = fmt.Errorf("%w: snapshot older than the org's pushed limits", ErrCold)
+	errNoLimits      = fmt.Errorf("%w: the org's limits are not pushed to redis", ErrCold)
+)
+
+// errDataPlane: an admin-plane write (limits, revocations, model versions) on a store of the
+// data plane only (Config.DataOnly): a configuration error.
+var errDataPlane = fmt.Errorf("%w: an admin-plane write on a data-only store (Config.DataOnly)", ErrConfig)
+
 // Sentinel errors. Test for them with errors.Is.
 var (
 	// ErrCold: the org has no hot balance of the current ledger epoch.
 	ErrCold = errors.New("balance: org is cold")
-	// ErrStaleSnapshot: Seed refused a snapshot whose limits version is older than one already
-	// pushed (PushLimits) for the same epoch; read a new snapshot.
-	ErrStaleSnapshot = errors.New("balance: snapshot older than the org's pushed limits")
 	// ErrInsufficient: the balance does not cover the hold (see *InsufficientError).
 	ErrInsufficient = errors.New("balance: insufficient balance")
 	// ErrTooManyHolds: the org has as many requests in flight as its cap allows.

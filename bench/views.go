@@ -196,7 +196,7 @@ func dropOrgKeys(ctx context.Context, redisURL, pfx, org string) error {
 	c := redis.NewClient(opt)
 	defer c.Close()
 	k := balance.KeysOf(pfx, org)
-	return c.Del(ctx, k.Acct, k.Holds, k.Hexp, k.Hfin, k.Gone, k.Lim, k.U, k.LimV).Err()
+	return c.Del(ctx, k.Acct, k.Holds, k.Hexp, k.Hfin, k.Gone, k.U).Err()
 }
 
 // countCharges counts the charge entries of the orgs whose id starts with orgPrefix, and their

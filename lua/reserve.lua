@@ -6,7 +6,8 @@
 -- KEYS[2] holds  hash  hold id -> record (see lib/limits)
 -- KEYS[3] hexp   zset  hold id -> expiry, ms on the Redis clock
 -- KEYS[4] gone   zset  tombstones: ended hold id -> ms
--- KEYS[5] lim    hash  limits, freezes, key -> project, version v
+-- KEYS[5] acct again (lim's old place: lim_key(acct), read only, limits, freezes, key -> project,
+--                      version v; see lib/limits)
 -- KEYS[6] u      hash  '<limit id>:<window start ms>[:<end user>]' -> used
 --
 -- ARGV[1] epoch "<gen>:<id>" the caller's cached ledger epoch
@@ -72,7 +73,8 @@ if not acct[1] or acct[2] ~= ARGV[1] then
   return {'COLD'}
 end
 local v_eu = ARGV[11] or ''
-local lim = redis.call('HMGET', KEYS[5], 'v', 'fo', 'o', 'm:' .. ARGV[8], 'fk:' .. ARGV[8], 'k:' .. ARGV[8], 'e', 'e:' .. v_eu)
+local LIM = lim_key(KEYS[1])
+local lim = redis.call('HMGET', LIM, 'v', 'fo', 'o', 'm:' .. ARGV[8], 'fk:' .. ARGV[8], 'k:' .. ARGV[8], 'e', 'e:' .. v_eu)
 if not lim[1] or tonumber(lim[1]) < (tonumber(acct[3]) or 0) then
   return {'COLD'}
 end
@@ -106,7 +108,7 @@ if lim[2] then
   return {'FROZEN', 'org', ''}
 end
 if v_project then
-  local p = redis.call('HMGET', KEYS[5], 'fp:' .. v_project, 'p:' .. v_project)
+  local p = redis.call('HMGET', LIM, 'fp:' .. v_project, 'p:' .. v_project)
   if p[1] then
     return {'FROZEN', 'project', v_project}
   end

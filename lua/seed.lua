@@ -1,13 +1,15 @@
--- seed: rebuild a cold org's hot balance, limits and window counters from a ledger snapshot.
+-- seed: rebuild a cold org's hot balance and window counters from a ledger snapshot, under the
+-- limits the admin plane pushed (lim: read here, never written; push-limits is its one writer).
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] lim, KEYS[4] u, KEYS[5] limv   (one {org} hash tag)
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] acct again (lim's old place: lim is read, never written,
+--   as lim_key(acct): lib/limits), KEYS[4] u   (one {org} hash tag)
 -- ARGV[1] epoch "<gen>:<id>" of the snapshot
 -- ARGV[2] base: the ledger balance after every entry up to W (integer string)
 -- ARGV[3] W: the snapshot's ledger sequence
 -- ARGV[4] limit clock offset, ms (tests only; '0')
--- ARGV[5] limits version (integer string)
+-- ARGV[5] limits version of the snapshot (integer string)
 -- ARGV[6] n: the number of lim field/value pairs that follow (see lib/limits for the fields)
--- ARGV[7 .. 6+2n] lim fields and values
+-- ARGV[7 .. 6+2n] the snapshot's lim fields and values (the limits lim holds at that version)
 -- then pairs: counter field '<limit id>:<window start ms>' ('...:<end user>' for a limit of each
 --   end user apart: one pair per end user with spend), the ledger's sum over the entries with
 --   seq <= W attributed to it of the limit's unit (cost, 1 request, tokens), for windows
@@ -15,10 +17,14 @@
 -- then, optionally (grants, lib/expiry): 'X', n, and n pairs T ms, the unspent rest at W of the
 --   grants that expire at T (x:T); an expiry that has come rolls over at once
 --
--- acct with this epoch and a lim as new as acct records, or acct with a higher generation:
--- no-op (reply 0). A snapshot whose limits version is below the floor push-limits left for
--- the same epoch is stale (the limits changed after it was read): nothing is written (reply -1;
--- the seeder reads a new snapshot). Otherwise acct, lim and u are written together (reply 1): bal = base - sum(holds), wm = W, epoch, lv; lim as given; for every limit, the counter of
+-- acct with this epoch and a lim as new as acct records, or acct with a higher generation, or a
+-- lim of a higher generation than the snapshot's: no-op (reply 0). lim missing, of an older epoch
+-- generation (a restored ledger's limits not pushed yet) or of the same epoch at an older version
+-- than the snapshot (a push not arrived yet): nothing is written (reply -2; the admin plane must
+-- push lim first). lim at a newer version than the snapshot: the snapshot is stale (the limits
+-- changed after it was read): nothing is written (reply -1; the seeder reads a new snapshot).
+-- Otherwise acct and u are written together (reply 1): bal = base - sum(holds), wm = W, epoch,
+-- lv; for every limit, the counter of
 -- its current window = the snapshot's group for it (0 if none) + what the live holds whose
 -- record names it hold there (amount, 1 request, tokens); for a limit of each end user apart,
 -- the counter of every end user with a group of the current window or a live hold in it. A
@@ -28,33 +34,40 @@
 -- Live holds are subtracted and added one HINCRBY at a time on their stored strings, so no
 -- computed sum is ever formatted (a finished hold of cost 0 is skipped: '-0' is not an integer
 -- to Redis). The seeder then re-sends every ledger entry past W through settle (catch-up).
+local ag = tonumber(string.match(ARGV[1], '^(%d+):')) or -1
+local lim = redis.call('HMGET', lim_key(KEYS[1]), 'v', 'epoch')
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'lv')
 if cur[1] then
-  local lv = redis.call('HGET', KEYS[3], 'v')
-  if cur[1] == ARGV[1] and lv and tonumber(lv) >= (tonumber(cur[2]) or 0) then
+  if cur[1] == ARGV[1] and lim[1] and tonumber(lim[1]) >= (tonumber(cur[2]) or 0) then
     return 0
   end
   local cg = tonumber(string.match(cur[1], '^(%d+):')) or -1
-  local ag = tonumber(string.match(ARGV[1], '^(%d+):')) or -1
   if cg > ag then
     return 0
   end
 end
-local fl = redis.call('GET', KEYS[5])
-if fl then
-  local fe, fv = string.match(fl, '^(.*)|(%d+)$')
-  if fe == ARGV[1] and tonumber(ARGV[5]) < tonumber(fv) then
-    return -1
-  end
+if not lim[1] then
+  return -2
 end
-redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
+if lim[2] ~= ARGV[1] then
+  local lg = tonumber(string.match(lim[2] or '', '^(%d+):')) or -1
+  if lg > ag then
+    return 0
+  end
+  return -2
+end
+if tonumber(lim[1]) > tonumber(ARGV[5]) then
+  return -1
+end
+if tonumber(lim[1]) < tonumber(ARGV[5]) then
+  return -2
+end
+redis.call('DEL', KEYS[1], KEYS[4])
 redis.call('HSET', KEYS[1], 'bal', ARGV[2], 'wm', ARGV[3], 'epoch', ARGV[1], 'lv', ARGV[5])
 
 local n = tonumber(ARGV[6])
-redis.call('HSET', KEYS[3], 'v', ARGV[5])
-local spec = {} -- lim field -> value, for the attribution of live holds
+local spec = {} -- lim field -> value (lim's, at the snapshot's version), for the attribution of live holds
 for i = 7, 6 + 2 * n, 2 do
-  redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) -- one pair a call: no unpack stack limit
   spec[ARGV[i]] = ARGV[i + 1]
 end
 

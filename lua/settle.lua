@@ -1,6 +1,7 @@
 -- settle: apply a batch of one org's ledger entries, in sequence order, to the hot balance.
 --
--- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin, KEYS[6] lim, KEYS[7] u
+-- KEYS[1] acct, KEYS[2] holds, KEYS[3] hexp, KEYS[4] gone, KEYS[5] hfin, KEYS[6] acct again (lim's
+--   old place; lim itself is read as lim_key(acct): lib/limits), KEYS[7] u
 --   (one {org} hash tag)
 -- ARGV[1] epoch "<gen>:<id>" read from the ledger with the entries
 -- ARGV[2] tombstone TTL, ms
@@ -29,7 +30,7 @@
 -- the counters of every limit of lim (money, requests, tokens) in its scope (the org's, its
 -- project's, its key's, its end user's) in the window of its reserve time. A
 -- missing field is created only for a current window; a past window's is skipped. A newer
--- epoch's drop takes lim and u with acct (they exist or vanish together).
+-- epoch's drop takes u with acct; lim is the admin plane's (push-limits) and stays.
 --
 -- Reply: {'COLD'} | {'OK', wm, code, code, ...} with code 1 applied, 2 already, 3 gap (last).
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'wm')
@@ -40,7 +41,7 @@ if cur[1] ~= ARGV[1] then
   local cg = tonumber(string.match(cur[1], '^(%d+):')) or -1
   local ag = tonumber(string.match(ARGV[1], '^(%d+):')) or -1
   if ag >= cg then
-    redis.call('DEL', KEYS[1], KEYS[6], KEYS[7])
+    redis.call('DEL', KEYS[1], KEYS[7])
   end
   return {'COLD'}
 end
@@ -60,7 +61,7 @@ local specs = {} -- lim field -> spec string (false: none), read once per call
 local function spec_of(field)
   local sp = specs[field]
   if sp == nil then
-    sp = redis.call('HGET', KEYS[6], field) or false
+    sp = redis.call('HGET', lim_key(KEYS[1]), field) or false
     specs[field] = sp
   end
   return sp or nil

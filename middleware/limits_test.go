@@ -58,7 +58,7 @@ func (l *limitLedger) set(t *testing.T, st *balance.Store, org string, change fu
 	lim.Version = l.limits.Version + 1
 	l.limits = lim
 	l.mu.Unlock()
-	if _, err := st.PushLimits(context.Background(), org, lim.Version); err != nil {
+	if _, err := st.PushLimits(context.Background(), org, lim); err != nil {
 		t.Fatal(err)
 	}
 }

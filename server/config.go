@@ -18,8 +18,13 @@ import (
 // flag of the same meaning (LoadConfig; `-h` lists them with their defaults); a flag beats the
 // variable, the variable beats the default. DefaultConfig returns the defaults.
 type Config struct {
-	Addr           string
-	RedisURL       string
+	Addr     string
+	RedisURL string
+	// AdminRedisURL is the Redis URL of the admin plane's user (balance.ACLRules, `escrow
+	// redis-acl`): the writes of limits, freezes, model versions, revocations and the epoch go
+	// through it, RedisURL then being the data user's. Empty: RedisURL's user writes both
+	// planes, except with RoleProxy, which then writes no admin key (balance.Config.DataOnly).
+	AdminRedisURL  string
 	DatabaseURL    string
 	UpstreamURL    string
 	UpstreamAPIKey string
@@ -156,6 +161,7 @@ func (c *Config) settings() []setting {
 	return []setting{
 		{"ESCROW_ADDR", "addr", "127.0.0.1:8080", "listen address", str(&c.Addr)},
 		{"REDIS_URL", "redis-url", "", "Redis URL (redis:// or rediss:// with verified TLS); comma-separated URLs mean a Redis Cluster; empty: embedded miniredis (examples/proxy only; required by escrow serve)", str(&c.RedisURL)},
+		{"ESCROW_ADMIN_REDIS_URL", "admin-redis-url", "", "Redis URL of the admin plane's user (escrow redis-acl): limits, freezes, model versions, key revocations and the ledger epoch are written through it, REDIS_URL being the data user's; empty: REDIS_URL writes both, except with -role proxy, which writes no admin key (it needs no admin credential)", str(&c.AdminRedisURL)},
 		{"DATABASE_URL", "database-url", "", "PostgreSQL URL for the ledger; empty: in-memory ledger (only with embedded Redis, examples/proxy)", str(&c.DatabaseURL)},
 		{"UPSTREAM_URL", "upstream-url", "", "OpenAI-compatible upstream base URL (e.g. https://api.openai.com); empty: built-in fake upstream (examples/proxy only; required by escrow serve)", str(&c.UpstreamURL)},
 		{"UPSTREAM_API_KEY", "upstream-api-key", "", "API key sent to the upstream (clients' keys are never forwarded)", str(&c.UpstreamAPIKey)},

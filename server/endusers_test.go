@@ -78,7 +78,7 @@ func TestEndUsersProxy(t *testing.T) {
 
 		// Redis loses the org's data: the next request reseeds the counters from the ledger.
 		ks := balance.KeysOf(p.app.cfg.Prefix, "acme")
-		if err := p.app.rdb.Del(context.Background(), ks.Acct, ks.Holds, ks.Hexp, ks.Hfin, ks.Gone, ks.Lim, ks.U, ks.LimV).Err(); err != nil {
+		if err := p.app.rdb.Del(context.Background(), ks.Acct, ks.Holds, ks.Hexp, ks.Hfin, ks.Gone, ks.Lim, ks.U).Err(); err != nil {
 			t.Fatal(err)
 		}
 		served("carol", perUser)

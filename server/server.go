@@ -94,7 +94,8 @@ type Server struct {
 	log *slog.Logger
 
 	rdb      redis.UniversalClient
-	ownRedis bool // rdb was dialed from Config.RedisURL: Stop closes it
+	ownRedis bool                  // rdb was dialed from Config.RedisURL: Stop closes it
+	adminRdb redis.UniversalClient // dialed from Config.AdminRedisURL (nil without); Stop closes it
 	ledger   ledger.Ledger
 	store    *balance.Store
 	journal  *accounting.Journal // local usage journal for ledger outages; nil with ESCROW_JOURNAL_DIR=off
@@ -197,6 +198,13 @@ func (s *Server) openRedis(p parts) error {
 	default:
 		return ErrNoRedis
 	}
+	if s.cfg.AdminRedisURL != "" {
+		c, err := redisClient(s.cfg.AdminRedisURL)
+		if err != nil {
+			return fmt.Errorf("admin redis: %w", err)
+		}
+		s.adminRdb = c
+	}
 	return nil
 }
 
@@ -256,6 +264,10 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			// int64 in the configuration (its integer parser); a count of replicas in balance.
 			WaitReplicas: int(min(cfg.RedisWaitReplicas, 1<<16)),
 			WaitTimeout:  cfg.RedisWaitTimeout,
+			// The two planes (DESIGN.md "Two planes"): the admin plane's writes go through their
+			// own user when one is given; a proxy without one writes no admin key.
+			Admin:    s.adminRdb,
+			DataOnly: s.adminRdb == nil && cfg.Role == RoleProxy,
 		},
 		Worker: accounting.WorkerConfig{
 			SweepInterval:     cfg.SweepInterval,
@@ -475,6 +487,9 @@ func (s *Server) close() {
 		}
 		if s.rdb != nil && s.ownRedis {
 			_ = s.rdb.Close()
+		}
+		if s.adminRdb != nil {
+			_ = s.adminRdb.Close()
 		}
 		if s.tempJournal != "" {
 			_ = os.RemoveAll(s.tempJournal)

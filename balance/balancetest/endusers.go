@@ -177,7 +177,7 @@ func exerciseNewEndUserLimitCountsHolds(t *testing.T, env Env) {
 		{ID: "bob", Scope: endUserScope("bob"), Window: balance.Hour, Cap: 1_500},
 	}
 	v := x.l.SetLimits(x.org, lim)
-	if pushed, err := x.s.PushLimits(x.ctx, x.org, v); err != nil || !pushed {
+	if pushed, err := x.pushLimits(v); err != nil || !pushed {
 		t.Fatalf("push: %v %v", pushed, err)
 	}
 	if err := x.s.Warm(x.ctx, x.org); err != nil {
@@ -269,11 +269,11 @@ func exerciseEndUserInvalid(t *testing.T, env Env) {
 		eq(t, "nothing written", x.state(), before)
 	}
 	// Freezes are of the org, a project or a key: a ledger's end-user freeze is refused when the
-	// limits are seeded.
+	// limits are pushed, and when they are seeded.
 	lim := x.l.Limits(x.org)
 	lim.Frozen = []balance.Scope{endUserScope("alice")}
-	if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
-		t.Fatal(err)
+	if _, err := x.pushLimits(x.l.SetLimits(x.org, lim)); !errors.Is(err, balance.ErrInvalidLimits) {
+		t.Fatalf("push of a freeze of an end user: %v, want ErrInvalidLimits", err)
 	}
 	if err := x.s.Warm(x.ctx, x.org); !errors.Is(err, balance.ErrInvalidLimits) {
 		t.Fatalf("warm with a freeze of an end user: %v, want ErrInvalidLimits", err)
@@ -302,7 +302,10 @@ func exerciseEndUserRequired(t *testing.T, env Env) {
 	} {
 		lim := x.l.Limits(x.org)
 		lim.Limits = []balance.Limit{l}
-		if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+		if _, err := x.pushLimits(x.l.SetLimits(x.org, lim)); !errors.Is(err, balance.ErrInvalidLimits) {
+			t.Fatalf("push of limit %s requiring an end user: %v, want ErrInvalidLimits", l.ID, err)
+		}
+		if err := x.s.Invalidate(x.ctx, x.org); err != nil {
 			t.Fatal(err)
 		}
 		if err := x.s.Warm(x.ctx, x.org); !errors.Is(err, balance.ErrInvalidLimits) {

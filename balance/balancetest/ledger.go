@@ -315,3 +315,11 @@ func (l *FakeLedger) UnsettledUsage(_ context.Context, _ string, ids []string) (
 }
 
 var _ balance.LimitLedger = (*FakeLedger)(nil)
+
+// pushLimits pushes the fake ledger's limits of the org (as SetLimits last set them) at version
+// v, as the admin plane does after a change (Store.PushLimits).
+func (x *h) pushLimits(v int64) (bool, error) {
+	ls := x.l.Limits(x.org)
+	ls.Version = v
+	return x.s.PushLimits(x.ctx, x.org, ls)
+}

@@ -33,7 +33,7 @@ func (x *h) withClock(at time.Time) *balance.Store {
 	x.t.Helper()
 	cfg := x.cfg
 	cfg.ClockOffset = at.Sub(x.redisNow())
-	s, err := balance.New(x.ctx, x.env.Client, &cfg)
+	s, err := x.env.newStore(x.ctx, &cfg)
 	if err != nil {
 		x.t.Fatalf("balance.New: %v", err)
 	}
@@ -137,8 +137,8 @@ func (x *h) counters() {
 	x.invariant()
 	st := x.state()
 	if !st.Exists {
-		if n, err := x.env.Client.Exists(x.ctx, x.keys().Lim, x.keys().U).Result(); err != nil || n != 0 {
-			x.t.Fatalf("acct gone but lim/u left: %d %v", n, err)
+		if n, err := x.env.Client.Exists(x.ctx, x.keys().U).Result(); err != nil || n != 0 {
+			x.t.Fatalf("acct gone but u left: %d %v", n, err)
 		}
 		return
 	}
@@ -278,7 +278,7 @@ func exerciseNewLimitCountsHoldsInFlight(t *testing.T, env Env) {
 	lim.Limits = []balance.Limit{keyLimit("kl", "k1", balance.Lifetime, 20_000), projLimit("pl", "p", balance.Day, 100_000),
 		orgLimit("ol", balance.Hour, 1_000_000), keyLimit("k2l", "k2", balance.Day, 5_000)}
 	v := x.l.SetLimits(x.org, lim)
-	if pushed, err := x.s.PushLimits(x.ctx, x.org, v); err != nil || !pushed {
+	if pushed, err := x.pushLimits(v); err != nil || !pushed {
 		t.Fatalf("push: %v %v", pushed, err)
 	}
 	if err := x.s.Warm(x.ctx, x.org); err != nil {
@@ -463,7 +463,7 @@ func exerciseReserveOrder(t *testing.T, env Env) {
 	// FROZEN before TOO_MANY.
 	lim := x.l.Limits(x.org)
 	lim.Frozen = []balance.Scope{{Kind: balance.ScopeKey, ID: "k1"}}
-	if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+	if _, err := x.pushLimits(x.l.SetLimits(x.org, lim)); err != nil {
 		t.Fatal(err)
 	}
 	_, err := x.reserveKey(x.s, "d", "k1", 1)
@@ -483,7 +483,7 @@ func exerciseReserveOrder(t *testing.T, env Env) {
 func exerciseColdWithoutCurrentLim(t *testing.T, env Env) {
 	t.Parallel()
 	x := limited(t, env, balance.Config{}, 1_000, balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Day, 500)}})
-	keys := []string{x.keys().Acct, x.keys().Holds, x.keys().Hexp, x.keys().Gone, x.keys().Lim, x.keys().U}
+	keys := x.keys().ReserveKeys()
 	call := func() string {
 		res, err := x.env.Client.Eval(x.ctx, reserveSrc(), keys, x.s.Epoch().String(), randomID("h"), "10", "1000", "10", "1000", "1000", "", "0").Slice()
 		if err != nil {
@@ -505,29 +505,33 @@ func exerciseColdWithoutCurrentLim(t *testing.T, env Env) {
 	x.counters()
 }
 
-// "acct, lim and u exist or vanish together": invalidate, settle's newer-epoch drop and
-// PushLimits drop all three; a seed writes all three.
+// "acct and u exist or vanish together" (DESIGN.md "Two planes"): invalidate and settle's
+// newer-epoch drop drop both and leave lim (the admin plane's); PushLimits writes lim and drops
+// both; a seed writes both, under the lim it finds.
 func exerciseExistOrVanishTogether(t *testing.T, env Env) {
 	t.Parallel()
 	x := limited(t, env, balance.Config{}, 1_000, balance.Limits{Limits: []balance.Limit{orgLimit("o", balance.Day, 500)}})
 	exists := func() int64 {
-		n, err := x.env.Client.Exists(x.ctx, x.keys().Acct, x.keys().Lim, x.keys().U).Result()
+		n, err := x.env.Client.Exists(x.ctx, x.keys().Acct, x.keys().U).Result()
 		if err != nil {
 			t.Fatal(err)
 		}
 		return n
 	}
-	eq(t, "after seed", exists(), 3)
+	eq(t, "after seed", exists(), 2)
+	limStays := func(when string) { x.t.Helper(); eq(t, "lim "+when, x.exists(x.keys().Lim), true) }
+	limStays("after seed")
 	x.mustReserveKey(x.s, "a", "", 10)
 	if err := x.s.Invalidate(x.ctx, x.org); err != nil {
 		t.Fatal(err)
 	}
 	eq(t, "after invalidate", exists(), 0)
+	limStays("after invalidate")
 	x.counters()
 	if err := x.s.Warm(x.ctx, x.org); err != nil {
 		t.Fatal(err)
 	}
-	eq(t, "after reseed", exists(), 3)
+	eq(t, "after reseed", exists(), 2)
 	eq(t, "live hold counted by the seed", x.u()[field("o", balance.Day.StartMS(x.redisNow()))], 10)
 	x.counters()
 	newer := balance.Epoch{Gen: x.l.CurrentEpoch().Gen + 1, ID: "newer"}
@@ -535,20 +539,22 @@ func exerciseExistOrVanishTogether(t *testing.T, env Env) {
 		t.Fatalf("newer epoch: %v", err)
 	}
 	eq(t, "after a newer epoch's settle", exists(), 0)
+	limStays("after a newer epoch's settle")
 	x.l.SetEpoch(newer)
 	if err := x.s.Warm(x.ctx, x.org); err != nil {
 		t.Fatal(err)
 	}
-	eq(t, "after reseed", exists(), 3)
+	eq(t, "after reseed", exists(), 2)
 	v := x.l.Limits(x.org).Version
-	if pushed, err := x.s.PushLimits(x.ctx, x.org, v); pushed || err != nil {
+	if pushed, err := x.pushLimits(v); pushed || err != nil {
 		t.Fatalf("push of the current version: %v %v, want nothing", pushed, err)
 	}
-	eq(t, "after a push of the same version", exists(), 3)
-	if pushed, err := x.s.PushLimits(x.ctx, x.org, v+1); !pushed || err != nil {
+	eq(t, "after a push of the same version", exists(), 2)
+	if pushed, err := x.pushLimits(v + 1); !pushed || err != nil {
 		t.Fatalf("push of a newer version: %v %v", pushed, err)
 	}
 	eq(t, "after a push", exists(), 0)
+	limStays("after a push")
 	x.counters()
 }
 
@@ -711,7 +717,7 @@ func exerciseFreezeAtOnce(t *testing.T, env Env) {
 	for _, sc := range []balance.Scope{{Kind: balance.ScopeKey, ID: "k1"}, {Kind: balance.ScopeProject, ID: "p"}, {Kind: balance.ScopeOrg}} {
 		lim := x.l.Limits(x.org)
 		lim.Frozen = []balance.Scope{sc}
-		if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+		if _, err := x.pushLimits(x.l.SetLimits(x.org, lim)); err != nil {
 			t.Fatal(err)
 		}
 		key := map[balance.ScopeKind]string{balance.ScopeKey: "k1", balance.ScopeProject: "k2", balance.ScopeOrg: "k3"}[sc.Kind]
@@ -733,15 +739,15 @@ func exerciseFreezeAtOnce(t *testing.T, env Env) {
 	// Unfreeze: holds pass again.
 	lim := x.l.Limits(x.org)
 	lim.Frozen = nil
-	if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+	if _, err := x.pushLimits(x.l.SetLimits(x.org, lim)); err != nil {
 		t.Fatal(err)
 	}
 	x.mustReserveKey(x.s, "c", "k1", 1)
 }
 
 // A seeder that read the ledger before a freeze and seeds after the freeze was pushed must not
-// bring the old limits back (the freeze would be missed until the reconciler's next pass): the
-// push leaves a floor, and a seed of an older snapshot of the same epoch is refused.
+// seed under the old limits: lim's own version is the floor, and a seed of an older snapshot of
+// the same epoch is refused.
 func exercisePushFencesStaleSeed(t *testing.T, env Env) {
 	t.Parallel()
 	x := fixture(t, env, balance.Config{}, 10_000, false)
@@ -750,12 +756,12 @@ func exercisePushFencesStaleSeed(t *testing.T, env Env) {
 	lim := x.l.Limits(x.org)
 	lim.Frozen = []balance.Scope{{Kind: balance.ScopeOrg}}
 	v := x.l.SetLimits(x.org, lim)
-	// The org is cold: the push has nothing to drop, but it leaves the floor.
-	if pushed, err := x.s.PushLimits(x.ctx, x.org, v); err != nil || pushed {
+	// The org is cold: the push writes the limits, which are the floor.
+	if pushed, err := x.pushLimits(v); err != nil || !pushed {
 		t.Fatalf("push on a cold org: %v %v", pushed, err)
 	}
-	if _, err := x.s.Seed(x.ctx, x.org, stale); !errors.Is(err, balance.ErrStaleSnapshot) {
-		t.Fatalf("seed of the snapshot read before the freeze: %v, want ErrStaleSnapshot", err)
+	if _, err := x.s.Seed(x.ctx, x.org, stale); !errors.Is(err, balance.ErrCold) || !strings.Contains(err.Error(), "snapshot older") {
+		t.Fatalf("seed of the snapshot read before the freeze: %v, want ErrCold (a stale snapshot)", err)
 	}
 	eq(t, "acct written", x.exists(x.keys().Acct), false)
 	_, err := x.reserveKey(x.s, "a", "k1", 1) // cold: warms from the ledger, which has the freeze
@@ -774,9 +780,15 @@ func exercisePushFencesStaleSeed(t *testing.T, env Env) {
 	x.l.SetEpoch(next)
 	old := stale
 	old.Epoch = next
-	if ok, err := x.s.Seed(x.ctx, x.org, old); err != nil || !ok {
-		t.Fatalf("seed of an older limits version in a new epoch: %v %v", ok, err)
+	// lim carries its epoch: the old timeline's limits are not the new one's, so a seed needs
+	// the new epoch's pushed first (a store that may write them does it itself: Warm).
+	if ok, err := x.s.Seed(x.ctx, x.org, old); !errors.Is(err, balance.ErrCold) || !strings.Contains(err.Error(), "not pushed") || ok {
+		t.Fatalf("seed in a new epoch under the old epoch's limits: %v %v, want ErrCold (limits not pushed)", ok, err)
 	}
+	if err := x.s.Warm(x.ctx, x.org); err != nil {
+		t.Fatalf("warm in a new epoch (pushes its limits): %v", err)
+	}
+	eq(t, "acct of the new epoch", x.state().Epoch, next)
 }
 
 // "Lowering a cap below used refuses new holds and never moves money."
@@ -789,7 +801,7 @@ func exerciseLowerCapBelowUsed(t *testing.T, env Env) {
 	before := x.state()
 	lim := x.l.Limits(x.org)
 	lim.Limits[0].Cap = 200
-	if _, err := x.s.PushLimits(x.ctx, x.org, x.l.SetLimits(x.org, lim)); err != nil {
+	if _, err := x.pushLimits(x.l.SetLimits(x.org, lim)); err != nil {
 		t.Fatal(err)
 	}
 	_, err := x.reserveKey(x.s, "c", "k1", 1)

@@ -49,7 +49,7 @@ func exerciseReserveInvalid(t *testing.T, env Env) {
 func exerciseScriptRefusesNonPositiveAmount(t *testing.T, env Env) {
 	t.Parallel()
 	x := fixture(t, env, balance.Config{}, 1000, true)
-	keys := []string{x.keys().Acct, x.keys().Holds, x.keys().Hexp, x.keys().Gone, x.keys().Lim, x.keys().U}
+	keys := x.keys().ReserveKeys()
 	for _, a := range []string{"0", "-5", "1.5", "abc"} {
 		err := x.env.Client.Eval(x.ctx, reserveSrc(), keys, x.s.Epoch().String(), "h", a, "1000", "10", "1000", "1000", "", "0").Err()
 		if err == nil {
@@ -62,7 +62,7 @@ func exerciseScriptRefusesNonPositiveAmount(t *testing.T, env Env) {
 
 func exerciseReserveColdNoLedger(t *testing.T, env Env) {
 	t.Parallel()
-	s, err := balance.New(context.Background(), env.Client, &balance.Config{Prefix: env.Prefix})
+	s, err := env.newStore(context.Background(), &balance.Config{Prefix: env.Prefix})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -100,7 +100,7 @@ func exerciseReserveOtherEpochIsCold(t *testing.T, env Env) {
 	t.Parallel()
 	x := fixture(t, env, balance.Config{}, 500, true)
 	other := balance.Epoch{Gen: x.l.CurrentEpoch().Gen, ID: "other"}
-	keys := []string{x.keys().Acct, x.keys().Holds, x.keys().Hexp, x.keys().Gone, x.keys().Lim, x.keys().U}
+	keys := x.keys().ReserveKeys()
 	res, err := x.env.Client.Eval(x.ctx, reserveSrc(), keys, other.String(), "h", "10", "1000", "10", "1000", "1000", "", "0").Slice()
 	if err != nil {
 		t.Fatal(err)

@@ -45,7 +45,7 @@ func exerciseModelMax(t *testing.T, env Env) {
 	v, _ = x.s.ModelMax(x.ctx, m)
 	eq(t, "lowered by admin", v, 10)
 	// Another process's raise shows after the cache TTL (here: a store with a tiny TTL).
-	other, err := balance.New(x.ctx, x.env.Client, &balance.Config{Prefix: x.env.Prefix, ModelMaxCacheTTL: time.Nanosecond})
+	other, err := x.env.newStore(x.ctx, &balance.Config{Prefix: x.env.Prefix, ModelMaxCacheTTL: time.Nanosecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -94,7 +94,7 @@ func exerciseLearnedMaxSurvivesRedisLoss(t *testing.T, env Env) {
 	v, _ = x.s.ModelMax(x.ctx, m)
 	eq(t, "read after the loss", v, ledgerMax)
 	// Another store reads the key itself, not a cache.
-	other, err := balance.New(x.ctx, x.env.Client, &balance.Config{Prefix: x.env.Prefix, ModelMaxCacheTTL: time.Nanosecond})
+	other, err := x.env.newStore(x.ctx, &balance.Config{Prefix: x.env.Prefix, ModelMaxCacheTTL: time.Nanosecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -122,7 +122,7 @@ func exerciseLearnedMaxSurvivesRedisLoss(t *testing.T, env Env) {
 func exerciseModelVersions(t *testing.T, env Env) {
 	t.Parallel()
 	x := fixture(t, env, balance.Config{ModelMaxCacheTTL: time.Hour}, 0, false)
-	other, err := balance.New(x.ctx, x.env.Client, &balance.Config{Prefix: x.env.Prefix, ModelMaxCacheTTL: time.Nanosecond})
+	other, err := x.env.newStore(x.ctx, &balance.Config{Prefix: x.env.Prefix, ModelMaxCacheTTL: time.Nanosecond})
 	if err != nil {
 		t.Fatal(err)
 	}

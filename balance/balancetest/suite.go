@@ -26,6 +26,23 @@ type Env struct {
 	// NoCoalesce runs every store of the suite with Config.NoCoalesce (each reserve its own
 	// round trip; by default reserves may go in pipelines).
 	NoCoalesce bool
+	// Data and Admin, when set, are the clients of the two planes' Redis users (balance.ACLRules):
+	// every store of the suite reserves, settles and seeds as Data and writes the admin keys as
+	// Admin (Config.Admin); Client, which inspects and sets up, stays a user with every right.
+	Data, Admin redis.UniversalClient
+}
+
+// newStore is balance.New on the suite's Redis: on Data with Admin for the admin plane when the
+// suite runs as the two planes' users, else on Client.
+func (env Env) newStore(ctx context.Context, cfg *balance.Config) (*balance.Store, error) {
+	c := env.Client
+	if env.Data != nil {
+		c = env.Data
+		if cfg.Admin == nil && !cfg.DataOnly {
+			cfg.Admin = env.Admin
+		}
+	}
+	return balance.New(ctx, c, cfg)
 }
 
 // h is one subtest's fixture: a store, its ledger double, an org of its own.
@@ -59,7 +76,7 @@ func fixture(t *testing.T, env Env, cfg balance.Config, start int64, warm bool) 
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
-	s, err := balance.New(ctx, env.Client, &cfg)
+	s, err := env.newStore(ctx, &cfg)
 	if err != nil {
 		t.Fatalf("balance.New: %v", err)
 	}

@@ -259,7 +259,7 @@ func exerciseNewUnitLimitCountsHoldsInFlight(t *testing.T, env Env) {
 		unitLimit("tok", keyScope("k1"), balance.Hour, 1_000, balance.Tokens),
 	}
 	v := x.l.SetLimits(x.org, lim)
-	if pushed, err := x.s.PushLimits(x.ctx, x.org, v); err != nil || !pushed {
+	if pushed, err := x.pushLimits(v); err != nil || !pushed {
 		t.Fatalf("push: %v %v", pushed, err)
 	}
 	if err := x.s.Warm(x.ctx, x.org); err != nil {

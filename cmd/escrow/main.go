@@ -47,6 +47,7 @@ var commands = map[string]struct {
 	"unfreeze":      {"lift a freeze", freezeCmd("unfreeze", "unfreeze")},
 	"top":           {"the orgs that spent the most in a time range", cmdTop},
 	"tokens":        {"list, create, rotate (old and new valid for an overlap) or revoke scoped admin tokens (read, admin, org:ORG)", cmdTokens},
+	"redis-acl":     {"print the ACL SETUSER commands of a Redis data user (the proxies) and admin user (the admin API)", cmdRedisACL},
 	"pg-roles":      {"print the GRANTs of a Postgres data role (the proxies) and admin role (the admin API)", cmdPGRoles},
 	"topup":         {"show, set or delete an org's auto top-up (threshold, amount, Stripe payment method, daily and monthly caps) and list its attempts", cmdTopUp},
 	"jobs":          {"background responses and batches, newest first: status, hold, cost (escrow jobs [ORG] [--live])", cmdJobs},

@@ -112,6 +112,7 @@
 #define S_LIMIT   6
 #define S_INSUFF  7
 #define S_LOST    8   /* the call timed out before Redis ran it (client sees an error) */
+#define S_FROZEN  9   /* PLANES: the org is frozen (lim's freeze flag) */
 
 #define NOWIN 2       /* a hold record that names no counter / an entry attributed to none */
 
@@ -134,6 +135,23 @@ bool uexT[2];         /* the tokens (requests) limit's counters, per window */
 short UT[2];
 bool uexE[2*NEU];     /* the end-user limit's counters, per end user and window: EF(e, w) */
 short UE[2*NEU];
+
+#ifdef PLANES
+/* ==== two planes (issue 36, DESIGN "Two planes"): lim is the admin plane's key ====
+ * lim is written only by the admin plane's push (with the ledger's limits version, its freeze
+ * and the epoch); the data plane's seed reads it and refuses to seed without it at the
+ * snapshot's version; no data-plane step deletes it; a Redis data loss may take it alone.
+ * The model's limits are one freeze flag (the counters' caps stay the constants above). */
+bool lim;             /* esc:a:{org}:lim exists */
+byte limv;            /* its version */
+bool limfz;           /* its freeze flag */
+byte limep;           /* the ledger epoch generation it was pushed under */
+byte acctlv;          /* the limits version acct was seeded under (acct's lv) */
+byte lver;            /* ledger: the limits version */
+bool lfz;             /* ledger: the org is frozen */
+bool fzpushed;        /* ghost: the admin's freeze call returned (its push is done) */
+byte nlimloss;        /* data losses of lim alone so far (at most two) */
+#endif
 
 /* ---- ledger (Postgres) ---- */
 byte lep;             /* current epoch generation */
@@ -273,6 +291,12 @@ inline CHECK() {
   :: ti < NR -> assert(!(hp[ti] && hend[ti] && !tlost[ti])); ti++   /* no hold revived after its end */
   :: else -> break
   od;
+#ifdef PLANES
+  /* Redis's limits are the ledger's at their version: never newer, and at the ledger's current
+   * version and epoch exactly the ledger's freeze */
+  assert(!lim || limv <= lver);
+  assert(!(lim && limep == lep && limv == lver) || limfz == lfz);
+#endif
   assert(!acct || aep >= acctmax)          /* an acct never goes back to an older generation */
 }
 
@@ -280,6 +304,9 @@ inline CHECK() {
  * differ only in dead values are one state */
 inline DROPACCT() {
   acct = 0; bal = 0; wm = 0; aep = 0; applied = 0; acctmax = 0;
+#ifdef PLANES
+  acctlv = 0;                 /* lim is not acct's: it stays (no data-plane step deletes it) */
+#endif
   uex[0] = 0; uex[1] = 0; U[0] = 0; U[1] = 0;
   uexT[0] = 0; uexT[1] = 0; UT[0] = 0; UT[1] = 0;
   te = 0;
@@ -359,11 +386,17 @@ inline ACCOUNT_ALL() {
 inline RESERVE(r, e, st) {
   st = 0; troom = 0;
   if :: !acct || aep != (e) -> st = S_COLD :: else fi;
+#ifdef PLANES
+  if :: st == 0 && (!lim || limv < acctlv) -> st = S_COLD :: else fi;   /* lim missing or behind acct */
+#endif
 #ifndef M_DUP
   if :: st == 0 && hp[r] -> st = S_DUP :: else fi;
 #endif
 #ifndef M_TOMB
   if :: st == 0 && gone[r] -> st = S_GONE :: else fi;
+#endif
+#ifdef PLANES
+  if :: st == 0 && limfz -> st = S_FROZEN :: else fi;
 #endif
   if
   :: st == 0 ->
@@ -395,6 +428,9 @@ inline RESERVE(r, e, st) {
   if
   :: st == 0 ->
      st = S_OK; bal = bal - ramt[r];
+#ifdef PLANES
+     assert(!(fzpushed && lfz));               /* a pushed freeze refuses every new hold */
+#endif
      hp[r] = 1; hamt[r] = ramt[r]; hfin[r] = 0; hpin[r] = 0; hwin[r] = clock;
      UADD(clock, ramt[r]); UADDT(clock, rtok[r]);
 #ifndef M_EUFIELD
@@ -523,15 +559,30 @@ inline FINISH(r) {
 }
 
 /* Lua seed.lua: acct of this epoch or a higher generation -> no-op; else bal = base - Σ holds */
-inline SEED(g, base, W, s0, s1) {
 #ifndef M_EPOCH
-  if
-  :: acct && aep >= (g) -> skip
+#define SEEDNOOP(g) (acct && aep >= (g))
 #else
-  if
-  :: acct && aep == (g) -> skip
+#define SEEDNOOP(g) (acct && aep == (g))
 #endif
+/* PLANES: lim is there at the snapshot's version (kv) and epoch: the seed may write */
+#define LIMOK(g) (lim && limep == (g) && limv == kv)
+inline SEED(g, base, W, s0, s1) {
+#ifdef PLANES
+#ifdef M_SEEDLIM
+  /* the mutation: the seed writes lim from its snapshot (the protocol before the two planes,
+   * whose floor a data loss takes with it) */
+  if :: !SEEDNOOP(g) && (!lim || limep < (g) || (limep == (g) && limv < kv)) -> lim = 1; limv = kv; limfz = kfz; limep = (g) :: else fi;
+#endif
+#endif
+  if
+  :: SEEDNOOP(g) -> skip
+#ifdef PLANES
+  :: !SEEDNOOP(g) && !LIMOK(g) -> skip      /* NO_LIMITS (-2) or a stale snapshot (-1): nothing written */
+  :: !SEEDNOOP(g) && LIMOK(g) ->
+     acctlv = kv;
+#else
   :: else ->
+#endif
      if :: acct -> acctmax = (aep > acctmax -> aep : acctmax) :: else -> acctmax = (g) fi;
      acct = 1; aep = (g); wm = (W); bal = (base);
      applied = (1 << ((W) + 1)) - 1;
@@ -596,6 +647,9 @@ inline SNAPSHOT(p) {
   ACCOUNT_ALL();
 #endif
   kg = lep; kW = lsq[lep]; LB(kW); kb = tB; k0 = 0; k1 = 0; tj = 1;
+#ifdef PLANES
+  kv = lver; kfz = lfz;
+#endif
   do
   :: tj <= kW ->
      if
@@ -664,12 +718,20 @@ inline LRECORD(r) {
 #endif
 
 inline KRESET() {
-  d_step { kg = 0; kW = 0; kc = 0; kt = 0; scold = 0; sn = 0; sgap = 0; kb = 0; k0 = 0; k1 = 0 }
+  d_step {
+    kg = 0; kW = 0; kc = 0; kt = 0; scold = 0; sn = 0; sgap = 0; kb = 0; k0 = 0; k1 = 0;
+#ifdef PLANES
+    kv = 0; kfz = 0
+#endif
+  }
 }
 
 proctype Req(byte r; byte p) {
   byte st, tries, fit, fitt;
   byte kg, kW, kc, kt, scold, sn, sgap;
+#ifdef PLANES
+  byte kv; bool kfz;
+#endif
   short kb, k0, k1;
 again: skip;
   if
@@ -798,6 +860,9 @@ proctype Resend(byte r) {
 proctype Worker() {
   byte g, f, t, att;
   byte kg, kW, kc, kt, scold, sn, sgap;
+#ifdef PLANES
+  byte kv; bool kfz;
+#endif
   short kb, k0, k1;
 end_w:
   do
@@ -839,7 +904,12 @@ retry: skip;
         fi
      :: else
      fi;
-     d_step { wbusy = 0; g = 0; f = 0; t = 0; att = 0; kg = 0; kW = 0; kc = 0; kt = 0; scold = 0; sn = 0; sgap = 0; kb = 0; k0 = 0; k1 = 0 }
+     d_step {
+       wbusy = 0; g = 0; f = 0; t = 0; att = 0; kg = 0; kW = 0; kc = 0; kt = 0; scold = 0; sn = 0; sgap = 0; kb = 0; k0 = 0; k1 = 0;
+#ifdef PLANES
+       kv = 0; kfz = 0
+#endif
+     }
   od
 }
 
@@ -947,6 +1017,9 @@ end_c:
        :: else -> break
        od;
        DROPACCT();
+#ifdef PLANES
+       lim = 0; limv = 0; limfz = 0; limep = 0;
+#endif
        printf("STEP %d flush\n", 6); CHECK()
      }
 #endif
@@ -969,11 +1042,42 @@ end_c:
 #ifndef NO_TICK
   :: d_step { !resting && clock == 0 -> clock = 1; printf("STEP %d tick\n", 6); CHECK() }
 #endif
+#ifdef PLANES
+  /* a Redis data loss of lim alone (twice at most: a stale seeder may meet one after a push) */
+  :: d_step { !resting && nlimloss < 2 && lim -> nlimloss++; lim = 0; limv = 0; limfz = 0; limep = 0; printf("STEP %d limloss\n", 6); CHECK() }
+#endif
   od
 }
 
+#ifdef PLANES
+/* lim's one writer: the admin plane's push of the ledger's limits (push_limits.lua): a no-op when
+ * lim is of this epoch at this version or newer, or of a higher generation; else lim is written
+ * and acct (with u) dropped, so the next seed counts under the new limits */
+inline PUSH() {
+  if
+  :: lim && limep == lep && limv >= lver -> skip
+  :: lim && limep > lep -> skip
+  :: else -> DROPACCT(); lim = 1; limv = lver; limfz = lfz; limep = lep
+  fi
+}
+
+/* the admin plane: a freeze (ledger, then the push; the call returns after it), and the
+ * reconciler, which pushes limits that are missing or older than the ledger's */
+proctype Admin() {
+end_a:
+  do
+  :: d_step { !resting && !lfz -> lver++; lfz = 1; printf("STEP %d freeze v=%d\n", 8, lver); CHECK() };
+     d_step { PUSH(); fzpushed = 1; printf("STEP %d push v=%d\n", 8, lver); CHECK() }
+  :: d_step { !resting && (!lim || limv < lver || limep < lep) -> PUSH(); printf("STEP %d push v=%d\n", 8, lver); CHECK() }
+  od
+}
+#endif
+
 init {
   byte kg, kW, kc, kt, scold, sn, sgap;
+#ifdef PLANES
+  byte kv; bool kfz;
+#endif
   short kb, k0, k1;
   short allowed, spend, allow0, allow1, sp0, sp1;
   byte cnt;
@@ -981,6 +1085,9 @@ init {
     printf("STEP %d world b0=%d cr=%d a0=%d c0=%d a1=%d c1=%d a2=%d c2=%d cap=%d\n", 7, B0, CR, A0, C0, A1, C1, A2, C2, CAP);
     lsq[0] = 1; ed[0] = B0; eh[0] = 0; ew[0] = NOWIN; settled = 1;
     acct = 1; bal = B0; wm = 1; aep = 0; acctmax = 0; applied = 3;
+#ifdef PLANES
+    lim = 1; limv = 0; limfz = 0; limep = 0; acctlv = 0; lver = 0; lfz = 0;
+#endif
     alive[0] = 1; alive[1] = 1; alive[2] = 1;
     uex[0] = 1; U[0] = 0; hwin[0] = NOWIN; hwin[1] = NOWIN; hwin[2] = NOWIN;
     uexT[0] = 1;   /* no end user's counter yet: a seed writes one only with spend (issue 34) */
@@ -999,6 +1106,9 @@ init {
     run Poller(0); run Poller(1);
 #endif
     run Worker(); run Reaper(); run Chaos()
+#ifdef PLANES
+    ; run Admin()
+#endif
   };
   /* at rest: every request and re-send done, the journals replayed, every event accounted and
    * every entry marked settled, neither worker nor reaper in the middle of something */
@@ -1006,6 +1116,10 @@ init {
     ndone == NRUN && !jr[0] && !jr[1] && !jr[2] && ev[0] != 1 && ev[1] != 1 && ev[2] != 1 && !JOBLIVE(0) &&
     settled == lsq[lep] && !wbusy && !rbusy -> resting = 1; printf("STEP %d quiesce\n", 7)
   };
+#ifdef PLANES
+  /* the admin plane's reconciler has pushed any limits missing from Redis */
+  d_step { PUSH(); printf("STEP %d push v=%d\n", 8, lver); CHECK() };
+#endif
   /* the next request (or the reconciler) drops a stale acct and reseeds a cold org */
   d_step { if :: acct && aep != lep -> DROPACCT() :: else fi; kc = (acct -> 1 : 0) };
   if

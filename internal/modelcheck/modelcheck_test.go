@@ -62,7 +62,15 @@ var worlds = []world{
 	// owned by the job, kept by two pollers' leases (each may crash), its pin may lapse, and a
 	// reaper looks at it ----
 	{"jobs", append(only(), "JOBS")},
+	// ---- two planes (issue 36): lim explicit, written only by the admin plane's push; a
+	// freeze, the reconciler's push, a data loss of lim alone, and a full data loss ----
+	{"planes", planesWorld},
 }
+
+// planesWorld: -DPLANES (its data losses of lim alone stand for the data loss, which has its own
+// world); the worker neither crashes nor starts past an entry, to keep the world small (those
+// faults have their own worlds).
+var planesWorld = append(only(), "PLANES", "NO_OOO", "NO_WCRASH")
 
 // A mutation switches one rule of DESIGN.md off in the model (docs/model/README.md lists where
 // each rule lives in DESIGN.md and in the model), in the smallest world where breaking it shows.
@@ -101,6 +109,9 @@ var mutations = []mutation{
 	// ---- end issue 34 ----
 	// ---- jobs ----
 	{"M_JOBCHK", "jobs: the reaper's ledger check reports the hold of a live job busy (same rule as a pinned hold)", append(only(), "JOBS")},
+	// two planes: a seeder that read the ledger before a freeze, seeding after the push and a
+	// data loss of lim, brings the unfrozen limits back when the seed may write lim
+	{"M_SEEDLIM", "two planes: the seed never writes lim (the admin plane's push is its one writer)", planesWorld},
 }
 
 // The C flags of every pan: safety only; hash-compact state storage (-DHC4: 4 bytes per state

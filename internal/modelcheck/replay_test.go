@@ -140,6 +140,10 @@ type replayer struct {
 	// fitted counts the fitted reserves replayed (an amount below the world's) that the real
 	// script granted, as an ordinary hold of that amount
 	fitted int
+	// planes: the trail models lim (PLANES: push, freeze and limloss steps); without it the
+	// model's lim is always there, so a seed that finds it missing (after a flush) is preceded
+	// by the admin plane's push, as the reconciler would
+	planes bool
 }
 
 func newReplayer(t *testing.T, w worldOf) *replayer {
@@ -167,9 +171,21 @@ func newReplayer(t *testing.T, w worldOf) *replayer {
 	rp.byGen[0].ObserveEpoch(rp.gens[0])
 	snap, err := mem.Snapshot(ctx, org)
 	rp.must(err)
+	rp.pushLimits() // the model starts with lim pushed (version 0)
 	_, err = rp.full.Seed(ctx, org, snap)
 	rp.must(err)
 	return rp
+}
+
+// pushLimits is the admin plane's push of the ledger's limits (balance.Store.PushLimits).
+func (rp *replayer) pushLimits() {
+	ls, err := rp.ledger.cur.Limits(rp.ctx, org)
+	rp.must(err)
+	e, err := rp.ledger.cur.Epoch(rp.ctx)
+	rp.must(err)
+	rp.full.ObserveEpoch(e) // the push carries the ledger's epoch
+	_, err = rp.full.PushLimits(rp.ctx, org, ls)
+	rp.must(err)
 }
 
 func (rp *replayer) newStore(l balance.Ledger) *balance.Store {
@@ -270,7 +286,8 @@ func (rp *replayer) apply(s step) {
 		}
 		switch {
 		case err == nil, errors.Is(err, balance.ErrCold), errors.Is(err, balance.ErrInsufficient),
-			errors.Is(err, balance.ErrTooManyHolds), errors.Is(err, balance.ErrGone):
+			errors.Is(err, balance.ErrTooManyHolds), errors.Is(err, balance.ErrGone),
+			errors.Is(err, balance.ErrFrozen):
 		default:
 			rp.must(err)
 		}
@@ -278,7 +295,9 @@ func (rp *replayer) apply(s step) {
 		// no call reaches Redis or the ledger (catch-up reads are part of Store.CatchUp; a fit
 		// is the middleware's choice of the next reserve's amount)
 	case "snapshot":
-		snap, err := rp.ledger.cur.Snapshot(ctx, org)
+		now, err := rp.full.Now(ctx)
+		rp.must(err)
+		snap, err := rp.ledger.cur.SnapshotSince(ctx, org, now) // with the limits' version
 		rp.must(err)
 		rp.snaps[s.who] = snap
 	case "seed":
@@ -289,6 +308,13 @@ func (rp *replayer) apply(s step) {
 			rp.t.Fatalf("%s: no snapshot", s.line)
 		}
 		_, err := rp.full.Seed(ctx, org, snap)
+		if errors.Is(err, balance.ErrCold) && !rp.planes { // lim lost with a flush: the admin plane pushes it
+			rp.pushLimits()
+			_, err = rp.full.Seed(ctx, org, snap)
+		}
+		if rp.planes && errors.Is(err, balance.ErrCold) {
+			err = nil // limits missing, older or newer: nothing written, as in the model
+		}
 		rp.must(err)
 		if err := rp.full.CatchUp(ctx, org); err != nil && !errors.Is(err, balance.ErrCold) {
 			rp.must(err)
@@ -409,6 +435,14 @@ func (rp *replayer) apply(s step) {
 		rp.must(err)
 	case "restore":
 		rp.restore(s.args["dropped"] == 1)
+	// two planes (PLANES): the admin plane's freeze and push, a data loss of lim alone
+	case "freeze":
+		_, err := rp.ledger.cur.SetFrozen(ctx, org, balance.Scope{Kind: balance.ScopeOrg}, true)
+		rp.must(err)
+	case "push":
+		rp.pushLimits()
+	case "limloss":
+		rp.must(rp.env.Client.Del(ctx, rp.keys().Lim).Err())
 	case "tick":
 		rp.skipped["tick (limits are not in the code yet)"]++
 	case "job", "job-pin", "job-claim", "job-poll", "job-lapse", "job-settle":
@@ -611,6 +645,9 @@ func replaySteps(t *testing.T, name string, lines []string) {
 		t.Fatal(err)
 	}
 	rp := newReplayer(t, w)
+	for _, s := range steps {
+		rp.planes = rp.planes || s.action == "push" || s.action == "freeze" || s.action == "limloss"
+	}
 	rp.check("start")
 	for _, s := range steps[1:] {
 		rp.steps++

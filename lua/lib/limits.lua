@@ -31,6 +31,19 @@
 
 local DAY_MS = 86400000
 
+-- lim_key: the name of the org's limits, an admin-plane key ('<prefix>:a:{<org>}:lim'), from
+-- the name of its acct ('<prefix>:{<org>}:acct'; a prefix has no '{'). lim is not among the
+-- scripts' KEYS: Redis checks a script's declared keys as read-write, and the data plane's user
+-- may only read lim (DESIGN.md "Two planes"); it is in acct's slot (the same hash tag), and the
+-- reads of it inside the script are checked as reads. The KEYS position that named it keeps
+-- acct, so that the keys after it keep theirs. balance's KeysOf writes the same layout (a test
+-- checks they agree).
+local function lim_key(v_acct)
+  local i = string.find(v_acct, ':{', 1, true)
+  local v_head, v_tag = string.sub(v_acct, 1, i - 1), string.sub(v_acct, i, -5) -- strings of a key name
+  return v_head .. ':a' .. v_tag .. 'lim'
+end
+
 local function days_from_civil(y, m, d)
   if m <= 2 then y = y - 1 end
   local era = math.floor(y / 400)
