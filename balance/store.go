@@ -648,11 +648,12 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 		}
 		args = append(args, f, strconv.FormatInt(u.Used, 10))
 	}
-	if x := snap.Expiries; x != nil && len(x.Due) > 0 {
+	if snap.Expiries != nil && len(*snap.Expiries) > 0 {
+		x := *snap.Expiries
 		if !validExpiries(x) {
-			return false, fmt.Errorf("%w: snapshot expiries %+v", ErrInvalidEntry, *x)
+			return false, fmt.Errorf("%w: snapshot expiries %v", ErrInvalidEntry, x)
 		}
-		args = append(args, expiryBlock(x, false)...)
+		args = append(args, expiryBlock(x, nil)...)
 	}
 	s.ObserveEpoch(snap.Epoch)
 	k := s.keys(org)

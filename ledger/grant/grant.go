@@ -11,7 +11,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
 )
 
@@ -156,21 +155,16 @@ func Spend(gs []Grant, cost int64, t time.Time) []int {
 	return changed
 }
 
-// Due groups the rests of the grants that expire and have no expire entry yet by expiry time,
-// in time order: what the hot balance keeps (balance.Expiries). Rests of 0 are kept, so the hot
-// balance learns that an expiry has nothing left.
-func Due(gs []Grant) []balance.Expiry {
-	by := map[int64]int64{}
+// Due sums the rests of the grants that expire and have no expire entry yet by expiry time
+// (unix ms): what the hot balance keeps (balance.Snapshot.Expiries). Rests of 0 are kept, so the
+// hot balance learns that an expiry has nothing left. Never nil.
+func Due(gs []Grant) map[int64]int64 {
+	out := map[int64]int64{}
 	for _, g := range gs {
 		if !g.Expired && !g.ExpiresAt.IsZero() {
-			by[g.ExpiresAt.UnixMilli()] += g.Rest
+			out[g.ExpiresAt.UnixMilli()] += g.Rest
 		}
 	}
-	out := make([]balance.Expiry, 0, len(by))
-	for ms, r := range by {
-		out = append(out, balance.Expiry{At: time.UnixMilli(ms).UTC(), Rest: r})
-	}
-	slices.SortFunc(out, func(a, b balance.Expiry) int { return a.At.Compare(b.At) })
 	return out
 }
 

@@ -63,13 +63,13 @@ func (g *memGrants) mark(e *balance.Entry) {
 	e.GrantExpiry, e.Expired, e.LastOfExpiry = k.expires, k.expired, k.last
 }
 
-// expiries are the rests per expiry after entry seq (the latest), nil for an org that never had
-// a grant that expires.
-func (g *memGrants) expiries(seq int64) *balance.Expiries {
+// expiries are the rests per expiry now, nil for an org that never had a grant that expires.
+func (g *memGrants) expiries() *map[int64]int64 {
 	if !g.expiring {
 		return nil
 	}
-	return &balance.Expiries{AsOf: seq, Due: grant.Due(g.list)}
+	d := grant.Due(g.list)
+	return &d
 }
 
 // CreditGrant credits amount with grant terms o, idempotent by ref like Credit.

@@ -68,23 +68,31 @@ func sameTerms(prio *int, exp *time.Time, o grant.Options) bool {
 	return *prio == o.Priority && exp.Equal(o.ExpiresAt)
 }
 
-// readSpend reads sqlSpendGrants' rows: org → its rests per expiry in time order (an org with
-// none pending: an empty list).
-func readSpend(br pgx.BatchResults) (map[string][]balance.Expiry, error) {
+// readSpend reads sqlSpendGrants' rows: org → its rests per expiry (an org with none pending:
+// an empty map).
+func readSpend(br pgx.BatchResults) (map[string]map[int64]int64, error) {
 	rows, _ := br.Query()
-	out := map[string][]balance.Expiry{}
+	out := map[string]map[int64]int64{}
 	var org string
 	var at *time.Time
 	var rest int64
 	_, err := pgx.ForEachRow(rows, []any{&org, &at, &rest}, func() error {
-		d := out[org]
-		if at != nil {
-			d = append(d, balance.Expiry{At: at.UTC(), Rest: rest})
-		}
-		out[org] = d
+		addDue(out, org, at, rest)
 		return nil
 	})
 	return out, err
+}
+
+// addDue adds one row of rests (at nil: the org's row without any) to by.
+func addDue(by map[string]map[int64]int64, org string, at *time.Time, rest int64) {
+	d := by[org]
+	if d == nil {
+		d = map[int64]int64{}
+		by[org] = d
+	}
+	if at != nil {
+		d[at.UnixMilli()] += rest
+	}
 }
 
 // CreditGrant credits amount with grant terms o, idempotent by ref like Credit.
@@ -207,26 +215,20 @@ FROM unnest($2::bigint[], $3::bigint[]) AS x(s, e) WHERE g.org_id = $1 AND g.seq
 	return n, err
 }
 
-// expiriesOf reads the rests per expiry of orgs (those that have had a grant that expires), as
-// of each one's ledger_seq, in one statement.
-func (p *Ledger) expiriesOf(ctx context.Context, orgs []string) (map[string]*balance.Expiries, error) {
+// expiriesOf reads the rests per expiry of orgs (those that have had a grant that expires), and
+// each one's ledger_seq they are as of, in one statement.
+func (p *Ledger) expiriesOf(ctx context.Context, orgs []string) (map[string]map[int64]int64, map[string]int64, error) {
 	rows, _ := p.pool.Query(ctx, sqlDue, orgs)
-	out := map[string]*balance.Expiries{}
+	out, asOf := map[string]map[int64]int64{}, map[string]int64{}
 	var org string
 	var seq, rest int64
 	var at *time.Time
 	_, err := pgx.ForEachRow(rows, []any{&org, &seq, &at, &rest}, func() error {
-		x := out[org]
-		if x == nil {
-			x = &balance.Expiries{AsOf: seq, Due: []balance.Expiry{}}
-			out[org] = x
-		}
-		if at != nil {
-			x.Due = append(x.Due, balance.Expiry{At: at.UTC(), Rest: rest})
-		}
+		addDue(out, org, at, rest)
+		asOf[org] = seq
 		return nil
 	})
-	return out, err
+	return out, asOf, err
 }
 
 // withExpiries puts the rests read now on the last entry of each org's read, when that entry is
@@ -235,14 +237,14 @@ func (p *Ledger) withExpiries(ctx context.Context, by map[string][]balance.Entry
 	if len(flagged) == 0 {
 		return nil
 	}
-	xs, err := p.expiriesOf(ctx, flagged)
+	xs, asOf, err := p.expiriesOf(ctx, flagged)
 	if err != nil {
 		return wrapPg("grant expiries", err)
 	}
 	for org, x := range xs {
 		es := by[org]
-		if n := len(es); n > 0 && es[n-1].Seq == x.AsOf {
-			es[n-1].Expiries = x
+		if n := len(es); n > 0 && es[n-1].Seq == asOf[org] {
+			es[n-1].Expiries = &x
 		}
 	}
 	return nil
@@ -270,10 +272,10 @@ func snapshotExpiries(ctx context.Context, tx pgx.Tx, org string, s *balance.Sna
 	var at *time.Time
 	_, err := pgx.ForEachRow(rows, []any{&o, &seq, &at, &rest}, func() error {
 		if s.Expiries == nil {
-			s.Expiries = &balance.Expiries{AsOf: s.Seq, Due: []balance.Expiry{}}
+			s.Expiries = &map[int64]int64{}
 		}
 		if at != nil {
-			s.Expiries.Due = append(s.Expiries.Due, balance.Expiry{At: at.UTC(), Rest: rest})
+			(*s.Expiries)[at.UnixMilli()] += rest
 		}
 		return nil
 	})
