@@ -200,7 +200,7 @@ func TestGrantExpiryBurst(t *testing.T) {
 		// The expiry's entry, written once the ledger's clock is past it (twice: exactly once).
 		for range 2 {
 			g, _ := l.(grant.Store)
-			if _, err := g.ExpireGrants(ctx, at, 100); err != nil {
+			if _, err := g.ExpireGrants(ctx, org, at); err != nil {
 				t.Fatal(err)
 			}
 		}

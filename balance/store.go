@@ -861,6 +861,10 @@ type State struct {
 	// Expired is what rollovers of expiries took out of Balance and the ledger's expire entries
 	// have not yet (docs/grants.md): Balance + Held + Expired = B(Watermark).
 	Expired int64
+	// Oldest is the earliest reserve time among the holds (the Unix epoch for a hold whose
+	// record has none; zero without holds): a grant's expire entry waits for the holds reserved
+	// before its expiry.
+	Oldest time.Time
 }
 
 // InFlight is the number of unfinished holds: the requests still running.
@@ -891,6 +895,10 @@ func (s *Store) State(ctx context.Context, org string) (State, error) {
 	vals, _ := res[3].([]any)
 	for _, v := range vals {
 		st.Held += holdAmount(v)
+		rt := time.UnixMilli(holdReserved(v)).UTC()
+		if st.Oldest.IsZero() || rt.Before(st.Oldest) {
+			st.Oldest = rt
+		}
 	}
 	st.Finished = int(toInt(res[5]))
 	st.Holds = int(toInt(res[4])) + st.Finished
@@ -902,6 +910,16 @@ func (s *Store) State(ctx context.Context, org string) (State, error) {
 		}
 	}
 	return st, nil
+}
+
+// holdReserved reads the reserve time (ms) of a hold record ("<amount>|<reserve ms>|…"; 0 when
+// it has none).
+func holdReserved(v any) int64 {
+	str, _ := v.(string)
+	_, rest, _ := strings.Cut(str, "|")
+	rt, _, _ := strings.Cut(rest, "|")
+	n, _ := strconv.ParseInt(rt, 10, 64)
+	return n
 }
 
 // holdAmount reads the amount of a hold record ("<amount>" or "<amount>|…", lua/lib/limits.lua).

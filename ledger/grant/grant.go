@@ -77,11 +77,16 @@ type Store interface {
 	CreditGrant(ctx context.Context, org string, amount int64, ref string, o Options) (ledger.LedgerEntry, bool, error)
 	// Grants lists the org's grants, in spending order, the expired last.
 	Grants(ctx context.Context, org string) ([]Grant, error)
-	// ExpireGrants writes the expire entries of every grant of up to limit orgs whose expiry
-	// is at or before upTo and that has none yet: one per grant, exactly once (its reference
-	// is ExpireRef), all of one org's grants of one expiry time in one transaction. It returns
-	// the orgs that got entries.
-	ExpireGrants(ctx context.Context, upTo time.Time, limit int) ([]string, error)
+	// DueGrants lists up to limit orgs that have grants whose expiry is at or before upTo and
+	// that have no expire entry yet, each with the latest such expiry.
+	DueGrants(ctx context.Context, upTo time.Time, limit int) (map[string]time.Time, error)
+	// ExpireGrants accounts the org's pending usage (a charge reserved before an expiry spends
+	// the grants live then), then writes the expire entry of every grant of the org whose expiry
+	// is at or before upTo and that has none yet: its unspent rest, one per grant, exactly once
+	// (its reference is ExpireRef), in one transaction. It returns how many it wrote. The caller
+	// makes sure no hold reserved before upTo is still in flight (accounting.Worker asks the hot
+	// balance): such a hold's usage would come too late to spend the grant.
+	ExpireGrants(ctx context.Context, org string, upTo time.Time) (int, error)
 }
 
 // ExpireRef is the reference of grant seq's expire entry in org.

@@ -142,38 +142,45 @@ FROM grants WHERE org_id = $1`, org)
 	return grant.Sorted(out), nil
 }
 
-// ExpireGrants writes the expire entries of the grants expired by upTo, one transaction per org
-// (its account row locked, like a credit): each grant's unspent rest, one entry per grant with
-// its reference, the last of each expiry time marked.
-func (p *Ledger) ExpireGrants(ctx context.Context, upTo time.Time, limit int) ([]string, error) {
+// DueGrants lists the orgs with grants expired by upTo and no expire entry yet, with the latest
+// such expiry each.
+func (p *Ledger) DueGrants(ctx context.Context, upTo time.Time, limit int) (map[string]time.Time, error) {
 	if limit <= 0 {
 		limit = ledger.DefaultLimit
 	}
-	rows, _ := p.pool.Query(ctx, `SELECT DISTINCT org_id FROM grants WHERE expires_at <= $1 AND expired_seq IS NULL ORDER BY org_id LIMIT $2`, upTo, limit)
-	orgs, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	rows, _ := p.pool.Query(ctx, `SELECT org_id, max(expires_at) FROM grants WHERE expires_at <= $1 AND expired_seq IS NULL
+GROUP BY org_id ORDER BY org_id LIMIT $2`, upTo, limit)
+	out := map[string]time.Time{}
+	var org string
+	var at time.Time
+	_, err := pgx.ForEachRow(rows, []any{&org, &at}, func() error {
+		out[org] = at.UTC()
+		return nil
+	})
 	if err != nil {
-		return nil, wrapPg("expire grants", err)
+		return nil, wrapPg("due grants", err)
 	}
-	var done []string
-	for _, org := range orgs {
-		n, err := p.expireOrg(ctx, org, upTo)
-		if err != nil {
-			return done, wrapPg("expire grants", err)
-		}
-		if n > 0 {
-			done = append(done, org)
-		}
-	}
-	return done, nil
+	return out, nil
 }
 
-func (p *Ledger) expireOrg(ctx context.Context, org string, upTo time.Time) (int, error) {
+// ExpireGrants writes the expire entries of the org's grants expired by upTo in one transaction
+// that first accounts its pending usage (the snapshot's reads: the account row and the org's
+// advisory lock held): each grant's unspent rest, one entry per grant with its reference, the
+// last of each expiry time marked.
+func (p *Ledger) ExpireGrants(ctx context.Context, org string, upTo time.Time) (int, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return 0, err
+	}
 	n := 0
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-		var seq int64
-		if err := tx.QueryRow(ctx, `SELECT ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE`, org).Scan(&seq); err != nil {
+		rd, err := readSnapshot(ctx, tx, org, false)
+		if err != nil {
 			return err
 		}
+		if err := chargeAtSnapshot(ctx, tx, org, &rd); err != nil {
+			return err
+		}
+		seq := rd.seq
 		rows, _ := tx.Query(ctx, `SELECT seq, rest, expires_at FROM grants WHERE org_id = $1 AND expires_at <= $2 AND expired_seq IS NULL
 ORDER BY expires_at, seq FOR UPDATE`, org, upTo)
 		type due struct {
@@ -212,7 +219,10 @@ FROM unnest($2::bigint[], $3::bigint[]) AS x(s, e) WHERE g.org_id = $1 AND g.seq
 		n = len(ds)
 		return tx.SendBatch(ctx, b).Close()
 	})
-	return n, err
+	if err != nil {
+		return 0, wrapPg("expire grants", err)
+	}
+	return n, nil
 }
 
 // expiriesOf reads the rests per expiry of orgs (those that have had a grant that expires), and
