@@ -1019,7 +1019,11 @@ init {
   short allowed, spend, allow0, allow1, sp0, sp1;
   byte cnt;
   d_step {
+#ifndef GRANTS
     printf("STEP %d world b0=%d cr=%d a0=%d c0=%d a1=%d c1=%d a2=%d c2=%d cap=%d\n", 7, B0, CR, A0, C0, A1, C1, A2, C2, CAP);
+#else
+    printf("STEP %d world b0=%d cr=%d a0=%d c0=%d a1=%d c1=%d a2=%d c2=%d cap=%d gp=%d\n", 7, B0, CR, A0, C0, A1, C1, A2, C2, CAP, GP);
+#endif
     lsq[0] = 1; ed[0] = B0; eh[0] = 0; ew[0] = NOWIN; settled = 1;
 #ifdef GRANTS
     grest = GP; gx = GP;                       /* the promotional part, seeded with its rest */

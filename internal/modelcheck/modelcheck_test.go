@@ -58,15 +58,15 @@ var worlds = []world{
 	// the tokens limit as a requests limit (every hold and every charge counts 1) of one request
 	// per window, across the rollover: r1 is refused while r0 counts in its window
 	{"rollover-requests", append(only("NO_TICK"), "REQUESTS", "CAPT=1")},
-	// grants (docs/grants.md): 2 of the first credit of 3 is promotional credit that expires when
-	// the Redis clock passes T; with an invalidation, the seed's rests and the rollover of a
-	// stale snapshot's rest
+	// grants (docs/grants.md): the first credit (2) is promotional credit that expires when the
+	// Redis clock passes T; with an invalidation, the seed's rests and the rollover of a stale
+	// snapshot's rest
 	{"expiry", append(only(), grantsWorld...)},
 	{"expiry-invalidate", append(only("NO_INVALIDATE"), grantsWorld...)},
 }
 
 // grantsWorld are the -D switches of the grants block of the model (GRANTS).
-var grantsWorld = []string{"GRANTS", "B0=3", "GP=2"}
+var grantsWorld = []string{"GRANTS", "GP=2"}
 
 // A mutation switches one rule of DESIGN.md off in the model (docs/model/README.md lists where
 // each rule lives in DESIGN.md and in the model), in the smallest world where breaking it shows.
