@@ -260,3 +260,51 @@ func TestGrantExpiryBurst(t *testing.T) {
 			okBefore.Load(), beforeCost.Load(), okAfter.Load(), afterCost.Load(), wantRest, acct.Balance, checks.Load())
 	})
 }
+
+// TestGrantViewAcrossExpiry: between an expiry's rollover and its expire entry, the customer
+// view's totals stay consistent (credited − charged − held = available): the rolled-over rest is
+// out of both, and the grant is listed until its expire entry.
+func TestGrantViewAcrossExpiry(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := testutil.MiniRedis(t)
+	l := memledger.New()
+	store := newStore(t, env, l, balance.Config{})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
+	ops := accounting.NewOps(w)
+	if err := l.CreateOrg(ctx, "acme"); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().Truncate(time.Millisecond)
+	env.Mini.SetTime(now)
+	at := now.Add(time.Hour)
+	if _, _, err := ops.CreditGrant(ctx, "acme", 700, "paid", grant.Paid); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := ops.CreditGrant(ctx, "acme", 300, "promo", grant.Options{Priority: grant.PriorityPromotional, ExpiresAt: at}); err != nil {
+		t.Fatal(err)
+	}
+	consistent := func(where string, wantAvail, wantExpired int64, wantGrants int) {
+		t.Helper()
+		v, err := ops.CustomerView(ctx, "acme", "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v.Credited-v.Charged-v.Held != v.Available || v.Available != wantAvail || v.Expired != wantExpired || len(v.Grants) != wantGrants {
+			t.Fatalf("%s: view %+v, want available %d, expired %d, %d grants", where, v, wantAvail, wantExpired, wantGrants)
+		}
+	}
+	consistent("before", 1000, 0, 2)
+	env.Mini.SetTime(at.Add(time.Second)) // the Redis clock passes the expiry: the next reserve rolls it over
+	if _, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: newID(), Amount: 701}); !errors.Is(err, balance.ErrInsufficient) {
+		t.Fatalf("reserve of more than the paid credit after the expiry: %v", err)
+	}
+	consistent("rolled over", 700, 300, 2)
+	if _, err := l.ExpireGrants(ctx, "acme", at); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.SettleOrg(ctx, "acme"); err != nil {
+		t.Fatal(err)
+	}
+	consistent("expire entry settled", 700, 0, 1)
+}
