@@ -30,7 +30,12 @@ func (w *Worker) ExpireGrants(ctx context.Context) (int, error) {
 	if !ok {
 		return 0, nil
 	}
-	due, err := g.DueGrants(ctx, time.Now().Add(-w.cfg.GrantGrace), w.cfg.AccountBatch)
+	return w.expireDue(ctx, g, time.Now().Add(-w.cfg.GrantGrace))
+}
+
+// expireDue expires the grants due by upTo (ExpireGrants' work, on any clock).
+func (w *Worker) expireDue(ctx context.Context, g grant.Store, upTo time.Time) (int, error) {
+	due, err := g.DueGrants(ctx, upTo, w.cfg.AccountBatch)
 	if err != nil {
 		return 0, fmt.Errorf("accounting: expire grants: %w", err)
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/grant"
 	"github.com/llmescrow/escrow/ledger/memledger"
 	"github.com/llmescrow/escrow/ledger/pgledger"
 	"github.com/llmescrow/escrow/pricing"
@@ -507,6 +508,51 @@ func (s *simulator) step() {
 		l := s.later[i]
 		s.later = slices.Delete(s.later, i, i+1)
 		s.record(l.r, l.u)
+	case op >= 0.95: // grants (grantStep)
+		s.grantStep(o)
+	}
+}
+
+// ---- grants (docs/grants.md): a block of its own --------------------------------------------
+
+// grantStep draws a credit grant that expires (minutes to days ahead on the limit clock, which
+// the clock steps move past) with a promotional or paid priority, or the worker's expiry pass on
+// the limit clock (an org's expire entries wait for its holds reserved before the expiry).
+func (s *simulator) grantStep(o string) {
+	g, ok := s.ledger.(grant.Store)
+	if !ok {
+		return
+	}
+	if s.rnd.Float64() < 0.6 {
+		s.counts["grant"]++
+		c := s.rnd.Int64N(80) + 1
+		ahead := []time.Duration{time.Minute, 10 * time.Minute, time.Hour, 6 * time.Hour, 2 * 24 * time.Hour}[s.rnd.IntN(5)]
+		terms := grant.Options{Priority: []int{grant.PriorityPromotional, grant.PriorityPaid}[s.rnd.IntN(2)], ExpiresAt: s.clock().Add(ahead)}
+		_, _, err := g.CreditGrant(s.ctx, o, c, uuid.Must(uuid.NewV7()).String(), terms)
+		s.must(err)
+		if s.rnd.Float64() < 0.5 { // settled at once, as Ops.CreditGrant does; else by a worker's pass
+			s.must(s.worker.SettleOrg(s.ctx, o))
+		}
+		s.credits[o] += c
+		return
+	}
+	s.counts["grant-expiry-pass"]++
+	n, err := s.worker.ExpireDue(s.ctx, s.clock())
+	s.must(err)
+	s.counts["grant-expired"] += n
+}
+
+// expireAtRest writes the expire entries of every grant expired on the limit clock (no hold is
+// left at rest) and settles them.
+func (s *simulator) expireAtRest(o string) {
+	if _, err := s.worker.ExpireDue(s.ctx, s.clock()); err != nil {
+		s.must(err)
+	}
+	s.must(s.worker.SettleOrg(s.ctx, o))
+	st, err := s.store.State(s.ctx, o)
+	s.must(err)
+	if st.Expired != 0 {
+		s.t.Fatalf("seed %d: org %s at rest: %d of expired credit rolled over and never closed by its expire entry", s.seed, o, st.Expired)
 	}
 }
 
@@ -883,8 +929,8 @@ func (s *simulator) check(step int) {
 		if !st.Exists || st.Epoch != epoch {
 			continue
 		}
-		if got, want := st.Balance+st.Held, s.b(o, st.Watermark); got != want {
-			s.t.Fatalf("seed %d step %d: org %s: bal+holds = %d, B(wm=%d) = %d", s.seed, step, o, got, st.Watermark, want)
+		if got, want := st.Balance+st.Held+st.Expired, s.b(o, st.Watermark); got != want { // + the expiry term (grants)
+			s.t.Fatalf("seed %d step %d: org %s: bal+holds+expired = %d, B(wm=%d) = %d", s.seed, step, o, got, st.Watermark, want)
 		}
 		s.checkCounters(step, o, st.Watermark)
 		// Every limits change is pushed before the call returns, and a seed of a snapshot older
@@ -959,10 +1005,20 @@ func (s *simulator) sameAsRead(r ledger.AccountResult) {
 		s.t.Fatalf("seed %d: handed over with epoch %v, read back %v", s.seed, r.Epoch, ep)
 	}
 	for o, es := range r.Settle {
-		if !slices.Equal(es, read[o]) {
+		if !slices.EqualFunc(es, read[o], sameEntry) {
 			s.t.Fatalf("seed %d: org %s: handed over %+v, read back %+v", s.seed, o, es, read[o])
 		}
 	}
+}
+
+// sameEntry: equal entries, the grants' rests (a pointer to a map) compared by value.
+func sameEntry(a, b balance.Entry) bool {
+	ax, bx := a.Expiries, b.Expiries
+	a.Expiries, b.Expiries = nil, nil
+	if a != b || (ax == nil) != (bx == nil) {
+		return false
+	}
+	return ax == nil || maps.Equal(*ax, *bx)
 }
 
 func (s *simulator) quiesce() {
@@ -987,6 +1043,7 @@ func (s *simulator) quiesce() {
 		_, err = s.store.Reap(s.ctx, o)
 		s.must(err)
 		s.must(s.worker.Drain(s.ctx))
+		s.expireAtRest(o) // grants
 		st, err := s.store.State(s.ctx, o)
 		s.must(err)
 		acct, err := s.ledger.Account(s.ctx, o)
