@@ -324,6 +324,7 @@ func (s *simulator) step() {
 		}
 		switch {
 		case err == nil:
+			s.checkNoExpiredSpent(o, res.ReservedAt) // grants
 			s.inflight[id] = simReq{org: o, id: id, amount: amt, bounded: bounded, bound: bound, tokens: tok, endUser: eu, key: key, project: res.Project, at: res.ReservedAt}
 			if bounded {
 				s.boundHold[id] = amt
@@ -540,6 +541,33 @@ func (s *simulator) grantStep(o string) {
 	n, err := s.worker.ExpireDue(s.ctx, s.clock())
 	s.must(err)
 	s.counts["grant-expired"] += n
+}
+
+// checkNoExpiredSpent: right after a granted reserve at clock at, the hot balance holds none of
+// the credit expired by then: what the rollovers took out (State.Expired) covers the rest of
+// every grant in the hot balance (credited at or below wm) whose expiry is at or before at and
+// that has no expire entry yet (its rest now is at most its rest at wm).
+func (s *simulator) checkNoExpiredSpent(o string, at time.Time) {
+	g, ok := s.ledger.(grant.Store)
+	if !ok {
+		return
+	}
+	st, err := s.store.State(s.ctx, o)
+	s.must(err)
+	if !st.Exists {
+		return
+	}
+	gs, err := g.Grants(s.ctx, o)
+	s.must(err)
+	var due int64
+	for _, x := range gs {
+		if !x.Expired && !x.ExpiresAt.IsZero() && !x.ExpiresAt.After(at) && x.Seq <= st.Watermark {
+			due += x.Rest
+		}
+	}
+	if st.Expired < due {
+		s.t.Fatalf("seed %d: org %s: a reserve at %v left %d of expired credit spendable (rolled over %d)", s.seed, o, at, due-st.Expired, st.Expired)
+	}
 }
 
 // expireAtRest writes the expire entries of every grant expired on the limit clock (no hold is
