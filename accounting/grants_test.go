@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -44,10 +46,10 @@ func ledgerB(l ledger.Ledger, org string, k int64) (int64, error) {
 }
 
 // TestGrantExpiryBurst: an org with paid credit P and promotional credit G that expires at T.
-// 2,000 requests at once, half reserved on a store whose script clock is before T and half on
-// one whose clock is past it (so the rollover comes in the middle of the burst, on the Redis
-// clock), each charged while the worker settles: a random cost up to its hold before T, its
-// whole hold after T. The invariant
+// 2,000 requests: 1,000 reserved at once on a store whose script clock is before T, then, while
+// those are charged, 1,000 at once on a store whose clock is past it (the rollover comes in the
+// middle of the burst, on the Redis clock; holds taken before T settle after it), each charged
+// while the worker settles: a random cost up to its hold before T, its whole hold after T. The invariant
 // bal + Σ holds + expired = B(wm) holds at every read during the burst; no hold reserved after T
 // spends G (the ledger ends at or above zero: had the hot balance let holds after T spend G's
 // rest, the expire entry would leave the org in debt); the ledger has one expire entry, of
@@ -135,49 +137,100 @@ func TestGrantExpiryBurst(t *testing.T) {
 				checks.Add(1)
 			}
 		}()
-		start := make(chan struct{})
-		for i := range n {
-			wg.Add(1)
+		// The burst: n/2 requests reserve before T, all at once; while they are in flight, n/2
+		// reserve on the store past T, all at once, and the first half is charged meanwhile (so
+		// their holds, taken before T, settle after the rollover). A request after T that is
+		// refused tries once more after every request before T has settled (the rollover's
+		// conservative share has come back by then), so both halves always have granted holds.
+		var (
+			reservedBefore, chargedBefore sync.WaitGroup
+			startBefore, startAfter       = make(chan struct{}), make(chan struct{})
+			beforeSettled                 = make(chan struct{})
+			beforeIDs                     = make([]string, n/2)
+		)
+		charge := func(id string, amount, cost int64, res balance.Reservation) {
+			ev := ledger.UsageEvent{ID: id, Org: org, Model: "m", Usage: pricing.Usage{Prompt: 1}, Cost: cost,
+				HoldAmount: amount, ReservedAt: res.ReservedAt, CreatedAt: time.Now()}
+			if err := l.RecordUsage(ctx, []ledger.UsageEvent{ev}); err != nil {
+				t.Error(err)
+				return
+			}
+			w.Notify(org)
+		}
+		for i := range n / 2 {
+			reservedBefore.Add(1)
+			chargedBefore.Add(1)
+			beforeIDs[i] = newID()
 			go func() {
-				defer wg.Done()
+				defer chargedBefore.Done()
 				r := rand.New(rand.NewPCG(uint64(i), 7))
-				s := before
-				if i%2 == 1 {
-					s = after
-				}
-				amount := 1 + r.Int64N(50)
-				id := newID()
-				<-start
-				res, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: amount})
+				amount, id := 1+r.Int64N(50), beforeIDs[i]
+				<-startBefore
+				res, err := before.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: amount})
+				reservedBefore.Done()
 				if errors.Is(err, balance.ErrInsufficient) {
 					return
 				}
-				if err != nil {
-					t.Error(err)
+				if err != nil || !res.ReservedAt.Before(at) {
+					t.Errorf("reserve before the expiry: %+v %v", res, err)
 					return
 				}
-				cost := amount // after T: what it held, so a hold that spent expired credit shows in the ledger
-				if res.ReservedAt.Before(at) {
-					cost = r.Int64N(amount + 1)
-					okBefore.Add(1)
-					beforeCost.Add(cost)
-				} else {
-					okAfter.Add(1)
-					afterCost.Add(cost)
-				}
-				ev := ledger.UsageEvent{ID: id, Org: org, Model: "m", Usage: pricing.Usage{Prompt: 1}, Cost: cost,
-					HoldAmount: amount, ReservedAt: res.ReservedAt, CreatedAt: time.Now()}
-				if err := l.RecordUsage(ctx, []ledger.UsageEvent{ev}); err != nil {
-					t.Error(err)
-					return
-				}
-				w.Notify(org)
+				okBefore.Add(1)
+				cost := r.Int64N(amount + 1)
+				beforeCost.Add(cost)
+				<-startAfter // charged while the second half reserves past T
+				charge(id, amount, cost, res)
 			}()
 		}
-		close(start)
+		for i := range n / 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r := rand.New(rand.NewPCG(uint64(i), 11))
+				amount := 1 + r.Int64N(50)
+				<-startAfter
+				for try := 0; try < 2; try++ {
+					id := newID()
+					res, err := after.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: amount})
+					if errors.Is(err, balance.ErrInsufficient) && try == 0 {
+						<-beforeSettled
+						continue
+					}
+					if errors.Is(err, balance.ErrInsufficient) {
+						return
+					}
+					if err != nil || res.ReservedAt.Before(at) {
+						t.Errorf("reserve after the expiry: %+v %v", res, err)
+						return
+					}
+					okAfter.Add(1)
+					afterCost.Add(amount)
+					charge(id, amount, amount, res) // its whole hold: a hold that spent expired credit shows in the ledger
+					return
+				}
+			}()
+		}
+		close(startBefore)
+		reservedBefore.Wait()
+		close(startAfter)
+		chargedBefore.Wait()
+		deadline := time.Now().Add(60 * time.Second)
+		for { // every request before T settled (its usage accounted and in the hot balance)
+			busy, err := l.UnsettledUsage(ctx, org, beforeIDs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Contains(slices.Collect(maps.Values(busy)), true) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the requests before the expiry did not settle")
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		close(beforeSettled)
 		wg.Wait()
 		// Every request has been charged: wait until the hot balance has settled them all.
-		deadline := time.Now().Add(60 * time.Second)
 		for {
 			acct, err := l.Account(ctx, org)
 			st, err2 := before.State(ctx, org)
