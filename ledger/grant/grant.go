@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/llmescrow/escrow/ledger"
@@ -91,21 +92,7 @@ type Store interface {
 
 // ExpireRef is the reference of grant seq's expire entry in org.
 func ExpireRef(org string, seq int64) string {
-	return "expire:" + org + ":" + itoa(seq)
-}
-
-func itoa(n int64) string {
-	var b [20]byte
-	i := len(b)
-	if n == 0 {
-		return "0"
-	}
-	for n > 0 {
-		i--
-		b[i] = byte('0' + n%10)
-		n /= 10
-	}
-	return string(b[i:])
+	return "expire:" + org + ":" + strconv.FormatInt(seq, 10)
 }
 
 // Compare orders grants for spending: priority, then soonest expiry (never last), then the
