@@ -61,6 +61,7 @@ func (w *Worker) expireOrg(ctx context.Context, g grant.Store, org string, at ti
 		return err
 	}
 	if st.Holds > 0 && st.Oldest.Before(at) {
+		w.stats.grantsWaiting.Add(1)
 		w.log.Debug("grant expiry waits for holds reserved before it", "org", org, "expiry", at, "oldest", st.Oldest)
 		return nil
 	}
@@ -68,6 +69,7 @@ func (w *Worker) expireOrg(ctx context.Context, g grant.Store, org string, at ti
 	if err != nil || n == 0 {
 		return err
 	}
+	w.stats.grantsExpired.Add(int64(n))
 	w.log.Info("grants expired", "org", org, "entries", n)
 	if err := w.SettleOrg(ctx, org); err != nil {
 		w.Notify(org) // the pass settles it
