@@ -361,3 +361,61 @@ func TestGrantViewAcrossExpiry(t *testing.T) {
 	}
 	consistent("expire entry settled", 700, 0, 1)
 }
+
+// TestGrantExpiryWaitsForHolds: the worker writes no expire entry while a hold reserved before
+// the expiry is in flight (its usage would come too late to spend the grant); once that request
+// is charged, the entry takes exactly what it left.
+func TestGrantExpiryWaitsForHolds(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := testutil.MiniRedis(t)
+	l := memledger.New()
+	store := newStore(t, env, l, balance.Config{})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
+	ops := accounting.NewOps(w)
+	if err := l.CreateOrg(ctx, "acme"); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().Truncate(time.Millisecond)
+	env.Mini.SetTime(now)
+	at := now.Add(time.Hour)
+	if _, _, err := ops.CreditGrant(ctx, "acme", 300, "promo", grant.Options{Priority: grant.PriorityPromotional, ExpiresAt: at}); err != nil {
+		t.Fatal(err)
+	}
+	id := newID()
+	res, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: id, Amount: 200})
+	if err != nil {
+		t.Fatal(err)
+	}
+	env.Mini.SetTime(at.Add(time.Minute))
+	if n, err := w.ExpireDue(ctx, at); err != nil || n != 1 { // one org visited
+		t.Fatalf("expiry pass: %d %v", n, err)
+	}
+	if due, err := l.DueGrants(ctx, at, 10); err != nil || len(due) != 1 {
+		t.Fatalf("the grant was expired under a hold reserved before its expiry: %v %v", due, err)
+	}
+	if w.Stats().GrantsWaiting != 1 {
+		t.Fatalf("stats %+v", w.Stats())
+	}
+	ev := ledger.UsageEvent{ID: id, Org: "acme", Model: "m", Usage: pricing.Usage{Prompt: 1}, Cost: 120, HoldAmount: 200, ReservedAt: res.ReservedAt, CreatedAt: time.Now()}
+	if err := l.RecordUsage(ctx, []ledger.UsageEvent{ev}); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.ExpireDue(ctx, at); err != nil {
+		t.Fatal(err)
+	}
+	es, _, err := l.EntriesAfter(ctx, "acme", 0, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if last := es[len(es)-1]; last.Expired.IsZero() || last.Delta != -180 {
+		t.Fatalf("expire entry %+v, want −180 (300 less the 120 the request reserved before it spent)", last)
+	}
+	st, err := store.State(ctx, "acme")
+	if err != nil || st.Balance != 0 || st.Expired != 0 || st.Holds != 0 {
+		t.Fatalf("hot balance after the expiry: %+v %v", st, err)
+	}
+}
