@@ -30,21 +30,51 @@ func (w *Worker) ExpireGrants(ctx context.Context) (int, error) {
 	if !ok {
 		return 0, nil
 	}
-	orgs, err := g.ExpireGrants(ctx, time.Now().Add(-w.cfg.GrantGrace), w.cfg.AccountBatch)
+	return w.expireDue(ctx, g, time.Now().Add(-w.cfg.GrantGrace))
+}
+
+// expireDue expires the grants due by upTo (ExpireGrants' work, on any clock).
+func (w *Worker) expireDue(ctx context.Context, g grant.Store, upTo time.Time) (int, error) {
+	due, err := g.DueGrants(ctx, upTo, w.cfg.AccountBatch)
 	if err != nil {
 		return 0, fmt.Errorf("accounting: expire grants: %w", err)
 	}
-	for _, org := range orgs {
-		octx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
-		if err := w.SettleOrg(octx, org); err != nil {
-			w.Notify(org) // the pass settles it
+	n := 0
+	for org, at := range due {
+		if err := w.expireOrg(ctx, g, org, at); err != nil {
+			w.log.Warn("grant expiry failed", "org", org, "err", err)
+			continue
 		}
-		cancel()
+		n++
 	}
-	if len(orgs) > 0 {
-		w.log.Info("grants expired", "orgs", len(orgs))
+	return n, nil
+}
+
+// expireOrg writes org's expire entries up to at — only once no hold reserved before at is left
+// in the hot balance: the usage of such a hold spends the grants live when it was reserved, so
+// it must be in the ledger first (a pinned hold waits for its journal) — and settles them.
+func (w *Worker) expireOrg(ctx context.Context, g grant.Store, org string, at time.Time) error {
+	ctx, cancel := context.WithTimeout(ctx, w.cfg.OrgTimeout)
+	defer cancel()
+	st, err := w.store.State(ctx, org)
+	if err != nil {
+		return err
 	}
-	return len(orgs), nil
+	if st.Holds > 0 && st.Oldest.Before(at) {
+		w.stats.grantsWaiting.Add(1)
+		w.log.Debug("grant expiry waits for holds reserved before it", "org", org, "expiry", at, "oldest", st.Oldest)
+		return nil
+	}
+	n, err := g.ExpireGrants(ctx, org, at)
+	if err != nil || n == 0 {
+		return err
+	}
+	w.stats.grantsExpired.Add(int64(n))
+	w.log.Info("grants expired", "org", org, "entries", n)
+	if err := w.SettleOrg(ctx, org); err != nil {
+		w.Notify(org) // the pass settles it
+	}
+	return nil
 }
 
 // CreditGrant records a credit with grant terms (an expiry, a priority) and returns once it is

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -44,10 +46,10 @@ func ledgerB(l ledger.Ledger, org string, k int64) (int64, error) {
 }
 
 // TestGrantExpiryBurst: an org with paid credit P and promotional credit G that expires at T.
-// 2,000 requests at once, half reserved on a store whose script clock is before T and half on
-// one whose clock is past it (so the rollover comes in the middle of the burst, on the Redis
-// clock), each charged while the worker settles: a random cost up to its hold before T, its
-// whole hold after T. The invariant
+// 2,000 requests: 1,000 reserved at once on a store whose script clock is before T, then, while
+// those are charged, 1,000 at once on a store whose clock is past it (the rollover comes in the
+// middle of the burst, on the Redis clock; holds taken before T settle after it), each charged
+// while the worker settles: a random cost up to its hold before T, its whole hold after T. The invariant
 // bal + Σ holds + expired = B(wm) holds at every read during the burst; no hold reserved after T
 // spends G (the ledger ends at or above zero: had the hot balance let holds after T spend G's
 // rest, the expire entry would leave the org in debt); the ledger has one expire entry, of
@@ -135,49 +137,100 @@ func TestGrantExpiryBurst(t *testing.T) {
 				checks.Add(1)
 			}
 		}()
-		start := make(chan struct{})
-		for i := range n {
-			wg.Add(1)
+		// The burst: n/2 requests reserve before T, all at once; while they are in flight, n/2
+		// reserve on the store past T, all at once, and the first half is charged meanwhile (so
+		// their holds, taken before T, settle after the rollover). A request after T that is
+		// refused tries once more after every request before T has settled (the rollover's
+		// conservative share has come back by then), so both halves always have granted holds.
+		var (
+			reservedBefore, chargedBefore sync.WaitGroup
+			startBefore, startAfter       = make(chan struct{}), make(chan struct{})
+			beforeSettled                 = make(chan struct{})
+			beforeIDs                     = make([]string, n/2)
+		)
+		charge := func(id string, amount, cost int64, res balance.Reservation) {
+			ev := ledger.UsageEvent{ID: id, Org: org, Model: "m", Usage: pricing.Usage{Prompt: 1}, Cost: cost,
+				HoldAmount: amount, ReservedAt: res.ReservedAt, CreatedAt: time.Now()}
+			if err := l.RecordUsage(ctx, []ledger.UsageEvent{ev}); err != nil {
+				t.Error(err)
+				return
+			}
+			w.Notify(org)
+		}
+		for i := range n / 2 {
+			reservedBefore.Add(1)
+			chargedBefore.Add(1)
+			beforeIDs[i] = newID()
 			go func() {
-				defer wg.Done()
+				defer chargedBefore.Done()
 				r := rand.New(rand.NewPCG(uint64(i), 7))
-				s := before
-				if i%2 == 1 {
-					s = after
-				}
-				amount := 1 + r.Int64N(50)
-				id := newID()
-				<-start
-				res, err := s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: amount})
+				amount, id := 1+r.Int64N(50), beforeIDs[i]
+				<-startBefore
+				res, err := before.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: amount})
+				reservedBefore.Done()
 				if errors.Is(err, balance.ErrInsufficient) {
 					return
 				}
-				if err != nil {
-					t.Error(err)
+				if err != nil || !res.ReservedAt.Before(at) {
+					t.Errorf("reserve before the expiry: %+v %v", res, err)
 					return
 				}
-				cost := amount // after T: what it held, so a hold that spent expired credit shows in the ledger
-				if res.ReservedAt.Before(at) {
-					cost = r.Int64N(amount + 1)
-					okBefore.Add(1)
-					beforeCost.Add(cost)
-				} else {
-					okAfter.Add(1)
-					afterCost.Add(cost)
-				}
-				ev := ledger.UsageEvent{ID: id, Org: org, Model: "m", Usage: pricing.Usage{Prompt: 1}, Cost: cost,
-					HoldAmount: amount, ReservedAt: res.ReservedAt, CreatedAt: time.Now()}
-				if err := l.RecordUsage(ctx, []ledger.UsageEvent{ev}); err != nil {
-					t.Error(err)
-					return
-				}
-				w.Notify(org)
+				okBefore.Add(1)
+				cost := r.Int64N(amount + 1)
+				beforeCost.Add(cost)
+				<-startAfter // charged while the second half reserves past T
+				charge(id, amount, cost, res)
 			}()
 		}
-		close(start)
+		for i := range n / 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r := rand.New(rand.NewPCG(uint64(i), 11))
+				amount := 1 + r.Int64N(50)
+				<-startAfter
+				for try := 0; try < 2; try++ {
+					id := newID()
+					res, err := after.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: id, Amount: amount})
+					if errors.Is(err, balance.ErrInsufficient) && try == 0 {
+						<-beforeSettled
+						continue
+					}
+					if errors.Is(err, balance.ErrInsufficient) {
+						return
+					}
+					if err != nil || res.ReservedAt.Before(at) {
+						t.Errorf("reserve after the expiry: %+v %v", res, err)
+						return
+					}
+					okAfter.Add(1)
+					afterCost.Add(amount)
+					charge(id, amount, amount, res) // its whole hold: a hold that spent expired credit shows in the ledger
+					return
+				}
+			}()
+		}
+		close(startBefore)
+		reservedBefore.Wait()
+		close(startAfter)
+		chargedBefore.Wait()
+		deadline := time.Now().Add(60 * time.Second)
+		for { // every request before T settled (its usage accounted and in the hot balance)
+			busy, err := l.UnsettledUsage(ctx, org, beforeIDs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Contains(slices.Collect(maps.Values(busy)), true) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the requests before the expiry did not settle")
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		close(beforeSettled)
 		wg.Wait()
 		// Every request has been charged: wait until the hot balance has settled them all.
-		deadline := time.Now().Add(60 * time.Second)
 		for {
 			acct, err := l.Account(ctx, org)
 			st, err2 := before.State(ctx, org)
@@ -200,7 +253,7 @@ func TestGrantExpiryBurst(t *testing.T) {
 		// The expiry's entry, written once the ledger's clock is past it (twice: exactly once).
 		for range 2 {
 			g, _ := l.(grant.Store)
-			if _, err := g.ExpireGrants(ctx, at, 100); err != nil {
+			if _, err := g.ExpireGrants(ctx, org, at); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -259,4 +312,110 @@ func TestGrantExpiryBurst(t *testing.T) {
 		t.Logf("holds before T %d (charged %d), after T %d (charged %d); expired %d; balance %d; invariant read %d times",
 			okBefore.Load(), beforeCost.Load(), okAfter.Load(), afterCost.Load(), wantRest, acct.Balance, checks.Load())
 	})
+}
+
+// TestGrantViewAcrossExpiry: between an expiry's rollover and its expire entry, the customer
+// view's totals stay consistent (credited − charged − held = available): the rolled-over rest is
+// out of both, and the grant is listed until its expire entry.
+func TestGrantViewAcrossExpiry(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := testutil.MiniRedis(t)
+	l := memledger.New()
+	store := newStore(t, env, l, balance.Config{})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
+	ops := accounting.NewOps(w)
+	if err := l.CreateOrg(ctx, "acme"); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().Truncate(time.Millisecond)
+	env.Mini.SetTime(now)
+	at := now.Add(time.Hour)
+	if _, _, err := ops.CreditGrant(ctx, "acme", 700, "paid", grant.Paid); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := ops.CreditGrant(ctx, "acme", 300, "promo", grant.Options{Priority: grant.PriorityPromotional, ExpiresAt: at}); err != nil {
+		t.Fatal(err)
+	}
+	consistent := func(where string, wantAvail, wantExpired int64, wantGrants int) {
+		t.Helper()
+		v, err := ops.CustomerView(ctx, "acme", "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v.Credited-v.Charged-v.Held != v.Available || v.Available != wantAvail || v.Expired != wantExpired || len(v.Grants) != wantGrants {
+			t.Fatalf("%s: view %+v, want available %d, expired %d, %d grants", where, v, wantAvail, wantExpired, wantGrants)
+		}
+	}
+	consistent("before", 1000, 0, 2)
+	env.Mini.SetTime(at.Add(time.Second)) // the Redis clock passes the expiry: the next reserve rolls it over
+	if _, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: newID(), Amount: 701}); !errors.Is(err, balance.ErrInsufficient) {
+		t.Fatalf("reserve of more than the paid credit after the expiry: %v", err)
+	}
+	consistent("rolled over", 700, 300, 2)
+	if _, err := l.ExpireGrants(ctx, "acme", at); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.SettleOrg(ctx, "acme"); err != nil {
+		t.Fatal(err)
+	}
+	consistent("expire entry settled", 700, 0, 1)
+}
+
+// TestGrantExpiryWaitsForHolds: the worker writes no expire entry while a hold reserved before
+// the expiry is in flight (its usage would come too late to spend the grant); once that request
+// is charged, the entry takes exactly what it left.
+func TestGrantExpiryWaitsForHolds(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := testutil.MiniRedis(t)
+	l := memledger.New()
+	store := newStore(t, env, l, balance.Config{})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
+	ops := accounting.NewOps(w)
+	if err := l.CreateOrg(ctx, "acme"); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().Truncate(time.Millisecond)
+	env.Mini.SetTime(now)
+	at := now.Add(time.Hour)
+	if _, _, err := ops.CreditGrant(ctx, "acme", 300, "promo", grant.Options{Priority: grant.PriorityPromotional, ExpiresAt: at}); err != nil {
+		t.Fatal(err)
+	}
+	id := newID()
+	res, err := store.Reserve(ctx, balance.ReserveRequest{Org: "acme", HoldID: id, Amount: 200})
+	if err != nil {
+		t.Fatal(err)
+	}
+	env.Mini.SetTime(at.Add(time.Minute))
+	if n, err := w.ExpireDue(ctx, at); err != nil || n != 1 { // one org visited
+		t.Fatalf("expiry pass: %d %v", n, err)
+	}
+	if due, err := l.DueGrants(ctx, at, 10); err != nil || len(due) != 1 {
+		t.Fatalf("the grant was expired under a hold reserved before its expiry: %v %v", due, err)
+	}
+	if w.Stats().GrantsWaiting != 1 {
+		t.Fatalf("stats %+v", w.Stats())
+	}
+	ev := ledger.UsageEvent{ID: id, Org: "acme", Model: "m", Usage: pricing.Usage{Prompt: 1}, Cost: 120, HoldAmount: 200, ReservedAt: res.ReservedAt, CreatedAt: time.Now()}
+	if err := l.RecordUsage(ctx, []ledger.UsageEvent{ev}); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.ExpireDue(ctx, at); err != nil {
+		t.Fatal(err)
+	}
+	es, _, err := l.EntriesAfter(ctx, "acme", 0, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if last := es[len(es)-1]; last.Expired.IsZero() || last.Delta != -180 {
+		t.Fatalf("expire entry %+v, want −180 (300 less the 120 the request reserved before it spent)", last)
+	}
+	st, err := store.State(ctx, "acme")
+	if err != nil || st.Balance != 0 || st.Expired != 0 || st.Holds != 0 {
+		t.Fatalf("hot balance after the expiry: %+v %v", st, err)
+	}
 }

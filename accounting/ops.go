@@ -73,6 +73,9 @@ type Balance struct {
 	// Exempt: the org's requests are never held nor refused for balance (ledger access.OrgFlags); its
 	// balance may be negative.
 	Exempt bool `json:"exempt"`
+	// Expired: credit whose grant expired, already out of Available, whose expire entry the
+	// ledger has not written or settled yet (docs/grants.md).
+	Expired int64 `json:"expired,omitempty"`
 }
 
 // Balance reads the org's account and its hot balance, seeding a cold org first so the answer
@@ -96,7 +99,7 @@ func (o *Ops) Balance(ctx context.Context, org string) (Balance, error) {
 		return Balance{}, fmt.Errorf("%w: %w", ErrHotBalance, err)
 	}
 	return Balance{
-		Org: org, LedgerBalance: acct.Balance, Available: st.Balance, Held: st.Held, Holds: st.Holds,
+		Org: org, LedgerBalance: acct.Balance, Available: st.Balance, Held: st.Held, Holds: st.Holds, Expired: st.Expired,
 		LedgerSeq: acct.LedgerSeq, SettledSeq: acct.SettledSeq, Watermark: st.Watermark, Exempt: info.Exempt,
 	}, nil
 }

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/llmescrow/escrow/balance"
+	"github.com/llmescrow/escrow/ledger/grant"
 )
 
 // CustomerView is what an API key's holder may read about the money it spends (DESIGN "Holds
@@ -26,6 +27,11 @@ type CustomerView struct {
 	Charged  int64   `json:"charged"`
 	Credited int64   `json:"credited"`
 	Key      KeyView `json:"key"`
+	// Grants (docs/grants.md): the org's credit grants not expired yet, in spending order, and
+	// Expired, credit already expired whose expire entry is not in the ledger balance yet (it is
+	// out of Available and of Credited, so Credited − Charged − Held stays Available).
+	Grants  []grant.Grant `json:"grants"`
+	Expired int64         `json:"expired"`
 }
 
 // KeyView is the key of a CustomerView: its charges — all of them, and those of the current
@@ -66,6 +72,7 @@ func (o *Ops) CustomerView(ctx context.Context, org, keyID string) (CustomerView
 	switch b, err := o.Balance(ctx, org); {
 	case err == nil:
 		v.Available, v.Held, v.Hot = b.Available, b.Held, true
+		v.Expired, v.Credited = b.Expired, v.Credited-b.Expired
 	case !errors.Is(err, ErrHotBalance):
 		return CustomerView{}, err
 	}
@@ -93,5 +100,17 @@ func (o *Ops) CustomerView(ctx context.Context, org, keyID string) (CustomerView
 		k.Binding = &k.Limits[binding]
 	}
 	v.Key = k
+	v.Grants = []grant.Grant{}
+	if g, ok := o.worker.grants(); ok {
+		gs, err := g.Grants(ctx, org)
+		if err != nil {
+			return CustomerView{}, fmt.Errorf("grants of %q: %w", org, err)
+		}
+		for _, x := range gs {
+			if !x.Expired {
+				v.Grants = append(v.Grants, x)
+			}
+		}
+	}
 	return v, nil
 }

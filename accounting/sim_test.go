@@ -23,6 +23,7 @@ import (
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/grant"
 	"github.com/llmescrow/escrow/ledger/memledger"
 	"github.com/llmescrow/escrow/ledger/pgledger"
 	"github.com/llmescrow/escrow/pricing"
@@ -327,6 +328,7 @@ func (s *simulator) step() {
 		}
 		switch {
 		case err == nil:
+			s.checkNoExpiredSpent(o, res.ReservedAt) // grants
 			s.inflight[id] = simReq{org: o, id: id, amount: amt, bounded: bounded, bound: bound, tokens: tok, endUser: eu, key: key, project: res.Project, at: res.ReservedAt}
 			if bounded {
 				s.boundHold[id] = amt
@@ -525,6 +527,78 @@ func (s *simulator) step() {
 		s.jobStep(o)
 	case op < 0.94: // issue 32: a media request arrives (sim_media_test.go)
 		s.mediaRequest(o)
+	case op >= 0.95: // grants (grantStep)
+		s.grantStep(o)
+	}
+}
+
+// ---- grants (docs/grants.md): a block of its own --------------------------------------------
+
+// grantStep draws a credit grant that expires (minutes to days ahead on the limit clock, which
+// the clock steps move past) with a promotional or paid priority, or the worker's expiry pass on
+// the limit clock (an org's expire entries wait for its holds reserved before the expiry).
+func (s *simulator) grantStep(o string) {
+	g, ok := s.ledger.(grant.Store)
+	if !ok {
+		return
+	}
+	if s.rnd.Float64() < 0.6 {
+		s.counts["grant"]++
+		c := s.rnd.Int64N(80) + 1
+		ahead := []time.Duration{time.Minute, 10 * time.Minute, time.Hour, 6 * time.Hour, 2 * 24 * time.Hour}[s.rnd.IntN(5)]
+		terms := grant.Options{Priority: []int{grant.PriorityPromotional, grant.PriorityPaid}[s.rnd.IntN(2)], ExpiresAt: s.clock().Add(ahead)}
+		_, _, err := g.CreditGrant(s.ctx, o, c, uuid.Must(uuid.NewV7()).String(), terms)
+		s.must(err)
+		if s.rnd.Float64() < 0.5 { // settled at once, as Ops.CreditGrant does; else by a worker's pass
+			s.must(s.worker.SettleOrg(s.ctx, o))
+		}
+		s.credits[o] += c
+		return
+	}
+	s.counts["grant-expiry-pass"]++
+	n, err := s.worker.ExpireDue(s.ctx, s.clock())
+	s.must(err)
+	s.counts["grant-expired"] += n
+}
+
+// checkNoExpiredSpent: right after a granted reserve at clock at, the hot balance holds none of
+// the credit expired by then: what the rollovers took out (State.Expired) covers the rest of
+// every grant in the hot balance (credited at or below wm) whose expiry is at or before at and
+// that has no expire entry yet (its rest now is at most its rest at wm).
+func (s *simulator) checkNoExpiredSpent(o string, at time.Time) {
+	g, ok := s.ledger.(grant.Store)
+	if !ok {
+		return
+	}
+	st, err := s.store.State(s.ctx, o)
+	s.must(err)
+	if !st.Exists {
+		return
+	}
+	gs, err := g.Grants(s.ctx, o)
+	s.must(err)
+	var due int64
+	for _, x := range gs {
+		if !x.Expired && !x.ExpiresAt.IsZero() && !x.ExpiresAt.After(at) && x.Seq <= st.Watermark {
+			due += x.Rest
+		}
+	}
+	if st.Expired < due {
+		s.t.Fatalf("seed %d: org %s: a reserve at %v left %d of expired credit spendable (rolled over %d)", s.seed, o, at, due-st.Expired, st.Expired)
+	}
+}
+
+// expireAtRest writes the expire entries of every grant expired on the limit clock (no hold is
+// left at rest) and settles them.
+func (s *simulator) expireAtRest(o string) {
+	if _, err := s.worker.ExpireDue(s.ctx, s.clock()); err != nil {
+		s.must(err)
+	}
+	s.must(s.worker.SettleOrg(s.ctx, o))
+	st, err := s.store.State(s.ctx, o)
+	s.must(err)
+	if st.Expired != 0 {
+		s.t.Fatalf("seed %d: org %s at rest: %d of expired credit rolled over and never closed by its expire entry", s.seed, o, st.Expired)
 	}
 }
 
@@ -911,8 +985,8 @@ func (s *simulator) check(step int) {
 		if !st.Exists || st.Epoch != epoch {
 			continue
 		}
-		if got, want := st.Balance+st.Held, s.b(o, st.Watermark); got != want {
-			s.t.Fatalf("seed %d step %d: org %s: bal+holds = %d, B(wm=%d) = %d", s.seed, step, o, got, st.Watermark, want)
+		if got, want := st.Balance+st.Held+st.Expired, s.b(o, st.Watermark); got != want { // + the expiry term (grants)
+			s.t.Fatalf("seed %d step %d: org %s: bal+holds+expired = %d, B(wm=%d) = %d", s.seed, step, o, got, st.Watermark, want)
 		}
 		s.checkCounters(step, o, st.Watermark)
 		// Every limits change is pushed before the call returns, and a seed of a snapshot older
@@ -990,10 +1064,20 @@ func (s *simulator) sameAsRead(r ledger.AccountResult) {
 		s.t.Fatalf("seed %d: handed over with epoch %v, read back %v", s.seed, r.Epoch, ep)
 	}
 	for o, es := range r.Settle {
-		if !slices.Equal(es, read[o]) {
+		if !slices.EqualFunc(es, read[o], sameEntry) {
 			s.t.Fatalf("seed %d: org %s: handed over %+v, read back %+v", s.seed, o, es, read[o])
 		}
 	}
+}
+
+// sameEntry: equal entries, the grants' rests (a pointer to a map) compared by value.
+func sameEntry(a, b balance.Entry) bool {
+	ax, bx := a.Expiries, b.Expiries
+	a.Expiries, b.Expiries = nil, nil
+	if a != b || (ax == nil) != (bx == nil) {
+		return false
+	}
+	return ax == nil || maps.Equal(*ax, *bx)
 }
 
 func (s *simulator) quiesce() {
@@ -1019,6 +1103,7 @@ func (s *simulator) quiesce() {
 		_, err = s.store.Reap(s.ctx, o)
 		s.must(err)
 		s.must(s.worker.Drain(s.ctx))
+		s.expireAtRest(o) // grants
 		st, err := s.store.State(s.ctx, o)
 		s.must(err)
 		acct, err := s.ledger.Account(s.ctx, o)

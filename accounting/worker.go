@@ -125,6 +125,8 @@ type WorkerStats struct {
 	LastDrift      int64 // the last drift found, micro-units (0 = none)
 	LastBatchSize  int64 // events accounted by the last pass
 	PendingBacklog int64 // orgs waiting to be settled after the last sweep
+	GrantsExpired  int64 // expire entries written (docs/grants.md)
+	GrantsWaiting  int64 // expiry passes of an org put off by holds reserved before the expiry
 }
 
 // Worker accounts pending usage, settles ledger entries into the hot balance, reaps holds of dead
@@ -143,6 +145,7 @@ type Worker struct {
 
 	stats struct {
 		accounted, settled, seeds, gaps, reaped, repairs, errors, lastDrift, lastBatch, backlog atomic.Int64
+		grantsExpired, grantsWaiting                                                            atomic.Int64 // grants.go
 	}
 	lag lagHistogram
 
@@ -179,7 +182,7 @@ func (w *Worker) Stats() WorkerStats {
 		Accounted: s.accounted.Load(), Settled: s.settled.Load(), Seeds: s.seeds.Load(),
 		Gaps: s.gaps.Load(), Reaped: s.reaped.Load(), DriftRepairs: s.repairs.Load(),
 		Errors: s.errors.Load(), LastDrift: s.lastDrift.Load(), LastBatchSize: s.lastBatch.Load(),
-		PendingBacklog: s.backlog.Load(),
+		PendingBacklog: s.backlog.Load(), GrantsExpired: s.grantsExpired.Load(), GrantsWaiting: s.grantsWaiting.Load(),
 	}
 }
 

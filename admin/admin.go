@@ -129,8 +129,9 @@ func (a *API) Register(g *echo.Group) {
 	add(http.MethodPatch, "/orgs/:org/limits/:id", a.patchLimit)
 	add(http.MethodDelete, "/orgs/:org/limits/:id", a.deleteLimit)
 	add(http.MethodGet, "/orgs/:org/limits/:id/end_users", a.limitEndUsers)
-	a.registerTopUp(add) // auto top-up settings (topup.go)
-	a.registerJobs(add)  // background responses and batches (jobs.go)
+	a.registerTopUp(add)  // auto top-up settings (topup.go)
+	a.registerJobs(add)   // background responses and batches (jobs.go)
+	a.registerGrants(add) // credit grants (grants.go)
 	for _, f := range []struct {
 		path   string
 		frozen bool
@@ -316,11 +317,6 @@ func (a *API) createOrg(c echo.Context) error {
 type moneyRequest struct {
 	Amount    *int64 `json:"amount"`
 	Reference string `json:"reference"`
-}
-
-// credit: POST /orgs/:org/credits, a payment (amount > 0).
-func (a *API) credit(c echo.Context) error {
-	return a.entry(c, func(n int64) bool { return n > 0 }, "amount (> 0, micro-units) and reference are required", a.ops.Credit)
 }
 
 // adjust: POST /orgs/:org/adjustments, a correction either way (amount ≠ 0).

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strconv"
 )
 
@@ -99,8 +101,8 @@ func checkSettle(org string, entries []Entry) error {
 			return fmt.Errorf("%w: hold id %q", ErrInvalidEntry, e.HoldID)
 		case e.HoldID != "" && (!e.GrantExpiry.IsZero() || !e.Expired.IsZero()):
 			return fmt.Errorf("%w: seq %d: a grant's credit or expire entry has no hold", ErrInvalidEntry, e.Seq)
-		case e.Expiries != nil && !validExpiries(e.Expiries):
-			return fmt.Errorf("%w: seq %d: expiries %+v", ErrInvalidEntry, e.Seq, *e.Expiries)
+		case e.Expiries != nil && !validExpiries(*e.Expiries):
+			return fmt.Errorf("%w: seq %d: expiries %v", ErrInvalidEntry, e.Seq, *e.Expiries)
 		case (e.KeyID != "" && !validLimitID(e.KeyID)) || (e.Project != "" && !validLimitID(e.Project)) ||
 			(e.EndUser != "" && checkScope(Scope{Kind: ScopeEndUser, ID: e.EndUser}) != nil):
 			return fmt.Errorf("%w: key %q project %q end user %q", ErrInvalidEntry, e.KeyID, e.Project, e.EndUser)
@@ -123,7 +125,7 @@ func (s *Store) settleArgs(ep string, chunk []Entry) []any {
 			strconv.FormatInt(max(e.Tokens, 0), 10), e.EndUser)
 	}
 	if n := len(chunk); n > 0 && chunk[n-1].Expiries != nil {
-		args = append(args, expiryBlock(chunk[n-1].Expiries, true)...)
+		args = append(args, expiryBlock(*chunk[n-1].Expiries, &chunk[n-1].Seq)...)
 	}
 	return args
 }
@@ -144,27 +146,28 @@ func grantMarker(e Entry) string {
 	return e.HoldID
 }
 
-// expiryBlock is the scripts' block of rests per expiry: 'X', [as-of seq,] n, pairs.
-func expiryBlock(x *Expiries, asOf bool) []any {
+// expiryBlock is the scripts' block of rests per expiry: 'X', [as-of seq,] n, pairs in time
+// order.
+func expiryBlock(x map[int64]int64, asOf *int64) []any {
 	out := []any{"X"}
-	if asOf {
-		out = append(out, strconv.FormatInt(x.AsOf, 10))
+	if asOf != nil {
+		out = append(out, strconv.FormatInt(*asOf, 10))
 	}
-	out = append(out, strconv.Itoa(len(x.Due)))
-	for _, d := range x.Due {
-		out = append(out, strconv.FormatInt(d.At.UnixMilli(), 10), strconv.FormatInt(d.Rest, 10))
+	out = append(out, strconv.Itoa(len(x)))
+	for _, at := range slices.Sorted(maps.Keys(x)) {
+		out = append(out, strconv.FormatInt(at, 10), strconv.FormatInt(x[at], 10))
 	}
 	return out
 }
 
-// validExpiries: rests within [0, MaxAmount], times that a script can compare exactly.
-func validExpiries(x *Expiries) bool {
-	for _, d := range x.Due {
-		if d.Rest < 0 || d.Rest > MaxAmount || d.At.IsZero() || d.At.UnixMilli() <= 0 || d.At.UnixMilli() >= 1e14 {
+// validExpiries: rests within [0, MaxAmount], times (ms) that a script compares exactly.
+func validExpiries(x map[int64]int64) bool {
+	for at, rest := range x {
+		if rest < 0 || rest > MaxAmount || at <= 0 || at >= 1e14 {
 			return false
 		}
 	}
-	return x.AsOf >= 0
+	return true
 }
 
 // settleReply reads one settle call's reply into statuses (those of chunk and of the entries

@@ -660,11 +660,12 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 		}
 		args = append(args, f, strconv.FormatInt(u.Used, 10))
 	}
-	if x := snap.Expiries; x != nil && len(x.Due) > 0 {
+	if snap.Expiries != nil && len(*snap.Expiries) > 0 {
+		x := *snap.Expiries
 		if !validExpiries(x) {
-			return false, fmt.Errorf("%w: snapshot expiries %+v", ErrInvalidEntry, *x)
+			return false, fmt.Errorf("%w: snapshot expiries %v", ErrInvalidEntry, x)
 		}
-		args = append(args, expiryBlock(x, false)...)
+		args = append(args, expiryBlock(x, nil)...)
 	}
 	s.ObserveEpoch(snap.Epoch)
 	k := s.keys(org)
@@ -885,6 +886,10 @@ type State struct {
 	// Expired is what rollovers of expiries took out of Balance and the ledger's expire entries
 	// have not yet (docs/grants.md): Balance + Held + Expired = B(Watermark).
 	Expired int64
+	// Oldest is the earliest reserve time among the holds (the Unix epoch for a hold whose
+	// record has none; zero without holds): a grant's expire entry waits for the holds reserved
+	// before its expiry.
+	Oldest time.Time
 }
 
 // InFlight is the number of unfinished holds: the requests still running.
@@ -915,6 +920,10 @@ func (s *Store) State(ctx context.Context, org string) (State, error) {
 	vals, _ := res[3].([]any)
 	for _, v := range vals {
 		st.Held += holdAmount(v)
+		rt := time.UnixMilli(holdReserved(v)).UTC()
+		if st.Oldest.IsZero() || rt.Before(st.Oldest) {
+			st.Oldest = rt
+		}
 	}
 	st.Finished = int(toInt(res[5]))
 	st.Holds = int(toInt(res[4])) + st.Finished
@@ -926,6 +935,16 @@ func (s *Store) State(ctx context.Context, org string) (State, error) {
 		}
 	}
 	return st, nil
+}
+
+// holdReserved reads the reserve time (ms) of a hold record ("<amount>|<reserve ms>|…"; 0 when
+// it has none).
+func holdReserved(v any) int64 {
+	str, _ := v.(string)
+	_, rest, _ := strings.Cut(str, "|")
+	rt, _, _ := strings.Cut(rest, "|")
+	n, _ := strconv.ParseInt(rt, 10, 64)
+	return n
 }
 
 // holdAmount reads the amount of a hold record ("<amount>" or "<amount>|…", lua/lib/limits.lua).

@@ -49,9 +49,11 @@ type Snapshot struct {
 	// With a LimitLedger: the org's limits and the spend of their current windows (see
 	// LimitLedger.SnapshotSince). nil: no limits. (A pointer keeps Snapshot comparable.)
 	Limits *LimitSnapshot
-	// Expiries: the unspent rest of the org's grants that expire, per expiry time, after every
-	// entry up to Seq (docs/grants.md). nil: none. (A pointer keeps Snapshot comparable.)
-	Expiries *Expiries
+	// Expiries: the unspent rest of the org's grants that expire (and have no expire entry yet),
+	// by expiry time (unix ms, the Redis clock), after every entry up to Seq (docs/grants.md).
+	// nil: the org has never had a grant that expires. (A pointer keeps Snapshot comparable;
+	// no type of its own keeps the package's names few.)
+	Expiries *map[int64]int64
 }
 
 // Entry is one ledger entry as the hot balance applies it. Delta < 0 is a charge, > 0 a credit
@@ -81,25 +83,13 @@ type Entry struct {
 	// (its amount joins that expiry's rest). Expired: the entry is the expire entry of a grant
 	// that expired then (Delta = −its unspent rest); LastOfExpiry on the last of that time's
 	// expire entries (it gives back what the rollover took out). Expiries: the ledger's rests
-	// read with the entries, set on the last entry of a read; applied when the watermark ends at
-	// Expiries.AsOf. Entries with any of these have no HoldID.
+	// per expiry (as Snapshot.Expiries) after this entry, read with it: set only on the last
+	// entry of a read that is the org's latest, applied when the watermark ends at it (an empty,
+	// non-nil map: nothing left to expire). Entries with any of these have no HoldID.
 	GrantExpiry  time.Time
 	Expired      time.Time
 	LastOfExpiry bool
-	Expiries     *Expiries
-}
-
-// Expiry is the unspent rest of an org's grants that expire at At.
-type Expiry struct {
-	At   time.Time
-	Rest int64
-}
-
-// Expiries are an org's expiries to come (and those come whose expire entries are not written
-// yet), with their rests after every ledger entry up to AsOf.
-type Expiries struct {
-	AsOf int64
-	Due  []Expiry
+	Expiries     *map[int64]int64
 }
 
 // Ledger is what the hot balance needs from the ledger (implemented by package accounting).

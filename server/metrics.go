@@ -78,6 +78,8 @@ func newMetrics(a *Server) *metrics {
 	counter("escrow_worker_gaps_total", "Ledger gaps healed by re-sending entries.", func() int64 { return w.Stats().Gaps })
 	counter("escrow_worker_reaped_total", "Expired holds of dead processes released.", func() int64 { return w.Stats().Reaped })
 	counter("escrow_worker_drift_repairs_total", "Hot balances dropped by the reconciler after a drift.", func() int64 { return w.Stats().DriftRepairs })
+	counter("escrow_worker_grants_expired_total", "Expire entries written for credit grants that expired.", func() int64 { return w.Stats().GrantsExpired })
+	counter("escrow_worker_grant_expiries_waiting_total", "Grant expiry passes of an org put off by holds reserved before the expiry.", func() int64 { return w.Stats().GrantsWaiting })
 	counter("escrow_worker_errors_total", "Failed worker passes.", func() int64 { return w.Stats().Errors })
 	gauge("escrow_worker_last_drift_microunits", "The last drift the reconciler found.", func() int64 { return w.Stats().LastDrift })
 	gauge("escrow_worker_batch_size", "Usage events accounted by the last pass.", func() int64 { return w.Stats().LastBatchSize })

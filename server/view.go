@@ -154,10 +154,29 @@ type orgMoney struct {
 	Available     json.Number `json:"available"`
 	Held          json.Number `json:"held"`
 	LedgerBalance json.Number `json:"ledger_balance"`
+	// Grants: the credit grants not expired yet, in spending order (docs/grants.md).
+	Grants []grantView `json:"grants"`
+}
+
+// grantView is a credit grant as a customer reads it, in currency units.
+type grantView struct {
+	Amount    json.Number `json:"amount"`
+	Remaining json.Number `json:"remaining"`
+	Priority  int         `json:"priority"`
+	ExpiresAt *time.Time  `json:"expires_at"`
 }
 
 func moneyOf(v accounting.CustomerView) orgMoney {
-	return orgMoney{Available: units(v.Available), Held: units(v.Held), LedgerBalance: units(v.LedgerBalance)}
+	m := orgMoney{Available: units(v.Available), Held: units(v.Held), LedgerBalance: units(v.LedgerBalance), Grants: []grantView{}}
+	for _, g := range v.Grants {
+		gv := grantView{Amount: units(g.Amount), Remaining: units(g.Rest), Priority: g.Priority}
+		if !g.ExpiresAt.IsZero() {
+			at := g.ExpiresAt
+			gv.ExpiresAt = &at
+		}
+		m.Grants = append(m.Grants, gv)
+	}
+	return m
 }
 
 // openRouterResets names a limit window as OpenRouter's limit_reset does (nil for lifetime).

@@ -36,7 +36,7 @@ func grantFixture(t *testing.T, env Env, paid, promo int64) (x *h, later *balanc
 	x.l.Add(x.org, paid, "")
 	x.l.Add(x.org, promo, "")
 	snap := balance.Snapshot{Epoch: x.l.CurrentEpoch(), Balance: paid + promo, Seq: 2,
-		Expiries: &balance.Expiries{AsOf: 2, Due: []balance.Expiry{{At: at, Rest: promo}}}}
+		Expiries: &map[int64]int64{at.UnixMilli(): promo}}
 	if ok, err := x.s.Seed(x.ctx, x.org, snap); err != nil || !ok {
 		t.Fatalf("seed: %v %v", ok, err)
 	}
@@ -67,7 +67,7 @@ func exerciseGrantRollsOverAtReserve(t *testing.T, env Env) {
 	// The hold taken before spent the grant (the ledger charges its 350 to the promo first): the
 	// charge settles with the ledger's rests read with it (0 left), and the rollover's 300 comes back.
 	c := x.l.Add(x.org, -350, "before")
-	c.Expiries = &balance.Expiries{AsOf: c.Seq, Due: []balance.Expiry{{At: at, Rest: 0}}}
+	c.Expiries = &map[int64]int64{at.UnixMilli(): 0}
 	x.mustSettle(c)
 	x.invariant()
 	eq(t, "balance after the charge", x.state().Balance, 50)
@@ -95,7 +95,7 @@ func exerciseGrantHoldSpansExpiry(t *testing.T, env Env) {
 	x.invariant()
 	// The ledger charges 120 to the promo (live at the reserve time): its rest is 180.
 	c := x.l.Add(x.org, -120, "span")
-	c.Expiries = &balance.Expiries{AsOf: c.Seq, Due: []balance.Expiry{{At: at, Rest: 180}}}
+	c.Expiries = &map[int64]int64{at.UnixMilli(): 180}
 	x.mustSettle(c)
 	x.invariant()
 	eq(t, "balance: the paid 100 only", x.state().Balance, 100)
@@ -136,14 +136,17 @@ func exerciseGrantBlockOnlyAtItsSeq(t *testing.T, env Env) {
 	x, _, at := grantFixture(t, env, 100, 300)
 	a := x.l.Add(x.org, -10, "")
 	b := x.l.Add(x.org, -10, "")
-	// A block read at seq 4 but sent with a batch that ends at 3 is not applied.
-	a.Expiries = &balance.Expiries{AsOf: b.Seq, Due: []balance.Expiry{{At: at, Rest: 1}}}
-	x.mustSettle(a)
+	// A block on the last entry of a batch whose watermark does not end there (a gap before it)
+	// is not applied.
+	gap := balance.Entry{Seq: b.Seq + 5, Delta: -1, Expiries: &map[int64]int64{at.UnixMilli(): 1}}
+	if _, err := x.s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), []balance.Entry{a, gap}); !errors.Is(err, balance.ErrGap) {
+		t.Fatalf("settle across a gap: %v", err)
+	}
 	x.invariant()
 	if v := x.field("x:" + ms(at)); v != "300" {
-		t.Fatalf("x after a block of another seq: %q, want 300", v)
+		t.Fatalf("x after a block past a gap: %q, want 300", v)
 	}
-	b.Expiries = &balance.Expiries{AsOf: b.Seq, Due: []balance.Expiry{{At: at, Rest: 280}}}
+	b.Expiries = &map[int64]int64{at.UnixMilli(): 280}
 	x.mustSettle(b)
 	if v := x.field("x:" + ms(at)); v != "280" {
 		t.Fatalf("x after its block: %q, want 280", v)
@@ -178,7 +181,7 @@ func exerciseGrantSeedAfterExpiry(t *testing.T, env Env) {
 	}
 	x.l.Add(x.org, 500, "")
 	snap := balance.Snapshot{Epoch: x.l.CurrentEpoch(), Balance: 500, Seq: 1,
-		Expiries: &balance.Expiries{AsOf: 1, Due: []balance.Expiry{{At: now.Add(-time.Minute), Rest: 200}}}}
+		Expiries: &map[int64]int64{now.Add(-time.Minute).UnixMilli(): 200}}
 	if ok, err := x.s.Seed(x.ctx, x.org, snap); err != nil || !ok {
 		t.Fatalf("seed: %v %v", ok, err)
 	}

@@ -13,9 +13,14 @@ import (
 func exerciseState(t *testing.T, env Env) {
 	t.Parallel()
 	x := fixture(t, env, balance.Config{}, 1000, true)
-	x.mustReserve("a", 100)
+	ra := x.mustReserve("a", 100)
 	x.mustReserve("b", 23)
 	st := x.state()
+	// Oldest (grants: an expire entry waits for older holds) is the earliest reserve time
+	if !st.Oldest.Equal(ra.ReservedAt) {
+		t.Fatalf("oldest hold %v, want the first reserve's %v", st.Oldest, ra.ReservedAt)
+	}
+	st.Oldest = time.Time{}
 	want := balance.State{Exists: true, Balance: 877, Watermark: 1, Epoch: x.l.CurrentEpoch(), Held: 123, Holds: 2}
 	eq(t, "state", st, want)
 	empty, err := x.s.State(x.ctx, randomID("none"))

@@ -334,26 +334,54 @@ func cmdOrgs(args []string) error {
 	}
 }
 
-// cmdCredit: escrow credit ORG AMOUNT --ref REF (AMOUNT in micro-units).
+// cmdCredit: escrow credit ORG AMOUNT --ref REF [--expires-at RFC3339] [--priority N] (AMOUNT in
+// micro-units; with an expiry or a priority the credit is a grant with those terms:
+// docs/grants.md).
 func cmdCredit(args []string) error {
 	fs, o := newFlags("credit")
 	ref := fs.String("ref", "", "payment reference (required; the same reference again is the same credit)")
+	expires := fs.String("expires-at", "", "when the credit's unspent rest expires (RFC 3339; default: never)")
+	priority := fs.Int("priority", -1, "spending priority, lower first: 0 promotional … 100 paid (default 100)")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return err
 	}
 	if len(pos) != 2 || *ref == "" {
-		return usageErr("usage: escrow credit ORG AMOUNT --ref REFERENCE  (AMOUNT in micro-units)")
+		return usageErr("usage: escrow credit ORG AMOUNT --ref REFERENCE [--expires-at RFC3339] [--priority N]  (AMOUNT in micro-units)")
 	}
 	amount, err := strconv.ParseInt(pos[1], 10, 64)
 	if err != nil || amount <= 0 {
 		return usageErr("AMOUNT must be a positive whole number of micro-units, not %q", pos[1])
 	}
+	body := map[string]any{"amount": amount, "reference": *ref}
+	if *expires != "" {
+		t, err := time.Parse(time.RFC3339, *expires)
+		if err != nil {
+			return usageErr("--expires-at must be an RFC 3339 time, not %q", *expires)
+		}
+		body["expires_at"] = t
+	}
+	if *priority >= 0 {
+		body["priority"] = *priority
+	}
 	c, err := newClient()
 	if err != nil {
 		return err
 	}
-	return show(c, o, http.MethodPost, "/orgs/"+url.PathEscape(pos[0])+"/credits", map[string]any{"amount": amount, "reference": *ref}, creditTable)
+	return show(c, o, http.MethodPost, "/orgs/"+url.PathEscape(pos[0])+"/credits", body, creditTable)
+}
+
+// cmdGrants: escrow grants ORG, the org's credit grants in spending order.
+func cmdGrants(args []string) error {
+	fs, o := newFlags("grants")
+	pos, c, err := begin(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) != 1 {
+		return usageErr("usage: escrow grants ORG  [--json|--csv]")
+	}
+	return firstPage(c, o, "/orgs/"+url.PathEscape(pos[0])+"/grants", grantTable)
 }
 
 // cmdKeys: escrow keys ORG | create ORG [--name N] | rename ID NAME | revoke ID.

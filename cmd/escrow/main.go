@@ -30,7 +30,8 @@ var commands = map[string]struct {
 }{
 	"serve":         {"run the proxy (REDIS_URL, DATABASE_URL, and UPSTREAM_URL with UPSTREAM_API_KEY or ESCROW_ROUTES_FILE are required)", serve},
 	"orgs":          {"list, create, show or rename orgs (the CLI commands use ESCROW_URL and ESCROW_ADMIN_TOKEN)", cmdOrgs},
-	"credit":        {"credit an org: escrow credit ORG MICRO_UNITS --ref REFERENCE", cmdCredit},
+	"credit":        {"credit an org: escrow credit ORG MICRO_UNITS --ref REFERENCE [--expires-at T] [--priority N]", cmdCredit},
+	"grants":        {"list an org's credit grants (priority, expiry, rest) in spending order", cmdGrants},
 	"keys":          {"list an org's API keys, create, rename or revoke one", cmdKeys},
 	"usage":         {"an org's usage by day, model, key or end user, as a table, JSON or CSV", cmdUsage},
 	"models":        {"list, show, price (decimals per 1M tokens), import a price table (LiteLLM JSON or CSV) or delete models", cmdModels},

@@ -7,6 +7,7 @@ import (
 	"github.com/llmescrow/escrow/admin"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/grant"
 	"github.com/llmescrow/escrow/pricing"
 )
 
@@ -54,6 +55,27 @@ var creditTable = table[ledger.LedgerEntry]{
 	{"delta", func(e ledger.LedgerEntry) string { return i64(e.Delta) }},
 	{"reference", func(e ledger.LedgerEntry) string { return e.Ref }},
 	{"created_at", func(e ledger.LedgerEntry) string { return ts(e.CreatedAt) }},
+}
+
+// grantTable is a credit grant (docs/grants.md).
+var grantTable = table[grant.Grant]{
+	{"seq", func(g grant.Grant) string { return i64(g.Seq) }},
+	{"reference", func(g grant.Grant) string { return g.Reference }},
+	{"priority", func(g grant.Grant) string { return i64(int64(g.Priority)) }},
+	{"amount", func(g grant.Grant) string { return i64(g.Amount) }},
+	{"rest", func(g grant.Grant) string { return i64(g.Rest) }},
+	{"expires_at", func(g grant.Grant) string {
+		if g.ExpiresAt.IsZero() {
+			return "never"
+		}
+		return ts(g.ExpiresAt)
+	}},
+	{"expired", func(g grant.Grant) string {
+		if !g.Expired {
+			return ""
+		}
+		return i64(g.ExpiredAmount)
+	}},
 }
 
 // requestCell is a cell of an entry's request (a charge's), empty for an entry without one.

@@ -214,6 +214,62 @@ hidden byte te;       /* scratch: an end user */
 
 #define IDX(g, s) ((g)*MAXE + (s) - 1)
 
+#ifdef GRANTS
+/* ---- grants (DESIGN "Money in", docs/grants.md) ----------------------------------------------
+ * GP of the first credit (seq 1) is a promotional grant that expires at T; the rest of it is paid
+ * credit that never expires. Chaos moves the Redis clock past T once (gtick). A charge spends the
+ * grant only when its request was reserved before T (rgt: the reserve time its event stores) and
+ * the grant has no expire entry yet; the worker writes that entry (delta = −its rest) once no hold
+ * reserved before T is left in Redis, accounting the pending usage first (and at rest). Redis keeps the rest to come (gx: acct's x:<T>), rolls it over
+ * at T in reserve and settle (bal −= gx, gr = gx: r:<T>), gets the ledger's rest with a settle that
+ * ends at the ledger's last entry (the block), and gives gr back when the expire entry settles.
+ * Invariant: bal + Σ holds + gr = B(wm). M_EXPIRY: reserve does not roll the expiry over. */
+#ifndef GP
+#define GP 2
+#endif
+bool gtime;           /* the Redis clock has passed T */
+bool rgt[NR];         /* r was reserved at or after T (stored with its usage event) */
+short grest;          /* ledger: the grant's unspent rest (0 once expired) */
+byte gxs;             /* ledger: its expire entry's seq (0: none yet) */
+byte etk[2*MAXE];     /* ledger: what each charge entry took from the grant */
+bool gxe[2*MAXE];     /* ledger: the entry is the grant's expire entry */
+short gx;             /* Redis: x:<T>, the rest to come */
+short gr;             /* Redis: r:<T>, the rest rolled over, waiting for the expire entry */
+bool grl;             /* Redis: T rolled over (or closed) in this acct's lifetime */
+
+/* lib/expiry: the expiry has come: its rest leaves bal */
+inline GROLL() {
+  if :: gtime && !grl -> bal = bal - gx; gr = gr + gx; gx = 0; grl = 1 :: else fi
+}
+/* tA = what a hold may take without spending expired credit: B(wm) − Σ holds − (after T, while no
+ * expire entry ≤ wm) the grant's rest at wm */
+inline GROOM() {
+  LB(wm); tA = tB; ti = 0;
+  do
+  :: ti < NR -> if :: hp[ti] -> tA = tA - hamt[ti] :: else fi; ti++
+  :: else -> break
+  od;
+  if
+  :: gtime && (gxs == 0 || gxs > wm) ->
+     tx = GP; tj = 1;
+     do
+     :: tj <= wm -> tx = tx - etk[IDX(lep, tj)]; tj++
+     :: else -> break
+     od;
+     tA = tA - tx
+  :: else
+  fi
+}
+/* ledger: the grant's expire entry */
+inline LEXPIRE() {
+  lsq[lep]++; ed[IDX(lep, lsq[lep])] = -grest; eh[IDX(lep, lsq[lep])] = 0; ew[IDX(lep, lsq[lep])] = NOWIN;
+  gxe[IDX(lep, lsq[lep])] = 1; gxs = lsq[lep]; grest = 0
+}
+#define GHELD gr
+#else
+#define GHELD 0
+#endif
+
 /* ledger: B(k) of generation lep into tB */
 inline LB(k) {
   tB = 0; tj = 1;
@@ -233,7 +289,7 @@ inline CHECK() {
      :: ti < NR -> if :: hp[ti] -> tH = tH + hamt[ti] :: else fi; ti++
      :: else -> break
      od;
-     assert(bal + tH == tB);               /* bal + Σ holds = B(wm) */
+     assert(bal + tH + GHELD == tB);       /* bal + Σ holds (+ rolled-over expiry) = B(wm) */
      tU = 0; tj = 1;
      do
      :: tj <= wm -> if :: ew[IDX(lep, tj)] == clock && ed[IDX(lep, tj)] < 0 -> tU = tU - ed[IDX(lep, tj)] :: else fi; tj++
@@ -307,6 +363,9 @@ inline DROPACCT() {
 #ifdef PLANES
   acctlv = 0;                 /* lim is not acct's: it stays (no data-plane step deletes it) */
 #endif
+#ifdef GRANTS
+  gx = 0; gr = 0; grl = 0;
+#endif
   uex[0] = 0; uex[1] = 0; U[0] = 0; U[1] = 0;
   uexT[0] = 0; uexT[1] = 0; UT[0] = 0; UT[1] = 0;
   te = 0;
@@ -366,7 +425,17 @@ inline ACCOUNT_ALL() {
      if
      :: ev[ti] == 1 ->
         lsq[lep]++; ed[IDX(lep, lsq[lep])] = -RCOST(ti); eh[IDX(lep, lsq[lep])] = ti + 1;
-        ew[IDX(lep, lsq[lep])] = evw[ti]; ev[ti] = 2; evseq[ti] = lsq[lep]
+        ew[IDX(lep, lsq[lep])] = evw[ti]; ev[ti] = 2; evseq[ti] = lsq[lep];
+#ifdef GRANTS
+        etk[IDX(lep, lsq[lep])] = 0;
+        if
+        :: !rgt[ti] && gxs == 0 && grest > 0 ->   /* reserved before T: the grant is spent first */
+           etk[IDX(lep, lsq[lep])] = (RCOST(ti) < grest -> RCOST(ti) : grest);
+           grest = grest - etk[IDX(lep, lsq[lep])]
+        :: else
+        fi;
+#endif
+        skip
      :: else
      fi;
      ti++
@@ -398,6 +467,16 @@ inline RESERVE(r, e, st) {
 #ifdef PLANES
   if :: st == 0 && limfz -> st = S_FROZEN :: else fi;
 #endif
+#ifdef GRANTS
+  if
+  :: st == 0 ->
+#ifndef M_EXPIRY
+     GROLL();
+#endif
+     GROOM()
+  :: else
+  fi;
+#endif
   if
   :: st == 0 ->
      tx = 0; ti = 0;
@@ -427,6 +506,10 @@ inline RESERVE(r, e, st) {
   if :: st == 0 && bal < ramt[r] -> st = S_INSUFF; troom = bal; ttroom = CAPT - (uexT[clock] -> UT[clock] : 0) :: else fi;
   if
   :: st == 0 ->
+#ifdef GRANTS
+     assert(ramt[r] <= tA);                    /* no hold spends credit that has expired */
+     rgt[r] = gtime;
+#endif
      st = S_OK; bal = bal - ramt[r];
 #ifdef PLANES
      assert(!(fzpushed && lfz));               /* a pushed freeze refuses every new hold */
@@ -465,6 +548,9 @@ inline SETTLE(g, f, t) {
      DROPACCT()
 #endif
   :: else ->
+#ifdef GRANTS
+     GROLL();
+#endif
      ts = (f);
      do
      :: ts > (t) -> break
@@ -501,9 +587,26 @@ inline SETTLE(g, f, t) {
         fi;
         assert((applied & (1 << ts)) == 0);     /* no entry applied twice */
         applied = applied | (1 << ts);
+#ifdef GRANTS
+        if :: gxe[IDX(g, ts)] -> bal = bal + gr; gr = 0; gx = 0; grl = 1 :: else fi;   /* the expiry closed */
+#endif
         wm = ts; sn++; ts++
      :: else -> sgap = 1; break
-     od
+     od;
+#ifdef GRANTS
+     /* the block: the ledger's rest read with the entries, when the watermark ends at its last */
+     if
+     :: !sgap && wm == lsq[g] && (g) == lep ->
+        if
+        :: grl && gxs == 0 -> bal = bal + gr - grest; gr = grest
+        :: !grl -> gx = grest
+        :: else
+        fi
+     :: else
+     fi;
+     GROLL();
+#endif
+     skip
   fi
 }
 
@@ -585,6 +688,9 @@ inline SEED(g, base, W, s0, s1) {
 #endif
      if :: acct -> acctmax = (aep > acctmax -> aep : acctmax) :: else -> acctmax = (g) fi;
      acct = 1; aep = (g); wm = (W); bal = (base);
+#ifdef GRANTS
+     gx = kgx; gr = 0; grl = 0;                /* the snapshot's rest to come */
+#endif
      applied = (1 << ((W) + 1)) - 1;
 #ifndef M_SEEDHOLD
      ti = 0;
@@ -636,6 +742,9 @@ inline SEED(g, base, W, s0, s1) {
      :: te < NEU -> if :: UE[EF(te, clock)] == 0 -> uexE[EF(te, clock)] = 0 :: else fi; te++
      :: else -> break
      od;
+#ifdef GRANTS
+     GROLL();                                  /* an expiry that has come rolls over at once */
+#endif
      te = 0
   fi
 }
@@ -649,6 +758,9 @@ inline SNAPSHOT(p) {
   kg = lep; kW = lsq[lep]; LB(kW); kb = tB; k0 = 0; k1 = 0; tj = 1;
 #ifdef PLANES
   kv = lver; kfz = lfz;
+#endif
+#ifdef GRANTS
+  kgx = grest;
 #endif
   do
   :: tj <= kW ->
@@ -733,6 +845,9 @@ proctype Req(byte r; byte p) {
   byte kv; bool kfz;
 #endif
   short kb, k0, k1;
+#ifdef GRANTS
+  short kgx;
+#endif
 again: skip;
   if
   :: d_step {
@@ -864,6 +979,9 @@ proctype Worker() {
   byte kv; bool kfz;
 #endif
   short kb, k0, k1;
+#ifdef GRANTS
+  short kgx;
+#endif
 end_w:
   do
   :: d_step {
@@ -1046,6 +1164,13 @@ end_c:
   /* a Redis data loss of lim alone (twice at most: a stale seeder may meet one after a push) */
   :: d_step { !resting && nlimloss < 2 && lim -> nlimloss++; lim = 0; limv = 0; limfz = 0; limep = 0; printf("STEP %d limloss\n", 6); CHECK() }
 #endif
+#ifdef GRANTS
+  :: d_step { !resting && !gtime -> gtime = 1; printf("STEP %d grant-time\n", 6); CHECK() }
+  /* the worker writes the expire entry once no hold reserved before T is left in Redis (so every
+   * usage of one is in the ledger, or lost with its hold), accounting the pending usage first */
+  :: d_step { !resting && gtime && gxs == 0 && !(hp[0] && !rgt[0]) && !(hp[1] && !rgt[1]) && !(hp[2] && !rgt[2]) ->
+       ACCOUNT_ALL(); LEXPIRE(); printf("STEP %d grant-expire-entry\n", 6); CHECK() }
+#endif
   od
 }
 
@@ -1079,11 +1204,22 @@ init {
   byte kv; bool kfz;
 #endif
   short kb, k0, k1;
+#ifdef GRANTS
+  short kgx;
+#endif
   short allowed, spend, allow0, allow1, sp0, sp1;
   byte cnt;
   d_step {
+#ifndef GRANTS
     printf("STEP %d world b0=%d cr=%d a0=%d c0=%d a1=%d c1=%d a2=%d c2=%d cap=%d\n", 7, B0, CR, A0, C0, A1, C1, A2, C2, CAP);
+#else
+    printf("STEP %d world b0=%d cr=%d a0=%d c0=%d a1=%d c1=%d a2=%d c2=%d cap=%d gp=%d\n", 7, B0, CR, A0, C0, A1, C1, A2, C2, CAP, GP);
+#endif
     lsq[0] = 1; ed[0] = B0; eh[0] = 0; ew[0] = NOWIN; settled = 1;
+#ifdef GRANTS
+    grest = GP; gx = GP;                       /* the promotional part, seeded with its rest */
+    assert(GP <= B0);
+#endif
     acct = 1; bal = B0; wm = 1; aep = 0; acctmax = 0; applied = 3;
 #ifdef PLANES
     lim = 1; limv = 0; limfz = 0; limep = 0; acctlv = 0; lver = 0; lfz = 0;
@@ -1145,6 +1281,17 @@ init {
     printf("STEP %d reap-all\n", 7);
     CHECK()
   };
+#ifdef GRANTS
+  /* the ledger's clock passes T + grace: the expire entry, settled */
+  d_step {
+    if
+    :: gtime && gxs == 0 -> LEXPIRE(); SETTLE(lep, lsq[lep], lsq[lep]); assert(!scold && !sgap)
+    :: else
+    fi;
+    printf("STEP %d grant-rest\n", 7);
+    CHECK()
+  };
+#endif
   d_step {
     /* Redis equals the ledger */
     assert(!hp[0] && !hp[1] && !hp[2]);

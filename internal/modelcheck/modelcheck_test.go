@@ -65,12 +65,20 @@ var worlds = []world{
 	// ---- two planes (issue 36): lim explicit, written only by the admin plane's push; a
 	// freeze, the reconciler's push, a data loss of lim alone, and a full data loss ----
 	{"planes", planesWorld},
+	// grants (docs/grants.md): the first credit (2) is promotional credit that expires when the
+	// Redis clock passes T; with an invalidation, the seed's rests and the rollover of a stale
+	// snapshot's rest
+	{"expiry", append(only(), grantsWorld...)},
+	{"expiry-invalidate", append(only("NO_INVALIDATE"), grantsWorld...)},
 }
 
 // planesWorld: -DPLANES (its data losses of lim alone stand for the data loss, which has its own
 // world); the worker neither crashes nor starts past an entry, to keep the world small (those
 // faults have their own worlds).
 var planesWorld = append(only(), "PLANES", "NO_OOO", "NO_WCRASH")
+
+// grantsWorld are the -D switches of the grants block of the model (GRANTS).
+var grantsWorld = []string{"GRANTS", "GP=2"}
 
 // A mutation switches one rule of DESIGN.md off in the model (docs/model/README.md lists where
 // each rule lives in DESIGN.md and in the model), in the smallest world where breaking it shows.
@@ -112,6 +120,8 @@ var mutations = []mutation{
 	// two planes: a seeder that read the ledger before a freeze, seeding after the push and a
 	// data loss of lim, brings the unfrozen limits back when the seed may write lim
 	{"M_SEEDLIM", "two planes: the seed never writes lim (the admin plane's push is its one writer)", planesWorld},
+	// grants: caught by "no hold spends credit that has expired" at the reserve after T
+	{"M_EXPIRY", "grants: reserve rolls an expiry that has come over before it checks the balance", append(only(), grantsWorld...)},
 }
 
 // The C flags of every pan: safety only; hash-compact state storage (-DHC4: 4 bytes per state

@@ -18,6 +18,7 @@ import (
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/testutil"
 	"github.com/llmescrow/escrow/ledger"
+	"github.com/llmescrow/escrow/ledger/grant"
 	"github.com/llmescrow/escrow/ledger/job"
 	"github.com/llmescrow/escrow/ledger/memledger"
 	"github.com/llmescrow/escrow/pricing"
@@ -32,6 +33,7 @@ const (
 type worldOf struct {
 	b0, credit, capIn int64
 	amt, cost         [nReq]int64
+	gp                int64 // grants: the promotional part of the first credit (the whole of it)
 }
 
 func parseWorld(s step) (worldOf, error) {
@@ -39,7 +41,10 @@ func parseWorld(s step) (worldOf, error) {
 	if s.action != "world" {
 		return w, fmt.Errorf("the trail does not start with the world step: %q", s.line)
 	}
-	w.b0, w.credit, w.capIn = int64(s.args["b0"]), int64(s.args["cr"]), int64(s.args["cap"])
+	w.b0, w.credit, w.capIn, w.gp = int64(s.args["b0"]), int64(s.args["cr"]), int64(s.args["cap"]), int64(s.args["gp"])
+	if w.gp != 0 && w.gp != w.b0 {
+		return w, fmt.Errorf("grants world with a first credit only partly promotional (one credit is one grant): %q", s.line)
+	}
 	for r := range nReq {
 		w.amt[r], w.cost[r] = int64(s.args[fmt.Sprintf("a%d", r)]), int64(s.args[fmt.Sprintf("c%d", r)])
 	}
@@ -144,6 +149,11 @@ type replayer struct {
 	// model's lim is always there, so a seed that finds it missing (after a flush) is preceded
 	// by the admin plane's push, as the reconciler would
 	planes bool
+
+	// grants: the grant's expiry, and each request's reserve time (stored with its usage: a
+	// request reserved before the expiry spends the grant)
+	gexp     time.Time
+	reserved [nReq]time.Time
 }
 
 func newReplayer(t *testing.T, w worldOf) *replayer {
@@ -161,7 +171,13 @@ func newReplayer(t *testing.T, w worldOf) *replayer {
 	mem := memledger.New()
 	rp.ledger = &switchLedger{cur: mem}
 	rp.must(mem.CreateOrg(ctx, org))
-	_, _, err := mem.Credit(ctx, org, rp.b0, "b0")
+	var err error
+	if rp.gp > 0 { // grants: the first credit is a promotional grant that expires an hour on
+		rp.gexp = time.Now().Add(time.Hour).Truncate(time.Millisecond) // after the replay's clock and the ledger's
+		_, _, err = mem.CreditGrant(ctx, org, rp.b0, "b0", grant.Options{Priority: grant.PriorityPromotional, ExpiresAt: rp.gexp})
+	} else {
+		_, _, err = mem.Credit(ctx, org, rp.b0, "b0")
+	}
 	rp.must(err)
 	rp.must(mem.MarkSettled(ctx, org, 1))
 	rp.gens[0], err = mem.Epoch(ctx)
@@ -230,7 +246,7 @@ func (rp *replayer) holdAmount(r int) (int64, bool) {
 func (rp *replayer) event(r int) ledger.UsageEvent {
 	h, _ := rp.holdAmount(r)
 	return ledger.UsageEvent{
-		ID: holdID(r), Org: org, Model: "m", Cost: rp.costOf[r], HoldAmount: h,
+		ID: holdID(r), Org: org, Model: "m", Cost: rp.costOf[r], HoldAmount: h, ReservedAt: rp.reserved[r],
 		// the model accounts pending usage in request order; so does the ledger, by creation time
 		CreatedAt: rp.now.Add(time.Duration(r) * time.Millisecond),
 	}
@@ -280,7 +296,10 @@ func (rp *replayer) apply(s step) {
 		if a, ok := s.args["amt"]; ok {
 			amount = int64(a)
 		}
-		_, err := st.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: holdID(r), Amount: amount})
+		res, err := st.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: holdID(r), Amount: amount})
+		if err == nil && !res.Duplicate {
+			rp.reserved[r] = res.ReservedAt
+		}
 		if h, ok := rp.holdAmount(r); err == nil && ok && h == amount && amount < rp.amt[r] {
 			rp.fitted++
 		}
@@ -447,6 +466,14 @@ func (rp *replayer) apply(s step) {
 		rp.skipped["tick (limits are not in the code yet)"]++
 	case "job", "job-pin", "job-claim", "job-poll", "job-lapse", "job-settle":
 		rp.jobStep(s)
+	case "grant-time": // the Redis clock passes the grant's expiry
+		rp.now = rp.gexp.Add(time.Millisecond)
+		rp.env.Mini.SetTime(rp.now)
+	case "grant-expire-entry", "grant-rest": // the worker (at rest: once the ledger's clock is past it)
+		if !rp.now.Before(rp.gexp) {
+			_, err := rp.ledger.cur.ExpireGrants(ctx, org, rp.gexp)
+			rp.must(err)
+		}
 	default:
 		rp.t.Fatalf("unknown step %q", s.line)
 	}
@@ -546,8 +573,8 @@ func (rp *replayer) check(where string) {
 				b += e.Delta
 			}
 		}
-		if st.Balance+st.Held != b {
-			rp.t.Fatalf("after %s: bal %d + holds %d != B(wm=%d) %d", where, st.Balance, st.Held, st.Watermark, b)
+		if st.Balance+st.Held+st.Expired != b {
+			rp.t.Fatalf("after %s: bal %d + holds %d + expired %d != B(wm=%d) %d", where, st.Balance, st.Held, st.Expired, st.Watermark, b)
 		}
 	}
 	for r := range nReq {

@@ -9,9 +9,9 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strconv"
 	"time"
 
-	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/ledger"
 )
 
@@ -78,30 +78,21 @@ type Store interface {
 	CreditGrant(ctx context.Context, org string, amount int64, ref string, o Options) (ledger.LedgerEntry, bool, error)
 	// Grants lists the org's grants, in spending order, the expired last.
 	Grants(ctx context.Context, org string) ([]Grant, error)
-	// ExpireGrants writes the expire entries of every grant of up to limit orgs whose expiry
-	// is at or before upTo and that has none yet: one per grant, exactly once (its reference
-	// is ExpireRef), all of one org's grants of one expiry time in one transaction. It returns
-	// the orgs that got entries.
-	ExpireGrants(ctx context.Context, upTo time.Time, limit int) ([]string, error)
+	// DueGrants lists up to limit orgs that have grants whose expiry is at or before upTo and
+	// that have no expire entry yet, each with the latest such expiry.
+	DueGrants(ctx context.Context, upTo time.Time, limit int) (map[string]time.Time, error)
+	// ExpireGrants accounts the org's pending usage (a charge reserved before an expiry spends
+	// the grants live then), then writes the expire entry of every grant of the org whose expiry
+	// is at or before upTo and that has none yet: its unspent rest, one per grant, exactly once
+	// (its reference is ExpireRef), in one transaction. It returns how many it wrote. The caller
+	// makes sure no hold reserved before upTo is still in flight (accounting.Worker asks the hot
+	// balance): such a hold's usage would come too late to spend the grant.
+	ExpireGrants(ctx context.Context, org string, upTo time.Time) (int, error)
 }
 
 // ExpireRef is the reference of grant seq's expire entry in org.
 func ExpireRef(org string, seq int64) string {
-	return "expire:" + org + ":" + itoa(seq)
-}
-
-func itoa(n int64) string {
-	var b [20]byte
-	i := len(b)
-	if n == 0 {
-		return "0"
-	}
-	for n > 0 {
-		i--
-		b[i] = byte('0' + n%10)
-		n /= 10
-	}
-	return string(b[i:])
+	return "expire:" + org + ":" + strconv.FormatInt(seq, 10)
 }
 
 // Compare orders grants for spending: priority, then soonest expiry (never last), then the
@@ -156,21 +147,16 @@ func Spend(gs []Grant, cost int64, t time.Time) []int {
 	return changed
 }
 
-// Due groups the rests of the grants that expire and have no expire entry yet by expiry time,
-// in time order: what the hot balance keeps (balance.Expiries). Rests of 0 are kept, so the hot
-// balance learns that an expiry has nothing left.
-func Due(gs []Grant) []balance.Expiry {
-	by := map[int64]int64{}
+// Due sums the rests of the grants that expire and have no expire entry yet by expiry time
+// (unix ms): what the hot balance keeps (balance.Snapshot.Expiries). Rests of 0 are kept, so the
+// hot balance learns that an expiry has nothing left. Never nil.
+func Due(gs []Grant) map[int64]int64 {
+	out := map[int64]int64{}
 	for _, g := range gs {
 		if !g.Expired && !g.ExpiresAt.IsZero() {
-			by[g.ExpiresAt.UnixMilli()] += g.Rest
+			out[g.ExpiresAt.UnixMilli()] += g.Rest
 		}
 	}
-	out := make([]balance.Expiry, 0, len(by))
-	for ms, r := range by {
-		out = append(out, balance.Expiry{At: time.UnixMilli(ms).UTC(), Rest: r})
-	}
-	slices.SortFunc(out, func(a, b balance.Expiry) int { return a.At.Compare(b.At) })
 	return out
 }
 

@@ -73,14 +73,14 @@ func testGrantsSpendInOrder(t *testing.T, l ledger.Ledger) {
 	}
 	// The hot balance reads the rests with the entries and the snapshot.
 	snap := must(l.Snapshot(c, "o"))
-	if snap.Expiries == nil || snap.Expiries.AsOf != snap.Seq || len(snap.Expiries.Due) != 2 || snap.Expiries.Due[0].Rest != 0 || snap.Expiries.Due[1].Rest != 0 {
-		t.Fatalf("snapshot expiries %+v", snap.Expiries)
+	if x := snap.Expiries; x == nil || len(*x) != 2 || (*x)[now.Add(24*time.Hour).UnixMilli()] != 0 || (*x)[now.Add(48*time.Hour).UnixMilli()] != 0 {
+		t.Fatalf("snapshot expiries %v", snap.Expiries)
 	}
 	es := entries(t, l, "o")
 	if es[1].GrantExpiry.IsZero() || es[0].GrantExpiry.IsZero() == false {
 		t.Fatalf("credit marks: %+v", es[:3])
 	}
-	if x := es[len(es)-1].Expiries; x == nil || x.AsOf != es[len(es)-1].Seq {
+	if x := es[len(es)-1].Expiries; x == nil || len(*x) != 2 {
 		t.Fatalf("the last entry of a read carries the rests: %+v", es[len(es)-1])
 	}
 }
@@ -109,11 +109,25 @@ func testGrantsExpireOnce(t *testing.T, l ledger.Ledger) {
 	mustGrant(g.CreditGrant(c, "o", 100, "a", grant.Options{Priority: grant.PriorityPromotional, ExpiresAt: at}))
 	mustGrant(g.CreditGrant(c, "o", 70, "b", grant.Options{Priority: grant.PriorityPaid, ExpiresAt: at}))
 	charged(t, l, "o", 120, now) // 100 of a, 20 of b
-	if orgs := must(g.ExpireGrants(c, at.Add(-time.Second), 10)); len(orgs) != 0 {
-		t.Fatalf("expired before the time: %v", orgs)
+	if due := must(g.DueGrants(c, at.Add(-time.Second), 10)); len(due) != 0 {
+		t.Fatalf("due before the time: %v", due)
 	}
+	if due := must(g.DueGrants(c, at, 10)); len(due) != 1 || !due["o"].Equal(at) {
+		t.Fatalf("due at the time: %v", due)
+	}
+	if n := must(g.ExpireGrants(c, "o", at.Add(-time.Second))); n != 0 {
+		t.Fatalf("expired before the time: %d", n)
+	}
+	// A charge reserved before the expiry, recorded and not yet accounted, spends the grant
+	// first: the expiry accounts it.
+	ev := event("o", 10, 0)
+	ev.ReservedAt, ev.CreatedAt = at.Add(-time.Minute), at.Add(-time.Minute)
+	noErr(t, l.RecordUsage(c, []ledger.UsageEvent{ev}))
 	for range 3 {
-		must(g.ExpireGrants(c, at, 10))
+		must(g.ExpireGrants(c, "o", at))
+	}
+	if due := must(g.DueGrants(c, at, 10)); len(due) != 0 {
+		t.Fatalf("due after the expiry: %v", due)
 	}
 	var xs []balance.Entry
 	for _, e := range entries(t, l, "o") {
@@ -121,18 +135,18 @@ func testGrantsExpireOnce(t *testing.T, l ledger.Ledger) {
 			xs = append(xs, e)
 		}
 	}
-	if len(xs) != 2 || xs[0].Delta != 0 || xs[1].Delta != -50 || xs[0].LastOfExpiry || !xs[1].LastOfExpiry || !xs[1].Expired.Equal(at) {
-		t.Fatalf("expire entries %+v, want 0 and -50, the last marked", xs)
+	if len(xs) != 2 || xs[0].Delta != 0 || xs[1].Delta != -40 || xs[0].LastOfExpiry || !xs[1].LastOfExpiry || !xs[1].Expired.Equal(at) {
+		t.Fatalf("expire entries %+v, want 0 and -40, the last marked", xs)
 	}
-	if a := account(t, l, "o"); a.Balance != 500+100+70-120-50 {
-		t.Fatalf("balance %d", a.Balance)
+	if a := account(t, l, "o"); a.Balance != 500+100+70-120-10-40 || a.Pending != 0 {
+		t.Fatalf("account %+v", a)
 	}
 	byRef := grantsByRef(t, l, "o")
-	if !byRef["b"].Expired || byRef["b"].ExpiredAmount != 50 || byRef["b"].Rest != 0 || byRef["paid"].Rest != 500 {
+	if !byRef["b"].Expired || byRef["b"].ExpiredAmount != 40 || byRef["b"].Rest != 0 || byRef["paid"].Rest != 500 {
 		t.Fatalf("grants %+v", byRef)
 	}
-	if snap := must(l.Snapshot(c, "o")); snap.Expiries == nil || len(snap.Expiries.Due) != 0 {
-		t.Fatalf("snapshot after the expiry: %+v", snap.Expiries)
+	if snap := must(l.Snapshot(c, "o")); snap.Expiries == nil || len(*snap.Expiries) != 0 {
+		t.Fatalf("snapshot after the expiry: %v", snap.Expiries)
 	}
 }
 

@@ -193,7 +193,7 @@ func (m *Ledger) snapshot(org string, since *time.Time) (balance.Snapshot, error
 	n, err := m.accountOrgLocked(org, -1, nil)
 	a = m.accounts[org]
 	snap := balance.Snapshot{Epoch: m.epoch, Balance: a.balance, Seq: int64(len(a.entries))}
-	snap.Expiries = a.grants.expiries(snap.Seq)
+	snap.Expiries = a.grants.expiries()
 	if since != nil && err == nil {
 		ls := m.limitsLocked(org)
 		snap.Limits = &balance.LimitSnapshot{Limits: ls, Used: a.usedLocked(ls.Limits, *since, snap.Seq)}
@@ -284,7 +284,7 @@ func (a *memAccount) entriesFrom(after int64, limit int) []balance.Entry {
 		out = append(out, be)
 	}
 	if n := len(out); n > 0 && out[n-1].Seq == int64(len(a.entries)) {
-		out[n-1].Expiries = a.grants.expiries(out[n-1].Seq)
+		out[n-1].Expiries = a.grants.expiries()
 	}
 	return out
 }

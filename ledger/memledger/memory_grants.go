@@ -3,6 +3,7 @@ package memledger
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"time"
 
@@ -63,13 +64,13 @@ func (g *memGrants) mark(e *balance.Entry) {
 	e.GrantExpiry, e.Expired, e.LastOfExpiry = k.expires, k.expired, k.last
 }
 
-// expiries are the rests per expiry after entry seq (the latest), nil for an org that never had
-// a grant that expires.
-func (g *memGrants) expiries(seq int64) *balance.Expiries {
+// expiries are the rests per expiry now, nil for an org that never had a grant that expires.
+func (g *memGrants) expiries() *map[int64]int64 {
 	if !g.expiring {
 		return nil
 	}
-	return &balance.Expiries{AsOf: seq, Due: grant.Due(g.list)}
+	d := grant.Due(g.list)
+	return &d
 }
 
 // CreditGrant credits amount with grant terms o, idempotent by ref like Credit.
@@ -106,28 +107,54 @@ func (m *Ledger) Grants(ctx context.Context, org string) ([]grant.Grant, error) 
 	return grant.Sorted(a.grants.list), nil
 }
 
-// ExpireGrants writes the expire entries of the grants expired by upTo (up to limit orgs).
-func (m *Ledger) ExpireGrants(ctx context.Context, upTo time.Time, limit int) ([]string, error) {
+// DueGrants lists the orgs with grants expired by upTo and no expire entry yet.
+func (m *Ledger) DueGrants(ctx context.Context, upTo time.Time, limit int) (map[string]time.Time, error) {
 	if limit <= 0 {
 		limit = ledger.DefaultLimit
 	}
 	m.mu.Lock()
-	var orgs []string
-	for org, a := range m.accounts {
-		if len(orgs) >= limit {
-			break
-		}
-		if m.expireOrgLocked(org, a, upTo) {
-			orgs = append(orgs, org)
+	defer m.mu.Unlock()
+	out := map[string]time.Time{}
+	for _, org := range slices.Sorted(maps.Keys(m.accounts)) {
+		for _, g := range m.accounts[org].grants.list {
+			if !g.Expired && !g.ExpiresAt.IsZero() && !g.ExpiresAt.After(upTo) {
+				if _, ok := out[org]; !ok && len(out) >= limit {
+					return out, nil
+				}
+				if g.ExpiresAt.After(out[org]) {
+					out[org] = g.ExpiresAt
+				}
+			}
 		}
 	}
-	m.mu.Unlock()
-	slices.Sort(orgs)
-	m.notify(orgs...)
-	return orgs, nil
+	return out, nil
 }
 
-func (m *Ledger) expireOrgLocked(org string, a *memAccount, upTo time.Time) bool {
+// ExpireGrants accounts the org's pending usage, then writes the expire entries of its grants
+// expired by upTo.
+func (m *Ledger) ExpireGrants(ctx context.Context, org string, upTo time.Time) (int, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return 0, err
+	}
+	m.mu.Lock()
+	a := m.accounts[org]
+	if a == nil {
+		m.mu.Unlock()
+		return 0, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
+	}
+	if _, err := m.accountOrgLocked(org, -1, nil); err != nil {
+		m.mu.Unlock()
+		return 0, err
+	}
+	n := m.expireOrgLocked(org, a, upTo)
+	m.mu.Unlock()
+	if n > 0 {
+		m.notify(org)
+	}
+	return n, nil
+}
+
+func (m *Ledger) expireOrgLocked(org string, a *memAccount, upTo time.Time) int {
 	var due []int
 	for i, g := range a.grants.list {
 		if !g.Expired && !g.ExpiresAt.IsZero() && !g.ExpiresAt.After(upTo) {
@@ -135,7 +162,7 @@ func (m *Ledger) expireOrgLocked(org string, a *memAccount, upTo time.Time) bool
 		}
 	}
 	if len(due) == 0 {
-		return false
+		return 0
 	}
 	// By expiry time, then grant: each time's entries together, its last one marked.
 	slices.SortFunc(due, func(x, y int) int {
@@ -158,5 +185,5 @@ func (m *Ledger) expireOrgLocked(org string, a *memAccount, upTo time.Time) bool
 		m.hooks.balanceChanged(org, a.balance+g.Rest, a.balance)
 		g.ExpiredAmount, g.Rest, g.Expired = g.Rest, 0, true
 	}
-	return true
+	return len(due)
 }

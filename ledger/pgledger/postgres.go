@@ -803,7 +803,7 @@ func accountTx(ctx context.Context, conn *pgx.Conn, rowIDs []int64, orgs []strin
 	}
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)
-	var due map[string][]balance.Expiry
+	var due map[string]map[int64]int64
 	if len(cs) > 0 {
 		due, err = readSpend(br)
 	}
@@ -817,7 +817,7 @@ func accountTx(ctx context.Context, conn *pgx.Conn, rowIDs []int64, orgs []strin
 		r.Epoch = epoch
 		for org, es := range r.Settle { // grants: the rests after the pass ride on its last entry
 			if d, ok := due[org]; ok {
-				es[len(es)-1].Expiries = &balance.Expiries{AsOf: es[len(es)-1].Seq, Due: d}
+				es[len(es)-1].Expiries = &d
 			}
 		}
 	}

@@ -32,7 +32,7 @@ WITH acc AS (
 	SELECT $1, seq, $2, $6, $5::timestamptz, $2, NULLIF($4, '') FROM ins WHERE $3 = 'credit'
 )
 SELECT seq, created_at FROM ins`
-	// sqlSpendGrants: charges (or a debit) spend the grants (migration 022's function): $1 each
+	// sqlSpendGrants: charges (or a debit) spend the grants (migration 024's function): $1 each
 	// entry's org, $2 its cost, $3 its reserve time. Rows: the rests per expiry of the orgs that
 	// have had a grant that expires (readSpend).
 	sqlSpendGrants = `SELECT org_id, expires_at, rest FROM escrow_spend_grants($1::text[], $2::bigint[], $3::timestamptz[])`
@@ -68,23 +68,31 @@ func sameTerms(prio *int, exp *time.Time, o grant.Options) bool {
 	return *prio == o.Priority && exp.Equal(o.ExpiresAt)
 }
 
-// readSpend reads sqlSpendGrants' rows: org → its rests per expiry in time order (an org with
-// none pending: an empty list).
-func readSpend(br pgx.BatchResults) (map[string][]balance.Expiry, error) {
+// readSpend reads sqlSpendGrants' rows: org → its rests per expiry (an org with none pending:
+// an empty map).
+func readSpend(br pgx.BatchResults) (map[string]map[int64]int64, error) {
 	rows, _ := br.Query()
-	out := map[string][]balance.Expiry{}
+	out := map[string]map[int64]int64{}
 	var org string
 	var at *time.Time
 	var rest int64
 	_, err := pgx.ForEachRow(rows, []any{&org, &at, &rest}, func() error {
-		d := out[org]
-		if at != nil {
-			d = append(d, balance.Expiry{At: at.UTC(), Rest: rest})
-		}
-		out[org] = d
+		addDue(out, org, at, rest)
 		return nil
 	})
 	return out, err
+}
+
+// addDue adds one row of rests (at nil: the org's row without any) to by.
+func addDue(by map[string]map[int64]int64, org string, at *time.Time, rest int64) {
+	d := by[org]
+	if d == nil {
+		d = map[int64]int64{}
+		by[org] = d
+	}
+	if at != nil {
+		d[at.UnixMilli()] += rest
+	}
 }
 
 // CreditGrant credits amount with grant terms o, idempotent by ref like Credit.
@@ -134,38 +142,45 @@ FROM grants WHERE org_id = $1`, org)
 	return grant.Sorted(out), nil
 }
 
-// ExpireGrants writes the expire entries of the grants expired by upTo, one transaction per org
-// (its account row locked, like a credit): each grant's unspent rest, one entry per grant with
-// its reference, the last of each expiry time marked.
-func (p *Ledger) ExpireGrants(ctx context.Context, upTo time.Time, limit int) ([]string, error) {
+// DueGrants lists the orgs with grants expired by upTo and no expire entry yet, with the latest
+// such expiry each.
+func (p *Ledger) DueGrants(ctx context.Context, upTo time.Time, limit int) (map[string]time.Time, error) {
 	if limit <= 0 {
 		limit = ledger.DefaultLimit
 	}
-	rows, _ := p.pool.Query(ctx, `SELECT DISTINCT org_id FROM grants WHERE expires_at <= $1 AND expired_seq IS NULL ORDER BY org_id LIMIT $2`, upTo, limit)
-	orgs, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	rows, _ := p.pool.Query(ctx, `SELECT org_id, max(expires_at) FROM grants WHERE expires_at <= $1 AND expired_seq IS NULL
+GROUP BY org_id ORDER BY org_id LIMIT $2`, upTo, limit)
+	out := map[string]time.Time{}
+	var org string
+	var at time.Time
+	_, err := pgx.ForEachRow(rows, []any{&org, &at}, func() error {
+		out[org] = at.UTC()
+		return nil
+	})
 	if err != nil {
-		return nil, wrapPg("expire grants", err)
+		return nil, wrapPg("due grants", err)
 	}
-	var done []string
-	for _, org := range orgs {
-		n, err := p.expireOrg(ctx, org, upTo)
-		if err != nil {
-			return done, wrapPg("expire grants", err)
-		}
-		if n > 0 {
-			done = append(done, org)
-		}
-	}
-	return done, nil
+	return out, nil
 }
 
-func (p *Ledger) expireOrg(ctx context.Context, org string, upTo time.Time) (int, error) {
+// ExpireGrants writes the expire entries of the org's grants expired by upTo in one transaction
+// that first accounts its pending usage (the snapshot's reads: the account row and the org's
+// advisory lock held): each grant's unspent rest, one entry per grant with its reference, the
+// last of each expiry time marked.
+func (p *Ledger) ExpireGrants(ctx context.Context, org string, upTo time.Time) (int, error) {
+	if err := balance.ValidateOrg(org); err != nil {
+		return 0, err
+	}
 	n := 0
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-		var seq int64
-		if err := tx.QueryRow(ctx, `SELECT ledger_seq FROM accounts WHERE org_id = $1 FOR UPDATE`, org).Scan(&seq); err != nil {
+		rd, err := readSnapshot(ctx, tx, org, false)
+		if err != nil {
 			return err
 		}
+		if err := chargeAtSnapshot(ctx, tx, org, &rd); err != nil {
+			return err
+		}
+		seq := rd.seq
 		rows, _ := tx.Query(ctx, `SELECT seq, rest, expires_at FROM grants WHERE org_id = $1 AND expires_at <= $2 AND expired_seq IS NULL
 ORDER BY expires_at, seq FOR UPDATE`, org, upTo)
 		type due struct {
@@ -204,29 +219,26 @@ FROM unnest($2::bigint[], $3::bigint[]) AS x(s, e) WHERE g.org_id = $1 AND g.seq
 		n = len(ds)
 		return tx.SendBatch(ctx, b).Close()
 	})
-	return n, err
+	if err != nil {
+		return 0, wrapPg("expire grants", err)
+	}
+	return n, nil
 }
 
-// expiriesOf reads the rests per expiry of orgs (those that have had a grant that expires), as
-// of each one's ledger_seq, in one statement.
-func (p *Ledger) expiriesOf(ctx context.Context, orgs []string) (map[string]*balance.Expiries, error) {
+// expiriesOf reads the rests per expiry of orgs (those that have had a grant that expires), and
+// each one's ledger_seq they are as of, in one statement.
+func (p *Ledger) expiriesOf(ctx context.Context, orgs []string) (map[string]map[int64]int64, map[string]int64, error) {
 	rows, _ := p.pool.Query(ctx, sqlDue, orgs)
-	out := map[string]*balance.Expiries{}
+	out, asOf := map[string]map[int64]int64{}, map[string]int64{}
 	var org string
 	var seq, rest int64
 	var at *time.Time
 	_, err := pgx.ForEachRow(rows, []any{&org, &seq, &at, &rest}, func() error {
-		x := out[org]
-		if x == nil {
-			x = &balance.Expiries{AsOf: seq, Due: []balance.Expiry{}}
-			out[org] = x
-		}
-		if at != nil {
-			x.Due = append(x.Due, balance.Expiry{At: at.UTC(), Rest: rest})
-		}
+		addDue(out, org, at, rest)
+		asOf[org] = seq
 		return nil
 	})
-	return out, err
+	return out, asOf, err
 }
 
 // withExpiries puts the rests read now on the last entry of each org's read, when that entry is
@@ -235,14 +247,14 @@ func (p *Ledger) withExpiries(ctx context.Context, by map[string][]balance.Entry
 	if len(flagged) == 0 {
 		return nil
 	}
-	xs, err := p.expiriesOf(ctx, flagged)
+	xs, asOf, err := p.expiriesOf(ctx, flagged)
 	if err != nil {
 		return wrapPg("grant expiries", err)
 	}
 	for org, x := range xs {
 		es := by[org]
-		if n := len(es); n > 0 && es[n-1].Seq == x.AsOf {
-			es[n-1].Expiries = x
+		if n := len(es); n > 0 && es[n-1].Seq == asOf[org] {
+			es[n-1].Expiries = &x
 		}
 	}
 	return nil
@@ -270,10 +282,10 @@ func snapshotExpiries(ctx context.Context, tx pgx.Tx, org string, s *balance.Sna
 	var at *time.Time
 	_, err := pgx.ForEachRow(rows, []any{&o, &seq, &at, &rest}, func() error {
 		if s.Expiries == nil {
-			s.Expiries = &balance.Expiries{AsOf: s.Seq, Due: []balance.Expiry{}}
+			s.Expiries = &map[int64]int64{}
 		}
 		if at != nil {
-			s.Expiries.Due = append(s.Expiries.Due, balance.Expiry{At: at.UTC(), Rest: rest})
+			(*s.Expiries)[at.UnixMilli()] += rest
 		}
 		return nil
 	})

@@ -1,5 +1,4 @@
--- Credit grants (DESIGN.md "Money in", docs/grants.md; issue 35 numbers it 026: the merger
--- renumbers, the loader refuses a gap). Every credit is a grant with a priority (lower is spent
+-- Credit grants (DESIGN.md "Money in", docs/grants.md). Every credit is a grant with a priority (lower is spent
 -- first; 0 promotional, 100 paid) and maybe an expiry. Charges (and debits) spend the grants live
 -- at their reserve time, in order (priority, soonest expiry, oldest); the unspent rest of an
 -- expired grant leaves as one 'expire' entry (reference expire:<org>:<seq>), written once.
@@ -33,37 +32,51 @@ ALTER TABLE ledger_entries ADD CONSTRAINT ledger_entries_kind_check CHECK (kind 
 ALTER TABLE ledger_entries ADD CONSTRAINT ledger_entries_kind_delta_check
     CHECK (CASE kind WHEN 'charge' THEN delta <= 0 WHEN 'expire' THEN delta <= 0 WHEN 'credit' THEN delta > 0 ELSE delta <> 0 END);
 
--- escrow_spend_grants: the charges of an account pass (one element per entry, in seq order per
--- org: its org, cost, reserve time) spend the grants live at their reserve times, in order.
--- Per org: its open grants read once, spent in memory, the changed rests written back. Returns
--- the rests per expiry (expires_at NULL: an org that has had expiring grants and has none
--- pending) of every org of the pass that has had a grant that expires.
+-- escrow_spend_grants: the charges of an account pass (one element per entry, grouped by org and
+-- in seq order within it: its org, cost, reserve time) spend the grants live at their reserve
+-- times, in order. One pass over the entries: an org with open grants has them read once, spent
+-- in memory, and the changed rests written back; an org without any costs one array test.
+-- Returns the rests per expiry (expires_at NULL: an org that has had expiring grants and has
+-- none pending) of every org of the pass that has had a grant that expires.
 CREATE FUNCTION escrow_spend_grants(p_orgs text[], p_costs bigint[], p_ats timestamptz[])
 RETURNS TABLE (org_id text, expires_at timestamptz, rest bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
-    o text;
+    open_orgs text[];
+    cur text := NULL;
+    has boolean := false;
     seqs bigint[];
     rests bigint[];
     orig bigint[];
     exps timestamptz[];
-    n integer;
+    n integer := 0;
     i integer;
     j integer;
     left_ bigint;
     take bigint;
 BEGIN
-    FOR o IN SELECT DISTINCT g.org_id FROM grants g
-             WHERE g.org_id = ANY (p_orgs) AND g.rest > 0 AND g.expired_seq IS NULL LOOP
-        SELECT array_agg(g.seq ORDER BY g.priority, g.expires_at NULLS LAST, g.seq),
-               array_agg(g.rest ORDER BY g.priority, g.expires_at NULLS LAST, g.seq),
-               array_agg(g.expires_at ORDER BY g.priority, g.expires_at NULLS LAST, g.seq)
-          INTO seqs, rests, exps
-          FROM grants g WHERE g.org_id = o AND g.rest > 0 AND g.expired_seq IS NULL;
-        n := coalesce(array_length(seqs, 1), 0);
-        orig := rests;
+    SELECT array_agg(DISTINCT g.org_id) INTO open_orgs FROM grants g
+     WHERE g.org_id = ANY (p_orgs) AND g.rest > 0 AND g.expired_seq IS NULL;
+    IF open_orgs IS NOT NULL THEN
         FOR i IN 1 .. coalesce(array_length(p_orgs, 1), 0) LOOP
-            CONTINUE WHEN p_orgs[i] <> o;
+            IF cur IS DISTINCT FROM p_orgs[i] THEN
+                IF has THEN
+                    UPDATE grants g SET rest = x.r FROM unnest(seqs, rests, orig) AS x(s, r, o0)
+                     WHERE g.org_id = cur AND g.seq = x.s AND x.r <> x.o0;
+                END IF;
+                cur := p_orgs[i];
+                has := cur = ANY (open_orgs);
+                IF has THEN
+                    SELECT array_agg(g.seq ORDER BY g.priority, g.expires_at NULLS LAST, g.seq),
+                           array_agg(g.rest ORDER BY g.priority, g.expires_at NULLS LAST, g.seq),
+                           array_agg(g.expires_at ORDER BY g.priority, g.expires_at NULLS LAST, g.seq)
+                      INTO seqs, rests, exps
+                      FROM grants g WHERE g.org_id = cur AND g.rest > 0 AND g.expired_seq IS NULL;
+                    n := coalesce(array_length(seqs, 1), 0);
+                    orig := rests;
+                END IF;
+            END IF;
+            CONTINUE WHEN NOT has;
             left_ := p_costs[i];
             j := 1;
             WHILE left_ > 0 AND j <= n LOOP
@@ -75,10 +88,11 @@ BEGIN
                 j := j + 1;
             END LOOP;
         END LOOP;
-        UPDATE grants g SET rest = x.r
-          FROM unnest(seqs, rests, orig) AS x(s, r, o0)
-         WHERE g.org_id = o AND g.seq = x.s AND x.r <> x.o0;
-    END LOOP;
+        IF has THEN
+            UPDATE grants g SET rest = x.r FROM unnest(seqs, rests, orig) AS x(s, r, o0)
+             WHERE g.org_id = cur AND g.seq = x.s AND x.r <> x.o0;
+        END IF;
+    END IF;
     RETURN QUERY
         SELECT a.org_id, d.expires_at, coalesce(d.rest, 0)::bigint
           FROM accounts a LEFT JOIN LATERAL (
