@@ -24,11 +24,11 @@ var identRe = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 // dataTables are the tables the data role reads; dataWrites what it may change in them.
 var (
 	dataTables = []string{"ledger_meta", "accounts", "models", "api_keys", "usage_events", "usage_pending", "ledger_entries",
-		"projects", "limits", "limit_windows", "key_days", "webhook_endpoints", "webhook_events", "webhook_deliveries", "schema_migrations", "jobs", "batch_files"}
+		"projects", "limits", "limit_windows", "key_days", "webhook_endpoints", "webhook_events", "webhook_deliveries", "schema_migrations", "jobs", "batch_files", "grants"}
 	dataWrites = []string{
 		"INSERT, UPDATE ON usage_events",
 		"INSERT, UPDATE, DELETE ON usage_pending",
-		"INSERT ON ledger_entries", // charges only: the row policy below
+		"INSERT ON ledger_entries", // charges and expire entries only: the row policy below
 		// Not INSERT: an org is made by the admin plane (usage of an org without an account, which
 		// only a custom OrgFunc can cause, waits for it).
 		"UPDATE (balance, ledger_seq, settled_seq, charged) ON accounts",
@@ -40,14 +40,17 @@ var (
 		"INSERT, UPDATE ON webhook_deliveries",
 		"INSERT, UPDATE ON jobs",        // background responses and batches: recorded, polled, settled by the proxies
 		"INSERT, UPDATE ON batch_files", // batch files: recorded by the proxies for their org
+		// credit grants (migration 024): the account pass spends them, the worker closes an
+		// expired one with its expire entry; making a grant is a credit, the admin plane's
+		"UPDATE (rest, expired_seq, expired_amount) ON grants",
 	}
 )
 
 // RoleGrants returns the SQL (one statement a line) that lets dataRole and adminRole, which
 // must exist, use the ledger in schema. Run it as the schema's owner after the migrations (and
 // again after an upgrade adds tables). It turns on row-level security on ledger_entries, with
-// policies for the two roles: the data role inserts only charges, so it can neither credit nor
-// adjust. Other roles that are not the owner then see no ledger entries unless given a policy.
+// policies for the two roles: the data role inserts only charges and the expire entries of grants, so it can neither
+// credit nor adjust. Other roles that are not the owner then see no ledger entries unless given a policy.
 func RoleGrants(schema, dataRole, adminRole string) (string, error) {
 	for _, n := range []string{schema, dataRole, adminRole} {
 		if !identRe.MatchString(n) {
@@ -80,7 +83,7 @@ func RoleGrants(schema, dataRole, adminRole string) (string, error) {
 	line("DROP POLICY IF EXISTS %s ON %s.ledger_entries", q("escrow_read_"+dataRole), s)
 	line("CREATE POLICY %s ON %s.ledger_entries FOR SELECT TO %s USING (true)", q("escrow_read_"+dataRole), s, d)
 	line("DROP POLICY IF EXISTS %s ON %s.ledger_entries", q("escrow_charge_"+dataRole), s)
-	line("CREATE POLICY %s ON %s.ledger_entries FOR INSERT TO %s WITH CHECK (kind = 'charge')", q("escrow_charge_"+dataRole), s, d)
+	line("CREATE POLICY %s ON %s.ledger_entries FOR INSERT TO %s WITH CHECK (kind IN ('charge', 'expire'))", q("escrow_charge_"+dataRole), s, d)
 	line("DROP POLICY IF EXISTS %s ON %s.ledger_entries", q("escrow_all_"+adminRole), s)
 	line("CREATE POLICY %s ON %s.ledger_entries TO %s USING (true) WITH CHECK (true)", q("escrow_all_"+adminRole), s, a)
 	return b.String(), nil
