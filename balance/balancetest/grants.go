@@ -37,6 +37,9 @@ func grantFixture(t *testing.T, env Env, paid, promo int64) (x *h, later *balanc
 	x.l.Add(x.org, promo, "")
 	snap := balance.Snapshot{Epoch: x.l.CurrentEpoch(), Balance: paid + promo, Seq: 2,
 		Expiries: &map[int64]int64{at.UnixMilli(): promo}}
+	if _, err := x.pushLimits(0); err != nil { // the admin plane's lim first: a seed never writes it
+		t.Fatalf("push limits: %v", err)
+	}
 	if ok, err := x.s.Seed(x.ctx, x.org, snap); err != nil || !ok {
 		t.Fatalf("seed: %v %v", ok, err)
 	}
@@ -182,6 +185,9 @@ func exerciseGrantSeedAfterExpiry(t *testing.T, env Env) {
 	x.l.Add(x.org, 500, "")
 	snap := balance.Snapshot{Epoch: x.l.CurrentEpoch(), Balance: 500, Seq: 1,
 		Expiries: &map[int64]int64{now.Add(-time.Minute).UnixMilli(): 200}}
+	if _, err := x.pushLimits(0); err != nil { // the admin plane's lim first: a seed never writes it
+		t.Fatalf("push limits: %v", err)
+	}
 	if ok, err := x.s.Seed(x.ctx, x.org, snap); err != nil || !ok {
 		t.Fatalf("seed: %v %v", ok, err)
 	}
