@@ -215,6 +215,21 @@ func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 		return err == nil && live == 0, fmt.Sprintf("live %d, err %v", live, err)
 	})
 
+	// The org at rest: every usage event charged (the worker charges after a job is settled),
+	// no hold left.
+	var v accounting.Balance
+	waitFor(t, "the org at rest", func() (bool, string) {
+		st, body, err := chaosAdmin(base, "GET", "/orgs/"+killOrg+"/balance", nil)
+		v = accounting.Balance{}
+		if err != nil || st != http.StatusOK || json.Unmarshal(body, &v) != nil {
+			return false, fmt.Sprintf("%d %s %v", st, body, err)
+		}
+		var pending int
+		err = db.QueryRow(ctx, `SELECT coalesce(sum(n), 0) FROM usage_pending`).Scan(&pending)
+		return err == nil && pending == 0 && v.Holds == 0 && v.Held == 0 && v.SettledSeq == v.LedgerSeq && v.Available == v.LedgerBalance,
+			fmt.Sprintf("%+v, usage pending %d (%v)", v, pending, err)
+	})
+
 	// What the upstream billed each job: its usage, priced 1 per input token and 2 per output.
 	billed := map[string]int64{}
 	var totalBilled int64
@@ -294,16 +309,7 @@ func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 		}
 	}
 
-	// The org at rest: nothing held in Redis, the ledger the credit less what the upstream billed.
-	var v accounting.Balance
-	waitFor(t, "the org at rest", func() (bool, string) {
-		st, body, err := chaosAdmin(base, "GET", "/orgs/"+killOrg+"/balance", nil)
-		v = accounting.Balance{}
-		if err != nil || st != http.StatusOK || json.Unmarshal(body, &v) != nil {
-			return false, fmt.Sprintf("%d %s %v", st, body, err)
-		}
-		return v.Holds == 0 && v.Held == 0 && v.SettledSeq == v.LedgerSeq && v.Available == v.LedgerBalance, fmt.Sprintf("%+v", v)
-	})
+	// The ledger is the credit less what the upstream billed.
 	if want := int64(killFunds) - totalBilled; v.LedgerBalance != want {
 		t.Errorf("ledger %d, want credit %d − billed %d = %d", v.LedgerBalance, killFunds, totalBilled, want)
 	}
