@@ -202,6 +202,7 @@ func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 	if leasedAtKill == 0 {
 		t.Fatal("the killed proxy holds no lease any more: the takeover would not be tested")
 	}
+	killedAt := time.Now()
 	t.Logf("proxy A SIGKILLed holding the leases of %d of %d jobs (owner %s); %d polls reached the upstream", leasedAtKill, killJobs, deadOwner, up.polls.Load())
 
 	// B takes over; then the upstream lets the jobs end.
@@ -214,6 +215,7 @@ func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 		err := db.QueryRow(ctx, `SELECT count(*) FROM jobs WHERE settled_at IS NULL`).Scan(&live)
 		return err == nil && live == 0, fmt.Sprintf("live %d, err %v", live, err)
 	})
+	t.Logf("every job settled %.1fs after the kill (lease %v)", time.Since(killedAt).Seconds(), killLease)
 
 	// The org at rest: every usage event charged (the worker charges after a job is settled),
 	// no hold left.
