@@ -3,9 +3,12 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"mime/multipart"
 	"net"
 	"net/http"
 	"net/url"
@@ -17,6 +20,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
+
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/balance"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
@@ -26,16 +31,18 @@ import (
 // The SIGKILL test's knobs. A job's lease is short so the takeover comes quickly; the poller
 // bounds a poll at half the lease, so a poll that hangs upstream holds its lease that long.
 const (
-	killJobs    = 20
-	killLease   = 4 * time.Second
-	killFunds   = 10_000_000
-	killWait    = 90 * time.Second // generous: every wait below ends on its condition
-	killOrg     = "acme"
-	killOutWord = 2 // micro-units per output token; 1 per input token (cached or not)
+	killJobs       = 20 // background responses
+	killBatches    = 2  // OpenAI batches of killBatchLines lines, one of which fails
+	killBatchLines = 4
+	killLease      = 4 * time.Second
+	killFunds      = 10_000_000
+	killWait       = 90 * time.Second // generous: every wait below ends on its condition
+	killOrg        = "acme"
+	killOutWord    = 2 // micro-units per output token; 1 per input token (cached or not)
 )
 
 // gatedUpstream is the fake upstream behind a gate: background responses are created at once,
-// but every poll of one (GET /v1/responses/{id}) hangs until the test opens the gate (or the
+// and batches run, but every poll of one (GET /v1/responses/{id}, GET /v1/batches/{id}) hangs until the test opens the gate (or the
 // caller goes away), so no proxy can see a job end before that. After open, everything passes.
 type gatedUpstream struct {
 	fake   http.Handler
@@ -48,7 +55,8 @@ type gatedUpstream struct {
 func startGatedUpstream(t *testing.T) *gatedUpstream {
 	t.Helper()
 	g := &gatedUpstream{
-		fake: fakeupstream.New(fakeupstream.Options{KeepRequests: -1, BackgroundDelay: 100 * time.Millisecond}),
+		fake: fakeupstream.New(fakeupstream.Options{KeepRequests: -1, BackgroundDelay: 100 * time.Millisecond,
+			BatchLineDelay: time.Millisecond}),
 		open: make(chan struct{}),
 	}
 	serve := func(h http.Handler) string {
@@ -69,6 +77,9 @@ func (g *gatedUpstream) release() { g.once.Do(func() { close(g.open) }) }
 
 func (g *gatedUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	rest, isPoll := strings.CutPrefix(r.URL.Path, "/v1/responses/")
+	if !isPoll {
+		rest, isPoll = strings.CutPrefix(r.URL.Path, "/v1/batches/")
+	}
 	if isPoll && r.Method == http.MethodGet && !strings.Contains(rest, "/") {
 		g.polls.Add(1)
 		select {
@@ -182,6 +193,26 @@ func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// Two batches through A (model bm: input 2, output 4 per token live, half that in a batch),
+	// each with a line the upstream fails (it costs nothing).
+	must(chaosAdmin(base, "PUT", "/models/bm", map[string]any{"input_price": 2_000_000, "output_price": 4_000_000,
+		"max_input_tokens": 100_000, "max_output_tokens": 100, "default_hold": 100}))
+	batchIDs := make([]string, killBatches)
+	for i := range batchIDs {
+		var lines []string
+		for l := range killBatchLines {
+			text := strings.TrimSpace(strings.Repeat("word ", 1+l))
+			if l == 1 {
+				text += " [fail]"
+			}
+			b, _ := json.Marshal(map[string]any{"custom_id": fmt.Sprintf("b%d-l%d", i, l), "method": "POST", "url": "/v1/chat/completions",
+				"body": map[string]any{"model": "bm", "max_tokens": 3 + 2*l + i, "messages": []map[string]string{{"role": "user", "content": text}}}})
+			lines = append(lines, string(b))
+		}
+		batchIDs[i] = createBatch(t, base, k.Key, lines)
+	}
+	const liveJobs = killJobs + killBatches
+
 	// Wait until A's poller holds a lease on every job at once (its polls hang at the gate), then
 	// SIGKILL it: nothing is given back, each lease stays taken until it runs out.
 	db := pg.Pool
@@ -189,7 +220,7 @@ func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 		var total, leased, owners int
 		err := db.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE lease_until > now()),
 			count(DISTINCT lease_owner) FILTER (WHERE lease_until > now()) FROM jobs WHERE settled_at IS NULL`).Scan(&total, &leased, &owners)
-		return err == nil && total == killJobs && leased == killJobs && owners == 1,
+		return err == nil && total == liveJobs && leased == liveJobs && owners == 1,
 			fmt.Sprintf("live %d, leased %d, owners %d, err %v", total, leased, owners, err)
 	})
 	a.kill()
@@ -203,7 +234,7 @@ func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 		t.Fatal("the killed proxy holds no lease any more: the takeover would not be tested")
 	}
 	killedAt := time.Now()
-	t.Logf("proxy A SIGKILLed holding the leases of %d of %d jobs (owner %s); %d polls reached the upstream", leasedAtKill, killJobs, deadOwner, up.polls.Load())
+	t.Logf("proxy A SIGKILLed holding the leases of %d of %d jobs (owner %s); %d polls reached the upstream", leasedAtKill, liveJobs, deadOwner, up.polls.Load())
 
 	// B takes over; then the upstream lets the jobs end.
 	b := proxy("b")
@@ -232,41 +263,20 @@ func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 			fmt.Sprintf("%+v, usage pending %d (%v)", v, pending, err)
 	})
 
-	// What the upstream billed each job: its usage, priced 1 per input token and 2 per output.
-	billed := map[string]int64{}
-	var totalBilled int64
-	for _, id := range upstreamIDs {
-		resp, err := http.Get(up.direct + "/v1/responses/" + url.PathEscape(id))
-		if err != nil {
-			t.Fatal(err)
-		}
-		var r struct {
-			Status string
-			Usage  *fakeupstream.ResponsesUsage
-		}
-		err = json.NewDecoder(resp.Body).Decode(&r)
-		resp.Body.Close()
-		if err != nil || r.Status != "completed" || r.Usage == nil {
-			t.Fatalf("upstream %s: %v %+v", id, err, r)
-		}
-		billed[id] = int64(r.Usage.InputTokens + killOutWord*r.Usage.OutputTokens)
-		totalBilled += billed[id]
-	}
-
-	// Each job: settled completed, charged once (one ledger charge for its hold id) its real cost.
+	// The jobs as the ledger ended them, by upstream id.
 	type jobRow struct {
-		id, status, owner string
-		cost              int64
+		id, status string
+		cost       int64
 	}
 	jobs := map[string]jobRow{}
-	rows, err := db.Query(ctx, `SELECT id::text, upstream_id, status, cost, coalesce(lease_owner, '') FROM jobs WHERE org_id = $1`, killOrg)
+	rows, err := db.Query(ctx, `SELECT id::text, upstream_id, status, cost FROM jobs WHERE org_id = $1`, killOrg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for rows.Next() {
 		var j jobRow
 		var upID string
-		if err := rows.Scan(&j.id, &upID, &j.status, &j.cost, &j.owner); err != nil {
+		if err := rows.Scan(&j.id, &upID, &j.status, &j.cost); err != nil {
 			t.Fatal(err)
 		}
 		jobs[upID] = j
@@ -274,40 +284,103 @@ func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
 	}
-	type charge struct {
-		n     int
-		delta int64
+	if len(jobs) != liveJobs {
+		t.Fatalf("%d jobs recorded, want %d", len(jobs), liveJobs)
 	}
-	charges := map[string]charge{}
+
+	// What the upstream billed, asked of the fake directly: a background response its usage,
+	// priced 1 per input token and 2 per output; a batch each line of its output file, at the
+	// batch price (half of bm's: 1 and 2). wantHold is the charge each hold id should carry: a
+	// response's hold id its cost; a batch line's event id (derived from the job's and the line's
+	// custom id) the line's cost; a batch's own id 0 (its closing event gives the hold back).
+	wantJob, wantHold := map[string]int64{}, map[string]int64{}
+	var totalBilled int64
+	for _, id := range upstreamIDs {
+		var r struct {
+			Status string
+			Usage  *fakeupstream.ResponsesUsage
+		}
+		if err := getJSON(up.direct+"/v1/responses/"+url.PathEscape(id), &r); err != nil || r.Status != "completed" || r.Usage == nil {
+			t.Fatalf("upstream response %s: %v %+v", id, err, r)
+		}
+		cost := int64(r.Usage.InputTokens + killOutWord*r.Usage.OutputTokens)
+		wantJob[id], wantHold[jobs[id].id] = cost, cost
+		totalBilled += cost
+	}
+	batchLines := 0
+	for _, id := range batchIDs {
+		var bt struct {
+			Status       string
+			OutputFileID string `json:"output_file_id"`
+		}
+		if err := getJSON(up.direct+"/v1/batches/"+url.PathEscape(id), &bt); err != nil || bt.Status != "completed" || bt.OutputFileID == "" {
+			t.Fatalf("upstream batch %s: %v %+v", id, err, bt)
+		}
+		resp, err := http.Get(up.direct + "/v1/files/" + url.PathEscape(bt.OutputFileID) + "/content")
+		if err != nil {
+			t.Fatal(err)
+		}
+		dec := json.NewDecoder(resp.Body)
+		jobID := jobs[id].id
+		wantHold[jobID] = 0
+		for dec.More() {
+			var ln struct {
+				CustomID string `json:"custom_id"`
+				Response struct {
+					Body struct {
+						Usage struct {
+							Prompt     int64 `json:"prompt_tokens"`
+							Completion int64 `json:"completion_tokens"`
+						}
+					}
+				}
+			}
+			if err := dec.Decode(&ln); err != nil {
+				t.Fatalf("batch %s output: %v", id, err)
+			}
+			cost := ln.Response.Body.Usage.Prompt + 2*ln.Response.Body.Usage.Completion
+			wantHold[uuid.NewSHA1(uuid.MustParse(jobID), []byte(ln.CustomID)).String()] = cost
+			wantJob[id] += cost
+			totalBilled += cost
+			batchLines++
+		}
+		resp.Body.Close()
+	}
+	if batchLines != killBatches*(killBatchLines-1) {
+		t.Fatalf("the upstream ran %d batch lines, want %d (one of each batch's fails)", batchLines, killBatches*(killBatchLines-1))
+	}
+
+	// Each job ended completed at what the upstream billed; each hold id charged once, exactly.
+	for upID, want := range wantJob {
+		if j := jobs[upID]; j.status != "completed" || j.cost != want {
+			t.Errorf("job %s (upstream %s): %s at %d, want completed at %d", j.id, upID, j.status, j.cost, want)
+		}
+	}
 	rows, err = db.Query(ctx, `SELECT hold_id::text, count(*), sum(delta) FROM ledger_entries
 		WHERE org_id = $1 AND kind = 'charge' GROUP BY hold_id`, killOrg)
 	if err != nil {
 		t.Fatal(err)
 	}
+	charged := map[string]bool{}
 	for rows.Next() {
 		var id string
-		var c charge
-		if err := rows.Scan(&id, &c.n, &c.delta); err != nil {
+		var n int
+		var delta int64
+		if err := rows.Scan(&id, &n, &delta); err != nil {
 			t.Fatal(err)
 		}
-		charges[id] = c
+		charged[id] = true
+		want, ok := wantHold[id]
+		if !ok || n != 1 || -delta != want {
+			t.Errorf("hold %s: %d charges totalling %d; want one of %d (expected: %v)", id, n, -delta, want, ok)
+		}
 	}
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
 	}
-	if len(jobs) != killJobs || len(charges) != killJobs {
-		t.Errorf("%d jobs and %d charged hold ids, want %d of each", len(jobs), len(charges), killJobs)
-	}
-	for upID, want := range billed {
-		j, ok := jobs[upID]
-		if !ok {
-			t.Errorf("upstream %s: no job", upID)
-			continue
-		}
-		c := charges[j.id]
-		if j.status != "completed" || j.cost != want || c.n != 1 || -c.delta != want {
-			t.Errorf("job %s (upstream %s): status %s, cost %d, %d charges totalling %d; want completed, charged %d once",
-				j.id, upID, j.status, j.cost, c.n, -c.delta, want)
+	for id, want := range wantHold {
+		if want != 0 && !charged[id] {
+			t.Errorf("hold %s never charged (want %d)", id, want)
 		}
 	}
 
@@ -320,7 +393,56 @@ func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 	if n, err := rdb.Client.ZCard(ctx, hexp).Result(); err != nil || n != 0 {
 		t.Errorf("Redis %s: %d unfinished holds after every job settled (%v)", hexp, n, err)
 	}
-	t.Logf("%d jobs settled by proxy B, billed %d in all; ledger %d", killJobs, totalBilled, v.LedgerBalance)
+	t.Logf("%d background responses and %d batches (%d lines run) settled by proxy B, billed %d in all; ledger %d",
+		killJobs, killBatches, batchLines, totalBilled, v.LedgerBalance)
+}
+
+// getJSON decodes the JSON answer of a GET of u into out.
+func getJSON(u string, out any) error {
+	resp, err := http.Get(u)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s", u, resp.Status)
+	}
+	return json.NewDecoder(resp.Body).Decode(out)
+}
+
+// createBatch uploads lines as a batch input file through the proxy at base and creates their
+// batch; it returns the batch's id.
+func createBatch(t *testing.T, base, key string, lines []string) string {
+	t.Helper()
+	var buf bytes.Buffer
+	mw := multipart.NewWriter(&buf)
+	fw, _ := mw.CreateFormFile("file", "input.jsonl")
+	_, _ = io.WriteString(fw, strings.Join(lines, "\n")+"\n")
+	_ = mw.WriteField("purpose", "batch")
+	_ = mw.Close()
+	post := func(path, contentType string, body io.Reader, out any) {
+		t.Helper()
+		req, _ := http.NewRequest("POST", base+path, body)
+		req.Header.Set("Content-Type", contentType)
+		req.Header.Set("Authorization", "Bearer "+key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		if resp.StatusCode != http.StatusOK || json.Unmarshal(b, out) != nil {
+			t.Fatalf("POST %s: %d %s", path, resp.StatusCode, b)
+		}
+	}
+	var f, bt struct{ ID string }
+	post("/v1/files", mw.FormDataContentType(), &buf, &f)
+	j, _ := json.Marshal(map[string]string{"input_file_id": f.ID, "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+	post("/v1/batches", "application/json", bytes.NewReader(j), &bt)
+	if bt.ID == "" {
+		t.Fatal("batch created without an id")
+	}
+	return bt.ID
 }
 
 // waitFor polls cond every 20ms until it holds, or fails the test after killWait with cond's
