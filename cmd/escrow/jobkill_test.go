@@ -41,14 +41,16 @@ const (
 	killOutWord    = 2 // micro-units per output token; 1 per input token (cached or not)
 )
 
-// gatedUpstream is the fake upstream behind a gate: background responses are created at once,
-// and batches run, but every poll of one (GET /v1/responses/{id}, GET /v1/batches/{id}) hangs until the test opens the gate (or the
-// caller goes away), so no proxy can see a job end before that. After open, everything passes.
+// gatedUpstream is the fake upstream behind a gate: background responses are created and
+// batches run at once, but every poll of one (GET /v1/responses/{id}, GET /v1/batches/{id})
+// hangs until the test opens the gate (or the caller goes away), so no proxy sees a job end
+// before that. After release everything passes. url serves through the gate, direct without.
 type gatedUpstream struct {
 	fake   http.Handler
 	open   chan struct{}
 	once   sync.Once
 	polls  atomic.Int64 // polls that reached the gate
+	url    string       // the gate
 	direct string       // the fake itself, ungated
 }
 
@@ -69,7 +71,7 @@ func startGatedUpstream(t *testing.T) *gatedUpstream {
 		t.Cleanup(func() { _ = srv.Close() })
 		return "http://" + ln.Addr().String()
 	}
-	g.direct = serve(g.fake)
+	g.direct, g.url = serve(g.fake), serve(g)
 	return g
 }
 
@@ -92,10 +94,12 @@ func (g *gatedUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 // TestBackgroundJobsSurviveSIGKILL: proxy A (the escrow binary, a child process) starts 20
-// background responses for an org and is SIGKILLed while its poller holds their leases (its polls
-// hang at the upstream); proxy B (another child, same Redis prefix and Postgres schema) takes
-// every job over once A's leases run out and, when the upstream lets the jobs end, settles each:
-// charged exactly once (one ledger charge per hold id) at the usage the upstream reports, no hold
+// background responses and 2 batches for an org and is SIGKILLed while its poller holds the
+// leases of all of them (its polls hang at the upstream); proxy B (another child, same Redis
+// prefix and Postgres schema) takes every job over once A's leases run out and, when the
+// upstream lets the jobs end, settles each:
+// charged exactly once (one ledger charge per hold id: a response's, a batch line's) at the usage
+// the upstream reports (a batch line that failed: nothing), no hold
 // left in Redis, and the ledger equal to the credit less what the upstream billed.
 func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 	if testing.Short() {
@@ -107,16 +111,6 @@ func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 	pg := testutil.Postgres(t)
 	bin := buildProxy(t)
 	up := startGatedUpstream(t)
-	gateURL := func() string {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		srv := &http.Server{Handler: up, ReadHeaderTimeout: 10 * time.Second}
-		go func() { _ = srv.Serve(ln) }()
-		t.Cleanup(func() { _ = srv.Close() })
-		return "http://" + ln.Addr().String()
-	}()
 	dir := t.TempDir()
 	proxy := func(name string) *proxyProc {
 		p := &proxyProc{t: t, bin: bin, log: filepath.Join(dir, name+".log"), addr: freeAddr(t)}
@@ -125,7 +119,7 @@ func TestBackgroundJobsSurviveSIGKILL(t *testing.T) {
 			"REDIS_URL="+rdb.URL,
 			"ESCROW_PREFIX="+rdb.Prefix,
 			"DATABASE_URL="+pg.URL,
-			"UPSTREAM_URL="+gateURL,
+			"UPSTREAM_URL="+up.url,
 			"UPSTREAM_API_KEY=sk-fake-upstream",
 			"ESCROW_ADMIN_TOKEN="+testAdmin,
 			"ESCROW_JOB_LEASE="+killLease.String(),
