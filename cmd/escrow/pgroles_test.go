@@ -14,7 +14,7 @@ func TestCLIPGRoles(t *testing.T) {
 	for _, want := range []string{
 		`GRANT USAGE ON SCHEMA "ledger" TO "px", "ops";`,
 		`GRANT INSERT ON "ledger".ledger_entries TO "px";`,
-		`FOR INSERT TO "px" WITH CHECK (kind = 'charge');`,
+		`FOR INSERT TO "px" WITH CHECK (kind IN ('charge', 'expire'));`,
 		`GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "ledger" TO "ops";`,
 	} {
 		if !strings.Contains(out, want) {

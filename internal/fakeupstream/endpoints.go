@@ -610,7 +610,7 @@ func (s *Server) responses(w http.ResponseWriter, r *http.Request, req *apiReque
 	if badCap(w, "max_output_tokens", req.MaxOutputTokens) {
 		return
 	}
-	if req.Background && !req.Stream {
+	if string(req.Background) == "true" && !req.Stream {
 		s.background(w, req, words, last)
 		return
 	}

@@ -36,7 +36,7 @@ type apiRequest struct {
 	Quality             string          `json:"quality"`        // images
 	Voice               string          `json:"voice"`          // speech
 	PartialImages       int64           `json:"partial_images"` // images: partial images of a stream
-	Background          bool            `json:"background"`     // responses: run in the background (background.go)
+	Background          json.RawMessage `json:"background"`     // responses: true runs it in the background (background.go); images: "transparent" and the like
 
 	worst worstRead // what Options.Worst bills (worst.go)
 	files int       // multipart: the file parts (media.go)
