@@ -72,9 +72,9 @@ func TestPlanesRedisUsers(t *testing.T) {
 	if err := env.Client.Del(context.Background(), balance.KeysOf(env.Prefix, "acme").Lim).Err(); err != nil {
 		t.Fatal(err)
 	}
-	if st, _, b := px.do("POST", "/v1/chat/completions", key, chat("hello")); st != http.StatusServiceUnavailable {
-		t.Fatalf("limits lost: %d %s, want 503", st, b)
-	}
+	// (The admin process's own worker, which holds both credentials, may push them back before
+	// the proxy's first request: then that request already meets the limit. Either way no
+	// request passes without them; balance's TestDataOnlyStore holds the 503 of the data user.)
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		st, _, b := px.do("POST", "/v1/chat/completions", key, chat("hello"))
