@@ -227,6 +227,17 @@ func (h *extendHook) note(c redis.Cmder) {
 	h.mu.Unlock()
 }
 
+// extensionsOf returns the extensions sent for each of ids.
+func (h *extendHook) extensionsOf(ids []string) []int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	n := make([]int, len(ids))
+	for i, id := range ids {
+		n[i] = h.perID[id]
+	}
+	return n
+}
+
 // extensionsOfEach returns the fewest extensions sent for any of ids.
 func (h *extendHook) extensionsOfEach(ids []string) int {
 	h.mu.Lock()
@@ -383,18 +394,38 @@ func TestKeepAliveBatched(t *testing.T) {
 		if trips*20 > calls {
 			t.Fatalf("%d extensions took %d round trips: not batched", calls, trips)
 		}
+		// A stopped lease is extended no more (one extension already on its way may still be
+		// sent): a control lease, kept alive after the others stopped, is extended twice — the
+		// keeper has passed every stopped lease's due time since, in queue order.
+		atStop := hook.extensionsOf(ids)
+		reserveN(t, s, org, "control")
+		control, err := s.KeepAlive(org, "control", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for deadline := time.Now().Add(time.Minute); hook.extensionsOfEach([]string{"control"}) < 2; time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("the control lease was never extended twice")
+			}
+		}
+		control.Stop()
+		for i, n := range hook.extensionsOf(ids) {
+			if n > atStop[i]+1 {
+				t.Fatalf("hold %s extended %d times after its lease stopped", ids[i], n-atStop[i])
+			}
+		}
 		// An extension already sent when its lease stopped may still land (Lease.Stop): move
 		// the Redis clock past the latest expiry and reap, until every hold is gone.
 		n := 0
-		for deadline := time.Now().Add(time.Minute); n < holds; time.Sleep(20 * time.Millisecond) {
+		for deadline := time.Now().Add(time.Minute); n < holds+1; time.Sleep(20 * time.Millisecond) {
 			if time.Now().After(deadline) {
-				t.Fatalf("reaped %d holds after every keep-alive stopped, want %d", n, holds)
+				t.Fatalf("reaped %d holds after every keep-alive stopped, want %d", n, holds+1)
 			}
 			advanceTo(latestExpiry() + 10) // past the reap grace
 			n += reap(t, s, org)
 		}
-		if n != holds {
-			t.Fatalf("reaped %d holds after every keep-alive stopped, want %d", n, holds)
+		if n != holds+1 {
+			t.Fatalf("reaped %d holds after every keep-alive stopped, want %d", n, holds+1)
 		}
 	})
 }
