@@ -244,6 +244,7 @@ func TestRecorderFinishJournaled(t *testing.T) {
 		UnpinDelay: 20 * time.Millisecond, PinInterval: 100 * time.Millisecond, Logger: quiet})
 	l.down.Store(true)
 	recordEach(t, r, evs)
+	finished := redisMillis(t, env) // every hold's own expiry (HoldTTL, SettleDeadline) is at most 50 ms past this
 	st, err := store.State(ctx, "acme")
 	if err != nil || st.Finished != n || st.Balance != 1000-3*n || st.Held != 3*n {
 		t.Fatalf("journaled and finished: %+v %v", st, err)
@@ -252,7 +253,8 @@ func TestRecorderFinishJournaled(t *testing.T) {
 		st, err := store.State(ctx, "acme")
 		return err == nil && st.Pinned == n
 	})
-	time.Sleep(150 * time.Millisecond)
+	// On the Redis clock, every hold's own expiry has passed: only its pin keeps it.
+	waitFor(t, "the Redis clock past every hold's expiry", time.Minute, func() bool { return redisMillis(t, env) > finished+50+10 })
 	if got, err := store.Reap(ctx, "acme"); got != 0 {
 		t.Fatalf("reaped %d finished holds whose usage waits in the journal (err %v)", got, err)
 	}

@@ -146,8 +146,10 @@ func TestRecorderJournalOutage(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer j.Close()
-	r := startRecorder(t, l, accounting.RecorderConfig{Journal: j, Pinner: store, ReplayInterval: 50 * time.Millisecond, UnpinDelay: 20 * time.Millisecond,
+	pins := &countingPinner{Pinner: store}
+	r := startRecorder(t, l, accounting.RecorderConfig{Journal: j, Pinner: pins, ReplayInterval: 50 * time.Millisecond, UnpinDelay: 20 * time.Millisecond,
 		PinInterval: 100 * time.Millisecond, Logger: quiet})
+	reserved := redisMillis(t, env) // every hold's own expiry is at most HoldTTL past this
 
 	l.down.Store(true)
 	recordEach(t, r, evs[:n/2])
@@ -163,9 +165,11 @@ func TestRecorderJournalOutage(t *testing.T) {
 		st, err := store.State(ctx, "acme")
 		return err == nil && st.Pinned == n
 	})
-	// Expired and unpinned holds would be reaped now (HoldTTL 50ms, grace 1ms); pinned ones are not,
-	// and with the ledger down nothing is reaped anyway. Let the heartbeat renew the pins once.
-	time.Sleep(250 * time.Millisecond)
+	// Let the heartbeat renew every pin once, and the Redis clock pass every hold's own
+	// expiry: an unpinned hold would be reaped now (HoldTTL 50ms, grace 1ms); pinned ones are
+	// not, and with the ledger down nothing is reaped anyway.
+	waitFor(t, "every pin renewed by the heartbeat", time.Minute, func() bool { return pins.least(evs) >= 2 })
+	waitFor(t, "the Redis clock past every hold's expiry", time.Minute, func() bool { return redisMillis(t, env) > reserved+50+10 })
 	if got, err := store.Reap(ctx, "acme"); got != 0 {
 		t.Fatalf("reaped %d holds while their usage waits in the journal (err %v)", got, err)
 	}
@@ -364,4 +368,47 @@ func TestRecorderJournalPostgresOutage(t *testing.T) {
 			t.Fatalf("event stored %d times, want 1", c)
 		}
 	}
+}
+
+// countingPinner counts the pins of each hold (the first, then the heartbeat's).
+type countingPinner struct {
+	accounting.Pinner
+	mu   sync.Mutex
+	pins map[string]int
+}
+
+func (p *countingPinner) Pin(ctx context.Context, org, holdID string) (bool, error) {
+	ok, err := p.Pinner.Pin(ctx, org, holdID)
+	if err == nil {
+		p.mu.Lock()
+		if p.pins == nil {
+			p.pins = map[string]int{}
+		}
+		p.pins[holdID]++
+		p.mu.Unlock()
+	}
+	return ok, err
+}
+
+// least returns the fewest pins of any of evs' holds.
+func (p *countingPinner) least(evs []ledger.UsageEvent) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	least := -1
+	for _, ev := range evs {
+		if n := p.pins[ev.ID]; least < 0 || n < least {
+			least = n
+		}
+	}
+	return least
+}
+
+// redisMillis reads the Redis server's clock (the one the scripts' expiries are on), in ms.
+func redisMillis(t *testing.T, env *testutil.RedisEnv) int64 {
+	t.Helper()
+	now, err := env.Client.Time(context.Background()).Result()
+	if err != nil {
+		t.Fatalf("redis TIME: %v", err)
+	}
+	return now.UnixMilli()
 }

@@ -245,22 +245,40 @@ func noScript(t *testing.T, env *testutil.RedisEnv) {
 	}
 }
 
-// getCounter counts the GET commands a client sends, each delayed by delay (so that every
-// concurrent caller arrives while the first GET is still on its way).
+// getCounter counts the GET commands a client sends (a pipeline with GETs counts as one:
+// ModelState reads the learned max and the model's version in one). Once armed, the next GET
+// waits until the stall channel is closed, whatever its context says: the read it belongs to
+// stays in flight until the test lets it go.
 type getCounter struct {
 	gets  atomic.Int64
-	delay time.Duration
+	mu    sync.Mutex
+	stall chan struct{} // armed: the next GET waits for it to be closed
+}
+
+// arm makes the next GET wait until the returned channel is closed.
+func (h *getCounter) arm() chan struct{} {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.stall = make(chan struct{})
+	return h.stall
+}
+
+func (h *getCounter) got() {
+	h.gets.Add(1)
+	h.mu.Lock()
+	st := h.stall
+	h.stall = nil
+	h.mu.Unlock()
+	if st != nil {
+		<-st
+	}
 }
 
 func (h *getCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-// ProcessPipelineHook counts a pipeline with GETs (ModelState reads the learned max and the
-// model's version in one) as one.
 func (h *getCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
 		if slices.ContainsFunc(cmds, func(c redis.Cmder) bool { return c.Name() == "get" }) {
-			h.gets.Add(1)
-			time.Sleep(h.delay)
+			h.got()
 		}
 		return next(ctx, cmds)
 	}
@@ -268,51 +286,69 @@ func (h *getCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.P
 func (h *getCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		if cmd.Name() == "get" {
-			h.gets.Add(1)
-			time.Sleep(h.delay)
+			h.got()
 		}
 		return next(ctx, cmd)
 	}
 }
 
 // TestModelMaxOneGet: requests that find the learned max expired together share one GET (the
-// hot path stays at one round trip per request: the reserve). The GET is slowed down so that all
-// 200 callers find the entry expired while it is on its way; without the shared load each of
-// them would send its own.
+// hot path stays at one round trip per request: the reserve). The cache lives 1 ns, so every
+// caller finds the entry expired, and the first read of each round is held in the hook until
+// all 200 callers have returned (each is served the expired value after modelMaxWait): every
+// caller meets that read in flight, at any speed, so exactly one GET is sent; without the shared
+// read each caller sends its own.
 func TestModelMaxOneGet(t *testing.T) {
 	t.Parallel()
 	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
 		ctx := context.Background()
 		c := ownClient(t, env, nil)
-		h := &getCounter{delay: 30 * time.Millisecond}
+		h := &getCounter{}
 		c.AddHook(h)
-		const ttl = 300 * time.Millisecond
-		s, err := balance.New(ctx, c, &balance.Config{Prefix: env.Prefix, ModelMaxCacheTTL: ttl})
+		s, err := balance.New(ctx, c, &balance.Config{Prefix: env.Prefix, ModelMaxCacheTTL: time.Nanosecond})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := s.SetModelMax(ctx, "m", 42); err != nil {
-			t.Fatal(err)
-		}
 		for round := range 2 {
-			time.Sleep(ttl + 50*time.Millisecond) // expired
+			want := int64(42 + round)
+			if err := s.SetModelMax(ctx, "m", want); err != nil {
+				t.Fatal(err)
+			}
+			// The cache holds want (and no read is in flight: a caller is served a read's
+			// answer only once that read has left the group).
+			for deadline := time.Now().Add(time.Minute); ; time.Sleep(10 * time.Millisecond) {
+				if v, err := s.ModelMax(ctx, "m"); err == nil && v == want {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("round %d: ModelMax never read %d", round, want)
+				}
+			}
 			before := h.gets.Load()
+			stall := h.arm()
 			var wg sync.WaitGroup
 			gate := make(chan struct{})
 			for range 200 {
 				wg.Go(func() {
 					<-gate
-					if v, err := s.ModelMax(ctx, "m"); err != nil || v != 42 {
-						t.Errorf("ModelMax = %d, %v", v, err)
+					if v, err := s.ModelMax(ctx, "m"); err != nil || v != want {
+						t.Errorf("ModelMax = %d, %v, want %d", v, err, want)
 					}
 				})
 			}
 			close(gate)
-			wg.Wait()
-			// One GET; a second only for a caller that read the stale entry before the first
-			// GET stored its answer and reached the group after it had finished.
-			if n := h.gets.Load() - before; n < 1 || n > 2 {
-				t.Fatalf("round %d: %d GETs for 200 concurrent callers", round, n)
+			done := make(chan struct{})
+			go func() { wg.Wait(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(time.Minute):
+				close(stall)
+				t.Fatalf("round %d: callers with an expired value waited for a stalled read", round)
+			}
+			n := h.gets.Load() - before
+			close(stall)
+			if n != 1 {
+				t.Fatalf("round %d: %d GETs for 200 concurrent callers, want 1", round, n)
 			}
 		}
 	})

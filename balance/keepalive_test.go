@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -191,16 +192,63 @@ func TestKeepAliveLost(t *testing.T) {
 	})
 }
 
-// extendHook counts the extend calls sent to Redis and the round trips they took.
+// extendHook counts the extend calls sent to Redis, per hold and in all, and the round trips
+// they took.
 type extendHook struct {
 	sha        string
 	calls      atomic.Int64
 	roundTrips atomic.Int64
+
+	mu     sync.Mutex
+	perID  map[string]int // hold id (the script's ARGV[1]) → extensions sent
+	minIDs []string       // the holds extensionsOfEach looks at
 }
 
 func (h *extendHook) isExtend(c redis.Cmder) bool {
 	a := c.Args()
 	return len(a) > 1 && strings.EqualFold(c.Name(), "evalsha") && fmt.Sprint(a[1]) == h.sha
+}
+
+// note counts one extend call: EVALSHA sha numkeys key… id ….
+func (h *extendHook) note(c redis.Cmder) {
+	a := c.Args()
+	if len(a) < 3 {
+		return
+	}
+	nk, err := strconv.Atoi(fmt.Sprint(a[2]))
+	if err != nil || len(a) <= 3+nk {
+		return
+	}
+	h.mu.Lock()
+	if h.perID == nil {
+		h.perID = map[string]int{}
+	}
+	h.perID[fmt.Sprint(a[3+nk])]++
+	h.mu.Unlock()
+}
+
+// extensionsOf returns the extensions sent for each of ids.
+func (h *extendHook) extensionsOf(ids []string) []int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	n := make([]int, len(ids))
+	for i, id := range ids {
+		n[i] = h.perID[id]
+	}
+	return n
+}
+
+// extensionsOfEach returns the fewest extensions sent for any of ids.
+func (h *extendHook) extensionsOfEach(ids []string) int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	least := -1
+	for _, id := range ids {
+		if n := h.perID[id]; least < 0 || n < least {
+			least = n
+		}
+	}
+	return least
 }
 
 func (h *extendHook) DialHook(next redis.DialHook) redis.DialHook { return next }
@@ -209,6 +257,7 @@ func (h *extendHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 		if h.isExtend(cmd) {
 			h.calls.Add(1)
 			h.roundTrips.Add(1)
+			h.note(cmd)
 		}
 		return next(ctx, cmd)
 	}
@@ -219,6 +268,7 @@ func (h *extendHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.P
 		for _, c := range cmds {
 			if h.isExtend(c) {
 				n++
+				h.note(c)
 			}
 		}
 		if n > 0 {
@@ -232,13 +282,20 @@ func (h *extendHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.P
 // TestKeepAliveBatched: many holds kept alive at once, from many goroutines, are extended
 // together, a pipeline for many holds, not a round trip each; all of them outlive HoldTTL and
 // all of them expire once stopped.
+//
+// Time is the Redis clock, which every script reads (TIME): the test waits for events — each
+// hold extended k times, then the Redis clock at T0 + k·HoldTTL/2 — never for a guessed
+// length. On miniredis that clock is frozen at T0 and moved only by the test, so the outcome
+// does not depend on the machine's speed at all; on a real Redis it runs, and a keeper late by
+// more than 2/3 of HoldTTL (2 s here) would lose holds, as it would in production.
 func TestKeepAliveBatched(t *testing.T) {
 	t.Parallel()
 	testutil.EachRedis(t, func(t *testing.T, env *testutil.RedisEnv) {
 		t.Parallel()
-		// A pipeline of hundreds of scripts takes a while on miniredis under the race detector:
-		// a longer HoldTTL gives it time (each pipeline must answer within HoldTTL/6); on a loaded
-		// machine 2 s was not enough for miniredis (all 300 reaped), which runs them one at a time.
+		ctx := context.Background()
+		// A pipeline of hundreds of scripts takes a while on miniredis under the race detector,
+		// and each must answer within HoldTTL/6 (the keeper's timeout, on this process's clock):
+		// a longer HoldTTL gives it time.
 		const holds = 300
 		ttl := 2 * keepAliveTTL
 		if env.Mini != nil {
@@ -253,6 +310,48 @@ func TestKeepAliveBatched(t *testing.T) {
 			ids[i] = fmt.Sprintf("h%03d", i)
 		}
 		reserveN(t, s, org, ids...)
+		hexp := balance.KeysOf(env.Prefix, org).Hexp
+
+		redisNow := func() int64 {
+			t.Helper()
+			now, err := env.Client.Time(ctx).Result()
+			if err != nil {
+				t.Fatalf("redis TIME: %v", err)
+			}
+			return now.UnixMilli()
+		}
+		// advanceTo gets the Redis clock past ms: miniredis is set there, a real Redis waited for.
+		advanceTo := func(ms int64) {
+			t.Helper()
+			if env.Mini != nil {
+				if ms > redisNow() {
+					env.Mini.SetTime(time.UnixMilli(ms + 1))
+				}
+				return
+			}
+			for deadline := time.Now().Add(time.Minute); redisNow() <= ms; time.Sleep(20 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("the Redis clock never passed %d", ms)
+				}
+			}
+		}
+		// latestExpiry is the latest expiry of a hold still in hexp (0 when none is).
+		latestExpiry := func() int64 {
+			t.Helper()
+			zs, err := env.Client.ZRangeWithScores(ctx, hexp, -1, -1).Result()
+			if err != nil {
+				t.Fatalf("hexp: %v", err)
+			}
+			if len(zs) == 0 {
+				return 0
+			}
+			return int64(zs[0].Score)
+		}
+
+		t0 := redisNow() // every reserve's expiry is at most t0 + ttl
+		if env.Mini != nil {
+			env.Mini.SetTime(time.UnixMilli(t0))
+		}
 		leases := make([]*balance.Lease, holds)
 		var wg sync.WaitGroup
 		for i := range ids {
@@ -271,30 +370,62 @@ func TestKeepAliveBatched(t *testing.T) {
 			}
 		}
 		t.Cleanup(stopAll)
-		time.Sleep(3 * ttl)
+
+		// Three rounds: each hold extended k times, then the Redis clock at t0 + k·ttl/2. At
+		// the end it is half a HoldTTL past every reserve's expiry: a hold not extended since
+		// would be reaped.
+		for k := 1; k <= 3; k++ {
+			for deadline := time.Now().Add(time.Minute); hook.extensionsOfEach(ids) < k; time.Sleep(20 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("round %d: some hold extended only %d times", k, hook.extensionsOfEach(ids))
+				}
+			}
+			advanceTo(t0 + int64(k)*ttl.Milliseconds()/2)
+		}
 		if n := reap(t, s, org); n != 0 {
 			t.Fatalf("reaped %d kept-alive holds", n)
 		}
 		stopAll()
 		calls, trips := hook.calls.Load(), hook.roundTrips.Load()
 		t.Logf("%d extensions in %d round trips", calls, trips)
-		if calls < 2*holds {
-			t.Fatalf("%d extensions of %d holds over 3 HoldTTLs, want ≥ %d", calls, holds, 2*holds)
+		if calls < 3*holds {
+			t.Fatalf("%d extensions of %d holds in three rounds, want ≥ %d", calls, holds, 3*holds)
 		}
 		if trips*20 > calls {
 			t.Fatalf("%d extensions took %d round trips: not batched", calls, trips)
 		}
-		// An extension already sent when its lease stopped may still land (Lease.Stop), and a
-		// pipeline of hundreds takes a while on a loaded machine: a hold expires HoldTTL after
-		// its last extension landed, so reap until every hold is gone, within a bound.
-		time.Sleep(ttl + 50*time.Millisecond)
-		n := reap(t, s, org)
-		for deadline := time.Now().Add(2 * ttl); n < holds && time.Now().Before(deadline); {
-			time.Sleep(50 * time.Millisecond)
+		// A stopped lease is extended no more (one extension already on its way may still be
+		// sent): a control lease, kept alive after the others stopped, is extended twice — the
+		// keeper has passed every stopped lease's due time since, in queue order.
+		atStop := hook.extensionsOf(ids)
+		reserveN(t, s, org, "control")
+		control, err := s.KeepAlive(org, "control", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for deadline := time.Now().Add(time.Minute); hook.extensionsOfEach([]string{"control"}) < 2; time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("the control lease was never extended twice")
+			}
+		}
+		control.Stop()
+		for i, n := range hook.extensionsOf(ids) {
+			if n > atStop[i]+1 {
+				t.Fatalf("hold %s extended %d times after its lease stopped", ids[i], n-atStop[i])
+			}
+		}
+		// An extension already sent when its lease stopped may still land (Lease.Stop): move
+		// the Redis clock past the latest expiry and reap, until every hold is gone.
+		n := 0
+		for deadline := time.Now().Add(time.Minute); n < holds+1; time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("reaped %d holds after every keep-alive stopped, want %d", n, holds+1)
+			}
+			advanceTo(latestExpiry() + 10) // past the reap grace
 			n += reap(t, s, org)
 		}
-		if n != holds {
-			t.Fatalf("reaped %d holds after every keep-alive stopped, want %d", n, holds)
+		if n != holds+1 {
+			t.Fatalf("reaped %d holds after every keep-alive stopped, want %d", n, holds+1)
 		}
 	})
 }
