@@ -22,6 +22,7 @@
 package job
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha1"
 	"encoding/json"
@@ -267,7 +268,7 @@ func CheckSettlement(s Settlement) error {
 func Events(j Job, s Settlement, now time.Time) []ledger.UsageEvent {
 	ev := func(id string, l Line) ledger.UsageEvent {
 		return ledger.UsageEvent{ID: id, Org: j.Org, KeyID: j.KeyID, Project: j.Project, ReservedAt: j.ReservedAt,
-			EndUser: j.EndUser, Model: cmpOr(l.Model, j.Model), Endpoint: cmpOr(l.Endpoint, j.Endpoint), Usage: l.Usage,
+			EndUser: j.EndUser, Model: cmp.Or(l.Model, j.Model), Endpoint: cmp.Or(l.Endpoint, j.Endpoint), Usage: l.Usage,
 			Cost: l.Cost, HoldAmount: 0, Estimated: l.Estimated, CreatedAt: now}
 	}
 	if len(s.Lines) == 1 && s.Lines[0].CustomID == "" {
@@ -323,11 +324,4 @@ func (q Query) Bounded() int {
 		return 1000
 	}
 	return q.Limit
-}
-
-func cmpOr(a, b string) string {
-	if a != "" {
-		return a
-	}
-	return b
 }

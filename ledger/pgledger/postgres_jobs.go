@@ -64,13 +64,6 @@ func canonUUID(id string) (string, bool) {
 	return u.String(), true
 }
 
-func nullText(s string) *string {
-	if s == "" {
-		return nil
-	}
-	return &s
-}
-
 // CreateJob records a job (idempotent by ID with the same kind and upstream id).
 func (p *Ledger) CreateJob(ctx context.Context, j job.Job) (job.Job, bool, error) {
 	j, err := job.Check(j)
@@ -97,8 +90,8 @@ INSERT INTO jobs (id, kind, org_id, key_id, project, end_user, model, endpoint, 
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 'pending', coalesce($15, now()))
 ON CONFLICT DO NOTHING
 RETURNING `+jobColumns,
-		j.ID, string(j.Kind), j.Org, nullText(j.KeyID), nullText(j.Project), nullText(j.EndUser), j.Model,
-		nullText(j.Endpoint), j.UpstreamID, j.Hold, reserved, j.Estimate, prices, data, next))
+		j.ID, string(j.Kind), j.Org, nullIfEmpty(j.KeyID), nullIfEmpty(j.Project), nullIfEmpty(j.EndUser), j.Model,
+		nullIfEmpty(j.Endpoint), j.UpstreamID, j.Hold, reserved, j.Estimate, prices, data, next))
 	if err == nil {
 		return out, true, nil
 	}
