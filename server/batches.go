@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/http"
 	"strings"
@@ -18,19 +17,13 @@ import (
 // files and its own calls to the upstream of a model.
 
 // batchJobs is the middleware's Batches.Jobs: the server's poller, made after the middleware;
-// the upstreams the middleware hands over are registered when it is (openBatches).
-type batchJobs struct{ s *Server }
+// the upstreams the middleware hands over are registered when it is (openBatches). Begin is
+// jobStarter's.
+type batchJobs struct{ jobStarter }
 
 type batchPoll struct {
 	kind job.Kind
 	up   async.Upstream
-}
-
-func (b batchJobs) Begin(ctx context.Context, j job.Job) (job.Job, error) {
-	if b.s.poller == nil {
-		return j, errors.New("server: no job poller")
-	}
-	return b.s.poller.Begin(ctx, j)
 }
 
 func (b batchJobs) Handle(kind job.Kind, u async.Upstream) {
@@ -54,7 +47,7 @@ func (s *Server) batches() middleware.Batches {
 	if _, jobs := s.ledger.(job.Store); !ok || !jobs {
 		return middleware.Batches{}
 	}
-	return middleware.Batches{Jobs: batchJobs{s}, Files: files, Upstream: s.batchUpstream}
+	return middleware.Batches{Jobs: batchJobs{jobStarter{s}}, Files: files, Upstream: s.batchUpstream}
 }
 
 // openBatches registers the batch kinds' upstreams with the job poller (openJobs).
