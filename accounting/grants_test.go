@@ -314,23 +314,29 @@ func TestGrantExpiryBurst(t *testing.T) {
 	})
 }
 
+// newExpiryRig is a worker over a memory ledger and miniredis with the org acme, the Redis
+// clock set to now, and at an hour later (the expiry the tests give their grants).
+func newExpiryRig(t *testing.T) (*testutil.RedisEnv, *memledger.Ledger, *balance.Store, *accounting.Worker, *accounting.Ops, time.Time) {
+	t.Helper()
+	env := testutil.MiniRedis(t)
+	l := memledger.New()
+	store := newStore(t, env, l, balance.Config{})
+	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
+	if err := l.CreateOrg(context.Background(), "acme"); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().Truncate(time.Millisecond)
+	env.Mini.SetTime(now)
+	return env, l, store, w, accounting.NewOps(w), now.Add(time.Hour)
+}
+
 // TestGrantViewAcrossExpiry: between an expiry's rollover and its expire entry, the customer
 // view's totals stay consistent (credited − charged − held = available): the rolled-over rest is
 // out of both, and the grant is listed until its expire entry.
 func TestGrantViewAcrossExpiry(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	env := testutil.MiniRedis(t)
-	l := memledger.New()
-	store := newStore(t, env, l, balance.Config{})
-	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
-	ops := accounting.NewOps(w)
-	if err := l.CreateOrg(ctx, "acme"); err != nil {
-		t.Fatal(err)
-	}
-	now := time.Now().Truncate(time.Millisecond)
-	env.Mini.SetTime(now)
-	at := now.Add(time.Hour)
+	env, l, store, w, ops, at := newExpiryRig(t)
 	if _, _, err := ops.CreditGrant(ctx, "acme", 700, "paid", grant.Paid); err != nil {
 		t.Fatal(err)
 	}
@@ -368,17 +374,7 @@ func TestGrantViewAcrossExpiry(t *testing.T) {
 func TestGrantExpiryWaitsForHolds(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	env := testutil.MiniRedis(t)
-	l := memledger.New()
-	store := newStore(t, env, l, balance.Config{})
-	w := newWorker(t, l, store, &accounting.WorkerConfig{Logger: quiet})
-	ops := accounting.NewOps(w)
-	if err := l.CreateOrg(ctx, "acme"); err != nil {
-		t.Fatal(err)
-	}
-	now := time.Now().Truncate(time.Millisecond)
-	env.Mini.SetTime(now)
-	at := now.Add(time.Hour)
+	env, l, store, w, ops, at := newExpiryRig(t)
 	if _, _, err := ops.CreditGrant(ctx, "acme", 300, "promo", grant.Options{Priority: grant.PriorityPromotional, ExpiresAt: at}); err != nil {
 		t.Fatal(err)
 	}

@@ -3,7 +3,6 @@ package admin_test
 import (
 	"encoding/json"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -19,10 +18,7 @@ func TestGrantRoutes(t *testing.T) {
 	t.Parallel()
 	e, _, _ := mountAdmin(t, "/admin/v1")
 	call := func(method, path, body string) (int, string) {
-		req := httptest.NewRequest(method, "/admin/v1"+path, strings.NewReader(body))
-		req.Header.Set("Authorization", "Bearer tok")
-		rec := httptest.NewRecorder()
-		e.ServeHTTP(rec, req)
+		rec := tokenCall(e, method, path, "tok", body)
 		return rec.Code, rec.Body.String()
 	}
 	if st, b := call("POST", "/orgs", `{"id":"acme"}`); st != http.StatusCreated {

@@ -3,7 +3,6 @@ package admin_test
 import (
 	"encoding/json"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"testing"
 
@@ -16,10 +15,7 @@ func TestTopUpRoutes(t *testing.T) {
 	t.Parallel()
 	e, _, _ := mountAdmin(t, "/admin/v1")
 	call := func(method, path, body string) (int, string) {
-		req := httptest.NewRequest(method, "/admin/v1"+path, strings.NewReader(body))
-		req.Header.Set("Authorization", "Bearer tok")
-		rec := httptest.NewRecorder()
-		e.ServeHTTP(rec, req)
+		rec := tokenCall(e, method, path, "tok", body)
 		return rec.Code, rec.Body.String()
 	}
 	settings := `{"threshold":5000000,"amount":2000,"currency":"USD","customer":"cus_1","payment_method":"pm_1","daily_cap":4000,"monthly_cap":20000}`

@@ -101,6 +101,15 @@ func acmeTopUp(pm string) topup.Settings {
 		PaymentMethod: pm, DailyCap: 3000, MonthlyCap: 100_000}
 }
 
+// newAcmeTopUpRig is newTopUpRig with the org acme created and its top-up set up to charge pm.
+func newAcmeTopUpRig(t *testing.T, l ledger.Ledger, n int, pm string) *topUpRig {
+	t.Helper()
+	tr := newTopUpRig(t, l, n)
+	tr.createOrg(t, "acme")
+	tr.settings(t, acmeTopUp(pm))
+	return tr
+}
+
 // TestTopUpOneInFlight: 100 concurrent usage records and account passes, on 4 workers (4
 // processes) each with its own runner, take the org below its threshold: exactly one
 // PaymentIntent is created (off-session, confirmed, its idempotency key the attempt's id), and
@@ -108,9 +117,7 @@ func acmeTopUp(pm string) topup.Settings {
 func TestTopUpOneInFlight(t *testing.T) {
 	t.Parallel()
 	eachLedger(t, func(t *testing.T, l ledger.Ledger) {
-		tr := newTopUpRig(t, l, 4)
-		tr.createOrg(t, "acme")
-		tr.settings(t, acmeTopUp("pm_card_visa"))
+		tr := newAcmeTopUpRig(t, l, 4, "pm_card_visa")
 		_, _, err := tr.ops.Credit(ctxT(t), "acme", 10_000_000, "seed")
 		must(t, err)
 		var wg sync.WaitGroup
@@ -161,9 +168,7 @@ func TestTopUpOneInFlight(t *testing.T) {
 func TestTopUpDeclinedStops(t *testing.T) {
 	t.Parallel()
 	eachLedger(t, func(t *testing.T, l ledger.Ledger) {
-		tr := newTopUpRig(t, l, 1)
-		tr.createOrg(t, "acme")
-		tr.settings(t, acmeTopUp(declinedCard))
+		tr := newAcmeTopUpRig(t, l, 1, declinedCard)
 		for range 10 {
 			tr.pass(t, 0, "acme", 1_000_000)
 		}
@@ -202,9 +207,7 @@ func TestTopUpDeclinedStops(t *testing.T) {
 func TestTopUpDailyCap(t *testing.T) {
 	t.Parallel()
 	eachLedger(t, func(t *testing.T, l ledger.Ledger) {
-		tr := newTopUpRig(t, l, 1)
-		tr.createOrg(t, "acme")
-		tr.settings(t, acmeTopUp("pm_card_visa"))
+		tr := newAcmeTopUpRig(t, l, 1, "pm_card_visa")
 		perDay := map[int]int{}
 		seen := 0
 		var capped int
@@ -247,9 +250,7 @@ func TestTopUpDailyCap(t *testing.T) {
 func TestTopUpFailedWebhook(t *testing.T) {
 	t.Parallel()
 	eachLedger(t, func(t *testing.T, l ledger.Ledger) {
-		tr := newTopUpRig(t, l, 1)
-		tr.createOrg(t, "acme")
-		tr.settings(t, acmeTopUp("pm_card_visa"))
+		tr := newAcmeTopUpRig(t, l, 1, "pm_card_visa")
 		tr.pass(t, 0, "acme", 1)
 		pis := tr.fake.intents()
 		if len(pis) != 1 {
@@ -286,9 +287,7 @@ func TestTopUpFailedWebhook(t *testing.T) {
 func TestTopUpRetrySameKey(t *testing.T) {
 	t.Parallel()
 	eachLedger(t, func(t *testing.T, l ledger.Ledger) {
-		tr := newTopUpRig(t, l, 1)
-		tr.createOrg(t, "acme")
-		tr.settings(t, acmeTopUp("pm_card_visa"))
+		tr := newAcmeTopUpRig(t, l, 1, "pm_card_visa")
 		tr.fake.mu.Lock()
 		tr.fake.failNext = 1
 		tr.fake.mu.Unlock()

@@ -95,14 +95,11 @@ func truncMS(t time.Time) time.Time {
 
 // Grants lists the org's grants in spending order, the expired last.
 func (m *Ledger) Grants(ctx context.Context, org string) ([]grant.Grant, error) {
-	if err := balance.ValidateOrg(org); err != nil {
-		return nil, err
-	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	a := m.accounts[org]
-	if a == nil {
-		return nil, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
+	a, err := m.orgLocked(org)
+	if err != nil {
+		return nil, err
 	}
 	return grant.Sorted(a.grants.list), nil
 }
@@ -133,14 +130,11 @@ func (m *Ledger) DueGrants(ctx context.Context, upTo time.Time, limit int) (map[
 // ExpireGrants accounts the org's pending usage, then writes the expire entries of its grants
 // expired by upTo.
 func (m *Ledger) ExpireGrants(ctx context.Context, org string, upTo time.Time) (int, error) {
-	if err := balance.ValidateOrg(org); err != nil {
-		return 0, err
-	}
 	m.mu.Lock()
-	a := m.accounts[org]
-	if a == nil {
+	a, err := m.orgLocked(org)
+	if err != nil {
 		m.mu.Unlock()
-		return 0, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
+		return 0, err
 	}
 	if _, err := m.accountOrgLocked(org, -1, nil); err != nil {
 		m.mu.Unlock()

@@ -449,14 +449,11 @@ func dayOf(t time.Time) string { return t.UTC().Format("2006-01-02") }
 // LimitWindows reads the org's limits' windows as the account pass keeps them (memAccount.windows),
 // as pgledger's LimitWindows does.
 func (m *Ledger) LimitWindows(ctx context.Context, org string) ([]balance.WindowUsed, error) {
-	if err := balance.ValidateOrg(org); err != nil {
-		return nil, err
-	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	a := m.accounts[org]
-	if a == nil {
-		return nil, fmt.Errorf("%w: %q", ledger.ErrUnknownOrg, org)
+	a, err := m.orgLocked(org)
+	if err != nil {
+		return nil, err
 	}
 	out := make([]balance.WindowUsed, 0, len(a.windows))
 	for k, u := range a.windows {

@@ -6,8 +6,6 @@ import (
 	"testing"
 
 	"github.com/llmescrow/escrow/internal/testutil"
-	"github.com/llmescrow/escrow/ledger/pgledger"
-	"github.com/llmescrow/escrow/migrations"
 	"github.com/llmescrow/escrow/pricing"
 )
 
@@ -31,13 +29,7 @@ INSERT INTO usage_events (id, org_id, model, cost, status, prompt_tokens, cached
 	('0192f0c4-0000-7000-8000-000000000002', 'a', 'claude', 9, 'voided', 10, 0, 5, 0, 0)`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := migrations.Up(ctx, env.Pool); err != nil {
-		t.Fatal(err)
-	}
-	l, err := pgledger.New(env.Pool, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := migrateRest(t, env.Pool)
 	m, err := l.Model(ctx, "claude")
 	want := pricing.Prices{pricing.Input: 3_000_000, pricing.CachedInput: 300_000, pricing.Output: 15_000_000, pricing.CacheWrite: 3_750_000}
 	if err != nil || !maps.Equal(m.Prices, want) || m.Prices.Has(pricing.AudioInput) {

@@ -297,13 +297,7 @@ INSERT INTO ledger_entries (org_id, seq, delta, kind, hold_id) VALUES
 	('a', 1, -1, 'charge', '0192f0c4-0000-7000-8000-000000000001'), ('a', 2, -2, 'charge', '0192f0c4-0000-7000-8000-000000000002')`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := migrations.Up(ctx, env.Pool); err != nil {
-		t.Fatal(err)
-	}
-	l, err := pgledger.New(env.Pool, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := migrateRest(t, env.Pool)
 	// The code from before: a plain insert of a pending event.
 	if _, err := env.Pool.Exec(ctx, `INSERT INTO usage_events (id, org_id, model, cost, status) VALUES
 		('0192f0c4-0000-7000-8000-000000000007', 'b', 'm', 64, 'pending')`); err != nil {
@@ -352,4 +346,18 @@ func migrateBefore(t *testing.T, pool *pgxpool.Pool, suffix string) {
 	if _, err := migrations.Apply(context.Background(), pool, all[:i]); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// migrateRest applies the migrations migrateBefore left out (and any other pending) and opens a
+// ledger on the migrated schema.
+func migrateRest(t *testing.T, pool *pgxpool.Pool) *pgledger.Ledger {
+	t.Helper()
+	if _, err := migrations.Up(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	l, err := pgledger.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
 }

@@ -239,13 +239,7 @@ INSERT INTO ledger_entries (org_id, seq, delta, kind, key_id, reserved_at, ref) 
 	('b', 5, -13, 'charge', 'kb', NULL, NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := migrations.Up(ctx, env.Pool); err != nil {
-		t.Fatal(err)
-	}
-	l, err := pgledger.New(env.Pool, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := migrateRest(t, env.Pool)
 	s, err := l.Spend(ctx, "b", "kb", []time.Time{time.Date(2026, 1, 2, 12, 0, 0, 0, time.UTC), time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)})
 	if err != nil {
 		t.Fatal(err)
