@@ -75,8 +75,9 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 
 	var nextErr error
 	var panicked any
-	upSpanCtx, upSpan := m.startStep(upCtx, SpanUpstream, AttrModel.String(r.Model))
+	upSpanCtx, upSpan := m.startStep(upCtx, SpanUpstream)
 	if upSpan.IsRecording() {
+		upSpan.SetAttributes(AttrModel.String(r.Model))
 		injectTrace(upSpanCtx, req.Header)
 		c.SetRequest(req.WithContext(upSpanCtx))
 	}
@@ -84,7 +85,9 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 		defer func() { panicked = recover() }()
 		nextErr = next(c)
 	}()
-	upSpan.SetAttributes(AttrStatus.Int(cw.status))
+	if upSpan.IsRecording() {
+		upSpan.SetAttributes(AttrStatus.Int(cw.status))
+	}
 	endStep(upSpan, nextErr)
 	lease.Stop()
 	stopWatch()
@@ -196,7 +199,10 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	}
 	o.Usage, o.Cost, o.Err = usage, cost, why
 	rctx, cancel := context.WithTimeout(cl.traceCtx, m.cfg.RecordTimeout)
-	rctx, span := m.startStep(rctx, SpanRecord, AttrOrg.String(ev.Org), AttrHold.String(ev.ID), AttrCost.Int64(cost))
+	rctx, span := m.startStep(rctx, SpanRecord)
+	if span.IsRecording() {
+		span.SetAttributes(AttrOrg.String(ev.Org), AttrHold.String(ev.ID), AttrCost.Int64(cost))
+	}
 	rcpt, err := m.record(rctx, ev)
 	endStep(span, err)
 	cancel()

@@ -524,7 +524,10 @@ func (m *middleware) reserve(ctx context.Context, cl *call, amount, tokens int64
 	if cl.id.Exempt {
 		amount = 0 // exempt.go
 	}
-	rctx, span := m.startStep(rctx, SpanReserve, AttrOrg.String(cl.id.Org), AttrHold.String(cl.holdID), AttrHoldAmount.Int64(amount))
+	rctx, span := m.startStep(rctx, SpanReserve)
+	if span.IsRecording() {
+		span.SetAttributes(AttrOrg.String(cl.id.Org), AttrHold.String(cl.holdID), AttrHoldAmount.Int64(amount))
+	}
 	res, err := m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: cl.id.Org, HoldID: cl.holdID, Amount: amount, KeyID: cl.limitKey, Tokens: tokens,
 		EndUser: cl.req.EndUser, Exempt: cl.id.Exempt})
 	endStep(span, err)
