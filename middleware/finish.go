@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -30,6 +31,7 @@ var (
 func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outcome) error {
 	m := cl.m
 	req := c.Request()
+	cl.setOwnRateHeaders(c.Response().Header())
 	r := cl.req
 	injected := false
 	if r.Stream && !r.IncludeUsage && r.Spec.InjectUsage {
@@ -73,8 +75,9 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 
 	var nextErr error
 	var panicked any
-	upSpanCtx, upSpan := m.startStep(upCtx, SpanUpstream, AttrModel.String(r.Model))
+	upSpanCtx, upSpan := m.startStep(upCtx, SpanUpstream)
 	if upSpan.IsRecording() {
+		upSpan.SetAttributes(AttrModel.String(r.Model))
 		injectTrace(upSpanCtx, req.Header)
 		c.SetRequest(req.WithContext(upSpanCtx))
 	}
@@ -82,7 +85,9 @@ func (cl *call) proxy(c echo.Context, next echo.HandlerFunc, body []byte, o Outc
 		defer func() { panicked = recover() }()
 		nextErr = next(c)
 	}()
-	upSpan.SetAttributes(AttrStatus.Int(cw.status))
+	if upSpan.IsRecording() {
+		upSpan.SetAttributes(AttrStatus.Int(cw.status))
+	}
 	endStep(upSpan, nextErr)
 	lease.Stop()
 	stopWatch()
@@ -116,14 +121,24 @@ func (cl *call) setHeaders(h http.Header) {
 	cl.oneRateLimitSet(h)
 }
 
+// setOwnRateHeaders sets escrow's x-ratelimit-* headers of the hold on h, before the handler
+// runs, and keeps them in cl.rate for oneRateLimitSet: built once per request.
+func (cl *call) setOwnRateHeaders(h http.Header) {
+	cl.rate = http.Header{}
+	setRateHeaders(cl.rate, cl.reserved, time.Now())
+	for k, v := range cl.rate {
+		h[k] = slices.Clone(v)
+	}
+}
+
 // oneRateLimitSet leaves the client one set of x-ratelimit-* headers, escrow's (the key's
 // requests and tokens limits, when it has any): the upstream's — the operator's own quota with
 // the provider, no business of the customer's — are dropped, or kept as x-upstream-ratelimit-*
-// with Config.RenameUpstreamRateLimit. Escrow's own were set before the handler ran, so they come
-// first in each header's values; what follows them is the upstream's.
+// with Config.RenameUpstreamRateLimit. Escrow's own were set before the handler ran
+// (setOwnRateHeaders, kept in cl.rate), so they come first in each header's values; what
+// follows them is the upstream's.
 func (cl *call) oneRateLimitSet(h http.Header) {
-	own := http.Header{}
-	setRateHeaders(own, cl.reserved, time.Now())
+	own := cl.rate
 	for k, vals := range h {
 		rest, ok := strings.CutPrefix(k, "X-Ratelimit-")
 		if !ok {
@@ -136,7 +151,7 @@ func (cl *call) oneRateLimitSet(h http.Header) {
 		}
 	}
 	for k, v := range own {
-		h[k] = v
+		h[k] = slices.Clone(v)
 	}
 }
 
@@ -184,7 +199,10 @@ func (cl *call) finish(cw *captureWriter, nextErr error, panicked any, cause err
 	}
 	o.Usage, o.Cost, o.Err = usage, cost, why
 	rctx, cancel := context.WithTimeout(cl.traceCtx, m.cfg.RecordTimeout)
-	rctx, span := m.startStep(rctx, SpanRecord, AttrOrg.String(ev.Org), AttrHold.String(ev.ID), AttrCost.Int64(cost))
+	rctx, span := m.startStep(rctx, SpanRecord)
+	if span.IsRecording() {
+		span.SetAttributes(AttrOrg.String(ev.Org), AttrHold.String(ev.ID), AttrCost.Int64(cost))
+	}
 	rcpt, err := m.record(rctx, ev)
 	endStep(span, err)
 	cancel()

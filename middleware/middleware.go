@@ -184,9 +184,12 @@ type call struct {
 	// cannot name the identity's key id).
 	limitKey string
 	reserved balance.Reservation // what Reserve answered (zero for fail-open: no hold)
-	fitCap   int64               // the output cap fit lowered the request's to (0: not fitted)
-	start    time.Time
-	sent     atomic.Bool // the handler read the request body: the upstream got the request (sentBody)
+	// rate is escrow's own x-ratelimit-* set of reserved, built once by proxy before the handler
+	// runs; oneRateLimitSet tells it from the upstream's by it.
+	rate   http.Header
+	fitCap int64 // the output cap fit lowered the request's to (0: not fitted)
+	start  time.Time
+	sent   atomic.Bool // the handler read the request body: the upstream got the request (sentBody)
 	// traceCtx is the record's parent context: Background, with the finish span when traced
 	// (trace.go), never the client request's values or cancellation.
 	traceCtx context.Context
@@ -285,7 +288,6 @@ func (m *middleware) serve(c echo.Context, next echo.HandlerFunc) error {
 	if cl.fitCap > 0 {
 		c.Response().Header().Set(HeaderOutputCap, strconv.FormatInt(cl.fitCap, 10))
 	}
-	setRateHeaders(c.Response().Header(), cl.reserved, time.Now())
 	return cl.proxy(c, next, body, o)
 }
 
@@ -522,7 +524,10 @@ func (m *middleware) reserve(ctx context.Context, cl *call, amount, tokens int64
 	if cl.id.Exempt {
 		amount = 0 // exempt.go
 	}
-	rctx, span := m.startStep(rctx, SpanReserve, AttrOrg.String(cl.id.Org), AttrHold.String(cl.holdID), AttrHoldAmount.Int64(amount))
+	rctx, span := m.startStep(rctx, SpanReserve)
+	if span.IsRecording() {
+		span.SetAttributes(AttrOrg.String(cl.id.Org), AttrHold.String(cl.holdID), AttrHoldAmount.Int64(amount))
+	}
 	res, err := m.cfg.Store.Reserve(rctx, balance.ReserveRequest{Org: cl.id.Org, HoldID: cl.holdID, Amount: amount, KeyID: cl.limitKey, Tokens: tokens,
 		EndUser: cl.req.EndUser, Exempt: cl.id.Exempt})
 	endStep(span, err)

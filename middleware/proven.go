@@ -170,7 +170,6 @@ func (m *middleware) serveProven(c echo.Context, next echo.HandlerFunc, id Ident
 	} else {
 		cl.reserved = res
 	}
-	setRateHeaders(c.Response().Header(), cl.reserved, time.Now())
 	return cl.proxy(c, next, body, o)
 }
 

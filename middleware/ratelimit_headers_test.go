@@ -17,7 +17,7 @@ func TestOneRateLimitSet(t *testing.T) {
 	for _, rename := range []bool{false, true} {
 		cl := &call{m: &middleware{cfg: Config{RenameUpstreamRateLimit: rename}}, reserved: res}
 		h := http.Header{}
-		setRateHeaders(h, res, time.Now()) // before the handler
+		cl.setOwnRateHeaders(h) // before the handler (proxy)
 		h.Add("X-Ratelimit-Limit-Requests", "10000")
 		h.Add("X-Ratelimit-Remaining-Requests", "9876")
 		h.Add("X-Ratelimit-Limit-Tokens", "2000000") // escrow has no tokens limit here

@@ -98,11 +98,13 @@ func observe(o Outcome) {
 }
 
 // startStep starts a step's span under ctx's; it is a no-op span when ctx has no recording one.
-func (m *middleware) startStep(ctx context.Context, name string, attrs ...attribute.KeyValue) (context.Context, trace.Span) {
+// Callers add the step's attributes under span.IsRecording(), so an untraced request builds
+// (and allocates) none.
+func (m *middleware) startStep(ctx context.Context, name string) (context.Context, trace.Span) {
 	if !trace.SpanFromContext(ctx).IsRecording() {
 		return ctx, trace.SpanFromContext(ctx)
 	}
-	return m.tracer.Start(ctx, name, trace.WithAttributes(attrs...))
+	return m.tracer.Start(ctx, name)
 }
 
 // startFinish starts the finish span under the request's span (in ctx), in a context of its own
