@@ -13,7 +13,7 @@ import (
 var dataCommands = []string{
 	"+evalsha", "+eval", "+script|load", "+script|exists",
 	// what the scripts call (Redis checks each redis.call against the user's commands too)
-	"+hget", "+hmget", "+hset", "+hsetnx", "+hdel", "+hexists", "+hgetall", "+hvals", "+hincrby",
+	"+hget", "+hmget", "+hset", "+hsetnx", "+hdel", "+hexists", "+hgetall", "+hvals", "+hincrby", "+hlen",
 	"+zadd", "+zrem", "+zscore", "+zcard", "+zcount", "+zrange", "+zrangebyscore", "+zremrangebyscore",
 	"+pexpire", "+set",
 	"+sadd", // WantLimits: a data-plane store asks the admin plane for an org's limits

@@ -24,6 +24,9 @@ const (
 	DefaultMaxPipelines     = 4
 )
 
+// defaultEndUserFields is Config.EndUserFields' default.
+const defaultEndUserFields = 100_000
+
 // defaultWaitTimeout is Config.WaitTimeout's default.
 const defaultWaitTimeout = 100 * time.Millisecond
 
@@ -105,6 +108,14 @@ type Config struct {
 	// ever), and keep it well below the Redis client's read timeout, which bounds the whole
 	// pipeline. Default 100ms.
 	WaitTimeout time.Duration
+	// EndUserFields bounds an org's limit counters (one Redis hash) when the ledger reads one end
+	// user's lifetime spend (pgledger and memledger do; DESIGN.md "Lifetime per-end-user
+	// counters"): the counters of lifetime limits of each end user apart are then loaded one end
+	// user at a time, on the end user's first request after a seed, and past this many fields
+	// some of them are evicted (loaded again when their end user comes back), so Redis keeps the
+	// recent end users only. Each field costs about 110 bytes (docs/limits.md). 0: 100,000;
+	// < 0: no bound.
+	EndUserFields int
 	// AllowEviction skips the maxmemory-policy noeviction check (and logs a loud warning):
 	// eviction can drop a hold and lock money, or drop a watermark.
 	AllowEviction bool
@@ -138,6 +149,7 @@ func (c *Config) withDefaults() Config {
 	z.ModelMaxCacheTTL = cmp.Or(z.ModelMaxCacheTTL, DefaultModelMaxCacheTTL)
 	z.ScanPause = cmp.Or(z.ScanPause, DefaultScanPause)
 	z.MaxBatch = cmp.Or(z.MaxBatch, DefaultMaxBatch)
+	z.EndUserFields = cmp.Or(z.EndUserFields, defaultEndUserFields)
 	z.MaxPipelines = cmp.Or(z.MaxPipelines, DefaultMaxPipelines)
 	z.WaitTimeout = cmp.Or(z.WaitTimeout, defaultWaitTimeout)
 	z.Logger = cmp.Or(z.Logger, slog.Default())

@@ -27,6 +27,7 @@ type Store struct {
 	holdTTL, pinTTL, pinFloor, tombTTL, grace, capArg, settleDL, clockArg string
 	// the same, as the interface values a reserve passes (boxed once, not per call)
 	holdTTLArg, capArgArg, tombTTLArg, pinFloorArg any
+	fieldsArg                                      string // Config.EndUserFields as reserve's ARGV[14]
 
 	scripts  map[string]*script
 	topo     *topology
@@ -101,6 +102,7 @@ func New(ctx context.Context, c redis.UniversalClient, conf *Config) (*Store, er
 		s.adm = c
 	}
 	s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg = s.holdTTL, s.capArg, s.tombTTL, s.pinFloor
+	s.fieldsArg = strconv.Itoa(max(cfg.EndUserFields, 0))
 	if !cfg.NoCoalesce {
 		s.co = newCoalescer(s, cfg)
 	}
@@ -384,8 +386,10 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	if r.Exempt {
 		exempt = "1"
 	}
-	for attempt := 0; ; attempt++ {
+	var loads []any // lazy counters read from the ledger (COLD_EU), as reserve's ARGV[13..]
+	for attempt, loaded := 0, 0; ; attempt++ {
 		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, r.KeyID, s.clockArg, tokens, r.EndUser, exempt}
+		args = append(args, loads...)
 		var res []any
 		var err error
 		if s.co != nil {
@@ -423,6 +427,17 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 				e.Held = toInt(res[2])
 			}
 			return Reservation{}, e
+		case "COLD_EU":
+			// The end user's lifetime counters are not in Redis (lazy seed, or evicted): read
+			// them from the ledger as of the watermark and reserve again; another try if a settle
+			// moved the watermark meanwhile.
+			if loaded++; loaded > maxEndUserLoads {
+				return Reservation{}, fmt.Errorf("%w: the end user's lifetime counters of %s could not be loaded (the watermark kept moving)", ErrCold, r.Org)
+			}
+			if loads, err = s.loadEndUser(ctx, r.Org, r.EndUser, res); err != nil {
+				return Reservation{}, err
+			}
+			attempt--
 		case "COLD":
 			if s.cfg.Ledger == nil || attempt >= maxColdRetries {
 				return Reservation{}, ErrCold
@@ -434,6 +449,47 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 			return Reservation{}, fmt.Errorf("balance: reserve: unexpected reply %v", res)
 		}
 	}
+}
+
+// maxEndUserLoads bounds Reserve's loads of an end user's lifetime counters (COLD_EU).
+const maxEndUserLoads = 8
+
+// endUserLedger is a Ledger that reads one end user's lifetime spend (pgledger's and memledger's
+// EndUserUsed). With it, Warm seeds lazily: the counters of lifetime limits of each end user
+// apart are loaded by the end user's requests (reserve's COLD_EU), not all written by the seed.
+type endUserLedger interface {
+	// EndUserUsed returns, for each of limits (lifetime limits of each end user apart), what
+	// the org's charges of endUser with seq ≤ upto count in its unit (WindowUsed.Start 0).
+	EndUserUsed(ctx context.Context, org, endUser string, limits []Limit, upto int64) ([]WindowUsed, error)
+}
+
+// loadEndUser reads from the ledger the lazy counters a COLD_EU reply names (res: 'COLD_EU',
+// wm, then limit id and unit code pairs), as of its watermark, and returns them as reserve's
+// ARGV[13..]: wm, the field bound, then field and sum pairs.
+func (s *Store) loadEndUser(ctx context.Context, org, endUser string, res []any) ([]any, error) {
+	el, ok := s.cfg.Ledger.(endUserLedger)
+	wm := str(res, 1)
+	upto, err := strconv.ParseInt(wm, 10, 64)
+	if !ok || err != nil || endUser == "" || len(res) < 4 {
+		return nil, fmt.Errorf("balance: reserve: unexpected reply %v", res)
+	}
+	lims := make([]Limit, 0, (len(res)-2)/2)
+	for i := 2; i+1 < len(res); i += 2 {
+		lims = append(lims, Limit{ID: str(res, i), Scope: Scope{Kind: ScopeEndUser}, Window: Lifetime, Unit: unitOf(str(res, i+1))})
+	}
+	used, err := el.EndUserUsed(ctx, org, endUser, lims, upto)
+	if err != nil {
+		return nil, fmt.Errorf("balance: lifetime spend of end user %q of %s: %w: %w", endUser, org, ErrLedger, err)
+	}
+	out := make([]any, 0, 2+2*len(used))
+	out = append(out, wm, s.fieldsArg)
+	for _, u := range used {
+		if !validLimitID(u.LimitID) || u.Used < 0 || u.Used > 1<<53 {
+			return nil, fmt.Errorf("%w: lifetime spend %+v", ErrInvalidLimits, u)
+		}
+		out = append(out, u.LimitID+":0:"+endUser, strconv.FormatInt(u.Used, 10))
+	}
+	return out, nil
 }
 
 // coalescerFor returns the coalescer of the master that serves key: one per master on a
@@ -659,6 +715,9 @@ func (s *Store) Seed(ctx context.Context, org string, snap Snapshot) (bool, erro
 			f += ":" + u.EndUser
 		}
 		args = append(args, f, strconv.FormatInt(u.Used, 10))
+	}
+	if _, lazy := s.cfg.Ledger.(endUserLedger); lazy {
+		args = append(args, "L", "1") // the end users' lifetime counters are loaded by reserve
 	}
 	if snap.Expiries != nil && len(*snap.Expiries) > 0 {
 		x := *snap.Expiries

@@ -16,7 +16,9 @@
 --   hexp -> hfin.
 -- A per-end-user counter the hold held 0 on (an exempt hold's money, a token hold of 0) that is
 -- missing is re-created with the real cost or count: it went at zero when the other holds on it
--- ended (release.lua), and this hold still counts there.
+-- ended (release.lua), and this hold still counts there — except, in an org seeded lazily
+-- (acct's 'll'), an end user's lifetime counter: only reserve's load creates one (lib/limits
+-- lazy_field), and it adds this hold then.
 -- bal + sum(holds) is unchanged, so the invariant holds; settle later gives the hold (now the
 -- cost) back and applies the entry's delta as for any hold. A zero cost leaves a zero hold, so
 -- that settle still tombstones its id. Money moves only with HINCRBY on the stored and argument
@@ -36,6 +38,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local due = now + tonumber(ARGV[1])
 local warm = redis.call('EXISTS', KEYS[1]) == 1
+local lazy = warm and redis.call('HEXISTS', KEYS[1], 'll') == 1 -- lib/limits lazy_field
 
 local out = {}
 for i = 2, #ARGV - 2, 3 do
@@ -53,7 +56,7 @@ for i = 2, #ARGV - 2, 3 do
       move_hold(KEYS[5], fs, us, neg(a), nil, neg(tk))
       local c, n = ARGV[i + 1], ARGV[i + 2]
       -- a counter the hold held 0 on may have gone at zero meanwhile (lib/limits move_hold)
-      move_hold(KEYS[5], fs, us, c ~= '0' and c or nil, nil, n ~= '0' and n or nil, {m = a == '0', t = tk == '0'})
+      move_hold(KEYS[5], fs, us, c ~= '0' and c or nil, nil, n ~= '0' and n or nil, {m = a == '0', t = tk == '0', lazy = lazy})
       if c == '0' or n == '0' then
         move_hold(KEYS[5], fs, us, nil, nil, nil, nil, true) -- a request that cost nothing: no field left at 0
       end

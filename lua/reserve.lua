@@ -27,18 +27,35 @@
 --   record is a zero hold that finish and settle treat like any other, so bal + Σ holds = B(wm)
 --   holds as ever) and the balance is never checked (no INSUFFICIENT); freezes, the in-flight cap
 --   and every limit still apply (a money limit counts the cost at finish, like an overshoot)
+-- ARGV[13] (optional) the watermark the loads below were read at; ARGV[14] the most fields u may
+--   keep ('0': no bound); ARGV[15..] pairs: a lazy counter '<limit id>:0:<end user>' (lib/limits
+--   lazy_field) and the ledger's sum over the entries with seq <= ARGV[13] attributed to it, in
+--   its limit's unit. Used only while acct's wm still is ARGV[13] (else the answer is COLD_EU
+--   again, with the new watermark).
+--
+-- Lazy counters (acct's 'll', written by a lazy seed): an end user's counter of a lifetime limit
+-- of each end user apart is not kept for every end user ever served; a missing one is unknown.
+-- Reserve answers {'COLD_EU', wm, limit id, unit, ...} for the missing ones of the request's end
+-- user; the caller reads their sums as of wm from the ledger and calls again with them. The
+-- counter is then the ledger's sum + what the live holds naming it hold there (the holds are
+-- read: a settle, release or finish skipped it while it was missing), the counter invariant's
+-- own terms, so it is exact; it is written only if this hold passes (a refusal writes nothing).
+-- Past ARGV[14] fields in u, a few lazy counters of other end users are evicted (HSCAN from
+-- acct's cursor 'lc'): the next request of their end user loads them again.
 --
 -- acct also keeps the org's expiring grants (xt, x:<T>, r:<T>: lib/expiry); an expiry that has
 -- come is rolled over first.
 --
 -- Checks, in this order: amount, COLD (no acct, another epoch, lim missing or older than the
--- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, NO_END_USER, LIMIT, INSUFFICIENT.
+-- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, NO_END_USER, COLD_EU, LIMIT,
+-- INSUFFICIENT.
 -- Replies: {'OK', new balance, reserve ms, project, rq cap, rq left, rq resets ms, tk cap,
 --            tk left, tk resets ms} (the requests and the tokens limit in scope with the least
 --            left after this hold, '' when none: the x-ratelimit-* headers) | {'COLD'}
 --          | {'DUP', balance, original reserve ms, project now}
 --          | {'GONE'} | {'FROZEN', scope, scope id} | {'TOO_MANY', count}
 --          | {'NO_END_USER', limit id} (no end user, and a limit of each end user apart requires one)
+--          | {'COLD_EU', wm, limit id, unit, ...} (lazy counters to load, see above)
 --          | {'LIMIT', id, scope, scope id, window, cap, used, resets ms ('0': never), room, held,
 --             unit, token room ('' when no tokens limit is in scope), the reserve time ms on the
 --             limit clock} (scope id '' for a limit of each end user apart: it is the request's
@@ -68,7 +85,7 @@ if string.find(tok, '^%d+$') == nil then
 end
 local per_unit = {m = ARGV[3], r = '1', t = tok} -- what the hold adds to a counter of each unit
 
-local acct = redis.call('HMGET', KEYS[1], 'bal', 'epoch', 'lv', 'tc', 'te', 'xt')
+local acct = redis.call('HMGET', KEYS[1], 'bal', 'epoch', 'lv', 'tc', 'te', 'xt', 'wm', 'll')
 if not acct[1] or acct[2] ~= ARGV[1] then
   return {'COLD'}
 end
@@ -176,9 +193,82 @@ local function held_on(v_field, short)
   end
 end
 
+-- lazy_holds: appends to loaded[f] (a lazy counter being loaded) what each live hold naming f
+-- holds there (its amount, 1 request, its token hold: strings from the records).
+local function lazy_holds(loaded)
+  local hs = redis.call('HGETALL', KEYS[2])
+  for j = 2, #hs, 2 do
+    local a, _, _, fs, _, _, us, tk = hold_parse(hs[j])
+    local k = 0
+    for f in string.gmatch(fs, '[^,]+') do
+      k = k + 1
+      local l = loaded[f]
+      if l then
+        local u = string.sub(us, k, k)
+        local v = a
+        if u == 'r' then v = '1' elseif u == 't' then v = tk end
+        if v ~= '0' and v ~= '' then l[#l + 1] = v end
+      end
+    end
+  end
+end
+
+-- evict_lazy: past max fields in u, deletes the lazy counters (lib/limits lazy_field) among the
+-- next 16 fields of u from acct's cursor 'lc', but the ones this hold counts on (mine).
+local function evict_lazy(max, mine)
+  local n = redis.call('HLEN', KEYS[6])
+  if max <= 0 or n <= max then return end
+  local r = redis.call('HSCAN', KEYS[6], redis.call('HGET', KEYS[1], 'lc') or '0', 'COUNT', 16)
+  for i = 1, #r[2], 2 do
+    local f = r[2][i]
+    if n <= max then break end
+    if lazy_field(f) and not mine[f] then
+      redis.call('HDEL', KEYS[6], f)
+      n = n - 1
+    end
+  end
+  redis.call('HSET', KEYS[1], 'lc', r[1])
+end
+
 local used = {}
+local loaded = nil -- lazy counters loaded by this call: field -> {ledger sum, live holds' parts...}
 if #fields > 0 then
   used = redis.call('HMGET', KEYS[6], unpack(fields))
+  if acct[8] then
+    local pre, miss = nil, nil
+    if ARGV[13] and ARGV[13] == (acct[7] or '0') then
+      pre = {}
+      for i = 15, #ARGV - 1, 2 do pre[ARGV[i]] = ARGV[i + 1] end
+    end
+    for i = 1, #fields do
+      local s = specs[i]
+      if not used[i] and s[9] and s[4] == 'lifetime' then
+        local v = pre and pre[fields[i]]
+        if v and string.find(v, '^%d+$') then
+          loaded = loaded or {}
+          loaded[fields[i]] = {v}
+        else
+          miss = miss or {'COLD_EU', acct[7] or '0'}
+          miss[#miss + 1] = s[1]
+          miss[#miss + 1] = s[8]
+        end
+      end
+    end
+    if miss then
+      return miss
+    end
+    if loaded then
+      lazy_holds(loaded)
+      for i = 1, #fields do
+        local l = loaded[fields[i]]
+        if l then
+          local n = 0
+          for _, v in ipairs(l) do n = n + tonumber(v) end
+          used[i] = string.format('%d', n) -- for the checks and a refusal's reply only
+        end
+      end
+    end
+  end
   for i = 1, #fields do
     local s = specs[i]
     local need = tonumber(per_unit[s[8]])
@@ -213,6 +303,16 @@ local rts = ms_string(rtime)
 -- The requests and the tokens limit with the least left, for the x-ratelimit-* headers.
 local least = {r = {'', '', ''}, t = {'', '', ''}}
 local units = {} -- the record's unit letter per counter field
+if loaded then
+  -- the loaded counters: the ledger's sum, then each live hold's part (HINCRBY on the strings)
+  local mine = {}
+  for f, l in pairs(loaded) do
+    redis.call('HSET', KEYS[6], f, l[1])
+    for j = 2, #l do redis.call('HINCRBY', KEYS[6], f, l[j]) end
+  end
+  for i = 1, #fields do mine[fields[i]] = true end
+  evict_lazy(tonumber(ARGV[14]) or 0, mine)
+end
 if #fields > 0 then
   for i = 1, #fields do
     local s = specs[i]

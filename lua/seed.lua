@@ -14,6 +14,10 @@
 --   end user apart: one pair per end user with spend), the ledger's sum over the entries with
 --   seq <= W attributed to it of the limit's unit (cost, 1 request, tokens), for windows
 --   starting at or after the seeder's T0's
+-- then, optionally, the pair 'L', '1': seed lazily (acct gets 'll'): the end users' counters of
+--   lifetime limits of each end user apart are not written (their groups, if sent, are ignored)
+--   but loaded one end user at a time by reserve (COLD_EU; lib/limits lazy_field), so that a
+--   seed costs nothing per end user ever served and the counters can be evicted
 -- then, optionally (grants, lib/expiry): 'X', n, and n pairs T ms, the unspent rest at W of the
 --   grants that expire at T (x:T); an expiry that has come rolls over at once
 --
@@ -73,12 +77,20 @@ end
 
 local groups = {}
 local xb = nil -- grants: where the expiry block starts
+local lazy = false
 for i = 7 + 2 * n, #ARGV - 1, 2 do
   if ARGV[i] == 'X' then
     xb = i
     break
   end
-  groups[ARGV[i]] = ARGV[i + 1]
+  if ARGV[i] == 'L' then
+    lazy = true
+  else
+    groups[ARGV[i]] = ARGV[i + 1]
+  end
+end
+if lazy then
+  redis.call('HSET', KEYS[1], 'll', '1')
 end
 
 -- The current window's counter of every limit (of each end user apart: of every end user the
@@ -97,7 +109,7 @@ for i = 7, 6 + 2 * n, 2 do
   elseif f == 'e' then
     each_limit(ARGV[i + 1], function(v_id, w)
       local ws = window_bounds(w, clock)
-      if ws then
+      if ws and not (lazy and w == 'lifetime') then
         local head = v_id .. ':' .. ms_string(ws) .. ':'
         for field, used in pairs(groups) do
           if string.sub(field, 1, #head) == head and used ~= '0' then -- no end user's counter at 0
@@ -119,7 +131,7 @@ local function attributed(v_key, v_project, v_eu, rt)
     local ws = window_bounds(w, rt)
     if ws and ws == window_bounds(w, clock) then
       local field = counter_field(v_id, ws, own, v_eu)
-      if own then
+      if own and not (lazy and w == 'lifetime') then
         redis.call('HSETNX', KEYS[4], field, '0')
       end
       fs[#fs + 1] = field

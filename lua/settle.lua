@@ -29,11 +29,13 @@
 -- there); an APPLIED entry with a reserve time adds its cost (-delta), 1 request or its tokens to
 -- the counters of every limit of lim (money, requests, tokens) in its scope (the org's, its
 -- project's, its key's, its end user's) in the window of its reserve time. A
--- missing field is created only for a current window; a past window's is skipped. A newer
+-- missing field is created only for a current window; a past window's is skipped, and so is a
+-- missing lifetime counter of an end user in an org seeded lazily (acct's 'll'; lib/limits
+-- lazy_field): it is loaded from the ledger as of the watermark, this entry included. A newer
 -- epoch's drop takes u with acct; lim is the admin plane's (push-limits) and stays.
 --
 -- Reply: {'COLD'} | {'OK', wm, code, code, ...} with code 1 applied, 2 already, 3 gap (last).
-local cur = redis.call('HMGET', KEYS[1], 'epoch', 'wm')
+local cur = redis.call('HMGET', KEYS[1], 'epoch', 'wm', 'll')
 if not cur[1] then
   return {'COLD'}
 end
@@ -49,6 +51,7 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+local lazy = cur[3] ~= false -- seeded lazily: an end user's lifetime counter is created only by a load (lib/limits lazy_field)
 local wmstr = cur[2] or '0'
 local wm = tonumber(wmstr)
 local out = {'OK', ''}
@@ -78,7 +81,7 @@ local function attribute(v_key, v_project, v_eu, rt, v, tk)
     local v = by[u]
     if not ws or v == nil then return end
     local f = counter_field(v_id, ws, own, v_eu)
-    if redis.call('HEXISTS', KEYS[7], f) == 1 or ws == window_bounds(w, clock) then
+    if redis.call('HEXISTS', KEYS[7], f) == 1 or (ws == window_bounds(w, clock) and not (lazy and own and w == 'lifetime')) then
       redis.call('HINCRBY', KEYS[7], f, v)
     end
   end

@@ -371,3 +371,145 @@ func exerciseEndUserNothingLeftAtZero(t *testing.T, env Env) {
 	eq(t, "alice's tokens after a0's finish", ownFields()[tok], 30)
 	x.counters()
 }
+
+// "Lifetime per-end-user counters in the ledger, only a bounded, recent set in Redis" (issue
+// 34). With a ledger that reads one end user's lifetime spend, the seed writes no end user's
+// lifetime counter: the end user's next request loads it (ledger as of the watermark + the live
+// holds that name it), exactly, and a refused request leaves none behind.
+func exerciseEndUserLifetimeLazy(t *testing.T, env Env) {
+	t.Parallel()
+	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{
+		{ID: "life", Scope: eachEndUserScope, Window: balance.Lifetime, Cap: 10_000},
+		unitLimit("life-rq", eachEndUserScope, balance.Lifetime, 5, balance.Requests),
+		unitLimit("day-rq", eachEndUserScope, balance.Day, 100, balance.Requests),
+	}})
+	now := x.redisNow()
+	day := balance.Day.StartMS(now)
+	// alice and carol spend; then the hot state goes and is seeded again.
+	for i := range 3 {
+		id := fmt.Sprintf("a%d", i)
+		x.mustReserveEU(x.s, id, "k1", "alice", 2_000, 0)
+		x.settleEU(id, "k1", "alice", 1_500, 0, now)
+	}
+	x.mustReserveEU(x.s, "c0", "k1", "carol", 9_000, 0)
+	x.settleEU("c0", "k1", "carol", 9_000, 0, now)
+	x.mustReserveEU(x.s, "a-live", "k1", "alice", 1_000, 0) // in flight across the reseed
+	x.reseed()
+	u := x.u()
+	eq(t, "lazy seed: alice's day counter written", u[field("day-rq", day)+":alice"], 4)
+	if _, ok := u[field("life", 0)+":alice"]; ok {
+		t.Fatalf("the lazy seed wrote alice's lifetime counter: %v", u)
+	}
+	x.counters()
+
+	// alice's next request loads her lifetime spend: 3 × 1,500 charged + 1,000 in flight.
+	loads := x.l.EndUserLoads.Load()
+	x.mustReserveEU(x.s, "a3", "k1", "alice", 2_000, 0)
+	if x.l.EndUserLoads.Load() == loads {
+		t.Fatal("alice's lifetime counters were not loaded from the ledger")
+	}
+	u = x.u()
+	eq(t, "alice's lifetime money: ledger + live holds", u[field("life", 0)+":alice"], 3*1_500+1_000+2_000)
+	eq(t, "alice's lifetime requests", u[field("life-rq", 0)+":alice"], 5)
+	// carol, never seen since the seed, is refused by what the ledger holds, and nothing is
+	// written for her.
+	le := x.refusedBy("life", "c1", "k1", "carol", 1_001, 0)
+	eq(t, "carol's used comes from the ledger", le.Used, 9_000)
+	if _, ok := x.u()[field("life", 0)+":carol"]; ok {
+		t.Fatal("a refused request left carol's lifetime counter")
+	}
+	x.mustReserveEU(x.s, "c2", "k1", "carol", 1_000, 0)
+	eq(t, "carol at her cap", x.u()[field("life", 0)+":carol"], 10_000)
+	// the counters move as ever once loaded
+	x.settleEU("a-live", "k1", "alice", 700, 0, now)
+	x.settleEU("a3", "k1", "alice", 2_000, 0, now)
+	eq(t, "alice after the settles", x.u()[field("life", 0)+":alice"], 3*1_500+700+2_000)
+	x.refusedBy("life-rq", "a4", "k1", "alice", 1, 0) // a sixth request: over the requests cap
+}
+
+// The bound: past Config.EndUserFields fields, reserves evict other end users' lifetime
+// counters; an evicted counter whose end user still has holds in flight is skipped by their
+// settle, release and finish, and the end user's next request loads it exactly.
+func exerciseEndUserLifetimeEvicted(t *testing.T, env Env) {
+	t.Parallel()
+	const bound, users = 12, 40
+	x := limited(t, env, balance.Config{EndUserFields: bound}, 10_000_000, balance.Limits{Limits: []balance.Limit{
+		{ID: "life", Scope: eachEndUserScope, Window: balance.Lifetime, Cap: 1_000_000},
+		unitLimit("life-tk", eachEndUserScope, balance.Lifetime, 1_000_000, balance.Tokens),
+	}})
+	now := x.redisNow()
+	x.reseed() // seeded lazily
+	lifeField := func(eu string) string { return field("life", 0) + ":" + eu }
+	// u0's holds stay in flight while the others push its counters out.
+	x.mustReserveEU(x.s, "u0-a", "k1", "u0", 3_000, 70)
+	x.mustReserveEU(x.s, "u0-b", "k1", "u0", 1_000, 20)
+	// the others' holds stay in flight too, so their counters stay above 0 until evicted
+	most := 0
+	for i := 1; i < users; i++ {
+		eu := fmt.Sprintf("u%d", i)
+		x.mustReserveEU(x.s, "h-"+eu, "k1", eu, 1_000+int64(i), 10)
+		most = max(most, len(x.u()))
+	}
+	if most > bound+2 {
+		t.Fatalf("u grew to %d fields, bound %d (+2 for the fields of the reserve that evicts)", most, bound)
+	}
+	if _, ok := x.u()[lifeField("u0")]; ok {
+		t.Fatalf("u0's counter was never evicted (%d fields)", len(x.u()))
+	}
+	for i := 1; i < users; i++ {
+		eu := fmt.Sprintf("u%d", i)
+		x.settleEU("h-"+eu, "k1", eu, 500+int64(i), 5, now)
+	}
+	// u0's holds end while its counters are gone: nothing is re-created.
+	x.settleEU("u0-a", "k1", "u0", 2_500, 60, now)
+	if !x.finish("u0-b", 800) {
+		t.Fatal("finish u0-b")
+	}
+	if _, ok := x.u()[lifeField("u0")]; ok {
+		t.Fatal("a settle or finish re-created an evicted lifetime counter")
+	}
+	// u0 comes back: 2,500 charged + 800 finished in flight + 100 now.
+	x.mustReserveEU(x.s, "u0-c", "k1", "u0", 100, 1)
+	u := x.u()
+	eq(t, "u0's money after the load", u[lifeField("u0")], 2_500+800+100)
+	eq(t, "u0's tokens after the load (u0-b finished with 0 tokens)", u[field("life-tk", 0)+":u0"], 60+0+1)
+	// and every end user that comes back gets its exact spend
+	for i := 1; i < users; i += 7 {
+		eu := fmt.Sprintf("u%d", i)
+		x.mustReserveEU(x.s, "again-"+eu, "k1", eu, 1, 0)
+		eq(t, "reloaded "+eu, x.u()[lifeField(eu)], 500+int64(i)+1)
+	}
+}
+
+// A ledger that cannot read one end user's spend (only balance.LimitLedger) keeps the eager
+// seed: every end user's lifetime counter is written by the seed, and none is ever evicted.
+func exerciseEndUserLifetimeEager(t *testing.T, env Env) {
+	t.Parallel()
+	l := NewFakeLedger(1)
+	x := fixture(t, env, balance.Config{Ledger: eagerLedger{l}, EndUserFields: 2}, 0, false)
+	x.l = l
+	l.Add(x.org, 1_000_000, "")
+	l.SetLimits(x.org, balance.Limits{Limits: []balance.Limit{
+		{ID: "life", Scope: eachEndUserScope, Window: balance.Lifetime, Cap: 10_000},
+	}})
+	if err := x.s.Warm(x.ctx, x.org); err != nil {
+		t.Fatalf("warm: %v", err)
+	}
+	now := x.redisNow()
+	for i := range 5 {
+		eu := fmt.Sprintf("e%d", i)
+		x.mustReserveEU(x.s, "h-"+eu, "k1", eu, 1_000, 0)
+		x.settleEU("h-"+eu, "k1", eu, 100*int64(i+1), 0, now)
+	}
+	x.reseed()
+	u := x.u()
+	for i := range 5 {
+		eq(t, fmt.Sprintf("e%d's counter seeded", i), u[field("life", 0)+fmt.Sprintf(":e%d", i)], 100*int64(i+1))
+	}
+	eq(t, "no load", l.EndUserLoads.Load(), 0)
+}
+
+// eagerLedger hides FakeLedger's EndUserUsed: a balance.LimitLedger and nothing more.
+type eagerLedger struct{ *FakeLedger }
+
+func (e eagerLedger) EndUserUsed() {} // shadows the promoted method with another signature

@@ -24,7 +24,8 @@ type FakeLedger struct {
 	staleBy   int   // Snapshot leaves out the last staleBy entries (a stale read)
 	err       error // returned by every call when set
 
-	Snapshots atomic.Int64 // Snapshot calls
+	Snapshots    atomic.Int64 // Snapshot calls
+	EndUserLoads atomic.Int64 // EndUserUsed calls
 	// SnapshotDelay makes every Snapshot take this long (set before use).
 	SnapshotDelay time.Duration
 	inSnapshot    atomic.Int64
@@ -218,6 +219,29 @@ func (l *FakeLedger) UsedBy(org, id string, start int64, endUser string, upTo in
 		}
 	}
 	return n
+}
+
+// EndUserUsed is the ledger read behind the lazy end users' lifetime counters (balance's Store
+// finds it by its signature; see balance.Config.EndUserFields): for each of limits, what the
+// org's charges of endUser with seq ≤ upto count in the limit's unit. EndUserLoads counts calls.
+func (l *FakeLedger) EndUserUsed(_ context.Context, org, endUser string, limits []balance.Limit, upto int64) ([]balance.WindowUsed, error) {
+	l.EndUserLoads.Add(1)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.err != nil {
+		return nil, l.err
+	}
+	out := make([]balance.WindowUsed, 0, len(limits))
+	for _, lim := range limits {
+		var n int64
+		for _, e := range l.orgs[org] {
+			if e.Seq <= upto && !e.ReservedAt.IsZero() && e.EndUser == endUser {
+				n += lim.Unit.Count(-e.Delta, e.Tokens)
+			}
+		}
+		out = append(out, balance.WindowUsed{LimitID: lim.ID, EndUser: endUser, Used: n})
+	}
+	return out, nil
 }
 
 // SnapshotSince implements balance.LimitLedger: Snapshot plus the org's limits and the spend of

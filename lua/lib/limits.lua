@@ -156,6 +156,16 @@ local function own_field(f)
   return string.find(f, '^[^:]+:%d+:') ~= nil
 end
 
+-- lazy_field: whether counter field f is an end user's counter of a lifetime limit of each end
+-- user apart ('<limit id>:0:<end user>': a lifetime window starts at 0). In an org whose acct has
+-- 'll' (seeded lazily, DESIGN "Lifetime per-end-user counters"), such a field is loaded one end
+-- user at a time from the ledger by reserve (see reserve.lua, COLD_EU), may be evicted past the
+-- org's bound, and is never created by anything else: a missing one is unknown, not 0, so every
+-- move of it is skipped until the next load, which adds the live holds it names.
+local function lazy_field(f)
+  return string.find(f, '^[^:]+:0:') ~= nil
+end
+
 -- move_hold: HINCRBY every field of fs that exists by its unit's increment (us: one unit
 -- character per field, 'm' when missing): vm for money, vr for requests, vt for tokens (integer
 -- strings; nil: that unit does not move). A hold's missing field is a past window's (seed writes
@@ -164,7 +174,8 @@ end
 -- field of a unit in fresh (a table unit letter -> true, or nil): the hold held 0 there (an
 -- exempt hold's money, a token hold of 0), so the field may have gone at zero while the hold
 -- lived, and finish re-creates it with the hold's real cost (in a past window: a field the
--- sweep takes later). out: a per-end-user field that this move leaves at 0 is deleted,
+-- sweep takes later) — unless fresh.lazy and the field is a lazy one (lazy_field), which only a
+-- load creates. out: a per-end-user field that this move leaves at 0 is deleted,
 -- since a zero counter and a missing one read the same and end users come and go by the
 -- million: a request that cost nothing leaves no field behind.
 local function move_hold(ukey, fs, us, vm, vr, vt, fresh, out)
@@ -183,7 +194,7 @@ local function move_hold(ukey, fs, us, vm, vr, vt, fresh, out)
         if out and own and after == 0 then
           redis.call('HDEL', ukey, f)
         end
-      elseif own and fresh and fresh[u] then
+      elseif own and fresh and fresh[u] and not (fresh.lazy and lazy_field(f)) then
         redis.call('HINCRBY', ukey, f, v)
       end
     elseif out and own and redis.call('HGET', ukey, f) == '0' then
