@@ -50,7 +50,7 @@ func TestWaitReplicas(t *testing.T) {
 			l := balancetest.NewFakeLedger(1)
 			l.Add("o", 1_000_000, "")
 			s, err := balance.New(ctx, m.Client(), &balance.Config{Ledger: l, NoCoalesce: noCoalesce,
-				WaitReplicas: 1, WaitTimeout: 50 * time.Millisecond, MaxPipelines: 1})
+				WaitReplicas: 1, WaitTimeout: replicaWait, MaxPipelines: 1})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -108,7 +108,7 @@ func TestWaitReplicas(t *testing.T) {
 			l.Add(org, 1_000_000, "")
 			orgs = append(orgs, org)
 		}
-		s, err := balance.New(ctx, cl.Client(), &balance.Config{Ledger: l, Prefix: prefix, WaitReplicas: 1, WaitTimeout: 50 * time.Millisecond})
+		s, err := balance.New(ctx, cl.Client(), &balance.Config{Ledger: l, Prefix: prefix, WaitReplicas: 1, WaitTimeout: replicaWait})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -175,3 +175,9 @@ func TestWaitReplicas(t *testing.T) {
 		}
 	})
 }
+
+// replicaWait is the tests' WaitTimeout: long enough that a running replica acknowledges within
+// it on a loaded machine (a race-detector build beside other packages' builds: 50ms was not),
+// short enough that the holds refused while the replica is stopped do not make the test slow
+// (they wait it out in parallel), and below the Redis client's 3s read timeout.
+const replicaWait = 1500 * time.Millisecond
