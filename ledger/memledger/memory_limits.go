@@ -344,7 +344,7 @@ func (a *memAccount) spentLocked(w ledger.WindowInc, maxSeq int64) int64 {
 }
 
 // EndUserUsed is endUser's spend of each of limits (the org's lifetime limits of each end user
-// apart, ledger.LoadedPerEndUser) as of the org's entry upto: Σ of the end user's charges with
+// apart, ledger.CheckEndUserUsed) as of the org's entry upto: Σ of the end user's charges with
 // seq ≤ upto in each limit's unit, what a seed at seq upto would have given that end user's
 // field (pgledger's EndUserUsed). The memory ledger sums the entries. An org without an account
 // is ErrUnknownOrg (as Snapshot); an end user no limit can name, or a limit of another kind, is

@@ -44,7 +44,7 @@ FROM x WHERE EXISTS (SELECT 1 FROM accounts WHERE org_id = $1)
 ORDER BY x.i`
 
 // EndUserUsed is endUser's spend of each of limits (the org's lifetime limits of each end user
-// apart, ledger.LoadedPerEndUser) as of the org's entry upto: Σ of the end user's charges with
+// apart, ledger.CheckEndUserUsed) as of the org's entry upto: Σ of the end user's charges with
 // seq ≤ upto in each limit's unit, what a seed at seq upto would have given that end user's
 // field. The hot balance loads a field the seed left out with it. It reads the account pass's
 // window row less the charges after upto (sqlEndUserUsed): the cost does not grow with the end
