@@ -49,7 +49,8 @@ ORDER BY x.i`
 // field. The hot balance loads a field the seed left out with it. It reads the account pass's
 // window row less the charges after upto (sqlEndUserUsed): the cost does not grow with the end
 // user's charges. An org without an account is ErrUnknownOrg (as Snapshot); an end user no limit
-// can name, or a limit of another kind, is ErrInvalidLimit. It writes nothing.
+// can name, or a limit of another kind, is ErrInvalidLimit; no limit is nil (nothing read). It
+// writes nothing.
 func (p *Ledger) EndUserUsed(ctx context.Context, org, endUser string, limits []balance.Limit, upto int64) ([]balance.WindowUsed, error) {
 	if err := ledger.CheckEndUserUsed(org, endUser, limits); err != nil {
 		return nil, err
