@@ -60,11 +60,13 @@ type LimitStore interface {
 	// LimitUsage is the spend of the org's limits' windows starting at or after the window
 	// (of each limit) that contains since: Σ over the charge entries with seq ≤ maxSeq
 	// (maxSeq < 0: all) attributed to each (limit, window start), by each entry's reserve time,
-	// of what each counts in the limit's unit (balance.Unit.Count: cost, 1, tokens).
-	// It writes nothing (SnapshotSince is the seed's read).
+	// of what each counts in the limit's unit (balance.Unit.Count: cost, 1, tokens). The
+	// lifetime limits of each end user apart are left out (NewLimitSpan): their spend is read
+	// per end user (EndUserUsed). It writes nothing (SnapshotSince is the seed's read).
 	LimitUsage(ctx context.Context, org string, since time.Time, maxSeq int64) ([]balance.WindowUsed, error)
 	// SnapshotSince is Snapshot plus, in the same transaction, the org's Limits and the spend
-	// of their windows from since's on up to the snapshot's seq (balance.LimitLedger).
+	// of their windows from since's on up to the snapshot's seq (balance.LimitLedger), but for
+	// the lifetime limits of each end user apart (NewLimitSpan).
 	SnapshotSince(ctx context.Context, org string, since time.Time) (balance.Snapshot, error)
 }
 
@@ -165,7 +167,14 @@ type limitSpan struct {
 	EachEndUser bool
 }
 
+// NewLimitSpan is the span of limits ls from since's windows on. The lifetime limits of each end
+// user apart (loadedPerEndUser) are left out: the seed writes none of their per-end-user fields,
+// each one is loaded when a reserve first needs it (EndUserUsed), so a seed of an org with a
+// million end users reads no row per end user for them.
 func NewLimitSpan(ls []balance.Limit, since time.Time) limitSpan {
+	if slices.ContainsFunc(ls, loadedPerEndUser) {
+		ls = slices.DeleteFunc(slices.Clone(ls), loadedPerEndUser)
+	}
 	s := limitSpan{limits: ls, from: make(map[string]int64, len(ls)), Earliest: 1<<63 - 1, MinuteFrom: 1<<63 - 1}
 	for _, l := range ls {
 		start := l.Window.StartMS(since)
@@ -195,6 +204,34 @@ func NewLimitSpan(ls []balance.Limit, since time.Time) limitSpan {
 	}
 	return s
 }
+
+// loadedPerEndUser reports whether l is a lifetime limit of each end user apart: one counter per
+// end user ever served, which the seed leaves out (NewLimitSpan) and the hot balance loads per
+// end user, as of its watermark, with the ledgers' EndUserUsed.
+func loadedPerEndUser(l balance.Limit) bool {
+	return l.Window == balance.Lifetime && eachEndUser(l)
+}
+
+// CheckEndUserUsed checks the arguments of a ledger's EndUserUsed: a valid org, an end user a
+// limit field can hold (AttrID; the seed counts no other), and limits that are all lifetime
+// limits of each end user apart (loadedPerEndUser: what the seed leaves out).
+func CheckEndUserUsed(org, endUser string, limits []balance.Limit) error {
+	if err := balance.ValidateOrg(org); err != nil {
+		return err
+	}
+	if AttrID(balance.ScopeEndUser, endUser) == "" {
+		return fmt.Errorf("%w: end user %q", ErrInvalidLimit, endUser)
+	}
+	for _, l := range limits {
+		if !loadedPerEndUser(l) {
+			return fmt.Errorf("%w: limit %s is not a lifetime limit of each end user apart", ErrInvalidLimit, l.ID)
+		}
+	}
+	return nil
+}
+
+// Empty reports whether no limit is left to sum (then the grouped sum need not run).
+func (s limitSpan) Empty() bool { return len(s.limits) == 0 }
 
 // ByEndUser reports whether the grouped sum must split its rows by end user.
 func (s limitSpan) ByEndUser() bool { return s.EachEndUser || len(s.EndUsers) > 0 }

@@ -60,6 +60,7 @@ func Run(t *testing.T, newLedger func(t *testing.T) ledger.Ledger) {
 	tests = append(tests, limitCrossedTests...)
 	tests = append(tests, batchTests...)
 	tests = append(tests, endUserTests...)
+	tests = append(tests, endUserUsedTests...)
 	tests = append(tests, adminTokenTests...)
 	tests = append(tests, topUpTests...)
 	tests = append(tests, viewTotalsTests...)

@@ -261,7 +261,7 @@ func (m *Ledger) LimitUsage(ctx context.Context, org string, since time.Time, ma
 // usedLocked sums the charges with seq ≤ maxSeq into the limits' windows from since's on.
 func (a *memAccount) usedLocked(limits []balance.Limit, since time.Time, maxSeq int64) []balance.WindowUsed {
 	span := ledger.NewLimitSpan(limits, since)
-	if len(limits) == 0 {
+	if span.Empty() {
 		return nil
 	}
 	type k struct {
@@ -341,4 +341,41 @@ func (a *memAccount) spentLocked(w ledger.WindowInc, maxSeq int64) int64 {
 		}
 	}
 	return sum
+}
+
+// EndUserUsed is endUser's spend of each of limits (the org's lifetime limits of each end user
+// apart, ledger.CheckEndUserUsed) as of the org's entry upto: Σ of the end user's charges with
+// seq ≤ upto in each limit's unit, what a seed at seq upto would have given that end user's
+// field (pgledger's EndUserUsed). The memory ledger sums the entries. An org without an account
+// is ErrUnknownOrg (as Snapshot); an end user no limit can name, or a limit of another kind, is
+// ErrInvalidLimit.
+func (m *Ledger) EndUserUsed(ctx context.Context, org, endUser string, limits []balance.Limit, upto int64) ([]balance.WindowUsed, error) {
+	if err := ledger.CheckEndUserUsed(org, endUser, limits); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	a, err := m.orgLocked(org)
+	if err != nil || len(limits) == 0 {
+		return nil, err
+	}
+	var cost, n, tokens int64
+	for _, e := range a.entries[:max(0, min(upto, int64(len(a.entries))))] {
+		at, ok := a.attr[e.Seq]
+		if e.Kind == ledger.KindCharge && ok && at.endUser == endUser {
+			cost, n, tokens = cost-e.Delta, n+1, tokens+at.tokens
+		}
+	}
+	out := make([]balance.WindowUsed, len(limits))
+	for i, l := range limits {
+		used := cost
+		switch l.Unit {
+		case balance.Requests:
+			used = n
+		case balance.Tokens:
+			used = tokens
+		}
+		out[i] = balance.WindowUsed{LimitID: l.ID, EndUser: endUser, Used: used}
+	}
+	return out, nil
 }

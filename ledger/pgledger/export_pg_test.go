@@ -7,6 +7,7 @@ const (
 	SQLClaimOrg     = sqlClaimOrg
 	SQLPendingRows  = sqlPendingRows
 	SQLWriteCharges = sqlWriteCharges
+	SQLEndUserUsed  = sqlEndUserUsed
 	SQLChargeLimits = sqlChargeLimits
 	SQLMarkSettled  = sqlMarkSettledMany
 	SQLKeyedPlans   = sqlKeyedPlans

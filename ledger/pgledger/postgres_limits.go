@@ -369,10 +369,10 @@ GROUP BY 1, 2, 3, 4`
 // limitUsage sums the org's charges with seq ≤ maxSeq into the limits' windows from since's on,
 // in the caller's transaction.
 func limitUsage(ctx context.Context, tx pgx.Tx, org string, limits []balance.Limit, since time.Time, maxSeq int64) ([]balance.WindowUsed, error) {
-	if len(limits) == 0 {
+	span := ledger.NewLimitSpan(limits, since)
+	if span.Empty() { // no limit, or only lifetime limits of each end user apart (loaded per end user)
 		return nil, nil
 	}
-	span := ledger.NewLimitSpan(limits, since)
 	far := time.Date(9999, 1, 1, 0, 0, 0, 0, time.UTC)
 	earliest := far
 	if span.Earliest < far.UnixMilli() {

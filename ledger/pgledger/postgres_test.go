@@ -107,6 +107,9 @@ ANALYZE accounts, ledger_entries, usage_events`) // this schema's tables only: a
 		"entries after":   `SELECT seq, delta, hold_id FROM ledger_entries WHERE org_id = 'o7' AND seq > 50 ORDER BY seq LIMIT 100`,
 		"unsettled usage": `SELECT l.hold_id::text FROM accounts a JOIN ledger_entries l ON l.org_id = a.org_id AND l.seq > a.settled_seq WHERE a.org_id = 'o7' AND l.kind = 'charge' AND l.hold_id = ANY ('{0192f0c4-0000-7000-8000-000000000001,0192f0c4-0000-7000-8000-000000000002}'::uuid[])`,
 		"pending rows":    strings.ReplaceAll(pgledger.SQLPendingRows, "$1", "1000"),
+		// both its reads of an end user's charges (the tail, and the sum without a window row)
+		"end user used": strings.NewReplacer("$1", "'o7'", "$2", "'alice'", "$3::bigint[]", "'{1}'::bigint[]", "$4::text[]", "'{money}'::text[]",
+			"$5", "50").Replace(pgledger.SQLEndUserUsed),
 	} {
 		p := explain(ctx, t, env.Pool, name, q)
 		if strings.Contains(p, "Seq Scan on usage_events") || strings.Contains(p, "Seq Scan on ledger_entries") {
