@@ -172,6 +172,12 @@ type Ledger interface {
 	ModelStore
 	KeyStore
 
+	// EndUserUsed is, for each of limits (lifetime limits of each end user apart), what the
+	// org's charges of endUser with seq ≤ upto count in the limit's unit: the hot balance loads
+	// those counters one end user at a time with it (balance.Config.EndUserFields), and a
+	// wrapper that embeds a Ledger passes it on.
+	EndUserUsed(ctx context.Context, org, endUser string, limits []balance.Limit, upto int64) ([]balance.WindowUsed, error)
+
 	// Close releases the ledger's resources.
 	Close()
 }
