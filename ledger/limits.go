@@ -60,9 +60,8 @@ type LimitStore interface {
 	// LimitUsage is the spend of the org's limits' windows starting at or after the window
 	// (of each limit) that contains since: Σ over the charge entries with seq ≤ maxSeq
 	// (maxSeq < 0: all) attributed to each (limit, window start), by each entry's reserve time,
-	// of what each counts in the limit's unit (balance.Unit.Count: cost, 1, tokens). The
-	// lifetime limits of each end user apart are left out (NewLimitSpan): their spend is read
-	// per end user (EndUserUsed). It writes nothing (SnapshotSince is the seed's read).
+	// of what each counts in the limit's unit (balance.Unit.Count: cost, 1, tokens).
+	// It writes nothing (SnapshotSince is the seed's read).
 	LimitUsage(ctx context.Context, org string, since time.Time, maxSeq int64) ([]balance.WindowUsed, error)
 	// SnapshotSince is Snapshot plus, in the same transaction, the org's Limits and the spend
 	// of their windows from since's on up to the snapshot's seq (balance.LimitLedger), but for
@@ -167,12 +166,13 @@ type limitSpan struct {
 	EachEndUser bool
 }
 
-// NewLimitSpan is the span of limits ls from since's windows on. The lifetime limits of each end
-// user apart (loadedPerEndUser) are left out: the seed writes none of their per-end-user fields,
-// each one is loaded when a reserve first needs it (EndUserUsed), so a seed of an org with a
-// million end users reads no row per end user for them.
-func NewLimitSpan(ls []balance.Limit, since time.Time) limitSpan {
-	if slices.ContainsFunc(ls, loadedPerEndUser) {
+// NewLimitSpan is the span of limits ls from since's windows on. A seed's span (forSeed) leaves
+// out the lifetime limits of each end user apart (loadedPerEndUser): the seed writes none of
+// their per-end-user fields, each one is loaded when a reserve first needs it (EndUserUsed), so a
+// seed of an org with a million end users reads no row per end user for them. The operator's
+// reports (LimitUsage) keep them.
+func NewLimitSpan(ls []balance.Limit, since time.Time, forSeed bool) limitSpan {
+	if forSeed && slices.ContainsFunc(ls, loadedPerEndUser) {
 		ls = slices.DeleteFunc(slices.Clone(ls), loadedPerEndUser)
 	}
 	s := limitSpan{limits: ls, from: make(map[string]int64, len(ls)), Earliest: 1<<63 - 1, MinuteFrom: 1<<63 - 1}

@@ -196,7 +196,7 @@ func (m *Ledger) snapshot(org string, since *time.Time) (balance.Snapshot, error
 	snap.Expiries = a.grants.expiries()
 	if since != nil && err == nil {
 		ls := m.limitsLocked(org)
-		snap.Limits = &balance.LimitSnapshot{Limits: ls, Used: a.usedLocked(ls.Limits, *since, snap.Seq)}
+		snap.Limits = &balance.LimitSnapshot{Limits: ls, Used: a.usedLocked(ls.Limits, *since, snap.Seq, true)}
 	}
 	m.mu.Unlock()
 	if n > 0 {

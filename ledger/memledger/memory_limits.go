@@ -255,12 +255,12 @@ func (m *Ledger) LimitUsage(ctx context.Context, org string, since time.Time, ma
 	if maxSeq < 0 {
 		maxSeq = int64(len(a.entries))
 	}
-	return a.usedLocked(a.lims.limits, since, maxSeq), nil
+	return a.usedLocked(a.lims.limits, since, maxSeq, false), nil
 }
 
 // usedLocked sums the charges with seq ≤ maxSeq into the limits' windows from since's on.
-func (a *memAccount) usedLocked(limits []balance.Limit, since time.Time, maxSeq int64) []balance.WindowUsed {
-	span := ledger.NewLimitSpan(limits, since)
+func (a *memAccount) usedLocked(limits []balance.Limit, since time.Time, maxSeq int64, forSeed bool) []balance.WindowUsed {
+	span := ledger.NewLimitSpan(limits, since, forSeed)
 	if span.Empty() {
 		return nil
 	}

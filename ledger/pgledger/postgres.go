@@ -407,7 +407,7 @@ func (p *Ledger) snapshot(ctx context.Context, org string, since *time.Time) (ba
 			return nil
 		}
 		// The charges just written are in the sums (seq ≤ s.Seq).
-		used, err := limitUsage(ctx, tx, org, rd.ls.Limits, *since, s.Seq)
+		used, err := limitUsage(ctx, tx, org, rd.ls.Limits, *since, s.Seq, true)
 		if err != nil {
 			return err
 		}

@@ -333,7 +333,7 @@ func (p *Ledger) LimitUsage(ctx context.Context, org string, since time.Time, ma
 		if maxSeq < 0 {
 			maxSeq = 1<<63 - 1
 		}
-		used, err = limitUsage(ctx, tx, org, ls.Limits, since, maxSeq)
+		used, err = limitUsage(ctx, tx, org, ls.Limits, since, maxSeq, false)
 		return err
 	})
 	if err != nil {
@@ -368,8 +368,8 @@ GROUP BY 1, 2, 3, 4`
 
 // limitUsage sums the org's charges with seq ≤ maxSeq into the limits' windows from since's on,
 // in the caller's transaction.
-func limitUsage(ctx context.Context, tx pgx.Tx, org string, limits []balance.Limit, since time.Time, maxSeq int64) ([]balance.WindowUsed, error) {
-	span := ledger.NewLimitSpan(limits, since)
+func limitUsage(ctx context.Context, tx pgx.Tx, org string, limits []balance.Limit, since time.Time, maxSeq int64, forSeed bool) ([]balance.WindowUsed, error) {
+	span := ledger.NewLimitSpan(limits, since, forSeed)
 	if span.Empty() { // no limit, or only lifetime limits of each end user apart (loaded per end user)
 		return nil, nil
 	}
