@@ -41,10 +41,13 @@ type Config struct {
 	Role string
 	// Console serves the web console at /console/ (package console): operators log in with
 	// the admin token, customers with an API key.
-	Console         bool
-	HoldTTL         time.Duration
-	FailOpen        bool
-	MaxInFlight     int
+	Console     bool
+	HoldTTL     time.Duration
+	FailOpen    bool
+	MaxInFlight int
+	// EndUserFields bounds each org's limit counters in Redis: past it, end users' lifetime
+	// counters are evicted and loaded again from the ledger (balance.Config.EndUserFields).
+	EndUserFields   int
 	Prefix          string
 	Migrate         bool
 	AllowEviction   bool
@@ -213,6 +216,7 @@ func (c *Config) settings() []setting {
 		{"ESCROW_FIT_MIN_OUTPUT", "fit-min-output", "256", "the smallest output cap fit serves; below it the request is refused with the numbers", integer(&c.FitMinOutput, 1)},
 		{"ESCROW_FIT_CHAT_FIELD", "fit-chat-field", "max_completion_tokens", "the cap field fit adds to a chat completion that has none: max_completion_tokens, or max_tokens for an upstream that knows only that", oneOf(&c.FitChatField, "max_completion_tokens", "max_tokens")},
 		{"ESCROW_END_USER_HEADER", "end-user-header", "", "the request header that names the end user (limits of scope end_user, usage by end user), for a gateway in front of escrow that knows its users; empty: the body's OpenAI user field or Anthropic metadata.user_id", str(&c.EndUserHeader)},
+		{"ESCROW_END_USER_FIELDS", "end-user-fields", "100000", "the most limit counters an org keeps in Redis before the lifetime counters of end users who have not come back for a while are evicted (each is loaded again from the ledger on its end user's next request; about 110 bytes a field, docs/limits.md)", intp(&c.EndUserFields)},
 		{"ESCROW_REQUIRE_END_USER", "require-end-user", "false", "refuse (400, nothing held) a priced request that names no end user; false: it is served and counted by no end-user limit", boolean(&c.RequireEndUser)},
 		{"ESCROW_REDIS_WAIT_REPLICAS", "redis-wait-replicas", "0", "each reserve waits until this many Redis replicas acknowledged its hold (WAIT, in the reserve's pipeline) and is refused with 503 (hold released) when they did not within the wait timeout: no hold a client was told passed is lost by a failover to such a replica, at the cost of a replica round trip per reserve (docs/failover.md); 0: off (replication asynchronous)", integer(&c.RedisWaitReplicas, 0)},
 		{"ESCROW_REDIS_WAIT_TIMEOUT", "redis-wait-timeout", "100ms", "with ESCROW_REDIS_WAIT_REPLICAS, how long a reserve waits for the replicas", dur(&c.RedisWaitTimeout)},

@@ -255,6 +255,7 @@ func (s *Server) openEscrow(ctx context.Context, embedded bool) error {
 			PinTTL:        cfg.PinTTL,
 			ReapGrace:     cfg.ReapGrace,
 			MaxInFlight:   cfg.MaxInFlight,
+			EndUserFields: cfg.EndUserFields,
 			AllowEviction: cfg.AllowEviction || embedded,
 			// An embedded Redis has no round trips to save, and its scripts run one after
 			// another in Go: a pipeline of a hundred could outlast the client's read timeout,
