@@ -138,13 +138,16 @@ while i + 7 <= #ARGV or ARGV[i] == 'X' do
     if id ~= '' then drop(id) end
     out[#out + 1] = 2
   elseif seq == wm + 1 then
+    -- The entry's cost goes into its counters before its hold leaves them, so that a counter
+    -- the hold alone was keeping above 0 is not deleted at 0 on the way (lib/limits hold_out) —
+    -- which, for an end user's lifetime counter of a lazily seeded org, would mean a reload.
+    local tk = ARGV[i + 6]
+    if tk == '0' or tk == '' then tk = nil end
+    attribute(ARGV[i + 3], ARGV[i + 4], ARGV[i + 7], ARGV[i + 5], neg(ARGV[i + 1]), tk)
     if id ~= '' then drop(id) end
     if ARGV[i + 1] ~= '0' then
       redis.call('HINCRBY', KEYS[1], 'bal', ARGV[i + 1])
     end
-    local tk = ARGV[i + 6]
-    if tk == '0' or tk == '' then tk = nil end
-    attribute(ARGV[i + 3], ARGV[i + 4], ARGV[i + 7], ARGV[i + 5], neg(ARGV[i + 1]), tk)
     if mark then grant_mark(mark) end
     redis.call('HSET', KEYS[1], 'wm', ARGV[i])
     wmstr = ARGV[i]
