@@ -439,6 +439,7 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 			}
 			attempt--
 		case "COLD":
+			loads = nil // read for the hot state that went (maybe of another epoch)
 			if s.cfg.Ledger == nil || attempt >= maxColdRetries {
 				return Reservation{}, ErrCold
 			}
