@@ -27,7 +27,7 @@ type Store struct {
 	holdTTL, pinTTL, pinFloor, tombTTL, grace, capArg, settleDL, clockArg string
 	// the same, as the interface values a reserve passes (boxed once, not per call)
 	holdTTLArg, capArgArg, tombTTLArg, pinFloorArg any
-	fieldsArg                                      string // Config.EndUserFields as reserve's ARGV[14]
+	fieldsArg                                      any // Config.EndUserFields as reserve's ARGV[13]
 
 	scripts  map[string]*script
 	topo     *topology
@@ -386,9 +386,9 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 	if r.Exempt {
 		exempt = "1"
 	}
-	var loads []any // lazy counters read from the ledger (COLD_EU), as reserve's ARGV[13..]
+	var loads []any // lazy counters read from the ledger (COLD_EU), as reserve's ARGV[14..]
 	for attempt, loaded := 0, 0; ; attempt++ {
-		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, r.KeyID, s.clockArg, tokens, r.EndUser, exempt}
+		args := []any{s.epochArg(), r.HoldID, amount, s.holdTTLArg, s.capArgArg, s.tombTTLArg, s.pinFloorArg, r.KeyID, s.clockArg, tokens, r.EndUser, exempt, s.fieldsArg}
 		args = append(args, loads...)
 		var res []any
 		var err error
@@ -428,11 +428,11 @@ func (s *Store) Reserve(ctx context.Context, r ReserveRequest) (Reservation, err
 			}
 			return Reservation{}, e
 		case "COLD_EU":
-			// The end user's lifetime counters are not in Redis (lazy seed, or evicted): read
-			// them from the ledger as of the watermark and reserve again; another try if a settle
-			// moved the watermark meanwhile.
+			// The end user's lifetime counters are not complete in Redis (lazy seed, or
+			// evicted): read their ledger part up to their placeholders' watermarks and reserve
+			// again (another try only if a counter was evicted meanwhile).
 			if loaded++; loaded > maxEndUserLoads {
-				return Reservation{}, fmt.Errorf("%w: the end user's lifetime counters of %s could not be loaded (the watermark kept moving)", ErrCold, r.Org)
+				return Reservation{}, fmt.Errorf("%w: the end user's lifetime counters of %s could not be loaded (evicted as fast as loaded: raise EndUserFields)", ErrCold, r.Org)
 			}
 			if loads, err = s.loadEndUser(ctx, r.Org, r.EndUser, res); err != nil {
 				return Reservation{}, err
@@ -464,31 +464,39 @@ type endUserLedger interface {
 	EndUserUsed(ctx context.Context, org, endUser string, limits []Limit, upto int64) ([]WindowUsed, error)
 }
 
-// loadEndUser reads from the ledger the lazy counters a COLD_EU reply names (res: 'COLD_EU',
-// wm, then limit id and unit code pairs), as of its watermark, and returns them as reserve's
-// ARGV[13..]: wm, the field bound, then field and sum pairs.
+// loadEndUser reads from the ledger the lazy counters a COLD_EU reply names (res: 'COLD_EU', then
+// limit id, unit code and placeholder watermark W triples), each up to its W, and returns them
+// as reserve's ARGV[14..]: field, W and sum triples.
 func (s *Store) loadEndUser(ctx context.Context, org, endUser string, res []any) ([]any, error) {
 	el, ok := s.cfg.Ledger.(endUserLedger)
-	wm := str(res, 1)
-	upto, err := strconv.ParseInt(wm, 10, 64)
-	if !ok || err != nil || endUser == "" || len(res) < 4 {
+	if !ok || endUser == "" || len(res) < 4 || (len(res)-1)%3 != 0 {
 		return nil, fmt.Errorf("balance: reserve: unexpected reply %v", res)
 	}
-	lims := make([]Limit, 0, (len(res)-2)/2)
-	for i := 2; i+1 < len(res); i += 2 {
-		lims = append(lims, Limit{ID: str(res, i), Scope: Scope{Kind: ScopeEndUser}, Window: Lifetime, Unit: unitOf(str(res, i+1))})
-	}
-	used, err := el.EndUserUsed(ctx, org, endUser, lims, upto)
-	if err != nil {
-		return nil, fmt.Errorf("balance: lifetime spend of end user %q of %s: %w: %w", endUser, org, ErrLedger, err)
-	}
-	out := make([]any, 0, 2+2*len(used))
-	out = append(out, wm, s.fieldsArg)
-	for _, u := range used {
-		if !validLimitID(u.LimitID) || u.Used < 0 || u.Used > 1<<53 {
-			return nil, fmt.Errorf("%w: lifetime spend %+v", ErrInvalidLimits, u)
+	byWM := map[string][]Limit{} // one ledger read per watermark (almost always one)
+	var wms []string
+	for i := 1; i+2 < len(res); i += 3 {
+		wm := str(res, i+2)
+		if _, seen := byWM[wm]; !seen {
+			wms = append(wms, wm)
 		}
-		out = append(out, u.LimitID+":0:"+endUser, strconv.FormatInt(u.Used, 10))
+		byWM[wm] = append(byWM[wm], Limit{ID: str(res, i), Scope: Scope{Kind: ScopeEndUser}, Window: Lifetime, Unit: unitOf(str(res, i+1))})
+	}
+	out := make([]any, 0, len(res))
+	for _, wm := range wms {
+		upto, err := strconv.ParseInt(wm, 10, 64)
+		if err != nil {
+			return nil, fmt.Errorf("balance: reserve: unexpected reply %v", res)
+		}
+		used, err := el.EndUserUsed(ctx, org, endUser, byWM[wm], upto)
+		if err != nil {
+			return nil, fmt.Errorf("balance: lifetime spend of end user %q of %s: %w: %w", endUser, org, ErrLedger, err)
+		}
+		for _, u := range used {
+			if !validLimitID(u.LimitID) || u.Used < 0 || u.Used > 1<<53 {
+				return nil, fmt.Errorf("%w: lifetime spend %+v", ErrInvalidLimits, u)
+			}
+			out = append(out, u.LimitID+":0:"+endUser, wm, strconv.FormatInt(u.Used, 10))
+		}
 	}
 	return out, nil
 }

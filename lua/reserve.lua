@@ -27,24 +27,24 @@
 --   record is a zero hold that finish and settle treat like any other, so bal + Σ holds = B(wm)
 --   holds as ever) and the balance is never checked (no INSUFFICIENT); freezes, the in-flight cap
 --   and every limit still apply (a money limit counts the cost at finish, like an overshoot)
--- ARGV[13] (optional) the watermark the loads below were read at; ARGV[14] the most fields u may
---   keep ('0': no bound); ARGV[15..] pairs: a lazy counter '<limit id>:0:<end user>' (lib/limits
---   lazy_field) and the ledger's sum over the entries with seq <= ARGV[13] attributed to it, in
---   its limit's unit. Used only while acct's wm still is ARGV[13] (else the answer is COLD_EU
---   again, with the new watermark).
+-- ARGV[13] the most fields u may keep ('0' or absent: no bound); ARGV[14..] triples: a lazy
+--   counter '<limit id>:0:<end user>' (lib/limits lazy_field), the watermark W of its
+--   placeholder (acct's 'p:<counter>') and the ledger's sum over the entries with seq <= W
+--   attributed to it, in its limit's unit (the loads a COLD_EU asked for).
 --
 -- Lazy counters (acct's 'll', written by a lazy seed): an end user's counter of a lifetime limit
 -- of each end user apart is not kept for every end user ever served; a missing one is unknown.
--- Reserve answers {'COLD_EU', wm, limit id, unit, ...} for the missing ones of the request's end
--- user; the caller reads their sums as of wm from the ledger and calls again with them. The
--- counter is then the ledger's sum + what the live holds naming it hold there (the holds are
--- read: a settle, release or finish skipped it while it was missing), the counter invariant's
--- own terms, so it is exact; it is written only if this hold passes (a refusal writes nothing).
--- Past ARGV[14] fields in u, a few lazy counters of other end users are evicted (HSCAN from
--- acct's cursor 'lc'): the next request of their end user loads them again.
---
--- acct also keeps the org's expiring grants (xt, x:<T>, r:<T>: lib/expiry); an expiry that has
--- come is rolled over first.
+-- Reserve makes each missing one of the request's end user a placeholder — what the live holds
+-- naming it hold there (a settle, release or finish skipped it while it was missing), and from
+-- then on every move like any counter, so the settles after the watermark W add their entries;
+-- acct's 'p:<counter>' = W — and answers {'COLD_EU', limit id, unit, W, ...}. The caller reads
+-- each counter's ledger sum up to its W (settled for good: no race with the settles) and calls
+-- again with them: the counter is that sum + the placeholder, the counter invariant's two
+-- terms, so it is exact, and the mark goes. A counter still marked answers COLD_EU with its W.
+-- On a refusal a loaded counter left at 0 goes. Past ARGV[13] fields in u, the reserves that
+-- make placeholders evict a few complete lazy counters of other end users (HSCAN from acct's
+-- cursor 'lc'; never a placeholder, whose load is on its way): the next request of their end
+-- user loads them again. So u may pass the bound by the loads in flight.
 --
 -- Checks, in this order: amount, COLD (no acct, another epoch, lim missing or older than the
 -- version acct was seeded with), DUP, GONE, FROZEN, TOO_MANY, NO_END_USER, COLD_EU, LIMIT,
@@ -55,7 +55,7 @@
 --          | {'DUP', balance, original reserve ms, project now}
 --          | {'GONE'} | {'FROZEN', scope, scope id} | {'TOO_MANY', count}
 --          | {'NO_END_USER', limit id} (no end user, and a limit of each end user apart requires one)
---          | {'COLD_EU', wm, limit id, unit, ...} (lazy counters to load, see above)
+--          | {'COLD_EU', limit id, unit, W, ...} (lazy counters to load, see above)
 --          | {'LIMIT', id, scope, scope id, window, cap, used, resets ms ('0': never), room, held,
 --             unit, token room ('' when no tokens limit is in scope), the reserve time ms on the
 --             limit clock} (scope id '' for a limit of each end user apart: it is the request's
@@ -213,8 +213,8 @@ local function lazy_holds(loaded)
   end
 end
 
--- evict_lazy: past max fields in u, deletes the lazy counters (lib/limits lazy_field) among the
--- next 16 fields of u from acct's cursor 'lc', but the ones this hold counts on (mine).
+-- evict_lazy: past max fields in u, deletes the complete lazy counters (lib/limits lazy_field)
+-- among the next 16 fields of u from acct's cursor 'lc', but the ones this hold counts on (mine).
 local function evict_lazy(max, mine)
   local n = redis.call('HLEN', KEYS[6])
   if max <= 0 or n <= max then return end
@@ -222,7 +222,8 @@ local function evict_lazy(max, mine)
   for i = 1, #r[2], 2 do
     local f = r[2][i]
     if n <= max then break end
-    if lazy_field(f) and not mine[f] then
+    -- not a placeholder: its load is on its way, and evicting it would only start it again
+    if lazy_field(f) and not mine[f] and redis.call('HEXISTS', KEYS[1], 'p:' .. f) == 0 then
       redis.call('HDEL', KEYS[6], f)
       n = n - 1
     end
@@ -231,41 +232,69 @@ local function evict_lazy(max, mine)
 end
 
 local used = {}
-local loaded = nil -- lazy counters loaded by this call: field -> {ledger sum, live holds' parts...}
+local loaded = nil -- lazy counters whose ledger part this call adds: field -> the ledger's sum
+-- unload: on a refusal, a loaded counter left at 0 goes (no spend, no hold: nothing to keep).
+local function unload(reply)
+  for f in pairs(loaded or {}) do
+    if redis.call('HGET', KEYS[6], f) == '0' then redis.call('HDEL', KEYS[6], f) end
+  end
+  return reply
+end
 if #fields > 0 then
   used = redis.call('HMGET', KEYS[6], unpack(fields))
   if acct[8] then
-    local pre, miss = nil, nil
-    if ARGV[13] and ARGV[13] == (acct[7] or '0') then
-      pre = {}
-      for i = 15, #ARGV - 1, 2 do pre[ARGV[i]] = ARGV[i + 1] end
-    end
+    -- Lazy counters (see the head): a missing one becomes a placeholder at once, holding what
+    -- the live holds naming it hold there and, from now on, every move (settles add the entries
+    -- past the watermark W it was made at, acct's 'p:<field>' = W); the caller loads the
+    -- ledger's part, the entries up to W, which no settle can change any more, and sends it
+    -- back with W: the counter is then complete.
+    local lz, mk = {}, {}
     for i = 1, #fields do
-      local s = specs[i]
-      if not used[i] and s[9] and s[4] == 'lifetime' then
-        local v = pre and pre[fields[i]]
-        if v and string.find(v, '^%d+$') then
-          loaded = loaded or {}
-          loaded[fields[i]] = {v}
-        else
-          miss = miss or {'COLD_EU', acct[7] or '0'}
-          miss[#miss + 1] = s[1]
-          miss[#miss + 1] = s[8]
-        end
+      if specs[i][9] and specs[i][4] == 'lifetime' then
+        lz[#lz + 1] = i
+        mk[#mk + 1] = 'p:' .. fields[i]
       end
     end
-    if miss then
-      return miss
-    end
-    if loaded then
-      lazy_holds(loaded)
-      for i = 1, #fields do
-        local l = loaded[fields[i]]
-        if l then
-          local n = 0
-          for _, v in ipairs(l) do n = n + tonumber(v) end
-          used[i] = string.format('%d', n) -- for the checks and a refusal's reply only
+    if #lz > 0 then
+      local marks = redis.call('HMGET', KEYS[1], unpack(mk))
+      local pre = {}
+      for j = 14, #ARGV - 2, 3 do pre[ARGV[j]] = {ARGV[j + 1], ARGV[j + 2]} end
+      local miss, fresh = nil, nil
+      local wm = acct[7] or '0'
+      for k, i in ipairs(lz) do
+        local f, m = fields[i], marks[k]
+        local p = pre[f]
+        if not used[i] then
+          fresh = fresh or {}
+          fresh[f] = {'0'}
+          miss = miss or {'COLD_EU'}
+          table.insert(miss, specs[i][1]); table.insert(miss, specs[i][8]); table.insert(miss, wm)
+        elseif m and p and p[1] == m and string.find(p[2], '^%d+$') then
+          loaded = loaded or {}
+          loaded[f] = p[2]
+          used[i] = string.format('%d', tonumber(used[i]) + tonumber(p[2])) -- for the checks and a refusal's reply
+        elseif m then
+          miss = miss or {'COLD_EU'}
+          table.insert(miss, specs[i][1]); table.insert(miss, specs[i][8]); table.insert(miss, m)
         end
+      end
+      if fresh then
+        lazy_holds(fresh)
+        local mine = {}
+        for i = 1, #fields do mine[fields[i]] = true end
+        for f, l in pairs(fresh) do
+          redis.call('HSET', KEYS[6], f, '0')
+          for j = 2, #l do redis.call('HINCRBY', KEYS[6], f, l[j]) end
+          redis.call('HSET', KEYS[1], 'p:' .. f, wm)
+        end
+        evict_lazy(tonumber(ARGV[13]) or 0, mine)
+      end
+      if miss then
+        return miss
+      end
+      for f, b in pairs(loaded or {}) do
+        if b ~= '0' then redis.call('HINCRBY', KEYS[6], f, b) end
+        redis.call('HDEL', KEYS[1], 'p:' .. f)
       end
     end
   end
@@ -286,13 +315,13 @@ if #fields > 0 then
       if s[8] == 'm' then
         held = held_on(fields[i], (tonumber(used[i]) or 0) + need - tonumber(s[5]))
       end
-      return {'LIMIT', s[1], s[2], s[3], s[4], s[5], used[i] or '0', ms_string(s[6]), room, held, s[8], troom or '', ms_string(rtime)}
+      return unload({'LIMIT', s[1], s[2], s[3], s[4], s[5], used[i] or '0', ms_string(s[6]), room, held, s[8], troom or '', ms_string(rtime)})
     end
   end
 end
 
 if not exempt and tonumber(acct[1]) < amount then
-  return {'INSUFFICIENT', acct[1], held_on(nil, amount - tonumber(acct[1]))}
+  return unload({'INSUFFICIENT', acct[1], held_on(nil, amount - tonumber(acct[1]))})
 end
 
 local bal = acct[1] -- an exempt hold debits nothing
@@ -303,16 +332,6 @@ local rts = ms_string(rtime)
 -- The requests and the tokens limit with the least left, for the x-ratelimit-* headers.
 local least = {r = {'', '', ''}, t = {'', '', ''}}
 local units = {} -- the record's unit letter per counter field
-if loaded then
-  -- the loaded counters: the ledger's sum, then each live hold's part (HINCRBY on the strings)
-  local mine = {}
-  for f, l in pairs(loaded) do
-    redis.call('HSET', KEYS[6], f, l[1])
-    for j = 2, #l do redis.call('HINCRBY', KEYS[6], f, l[j]) end
-  end
-  for i = 1, #fields do mine[fields[i]] = true end
-  evict_lazy(tonumber(ARGV[14]) or 0, mine)
-end
 if #fields > 0 then
   for i = 1, #fields do
     local s = specs[i]

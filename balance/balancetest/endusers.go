@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -411,12 +413,26 @@ func exerciseEndUserLifetimeLazy(t *testing.T, env Env) {
 	u = x.u()
 	eq(t, "alice's lifetime money: ledger + live holds", u[field("life", 0)+":alice"], 3*1_500+1_000+2_000)
 	eq(t, "alice's lifetime requests", u[field("life-rq", 0)+":alice"], 5)
-	// carol, never seen since the seed, is refused by what the ledger holds, and nothing is
-	// written for her.
-	le := x.refusedBy("life", "c1", "k1", "carol", 1_001, 0)
+	// carol, never seen since the seed, is refused by what the ledger holds; her counters stay
+	// loaded (her spend, not the refusal's: a capped end user's retries cost no ledger read).
+	bal := x.state().Balance
+	_, err := x.reserveEU(x.s, "c1", "k1", "carol", 1_001, 0)
+	var le *balance.LimitError
+	if !errors.As(err, &le) || le.Limit.ID != "life" {
+		t.Fatalf("carol over her cap: %v, want a refusal by life", err)
+	}
 	eq(t, "carol's used comes from the ledger", le.Used, 9_000)
-	if _, ok := x.u()[field("life", 0)+":carol"]; ok {
-		t.Fatal("a refused request left carol's lifetime counter")
+	eq(t, "refused: balance untouched", x.state().Balance, bal)
+	eq(t, "carol's loaded counter: her spend", x.u()[field("life", 0)+":carol"], 9_000)
+	x.counters()
+	// dave, who never spent, is refused: nothing is left for him
+	if _, err := x.reserveEU(x.s, "d1", "k1", "dave", 10_001, 0); !errors.Is(err, balance.ErrLimit) {
+		t.Fatalf("dave over the cap: %v", err)
+	}
+	for f := range x.u() {
+		if strings.HasSuffix(f, ":dave") {
+			t.Fatalf("a refused request of a new end user left %s", f)
+		}
 	}
 	x.mustReserveEU(x.s, "c2", "k1", "carol", 1_000, 0)
 	eq(t, "carol at her cap", x.u()[field("life", 0)+":carol"], 10_000)
@@ -513,3 +529,67 @@ func exerciseEndUserLifetimeEager(t *testing.T, env Env) {
 type eagerLedger struct{ *FakeLedger }
 
 func (e eagerLedger) EndUserUsed() {} // shadows the promoted method with another signature
+
+// A burst on lazy lifetime counters: 600 concurrent reserves of 30 end users, each with spend in
+// the ledger from before the seed, while a settler charges the granted holds one by one (the
+// watermark keeps moving under the loads) and the org's counters are bounded at 16 fields (loads
+// keep evicting each other). No end user is granted past its cap: Σ of its ledger spend and its
+// granted holds stays ≤ the cap, and the counter invariant holds at the end.
+func exerciseEndUserLifetimeBurst(t *testing.T, env Env) {
+	t.Parallel()
+	const users, requests, capPer, prior, amount = 30, 600, 10_000, 4_000, 700
+	env.Client = roomyClient(t, env.Client) // env is this function's copy: room for the burst
+	x := limited(t, env, balance.Config{EndUserFields: 16, MaxInFlight: requests}, 100_000_000, balance.Limits{Limits: []balance.Limit{
+		{ID: "life", Scope: eachEndUserScope, Window: balance.Lifetime, Cap: capPer},
+	}})
+	now := x.redisNow()
+	for i := range users {
+		eu := fmt.Sprintf("b%d", i)
+		x.mustReserveEU(x.s, "prior-"+eu, "k1", eu, prior, 0)
+		x.settleEU("prior-"+eu, "k1", eu, prior, 0, now)
+	}
+	x.reseed() // lazy: no end user's counter in Redis
+	type grant struct{ id, eu string }
+	granted := make(chan grant, requests)
+	settled := make(chan error, 1)
+	var byUser sync.Map // end user → *atomic.Int64 of its granted amounts
+	go func() {
+		// one settler, in sequence order: each granted hold is charged its amount
+		for g := range granted {
+			e := x.l.AddCharge(x.org, balance.Entry{Delta: -amount, HoldID: g.id, KeyID: "k1", EndUser: g.eu, ReservedAt: now})
+			if _, err := x.s.Settle(x.ctx, x.org, x.l.CurrentEpoch(), []balance.Entry{e}); err != nil {
+				settled <- err
+				return
+			}
+		}
+		settled <- nil
+	}()
+	ok, no := x.burst(requests, func(id string) (balance.Reservation, error) {
+		n, _ := strconv.Atoi(strings.TrimPrefix(id, "burst-"))
+		eu := fmt.Sprintf("b%d", n%users)
+		r, err := x.reserveEU(x.s, id, "k1", eu, amount, 0)
+		if err == nil {
+			v, _ := byUser.LoadOrStore(eu, new(atomic.Int64))
+			v.(*atomic.Int64).Add(amount)
+			granted <- grant{id, eu}
+		}
+		return r, err
+	}, func(err error) bool { return errors.Is(err, balance.ErrLimit) })
+	close(granted)
+	if err := <-settled; err != nil {
+		t.Fatalf("settle: %v", err)
+	}
+	perUser := (capPer - prior) / amount // the holds of amount that fit under the cap
+	eq(t, "granted: exactly what fits under each end user's cap", ok, int64(users*perUser))
+	eq(t, "refused", no, int64(requests-users*perUser))
+	byUser.Range(func(k, v any) bool {
+		if g := v.(*atomic.Int64).Load(); prior+g > capPer {
+			t.Errorf("end user %s granted %d over a ledger spend of %d: past the cap %d", k, g, prior, capPer)
+		}
+		return true
+	})
+	if loads := x.l.EndUserLoads.Load(); loads < users {
+		t.Errorf("%d loads for %d end users", loads, users)
+	}
+	x.counters()
+}
