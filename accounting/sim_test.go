@@ -1169,6 +1169,15 @@ func (s *simulator) quiesce() {
 		s.must(err)
 		ls, err := s.ledger.Limits(s.ctx, o)
 		s.must(err)
+		hot, err := s.env.Client.HGetAll(s.ctx, balance.KeysOf(s.env.Prefix, o).Acct).Result()
+		s.must(err)
+		partial := map[balance.Counter]bool{} // placeholders of lazy counters, their ledger part not loaded
+		for k := range hot {
+			if f, ok := strings.CutPrefix(k, "p:"); ok {
+				id, eu, _ := strings.Cut(f, ":0:")
+				partial[balance.Counter{LimitID: id, EndUser: eu}] = true
+			}
+		}
 		for _, l := range ls.Limits {
 			eus := []string{""}
 			if eachEndUser(l) {
@@ -1182,7 +1191,11 @@ func (s *simulator) quiesce() {
 						want = w.Used
 					}
 				}
-				if got := cs[k]; got != want {
+				got, ok := cs[k]
+				if eu != "" && l.Window == balance.Lifetime && (!ok || partial[k]) {
+					continue // an end user's lifetime counter not loaded, evicted, or a placeholder
+				}
+				if got != want {
 					t.Fatalf("seed %d: org %s at rest: counter %+v = %d, the ledger's spend %d", s.seed, o, k, got, want)
 				}
 			}
