@@ -17,7 +17,7 @@ NORACE = CGO_ENABLED=0
 ## test: start Redis and Postgres if needed, then lint and run every test (race detector) on the real services.
 test: services sdk lint
 	ESCROW_REQUIRE_SERVICES=1 $(GO) test -race -count=1 -timeout 20m ./...
-	@echo "simulation: 10,000 steps per backend, without the race detector"
+	@echo "simulation: up to 10,000 steps per backend (at most 2 minutes each, at least 500 steps), without the race detector"
 	ESCROW_REQUIRE_SERVICES=1 $(NORACE) $(GO) test -count=1 -timeout 10m -run '^TestSimulation$$' ./accounting/
 	$(MAKE) modelcheck
 	$(MAKE) fuzz

@@ -37,7 +37,7 @@ var (
 	// with "served but never billed" (go test ./accounting -run TestSimulation -sim.served-void).
 	// simBudget bounds a default run's time (a -sim.steps run goes to its end): past it, with at
 	// least minSimSteps done, the run stops and checks the world at rest.
-	simBudget     = 3 * time.Minute
+	simBudget     = 2 * time.Minute
 	simServedVoid = flag.Bool("sim.served-void", false, "mutation: void a served request whose record timed out (the run must fail)")
 )
 
