@@ -18,7 +18,7 @@ import (
 func TestWorkerChargedHook(t *testing.T) {
 	t.Parallel()
 	eachBackend(t, func(t *testing.T, env *testutil.RedisEnv, l ledger.Ledger) {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), 3*waitLimit) // bounds a hang of the whole test
 		defer cancel()
 		store := newStore(t, env, l, balance.Config{})
 		got := make(chan []string, 16)

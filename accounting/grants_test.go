@@ -214,7 +214,7 @@ func TestGrantExpiryBurst(t *testing.T) {
 		reservedBefore.Wait()
 		close(startAfter)
 		chargedBefore.Wait()
-		deadline := time.Now().Add(60 * time.Second)
+		deadline := time.Now().Add(waitLimit)
 		for { // every request before T settled (its usage accounted and in the hot balance)
 			busy, err := l.UnsettledUsage(ctx, org, beforeIDs)
 			if err != nil {

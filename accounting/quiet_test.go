@@ -75,7 +75,7 @@ func TestRecorderWakesWorker(t *testing.T) {
 		if got := wakes.Load(); got != batches {
 			t.Fatalf("%d wakes for %d batches", got, batches)
 		}
-		waitFor(t, "the woken worker to settle the usage", 10*time.Second, func() bool {
+		waitFor(t, "the woken worker to settle the usage", func() bool {
 			st, err := store.State(ctx, org)
 			return err == nil && st.Watermark == n+1 && st.Holds == 0
 		})
@@ -112,8 +112,8 @@ func TestRecorderWakeReplay(t *testing.T) {
 		t.Fatalf("journal %d events, wakes %d → %d: a journaled batch woke the worker", j.Len(), before, wakes.Load())
 	}
 	l.down.Store(false)
-	waitFor(t, "the replay", 5*time.Second, func() bool { return j.Len() == 0 && l.timesStored(ev.ID) == 1 })
-	waitFor(t, "the replay's wake", 5*time.Second, func() bool { return wakes.Load() > before })
+	waitFor(t, "the replay", func() bool { return j.Len() == 0 && l.timesStored(ev.ID) == 1 })
+	waitFor(t, "the replay's wake", func() bool { return wakes.Load() > before })
 }
 
 // TestRecordUsageQuietSendsNoNotify listens on the ledger's channel itself: a recorder without
@@ -121,7 +121,7 @@ func TestRecorderWakeReplay(t *testing.T) {
 func TestRecordUsageQuietSendsNoNotify(t *testing.T) {
 	t.Parallel()
 	l, env := testutil.PostgresLedger(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*waitLimit) // bounds a hang of the whole test
 	defer cancel()
 	conn := listenRaw(ctx, t, env)
 	for _, org := range []string{"loud", "quiet", "c1", "c2"} {
@@ -163,7 +163,7 @@ func TestRecordUsageQuietSendsNoNotify(t *testing.T) {
 func TestPostgresDropsOwnPassNotify(t *testing.T) {
 	t.Parallel()
 	env := testutil.Postgres(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*waitLimit) // bounds a hang of the whole test
 	defer cancel()
 	open := func() *pgledger.Ledger {
 		l, err := pgledger.Open(ctx, env.URL, &pgledger.Config{Logger: quiet})
@@ -272,7 +272,7 @@ func nextNotes(ctx context.Context, t *testing.T, conn *pgx.Conn, last string) [
 	t.Helper()
 	var got []string
 	for {
-		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		wctx, cancel := context.WithTimeout(ctx, waitLimit)
 		n, err := conn.WaitForNotification(wctx)
 		cancel()
 		if err != nil {
@@ -299,7 +299,7 @@ func drainUntil(ctx context.Context, t *testing.T, ch <-chan string, last string
 				return got
 			}
 			got = append(got, org)
-		case <-time.After(10 * time.Second):
+		case <-time.After(waitLimit):
 			t.Fatalf("after %q: no notification for %q", got, last)
 		case <-ctx.Done():
 			t.Fatal(ctx.Err())

@@ -249,17 +249,17 @@ func TestRecorderFinishJournaled(t *testing.T) {
 	if err != nil || st.Finished != n || st.Balance != 1000-3*n || st.Held != 3*n {
 		t.Fatalf("journaled and finished: %+v %v", st, err)
 	}
-	waitFor(t, "every finished hold pinned", 5*time.Second, func() bool {
+	waitFor(t, "every finished hold pinned", func() bool {
 		st, err := store.State(ctx, "acme")
 		return err == nil && st.Pinned == n
 	})
 	// On the Redis clock, every hold's own expiry has passed: only its pin keeps it.
-	waitFor(t, "the Redis clock past every hold's expiry", time.Minute, func() bool { return redisMillis(t, env) > finished+50+10 })
+	waitFor(t, "the Redis clock past every hold's expiry", func() bool { return redisMillis(t, env) > finished+50+10 })
 	if got, err := store.Reap(ctx, "acme"); got != 0 {
 		t.Fatalf("reaped %d finished holds whose usage waits in the journal (err %v)", got, err)
 	}
 	l.down.Store(false)
-	waitFor(t, "the replay", 5*time.Second, func() bool { return j.Len() == 0 })
+	waitFor(t, "the replay", func() bool { return j.Len() == 0 })
 	if err := w.Drain(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -352,13 +352,13 @@ func TestRecorderFinishStallsNoOne(t *testing.T) {
 	}
 	hanging := func(n int64) {
 		t.Helper()
-		waitFor(t, fmt.Sprintf("finish call %d on the dead node", n), 5*time.Second, func() bool { return fin.calls.Load() == n })
+		waitFor(t, fmt.Sprintf("finish call %d on the dead node", n), func() bool { return fin.calls.Load() == n })
 	}
 	// healthy records one event of a healthy org: it must be answered, finished, while the dead
 	// node's finish hangs.
 	healthy := func(what string) {
 		t.Helper()
-		rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		rctx, cancel := context.WithTimeout(ctx, waitLimit)
 		defer cancel()
 		rc, err := r.RecordReceipt(rctx, ev("alive"))
 		if err != nil || !rc.HaveBalance || rc.Balance != 7 {
@@ -386,7 +386,7 @@ func TestRecorderFinishStallsNoOne(t *testing.T) {
 		startStuck()
 	}
 	healthy("with the dead node's slots full")
-	waitFor(t, "the queued holds", 5*time.Second, recorded(4+queued))
+	waitFor(t, "the queued holds", recorded(4+queued))
 	if st := r.Stats(); st.FinishSkipped != 0 || fin.calls.Load() != 4 {
 		t.Fatalf("stats %+v, %d calls: the queued holds must wait, not be skipped or sent", st, fin.calls.Load())
 	}
@@ -394,8 +394,8 @@ func TestRecorderFinishStallsNoOne(t *testing.T) {
 	for range 4096 - queued {
 		startStuck()
 	}
-	waitFor(t, "a full queue", 20*time.Second, recorded(4+4096))
-	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	waitFor(t, "a full queue", recorded(4+4096))
+	rctx, cancel := context.WithTimeout(ctx, waitLimit)
 	rc, err := r.RecordReceipt(rctx, ev("dead"))
 	cancel()
 	if err != nil || rc.HaveBalance || r.Stats().FinishSkipped != 1 || fin.calls.Load() != 4 {

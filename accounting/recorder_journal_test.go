@@ -81,9 +81,14 @@ func (d *downLedger) timesStored(id string) int {
 	return d.stored[id]
 }
 
-func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
+// waitLimit bounds a wait for something that must happen: it only ends a test that would hang,
+// so it is far above what a loaded machine (race detector, two cores, other packages compiling)
+// takes. waitFor returns as soon as its condition holds.
+const waitLimit = time.Minute
+
+func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(d)
+	deadline := time.Now().Add(waitLimit)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)
@@ -161,15 +166,15 @@ func TestRecorderJournalOutage(t *testing.T) {
 	if j.Len() != n {
 		t.Fatalf("journal has %d events, want %d", j.Len(), n)
 	}
-	waitFor(t, "every hold pinned", 5*time.Second, func() bool {
+	waitFor(t, "every hold pinned", func() bool {
 		st, err := store.State(ctx, "acme")
 		return err == nil && st.Pinned == n
 	})
 	// Let the heartbeat renew every pin once, and the Redis clock pass every hold's own
 	// expiry: an unpinned hold would be reaped now (HoldTTL 50ms, grace 1ms); pinned ones are
 	// not, and with the ledger down nothing is reaped anyway.
-	waitFor(t, "every pin renewed by the heartbeat", time.Minute, func() bool { return pins.least(evs) >= 2 })
-	waitFor(t, "the Redis clock past every hold's expiry", time.Minute, func() bool { return redisMillis(t, env) > reserved+50+10 })
+	waitFor(t, "every pin renewed by the heartbeat", func() bool { return pins.least(evs) >= 2 })
+	waitFor(t, "the Redis clock past every hold's expiry", func() bool { return redisMillis(t, env) > reserved+50+10 })
 	if got, err := store.Reap(ctx, "acme"); got != 0 {
 		t.Fatalf("reaped %d holds while their usage waits in the journal (err %v)", got, err)
 	}
@@ -183,8 +188,8 @@ func TestRecorderJournalOutage(t *testing.T) {
 	}
 
 	l.down.Store(false)
-	waitFor(t, "the replay", 5*time.Second, func() bool { return j.Len() == 0 && !r.Journaling() })
-	waitFor(t, "every hold unpinned", 5*time.Second, func() bool {
+	waitFor(t, "the replay", func() bool { return j.Len() == 0 && !r.Journaling() })
+	waitFor(t, "every hold unpinned", func() bool {
 		st, err := store.State(ctx, "acme")
 		return err == nil && st.Pinned == 0
 	})
@@ -238,7 +243,7 @@ func TestRecorderJournalSurvivesRestart(t *testing.T) {
 	r1.Start(ctx)
 	l.down.Store(true)
 	recordEach(t, r1, evs)
-	waitFor(t, "pins", 5*time.Second, func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == n })
+	waitFor(t, "pins", func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == n })
 	if err := r1.Stop(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -256,8 +261,8 @@ func TestRecorderJournalSurvivesRestart(t *testing.T) {
 		t.Fatalf("reopened journal has %d events, want %d", j2.Len(), n)
 	}
 	r2 := startRecorder(t, l, accounting.RecorderConfig{Journal: j2, Pinner: store, ReplayInterval: 20 * time.Millisecond, UnpinDelay: 20 * time.Millisecond, Logger: quiet})
-	waitFor(t, "the replay at start", 5*time.Second, func() bool { return j2.Len() == 0 })
-	waitFor(t, "unpins", 5*time.Second, func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == 0 })
+	waitFor(t, "the replay at start", func() bool { return j2.Len() == 0 })
+	waitFor(t, "unpins", func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == 0 })
 	if st := r2.Stats(); st.Replays != 1 || st.Replayed != n {
 		t.Fatalf("stats: %+v", st)
 	}
@@ -348,10 +353,10 @@ func TestRecorderJournalPostgresOutage(t *testing.T) {
 	if j.Len() != n {
 		t.Fatalf("journal has %d events, want %d", j.Len(), n)
 	}
-	waitFor(t, "pins", 5*time.Second, func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == n })
+	waitFor(t, "pins", func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == n })
 	srv.Start()
-	waitFor(t, "the replay", 20*time.Second, func() bool { return j.Len() == 0 })
-	waitFor(t, "unpins", 5*time.Second, func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == 0 })
+	waitFor(t, "the replay", func() bool { return j.Len() == 0 })
+	waitFor(t, "unpins", func() bool { st, _ := store.State(ctx, "acme"); return st.Pinned == 0 })
 	if err := w.Drain(ctx); err != nil {
 		t.Fatal(err)
 	}

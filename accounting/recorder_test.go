@@ -212,7 +212,7 @@ func TestRecorderStopsWithStartContext(t *testing.T) {
 		t.Fatal(err)
 	}
 	cancel()
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(waitLimit)
 	for r.Record(context.Background(), usage("o")) == nil {
 		if time.Now().After(deadline) {
 			t.Fatal("recorder still accepting events after its context ended")

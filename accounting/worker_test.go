@@ -151,7 +151,7 @@ func TestThreeWorkers(t *testing.T) {
 			}(g)
 		}
 		wg.Wait()
-		deadline := time.Now().Add(30 * time.Second)
+		deadline := time.Now().Add(waitLimit)
 		for _, o := range orgs {
 			for {
 				st, err := store.State(ctx, o)
@@ -279,7 +279,7 @@ func TestReconcileLoopVisitsIdleOrgs(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer func() { _ = w.Stop(ctx) }()
-		deadline := time.Now().Add(10 * time.Second)
+		deadline := time.Now().Add(waitLimit)
 		for w.Stats().DriftRepairs == 0 {
 			if time.Now().After(deadline) {
 				t.Fatal("the reconciler never repaired the idle org's drift")

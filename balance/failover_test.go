@@ -177,7 +177,7 @@ func TestModelMaxRefreshHangs(t *testing.T) {
 			if v != 42 {
 				t.Fatalf("read %d: ModelMax = %d while its refresh hangs, want the last value 42", i, v)
 			}
-		case <-time.After(10 * time.Second):
+		case <-time.After(hangLimit):
 			t.Fatalf("read %d: ModelMax waits for a refresh that hangs", i)
 		}
 	}
@@ -247,7 +247,7 @@ func TestCoalescePerMaster(t *testing.T) {
 		})
 	}
 	// A reserve is on its way to the hung master (its connection taken).
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.Now().Add(hangLimit)
 	for busy() <= before {
 		if time.Now().After(deadline) {
 			t.Fatal("no call reached the hung master")
@@ -255,7 +255,7 @@ func TestCoalescePerMaster(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	for i, org := range elsewhere {
-		rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		rctx, cancel := context.WithTimeout(ctx, hangLimit)
 		_, err := s.Reserve(rctx, balance.ReserveRequest{Org: org, HoldID: fmt.Sprintf("ok%d", i), Amount: 10})
 		cancel()
 		if err != nil {

@@ -49,11 +49,18 @@ func TestWaitReplicas(t *testing.T) {
 			ctx := context.Background()
 			l := balancetest.NewFakeLedger(1)
 			l.Add("o", 1_000_000, "")
-			s, err := balance.New(ctx, m.Client(), &balance.Config{Ledger: l, NoCoalesce: noCoalesce,
-				WaitReplicas: 1, WaitTimeout: replicaWait, MaxPipelines: 1})
-			if err != nil {
-				t.Fatal(err)
+			// Two stores on the one Redis: s waits for a running replica as long as a loaded
+			// machine takes (its bound only ends a hang), short (50 ms) for the stopped one,
+			// which acknowledges nothing however long it is given: no reserve races a timeout.
+			newStore := func(wait time.Duration) *balance.Store {
+				s, err := balance.New(ctx, m.Client(), &balance.Config{Ledger: l, NoCoalesce: noCoalesce,
+					WaitReplicas: 1, WaitTimeout: wait, MaxPipelines: 1})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return s
 			}
+			s, short := newStore(hangLimit), newStore(50*time.Millisecond)
 			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: "o", HoldID: "before", Amount: 10}); err != nil {
 				t.Fatalf("reserve with the replica up: %v", err)
 			}
@@ -62,7 +69,7 @@ func TestWaitReplicas(t *testing.T) {
 			if _, err := s.Reserve(ctx, balance.ReserveRequest{Org: "o", HoldID: "before", Amount: 10}); !errors.Is(err, balance.ErrNotReplicated) {
 				t.Fatalf("re-sent reserve: %v, want ErrNotReplicated", err)
 			}
-			reserveAll := func(prefix string) []error {
+			reserveAll := func(s *balance.Store, prefix string) []error {
 				errs := make([]error, 20)
 				var wg sync.WaitGroup
 				for i := range errs {
@@ -74,13 +81,13 @@ func TestWaitReplicas(t *testing.T) {
 				return errs
 			}
 			r.Pause()
-			for i, err := range reserveAll("paused") {
+			for i, err := range reserveAll(short, "paused") {
 				if !errors.Is(err, balance.ErrNotReplicated) || !errors.Is(err, balance.ErrRedis) {
 					t.Errorf("reserve %d with the replica stopped: %v, want ErrNotReplicated and ErrRedis", i, err)
 				}
 			}
 			r.Resume()
-			for i, err := range reserveAll("resumed") {
+			for i, err := range reserveAll(s, "resumed") {
 				if err != nil {
 					t.Errorf("reserve %d with the replica running again: %v", i, err)
 				}
@@ -108,14 +115,24 @@ func TestWaitReplicas(t *testing.T) {
 			l.Add(org, 1_000_000, "")
 			orgs = append(orgs, org)
 		}
-		s, err := balance.New(ctx, cl.Client(), &balance.Config{Ledger: l, Prefix: prefix, WaitReplicas: 1, WaitTimeout: replicaWait})
-		if err != nil {
-			t.Fatal(err)
+		// As above: a running replica is waited for as long as it takes, the stopped one 50 ms.
+		newStore := func(wait time.Duration) *balance.Store {
+			s, err := balance.New(ctx, cl.Client(), &balance.Config{Ledger: l, Prefix: prefix, WaitReplicas: 1, WaitTimeout: wait})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return s
 		}
+		long, short := newStore(hangLimit), newStore(50*time.Millisecond)
+		stopped := cl.Replicas[0][0]
 		reserveAll := func(round string) map[string]error {
 			errs := make([]error, len(orgs))
 			var wg sync.WaitGroup
 			for i, org := range orgs {
+				s := long
+				if round == "paused" && cl.ReplicaFor(balance.KeysOf(prefix, org).Holds) == stopped {
+					s = short
+				}
 				wg.Go(func() {
 					_, errs[i] = s.Reserve(ctx, balance.ReserveRequest{Org: org, HoldID: round + "-" + org, Amount: 10})
 				})
@@ -140,7 +157,6 @@ func TestWaitReplicas(t *testing.T) {
 				t.Errorf("hold of %s granted but not on its master's replica: %v %v", org, ok, err)
 			}
 		}
-		stopped := cl.Replicas[0][0]
 		stopped.Pause()
 		defer stopped.Resume()
 		refused := 0
@@ -175,9 +191,3 @@ func TestWaitReplicas(t *testing.T) {
 		}
 	})
 }
-
-// replicaWait is the tests' WaitTimeout: long enough that a running replica acknowledges within
-// it on a loaded machine (a race-detector build beside other packages' builds: 50ms was not),
-// short enough that the holds refused while the replica is stopped do not make the test slow
-// (they wait it out in parallel), and below the Redis client's 3s read timeout.
-const replicaWait = 1500 * time.Millisecond

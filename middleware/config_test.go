@@ -104,7 +104,7 @@ func TestReserveAnswers(t *testing.T) {
 		if tt.status == 503 && rec.Header().Get("Retry-After") == "" {
 			t.Errorf("%s: no Retry-After", tt.name)
 		}
-		deadline := time.Now().Add(2 * time.Second)
+		deadline := time.Now().Add(hangLimit)
 		for tt.h.released.Load() < tt.released && time.Now().Before(deadline) {
 			time.Sleep(5 * time.Millisecond)
 		}

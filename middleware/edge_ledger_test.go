@@ -149,7 +149,7 @@ func (f *faultLedger) waitCommitted(t *testing.T) {
 		if err := <-f.commitErrs; err != nil {
 			t.Fatalf("the stalled write failed: %v", err)
 		}
-	case <-time.After(15 * time.Second):
+	case <-time.After(hangLimit):
 		t.Fatal("the stalled write never landed")
 	}
 }
@@ -217,7 +217,7 @@ func newLedgerEnv(t *testing.T, pg bool, cfg func(*Config)) *ledgerEnv {
 
 	// A record that is not about a stall must not time out on a loaded machine (a void, a
 	// connection cut); the tests of a stall set stallRecordTimeout.
-	c := Config{Store: e.store, Ledger: e.ledger, Recorder: e.rec, Logger: quiet, RecordTimeout: 5 * time.Second,
+	c := Config{Store: e.store, Ledger: e.ledger, Recorder: e.rec, Logger: quiet, RecordTimeout: hangLimit,
 		OnOutcome: func(o Outcome) { e.outcomes <- o }}
 	if cfg != nil {
 		cfg(&c)
@@ -258,7 +258,7 @@ func (e *ledgerEnv) outcome() Outcome {
 	select {
 	case o := <-e.outcomes:
 		return o
-	case <-time.After(10 * time.Second):
+	case <-time.After(hangLimit):
 		e.t.Fatal("no outcome reported")
 	}
 	return Outcome{}
@@ -424,19 +424,12 @@ func TestRecordUnknownCutsConnection(t *testing.T) {
 		e.ledger.waitCommitted(t)
 		e.ledger.voidDown.Store(false)
 		// The background void now finds the event stored: charged once, hold settled.
-		deadline := time.Now().Add(10 * time.Second)
-		for {
+		waitFor(t, func() bool {
 			must(t, e.worker.Drain(context.Background()))
 			st, err := e.store.State(context.Background(), e.org)
 			must(t, err)
-			if st.Holds == 0 {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("hold never settled: %+v", st)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
+			return st.Holds == 0
+		}, "the hold to settle")
 		e.settle(o.Cost, 1)
 	})
 }

@@ -354,7 +354,7 @@ func TestResponsesInputsKeepTheLearnedMax(t *testing.T) {
 func waitFor(t *testing.T, cond func() bool, what string) {
 	t.Helper()
 	// The bound only ends a test that would hang; a loaded machine takes what it takes.
-	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(hangLimit); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		if cond() {
 			return
 		}

@@ -6,13 +6,14 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/llmescrow/escrow/accounting"
 	"github.com/llmescrow/escrow/internal/fakeupstream"
@@ -114,7 +115,8 @@ func TestHugeResponsesBilledExactly(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			var g *gatedRecorder
-			e := newFakeEnv(t, envOpt{cfg: gate(&g)})
+			var fc flushCounter
+			e := newFakeEnv(t, envOpt{cfg: gate(&g), wrap: fc.wrap})
 			// [fill]: the fake's answer fills its cap (a model stops on its own otherwise).
 			resp := e.post(context.Background(), EndpointChat, e.key, strings.Replace(jsonBody(bigModel.Name, tc.extra), "Say hello", "[fill] Say hello", 1))
 			id := resp.Header.Get("x-request-id")
@@ -137,8 +139,8 @@ func TestHugeResponsesBilledExactly(t *testing.T) {
 					}
 				}
 			}()
-			<-g.entered
-			before := waitStill(&got) // whatever was passed on has reached the client
+			<-g.entered                                        // the handler has written all it will before the record
+			before := waitReceived(t, &got, fc.flushed.Load()) // whatever was passed on has reached the client
 			close(g.open)
 			must(t, <-read)
 			resp.Body.Close()
@@ -164,18 +166,73 @@ func TestHugeResponsesBilledExactly(t *testing.T) {
 	}
 }
 
-// waitStill waits until n has not changed for a second (at most 20 s) and returns it: what was
-// passed on has reached the client, however slow the machine.
-func waitStill(n *atomic.Int64) int64 {
-	last, since := n.Load(), time.Now()
-	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if v := n.Load(); v != last {
-			last, since = v, time.Now()
-		} else if time.Since(since) > time.Second {
-			break
-		}
+// flushCounter counts the body bytes the proxy flushed to the client's connection (it wraps
+// the proxy's handler: envOpt.wrap). Once the handler is blocked in the record, that count is
+// what the client is sure to receive before the end: a test waits for the client to have read
+// it (an event) instead of for the stream to look still for a while (a guess a slow machine
+// can break).
+type flushCounter struct{ flushed atomic.Int64 }
+
+func (f *flushCounter) wrap(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h.ServeHTTP(&countingWriter{ResponseWriter: w, f: f}, r)
+	})
+}
+
+type countingWriter struct {
+	http.ResponseWriter
+	f       *flushCounter
+	written int64
+}
+
+func (c *countingWriter) Write(p []byte) (int, error) {
+	n, err := c.ResponseWriter.Write(p)
+	c.written += int64(n)
+	return n, err
+}
+
+func (c *countingWriter) FlushError() error {
+	err := http.NewResponseController(c.ResponseWriter).Flush()
+	if err == nil {
+		c.f.flushed.Store(c.written)
 	}
-	return last
+	return err
+}
+
+func (c *countingWriter) Flush() { _ = c.FlushError() }
+
+// Unwrap gives http.ResponseController the connection's writer (deadlines, full duplex).
+func (c *countingWriter) Unwrap() http.ResponseWriter { return c.ResponseWriter }
+
+// waitReceived waits until the client has read n bytes (a bound only against a hang) and
+// returns what it read by then.
+func waitReceived(t *testing.T, got *atomic.Int64, n int64) int64 {
+	t.Helper()
+	waitFor(t, func() bool { return got.Load() >= n }, fmt.Sprintf("the client to receive the %d bytes flushed to it", n))
+	return got.Load()
+}
+
+// teeReader counts and keeps what a client read, for a look at it while the reading goes on.
+type teeReader struct {
+	r   io.Reader
+	mu  sync.Mutex
+	buf []byte
+	n   atomic.Int64
+}
+
+func (tr *teeReader) Read(p []byte) (int, error) {
+	n, err := tr.r.Read(p)
+	tr.mu.Lock()
+	tr.buf = append(tr.buf, p[:n]...)
+	tr.mu.Unlock()
+	tr.n.Add(int64(n))
+	return n, err
+}
+
+func (tr *teeReader) snapshot() []byte {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	return append([]byte(nil), tr.buf...)
 }
 
 // sseUsage reads a chat/completions stream as a client: the usage chunk's usage, if any.
@@ -356,25 +413,25 @@ func TestUnreadableChargesHold(t *testing.T) {
 func TestGiantResponsesCompletedEvent(t *testing.T) {
 	t.Parallel()
 	var g *gatedRecorder
-	e := newFakeEnv(t, envOpt{cfg: gate(&g)})
+	var fc flushCounter
+	e := newFakeEnv(t, envOpt{cfg: gate(&g), wrap: fc.wrap})
 	body := `{"model":"gpt-4o-mini","input":"[cached:3] [fill] tell me a long story","max_output_tokens":16384,"stream":true,` +
 		`"include":["message.output_text.logprobs"],"top_logprobs":20}`
 	resp := e.post(context.Background(), EndpointResponses, e.key, body)
 	id := resp.Header.Get("x-request-id")
+	raw := &teeReader{r: resp.Body}
 	var stream bytes.Buffer
 	var completed atomic.Bool
-	var events atomic.Int64
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		br := bufio.NewReaderSize(resp.Body, 1<<20)
+		br := bufio.NewReaderSize(raw, 1<<20)
 		var ev bytes.Buffer
 		for {
 			line, err := br.ReadBytes('\n')
 			stream.Write(line)
 			ev.Write(line)
 			if len(line) == 1 || (len(line) == 2 && line[0] == '\r') { // a dispatched event
-				events.Add(1)
 				if bytes.Contains(ev.Bytes()[:min(ev.Len(), 200)], []byte("response.completed")) {
 					completed.Store(true)
 				}
@@ -385,25 +442,16 @@ func TestGiantResponsesCompletedEvent(t *testing.T) {
 			}
 		}
 	}()
-	<-g.entered
-	var n atomic.Int64
-	go func() { // stream's length, for waitStill
-		for !completed.Load() {
-			n.Store(events.Load())
-			time.Sleep(time.Millisecond)
-			select {
-			case <-done:
-				return
-			default:
-			}
-		}
-	}()
-	waitStill(&n)
-	if completed.Load() {
+	<-g.entered // the handler has written all it will before the record
+	waitReceived(t, &raw.n, fc.flushed.Load())
+	// What the client has so far: a response.completed it could dispatch would be followed by
+	// the blank line that ends its event.
+	seen := raw.snapshot()
+	if k := bytes.Index(seen, []byte("response.completed")); k >= 0 && (bytes.Contains(seen[k:], []byte("\n\n")) || bytes.Contains(seen[k:], []byte("\n\r\n"))) {
 		t.Fatal("the client could dispatch response.completed before its usage was recorded")
 	}
-	if events.Load() < 5 {
-		t.Fatalf("only %d events reached the client before the end: the stream did not pass as it came", events.Load())
+	if n := bytes.Count(seen, []byte("\n\n")); n < 5 {
+		t.Fatalf("only %d events reached the client before the end: the stream did not pass as it came", n)
 	}
 	close(g.open)
 	<-done

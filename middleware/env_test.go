@@ -128,7 +128,14 @@ type envOpt struct {
 	withFault bool
 	mini      bool // miniredis even when a real Redis is configured
 	finish    bool // the recorder finishes each recorded hold (spyRecorder.fin)
+	// wrap, if set, wraps the proxy's handler (the server side of the client's connection).
+	wrap func(http.Handler) http.Handler
 }
+
+// hangLimit bounds a wait for an event that must come: it only ends a test that would hang, so
+// it is far above what a loaded machine (race detector, two cores, other packages compiling)
+// takes. A wait returns as soon as its event comes.
+const hangLimit = time.Minute
 
 func newEnv(t *testing.T, o envOpt) *testEnv {
 	t.Helper()
@@ -226,7 +233,11 @@ func newEnv(t *testing.T, o envOpt) *testEnv {
 	ec.HideBanner, ec.HidePort = true, true
 	ec.Use(New(cfg))
 	ec.Any("/v1/*", echo.WrapHandler(rp))
-	e.srv = httptest.NewServer(ec)
+	var h http.Handler = ec
+	if o.wrap != nil {
+		h = o.wrap(h)
+	}
+	e.srv = httptest.NewServer(h)
 	t.Cleanup(e.srv.Close)
 	return e
 }
@@ -269,7 +280,7 @@ func (e *testEnv) outcome() Outcome {
 	select {
 	case o := <-e.outcomes:
 		return o
-	case <-time.After(10 * time.Second):
+	case <-time.After(hangLimit):
 		e.t.Fatal("no outcome reported")
 	}
 	return Outcome{}

@@ -8,7 +8,6 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/llmescrow/escrow/pricing"
 	"github.com/tidwall/gjson"
@@ -275,19 +274,15 @@ func BenchmarkUsageExtractorMemory(b *testing.B) {
 	}
 }
 
-// TestUsageScannerLinear: a long string of escapes is read in linear time. 8 MiB of escapes take
-// well under a second (6 s with the race detector on a loaded machine); a search for the closing
-// quote per escape, as an earlier version did, reads 4 Mi × 4 MiB bytes: hours. The bound is
-// far from both, since wall-clock time on a shared machine is not CPU time.
+// TestUsageScannerLinear: a long string of escapes is read in linear time: 8 MiB of escapes
+// take seconds; a search for the closing quote per escape, as an earlier version did, reads
+// 4 Mi × 4 MiB bytes: hours, far past any test binary's -timeout, which then fails the run.
+// No bound of its own: wall-clock time on a shared machine is not CPU time.
 func TestUsageScannerLinear(t *testing.T) {
 	t.Parallel()
 	body := []byte(`{"content":"` + strings.Repeat(`\n`, 4<<20) + `","usage":{"prompt_tokens":1}}`)
-	start := time.Now()
 	s := scanSplit(body, 1<<20)
 	if u, ok := s.usage(); !ok || u.Prompt != 1 {
 		t.Fatalf("usage %+v %v", u, ok)
-	}
-	if d := time.Since(start); d > time.Minute {
-		t.Fatalf("8 MiB of escapes took %v", d)
 	}
 }

@@ -38,7 +38,7 @@ func TestLearnedMaxRaised(t *testing.T) {
 	}
 	want := cost(t, chatUsage)
 	e.drainWorker()
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(hangLimit)
 	for {
 		redisMax, err := e.store.ModelMax(ctx, testModel)
 		m, lerr := e.ledger.Model(ctx, testModel)

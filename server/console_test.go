@@ -13,7 +13,7 @@ import (
 // not "migrations: migrations: …".
 func TestMigrateErrorSaysItOnce(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	err := migrateDB(ctx, "postgres://nobody@127.0.0.1:1/x?connect_timeout=1", slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if err == nil || strings.Count(err.Error(), "migrations:") != 1 || !strings.HasPrefix(err.Error(), "database: ") {

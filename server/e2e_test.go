@@ -122,9 +122,49 @@ func (w testWriter) Write(p []byte) (int, error) {
 // eachMode runs fn against the proxy on real Redis + Postgres, on its embedded parts,
 // and on a private 3-master Redis Cluster with real Postgres: the same suite on every backend.
 func eachMode(t *testing.T, fn func(t *testing.T, p *testProxy)) {
-	t.Run("real", func(t *testing.T) { t.Parallel(); fn(t, startTestProxy(t, true)) })
-	t.Run("embedded", func(t *testing.T) { t.Parallel(); fn(t, startTestProxy(t, false)) })
-	t.Run("cluster", func(t *testing.T) { t.Parallel(); fn(t, startClusterProxy(t, testutil.StartRedisCluster(t))) })
+	eachModeWith(t, func(t *testing.T, start func(extra ...Option) *testProxy) { fn(t, start()) })
+}
+
+// eachModeWith is eachMode for a test that starts the proxy itself, with options of its own
+// (applied after the mode's: a later option wins).
+func eachModeWith(t *testing.T, fn func(t *testing.T, start func(extra ...Option) *testProxy)) {
+	t.Run("real", func(t *testing.T) {
+		t.Parallel()
+		fn(t, func(extra ...Option) *testProxy { return startTestProxyWith(t, true, extra) })
+	})
+	t.Run("embedded", func(t *testing.T) {
+		t.Parallel()
+		fn(t, func(extra ...Option) *testProxy { return startTestProxyWith(t, false, extra) })
+	})
+	t.Run("cluster", func(t *testing.T) {
+		t.Parallel()
+		fn(t, func(extra ...Option) *testProxy { return startClusterProxy(t, testutil.StartRedisCluster(t), extra...) })
+	})
+}
+
+// gatedUpstream is the fake upstream behind a gate: each request whose body contains marker
+// ("": every request) waits until gate is closed (or its client gives up), so a test sees
+// requests in flight for as long as it needs, however slow the machine, instead of for as long
+// as a slow answer takes.
+func gatedUpstream(gate <-chan struct{}, marker string) Option {
+	fake := fakeupstream.New(fakeupstream.Options{KeepRequests: -1})
+	return WithUpstream(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			return
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		if !bytes.Contains(body, []byte(marker)) {
+			fake.ServeHTTP(w, r)
+			return
+		}
+		select {
+		case <-gate:
+		case <-r.Context().Done():
+			return
+		}
+		fake.ServeHTTP(w, r)
+	}), "sk-fake-upstream")
 }
 
 // startClusterProxy starts the proxy on the cluster (REDIS_URL with one URL per master) and a
@@ -217,7 +257,7 @@ func (p *testProxy) setup(org string, funds, maxCost int64) string {
 // settled waits until the org has no holds and the ledger is fully reflected in Redis.
 func (p *testProxy) settled(org string) balanceView {
 	p.t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(time.Minute) // bounds a hang: returns once settled
 	for {
 		b := p.balance(org)
 		acct, err := p.app.ledger.Account(context.Background(), org)
@@ -240,7 +280,16 @@ func chat(content string) map[string]any {
 // start − Σ real costs and no hold is left.
 func TestFlowA(t *testing.T) {
 	t.Parallel()
-	eachMode(t, func(t *testing.T, p *testProxy) {
+	eachModeWith(t, func(t *testing.T, start func(...Option) *testProxy) {
+		gate := make(chan struct{})
+		p := start(gatedUpstream(gate, ""))
+		defer func() {
+			select {
+			case <-gate:
+			default:
+				close(gate) // a failed test's requests end too
+			}
+		}()
 		key := p.setup("acme", 10_000, 65)
 		var wg sync.WaitGroup
 		statuses := make([]int, 20)
@@ -251,8 +300,8 @@ func TestFlowA(t *testing.T) {
 				statuses[i], _, _ = p.do("POST", "/v1/chat/completions", key, chat("[slow] hello world"))
 			}(i)
 		}
-		// While in flight: 20 holds of 65.
-		deadline := time.Now().Add(3 * time.Second)
+		// While in flight (held at the upstream until the gate opens): 20 holds of 65.
+		deadline := time.Now().Add(time.Minute) // bounds a hang
 		var seen balanceView
 		for time.Now().Before(deadline) {
 			seen = p.balance("acme")
@@ -264,6 +313,7 @@ func TestFlowA(t *testing.T) {
 		if seen.Holds != 20 || seen.Held != 20*65 || seen.Available != 10_000-20*65 {
 			t.Fatalf("in flight: %+v, want 20 holds of 65", seen)
 		}
+		close(gate)
 		wg.Wait()
 		for i, s := range statuses {
 			if s != http.StatusOK {

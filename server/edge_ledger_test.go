@@ -130,7 +130,7 @@ func TestEdgeFailOpenColdOrgLedgerDown(t *testing.T) {
 			fp.Unblock()
 			// Pooled connections cut by the outage may fail the first tries: a client retries
 			// a 503 (each one refused with nothing debited, as the settle below checks).
-			deadline := time.Now().Add(10 * time.Second)
+			deadline := time.Now().Add(time.Minute) // bounds a hang
 			for {
 				st, _, body := p.do("POST", "/v1/chat/completions", key, chat("hello"))
 				if st == http.StatusOK {

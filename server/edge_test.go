@@ -118,9 +118,14 @@ func completionTokens(t *testing.T, body []byte) int64 {
 func (p *testProxy) expect(key string, body []byte) (int, http.Header, []byte, bool) {
 	p.t.Helper()
 	var got100 atomic.Bool
-	tr := &http.Transport{ExpectContinueTimeout: 20 * time.Second} // the caller fails an answer that took this long
+	// The client never gives up waiting for the 100 (it would then send the body anyway): a
+	// proxy that neither answers 100 nor answers at all fails the request at the context's
+	// end, which only bounds that hang, instead of after a measured wait.
+	tr := &http.Transport{ExpectContinueTimeout: time.Hour}
 	defer tr.CloseIdleConnections()
-	ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{Got100Continue: func() { got100.Store(true) }})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{Got100Continue: func() { got100.Store(true) }})
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.base+"/v1/chat/completions", bytes.NewReader(body))
 	if err != nil {
 		p.t.Fatal(err)
@@ -130,7 +135,7 @@ func (p *testProxy) expect(key string, body []byte) (int, http.Header, []byte, b
 	req.Header.Set("Expect", "100-continue")
 	resp, err := (&http.Client{Transport: tr}).Do(req)
 	if err != nil {
-		p.t.Fatal(err)
+		p.t.Fatalf("%v (the client waited for a 100 Continue that never came?)", err)
 	}
 	defer resp.Body.Close()
 	out, _ := io.ReadAll(resp.Body)
@@ -166,7 +171,6 @@ func TestExpectContinue(t *testing.T) {
 			{"proxy refuses the body", "bigger", 2 << 20, true, 413, "limit of 1048576 bytes", false},
 		} {
 			body := chatBody(c.content+" "+strings.Repeat("x", c.pad), nil)
-			t0 := time.Now()
 			var st int
 			var b []byte
 			var got100 bool
@@ -174,9 +178,6 @@ func TestExpectContinue(t *testing.T) {
 				st, _, b, got100 = p.expect(key, body)
 			} else {
 				st, _, b = p.do("POST", "/v1/chat/completions", key, body)
-			}
-			if took := time.Since(t0); took > 10*time.Second {
-				t.Fatalf("%s: answered after %s (the client waited for a 100 Continue that never came)", c.name, took)
 			}
 			if st != c.status || got100 != c.proxy100 {
 				t.Fatalf("%s: status %d, 100 Continue from the proxy: %v; want %d, %v: %.300s", c.name, st, got100, c.status, c.proxy100, b)
@@ -340,8 +341,8 @@ func rawConn(t *testing.T, addr string, rcvbuf int) net.Conn {
 }
 
 // untilClosed reads c until the server closes it and returns the responses read on the way
-// and how long it took, or an error when c is still open after limit.
-func untilClosed(c net.Conn, limit time.Duration) ([]int, time.Duration, error) {
+// and how long it took since begin, or an error when c is still open after limit.
+func untilClosed(c net.Conn, begin time.Time, limit time.Duration) ([]int, time.Duration, error) {
 	start := time.Now()
 	_ = c.SetReadDeadline(start.Add(limit))
 	br := bufio.NewReader(c)
@@ -351,9 +352,9 @@ func untilClosed(c net.Conn, limit time.Duration) ([]int, time.Duration, error) 
 		if err != nil {
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
-				return statuses, time.Since(start), fmt.Errorf("connection still open after %s", limit)
+				return statuses, time.Since(begin), fmt.Errorf("connection still open after %s", limit)
 			}
-			return statuses, time.Since(start), nil
+			return statuses, time.Since(begin), nil
 		}
 		_, _ = io.Copy(io.Discard, resp.Body)
 		_ = resp.Body.Close()
@@ -362,15 +363,18 @@ func untilClosed(c net.Conn, limit time.Duration) ([]int, time.Duration, error) 
 }
 
 // TestSlowClientsCutOff (item 9): connections that announce a body and never send it, that
-// never finish their headers, or that sit idle after a response are closed within the
-// configured bounds; the announced bodies hold nothing and nothing is debited.
+// never finish their headers, or that sit idle after a response are closed by the server, not
+// before the configured bounds; the announced bodies hold nothing and nothing is debited. How
+// long each took is measured from before the connection was dialled, so the server's own clock
+// for it started later: at least the bound at any speed. The upper limit only ends a hang (the
+// bug held them open for good).
 func TestSlowClientsCutOff(t *testing.T) {
 	t.Parallel()
 	const (
 		headerTimeout = 300 * time.Millisecond
 		readTimeout   = 600 * time.Millisecond
 		idleTimeout   = 400 * time.Millisecond
-		slack         = 2 * time.Second // a loaded machine; the bug held them for minutes
+		hangLimit     = time.Minute
 	)
 	bothModes(t, func(t *testing.T, real bool) {
 		p := startTestProxy(t, real, func(c *Config) {
@@ -381,12 +385,13 @@ func TestSlowClientsCutOff(t *testing.T) {
 		var wg sync.WaitGroup
 		errs := make(chan error, 16)
 		for i := range 10 {
+			begin := time.Now()
 			c := rawConn(t, addr, 0)
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
 				fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n", key)
-				statuses, took, err := untilClosed(c, readTimeout+slack)
+				statuses, took, err := untilClosed(c, begin, hangLimit)
 				if err != nil {
 					errs <- fmt.Errorf("slow body %d: %w", i, err)
 				}
@@ -395,19 +400,20 @@ func TestSlowClientsCutOff(t *testing.T) {
 						errs <- fmt.Errorf("slow body %d: status %d", i, s)
 					}
 				}
-				if took < readTimeout/2 {
+				if took < readTimeout {
 					errs <- fmt.Errorf("slow body %d: closed after %s, before the read timeout", i, took)
 				}
 			}()
 		}
+		begin := time.Now()
 		hc, ic := rawConn(t, addr, 0), rawConn(t, addr, 0)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			fmt.Fprintf(hc, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
-			if _, took, err := untilClosed(hc, headerTimeout+slack); err != nil {
+			if _, took, err := untilClosed(hc, begin, hangLimit); err != nil {
 				errs <- fmt.Errorf("slow headers: %w", err)
-			} else if took < headerTimeout/2 {
+			} else if took < headerTimeout {
 				errs <- fmt.Errorf("slow headers: closed after %s", took)
 			}
 		}()
@@ -415,22 +421,22 @@ func TestSlowClientsCutOff(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			c := ic
+			start := time.Now() // before the server's idle clock starts (after its answer)
 			fmt.Fprintf(c, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
 			br := bufio.NewReader(c)
-			_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			_ = c.SetReadDeadline(time.Now().Add(hangLimit))
 			resp, err := http.ReadResponse(br, nil)
 			if err != nil || resp.StatusCode != http.StatusOK || resp.Close {
 				errs <- fmt.Errorf("keep-alive request: %v %v", resp, err)
 				return
 			}
 			_, _ = io.Copy(io.Discard, resp.Body)
-			start := time.Now()
-			_ = c.SetReadDeadline(start.Add(idleTimeout + slack))
+			_ = c.SetReadDeadline(time.Now().Add(hangLimit))
 			if _, err := br.ReadByte(); err == nil {
 				errs <- errors.New("idle connection: unexpected byte")
 			} else if ne, ok := err.(net.Error); ok && ne.Timeout() {
-				errs <- fmt.Errorf("idle connection still open after %s", idleTimeout+slack)
-			} else if took := time.Since(start); took < idleTimeout/2 {
+				errs <- fmt.Errorf("idle connection still open after %s", hangLimit)
+			} else if took := time.Since(start); took < idleTimeout {
 				errs <- fmt.Errorf("idle connection closed after %s, before the idle timeout", took)
 			}
 		}()
@@ -514,7 +520,7 @@ func TestStalledReaderCutOff(t *testing.T) {
 			t.Fatalf("after the stalled stream: %+v, want %d (the real usage)", b, 1_000_000-tokens)
 		}
 		// And the proxy closed the connection: what the client reads now ends without [DONE].
-		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_ = c.SetReadDeadline(time.Now().Add(time.Minute))
 		got, err := io.ReadAll(c)
 		if ne, ok := err.(net.Error); ok && ne.Timeout() {
 			t.Fatalf("the stalled connection is still open (%d bytes read)", len(got))

@@ -192,7 +192,7 @@ func (g *sdkGate) letRetry(t *testing.T, p *testProxy, org string, availWhileHel
 			if gated.err != nil || gated.status != http.StatusOK {
 				t.Fatalf("the gated request: %d %s %v", gated.status, gated.body, gated.err)
 			}
-			deadline := time.Now().Add(20 * time.Second)
+			deadline := time.Now().Add(time.Minute)
 			for p.balance(org).Holds != 0 {
 				if time.Now().After(deadline) {
 					t.Fatalf("the gated request's hold is still there: %+v", p.balance(org))

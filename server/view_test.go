@@ -55,7 +55,15 @@ func TestCustomerView(t *testing.T) {
 		t.Run(map[bool]string{true: "real", false: "embedded"}[real], func(t *testing.T) {
 			t.Parallel()
 			// Unlimited views: this test reads them many times (TestViewRateLimit is the limit's).
-			p := startTestProxy(t, real, func(c *Config) { c.ViewRate = 0 })
+			gate := make(chan struct{}) // holds the [slow] request at the upstream until its hold is seen
+			defer func() {
+				select {
+				case <-gate:
+				default:
+					close(gate)
+				}
+			}()
+			p := startTestProxyWith(t, real, []Option{gatedUpstream(gate, "[slow]")}, func(c *Config) { c.ViewRate = 0 })
 			p.setup("acme", 1_000_000, 100) // model m: 1 micro-unit per output token
 			var prod, other struct{ ID, Key string }
 			p.admin("POST", "/orgs/acme/keys", map[string]string{"name": "prod"}, http.StatusCreated, &prod)
@@ -115,7 +123,7 @@ func TestCustomerView(t *testing.T) {
 					t.Errorf("slow chat: %d %s", st, b)
 				}
 			}()
-			for deadline := time.Now().Add(10 * time.Second); ; {
+			for deadline := time.Now().Add(time.Minute); ; { // bounds a hang
 				_, body := p.view("/api/v1/credits", prod.Key)
 				d := body["data"].(map[string]any)
 				if held := micros(t, d["held"]); held > 0 {
@@ -130,6 +138,7 @@ func TestCustomerView(t *testing.T) {
 				}
 				time.Sleep(20 * time.Millisecond)
 			}
+			close(gate)
 			wg.Wait()
 			p.settled("acme")
 			const spent = 48 // 40 + 3 + 5

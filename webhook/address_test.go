@@ -6,7 +6,6 @@ import (
 	"net/http"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/llmescrow/escrow/ledger"
 	"github.com/llmescrow/escrow/webhook"
@@ -76,7 +75,7 @@ func TestDeliveryRefusesPrivateAddresses(t *testing.T) {
 		cfg.AllowPrivate, cfg.MaxAttempts = false, 1
 		refusing := startSender(t, l, cfg)
 		for _, id := range ids {
-			waitFor(t, "the delivery to fail", 10*time.Second, func() bool {
+			waitFor(t, "the delivery to fail", func() bool {
 				ds := deliveries(t, l, id)
 				return len(ds) == 1 && ds[0].Status == ledger.DeliveryFailed
 			})
@@ -100,7 +99,7 @@ func TestDeliveryRefusesPrivateAddresses(t *testing.T) {
 			t.Fatal(err)
 		}
 		startSender(t, l, fastConfig())
-		waitFor(t, "the allowed delivery", 10*time.Second, func() bool {
+		waitFor(t, "the allowed delivery", func() bool {
 			ds := deliveries(t, l, w.ID)
 			return len(ds) == 1 && ds[0].Status == ledger.DeliveryDelivered
 		})

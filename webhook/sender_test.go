@@ -134,9 +134,12 @@ func verify(t *testing.T, secret string, g received) {
 	}
 }
 
+// fastConfig retries fast. Its Timeout (and the lease after it) is far above any answer of a
+// loopback receiver on a loaded machine: an answer must not race it. The tests of a hung
+// receiver set a short Timeout of their own.
 func fastConfig() *webhook.Config {
 	return &webhook.Config{
-		Timeout: 300 * time.Millisecond, Lease: 5 * time.Second, MaxAttempts: 5,
+		Timeout: 10 * time.Second, MaxAttempts: 5,
 		BackoffMin: 20 * time.Millisecond, BackoffMax: 80 * time.Millisecond, PollInterval: 10 * time.Millisecond,
 		AllowPrivate: true, // the receivers are httptest servers on loopback
 	}
@@ -152,7 +155,7 @@ func startSender(t *testing.T, l ledger.Ledger, cfg *webhook.Config) *webhook.Se
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 		defer cancel()
 		if err := s.Stop(ctx); err != nil {
 			t.Error(err)
@@ -161,9 +164,14 @@ func startSender(t *testing.T, l ledger.Ledger, cfg *webhook.Config) *webhook.Se
 	return s
 }
 
-func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
+// waitLimit bounds a wait for something that must happen: it only ends a test that would hang,
+// so it is far above what a loaded machine (race detector, two cores, other packages compiling)
+// takes. waitFor returns as soon as its condition holds.
+const waitLimit = time.Minute
+
+func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(d)
+	deadline := time.Now().Add(waitLimit)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)
@@ -237,10 +245,11 @@ func TestDeliveryFailsHangsRecovers(t *testing.T) {
 		// A backoff long enough (≥ 1 s after the second try) for the poll below to see each
 		// delivery between its hung try and its retry, as the delivery's own record has it.
 		cfg := fastConfig()
+		cfg.Timeout = 300 * time.Millisecond // ends the hung try
 		cfg.BackoffMin, cfg.BackoffMax = time.Second, 2*time.Second
 		s := startSender(t, l, cfg)
 		afterHang := map[string]ledger.Delivery{} // by event id: the record after the hung try, before the retry
-		waitFor(t, "three deliveries delivered", 30*time.Second, func() bool {
+		waitFor(t, "three deliveries delivered", func() bool {
 			ds := deliveries(t, l, w.ID)
 			for _, d := range ds {
 				// The last record seen with two attempts: while the second try runs its record
@@ -331,7 +340,7 @@ func TestDeliveryGivesUp(t *testing.T) {
 		cfg := fastConfig()
 		cfg.MaxAttempts = 3
 		s := startSender(t, l, cfg)
-		waitFor(t, "the delivery to fail", 10*time.Second, func() bool {
+		waitFor(t, "the delivery to fail", func() bool {
 			ds := deliveries(t, l, w.ID)
 			return len(ds) == 1 && ds[0].Status == ledger.DeliveryFailed
 		})
@@ -381,7 +390,7 @@ func TestTwoSendersOneLedger(t *testing.T) {
 	cfg.Concurrency = 4
 	startSender(t, l, cfg)
 	startSender(t, mustPostgres(t, env.Pool), cfg) // another process's ledger on the same database
-	waitFor(t, "every event delivered", 20*time.Second, func() bool {
+	waitFor(t, "every event delivered", func() bool {
 		n := 0
 		for _, d := range deliveries(t, l, w.ID) {
 			if d.Status == ledger.DeliveryDelivered {
@@ -499,7 +508,7 @@ func TestDeliveryRidesOutLedgerOutage(t *testing.T) {
 			t.Fatal(err)
 		}
 		cfg := fastConfig()
-		cfg.Lease = 500 * time.Millisecond
+		cfg.Timeout, cfg.Lease = 300*time.Millisecond, 500*time.Millisecond
 		s, err := webhook.NewSender(store, cfg)
 		if err != nil {
 			t.Fatal(err)
@@ -508,14 +517,14 @@ func TestDeliveryRidesOutLedgerOutage(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _ = s.Stop(context.Background()) })
-		waitFor(t, "claim errors", 5*time.Second, func() bool { return s.Stats().ClaimErrors >= 3 })
+		waitFor(t, "claim errors", func() bool { return s.Stats().ClaimErrors >= 3 })
 		if n := len(r.requests()); n != 0 {
 			t.Fatalf("%d requests while the outbox was unreadable", n)
 		}
 		store.mu.Lock()
 		store.claimDown = false
 		store.mu.Unlock()
-		waitFor(t, "the delivery", 10*time.Second, func() bool {
+		waitFor(t, "the delivery", func() bool {
 			ds := deliveries(t, l, w.ID)
 			return len(ds) == 1 && ds[0].Status == ledger.DeliveryDelivered
 		})

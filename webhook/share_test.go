@@ -60,7 +60,7 @@ func TestSlowEndpointKeepsItsShare(t *testing.T) {
 		cfg.Timeout, cfg.Lease = time.Minute, 2*time.Minute // the slow endpoint hangs until the test ends
 		s := startSender(t, l, cfg)
 		t.Cleanup(func() { close(release) }) // before the sender stops and the server closes
-		waitFor(t, "every event delivered to the healthy endpoint", 20*time.Second, func() bool {
+		waitFor(t, "every event delivered to the healthy endpoint", func() bool {
 			ds := deliveries(t, l, fw.ID)
 			for _, d := range ds {
 				if d.Status != ledger.DeliveryDelivered {

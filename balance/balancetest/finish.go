@@ -432,9 +432,9 @@ func exerciseFinishedPinUnpin(t *testing.T, env Env) {
 // ledger has no unsettled usage for it, never while pinned.
 func exerciseFinishedReapRules(t *testing.T, env Env) {
 	t.Parallel()
-	// Expiries of seconds: the early reap must run before them even on a loaded machine (with
-	// 200 ms, a slow setup let it reap the holds it must not yet).
-	x := fixture(t, env, balance.Config{HoldTTL: 1600 * time.Millisecond, SettleDeadline: 2400 * time.Millisecond, PinTTL: time.Hour, ReapGrace: 50 * time.Millisecond}, 1000, true)
+	// Expiries of a minute, which the test passes with age, not a sleep: the early reap runs
+	// before them however slow the machine (a short TTL raced the setup).
+	x := fixture(t, env, balance.Config{HoldTTL: time.Minute, SettleDeadline: 90 * time.Second, PinTTL: time.Hour, ReapGrace: 50 * time.Millisecond}, 1000, true)
 	for _, id := range []string{"usage", "pinned", "phantom", "dead"} {
 		x.mustReserve(id, 100)
 		x.finish(id, 40)
@@ -568,9 +568,33 @@ func exerciseFinishBatchManyOrgs(t *testing.T, env Env) {
 	eq(t, "other org", ost, balance.State{Exists: true, Balance: 1000 - 5, Watermark: 1, Epoch: x.l.CurrentEpoch(), Held: 5, Holds: 5, Finished: 5})
 }
 
+// pastExpiry is how far age moves the holds of reapNothingYet and reapUsageAndPinned: past
+// their expiry (a HoldTTL or SettleDeadline of a minute or two) and the grace, short of a pin's
+// hour.
+const pastExpiry = 5 * time.Minute
+
+// age moves the expiry of every hold of the org d into the past (their scores in hexp and hfin,
+// the only place a hold's expiry is kept): for those holds, as if d had passed on the Redis
+// clock. An expiry is reached without a sleep, and a short TTL never races a slow setup.
+func (x *h) age(d time.Duration) {
+	x.t.Helper()
+	k := x.keys()
+	for _, key := range []string{k.Hexp, k.Hfin} {
+		zs, err := x.env.Client.ZRangeWithScores(x.ctx, key, 0, -1).Result()
+		if err != nil {
+			x.t.Fatalf("zrange %s: %v", key, err)
+		}
+		for _, z := range zs {
+			if err := x.env.Client.ZIncrBy(x.ctx, key, -float64(d.Milliseconds()), z.Member.(string)).Err(); err != nil {
+				x.t.Fatalf("zincrby %s: %v", key, err)
+			}
+		}
+	}
+}
+
 // reapNothingYet marks hold "usage" as having unsettled usage in the ledger and pins hold
 // "pinned", then checks that a reap releases nothing before the holds have expired past the
-// grace, nor after (450ms) while the ledger is down. It leaves the ledger down.
+// grace, nor after (age: pastExpiry) while the ledger is down. It leaves the ledger down.
 func (x *h) reapNothingYet() {
 	x.t.Helper()
 	x.l.SetUnsettled(true, "usage")
@@ -580,7 +604,7 @@ func (x *h) reapNothingYet() {
 	if n, err := x.s.Reap(x.ctx, x.org); n != 0 || err != nil {
 		x.t.Fatalf("early reap: %d %v", n, err)
 	}
-	time.Sleep(2500 * time.Millisecond) // past SettleDeadline and the grace
+	x.age(pastExpiry)
 	x.l.SetErr(errors.New("ledger down"))
 	if n, err := x.s.Reap(x.ctx, x.org); n != 0 || err == nil {
 		x.t.Fatalf("reap with the ledger down: %d %v, want 0 and an error", n, err)
@@ -588,14 +612,14 @@ func (x *h) reapNothingYet() {
 }
 
 // reapUsageAndPinned settles the usage of hold "usage" and unpins hold "pinned" (the two holds
-// a reaper had to keep), waits past their expiry, and checks that a reap now releases both.
+// a reaper had to keep), ages them past their expiry, and checks that a reap now releases both.
 func (x *h) reapUsageAndPinned() {
 	x.t.Helper()
 	x.l.SetUnsettled(false, "usage")
 	if _, err := x.s.Unpin(x.ctx, x.org, "pinned"); err != nil {
 		x.t.Fatal(err)
 	}
-	time.Sleep(2500 * time.Millisecond) // past SettleDeadline and the grace
+	x.age(pastExpiry)
 	n, err := x.s.Reap(x.ctx, x.org)
 	eq(x.t, "reaped", n, 2)
 	eq(x.t, "err", err, nil)

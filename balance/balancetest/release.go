@@ -73,12 +73,12 @@ func exerciseReleaseRacesReaper(t *testing.T, env Env) {
 
 func exerciseReapRules(t *testing.T, env Env) {
 	t.Parallel()
-	x := fixture(t, env, balance.Config{HoldTTL: 1600 * time.Millisecond, PinTTL: time.Hour, ReapGrace: 50 * time.Millisecond}, 1000, true) // seconds: see FinishedReapRules
-	x.mustReserve("usage", 100)                                                                                                             // usage recorded, not settled: never reaped
-	x.mustReserve("pinned", 100)                                                                                                            // journaled: pinned
-	x.mustReserve("phantom", 100)                                                                                                           // a late re-send whose usage is settled: released
-	x.mustReserve("dead", 100)                                                                                                              // owner died, no usage: released
-	x.reapNothingYet()                                                                                                                      // not yet expired past the grace, then the ledger down: nothing
+	x := fixture(t, env, balance.Config{HoldTTL: time.Minute, PinTTL: time.Hour, ReapGrace: 50 * time.Millisecond}, 1000, true) // aged, not slept past: see FinishedReapRules
+	x.mustReserve("usage", 100)                                                                                                 // usage recorded, not settled: never reaped
+	x.mustReserve("pinned", 100)                                                                                                // journaled: pinned
+	x.mustReserve("phantom", 100)                                                                                               // a late re-send whose usage is settled: released
+	x.mustReserve("dead", 100)                                                                                                  // owner died, no usage: released
+	x.reapNothingYet()                                                                                                          // not yet expired past the grace, then the ledger down: nothing
 	eq(t, "holds while ledger down", x.state().Holds, 4)
 	x.l.SetErr(nil)
 	n, err := x.s.Reap(x.ctx, x.org)

@@ -207,7 +207,7 @@ func TestCLIEndToEnd(t *testing.T) {
 		LedgerBalance int64  `json:"ledger_balance"`
 		LedgerSeq     int64  `json:"ledger_seq"`
 	}
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(time.Minute)
 	for c.json(&org, "orgs", "show", "acme"); org.LedgerSeq < 1+n; c.json(&org, "orgs", "show", "acme") {
 		if time.Now().After(deadline) {
 			t.Fatalf("ledger has %d entries, want %d", org.LedgerSeq, 1+n)
@@ -572,7 +572,7 @@ func TestCLIEndUsers(t *testing.T) {
 	var org struct {
 		LedgerSeq int64 `json:"ledger_seq"`
 	}
-	deadline := time.Now().Add(20 * time.Second) // the worker accounts both requests: 1 credit + 2 charges
+	deadline := time.Now().Add(time.Minute) // the worker accounts both requests: 1 credit + 2 charges
 	for c.json(&org, "orgs", "show", "acme"); org.LedgerSeq < 3; c.json(&org, "orgs", "show", "acme") {
 		if time.Now().After(deadline) {
 			t.Fatalf("ledger has %d entries, want 3", org.LedgerSeq)

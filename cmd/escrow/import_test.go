@@ -104,7 +104,7 @@ func TestCLIImport(t *testing.T) {
 		LedgerBalance int64 `json:"ledger_balance"`
 		LedgerSeq     int64 `json:"ledger_seq"`
 	}
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(time.Minute)
 	for c.json(&org, "orgs", "show", "acme"); org.LedgerSeq < 2; c.json(&org, "orgs", "show", "acme") {
 		if time.Now().After(deadline) {
 			t.Fatalf("the request was never accounted: %+v", org)

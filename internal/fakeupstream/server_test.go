@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -659,7 +660,20 @@ func TestFailMarker(t *testing.T) {
 func TestSlowMarkerStream(t *testing.T) {
 	t.Parallel()
 	const delay = 40 * time.Millisecond
-	_, ts := newServer(t, fakeupstream.Options{SlowDelay: delay})
+	// What the fake had written at each of its flushes: the chunks leave one by one if a flush
+	// carries one content chunk, and another two, before the third is written. (Read from the
+	// server's side: a client on a loaded machine may read chunks sent apart in one burst.)
+	var mu sync.Mutex
+	var flushed []string
+	f := fakeupstream.New(fakeupstream.Options{SlowDelay: delay})
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		f.ServeHTTP(&flushLog{ResponseWriter: w, onFlush: func(sofar string) {
+			mu.Lock()
+			flushed = append(flushed, sofar)
+			mu.Unlock()
+		}}, r)
+	}))
+	t.Cleanup(ts.Close)
 	start := time.Now()
 	frames := readSSE(t, post(t, ts, "/v1/chat/completions", `{"model":"m","stream":true,"max_tokens":3,"messages":[{"role":"user","content":"[slow]"}]}`))
 	var content []frame
@@ -674,10 +688,33 @@ func TestSlowMarkerStream(t *testing.T) {
 	if el := time.Since(start); el < 3*delay {
 		t.Fatalf("stream of 3 slow chunks took %v, less than 3×%v", el, delay)
 	}
-	// Chunks arrive one by one, not in one burst (a loose lower bound on their spacing).
-	if gap := content[2].at.Sub(content[0].at); gap < delay {
-		t.Fatalf("chunks 1→3 arrived %v apart, want ≥ %v", gap, delay)
+	// Chunks leave one by one, not in one burst.
+	mu.Lock()
+	defer mu.Unlock()
+	seen := map[int]bool{}
+	for _, sofar := range flushed {
+		seen[strings.Count(sofar, `"content":"`)-strings.Count(sofar, `"content":""`)] = true
 	}
+	if !seen[1] || !seen[2] {
+		t.Fatalf("no flush with only the first, or the first two, content chunks: %q", flushed)
+	}
+}
+
+// flushLog passes writes on and tells onFlush what was written before each flush.
+type flushLog struct {
+	http.ResponseWriter
+	sofar   strings.Builder
+	onFlush func(sofar string)
+}
+
+func (l *flushLog) Write(p []byte) (int, error) {
+	l.sofar.Write(p)
+	return l.ResponseWriter.Write(p)
+}
+
+func (l *flushLog) Flush() {
+	l.onFlush(l.sofar.String())
+	http.NewResponseController(l.ResponseWriter).Flush()
 }
 
 func TestSlowMarkerJSONDefaultDelay(t *testing.T) {
@@ -731,7 +768,7 @@ func TestHangMarker(t *testing.T) {
 			cancel()
 			select {
 			case <-done:
-			case <-time.After(5 * time.Second):
+			case <-time.After(time.Minute): // bounds a hang
 				t.Fatal("handler did not return after the request context ended")
 			}
 			if !finished.Load() {

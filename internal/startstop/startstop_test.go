@@ -77,13 +77,11 @@ func TestStopWithDeadline(t *testing.T) {
 	b.Go(func() { <-release }) // ignores its context: only release ends it
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 	defer cancel()
-	begin := time.Now()
+	// Stop returns on its deadline while the goroutine still runs (release is closed only
+	// after): an ordering, not a measured time.
 	first, err := b.Stop(ctx)
 	if !first || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Stop = %v, %v; want true, DeadlineExceeded", first, err)
-	}
-	if el := time.Since(begin); el > 2*time.Second {
-		t.Fatalf("Stop took %v past its deadline", el)
 	}
 	// A later Stop waits for the goroutine and is not the first.
 	close(release)

@@ -88,7 +88,7 @@ func TestRedisCluster(t *testing.T) {
 func TestRedisClusterNodeRestartRejoins(t *testing.T) {
 	t.Parallel()
 	rc := StartRedisCluster(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute) // bounds a hang
 	defer cancel()
 	c := rc.Client()
 	key := "esc:{lost}:acct"
@@ -103,7 +103,7 @@ func TestRedisClusterNodeRestartRejoins(t *testing.T) {
 	}
 	// Without AOF the restarted master lost its keys but kept its slots (nodes.conf).
 	var err error
-	for i := 0; i < 100; i++ { // the client may need a moment to reconnect
+	for ctx.Err() == nil { // the client may need a moment to reconnect
 		var v int64
 		if v, err = c.Exists(ctx, key).Result(); err == nil {
 			if v != 0 {
@@ -131,7 +131,7 @@ func TestRedisClusterReplicaFailover(t *testing.T) {
 	if len(rc.Replicas) != 3 || len(rc.Replicas[0]) != 1 {
 		t.Fatalf("replicas: %v", rc.Replicas)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute) // bounds a hang
 	defer cancel()
 	c := rc.Client()
 	key := "esc:{kept}:acct"

@@ -31,7 +31,8 @@ func Postgres(tb testing.TB) *PostgresEnv {
 	if base == "" {
 		unavailable(tb, "ESCROW_TEST_DATABASE_URL is not set")
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	// A bound on a Postgres that is not there, not a measure (see Redis).
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	admin, err := pgxpool.New(ctx, base)
 	if err != nil {

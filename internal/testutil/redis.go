@@ -55,7 +55,9 @@ func RealRedis(tb testing.TB) *RedisEnv {
 		tb.Fatalf("ESCROW_TEST_REDIS_URL: %v", err)
 	}
 	c := redis.NewClient(opt)
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	// A bound on a Redis that is not there, not a measure: a loaded machine (tests running
+	// while others compile, under the race detector) can take seconds to answer.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if err := c.Ping(ctx).Err(); err != nil {
 		_ = c.Close()

@@ -63,7 +63,7 @@ func RedisArgs(args ...string) RedisServerOption {
 const sharedRedisPort = 6379
 
 // redisStartTimeout bounds how long a start waits for the server to answer PING.
-const redisStartTimeout = 15 * time.Second
+const redisStartTimeout = 60 * time.Second
 
 // StartRedisServer starts a private redis-server and returns once it answers PING. The binary
 // is "redis-server" on PATH; without it the test fails (or is skipped when

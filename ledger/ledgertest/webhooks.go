@@ -328,7 +328,7 @@ func testWebhookLease(t *testing.T, l ledger.Ledger) {
 	}
 	// The worker holding the claim died: after the lease another one gets the next attempt.
 	var second []ledger.Delivery
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.Now().Add(waitLimit)
 	for len(second) == 0 && time.Now().Before(deadline) {
 		time.Sleep(20 * time.Millisecond)
 		second = must(h.ClaimDeliveries(c, 10, time.Hour, ledger.EndpointLimit{}))
