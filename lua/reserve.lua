@@ -220,11 +220,11 @@ local function evict_lazy(max, mine)
   if max <= 0 or n <= max then return end
   local r = redis.call('HSCAN', KEYS[6], redis.call('HGET', KEYS[1], 'lc') or '0', 'COUNT', 16)
   for i = 1, #r[2], 2 do
-    local f = r[2][i]
+    local v_f = r[2][i]
     if n <= max then break end
     -- not a placeholder: its load is on its way, and evicting it would only start it again
-    if lazy_field(f) and not mine[f] and redis.call('HEXISTS', KEYS[1], 'p:' .. f) == 0 then
-      redis.call('HDEL', KEYS[6], f)
+    if lazy_field(v_f) and not mine[v_f] and redis.call('HEXISTS', KEYS[1], 'p:' .. v_f) == 0 then
+      redis.call('HDEL', KEYS[6], v_f)
       n = n - 1
     end
   end
@@ -251,8 +251,9 @@ if #fields > 0 then
     local lz, mk = {}, {}
     for i = 1, #fields do
       if specs[i][9] and specs[i][4] == 'lifetime' then
+        local v_f = fields[i]
         lz[#lz + 1] = i
-        mk[#mk + 1] = 'p:' .. fields[i]
+        mk[#mk + 1] = 'p:' .. v_f
       end
     end
     if #lz > 0 then
@@ -282,19 +283,19 @@ if #fields > 0 then
         lazy_holds(fresh)
         local mine = {}
         for i = 1, #fields do mine[fields[i]] = true end
-        for f, l in pairs(fresh) do
-          redis.call('HSET', KEYS[6], f, '0')
-          for j = 2, #l do redis.call('HINCRBY', KEYS[6], f, l[j]) end
-          redis.call('HSET', KEYS[1], 'p:' .. f, wm)
+        for v_f, l in pairs(fresh) do
+          redis.call('HSET', KEYS[6], v_f, '0')
+          for j = 2, #l do redis.call('HINCRBY', KEYS[6], v_f, l[j]) end
+          redis.call('HSET', KEYS[1], 'p:' .. v_f, wm)
         end
         evict_lazy(tonumber(ARGV[13]) or 0, mine)
       end
       if miss then
         return miss
       end
-      for f, b in pairs(loaded or {}) do
-        if b ~= '0' then redis.call('HINCRBY', KEYS[6], f, b) end
-        redis.call('HDEL', KEYS[1], 'p:' .. f)
+      for v_f, b in pairs(loaded or {}) do
+        if b ~= '0' then redis.call('HINCRBY', KEYS[6], v_f, b) end
+        redis.call('HDEL', KEYS[1], 'p:' .. v_f)
       end
     end
   end
