@@ -37,8 +37,9 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local due = now + tonumber(ARGV[1])
-local warm = redis.call('EXISTS', KEYS[1]) == 1
-local lazy = warm and redis.call('HEXISTS', KEYS[1], 'll') == 1 -- lib/limits lazy_field
+local st = redis.call('HMGET', KEYS[1], 'bal', 'll') -- acct exists iff it has bal (the seed writes it)
+local warm = st[1] ~= false
+local lazy = st[2] ~= false -- seeded lazily (lib/limits lazy_field)
 
 local out = {}
 for i = 2, #ARGV - 2, 3 do

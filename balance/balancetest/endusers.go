@@ -376,8 +376,9 @@ func exerciseEndUserNothingLeftAtZero(t *testing.T, env Env) {
 
 // "Lifetime per-end-user counters in the ledger, only a bounded, recent set in Redis" (issue
 // 34). With a ledger that reads one end user's lifetime spend, the seed writes no end user's
-// lifetime counter: the end user's next request loads it (ledger as of the watermark + the live
-// holds that name it), exactly, and a refused request leaves none behind.
+// lifetime counter: the end user's next request loads it (a placeholder holding the live holds
+// that name it, plus the ledger's spend up to the placeholder's watermark), exactly; a refused
+// new end user leaves nothing behind, an end user refused at its cap keeps its loaded counter.
 func exerciseEndUserLifetimeLazy(t *testing.T, env Env) {
 	t.Parallel()
 	x := limited(t, env, balance.Config{}, 1_000_000, balance.Limits{Limits: []balance.Limit{
