@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"github.com/llmescrow/escrow/endpoint"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/tidwall/gjson"
@@ -39,11 +40,48 @@ func FuzzMessagesRequest(f *testing.F) {
 	})
 }
 
+// namesMember reports whether some data payload of the SSE stream (a data line alone, or an
+// event's data lines joined) holds, at any depth, a member whose name folds to name as
+// encoding/json folds it (escapes decoded, strings.EqualFold).
+func namesMember(stream []byte, name string) bool {
+	var has func(v gjson.Result) bool
+	has = func(v gjson.Result) bool {
+		found := false
+		v.ForEach(func(k, m gjson.Result) bool {
+			found = strings.EqualFold(k.String(), name) || ((m.IsObject() || m.IsArray()) && has(m))
+			return !found
+		})
+		return found
+	}
+	var event []string
+	check := func(p string) bool { return has(gjson.Parse(p)) }
+	for _, l := range append(strings.Split(strings.ReplaceAll(strings.ReplaceAll(string(stream), "\r\n", "\n"), "\r", "\n"), "\n"), "") {
+		if l == "" {
+			if check(strings.Join(event, "\n")) {
+				return true
+			}
+			event = event[:0]
+			continue
+		}
+		if p, ok := strings.CutPrefix(l, "data:"); ok {
+			p = strings.TrimPrefix(p, " ")
+			if check(p) {
+				return true
+			}
+			event = append(event, p)
+		}
+	}
+	return false
+}
+
 // FuzzAnthropicSSE: the Messages stream filter never changes the stream, reads the same usage
 // whatever the writes' sizes, and never invents counts.
 func FuzzAnthropicSSE(f *testing.F) {
 	f.Add([]byte(anthStream), uint8(3))
 	f.Add([]byte("event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":3,\"output_tokens\":2}}\n\n"), uint8(1))
+	// member names fold as a client's decoder folds them (found by the fuzzer: the check once
+	// looked for the exact bytes "output_tokens").
+	f.Add([]byte("data:{\"tYpe\":\"message_delta\",\"usAge\":{\"input_tokens\":0,\"output_toke\\u004es\":0}}"), uint8(7))
 	f.Fuzz(func(t *testing.T, stream []byte, step uint8) {
 		run := func(s int) *sseFilter {
 			var out bytes.Buffer
@@ -65,7 +103,7 @@ func FuzzAnthropicSSE(f *testing.F) {
 			t.Fatalf("usage depends on the writes: %+v %v vs %+v %v", whole.usage, whole.haveUsage, parts.usage, parts.haveUsage)
 		}
 		if u := whole.usage; whole.haveUsage {
-			if u.Prompt < u.Of(pricing.CachedInput)+u.Of(pricing.CacheWrite)+u.Of(pricing.CacheWrite1h) || u.Completion < 0 || !bytes.Contains(stream, []byte("output_tokens")) {
+			if u.Prompt < u.Of(pricing.CachedInput)+u.Of(pricing.CacheWrite)+u.Of(pricing.CacheWrite1h) || u.Completion < 0 || !namesMember(stream, "output_tokens") {
 				t.Fatalf("usage %+v from %q", u, stream)
 			}
 		}

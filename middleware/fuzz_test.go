@@ -77,6 +77,8 @@ func FuzzSSE(f *testing.F) {
 	f.Add([]byte("event: response.completed\rdata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":1,\"output_tokens\":2}}}\r\r"), uint8(2), false)
 	f.Add([]byte("data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}],\"usage\":null}\r\n\rdata: {\"choices\":[],\"usage\":{\"prompt_tokens\":1}}\n\r\ndata: [DONE]\r\n\r\n"), uint8(1), true)
 	f.Add([]byte("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9}}\r\n\r\ndata: [DONE]\r\n\r\n"), uint8(2), true)
+	// Member names fold as a client's decoder folds them.
+	f.Add([]byte("data: {\"choices\":[],\"Usage\":{\"Prompt_Tokens\":9,\"completion_token\\u0073\":1}}\n\ndata: [DONE]\n\n"), uint8(4), false)
 	f.Fuzz(func(t *testing.T, stream []byte, step uint8, inject bool) {
 		run := func(stream []byte) (*sseFilter, []byte) {
 			var out bytes.Buffer
@@ -113,7 +115,7 @@ func FuzzSSE(f *testing.F) {
 		if flt.haveUsage {
 			u := flt.usage
 			if u.Prompt < 0 || u.Completion < 0 || u.Of(pricing.CachedInput) < 0 || u.Reasoning < 0 ||
-				!(bytes.Contains(stream, []byte("prompt_tokens")) || bytes.Contains(stream, []byte("input_tokens"))) {
+				!(namesMember(stream, "prompt_tokens") || namesMember(stream, "input_tokens")) {
 				t.Fatalf("usage %+v invented from %q", u, stream)
 			}
 			for _, n := range []int64{u.Prompt, u.Completion, u.Of(pricing.CachedInput), u.Reasoning} {
