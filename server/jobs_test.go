@@ -74,11 +74,11 @@ func (p *testProxy) jobsDone() {
 // to the credit less those charges.
 func TestBackgroundResponses(t *testing.T) {
 	t.Parallel()
-	_, tweak := jobsUpstream(t, 3*time.Second)
+	u, tweak := jobsUpstream(t, 3*time.Second)
 	p := startTestProxy(t, true, tweak)
 	key := p.setupJobs("acme", 1_000_000)
 	ids := map[string]string{
-		"completed":  p.startBackground(key, "one two three", ""),                          // 3 in + 20 out
+		"completed":  p.startBackground(key, "[hold] one two", ""),                         // 3 in + 20 out (runs until ended below)
 		"incomplete": p.startBackground(key, "[incomplete] a b", `,"max_output_tokens":5`), // 3 + 5
 		"failed":     p.startBackground(key, "[bgfail] x", ""),                             // 2 in only
 		"cancelled":  p.startBackground(key, "[hold] cancel", ""),                          // 2 in only (runs until cancelled)
@@ -89,9 +89,12 @@ func TestBackgroundResponses(t *testing.T) {
 	if st != http.StatusOK || !strings.Contains(string(body), `"cancelled"`) {
 		t.Fatalf("cancel: %d %s", st, body)
 	}
-	// While they run (3 s each: the create of the last one just returned), the org holds them.
+	// While they run, the org holds them (the completed one runs until it is ended here).
 	if b := p.balance("acme"); b.Holds < 1 || b.Held <= 0 {
 		t.Fatalf("while the jobs run: %+v", b)
+	}
+	if !u.fake.EndBackground(ids["completed"]) {
+		t.Fatal("the completed response was not held in progress")
 	}
 	// The client reads one of them as it ends (either it or the poller settles it).
 	waitUntil(t, "the completed response readable", func() bool {
@@ -311,18 +314,23 @@ func TestBackgroundJobsSurviveAKilledProxy(t *testing.T) {
 
 // TestBackgroundResponseSettledByStream: a client that streams a background response after it
 // ended (GET …?stream=true) sees its response.completed event, and that read settles the job
-// (the poller's next poll is an hour away): charged once, exactly its usage.
+// (the poller's next poll is an hour away): charged once, exactly its usage. The upstream holds
+// the response in progress until the poller's first poll is recorded, then ends it: at any
+// speed, that poll saw it live.
 func TestBackgroundResponseSettledByStream(t *testing.T) {
 	t.Parallel()
-	_, tweak := jobsUpstream(t, 300*time.Millisecond)
+	u, tweak := jobsUpstream(t, 300*time.Millisecond)
 	p := startTestProxy(t, true, tweak, func(c *Config) { c.JobMinBackoff, c.JobMaxBackoff = time.Hour, time.Hour })
 	key := p.setupJobs("acme", 1_000_000)
-	id := p.startBackground(key, "stream me", "")
+	id := p.startBackground(key, "[hold] me", "") // 2 input tokens, as any two words
 	js := p.app.ledger.(job.Store)
 	waitUntil(t, "the poller's first poll (the next is an hour away)", func() bool {
 		j, err := js.JobByUpstream(context.Background(), job.BackgroundResponse, id)
 		return err == nil && j.Attempts == 1
 	})
+	if !u.fake.EndBackground(id) {
+		t.Fatal("the upstream's response was not held in progress")
+	}
 	waitUntil(t, "the stream to end with response.completed", func() bool {
 		st, _, body := p.do("GET", "/v1/responses/"+id+"?stream=true&starting_after=0", key, nil)
 		return st == http.StatusOK && strings.Contains(string(body), "response.completed") && !strings.Contains(string(body), "response.created")

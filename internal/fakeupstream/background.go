@@ -15,7 +15,7 @@ import (
 // its input only); DELETE /v1/responses/{id} forgets it; GET …/input_items lists its input.
 // An ended response is kept Options.BackgroundKeep, then 404; [lose] makes the upstream lose
 // it as soon as it ends (404), as an upstream that dropped a result; [hold] keeps it in progress
-// until it is cancelled. GET with stream=true
+// until it is cancelled or Server.EndBackground ends it. GET with stream=true
 // replays the response's events ([slow] does not apply), starting after starting_after.
 
 type bgResponse struct {
@@ -24,7 +24,8 @@ type bgResponse struct {
 	input    string
 	fail     bool
 	lose     bool
-	hold     bool      // [hold]: never ends unless cancelled
+	hold     bool      // [hold]: never ends unless cancelled or ended (EndBackground)
+	endAt    time.Time // when EndBackground ended a held response (zero: not)
 	cancel   time.Time // when cancelled (zero: not)
 	inputTok int
 }
@@ -48,15 +49,19 @@ func (s *Server) bgEnd(b *bgResponse, now time.Time) (response, time.Time, bool)
 	d := s.opts.BackgroundDelay
 	out := b.final
 	ended := b.created.Add(d)
+	held := b.hold && b.endAt.IsZero()
+	if !b.endAt.IsZero() {
+		ended = b.endAt
+	}
 	switch {
 	case !b.cancel.IsZero():
 		ended = b.cancel
 		out.Status, out.Output = "cancelled", []outputItem{}
 		out.Usage = &ResponsesUsage{InputTokens: b.inputTok, TotalTokens: b.inputTok}
-	case now.Before(b.created.Add(d / 2)):
+	case b.endAt.IsZero() && now.Before(b.created.Add(d/2)):
 		out.Status, out.Usage, out.Output, out.IncompleteDetails = "queued", nil, []outputItem{}, nil
 		return out, ended, false
-	case now.Before(ended) || b.hold:
+	case held || now.Before(ended):
 		out.Status, out.Usage, out.Output, out.IncompleteDetails = "in_progress", nil, []outputItem{}, nil
 		return out, ended, false
 	case b.fail:
@@ -174,6 +179,21 @@ func parseInt(s string) (int, bool) {
 		n = n*10 + int(c-'0')
 	}
 	return n, true
+}
+
+// EndBackground ends the held ([hold]) background response id now, as it would have ended
+// without [hold]: completed, or as its other markers say. It reports whether id was a held
+// response still running; a test that must see a job live before it ends uses it instead of a
+// delay.
+func (s *Server) EndBackground(id string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b := s.bg[id]
+	if b == nil || !b.hold || !b.endAt.IsZero() || !b.cancel.IsZero() {
+		return false
+	}
+	b.endAt = time.Now()
+	return true
 }
 
 // Background returns how many background responses the fake still keeps.

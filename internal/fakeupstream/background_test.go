@@ -14,9 +14,10 @@ import (
 
 // TestBackgroundResponses: a background response is queued, then in progress, then completed
 // with its usage; [hold] runs until cancelled (input billed); [lose] is gone (404) once it ended;
-// [bgfail] fails billing its input.
+// [bgfail] fails billing its input; EndBackground ends a held one, completed.
 func TestBackgroundResponses(t *testing.T) {
-	srv := httptest.NewServer(fakeupstream.New(fakeupstream.Options{BackgroundDelay: 200 * time.Millisecond}))
+	fake := fakeupstream.New(fakeupstream.Options{BackgroundDelay: 200 * time.Millisecond})
+	srv := httptest.NewServer(fake)
 	defer srv.Close()
 	call := func(method, path, body string) (int, map[string]any) {
 		t.Helper()
@@ -83,6 +84,24 @@ func TestBackgroundResponses(t *testing.T) {
 		t.Fatalf("cancel: %d %v", st, r)
 	} else if in, out := usage(r); in != 2 || out != 0 {
 		t.Fatalf("cancelled usage %v %v", in, out)
+	}
+	ended := start("[hold] w")
+	if st, r := waitEnd(done); st != 200 {
+		t.Fatalf("%d %v", st, r)
+	}
+	if st, r := call("GET", "/v1/responses/"+ended, ""); st != 200 || r["status"] == "completed" {
+		t.Fatalf("[hold] before EndBackground: %d %v", st, r)
+	}
+	if !fake.EndBackground(ended) {
+		t.Fatal("EndBackground of a held response: false")
+	}
+	if st, r := call("GET", "/v1/responses/"+ended, ""); st != 200 || r["status"] != "completed" || r["completed_at"] == nil {
+		t.Fatalf("[hold] after EndBackground: %d %v", st, r)
+	} else if in, out := usage(r); in != 2 || out != 20 {
+		t.Fatalf("ended usage %v %v", in, out)
+	}
+	if fake.EndBackground(ended) || fake.EndBackground(held) || fake.EndBackground(done) {
+		t.Fatal("EndBackground of a response that is not held and running: true")
 	}
 	if st, r := call("GET", "/v1/responses/"+held+"/input_items", ""); st != 200 || !strings.Contains(toJSON(r), "[hold] x") {
 		t.Fatalf("input items: %d %v", st, r)
