@@ -167,8 +167,9 @@ func TestRecorderReceipt(t *testing.T) {
 	}
 }
 
-// TestRecorderFinishOnePerBatch: finish rides in the batch: one FinishBatch call per ledger
-// batch, never one per request.
+// TestRecorderFinishOnePerBatch: finish rides in the batch: at most one FinishBatch call per
+// ledger batch, never one per request (fewer when the finish calls in flight are at their cap
+// and the next batches' holds wait for one, together: a loaded machine).
 func TestRecorderFinishOnePerBatch(t *testing.T) {
 	t.Parallel()
 	env := testutil.Redis(t)
@@ -183,7 +184,7 @@ func TestRecorderFinishOnePerBatch(t *testing.T) {
 	fin := &countingFinisher{next: store}
 	r := startRecorder(t, h, accounting.RecorderConfig{Finisher: fin, MaxBatch: 30, Logger: quiet})
 	recordEach(t, r, evs)
-	if fin.calls.Load() != h.calls.Load() || fin.holds.Load() != 90 || fin.calls.Load() >= 45 {
+	if fin.calls.Load() > h.calls.Load() || fin.holds.Load() != 90 || fin.calls.Load() >= 45 {
 		t.Fatalf("%d finish calls for %d holds in %d ledger batches", fin.calls.Load(), fin.holds.Load(), h.calls.Load())
 	}
 	st, err := store.State(context.Background(), "acme")

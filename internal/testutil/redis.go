@@ -33,11 +33,27 @@ func Redis(tb testing.TB) *RedisEnv {
 	return MiniRedis(tb)
 }
 
+// loadedTimeout is the read, write and pool timeout of the environments' clients: a bound on a
+// server that is not answering, not a measure. go-redis's 3 s default is a measure on a loaded
+// machine: miniredis runs one command at a time (a 2,000-way burst's script holds the rest), and
+// the race detector slows it tenfold.
+const loadedTimeout = time.Minute
+
+// roomy gives a client's options loadedTimeout where they keep go-redis's defaults.
+func roomy(o *redis.Options) *redis.Options {
+	for _, d := range []*time.Duration{&o.ReadTimeout, &o.WriteTimeout, &o.PoolTimeout} {
+		if *d == 0 {
+			*d = loadedTimeout
+		}
+	}
+	return o
+}
+
 // MiniRedis returns a fresh miniredis server and a client to it.
 func MiniRedis(tb testing.TB) *RedisEnv {
 	tb.Helper()
 	m := miniredis.RunT(tb)
-	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
+	c := redis.NewClient(roomy(&redis.Options{Addr: m.Addr()}))
 	tb.Cleanup(func() { _ = c.Close() })
 	return &RedisEnv{Client: c, Prefix: RandomName("t"), Mini: m, URL: "redis://" + m.Addr()}
 }
@@ -54,7 +70,7 @@ func RealRedis(tb testing.TB) *RedisEnv {
 	if err != nil {
 		tb.Fatalf("ESCROW_TEST_REDIS_URL: %v", err)
 	}
-	c := redis.NewClient(opt)
+	c := redis.NewClient(roomy(opt))
 	// A bound on a Redis that is not there, not a measure: a loaded machine (tests running
 	// while others compile, under the race detector) can take seconds to answer.
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
