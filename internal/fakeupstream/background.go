@@ -24,8 +24,8 @@ type bgResponse struct {
 	input    string
 	fail     bool
 	lose     bool
-	hold     bool      // [hold]: never ends unless cancelled or ended (EndBackground)
-	endAt    time.Time // when EndBackground ended a held response (zero: not)
+	hold     bool      // [hold]: never ends unless cancelled or ended (EndBackground clears it)
+	endAt    time.Time // when EndBackground ended it (zero: not)
 	cancel   time.Time // when cancelled (zero: not)
 	inputTok int
 }
@@ -49,7 +49,6 @@ func (s *Server) bgEnd(b *bgResponse, now time.Time) (response, time.Time, bool)
 	d := s.opts.BackgroundDelay
 	out := b.final
 	ended := b.created.Add(d)
-	held := b.hold && b.endAt.IsZero()
 	if !b.endAt.IsZero() {
 		ended = b.endAt
 	}
@@ -61,7 +60,7 @@ func (s *Server) bgEnd(b *bgResponse, now time.Time) (response, time.Time, bool)
 	case b.endAt.IsZero() && now.Before(b.created.Add(d/2)):
 		out.Status, out.Usage, out.Output, out.IncompleteDetails = "queued", nil, []outputItem{}, nil
 		return out, ended, false
-	case held || now.Before(ended):
+	case b.hold || now.Before(ended):
 		out.Status, out.Usage, out.Output, out.IncompleteDetails = "in_progress", nil, []outputItem{}, nil
 		return out, ended, false
 	case b.fail:
@@ -189,10 +188,10 @@ func (s *Server) EndBackground(id string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	b := s.bg[id]
-	if b == nil || !b.hold || !b.endAt.IsZero() || !b.cancel.IsZero() {
+	if b == nil || !b.hold || !b.cancel.IsZero() {
 		return false
 	}
-	b.endAt = time.Now()
+	b.hold, b.endAt = false, time.Now()
 	return true
 }
 
