@@ -20,12 +20,11 @@ RACE_FIRST = ./server ./balance ./middleware ./cmd/escrow ./accounting ./ledger/
 .PHONY: test test-fast services sdk spin modelcheck simulation lint fuzz bench bench-console run image
 
 ## test: start Redis and Postgres if needed, then lint and run every test (race detector) on the
-## real services; then the simulation beside the model check (one waits on Redis and Postgres,
-## the other on the CPU), then the fuzz targets.
+## real services, every fuzz target's seed corpus included; then the simulation beside the model
+## check. Fuzzing for time is `make fuzz` (CI runs it after `make test`).
 test: services sdk lint
 	ESCROW_REQUIRE_SERVICES=1 $(GO) test -race -count=1 -timeout 20m $(RACE_FIRST) ./...
 	$(MAKE) -j2 --output-sync=target simulation modelcheck
-	$(MAKE) fuzz
 
 ## simulation: the randomized simulation on both backends, without the race detector.
 simulation: services
@@ -56,8 +55,9 @@ lint:
 	  if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(NORACE) $(GO) vet ./...
 
-## fuzz: each fuzz target for a short while. Targets are found in the sources (a `go test -list`
-## per package would build every test binary a second time, without the race detector).
+## fuzz: each fuzz target for FUZZTIME (10 s) with the fuzzer's mutations (`make test` runs only
+## their seeds). Targets are found in the sources (a `go test -list` per package would build
+## every test binary a second time, without the race detector).
 fuzz:
 	@git ls-files '*_test.go' | xargs grep -H '^func Fuzz' | while IFS=: read -r file decl; do \
 	  f=$${decl#func }; f=$${f%%(*}; pkg=./$$(dirname "$$file"); \

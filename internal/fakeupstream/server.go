@@ -74,6 +74,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -329,17 +330,26 @@ func (s *Server) nextID(prefix string) string {
 }
 
 // outputWords returns n words: "tok1", " tok2", … (each but the first with its leading space,
-// so that their concatenation is the reply text).
+// so that their concatenation is the reply text). The words are made once and shared by every
+// answer (a test that asks for a million-token reply thousands of times would otherwise spend
+// most of its CPU formatting them); the slice is read-only and capped, so an append copies.
 func outputWords(n int) []string {
-	w := make([]string, n)
-	for i := range w {
+	words.Lock()
+	defer words.Unlock()
+	for i := len(words.w); i < n; i++ {
 		if i == 0 {
-			w[i] = "tok1"
+			words.w = append(words.w, "tok1")
 		} else {
-			w[i] = fmt.Sprintf(" tok%d", i+1)
+			words.w = append(words.w, " tok"+strconv.Itoa(i+1))
 		}
 	}
-	return w
+	return words.w[:n:n]
+}
+
+// words holds the words outputWords has made so far.
+var words struct {
+	sync.Mutex
+	w []string
 }
 
 func joinWords(w []string) string { return strings.Join(w, "") }
